@@ -1,0 +1,173 @@
+"""Strict YAML -> dataclass configs.
+
+Every command loads its config through `load_config`, before any model is touched: an unknown key, a wrong type or a
+value outside its choices is a `UserError` naming the dotted key, so a typo costs a second, not a model load.
+Shared sections live here; each command's top-level dataclass lives with the command (precompute/config.py,
+train/config.py).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+
+from theworld.errors import UserError
+
+T = TypeVar("T")
+
+
+@dataclass
+class ModelConfig:
+    gemma: str = "tiny"  # "tiny", a local folder, or a hub id such as google/gemma-3-4b-it
+    vae: str = "tiny"  # "tiny", a local folder (the VAE or a pipeline with vae/), or a hub id (subfolder vae)
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # frozen base models; the projector stays fp32
+
+
+@dataclass
+class ImageConfig:
+    resolution: int = 64
+    resize: Literal["crop", "squash"] = "crop"  # crop: short side to `resolution`, then center crop
+
+    def __post_init__(self) -> None:
+        if self.resolution <= 0 or self.resolution % 8:
+            raise UserError(f"image.resolution: must be a positive multiple of 8 (the VAE downsamples 8x), got {self.resolution}")
+
+
+@dataclass
+class WorldConfig:
+    latent: Literal["mean", "sample"] = "mean"
+    pool: Literal[1, 2, 4] = 1
+    projector: Literal["mlp", "linear"] = "mlp"
+
+
+@dataclass
+class FreezeConfig:
+    vision: bool = True  # SigLIP tower + multimodal projector
+    language: bool = True  # language model + lm_head
+    vae: bool = True
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Loading
+
+
+def _check_value(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise UserError(f"config key '{key}': expected a mapping, got {type(value).__name__}")
+        return _build(tp, value, key + ".")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices or type(value) is not type(choices[0]):
+            raise UserError(f"config key '{key}': must be one of {list(choices)}, got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _check_value(value, arg, key)
+            except UserError as e:
+                errors.append(str(e))
+        raise UserError(errors[0] if len(errors) == 1 else f"config key '{key}': {value!r} has the wrong type")
+    if origin is list:
+        if not isinstance(value, list):
+            raise UserError(f"config key '{key}': expected a list, got {type(value).__name__}")
+        (item,) = typing.get_args(tp)
+        return [_check_value(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool):
+        if type(value) is not tp:
+            raise UserError(f"config key '{key}': expected {tp.__name__}, got {type(value).__name__} {value!r}")
+        return value
+    raise TypeError(f"unsupported config type {tp} for {key}")
+
+
+def _build(cls: type[T], data: dict, prefix: str = "") -> T:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for k in data:
+        if k not in names:
+            raise UserError(f"unknown config key '{prefix}{k}' (known here: {', '.join(sorted(names))})")
+    kwargs = {k: _check_value(v, hints[k], prefix + k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise UserError(f"--set expects key=value, got {text!r}")
+    key, raw = text.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(raw) if raw != "" else ""
+
+
+def _apply_override(data: dict, path: list[str], value: Any) -> None:
+    node = data
+    for part in path[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise UserError(f"--set {'.'.join(path)}: '{part}' is not a section")
+    node[path[-1]] = value
+
+
+def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()) -> T:
+    """Read YAML at `path` (or nothing), apply `key.sub=value` overrides, validate strictly into `cls`."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(f"config file not found: {p}")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise UserError(f"config file {p} is not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(data, dict):
+            raise UserError(f"config file {p}: top level must be a mapping")
+    for text in overrides:
+        _apply_override(data, *_parse_override(text))
+    try:
+        return _build(cls, data)
+    except TypeError as e:  # a required field missing, etc.
+        raise UserError(f"config: {e}") from None
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Any) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def config_hash(cfg: Any) -> str:
+    return hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cli_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The `--config CFG [--set key=value ...]` front every command shares."""
+
+    class _Parser(argparse.ArgumentParser):
+        def error(self, message: str) -> typing.NoReturn:  # argparse exits 2 already; keep it one line
+            raise UserError(f"{prog}: {message}")
+
+    p = _Parser(prog=prog, description=description)
+    p.add_argument("--config", help="YAML config file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set train.lr=1e-3 (repeatable)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    return p
+
+
+__all__ = ["ModelConfig", "ImageConfig", "WorldConfig", "FreezeConfig", "load_config", "to_dict", "to_yaml",
+           "config_hash", "cli_parser", "field"]

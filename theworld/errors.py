@@ -1,0 +1,31 @@
+"""User-facing errors and the one wrapper every command's `main` goes through."""
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Callable
+
+
+class UserError(Exception):
+    """A mistake the user can fix (bad config, bad argument, missing file): one line, exit 2."""
+
+
+class CacheMismatch(UserError):
+    """A cache that does not belong to this config (fingerprint differs)."""
+
+
+def cli_entry(main: Callable[[list[str] | None], int | None]) -> Callable[[list[str] | None], int]:
+    """Run `main`, turning a UserError into one line on stderr and exit code 2 (never a traceback)."""
+
+    @functools.wraps(main)
+    def wrapper(argv: list[str] | None = None) -> int:
+        try:
+            return int(main(argv) or 0)
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
+
+    return wrapper

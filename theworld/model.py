@@ -1,0 +1,181 @@
+"""TheWorld: Gemma 3 + the Cosmos VAE world encoder + the world projector (design section 2).
+
+Sequence: [BOS, SOW, W1..WN, EOW, <start_of_turn>user ... <start_of_image> image tokens <end_of_image> prompt
+<end_of_turn> <start_of_turn>model caption <end_of_turn>]. World tokens go right after BOS; every row has the same
+number of them and rows are right-padded, so inserting them is one concatenation and positions stay 0..len-1 per row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from theworld.config import FreezeConfig, ModelConfig, WorldConfig
+from theworld.encoders import WorldEncoder, load_gemma, load_vae
+from theworld.errors import UserError
+from theworld.projector import WorldProjector
+from theworld.text import IGNORE
+
+
+@dataclass
+class Output:
+    loss: torch.Tensor  # loss_sum / num_items (the caller's global count when given)
+    loss_sum: torch.Tensor  # summed cross-entropy over this batch's answer tokens
+    num_tokens: int  # answer tokens in this batch
+    logits: torch.Tensor | None = None  # (B, L_fused, V), only with return_logits=True
+
+
+@dataclass
+class LoadReport:
+    loaded: list[str]
+    new: list[str]  # trainable here, absent from the file: kept as initialised
+    ignored: list[str]  # in the file, but not a trainable parameter here
+
+    def summary(self) -> str:
+        return f"loaded {len(self.loaded)} tensors, {len(self.new)} new, {len(self.ignored)} ignored"
+
+
+class TheWorld(nn.Module):
+    def __init__(self, gemma: nn.Module, world_encoder: WorldEncoder | None, projector: WorldProjector,
+                 latent_mode: str = "mean"):
+        super().__init__()
+        self.gemma = gemma
+        self.world_encoder = world_encoder
+        self.projector = projector
+        self.latent_mode = latent_mode
+        self.image_token_id = gemma.config.image_token_id
+        self.softcap = getattr(gemma.config.get_text_config(), "final_logit_softcapping", None)
+
+    # ------------------------------------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_config(cls, model: ModelConfig, world: WorldConfig, freeze: FreezeConfig | None = None,
+                    seed: int = 0):
+        """(TheWorld, processor), base models loaded with `from_pretrained` in `model.dtype`, projector in fp32."""
+        gemma, processor = load_gemma(model.gemma, model.dtype)
+        vae = load_vae(model.vae, model.dtype)
+        encoder = WorldEncoder(vae)
+        text_cfg = gemma.config.get_text_config()
+        torch.manual_seed(seed)  # the projector's initialisation is part of the run's definition
+        projector = WorldProjector(text_cfg.hidden_size, encoder.latents_mean, encoder.latents_std,
+                                   latent_channels=vae.config.z_dim, pool=world.pool, arch=world.projector,
+                                   embed_std=text_cfg.initializer_range)
+        self = cls(gemma, encoder, projector, world.latent)
+        self.set_freeze(freeze or FreezeConfig())
+        return self, processor
+
+    def set_freeze(self, freeze: FreezeConfig) -> None:
+        inner = self.gemma.model
+        parts = {"vision": [inner.vision_tower, inner.multi_modal_projector],
+                 "language": [inner.language_model, self.gemma.lm_head],
+                 "vae": [self.world_encoder] if self.world_encoder is not None else []}
+        if not freeze.vae and self.world_encoder is None:
+            raise UserError("freeze.vae: false needs the VAE loaded (live encoding)")
+        for name, modules in parts.items():
+            for m in modules:
+                m.requires_grad_(not getattr(freeze, name))
+        self.projector.requires_grad_(True)
+
+    def cast_trainable_to_fp32(self) -> None:
+        """fp32 master weights for whatever trains; frozen base weights keep their (bf16) load dtype."""
+        for p in self.parameters():
+            if p.requires_grad and p.dtype != torch.float32:
+                p.data = p.data.float()
+
+    def gradient_checkpointing(self, enable: bool) -> None:
+        if enable:
+            self.gemma.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            self.gemma.gradient_checkpointing_disable()
+
+    # ------------------------------------------------------------------------------------------------ forward
+
+    def image_features(self, pixel_values: torch.Tensor | None, siglip: torch.Tensor | None) -> torch.Tensor:
+        if siglip is not None:  # cached SigLIP + multimodal projector output: the vision tower never runs
+            return siglip
+        if pixel_values is None:
+            raise ValueError("need pixel_values or cached siglip features for the image tokens")
+        return self.gemma.model.get_image_features(pixel_values.to(self.gemma.dtype)).pooler_output
+
+    def world_latents(self, images: torch.Tensor | None, mean: torch.Tensor | None, logvar: torch.Tensor | None):
+        if mean is not None:
+            return mean, logvar
+        if images is None or self.world_encoder is None:
+            raise ValueError("need cached latents (mean, logvar) or images plus a loaded VAE")
+        return self.world_encoder(images)
+
+    def fuse(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, world: torch.Tensor,
+             image_feats: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Embeddings, mask, positions and token types of the fused sequence (world tokens after BOS)."""
+        embed = self.gemma.get_input_embeddings()
+        is_image = input_ids == self.image_token_id
+        safe_ids = input_ids.masked_fill(is_image & (input_ids >= embed.num_embeddings), 0)
+        text = embed(safe_ids)
+        text = text.masked_scatter(is_image.unsqueeze(-1), image_feats.to(text.dtype))
+        b, n = world.shape[:2]
+        ones, zeros = attention_mask.new_ones(b, n), attention_mask.new_zeros(b, n)
+        embeds = torch.cat([text[:, :1], world.to(text.dtype), text[:, 1:]], dim=1)
+        mask = torch.cat([attention_mask[:, :1], ones, attention_mask[:, 1:]], dim=1)
+        types = torch.cat([zeros[:, :1], zeros, is_image[:, 1:].long()], dim=1)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        return {"inputs_embeds": embeds, "attention_mask": mask, "token_type_ids": types, "position_ids": positions}
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor, *,
+                latent_mean: torch.Tensor | None = None, latent_logvar: torch.Tensor | None = None,
+                images: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None,
+                siglip: torch.Tensor | None = None, num_items: int | torch.Tensor | None = None,
+                generator: torch.Generator | None = None, return_logits: bool = False) -> Output:
+        mean, logvar = self.world_latents(images, latent_mean, latent_logvar)
+        world = self.projector(mean, logvar, self.latent_mode, generator)
+        fused = self.fuse(input_ids, attention_mask, world, self.image_features(pixel_values, siglip))
+        hidden = self.gemma.model(**fused, use_cache=False).last_hidden_state
+        world_labels = labels.new_full((labels.shape[0], world.shape[1]), IGNORE)
+        labels = torch.cat([labels[:, :1], world_labels, labels[:, 1:]], dim=1)
+        # Only answer positions go through lm_head: with a 262k vocabulary the full logits would dominate memory.
+        targets = labels[:, 1:]
+        keep = targets != IGNORE
+        logits = self._logits(hidden[:, :-1][keep])
+        loss_sum = F.cross_entropy(logits.float(), targets[keep], reduction="sum")
+        n = int(keep.sum())
+        denom = num_items if num_items is not None else max(n, 1)
+        full = self._logits(hidden) if return_logits else None
+        return Output(loss=loss_sum / denom, loss_sum=loss_sum, num_tokens=n, logits=full)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.gemma.lm_head(hidden)
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    # ------------------------------------------------------------------------------------------------ weights
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().contiguous() for n, p in self.named_parameters() if p.requires_grad}
+
+    def save_trainable(self, path: str | Path) -> None:
+        save_file({n: t.cpu() for n, t in self.trainable_state_dict().items()}, str(path))
+
+    def load_trainable(self, path: str | Path, strict: bool = True) -> LoadReport:
+        """Load trainable tensors by name. Shapes must match. strict: the file must hold exactly the trainable set."""
+        if not Path(path).is_file():
+            raise UserError(f"no weights file at {path}")
+        tensors = load_file(str(path))
+        params = dict(self.named_parameters())
+        trainable = {n for n, p in params.items() if p.requires_grad}
+        for name, t in tensors.items():
+            if name in params and params[name].shape != t.shape:
+                raise UserError(f"{path}: tensor {name} has shape {tuple(t.shape)}, "
+                                f"the model expects {tuple(params[name].shape)}")
+        report = LoadReport(loaded=sorted(set(tensors) & set(params)), new=sorted(trainable - set(tensors)),
+                            ignored=sorted(set(tensors) - set(params)))
+        if strict and (report.new or report.ignored or set(tensors) != trainable):
+            raise UserError(f"{path}: weights do not match the trainable set ({report.summary()}; "
+                            f"first differing: {(report.new + report.ignored + sorted(set(tensors) - trainable))[:3]})")
+        with torch.no_grad():
+            for name in report.loaded:
+                params[name].copy_(tensors[name])
+        return report
