@@ -1,0 +1,363 @@
+"""The latent cache format (design section 3): the one place that knows it. Writer, reader and inspector use this.
+
+    <cache_dir>/manifest.json            written last, atomically: the cache is complete iff it exists
+    <cache_dir>/shards/shard-000000.tar  plain WebDataset shards
+    <cache_dir>/shards/shard-000000.json sidecar written after its tar: keys, byte offsets, sha256, count
+    <cache_dir>/errors.jsonl             one line per input that could not be used
+
+docs/cache-format.md describes the same for readers without this code; keep the two in step.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from theworld.errors import CacheMismatch, UserError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SHARDS = "shards"
+ERRORS = "errors.jsonl"
+# Member names inside a sample (webdataset: "<key>.<member>").
+LATENT = "latent.safetensors"  # tensors "mean", "logvar": (16, 1, h, w)
+LATENT_FLIP = "latent_flip.safetensors"  # the same for the horizontally flipped image
+SIGLIP = "siglip.safetensors"  # tensor "features": (mm_tokens, H), the multimodal projector's output
+CAPTION = "txt"
+META = "json"  # prompt, source, original_size, crop_box, flip
+IMAGE_EXTS = ("jpg", "png", "webp")
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def shard_stem(index: int) -> str:
+    return f"shard-{index:06d}"
+
+
+def tar_path(cache_dir: Path, index: int) -> Path:
+    return Path(cache_dir) / SHARDS / f"{shard_stem(index)}.tar"
+
+
+def sidecar_path(cache_dir: Path, index: int) -> Path:
+    return Path(cache_dir) / SHARDS / f"{shard_stem(index)}.json"
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write to a temporary name in the same folder, fsync, then rename: readers see all or nothing."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# One sample
+
+
+@dataclass
+class Sample:
+    key: str
+    caption: str
+    meta: dict  # prompt, source, original_size, crop_box, flip
+    mean: torch.Tensor | None = None
+    logvar: torch.Tensor | None = None
+    flip_mean: torch.Tensor | None = None
+    flip_logvar: torch.Tensor | None = None
+    siglip: torch.Tensor | None = None
+    image: bytes | None = None
+    image_ext: str | None = None
+
+    @property
+    def prompt(self) -> str:
+        return self.meta.get("prompt", "")
+
+
+def encode_sample(s: Sample, dtype: str) -> dict[str, bytes]:
+    """Sample -> {member name: bytes} (no "__key__"), tensors cast to the cache dtype."""
+    dt = TORCH_DTYPES[dtype]
+    out = {CAPTION: s.caption.encode(), META: json.dumps(s.meta, sort_keys=True).encode()}
+    out[LATENT] = st_save({"mean": s.mean.to(dt).contiguous(), "logvar": s.logvar.to(dt).contiguous()})
+    if s.flip_mean is not None:
+        out[LATENT_FLIP] = st_save({"mean": s.flip_mean.to(dt).contiguous(),
+                                    "logvar": s.flip_logvar.to(dt).contiguous()})
+    if s.siglip is not None:
+        out[SIGLIP] = st_save({"features": s.siglip.to(dt).contiguous()})
+    if s.image is not None:
+        if s.image_ext not in IMAGE_EXTS:
+            raise ValueError(f"image extension must be one of {IMAGE_EXTS}, got {s.image_ext!r}")
+        out[s.image_ext] = s.image
+    return out
+
+
+def decode_sample(key: str, members: dict[str, bytes]) -> Sample:
+    """{member name: bytes} -> Sample. Missing optional members stay None."""
+    s = Sample(key=key, caption=members[CAPTION].decode(), meta=json.loads(members[META]))
+    if LATENT in members:
+        t = st_load(members[LATENT])
+        s.mean, s.logvar = t["mean"], t["logvar"]
+    if LATENT_FLIP in members:
+        t = st_load(members[LATENT_FLIP])
+        s.flip_mean, s.flip_logvar = t["mean"], t["logvar"]
+    if SIGLIP in members:
+        s.siglip = st_load(members[SIGLIP])["features"]
+    for ext in IMAGE_EXTS:
+        if ext in members:
+            s.image, s.image_ext = members[ext], ext
+    return s
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Shards
+
+
+def write_shard(cache_dir: Path, index: int, samples: Iterable[tuple[str, dict[str, bytes]]]) -> dict:
+    """Write shard `index` from (key, members) pairs: tar to a temporary name, rename, then its sidecar.
+
+    Returns the sidecar. The tar is byte-for-byte reproducible (fixed mtime, owner, member order), so the same
+    samples give the same sha256 whichever process or rerun writes them.
+    """
+    import webdataset as wds
+
+    tar = tar_path(cache_dir, index)
+    tar.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tar.with_name(f".{tar.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        with wds.TarWriter(f, encoder=False, mtime=0.0) as writer:
+            for key, members in samples:
+                writer.write({"__key__": key, **{k: members[k] for k in sorted(members)}})
+        f.flush()
+        os.fsync(f.fileno())
+    side = {"format_version": FORMAT_VERSION, "shard": tar.name, **index_tar(tmp)}
+    os.replace(tmp, tar)
+    atomic_write_json(sidecar_path(cache_dir, index), side)
+    return side
+
+
+def index_tar(path: Path) -> dict:
+    """Byte offsets of every member of a shard, grouped by sample key, plus the tar's size and sha256."""
+    samples: dict[str, dict] = {}
+    with tarfile.open(path, "r:") as tf:
+        for m in tf:
+            if not m.isfile():
+                continue
+            key, _, member = m.name.partition(".")
+            entry = samples.setdefault(key, {"key": key, "members": {}})
+            entry["members"][member] = [m.offset_data, m.size]
+    return {"count": len(samples), "bytes": os.path.getsize(path), "sha256": sha256_file(path),
+            "samples": list(samples.values())}
+
+
+def read_sidecar(cache_dir: Path, index: int) -> dict | None:
+    try:
+        return json.loads(sidecar_path(cache_dir, index).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def shard_is_done(cache_dir: Path, index: int, expected_count: int | None = None) -> bool:
+    """A shard is done iff its sidecar exists and matches its tar (size and sha256, and count when given)."""
+    side = read_sidecar(cache_dir, index)
+    tar = tar_path(cache_dir, index)
+    if side is None or not tar.is_file() or side.get("format_version") != FORMAT_VERSION:
+        return False
+    if expected_count is not None and side.get("count") != expected_count:
+        return False
+    return os.path.getsize(tar) == side["bytes"] and sha256_file(tar) == side["sha256"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Manifest and fingerprint
+
+
+def make_fingerprint(*, vae_model: str, vae, vae_dtype: str, resolution: int, resize: str,
+                     gemma_model: str | None = None, gemma=None) -> dict:
+    """Everything that changes the cached numbers. `gemma` only when SigLIP features are cached.
+
+    `vae` is the loaded AutoencoderKLWan, `gemma` the loaded Gemma3ForConditionalGeneration; their weights are hashed,
+    so a changed checkpoint is caught even under the same name.
+    """
+    from theworld.encoders import config_digest, weights_hash
+
+    fp = {"format_version": FORMAT_VERSION,
+          "vae": {"model": vae_model, "config": config_digest(dict(vae.config)), "weights": weights_hash(vae),
+                  "dtype": vae_dtype},
+          "image": {"resolution": resolution, "resize": resize, "normalisation": "[-1,1]"},
+          "siglip": None}
+    if gemma is not None:
+        inner = gemma.model
+        vision = torch.nn.ModuleDict({"tower": inner.vision_tower, "projector": inner.multi_modal_projector})
+        fp["siglip"] = {"model": gemma_model, "config": config_digest(gemma.config.vision_config.to_dict()),
+                        "weights": weights_hash(vision), "dtype": str(gemma.dtype).removeprefix("torch.")}
+    return fp
+
+
+def write_manifest(cache_dir: Path, sidecars: list[dict], *, fingerprint: dict, latent_shape: list[int],
+                   latent_dtype: str, num_errors: int, contents: dict, extra: dict | None = None) -> dict:
+    """The manifest, from the shards' sidecars; written last and atomically (its presence means complete)."""
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "num_samples": sum(s["count"] for s in sidecars),
+        "num_errors": num_errors,
+        "latent_shape": latent_shape,
+        "latent_dtype": latent_dtype,
+        "contents": contents,  # which optional members exist: images, siglip, flip
+        "shards": [{"path": f"{SHARDS}/{s['shard']}", "num_samples": s["count"], "bytes": s["bytes"],
+                    "sha256": s["sha256"]} for s in sidecars],
+        "fingerprint": fingerprint,
+        **(extra or {}),
+    }
+    atomic_write_json(Path(cache_dir) / MANIFEST, manifest)
+    return manifest
+
+
+def fingerprint_diff(expected: dict, actual: dict, prefix: str = "") -> list[str]:
+    """Dotted names of the fields that differ between two fingerprints (nested dicts compared leaf by leaf)."""
+    out = []
+    for k in sorted(set(expected) | set(actual)):
+        a, b = expected.get(k), actual.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += fingerprint_diff(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}")
+    return out
+
+
+def check_fingerprint(cache_fp: dict, expected: dict, cache_dir: Path | str, fields: Iterable[str] | None = None) -> None:
+    """Raise CacheMismatch naming the first differing field (only top-level `fields` are compared when given)."""
+    if fields is not None:
+        cache_fp = {k: cache_fp.get(k) for k in fields}
+        expected = {k: expected.get(k) for k in fields}
+    diff = fingerprint_diff(expected, cache_fp)
+    if diff:
+        f = diff[0]
+
+        def get(d, dotted):
+            for part in dotted.split("."):
+                d = d.get(part) if isinstance(d, dict) else None
+            return d
+
+        more = f" (and {len(diff) - 1} more: {', '.join(diff[1:4])})" if len(diff) > 1 else ""
+        raise CacheMismatch(f"cache {cache_dir} was built with a different {f}: cache has {get(cache_fp, f)!r}, "
+                            f"this config gives {get(expected, f)!r}{more}")
+
+
+def load_manifest(cache_dir: Path | str) -> dict:
+    path = Path(cache_dir) / MANIFEST
+    if not path.is_file():
+        if (Path(cache_dir) / SHARDS).is_dir():
+            raise UserError(f"cache {cache_dir} is incomplete (no {MANIFEST}): rerun the precompute command to finish it")
+        raise UserError(f"no cache at {cache_dir} (no {MANIFEST})")
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError as e:
+        raise UserError(f"{path} is not valid JSON: {e}") from None
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise UserError(f"cache {cache_dir} has format_version {manifest.get('format_version')}, "
+                        f"this code reads {FORMAT_VERSION}")
+    return manifest
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Random access reading
+
+
+@dataclass
+class CacheReader:
+    """Random access to a complete cache by global sample index, via the sidecars' byte offsets (no tar scan).
+
+    Picklable (file handles are opened lazily per process), so DataLoader workers can share one instance.
+    `members` limits what is read, e.g. skip the image bytes when every latent comes from the cache.
+    """
+
+    cache_dir: Path
+    members: tuple[str, ...] | None = None
+    manifest: dict = field(init=False)
+    _entries: list[tuple[int, str, dict]] = field(init=False, repr=False)  # (shard, key, {member: [offset, size]})
+    _files: dict = field(init=False, repr=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.cache_dir = Path(self.cache_dir)
+        self.manifest = load_manifest(self.cache_dir)
+        self._entries = []
+        for i, _ in enumerate(self.manifest["shards"]):
+            side = read_sidecar(self.cache_dir, i)
+            if side is None:
+                raise UserError(f"cache {self.cache_dir}: sidecar of shard {i} is missing or unreadable")
+            self._entries += [(i, s["key"], s["members"]) for s in side["samples"]]
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_files": {}}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def key(self, index: int) -> str:
+        return self._entries[index][1]
+
+    def keys(self) -> list[str]:
+        return [e[1] for e in self._entries]
+
+    def raw(self, index: int) -> dict[str, bytes]:
+        shard, _, members = self._entries[index]
+        f = self._files.get(shard)
+        if f is None:
+            f = self._files[shard] = open(tar_path(self.cache_dir, shard), "rb")
+        out = {}
+        for name, (offset, size) in members.items():
+            if self.members is None or name in self.members or name in (CAPTION, META):
+                f.seek(offset)
+                out[name] = f.read(size)
+        return out
+
+    def __getitem__(self, index: int) -> Sample:
+        return decode_sample(self.key(index), self.raw(index))
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+
+def read_errors(cache_dir: Path | str) -> list[dict]:
+    path = Path(cache_dir) / ERRORS
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def image_bytes_hint(data: bytes) -> str | None:
+    """Our extension for encoded image bytes (jpg/png/webp), by magic number; None for anything else."""
+    if data[:3] == b"\xff\xd8\xff":
+        return "jpg"
+    if data[:8] == b"\x89PNG\r\n\x1a\n":
+        return "png"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "webp"
+    return None
+
+
+
+def safe_key(text: str) -> str:
+    """A webdataset-safe sample key: webdataset splits member names at the first '.', so keys keep to [A-Za-z0-9_-]."""
+    return "".join(c if c.isascii() and (c.isalnum() or c in "-_") else "_" for c in text)
