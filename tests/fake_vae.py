@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+from diffusers.configuration_utils import FrozenDict
 from torch import nn
 
 
@@ -18,8 +19,8 @@ class FakeWanVAE(nn.Module):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.mix = nn.Parameter(torch.randn(z_dim, 3, generator=g))
-        self.config = SimpleNamespace(z_dim=z_dim, latents_mean=[0.1] * z_dim, latents_std=[0.5] * z_dim,
-                                      scale_factor_spatial=8)
+        self.config = FrozenDict(z_dim=z_dim, latents_mean=[0.1] * z_dim, latents_std=[0.5] * z_dim,
+                                 scale_factor_spatial=8, fake=True)
 
     def encode(self, x: torch.Tensor):
         pooled = F.avg_pool3d(x, (1, 8, 8))  # (B, 3, 1, h, w)

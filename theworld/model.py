@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from theworld.config import FreezeConfig, ModelConfig, WorldConfig
-from theworld.encoders import WorldEncoder, load_gemma, load_vae
+from theworld import encoders
+from theworld.encoders import WorldEncoder
 from theworld.errors import UserError
 from theworld.projector import WorldProjector
 from theworld.text import IGNORE
@@ -56,8 +57,8 @@ class TheWorld(nn.Module):
     def from_config(cls, model: ModelConfig, world: WorldConfig, freeze: FreezeConfig | None = None,
                     seed: int = 0):
         """(TheWorld, processor), base models loaded with `from_pretrained` in `model.dtype`, projector in fp32."""
-        gemma, processor = load_gemma(model.gemma, model.dtype)
-        vae = load_vae(model.vae, model.dtype)
+        gemma, processor = encoders.load_gemma(model.gemma, model.dtype)
+        vae = encoders.load_vae(model.vae, model.dtype)
         encoder = WorldEncoder(vae)
         text_cfg = gemma.config.get_text_config()
         torch.manual_seed(seed)  # the projector's initialisation is part of the run's definition
