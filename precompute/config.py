@@ -1,0 +1,67 @@
+"""The precompute command's config (design section 5): strict, validated before any model is loaded."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from theworld.config import ImageConfig, ModelConfig, load_config
+from theworld.errors import UserError
+
+
+@dataclass
+class SourceConfig:
+    type: Literal["synthetic", "folder", "webdataset"] = "synthetic"
+    # folder: a directory of images (+ captions.jsonl or same-stem .txt); webdataset: a shard pattern such as
+    # /data/datacomp/{00000..00099}.tar (brace expansion and globs allowed, several patterns separated by "::").
+    path: str | None = None
+    num_samples: int = 4096  # synthetic only
+    prompt: str = "Describe the image."  # folder/webdataset: used when a sample carries no prompt of its own
+
+
+@dataclass
+class CacheOptions:
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    siglip: bool = False  # also cache Gemma's multimodal-projector output (the image-token features)
+    flip: bool = False  # also cache latents of the horizontally flipped image
+    images: bool = True  # keep the original image bytes (needed for live fallback and compare-live/decode)
+
+
+@dataclass
+class PrecomputeConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    image: ImageConfig = field(default_factory=ImageConfig)
+    seed: int = 0  # synthetic scenes are a pure function of (seed, index)
+    output_dir: str = "cache/latents"  # the cache directory
+    source: SourceConfig = field(default_factory=SourceConfig)
+    shard_size: int = 512
+    batch_size: int = 32
+    num_workers: int = 2
+    cache: CacheOptions = field(default_factory=CacheOptions)
+
+    def __post_init__(self) -> None:
+        for key in ("shard_size", "batch_size"):
+            if getattr(self, key) <= 0:
+                raise UserError(f"config key '{key}': must be positive, got {getattr(self, key)}")
+        if self.num_workers < 0:
+            raise UserError(f"config key 'num_workers': must be >= 0, got {self.num_workers}")
+        if self.source.type == "synthetic" and self.source.num_samples <= 0:
+            raise UserError(f"config key 'source.num_samples': must be positive, got {self.source.num_samples}")
+
+    def validate_paths(self) -> None:
+        """Checks that touch the filesystem (kept out of __post_init__ so configs can be built anywhere)."""
+        if self.source.type == "synthetic":
+            return
+        if not self.source.path:
+            raise UserError(f"config key 'source.path': required for source.type={self.source.type}")
+        if self.source.type == "folder" and not Path(self.source.path).is_dir():
+            raise UserError(f"config key 'source.path': folder not found: {self.source.path}")
+        out = Path(self.output_dir)
+        if out.exists() and not out.is_dir():
+            raise UserError(f"config key 'output_dir': {out} exists and is not a directory")
+
+
+def load(path: str | None, overrides: list[str] = ()) -> PrecomputeConfig:
+    cfg = load_config(PrecomputeConfig, path, overrides)
+    cfg.validate_paths()
+    return cfg

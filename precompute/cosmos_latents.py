@@ -1,0 +1,361 @@
+"""Precompute the frozen encoders' outputs into a crash-safe WebDataset cache (design sections 1 and 3).
+
+    python -m precompute.cosmos_latents --config configs/precompute.yaml [--set key=value ...]
+    accelerate launch -m precompute.cosmos_latents --config ...      (shard i goes to rank i % world_size)
+
+DataLoader workers read and resize images (uint8, so little crosses process boundaries); the main process encodes in
+batches that never straddle a shard (so a latent does not depend on how shards are spread over processes); a writer
+thread turns finished shards into tars so encoding never waits for the disk. A shard is done iff its sidecar matches
+its tar; a rerun after a crash redoes only the shards that are not, and rank 0 writes errors.jsonl and then the
+manifest from the sidecars once every process is through.
+"""
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import queue
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from precompute import sources
+from precompute.config import PrecomputeConfig, load
+from theworld import cache_format as cf
+from theworld import encoders, images
+from theworld.config import cli_parser, to_dict, to_yaml
+from theworld.errors import UserError, cli_entry
+
+RUN_FILE = "precompute.json"  # what this cache is being built from; a rerun must match it
+ERRORS_DIR = "errors"  # per-shard error files, written before the shard's tar, merged into errors.jsonl at the end
+
+
+def error_path(cache_dir: Path, index: int) -> Path:
+    return Path(cache_dir) / ERRORS_DIR / f"{cf.shard_stem(index)}.jsonl"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Worker side: bytes -> uint8 pixels (+ Gemma pixel values), or the reason it failed
+
+
+class EntryDataset(Dataset):
+    def __init__(self, entries: list[sources.Entry], cfg: PrecomputeConfig, image_processor=None):
+        self.entries, self.cfg, self.image_processor = entries, cfg, image_processor
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __getitem__(self, pos: int) -> dict:
+        e = self.entries[pos]
+        item = {"pos": pos, "error": e.error}
+        if e.error is None:
+            try:
+                item.update(self._prepare(e))
+            except images.BadImage as err:
+                item["error"] = str(err)
+            except (OSError, UnicodeDecodeError) as err:
+                item["error"] = f"cannot read: {type(err).__name__}: {err}"
+        return item
+
+    def _prepare(self, e: sources.Entry) -> dict:
+        res, mode = self.cfg.image.resolution, self.cfg.image.resize
+        data = sources.load_bytes(e, res)
+        caption, meta = e.caption, {"prompt": e.prompt, "source": e.source, "flip": self.cfg.cache.flip}
+        if e.loc[0] == "synthetic":
+            caption = sources.synthetic.scene(e.loc[1], e.loc[2], size=res)[1]
+        elif e.loc[0] == "tar":
+            caption = sources.read_member(e.loc[1], e.extra["txt"]).decode("utf-8").strip()
+            meta.update(_wds_json(sources.read_member(e.loc[1], e.extra["json"])))
+        if not caption:
+            raise images.BadImage("empty caption")
+        pixels, geometry = images.load_for_vae(data, res, mode)
+        meta.update(geometry)
+        out = {"pixels": pixels, "caption": caption, "meta": meta}
+        if self.cfg.cache.images or self.image_processor is not None:
+            img = None
+            ext = cf.image_bytes_hint(data)
+            if ext is None:  # bmp/tiff/gif...: keep what the VAE saw, full size, as PNG (same pixels on live decode)
+                img = images.decode(data)
+                buf = io.BytesIO()
+                img.save(buf, format="PNG")
+                data, ext = buf.getvalue(), "png"
+            if self.cfg.cache.images:
+                out["image"], out["image_ext"] = data, ext
+            if self.image_processor is not None:  # SigLIP sees the whole upright picture, as Gemma's processor does
+                img = img or images.decode(data)
+                pv = self.image_processor(images=[img], return_tensors="pt")["pixel_values"]
+                out["pixel_values"] = pv[0]
+        return out
+
+
+def _wds_json(raw: bytes | None) -> dict:
+    """Keep a few provenance fields of an img2dataset json member (url, original size); ignore it if broken."""
+    if not raw:
+        return {}
+    try:
+        rec = json.loads(raw)
+    except ValueError:
+        return {}
+    return {k: rec[k] for k in ("url", "uid", "key") if isinstance(rec, dict) and k in rec}
+
+
+def _collate(batch: list[dict]) -> list[dict]:
+    return batch
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Writer thread
+
+
+class ShardWriter:
+    """Writes finished shards on a background thread; errors surface in the main thread at the next call."""
+
+    def __init__(self, cache_dir: Path, dtype: str):
+        self.cache_dir, self.dtype = cache_dir, dtype
+        self.queue: queue.Queue = queue.Queue(maxsize=2)
+        self.failure: BaseException | None = None
+        self.bytes_written = 0
+        self.thread = threading.Thread(target=self._loop, name="shard-writer", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while (job := self.queue.get()) is not None:
+            if self.failure is None:
+                try:
+                    self._write(*job)
+                except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+                    self.failure = e
+
+    def _write(self, index: int, samples: list[cf.Sample], errors: list[dict]) -> None:
+        delay = float(os.environ.get("THEWORLD_PRECOMPUTE_TEST_DELAY_S", "0"))  # tests: widen the kill window
+        if delay:
+            time.sleep(delay)
+        # Errors first: when the shard counts as done, its error file is already in place.
+        body = "".join(json.dumps(e, sort_keys=True) + "\n" for e in errors).encode()
+        cf.atomic_write_bytes(error_path(self.cache_dir, index), body)
+        side = cf.write_shard(self.cache_dir, index, ((s.key, cf.encode_sample(s, self.dtype)) for s in samples))
+        self.bytes_written += side["bytes"]
+
+    def put(self, index: int, samples: list[cf.Sample], errors: list[dict]) -> None:
+        self._check()
+        self.queue.put((index, samples, errors))
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+        self._check()
+
+    def _check(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The run
+
+
+def _run_identity(cfg: PrecomputeConfig, fingerprint: dict, num_entries: int) -> dict:
+    """Everything that decides which bytes end up in which shard; a resumed run must agree on all of it."""
+    src = to_dict(cfg.source)
+    if cfg.source.type == "synthetic":
+        src.update(path=None, prompt=None, seed=cfg.seed)
+    else:
+        src.update(num_samples=None)
+    return {"fingerprint": fingerprint, "source": src, "num_entries": num_entries, "shard_size": cfg.shard_size,
+            "cache": to_dict(cfg.cache)}
+
+
+def _check_identity(out: Path, identity: dict) -> None:
+    path = out / RUN_FILE
+    if not path.is_file():
+        return
+    try:
+        old = json.loads(path.read_text())
+    except ValueError:
+        return  # written atomically, so only a hand-edited file can be broken: rewrite it
+    diff = cf.fingerprint_diff(old, identity)
+    if diff:
+        more = f" (and {len(diff) - 1} more: {', '.join(diff[1:4])})" if len(diff) > 1 else ""
+        raise UserError(f"output_dir {out} holds a cache built with a different {diff[0]}{more}: "
+                        f"use another output_dir or delete it")
+
+
+def _load_models(cfg: PrecomputeConfig, device: torch.device):
+    vae = encoders.load_vae(cfg.model.vae, cfg.model.dtype)
+    gemma = processor = None
+    if cfg.cache.siglip:
+        gemma, processor = encoders.load_gemma(cfg.model.gemma, cfg.model.dtype)
+    fp = cf.make_fingerprint(vae_model=cfg.model.vae, vae=vae, vae_dtype=cfg.model.dtype,
+                             resolution=cfg.image.resolution, resize=cfg.image.resize,
+                             gemma_model=cfg.model.gemma if gemma is not None else None, gemma=gemma)
+    encoder = encoders.WorldEncoder(vae).to(device).eval()
+    if gemma is not None:
+        gemma = gemma.to(device).eval()
+    return encoder, gemma, processor, fp
+
+
+def expected_fingerprint(cfg: PrecomputeConfig) -> dict:
+    """The fingerprint this config would give a cache (loads the models)."""
+    return _load_models(cfg, torch.device("cpu"))[3]
+
+
+@torch.no_grad()
+def _encode(batch: list[dict], encoder, gemma, cfg: PrecomputeConfig, device) -> list[cf.Sample]:
+    pixels = torch.stack([b["pixels"] for b in batch]).to(device)
+    mean, logvar = (t.float().cpu() for t in encoder(pixels))
+    if cfg.cache.flip:
+        fmean, flogvar = (t.float().cpu() for t in encoder(pixels.flip(-1)))
+    if gemma is not None:
+        pv = torch.stack([b["pixel_values"] for b in batch]).to(device, gemma.dtype)
+        feats = gemma.model.get_image_features(pixel_values=pv).pooler_output.float().cpu()
+    out = []
+    for j, b in enumerate(batch):
+        s = cf.Sample(key="", caption=b["caption"], meta=b["meta"], mean=mean[j], logvar=logvar[j],
+                      image=b.get("image"), image_ext=b.get("image_ext"))
+        if cfg.cache.flip:
+            s.flip_mean, s.flip_logvar = fmean[j], flogvar[j]
+        if gemma is not None:
+            s.siglip = feats[j]
+        out.append(s)
+    return out
+
+
+def _process_shards(cfg: PrecomputeConfig, entries: list[sources.Entry], pending: list[int], out: Path,
+                    encoder, gemma, processor, device, show: bool) -> int:
+    """Encode and write the `pending` shards; returns how many images were encoded."""
+    from tqdm import tqdm
+
+    S, B = cfg.shard_size, cfg.batch_size
+    bounds = {i: (i * S, min((i + 1) * S, len(entries))) for i in pending}
+    # Batches never straddle a shard: a sample's batch-mates are the same whatever the process count.
+    batches = [list(range(a, min(a + B, hi))) for i in pending for lo, hi in [bounds[i]] for a in range(lo, hi, B)]
+    dataset = EntryDataset(entries, cfg, processor.image_processor if processor is not None else None)
+    loader = DataLoader(dataset, batch_sampler=batches, collate_fn=_collate, num_workers=cfg.num_workers,
+                        prefetch_factor=4 if cfg.num_workers else None, persistent_workers=False)
+    writer = ShardWriter(out, cfg.cache.dtype)
+    buffers: dict[int, dict] = {}
+    encoded = 0
+    bar = tqdm(total=sum(hi - lo for lo, hi in bounds.values()), unit="img", disable=not show, dynamic_ncols=True,
+               desc="precompute", file=sys.stderr)
+    try:
+        for batch in loader:
+            good = [b for b in batch if b["error"] is None]
+            samples = iter(_encode(good, encoder, gemma, cfg, device)) if good else iter(())
+            for b in batch:
+                i = b["pos"] // S
+                buf = buffers.setdefault(i, {"samples": [], "errors": [], "left": bounds[i][1] - bounds[i][0]})
+                e = entries[b["pos"]]
+                if b["error"] is None:
+                    s = next(samples)
+                    s.key = e.key
+                    buf["samples"].append(s)
+                else:
+                    buf["errors"].append({"key": e.key, "source": e.source, "reason": b["error"], "shard": i})
+                buf["left"] -= 1
+                if buf["left"] == 0:
+                    writer.put(i, buffers[i]["samples"], buffers[i]["errors"])
+                    del buffers[i]
+            encoded += len(good)
+            bar.update(len(batch))
+    finally:
+        bar.close()
+        writer.close()
+    return encoded
+
+
+def _finish(cfg: PrecomputeConfig, out: Path, n_shards: int, identity: dict, latent_shape: list[int]) -> dict:
+    """Rank 0, after everyone is done: errors.jsonl and the manifest, both from the per-shard files."""
+    sidecars = []
+    for i in range(n_shards):
+        side = cf.read_sidecar(out, i)
+        if side is None or not error_path(out, i).is_file():
+            raise RuntimeError(f"shard {i} is missing after all processes finished")
+        sidecars.append(side)
+    errors = b"".join(error_path(out, i).read_bytes() for i in range(n_shards))
+    cf.atomic_write_bytes(out / cf.ERRORS, errors)
+    num_errors = errors.count(b"\n")
+    return cf.write_manifest(
+        out, sidecars, fingerprint=identity["fingerprint"], latent_shape=latent_shape, latent_dtype=cfg.cache.dtype,
+        num_errors=num_errors,
+        contents={"images": cfg.cache.images, "siglip": cfg.cache.siglip, "flip": cfg.cache.flip},
+        extra={"source": identity["source"], "shard_size": cfg.shard_size, "num_entries": identity["num_entries"],
+               "config": to_dict(cfg)})
+
+
+def run(cfg: PrecomputeConfig) -> dict:
+    """Build (or finish) the cache at cfg.output_dir; returns the manifest plus a "summary" of this run."""
+    from accelerate import PartialState
+    from accelerate.utils import gather_object
+
+    cfg.validate_paths()
+    state = PartialState()
+    rank, world = state.process_index, state.num_processes
+    out = Path(cfg.output_dir)
+    t0 = time.time()
+    entries = sources.list_entries(cfg.source.type, cfg.source.path, cfg.source.num_samples, cfg.seed,
+                                   cfg.source.prompt)
+    if not entries:
+        raise UserError(f"config key 'source.path': no samples found in {cfg.source.path}")
+    encoder, gemma, processor, fingerprint = _load_models(cfg, state.device)
+    identity = _run_identity(cfg, fingerprint, len(entries))
+    _check_identity(out, identity)
+    n_shards = math.ceil(len(entries) / cfg.shard_size)
+    if rank == 0:
+        (out / cf.SHARDS).mkdir(parents=True, exist_ok=True)
+        (out / ERRORS_DIR).mkdir(parents=True, exist_ok=True)
+        for tmp in (out / cf.SHARDS).glob(".*.tmp*"):  # leftovers of a killed run; nobody is writing yet
+            tmp.unlink(missing_ok=True)
+        if not (out / RUN_FILE).is_file():
+            cf.atomic_write_json(out / RUN_FILE, identity)
+    state.wait_for_everyone()
+    pending = [i for i in range(rank, n_shards, world)
+               if not (error_path(out, i).is_file() and cf.shard_is_done(out, i))]
+    if pending and (out / cf.MANIFEST).exists():
+        (out / cf.MANIFEST).unlink(missing_ok=True)  # a shard went missing: the cache is not complete any more
+    t_enc = time.time()
+    encoded = _process_shards(cfg, entries, pending, out, encoder, gemma, processor, state.device,
+                              show=state.is_main_process) if pending else 0
+    counts = gather_object([encoded]) if world > 1 else [encoded]
+    state.wait_for_everyone()
+    elapsed = time.time() - t_enc
+    latent_shape = [encoder.vae.config.z_dim, 1, cfg.image.resolution // 8, cfg.image.resolution // 8]
+    manifest = None
+    if rank == 0:
+        manifest = _finish(cfg, out, n_shards, identity, latent_shape)
+    state.wait_for_everyone()
+    if manifest is None:
+        manifest = cf.load_manifest(out)
+    total_bytes = sum(s["bytes"] for s in manifest["shards"])
+    summary = {"samples": manifest["num_samples"], "errors": manifest["num_errors"], "shards": n_shards,
+               "bytes": total_bytes, "encoded_this_run": sum(counts), "processes": world,
+               "encode_seconds": round(elapsed, 3), "total_seconds": round(time.time() - t0, 3),
+               "images_per_s": round(sum(counts) / elapsed, 1) if elapsed > 0 and sum(counts) else 0.0}
+    if state.is_main_process:
+        reasons = Counter(e["reason"].split(":")[0] for e in cf.read_errors(out))
+        print(f"precompute: {summary['samples']} samples, {summary['errors']} errors, {total_bytes / 1e6:.1f} MB in "
+              f"{n_shards} shards ({total_bytes / max(1, summary['samples']) / 1e3:.1f} kB/sample); this run encoded "
+              f"{summary['encoded_this_run']} images in {elapsed:.1f} s = {summary['images_per_s']} images/s on "
+              f"{world} process(es) -> {out}" + (f"; errors: {dict(reasons)}" if reasons else ""), flush=True)
+    return {**manifest, "summary": summary}
+
+
+@cli_entry
+def main(argv: list[str] | None = None) -> int:
+    parser = cli_parser("precompute.cosmos_latents", "Encode a dataset once into a WebDataset latent cache.")
+    args = parser.parse_args(argv)
+    cfg = load(args.config, args.overrides)
+    if args.print_config:
+        print(to_yaml(cfg), end="")
+        return 0
+    run(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
