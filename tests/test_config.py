@@ -1,0 +1,68 @@
+"""Strict configs: every mistake names its key, before any model loads."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from theworld.config import FreezeConfig, ImageConfig, ModelConfig, WorldConfig, config_hash, load_config, to_yaml
+from theworld.errors import UserError
+
+
+@dataclass
+class Demo:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    image: ImageConfig = field(default_factory=ImageConfig)
+    world: WorldConfig = field(default_factory=WorldConfig)
+    freeze: FreezeConfig = field(default_factory=FreezeConfig)
+    lr: float = 1e-3
+    resume: str | None = None
+    seed: int = 0
+
+
+def write(tmp_path, text: str):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_yaml_and_overrides(tmp_path):
+    cfg = load_config(Demo, write(tmp_path, "model:\n  gemma: some/path\nlr: 3\n"),
+                      ["world.pool=2", "freeze.vae=false", "resume=auto", "image.resolution=128"])
+    assert cfg.model.gemma == "some/path" and cfg.lr == 3.0 and isinstance(cfg.lr, float)
+    assert cfg.world.pool == 2 and cfg.freeze.vae is False and cfg.resume == "auto" and cfg.image.resolution == 128
+    assert load_config(Demo, None, ["resume=null"]).resume is None
+
+
+@pytest.mark.parametrize("text,overrides,key", [
+    ("modle:\n  gemma: x\n", [], "modle"),
+    ("model:\n  gema: x\n", [], "model.gema"),
+    ("", ["world.pool=3"], "world.pool"),
+    ("", ["world.latent=mode"], "world.latent"),
+    ("", ["freeze.vae=maybe"], "freeze.vae"),
+    ("", ["seed=1.5"], "seed"),
+    ("lr: fast\n", [], "lr"),
+    ("image:\n  resolution: 100\n", [], "image.resolution"),
+    ("", ["model=3"], "model"),
+])
+def test_errors_name_the_key(tmp_path, text, overrides, key):
+    with pytest.raises(UserError) as e:
+        load_config(Demo, write(tmp_path, text), overrides)
+    assert f"'{key}'" in str(e.value) or f"{key}:" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(UserError, match="not found"):
+        load_config(Demo, tmp_path / "nope.yaml")
+    with pytest.raises(UserError, match="not valid YAML"):
+        load_config(Demo, write(tmp_path, "a: [1, 2\n"))
+    with pytest.raises(UserError, match="key=value"):
+        load_config(Demo, None, ["world.pool"])
+
+
+def test_hash_is_stable_and_sensitive():
+    a, b = load_config(Demo, None), load_config(Demo, None)
+    assert config_hash(a) == config_hash(b)
+    assert config_hash(load_config(Demo, None, ["lr=0.5"])) != config_hash(a)
+    assert "gemma: tiny" in to_yaml(a)

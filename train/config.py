@@ -1,0 +1,122 @@
+"""The training config: one strict dataclass tree, validated before any model is loaded (design section 5)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from theworld.config import (FreezeConfig, ImageConfig, ModelConfig, WorldConfig, cli_parser, config_hash,
+                             load_config, to_dict, to_yaml)
+from theworld.errors import UserError
+
+TRACKERS = ("tensorboard", "wandb")
+
+
+@dataclass
+class TrainSection:
+    max_steps: int = 1000
+    global_batch_size: int = 32  # the optimiser's batch, whatever the number of processes
+    micro_batch_size: int = 32  # per process per forward; accumulation = global / (micro * processes)
+    lr: float = 1e-2
+    warmup_steps: int = 50
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    weight_decay: float = 0.0  # never applied to biases, norms and the world markers
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    grad_clip: float = 1.0  # 0: no clipping (the norm is still computed and logged)
+    grad_norm_warn: float = 100.0  # warn when the pre-clip gradient norm exceeds this (0: never)
+    max_nonfinite: int = 5  # this many non-finite steps in a row stop the run
+    log_every: int = 50
+    save_every: int = 500
+    eval_every: int = 500  # 0: only at the end
+    keep_last: int = 2
+    eval_samples: int = 256  # held out by key hash, never trained on
+    eval_batch_size: int = 0  # 0: micro_batch_size (at least 2, so world latents can be permuted)
+    num_workers: int = 2
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    gradient_checkpointing: bool = False
+    ema: float = 0.0  # EMA decay of the trainable weights (0: off), e.g. 0.999
+    flip: bool = False  # horizontal flip augmentation with left/right caption swap (needs flipped latents cached)
+    cached_siglip: bool = True  # use cached SigLIP features when present and the vision tower is frozen
+    max_length: int = 0  # token cap per sample (0: none)
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "global_batch_size", "micro_batch_size", "log_every", "save_every", "keep_last"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"config key 'train.{name}': must be positive, got {getattr(self, name)}")
+        for name in ("warmup_steps", "eval_every", "eval_samples", "eval_batch_size", "num_workers", "max_length",
+                     "weight_decay", "grad_clip", "grad_norm_warn"):
+            if getattr(self, name) < 0:
+                raise UserError(f"config key 'train.{name}': must be >= 0, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise UserError(f"config key 'train.lr': must be positive, got {self.lr}")
+        if not 0.0 <= self.ema < 1.0:
+            raise UserError(f"config key 'train.ema': decay must be in [0, 1), got {self.ema}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise UserError(f"config key 'train.betas': two numbers in [0, 1), got {self.betas}")
+        if self.max_nonfinite < 1:
+            raise UserError(f"config key 'train.max_nonfinite': must be >= 1, got {self.max_nonfinite}")
+
+
+@dataclass
+class ProfileConfig:
+    enabled: bool = False
+    start_step: int = 5  # profile steps [start_step, start_step + steps)
+    steps: int = 5
+    top: int = 15  # operations printed
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    image: ImageConfig = field(default_factory=ImageConfig)
+    world: WorldConfig = field(default_factory=WorldConfig)
+    freeze: FreezeConfig = field(default_factory=FreezeConfig)
+    train: TrainSection = field(default_factory=TrainSection)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    cache_dir: str = "cache/latents"
+    output_dir: str = "runs/stage1"
+    seed: int = 0
+    resume: str | None = "auto"  # auto: the newest complete checkpoint in output_dir, if any; a path; null: fresh
+    init_from: str | None = None  # a previous stage's final/ (or checkpoint dir, or .safetensors file)
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])  # tensorboard, wandb; [] for none
+
+    def __post_init__(self) -> None:
+        for t in self.trackers:
+            if t not in TRACKERS:
+                raise UserError(f"config key 'trackers': unknown tracker {t!r} (known: {', '.join(TRACKERS)})")
+        if self.resume == "":
+            self.resume = None
+
+
+def accumulation_steps(cfg: TrainConfig, world_size: int) -> int:
+    g, m = cfg.train.global_batch_size, cfg.train.micro_batch_size
+    if g % (m * world_size):
+        raise UserError(f"config key 'train.global_batch_size': {g} is not a multiple of train.micro_batch_size "
+                        f"({m}) x processes ({world_size})")
+    return g // (m * world_size)
+
+
+# Keys that may change between a run and its resumption without changing its numbers.
+RESUME_NEUTRAL = ("resume", "trackers", "profile", "train.num_workers", "train.log_every", "train.save_every",
+                  "train.keep_last", "train.max_steps", "train.eval_every")
+
+
+def run_hash(cfg: TrainConfig) -> str:
+    """Hash of everything that defines the run's numbers (recorded in each checkpoint's state.json)."""
+    d = to_dict(cfg)
+    for key in RESUME_NEUTRAL:
+        *parents, last = key.split(".")
+        node = d
+        for p in parents:
+            node = node[p]
+        node.pop(last, None)
+    return config_hash(d)
+
+
+def load(argv: list[str] | None = None) -> tuple[TrainConfig, object]:
+    parser = cli_parser("train.loop", "Train TheWorld from a latent cache (one process, or under accelerate launch).")
+    args = parser.parse_args(argv)
+    return load_config(TrainConfig, args.config, args.overrides), args
+
+
+__all__ = ["TrainConfig", "TrainSection", "ProfileConfig", "accumulation_steps", "run_hash", "load", "to_yaml",
+           "config_hash"]
