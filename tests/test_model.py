@@ -242,3 +242,31 @@ def test_tiny_models_are_deterministic(tmp_path, monkeypatch):
     a = load_file(str(path / "diffusion_pytorch_model.safetensors"))
     b = load_file(str(path2 / "diffusion_pytorch_model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bf16_base_models_with_fp32_projector():
+    model, processor = TheWorld.from_config(ModelConfig(dtype="bfloat16"), WorldConfig(), FreezeConfig(), seed=0)
+    assert model.gemma.dtype == torch.bfloat16 and model.world_encoder.dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in model.projector.parameters())
+    batch, pixels, mean, logvar, siglip = batch_for(model, processor)
+    out = model(**batch, images=pixels, siglip=siglip.bfloat16())
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and model.projector.net[0].weight.grad.dtype == torch.float32
+    # unfreezing a part gives it fp32 master weights; frozen parts stay bf16
+    model.set_freeze(FreezeConfig(vision=False))
+    model.cast_trainable_to_fp32()
+    assert model.gemma.model.vision_tower.dtype == torch.float32
+    assert model.gemma.model.language_model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    model, processor = build(freeze=FreezeConfig(language=False))
+    batch, _, mean, logvar, siglip = batch_for(model, processor)
+    model.train()
+    grads = []
+    for enable in (False, True):
+        model.zero_grad()
+        model.gradient_checkpointing(enable)
+        model(**batch, latent_mean=mean, latent_logvar=logvar, siglip=siglip).loss.backward()
+        grads.append(model.projector.net[0].weight.grad.clone())
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)

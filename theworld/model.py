@@ -88,10 +88,11 @@ class TheWorld(nn.Module):
                 p.data = p.data.float()
 
     def gradient_checkpointing(self, enable: bool) -> None:
+        # Non-reentrant: with a frozen language model the only inputs needing grad are the world-token embeddings.
         if enable:
-            self.gemma.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.gemma.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
-            self.gemma.gradient_checkpointing_disable()
+            self.gemma.activation_checkpointing_disable()
 
     # ------------------------------------------------------------------------------------------------ forward
 
