@@ -1,0 +1,333 @@
+"""Look inside a latent cache (design section 5).
+
+    python -m precompute.inspect summary CACHE [--json]
+    python -m precompute.inspect verify CACHE [--json]
+    python -m precompute.inspect compare-live CACHE --n N [--json] [--config CFG] [--set key=value ...]
+    python -m precompute.inspect decode CACHE --n N --out sheet.png [--json] [--config CFG] [--set ...]
+
+Exit codes: 0 fine, 1 verify/compare found a problem, 2 a user mistake (no cache, fingerprint mismatch, bad args).
+compare-live and decode need the VAE: by default the one named in the cache's fingerprint (model id and dtype);
+--config/--set override it, and a VAE that would not reproduce the cache is refused, naming the differing field.
+With --config, summary and verify check the fingerprint too.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from precompute.config import PrecomputeConfig
+from theworld import cache_format as cf
+from theworld import encoders, images
+from theworld.config import load_config
+from theworld.errors import UserError, cli_entry
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Models and fingerprints
+
+
+def _config_for(manifest: dict, args) -> PrecomputeConfig:
+    """The config whose models should reproduce this cache: the fingerprint's, overridden by --config/--set."""
+    fp = manifest["fingerprint"]
+    base = [f"model.vae={fp['vae']['model']}", f"model.dtype={fp['vae']['dtype']}",
+            f"image.resolution={fp['image']['resolution']}", f"image.resize={fp['image']['resize']}",
+            f"cache.siglip={'true' if fp.get('siglip') else 'false'}"]
+    if fp.get("siglip"):
+        base.append(f"model.gemma={fp['siglip']['model']}")
+    overrides = ([] if args.config else base) + list(args.overrides)
+    return load_config(PrecomputeConfig, args.config, overrides)
+
+
+def _load_checked_vae(cache: Path, manifest: dict, args):
+    """(VAE, config) after checking that this VAE + image settings reproduce the cache's numbers."""
+    cfg = _config_for(manifest, args)
+    vae = encoders.load_vae(cfg.model.vae, cfg.model.dtype)
+    expected = cf.make_fingerprint(vae_model=cfg.model.vae, vae=vae, vae_dtype=cfg.model.dtype,
+                                   resolution=cfg.image.resolution, resize=cfg.image.resize)
+    cf.check_fingerprint(manifest["fingerprint"], expected, cache, fields=["format_version", "vae", "image"])
+    return vae.eval(), cfg
+
+
+def _check_full_fingerprint(cache: Path, manifest: dict, args) -> None:
+    if not args.config and not args.overrides:
+        return
+    from precompute.cosmos_latents import expected_fingerprint
+
+    cf.check_fingerprint(manifest["fingerprint"], expected_fingerprint(_config_for(manifest, args)), cache)
+
+
+def _pick(n_total: int, n: int, seed: int) -> list[int]:
+    if n <= 0:
+        raise UserError(f"--n must be positive, got {n}")
+    return sorted(random.Random(seed).sample(range(n_total), min(n, n_total)))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Subcommands: each returns (report dict, exit code, human-readable text)
+
+
+def summary(cache: Path, args) -> tuple[dict, int, str]:
+    manifest = cf.load_manifest(cache)
+    _check_full_fingerprint(cache, manifest, args)
+    reader = cf.CacheReader(cache, members=(cf.LATENT,))
+    n = len(reader)
+    idx = range(n) if n <= args.max_samples else _pick(n, args.max_samples, 0)
+    total_bytes = sum(s["bytes"] for s in manifest["shards"])
+    stats = {}
+    if n:
+        means = torch.stack([reader[i].mean.float() for i in idx])  # (n, C, 1, h, w)
+        per_channel = means.transpose(0, 1).reshape(means.shape[1], -1)
+        stats = {"channel_mean": [round(v, 5) for v in per_channel.mean(1).tolist()],
+                 "channel_std": [round(v, 5) for v in per_channel.std(1).tolist()],
+                 "stats_over_samples": len(idx)}
+    reader.close()
+    reasons = Counter(e["reason"].split(":")[0] for e in cf.read_errors(cache))
+    report = {"cache": str(cache), "num_samples": manifest["num_samples"], "num_errors": manifest["num_errors"],
+              "num_shards": len(manifest["shards"]), "bytes": total_bytes,
+              "bytes_per_sample": round(total_bytes / n, 1) if n else None,
+              "latent_shape": manifest["latent_shape"], "latent_dtype": manifest["latent_dtype"],
+              "contents": manifest.get("contents", {}), **stats, "error_reasons": dict(reasons),
+              "vae": manifest["fingerprint"]["vae"]["model"], "resolution": manifest["fingerprint"]["image"]["resolution"]}
+    lines = [f"cache {cache}: {report['num_samples']} samples, {report['num_errors']} errors, "
+             f"{report['num_shards']} shards, {total_bytes / 1e6:.2f} MB ({report['bytes_per_sample']} B/sample)",
+             f"latent {report['latent_shape']} {report['latent_dtype']}, contents {report['contents']}, "
+             f"vae {report['vae']} at {report['resolution']} px"]
+    if stats:
+        lines.append("channel mean " + " ".join(f"{v:+.3f}" for v in stats["channel_mean"]))
+        lines.append("channel std  " + " ".join(f"{v:.3f}" for v in stats["channel_std"]))
+    lines += [f"errors: {count} x {reason}" for reason, count in reasons.most_common()]
+    return report, 0, "\n".join(lines)
+
+
+def _check_sample(key: str, members: dict[str, bytes], manifest: dict) -> list[str]:
+    problems = []
+    shape = list(manifest["latent_shape"])
+    contents = manifest.get("contents", {})
+    for m in (cf.CAPTION, cf.META, cf.LATENT):
+        if m not in members:
+            problems.append(f"{key}: missing member {m}")
+    try:
+        s = cf.decode_sample(key, members)
+    except Exception as e:  # noqa: BLE001 - any decode failure is a finding, not a crash
+        return problems + [f"{key}: does not decode: {type(e).__name__}: {e}"]
+    tensors = {"mean": s.mean, "logvar": s.logvar}
+    if contents.get("flip"):
+        tensors.update(flip_mean=s.flip_mean, flip_logvar=s.flip_logvar)
+    for name, t in tensors.items():
+        if t is None:
+            problems.append(f"{key}: missing tensor {name}")
+        elif list(t.shape) != shape or str(t.dtype).removeprefix("torch.") != manifest["latent_dtype"]:
+            problems.append(f"{key}: {name} is {list(t.shape)} {t.dtype}, expected {shape} {manifest['latent_dtype']}")
+        elif not torch.isfinite(t.float()).all():
+            problems.append(f"{key}: {name} has non-finite values")
+    if contents.get("siglip") and (s.siglip is None or not torch.isfinite(s.siglip.float()).all()):
+        problems.append(f"{key}: siglip features missing or non-finite")
+    if contents.get("images") and s.image is None:
+        problems.append(f"{key}: image bytes missing")
+    return problems
+
+
+def _read_tar(path: Path) -> tuple[dict[str, dict[str, bytes]], str | None]:
+    samples: dict[str, dict[str, bytes]] = {}
+    try:
+        with tarfile.open(path, "r:") as tf:
+            for m in tf:
+                if m.isfile():
+                    key, _, member = m.name.partition(".")
+                    samples.setdefault(key, {})[member] = tf.extractfile(m).read()
+    except (tarfile.TarError, OSError, EOFError) as e:
+        return samples, f"unreadable tar: {type(e).__name__}: {e}"
+    return samples, None
+
+
+def verify(cache: Path, args) -> tuple[dict, int, str]:
+    manifest = cf.load_manifest(cache)
+    _check_full_fingerprint(cache, manifest, args)
+    seen: dict[str, str] = {}
+    shards, total = [], 0
+    for i, entry in enumerate(manifest["shards"]):
+        path = cache / entry["path"]
+        problems: list[str] = []
+        if not path.is_file():
+            shards.append({"path": entry["path"], "ok": False, "problems": ["missing"]})
+            continue
+        size, digest = path.stat().st_size, cf.sha256_file(path)
+        if size != entry["bytes"]:
+            problems.append(f"size {size} != manifest {entry['bytes']}")
+        if digest != entry["sha256"]:
+            problems.append(f"sha256 {digest[:12]}.. != manifest {entry['sha256'][:12]}..")
+        side = cf.read_sidecar(cache, i)
+        if side is None or side.get("sha256") != entry["sha256"]:
+            problems.append("sidecar missing or does not match the manifest")
+        samples, broken = _read_tar(path)
+        if broken:
+            problems.append(broken)
+        if len(samples) != entry["num_samples"]:
+            problems.append(f"{len(samples)} samples, manifest says {entry['num_samples']}")
+        for key, members in samples.items():
+            if key in seen:
+                problems.append(f"{key}: duplicate key (also in {seen[key]})")
+            seen.setdefault(key, entry["path"])
+            problems += _check_sample(key, members, manifest)
+        total += len(samples)
+        shards.append({"path": entry["path"], "ok": not problems, "num_samples": len(samples),
+                       "problems": problems[:20] + ([f"... {len(problems) - 20} more"] if len(problems) > 20 else [])})
+    cache_problems = []
+    if total != manifest["num_samples"]:
+        cache_problems.append(f"{total} samples in shards, manifest says {manifest['num_samples']}")
+    bad = [s for s in shards if not s["ok"]]
+    ok = not bad and not cache_problems
+    report = {"cache": str(cache), "ok": ok, "num_samples_checked": total, "num_shards": len(shards),
+              "bad_shards": [s["path"] for s in bad], "problems": cache_problems, "shards": shards}
+    lines = [f"bad shard {s['path']}: {'; '.join(s['problems'][:3])}" for s in bad] + cache_problems
+    lines.append(f"verify {cache}: {'OK' if ok else 'FAILED'}: {total} samples in {len(shards)} shards checked"
+                 + (f", {len(bad)} bad shard(s)" if bad else ""))
+    return report, 0 if ok else 1, "\n".join(lines)
+
+
+def _stored_pixels(sample: cf.Sample, cfg: PrecomputeConfig) -> torch.Tensor:
+    if sample.image is None:
+        raise UserError("this cache was built with cache.images false: no stored images to re-encode")
+    return images.load_for_vae(sample.image, cfg.image.resolution, cfg.image.resize)[0]
+
+
+def compare_live(cache: Path, args) -> tuple[dict, int, str]:
+    manifest = cf.load_manifest(cache)
+    vae, cfg = _load_checked_vae(cache, manifest, args)
+    encoder = encoders.WorldEncoder(vae)
+    reader = cf.CacheReader(cache)
+    picked = _pick(len(reader), args.n, args.seed)
+    worst = {"mean": 0.0, "logvar": 0.0}
+    flip = manifest.get("contents", {}).get("flip")
+    if flip:
+        worst.update(flip_mean=0.0, flip_logvar=0.0)
+    per_sample = []
+    with torch.no_grad():
+        for start in range(0, len(picked), args.batch_size):
+            samples = [reader[i] for i in picked[start:start + args.batch_size]]
+            pixels = torch.stack([_stored_pixels(s, cfg) for s in samples])
+            live = dict(zip(("mean", "logvar"), encoder(pixels)))
+            if flip:
+                live.update(zip(("flip_mean", "flip_logvar"), encoder(pixels.flip(-1))))
+            for j, s in enumerate(samples):
+                diffs = {name: (live[name][j].float() - getattr(s, name).float()).abs().max().item() for name in worst}
+                for name, d in diffs.items():
+                    worst[name] = max(worst[name], d)
+                per_sample.append({"key": s.key, **{f"max_abs_diff_{k}": v for k, v in diffs.items()}})
+    reader.close()
+    max_diff = max(worst.values())
+    fail = args.tol is not None and max_diff > args.tol
+    report = {"cache": str(cache), "n": len(picked), "latent_dtype": manifest["latent_dtype"],
+              "max_abs_diff": max_diff, **{f"max_abs_diff_{k}": v for k, v in worst.items()},
+              "tol": args.tol, "ok": not fail, "samples": per_sample}
+    text = (f"compare-live {cache}: {len(picked)} samples re-encoded from their stored images; max abs difference "
+            + ", ".join(f"{k} {v:.3g}" for k, v in worst.items()) + f" (cache dtype {manifest['latent_dtype']})"
+            + (f": exceeds --tol {args.tol}" if fail else ""))
+    return report, 1 if fail else 0, text
+
+
+def _sheet(pairs: list[tuple[torch.Tensor, torch.Tensor]], min_tile: int = 128, gap: int = 4):
+    """A grid of (original | reconstruction) pairs, tiles upscaled (nearest) to at least `min_tile` px."""
+    from PIL import Image
+
+    res = pairs[0][1].shape[-1]
+    scale = max(1, math.ceil(min_tile / res))
+    tile = res * scale
+    cols = min(4, len(pairs))
+    rows = math.ceil(len(pairs) / cols)
+    pair_w = 2 * tile + gap
+    sheet = Image.new("RGB", (cols * pair_w + (cols + 1) * gap * 2, rows * (tile + 2 * gap) + 2 * gap), (32, 32, 32))
+    for n, (orig, recon) in enumerate(pairs):
+        x = 2 * gap + (n % cols) * (pair_w + 2 * gap)
+        y = 2 * gap + (n // cols) * (tile + 2 * gap)
+        for k, t in enumerate((orig, recon)):
+            img = Image.fromarray(t.permute(1, 2, 0).numpy()).resize((tile, tile), Image.NEAREST)
+            sheet.paste(img, (x + k * (tile + gap), y))
+    return sheet
+
+
+def decode(cache: Path, args) -> tuple[dict, int, str]:
+    manifest = cf.load_manifest(cache)
+    vae, cfg = _load_checked_vae(cache, manifest, args)
+    dtype = next(vae.parameters()).dtype
+    reader = cf.CacheReader(cache)
+    picked = _pick(len(reader), args.n, args.seed)
+    pairs, per_sample = [], []
+    with torch.no_grad():
+        for start in range(0, len(picked), args.batch_size):
+            samples = [reader[i] for i in picked[start:start + args.batch_size]]
+            z = torch.stack([s.mean for s in samples]).to(dtype)  # (B, 16, 1, h, w), un-normalised
+            out = vae.decode(z).sample[:, :, 0].float().clamp(-1, 1)  # (B, 3, H, W) in [-1, 1]
+            recon = ((out + 1) * 127.5).round().to(torch.uint8)
+            for s, r in zip(samples, recon):
+                orig = _stored_pixels(s, cfg) if s.image is not None else torch.full_like(r, 128)
+                mse = ((orig.float() - r.float()) / 127.5).pow(2).mean().item() if s.image is not None else None
+                psnr = 10 * math.log10(4.0 / mse) if mse else None  # signal range [-1, 1] has peak-to-peak 2
+                pairs.append((orig, r))
+                per_sample.append({"key": s.key, "caption": s.caption, "psnr_db": psnr and round(psnr, 2)})
+    reader.close()
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    _sheet(pairs).save(out_path)
+    report = {"cache": str(cache), "n": len(pairs), "out": str(out_path), "samples": per_sample}
+    return report, 0, f"decode {cache}: {len(pairs)} samples -> {out_path} (each original left of its reconstruction)"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# CLI
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise UserError(f"precompute.inspect: {message}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="precompute.inspect", description="Inspect a latent cache.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    def add(name: str, help_: str, models: bool = False):
+        sp = sub.add_parser(name, help=help_)
+        sp.add_argument("cache", help="the cache directory")
+        sp.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+        sp.add_argument("--config", help="precompute config to check the fingerprint against"
+                        + (" and take the VAE from" if models else " (loads the models)"))
+        sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+        if models:
+            sp.add_argument("--n", type=int, default=8, help="how many random samples")
+            sp.add_argument("--seed", type=int, default=0)
+            sp.add_argument("--batch-size", type=int, default=16)
+        return sp
+
+    add("summary", "counts, sizes, latent statistics, error reasons").add_argument(
+        "--max-samples", type=int, default=2048, help="latent statistics over at most this many samples")
+    add("verify", "check every shard and tensor against the manifest")
+    add("compare-live", "re-encode stored images and compare with the cached latents", models=True).add_argument(
+        "--tol", type=float, default=None, help="exit 1 when the max abs difference exceeds this")
+    add("decode", "decode latents with the VAE into a contact sheet", models=True).add_argument(
+        "--out", required=True, help="PNG file to write")
+    return p
+
+
+COMMANDS = {"summary": summary, "verify": verify, "compare-live": compare_live, "decode": decode}
+
+
+@cli_entry
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    cache = Path(args.cache)
+    report, code, text = COMMANDS[args.command](cache, args)
+    print(json.dumps(report, indent=1) if args.json else text)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
