@@ -88,6 +88,11 @@ def _check_value(value: Any, tp: Any, key: str) -> Any:
         return [_check_value(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if tp in (int, float, str, bool):
         if type(value) is not tp:
             raise UserError(f"config key '{key}': expected {tp.__name__}, got {type(value).__name__} {value!r}")

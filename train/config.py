@@ -1,6 +1,8 @@
 """The training config: one strict dataclass tree, validated before any model is loaded (design section 5)."""
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -97,7 +99,7 @@ def accumulation_steps(cfg: TrainConfig, world_size: int) -> int:
 
 # Keys that may change between a run and its resumption without changing its numbers.
 RESUME_NEUTRAL = ("resume", "trackers", "profile", "train.num_workers", "train.log_every", "train.save_every",
-                  "train.keep_last", "train.max_steps", "train.eval_every")
+                  "train.keep_last", "train.eval_every")
 
 
 def run_hash(cfg: TrainConfig) -> str:
@@ -109,7 +111,7 @@ def run_hash(cfg: TrainConfig) -> str:
         for p in parents:
             node = node[p]
         node.pop(last, None)
-    return config_hash(d)
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def load(argv: list[str] | None = None) -> tuple[TrainConfig, object]:

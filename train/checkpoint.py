@@ -1,0 +1,160 @@
+"""Checkpoints (design section 4): written to a temporary folder and renamed; old ones deleted only afterwards.
+
+    <output_dir>/checkpoint-<step>/trainable.safetensors  trainable parameters, by their model names
+    <output_dir>/checkpoint-<step>/state.json             step, epoch, samples seen, data cursor, config hash, parent
+    <output_dir>/checkpoint-<step>/optimizer.pt           AdamW state dict (tensors and numbers: weights_only=True)
+    <output_dir>/checkpoint-<step>/rng.safetensors        torch CPU RNG state of the main process
+    <output_dir>/checkpoint-<step>/ema.safetensors        EMA of the trainable weights (when train.ema > 0)
+    <output_dir>/final/                                   trainable.safetensors (+ ema), config.yaml, README.md
+
+The learning-rate schedule is a pure function of the step and the data cursor a pure function of (seed, step), so
+nothing else needs saving.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from theworld.errors import UserError
+from theworld.model import LoadReport
+
+CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+WEIGHTS = "trainable.safetensors"
+EMA = "ema.safetensors"
+STATE = "state.json"
+OPTIMIZER = "optimizer.pt"
+RNG = "rng.safetensors"
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints (renamed into place, state.json present), oldest first."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in out.iterdir() if (m := CKPT_RE.match(p.name)) and (p / STATE).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def resolve_resume(cfg) -> Path | None:
+    if cfg.resume is None:
+        return None
+    if cfg.resume == "auto":
+        ckpts = list_checkpoints(cfg.output_dir)
+        return ckpts[-1] if ckpts else None
+    p = Path(cfg.resume)
+    if not (p / STATE).is_file():
+        raise UserError(f"config key 'resume': {p} is not a checkpoint (no {STATE})")
+    return p
+
+
+def resolve_weights(path: str | Path) -> Path:
+    """init_from: a final/ or checkpoint folder, or a .safetensors file."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / WEIGHTS
+    if not p.is_file():
+        raise UserError(f"config key 'init_from': no weights at {p}")
+    return p
+
+
+def init_from(model, path: str | Path) -> LoadReport:
+    """Previous stage's weights by name (shapes checked); parts it lacks keep the base model's weights."""
+    return model.load_trainable(resolve_weights(path), strict=False)
+
+
+def _write_dir(tmp: Path, files: dict) -> None:
+    tmp.mkdir(parents=True)
+    for name, writer in files.items():
+        writer(tmp / name)
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+
+
+def save(c, state, output_dir: str | Path, keep_last: int, extra_state: dict) -> Path:
+    """Main process only. Returns the checkpoint folder; deletes the oldest beyond keep_last after the rename."""
+    out = Path(output_dir)
+    final = out / f"checkpoint-{state.step}"
+    tmp = out / f".tmp-checkpoint-{state.step}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    files = {
+        WEIGHTS: lambda p: c.raw.save_trainable(p),
+        OPTIMIZER: lambda p: torch.save(c.optimizer.state_dict(), p),
+        RNG: lambda p: save_file({"torch_cpu": torch.get_rng_state()}, str(p)),
+        STATE: lambda p: p.write_text(json.dumps({**state.to_json(), **extra_state, "time": time.time()}, indent=1)),
+    }
+    if c.ema is not None:
+        names = [n for n, p in c.raw.named_parameters() if p.requires_grad]
+        files[EMA] = lambda p: save_file({n: t.contiguous() for n, t in zip(names, c.ema)}, str(p))
+    _write_dir(tmp, files)
+    if final.exists():  # the same step saved before (e.g. a rerun after completion): replace it
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for old in list_checkpoints(out)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load(c, path: Path) -> dict:
+    """Restore weights, optimiser, EMA and RNG from a checkpoint; returns its state.json."""
+    c.raw.load_trainable(path / WEIGHTS, strict=True)
+    c.optimizer.load_state_dict(torch.load(path / OPTIMIZER, weights_only=True, map_location="cpu"))
+    if c.ema is not None:
+        if not (path / EMA).is_file():
+            raise UserError(f"resume: {path} has no {EMA} but train.ema is on")
+        ema = load_file(str(path / EMA))
+        names = [n for n, p in c.raw.named_parameters() if p.requires_grad]
+        for t, n in zip(c.ema, names):
+            t.copy_(ema[n])
+    torch.set_rng_state(load_file(str(path / RNG))["torch_cpu"])
+    return json.loads((path / STATE).read_text())
+
+
+MODEL_CARD = """# TheWorld: {name}
+
+Trainable weights of a TheWorld stage (Gemma 3 + Cosmos VAE world encoder + world projector).
+
+- base Gemma 3: `{gemma}`; VAE: `{vae}`; image resolution {resolution} px
+- trained: {trained}
+- steps: {step} (global batch {batch}, {samples} samples), lr {lr} ({schedule})
+- started from: {parent}
+- final eval loss {eval_loss}, with world latents shuffled {eval_shuffled} (gap {gap})
+
+`trainable.safetensors` holds only the trained tensors, by their names in `theworld.model.TheWorld`; load them with
+`TheWorld.from_config(...)` then `model.load_trainable(path)`, or start the next stage with `init_from: {out}`.
+`config.yaml` is the resolved training config.
+"""
+
+
+def export_final(c, state, cfg_yaml: str, output_dir: str | Path) -> Path:
+    cfg = c.cfg
+    out = Path(output_dir)
+    final = out / "final"
+    tmp = out / f".tmp-final-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    ev = state.last_eval or {}
+    fmt = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
+    gap = (ev["eval_loss_shuffled_world"] - ev["eval_loss"]) if ev else None
+    trained = ["world projector"] + [n for n in ("vision", "language", "vae") if not getattr(cfg.freeze, n)]
+    card = MODEL_CARD.format(name=out.name, gemma=cfg.model.gemma, vae=cfg.model.vae, resolution=cfg.image.resolution,
+                             trained=", ".join(trained), step=state.step, batch=cfg.train.global_batch_size,
+                             samples=state.samples_seen, lr=cfg.train.lr, schedule=cfg.train.schedule,
+                             parent=state.parent or "the base models", eval_loss=fmt(ev.get("eval_loss")),
+                             eval_shuffled=fmt(ev.get("eval_loss_shuffled_world")), gap=fmt(gap), out=final)
+    files = {WEIGHTS: lambda p: c.raw.save_trainable(p), "config.yaml": lambda p: p.write_text(cfg_yaml),
+             "README.md": lambda p: p.write_text(card)}
+    if c.ema is not None:
+        names = [n for n, p in c.raw.named_parameters() if p.requires_grad]
+        files[EMA] = lambda p: save_file({n: t.contiguous() for n, t in zip(names, c.ema)}, str(p))
+    _write_dir(tmp, files)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    return final

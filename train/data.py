@@ -1,0 +1,260 @@
+"""Data: the cache, its fingerprint check, the held-out split, per-epoch order, per-process slices, DataLoaders.
+
+Everything that decides which sample goes where is a pure function of (seed, epoch, step), so a run's data is the same
+whatever the number of processes, and resuming at step s reads exactly the batches an uninterrupted run reads there:
+
+- eval split: the `train.eval_samples` samples with the smallest sha256(key) are held out (independent of shard layout);
+- epoch order: a permutation of the training samples seeded from (seed, epoch); global batch b of an epoch is
+  order[b*G:(b+1)*G] (an incomplete last batch is dropped); step s is global batch s % steps_per_epoch of epoch
+  s // steps_per_epoch;
+- process r of W takes the r-th contiguous slice (G/W samples) of each global batch, in micro-batches of M.
+
+Tokenisation, image decoding and the Gemma image processor run inside DataLoader workers; the main process receives
+collated tensors.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from theworld import cache_format as cf
+from theworld.errors import UserError
+from theworld.images import decode, load_for_vae
+from theworld.text import IGNORE, ChatFormatter, collate_text
+
+
+def _seed(*parts) -> int:
+    return int.from_bytes(hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest(), "little") >> 1
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# What each sample needs
+
+
+@dataclass(frozen=True)
+class InputPlan:
+    cached_latents: bool  # frozen VAE: latents from the cache; else live encoding of the stored image
+    cached_siglip: bool  # frozen vision tower and SigLIP cached: features from the cache; else live pixels
+    flip: bool
+    members: tuple[str, ...]  # what the reader reads
+
+    @property
+    def needs_image(self) -> bool:
+        return not (self.cached_latents and self.cached_siglip)
+
+
+def plan_inputs(cfg, reader: cf.CacheReader) -> InputPlan:
+    """Decide cached vs live inputs from the freeze flags and what the cache holds; refuse impossible combinations."""
+    present = set(cf.CacheReader(reader.cache_dir).raw(0) if reader.members else reader.raw(0)) if len(reader) else set()
+    has_image = any(ext in present for ext in cf.IMAGE_EXTS)
+    cached_latents = cfg.freeze.vae
+    cached_siglip = cfg.freeze.vision and cfg.train.cached_siglip and cf.SIGLIP in present
+    flip = cfg.train.flip
+    if flip and cached_latents and cf.LATENT_FLIP not in present:
+        raise UserError(f"config key 'train.flip': cache {reader.cache_dir} has no flipped latents "
+                        "(build it with cache.flip: true, or set train.flip: false)")
+    if flip and cached_siglip:
+        raise UserError("config key 'train.flip': cached SigLIP features are unflipped; set "
+                        "train.cached_siglip: false to compute image tokens live, or train.flip: false")
+    plan_members = {cf.LATENT} if cached_latents else set()
+    if flip and cached_latents:
+        plan_members.add(cf.LATENT_FLIP)
+    if cached_siglip:
+        plan_members.add(cf.SIGLIP)
+    plan = InputPlan(cached_latents, cached_siglip, flip, ())
+    if plan.needs_image:
+        if not has_image:
+            what = "freeze.vae: false (live VAE encoding)" if not cached_latents else "live SigLIP pixels"
+            raise UserError(f"cache {reader.cache_dir} keeps no images, which {what} needs (build it with cache.images: true)")
+        plan_members.update(cf.IMAGE_EXTS)
+    return InputPlan(cached_latents, cached_siglip, flip, tuple(sorted(plan_members)))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The cache and its fingerprint
+
+
+def open_cache(cfg) -> tuple[cf.CacheReader, InputPlan]:
+    """Open the cache and check the fingerprint fields that need no model (before any model is loaded)."""
+    reader = cf.CacheReader(cfg.cache_dir)
+    fp = reader.manifest.get("fingerprint") or {}
+    plan = plan_inputs(cfg, reader)
+    cache_side = {"format_version": fp.get("format_version"),
+                  "image": {k: (fp.get("image") or {}).get(k) for k in ("resolution", "resize")}}
+    expected = {"format_version": cf.FORMAT_VERSION,
+                "image": {"resolution": cfg.image.resolution, "resize": cfg.image.resize}}
+    if plan.cached_latents:
+        cache_side["vae"] = {k: (fp.get("vae") or {}).get(k) for k in ("model", "dtype")}
+        expected["vae"] = {"model": cfg.model.vae, "dtype": cfg.model.dtype}
+    cf.check_fingerprint(cache_side, expected, cfg.cache_dir)
+    reader.members = plan.members
+    return reader, plan
+
+
+def verify_fingerprint(cfg, model, reader: cf.CacheReader, plan: InputPlan) -> None:
+    """Full check against the loaded models (config digests and weight hashes): format_version, image, and vae when
+    cached latents are used, siglip when cached SigLIP features are used."""
+    use_siglip = plan.cached_siglip
+    expected = cf.make_fingerprint(vae_model=cfg.model.vae, vae=model.world_encoder.vae, vae_dtype=cfg.model.dtype,
+                                   resolution=cfg.image.resolution, resize=cfg.image.resize,
+                                   gemma_model=cfg.model.gemma if use_siglip else None,
+                                   gemma=model.gemma if use_siglip else None)
+    fields = ["format_version", "image"] + (["vae"] if plan.cached_latents else []) + (["siglip"] if use_siglip else [])
+    cf.check_fingerprint(reader.manifest.get("fingerprint") or {}, expected, cfg.cache_dir, fields=fields)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Split and order
+
+
+def split(reader: cf.CacheReader, eval_samples: int) -> tuple[list[int], list[int]]:
+    """(train indices, eval indices): the eval_samples keys with the smallest sha256 are held out."""
+    n = len(reader)
+    if eval_samples >= n:
+        raise UserError(f"config key 'train.eval_samples': {eval_samples} leaves nothing to train on ({n} samples)")
+    ranked = sorted(range(n), key=lambda i: hashlib.sha256(reader.key(i).encode()).digest())
+    held = set(ranked[:eval_samples])
+    return [i for i in range(n) if i not in held], sorted(held, key=lambda i: reader.key(i))
+
+
+def epoch_order(train_indices: list[int], seed: int, epoch: int) -> list[int]:
+    g = torch.Generator().manual_seed(_seed("order", seed, epoch))
+    return [train_indices[i] for i in torch.randperm(len(train_indices), generator=g).tolist()]
+
+
+def steps_per_epoch(num_train: int, global_batch: int) -> int:
+    if num_train < global_batch:
+        raise UserError(f"config key 'train.global_batch_size': {global_batch} is more than the {num_train} "
+                        "training samples")
+    return num_train // global_batch
+
+
+def rank_indices(train_indices: list[int], seed: int, epoch: int, global_batch: int, rank: int, world_size: int,
+                 start_batch: int = 0) -> list[int]:
+    """This process's samples for global batches [start_batch, end of epoch) of `epoch`, in consumption order."""
+    order = epoch_order(train_indices, seed, epoch)
+    per_rank = global_batch // world_size
+    out = []
+    for b in range(start_batch, len(order) // global_batch):
+        lo = b * global_batch + rank * per_rank
+        out += order[lo:lo + per_rank]
+    return out
+
+
+def flip_of(seed: int, epoch: int, index: int) -> bool:
+    return _seed("flip", seed, epoch, index) & 1 == 1
+
+
+_LR = re.compile(r"\b(left|right)\b")
+
+
+def swap_left_right(text: str) -> str:
+    return _LR.sub(lambda m: "right" if m.group(1) == "left" else "left", text)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Dataset and collation (run in workers)
+
+
+class CacheDataset(Dataset):
+    """Position i -> one model-ready sample (token ids, labels, latents or image, SigLIP features or pixels)."""
+
+    def __init__(self, reader: cf.CacheReader, indices: list[int], formatter: ChatFormatter, plan: InputPlan,
+                 resolution: int, resize: str, image_processor=None, seed: int = 0, epoch: int = 0,
+                 flip: bool | None = None):
+        self.reader, self.indices, self.formatter, self.plan = reader, indices, formatter, plan
+        self.resolution, self.resize, self.image_processor = resolution, resize, image_processor
+        self.seed, self.epoch = seed, epoch
+        self.flip = plan.flip if flip is None else flip
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, pos: int) -> dict:
+        index = self.indices[pos]
+        s = self.reader[index]
+        flipped = self.flip and flip_of(self.seed, self.epoch, index)
+        prompt, caption = s.prompt, s.caption
+        if flipped:
+            prompt, caption = swap_left_right(prompt), swap_left_right(caption)
+        enc = self.formatter.encode(prompt, caption)
+        item: dict = {"text": enc}
+        if self.plan.cached_latents:
+            mean, logvar = (s.flip_mean, s.flip_logvar) if flipped else (s.mean, s.logvar)
+            item["latent_mean"], item["latent_logvar"] = mean, logvar
+        else:
+            pixels, _ = load_for_vae(s.image, self.resolution, self.resize)
+            item["images"] = pixels.flip(-1).contiguous() if flipped else pixels
+        if self.plan.cached_siglip:
+            item["siglip"] = s.siglip
+        else:
+            img = decode(s.image)
+            if flipped:
+                from PIL import ImageOps
+                img = ImageOps.mirror(img)
+            item["pixel_values"] = self.image_processor(images=[img], return_tensors="pt")["pixel_values"][0]
+        return item
+
+
+class Collate:
+    """List of samples -> one batch: padded text, stacked tensors, and the batch's answer-token count."""
+
+    def __init__(self, pad_id: int):
+        self.pad_id = pad_id
+
+    def __call__(self, items: list[dict]) -> dict:
+        batch = collate_text([it["text"] for it in items], self.pad_id)
+        for k in items[0]:
+            if k != "text":
+                batch[k] = torch.stack([it[k] for it in items])
+        batch["num_tokens"] = int((batch["labels"][:, 1:] != IGNORE).sum())
+        return batch
+
+
+@dataclass
+class DataContext:
+    """Everything a loader needs besides (rank, world_size, epoch, start): built once per run."""
+
+    reader: cf.CacheReader
+    plan: InputPlan
+    formatter: ChatFormatter
+    image_processor: object
+    train_indices: list[int]
+    eval_indices: list[int]
+
+    @classmethod
+    def build(cls, cfg, reader: cf.CacheReader, plan: InputPlan, processor) -> "DataContext":
+        train, held = split(reader, cfg.train.eval_samples)
+        formatter = ChatFormatter(processor, max_length=cfg.train.max_length or None)
+        return cls(reader, plan, formatter, processor.image_processor, train, held)
+
+    def dataset(self, cfg, indices: list[int], epoch: int, flip: bool | None = None) -> CacheDataset:
+        return CacheDataset(self.reader, indices, self.formatter, self.plan, cfg.image.resolution, cfg.image.resize,
+                            self.image_processor, cfg.seed, epoch, flip)
+
+
+def _loader(cfg, ctx: DataContext, dataset, **kw) -> DataLoader:
+    workers = cfg.train.num_workers
+    return DataLoader(dataset, num_workers=workers, pin_memory=torch.cuda.is_available(),
+                      collate_fn=Collate(ctx.formatter.pad_id), prefetch_factor=4 if workers else None, **kw)
+
+
+def build_train_loader(cfg, ctx: DataContext, rank: int, world_size: int, epoch: int, start: int = 0) -> DataLoader:
+    """Micro-batches of this process for `epoch` from global batch `start` on: accumulation_steps of them per step."""
+    idx = rank_indices(ctx.train_indices, cfg.seed, epoch, cfg.train.global_batch_size, rank, world_size, start)
+    return _loader(cfg, ctx, ctx.dataset(cfg, idx, epoch), batch_size=cfg.train.micro_batch_size, shuffle=False)
+
+
+def build_eval_loader(cfg, ctx: DataContext, rank: int, world_size: int) -> DataLoader:
+    """This process's share of the held-out samples, unflipped, in batches of at least 2 (so world latents can be
+    permuted across samples); a trailing single sample joins the batch before it."""
+    idx = ctx.eval_indices[rank::world_size]
+    size = max(2, cfg.train.eval_batch_size or cfg.train.micro_batch_size)
+    batches = [list(range(i, min(i + size, len(idx)))) for i in range(0, len(idx), size)]
+    if len(batches) > 1 and len(batches[-1]) == 1:
+        batches[-2] += batches.pop()
+    return _loader(cfg, ctx, ctx.dataset(cfg, idx, 0, flip=False), batch_sampler=batches)

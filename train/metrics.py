@@ -1,0 +1,114 @@
+"""Metrics: metrics.jsonl, Accelerate trackers, the progress bar, an optional profiler window, the final summary."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+METRICS = "metrics.jsonl"
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v if isinstance(v, (int, float, str, bool)) else str(v)
+    return out
+
+
+class Metrics:
+    """Main-process sink for log and eval events. On resume, lines past the resumed step (from the interrupted
+    run) are dropped so the file reads as one uninterrupted run."""
+
+    def __init__(self, accelerator, output_dir: str | Path, config: dict, start_step: int, max_steps: int,
+                 trackers: list[str]):
+        self.acc, self.main = accelerator, accelerator.is_main_process
+        self.path = Path(output_dir) / METRICS
+        self.bar = None
+        if not self.main:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if self.path.is_file() and start_step > 0:
+            kept = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= start_step]
+        self.path.write_text("".join(ln + "\n" for ln in kept))
+        if trackers:
+            accelerator.init_trackers("theworld", config=_flat(config))
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=max_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr,
+                        mininterval=1.0)
+        self.trackers = bool(trackers)
+
+    def log(self, event: dict) -> None:
+        if not self.main:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(event) + "\n")
+        if self.trackers:
+            self.acc.log({k: v for k, v in event.items() if k != "step"}, step=event["step"])
+        if self.bar is not None and "loss" in event:
+            self.bar.set_postfix(loss=f"{event['loss']:.4f}", lr=f"{event['lr']:.2e}",
+                                 sps=f"{event['samples_per_s']:.0f}", refresh=False)
+
+    def message(self, text: str) -> None:
+        if self.main:
+            (self.bar.write if self.bar is not None else print)(text)
+
+    def advance(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.main and self.trackers:
+            self.acc.end_training()
+
+
+class ProfileWindow:
+    """torch.profiler over steps [start, start + steps): writes a Chrome trace and prints the top operations."""
+
+    def __init__(self, cfg, output_dir: str | Path, rank: int):
+        self.cfg, self.rank = cfg, rank
+        self.dir = Path(output_dir) / "profile"
+        self.prof = None
+
+    def before(self, step: int) -> None:
+        if self.cfg.enabled and step == self.cfg.start_step and self.prof is None:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=acts, record_shapes=True)
+            self.prof.__enter__()
+
+    def after(self, step: int) -> None:  # `step`: steps done
+        if self.prof is not None and step >= self.cfg.start_step + self.cfg.steps:
+            self.prof.__exit__(None, None, None)
+            self.dir.mkdir(parents=True, exist_ok=True)
+            trace = self.dir / f"trace-rank{self.rank}.json"
+            self.prof.export_chrome_trace(str(trace))
+            if self.rank == 0:
+                sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+                print(self.prof.key_averages().table(sort_by=sort, row_limit=self.cfg.top), file=sys.stderr)
+                print(f"profile trace: {trace}", file=sys.stderr)
+            self.prof = None
+
+
+def summary(state, elapsed: float, steps_run: int, train_time: float) -> str:
+    ev = state.last_eval or {}
+    lines = [f"steps {state.step} ({steps_run} this run) in {elapsed:.1f}s"
+             + (f", {1000 * train_time / steps_run:.1f} ms/step" if steps_run else "")]
+    if state.first_loss is not None:
+        lines.append(f"train loss: first {state.first_loss:.4f} -> last {state.last_loss:.4f}")
+    if ev:
+        gap = ev["eval_loss_shuffled_world"] - ev["eval_loss"]
+        lines.append(f"eval_loss {ev['eval_loss']:.4f}, eval_loss_shuffled_world {ev['eval_loss_shuffled_world']:.4f}, "
+                     f"gap {gap:+.4f} nats/token")
+    if state.nonfinite_steps:
+        lines.append(f"non-finite steps skipped: {state.nonfinite_steps}")
+    return "\n".join(lines)

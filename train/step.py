@@ -1,0 +1,132 @@
+"""One optimisation step on already-loaded micro-batches, and evaluation. The loop state lives in `LoopState`.
+
+The loss is normalised by the number of answer tokens in the whole global batch (all micro-batches, all processes),
+counted and all-reduced before the forward passes, so accumulation and process count leave the gradient unchanged.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from train.data import _seed
+
+
+class NonFiniteError(RuntimeError):
+    """Too many non-finite steps in a row: the run stops."""
+
+
+@dataclass
+class LoopState:
+    """Everything mutable in a run; with the weights and optimiser state it defines where the run is."""
+
+    step: int = 0  # optimiser steps taken (skipped non-finite steps count: their batch is consumed)
+    samples_seen: int = 0
+    tokens_seen: int = 0
+    nonfinite_steps: int = 0
+    nonfinite_in_a_row: int = 0
+    first_loss: float | None = None
+    last_loss: float | None = None
+    last_eval: dict | None = None
+    parent: str | None = None  # init_from of this run
+    history: list = field(default_factory=list)  # checkpoints this run resumed from
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "LoopState":
+        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def step_generator(seed: int, step: int, rank: int, device) -> torch.Generator:
+    """The RNG of a step (latent sampling): a pure function of (seed, step, rank), so resume is exact."""
+    return torch.Generator(device=device).manual_seed(_seed("step", seed, step, rank))
+
+
+def optimization_step(c, state: LoopState, micro_batches: list[dict]) -> dict:
+    """Forward/backward over this process's micro-batches of one global batch, clip, AdamW step (unless non-finite),
+    EMA update. Advances `state`. Returns {loss, grad_norm, lr, skipped, tokens}."""
+    acc, cfg = c.accelerator, c.cfg
+    device = acc.device
+    local = sum(int(b["num_tokens"]) for b in micro_batches)
+    n_global = torch.tensor([local], dtype=torch.long, device=device)
+    if c.world_size > 1:
+        n_global = acc.reduce(n_global, reduction="sum")
+    n = max(int(n_global.item()), 1)
+    lr = cfg.train.lr * c.lr_fn(state.step)
+    for g in c.optimizer.param_groups:
+        g["lr"] = lr
+    gen = step_generator(cfg.seed, state.step, c.rank, device)
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    for i, mb in enumerate(micro_batches):
+        inputs = to_device({k: v for k, v in mb.items() if k != "num_tokens"}, device)
+        sync = i == len(micro_batches) - 1
+        with contextlib.nullcontext() if sync else acc.no_sync(c.model):
+            out = c.model(**inputs, num_items=n, generator=gen)
+            # DDP averages gradients over processes; each process's share is loss_sum_r / n, so undo the mean.
+            acc.backward(out.loss * c.world_size)
+        loss_sum += out.loss_sum.detach().float()
+    if c.world_size > 1:
+        loss_sum = acc.reduce(loss_sum, reduction="sum")
+    loss = float(loss_sum) / n
+    max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
+    grad_norm = float(acc.clip_grad_norm_(c.params, max_norm))
+    finite = math.isfinite(loss) and math.isfinite(grad_norm)
+    if finite:
+        c.optimizer.step()
+        if c.ema is not None:
+            with torch.no_grad():
+                torch._foreach_lerp_(c.ema, [p.detach().float() for p in c.params], 1.0 - cfg.train.ema)
+        state.nonfinite_in_a_row = 0
+        state.first_loss = loss if state.first_loss is None else state.first_loss
+        state.last_loss = loss
+    else:
+        state.nonfinite_steps += 1
+        state.nonfinite_in_a_row += 1
+    c.optimizer.zero_grad(set_to_none=True)
+    state.step += 1
+    state.samples_seen += cfg.train.global_batch_size
+    state.tokens_seen += int(n_global.item())
+    if state.nonfinite_in_a_row >= cfg.train.max_nonfinite:
+        raise NonFiniteError(f"{state.nonfinite_in_a_row} non-finite steps in a row (last at step {state.step}: "
+                             f"loss {loss}, grad norm {grad_norm}); lower train.lr or check the data")
+    return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": not finite, "tokens": int(n_global.item())}
+
+
+WORLD_KEYS = ("latent_mean", "latent_logvar", "images")
+
+
+@torch.no_grad()
+def evaluate(c, loader) -> dict:
+    """eval_loss and eval_loss_shuffled_world (the same batches with world inputs rolled by one across samples), per
+    answer token over the whole held-out split (all processes). World latents use the posterior mean."""
+    model, acc = c.raw, c.accelerator
+    was_training, mode = model.training, model.latent_mode
+    model.eval()
+    model.latent_mode = "mean"
+    sums = torch.zeros(3, dtype=torch.float64, device=acc.device)  # loss, shuffled loss, tokens
+    try:
+        for batch in loader:
+            batch = to_device({k: v for k, v in batch.items() if k != "num_tokens"}, acc.device)
+            shuffled = {k: (v.roll(1, dims=0) if k in WORLD_KEYS else v) for k, v in batch.items()}
+            with acc.autocast():
+                a = model(**batch)
+                b = model(**shuffled)
+            sums += torch.tensor([float(a.loss_sum), float(b.loss_sum), a.num_tokens], dtype=torch.float64,
+                                 device=acc.device)
+    finally:
+        model.latent_mode = mode
+        model.train(was_training)
+    if c.world_size > 1:
+        sums = acc.reduce(sums, reduction="sum")
+    tokens = max(float(sums[2]), 1.0)
+    return {"eval_loss": float(sums[0]) / tokens, "eval_loss_shuffled_world": float(sums[1]) / tokens,
+            "eval_tokens": int(sums[2])}
