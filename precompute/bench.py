@@ -1,0 +1,162 @@
+"""Precompute benchmark: how close the full pipeline gets to the encoder alone, and what the cache format costs.
+
+    python -m precompute.bench [--json] [--n N] [--cases tiny,jpeg256]
+
+For each case, measured side by side in one run on the same images:
+  pipeline_efficiency   encode-only time on pre-decoded uint8 tensors / full `run()` time (decode, resize, encode,
+                        serialise, write; model loading excluded). 1.0 means the encoder is the only cost.
+  host_ms_per_image     one worker's decode+resize, and the serialisation of a sample (latents to safetensors + tar
+                        member bytes), per image.
+  bytes_overhead        bytes per cached sample / bytes of its payload (latent tensors, image, caption, json) - 1.
+A last row writes real-size samples (512 px: latents 16x1x64x64 in bfloat16, a 512 px JPEG) to measure the format's
+overhead at the size it is used at, without needing the real VAE.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from PIL import Image, ImageFilter
+
+from precompute.config import PrecomputeConfig, SourceConfig
+from precompute.cosmos_latents import EntryDataset, run
+from precompute.sources import list_entries
+from theworld import cache_format as cf
+from theworld import encoders, images, synthetic
+from theworld.config import ImageConfig, ModelConfig
+
+
+def _jpeg_folder(root: Path, n: int, size: tuple[int, int] = (1024, 768)) -> None:
+    """n photo-sized JPEGs (synthetic scenes blown up, blurred and noised so they compress like photos)."""
+    root.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i in range(n):
+        img, caption = synthetic.scene(1, i, size=256)
+        img = img.resize(size, Image.BICUBIC).filter(ImageFilter.GaussianBlur(2))
+        noise = Image.effect_noise(size, 24).convert("RGB")
+        img = Image.blend(img, noise, 0.15)
+        img.save(root / f"{i:05d}.jpg", quality=90)
+        lines.append(json.dumps({"image": f"{i:05d}.jpg", "caption": caption}))
+    (root / "captions.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def _config(case: str, work: Path, n: int) -> PrecomputeConfig:
+    common = dict(model=ModelConfig(gemma="tiny", vae="tiny", dtype="float32"), shard_size=128, num_workers=1)
+    if case == "tiny":
+        return PrecomputeConfig(**common, image=ImageConfig(resolution=64), output_dir=str(work / "cache-tiny"),
+                                source=SourceConfig(type="synthetic", num_samples=n), batch_size=64)
+    if case == "jpeg256":
+        _jpeg_folder(work / "jpegs", n)
+        return PrecomputeConfig(**common, image=ImageConfig(resolution=256), output_dir=str(work / "cache-jpeg"),
+                                source=SourceConfig(type="folder", path=str(work / "jpegs")), batch_size=16)
+    raise SystemExit(f"unknown case {case!r} (tiny, jpeg256)")
+
+
+def _timed(fn, *args) -> tuple[float, object]:
+    t = time.perf_counter()
+    out = fn(*args)
+    return time.perf_counter() - t, out
+
+
+def bench_case(case: str, work: Path, n: int) -> dict:
+    cfg = _config(case, work, n)
+    entries = list_entries(cfg.source.type, cfg.source.path, cfg.source.num_samples, cfg.seed, cfg.source.prompt)
+    dataset = EntryDataset(entries, cfg)
+    # Host work of one worker: decode + resize, in this process, image by image.
+    t_prep, items = _timed(lambda: [dataset[i] for i in range(len(entries))])
+    encoder = encoders.WorldEncoder(encoders.load_vae(cfg.model.vae, cfg.model.dtype)).eval()
+    pixels = torch.stack([it["pixels"] for it in items])
+    with torch.no_grad():
+        encoder(pixels[: cfg.batch_size])  # warm-up: first-call allocations are not steady state
+        t_enc, latents = _timed(lambda: [encoder(pixels[a:a + cfg.batch_size])
+                                         for a in range(0, len(pixels), cfg.batch_size)])
+    mean = torch.cat([m for m, _ in latents])
+    logvar = torch.cat([v for _, v in latents])
+    samples = [cf.Sample(key=e.key, caption=it["caption"], meta=it["meta"], mean=mean[i], logvar=logvar[i],
+                         image=it.get("image"), image_ext=it.get("image_ext")) for i, (e, it) in enumerate(zip(entries, items))]
+    t_ser, encoded = _timed(lambda: [cf.encode_sample(s, cfg.cache.dtype) for s in samples])
+    # The full pipeline on the same images (model loading is outside its timer).
+    summary = run(cfg)["summary"]
+    manifest = cf.load_manifest(cfg.output_dir)
+    payload = sum(len(v) for members in encoded for v in members.values()) / len(encoded)
+    per_sample = sum(s["bytes"] for s in manifest["shards"]) / manifest["num_samples"]
+    return {
+        "case": case, "images": n, "resolution": cfg.image.resolution, "batch_size": cfg.batch_size,
+        "num_workers": cfg.num_workers, "threads": torch.get_num_threads(),
+        "encode_only_images_per_s": round(n / t_enc, 1),
+        "pipeline_images_per_s": summary["images_per_s"],
+        "pipeline_efficiency": round((t_enc / n) / (summary["encode_seconds"] / n), 3),
+        "host_ms_per_image_decode_resize": round(1000 * t_prep / n, 3),
+        "host_ms_per_image_serialise": round(1000 * t_ser / n, 3),
+        "bytes_per_sample": round(per_sample), "payload_bytes_per_sample": round(payload),
+        "bytes_overhead": round(per_sample / payload - 1, 4),
+    }
+
+
+def bench_draft_decode(n: int = 16) -> dict:
+    """JPEG draft-mode decoding vs a full decode of a 1024x768 photo, both to a 256 px input."""
+    with tempfile.TemporaryDirectory() as tmp:
+        _jpeg_folder(Path(tmp), n)
+        blobs = [p.read_bytes() for p in sorted(Path(tmp).glob("*.jpg"))]
+    t_full, _ = _timed(lambda: [images.resize(images.decode(b), 256)[0] for b in blobs])
+    t_draft, _ = _timed(lambda: [images.resize(images.decode(b, draft_size=256), 256)[0] for b in blobs])
+    return {"case": "jpeg_draft_decode", "full_ms": round(1000 * t_full / n, 2), "draft_ms": round(1000 * t_draft / n, 2),
+            "speedup": round(t_full / t_draft, 2)}
+
+
+def bench_real_size_format(work: Path, n: int = 32) -> dict:
+    """Format overhead at real size: 512 px -> latents (16, 1, 64, 64) in bfloat16, plus a 512 px JPEG."""
+    img, caption = synthetic.scene(2, 0, size=512)
+    buf = io.BytesIO()
+    img.filter(ImageFilter.GaussianBlur(1)).save(buf, "JPEG", quality=90)
+    jpeg = buf.getvalue()
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for keep_image in (True, False):
+        samples = [(f"s{i:05d}", cf.encode_sample(cf.Sample(
+            key=f"s{i:05d}", caption=caption, meta={"prompt": synthetic.PROMPT, "original_size": [512, 512],
+                                                    "crop_box": [0, 0, 512, 512], "flip": False},
+            mean=torch.randn(16, 1, 64, 64, generator=g), logvar=torch.randn(16, 1, 64, 64, generator=g),
+            image=jpeg if keep_image else None, image_ext="jpg" if keep_image else None), "bfloat16"))
+            for i in range(n)]
+        side = cf.write_shard(work / f"real-{keep_image}", 0, samples)
+        payload = sum(len(v) for _, m in samples for v in m.values()) / n
+        raw = 2 * 16 * 64 * 64 * 2  # the two tensors' bytes alone
+        rows.append({"case": f"real_size_format{'' if keep_image else '_no_images'}",
+                     "bytes_per_sample": round(side["bytes"] / n), "payload_bytes_per_sample": round(payload),
+                     "raw_tensor_bytes": raw, "bytes_overhead": round(side["bytes"] / n / payload - 1, 4)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="precompute.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--n", type=int, default=1024, help="images per case (jpeg256 uses n/16: its encoder is 60x slower)")
+    p.add_argument("--cases", default="tiny,jpeg256")
+    args = p.parse_args(argv)
+    encoders._quiet_hf()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for case in args.cases.split(","):
+            rows.append(bench_case(case, work, args.n if case == "tiny" else max(8, args.n // 16)))
+            if not args.json:
+                print(json.dumps(rows[-1]), flush=True)
+        rows.append(bench_draft_decode())
+        rows += bench_real_size_format(work)
+    if args.json:
+        print(json.dumps({"rows": rows}, indent=1))
+    else:
+        for r in rows[len(args.cases.split(",")):]:
+            print(json.dumps(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
