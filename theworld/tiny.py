@@ -62,14 +62,19 @@ def _build_tokenizer():
         chat_template=CHAT_TEMPLATE, padding_side="right")
 
 
-def _gemma_config(tokenizer, initializer_range: float = INITIALIZER_RANGE):
+def _gemma_config(tokenizer, initializer_range: float = INITIALIZER_RANGE, **text_sizes):
     from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
 
+    sizes = {**dict(hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+                    num_key_value_heads=1, head_dim=32, sliding_window=64), **text_sizes}
+    # Gemma 3 interleaves 5 sliding-window layers with 1 global one; spell it out (required for few layers), and
+    # end on a global layer so every token can see the whole world.
+    n = sizes["num_hidden_layers"]
+    layer_types = ["full_attention" if (i + 1) % 6 == 0 or i == n - 1 else "sliding_attention" for i in range(n)]
     text = Gemma3TextConfig(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=32, sliding_window=64,
-        layer_types=["full_attention"], max_position_embeddings=2048, initializer_range=initializer_range,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+        vocab_size=len(tokenizer), **sizes, layer_types=layer_types, max_position_embeddings=2048,
+        initializer_range=initializer_range, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                 image_size=32, patch_size=8)
     ids = tokenizer.convert_tokens_to_ids
@@ -78,12 +83,13 @@ def _gemma_config(tokenizer, initializer_range: float = INITIALIZER_RANGE):
                         image_token_index=ids("<image_soft_token>"), initializer_range=initializer_range)
 
 
-def build_tiny_gemma(out_dir: Path) -> None:
+def build_tiny_gemma(out_dir: Path, **text_sizes) -> None:
+    """Save a seeded random Gemma 3 + processor to out_dir (text_sizes override the tiny text-model sizes)."""
     from transformers import Gemma3ForConditionalGeneration, Gemma3ImageProcessorPil, Gemma3Processor
 
     torch.manual_seed(SEED)
     tokenizer = _build_tokenizer()
-    config = _gemma_config(tokenizer)
+    config = _gemma_config(tokenizer, **text_sizes)
     model = Gemma3ForConditionalGeneration(config).eval()
     # A random model's multimodal projector is zero: image features would be all zero. Give it the scale of a
     # token embedding so the image path carries signal, as a trained one does.
