@@ -1,0 +1,281 @@
+"""Training loop tests (CPU): exact resume after kill -9, 1 vs 2 processes vs accumulation, stage chaining with live
+VAE encoding, live == cached first-step loss, non-finite steps, fingerprint and config errors, data order."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(ROOT),
+       "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """96 synthetic samples at 64 px, float32, flipped latents and images kept (3 shards of 32)."""
+    from precompute.config import load as load_pre
+    from precompute.cosmos_latents import run
+
+    out = tmp_path_factory.mktemp("train") / "cache"
+    cfg = load_pre(str(ROOT / "configs" / "precompute.yaml"),
+                   [f"output_dir={out}", "source.num_samples=96", "shard_size=32", "batch_size=32", "num_workers=0",
+                    "cache.flip=true"])
+    run(cfg)
+    return out
+
+
+def base_args(cache: Path, out: Path, steps: int = 4, **extra) -> list[str]:
+    sets = {"cache_dir": cache, "output_dir": out, "model.dtype": "float32", "train.max_steps": steps,
+            "train.global_batch_size": 16, "train.micro_batch_size": 8, "train.eval_samples": 16,
+            "train.num_workers": 0, "trackers": "[]", "train.log_every": 1, "train.save_every": 100,
+            "train.eval_every": 0, "train.warmup_steps": 2, "train.lr": "1e-2", **extra}
+    return [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+
+
+def train_cli(args: list[str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "train.loop", *args], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=300, **kw)
+
+
+def train_inproc(args: list[str]) -> int:
+    from train.loop import main
+
+    return main(args)
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "final" / "trainable.safetensors"))
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Pure functions: order, split, accumulation
+
+
+def test_rank_slices_are_disjoint_complete_and_independent_of_process_count():
+    from train.data import epoch_order, rank_indices
+
+    train = list(range(100, 180))  # 80 samples, G=16: 5 global batches per epoch
+    for epoch in (0, 1):
+        one = rank_indices(train, 7, epoch, 16, 0, 1)
+        two = [rank_indices(train, 7, epoch, 16, r, 2) for r in range(2)]
+        four = [rank_indices(train, 7, epoch, 16, r, 4) for r in range(4)]
+        assert sorted(one) == sorted(train) and sorted(two[0] + two[1]) == sorted(train)
+        assert not set(two[0]) & set(two[1])
+        for b in range(5):  # the same samples in each global batch whatever the number of processes
+            g = set(one[b * 16:(b + 1) * 16])
+            assert g == set(two[0][b * 8:(b + 1) * 8] + two[1][b * 8:(b + 1) * 8])
+            assert g == set(sum((f[b * 4:(b + 1) * 4] for f in four), []))
+        # resuming at global batch 3 reads exactly the tail
+        assert rank_indices(train, 7, epoch, 16, 1, 2, start_batch=3) == two[1][24:]
+    assert epoch_order(train, 7, 0) == epoch_order(train, 7, 0) != epoch_order(train, 7, 1)
+
+
+def test_accumulation_must_be_integral():
+    from theworld.config import load_config
+    from theworld.errors import UserError
+    from train.config import TrainConfig, accumulation_steps
+
+    cfg = load_config(TrainConfig, None, ["train.global_batch_size=32", "train.micro_batch_size=8"])
+    assert accumulation_steps(cfg, 1) == 4 and accumulation_steps(cfg, 2) == 2
+    with pytest.raises(UserError, match="train.global_batch_size"):
+        accumulation_steps(cfg, 3)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# User errors: exit 2, one line naming the cause
+
+
+def test_unknown_config_key_exits_2(capsys):
+    assert train_inproc(["--config", str(ROOT / "configs" / "stage1.yaml"), "--set", "train.learning_rate=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train.learning_rate" in err[0]
+
+
+@pytest.mark.parametrize("override,field", [("image.resolution=32", "image.resolution"),
+                                            ("model.dtype=bfloat16", "vae.dtype"),
+                                            ("model.vae=/elsewhere/vae", "vae.model")])
+def test_mismatched_cache_fingerprint_is_refused(cache, tmp_path, capsys, override, field):
+    args = base_args(cache, tmp_path / "run") + ["--set", override]
+    assert train_inproc(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and field in err[0], err
+    assert not (tmp_path / "run").exists()
+
+
+def test_weights_fingerprint_checked_after_model_load(cache, tmp_path, capsys, monkeypatch):
+    """A VAE with the same name but other weights is caught by the weight hash (full check after loading)."""
+    from theworld import encoders
+
+    real = encoders.load_vae
+
+    def perturbed(spec, dtype="bfloat16"):
+        vae = real(spec, dtype)
+        with torch.no_grad():
+            next(vae.parameters()).add_(1e-3)
+        return vae
+
+    monkeypatch.setattr(encoders, "load_vae", perturbed)
+    assert train_inproc(base_args(cache, tmp_path / "run")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "vae.weights" in err[0], err
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Exact resume
+
+
+def test_kill_9_and_resume_gives_bitwise_equal_weights(cache, tmp_path):
+    extra = dict(**{"train.save_every": 2, "train.keep_last": 2, "train.flip": "true", "world.latent": "sample",
+                    "train.ema": 0.9})
+    ref = train_cli(base_args(cache, tmp_path / "ref", steps=9, **extra))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "train.loop", *base_args(cache, out, steps=9, **extra)], cwd=ROOT,
+                            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not (out / "checkpoint-4").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "final").exists(), "the run finished before it could be killed"
+    resumed = train_cli(base_args(cache, out, steps=9, **extra))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr + resumed.stdout
+    a, b = weights(tmp_path / "ref"), weights(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ea = load_file(str(tmp_path / "ref" / "final" / "ema.safetensors"))
+    eb = load_file(str(out / "final" / "ema.safetensors"))
+    assert all(torch.equal(ea[k], eb[k]) for k in ea)
+    # metrics read as one run: one line per step, the same losses
+    la = [m["loss"] for m in metrics(tmp_path / "ref") if "loss" in m]
+    lb = [m["loss"] for m in metrics(out) if "loss" in m]
+    assert la == lb and len(la) == 9
+    state = json.loads((out / "checkpoint-9" / "state.json").read_text())
+    assert state["step"] == 9 and state["samples_seen"] == 9 * 16
+    assert state["data_cursor"] == {"epoch": 1, "batch_in_epoch": 4}  # 80 train samples: 5 steps per epoch
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-8", "checkpoint-9"]  # keep_last 2
+    assert not list(out.glob(".tmp-*"))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Process count and accumulation do not change the numbers
+
+
+def test_one_vs_two_processes_vs_accumulation(cache, tmp_path):
+    extra = {"train.flip": "true"}
+    one = train_cli(base_args(cache, tmp_path / "one", steps=3, **extra))  # 1 process, 2 micro-batches of 8
+    assert one.returncode == 0, one.stderr[-3000:]
+    acc = train_cli(base_args(cache, tmp_path / "acc", steps=3, **extra, **{"train.micro_batch_size": 4}))  # 4 of 4
+    assert acc.returncode == 0, acc.stderr[-3000:]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    two = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
+         "-m", "train.loop", *base_args(cache, tmp_path / "two", steps=3, **extra)],
+        cwd=ROOT, env={**ENV, "ACCELERATE_USE_CPU": "true"}, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "2 process(es) x 1 micro-batches" in two.stderr + two.stdout
+    w1, wa, w2 = weights(tmp_path / "one"), weights(tmp_path / "acc"), weights(tmp_path / "two")
+    for k in w1:
+        torch.testing.assert_close(wa[k], w1[k], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-6)
+    l1 = [m["loss"] for m in metrics(tmp_path / "one") if "loss" in m]
+    l2 = [m["loss"] for m in metrics(tmp_path / "two") if "loss" in m]
+    assert l1 == pytest.approx(l2, rel=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Stages
+
+
+def test_live_vae_first_step_loss_equals_cached(cache, tmp_path):
+    assert train_inproc(base_args(cache, tmp_path / "cached", steps=1)) == 0
+    assert train_inproc(base_args(cache, tmp_path / "live", steps=1, **{"freeze.vae": "false"})) == 0
+    cached = metrics(tmp_path / "cached")[0]
+    live = metrics(tmp_path / "live")[0]
+    assert cached["step"] == live["step"] == 1
+    assert live["loss"] == pytest.approx(cached["loss"], rel=1e-5, abs=1e-6)
+    assert any(k.startswith("world_encoder.vae.") for k in weights(tmp_path / "live"))
+
+
+def test_stage_chain_1_2_4(cache, tmp_path, capsys):
+    cfgs = ROOT / "configs"
+    small = {"train.max_steps": 2, "train.global_batch_size": 8, "train.micro_batch_size": 4, "train.eval_samples": 8,
+             "train.num_workers": 0, "trackers": "[]", "train.eval_every": 0, "cache_dir": cache}
+    s = lambda d: [a for k, v in d.items() for a in ("--set", f"{k}={v}")]  # noqa: E731
+    s1, s2, s4 = tmp_path / "s1", tmp_path / "s2", tmp_path / "s4"
+    assert train_inproc(["--config", str(cfgs / "stage1.yaml"), *s({**small, "output_dir": s1})]) == 0
+    out1 = capsys.readouterr()
+    assert "latents cached" in out1.err
+    assert train_inproc(["--config", str(cfgs / "stage2.yaml"),
+                         *s({**small, "output_dir": s2, "init_from": s1 / "final"})]) == 0
+    out2 = capsys.readouterr()
+    w1, w2 = weights(s1), weights(s2)
+    assert set(w1) == {k for k in w2 if k.startswith("projector.")}
+    assert any(k.startswith("gemma.model.vision_tower.") for k in w2)
+    n_new = len(w2) - len(w1)
+    assert f"loaded {len(w1)} tensors, {n_new} new, 0 ignored" in out2.err
+    assert train_inproc(["--config", str(cfgs / "stage4.yaml"),
+                         *s({**small, "output_dir": s4, "init_from": s2 / "final",
+                             "train.num_workers": 1})]) == 0
+    out4 = capsys.readouterr()
+    assert "latents live" in out4.err and f"loaded {len(w2)} tensors" in out4.err
+    w4 = weights(s4)
+    assert any(k.startswith("world_encoder.vae.") for k in w4)
+    assert any(k.startswith("gemma.model.language_model.") for k in w4)
+    final = s4 / "final"
+    assert str(s2 / "final") in (final / "README.md").read_text()
+    assert "vae: false" in (final / "config.yaml").read_text()
+    assert "eval_loss" in metrics(s4)[-1]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Non-finite steps
+
+
+def test_nonfinite_loss_is_skipped_and_counted(cache, tmp_path):
+    from theworld.config import load_config
+    from train import data, optim
+    from train.config import TrainConfig
+    from train.step import LoopState, NonFiniteError, optimization_step
+
+    cfg = load_config(TrainConfig, None, [a for a in base_args(cache, tmp_path / "run") if a != "--set"]
+                      + ["train.max_nonfinite=2"])
+    reader, plan = data.open_cache(cfg)
+    acc = optim.make_accelerator(cfg)
+    c = optim.build(cfg, acc, 2)
+    ctx = data.DataContext.build(cfg, reader, plan, c.processor)
+    it = iter(data.build_train_loader(cfg, ctx, 0, 1, epoch=0, start=0))
+    good = [next(it), next(it)]
+    bad = [dict(good[0]), good[1]]
+    bad[0]["latent_mean"] = good[0]["latent_mean"].clone()
+    bad[0]["latent_mean"][0, 0, 0, 0, 0] = float("nan")
+    state = LoopState()
+    before = {k: v.clone() for k, v in c.raw.trainable_state_dict().items()}
+    out = optimization_step(c, state, bad)
+    assert out["skipped"] and state.nonfinite_steps == 1 and state.step == 1
+    assert all(torch.equal(before[k], v) for k, v in c.raw.trainable_state_dict().items())
+    out = optimization_step(c, state, good)  # a good step resets the run of non-finite ones
+    assert not out["skipped"] and state.nonfinite_in_a_row == 0 and state.nonfinite_steps == 1
+    assert not all(torch.equal(before[k], v) for k, v in c.raw.trainable_state_dict().items())
+    optimization_step(c, state, bad)
+    with pytest.raises(NonFiniteError, match="2 non-finite steps in a row"):
+        optimization_step(c, state, bad)
+    assert state.nonfinite_steps == 3
