@@ -294,7 +294,12 @@ def run(cfg: PrecomputeConfig) -> dict:
     from accelerate.utils import gather_object
 
     cfg.validate_paths()
-    state = PartialState()
+    # Without cpu=True, `accelerate launch` on a machine without CUDA starts N processes that each think they are
+    # alone (DistributedType.NO) instead of one gloo group.
+    use_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes") or not torch.cuda.is_available()
+    state = PartialState(cpu=use_cpu)
+    if state.num_processes == 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise RuntimeError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but accelerate set up a single process")
     rank, world = state.process_index, state.num_processes
     out = Path(cfg.output_dir)
     t0 = time.time()

@@ -65,7 +65,7 @@ def _mark_duplicates(entries: list[Entry]) -> list[Entry]:
     for e in entries:
         if e.error is None:
             if e.key in first:
-                e.error = f"duplicate key {e.key!r} (first used by {first[e.key]})"
+                e.error = f"duplicate key: {e.key!r} (first used by {first[e.key]})"
             else:
                 first[e.key] = e.source
     return entries

@@ -1,0 +1,113 @@
+"""Helpers for the precompute/inspect tests: small configs, image zoo, reading a cache back without our reader."""
+from __future__ import annotations
+
+import io
+import json
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from precompute.config import PrecomputeConfig
+from theworld.config import load_config
+
+
+def make_cfg(out: Path, *overrides: str, n: int = 20, res: int = 32, shard: int = 8) -> PrecomputeConfig:
+    base = [f"output_dir={out}", "model.dtype=float32", "cache.dtype=float32", f"image.resolution={res}",
+            f"source.num_samples={n}", f"shard_size={shard}", "batch_size=4", "num_workers=0"]
+    return load_config(PrecomputeConfig, None, base + list(overrides))
+
+
+def cli_args(out: Path, *overrides: str, n: int = 20, res: int = 32, shard: int = 8) -> list[str]:
+    base = [f"output_dir={out}", "model.dtype=float32", "cache.dtype=float32", f"image.resolution={res}",
+            f"source.num_samples={n}", f"shard_size={shard}", "batch_size=4", "num_workers=0"]
+    return [a for o in base + list(overrides) for a in ("--set", o)]
+
+
+def read_cache_plain(cache: Path) -> dict[str, dict[str, bytes]]:
+    """{key: {member: bytes}} read with plain webdataset (no theworld code), in shard order."""
+    import webdataset as wds
+
+    manifest = json.loads((cache / "manifest.json").read_text())
+    urls = [str(cache / s["path"]) for s in manifest["shards"]]
+    out: dict[str, dict[str, bytes]] = {}
+    if not urls:
+        return out
+    for s in wds.WebDataset(urls, shardshuffle=False, nodesplitter=wds.split_by_node):
+        key = s.pop("__key__")
+        assert key not in out, f"duplicate key {key}"
+        out[key] = {k: v for k, v in s.items() if not k.startswith("__")}
+    return out
+
+
+def latents(cache: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load
+
+    return {k: load(m["latent.safetensors"])["mean"] for k, m in read_cache_plain(cache).items()}
+
+
+def png_bytes(img: Image.Image, **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG", **kw)
+    return buf.getvalue()
+
+
+def jpeg_bytes(img: Image.Image, **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=95, **kw)
+    return buf.getvalue()
+
+
+def bomb_png(width: int = 20000, height: int = 20000) -> bytes:
+    """A valid PNG header that claims width x height pixels (no pixel data worth decoding)."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    chunk = lambda t, d: struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d) & 0xFFFFFFFF)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * 16)) + chunk(b"IEND", b"")
+
+
+def gradient(w: int, h: int) -> Image.Image:
+    x = np.linspace(0, 255, w, dtype=np.float32)[None, :, None]
+    y = np.linspace(0, 255, h, dtype=np.float32)[:, None, None]
+    arr = np.concatenate([np.broadcast_to(x, (h, w, 1)), np.broadcast_to(y, (h, w, 1)),
+                          np.full((h, w, 1), 90, np.float32)], axis=2)
+    return Image.fromarray(arr.astype(np.uint8), "RGB")
+
+
+def image_zoo(root: Path) -> tuple[list[dict], dict[str, str]]:
+    """Write a folder of good, unusual and bad images; returns (captions.jsonl records, {key: expected error word})."""
+    root.mkdir(parents=True, exist_ok=True)
+    g = gradient(48, 40)
+    files = {
+        "rgb.jpg": jpeg_bytes(g),
+        "cmyk.jpg": jpeg_bytes(g.convert("CMYK")),
+        "rgba.png": png_bytes(g.convert("RGBA")),
+        "palette.png": png_bytes(g.convert("P")),
+        "gray.png": png_bytes(g.convert("L")),
+        "gray16.png": png_bytes(Image.fromarray((np.asarray(g.convert("L"), np.uint16) * 257).astype("<u2"))),
+        "sub/pic.bmp": (lambda b: (g.save(b, format="BMP"), b.getvalue())[1])(io.BytesIO()),
+        "corrupt.jpg": b"\xff\xd8\xff\xe0" + bytes(range(256)) * 4,
+        "truncated.png": png_bytes(gradient(64, 64).rotate(30))[:-120],
+        "empty.png": b"",
+        "bomb.png": bomb_png(),
+    }
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90: stored 48x40, shown 40x48
+    files["rotated.jpg"] = jpeg_bytes(g, exif=exif.tobytes())
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    records = [{"image": rel, "caption": f"caption of {rel}"} for rel in sorted(files)]
+    records.insert(2, {"image": "missing.png", "caption": "not there"})
+    next(r for r in records if r["image"] == "cmyk.jpg")["prompt"] = "what is this ?"
+    expected_bad = {"corrupt_jpg": "unreadable", "truncated_png": "unreadable", "empty_png": "empty",
+                    "bomb_png": "oversized", "missing_png": "cannot read"}
+    lines = [json.dumps(r) for r in records]
+    lines += ["{not json", json.dumps({"image": "rgb.jpg"}), json.dumps({"image": "rgb.jpg", "caption": "again"})]
+    (root / "captions.jsonl").write_text("\n".join(lines) + "\n")
+    n = len(records)
+    expected_bad.update({f"line-{n + 1}": "bad caption line", f"line-{n + 2}": "bad caption line",
+                         "rgb_jpg#dup": "duplicate"})
+    return records, expected_bad

@@ -1,0 +1,238 @@
+"""precompute.cosmos_latents: contents, sources, bad input, crash safety, process-count independence."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load as st_load
+
+from _precompute_helpers import cli_args, image_zoo, latents, make_cfg, read_cache_plain
+from precompute import cosmos_latents
+from precompute.config import PrecomputeConfig
+from theworld import cache_format as cf
+from theworld import images, synthetic
+from theworld.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_synthetic_cache_contents_and_idempotent_rerun(tmp_path, fake_vae):
+    out = tmp_path / "c"
+    result = cosmos_latents.run(make_cfg(out, n=20, shard=8))
+    assert result["num_samples"] == 20 and result["num_errors"] == 0 and len(result["shards"]) == 3
+    assert [s["num_samples"] for s in result["shards"]] == [8, 8, 4]
+    assert result["latent_shape"] == [16, 1, 4, 4] and result["summary"]["encoded_this_run"] == 20
+    samples = read_cache_plain(out)
+    assert list(samples) == [f"synthetic-0-{i:08d}" for i in range(20)]  # fixed order, stable keys
+    m = samples["synthetic-0-00000007"]
+    assert set(m) == {"latent.safetensors", "txt", "json", "png"}
+    img, caption = synthetic.scene(0, 7, size=32)
+    assert m["txt"].decode() == caption
+    meta = json.loads(m["json"])
+    assert meta["prompt"] == synthetic.PROMPT and meta["source"] == "synthetic:7" and meta["flip"] is False
+    t = st_load(m["latent.safetensors"])
+    pixels, _ = images.load_for_vae(m["png"], 32)
+    want = fake_vae.encode((pixels.float() / 127.5 - 1)[None, :, None]).latent_dist
+    torch.testing.assert_close(t["mean"], want.mean[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(t["logvar"], want.logvar[0], rtol=0, atol=1e-6)
+    shas = [s["sha256"] for s in result["shards"]]
+    again = cosmos_latents.run(make_cfg(out, n=20, shard=8))  # everything done: nothing re-encoded, same bytes
+    assert again["summary"]["encoded_this_run"] == 0 and [s["sha256"] for s in again["shards"]] == shas
+
+
+def test_optional_members_flip_no_images_bf16(tmp_path, fake_vae):
+    out = tmp_path / "c"
+    result = cosmos_latents.run(make_cfg(out, "cache.flip=true", "cache.images=false", "cache.dtype=bfloat16", n=4))
+    assert result["contents"] == {"images": False, "siglip": False, "flip": True}
+    assert result["latent_dtype"] == "bfloat16"
+    for key, m in read_cache_plain(out).items():
+        assert set(m) == {"latent.safetensors", "latent_flip.safetensors", "txt", "json"}
+        i = int(key.rsplit("-", 1)[1])
+        pixels = images.to_uint8_tensor(synthetic.scene(0, i, size=32)[0]).flip(-1)
+        want = fake_vae.encode((pixels.float() / 127.5 - 1)[None, :, None]).latent_dist.mean[0]
+        got = st_load(m["latent_flip.safetensors"])["mean"]
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want.to(torch.bfloat16).float(), rtol=0, atol=0)
+
+
+def test_siglip_features_match_gemma(tmp_path, fake_vae):
+    from theworld import encoders
+
+    out = tmp_path / "c"
+    result = cosmos_latents.run(make_cfg(out, "cache.siglip=true", n=3))
+    assert result["contents"]["siglip"] and result["fingerprint"]["siglip"]["model"] == "tiny"
+    gemma, processor = encoders.load_gemma("tiny", "float32")
+    for key, m in read_cache_plain(out).items():
+        feats = st_load(m["siglip.safetensors"])["features"]
+        pv = processor.image_processor(images=[images.decode(m["png"])], return_tensors="pt")["pixel_values"]
+        with torch.no_grad():
+            want = gemma.model.get_image_features(pixel_values=pv).pooler_output[0]
+        assert feats.shape == (gemma.config.mm_tokens_per_image, gemma.config.text_config.hidden_size)
+        assert feats.abs().max() > 0
+        torch.testing.assert_close(feats, want, rtol=1e-5, atol=1e-5)
+
+
+def test_cached_latents_equal_direct_wan_encode(tmp_path):
+    """The real (tiny) AutoencoderKLWan, float32: cache == AutoencoderKLWan.encode of the same image in [-1, 1]."""
+    from diffusers import AutoencoderKLWan
+
+    from theworld import tiny
+
+    out = tmp_path / "c"
+    cosmos_latents.run(make_cfg(out, n=4, shard=4, res=32))
+    vae = AutoencoderKLWan.from_pretrained(tiny.ensure(tiny.TINY_VAE_DIR), torch_dtype=torch.float32).eval()
+    samples = read_cache_plain(out)
+    pixels = torch.stack([images.load_for_vae(m["png"], 32)[0] for m in samples.values()])
+    with torch.no_grad():
+        dist = vae.encode((pixels.float() / 127.5 - 1.0).unsqueeze(2)).latent_dist
+    for j, m in enumerate(samples.values()):
+        t = st_load(m["latent.safetensors"])
+        torch.testing.assert_close(t["mean"], dist.mean[j], rtol=0, atol=1e-5)
+        torch.testing.assert_close(t["logvar"], dist.logvar[j], rtol=0, atol=1e-5)
+
+
+def test_folder_with_corrupt_and_unusual_images(tmp_path, fake_vae):
+    src = tmp_path / "src"
+    records, bad = image_zoo(src)
+    out = tmp_path / "c"
+    result = cosmos_latents.run(make_cfg(out, "source.type=folder", f"source.path={src}", "num_workers=1", shard=5))
+    good = [cf.safe_key(r["image"]) for r in records if cf.safe_key(r["image"]) not in bad]
+    samples = read_cache_plain(out)
+    assert list(samples) == good  # captions.jsonl order, bad ones skipped
+    assert set(good) == {"cmyk_jpg", "gray_png", "gray16_png", "palette_png", "rgb_jpg", "rgba_png", "rotated_jpg",
+                         "sub_pic_bmp"}
+    errors = cf.read_errors(out)
+    assert result["num_errors"] == len(errors) == len(bad)
+    by_key = {}
+    for e in errors:
+        by_key.setdefault(e["key"], []).append(e)
+    for key, word in bad.items():
+        key = key.split("#")[0]
+        assert any(word in e["reason"] for e in by_key[key]), (key, by_key.get(key))
+    line_keys = sorted(k for k in bad if k.startswith("line-"))  # bad lines: keyed and sourced by line number
+    assert [by_key[k][0]["source"] for k in line_keys] == [f"captions.jsonl:{k[5:]}" for k in line_keys]
+    rot = json.loads(samples["rotated_jpg"]["json"])
+    assert rot["original_size"] == [40, 48]  # EXIF orientation applied
+    g16 = images.load_for_vae(samples["gray16_png"]["png"], 32)[0]
+    assert g16.float().std() > 20  # 16-bit scaled, not clipped to white
+    assert samples["sub_pic_bmp"].keys() >= {"png"}  # bmp kept as PNG
+    assert json.loads(samples["cmyk_jpg"]["json"])["prompt"] == "what is this ?"
+    assert json.loads(samples["rgb_jpg"]["json"])["prompt"] == "Describe the image."
+    assert samples["rgb_jpg"]["txt"] == b"caption of rgb.jpg"
+
+
+def test_folder_with_txt_captions(tmp_path, fake_vae):
+    from _precompute_helpers import gradient, png_bytes
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("b", "a", "c"):
+        (src / f"{name}.png").write_bytes(png_bytes(gradient(40, 40)))
+    (src / "a.txt").write_text("first\n")
+    (src / "b.txt").write_text("second")
+    result = cosmos_latents.run(make_cfg(tmp_path / "c", "source.type=folder", f"source.path={src}"))
+    samples = read_cache_plain(tmp_path / "c")
+    assert list(samples) == ["a_png", "b_png"] and samples["a_png"]["txt"] == b"first"
+    assert result["num_errors"] == 1 and "missing caption" in cf.read_errors(tmp_path / "c")[0]["reason"]
+
+
+def test_webdataset_source(tmp_path, fake_vae):
+    import webdataset as wds
+
+    from _precompute_helpers import gradient, jpeg_bytes
+
+    src = tmp_path / "wds"
+    src.mkdir()
+    for s in range(2):
+        with wds.TarWriter(str(src / f"{s:05d}.tar")) as w:
+            for i in range(3):
+                key = f"{s:05d}{i:04d}"
+                sample = {"__key__": key, "jpg": jpeg_bytes(gradient(40 + i, 36)),
+                          "json": json.dumps({"url": f"http://x/{key}", "key": key}).encode()}
+                if (s, i) != (1, 1):
+                    sample["txt"] = f"text {key}".encode()
+                w.write(sample)
+    result = cosmos_latents.run(make_cfg(tmp_path / "c", "source.type=webdataset",
+                                         f"source.path={src}/{{00000..00001}}.tar", shard=4))
+    samples = read_cache_plain(tmp_path / "c")
+    assert list(samples) == ["000000000", "000000001", "000000002", "000010000", "000010002"]
+    assert samples["000010002"]["txt"] == b"text 000010002" and "jpg" in samples["000010002"]
+    assert json.loads(samples["000000001"]["json"])["url"] == "http://x/000000001"
+    assert result["num_errors"] == 1 and cf.read_errors(tmp_path / "c")[0]["key"] == "000010001"
+
+
+def test_user_errors_exit_2(tmp_path, capsys, fake_vae):
+    assert cosmos_latents.main(["--set", "shard_sise=3"]) == 2
+    assert "shard_sise" in capsys.readouterr().err
+    assert cosmos_latents.main(["--set", "source.type=folder", "--set", f"source.path={tmp_path}/nope"]) == 2
+    assert "source.path" in capsys.readouterr().err
+    out = tmp_path / "c"
+    assert cosmos_latents.main(cli_args(out, n=4)) == 0
+    capsys.readouterr()
+    # Resuming into the same directory with different numbers is refused, naming the field.
+    assert cosmos_latents.main(cli_args(out, "image.resize=squash", n=4)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "fingerprint.image.resize" in err
+
+
+def _env(**extra) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), **extra}
+    env.pop("THEWORLD_PRECOMPUTE_TEST_DELAY_S", None)
+    env.update(extra)
+    return env
+
+
+def test_kill_9_and_rerun(tmp_path):
+    out = tmp_path / "c"
+    cmd = [sys.executable, "-m", "precompute.cosmos_latents", *cli_args(out, n=40, shard=4, res=32)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(THEWORLD_PRECOMPUTE_TEST_DELAY_S="0.4"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 90
+    while len(list((out / "shards").glob("shard-*.json"))) < 3 and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.25)  # land somewhere inside the next shard's write
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = len(list((out / "shards").glob("shard-*.json")))
+    assert 3 <= done < 10 and not (out / "manifest.json").exists()
+    rerun = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "40 samples, 0 errors" in rerun.stdout and f"encoded {40 - 4 * done} images" in rerun.stdout
+    keys = list(read_cache_plain(out))
+    assert keys == [f"synthetic-0-{i:08d}" for i in range(40)]
+    assert not list((out / "shards").glob(".*tmp*"))
+    from precompute import inspect
+
+    assert inspect.main(["verify", str(out)]) == 0
+
+
+def test_two_processes_give_the_same_cache(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    # accelerate launch runs each process with OMP_NUM_THREADS=1; CPU convolutions round differently (~1e-7) with
+    # another thread count, so the single-process reference uses one thread too and must then match bit for bit.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        m1 = cosmos_latents.run(make_cfg(one, n=18, shard=4, res=32))
+    finally:
+        torch.set_num_threads(threads)
+    cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "precompute.cosmos_latents",
+           *cli_args(two, n=18, shard=4, res=32)]
+    res = subprocess.run(cmd, cwd=ROOT, env=_env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True,
+                         timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "on 2 process(es)" in res.stdout
+    m2 = json.loads((two / "manifest.json").read_text())
+    assert m2["num_samples"] == 18
+    assert [s["sha256"] for s in m2["shards"]] == [s["sha256"] for s in m1["shards"]]  # byte-identical shards
+    l1, l2 = latents(one), latents(two)
+    assert list(l1) == list(l2) and all(torch.equal(l1[k], l2[k]) for k in l1)
