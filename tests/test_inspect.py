@@ -1,0 +1,172 @@
+"""precompute.inspect: summary numbers, verify catching damage, compare-live, decode, fingerprint refusal."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from PIL import Image
+
+from _precompute_helpers import make_cfg, read_cache_plain
+from fake_vae import FakeWanVAE
+from precompute import cosmos_latents, inspect
+from theworld import cache_format as cf
+from theworld import encoders
+
+
+@pytest.fixture
+def cache(tmp_path, fake_vae):
+    out = tmp_path / "cache"
+    cosmos_latents.run(make_cfg(out, n=10, shard=4, res=32))
+    return out
+
+
+def _json(capsys) -> dict:
+    """The inspect command's JSON report (after whatever a precompute run in the same test printed)."""
+    out = capsys.readouterr().out
+    start = 0 if out.startswith("{") else out.index("\n{") + 1
+    return json.loads(out[start:])
+
+
+def test_summary_numbers(cache, capsys):
+    assert inspect.main(["summary", str(cache), "--json"]) == 0
+    r = _json(capsys)
+    assert r["num_samples"] == 10 and r["num_shards"] == 3 and r["num_errors"] == 0
+    assert r["latent_shape"] == [16, 1, 4, 4] and r["latent_dtype"] == "float32"
+    means = torch.stack([s.mean for s in (cf.CacheReader(cache)[i] for i in range(10))])
+    per_channel = means.transpose(0, 1).reshape(16, -1)
+    assert r["channel_mean"] == pytest.approx(per_channel.mean(1).tolist(), abs=1e-4)
+    assert r["channel_std"] == pytest.approx(per_channel.std(1).tolist(), abs=1e-4)
+    total = sum((cache / "shards" / f"shard-{i:06d}.tar").stat().st_size for i in range(3))
+    assert r["bytes"] == total and r["bytes_per_sample"] == pytest.approx(total / 10, abs=0.1)
+    assert inspect.main(["summary", str(cache)]) == 0
+    assert "10 samples, 0 errors, 3 shards" in capsys.readouterr().out
+
+
+def test_summary_error_reasons(tmp_path, fake_vae, capsys):
+    src = tmp_path / "src"
+    src.mkdir()
+    from _precompute_helpers import gradient, png_bytes
+
+    (src / "ok.png").write_bytes(png_bytes(gradient(40, 40)))
+    (src / "bad.png").write_bytes(b"not an image")
+    (src / "captions.jsonl").write_text('{"image": "ok.png", "caption": "a"}\n{"image": "bad.png", "caption": "b"}\n'
+                                        '{"image": "gone.png", "caption": "c"}\n')
+    cosmos_latents.run(make_cfg(tmp_path / "c", "source.type=folder", f"source.path={src}"))
+    assert inspect.main(["summary", str(tmp_path / "c"), "--json"]) == 0
+    r = _json(capsys)
+    assert r["num_samples"] == 1 and r["num_errors"] == 2
+    assert r["error_reasons"] == {"unreadable image": 1, "cannot read": 1}
+
+
+def test_verify_ok_then_flipped_byte_and_truncation(cache, capsys):
+    assert inspect.main(["verify", str(cache), "--json"]) == 0
+    r = _json(capsys)
+    assert r["ok"] and r["num_samples_checked"] == 10 and r["bad_shards"] == []
+    shard1 = cache / "shards" / "shard-000001.tar"
+    data = bytearray(shard1.read_bytes())
+    offset = cf.read_sidecar(cache, 1)["samples"][0]["members"]["latent.safetensors"][0]
+    data[offset + 200] ^= 0xFF  # inside the tensor bytes
+    shard1.write_bytes(bytes(data))
+    shard2 = cache / "shards" / "shard-000002.tar"
+    shard2.write_bytes(shard2.read_bytes()[:3000])
+    assert inspect.main(["verify", str(cache)]) == 1
+    out = capsys.readouterr().out
+    assert "bad shard shards/shard-000001.tar" in out and "bad shard shards/shard-000002.tar" in out
+    assert "shard-000000.tar" not in out.replace("shards checked", "")
+    assert inspect.main(["verify", str(cache), "--json"]) == 1
+    assert _json(capsys)["bad_shards"] == ["shards/shard-000001.tar", "shards/shard-000002.tar"]
+
+
+def test_verify_catches_nan_and_duplicates_with_matching_hashes(tmp_path, cache, capsys):
+    """A shard whose hashes match the manifest but whose content is wrong (written by buggy code) is still caught."""
+    members = read_cache_plain(cache)
+    bad = dict(next(iter(members.items()))[1])
+    from safetensors.torch import load, save
+
+    t = load(bad["latent.safetensors"])
+    t["mean"][0, 0, 0, 0] = float("nan")
+    bad["latent.safetensors"] = save(t)
+    key0 = next(iter(members))
+    side = cf.write_shard(cache, 2, [(key0, bad)])  # duplicate of a key in shard 0, with a NaN
+    manifest = json.loads((cache / "manifest.json").read_text())
+    manifest["shards"][2].update(num_samples=1, bytes=side["bytes"], sha256=side["sha256"])
+    manifest["num_samples"] = 9
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    assert inspect.main(["verify", str(cache), "--json"]) == 1
+    r = _json(capsys)
+    problems = r["shards"][2]["problems"]
+    assert r["bad_shards"] == ["shards/shard-000002.tar"]
+    assert any("duplicate key" in p for p in problems) and any("non-finite" in p for p in problems)
+
+
+def test_verify_incomplete_cache_is_a_user_error(cache, capsys):
+    (cache / "manifest.json").unlink()
+    assert inspect.main(["verify", str(cache)]) == 2
+    assert "incomplete" in capsys.readouterr().err
+
+
+def test_compare_live_exact_in_float32(cache, capsys):
+    assert inspect.main(["compare-live", str(cache), "--n", "4", "--json", "--tol", "1e-6"]) == 0
+    r = _json(capsys)
+    assert r["n"] == 4 and len({s["key"] for s in r["samples"]}) == 4
+    assert r["max_abs_diff"] <= 1e-6 and r["ok"]
+
+
+def test_compare_live_catches_changed_latents_via_tol(cache, capsys):
+    # Same fingerprint (weights hash), but the cache's numbers were tampered with after the fact.
+    reader = cf.CacheReader(cache)
+    pairs = []
+    for i in range(4):
+        s = reader[i]
+        s.mean = s.mean + 0.5
+        pairs.append((s.key, cf.encode_sample(s, "float32")))
+    reader.close()
+    side = cf.write_shard(cache, 0, pairs)
+    manifest = json.loads((cache / "manifest.json").read_text())
+    manifest["shards"][0].update(bytes=side["bytes"], sha256=side["sha256"])
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    assert inspect.main(["compare-live", str(cache), "--n", "10", "--json", "--tol", "1e-3"]) == 1
+    assert _json(capsys)["max_abs_diff_mean"] == pytest.approx(0.5, abs=1e-5)
+
+
+def test_fingerprint_mismatch_refused_naming_the_field(cache, capsys, monkeypatch):
+    assert inspect.main(["compare-live", str(cache), "--n", "2", "--set", "image.resolution=64"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "image.resolution" in err and "cache has 32" in err
+    other = FakeWanVAE(seed=1)
+    monkeypatch.setattr(encoders, "load_vae", lambda spec, dtype="float32": other)
+    assert inspect.main(["decode", str(cache), "--n", "2", "--out", str(cache / "x.png")]) == 2
+    assert "vae.weights" in capsys.readouterr().err
+    assert not (cache / "x.png").exists()
+    # summary/verify check the fingerprint only when given a config
+    assert inspect.main(["verify", str(cache), "--set", "model.dtype=float32"]) == 2
+    assert "vae.weights" in capsys.readouterr().err
+
+
+def test_decode_contact_sheet(cache, tmp_path, capsys):
+    out = tmp_path / "sheets" / "sheet.png"
+    assert inspect.main(["decode", str(cache), "--n", "3", "--out", str(out), "--json"]) == 0
+    r = _json(capsys)
+    assert r["n"] == 3 and r["out"] == str(out)
+    img = Image.open(out)
+    assert img.mode == "RGB" and img.width > 3 * 2 * 128 and img.height >= 128  # 3 pairs of >=128 px tiles
+    # The fake VAE decodes its latents back to 8x8-pooled pictures: close to the originals, far from noise.
+    assert all(s["psnr_db"] > 15 for s in r["samples"])
+
+
+def test_decode_without_images(tmp_path, fake_vae, capsys):
+    out = tmp_path / "c"
+    cosmos_latents.run(make_cfg(out, "cache.images=false", n=2))
+    assert inspect.main(["decode", str(out), "--n", "2", "--out", str(tmp_path / "s.png")]) == 0
+    assert (tmp_path / "s.png").is_file()
+    assert inspect.main(["compare-live", str(out), "--n", "2"]) == 2
+    assert "cache.images false" in capsys.readouterr().err
+
+
+def test_bad_arguments_exit_2(cache, capsys):
+    assert inspect.main(["frobnicate", str(cache)]) == 2
+    assert inspect.main(["decode", str(cache), "--n", "2"]) == 2  # --out missing
+    assert inspect.main(["summary", str(cache.parent / "nothing")]) == 2
+    assert "no cache" in capsys.readouterr().err
