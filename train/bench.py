@@ -1,0 +1,200 @@
+"""Training benchmark: is everything but the model's own compute close to free?
+
+    python -m train.bench [--json] [--cases tiny,heavy] [--steps 40]
+
+Per case, all measured side by side in one run, on the same batches:
+  data_overhead         steady-state step time fed by the real cache loader (workers, collation, copies) / step
+                        time on the same batches already staged in memory. Target <= 1.05.
+  cache_speedup         step time with live VAE + SigLIP encoding (frozen, as the reference run did) / step time
+                        from the cache, same model, both on staged batches.
+  loader_samples_per_s  the cache loader alone, and how many times faster it is than training consumes samples.
+  rss_mb                resident memory (main process + loader workers) early in an epoch and at its end, for two
+                        epochs: it must not grow with the number of samples read.
+Caches are built once with the precompute CLI (train/ does not import precompute/) under cache/bench/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+from theworld import cache_format as cf
+from theworld import tiny
+from theworld.config import load_config
+from train import data, optim
+from train.config import TrainConfig, accumulation_steps
+from train.step import LoopState, optimization_step
+
+BENCH_ROOT = Path("cache/bench")
+HEAVY = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=64, sliding_window=512)
+CASES = {
+    # name: (gemma, resolution, samples, global batch, micro batch, workers)
+    "tiny": ("tiny", 64, 1024, 32, 32, 2),  # 64 world tokens, the embedded demo's model
+    "heavy": ("heavy", 128, 384, 16, 16, 2),  # 256 world tokens, 4 layers of hidden 256
+}
+
+
+def _gemma_path(name: str) -> str:
+    if name == "tiny":
+        return "tiny"
+    path = tiny.models_root() / "bench-heavy-gemma3"
+    if not path.exists():
+        tmp = Path(tempfile.mkdtemp(dir=path.parent))
+        tiny.build_tiny_gemma(tmp, **HEAVY)
+        os.replace(tmp, path)
+    return str(path)
+
+
+def _ensure_cache(root: Path, case: str, gemma: str, resolution: int, samples: int) -> Path:
+    out = Path(root) / f"{case}-{resolution}px-{samples}"
+    if not (out / cf.MANIFEST).is_file():
+        cmd = [sys.executable, "-m", "precompute.cosmos_latents", "--set", f"output_dir={out}",
+               "--set", f"model.gemma={gemma}", "--set", "model.vae=tiny", "--set", "model.dtype=float32",
+               "--set", f"image.resolution={resolution}", "--set", "source.type=synthetic",
+               "--set", f"source.num_samples={samples}", "--set", "cache.siglip=true", "--set", "cache.dtype=float32",
+               "--set", "shard_size=128", "--set", "num_workers=1"]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
+def _rss_mb() -> float:
+    """Resident memory of this process and its children (the loader workers)."""
+    me = psutil.Process()
+    procs = [me] + me.children(recursive=True)
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total / 2**20
+
+
+def _steps(c, state, batches, accum) -> list[float]:
+    """Per-step seconds of optimization_step over staged micro-batches."""
+    times = []
+    for i in range(0, len(batches), accum):
+        t = time.perf_counter()
+        optimization_step(c, state, batches[i:i + accum])
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def _fed_steps(c, state, loader, n_steps, accum) -> list[float]:
+    """Per-step seconds including waiting for the loader (the real training path)."""
+    it = iter(loader)
+    times = []
+    for _ in range(n_steps):
+        t = time.perf_counter()
+        micro = [next(it) for _ in range(accum)]
+        optimization_step(c, state, micro)
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def _mean(xs: list[float]) -> float:
+    return statistics.fmean(xs)
+
+
+def bench_case(case: str, steps: int, warmup: int = 5, samples: int | None = None, root: Path = BENCH_ROOT) -> dict:
+    gemma_name, res, default_samples, gbs, mbs, workers = CASES[case]
+    gemma = _gemma_path(gemma_name)
+    cache = _ensure_cache(root, case, gemma, res, samples or default_samples)
+    with tempfile.TemporaryDirectory() as out:
+        cfg = load_config(TrainConfig, None, [
+            f"model.gemma={gemma}", "model.vae=tiny", "model.dtype=float32", f"image.resolution={res}",
+            f"cache_dir={cache}", f"output_dir={out}", "trackers=[]", "resume=null", "train.eval_samples=16",
+            f"train.global_batch_size={gbs}", f"train.micro_batch_size={mbs}", f"train.num_workers={workers}",
+            f"train.max_steps={10 * steps}", "train.warmup_steps=0", "train.lr=1e-4"])
+        reader, plan = data.open_cache(cfg)
+        acc = optim.make_accelerator(cfg)
+        accum = accumulation_steps(cfg, acc.num_processes)
+        c = optim.build(cfg, acc, accum)
+        ctx = data.DataContext.build(cfg, reader, plan, c.processor)
+        state = LoopState()
+        n = warmup + steps
+        staged = list(data.build_train_loader(cfg, ctx, 0, 1, epoch=0))[: n * accum]
+        # cached path: staged, then fed by the loader over the same batches, then staged again (drift control)
+        t_staged = _steps(c, state, staged, accum)[warmup:]
+        t_fed = _fed_steps(c, state, data.build_train_loader(cfg, ctx, 0, 1, epoch=0), n, accum)[warmup:]
+        t_staged += _steps(c, state, staged, accum)[warmup:]
+        step_s = _mean(t_staged)
+        # live path, same model and samples: frozen VAE and SigLIP run inside every step
+        live_plan = data.InputPlan(cached_latents=False, cached_siglip=False, flip=False,
+                                   members=tuple(sorted(cf.IMAGE_EXTS)))
+        live_reader = cf.CacheReader(cfg.cache_dir, members=live_plan.members)
+        live_ctx = data.DataContext(live_reader, live_plan, ctx.formatter, ctx.image_processor, ctx.train_indices,
+                                    ctx.eval_indices)
+        live = list(data.build_train_loader(cfg, live_ctx, 0, 1, epoch=0))[: n * accum]
+        t_live = _steps(c, state, live, accum)[warmup:]
+        loader = _loader_and_memory(cfg, ctx)
+    return {
+        "case": case, "world_tokens": (res // 8) ** 2, "hidden": c.raw.gemma.config.text_config.hidden_size,
+        "layers": c.raw.gemma.config.text_config.num_hidden_layers, "global_batch": gbs, "workers": workers,
+        "threads": torch.get_num_threads(), "steps_timed": steps,
+        "step_ms_staged": round(1000 * step_s, 2), "step_ms_fed": round(1000 * _mean(t_fed), 2),
+        "data_overhead": round(_mean(t_fed) / step_s, 3),
+        "step_ms_live_encoding": round(1000 * _mean(t_live), 2),
+        "cache_speedup": round(_mean(t_live) / step_s, 2),
+        "train_samples_per_s": round(gbs / step_s, 1),
+        **loader,
+        "loader_vs_training": round(loader["loader_samples_per_s"] / (gbs / step_s), 2),
+    }
+
+
+def _loader_and_memory(cfg, ctx) -> dict:
+    """The loader alone over two full epochs: samples/s, and RSS early in each epoch and at its end."""
+    rss, seen, t_total = [], 0, 0.0
+    for epoch in range(2):
+        loader = data.build_train_loader(cfg, ctx, 0, 1, epoch=epoch)
+        it = iter(loader)
+        next(it)  # worker start-up is not throughput
+        t = time.perf_counter()
+        for i, batch in enumerate(it):
+            seen += len(batch["input_ids"])
+            if i == 1:
+                rss.append(_rss_mb())
+        t_total += time.perf_counter() - t
+        rss.append(_rss_mb())
+        del it, loader
+    return {"loader_samples_per_s": round(seen / t_total, 1),
+            "rss_mb_epoch1_start": round(rss[0]), "rss_mb_epoch1_end": round(rss[1]),
+            "rss_mb_epoch2_start": round(rss[2]), "rss_mb_epoch2_end": round(rss[3]),
+            "rss_growth_mb": round(rss[3] - rss[0], 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="train.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of one line per case")
+    p.add_argument("--cases", default="tiny,heavy")
+    p.add_argument("--steps", type=int, default=40, help="timed steps per measurement (after the warm-up steps)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--samples", type=int, default=None, help="cache size (default: per case)")
+    p.add_argument("--root", default=str(BENCH_ROOT), help="where the bench caches are kept")
+    args = p.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    rows = []
+    for case in args.cases.split(","):
+        if case not in CASES:
+            print(f"error: unknown case {case!r} (known: {', '.join(CASES)})", file=sys.stderr)
+            return 2
+        rows.append(bench_case(case, args.steps, args.warmup, args.samples, Path(args.root)))
+        if not args.json:
+            print(json.dumps(rows[-1]), flush=True)
+    if args.json:
+        print(json.dumps({"rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
