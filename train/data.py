@@ -237,10 +237,15 @@ class DataContext:
                             self.image_processor, cfg.seed, epoch, flip)
 
 
+def _worker_init(_: int) -> None:
+    torch.set_num_threads(1)  # workers decode and tokenise; intra-op threads would only fight the training step
+
+
 def _loader(cfg, ctx: DataContext, dataset, **kw) -> DataLoader:
     workers = cfg.train.num_workers
     return DataLoader(dataset, num_workers=workers, pin_memory=torch.cuda.is_available(),
-                      collate_fn=Collate(ctx.formatter.pad_id), prefetch_factor=4 if workers else None, **kw)
+                      collate_fn=Collate(ctx.formatter.pad_id), prefetch_factor=4 if workers else None,
+                      worker_init_fn=_worker_init if workers else None, **kw)
 
 
 def build_train_loader(cfg, ctx: DataContext, rank: int, world_size: int, epoch: int, start: int = 0) -> DataLoader:
