@@ -320,22 +320,25 @@ class CacheReader:
 
     def raw(self, index: int) -> dict[str, bytes]:
         shard, _, members = self._entries[index]
-        f = self._files.get(shard)
-        if f is None:
-            f = self._files[shard] = open(tar_path(self.cache_dir, shard), "rb")
+        fd = self._files.get(shard)
+        if fd is None:
+            fd = self._files[shard] = os.open(tar_path(self.cache_dir, shard), os.O_RDONLY)
         out = {}
         for name, (offset, size) in members.items():
             if self.members is None or name in self.members or name in (CAPTION, META):
-                f.seek(offset)
-                out[name] = f.read(size)
+                # pread: no shared file offset, so forked DataLoader workers and threads can share the descriptor
+                data = os.pread(fd, size, offset)
+                if len(data) != size:
+                    raise OSError(f"{tar_path(self.cache_dir, shard)}: member {name} of {self.key(index)} is truncated")
+                out[name] = data
         return out
 
     def __getitem__(self, index: int) -> Sample:
         return decode_sample(self.key(index), self.raw(index))
 
     def close(self) -> None:
-        for f in self._files.values():
-            f.close()
+        for fd in self._files.values():
+            os.close(fd)
         self._files.clear()
 
 
