@@ -1,0 +1,43 @@
+"""Smoke runs of both benchmarks at tiny sizes, so they cannot rot. Figures are checked for sanity, not speed:
+speed targets live in the benchmarks' own output (docs/performance.md), never in timed tests."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def _run(args: list[str], tmp_path) -> dict:
+    out = subprocess.run([sys.executable, "-m", *args, "--json"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=600, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout[out.stdout.index("{"):])
+
+
+def _positive(row: dict, *keys: str) -> None:
+    for k in keys:
+        assert isinstance(row[k], (int, float)) and math.isfinite(row[k]) and row[k] > 0, (k, row[k])
+
+
+def test_train_bench_smoke(tmp_path):
+    rows = _run(["train.bench", "--cases", "tiny", "--steps", "2", "--warmup", "1", "--samples", "176",
+                 "--root", str(tmp_path / "caches")], tmp_path)["rows"]
+    (row,) = rows
+    _positive(row, "step_ms_staged", "step_ms_fed", "data_overhead", "step_ms_live_encoding", "cache_speedup",
+              "loader_samples_per_s", "loader_vs_training", "rss_mb_epoch1_start", "rss_mb_epoch2_end")
+    assert row["world_tokens"] == 64 and row["steps_timed"] == 2
+
+
+def test_precompute_bench_smoke(tmp_path):
+    rows = {r["case"]: r for r in _run(["precompute.bench", "--n", "128"], tmp_path)["rows"]}
+    assert set(rows) == {"tiny", "jpeg256", "jpeg_draft_decode", "real_size_format", "real_size_format_no_images"}
+    for case in ("tiny", "jpeg256"):
+        _positive(rows[case], "pipeline_efficiency", "encode_only_images_per_s", "pipeline_images_per_s",
+                  "host_ms_per_image_decode_resize", "host_ms_per_image_serialise", "bytes_per_sample")
+    # the format's own overhead at real size is deterministic (tar headers, safetensors headers, json): <= 5%
+    for case in ("real_size_format", "real_size_format_no_images"):
+        assert 0 < rows[case]["bytes_overhead"] <= 0.05, rows[case]
+    _positive(rows["jpeg_draft_decode"], "full_ms", "draft_ms", "speedup")
