@@ -230,7 +230,7 @@ def test_two_processes_give_the_same_cache(tmp_path):
     res = subprocess.run(cmd, cwd=ROOT, env=_env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True,
                          timeout=180)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "on 2 process(es)" in res.stdout
+    assert "encoded 18 images" in res.stdout and "on 2 process(es)" in res.stdout
     m2 = json.loads((two / "manifest.json").read_text())
     assert m2["num_samples"] == 18
     assert [s["sha256"] for s in m2["shards"]] == [s["sha256"] for s in m1["shards"]]  # byte-identical shards
