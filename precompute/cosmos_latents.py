@@ -45,15 +45,27 @@ def error_path(cache_dir: Path, index: int) -> Path:
 
 
 class EntryDataset(Dataset):
-    def __init__(self, entries: list[sources.Entry], cfg: PrecomputeConfig, image_processor=None):
-        self.entries, self.cfg, self.image_processor = entries, cfg, image_processor
+    """Items by global source position; entries are built one cache shard at a time from the listing (in the worker
+    that reads them), so no process holds more than a shard's worth of Entry objects."""
+
+    def __init__(self, entries: sources.Listing | list[sources.Entry], cfg: PrecomputeConfig, image_processor=None):
+        self.listing = sources.MemoryListing(entries) if isinstance(entries, list) else entries
+        self.cfg, self.image_processor = cfg, image_processor
+        self._shard, self._entries = -1, []
 
     def __len__(self) -> int:
-        return len(self.entries)
+        return len(self.listing)
+
+    def _entry(self, pos: int) -> sources.Entry:
+        shard = pos // self.cfg.shard_size
+        if shard != self._shard:  # batches arrive in shard order, so each shard is built once per worker
+            lo = shard * self.cfg.shard_size
+            self._shard, self._entries = shard, self.listing.entries(lo, lo + self.cfg.shard_size)
+        return self._entries[pos - self._shard * self.cfg.shard_size]
 
     def __getitem__(self, pos: int) -> dict:
-        e = self.entries[pos]
-        item = {"pos": pos, "error": e.error}
+        e = self._entry(pos)
+        item = {"pos": pos, "error": e.error, "key": e.key, "source": e.source}
         if e.error is None:
             try:
                 item.update(self._prepare(e))
@@ -226,16 +238,16 @@ def _encode(batch: list[dict], encoder, gemma, cfg: PrecomputeConfig, device) ->
     return out
 
 
-def _process_shards(cfg: PrecomputeConfig, entries: list[sources.Entry], pending: list[int], out: Path,
+def _process_shards(cfg: PrecomputeConfig, listing: sources.Listing, pending: list[int], out: Path,
                     encoder, gemma, processor, device, show: bool) -> int:
     """Encode and write the `pending` shards; returns how many images were encoded."""
     from tqdm import tqdm
 
     S, B = cfg.shard_size, cfg.batch_size
-    bounds = {i: (i * S, min((i + 1) * S, len(entries))) for i in pending}
+    bounds = {i: (i * S, min((i + 1) * S, len(listing))) for i in pending}
     # Batches never straddle a shard: a sample's batch-mates are the same whatever the process count.
     batches = [list(range(a, min(a + B, hi))) for i in pending for lo, hi in [bounds[i]] for a in range(lo, hi, B)]
-    dataset = EntryDataset(entries, cfg, processor.image_processor if processor is not None else None)
+    dataset = EntryDataset(listing, cfg, processor.image_processor if processor is not None else None)
     loader = DataLoader(dataset, batch_sampler=batches, collate_fn=_collate, num_workers=cfg.num_workers,
                         prefetch_factor=4 if cfg.num_workers else None, persistent_workers=False)
     writer = ShardWriter(out, cfg.cache.dtype)
@@ -250,13 +262,12 @@ def _process_shards(cfg: PrecomputeConfig, entries: list[sources.Entry], pending
             for b in batch:
                 i = b["pos"] // S
                 buf = buffers.setdefault(i, {"samples": [], "errors": [], "left": bounds[i][1] - bounds[i][0]})
-                e = entries[b["pos"]]
                 if b["error"] is None:
                     s = next(samples)
-                    s.key = e.key
+                    s.key = b["key"]
                     buf["samples"].append(s)
                 else:
-                    buf["errors"].append({"key": e.key, "source": e.source, "reason": b["error"], "shard": i})
+                    buf["errors"].append({"key": b["key"], "source": b["source"], "reason": b["error"], "shard": i})
                 buf["left"] -= 1
                 if buf["left"] == 0:
                     writer.put(i, buffers[i]["samples"], buffers[i]["errors"])
@@ -303,19 +314,21 @@ def run(cfg: PrecomputeConfig) -> dict:
     rank, world = state.process_index, state.num_processes
     out = Path(cfg.output_dir)
     t0 = time.time()
-    entries = sources.list_entries(cfg.source.type, cfg.source.path, cfg.source.num_samples, cfg.seed,
-                                   cfg.source.prompt)
-    if not entries:
+    # Collective for webdataset sources: each tar is header-scanned by one process, once per output_dir.
+    listing = sources.open_listing(cfg.source.type, cfg.source.path, cfg.source.num_samples, cfg.seed,
+                                   cfg.source.prompt, index_dir=out / sources.INDEX_DIR, rank=rank, world=world,
+                                   barrier=state.wait_for_everyone)
+    if not len(listing):
         raise UserError(f"config key 'source.path': no samples found in {cfg.source.path}")
     encoder, gemma, processor, fingerprint = _load_models(cfg, state.device)
-    identity = _run_identity(cfg, fingerprint, len(entries))
+    identity = _run_identity(cfg, fingerprint, len(listing))
     _check_identity(out, identity)
-    n_shards = math.ceil(len(entries) / cfg.shard_size)
+    n_shards = math.ceil(len(listing) / cfg.shard_size)
     if rank == 0:
         (out / cf.SHARDS).mkdir(parents=True, exist_ok=True)
         (out / ERRORS_DIR).mkdir(parents=True, exist_ok=True)
-        for tmp in (out / cf.SHARDS).glob(".*.tmp*"):  # leftovers of a killed run; nobody is writing yet
-            tmp.unlink(missing_ok=True)
+        for tmp in [*(out / cf.SHARDS).glob(".*.tmp*"), *(out / sources.INDEX_DIR).glob(".*.tmp*")]:
+            tmp.unlink(missing_ok=True)  # leftovers of a killed run; nobody is writing (listing is over)
         if not (out / RUN_FILE).is_file():
             cf.atomic_write_json(out / RUN_FILE, identity)
     state.wait_for_everyone()
@@ -324,7 +337,7 @@ def run(cfg: PrecomputeConfig) -> dict:
     if pending and (out / cf.MANIFEST).exists():
         (out / cf.MANIFEST).unlink(missing_ok=True)  # a shard went missing: the cache is not complete any more
     t_enc = time.time()
-    encoded = _process_shards(cfg, entries, pending, out, encoder, gemma, processor, state.device,
+    encoded = _process_shards(cfg, listing, pending, out, encoder, gemma, processor, state.device,
                               show=state.is_main_process) if pending else 0
     counts = gather_object([encoded]) if world > 1 else [encoded]
     state.wait_for_everyone()

@@ -1,6 +1,6 @@
 """Sources: a fixed, documented order of entries, each with a stable key taken from the source (never a position).
 
-Order (shard i of the cache = entries [i*S, (i+1)*S) of this list, so it must never depend on the machine):
+Order (shard i of the cache = entries [i*S, (i+1)*S) of this order, so it must never depend on the machine):
   synthetic:  index 0..num_samples-1; key "synthetic-<seed>-<index:08d>" (the index *is* the sample's identity).
   folder:     with captions.jsonl: its lines in file order; key = safe_key(image relative path).
               without: image files sorted by relative path (POSIX, byte order), caption from the same-stem .txt.
@@ -9,24 +9,36 @@ Order (shard i of the cache = entries [i*S, (i+1)*S) of this list, so it must ne
 An entry that is already known to be unusable (bad caption line, missing image or caption, duplicate key) stays in
 the order as an error entry, so each shard's errors are a deterministic function of the source.
 
-Listing is cheap (paths and tar headers, no image bytes); `load_bytes` runs in DataLoader workers.
+A `Listing` knows the order without holding it as objects: `len(listing)` entries, and `listing.entries(lo, hi)`
+builds the `Entry` objects of one range (one cache shard) on demand, so memory follows shard_size, not dataset size.
+Webdataset tars are header-scanned once into `<output_dir>/source-index/` (tar j by rank j % world) and reused on a
+rerun; folders are listed once per process into compact arrays. `load_bytes` runs in DataLoader workers.
 """
 from __future__ import annotations
 
 import glob
 import io
 import json
+import os
 import re
 import tarfile
+import tempfile
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Iterable
 
+import numpy as np
+
+from theworld import cache_format as cf
 from theworld import synthetic
 from theworld.cache_format import safe_key
 from theworld.errors import UserError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 WDS_IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp")
+INDEX_DIR = "source-index"  # inside output_dir: per-tar header listings + the global summary (webdataset)
+INDEX_VERSION = 1  # bump when the per-tar listing's content changes, so old listings are rebuilt
 
 
 @dataclass
@@ -60,69 +72,223 @@ def load_bytes(entry: Entry, resolution: int) -> bytes:
     return data
 
 
-def _mark_duplicates(entries: list[Entry]) -> list[Entry]:
+def read_member(path: str, loc: tuple[int, int] | None) -> bytes | None:
+    if loc is None:
+        return None
+    with open(path, "rb") as f:
+        f.seek(loc[0])
+        return f.read(loc[1])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Listings: the order, with entries built per range
+
+
+class Listing:
+    """The source order. Subclasses give `__len__` and `_raw(lo, hi)` (entries before duplicate marking)."""
+
+    duplicates: dict[int, str]  # global index -> "duplicate key ..." error, for entries that are otherwise usable
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def _raw(self, lo: int, hi: int) -> list[Entry]:
+        raise NotImplementedError
+
+    def entries(self, lo: int, hi: int) -> list[Entry]:
+        """Entries [lo, hi) of the order, duplicates already marked as errors."""
+        out = self._raw(lo, min(hi, len(self)))
+        for i, e in enumerate(out, start=lo):
+            if e.error is None and i in self.duplicates:
+                e.error = self.duplicates[i]
+        return out
+
+
+class MemoryListing(Listing):
+    """An already materialised list (benchmarks, small tests)."""
+
+    def __init__(self, entries: list[Entry]):
+        self._entries, self.duplicates = entries, {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _raw(self, lo: int, hi: int) -> list[Entry]:
+        return self._entries[lo:hi]
+
+
+def find_duplicates(keys: Iterable[str | None], entry_at: Callable[[int], Entry]) -> dict[int, str]:
+    """{index: error} for every later use of a key, exactly as one pass with a dict of keys would mark them.
+
+    Holds 8 bytes per entry instead of the keys: a 64-bit hash per key (None = a known error, never a duplicate);
+    only entries whose hash occurs twice are built again (`entry_at`) and compared by their real key, so a hash
+    collision costs a look-up, never a wrong answer.
+    """
+    hashes, index = array("q"), array("q")
+    for i, k in enumerate(keys):
+        if k is not None:
+            hashes.append(hash(k))  # per-process salt is fine: the hashes never leave this call
+            index.append(i)
+    h, idx = np.frombuffer(hashes, dtype=np.int64), np.frombuffer(index, dtype=np.int64)
+    order = np.argsort(h, kind="stable")
+    same = np.zeros(len(h), dtype=bool)
+    eq = h[order][1:] == h[order][:-1]
+    same[1:] |= eq
+    same[:-1] |= eq
+    candidates = np.sort(idx[order[same]])
     first: dict[str, str] = {}
-    for e in entries:
-        if e.error is None:
-            if e.key in first:
-                e.error = f"duplicate key: {e.key!r} (first used by {first[e.key]})"
-            else:
-                first[e.key] = e.source
-    return entries
+    dups: dict[int, str] = {}
+    for i in candidates.tolist():
+        e = entry_at(i)
+        if e.error is not None:
+            continue
+        if e.key in first:
+            dups[i] = f"duplicate key: {e.key!r} (first used by {first[e.key]})"
+        else:
+            first[e.key] = e.source
+    return dups
+
+
+class SyntheticListing(Listing):
+    def __init__(self, seed: int, num_samples: int):
+        self.seed, self.n, self.duplicates = seed, num_samples, {}
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _raw(self, lo: int, hi: int) -> list[Entry]:
+        return [Entry(key=f"synthetic-{self.seed}-{i:08d}", source=f"synthetic:{i}", caption="",
+                      prompt=synthetic.PROMPT, loc=("synthetic", self.seed, i)) for i in range(lo, hi)]
 
 
 def synthetic_entries(seed: int, num_samples: int) -> list[Entry]:
-    return [Entry(key=f"synthetic-{seed}-{i:08d}", source=f"synthetic:{i}", caption="", prompt=synthetic.PROMPT,
-                  loc=("synthetic", seed, i)) for i in range(num_samples)]
+    return SyntheticListing(seed, num_samples).entries(0, num_samples)
 
 
-def _folder_from_jsonl(root: Path, default_prompt: str) -> list[Entry]:
-    entries = []
-    for n, line in enumerate((root / "captions.jsonl").read_text(errors="replace").splitlines(), start=1):
-        src = f"captions.jsonl:{n}"
-        if not line.strip():
-            continue  # blank lines are not samples
-        try:
-            rec = json.loads(line)
-            if not isinstance(rec, dict):
-                raise ValueError("not a JSON object")
-            rel, caption = rec["image"], rec["caption"]
-            prompt = rec.get("prompt", default_prompt)
-            if not all(isinstance(v, str) for v in (rel, caption, prompt)) or not rel:
-                raise ValueError("'image', 'caption' and 'prompt' must be non-empty strings")
-        except (ValueError, KeyError) as e:
-            reason = f"missing field {e}" if isinstance(e, KeyError) else str(e)
-            entries.append(Entry(key=safe_key(f"line-{n}"), source=src, error=f"bad caption line: {reason}"))
-            continue
-        path = root / rel
-        entries.append(Entry(key=safe_key(rel), source=rel, caption=caption, prompt=prompt, loc=("file", str(path)),
-                             extra={"line": n}))
-    return entries
+# ----------------------------------------------------------------------------------------------------------------------
+# Folder sources: listed once per process into arrays (16 bytes a line, or the path's bytes + 8 a file)
 
 
-def _folder_from_txt(root: Path, default_prompt: str) -> list[Entry]:
-    files = sorted((p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES),
-                   key=lambda p: p.relative_to(root).as_posix().encode())
-    entries = []
-    for p in files:
-        rel = p.relative_to(root).as_posix()
-        e = Entry(key=safe_key(rel), source=rel, prompt=default_prompt, loc=("file", str(p)))
-        txt = p.with_suffix(".txt")
-        if not txt.is_file():
-            e.error = f"missing caption file {txt.relative_to(root).as_posix()}"
-        else:
-            e.caption = txt.read_text(errors="replace").strip()
-            if not e.caption:
-                e.error = f"empty caption file {txt.relative_to(root).as_posix()}"
-        entries.append(e)
-    return entries
+def _jsonl_record(root: Path, n: int, line: str, default_prompt: str) -> Entry:
+    src = f"captions.jsonl:{n}"
+    try:
+        rec = json.loads(line)
+        if not isinstance(rec, dict):
+            raise ValueError("not a JSON object")
+        rel, caption = rec["image"], rec["caption"]
+        prompt = rec.get("prompt", default_prompt)
+        if not all(isinstance(v, str) for v in (rel, caption, prompt)) or not rel:
+            raise ValueError("'image', 'caption' and 'prompt' must be non-empty strings")
+    except (ValueError, KeyError) as e:
+        reason = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+        return Entry(key=safe_key(f"line-{n}"), source=src, error=f"bad caption line: {reason}")
+    return Entry(key=safe_key(rel), source=rel, caption=caption, prompt=prompt, loc=("file", str(root / rel)),
+                 extra={"line": n})
+
+
+def _jsonl_lines(path: Path) -> Iterable[tuple[int, int, int, str]]:
+    """(byte offset of the physical line, sub-line, line number, text) for every line of captions.jsonl.
+
+    Line numbers follow str.splitlines() of the whole decoded file, as documented; reading bytes line by line and
+    splitting each one again gives the same lines (\\r, \\x85, \\u2028 also break lines) without holding the file.
+    """
+    n, offset = 0, 0
+    with open(path, "rb") as f:
+        for raw in f:
+            for sub, line in enumerate(raw.decode(errors="replace").splitlines()):
+                n += 1
+                yield offset, sub, n, line
+            offset += len(raw)
+
+
+class JsonlListing(Listing):
+    """captions.jsonl: per non-blank line its byte offset, sub-line and number; lines are parsed again per range."""
+
+    def __init__(self, root: Path, default_prompt: str):
+        self.root, self.prompt = root, default_prompt
+        self.path = root / "captions.jsonl"
+        self.offsets, self.subs, self.numbers = array("q"), array("l"), array("q")
+        self.duplicates = find_duplicates(self._scan(), lambda i: self._raw(i, i + 1)[0])
+
+    def _scan(self) -> Iterable[str | None]:
+        """One pass over the file: fills the arrays and yields each line's key (None: a bad line), never kept."""
+        for offset, sub, n, line in _jsonl_lines(self.path):
+            if not line.strip():
+                continue  # blank lines are not samples
+            self.offsets.append(offset), self.subs.append(sub), self.numbers.append(n)
+            e = _jsonl_record(self.root, n, line, self.prompt)
+            yield e.key if e.error is None else None
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def _raw(self, lo: int, hi: int) -> list[Entry]:
+        out = []
+        with open(self.path, "rb") as f:
+            for i in range(lo, hi):
+                f.seek(self.offsets[i])
+                line = f.readline().decode(errors="replace").splitlines()[self.subs[i]]
+                out.append(_jsonl_record(self.root, self.numbers[i], line, self.prompt))
+        return out
+
+
+class TxtFolderListing(Listing):
+    """Images with same-stem .txt captions: sorted relative paths packed into one bytes blob + an offsets array.
+
+    The .txt files are read per range (when the shard is encoded), not at start-up.
+    """
+
+    def __init__(self, root: Path, default_prompt: str):
+        self.root, self.prompt = root, default_prompt
+        rels = sorted(p.relative_to(root).as_posix().encode(errors="surrogateescape") for p in root.rglob("*")
+                      if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+        self.ends = array("q")
+        pos = 0
+        for r in rels:
+            pos += len(r)
+            self.ends.append(pos)
+        self.blob = b"".join(rels)
+        del rels
+        self.duplicates = find_duplicates((safe_key(self._rel(i)) for i in range(len(self))),
+                                          lambda i: self._raw(i, i + 1)[0])
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def _rel(self, i: int) -> str:
+        return self.blob[self.ends[i - 1] if i else 0:self.ends[i]].decode(errors="surrogateescape")
+
+    def _raw(self, lo: int, hi: int) -> list[Entry]:
+        out = []
+        for i in range(lo, hi):
+            rel = self._rel(i)
+            p = self.root / rel
+            e = Entry(key=safe_key(rel), source=rel, prompt=self.prompt, loc=("file", str(p)))
+            txt = p.with_suffix(".txt")
+            if not txt.is_file():
+                e.error = f"missing caption file {txt.relative_to(self.root).as_posix()}"
+            else:
+                e.caption = txt.read_text(errors="replace").strip()
+                if not e.caption:
+                    e.error = f"empty caption file {txt.relative_to(self.root).as_posix()}"
+            out.append(e)
+        return out
+
+
+def folder_listing(path: str, default_prompt: str) -> Listing:
+    root = Path(path)
+    if (root / "captions.jsonl").is_file():
+        return JsonlListing(root, default_prompt)
+    return TxtFolderListing(root, default_prompt)
 
 
 def folder_entries(path: str, default_prompt: str) -> list[Entry]:
-    root = Path(path)
-    if (root / "captions.jsonl").is_file():
-        return _mark_duplicates(_folder_from_jsonl(root, default_prompt))
-    return _mark_duplicates(_folder_from_txt(root, default_prompt))
+    listing = folder_listing(path, default_prompt)
+    return listing.entries(0, len(listing))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Webdataset sources: one header scan per tar, persisted
 
 
 def expand_braces(pattern: str) -> list[str]:
@@ -173,38 +339,148 @@ def _tar_samples(path: str) -> tuple[list[tuple[str, dict]], str | None]:
     return list(samples.items()), error
 
 
-def webdataset_entries(pattern: str, default_prompt: str) -> list[Entry]:
+def _tar_identity(path: str) -> list:
+    """What a per-tar listing is valid for: the same file (absolute path), size and modification time."""
+    st = os.stat(path)
+    return [os.path.abspath(path), st.st_size, st.st_mtime_ns, INDEX_VERSION]
+
+
+def index_tar(path: str, index_file: Path) -> dict:
+    """The tar's header listing, from `index_file` when it matches the tar, else scanned and written atomically."""
+    ident = _tar_identity(path)
+    try:
+        cached = json.loads(index_file.read_text())
+        if cached.get("identity") == ident:
+            return cached
+    except (OSError, ValueError):
+        pass  # missing, or a hand-edited file: scan again
+    samples, broken = _tar_samples(path)
+    listing = {"identity": ident, "samples": [[k, {m: list(v) for m, v in ms.items()}] for k, ms in samples],
+               "broken": broken, "count": len(samples) + (1 if broken else 0)}
+    cf.atomic_write_json(index_file, listing)
+    return listing
+
+
+def _tar_entries(path: str, listing: dict, default_prompt: str) -> list[Entry]:
+    """One tar's entries in tar order (plus a final error entry if the tar is broken part-way)."""
+    name = Path(path).name
     entries = []
-    for path in shard_files(pattern):
-        name = Path(path).name
-        samples, broken = _tar_samples(path)
-        for key, members in samples:
-            e = Entry(key=safe_key(key), source=f"{name}:{key}", prompt=default_prompt)
-            img = next((m for m in WDS_IMAGE_MEMBERS if m in members), None)
-            if img is None:
-                e.error = "missing image (no jpg/png/webp member)"
-            elif "txt" not in members:
-                e.error = "missing caption (no txt member)"
-            else:
-                e.loc = ("tar", path, *members[img])
-                e.extra = {"txt": members["txt"], "json": members.get("json")}  # read in the worker
-            entries.append(e)
-        if broken:
-            entries.append(Entry(key=safe_key(f"{name}-broken"), source=name, error=broken))
-    return _mark_duplicates(entries)
+    for key, members in listing["samples"]:
+        e = Entry(key=safe_key(key), source=f"{name}:{key}", prompt=default_prompt)
+        img = next((m for m in WDS_IMAGE_MEMBERS if m in members), None)
+        if img is None:
+            e.error = "missing image (no jpg/png/webp member)"
+        elif "txt" not in members:
+            e.error = "missing caption (no txt member)"
+        else:
+            e.loc = ("tar", path, *members[img])
+            e.extra = {"txt": tuple(members["txt"]), "json": tuple(members["json"]) if "json" in members else None}
+        entries.append(e)
+    if listing["broken"]:
+        entries.append(Entry(key=safe_key(f"{name}-broken"), source=name, error=listing["broken"]))
+    return entries
+
+
+class WebdatasetListing(Listing):
+    """Tars listed into `index_dir` once: per-tar files `tar-<j>.json` and `listing.json` (counts + duplicates).
+
+    Start-up on every process: stat each tar; if listing.json matches them all, that is the whole cost. Otherwise
+    rank r scans (or re-validates) tars j with j % world == r, everyone waits, rank 0 streams the per-tar listings
+    once in order for the duplicate check and writes listing.json, everyone waits and reads it. `entries(lo, hi)`
+    loads only the per-tar listings that overlap [lo, hi).
+    """
+
+    def __init__(self, pattern: str, default_prompt: str, index_dir: Path, rank: int = 0, world: int = 1,
+                 barrier: Callable[[], None] = lambda: None):
+        self.files, self.prompt, self.index_dir = shard_files(pattern), default_prompt, Path(index_dir)
+        self._cache: dict[int, list[Entry]] = {}
+        summary_file = self.index_dir / "listing.json"
+        idents = [_tar_identity(p) for p in self.files]
+        summary = _read_json(summary_file)
+        fresh = summary is not None and summary.get("identities") == idents
+        if not fresh:  # decided before anyone writes, so every rank takes the same branch and meets the barriers
+            self.index_dir.mkdir(parents=True, exist_ok=True)
+            for j in range(rank, len(self.files), world):
+                index_tar(self.files[j], self._index_file(j))
+        barrier()
+        if not fresh and rank == 0:
+            counts: list[int] = []
+            dups = find_duplicates(self._keys(counts), lambda i: self._raw(i, i + 1)[0])
+            cf.atomic_write_json(summary_file, {"identities": idents, "counts": counts,
+                                                "duplicates": {str(i): m for i, m in sorted(dups.items())}})
+        barrier()
+        summary = _read_json(summary_file)
+        self.starts = [0] + list(np.cumsum(summary["counts"]).tolist())
+        self.duplicates = {int(i): m for i, m in summary["duplicates"].items()}
+        self._cache = {}
+
+    def _index_file(self, j: int) -> Path:
+        return self.index_dir / f"tar-{j:06d}.json"
+
+    def _keys(self, counts: list[int]) -> Iterable[str | None]:
+        """Every entry's key in order (None: a known error), one tar listing in memory at a time; fills `counts`
+        and the range starts on the way, so the duplicate check can build entries once the keys are through."""
+        for j in range(len(self.files)):
+            entries = self._tar(j)
+            counts.append(len(entries))
+            for e in entries:
+                yield e.key if e.error is None else None
+        self.starts = [0] + list(np.cumsum(counts).tolist())
+
+    def _tar(self, j: int) -> list[Entry]:
+        if j not in self._cache:
+            if len(self._cache) >= 2:  # consecutive shards of one process usually fall in the same tar
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[j] = _tar_entries(self.files[j], index_tar(self.files[j], self._index_file(j)), self.prompt)
+        return self._cache[j]
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def _raw(self, lo: int, hi: int) -> list[Entry]:
+        out: list[Entry] = []
+        j = max(0, int(np.searchsorted(self.starts, lo, side="right")) - 1)
+        while lo < hi:
+            a = self.starts[j]
+            take = self._tar(j)[lo - a:hi - a]
+            out += [Entry(**vars(e)) for e in take]  # copies: duplicate marking must not touch the cached list
+            lo += len(take)
+            j += 1
+        return out
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_cache": {}}  # DataLoader workers start with an empty cache
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def webdataset_entries(pattern: str, default_prompt: str) -> list[Entry]:
+    """Every entry at once (small sources, tools); the listing lives in a temporary folder."""
+    with tempfile.TemporaryDirectory() as tmp:
+        listing = WebdatasetListing(pattern, default_prompt, Path(tmp))
+        return listing.entries(0, len(listing))
+
+
+def open_listing(source_type: str, path: str | None, num_samples: int, seed: int, prompt: str, *,
+                 index_dir: Path, rank: int = 0, world: int = 1,
+                 barrier: Callable[[], None] = lambda: None) -> Listing:
+    """The source's order; for webdataset, indexed into `index_dir` by all processes together (collective call)."""
+    if source_type == "synthetic":
+        return SyntheticListing(seed, num_samples)
+    if source_type == "folder":
+        return folder_listing(path, prompt)
+    return WebdatasetListing(path, prompt, index_dir, rank, world, barrier)
 
 
 def list_entries(source_type: str, path: str | None, num_samples: int, seed: int, prompt: str) -> list[Entry]:
+    """Every entry of the source at once (benchmarks, small sources); precompute itself uses `open_listing`."""
     if source_type == "synthetic":
         return synthetic_entries(seed, num_samples)
     if source_type == "folder":
         return folder_entries(path, prompt)
     return webdataset_entries(path, prompt)
-
-
-def read_member(path: str, loc: tuple[int, int] | None) -> bytes | None:
-    if loc is None:
-        return None
-    with open(path, "rb") as f:
-        f.seek(loc[0])
-        return f.read(loc[1])
