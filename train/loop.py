@@ -8,6 +8,8 @@ from __future__ import annotations
 import sys
 import time
 
+import torch
+
 from theworld.errors import cli_entry
 from train import checkpoint, data, optim
 from theworld.config import to_dict
@@ -27,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     resume_from = checkpoint.resolve_resume(cfg)
     if cfg.init_from:
         checkpoint.resolve_weights(cfg.init_from)
+    if cfg.train.cpu_threads:
+        torch.set_num_threads(cfg.train.cpu_threads)
     acc = optim.make_accelerator(cfg)
     accum = accumulation_steps(cfg, acc.num_processes)
     reports = []

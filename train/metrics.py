@@ -57,7 +57,10 @@ class Metrics:
 
     def message(self, text: str) -> None:
         if self.main:
-            (self.bar.write if self.bar is not None else print)(text)
+            if self.bar is not None:
+                self.bar.write(text, file=sys.stderr)
+            else:
+                print(text, file=sys.stderr)
 
     def advance(self, n: int = 1) -> None:
         if self.bar is not None:
