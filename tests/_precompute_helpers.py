@@ -111,3 +111,24 @@ def image_zoo(root: Path) -> tuple[list[dict], dict[str, str]]:
     expected_bad.update({f"line-{n + 1}": "bad caption line", f"line-{n + 2}": "bad caption line",
                          "rgb_jpg#dup": "duplicate"})
     return records, expected_bad
+
+
+def wds_source(root: Path, tars: int, per_tar: int, dup: tuple[int, int] | None = None,
+               no_caption: tuple[int, int] | None = None) -> list[Path]:
+    """img2dataset-like tars `root/<j:05d>.tar` (jpg + txt + json); `dup`: that (tar, sample) reuses tar 0's key 0;
+    `no_caption`: that (tar, sample) has no txt member. Returns the tar paths."""
+    import webdataset as wds
+
+    root.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for j in range(tars):
+        paths.append(root / f"{j:05d}.tar")
+        with wds.TarWriter(str(paths[-1])) as w:
+            for i in range(per_tar):
+                key = "000000000" if (j, i) == dup else f"{j:05d}{i:04d}"
+                sample = {"__key__": key, "jpg": jpeg_bytes(gradient(36 + i % 5, 36 + j % 3)),
+                          "json": json.dumps({"url": f"http://x/{key}"}).encode()}
+                if (j, i) != no_caption:
+                    sample["txt"] = f"text {j} {i}".encode()
+                w.write(sample)
+    return paths

@@ -236,3 +236,82 @@ def test_two_processes_give_the_same_cache(tmp_path):
     assert [s["sha256"] for s in m2["shards"]] == [s["sha256"] for s in m1["shards"]]  # byte-identical shards
     l1, l2 = latents(one), latents(two)
     assert list(l1) == list(l2) and all(torch.equal(l1[k], l2[k]) for k in l1)
+
+
+def _spy_listing(monkeypatch) -> tuple[list, list]:
+    """Record every tar header scan and every range of Entry objects built through Listing.entries."""
+    from precompute import sources
+
+    scans, ranges = [], []
+    scan, entries = sources._tar_samples, sources.Listing.entries
+    monkeypatch.setattr(sources, "_tar_samples", lambda path: (scans.append(Path(path).name), scan(path))[1])
+    monkeypatch.setattr(sources.Listing, "entries",
+                        lambda self, lo, hi: (ranges.append((lo, hi)), entries(self, lo, hi))[1])
+    return scans, ranges
+
+
+def test_webdataset_listing_is_indexed_once_and_built_per_shard(tmp_path, fake_vae, monkeypatch):
+    from _precompute_helpers import wds_source
+
+    wds_source(tmp_path / "wds", tars=5, per_tar=3, dup=(3, 1), no_caption=(1, 2))
+    scans, ranges = _spy_listing(monkeypatch)
+    out = tmp_path / "c"
+    cfg = lambda: make_cfg(out, "source.type=webdataset", f"source.path={tmp_path}/wds/{{00000..00004}}.tar", shard=4)
+    first = cosmos_latents.run(cfg())
+    assert sorted(scans) == [f"{j:05d}.tar" for j in range(5)]  # each tar's headers read once
+    assert sorted(ranges) == [(0, 4), (4, 8), (8, 12), (12, 16)]  # entries built shard by shard, never all at once
+    assert first["num_samples"] == 13 and first["num_errors"] == 2
+    reasons = {e["key"]: e["reason"] for e in cf.read_errors(out)}
+    assert reasons["000010002"].startswith("missing caption")
+    assert reasons["000000000"] == "duplicate key: '000000000' (first used by 00000.tar:000000000)"
+    assert list(read_cache_plain(out))[:4] == ["000000000", "000000001", "000000002", "000010000"]
+    index = {p.name: p.stat().st_mtime_ns for p in (out / "source-index").iterdir()}
+    assert sorted(index) == ["listing.json"] + [f"tar-{j:06d}.json" for j in range(5)]
+
+    # Rerun after losing shard 2: no tar is read again, only shard 2's entries are built, same bytes.
+    cf.tar_path(out, 2).unlink()
+    scans.clear(), ranges.clear()
+    again = cosmos_latents.run(cfg())
+    assert scans == [] and ranges == [(8, 12)] and again["summary"]["encoded_this_run"] == 3
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "source-index").iterdir()} == index
+    assert [s["sha256"] for s in again["shards"]] == [s["sha256"] for s in first["shards"]]
+
+    # A tar that changed (size/mtime) is scanned again, and only that one.
+    tar = tmp_path / "wds" / "00004.tar"
+    tar.write_bytes(tar.read_bytes())
+    os.utime(tar, ns=(1, 1))
+    scans.clear()
+    from precompute import sources
+
+    sources.open_listing("webdataset", f"{tmp_path}/wds/*.tar", 0, 0, "p", index_dir=out / "source-index")
+    assert scans == ["00004.tar"]
+
+
+def test_webdataset_listing_split_across_ranks(tmp_path, monkeypatch):
+    """Two ranks (threads meeting at a barrier) scan disjoint tars (j % world) and end up with the same order,
+    equal to listing everything in one process."""
+    import threading
+
+    from _precompute_helpers import wds_source
+    from precompute import sources
+
+    wds_source(tmp_path / "wds", tars=5, per_tar=4, dup=(2, 3))
+    pattern = f"{tmp_path}/wds/*.tar"
+    reference = sources.list_entries("webdataset", pattern, 0, 0, "p")
+    scans, scan = [], sources._tar_samples
+    monkeypatch.setattr(sources, "_tar_samples",
+                        lambda path: (scans.append((threading.current_thread().name, Path(path).name)), scan(path))[1])
+    listings, barrier = {}, threading.Barrier(2)
+
+    def rank(r: int) -> None:
+        listings[r] = sources.open_listing("webdataset", pattern, 0, 0, "p", index_dir=tmp_path / "idx", rank=r,
+                                           world=2, barrier=barrier.wait)
+
+    threads = [threading.Thread(target=rank, args=(r,), name=f"rank{r}") for r in (0, 1)]
+    [t.start() for t in threads], [t.join() for t in threads]
+    assert sorted(scans) == [(f"rank{j % 2}", f"{j:05d}.tar") for j in sorted(range(5), key=lambda j: (j % 2, j))]
+    for r, listing in listings.items():
+        got = listing.entries(0, 12) + listing.entries(12, 20)
+        assert [(e.key, e.source, e.error, e.loc) for e in got] == \
+               [(e.key, e.source, e.error, e.loc) for e in reference]
+    assert sum(e.error is not None for e in reference) == 1
