@@ -221,9 +221,12 @@ def test_stage_chain_1_2_4(cache, tmp_path, capsys):
              "train.num_workers": 0, "trackers": "[]", "train.eval_every": 0, "cache_dir": cache}
     s = lambda d: [a for k, v in d.items() for a in ("--set", f"{k}={v}")]  # noqa: E731
     s1, s2, s4 = tmp_path / "s1", tmp_path / "s2", tmp_path / "s4"
-    assert train_inproc(["--config", str(cfgs / "stage1.yaml"), *s({**small, "output_dir": s1})]) == 0
+    assert train_inproc(["--config", str(cfgs / "stage1.yaml"),
+                         *s({**small, "output_dir": s1, "profile.enabled": "true", "profile.start_step": 0,
+                             "profile.steps": 1})]) == 0
     out1 = capsys.readouterr()
     assert "latents cached" in out1.err
+    assert (s1 / "profile" / "trace-rank0.json").stat().st_size > 0 and "aten::" in out1.err
     assert train_inproc(["--config", str(cfgs / "stage2.yaml"),
                          *s({**small, "output_dir": s2, "init_from": s1 / "final"})]) == 0
     out2 = capsys.readouterr()

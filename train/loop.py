@@ -49,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     m = Metrics(acc, cfg.output_dir, {**to_dict(cfg), "run_hash": run_hash(cfg)}, state.step, cfg.train.max_steps,
                 cfg.trackers)
     for r in reports:
-        m.message(f"init_from {cfg.init_from}: {r.summary()}; new: {sorted({n.rsplit('.', 2)[0] for n in r.new})[:6]}")
+        parts = lambda names: sorted({".".join(n.split(".")[:3]) for n in names})  # noqa: E731
+        m.message(f"init_from {cfg.init_from}: {r.summary()}; loaded {parts(r.loaded)}, new (from the base model) "
+                  f"{parts(r.new)}, ignored {parts(r.ignored)}")
     m.message(f"{'resumed from ' + str(resume_from) if resume_from else 'fresh start'} at step {state.step}; "
               f"{len(ctx.train_indices)} train / {len(ctx.eval_indices)} eval samples, {per_epoch} steps/epoch, "
               f"{acc.num_processes} process(es) x {accum} micro-batches of {cfg.train.micro_batch_size}; "
