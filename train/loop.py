@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
         print(to_yaml(cfg), end="")
         return 0
     reader, plan = data.open_cache(cfg)  # everything checkable without a model is checked before loading one
+    if cfg.train.eval_samples >= len(reader):
+        data.split(reader, cfg.train.eval_samples)  # raises, naming the key
+    data.steps_per_epoch(len(reader) - cfg.train.eval_samples, cfg.train.global_batch_size)
     resume_from = checkpoint.resolve_resume(cfg)
     if cfg.init_from:
         checkpoint.resolve_weights(cfg.init_from)
