@@ -16,7 +16,9 @@ rerun; folders are listed once per process into compact arrays. `load_bytes` run
 """
 from __future__ import annotations
 
+import base64
 import glob
+import hashlib
 import io
 import json
 import os
@@ -117,28 +119,38 @@ class MemoryListing(Listing):
         return self._entries[lo:hi]
 
 
+def key_hash(key: str) -> int:
+    """A 64-bit hash of a key that is the same in every process and run (unlike hash(), which is salted)."""
+    digest = hashlib.blake2b(key.encode("utf-8", "surrogateescape"), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
 def find_duplicates(keys: Iterable[str | None], entry_at: Callable[[int], Entry]) -> dict[int, str]:
     """{index: error} for every later use of a key, exactly as one pass with a dict of keys would mark them.
 
-    Holds 8 bytes per entry instead of the keys: a 64-bit hash per key (None = a known error, never a duplicate);
-    only entries whose hash occurs twice are built again (`entry_at`) and compared by their real key, so a hash
-    collision costs a look-up, never a wrong answer.
+    Holds 16 bytes per entry instead of the keys (None = a known error, never a duplicate).
     """
-    hashes, index = array("q"), array("q")
+    index, hashes = array("q"), array("q")
     for i, k in enumerate(keys):
         if k is not None:
-            hashes.append(hash(k))  # per-process salt is fine: the hashes never leave this call
             index.append(i)
-    h, idx = np.frombuffer(hashes, dtype=np.int64), np.frombuffer(index, dtype=np.int64)
-    order = np.argsort(h, kind="stable")
-    same = np.zeros(len(h), dtype=bool)
-    eq = h[order][1:] == h[order][:-1]
+            hashes.append(key_hash(k))
+    return duplicates_from_hashes(np.frombuffer(index, dtype=np.int64), np.frombuffer(hashes, dtype=np.int64),
+                                  entry_at)
+
+
+def duplicates_from_hashes(index: np.ndarray, hashes: np.ndarray, entry_at: Callable[[int], Entry]) -> dict[int, str]:
+    """`find_duplicates` from (global index, key hash) of the possibly usable entries. Only entries whose hash occurs
+    twice are built again (`entry_at`) and compared by their real key, so a hash collision costs a look-up, never a
+    wrong answer."""
+    order = np.argsort(hashes, kind="stable")
+    same = np.zeros(len(hashes), dtype=bool)
+    eq = hashes[order][1:] == hashes[order][:-1]
     same[1:] |= eq
     same[:-1] |= eq
-    candidates = np.sort(idx[order[same]])
     first: dict[str, str] = {}
     dups: dict[int, str] = {}
-    for i in candidates.tolist():
+    for i in np.sort(index[order[same]]).tolist():
         e = entry_at(i)
         if e.error is not None:
             continue
@@ -456,11 +468,15 @@ class WebdatasetListing(Listing):
         if not fresh:  # decided before anyone writes, so every rank takes the same branch and meets the barriers
             self.index_dir.mkdir(parents=True, exist_ok=True)
             for j in range(rank, len(self.files), world):
-                index_tar(self.files[j], self._index_file(j))
+                self._tar_keys(j)  # scans the tar (or checks its listing) and hashes its keys, in parallel
         barrier()
-        if not fresh and rank == 0:
-            counts: list[int] = []
-            dups = find_duplicates(self._keys(counts), lambda i: self._raw(i, i + 1)[0])
+        if not fresh and rank == 0:  # the one serial step: 16 bytes per entry from small files, no tar listing
+            keys = [self._tar_keys(j) for j in range(len(self.files))]
+            counts = [k[0] for k in keys]
+            self.starts = [0] + list(np.cumsum(counts).tolist())
+            index = np.concatenate([np.zeros(0, np.int64)] + [a + pos for a, (_, pos, _) in zip(self.starts, keys)])
+            hashes = np.concatenate([np.zeros(0, np.int64)] + [h for _, _, h in keys])
+            dups = duplicates_from_hashes(index, hashes, lambda i: self._raw(i, i + 1)[0])
             cf.atomic_write_json(summary_file, {"identities": idents, "counts": counts,
                                                 "duplicates": {str(i): m for i, m in sorted(dups.items())}})
         barrier()
@@ -472,15 +488,21 @@ class WebdatasetListing(Listing):
     def _index_file(self, j: int) -> Path:
         return self.index_dir / f"tar-{j:06d}.json"
 
-    def _keys(self, counts: list[int]) -> Iterable[str | None]:
-        """Every entry's key in order (None: a known error), one tar listing in memory at a time; fills `counts`
-        and the range starts on the way, so the duplicate check can build entries once the keys are through."""
-        for j in range(len(self.files)):
-            entries = self._tar(j)
-            counts.append(len(entries))
-            for e in entries:
-                yield e.key if e.error is None else None
-        self.starts = [0] + list(np.cumsum(counts).tolist())
+    def _tar_keys(self, j: int) -> tuple[int, np.ndarray, np.ndarray]:
+        """(entries, positions of the usable ones, their key hashes) of tar j, from tar-<j>.keys.json when it matches
+        the tar, else from the tar's listing; kept apart from the listing so rank 0 reads 16 bytes per entry."""
+        path, keys_file = self.files[j], self.index_dir / f"tar-{j:06d}.keys.json"
+        cached = _read_json(keys_file)
+        if cached is None or cached.get("identity") != _tar_identity(path):
+            entries = _tar_entries(path, index_tar(path, self._index_file(j)), "")
+            pos = [p for p, e in enumerate(entries) if e.error is None]
+            hashes = [key_hash(entries[p].key) for p in pos]
+            cached = {"identity": _tar_identity(path), "count": len(entries),
+                      "positions": base64.b64encode(np.array(pos, "<i8").tobytes()).decode(),
+                      "hashes": base64.b64encode(np.array(hashes, "<i8").tobytes()).decode()}
+            cf.atomic_write_json(keys_file, cached)
+        pos, hashes = (np.frombuffer(base64.b64decode(cached[k]), "<i8").astype(np.int64) for k in ("positions", "hashes"))
+        return cached["count"], pos, hashes
 
     def _tar(self, j: int) -> list[Entry]:
         if j not in self._cache:

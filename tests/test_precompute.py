@@ -266,7 +266,7 @@ def test_webdataset_listing_is_indexed_once_and_built_per_shard(tmp_path, fake_v
     assert reasons["000000000"] == "duplicate key: '000000000' (first used by 00000.tar:000000000)"
     assert list(read_cache_plain(out))[:4] == ["000000000", "000000001", "000000002", "000010000"]
     index = {p.name: p.stat().st_mtime_ns for p in (out / "source-index").iterdir()}
-    assert sorted(index) == ["listing.json"] + [f"tar-{j:06d}.json" for j in range(5)]
+    assert sorted(index) == ["listing.json"] + sorted(f"tar-{j:06d}{x}" for j in range(5) for x in (".json", ".keys.json"))
 
     # Rerun after losing shard 2: no tar is read again, only shard 2's entries are built, same bytes.
     cf.tar_path(out, 2).unlink()
