@@ -449,12 +449,13 @@ def _tar_entries(path: str, listing: dict, default_prompt: str) -> list[Entry]:
 
 
 class WebdatasetListing(Listing):
-    """Tars listed into `index_dir` once: per-tar files `tar-<j>.json` and `listing.json` (counts + duplicates).
+    """Tars listed into `index_dir` once: `tar-<j>.json` (keys, member offsets, broken-tar error), `tar-<j>.keys.json`
+    (usable positions + key hashes) and `listing.json` (every tar's identity and count, the duplicate errors).
 
     Start-up on every process: stat each tar; if listing.json matches them all, that is the whole cost. Otherwise
-    rank r scans (or re-validates) tars j with j % world == r, everyone waits, rank 0 streams the per-tar listings
-    once in order for the duplicate check and writes listing.json, everyone waits and reads it. `entries(lo, hi)`
-    loads only the per-tar listings that overlap [lo, hi).
+    rank r scans (or re-validates) tars j with j % world == r, everyone waits, rank 0 runs the duplicate check from
+    the hash files and writes listing.json, everyone waits and reads it. `entries(lo, hi)` loads only the per-tar
+    listings that overlap [lo, hi).
     """
 
     def __init__(self, pattern: str, default_prompt: str, index_dir: Path, rank: int = 0, world: int = 1,
@@ -463,27 +464,30 @@ class WebdatasetListing(Listing):
         self._cache: dict[int, list[Entry]] = {}
         summary_file = self.index_dir / "listing.json"
         idents = [_tar_identity(p) for p in self.files]
-        summary = _read_json(summary_file)
-        fresh = summary is not None and summary.get("identities") == idents
+        fresh = (_read_json(summary_file) or {}).get("identities") == idents
         if not fresh:  # decided before anyone writes, so every rank takes the same branch and meets the barriers
             self.index_dir.mkdir(parents=True, exist_ok=True)
             for j in range(rank, len(self.files), world):
                 self._tar_keys(j)  # scans the tar (or checks its listing) and hashes its keys, in parallel
         barrier()
-        if not fresh and rank == 0:  # the one serial step: 16 bytes per entry from small files, no tar listing
-            keys = [self._tar_keys(j) for j in range(len(self.files))]
-            counts = [k[0] for k in keys]
-            self.starts = [0] + list(np.cumsum(counts).tolist())
-            index = np.concatenate([np.zeros(0, np.int64)] + [a + pos for a, (_, pos, _) in zip(self.starts, keys)])
-            hashes = np.concatenate([np.zeros(0, np.int64)] + [h for _, _, h in keys])
-            dups = duplicates_from_hashes(index, hashes, lambda i: self._raw(i, i + 1)[0])
-            cf.atomic_write_json(summary_file, {"identities": idents, "counts": counts,
-                                                "duplicates": {str(i): m for i, m in sorted(dups.items())}})
+        if not fresh and rank == 0:
+            self._write_summary(summary_file, idents)
         barrier()
         summary = _read_json(summary_file)
         self.starts = [0] + list(np.cumsum(summary["counts"]).tolist())
         self.duplicates = {int(i): m for i, m in summary["duplicates"].items()}
         self._cache = {}
+
+    def _write_summary(self, summary_file: Path, idents: list) -> None:
+        """The one serial step (rank 0): counts and duplicates from the hash files, 16 bytes per entry."""
+        keys = [self._tar_keys(j) for j in range(len(self.files))]
+        counts = [k[0] for k in keys]
+        self.starts = [0] + list(np.cumsum(counts).tolist())
+        index = np.concatenate([np.zeros(0, np.int64)] + [a + pos for a, (_, pos, _) in zip(self.starts, keys)])
+        hashes = np.concatenate([np.zeros(0, np.int64)] + [h for _, _, h in keys])
+        dups = duplicates_from_hashes(index, hashes, lambda i: self._raw(i, i + 1)[0])
+        cf.atomic_write_json(summary_file, {"identities": idents, "counts": counts,
+                                            "duplicates": {str(i): m for i, m in sorted(dups.items())}})
 
     def _index_file(self, j: int) -> Path:
         return self.index_dir / f"tar-{j:06d}.json"
@@ -501,7 +505,8 @@ class WebdatasetListing(Listing):
                       "positions": base64.b64encode(np.array(pos, "<i8").tobytes()).decode(),
                       "hashes": base64.b64encode(np.array(hashes, "<i8").tobytes()).decode()}
             cf.atomic_write_json(keys_file, cached)
-        pos, hashes = (np.frombuffer(base64.b64decode(cached[k]), "<i8").astype(np.int64) for k in ("positions", "hashes"))
+        pos, hashes = (np.frombuffer(base64.b64decode(cached[k]), "<i8").astype(np.int64)
+                       for k in ("positions", "hashes"))
         return cached["count"], pos, hashes
 
     def _tar(self, j: int) -> list[Entry]:

@@ -266,7 +266,8 @@ def test_webdataset_listing_is_indexed_once_and_built_per_shard(tmp_path, fake_v
     assert reasons["000000000"] == "duplicate key: '000000000' (first used by 00000.tar:000000000)"
     assert list(read_cache_plain(out))[:4] == ["000000000", "000000001", "000000002", "000010000"]
     index = {p.name: p.stat().st_mtime_ns for p in (out / "source-index").iterdir()}
-    assert sorted(index) == ["listing.json"] + sorted(f"tar-{j:06d}{x}" for j in range(5) for x in (".json", ".keys.json"))
+    per_tar = sorted(f"tar-{j:06d}{x}" for j in range(5) for x in (".json", ".keys.json"))
+    assert sorted(index) == ["listing.json"] + per_tar
 
     # Rerun after losing shard 2: no tar is read again, only shard 2's entries are built, same bytes.
     cf.tar_path(out, 2).unlink()
@@ -336,7 +337,8 @@ def test_fast_tar_scan_equals_tarfile(tmp_path):
 
     members = [("a/k1.jpg", 700, tarfile.REGTYPE), ("a/k1.TXT", 1, tarfile.REGTYPE), ("dir", 0, tarfile.DIRTYPE),
                ("k2.jpg", 0, tarfile.REGTYPE), ("p" * 90 + "/" + "q" * 60 + ".png", 513, tarfile.REGTYPE)]
-    odd = [("ü/k3.png", 3, tarfile.REGTYPE), ("lnk", 0, tarfile.SYMTYPE), ("d/" + "x" * 120 + ".jpg", 2, tarfile.REGTYPE)]
+    odd = [("ü/k3.png", 3, tarfile.REGTYPE), ("lnk", 0, tarfile.SYMTYPE),
+           ("d/" + "x" * 120 + ".jpg", 2, tarfile.REGTYPE)]
     paths = []
     for fmt in (tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT):
         for extra in ([], odd[:2], odd[2:]):
@@ -360,3 +362,28 @@ def test_fast_tar_scan_equals_tarfile(tmp_path):
     for p in paths:
         assert sources._tar_samples(str(p)) == reference(str(p)), p.name
     assert sources._plain_headers(str(paths[0])) is not None  # the fast path is taken for plain tars
+
+
+def test_two_processes_webdataset_source(tmp_path):
+    """accelerate with 2 processes on a multi-tar source: each tar listed once, same shards as one process."""
+    from _precompute_helpers import wds_source
+
+    wds_source(tmp_path / "wds", tars=4, per_tar=3, dup=(2, 0))
+    src = ["source.type=webdataset", f"source.path={tmp_path}/wds/*.tar"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in test_two_processes_give_the_same_cache
+    try:
+        m1 = cosmos_latents.run(make_cfg(tmp_path / "one", *src, shard=5, res=32))
+    finally:
+        torch.set_num_threads(threads)
+    cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "precompute.cosmos_latents",
+           *cli_args(tmp_path / "two", *src, shard=5, res=32)]
+    res = subprocess.run(cmd, cwd=ROOT, env=_env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True,
+                         timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    m2 = json.loads((tmp_path / "two" / "manifest.json").read_text())
+    assert m1["num_samples"] == m2["num_samples"] == 11 and m2["num_errors"] == 1
+    assert [s["sha256"] for s in m2["shards"]] == [s["sha256"] for s in m1["shards"]]
+    index = json.loads((tmp_path / "two" / "source-index" / "listing.json").read_text())
+    assert index["counts"] == [3, 3, 3, 3] and list(index["duplicates"]) == ["6"]
