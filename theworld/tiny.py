@@ -66,7 +66,10 @@ def _gemma_config(tokenizer, initializer_range: float = INITIALIZER_RANGE, **tex
     from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
 
     sizes = {**dict(hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
-                    num_key_value_heads=1, head_dim=32, sliding_window=64), **text_sizes}
+                    num_key_value_heads=4, head_dim=32, sliding_window=64), **text_sizes}
+    # Real Gemma 3 scales queries by head_dim**-0.5 (query_pre_attn_scalar 256 = head_dim). Keep that ratio: with q/k
+    # RMS-normalised, the default 256 at head_dim 32 would cap attention logits at 2, too flat to read world tokens.
+    sizes.setdefault("query_pre_attn_scalar", sizes["head_dim"])
     # Gemma 3 interleaves 5 sliding-window layers with 1 global one; spell it out (required for few layers), and
     # end on a global layer so every token can see the whole world.
     n = sizes["num_hidden_layers"]
