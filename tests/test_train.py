@@ -22,14 +22,15 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHON
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    """96 synthetic samples at 64 px, float32, flipped latents and images kept (3 shards of 32)."""
+    """96 synthetic samples at 64 px, float32, flipped latents and images kept (3 shards of 32); no SigLIP features,
+    since flip augmentation needs image tokens computed live from the flipped picture."""
     from precompute.config import load as load_pre
     from precompute.cosmos_latents import run
 
     out = tmp_path_factory.mktemp("train") / "cache"
     cfg = load_pre(str(ROOT / "configs" / "precompute.yaml"),
                    [f"output_dir={out}", "source.num_samples=96", "shard_size=32", "batch_size=32", "num_workers=0",
-                    "cache.flip=true"])
+                    "cache.flip=true", "cache.siglip=false"])
     run(cfg)
     return out
 
