@@ -41,3 +41,19 @@ def test_precompute_bench_smoke(tmp_path):
     for case in ("real_size_format", "real_size_format_no_images"):
         assert 0 < rows[case]["bytes_overhead"] <= 0.05, rows[case]
     _positive(rows["jpeg_draft_decode"], "full_ms", "draft_ms", "speedup")
+
+
+def test_real_size_bench_code_path_at_toy_sizes(tmp_path):
+    """The GPU benchmark's code (model at given sizes, FLOP count, VAE rate) runs end to end at toy sizes on CPU."""
+    from train.bench_real import TINY, lm_flops
+
+    out = _run(["train.bench_real", "--sizes", "tiny", "--steps", "1", "--vae-batch", "2", "--micro-batch", "2"],
+               tmp_path)
+    steps = [r for r in out["rows"] if r["case"] == "stage1_step"]
+    assert [(r["pool"], r["gradient_checkpointing"]) for r in steps] == [(1, False), (1, True), (2, False), (2, True)]
+    assert [r["world_tokens"] for r in steps] == [64, 64, 16, 16]
+    for r in steps:
+        _positive(r, "step_ms", "samples_per_s")
+    _positive(out["rows"][-1], "images_per_s")
+    # FLOPs: 2 * params * tokens dominates and grows linearly with the sequence (plus attention's quadratic term)
+    assert lm_flops(TINY, 200) > 2 * lm_flops(TINY, 100) > 0

@@ -18,10 +18,12 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 def _quiet_hf() -> None:
+    from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+    diffusers_logging.set_verbosity_error()
 
 
 def resolve_gemma(spec: str) -> str:

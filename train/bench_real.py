@@ -1,0 +1,182 @@
+"""Real-size benchmark (GPU): Gemma 3 4B + the Wan 2.1 VAE architectures with random weights.
+
+    python -m train.bench_real [--json] [--micro-batch 4] [--steps 10]
+
+Random weights are fine for speed. Rows: stage-1 steps (projector trains; frozen bf16 Gemma; cached latents and
+SigLIP features staged on the GPU) at world.pool 1 and 2, with and without gradient checkpointing: samples/s, peak
+memory, and MFU against the language model's forward + activation-backward FLOPs; and precompute images/s of the VAE
+encoder at 512 px in bf16. `--sizes tiny` runs the same code at toy sizes (CPU smoke test; no MFU there).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from theworld.encoders import WorldEncoder, _quiet_hf
+from theworld.model import TheWorld
+from theworld.projector import WorldProjector
+
+REAL = {"text": dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
+                     num_key_value_heads=4, head_dim=256, sliding_window=1024, vocab_size=262208,
+                     query_pre_attn_scalar=256),
+        "vision": dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                       image_size=896, patch_size=14),
+        "mm_tokens": 256, "resolution": 512, "vae": {}}
+TINY = {"text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                     num_key_value_heads=1, head_dim=32, sliding_window=64, vocab_size=512, query_pre_attn_scalar=32),
+        "vision": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                       image_size=32, patch_size=8),
+        "mm_tokens": 4, "resolution": 64,
+        "vae": dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1)}
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
+TEXT_TOKENS = 64  # prompt + chat template around the image, plus a caption of ~32 answer tokens
+ANSWER_TOKENS = 32
+
+
+def build(sizes: dict, pool: int, device: torch.device) -> TheWorld:
+    from diffusers import AutoencoderKLWan
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+    n = sizes["text"]["num_hidden_layers"]
+    layer_types = ["full_attention" if (i + 1) % 6 == 0 or i == n - 1 else "sliding_attention" for i in range(n)]
+    text = Gemma3TextConfig(**sizes["text"], layer_types=layer_types)
+    vision = SiglipVisionConfig(**sizes["vision"])
+    vocab = sizes["text"]["vocab_size"]
+    cfg = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=sizes["mm_tokens"],
+                       boi_token_index=vocab - 3, eoi_token_index=vocab - 2, image_token_index=vocab - 1)
+    with torch.device(device):
+        gemma = Gemma3ForConditionalGeneration(cfg).to(torch.bfloat16).eval()
+        vae = AutoencoderKLWan(**sizes["vae"]).to(torch.bfloat16).eval()
+    encoder = WorldEncoder(vae)
+    proj = WorldProjector(text.hidden_size, encoder.latents_mean, encoder.latents_std, pool=pool).to(device)
+    model = TheWorld(gemma, encoder, proj)
+    model.requires_grad_(False)
+    proj.requires_grad_(True)
+    return model
+
+
+def batch(sizes: dict, b: int, device: torch.device) -> dict:
+    vocab, h = sizes["text"]["vocab_size"], sizes["text"]["hidden_size"]
+    mm, lat = sizes["mm_tokens"], sizes["resolution"] // 8
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab - 3, (b, TEXT_TOKENS + mm + 2), generator=g)
+    ids[:, 8], ids[:, 9:9 + mm], ids[:, 9 + mm] = vocab - 3, vocab - 1, vocab - 2  # boi, image tokens, eoi
+    labels = torch.full_like(ids, -100)
+    labels[:, -ANSWER_TOKENS:] = ids[:, -ANSWER_TOKENS:]
+    out = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels,
+           "latent_mean": torch.randn(b, 16, 1, lat, lat, generator=g), "latent_logvar": torch.randn(b, 16, 1, lat, lat, generator=g) - 4,
+           "siglip": torch.randn(b, mm, h, generator=g)}
+    return {k: v.to(device) for k, v in out.items()}
+
+
+def lm_flops(sizes: dict, seq: int) -> float:
+    """Forward FLOPs of the language model over one sequence (matmuls + attention; lm_head on answer tokens only);
+    the activation backward of frozen weights costs the same again (dX only, no dW)."""
+    t = sizes["text"]
+    h, hd, nh, kv, ff = t["hidden_size"], t["head_dim"], t["num_attention_heads"], t["num_key_value_heads"], t["intermediate_size"]
+    per_layer_params = h * hd * (nh + 2 * kv) + nh * hd * h + 3 * h * ff
+    n = t["num_hidden_layers"]
+    n_global = sum(1 for i in range(n) if (i + 1) % 6 == 0 or i == n - 1)
+    ctx_local = min(seq, t["sliding_window"])
+    attn = 2 * 2 * nh * hd * (seq * seq / 2 * n_global + seq * ctx_local / 2 * (n - n_global))
+    return 2 * per_layer_params * n * seq + attn + 2 * h * t["vocab_size"] * ANSWER_TOKENS
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def step_row(sizes: dict, pool: int, ckpt: bool, micro: int, steps: int, device: torch.device) -> dict:
+    model = build(sizes, pool, device)
+    model.gradient_checkpointing(ckpt)
+    model.train()
+    opt = torch.optim.AdamW(model.projector.parameters(), lr=1e-4)
+    x = batch(sizes, micro, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(steps + 2):  # two warm-up steps
+        _sync(device)
+        t = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            out = model(**x)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    step_s = sum(times[2:]) / steps
+    world = (sizes["resolution"] // 8 // pool) ** 2 + 2
+    seq = x["input_ids"].shape[1] + world
+    flops = 2 * lm_flops(sizes, seq) * micro
+    row = {"case": "stage1_step", "pool": pool, "world_tokens": world - 2, "seq_len": seq,
+           "gradient_checkpointing": ckpt, "micro_batch": micro, "step_ms": round(1000 * step_s, 1),
+           "samples_per_s": round(micro / step_s, 2), "tflops_per_s": round(flops / step_s / 1e12, 1)}
+    if device.type == "cuda":
+        row["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in torch.cuda.get_device_name()), None)
+        row["mfu"] = round(flops / step_s / 1e12 / peak, 3) if peak else None
+    del model, opt
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+@torch.no_grad()
+def vae_row(sizes: dict, batch_size: int, steps: int, device: torch.device) -> dict:
+    from diffusers import AutoencoderKLWan
+
+    with torch.device(device):
+        enc = WorldEncoder(AutoencoderKLWan(**sizes["vae"]).to(torch.bfloat16).eval())
+    r = sizes["resolution"]
+    pixels = torch.randint(0, 256, (batch_size, 3, r, r), dtype=torch.uint8, device=device)
+    enc(pixels)
+    _sync(device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        enc(pixels)
+    _sync(device)
+    dt = (time.perf_counter() - t) / steps
+    return {"case": "precompute_vae_encode", "resolution": r, "batch": batch_size, "dtype": "bfloat16",
+            "images_per_s": round(batch_size / dt, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="train.bench_real", description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--sizes", choices=["real", "tiny"], default="real")
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--vae-batch", type=int, default=16)
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.sizes == "real" and device.type != "cuda":
+        print("error: train.bench_real at real sizes needs a CUDA GPU (use --sizes tiny for a CPU smoke run)",
+              file=sys.stderr)
+        return 2
+    sizes = REAL if args.sizes == "real" else TINY
+    _quiet_hf()
+    rows = []
+    for pool in (1, 2):
+        for ckpt in (False, True):
+            try:
+                rows.append(step_row(sizes, pool, ckpt, args.micro_batch, args.steps, device))
+            except torch.OutOfMemoryError:
+                rows.append({"case": "stage1_step", "pool": pool, "gradient_checkpointing": ckpt,
+                             "micro_batch": args.micro_batch, "error": "out of memory"})
+                torch.cuda.empty_cache()
+            if not args.json:
+                print(json.dumps(rows[-1]), flush=True)
+    rows.append(vae_row(sizes, args.vae_batch, args.steps, device))
+    print(json.dumps({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "rows": rows},
+                     indent=1) if args.json else json.dumps(rows[-1]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
