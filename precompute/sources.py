@@ -340,61 +340,9 @@ def _add_member(samples: dict[str, dict], full_name: str, offset: int, size: int
     samples.setdefault(prefix + key, {})[member.lower()] = (offset, size)
 
 
-# An octal field that tarfile's nti() reads as plain octal: digits between spaces, ended by NUL (anything after the
-# first NUL is ignored). Other spellings (base-256, "+7", tabs) are left to tarfile itself.
-_OCTAL = re.compile(rb" *[0-7]* *(?:\0.*)?", re.DOTALL)
-_NUMERIC = ((100, 108), (108, 116), (116, 124), (124, 136), (136, 148), (148, 156), (329, 337), (337, 345))
-
-
-def _plain_header(buf: bytes) -> tuple[str, int, bool] | None:
-    """(name, size, is_dir) of one plain file/directory header, decoded as tarfile does; None for anything else."""
-    typ = buf[156:157]
-    if typ not in (b"0", b"\0", b"5") or not all(_OCTAL.fullmatch(buf, a, b) for a, b in _NUMERIC):
-        return None  # links, pax/GNU long names, odd numbers: tarfile's own path
-    size, chksum = (int(buf[a:b].split(b"\0", 1)[0].strip() or b"0", 8) for a, b in ((124, 136), (148, 156)))
-    if chksum != 256 + sum(buf) - sum(buf[148:156]):
-        return None  # tarfile also accepts a signed-byte checksum; let it judge
-    name = buf[:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-    prefix = buf[345:500].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-    is_dir = typ == b"5" or (typ == b"\0" and name.endswith("/"))
-    if is_dir:
-        name = name.rstrip("/")
-    return (prefix + "/" + name if prefix else name), size, is_dir
-
-
-def _plain_headers(path: str) -> list[tuple[str, int, int]] | None:
-    """[(name, data offset, size)] of the files in a tar made only of plain file and directory headers, with one
-    512-byte read per member (several times faster than tarfile's member objects); None for anything else (pax or
-    long-name headers, links, bad checksums, truncation...), which then goes through tarfile for its exact result."""
-    out = []
-    end = os.path.getsize(path)
-    with open(path, "rb") as f:
-        offset = 0
-        while offset < end:
-            f.seek(offset)
-            buf = f.read(512)
-            if len(buf) < 512:
-                return None
-            if buf.count(0) == 512:
-                return out  # end-of-archive block: tarfile stops here too
-            header = _plain_header(buf)
-            if header is None or (header[2] and header[1]) or offset + 512 + header[1] > end:
-                return None
-            name, size, is_dir = header
-            if not is_dir:
-                out.append((name, offset + 512, size))
-            offset += 512 + (0 if is_dir else -(-size // 512) * 512)
-    return out if end else None  # tarfile stops quietly at a block boundary, but calls an empty file broken
-
-
 def _tar_samples(path: str) -> tuple[list[tuple[str, dict]], str | None]:
     """[(key, {member: (offset, size)})] in tar order, plus an error if the tar is broken part-way."""
     samples: dict[str, dict] = {}
-    plain = _plain_headers(path)
-    if plain is not None:
-        for name, offset, size in plain:
-            _add_member(samples, name, offset, size)
-        return list(samples.items()), None
     error = None
     try:
         with tarfile.open(path, "r:") as tf:
