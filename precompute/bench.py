@@ -139,7 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--n", type=int, default=1024, help="images per case (jpeg256 uses n/16: its encoder is 60x slower)")
     p.add_argument("--cases", default="tiny,jpeg256")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads for the encoder (0: torch's default). On a small CPU the decode workers share "
+                        "the cores with the encoder; --threads 1 with one worker gives each its own core")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     encoders._quiet_hf()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -214,22 +214,31 @@ def test_kill_9_and_rerun(tmp_path):
     assert inspect.main(["verify", str(out)]) == 0
 
 
-def test_two_processes_give_the_same_cache(tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
-    # accelerate launch runs each process with OMP_NUM_THREADS=1; CPU convolutions round differently (~1e-7) with
-    # another thread count, so the single-process reference uses one thread too and must then match bit for bit.
+def _run_single_threaded(cfg):
+    """`accelerate launch` runs each process with one thread, and the thread count moves latents by ~1e-7: the
+    single-process reference uses one thread too, so the two caches must then match bit for bit."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        m1 = cosmos_latents.run(make_cfg(one, n=18, shard=4, res=32))
+        return cosmos_latents.run(cfg)
     finally:
         torch.set_num_threads(threads)
+
+
+def _launch_two_processes(args: list[str]) -> subprocess.CompletedProcess:
+    """Two real CPU processes (gloo); see design section 6 for why not `--cpu --num_processes 2`."""
     cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "precompute.cosmos_latents",
-           *cli_args(two, n=18, shard=4, res=32)]
+           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "precompute.cosmos_latents", *args]
     res = subprocess.run(cmd, cwd=ROOT, env=_env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True,
                          timeout=180)
     assert res.returncode == 0, res.stderr[-3000:]
+    return res
+
+
+def test_two_processes_give_the_same_cache(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    m1 = _run_single_threaded(make_cfg(one, n=18, shard=4, res=32))
+    res = _launch_two_processes(cli_args(two, n=18, shard=4, res=32))
     assert "encoded 18 images" in res.stdout and "on 2 process(es)" in res.stdout
     m2 = json.loads((two / "manifest.json").read_text())
     assert m2["num_samples"] == 18
@@ -324,18 +333,8 @@ def test_two_processes_webdataset_source(tmp_path):
 
     wds_source(tmp_path / "wds", tars=4, per_tar=3, dup=(2, 0))
     src = ["source.type=webdataset", f"source.path={tmp_path}/wds/*.tar"]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as in test_two_processes_give_the_same_cache
-    try:
-        m1 = cosmos_latents.run(make_cfg(tmp_path / "one", *src, shard=5, res=32))
-    finally:
-        torch.set_num_threads(threads)
-    cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "precompute.cosmos_latents",
-           *cli_args(tmp_path / "two", *src, shard=5, res=32)]
-    res = subprocess.run(cmd, cwd=ROOT, env=_env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True,
-                         timeout=180)
-    assert res.returncode == 0, res.stderr[-3000:]
+    m1 = _run_single_threaded(make_cfg(tmp_path / "one", *src, shard=5, res=32))
+    _launch_two_processes(cli_args(tmp_path / "two", *src, shard=5, res=32))
     m2 = json.loads((tmp_path / "two" / "manifest.json").read_text())
     assert m1["num_samples"] == m2["num_samples"] == 11 and m2["num_errors"] == 1
     assert [s["sha256"] for s in m2["shards"]] == [s["sha256"] for s in m1["shards"]]

@@ -20,7 +20,16 @@ class Encoded:
 
 
 class ChatFormatter:
-    """Tokenises (prompt, caption) pairs with one image, the way Gemma 3's processor and chat template do."""
+    """Tokenises (prompt, caption) pairs with one image, the way Gemma 3's processor and chat template do.
+
+    This runs for every sample in the loader workers, so two self-checked shortcuts keep it cheap: the conversation
+    is rendered once per prompt with a sentinel answer and the caption is spliced in (used only if the template
+    treats a probe caption the same way), and the Rust tokenizer is called directly (only if it gives the same ids
+    as the Python wrapper). Either check failing falls back to the slow, general path.
+    """
+
+    SENTINEL = "\ue000answer\ue000"  # private-use characters: no tokenizer or template gives them meaning
+    PROBE = "  a <probe> & 'caption'\n with {braces} and \"quotes\"  "
 
     def __init__(self, processor, max_length: int | None = None):
         self.processor = processor
@@ -30,25 +39,57 @@ class ChatFormatter:
         self.end_of_turn_id = self.tokenizer.convert_tokens_to_ids("<end_of_turn>")
         self.pad_id = self.tokenizer.pad_token_id
         self._prefix_cache: dict[str, list[int]] = {}
+        self._splice_cache: dict[str, tuple[str, str] | None] = {}
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        probe = self._render(self._conversation("describe .", self.PROBE), False)
+        self._backend = backend if backend is not None and self._slow_ids(probe) == self._fast_ids(backend, probe) \
+            else None
 
-    def _ids(self, messages: list[dict], generation_prompt: bool) -> list[int]:
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-        text = text.replace(self.tokenizer.boi_token, self.processor.full_image_sequence)
+        return text.replace(self.tokenizer.boi_token, self.processor.full_image_sequence)
+
+    def _slow_ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template already has <bos>
 
     @staticmethod
-    def _user(prompt: str) -> dict:
-        return {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}
+    def _fast_ids(backend, text: str) -> list[int]:
+        return backend.encode(text, add_special_tokens=False).ids
+
+    def _ids(self, text: str) -> list[int]:
+        return self._fast_ids(self._backend, text) if self._backend is not None else self._slow_ids(text)
+
+    @staticmethod
+    def _conversation(prompt: str, caption: str | None = None) -> list[dict]:
+        msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+        if caption is not None:
+            msgs.append({"role": "assistant", "content": [{"type": "text", "text": caption}]})
+        return msgs
+
+    def _splice(self, prompt: str) -> tuple[str, str] | None:
+        """(text before the answer, text after it) for this prompt, if splicing reproduces the template."""
+        if prompt not in self._splice_cache:
+            parts = self._render(self._conversation(prompt, self.SENTINEL), False).split(self.SENTINEL)
+            ok = len(parts) == 2 and self._render(self._conversation(prompt, self.PROBE), False) == \
+                parts[0] + self.PROBE.strip() + parts[1]
+            self._splice_cache[prompt] = (parts[0], parts[1]) if ok else None
+        return self._splice_cache[prompt]
+
+    def conversation_text(self, prompt: str, caption: str) -> str:
+        """The rendered conversation (image tokens expanded) with `caption` as the model's answer."""
+        splice = self._splice(prompt)
+        if splice is None:
+            return self._render(self._conversation(prompt, caption), False)
+        return splice[0] + caption.strip() + splice[1]
 
     def prefix(self, prompt: str) -> list[int]:
         if prompt not in self._prefix_cache:
-            self._prefix_cache[prompt] = self._ids([self._user(prompt)], generation_prompt=True)
+            self._prefix_cache[prompt] = self._ids(self._render(self._conversation(prompt), True))
         return self._prefix_cache[prompt]
 
     def encode(self, prompt: str, caption: str) -> Encoded:
         prefix = self.prefix(prompt)
-        answer_msg = {"role": "assistant", "content": [{"type": "text", "text": caption}]}
-        full = self._ids([self._user(prompt), answer_msg], generation_prompt=False)
+        full = self._ids(self.conversation_text(prompt, caption))
         if full[: len(prefix)] != prefix:
             raise ValueError("the chat template's prompt is not a token prefix of the full conversation")
         answer = full[len(prefix):]

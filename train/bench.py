@@ -8,8 +8,8 @@ Per case, all measured side by side in one run, on the same batches:
   cache_speedup         step time with live VAE + SigLIP encoding (frozen, as the reference run did) / step time
                         from the cache, same model, both on staged batches.
   loader_samples_per_s  the cache loader alone, and how many times faster it is than training consumes samples.
-  rss_mb                resident memory (main process + loader workers) early in an epoch and at its end, for two
-                        epochs: it must not grow with the number of samples read.
+  rss_mb                memory (PSS of the main process + loader workers) early in an epoch and at its last batch,
+                        for two epochs: it must not grow with the number of samples read.
 Caches are built once with the precompute CLI (train/ does not import precompute/) under cache/bench/.
 """
 from __future__ import annotations
@@ -38,9 +38,10 @@ BENCH_ROOT = Path("cache/bench")
 HEAVY = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64, sliding_window=512)
 CASES = {
-    # name: (gemma, resolution, samples, global batch, micro batch, workers)
-    "tiny": ("tiny", 64, 1024, 32, 32, 2),  # 64 world tokens, the embedded demo's model
-    "heavy": ("heavy", 128, 384, 16, 16, 2),  # 256 world tokens, 4 layers of hidden 256
+    # name: (gemma, resolution, samples, global batch, micro batch, loader workers: one is 8-120x faster than
+    # training needs here, and every extra process takes CPU from the 2-core training threads)
+    "tiny": ("tiny", 64, 2048, 32, 32, 1),  # 64 world tokens, the embedded demo's model
+    "heavy": ("heavy", 128, 768, 16, 16, 1),  # 256 world tokens, 4 layers of hidden 256
 }
 
 
@@ -68,13 +69,12 @@ def _ensure_cache(root: Path, case: str, gemma: str, resolution: int, samples: i
 
 
 def _rss_mb() -> float:
-    """Resident memory of this process and its children (the loader workers)."""
+    """Memory of this process and its children (the loader workers), as PSS: pages shared after fork count once."""
     me = psutil.Process()
-    procs = [me] + me.children(recursive=True)
     total = 0
-    for p in procs:
+    for p in [me] + me.children(recursive=True):
         try:
-            total += p.memory_info().rss
+            total += p.memory_full_info().pss
         except psutil.Error:
             pass
     return total / 2**20
@@ -123,6 +123,9 @@ def bench_case(case: str, steps: int, warmup: int = 5, samples: int | None = Non
         ctx = data.DataContext.build(cfg, reader, plan, c.processor)
         state = LoopState()
         n = warmup + steps
+        per_epoch = data.steps_per_epoch(len(ctx.train_indices), gbs)
+        if n > per_epoch:
+            raise SystemExit(f"error: {n} steps do not fit in one epoch of {per_epoch}: use more --samples")
         staged = list(data.build_train_loader(cfg, ctx, 0, 1, epoch=0))[: n * accum]
         # cached path: staged, then fed by the loader over the same batches, then staged again (drift control)
         t_staged = _steps(c, state, staged, accum)[warmup:]
@@ -159,13 +162,13 @@ def _loader_and_memory(cfg, ctx) -> dict:
         loader = data.build_train_loader(cfg, ctx, 0, 1, epoch=epoch)
         it = iter(loader)
         next(it)  # worker start-up is not throughput
+        last = len(loader) - 2  # index of the final batch in the loop below: workers still alive
         t = time.perf_counter()
         for i, batch in enumerate(it):
             seen += len(batch["input_ids"])
-            if i == 1:
+            if i in (1, last):
                 rss.append(_rss_mb())
         t_total += time.perf_counter() - t
-        rss.append(_rss_mb())
         del it, loader
     return {"loader_samples_per_s": round(seen / t_total, 1),
             "rss_mb_epoch1_start": round(rss[0]), "rss_mb_epoch1_end": round(rss[1]),

@@ -78,12 +78,25 @@ def _write_dir(tmp: Path, files: dict) -> None:
             os.fsync(fh.fileno())
 
 
+def _ema_writer(c):
+    names = [n for n, p in c.raw.named_parameters() if p.requires_grad]
+    return lambda p: save_file({n: t.contiguous() for n, t in zip(names, c.ema)}, str(p))
+
+
+def _publish(out: Path, name: str, files: dict) -> Path:
+    """Write `files` into a temporary folder, fsync them, then rename it to out/name: it appears only complete."""
+    final, tmp = out / name, out / f".tmp-{name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    _write_dir(tmp, files)
+    if final.exists():  # the same name written before (e.g. a rerun after completion): replace it
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    return final
+
+
 def save(c, state, output_dir: str | Path, keep_last: int, extra_state: dict) -> Path:
     """Main process only. Returns the checkpoint folder; deletes the oldest beyond keep_last after the rename."""
     out = Path(output_dir)
-    final = out / f"checkpoint-{state.step}"
-    tmp = out / f".tmp-checkpoint-{state.step}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     files = {
         WEIGHTS: lambda p: c.raw.save_trainable(p),
         OPTIMIZER: lambda p: torch.save(c.optimizer.state_dict(), p),
@@ -91,12 +104,8 @@ def save(c, state, output_dir: str | Path, keep_last: int, extra_state: dict) ->
         STATE: lambda p: p.write_text(json.dumps({**state.to_json(), **extra_state, "time": time.time()}, indent=1)),
     }
     if c.ema is not None:
-        names = [n for n, p in c.raw.named_parameters() if p.requires_grad]
-        files[EMA] = lambda p: save_file({n: t.contiguous() for n, t in zip(names, c.ema)}, str(p))
-    _write_dir(tmp, files)
-    if final.exists():  # the same step saved before (e.g. a rerun after completion): replace it
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+        files[EMA] = _ema_writer(c)
+    final = _publish(out, f"checkpoint-{state.step}", files)
     for old in list_checkpoints(out)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -136,9 +145,6 @@ Trainable weights of a TheWorld stage (Gemma 3 + Cosmos VAE world encoder + worl
 def export_final(c, state, cfg_yaml: str, output_dir: str | Path) -> Path:
     cfg = c.cfg
     out = Path(output_dir)
-    final = out / "final"
-    tmp = out / f".tmp-final-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     ev = state.last_eval or {}
     fmt = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
     gap = (ev["eval_loss_shuffled_world"] - ev["eval_loss"]) if ev else None
@@ -147,14 +153,9 @@ def export_final(c, state, cfg_yaml: str, output_dir: str | Path) -> Path:
                              trained=", ".join(trained), step=state.step, batch=cfg.train.global_batch_size,
                              samples=state.samples_seen, lr=cfg.train.lr, schedule=cfg.train.schedule,
                              parent=state.parent or "the base models", eval_loss=fmt(ev.get("eval_loss")),
-                             eval_shuffled=fmt(ev.get("eval_loss_shuffled_world")), gap=fmt(gap), out=final)
+                             eval_shuffled=fmt(ev.get("eval_loss_shuffled_world")), gap=fmt(gap), out=out / "final")
     files = {WEIGHTS: lambda p: c.raw.save_trainable(p), "config.yaml": lambda p: p.write_text(cfg_yaml),
              "README.md": lambda p: p.write_text(card)}
     if c.ema is not None:
-        names = [n for n, p in c.raw.named_parameters() if p.requires_grad]
-        files[EMA] = lambda p: save_file({n: t.contiguous() for n, t in zip(names, c.ema)}, str(p))
-    _write_dir(tmp, files)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    return final
+        files[EMA] = _ema_writer(c)
+    return _publish(out, "final", files)

@@ -1,0 +1,45 @@
+"""ChatFormatter's shortcuts (spliced template, direct Rust tokenizer) give exactly the general path's ids."""
+from __future__ import annotations
+
+import pytest
+
+from theworld.encoders import load_gemma
+from theworld.text import ChatFormatter
+
+CAPTIONS = ["top left red circle .", "  spaced  ", "weird {x} <y> & 'z' \"q\"", "multi\nline", "ünïcödé ✓"]
+
+
+@pytest.fixture(scope="module")
+def processor():
+    return load_gemma("tiny", "float32")[1]
+
+
+def slow(processor) -> ChatFormatter:
+    f = ChatFormatter(processor)
+    f._backend = None
+    f._splice = lambda prompt: None
+    return f
+
+
+def test_shortcuts_are_taken_and_exact(processor):
+    fast, ref = ChatFormatter(processor), slow(processor)
+    assert fast._backend is not None and fast._splice("describe the scene .") is not None
+    for prompt in ("describe the scene .", "What is {here}?"):
+        for caption in CAPTIONS:
+            a, b = fast.encode(prompt, caption), ref.encode(prompt, caption)
+            assert (a.input_ids, a.labels) == (b.input_ids, b.labels), (prompt, caption)
+
+
+def test_a_template_that_rewrites_the_answer_falls_back(processor):
+    f = ChatFormatter(processor)
+    template = processor.chat_template
+    processor.chat_template = template.replace("item['text'] | trim", "item['text'] | trim | upper")
+    try:
+        f2 = ChatFormatter(processor)
+        assert f2._splice("describe the scene .") is None  # the probe shows the template changes the caption
+        enc = f2.encode("describe the scene .", "red circle")
+        answer = [t for t, lab in zip(enc.input_ids, enc.labels) if lab != -100]
+        assert processor.tokenizer.decode(answer[:-1]).strip() == "RED CIRCLE"
+    finally:
+        processor.chat_template = template
+    assert f._splice("describe the scene .") is not None
