@@ -10,6 +10,7 @@ docs/cache-format.md describes the same for readers without this code; keep the 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import tarfile
@@ -135,37 +136,32 @@ def write_shard(cache_dir: Path, index: int, samples: Iterable[tuple[str, dict[s
     """Write shard `index` from (key, members) pairs: tar to a temporary name, rename, then its sidecar.
 
     Returns the sidecar. The tar is byte-for-byte reproducible (fixed mtime, owner, member order), so the same
-    samples give the same sha256 whichever process or rerun writes them.
+    samples give the same sha256 whichever process or rerun writes them. Member offsets are taken from tarfile's own
+    position while writing (no second pass over the tar: this runs on the writer thread beside the encoder).
     """
-    import webdataset as wds
-
     tar = tar_path(cache_dir, index)
     tar.parent.mkdir(parents=True, exist_ok=True)
     tmp = tar.with_name(f".{tar.name}.tmp{os.getpid()}")
+    entries = []
     with open(tmp, "wb") as f:
-        with wds.TarWriter(f, encoder=False, mtime=0.0) as writer:
+        with tarfile.open(fileobj=f, mode="w") as tf:
             for key, members in samples:
-                writer.write({"__key__": key, **{k: members[k] for k in sorted(members)}})
+                entry = {"key": key, "members": {}}
+                for name in sorted(members):
+                    data = members[name]
+                    info = tarfile.TarInfo(f"{key}.{name}")
+                    info.size, info.mode, info.mtime = len(data), 0o444, 0
+                    tf.addfile(info, io.BytesIO(data))
+                    padded = -(-len(data) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+                    entry["members"][name] = [tf.offset - padded, len(data)]  # data ends the member, then padding
+                entries.append(entry)
         f.flush()
         os.fsync(f.fileno())
-    side = {"format_version": FORMAT_VERSION, "shard": tar.name, **index_tar(tmp)}
+    side = {"format_version": FORMAT_VERSION, "shard": tar.name, "count": len(entries),
+            "bytes": os.path.getsize(tmp), "sha256": sha256_file(tmp), "samples": entries}
     os.replace(tmp, tar)
     atomic_write_json(sidecar_path(cache_dir, index), side)
     return side
-
-
-def index_tar(path: Path) -> dict:
-    """Byte offsets of every member of a shard, grouped by sample key, plus the tar's size and sha256."""
-    samples: dict[str, dict] = {}
-    with tarfile.open(path, "r:") as tf:
-        for m in tf:
-            if not m.isfile():
-                continue
-            key, _, member = m.name.partition(".")
-            entry = samples.setdefault(key, {"key": key, "members": {}})
-            entry["members"][member] = [m.offset_data, m.size]
-    return {"count": len(samples), "bytes": os.path.getsize(path), "sha256": sha256_file(path),
-            "samples": list(samples.values())}
 
 
 def read_sidecar(cache_dir: Path, index: int) -> dict | None:
