@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+import numpy as np
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
@@ -282,46 +283,70 @@ def load_manifest(cache_dir: Path | str) -> dict:
 class CacheReader:
     """Random access to a complete cache by global sample index, via the sidecars' byte offsets (no tar scan).
 
-    Picklable (file handles are opened lazily per process), so DataLoader workers can share one instance.
-    `members` limits what is read, e.g. skip the image bytes when every latent comes from the cache.
+    The index is kept in numpy arrays (keys as fixed-width bytes, member spans as int64), not per-sample Python
+    objects: ~100 bytes per sample, and forked DataLoader workers share it without copying (no refcounts to touch).
+    Picklable (file descriptors are opened lazily per process). `members` limits what is read, e.g. skip the image
+    bytes when every latent comes from the cache; the caption and json are always read.
     """
 
     cache_dir: Path
     members: tuple[str, ...] | None = None
     manifest: dict = field(init=False)
-    _entries: list[tuple[int, str, dict]] = field(init=False, repr=False)  # (shard, key, {member: [offset, size]})
+    _names: list[str] = field(init=False, repr=False)  # member names, the columns of _spans
+    _keys: np.ndarray = field(init=False, repr=False)  # (N,) bytes
+    _shard: np.ndarray = field(init=False, repr=False)  # (N,) int32: which tar
+    _spans: np.ndarray = field(init=False, repr=False)  # (N, len(_names), 2) int64 offset, size; -1: absent
     _files: dict = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.cache_dir = Path(self.cache_dir)
         self.manifest = load_manifest(self.cache_dir)
-        self._entries = []
+        self._names, keys, shards, spans = [], [], [], []
         for i, _ in enumerate(self.manifest["shards"]):
             side = read_sidecar(self.cache_dir, i)
             if side is None:
                 raise UserError(f"cache {self.cache_dir}: sidecar of shard {i} is missing or unreadable")
-            self._entries += [(i, s["key"], s["members"]) for s in side["samples"]]
+            for s in side["samples"]:
+                for name in s["members"]:
+                    if name not in self._names:
+                        self._names.append(name)
+            block = np.full((len(side["samples"]), len(self._names), 2), -1, dtype=np.int64)
+            for j, s in enumerate(side["samples"]):
+                keys.append(s["key"].encode())
+                for name, span in s["members"].items():
+                    block[j, self._names.index(name)] = span
+            spans.append(block)
+            shards.append(np.full(len(block), i, dtype=np.int32))
+        width = len(self._names)
+        self._spans = np.concatenate([np.pad(b, ((0, 0), (0, width - b.shape[1]), (0, 0)), constant_values=-1)
+                                      for b in spans]) if spans else np.zeros((0, width, 2), dtype=np.int64)
+        self._keys = np.array(keys, dtype=bytes) if keys else np.zeros(0, dtype="S1")
+        self._shard = np.concatenate(shards) if shards else np.zeros(0, dtype=np.int32)
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_files": {}}
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._keys)
 
     def key(self, index: int) -> str:
-        return self._entries[index][1]
+        return self._keys[index].decode()
 
     def keys(self) -> list[str]:
-        return [e[1] for e in self._entries]
+        return [k.decode() for k in self._keys]
+
+    def member_names(self) -> list[str]:
+        """Every member name some sample in the cache has."""
+        return list(self._names)
 
     def raw(self, index: int) -> dict[str, bytes]:
-        shard, _, members = self._entries[index]
+        shard = int(self._shard[index])
         fd = self._files.get(shard)
         if fd is None:
             fd = self._files[shard] = os.open(tar_path(self.cache_dir, shard), os.O_RDONLY)
         out = {}
-        for name, (offset, size) in members.items():
-            if self.members is None or name in self.members or name in (CAPTION, META):
+        for name, (offset, size) in zip(self._names, self._spans[index].tolist()):
+            if offset >= 0 and (self.members is None or name in self.members or name in (CAPTION, META)):
                 # pread: no shared file offset, so forked DataLoader workers and threads can share the descriptor
                 data = os.pread(fd, size, offset)
                 if len(data) != size:

@@ -49,7 +49,7 @@ class InputPlan:
 
 def plan_inputs(cfg, reader: cf.CacheReader) -> InputPlan:
     """Decide cached vs live inputs from the freeze flags and what the cache holds; refuse impossible combinations."""
-    present = set(cf.CacheReader(reader.cache_dir).raw(0) if reader.members else reader.raw(0)) if len(reader) else set()
+    present = set(reader.member_names())
     has_image = any(ext in present for ext in cf.IMAGE_EXTS)
     cached_latents = cfg.freeze.vae
     cached_siglip = cfg.freeze.vision and cfg.train.cached_siglip and cf.SIGLIP in present
