@@ -173,10 +173,6 @@ class SyntheticListing(Listing):
                       prompt=synthetic.PROMPT, loc=("synthetic", self.seed, i)) for i in range(lo, hi)]
 
 
-def synthetic_entries(seed: int, num_samples: int) -> list[Entry]:
-    return SyntheticListing(seed, num_samples).entries(0, num_samples)
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Folder sources: listed once per process into arrays (16 bytes a line, or the path's bytes + 8 a file)
 
@@ -292,11 +288,6 @@ def folder_listing(path: str, default_prompt: str) -> Listing:
     if (root / "captions.jsonl").is_file():
         return JsonlListing(root, default_prompt)
     return TxtFolderListing(root, default_prompt)
-
-
-def folder_entries(path: str, default_prompt: str) -> list[Entry]:
-    listing = folder_listing(path, default_prompt)
-    return listing.entries(0, len(listing))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -489,13 +480,6 @@ def _read_json(path: Path) -> dict | None:
         return None
 
 
-def webdataset_entries(pattern: str, default_prompt: str) -> list[Entry]:
-    """Every entry at once (small sources, tools); the listing lives in a temporary folder."""
-    with tempfile.TemporaryDirectory() as tmp:
-        listing = WebdatasetListing(pattern, default_prompt, Path(tmp))
-        return listing.entries(0, len(listing))
-
-
 def open_listing(source_type: str, path: str | None, num_samples: int, seed: int, prompt: str, *,
                  index_dir: Path, rank: int = 0, world: int = 1,
                  barrier: Callable[[], None] = lambda: None) -> Listing:
@@ -508,9 +492,8 @@ def open_listing(source_type: str, path: str | None, num_samples: int, seed: int
 
 
 def list_entries(source_type: str, path: str | None, num_samples: int, seed: int, prompt: str) -> list[Entry]:
-    """Every entry of the source at once (benchmarks, small sources); precompute itself uses `open_listing`."""
-    if source_type == "synthetic":
-        return synthetic_entries(seed, num_samples)
-    if source_type == "folder":
-        return folder_entries(path, prompt)
-    return webdataset_entries(path, prompt)
+    """Every entry of the source at once (benchmarks, small sources); precompute itself uses `open_listing`.
+    A webdataset source is indexed into a temporary folder."""
+    with tempfile.TemporaryDirectory() as tmp:
+        listing = open_listing(source_type, path, num_samples, seed, prompt, index_dir=Path(tmp))
+        return listing.entries(0, len(listing))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ from conftest import ROOT
 
 def _run(args: list[str], tmp_path) -> dict:
     out = subprocess.run([sys.executable, "-m", *args, "--json"], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=600, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+                         timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout[out.stdout.index("{"):])
 

@@ -78,9 +78,13 @@ def _write_dir(tmp: Path, files: dict) -> None:
             os.fsync(fh.fileno())
 
 
+def _trainable_names(c) -> list[str]:
+    """Names of the trainable parameters, in the order of `c.params` and `c.ema`."""
+    return [n for n, p in c.raw.named_parameters() if p.requires_grad]
+
+
 def _ema_writer(c):
-    names = [n for n, p in c.raw.named_parameters() if p.requires_grad]
-    return lambda p: save_file({n: t.contiguous() for n, t in zip(names, c.ema)}, str(p))
+    return lambda p: save_file({n: t.contiguous() for n, t in zip(_trainable_names(c), c.ema)}, str(p))
 
 
 def _publish(out: Path, name: str, files: dict) -> Path:
@@ -119,8 +123,7 @@ def load(c, path: Path) -> dict:
         if not (path / EMA).is_file():
             raise UserError(f"resume: {path} has no {EMA} but train.ema is on")
         ema = load_file(str(path / EMA))
-        names = [n for n, p in c.raw.named_parameters() if p.requires_grad]
-        for t, n in zip(c.ema, names):
+        for t, n in zip(c.ema, _trainable_names(c)):
             t.copy_(ema[n])
     torch.set_rng_state(load_file(str(path / RNG))["torch_cpu"])
     return json.loads((path / STATE).read_text())
