@@ -1,6 +1,7 @@
 """Precompute benchmark: how close the full pipeline gets to the encoder alone, and what the cache format costs.
 
     python -m precompute.bench [--json] [--n N] [--cases tiny,jpeg256]
+    python -m precompute.bench --cases real512 --n 1024    # GPU: the real-size Wan VAE (random weights) in bf16
 
 For each case, measured side by side in one run on the same images:
   pipeline_efficiency   encode-only time on pre-decoded uint8 tensors / full `run()` time (decode, resize, encode,
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import sys
 import tempfile
 import time
@@ -46,8 +48,28 @@ def _jpeg_folder(root: Path, n: int, size: tuple[int, int] = (1024, 768)) -> Non
     (root / "captions.jsonl").write_text("\n".join(lines) + "\n")
 
 
+def _real_vae(path: Path) -> str:
+    """The real Wan 2.1 VAE architecture (`AutoencoderKLWan()`, 127M params) with random weights, saved like a
+    downloaded one so the pipeline loads it through the same from_pretrained path."""
+    from diffusers import AutoencoderKLWan
+
+    if not (path / "config.json").is_file():
+        torch.manual_seed(0)
+        AutoencoderKLWan().to(torch.bfloat16).save_pretrained(path)
+    return str(path)
+
+
 def _config(case: str, work: Path, n: int) -> PrecomputeConfig:
     common = dict(model=ModelConfig(gemma="tiny", vae="tiny", dtype="float32"), shard_size=128, num_workers=1)
+    if case == "real512":
+        if not torch.cuda.is_available():
+            raise SystemExit("error: case real512 needs a CUDA GPU")
+        _jpeg_folder(work / "jpegs512", n)
+        workers = min(8, os.cpu_count() or 1)
+        return PrecomputeConfig(model=ModelConfig(gemma="tiny", vae=_real_vae(work / "vae-real"), dtype="bfloat16"),
+                                image=ImageConfig(resolution=512), output_dir=str(work / "cache-real512"),
+                                source=SourceConfig(type="folder", path=str(work / "jpegs512")), shard_size=256,
+                                batch_size=32, num_workers=workers)
     if case == "tiny":
         return PrecomputeConfig(**common, image=ImageConfig(resolution=64), output_dir=str(work / "cache-tiny"),
                                 source=SourceConfig(type="synthetic", num_samples=n), batch_size=64)
@@ -55,7 +77,12 @@ def _config(case: str, work: Path, n: int) -> PrecomputeConfig:
         _jpeg_folder(work / "jpegs", n)
         return PrecomputeConfig(**common, image=ImageConfig(resolution=256), output_dir=str(work / "cache-jpeg"),
                                 source=SourceConfig(type="folder", path=str(work / "jpegs")), batch_size=16)
-    raise SystemExit(f"unknown case {case!r} (tiny, jpeg256)")
+    raise SystemExit(f"unknown case {case!r} (tiny, jpeg256, real512)")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def _timed(fn, *args) -> tuple[float, object]:
@@ -70,12 +97,16 @@ def bench_case(case: str, work: Path, n: int) -> dict:
     dataset = EntryDataset(entries, cfg)
     # Host work of one worker: decode + resize, in this process, image by image.
     t_prep, items = _timed(lambda: [dataset[i] for i in range(len(entries))])
-    encoder = encoders.WorldEncoder(encoders.load_vae(cfg.model.vae, cfg.model.dtype)).eval()
-    pixels = torch.stack([it["pixels"] for it in items])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    encoder = encoders.WorldEncoder(encoders.load_vae(cfg.model.vae, cfg.model.dtype)).to(device).eval()
+    # Encode-only: the pixels already sit on the device, so this is the encoder's own speed.
+    pixels = torch.stack([it["pixels"] for it in items]).to(device)
     with torch.no_grad():
         encoder(pixels[: cfg.batch_size])  # warm-up: first-call allocations are not steady state
-        t_enc, latents = _timed(lambda: [encoder(pixels[a:a + cfg.batch_size])
+        _sync(device)
+        t_enc, latents = _timed(lambda: [[t.float().cpu() for t in encoder(pixels[a:a + cfg.batch_size])]
                                          for a in range(0, len(pixels), cfg.batch_size)])
+    del encoder, pixels
     mean = torch.cat([m for m, _ in latents])
     logvar = torch.cat([v for _, v in latents])
     samples = [cf.Sample(key=e.key, caption=it["caption"], meta=it["meta"], mean=mean[i], logvar=logvar[i],
@@ -87,7 +118,7 @@ def bench_case(case: str, work: Path, n: int) -> dict:
     payload = sum(len(v) for members in encoded for v in members.values()) / len(encoded)
     per_sample = sum(s["bytes"] for s in manifest["shards"]) / manifest["num_samples"]
     return {
-        "case": case, "images": n, "resolution": cfg.image.resolution, "batch_size": cfg.batch_size,
+        "case": case, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "images": n, "resolution": cfg.image.resolution, "batch_size": cfg.batch_size,
         "num_workers": cfg.num_workers, "threads": torch.get_num_threads(),
         "encode_only_images_per_s": round(n / t_enc, 1),
         "pipeline_images_per_s": summary["images_per_s"],
@@ -150,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for case in args.cases.split(","):
-            rows.append(bench_case(case, work, args.n if case == "tiny" else max(8, args.n // 16)))
+            rows.append(bench_case(case, work, args.n if case in ("tiny", "real512") else max(8, args.n // 16)))
             if not args.json:
                 print(json.dumps(rows[-1]), flush=True)
         rows.append(bench_draft_decode())

@@ -48,7 +48,8 @@ def test_real_size_bench_code_path_at_toy_sizes(tmp_path):
     """The GPU benchmark's code (model at given sizes, FLOP count, VAE rate) runs end to end at toy sizes on CPU."""
     from train.bench_real import TINY, lm_flops
 
-    out = _run(["train.bench_real", "--sizes", "tiny", "--steps", "1", "--vae-batch", "2", "--micro-batch", "2"],
+    out = _run(["train.bench_real", "--sizes", "tiny", "--steps", "1", "--vae-batch", "2", "--micro-batch", "2",
+                "--compile", "no"],
                tmp_path)
     steps = [r for r in out["rows"] if r["case"] == "stage1_step"]
     assert [(r["pool"], r["gradient_checkpointing"]) for r in steps] == [(1, False), (1, True), (2, False), (2, True)]

@@ -28,6 +28,34 @@ def test_world_encoder_matches_direct_autoencoder_encode():
     assert not mean.requires_grad  # frozen -> no graph
 
 
+def test_single_frame_convs_are_the_same_function_with_the_same_gradients():
+    from diffusers import AutoencoderKLWan
+
+    path, _ = encoders.resolve_vae("tiny")
+    stock = AutoencoderKLWan.from_pretrained(path)
+    fast = AutoencoderKLWan.from_pretrained(path)
+    assert encoders.use_single_frame_convs(fast) > 10
+    assert fast.state_dict().keys() == stock.state_dict().keys()
+    g = torch.Generator().manual_seed(0)
+    image = torch.rand(2, 3, 1, 32, 32, generator=g) * 2 - 1
+    video = torch.rand(1, 3, 5, 32, 32, generator=g) * 2 - 1  # frames after the first take the stock path (cache)
+    for x in (image, video):
+        outs = []
+        for vae in (stock, fast):
+            vae.zero_grad()
+            mean = vae.encode(x).latent_dist.mean
+            mean.square().sum().backward()
+            w = vae.encoder.conv_in.weight.grad.clone()
+            outs.append((mean.detach(), w))
+        assert torch.allclose(outs[0][0], outs[1][0], atol=1e-5)
+        assert torch.allclose(outs[0][1], outs[1][1], atol=1e-4, rtol=1e-4)
+    # a 1-frame image only reaches the last time tap, so the other taps get exactly zero gradient either way
+    vae = fast
+    vae.zero_grad()
+    vae.encode(image).latent_dist.mean.sum().backward()
+    assert vae.encoder.conv_in.weight.grad[:, :, :-1].abs().max() == 0
+
+
 def test_vae_folder_or_pipeline_folder_or_hub_id(tmp_path):
     path, sub = encoders.resolve_vae("tiny")
     assert sub is None

@@ -10,6 +10,7 @@ encoder at 512 px in bf16. `--sizes tiny` runs the same code at toy sizes (CPU s
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -17,7 +18,7 @@ import time
 import torch
 
 from theworld.encoders import WorldEncoder, _quiet_hf
-from theworld.model import TheWorld
+from theworld.model import TheWorld, compile_language_layers
 from theworld.projector import WorldProjector
 
 REAL = {"text": dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
@@ -37,8 +38,8 @@ TEXT_TOKENS = 64  # prompt + chat template around the image, plus a caption of ~
 ANSWER_TOKENS = 32
 
 
-def build(sizes: dict, pool: int, device: torch.device) -> TheWorld:
-    from diffusers import AutoencoderKLWan
+def build_gemma(sizes: dict, device: torch.device):
+    """Gemma 3 at `sizes` with random weights, frozen, in bf16 (built once; every row shares it)."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
 
     n = sizes["text"]["num_hidden_layers"]
@@ -50,9 +51,17 @@ def build(sizes: dict, pool: int, device: torch.device) -> TheWorld:
                        boi_token_index=vocab - 3, eoi_token_index=vocab - 2, image_token_index=vocab - 1)
     with torch.device(device):
         gemma = Gemma3ForConditionalGeneration(cfg).to(torch.bfloat16).eval()
+    return gemma.requires_grad_(False)
+
+
+def build(sizes: dict, gemma, pool: int, device: torch.device) -> TheWorld:
+    """Stage 1: a fresh trainable projector at `pool` on the shared frozen Gemma and a frozen bf16 VAE."""
+    from diffusers import AutoencoderKLWan
+
+    with torch.device(device):
         vae = AutoencoderKLWan(**sizes["vae"]).to(torch.bfloat16).eval()
     encoder = WorldEncoder(vae)
-    proj = WorldProjector(text.hidden_size, encoder.latents_mean, encoder.latents_std, pool=pool).to(device)
+    proj = WorldProjector(sizes["text"]["hidden_size"], encoder.latents_mean, encoder.latents_std, pool=pool).to(device)
     model = TheWorld(gemma, encoder, proj)
     model.requires_grad_(False)
     proj.requires_grad_(True)
@@ -91,8 +100,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def step_row(sizes: dict, pool: int, ckpt: bool, micro: int, steps: int, device: torch.device) -> dict:
-    model = build(sizes, pool, device)
+def step_row(sizes: dict, gemma, pool: int, ckpt: bool, micro: int, steps: int, device: torch.device,
+             compiled: bool = False) -> dict:
+    model = build(sizes, gemma, pool, device)
     model.gradient_checkpointing(ckpt)
     model.train()
     opt = torch.optim.AdamW(model.projector.parameters(), lr=1e-4)
@@ -100,7 +110,7 @@ def step_row(sizes: dict, pool: int, ckpt: bool, micro: int, steps: int, device:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = []
-    for i in range(steps + 2):  # two warm-up steps
+    for i in range(steps + 2):  # two warm-up steps (compilation happens there)
         _sync(device)
         t = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
@@ -115,7 +125,7 @@ def step_row(sizes: dict, pool: int, ckpt: bool, micro: int, steps: int, device:
     seq = x["input_ids"].shape[1] + world
     flops = 2 * lm_flops(sizes, seq) * micro
     row = {"case": "stage1_step", "pool": pool, "world_tokens": world - 2, "seq_len": seq,
-           "gradient_checkpointing": ckpt, "micro_batch": micro, "step_ms": round(1000 * step_s, 1),
+           "gradient_checkpointing": ckpt, "compiled": compiled, "micro_batch": micro, "step_ms": round(1000 * step_s, 1),
            "samples_per_s": round(micro / step_s, 2), "tflops_per_s": round(flops / step_s / 1e12, 1)}
     if device.type == "cuda":
         row["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
@@ -150,8 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="train.bench_real", description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true")
     p.add_argument("--sizes", choices=["real", "tiny"], default="real")
-    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--micro-batch", default="4", help="comma-separated micro-batch sizes, one set of rows each")
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--compile", choices=["no", "yes", "both"], default="both",
+                   help="torch.compile the decoder layers (train.compile) for the stage-1 rows")
     p.add_argument("--vae-batch", type=int, default=16)
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -161,19 +173,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sizes = REAL if args.sizes == "real" else TINY
     _quiet_hf()
+    gemma = build_gemma(sizes, device)
+    modes = {"no": [False], "yes": [True], "both": [False, True]}[args.compile]
     rows = []
-    for pool in (1, 2):
-        for ckpt in (False, True):
+    for compiled in modes:
+        if compiled:
+            compile_language_layers(gemma)  # once: every row shares this Gemma
+        for micro, pool, ckpt in itertools.product([int(m) for m in args.micro_batch.split(",")], (1, 2), (False, True)):
             try:
-                rows.append(step_row(sizes, pool, ckpt, args.micro_batch, args.steps, device))
+                rows.append(step_row(sizes, gemma, pool, ckpt, micro, args.steps, device, compiled))
             except torch.OutOfMemoryError:
-                rows.append({"case": "stage1_step", "pool": pool, "gradient_checkpointing": ckpt,
-                             "micro_batch": args.micro_batch, "error": "out of memory"})
+                rows.append({"case": "stage1_step", "pool": pool, "gradient_checkpointing": ckpt, "compiled": compiled,
+                             "micro_batch": micro, "error": "out of memory"})
                 torch.cuda.empty_cache()
             if not args.json:
                 print(json.dumps(rows[-1]), flush=True)
     rows.append(vae_row(sizes, args.vae_batch, args.steps, device))
-    print(json.dumps({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "rows": rows},
+    print(json.dumps({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                      "torch": torch.__version__, "attn_implementation": gemma.config._attn_implementation, "rows": rows},
                      indent=1) if args.json else json.dumps(rows[-1]))
     return 0
 

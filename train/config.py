@@ -35,6 +35,7 @@ class TrainSection:
     num_workers: int = 2
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     gradient_checkpointing: bool = False
+    compile: bool = False  # torch.compile the language model's decoder layers (GPU; see docs/performance.md)
     ema: float = 0.0  # EMA decay of the trainable weights (0: off), e.g. 0.999
     flip: bool = False  # horizontal flip augmentation with left/right caption swap (needs flipped latents cached)
     cached_siglip: bool = True  # use cached SigLIP features when present and the vision tower is frozen

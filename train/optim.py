@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from theworld.model import TheWorld
+from theworld.model import TheWorld, compile_language_layers
 
 # Parameter names that never get weight decay besides biases and norm weights (all 1-D tensors).
 NO_DECAY_NAMES = ("projector.sow", "projector.eow")
@@ -31,6 +31,8 @@ def build_model(cfg) -> tuple[TheWorld, object]:
                 part.requires_grad_(False)
     model.cast_trainable_to_fp32()
     model.gradient_checkpointing(cfg.train.gradient_checkpointing)
+    if cfg.train.compile:
+        compile_language_layers(model.gemma)
     model.train()
     return model, processor
 
