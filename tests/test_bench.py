@@ -24,12 +24,13 @@ def _positive(row: dict, *keys: str) -> None:
 
 
 def test_train_bench_smoke(tmp_path):
-    rows = _run(["train.bench", "--cases", "tiny", "--steps", "2", "--warmup", "1", "--samples", "176",
-                 "--root", str(tmp_path / "caches")], tmp_path)["rows"]
+    rows = _run(["train.bench", "--cases", "tiny", "--steps", "2", "--warmup", "1", "--rounds", "2",
+                 "--samples", "176", "--root", str(tmp_path / "caches")], tmp_path)["rows"]
     (row,) = rows
     _positive(row, "step_ms_staged", "step_ms_fed", "data_overhead", "step_ms_live_encoding", "cache_speedup",
               "loader_samples_per_s", "loader_vs_training", "rss_mb_epoch1_start", "rss_mb_epoch2_end")
     assert row["world_tokens"] == 64 and row["steps_timed"] == 2
+    assert len(row["data_overhead_per_round"]) == 2 and all(r > 0 for r in row["data_overhead_per_round"])
 
 
 def test_precompute_bench_smoke(tmp_path):

@@ -268,9 +268,9 @@ def test_nonfinite_loss_is_skipped_and_counted(cache, tmp_path):
     ctx = data.DataContext.build(cfg, reader, plan, c.processor)
     it = iter(data.build_train_loader(cfg, ctx, 0, 1, epoch=0, start=0))
     good = [next(it), next(it)]
-    bad = [dict(good[0]), good[1]]
-    bad[0]["latent_mean"] = good[0]["latent_mean"].clone()
-    bad[0]["latent_mean"][0, 0, 0, 0, 0] = float("nan")
+    tensors = {k: v.clone() for k, v in good[0].to("cpu").items()}
+    tensors["latent_mean"][0, 0, 0, 0, 0] = float("nan")
+    bad = [data.Batch(tensors, good[0].num_tokens), good[1]]
     state = LoopState()
     before = {k: v.clone() for k, v in c.raw.trainable_state_dict().items()}
     out = optimization_step(c, state, bad)
@@ -283,3 +283,23 @@ def test_nonfinite_loss_is_skipped_and_counted(cache, tmp_path):
     with pytest.raises(NonFiniteError, match="2 non-finite steps in a row"):
         optimization_step(c, state, bad)
     assert state.nonfinite_steps == 3
+
+
+def test_packed_batch_round_trips_every_tensor_through_a_loader_worker():
+    from torch.utils.data import DataLoader
+
+    from train import data
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"input_ids": torch.randint(0, 100, (3, 7), generator=g), "labels": torch.randint(0, 100, (3, 7), generator=g),
+               "latent_mean": torch.randn(3, 16, 1, 8, 8, generator=g), "siglip": torch.randn(3, 4, 8).bfloat16(),
+               "latent_logvar": torch.randn(3, 16, 1, 8, 8, generator=g), "images": torch.randint(0, 255, (3, 3, 8, 8), dtype=torch.uint8)}
+    batch = data.Batch(tensors, num_tokens=11)
+    assert len(batch.buffers) == 4  # one per dtype: long, float32, bfloat16, uint8
+    loader = DataLoader([0], batch_size=None, num_workers=1, collate_fn=lambda _: data.Batch(tensors, 11))
+    (received,) = list(loader)
+    for b in (batch, received):
+        out = b.to("cpu")
+        assert out.keys() == tensors.keys() and b.num_tokens == 11
+        for k, t in tensors.items():
+            assert out[k].dtype == t.dtype and out[k].shape == t.shape and torch.equal(out[k], t)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 IGNORE = -100
@@ -111,12 +112,14 @@ class ChatFormatter:
 def collate_text(items: list[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad to the longest row: input_ids, attention_mask, labels (padding is IGNORE)."""
     n = max(len(e.input_ids) for e in items)
-    ids = torch.full((len(items), n), pad_id, dtype=torch.long)
-    labels = torch.full((len(items), n), IGNORE, dtype=torch.long)
-    mask = torch.zeros((len(items), n), dtype=torch.long)
+    # numpy fills a row from a Python list several times faster than torch.tensor builds one
+    ids = np.full((len(items), n), pad_id, dtype=np.int64)
+    labels = np.full((len(items), n), IGNORE, dtype=np.int64)
+    mask = np.zeros((len(items), n), dtype=np.int64)
     for i, e in enumerate(items):
         k = len(e.input_ids)
-        ids[i, :k] = torch.tensor(e.input_ids)
-        labels[i, :k] = torch.tensor(e.labels)
+        ids[i, :k] = e.input_ids
+        labels[i, :k] = e.labels
         mask[i, :k] = 1
+    ids, mask, labels = torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(labels)
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}

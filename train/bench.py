@@ -1,6 +1,6 @@
 """Training benchmark: is everything but the model's own compute close to free?
 
-    python -m train.bench [--json] [--cases tiny,heavy] [--steps 40]
+    python -m train.bench [--json] [--cases tiny,heavy] [--steps 40] [--threads N]
 
 Per case, all measured side by side in one run, on the same batches:
   data_overhead         steady-state step time fed by the real cache loader (workers, collation, copies) / step
@@ -106,7 +106,8 @@ def _mean(xs: list[float]) -> float:
     return statistics.fmean(xs)
 
 
-def bench_case(case: str, steps: int, warmup: int = 5, samples: int | None = None, root: Path = BENCH_ROOT) -> dict:
+def bench_case(case: str, steps: int, warmup: int = 5, samples: int | None = None, root: Path = BENCH_ROOT,
+               rounds: int = 4) -> dict:
     gemma_name, res, default_samples, gbs, mbs, workers = CASES[case]
     gemma = _gemma_path(gemma_name)
     cache = _ensure_cache(root, case, gemma, res, samples or default_samples)
@@ -127,10 +128,13 @@ def bench_case(case: str, steps: int, warmup: int = 5, samples: int | None = Non
         if n > per_epoch:
             raise SystemExit(f"error: {n} steps do not fit in one epoch of {per_epoch}: use more --samples")
         staged = list(data.build_train_loader(cfg, ctx, 0, 1, epoch=0))[: n * accum]
-        # cached path: staged, then fed by the loader over the same batches, then staged again (drift control)
-        t_staged = _steps(c, state, staged, accum)[warmup:]
-        t_fed = _fed_steps(c, state, data.build_train_loader(cfg, ctx, 0, 1, epoch=0), n, accum)[warmup:]
-        t_staged += _steps(c, state, staged, accum)[warmup:]
+        # cached path: staged and loader-fed blocks over the same batches, alternated so that the drift and bursts of
+        # a shared machine land on both sides; each block drops its first `warmup` steps (worker start, caches)
+        t_staged, t_fed, ratios = [], [], []
+        for _ in range(rounds):
+            t_staged += (a := _steps(c, state, staged, accum)[warmup:])
+            t_fed += (b := _fed_steps(c, state, data.build_train_loader(cfg, ctx, 0, 1, epoch=0), n, accum)[warmup:])
+            ratios.append(round(_mean(b) / _mean(a), 3))
         step_s = _mean(t_staged)
         # live path, same model and samples: frozen VAE and SigLIP run inside every step
         live_plan = data.InputPlan(cached_latents=False, cached_siglip=False, flip=False,
@@ -146,7 +150,7 @@ def bench_case(case: str, steps: int, warmup: int = 5, samples: int | None = Non
         "layers": c.raw.gemma.config.text_config.num_hidden_layers, "global_batch": gbs, "workers": workers,
         "threads": torch.get_num_threads(), "steps_timed": steps,
         "step_ms_staged": round(1000 * step_s, 2), "step_ms_fed": round(1000 * _mean(t_fed), 2),
-        "data_overhead": round(_mean(t_fed) / step_s, 3),
+        "data_overhead": round(_mean(t_fed) / step_s, 3), "data_overhead_per_round": ratios,
         "step_ms_live_encoding": round(1000 * _mean(t_live), 2),
         "cache_speedup": round(_mean(t_live) / step_s, 2),
         "train_samples_per_s": round(gbs / step_s, 1),
@@ -165,7 +169,7 @@ def _loader_and_memory(cfg, ctx) -> dict:
         last = len(loader) - 2  # index of the final batch in the loop below: workers still alive
         t = time.perf_counter()
         for i, batch in enumerate(it):
-            seen += len(batch["input_ids"])
+            seen += batch.size
             if i in (1, last):
                 rss.append(_rss_mb())
         t_total += time.perf_counter() - t
@@ -180,18 +184,24 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="train.bench", description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="print one JSON object instead of one line per case")
     p.add_argument("--cases", default="tiny,heavy")
-    p.add_argument("--steps", type=int, default=40, help="timed steps per measurement (after the warm-up steps)")
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=15, help="timed steps per block (after the warm-up steps)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of each block")
+    p.add_argument("--rounds", type=int, default=4, help="staged/fed block pairs for data_overhead")
     p.add_argument("--samples", type=int, default=None, help="cache size (default: per case)")
     p.add_argument("--root", default=str(BENCH_ROOT), help="where the bench caches are kept")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads of the training step (train.cpu_threads; 0: torch's default). The loader worker "
+                        "needs a core of its own, as it has next to a GPU: on a 2-core CPU that is --threads 1")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     rows = []
     for case in args.cases.split(","):
         if case not in CASES:
             print(f"error: unknown case {case!r} (known: {', '.join(CASES)})", file=sys.stderr)
             return 2
-        rows.append(bench_case(case, args.steps, args.warmup, args.samples, Path(args.root)))
+        rows.append(bench_case(case, args.steps, args.warmup, args.samples, Path(args.root), args.rounds))
         if not args.json:
             print(json.dumps(rows[-1]), flush=True)
     if args.json:

@@ -10,11 +10,12 @@ whatever the number of processes, and resuming at step s reads exactly the batch
 - process r of W takes the r-th contiguous slice (G/W samples) of each global batch, in micro-batches of M.
 
 Tokenisation, image decoding and the Gemma image processor run inside DataLoader workers; the main process receives
-collated tensors.
+collated batches packed into one buffer per dtype (`Batch`).
 """
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from dataclasses import dataclass
 
@@ -200,19 +201,50 @@ class CacheDataset(Dataset):
         return item
 
 
+class Batch:
+    """A collated micro-batch packed into one flat buffer per dtype.
+
+    Each tensor a loader worker returns crosses to the main process as its own shared-memory block (a file descriptor
+    sent over a socket and mapped), pinned and copied to the GPU on its own. Seven tensors per batch cost the tiny
+    demo's step several percent; one or two buffers cost a third as much (docs/performance.md). `to(device)` gives
+    the named tensors back as views of the copied buffers.
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor], num_tokens: int):
+        self.num_tokens = num_tokens
+        self.size = len(tensors["input_ids"])  # samples
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for name, t in tensors.items():
+            by_dtype.setdefault(t.dtype, []).append(name)
+        self.buffers = [torch.cat([tensors[n].reshape(-1) for n in names]) for names in by_dtype.values()]
+        self.layout: list[tuple[str, int, int, tuple[int, ...]]] = []  # name, buffer, offset, shape
+        for b, names in enumerate(by_dtype.values()):
+            offset = 0
+            for n in names:
+                self.layout.append((n, b, offset, tuple(tensors[n].shape)))
+                offset += tensors[n].numel()
+
+    def pin_memory(self) -> "Batch":  # called by DataLoader(pin_memory=True)'s pinning thread
+        self.buffers = [b.pin_memory() for b in self.buffers]
+        return self
+
+    def to(self, device: torch.device | str) -> dict[str, torch.Tensor]:
+        bufs = [b.to(device, non_blocking=True) for b in self.buffers]
+        return {n: bufs[b][o:o + math.prod(shape)].view(shape) for n, b, o, shape in self.layout}
+
+
 class Collate:
-    """List of samples -> one batch: padded text, stacked tensors, and the batch's answer-token count."""
+    """List of samples -> one packed Batch: padded text, stacked tensors, and the batch's answer-token count."""
 
     def __init__(self, pad_id: int):
         self.pad_id = pad_id
 
-    def __call__(self, items: list[dict]) -> dict:
+    def __call__(self, items: list[dict]) -> Batch:
         batch = collate_text([it["text"] for it in items], self.pad_id)
         for k in items[0]:
             if k != "text":
                 batch[k] = torch.stack([it[k] for it in items])
-        batch["num_tokens"] = int((batch["labels"][:, 1:] != IGNORE).sum())
-        return batch
+        return Batch(batch, num_tokens=int((batch["labels"][:, 1:] != IGNORE).sum()))
 
 
 @dataclass

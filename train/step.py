@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from train.data import _seed
+from train.data import Batch, _seed
 
 
 class NonFiniteError(RuntimeError):
@@ -42,21 +42,17 @@ class LoopState:
         return cls(**known)
 
 
-def to_device(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
 def step_generator(seed: int, step: int, rank: int, device) -> torch.Generator:
     """The RNG of a step (latent sampling): a pure function of (seed, step, rank), so resume is exact."""
     return torch.Generator(device=device).manual_seed(_seed("step", seed, step, rank))
 
 
-def optimization_step(c, state: LoopState, micro_batches: list[dict]) -> dict:
+def optimization_step(c, state: LoopState, micro_batches: list[Batch]) -> dict:
     """Forward/backward over this process's micro-batches of one global batch, clip, AdamW step (unless non-finite),
     EMA update. Advances `state`. Returns {loss, grad_norm, lr, skipped, tokens}."""
     acc, cfg = c.accelerator, c.cfg
     device = acc.device
-    local = sum(int(b["num_tokens"]) for b in micro_batches)
+    local = sum(b.num_tokens for b in micro_batches)
     n_global = torch.tensor([local], dtype=torch.long, device=device)
     if c.world_size > 1:
         n_global = acc.reduce(n_global, reduction="sum")
@@ -67,7 +63,7 @@ def optimization_step(c, state: LoopState, micro_batches: list[dict]) -> dict:
     gen = step_generator(cfg.seed, state.step, c.rank, device)
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     for i, mb in enumerate(micro_batches):
-        inputs = to_device({k: v for k, v in mb.items() if k != "num_tokens"}, device)
+        inputs = mb.to(device)
         sync = i == len(micro_batches) - 1
         with contextlib.nullcontext() if sync else acc.no_sync(c.model):
             out = c.model(**inputs, num_items=n, generator=gen)
@@ -115,7 +111,7 @@ def evaluate(c, loader) -> dict:
     sums = torch.zeros(3, dtype=torch.float64, device=acc.device)  # loss, shuffled loss, tokens
     try:
         for batch in loader:
-            batch = to_device({k: v for k, v in batch.items() if k != "num_tokens"}, acc.device)
+            batch = batch.to(acc.device)
             shuffled = {k: (v.roll(1, dims=0) if k in WORLD_KEYS else v) for k, v in batch.items()}
             with acc.autocast():
                 a = model(**batch)
