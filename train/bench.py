@@ -151,6 +151,7 @@ def bench_case(case: str, steps: int, warmup: int = 5, samples: int | None = Non
         "threads": torch.get_num_threads(), "steps_timed": steps,
         "step_ms_staged": round(1000 * step_s, 2), "step_ms_fed": round(1000 * _mean(t_fed), 2),
         "data_overhead": round(_mean(t_fed) / step_s, 3), "data_overhead_per_round": ratios,
+        "data_overhead_median_round": round(statistics.median(ratios), 3),
         "step_ms_live_encoding": round(1000 * _mean(t_live), 2),
         "cache_speedup": round(_mean(t_live) / step_s, 2),
         "train_samples_per_s": round(gbs / step_s, 1),
