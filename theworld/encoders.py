@@ -115,7 +115,7 @@ def use_single_frame_convs(vae: nn.Module) -> int:
     fast = _single_frame_conv_class()
     n = 0
     for m in vae.modules():
-        if type(m) is fast.__mro__[1]:
+        if type(m) is fast.__base__:  # diffusers' WanCausalConv3d
             m.__class__ = fast
             n += 1
     return n

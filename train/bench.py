@@ -1,6 +1,6 @@
 """Training benchmark: is everything but the model's own compute close to free?
 
-    python -m train.bench [--json] [--cases tiny,heavy] [--steps 40] [--threads N]
+    python -m train.bench [--json] [--cases tiny,heavy] [--steps 15] [--rounds 4] [--threads N]
 
 Per case, all measured side by side in one run, on the same batches:
   data_overhead         steady-state step time fed by the real cache loader (workers, collation, copies) / step

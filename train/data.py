@@ -216,13 +216,14 @@ class Batch:
         by_dtype: dict[torch.dtype, list[str]] = {}
         for name, t in tensors.items():
             by_dtype.setdefault(t.dtype, []).append(name)
-        self.buffers = [torch.cat([tensors[n].reshape(-1) for n in names]) for names in by_dtype.values()]
+        self.buffers: list[torch.Tensor] = []
         self.layout: list[tuple[str, int, int, tuple[int, ...]]] = []  # name, buffer, offset, shape
-        for b, names in enumerate(by_dtype.values()):
+        for names in by_dtype.values():
             offset = 0
             for n in names:
-                self.layout.append((n, b, offset, tuple(tensors[n].shape)))
+                self.layout.append((n, len(self.buffers), offset, tuple(tensors[n].shape)))
                 offset += tensors[n].numel()
+            self.buffers.append(torch.cat([tensors[n].reshape(-1) for n in names]))
 
     def pin_memory(self) -> "Batch":  # called by DataLoader(pin_memory=True)'s pinning thread
         self.buffers = [b.pin_memory() for b in self.buffers]
