@@ -29,8 +29,8 @@ def test_train_bench_smoke(tmp_path):
     (row,) = rows
     _positive(row, "step_ms_staged", "step_ms_fed", "data_overhead", "step_ms_live_encoding", "cache_speedup",
               "loader_samples_per_s", "loader_vs_training", "rss_mb_epoch1_start", "rss_mb_epoch2_end")
-    assert row["world_tokens"] == 64 and row["steps_timed"] == 2
-    assert len(row["data_overhead_per_round"]) == 2 and all(r > 0 for r in row["data_overhead_per_round"])
+    assert row["world_tokens"] == 64 and row["steps_per_block"] == 2 and row["rounds"] == 2
+    assert len(row["data_overhead_round_quartiles"]) == 3 and all(r > 0 for r in row["data_overhead_round_quartiles"])
 
 
 def test_precompute_bench_smoke(tmp_path):

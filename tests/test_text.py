@@ -1,4 +1,5 @@
-"""ChatFormatter's shortcuts (spliced template, direct Rust tokenizer) give exactly the general path's ids."""
+"""ChatFormatter's shortcuts (spliced template, direct batched Rust tokenizer, per-prompt head) give exactly the
+general path's ids."""
 from __future__ import annotations
 
 import pytest
@@ -25,9 +26,23 @@ def test_shortcuts_are_taken_and_exact(processor):
     fast, ref = ChatFormatter(processor), slow(processor)
     assert fast._backend is not None and fast._splice("describe the scene .") is not None
     for prompt in ("describe the scene .", "What is {here}?"):
-        for caption in CAPTIONS:
-            a, b = fast.encode(prompt, caption), ref.encode(prompt, caption)
-            assert (a.input_ids, a.labels) == (b.input_ids, b.labels), (prompt, caption)
+        head, rest = fast._head(prompt)
+        assert len(head) > 10 and rest == "model\n"  # only "model\n" + caption + "<end_of_turn>\n" per sample
+        pairs = [(prompt, caption) for caption in CAPTIONS]
+        for a, b in zip(fast.encode_many(pairs), [ref.encode(p, c) for p, c in pairs]):
+            assert (a.input_ids, a.labels) == (b.input_ids, b.labels), (prompt, a, b)
+
+
+def test_head_shortcut_is_dropped_when_text_tokenises_differently_on_its_own(processor):
+    class DummyPrefix(ChatFormatter):  # as a tokenizer that marks the start of every text it is given would
+        def _ids_many(self, texts):
+            return [[self.pad_id] + ids for ids in super()._ids_many(texts)]
+
+    f = DummyPrefix(processor)
+    prompt = "describe the scene ."
+    assert f._head(prompt) == ([], f._splice(prompt)[0])
+    enc = f.encode(prompt, "red circle")
+    assert enc.input_ids == [f.pad_id] + slow(processor).encode(prompt, "red circle").input_ids
 
 
 def test_a_template_that_rewrites_the_answer_falls_back(processor):

@@ -23,14 +23,18 @@ class Encoded:
 class ChatFormatter:
     """Tokenises (prompt, caption) pairs with one image, the way Gemma 3's processor and chat template do.
 
-    This runs for every sample in the loader workers, so two self-checked shortcuts keep it cheap: the conversation
-    is rendered once per prompt with a sentinel answer and the caption is spliced in (used only if the template
-    treats a probe caption the same way), and the Rust tokenizer is called directly (only if it gives the same ids
-    as the Python wrapper). Either check failing falls back to the slow, general path.
+    This runs for every sample in the loader workers, so three self-checked shortcuts keep it cheap, each used only if
+    it reproduces the slow, general path on probe captions (otherwise that path is used):
+    - the conversation is rendered once per prompt with a sentinel answer and the caption is spliced in;
+    - the Rust tokenizer is called directly, a batch at a time and without offsets;
+    - the per-prompt text up to its last special token (<bos>, the turn markers, the image block) is tokenised once:
+      a tokenizer splits its input at special tokens before anything else, so the text after one is tokenised on its
+      own whatever precedes it. Only the rest ("model\n", the caption, "<end_of_turn>\n") is tokenised per sample.
     """
 
     SENTINEL = "\ue000answer\ue000"  # private-use characters: no tokenizer or template gives them meaning
     PROBE = "  a <probe> & 'caption'\n with {braces} and \"quotes\"  "
+    HEAD_PROBES = (PROBE.strip(), "x", "12 ÷ 3 = four", "\u00e9t\u00e9 \u6771\u4eac .", "model\nmodel", "<end_of_turn> !")
 
     def __init__(self, processor, max_length: int | None = None):
         self.processor = processor
@@ -41,10 +45,11 @@ class ChatFormatter:
         self.pad_id = self.tokenizer.pad_token_id
         self._prefix_cache: dict[str, list[int]] = {}
         self._splice_cache: dict[str, tuple[str, str] | None] = {}
+        self._head_cache: dict[str, tuple[list[int], str]] = {}
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         probe = self._render(self._conversation("describe .", self.PROBE), False)
-        self._backend = backend if backend is not None and self._slow_ids(probe) == self._fast_ids(backend, probe) \
-            else None
+        self._backend = backend if backend is not None and \
+            [self._slow_ids(probe)] * 2 == self._fast_ids_many(backend, [probe, probe]) else None
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
@@ -54,11 +59,17 @@ class ChatFormatter:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template already has <bos>
 
     @staticmethod
-    def _fast_ids(backend, text: str) -> list[int]:
-        return backend.encode(text, add_special_tokens=False).ids
+    def _fast_ids_many(backend, texts: list[str]) -> list[list[int]]:
+        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)  # _fast: no character offsets
+        return [e.ids for e in encode(texts, add_special_tokens=False)]
+
+    def _ids_many(self, texts: list[str]) -> list[list[int]]:
+        if self._backend is not None:
+            return self._fast_ids_many(self._backend, texts)
+        return [self._slow_ids(t) for t in texts]
 
     def _ids(self, text: str) -> list[int]:
-        return self._fast_ids(self._backend, text) if self._backend is not None else self._slow_ids(text)
+        return self._ids_many([text])[0]
 
     @staticmethod
     def _conversation(prompt: str, caption: str | None = None) -> list[dict]:
@@ -83,14 +94,51 @@ class ChatFormatter:
             return self._render(self._conversation(prompt, caption), False)
         return splice[0] + caption.strip() + splice[1]
 
+    def _head(self, prompt: str) -> tuple[list[int], str]:
+        """(ids of the spliced text before the answer up to its last special token, the text after that token)."""
+        if prompt not in self._head_cache:
+            before, after = self._splice(prompt) or ("", "")
+            head: tuple[list[int], str] = ([], before)
+            if self._backend is not None and before:
+                enc = self._backend.encode(before, add_special_tokens=False)
+                special = set(self._backend.get_added_tokens_decoder())
+                last = max((i for i, t in enumerate(enc.ids) if t in special), default=None)
+                if last is not None:
+                    ids, rest = enc.ids[: last + 1], before[enc.offsets[last][1]:]
+                    probes = [rest + c + after for c in self.HEAD_PROBES]
+                    whole = self._ids_many([before + c + after for c in self.HEAD_PROBES])
+                    if [ids + tail for tail in self._ids_many(probes)] == whole:
+                        head = (ids, rest)
+            self._head_cache[prompt] = head
+        return self._head_cache[prompt]
+
+    def conversation_ids(self, pairs: list[tuple[str, str]]) -> list[list[int]]:
+        """Token ids of conversation_text for each (prompt, caption), tokenising only what differs per sample."""
+        heads, tails = [], []
+        for prompt, caption in pairs:
+            if self._splice(prompt) is None:
+                heads.append([])
+                tails.append(self.conversation_text(prompt, caption))
+            else:
+                ids, rest = self._head(prompt)
+                heads.append(ids)
+                tails.append(rest + caption.strip() + self._splice(prompt)[1])
+        return [h + t for h, t in zip(heads, self._ids_many(tails))]
+
     def prefix(self, prompt: str) -> list[int]:
         if prompt not in self._prefix_cache:
             self._prefix_cache[prompt] = self._ids(self._render(self._conversation(prompt), True))
         return self._prefix_cache[prompt]
 
     def encode(self, prompt: str, caption: str) -> Encoded:
+        return self.encode_many([(prompt, caption)])[0]
+
+    def encode_many(self, pairs: list[tuple[str, str]]) -> list[Encoded]:
+        return [self._label(prompt, full) for (prompt, _), full in zip(pairs, self.conversation_ids(pairs))]
+
+    def _label(self, prompt: str, full: list[int]) -> Encoded:
+        """Labels on the answer: everything after the prompt's ids up to the model turn's last <end_of_turn>."""
         prefix = self.prefix(prompt)
-        full = self._ids(self.conversation_text(prompt, caption))
         if full[: len(prefix)] != prefix:
             raise ValueError("the chat template's prompt is not a token prefix of the full conversation")
         answer = full[len(prefix):]

@@ -1,6 +1,6 @@
 """Training benchmark: is everything but the model's own compute close to free?
 
-    python -m train.bench [--json] [--cases tiny,heavy] [--steps 15] [--rounds 4] [--threads N]
+    python -m train.bench [--json] [--cases tiny,heavy] [--steps 1] [--rounds 40] [--threads N]
 
 Per case, all measured side by side in one run, on the same batches:
   data_overhead         steady-state step time fed by the real cache loader (workers, collation, copies) / step
@@ -90,9 +90,8 @@ def _steps(c, state, batches, accum) -> list[float]:
     return times
 
 
-def _fed_steps(c, state, loader, n_steps, accum) -> list[float]:
-    """Per-step seconds including waiting for the loader (the real training path)."""
-    it = iter(loader)
+def _fed_steps(c, state, it, n_steps, accum) -> list[float]:
+    """Per-step seconds including waiting for and receiving the batches from a loader iterator (the real path)."""
     times = []
     for _ in range(n_steps):
         t = time.perf_counter()
@@ -123,18 +122,25 @@ def bench_case(case: str, steps: int, warmup: int = 5, samples: int | None = Non
         c = optim.build(cfg, acc, accum)
         ctx = data.DataContext.build(cfg, reader, plan, c.processor)
         state = LoopState()
-        n = warmup + steps
+        n = warmup + rounds * steps
         per_epoch = data.steps_per_epoch(len(ctx.train_indices), gbs)
         if n > per_epoch:
-            raise SystemExit(f"error: {n} steps do not fit in one epoch of {per_epoch}: use more --samples")
+            raise SystemExit(f"error: {n} steps (warm-up + rounds x steps) do not fit in one epoch of {per_epoch}: "
+                             "use more --samples or fewer --rounds")
         staged = list(data.build_train_loader(cfg, ctx, 0, 1, epoch=0))[: n * accum]
-        # cached path: staged and loader-fed blocks over the same batches, alternated so that the drift and bursts of
-        # a shared machine land on both sides; each block drops its first `warmup` steps (worker start, caches)
+        # cached path: short staged and loader-fed blocks over the same batches, alternated so that the drift and
+        # bursts of a shared machine land on both sides alike. One loader serves every fed block: its worker runs
+        # while fed steps run and is idle (its prefetch queue full) while staged steps run, as in a real epoch.
+        it = iter(data.build_train_loader(cfg, ctx, 0, 1, epoch=0))
+        _fed_steps(c, state, it, warmup, accum)  # worker start, allocator and kernel caches: not steady state
+        _steps(c, state, staged[: warmup * accum], accum)
         t_staged, t_fed, ratios = [], [], []
-        for _ in range(rounds):
-            t_staged += (a := _steps(c, state, staged, accum)[warmup:])
-            t_fed += (b := _fed_steps(c, state, data.build_train_loader(cfg, ctx, 0, 1, epoch=0), n, accum)[warmup:])
+        for r in range(rounds):
+            lo = (warmup + r * steps) * accum
+            t_staged += (a := _steps(c, state, staged[lo:lo + steps * accum], accum))
+            t_fed += (b := _fed_steps(c, state, it, steps, accum))
             ratios.append(round(_mean(b) / _mean(a), 3))
+        del it
         step_s = _mean(t_staged)
         # live path, same model and samples: frozen VAE and SigLIP run inside every step
         live_plan = data.InputPlan(cached_latents=False, cached_siglip=False, flip=False,
@@ -142,16 +148,16 @@ def bench_case(case: str, steps: int, warmup: int = 5, samples: int | None = Non
         live_reader = cf.CacheReader(cfg.cache_dir, members=live_plan.members)
         live_ctx = data.DataContext(live_reader, live_plan, ctx.formatter, ctx.image_processor, ctx.train_indices,
                                     ctx.eval_indices)
-        live = list(data.build_train_loader(cfg, live_ctx, 0, 1, epoch=0))[: n * accum]
+        live = list(data.build_train_loader(cfg, live_ctx, 0, 1, epoch=0))[: (warmup + steps) * accum]
         t_live = _steps(c, state, live, accum)[warmup:]
         loader = _loader_and_memory(cfg, ctx)
     return {
         "case": case, "world_tokens": (res // 8) ** 2, "hidden": c.raw.gemma.config.text_config.hidden_size,
         "layers": c.raw.gemma.config.text_config.num_hidden_layers, "global_batch": gbs, "workers": workers,
-        "threads": torch.get_num_threads(), "steps_timed": steps,
+        "threads": torch.get_num_threads(), "steps_per_block": steps, "rounds": rounds,
         "step_ms_staged": round(1000 * step_s, 2), "step_ms_fed": round(1000 * _mean(t_fed), 2),
-        "data_overhead": round(_mean(t_fed) / step_s, 3), "data_overhead_per_round": ratios,
-        "data_overhead_median_round": round(statistics.median(ratios), 3),
+        "data_overhead": round(_mean(t_fed) / step_s, 3),
+        "data_overhead_round_quartiles": [round(q, 3) for q in statistics.quantiles(ratios, n=4)],
         "step_ms_live_encoding": round(1000 * _mean(t_live), 2),
         "cache_speedup": round(_mean(t_live) / step_s, 2),
         "train_samples_per_s": round(gbs / step_s, 1),
@@ -185,9 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="train.bench", description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="print one JSON object instead of one line per case")
     p.add_argument("--cases", default="tiny,heavy")
-    p.add_argument("--steps", type=int, default=15, help="timed steps per block (after the warm-up steps)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of each block")
-    p.add_argument("--rounds", type=int, default=4, help="staged/fed block pairs for data_overhead")
+    p.add_argument("--steps", type=int, default=1, help="timed steps per block")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps before the first block")
+    p.add_argument("--rounds", type=int, default=40, help="staged/fed block pairs for data_overhead")
     p.add_argument("--samples", type=int, default=None, help="cache size (default: per case)")
     p.add_argument("--root", default=str(BENCH_ROOT), help="where the bench caches are kept")
     p.add_argument("--threads", type=int, default=0,

@@ -9,13 +9,14 @@ whatever the number of processes, and resuming at step s reads exactly the batch
   s // steps_per_epoch;
 - process r of W takes the r-th contiguous slice (G/W samples) of each global batch, in micro-batches of M.
 
-Tokenisation, image decoding and the Gemma image processor run inside DataLoader workers; the main process receives
-collated batches packed into one buffer per dtype (`Batch`).
+Tokenisation (a batch at a time), image decoding and the Gemma image processor run inside DataLoader workers; the main
+process receives collated batches packed into one buffer per dtype (`Batch`).
 """
 from __future__ import annotations
 
 import hashlib
 import math
+import os
 import re
 from dataclasses import dataclass
 
@@ -182,8 +183,7 @@ class CacheDataset(Dataset):
         prompt, caption = s.prompt, s.caption
         if flipped:
             prompt, caption = swap_left_right(prompt), swap_left_right(caption)
-        enc = self.formatter.encode(prompt, caption)
-        item: dict = {"text": enc}
+        item: dict = {"text": (prompt, caption)}  # tokenised a batch at a time by Collate
         if self.plan.cached_latents:
             mean, logvar = (s.flip_mean, s.flip_logvar) if flipped else (s.mean, s.logvar)
             item["latent_mean"], item["latent_logvar"] = mean, logvar
@@ -235,13 +235,13 @@ class Batch:
 
 
 class Collate:
-    """List of samples -> one packed Batch: padded text, stacked tensors, and the batch's answer-token count."""
+    """List of samples -> one packed Batch: tokenised and padded text, stacked tensors, the answer-token count."""
 
-    def __init__(self, pad_id: int):
-        self.pad_id = pad_id
+    def __init__(self, formatter: ChatFormatter):
+        self.formatter = formatter
 
     def __call__(self, items: list[dict]) -> Batch:
-        batch = collate_text([it["text"] for it in items], self.pad_id)
+        batch = collate_text(self.formatter.encode_many([it["text"] for it in items]), self.formatter.pad_id)
         for k in items[0]:
             if k != "text":
                 batch[k] = torch.stack([it[k] for it in items])
@@ -271,13 +271,20 @@ class DataContext:
 
 
 def _worker_init(_: int) -> None:
-    torch.set_num_threads(1)  # workers decode and tokenise; intra-op threads would only fight the training step
+    # workers decode and tokenise; intra-op or tokenizer threads would only fight the training step
+    torch.set_num_threads(1)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
 def _loader(cfg, ctx: DataContext, dataset, **kw) -> DataLoader:
     workers = cfg.train.num_workers
+    if workers:
+        # The main process then maps a batch's shared memory by name. The default strategy (file descriptors) asks
+        # the worker process for each descriptor over a socket when the batch is received: a round trip that waits
+        # for the worker to be scheduled, on the training step's time (docs/performance.md).
+        torch.multiprocessing.set_sharing_strategy("file_system")
     return DataLoader(dataset, num_workers=workers, pin_memory=torch.cuda.is_available(),
-                      collate_fn=Collate(ctx.formatter.pad_id), prefetch_factor=4 if workers else None,
+                      collate_fn=Collate(ctx.formatter), prefetch_factor=4 if workers else None,
                       worker_init_fn=_worker_init if workers else None, **kw)
 
 
