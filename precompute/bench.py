@@ -118,6 +118,7 @@ def bench_case(case: str, work: Path, n: int) -> dict:
         "encode_only_images_per_s": round(n / t_enc, 1),
         "pipeline_images_per_s": summary["images_per_s"],
         "pipeline_efficiency": round((t_enc / n) / (summary["encode_seconds"] / n), 3),
+        "pipeline_seconds": {"total": summary["encode_seconds"], **summary["seconds_rank0"]},
         "host_ms_per_image_decode_resize": round(1000 * t_prep / n, 3),
         "host_ms_per_image_serialise": round(1000 * t_ser / n, 3),
         "bytes_per_sample": round(per_sample), "payload_bytes_per_sample": round(payload),

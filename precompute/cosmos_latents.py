@@ -133,6 +133,7 @@ class ShardWriter:
         self.queue: queue.Queue = queue.Queue(maxsize=2)
         self.failure: BaseException | None = None
         self.bytes_written = 0
+        self.write_seconds = 0.0  # serialising and writing, on this thread
         self.thread = threading.Thread(target=self._loop, name="shard-writer", daemon=True)
         self.thread.start()
 
@@ -145,7 +146,8 @@ class ShardWriter:
                     self.failure = e
 
     def _write(self, index: int, samples: list[cf.Sample], errors: list[dict]) -> None:
-        delay = float(os.environ.get("THEWORLD_PRECOMPUTE_TEST_DELAY_S", "0"))  # tests: widen the kill window
+        t = time.perf_counter()
+        delay = float(os.environ.get("THEWORLD_PRECOMPUTE_TEST_DELAY_S", "0"))  # tests: a slow disk
         if delay:
             time.sleep(delay)
         # Errors first: when the shard counts as done, its error file is already in place.
@@ -153,6 +155,7 @@ class ShardWriter:
         cf.atomic_write_bytes(error_path(self.cache_dir, index), body)
         side = cf.write_shard(self.cache_dir, index, ((s.key, cf.encode_sample(s, self.dtype)) for s in samples))
         self.bytes_written += side["bytes"]
+        self.write_seconds += time.perf_counter() - t
 
     def put(self, index: int, samples: list[cf.Sample], errors: list[dict]) -> None:
         self._check()
@@ -239,8 +242,10 @@ def _encode(batch: list[dict], encoder, gemma, cfg: PrecomputeConfig, device) ->
 
 
 def _process_shards(cfg: PrecomputeConfig, listing: sources.Listing, pending: list[int], out: Path,
-                    encoder, gemma, processor, device, show: bool) -> int:
-    """Encode and write the `pending` shards; returns how many images were encoded."""
+                    encoder, gemma, processor, device, show: bool) -> tuple[int, dict]:
+    """Encode and write the `pending` shards; returns how many images were encoded, and where the main loop's time
+    went: waiting for decoded batches (decode-bound), encoding (device-bound), waiting for the shard writer
+    (disk-bound), plus the writer thread's own serialise-and-write time."""
     from tqdm import tqdm
 
     S, B = cfg.shard_size, cfg.batch_size
@@ -254,12 +259,16 @@ def _process_shards(cfg: PrecomputeConfig, listing: sources.Listing, pending: li
     writer = ShardWriter(out, cfg.cache.dtype)
     buffers: dict[int, dict] = {}
     encoded = 0
+    seconds = dict.fromkeys(("wait_for_batches", "encode", "wait_for_writer"), 0.0)
     bar = tqdm(total=sum(hi - lo for lo, hi in bounds.values()), unit="img", disable=not show, dynamic_ncols=True,
                desc="precompute", file=sys.stderr)
+    t = time.perf_counter()
     try:
         for batch in loader:
+            seconds["wait_for_batches"] += (t1 := time.perf_counter()) - t
             good = [b for b in batch if b["error"] is None]
-            samples = iter(_encode(good, encoder, gemma, cfg, device)) if good else iter(())
+            samples = iter(_encode(good, encoder, gemma, cfg, device)) if good else iter(())  # waits for the device
+            seconds["encode"] += (t2 := time.perf_counter()) - t1
             for b in batch:
                 i = b["pos"] // S
                 buf = buffers.setdefault(i, {"samples": [], "errors": [], "left": bounds[i][1] - bounds[i][0]})
@@ -271,14 +280,17 @@ def _process_shards(cfg: PrecomputeConfig, listing: sources.Listing, pending: li
                     buf["errors"].append({"key": b["key"], "source": b["source"], "reason": b["error"], "shard": i})
                 buf["left"] -= 1
                 if buf["left"] == 0:
-                    writer.put(i, buffers[i]["samples"], buffers[i]["errors"])
+                    writer.put(i, buffers[i]["samples"], buffers[i]["errors"])  # blocks while 2 shards are queued
                     del buffers[i]
             encoded += len(good)
             bar.update(len(batch))
+            seconds["wait_for_writer"] += (t := time.perf_counter()) - t2
     finally:
         bar.close()
         writer.close()
-    return encoded
+    seconds["wait_for_writer"] += time.perf_counter() - t  # the last shards
+    seconds["writer_thread_busy"] = writer.write_seconds
+    return encoded, {k: round(v, 3) for k, v in seconds.items()}
 
 
 def _finish(cfg: PrecomputeConfig, out: Path, n_shards: int, identity: dict, latent_shape: list[int]) -> dict:
@@ -340,8 +352,8 @@ def run(cfg: PrecomputeConfig) -> dict:
     if pending and (out / cf.MANIFEST).exists():
         (out / cf.MANIFEST).unlink(missing_ok=True)  # a shard went missing: the cache is not complete any more
     t_enc = time.time()
-    encoded = _process_shards(cfg, listing, pending, out, encoder, gemma, processor, state.device,
-                              show=state.is_main_process) if pending else 0
+    encoded, seconds = _process_shards(cfg, listing, pending, out, encoder, gemma, processor, state.device,
+                                       show=state.is_main_process) if pending else (0, {})
     counts = gather_object([encoded]) if world > 1 else [encoded]
     state.wait_for_everyone()
     elapsed = time.time() - t_enc
@@ -356,13 +368,17 @@ def run(cfg: PrecomputeConfig) -> dict:
     summary = {"samples": manifest["num_samples"], "errors": manifest["num_errors"], "shards": n_shards,
                "bytes": total_bytes, "encoded_this_run": sum(counts), "processes": world,
                "encode_seconds": round(elapsed, 3), "total_seconds": round(time.time() - t0, 3),
-               "images_per_s": round(sum(counts) / elapsed, 1) if elapsed > 0 and sum(counts) else 0.0}
+               "images_per_s": round(sum(counts) / elapsed, 1) if elapsed > 0 and sum(counts) else 0.0,
+               "seconds_rank0": seconds}
     if state.is_main_process:
         reasons = Counter(e["reason"].split(":")[0] for e in cf.read_errors(out))
         print(f"precompute: {summary['samples']} samples, {summary['errors']} errors, {total_bytes / 1e6:.1f} MB in "
               f"{n_shards} shards ({total_bytes / max(1, summary['samples']) / 1e3:.1f} kB/sample); this run encoded "
               f"{summary['encoded_this_run']} images in {elapsed:.1f} s = {summary['images_per_s']} images/s on "
               f"{world} process(es) -> {out}" + (f"; errors: {dict(reasons)}" if reasons else ""), flush=True)
+        if seconds:
+            print("precompute: main loop seconds: " + ", ".join(f"{k.replace('_', ' ')} {v:.1f}"
+                                                              for k, v in seconds.items()), flush=True)
     return {**manifest, "summary": summary}
 
 

@@ -169,6 +169,19 @@ def test_webdataset_source(tmp_path, fake_vae):
     assert result["num_errors"] == 1 and cf.read_errors(tmp_path / "c")[0]["key"] == "000010001"
 
 
+def test_time_breakdown_names_a_slow_writer(tmp_path, fake_vae, monkeypatch):
+    """The summary says where the main loop waited: a writer that takes 0.3 s a shard (a slow disk) shows up as the
+    writer's time, not as encoding or decoding."""
+    monkeypatch.setenv("THEWORLD_PRECOMPUTE_TEST_DELAY_S", "0.3")
+    summary = cosmos_latents.run(make_cfg(tmp_path / "c", n=12, shard=2))["summary"]
+    sec = summary["seconds_rank0"]
+    assert set(sec) == {"wait_for_batches", "encode", "wait_for_writer", "writer_thread_busy"}
+    assert sec["writer_thread_busy"] >= 6 * 0.3
+    # the writer's queue holds two shards, so at least the last ones are waited for
+    assert sec["wait_for_writer"] >= 0.3 and sec["wait_for_writer"] > sec["encode"]
+    assert sum(v for k, v in sec.items() if k != "writer_thread_busy") <= summary["encode_seconds"] + 0.05
+
+
 def test_user_errors_exit_2(tmp_path, capsys, fake_vae):
     assert cosmos_latents.main(["--set", "shard_sise=3"]) == 2
     assert "shard_sise" in capsys.readouterr().err
