@@ -26,7 +26,7 @@ def test_shortcuts_are_taken_and_exact(processor):
     fast, ref = ChatFormatter(processor), slow(processor)
     assert fast._backend is not None and fast._splice("describe the scene .") is not None
     for prompt in ("describe the scene .", "What is {here}?"):
-        head, rest = fast._head(prompt)
+        head, rest, _ = fast._head(prompt)
         assert len(head) > 10 and rest == "model\n"  # only "model\n" + caption + "<end_of_turn>\n" per sample
         pairs = [(prompt, caption) for caption in CAPTIONS]
         for a, b in zip(fast.encode_many(pairs), [ref.encode(p, c) for p, c in pairs]):
@@ -40,7 +40,7 @@ def test_head_shortcut_is_dropped_when_text_tokenises_differently_on_its_own(pro
 
     f = DummyPrefix(processor)
     prompt = "describe the scene ."
-    assert f._head(prompt) == ([], f._splice(prompt)[0])
+    assert f._head(prompt) == ([], *f._splice(prompt))
     enc = f.encode(prompt, "red circle")
     assert enc.input_ids == [f.pad_id] + slow(processor).encode(prompt, "red circle").input_ids
 

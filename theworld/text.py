@@ -45,7 +45,7 @@ class ChatFormatter:
         self.pad_id = self.tokenizer.pad_token_id
         self._prefix_cache: dict[str, list[int]] = {}
         self._splice_cache: dict[str, tuple[str, str] | None] = {}
-        self._head_cache: dict[str, tuple[list[int], str]] = {}
+        self._head_cache: dict[str, tuple[list[int], str, str] | None] = {}
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         probe = self._render(self._conversation("describe .", self.PROBE), False)
         self._backend = backend if backend is not None and \
@@ -94,35 +94,41 @@ class ChatFormatter:
             return self._render(self._conversation(prompt, caption), False)
         return splice[0] + caption.strip() + splice[1]
 
-    def _head(self, prompt: str) -> tuple[list[int], str]:
-        """(ids of the spliced text before the answer up to its last special token, the text after that token)."""
+    def _head(self, prompt: str) -> tuple[list[int], str, str] | None:
+        """For a prompt the caption can be spliced into: (ids of the text before the answer up to its last special
+        token, the text after that token, the text after the answer); None if it cannot be spliced."""
         if prompt not in self._head_cache:
-            before, after = self._splice(prompt) or ("", "")
-            head: tuple[list[int], str] = ([], before)
-            if self._backend is not None and before:
-                enc = self._backend.encode(before, add_special_tokens=False)
-                special = set(self._backend.get_added_tokens_decoder())
-                last = max((i for i, t in enumerate(enc.ids) if t in special), default=None)
-                if last is not None:
-                    ids, rest = enc.ids[: last + 1], before[enc.offsets[last][1]:]
-                    probes = [rest + c + after for c in self.HEAD_PROBES]
-                    whole = self._ids_many([before + c + after for c in self.HEAD_PROBES])
-                    if [ids + tail for tail in self._ids_many(probes)] == whole:
-                        head = (ids, rest)
-            self._head_cache[prompt] = head
+            splice = self._splice(prompt)
+            self._head_cache[prompt] = None if splice is None else (*self._split_head(*splice), splice[1])
         return self._head_cache[prompt]
+
+    def _split_head(self, before: str, after: str) -> tuple[list[int], str]:
+        """(ids of `before` up to its last special token, the text after that token) if tokenising that text on its
+        own reproduces the whole conversation's ids for the probe captions; else ([], before)."""
+        if self._backend is None:
+            return [], before
+        enc = self._backend.encode(before, add_special_tokens=False)
+        special = set(self._backend.get_added_tokens_decoder())
+        last = max((i for i, t in enumerate(enc.ids) if t in special), default=None)
+        if last is None:
+            return [], before
+        ids, rest = enc.ids[: last + 1], before[enc.offsets[last][1]:]
+        tails = self._ids_many([rest + c + after for c in self.HEAD_PROBES])
+        whole = self._ids_many([before + c + after for c in self.HEAD_PROBES])
+        return (ids, rest) if [ids + tail for tail in tails] == whole else ([], before)
 
     def conversation_ids(self, pairs: list[tuple[str, str]]) -> list[list[int]]:
         """Token ids of conversation_text for each (prompt, caption), tokenising only what differs per sample."""
         heads, tails = [], []
         for prompt, caption in pairs:
-            if self._splice(prompt) is None:
+            head = self._head(prompt)
+            if head is None:
                 heads.append([])
                 tails.append(self.conversation_text(prompt, caption))
             else:
-                ids, rest = self._head(prompt)
+                ids, rest, after = head
                 heads.append(ids)
-                tails.append(rest + caption.strip() + self._splice(prompt)[1])
+                tails.append(rest + caption.strip() + after)
         return [h + t for h, t in zip(heads, self._ids_many(tails))]
 
     def prefix(self, prompt: str) -> list[int]:

@@ -105,8 +105,8 @@ def _mean(xs: list[float]) -> float:
     return statistics.fmean(xs)
 
 
-def bench_case(case: str, steps: int, warmup: int = 5, samples: int | None = None, root: Path = BENCH_ROOT,
-               rounds: int = 4) -> dict:
+def bench_case(case: str, steps: int = 1, warmup: int = 3, samples: int | None = None, root: Path = BENCH_ROOT,
+               rounds: int = 40) -> dict:
     gemma_name, res, default_samples, gbs, mbs, workers = CASES[case]
     gemma = _gemma_path(gemma_name)
     cache = _ensure_cache(root, case, gemma, res, samples or default_samples)

@@ -204,10 +204,10 @@ class CacheDataset(Dataset):
 class Batch:
     """A collated micro-batch packed into one flat buffer per dtype.
 
-    Each tensor a loader worker returns crosses to the main process as its own shared-memory block (a file descriptor
-    sent over a socket and mapped), pinned and copied to the GPU on its own. One or two buffers instead of seven
-    tensors halve the main process's receive time for the tiny demo's batch (docs/performance.md). `to(device)`
-    gives the named tensors back as views of the copied buffers.
+    Each tensor a loader worker returns crosses to the main process as its own shared-memory block, opened and mapped
+    there, then pinned and copied to the GPU on its own. One or two buffers instead of seven tensors halved the main
+    process's receive time for the tiny demo's batch (docs/performance.md). `to(device)` gives the named tensors back
+    as views of the copied buffers.
     """
 
     def __init__(self, tensors: dict[str, torch.Tensor], num_tokens: int):
