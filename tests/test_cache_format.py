@@ -44,3 +44,26 @@ def test_shards_are_byte_reproducible(tmp_path):
     a = cf.write_shard(tmp_path / "a", 3, _samples(4))
     b = cf.write_shard(tmp_path / "b", 3, _samples(4))
     assert a["sha256"] == b["sha256"] and a["samples"] == b["samples"]
+
+
+def test_load_stacked_matches_safetensors_sample_by_sample():
+    import pytest
+    from safetensors.torch import load as st_load
+    from safetensors.torch import save as st_save
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        blobs = [st_save({"mean": torch.randn(16, 1, 4, 4, generator=g).to(dtype),
+                          "logvar": torch.randn(16, 1, 4, 4, generator=g).to(dtype)}) for _ in range(5)]
+        # a header that differs (metadata) takes the one-by-one path; the values must not care which
+        blobs.append(st_save({"mean": torch.randn(16, 1, 4, 4, generator=g).to(dtype),
+                              "logvar": torch.randn(16, 1, 4, 4, generator=g).to(dtype)}, metadata={"x": "y"}))
+        for batch in (blobs[:5], blobs):
+            out = cf.load_stacked(batch)
+            assert out.keys() == {"mean", "logvar"}
+            for k, t in out.items():
+                ref = torch.stack([st_load(b)[k] for b in batch])
+                assert t.dtype == dtype and t.shape == (len(batch), 16, 1, 4, 4) and torch.equal(t, ref)
+    other = st_save({"mean": torch.zeros(16, 1, 2, 2), "logvar": torch.zeros(16, 1, 2, 2)})
+    with pytest.raises(ValueError, match="different tensors"):
+        cf.load_stacked([blobs[0], other])

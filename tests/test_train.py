@@ -293,9 +293,11 @@ def test_packed_batch_round_trips_every_tensor_through_a_loader_worker():
     g = torch.Generator().manual_seed(0)
     tensors = {"input_ids": torch.randint(0, 100, (3, 7), generator=g), "labels": torch.randint(0, 100, (3, 7), generator=g),
                "latent_mean": torch.randn(3, 16, 1, 8, 8, generator=g), "siglip": torch.randn(3, 4, 8).bfloat16(),
+               "odd": torch.randint(0, 255, (3, 5), dtype=torch.uint8),  # 15 bytes: what follows must be realigned
                "latent_logvar": torch.randn(3, 16, 1, 8, 8, generator=g), "images": torch.randint(0, 255, (3, 3, 8, 8), dtype=torch.uint8)}
     batch = data.Batch(tensors, num_tokens=11)
-    assert len(batch.buffers) == 4  # one per dtype: long, float32, bfloat16, uint8
+    assert batch.buffer.dtype == torch.uint8 and batch.buffer.dim() == 1  # one block crosses per batch
+    assert all(offset % data.Batch.ALIGN == 0 for _, _, offset, _ in batch.layout)
     loader = DataLoader([0], batch_size=None, num_workers=1, collate_fn=lambda _: data.Batch(tensors, 11))
     (received,) = list(loader)
     for b in (batch, received):

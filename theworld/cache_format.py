@@ -13,6 +13,7 @@ import hashlib
 import io
 import json
 import os
+import sys
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,9 +113,15 @@ def encode_sample(s: Sample, dtype: str) -> dict[str, bytes]:
     return out
 
 
-def decode_sample(key: str, members: dict[str, bytes]) -> Sample:
-    """{member name: bytes} -> Sample. Missing optional members stay None."""
+def decode_sample(key: str, members: dict[str, bytes], tensors: bool = True) -> Sample:
+    """{member name: bytes} -> Sample. Missing optional members stay None; so do the tensors with tensors=False
+    (a batch's are decoded together by `load_stacked`)."""
     s = Sample(key=key, caption=members[CAPTION].decode(), meta=json.loads(members[META]))
+    for ext in IMAGE_EXTS:
+        if ext in members:
+            s.image, s.image_ext = members[ext], ext
+    if not tensors:
+        return s
     if LATENT in members:
         t = st_load(members[LATENT])
         s.mean, s.logvar = t["mean"], t["logvar"]
@@ -123,10 +130,56 @@ def decode_sample(key: str, members: dict[str, bytes]) -> Sample:
         s.flip_mean, s.flip_logvar = t["mean"], t["logvar"]
     if SIGLIP in members:
         s.siglip = st_load(members[SIGLIP])["features"]
-    for ext in IMAGE_EXTS:
-        if ext in members:
-            s.image, s.image_ext = members[ext], ext
     return s
+
+
+_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}  # what TORCH_DTYPES writes
+
+
+def load_stacked(blobs: list[bytes]) -> dict[str, torch.Tensor]:
+    """The same tensor member (e.g. LATENT) of many samples -> {tensor name: (len(blobs), *shape)}.
+
+    The samples of a cache share that member's safetensors header byte for byte (same names, dtypes and shapes, and
+    `st_save` is deterministic), so the header is parsed once and every sample's data is sliced at the same offsets:
+    one copy for the whole batch instead of a parse, a tensor and a stack per sample, the largest CPU cost of a
+    loader worker (docs/performance.md). Blobs whose headers differ go through safetensors one by one.
+    """
+    first = blobs[0]
+    start = 8 + int.from_bytes(first[:8], "little")  # safetensors: u64 header size, JSON header, then the data
+    head = first[:start]
+    layout = _stackable_layout(head, len(first) - start)
+    if layout is None or any(len(b) != len(first) or not b.startswith(head) for b in blobs):
+        return _load_each_and_stack(blobs)
+    data = bytearray().join(memoryview(b)[start:] for b in blobs)
+    rows = torch.frombuffer(data, dtype=torch.uint8).view(len(blobs), -1)
+    return {name: rows[:, lo:hi].view(dtype).view(len(blobs), *shape) for name, (dtype, shape, lo, hi) in layout.items()}
+
+
+def _stackable_layout(header: bytes, data_size: int) -> dict | None:
+    """{name: (dtype, shape, first byte, end byte)} when every tensor can be a view of a (samples, data_size) byte
+    matrix: little-endian host, a dtype we map, offsets on element boundaries. None: decode one by one."""
+    try:
+        meta = json.loads(header[8:])
+        layout = {name: (_ST_DTYPES[v["dtype"]], tuple(v["shape"]), *v["data_offsets"])
+                  for name, v in meta.items() if name != "__metadata__"}
+    except (ValueError, KeyError, TypeError):
+        return None
+    for dtype, _, lo, hi in layout.values():
+        size = dtype.itemsize
+        if sys.byteorder != "little" or lo % size or hi % size or data_size % size or hi > data_size or hi <= lo:
+            return None
+    return layout
+
+
+def _load_each_and_stack(blobs: list[bytes]) -> dict[str, torch.Tensor]:
+    loaded = [st_load(b) for b in blobs]
+    first = loaded[0]
+    for t in loaded[1:]:
+        if t.keys() != first.keys() or any(t[k].shape != first[k].shape or t[k].dtype != first[k].dtype for k in t):
+            raise ValueError("samples of one batch hold different tensors: "
+                             f"{ {k: (tuple(v.shape), v.dtype) for k, v in first.items()} } vs "
+                             f"{ {k: (tuple(v.shape), v.dtype) for k, v in t.items()} }")
+    return {k: torch.stack([t[k] for t in loaded]) for k in first}
 
 
 # ----------------------------------------------------------------------------------------------------------------------

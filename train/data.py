@@ -10,7 +10,7 @@ whatever the number of processes, and resuming at step s reads exactly the batch
 - process r of W takes the r-th contiguous slice (G/W samples) of each global batch, in micro-batches of M.
 
 Tokenisation (a batch at a time), image decoding and the Gemma image processor run inside DataLoader workers; the main
-process receives collated batches packed into one buffer per dtype (`Batch`).
+process receives collated batches packed into one buffer (`Batch`).
 """
 from __future__ import annotations
 
@@ -178,20 +178,21 @@ class CacheDataset(Dataset):
 
     def __getitem__(self, pos: int) -> dict:
         index = self.indices[pos]
-        s = self.reader[index]
+        raw = self.reader.raw(index)
+        s = cf.decode_sample(self.reader.key(index), raw, tensors=False)
         flipped = self.flip and flip_of(self.seed, self.epoch, index)
         prompt, caption = s.prompt, s.caption
         if flipped:
             prompt, caption = swap_left_right(prompt), swap_left_right(caption)
-        item: dict = {"text": (prompt, caption)}  # tokenised a batch at a time by Collate
+        # text is tokenised and cached tensors are decoded a batch at a time, by Collate
+        item: dict = {"text": (prompt, caption)}
         if self.plan.cached_latents:
-            mean, logvar = (s.flip_mean, s.flip_logvar) if flipped else (s.mean, s.logvar)
-            item["latent_mean"], item["latent_logvar"] = mean, logvar
+            item[cf.LATENT] = raw[cf.LATENT_FLIP if flipped else cf.LATENT]
         else:
             pixels, _ = load_for_vae(s.image, self.resolution, self.resize)
             item["images"] = pixels.flip(-1).contiguous() if flipped else pixels
         if self.plan.cached_siglip:
-            item["siglip"] = s.siglip
+            item[cf.SIGLIP] = raw[cf.SIGLIP]
         else:
             img = decode(s.image)
             if flipped:
@@ -202,40 +203,56 @@ class CacheDataset(Dataset):
 
 
 class Batch:
-    """A collated micro-batch packed into one flat buffer per dtype.
+    """A collated micro-batch packed into one flat byte buffer.
 
-    Each tensor a loader worker returns crosses to the main process as its own shared-memory block, opened and mapped
-    there, then pinned and copied to the GPU on its own. One or two buffers instead of seven tensors halved the main
-    process's receive time for the tiny demo's batch (docs/performance.md). `to(device)` gives the named tensors back
-    as views of the copied buffers.
+    A tensor a loader worker returns crosses to the main process as a shared-memory block of its own: created in the
+    worker, opened by name in the main process (each a round trip to torch's shared-memory manager), then pinned and
+    copied to the GPU on its own. One block per batch, allocated shared in the worker so that sending it copies
+    nothing, keeps that cost per batch rather than per tensor (docs/performance.md). `to(device)` gives the named
+    tensors back as views of the copied buffer.
     """
+
+    ALIGN = 64  # bytes: every tensor starts on a boundary its dtype (and vector loads) can view
 
     def __init__(self, tensors: dict[str, torch.Tensor], num_tokens: int):
         self.num_tokens = num_tokens
         self.size = len(tensors["input_ids"])  # samples
-        by_dtype: dict[torch.dtype, list[str]] = {}
+        self.layout: list[tuple[str, torch.dtype, int, tuple[int, ...]]] = []  # name, dtype, byte offset, shape
+        nbytes = 0
         for name, t in tensors.items():
-            by_dtype.setdefault(t.dtype, []).append(name)
-        self.buffers: list[torch.Tensor] = []
-        self.layout: list[tuple[str, int, int, tuple[int, ...]]] = []  # name, buffer, offset, shape
-        for names in by_dtype.values():
-            offset = 0
-            for n in names:
-                self.layout.append((n, len(self.buffers), offset, tuple(tensors[n].shape)))
-                offset += tensors[n].numel()
-            self.buffers.append(torch.cat([tensors[n].reshape(-1) for n in names]))
+            self.layout.append((name, t.dtype, nbytes, tuple(t.shape)))
+            nbytes += -(-t.numel() * t.element_size() // self.ALIGN) * self.ALIGN
+        self.buffer = _byte_buffer(nbytes)
+        for (name, dtype, offset, shape), t in zip(self.layout, tensors.values()):
+            self._view(self.buffer, dtype, offset, shape).copy_(t)
+
+    @staticmethod
+    def _view(buffer: torch.Tensor, dtype: torch.dtype, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+        return buffer[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
     def pin_memory(self) -> "Batch":  # called by DataLoader(pin_memory=True)'s pinning thread
-        self.buffers = [b.pin_memory() for b in self.buffers]
+        self.buffer = self.buffer.pin_memory()
         return self
 
     def to(self, device: torch.device | str) -> dict[str, torch.Tensor]:
-        bufs = [b.to(device, non_blocking=True) for b in self.buffers]
-        return {n: bufs[b][o:o + math.prod(shape)].view(shape) for n, b, o, shape in self.layout}
+        buffer = self.buffer.to(device, non_blocking=True)
+        return {name: self._view(buffer, dtype, offset, shape) for name, dtype, offset, shape in self.layout}
+
+
+def _byte_buffer(nbytes: int) -> torch.Tensor:
+    if torch.utils.data.get_worker_info() is None:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    # in a loader worker: allocate in shared memory now, as torch's default_collate does, rather than have pickling
+    # copy the batch into a new shared block when it is sent
+    return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes))
 
 
 class Collate:
-    """List of samples -> one packed Batch: tokenised and padded text, stacked tensors, the answer-token count."""
+    """List of samples -> one packed Batch: tokenised and padded text, the cached tensors decoded together, stacked
+    pixels, the answer-token count."""
+
+    # cache member -> {tensor name in the member: batch key}
+    CACHED = {cf.LATENT: {"mean": "latent_mean", "logvar": "latent_logvar"}, cf.SIGLIP: {"features": "siglip"}}
 
     def __init__(self, formatter: ChatFormatter):
         self.formatter = formatter
@@ -243,7 +260,12 @@ class Collate:
     def __call__(self, items: list[dict]) -> Batch:
         batch = collate_text(self.formatter.encode_many([it["text"] for it in items]), self.formatter.pad_id)
         for k in items[0]:
-            if k != "text":
+            if k in self.CACHED:
+                stacked = cf.load_stacked([it[k] for it in items])
+                if missing := self.CACHED[k].keys() - stacked.keys():
+                    raise ValueError(f"cache member {k} holds no tensor {', '.join(sorted(missing))}")
+                batch.update({key: stacked[name] for name, key in self.CACHED[k].items()})
+            elif k != "text":
                 batch[k] = torch.stack([it[k] for it in items])
         return Batch(batch, num_tokens=int((batch["labels"][:, 1:] != IGNORE).sum()))
 
