@@ -67,3 +67,18 @@ def test_load_stacked_matches_safetensors_sample_by_sample():
     other = st_save({"mean": torch.zeros(16, 1, 2, 2), "logvar": torch.zeros(16, 1, 2, 2)})
     with pytest.raises(ValueError, match="different tensors"):
         cf.load_stacked([blobs[0], other])
+
+
+def test_reader_returns_each_member_exactly_whatever_reads_are_merged(tmp_path):
+    samples = _samples(6)
+    sides = [cf.write_shard(tmp_path, i, samples[3 * i:3 * i + 3]) for i in range(2)]
+    cf.write_manifest(tmp_path, sides, fingerprint={}, latent_shape=[16, 1, 4, 4], latent_dtype="float32",
+                      num_errors=0, contents={"images": True})
+    for members in (None, (cf.LATENT,)):
+        for gap in (-1, 0, 512, 1 << 20):  # never merge, ..., one read per sample
+            reader = cf.CacheReader(tmp_path, members=members)
+            reader.READ_GAP = gap
+            for i, (key, expected) in enumerate(samples):
+                want = {k: v for k, v in expected.items() if members is None or k in members + (cf.CAPTION, cf.META)}
+                assert reader.key(i) == key and reader.raw(i) == want
+            reader.close()

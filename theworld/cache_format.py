@@ -350,6 +350,10 @@ class CacheReader:
     _shard: np.ndarray = field(init=False, repr=False)  # (N,) int32: which tar
     _spans: np.ndarray = field(init=False, repr=False)  # (N, len(_names), 2) int64 offset, size; -1: absent
     _files: dict = field(init=False, repr=False, default_factory=dict)
+    _columns: tuple | None = field(init=False, repr=False, default=None)  # (members, what _read_names returns)
+    # Members closer than this are read with one pread, tar headers and skipped members included: a system call
+    # costs more than copying a few kB (docs/performance.md)
+    READ_GAP = 16 << 10
 
     def __post_init__(self) -> None:
         self.cache_dir = Path(self.cache_dir)
@@ -397,15 +401,26 @@ class CacheReader:
         fd = self._files.get(shard)
         if fd is None:
             fd = self._files[shard] = os.open(tar_path(self.cache_dir, shard), os.O_RDONLY)
+        spans = self._spans[index].tolist()
+        wanted = sorted((*spans[i], name) for i, name in self._read_names() if spans[i][0] >= 0)
         out = {}
-        for name, (offset, size) in zip(self._names, self._spans[index].tolist()):
-            if offset >= 0 and (self.members is None or name in self.members or name in (CAPTION, META)):
-                # pread: no shared file offset, so forked DataLoader workers and threads can share the descriptor
-                data = os.pread(fd, size, offset)
-                if len(data) != size:
-                    raise OSError(f"{tar_path(self.cache_dir, shard)}: member {name} of {self.key(index)} is truncated")
-                out[name] = data
+        for run in _runs(wanted, self.READ_GAP):
+            lo, hi = run[0][0], run[-1][0] + run[-1][1]
+            # pread: no shared file offset, so forked DataLoader workers and threads can share the descriptor
+            data = os.pread(fd, hi - lo, lo)
+            if len(data) != hi - lo:
+                raise OSError(f"{tar_path(self.cache_dir, shard)}: sample {self.key(index)} is truncated")
+            for offset, size, name in run:
+                out[name] = data[offset - lo:offset - lo + size]
         return out
+
+    def _read_names(self) -> list[tuple[int, str]]:
+        """(column, name) of the members `raw` reads, for the current `members`."""
+        if self._columns is None or self._columns[0] != self.members:
+            names = [(i, n) for i, n in enumerate(self._names)
+                     if self.members is None or n in self.members or n in (CAPTION, META)]
+            self._columns = (self.members, names)
+        return self._columns[1]
 
     def __getitem__(self, index: int) -> Sample:
         return decode_sample(self.key(index), self.raw(index))
@@ -414,6 +429,17 @@ class CacheReader:
         for fd in self._files.values():
             os.close(fd)
         self._files.clear()
+
+
+def _runs(spans: list[tuple[int, int, str]], gap: int) -> list[list[tuple[int, int, str]]]:
+    """(offset, size, name) sorted by offset -> runs in which each member starts within `gap` of the previous end."""
+    runs: list[list[tuple[int, int, str]]] = []
+    for span in spans:
+        if runs and span[0] - (runs[-1][-1][0] + runs[-1][-1][1]) <= gap:
+            runs[-1].append(span)
+        else:
+            runs.append([span])
+    return runs
 
 
 def read_errors(cache_dir: Path | str) -> list[dict]:
