@@ -31,6 +31,22 @@ def test_train_bench_smoke(tmp_path):
               "loader_samples_per_s", "loader_vs_training", "rss_mb_epoch1_start", "rss_mb_epoch2_end")
     assert row["world_tokens"] == 64 and row["steps_per_block"] == 2 and row["rounds"] == 2
     assert len(row["data_overhead_round_quartiles"]) == 3 and all(r > 0 for r in row["data_overhead_round_quartiles"])
+    lo, hi = row["data_overhead_ci95"]
+    assert 0 < lo <= row["data_overhead"] <= hi
+
+
+def test_data_overhead_interval_brackets_the_true_ratio():
+    import numpy as np
+
+    from train.bench import _ratio_ci95
+
+    staged = list(np.linspace(0.1, 0.2, 50))
+    assert _ratio_ci95([1.1 * t for t in staged], staged) == [1.1, 1.1]  # no noise: no width
+    rng = np.random.default_rng(1)
+    noisy_staged = 0.1 * (1 + 0.07 * rng.standard_normal(400))
+    noisy_fed = 0.104 * (1 + 0.07 * rng.standard_normal(400))
+    lo, hi = _ratio_ci95(list(noisy_fed), list(noisy_staged))
+    assert lo < 1.04 < hi and hi - lo < 0.03
 
 
 def test_precompute_bench_smoke(tmp_path):

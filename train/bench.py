@@ -1,10 +1,12 @@
 """Training benchmark: is everything but the model's own compute close to free?
 
-    python -m train.bench [--json] [--cases tiny,heavy] [--steps 1] [--rounds 40] [--threads N]
+    python -m train.bench [--json] [--cases tiny,heavy] [--steps 1] [--rounds N] [--threads N]
 
 Per case, all measured side by side in one run, on the same batches:
   data_overhead         steady-state step time fed by the real cache loader (workers, collation, copies) / step
-                        time on the same batches already staged in memory. Target <= 1.05.
+                        time on the same batches already staged in memory. Target <= 1.05. Single steps,
+                        staged and fed alternately, on one loader; data_overhead_ci95 is a bootstrap interval
+                        over those pairs (this VM's steps scatter, so one ratio means little without it).
   cache_speedup         step time with live VAE + SigLIP encoding (frozen, as the reference run did) / step time
                         from the cache, same model, both on staged batches.
   loader_samples_per_s  the cache loader alone, and how many times faster it is than training consumes samples.
@@ -24,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
 import torch
 
@@ -39,9 +42,10 @@ HEAVY = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_a
              num_key_value_heads=2, head_dim=64, sliding_window=512)
 CASES = {
     # name: (gemma, resolution, samples, global batch, micro batch, loader workers: one is 8-120x faster than
-    # training needs here, and every extra process takes CPU from the 2-core training threads)
-    "tiny": ("tiny", 64, 2048, 32, 32, 1),  # 64 world tokens, the embedded demo's model
-    "heavy": ("heavy", 128, 768, 16, 16, 1),  # 256 world tokens, 4 layers of hidden 256
+    # training needs here, and every extra process takes CPU from the 2-core training threads; rounds: a single
+    # step on this VM scatters +-7%, so the tiny case takes 150 pairs to pin its mean ratio to about +-1%)
+    "tiny": ("tiny", 64, 5120, 32, 32, 1, 150),  # 64 world tokens, the embedded demo's model
+    "heavy": ("heavy", 128, 768, 16, 16, 1, 40),  # 256 world tokens, 4 layers of hidden 256
 }
 
 
@@ -105,9 +109,19 @@ def _mean(xs: list[float]) -> float:
     return statistics.fmean(xs)
 
 
+def _ratio_ci95(fed: list[float], staged: list[float], resamples: int = 2000) -> list[float]:
+    """95% bootstrap interval of mean(fed) / mean(staged), resampling whole rounds (a round's two sides together)."""
+    fed_r, staged_r = np.asarray(fed), np.asarray(staged)
+    rounds = len(fed_r)
+    pick = np.random.default_rng(0).integers(0, rounds, size=(resamples, rounds))
+    ratios = fed_r[pick].mean(axis=1) / staged_r[pick].mean(axis=1)
+    return [round(float(q), 3) for q in np.quantile(ratios, [0.025, 0.975])]
+
+
 def bench_case(case: str, steps: int = 1, warmup: int = 3, samples: int | None = None, root: Path = BENCH_ROOT,
-               rounds: int = 40) -> dict:
-    gemma_name, res, default_samples, gbs, mbs, workers = CASES[case]
+               rounds: int | None = None) -> dict:
+    gemma_name, res, default_samples, gbs, mbs, workers, default_rounds = CASES[case]
+    rounds = rounds or default_rounds
     gemma = _gemma_path(gemma_name)
     cache = _ensure_cache(root, case, gemma, res, samples or default_samples)
     with tempfile.TemporaryDirectory() as out:
@@ -134,12 +148,14 @@ def bench_case(case: str, steps: int = 1, warmup: int = 3, samples: int | None =
         it = iter(data.build_train_loader(cfg, ctx, 0, 1, epoch=0))
         _fed_steps(c, state, it, warmup, accum)  # worker start, allocator and kernel caches: not steady state
         _steps(c, state, staged[: warmup * accum], accum)
-        t_staged, t_fed, ratios = [], [], []
+        t_staged, t_fed, ratios, round_staged, round_fed = [], [], [], [], []
         for r in range(rounds):
             lo = (warmup + r * steps) * accum
             t_staged += (a := _steps(c, state, staged[lo:lo + steps * accum], accum))
             t_fed += (b := _fed_steps(c, state, it, steps, accum))
             ratios.append(round(_mean(b) / _mean(a), 3))
+            round_staged.append(_mean(a))
+            round_fed.append(_mean(b))
         del it
         step_s = _mean(t_staged)
         # live path, same model and samples: frozen VAE and SigLIP run inside every step
@@ -157,6 +173,7 @@ def bench_case(case: str, steps: int = 1, warmup: int = 3, samples: int | None =
         "threads": torch.get_num_threads(), "steps_per_block": steps, "rounds": rounds,
         "step_ms_staged": round(1000 * step_s, 2), "step_ms_fed": round(1000 * _mean(t_fed), 2),
         "data_overhead": round(_mean(t_fed) / step_s, 3),
+        "data_overhead_ci95": _ratio_ci95(round_fed, round_staged),
         "data_overhead_round_quartiles": [round(q, 3) for q in statistics.quantiles(ratios, n=4)],
         "step_ms_live_encoding": round(1000 * _mean(t_live), 2),
         "cache_speedup": round(_mean(t_live) / step_s, 2),
@@ -193,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", default="tiny,heavy")
     p.add_argument("--steps", type=int, default=1, help="timed steps per block")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before the first block")
-    p.add_argument("--rounds", type=int, default=40, help="staged/fed block pairs for data_overhead")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="staged/fed block pairs for data_overhead (default: per case, tiny 150, heavy 40)")
     p.add_argument("--samples", type=int, default=None, help="cache size (default: per case)")
     p.add_argument("--root", default=str(BENCH_ROOT), help="where the bench caches are kept")
     p.add_argument("--threads", type=int, default=0,
