@@ -1,6 +1,6 @@
 """Training benchmark: is everything but the model's own compute close to free?
 
-    python -m train.bench [--json] [--cases tiny,heavy] [--steps 1] [--rounds N] [--threads N]
+    python -m train.bench [--json] [--cases tiny,heavy] [--steps 1] [--rounds N] [--threads N] [--workers N]
 
 Per case, all measured side by side in one run, on the same batches:
   data_overhead         steady-state step time fed by the real cache loader (workers, collation, copies) / step
@@ -119,9 +119,10 @@ def _ratio_ci95(fed: list[float], staged: list[float], resamples: int = 2000) ->
 
 
 def bench_case(case: str, steps: int = 1, warmup: int = 3, samples: int | None = None, root: Path = BENCH_ROOT,
-               rounds: int | None = None) -> dict:
-    gemma_name, res, default_samples, gbs, mbs, workers, default_rounds = CASES[case]
+               rounds: int | None = None, workers: int | None = None) -> dict:
+    gemma_name, res, default_samples, gbs, mbs, default_workers, default_rounds = CASES[case]
     rounds = rounds or default_rounds
+    workers = default_workers if workers is None else workers
     gemma = _gemma_path(gemma_name)
     cache = _ensure_cache(root, case, gemma, res, samples or default_samples)
     with tempfile.TemporaryDirectory() as out:
@@ -213,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=None,
                    help="staged/fed block pairs for data_overhead (default: per case, tiny 150, heavy 40)")
     p.add_argument("--samples", type=int, default=None, help="cache size (default: per case)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="loader worker processes (train.num_workers; default: per case, 1; 0 loads in the training "
+                        "process, between steps)")
     p.add_argument("--root", default=str(BENCH_ROOT), help="where the bench caches are kept")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads of the training step (train.cpu_threads; 0: torch's default). The loader worker "
@@ -226,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         if case not in CASES:
             print(f"error: unknown case {case!r} (known: {', '.join(CASES)})", file=sys.stderr)
             return 2
-        rows.append(bench_case(case, args.steps, args.warmup, args.samples, Path(args.root), args.rounds))
+        rows.append(bench_case(case, args.steps, args.warmup, args.samples, Path(args.root), args.rounds,
+                               args.workers))
         if not args.json:
             print(json.dumps(rows[-1]), flush=True)
     if args.json:
