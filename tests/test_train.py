@@ -305,3 +305,29 @@ def test_packed_batch_round_trips_every_tensor_through_a_loader_worker():
         assert out.keys() == tensors.keys() and b.num_tokens == 11
         for k, t in tensors.items():
             assert out[k].dtype == t.dtype and out[k].shape == t.shape and torch.equal(out[k], t)
+
+
+def test_flipped_samples_get_the_flipped_latents_and_swapped_text(cache, tmp_path):
+    """A batch mixing flipped and unflipped samples: each row holds the cache's latents for its own flip decision."""
+    from theworld import cache_format as cf
+    from theworld.config import load_config
+    from train import data, optim
+    from train.config import TrainConfig
+
+    cfg = load_config(TrainConfig, None, [a for a in base_args(cache, tmp_path / "run") if a != "--set"]
+                      + ["train.flip=true", "train.micro_batch_size=16"])
+    reader, plan = data.open_cache(cfg)
+    c = optim.build(cfg, optim.make_accelerator(cfg), 1)
+    ctx = data.DataContext.build(cfg, reader, plan, c.processor)
+    ds = ctx.dataset(cfg, ctx.train_indices[:16], epoch=3)
+    batch = data.Collate(ctx.formatter)([ds[i] for i in range(16)]).to("cpu")
+    flips = [data.flip_of(cfg.seed, 3, i) for i in ds.indices]
+    assert any(flips) and not all(flips)
+    for row, (index, flipped) in enumerate(zip(ds.indices, flips)):
+        s = cf.decode_sample(reader.key(index), cf.CacheReader(cache).raw(index))
+        mean, logvar = (s.flip_mean, s.flip_logvar) if flipped else (s.mean, s.logvar)
+        assert torch.equal(batch["latent_mean"][row], mean) and torch.equal(batch["latent_logvar"][row], logvar)
+        caption = data.swap_left_right(s.caption) if flipped else s.caption
+        prompt = data.swap_left_right(s.prompt) if flipped else s.prompt
+        expected = ctx.formatter.encode(prompt, caption).input_ids
+        assert batch["input_ids"][row, :len(expected)].tolist() == expected
