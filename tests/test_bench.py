@@ -31,6 +31,7 @@ def test_train_bench_smoke(tmp_path):
               "loader_samples_per_s", "loader_vs_training", "rss_mb_epoch1_start", "rss_mb_epoch2_end")
     assert row["world_tokens"] == 64 and row["steps_per_block"] == 2 and row["rounds"] == 2
     assert len(row["data_overhead_round_quartiles"]) == 3 and all(r > 0 for r in row["data_overhead_round_quartiles"])
+    assert 0 <= row["padding_fraction"] < 0.5
     lo, hi = row["data_overhead_ci95"]
     assert 0 < lo <= row["data_overhead"] <= hi
 

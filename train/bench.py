@@ -12,6 +12,8 @@ Per case, all measured side by side in one run, on the same batches:
   loader_samples_per_s  the cache loader alone, and how many times faster it is than training consumes samples.
   rss_mb                memory (PSS of the main process + loader workers) early in an epoch and at its last batch,
                         for two epochs: it must not grow with the number of samples read.
+  padding_fraction      padding positions / positions the model computes (world tokens + text) over an epoch: the
+                        most that length-aware batching could save.
 Caches are built once with the precompute CLI (train/ does not import precompute/) under cache/bench/.
 """
 from __future__ import annotations
@@ -167,9 +169,10 @@ def bench_case(case: str, steps: int = 1, warmup: int = 3, samples: int | None =
                                     ctx.eval_indices)
         live = list(data.build_train_loader(cfg, live_ctx, 0, 1, epoch=0))[: (warmup + steps) * accum]
         t_live = _steps(c, state, live, accum)[warmup:]
-        loader = _loader_and_memory(cfg, ctx)
+        world_tokens = (res // 8 // cfg.world.pool) ** 2  # the Wan VAE downsamples by 8
+        loader = _loader_and_memory(cfg, ctx, world_tokens)
     return {
-        "case": case, "world_tokens": (res // 8) ** 2, "hidden": c.raw.gemma.config.text_config.hidden_size,
+        "case": case, "world_tokens": world_tokens, "hidden": c.raw.gemma.config.text_config.hidden_size,
         "layers": c.raw.gemma.config.text_config.num_hidden_layers, "global_batch": gbs, "workers": workers,
         "threads": torch.get_num_threads(), "steps_per_block": steps, "rounds": rounds,
         "step_ms_staged": round(1000 * step_s, 2), "step_ms_fed": round(1000 * _mean(t_fed), 2),
@@ -184,9 +187,10 @@ def bench_case(case: str, steps: int = 1, warmup: int = 3, samples: int | None =
     }
 
 
-def _loader_and_memory(cfg, ctx) -> dict:
-    """The loader alone over two full epochs: samples/s, and RSS early in each epoch and at its end."""
-    rss, seen, t_total = [], 0, 0.0
+def _loader_and_memory(cfg, ctx, world_tokens: int) -> dict:
+    """The loader alone over two full epochs: samples/s, RSS early in each epoch and at its end, and the share of
+    the positions the model computes that are padding (the most length-aware batching could save)."""
+    rss, seen, t_total, pad, computed = [], 0, 0.0, 0, 0
     for epoch in range(2):
         loader = data.build_train_loader(cfg, ctx, 0, 1, epoch=epoch)
         it = iter(loader)
@@ -197,12 +201,16 @@ def _loader_and_memory(cfg, ctx) -> dict:
             seen += batch.size
             if i in (1, last):
                 rss.append(_rss_mb())
+            if epoch == 0:
+                mask = batch.to("cpu")["attention_mask"]
+                pad += int(mask.numel() - mask.sum())
+                computed += mask.numel() + len(mask) * world_tokens
         t_total += time.perf_counter() - t
         del it, loader
     return {"loader_samples_per_s": round(seen / t_total, 1),
             "rss_mb_epoch1_start": round(rss[0]), "rss_mb_epoch1_end": round(rss[1]),
             "rss_mb_epoch2_start": round(rss[2]), "rss_mb_epoch2_end": round(rss[3]),
-            "rss_growth_mb": round(rss[3] - rss[0], 1)}
+            "rss_growth_mb": round(rss[3] - rss[0], 1), "padding_fraction": round(pad / computed, 4)}
 
 
 def main(argv: list[str] | None = None) -> int:
