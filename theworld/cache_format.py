@@ -141,8 +141,8 @@ def load_stacked(blobs: list[bytes]) -> dict[str, torch.Tensor]:
 
     The samples of a cache share that member's safetensors header byte for byte (same names, dtypes and shapes, and
     `st_save` is deterministic), so the header is parsed once and every sample's data is sliced at the same offsets:
-    one copy for the whole batch instead of a parse, a tensor and a stack per sample, the largest CPU cost of a
-    loader worker (docs/performance.md). Blobs whose headers differ go through safetensors one by one.
+    one copy for the whole batch instead of a parse, a tensor and a stack per sample, which were a loader worker's
+    largest CPU cost (docs/performance.md). Blobs whose headers differ go through safetensors one by one.
     """
     first = blobs[0]
     start = 8 + int.from_bytes(first[:8], "little")  # safetensors: u64 header size, JSON header, then the data
@@ -158,6 +158,8 @@ def load_stacked(blobs: list[bytes]) -> dict[str, torch.Tensor]:
 def _stackable_layout(header: bytes, data_size: int) -> dict | None:
     """{name: (dtype, shape, first byte, end byte)} when every tensor can be a view of a (samples, data_size) byte
     matrix: little-endian host, a dtype we map, offsets on element boundaries. None: decode one by one."""
+    if sys.byteorder != "little":  # safetensors data is little-endian
+        return None
     try:
         meta = json.loads(header[8:])
         layout = {name: (_ST_DTYPES[v["dtype"]], tuple(v["shape"]), *v["data_offsets"])
@@ -166,7 +168,7 @@ def _stackable_layout(header: bytes, data_size: int) -> dict | None:
         return None
     for dtype, _, lo, hi in layout.values():
         size = dtype.itemsize
-        if sys.byteorder != "little" or lo % size or hi % size or data_size % size or hi > data_size or hi <= lo:
+        if lo % size or hi % size or data_size % size or hi > data_size or hi <= lo:
             return None
     return layout
 
