@@ -254,6 +254,23 @@ def test_stage_chain_1_2_4(cache, tmp_path, capsys):
 # Non-finite steps
 
 
+def test_a_slow_loader_shows_as_data_wait(cache, tmp_path, monkeypatch, capsys):
+    from train import data
+
+    slow = data.CacheDataset.__getitem__
+
+    def getitem(self, pos):
+        time.sleep(0.05)
+        return slow(self, pos)
+
+    monkeypatch.setattr(data.CacheDataset, "__getitem__", getitem)  # num_workers=0: loading runs in this process
+    assert train_inproc(base_args(cache, tmp_path / "run", steps=2)) == 0
+    waits = [m["data_wait"] for m in metrics(tmp_path / "run") if "loss" in m]
+    assert len(waits) == 2 and all(0.5 < w <= 1 for w in waits), waits  # 16 samples x 50 ms a step
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "waiting for data" in ln)
+    assert float(line.split("waiting for data ")[1].split(" ms/step")[0]) >= 800, line
+
+
 def test_nonfinite_loss_is_skipped_and_counted(cache, tmp_path):
     from theworld.config import load_config
     from train import data, optim

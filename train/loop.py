@@ -78,15 +78,18 @@ def main(argv: list[str] | None = None) -> int:
 
     if state.step == 0 and cfg.train.eval_every:
         run_eval()
-    steps_run, train_time, window, t_log = 0, 0.0, [], time.perf_counter()
+    # time in optimization_step and time waiting for the loader, for the run and for the current log window
+    steps_run, train_time, data_time, window, window_wait, t_log = 0, 0.0, 0.0, [], 0.0, time.perf_counter()
     try:
         while state.step < cfg.train.max_steps:
             epoch, start = divmod(state.step, per_epoch)
             batches = iter(data.build_train_loader(cfg, ctx, acc.process_index, acc.num_processes, epoch, start))
             for _ in range(start, min(per_epoch, start + cfg.train.max_steps - state.step)):
+                t_data = time.perf_counter()
                 micro = [next(batches) for _ in range(accum)]
                 prof.before(state.step)
                 t0 = time.perf_counter()
+                data_time, window_wait = data_time + t0 - t_data, window_wait + t0 - t_data
                 out = optimization_step(c, state, micro)
                 train_time += time.perf_counter() - t0
                 steps_run += 1
@@ -102,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
                     m.log({"step": state.step, "loss": sum(ok) / len(ok) if ok else float("nan"), "lr": out["lr"],
                            "grad_norm": out["grad_norm"], "samples_per_s": len(window) *
                            cfg.train.global_batch_size / (now - t_log), "skipped": len(window) - len(ok),
-                           "nonfinite_total": state.nonfinite_steps, "epoch": epoch})
-                    window, t_log = [], now
+                           "nonfinite_total": state.nonfinite_steps, "epoch": epoch,
+                           "data_wait": window_wait / (now - t_log)})
+                    window, window_wait, t_log = [], 0.0, now
                 if cfg.train.eval_every and state.step % cfg.train.eval_every == 0:
                     run_eval()
                 if state.step % cfg.train.save_every == 0:
@@ -120,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         final = checkpoint.export_final(c, state, to_yaml(cfg), cfg.output_dir)
     m.close()
     if acc.is_main_process:
-        print(f"final weights: {final}\n" + summary(state, time.time() - t_start, steps_run, train_time))
+        print(f"final weights: {final}\n" + summary(state, time.time() - t_start, steps_run, train_time, data_time))
     return 0
 
 

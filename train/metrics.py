@@ -102,10 +102,11 @@ class ProfileWindow:
             self.prof = None
 
 
-def summary(state, elapsed: float, steps_run: int, train_time: float) -> str:
+def summary(state, elapsed: float, steps_run: int, train_time: float, data_time: float) -> str:
     ev = state.last_eval or {}
     lines = [f"steps {state.step} ({steps_run} this run) in {elapsed:.1f}s"
-             + (f", {1000 * train_time / steps_run:.1f} ms/step" if steps_run else "")]
+             + (f", {1000 * train_time / steps_run:.1f} ms/step, waiting for data {1000 * data_time / steps_run:.1f} "
+                f"ms/step" if steps_run else "")]
     if state.first_loss is not None:
         lines.append(f"train loss: first {state.first_loss:.4f} -> last {state.last_loss:.4f}")
     if ev:
