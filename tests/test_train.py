@@ -302,10 +302,14 @@ def test_nonfinite_loss_is_skipped_and_counted(cache, tmp_path):
     assert state.nonfinite_steps == 3
 
 
-def test_packed_batch_round_trips_every_tensor_through_a_loader_worker():
+@pytest.mark.parametrize("private_api", [True, False])
+def test_packed_batch_round_trips_every_tensor_through_a_loader_worker(private_api, monkeypatch):
     from torch.utils.data import DataLoader
 
     from train import data
+
+    if not private_api:  # the shared-memory allocation must not depend on torch's private helper
+        monkeypatch.setattr(torch.UntypedStorage, "_new_shared", None, raising=False)
 
     g = torch.Generator().manual_seed(0)
     tensors = {"input_ids": torch.randint(0, 100, (3, 7), generator=g), "labels": torch.randint(0, 100, (3, 7), generator=g),

@@ -244,7 +244,10 @@ def _byte_buffer(nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
     # in a loader worker: allocate in shared memory now, as torch's default_collate does, rather than have pickling
     # copy the batch into a new shared block when it is sent
-    return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes))
+    new_shared = getattr(torch.UntypedStorage, "_new_shared", None)  # private: keep working if it goes
+    if new_shared is None:
+        return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+    return torch.empty(0, dtype=torch.uint8).set_(new_shared(nbytes))
 
 
 class Collate:
