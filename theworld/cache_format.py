@@ -352,7 +352,6 @@ class CacheReader:
     _shard: np.ndarray = field(init=False, repr=False)  # (N,) int32: which tar
     _spans: np.ndarray = field(init=False, repr=False)  # (N, len(_names), 2) int64 offset, size; -1: absent
     _files: dict = field(init=False, repr=False, default_factory=dict)
-    _columns: tuple | None = field(init=False, repr=False, default=None)  # (members, what _read_names returns)
     # Members closer than this are read with one pread, tar headers and skipped members included: a system call
     # costs more than copying a few kB (docs/performance.md)
     READ_GAP = 16 << 10
@@ -404,7 +403,8 @@ class CacheReader:
         if fd is None:
             fd = self._files[shard] = os.open(tar_path(self.cache_dir, shard), os.O_RDONLY)
         spans = self._spans[index].tolist()
-        wanted = sorted((*spans[i], name) for i, name in self._read_names() if spans[i][0] >= 0)
+        wanted = sorted((*span, name) for name, span in zip(self._names, spans)
+                        if span[0] >= 0 and (self.members is None or name in self.members or name in (CAPTION, META)))
         out = {}
         for run in _runs(wanted, self.READ_GAP):
             lo, hi = run[0][0], run[-1][0] + run[-1][1]
@@ -415,14 +415,6 @@ class CacheReader:
             for offset, size, name in run:
                 out[name] = data[offset - lo:offset - lo + size]
         return out
-
-    def _read_names(self) -> list[tuple[int, str]]:
-        """(column, name) of the members `raw` reads, for the current `members`."""
-        if self._columns is None or self._columns[0] != self.members:
-            names = [(i, n) for i, n in enumerate(self._names)
-                     if self.members is None or n in self.members or n in (CAPTION, META)]
-            self._columns = (self.members, names)
-        return self._columns[1]
 
     def __getitem__(self, index: int) -> Sample:
         return decode_sample(self.key(index), self.raw(index))

@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if state.step == 0 and cfg.train.eval_every:
         run_eval()
-    # time in optimization_step and time waiting for the loader, for the run and for the current log window
-    steps_run, train_time, data_time, window, window_wait, t_log = 0, 0.0, 0.0, [], 0.0, time.perf_counter()
+    # seconds in optimization_step and waiting for the loader over this run; window: the steps since the last log
+    steps_run, train_time, data_time, window, t_log = 0, 0.0, 0.0, [], time.perf_counter()
     try:
         while state.step < cfg.train.max_steps:
             epoch, start = divmod(state.step, per_epoch)
@@ -89,13 +89,13 @@ def main(argv: list[str] | None = None) -> int:
                 micro = [next(batches) for _ in range(accum)]
                 prof.before(state.step)
                 t0 = time.perf_counter()
-                data_time, window_wait = data_time + t0 - t_data, window_wait + t0 - t_data
+                data_time += t0 - t_data
                 out = optimization_step(c, state, micro)
                 train_time += time.perf_counter() - t0
                 steps_run += 1
                 prof.after(state.step)
                 m.advance()
-                window.append(out)
+                window.append({**out, "data_wait_s": t0 - t_data})
                 if cfg.train.grad_norm_warn and out["grad_norm"] > cfg.train.grad_norm_warn:
                     m.message(f"warning: step {state.step}: gradient norm {out['grad_norm']:.1f} "
                               f"> train.grad_norm_warn {cfg.train.grad_norm_warn}")
@@ -106,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
                            "grad_norm": out["grad_norm"], "samples_per_s": len(window) *
                            cfg.train.global_batch_size / (now - t_log), "skipped": len(window) - len(ok),
                            "nonfinite_total": state.nonfinite_steps, "epoch": epoch,
-                           "data_wait": window_wait / (now - t_log)})
-                    window, window_wait, t_log = [], 0.0, now
+                           "data_wait": sum(w["data_wait_s"] for w in window) / (now - t_log)})
+                    window, t_log = [], now
                 if cfg.train.eval_every and state.step % cfg.train.eval_every == 0:
                     run_eval()
                 if state.step % cfg.train.save_every == 0:
