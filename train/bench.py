@@ -12,7 +12,7 @@ Per case, all measured side by side in one run, on the same batches:
   loader_samples_per_s  the cache loader alone, and how many times faster it is than training consumes samples.
   rss_mb                memory (PSS of the main process + loader workers) early in an epoch and at its last batch,
                         for two epochs: it must not grow with the number of samples read.
-  padding_fraction      padding positions / positions the model computes (world tokens + text) over an epoch: the
+  padding_fraction      padding positions / positions the model computes (world + text) over an epoch: the
                         most that length-aware batching could save.
 Caches are built once with the precompute CLI (train/ does not import precompute/) under cache/bench/.
 """
@@ -151,16 +151,14 @@ def bench_case(case: str, steps: int = 1, warmup: int = 3, samples: int | None =
         it = iter(data.build_train_loader(cfg, ctx, 0, 1, epoch=0))
         _fed_steps(c, state, it, warmup, accum)  # worker start, allocator and kernel caches: not steady state
         _steps(c, state, staged[: warmup * accum], accum)
-        t_staged, t_fed, ratios, round_staged, round_fed = [], [], [], [], []
+        round_staged, round_fed = [], []  # mean step seconds of each round's two blocks (all of `steps` steps)
         for r in range(rounds):
             lo = (warmup + r * steps) * accum
-            t_staged += (a := _steps(c, state, staged[lo:lo + steps * accum], accum))
-            t_fed += (b := _fed_steps(c, state, it, steps, accum))
-            ratios.append(round(_mean(b) / _mean(a), 3))
-            round_staged.append(_mean(a))
-            round_fed.append(_mean(b))
+            round_staged.append(_mean(_steps(c, state, staged[lo:lo + steps * accum], accum)))
+            round_fed.append(_mean(_fed_steps(c, state, it, steps, accum)))
         del it
-        step_s = _mean(t_staged)
+        step_s, fed_s = _mean(round_staged), _mean(round_fed)
+        ratios = [f / s for f, s in zip(round_fed, round_staged)]
         # live path, same model and samples: frozen VAE and SigLIP run inside every step
         live_plan = data.InputPlan(cached_latents=False, cached_siglip=False, flip=False,
                                    members=tuple(sorted(cf.IMAGE_EXTS)))
@@ -169,14 +167,15 @@ def bench_case(case: str, steps: int = 1, warmup: int = 3, samples: int | None =
                                     ctx.eval_indices)
         live = list(data.build_train_loader(cfg, live_ctx, 0, 1, epoch=0))[: (warmup + steps) * accum]
         t_live = _steps(c, state, live, accum)[warmup:]
-        world_tokens = (res // 8 // cfg.world.pool) ** 2  # the Wan VAE downsamples by 8
-        loader = _loader_and_memory(cfg, ctx, world_tokens)
+        # positions the model computes for the world: its tokens and the two markers around them
+        world_positions = c.raw.projector.num_tokens(*reader.manifest["latent_shape"][-2:])
+        loader = _loader_and_memory(cfg, ctx, world_positions)
     return {
-        "case": case, "world_tokens": world_tokens, "hidden": c.raw.gemma.config.text_config.hidden_size,
+        "case": case, "world_tokens": world_positions - 2, "hidden": c.raw.gemma.config.text_config.hidden_size,
         "layers": c.raw.gemma.config.text_config.num_hidden_layers, "global_batch": gbs, "workers": workers,
         "threads": torch.get_num_threads(), "steps_per_block": steps, "rounds": rounds,
-        "step_ms_staged": round(1000 * step_s, 2), "step_ms_fed": round(1000 * _mean(t_fed), 2),
-        "data_overhead": round(_mean(t_fed) / step_s, 3),
+        "step_ms_staged": round(1000 * step_s, 2), "step_ms_fed": round(1000 * fed_s, 2),
+        "data_overhead": round(fed_s / step_s, 3),
         "data_overhead_ci95": _ratio_ci95(round_fed, round_staged),
         "data_overhead_round_quartiles": [round(q, 3) for q in statistics.quantiles(ratios, n=4)],
         "step_ms_live_encoding": round(1000 * _mean(t_live), 2),
@@ -187,7 +186,7 @@ def bench_case(case: str, steps: int = 1, warmup: int = 3, samples: int | None =
     }
 
 
-def _loader_and_memory(cfg, ctx, world_tokens: int) -> dict:
+def _loader_and_memory(cfg, ctx, world_positions: int) -> dict:
     """The loader alone over two full epochs: samples/s, RSS early in each epoch and at its end, and the share of
     the positions the model computes that are padding (the most length-aware batching could save)."""
     rss, seen, t_total, pad, computed = [], 0, 0.0, 0, 0
@@ -204,7 +203,7 @@ def _loader_and_memory(cfg, ctx, world_tokens: int) -> dict:
             if epoch == 0:
                 mask = batch.to("cpu")["attention_mask"]
                 pad += int(mask.numel() - mask.sum())
-                computed += mask.numel() + len(mask) * world_tokens
+                computed += mask.numel() + len(mask) * world_positions
         t_total += time.perf_counter() - t
         del it, loader
     return {"loader_samples_per_s": round(seen / t_total, 1),

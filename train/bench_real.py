@@ -5,7 +5,8 @@
 Random weights are fine for speed. Rows: stage-1 steps (projector trains; frozen bf16 Gemma; cached latents and
 SigLIP features staged on the GPU) at world.pool 1 and 2, with and without gradient checkpointing, eager and with
 compiled decoder layers (train.compile), for each micro-batch size: samples/s, peak memory, and MFU against the
-language model's forward + activation-backward FLOPs; and precompute images/s of the VAE encoder at 512 px in bf16. `--sizes tiny` runs the same code at toy sizes (CPU smoke test; no MFU there).
+language model's forward + activation-backward FLOPs; and precompute images/s of the VAE encoder at 512 px in bf16.
+`--sizes tiny` runs the same code at toy sizes (CPU smoke test; no MFU there).
 """
 from __future__ import annotations
 
