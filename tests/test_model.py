@@ -174,9 +174,24 @@ def test_every_freeze_combination_trains_exactly_the_expected_parts(tiny, vision
         if not vae:
             expect_prefixes += ["world_encoder.vae."]
         for name, p in model.named_parameters():
-            assert p.requires_grad == name.startswith(tuple(expect_prefixes)), name
+            on_path = not TheWorld.OFF_PATH.match(name)
+            assert p.requires_grad == (name.startswith(tuple(expect_prefixes)) and on_path), name
     finally:
         model.set_freeze(FreezeConfig())
+
+
+def test_every_trainable_parameter_gets_a_gradient():
+    """DDP fails on a parameter that trains but gets no gradient: with everything unfrozen and every input live, the
+    parameters that train are exactly those the loss reaches."""
+    model, processor = build(freeze=FreezeConfig(vision=False, language=False, vae=False))
+    batch, pixels, _, _, _ = batch_for(model, processor)
+    pixel_values = processor.image_processor(images=list(pixels), return_tensors="pt")["pixel_values"]
+    model(**batch, images=pixels, pixel_values=pixel_values).loss.backward()
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    reached = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert trainable == reached
+    assert any(n.startswith("world_encoder.vae.encoder.") for n in trainable)
+    assert any(n.startswith("gemma.model.vision_tower.") for n in trainable)
 
 
 def test_trainable_save_load_round_trip_is_exact(tmp_path):

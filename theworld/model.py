@@ -6,6 +6,7 @@ number of them and rows are right-padded, so inserting them is one concatenation
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +79,12 @@ class TheWorld(nn.Module):
         self.set_freeze(freeze or FreezeConfig())
         return self, processor
 
+    # Parameters of an unfrozen part that a one-image forward never reaches: the vision tower's pooling head (Gemma
+    # uses the patch tokens), the VAE's decoder side, and the encoder's temporal downsampling (a one-frame video skips
+    # it). They would get no gradient, which multi-process (DDP) training refuses, so they stay frozen.
+    OFF_PATH = re.compile(r"^gemma\.model\.vision_tower\.(.+\.)?head\.|^world_encoder\.vae\.(decoder|post_quant_conv)\."
+                          r"|^world_encoder\.vae\.encoder\..*\.time_conv\.")
+
     def set_freeze(self, freeze: FreezeConfig) -> None:
         inner = self.gemma.model
         parts = {"vision": [inner.vision_tower, inner.multi_modal_projector],
@@ -88,6 +95,9 @@ class TheWorld(nn.Module):
         for name, modules in parts.items():
             for m in modules:
                 m.requires_grad_(not getattr(freeze, name))
+        for name, p in self.named_parameters():
+            if self.OFF_PATH.match(name):
+                p.requires_grad_(False)
         self.projector.requires_grad_(True)
 
     def cast_trainable_to_fp32(self) -> None:

@@ -23,12 +23,6 @@ def make_accelerator(cfg):
 def build_model(cfg) -> tuple[TheWorld, object]:
     """TheWorld in train mode, freeze flags applied, trainable weights in fp32, checkpointing as configured."""
     model, processor = TheWorld.from_config(cfg.model, cfg.world, cfg.freeze, seed=cfg.seed)
-    if not cfg.freeze.vae:  # only the encoder side is on TheWorld's path: a trainable decoder would get no gradient
-        vae = model.world_encoder.vae
-        for name in ("decoder", "post_quant_conv"):
-            part = getattr(vae, name, None)
-            if isinstance(part, torch.nn.Module):
-                part.requires_grad_(False)
     model.cast_trainable_to_fp32()
     model.gradient_checkpointing(cfg.train.gradient_checkpointing)
     if cfg.train.compile:
