@@ -84,7 +84,7 @@ def _trainable_names(c) -> list[str]:
 
 
 def _ema_writer(c):
-    return lambda p: save_file({n: t.contiguous() for n, t in zip(_trainable_names(c), c.ema)}, str(p))
+    return lambda p: save_file({n: t.cpu().contiguous() for n, t in zip(_trainable_names(c), c.ema)}, str(p))
 
 
 def _publish(out: Path, name: str, files: dict) -> Path:

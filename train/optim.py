@@ -86,6 +86,7 @@ def build(cfg, accelerator, accum: int, init_from: Callable[[TheWorld], None] | 
         init_from(model)
     optimizer = build_optimizer(cfg, model)
     params = [p for p in model.parameters() if p.requires_grad]
-    ema = [p.detach().clone().float() for p in params] if cfg.train.ema > 0 else None
     wrapped, optimizer = accelerator.prepare(model, optimizer)
+    # after prepare, which moves the parameters to the device: the EMA lives next to them
+    ema = [p.detach().clone().float() for p in params] if cfg.train.ema > 0 else None
     return Components(cfg, accelerator, wrapped, model, processor, optimizer, lr_factor(cfg), params, accum, ema)
