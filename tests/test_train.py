@@ -100,10 +100,12 @@ def test_accumulation_must_be_integral():
 # User errors: exit 2, one line naming the cause
 
 
-def test_unknown_config_key_exits_2(capsys):
-    assert train_inproc(["--config", str(ROOT / "configs" / "stage1.yaml"), "--set", "train.learning_rate=1"]) == 2
+@pytest.mark.parametrize("override,key", [("train.learning_rate=1", "train.learning_rate"),
+                                          ("train.mixed_precision=fp16", "train.mixed_precision")])
+def test_bad_config_key_or_value_exits_2(capsys, override, key):
+    assert train_inproc(["--config", str(ROOT / "configs" / "stage1.yaml"), "--set", override]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "train.learning_rate" in err[0]
+    assert len(err) == 1 and key in err[0]
 
 
 @pytest.mark.parametrize("override,field", [("image.resolution=32", "image.resolution"),
