@@ -175,6 +175,47 @@ def test_kill_9_and_resume_gives_bitwise_equal_weights(cache, tmp_path):
     assert not list(out.glob(".tmp-*"))
 
 
+def test_an_output_dir_holding_another_run_is_protected_and_a_killed_save_is_cleaned_up(cache, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = lambda steps, **kw: base_args(cache, out, steps=steps, **{"train.save_every": 1, "train.keep_last": 5,  # noqa: E731
+                                                                      **kw})
+    assert train_inproc(args(2)) == 0
+    capsys.readouterr()
+    # a fresh start, or an older checkpoint, in this output_dir would interleave two runs' checkpoints
+    assert train_inproc(args(2, resume="null")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'resume'" in err[0] and "checkpoint-2" in err[0], err
+    assert train_inproc(args(4, resume=out / "checkpoint-1")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "older than checkpoint-2" in err[0], err
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    # killed while saving: an unfinished checkpoint, final/ moved aside for its replacement, a half-written log line
+    (out / ".tmp-checkpoint-3-999").mkdir()
+    (out / ".tmp-checkpoint-3-999" / "trainable.safetensors").write_bytes(b"partial")
+    os.replace(out / "final", out / ".old-final-999")
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "lo')
+    assert train_inproc(args(3)) == 0
+    assert "removed" in capsys.readouterr().err
+    assert not list(out.glob(".tmp-*")) and not list(out.glob(".old-*")) and (out / "final").is_dir()
+    assert [m["step"] for m in metrics(out) if "loss" in m] == [1, 2, 3]
+    # rerunning a finished run rewrites nothing but final/
+    written = (out / "checkpoint-3" / "state.json").stat().st_mtime_ns
+    assert train_inproc(args(3)) == 0
+    assert (out / "checkpoint-3" / "state.json").stat().st_mtime_ns == written
+
+
+def test_eval_samples_0_runs_no_eval_and_1_is_refused(cache, tmp_path, capsys):
+    assert train_inproc(base_args(cache, tmp_path / "a", steps=2, **{"train.eval_samples": 0,
+                                                                    "train.eval_every": 1})) == 0
+    assert not [m for m in metrics(tmp_path / "a") if "eval_loss" in m]
+    assert "eval_loss" not in capsys.readouterr().out
+    assert "final eval loss n/a" in (tmp_path / "a" / "final" / "README.md").read_text()
+    assert train_inproc(base_args(cache, tmp_path / "b", steps=2, **{"train.eval_samples": 1})) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train.eval_samples" in err[0], err
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Process count and accumulation do not change the numbers
 

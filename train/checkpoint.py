@@ -26,6 +26,7 @@ from theworld.errors import UserError
 from theworld.model import LoadReport
 
 CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+PARTIAL_RE = re.compile(r"^\.(tmp|old)-(.+)-\d+$")  # .tmp-<name>-<pid>: being written; .old-<name>-<pid>: replaced
 WEIGHTS = "trainable.safetensors"
 EMA = "ema.safetensors"
 STATE = "state.json"
@@ -42,16 +43,45 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def step_of(checkpoint: Path) -> int:
+    return int(CKPT_RE.match(checkpoint.name).group(1))
+
+
 def resolve_resume(cfg) -> Path | None:
-    if cfg.resume is None:
-        return None
+    """The checkpoint to continue, or None for a fresh start. A run never writes into an output_dir that holds a
+    later point of another run: its checkpoints would interleave with those and keep_last would delete its own."""
+    ckpts = list_checkpoints(cfg.output_dir)
     if cfg.resume == "auto":
-        ckpts = list_checkpoints(cfg.output_dir)
         return ckpts[-1] if ckpts else None
+    if cfg.resume is None:
+        if ckpts:
+            raise UserError(f"config key 'resume': null starts afresh, but output_dir {cfg.output_dir} holds "
+                            f"{ckpts[-1].name} of an earlier run; use resume: auto to continue it, or another "
+                            "output_dir")
+        return None
     p = Path(cfg.resume)
-    if not (p / STATE).is_file():
-        raise UserError(f"config key 'resume': {p} is not a checkpoint (no {STATE})")
+    if not (p / STATE).is_file() or not CKPT_RE.match(p.name):
+        raise UserError(f"config key 'resume': {p} is not a checkpoint folder (checkpoint-<step> with {STATE})")
+    if ckpts and step_of(ckpts[-1]) > step_of(p):
+        raise UserError(f"config key 'resume': {p.name} is older than {ckpts[-1].name} in output_dir "
+                        f"{cfg.output_dir}; continuing it there would mix two runs: use another output_dir")
     return p
+
+
+def remove_partial(output_dir: str | Path) -> list[Path]:
+    """Clean up after a run killed while saving: a folder it had moved aside to replace goes back if its replacement
+    never arrived; unfinished writes (each can be a full checkpoint in size) are deleted. Returns what was deleted."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return []
+    found = [(p, m) for p in out.iterdir() if (m := PARTIAL_RE.match(p.name)) and p.is_dir()]
+    for p, m in found:
+        if m.group(1) == "old" and not (out / m.group(2)).exists():
+            os.replace(p, out / m.group(2))
+    removed = [p for p, _ in found if p.exists()]
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
+    return removed
 
 
 def resolve_weights(path: str | Path) -> Path:
@@ -67,6 +97,12 @@ def resolve_weights(path: str | Path) -> Path:
 def init_from(model, path: str | Path) -> LoadReport:
     """Previous stage's weights by name (shapes checked); parts it lacks keep the base model's weights."""
     return model.load_trainable(resolve_weights(path), strict=False)
+
+
+def describe_init(path: str | Path, report: LoadReport) -> str:
+    parts = lambda names: sorted({".".join(n.split(".")[:3]) for n in names})  # noqa: E731 (module-level prefixes)
+    return (f"init_from {path}: {report.summary()}; loaded {parts(report.loaded)}, new (from the base model) "
+            f"{parts(report.new)}, ignored {parts(report.ignored)}")
 
 
 def _write_dir(tmp: Path, files: dict) -> None:
@@ -89,12 +125,13 @@ def _ema_writer(c):
 
 def _publish(out: Path, name: str, files: dict) -> Path:
     """Write `files` into a temporary folder, fsync them, then rename it to out/name: it appears only complete."""
-    final, tmp = out / name, out / f".tmp-{name}-{os.getpid()}"
+    final, tmp, old = out / name, out / f".tmp-{name}-{os.getpid()}", out / f".old-{name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     _write_dir(tmp, files)
-    if final.exists():  # the same name written before (e.g. a rerun after completion): replace it
-        shutil.rmtree(final)
+    if final.exists():  # written before (final/ of a rerun): moved aside whole, so a kill here loses neither
+        os.replace(final, old)
     os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
     return final
 
 

@@ -128,6 +128,17 @@ def epoch_order(train_indices: list[int], seed: int, epoch: int) -> list[int]:
     return [train_indices[i] for i in torch.randperm(len(train_indices), generator=g).tolist()]
 
 
+def check_sizes(cfg, num_samples: int, world_size: int) -> int:
+    """Steps per epoch from the cache's size alone (before any model loads), or a one-line error naming the key."""
+    n_eval = cfg.train.eval_samples
+    if n_eval >= num_samples:
+        raise UserError(f"config key 'train.eval_samples': {n_eval} leaves nothing to train on ({num_samples} samples)")
+    if 0 < n_eval < 2 * world_size:  # eval shuffles world latents across the samples of a batch: 2 per process
+        raise UserError(f"config key 'train.eval_samples': {n_eval} is too few for {world_size} process(es): use 0 "
+                        f"(no eval) or at least {2 * world_size}")
+    return steps_per_epoch(num_samples - n_eval, cfg.train.global_batch_size)
+
+
 def steps_per_epoch(num_train: int, global_batch: int) -> int:
     if num_train < global_batch:
         raise UserError(f"config key 'train.global_batch_size': {global_batch} is more than the {num_train} "

@@ -10,11 +10,11 @@ import time
 
 import torch
 
+from theworld.config import to_dict
 from theworld.errors import cli_entry
 from train import checkpoint, data, optim
-from theworld.config import to_dict
 from train.config import accumulation_steps, load, run_hash, to_yaml
-from train.metrics import Metrics, ProfileWindow, summary
+from train.metrics import Metrics, ProfileWindow, StepWindow, summary
 from train.step import LoopState, NonFiniteError, evaluate, optimization_step
 
 
@@ -25,47 +25,41 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
-    reader, plan = data.open_cache(cfg)  # everything checkable without a model is checked before loading one
-    if cfg.train.eval_samples >= len(reader):
-        data.split(reader, cfg.train.eval_samples)  # raises, naming the key
-    data.steps_per_epoch(len(reader) - cfg.train.eval_samples, cfg.train.global_batch_size)
+    # everything checkable without a model is checked before loading one
+    reader, plan = data.open_cache(cfg)
     resume_from = checkpoint.resolve_resume(cfg)
     if cfg.init_from:
         checkpoint.resolve_weights(cfg.init_from)
     if cfg.train.cpu_threads:
         torch.set_num_threads(cfg.train.cpu_threads)
     acc = optim.make_accelerator(cfg)
+    per_epoch = data.check_sizes(cfg, len(reader), acc.num_processes)
     accum = accumulation_steps(cfg, acc.num_processes)
     reports = []
     c = optim.build(cfg, acc, accum, (lambda m: reports.append(checkpoint.init_from(m, cfg.init_from)))
                     if cfg.init_from else None)
     data.verify_fingerprint(cfg, c.raw, reader, plan)
     ctx = data.DataContext.build(cfg, reader, plan, c.processor)
-    per_epoch = data.steps_per_epoch(len(ctx.train_indices), cfg.train.global_batch_size)
-    state = LoopState(parent=cfg.init_from)
-    if resume_from is not None:
-        saved = checkpoint.load(c, resume_from)
-        state = LoopState.from_json(saved)
-        state.history.append(str(resume_from))
-        if saved.get("config_hash") != run_hash(cfg) and acc.is_main_process:
-            print(f"warning: {resume_from} was written under a different config", file=sys.stderr)
+    state = _restore(c, resume_from)
     m = Metrics(acc, cfg.output_dir, {**to_dict(cfg), "run_hash": run_hash(cfg)}, state.step, cfg.train.max_steps,
                 cfg.trackers)
+    if acc.is_main_process:
+        for p in checkpoint.remove_partial(cfg.output_dir):
+            m.message(f"removed {p}, an unfinished save of a killed run")
     for r in reports:
-        parts = lambda names: sorted({".".join(n.split(".")[:3]) for n in names})  # noqa: E731
-        m.message(f"init_from {cfg.init_from}: {r.summary()}; loaded {parts(r.loaded)}, new (from the base model) "
-                  f"{parts(r.new)}, ignored {parts(r.ignored)}")
+        m.message(checkpoint.describe_init(cfg.init_from, r))
     m.message(f"{'resumed from ' + str(resume_from) if resume_from else 'fresh start'} at step {state.step}; "
               f"{len(ctx.train_indices)} train / {len(ctx.eval_indices)} eval samples, {per_epoch} steps/epoch, "
               f"{acc.num_processes} process(es) x {accum} micro-batches of {cfg.train.micro_batch_size}; "
               f"latents {'cached' if plan.cached_latents else 'live'}, image tokens "
               f"{'cached' if plan.cached_siglip else 'live'}")
-    eval_loader = data.build_eval_loader(cfg, ctx, acc.process_index, acc.num_processes)
+    eval_loader = data.build_eval_loader(cfg, ctx, acc.process_index, acc.num_processes) if ctx.eval_indices else None
     prof = ProfileWindow(cfg.profile, cfg.output_dir, acc.process_index)
 
     def run_eval():
-        state.last_eval = evaluate(c, eval_loader)
-        m.log({"step": state.step, **state.last_eval})
+        if eval_loader is not None:
+            state.last_eval = evaluate(c, eval_loader)
+            m.log({"step": state.step, **state.last_eval})
 
     def save():
         acc.wait_for_everyone()
@@ -78,8 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if state.step == 0 and cfg.train.eval_every:
         run_eval()
-    # seconds in optimization_step and waiting for the loader over this run; window: the steps since the last log
-    steps_run, train_time, data_time, window, t_log = 0, 0.0, 0.0, [], time.perf_counter()
+    window = StepWindow()
     try:
         while state.step < cfg.train.max_steps:
             epoch, start = divmod(state.step, per_epoch)
@@ -89,25 +82,16 @@ def main(argv: list[str] | None = None) -> int:
                 micro = [next(batches) for _ in range(accum)]
                 prof.before(state.step)
                 t0 = time.perf_counter()
-                data_time += t0 - t_data
                 out = optimization_step(c, state, micro)
-                train_time += time.perf_counter() - t0
-                steps_run += 1
+                window.add(out, data_s=t0 - t_data, train_s=time.perf_counter() - t0)
                 prof.after(state.step)
                 m.advance()
-                window.append({**out, "data_wait_s": t0 - t_data})
                 if cfg.train.grad_norm_warn and out["grad_norm"] > cfg.train.grad_norm_warn:
                     m.message(f"warning: step {state.step}: gradient norm {out['grad_norm']:.1f} "
                               f"> train.grad_norm_warn {cfg.train.grad_norm_warn}")
                 if state.step % cfg.train.log_every == 0 or state.step == cfg.train.max_steps:
-                    ok = [w["loss"] for w in window if not w["skipped"]]
-                    now = time.perf_counter()
-                    m.log({"step": state.step, "loss": sum(ok) / len(ok) if ok else float("nan"), "lr": out["lr"],
-                           "grad_norm": out["grad_norm"], "samples_per_s": len(window) *
-                           cfg.train.global_batch_size / (now - t_log), "skipped": len(window) - len(ok),
-                           "nonfinite_total": state.nonfinite_steps, "epoch": epoch,
-                           "data_wait": sum(w["data_wait_s"] for w in window) / (now - t_log)})
-                    window, t_log = [], now
+                    m.log({"step": state.step, **window.flush(cfg.train.global_batch_size),
+                           "nonfinite_total": state.nonfinite_steps, "epoch": epoch})
                 if cfg.train.eval_every and state.step % cfg.train.eval_every == 0:
                     run_eval()
                 if state.step % cfg.train.save_every == 0:
@@ -118,14 +102,26 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     if state.last_eval is None or not cfg.train.eval_every or state.step % cfg.train.eval_every:
         run_eval()
-    if state.step % cfg.train.save_every:
+    if window.steps_run and state.step % cfg.train.save_every:  # (a rerun of a finished run has its checkpoint)
         save()
     if acc.is_main_process:
         final = checkpoint.export_final(c, state, to_yaml(cfg), cfg.output_dir)
     m.close()
     if acc.is_main_process:
-        print(f"final weights: {final}\n" + summary(state, time.time() - t_start, steps_run, train_time, data_time))
+        print(f"final weights: {final}\n" + summary(state, time.time() - t_start, window))
     return 0
+
+
+def _restore(c: optim.Components, resume_from) -> LoopState:
+    """A fresh LoopState, or the checkpoint's (weights, optimiser, EMA and RNG restored into `c`)."""
+    if resume_from is None:
+        return LoopState(parent=c.cfg.init_from)
+    saved = checkpoint.load(c, resume_from)
+    state = LoopState.from_json(saved)
+    state.history.append(str(resume_from))
+    if saved.get("config_hash") != run_hash(c.cfg) and c.accelerator.is_main_process:
+        print(f"warning: {resume_from} was written under a different config", file=sys.stderr)
+    return state
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -20,6 +21,14 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def _step_of(line: str) -> int:
+    """The step of a metrics.jsonl line; -1 for a line a killed run left half-written."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return -1
+
+
 class Metrics:
     """Main-process sink for log and eval events. On resume, lines past the resumed step (from the interrupted
     run) are dropped so the file reads as one uninterrupted run."""
@@ -34,7 +43,7 @@ class Metrics:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
         if self.path.is_file() and start_step > 0:
-            kept = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= start_step]
+            kept = [ln for ln in self.path.read_text().splitlines() if 0 <= _step_of(ln) <= start_step]
         self.path.write_text("".join(ln + "\n" for ln in kept))
         if trackers:
             accelerator.init_trackers("theworld", config=_flat(config))
@@ -102,11 +111,39 @@ class ProfileWindow:
             self.prof = None
 
 
-def summary(state, elapsed: float, steps_run: int, train_time: float, data_time: float) -> str:
+class StepWindow:
+    """The steps since the last training log line, and this run's totals (for the summary)."""
+
+    def __init__(self):
+        self.outs: list[dict] = []
+        self.start = time.perf_counter()
+        self.data_s = 0.0  # the window's time waiting for the loader
+        self.steps_run, self.train_total_s, self.data_total_s = 0, 0.0, 0.0
+
+    def add(self, out: dict, data_s: float, train_s: float) -> None:
+        self.outs.append(out)
+        self.data_s += data_s
+        self.steps_run += 1
+        self.train_total_s += train_s
+        self.data_total_s += data_s
+
+    def flush(self, global_batch: int) -> dict:
+        """The log line's figures (loss: mean over the window's finite steps), then a new window."""
+        ok = [o["loss"] for o in self.outs if not o["skipped"]]
+        now, last = time.perf_counter(), self.outs[-1]
+        line = {"loss": sum(ok) / len(ok) if ok else float("nan"), "lr": last["lr"], "grad_norm": last["grad_norm"],
+                "samples_per_s": len(self.outs) * global_batch / (now - self.start),
+                "skipped": len(self.outs) - len(ok), "data_wait": self.data_s / (now - self.start)}
+        self.outs, self.start, self.data_s = [], now, 0.0
+        return line
+
+
+def summary(state, elapsed: float, window: StepWindow) -> str:
     ev = state.last_eval or {}
-    lines = [f"steps {state.step} ({steps_run} this run) in {elapsed:.1f}s"
-             + (f", {1000 * train_time / steps_run:.1f} ms/step, waiting for data {1000 * data_time / steps_run:.1f} "
-                f"ms/step" if steps_run else "")]
+    n = window.steps_run
+    lines = [f"steps {state.step} ({n} this run) in {elapsed:.1f}s"
+             + (f", {1000 * window.train_total_s / n:.1f} ms/step, waiting for data "
+                f"{1000 * window.data_total_s / n:.1f} ms/step" if n else "")]
     if state.first_loss is not None:
         lines.append(f"train loss: first {state.first_loss:.4f} -> last {state.last_loss:.4f}")
     if ev:
