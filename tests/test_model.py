@@ -121,18 +121,22 @@ def test_live_vae_and_cached_latents_give_the_same_loss(tiny):
     assert torch.equal(cached, live)
 
 
-def test_sample_mode_is_reproducible_and_differs_from_mean(tiny):
+def test_sample_mode_is_reproducible_per_sample_and_differs_from_mean(tiny):
     model, processor = tiny
     _, _, mean, logvar, _ = batch_for(model, processor)
     proj = model.projector
-    a = proj(mean, logvar, "sample", torch.Generator().manual_seed(3))
-    b = proj(mean, logvar, "sample", torch.Generator().manual_seed(3))
-    c = proj(mean, logvar, "sample", torch.Generator().manual_seed(4))
+    a = proj(mean, logvar, "sample", [3, 4, 5])
+    b = proj(mean, logvar, "sample", [3, 4, 5])
+    c = proj(mean, logvar, "sample", [6, 4, 5])
     m = proj(mean, logvar, "mean")
-    assert torch.equal(a, b) and not torch.equal(a, c) and not torch.equal(a, m)
+    assert torch.equal(a, b) and not torch.equal(a[0], c[0]) and not torch.equal(a, m)
+    # a sample's noise is its seed's alone: the same on its own as in a batch
+    assert torch.equal(a[1:2], proj(mean[1:2], logvar[1:2], "sample", [4]))
+    assert torch.equal(a[1:], c[1:])
     # the noise is exp(logvar / 2) * eps: with a huge negative logvar, sampling collapses onto the mean
-    assert torch.allclose(proj(mean, torch.full_like(logvar, -60.0), "sample", torch.Generator().manual_seed(3)), m,
-                          atol=1e-6)
+    assert torch.allclose(proj(mean, torch.full_like(logvar, -60.0), "sample", [3, 4, 5]), m, atol=1e-6)
+    with pytest.raises(ValueError, match="one noise seed per sample"):
+        proj(mean, logvar, "sample", [3])
 
 
 @pytest.mark.parametrize("pool,tokens", [(1, 64), (2, 16), (4, 4)])

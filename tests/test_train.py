@@ -221,7 +221,9 @@ def test_eval_samples_0_runs_no_eval_and_1_is_refused(cache, tmp_path, capsys):
 
 
 def test_one_vs_two_processes_vs_accumulation(cache, tmp_path):
-    extra = {"train.flip": "true"}
+    # the hardest case: sampled latents, and the VAE and vision tower training (DDP fails on a trainable parameter
+    # that gets no gradient)
+    extra = {"train.flip": "true", "world.latent": "sample", "freeze.vae": "false", "freeze.vision": "false"}
     one = train_cli(base_args(cache, tmp_path / "one", steps=3, **extra))  # 1 process, 2 micro-batches of 8
     assert one.returncode == 0, one.stderr[-3000:]
     acc = train_cli(base_args(cache, tmp_path / "acc", steps=3, **extra, **{"train.micro_batch_size": 4}))  # 4 of 4
@@ -237,9 +239,12 @@ def test_one_vs_two_processes_vs_accumulation(cache, tmp_path):
     assert two.returncode == 0, two.stderr[-3000:]
     assert "2 process(es) x 1 micro-batches" in two.stderr + two.stdout
     w1, wa, w2 = weights(tmp_path / "one"), weights(tmp_path / "acc"), weights(tmp_path / "two")
-    for k in w1:
-        torch.testing.assert_close(wa[k], w1[k], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-6)
+    assert w1.keys() == wa.keys() == w2.keys()
+    # Not attention key biases: a key bias adds the same logit to a whole row, which softmax ignores, so its gradient
+    # is rounding noise that Adam scales to full-size steps. The tolerance is 0.1% of one step at lr 1e-2.
+    for k in [k for k in w1 if not k.endswith("k_proj.bias")]:
+        torch.testing.assert_close(wa[k], w1[k], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-5)
     l1 = [m["loss"] for m in metrics(tmp_path / "one") if "loss" in m]
     l2 = [m["loss"] for m in metrics(tmp_path / "two") if "loss" in m]
     assert l1 == pytest.approx(l2, rel=1e-5)

@@ -149,9 +149,9 @@ class TheWorld(nn.Module):
                 latent_mean: torch.Tensor | None = None, latent_logvar: torch.Tensor | None = None,
                 images: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None,
                 siglip: torch.Tensor | None = None, num_items: int | torch.Tensor | None = None,
-                generator: torch.Generator | None = None, return_logits: bool = False) -> Output:
+                noise_seeds: list[int] | None = None, return_logits: bool = False) -> Output:
         mean, logvar = self.world_latents(images, latent_mean, latent_logvar)
-        world = self.projector(mean, logvar, self.latent_mode, generator)
+        world = self.projector(mean, logvar, self.latent_mode, noise_seeds)
         fused = self.fuse(input_ids, attention_mask, world, self.image_features(pixel_values, siglip))
         hidden = self.gemma.model(**fused, use_cache=False).last_hidden_state
         world_labels = labels.new_full((labels.shape[0], world.shape[1]), IGNORE)

@@ -39,22 +39,25 @@ class WorldProjector(nn.Module):
         nn.init.zeros_(last.bias)
 
     def latent(self, mean: torch.Tensor, logvar: torch.Tensor, mode: str = "mean",
-               generator: torch.Generator | None = None) -> torch.Tensor:
-        """z = mean, or mean + exp(logvar / 2) * eps with eps drawn from `generator` (reproducible)."""
+               noise_seeds: list[int] | None = None) -> torch.Tensor:
+        """z = mean, or mean + exp(logvar / 2) * eps with each sample's eps drawn from a generator seeded with its
+        entry of `noise_seeds`: a sample's noise does not depend on which other samples share its batch."""
         if mode == "mean":
             return mean
         if mode != "sample":
             raise ValueError(f"latent mode must be 'mean' or 'sample', got {mode!r}")
-        device = generator.device if generator is not None else mean.device
-        eps = torch.randn(mean.shape, generator=generator, device=device, dtype=torch.float32).to(mean.device)
+        if noise_seeds is None or len(noise_seeds) != len(mean):
+            raise ValueError("latent mode 'sample' needs one noise seed per sample")
+        eps = torch.stack([torch.randn(mean.shape[1:], generator=torch.Generator(mean.device).manual_seed(s),
+                                       device=mean.device, dtype=torch.float32) for s in noise_seeds])
         return mean.float() + torch.exp(0.5 * logvar.float()) * eps
 
     def num_tokens(self, h: int, w: int) -> int:
         return (h // self.pool) * (w // self.pool) + 2
 
     def forward(self, mean: torch.Tensor, logvar: torch.Tensor | None = None, mode: str = "mean",
-                generator: torch.Generator | None = None) -> torch.Tensor:
-        z = self.latent(mean, logvar, mode, generator).float()
+                noise_seeds: list[int] | None = None) -> torch.Tensor:
+        z = self.latent(mean, logvar, mode, noise_seeds).float()
         if z.dim() == 5:  # (B, C, T=1, h, w): one image is a one-frame video
             z = z[:, :, 0]
         z = (z - self.latents_mean) / self.latents_std

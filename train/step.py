@@ -42,9 +42,10 @@ class LoopState:
         return cls(**known)
 
 
-def step_generator(seed: int, step: int, rank: int, device) -> torch.Generator:
-    """The RNG of a step (latent sampling): a pure function of (seed, step, rank), so resume is exact."""
-    return torch.Generator(device=device).manual_seed(_seed("step", seed, step, rank))
+def noise_seeds(seed: int, step: int, first: int, n: int) -> list[int]:
+    """Latent-sampling seeds of the samples at positions [first, first + n) of a step's global batch: a pure function
+    of (seed, step, position), so neither resuming nor the process count or accumulation changes a sample's noise."""
+    return [_seed("noise", seed, step, i) for i in range(first, first + n)]
 
 
 def optimization_step(c, state: LoopState, micro_batches: list[Batch]) -> dict:
@@ -60,13 +61,15 @@ def optimization_step(c, state: LoopState, micro_batches: list[Batch]) -> dict:
     lr = cfg.train.lr * c.lr_fn(state.step)
     for g in c.optimizer.param_groups:
         g["lr"] = lr
-    gen = step_generator(cfg.seed, state.step, c.rank, device)
+    first = c.rank * (cfg.train.global_batch_size // c.world_size)  # this process's slice of the global batch
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     for i, mb in enumerate(micro_batches):
         inputs = mb.to(device)
+        seeds = noise_seeds(cfg.seed, state.step, first, mb.size) if c.raw.latent_mode == "sample" else None
+        first += mb.size
         sync = i == len(micro_batches) - 1
         with contextlib.nullcontext() if sync else acc.no_sync(c.model):
-            out = c.model(**inputs, num_items=n, generator=gen)
+            out = c.model(**inputs, num_items=n, noise_seeds=seeds)
             # DDP averages gradients over processes; each process's share is loss_sum_r / n, so undo the mean.
             acc.backward(out.loss * c.world_size)
         loss_sum += out.loss_sum.detach().float()
