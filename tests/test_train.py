@@ -205,6 +205,23 @@ def test_an_output_dir_holding_another_run_is_protected_and_a_killed_save_is_cle
     assert (out / "checkpoint-3" / "state.json").stat().st_mtime_ns == written
 
 
+def test_damaged_weights_and_a_too_short_max_length_are_one_line_errors(cache, tmp_path, capsys):
+    def one_line_error(args, *words):
+        assert train_inproc(args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and all(w in err[0] for w in words), err
+
+    bad = tmp_path / "weights.safetensors"
+    bad.write_bytes(b"\x00" * 64)
+    one_line_error(base_args(cache, tmp_path / "a", init_from=bad), str(bad))
+    one_line_error(base_args(cache, tmp_path / "b", **{"train.max_length": 8}), "train.max_length", "prompt alone")
+    out = tmp_path / "c"
+    assert train_inproc(base_args(cache, out, steps=1, **{"train.save_every": 1})) == 0
+    (out / "checkpoint-1" / "optimizer.pt").write_bytes(b"torn")
+    capsys.readouterr()
+    one_line_error(base_args(cache, out, steps=2), "optimizer.pt", "earlier checkpoint")
+
+
 def test_eval_samples_0_runs_no_eval_and_1_is_refused(cache, tmp_path, capsys):
     assert train_inproc(base_args(cache, tmp_path / "a", steps=2, **{"train.eval_samples": 0,
                                                                     "train.eval_every": 1})) == 0

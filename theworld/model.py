@@ -184,7 +184,10 @@ class TheWorld(nn.Module):
         """Load trainable tensors by name. Shapes must match. strict: the file must hold exactly the trainable set."""
         if not Path(path).is_file():
             raise UserError(f"no weights file at {path}")
-        tensors = load_file(str(path))
+        try:
+            tensors = load_file(str(path))
+        except Exception as e:  # a .bin, a torn copy: name the file rather than show safetensors' internals
+            raise UserError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e})") from e
         params = dict(self.named_parameters())
         trainable = {n for n, p in params.items() if p.requires_grad}
         for name, t in tensors.items():

@@ -154,16 +154,25 @@ def save(c, state, output_dir: str | Path, keep_last: int, extra_state: dict) ->
 
 def load(c, path: Path) -> dict:
     """Restore weights, optimiser, EMA and RNG from a checkpoint; returns its state.json."""
+    state = _read(path / STATE, lambda p: json.loads(p.read_text()))
     c.raw.load_trainable(path / WEIGHTS, strict=True)
-    c.optimizer.load_state_dict(torch.load(path / OPTIMIZER, weights_only=True, map_location="cpu"))
+    c.optimizer.load_state_dict(_read(path / OPTIMIZER, lambda p: torch.load(p, weights_only=True, map_location="cpu")))
     if c.ema is not None:
         if not (path / EMA).is_file():
             raise UserError(f"resume: {path} has no {EMA} but train.ema is on")
-        ema = load_file(str(path / EMA))
+        ema = _read(path / EMA, lambda p: load_file(str(p)))
         for t, n in zip(c.ema, _trainable_names(c)):
             t.copy_(ema[n])
-    torch.set_rng_state(load_file(str(path / RNG))["torch_cpu"])
-    return json.loads((path / STATE).read_text())
+    torch.set_rng_state(_read(path / RNG, lambda p: load_file(str(p)))["torch_cpu"])
+    return state
+
+
+def _read(path: Path, reader):
+    try:
+        return reader(path)
+    except Exception as e:  # a damaged checkpoint is a one-line error that says which file and what to do
+        raise UserError(f"resume: cannot read {path} ({type(e).__name__}: {str(e)[:200]}); resume from an earlier "
+                        "checkpoint with resume: PATH, or delete this one") from e
 
 
 MODEL_CARD = """# TheWorld: {name}

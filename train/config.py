@@ -106,7 +106,7 @@ def accumulation_steps(cfg: TrainConfig, world_size: int) -> int:
 
 
 # Keys that may change between a run and its resumption without changing its numbers.
-RESUME_NEUTRAL = ("resume", "trackers", "profile", "train.num_workers", "train.cpu_threads", "train.log_every", "train.save_every",
+RESUME_NEUTRAL = ("resume", "output_dir", "trackers", "profile", "train.num_workers", "train.cpu_threads", "train.log_every", "train.save_every",
                   "train.keep_last", "train.eval_every")
 
 

@@ -261,6 +261,10 @@ def _byte_buffer(nbytes: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(new_shared(nbytes))
 
 
+# batch keys that carry a sample's world (eval's shuffled-world loss permutes them across the batch)
+WORLD_KEYS = ("latent_mean", "latent_logvar", "images")
+
+
 class Collate:
     """List of samples -> one packed Batch: tokenised and padded text, the cached tensors decoded together, stacked
     pixels, the answer-token count."""
@@ -299,6 +303,11 @@ class DataContext:
     def build(cls, cfg, reader: cf.CacheReader, plan: InputPlan, processor) -> "DataContext":
         train, held = split(reader, cfg.train.eval_samples)
         formatter = ChatFormatter(processor, max_length=cfg.train.max_length or None)
+        first = cf.decode_sample(reader.key(train[0]), reader.raw(train[0]), tensors=False)
+        try:  # here rather than as a traceback from inside a loader worker
+            formatter.encode(first.prompt, first.caption)
+        except ValueError as e:
+            raise UserError(f"config key 'train.max_length': {e} (sample {first.key})") from e
         return cls(reader, plan, formatter, processor.image_processor, train, held)
 
     def dataset(self, cfg, indices: list[int], epoch: int, flip: bool | None = None) -> CacheDataset:

@@ -119,8 +119,12 @@ def _restore(c: optim.Components, resume_from) -> LoopState:
     saved = checkpoint.load(c, resume_from)
     state = LoopState.from_json(saved)
     state.history.append(str(resume_from))
-    if saved.get("config_hash") != run_hash(c.cfg) and c.accelerator.is_main_process:
-        print(f"warning: {resume_from} was written under a different config", file=sys.stderr)
+    if c.accelerator.is_main_process:
+        if saved.get("config_hash") != run_hash(c.cfg):
+            print(f"warning: {resume_from} was written under a different config", file=sys.stderr)
+        if saved.get("num_processes", c.world_size) != c.world_size:  # allowed: the data order does not depend on it
+            print(f"note: {resume_from} was written by {saved['num_processes']} process(es), resumed by "
+                  f"{c.world_size}: same samples per step, numbers equal up to rounding", file=sys.stderr)
     return state
 
 

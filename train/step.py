@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from train.data import Batch, _seed
+from train.data import WORLD_KEYS, Batch, _seed
 
 
 class NonFiniteError(RuntimeError):
@@ -98,9 +98,6 @@ def optimization_step(c, state: LoopState, micro_batches: list[Batch]) -> dict:
         raise NonFiniteError(f"{state.nonfinite_in_a_row} non-finite steps in a row (last at step {state.step}: "
                              f"loss {loss}, grad norm {grad_norm}); lower train.lr or check the data")
     return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": not finite, "tokens": int(n_global.item())}
-
-
-WORLD_KEYS = ("latent_mean", "latent_logvar", "images")
 
 
 @torch.no_grad()
