@@ -59,6 +59,9 @@ def test_missing_file_and_bad_yaml(tmp_path):
         load_config(Demo, write(tmp_path, "a: [1, 2\n"))
     with pytest.raises(UserError, match="key=value"):
         load_config(Demo, None, ["world.pool"])
+    with pytest.raises(UserError, match="--set model.gemma: value .* is not valid YAML"):
+        load_config(Demo, None, ["model.gemma=a: b: c"])
+    assert load_config(Demo, None, ["model.gemma=2024"]).model.gemma == "2024"
 
 
 def test_hash_is_stable_and_sensitive():

@@ -93,6 +93,8 @@ def _check_value(value: Any, tp: Any, key: str) -> Any:
             return float(value)
         except ValueError:
             pass
+    if tp is str and type(value) is int:  # a path or name of digits (output_dir=2024) reads as a number
+        return str(value)
     if tp in (int, float, str, bool):
         if type(value) is not tp:
             raise UserError(f"config key '{key}': expected {tp.__name__}, got {type(value).__name__} {value!r}")
@@ -114,7 +116,11 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise UserError(f"--set expects key=value, got {text!r}")
     key, raw = text.split("=", 1)
-    return key.strip().split("."), yaml.safe_load(raw) if raw != "" else ""
+    try:
+        return key.strip().split("."), yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as e:
+        raise UserError(f"--set {key.strip()}: value {raw!r} is not valid YAML ({str(e).splitlines()[0]}); "
+                        "quote it") from None
 
 
 def _apply_override(data: dict, path: list[str], value: Any) -> None:
