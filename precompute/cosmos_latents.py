@@ -208,7 +208,8 @@ def _load_models(cfg: PrecomputeConfig, device: torch.device):
         gemma, processor = encoders.load_gemma(cfg.model.gemma, cfg.model.dtype)
     fp = cf.make_fingerprint(vae_model=cfg.model.vae, vae=vae, vae_dtype=cfg.model.dtype,
                              resolution=cfg.image.resolution, resize=cfg.image.resize,
-                             gemma_model=cfg.model.gemma if gemma is not None else None, gemma=gemma)
+                             gemma_model=cfg.model.gemma if gemma is not None else None, gemma=gemma,
+                             image_processor=processor.image_processor if processor is not None else None)
     encoder = encoders.WorldEncoder(vae).to(device).eval()
     if gemma is not None:
         gemma = gemma.to(device).eval()

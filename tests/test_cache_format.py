@@ -82,3 +82,19 @@ def test_reader_returns_each_member_exactly_whatever_reads_are_merged(tmp_path):
                 want = {k: v for k, v in expected.items() if members is None or k in members + (cf.CAPTION, cf.META)}
                 assert reader.key(i) == key and reader.raw(i) == want
             reader.close()
+
+
+def test_siglip_fingerprint_covers_the_image_processor_settings():
+    from theworld import encoders
+
+    gemma, processor = encoders.load_gemma("tiny", "float32")
+    vae = encoders.load_vae("tiny", "float32")
+
+    def fp():
+        return cf.make_fingerprint(vae_model="tiny", vae=vae, vae_dtype="float32", resolution=64, resize="crop",
+                                   gemma_model="tiny", gemma=gemma, image_processor=processor.image_processor)
+
+    before = fp()
+    assert before == fp()
+    processor.image_processor.image_mean = [0.0, 0.0, 0.0]  # what the vision tower sees changes
+    assert cf.fingerprint_diff(before, fp()) == ["siglip.image_processor"]

@@ -243,11 +243,13 @@ def shard_is_done(cache_dir: Path, index: int, expected_count: int | None = None
 
 
 def make_fingerprint(*, vae_model: str, vae, vae_dtype: str, resolution: int, resize: str,
-                     gemma_model: str | None = None, gemma=None) -> dict:
-    """Everything that changes the cached numbers. `gemma` only when SigLIP features are cached.
+                     gemma_model: str | None = None, gemma=None, image_processor=None) -> dict:
+    """Everything that changes the cached numbers. `gemma` and its `image_processor` only when SigLIP features are
+    cached.
 
     `vae` is the loaded AutoencoderKLWan, `gemma` the loaded Gemma3ForConditionalGeneration; their weights are hashed,
-    so a changed checkpoint is caught even under the same name.
+    so a changed checkpoint is caught even under the same name. The image processor's settings (size, mean/std,
+    resampling) decide what the vision tower sees, so they count too.
     """
     from theworld.encoders import config_digest, weights_hash
 
@@ -259,8 +261,11 @@ def make_fingerprint(*, vae_model: str, vae, vae_dtype: str, resolution: int, re
     if gemma is not None:
         inner = gemma.model
         vision = torch.nn.ModuleDict({"tower": inner.vision_tower, "projector": inner.multi_modal_projector})
+        if image_processor is None:
+            raise ValueError("a SigLIP fingerprint needs the image processor")
         fp["siglip"] = {"model": gemma_model, "config": config_digest(gemma.config.vision_config.to_dict()),
-                        "weights": weights_hash(vision), "dtype": str(gemma.dtype).removeprefix("torch.")}
+                        "weights": weights_hash(vision), "dtype": str(gemma.dtype).removeprefix("torch."),
+                        "image_processor": config_digest(image_processor.to_dict())}
     return fp
 
 

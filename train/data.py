@@ -97,14 +97,15 @@ def open_cache(cfg) -> tuple[cf.CacheReader, InputPlan]:
     return reader, plan
 
 
-def verify_fingerprint(cfg, model, reader: cf.CacheReader, plan: InputPlan) -> None:
+def verify_fingerprint(cfg, model, processor, reader: cf.CacheReader, plan: InputPlan) -> None:
     """Full check against the loaded models (config digests and weight hashes): format_version, image, and vae when
     cached latents are used, siglip when cached SigLIP features are used."""
     use_siglip = plan.cached_siglip
     expected = cf.make_fingerprint(vae_model=cfg.model.vae, vae=model.world_encoder.vae, vae_dtype=cfg.model.dtype,
                                    resolution=cfg.image.resolution, resize=cfg.image.resize,
                                    gemma_model=cfg.model.gemma if use_siglip else None,
-                                   gemma=model.gemma if use_siglip else None)
+                                   gemma=model.gemma if use_siglip else None,
+                                   image_processor=processor.image_processor if use_siglip else None)
     fields = ["format_version", "image"] + (["vae"] if plan.cached_latents else []) + (["siglip"] if use_siglip else [])
     cf.check_fingerprint(reader.manifest.get("fingerprint") or {}, expected, cfg.cache_dir, fields=fields)
 

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     reports = []
     c = optim.build(cfg, acc, accum, (lambda m: reports.append(checkpoint.init_from(m, cfg.init_from)))
                     if cfg.init_from else None)
-    data.verify_fingerprint(cfg, c.raw, reader, plan)
+    data.verify_fingerprint(cfg, c.raw, c.processor, reader, plan)
     ctx = data.DataContext.build(cfg, reader, plan, c.processor)
     state = _restore(c, resume_from)
     m = Metrics(acc, cfg.output_dir, {**to_dict(cfg), "run_hash": run_hash(cfg)}, state.step, cfg.train.max_steps,
