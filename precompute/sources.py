@@ -40,7 +40,7 @@ from theworld.errors import UserError
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 WDS_IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp")
 INDEX_DIR = "source-index"  # inside output_dir: per-tar header listings + the global summary (webdataset)
-INDEX_VERSION = 1  # bump when the per-tar listing's content changes, so old listings are rebuilt
+INDEX_VERSION = 2  # bump when the per-tar listing's content changes, so old listings are rebuilt
 
 
 @dataclass
@@ -79,7 +79,10 @@ def read_member(path: str, loc: tuple[int, int] | None) -> bytes | None:
         return None
     with open(path, "rb") as f:
         f.seek(loc[0])
-        return f.read(loc[1])
+        data = f.read(loc[1])
+    if len(data) != loc[1]:  # the tar changed since it was listed
+        raise OSError(f"truncated tar member ({len(data)} of {loc[1]} bytes)")
+    return data
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -187,6 +190,8 @@ def _jsonl_record(root: Path, n: int, line: str, default_prompt: str) -> Entry:
         prompt = rec.get("prompt", default_prompt)
         if not all(isinstance(v, str) for v in (rel, caption, prompt)) or not rel:
             raise ValueError("'image', 'caption' and 'prompt' must be non-empty strings")
+        if "\x00" in rel:
+            raise ValueError("'image' holds a NUL character")
     except (ValueError, KeyError) as e:
         reason = f"missing field {e}" if isinstance(e, KeyError) else str(e)
         return Entry(key=safe_key(f"line-{n}"), source=src, error=f"bad caption line: {reason}")
@@ -274,11 +279,11 @@ class TxtFolderListing(Listing):
             e = Entry(key=safe_key(rel), source=rel, prompt=self.prompt, loc=("file", str(p)))
             txt = p.with_suffix(".txt")
             if not txt.is_file():
-                e.error = f"missing caption file {txt.relative_to(self.root).as_posix()}"
+                e.error = f"missing caption file: {txt.relative_to(self.root).as_posix()}"
             else:
                 e.caption = txt.read_text(errors="replace").strip()
                 if not e.caption:
-                    e.error = f"empty caption file {txt.relative_to(self.root).as_posix()}"
+                    e.error = f"empty caption file: {txt.relative_to(self.root).as_posix()}"
             out.append(e)
         return out
 
@@ -341,8 +346,13 @@ def _tar_samples(path: str) -> tuple[list[tuple[str, dict]], str | None]:
                 if m.isfile():
                     _add_member(samples, m.name, m.offset_data, m.size)
     except (tarfile.TarError, OSError, EOFError) as e:
-        error = f"broken tar after {len(samples)} samples: {type(e).__name__}: {e}"
-    return list(samples.items()), error
+        error = f"broken tar: after {len(samples)} samples: {type(e).__name__}: {e}"
+    # a tar cut short can list a last member whose data runs past the end: its sample is damaged, not short
+    end = os.path.getsize(path)
+    whole = [(key, members) for key, members in samples.items() if all(o + n <= end for o, n in members.values())]
+    if len(whole) < len(samples):
+        error = f"broken tar: truncated after {len(whole)} whole samples" + (f" ({error})" if error else "")
+    return whole, error
 
 
 def _tar_identity(path: str) -> list:

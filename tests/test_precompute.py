@@ -167,6 +167,17 @@ def test_webdataset_source(tmp_path, fake_vae):
     assert samples["000010002"]["txt"] == b"text 000010002" and "jpg" in samples["000010002"]
     assert json.loads(samples["000000001"]["json"])["url"] == "http://x/000000001"
     assert result["num_errors"] == 1 and cf.read_errors(tmp_path / "c")[0]["key"] == "000010001"
+    # a tar cut short in the middle of its last sample's caption: that sample is dropped, not kept with half a caption
+    with wds.TarWriter(str(src / "00002.tar")) as w:
+        for i in range(2):
+            w.write({"__key__": f"0000200{i:02d}", "jpg": jpeg_bytes(gradient(40, 36)), "txt": b"x" * 3000})
+    data = (src / "00002.tar").read_bytes()
+    cut = data.rindex(b"x" * 3000) + 1500
+    (src / "00002.tar").write_bytes(data[:cut])
+    cosmos_latents.run(make_cfg(tmp_path / "d", "source.type=webdataset", f"source.path={src}/{{00000..00002}}.tar",
+                                shard=4))
+    assert "000020000" in read_cache_plain(tmp_path / "d") and "000020001" not in read_cache_plain(tmp_path / "d")
+    assert any(e["reason"].startswith("broken tar: truncated") for e in cf.read_errors(tmp_path / "d"))
 
 
 def test_time_breakdown_names_a_slow_writer(tmp_path, fake_vae, monkeypatch):
