@@ -50,15 +50,15 @@ class PrecomputeConfig:
 
     def validate_paths(self) -> None:
         """Checks that touch the filesystem (kept out of __post_init__ so configs can be built anywhere)."""
+        out = Path(self.output_dir)
+        if out.exists() and not out.is_dir():
+            raise UserError(f"config key 'output_dir': {out} exists and is not a directory")
         if self.source.type == "synthetic":
             return
         if not self.source.path:
             raise UserError(f"config key 'source.path': required for source.type={self.source.type}")
         if self.source.type == "folder" and not Path(self.source.path).is_dir():
             raise UserError(f"config key 'source.path': folder not found: {self.source.path}")
-        out = Path(self.output_dir)
-        if out.exists() and not out.is_dir():
-            raise UserError(f"config key 'output_dir': {out} exists and is not a directory")
 
 
 def load(path: str | None, overrides: list[str] = ()) -> PrecomputeConfig:

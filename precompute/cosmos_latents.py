@@ -187,18 +187,35 @@ def _run_identity(cfg: PrecomputeConfig, fingerprint: dict, num_entries: int) ->
 
 
 def _check_identity(out: Path, identity: dict) -> None:
+    """Refuse an output_dir holding (part of) a cache built otherwise, naming the first field of `identity` (an
+    ordered dict, possibly partial) that differs."""
     path = out / RUN_FILE
     if not path.is_file():
+        if any((out / cf.SHARDS).glob("*.tar")):
+            raise UserError(f"output_dir {out} holds shards but no {RUN_FILE}, so what built them is unknown: use "
+                            "another output_dir or delete it")
         return
     try:
         old = json.loads(path.read_text())
     except ValueError:
-        return  # written atomically, so only a hand-edited file can be broken: rewrite it
-    diff = cf.fingerprint_diff(old, identity)
+        raise UserError(f"output_dir {out}: {RUN_FILE} is unreadable, so what built its shards is unknown: use "
+                        "another output_dir or delete it") from None
+    diff = [f for key in identity for f in cf.fingerprint_diff({key: old.get(key)}, {key: identity[key]})]
     if diff:
         more = f" (and {len(diff) - 1} more: {', '.join(diff[1:4])})" if len(diff) > 1 else ""
         raise UserError(f"output_dir {out} holds a cache built with a different {diff[0]}{more}: "
                         f"use another output_dir or delete it")
+
+
+def _prepare_output(out: Path, cfg: PrecomputeConfig) -> None:
+    """Before listing the source or loading a model: the output_dir can be written, and holds nothing built by
+    another config (a webdataset listing would otherwise be written into another cache's folder)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"config key 'output_dir': cannot create {out} ({e.strerror})") from None
+    src = _run_identity(cfg, {}, 0)
+    _check_identity(out, {k: src[k] for k in ("source", "shard_size", "cache")})
 
 
 def _load_models(cfg: PrecomputeConfig, device: torch.device):
@@ -327,6 +344,7 @@ def run(cfg: PrecomputeConfig) -> dict:
         raise RuntimeError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but accelerate set up a single process")
     rank, world = state.process_index, state.num_processes
     out = Path(cfg.output_dir)
+    _prepare_output(out, cfg)
     t0 = time.time()
     # Collective for webdataset sources: each tar is header-scanned by one process, once per output_dir.
     listing = sources.open_listing(cfg.source.type, cfg.source.path, cfg.source.num_samples, cfg.seed,
@@ -343,8 +361,9 @@ def run(cfg: PrecomputeConfig) -> dict:
     if rank == 0:
         (out / cf.SHARDS).mkdir(parents=True, exist_ok=True)
         (out / ERRORS_DIR).mkdir(parents=True, exist_ok=True)
-        for tmp in [*(out / cf.SHARDS).glob(".*.tmp*"), *(out / sources.INDEX_DIR).glob(".*.tmp*")]:
-            tmp.unlink(missing_ok=True)  # leftovers of a killed run; nobody is writing (listing is over)
+        for folder in (out, out / cf.SHARDS, out / ERRORS_DIR, out / sources.INDEX_DIR):
+            for tmp in folder.glob(".*.tmp*"):
+                tmp.unlink(missing_ok=True)  # leftovers of a killed run; nobody is writing (listing is over)
         if not (out / RUN_FILE).is_file():
             cf.atomic_write_json(out / RUN_FILE, identity)
     state.wait_for_everyone()
@@ -380,6 +399,9 @@ def run(cfg: PrecomputeConfig) -> dict:
         if seconds:
             print("precompute: main loop seconds: " + ", ".join(f"{k.replace('_', ' ')} {v:.1f}"
                                                               for k, v in seconds.items()), flush=True)
+    if not manifest["num_samples"]:  # a cache nothing can train on: say so rather than exit 0
+        raise UserError(f"no usable sample in {cfg.source.type} source: all {len(listing)} inputs failed "
+                        f"(reasons in {out / cf.ERRORS})")
     return {**manifest, "summary": summary}
 
 

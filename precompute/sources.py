@@ -4,7 +4,7 @@ Order (shard i of the cache = entries [i*S, (i+1)*S) of this order, so it must n
   synthetic:  index 0..num_samples-1; key "synthetic-<seed>-<index:08d>" (the index *is* the sample's identity).
   folder:     with captions.jsonl: its lines in file order; key = safe_key(image relative path).
               without: image files sorted by relative path (POSIX, byte order), caption from the same-stem .txt.
-  webdataset: shard files in pattern order (each brace/glob expanded and sorted), samples in tar order;
+  webdataset: shard files in pattern order (braces expanded in order, each glob sorted), samples in tar order;
               key = safe_key(the tar's __key__).
 An entry that is already known to be unusable (bad caption line, missing image or caption, duplicate key) stays in
 the order as an error entry, so each shard's errors are a deterministic function of the source.

@@ -144,6 +144,19 @@ def test_folder_with_txt_captions(tmp_path, fake_vae):
     assert result["num_errors"] == 1 and "missing caption" in cf.read_errors(tmp_path / "c")[0]["reason"]
 
 
+def test_a_source_with_no_usable_sample_is_an_error_that_keeps_its_reasons(tmp_path, capsys, fake_vae):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.png").write_bytes(b"not a png")
+    (src / "a.txt").write_text("caption")
+    (src / "b.png").write_bytes(b"")
+    (src / "b.txt").write_text("caption")
+    assert cosmos_latents.main(cli_args(tmp_path / "c", "source.type=folder", f"source.path={src}")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "no usable sample" in err[-1] and "all 2 inputs failed" in err[-1]
+    assert [e["key"] for e in cf.read_errors(tmp_path / "c")] == ["a_png", "b_png"]
+
+
 def test_webdataset_source(tmp_path, fake_vae):
     import webdataset as wds
 
@@ -205,6 +218,25 @@ def test_user_errors_exit_2(tmp_path, capsys, fake_vae):
     assert cosmos_latents.main(cli_args(out, "image.resize=squash", n=4)) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "fingerprint.image.resize" in err
+    # another source into the same directory: refused before the source is listed or a model loaded
+    wds_dir = tmp_path / "wds"
+    wds_dir.mkdir()
+    (wds_dir / "00000.tar").write_bytes(b"")
+    assert cosmos_latents.main(cli_args(out, "source.type=webdataset", f"source.path={wds_dir}/00000.tar")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "source." in err.split("different ")[1].split(" ")[0], err
+    assert sorted(p.name for p in out.iterdir()) == sorted(["errors", "errors.jsonl", "manifest.json", "precompute.json",
+                                                            "shards"])
+    # an output_dir that is a file, a --set value that is not YAML
+    (tmp_path / "afile").write_text("x")
+    assert cosmos_latents.main(cli_args(tmp_path / "afile", n=4)) == 2
+    assert "output_dir" in capsys.readouterr().err
+    assert cosmos_latents.main(["--set", "seed=[1"]) == 2
+    assert "--set seed" in capsys.readouterr().err
+    # shards whose config is unknown
+    (out / "precompute.json").write_text("{torn")
+    assert cosmos_latents.main(cli_args(out, n=4)) == 2
+    assert "precompute.json is unreadable" in capsys.readouterr().err
 
 
 def _env(**extra) -> dict:
