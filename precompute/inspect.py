@@ -64,9 +64,11 @@ def _check_full_fingerprint(cache: Path, manifest: dict, args) -> None:
     cf.check_fingerprint(manifest["fingerprint"], expected_fingerprint(_config_for(manifest, args)), cache)
 
 
-def _pick(n_total: int, n: int, seed: int) -> list[int]:
+def _pick(n_total: int, n: int, seed: int, flag: str = "--n") -> list[int]:
     if n <= 0:
-        raise UserError(f"--n must be positive, got {n}")
+        raise UserError(f"{flag} must be positive, got {n}")
+    if not n_total:
+        raise UserError("the cache holds no samples (every input failed: see its errors.jsonl)")
     return sorted(random.Random(seed).sample(range(n_total), min(n, n_total)))
 
 
@@ -79,7 +81,7 @@ def summary(cache: Path, args) -> tuple[dict, int, str]:
     _check_full_fingerprint(cache, manifest, args)
     reader = cf.CacheReader(cache, members=(cf.LATENT,))
     n = len(reader)
-    idx = range(n) if n <= args.max_samples else _pick(n, args.max_samples, 0)
+    idx = range(n) if n <= args.max_samples else _pick(n, args.max_samples, 0, "--max-samples")
     total_bytes = sum(s["bytes"] for s in manifest["shards"])
     stats = {}
     if n:
@@ -254,7 +256,22 @@ def _sheet(pairs: list[tuple[torch.Tensor, torch.Tensor]], min_tile: int = 128, 
     return sheet
 
 
+def _writable_image_path(path: str) -> Path:
+    """--out, checked before any decoding: an image format PIL writes, in a folder that exists or can be made."""
+    from PIL import Image
+
+    out = Path(path)
+    if out.suffix.lower() not in Image.registered_extensions():
+        raise UserError(f"--out {out}: unknown image extension {out.suffix!r} (use .png)")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot create its folder ({e.strerror})") from None
+    return out
+
+
 def decode(cache: Path, args) -> tuple[dict, int, str]:
+    out_path = _writable_image_path(args.out)
     manifest = cf.load_manifest(cache)
     vae, cfg = _load_checked_vae(cache, manifest, args)
     dtype = next(vae.parameters()).dtype
@@ -274,8 +291,6 @@ def decode(cache: Path, args) -> tuple[dict, int, str]:
                 pairs.append((orig, r))
                 per_sample.append({"key": s.key, "caption": s.caption, "psnr_db": psnr and round(psnr, 2)})
     reader.close()
-    out_path = Path(args.out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
     _sheet(pairs).save(out_path)
     report = {"cache": str(cache), "n": len(pairs), "out": str(out_path), "samples": per_sample}
     return report, 0, f"decode {cache}: {len(pairs)} samples -> {out_path} (each original left of its reconstruction)"
@@ -324,7 +339,11 @@ COMMANDS = {"summary": summary, "verify": verify, "compare-live": compare_live, 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     cache = Path(args.cache)
-    report, code, text = COMMANDS[args.command](cache, args)
+    try:
+        report, code, text = COMMANDS[args.command](cache, args)
+    except OSError as e:  # a shard missing or cut short: verify reports every problem; the others stop at the first
+        raise UserError(f"{args.command} {cache}: {e} (python -m precompute.inspect verify {cache} checks every "
+                        "shard)") from None
     print(json.dumps(report, indent=1) if args.json else text)
     return code
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from _precompute_helpers import make_cfg, read_cache_plain
+from _precompute_helpers import cli_args, make_cfg, read_cache_plain
 from fake_vae import FakeWanVAE
 from precompute import cosmos_latents, inspect
 from theworld import cache_format as cf
@@ -170,3 +170,31 @@ def test_bad_arguments_exit_2(cache, capsys):
     assert inspect.main(["decode", str(cache), "--n", "2"]) == 2  # --out missing
     assert inspect.main(["summary", str(cache.parent / "nothing")]) == 2
     assert "no cache" in capsys.readouterr().err
+
+
+def test_damaged_cache_and_bad_out_are_one_line_errors(cache, tmp_path, capsys):
+    def one_line_error(argv, *words):
+        assert inspect.main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and all(w in err[0] for w in words), err
+
+    one_line_error(["summary", str(cache), "--max-samples", "0"], "--max-samples")
+    (tmp_path / "afile").write_text("x")
+    one_line_error(["decode", str(cache), "--out", str(tmp_path / "afile" / "x.png")], "--out")
+    one_line_error(["decode", str(cache), "--out", str(tmp_path / "sheet.pngx")], "unknown image extension")
+    shard = cache / "shards" / "shard-000001.tar"
+    shard.write_bytes(shard.read_bytes()[:3000])
+    one_line_error(["summary", str(cache)], "truncated", "inspect verify")
+    shard.unlink()
+    one_line_error(["compare-live", str(cache), "--n", "10"], "shard-000001.tar", "inspect verify")
+
+
+def test_a_cache_without_samples_is_a_one_line_error(tmp_path, fake_vae, capsys):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.png").write_bytes(b"broken")
+    (src / "a.txt").write_text("caption")
+    assert cosmos_latents.main(cli_args(tmp_path / "c", "source.type=folder", f"source.path={src}")) == 2
+    capsys.readouterr()
+    assert inspect.main(["decode", str(tmp_path / "c"), "--out", str(tmp_path / "s.png")]) == 2
+    assert "no samples" in capsys.readouterr().err
