@@ -32,13 +32,6 @@ from theworld import encoders, images
 from theworld.config import cli_parser, to_dict, to_yaml
 from theworld.errors import UserError, cli_entry
 
-RUN_FILE = "precompute.json"  # what this cache is being built from; a rerun must match it
-ERRORS_DIR = "errors"  # per-shard error files, written before the shard's tar, merged into errors.jsonl at the end
-
-
-def error_path(cache_dir: Path, index: int) -> Path:
-    return Path(cache_dir) / ERRORS_DIR / f"{cf.shard_stem(index)}.jsonl"
-
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Worker side: bytes -> uint8 pixels (+ Gemma pixel values), or the reason it failed
@@ -152,7 +145,7 @@ class ShardWriter:
             time.sleep(delay)
         # Errors first: when the shard counts as done, its error file is already in place.
         body = "".join(json.dumps(e, sort_keys=True) + "\n" for e in errors).encode()
-        cf.atomic_write_bytes(error_path(self.cache_dir, index), body)
+        cf.atomic_write_bytes(cf.error_path(self.cache_dir, index), body)
         side = cf.write_shard(self.cache_dir, index, ((s.key, cf.encode_sample(s, self.dtype)) for s in samples))
         self.bytes_written += side["bytes"]
         self.write_seconds += time.perf_counter() - t
@@ -189,16 +182,16 @@ def _run_identity(cfg: PrecomputeConfig, fingerprint: dict, num_entries: int) ->
 def _check_identity(out: Path, identity: dict) -> None:
     """Refuse an output_dir holding (part of) a cache built otherwise, naming the first field of `identity` (an
     ordered dict, possibly partial) that differs."""
-    path = out / RUN_FILE
+    path = out / cf.RUN_FILE
     if not path.is_file():
         if any((out / cf.SHARDS).glob("*.tar")):
-            raise UserError(f"output_dir {out} holds shards but no {RUN_FILE}, so what built them is unknown: use "
+            raise UserError(f"output_dir {out} holds shards but no {cf.RUN_FILE}, so what built them is unknown: use "
                             "another output_dir or delete it")
         return
     try:
         old = json.loads(path.read_text())
     except ValueError:
-        raise UserError(f"output_dir {out}: {RUN_FILE} is unreadable, so what built its shards is unknown: use "
+        raise UserError(f"output_dir {out}: {cf.RUN_FILE} is unreadable, so what built its shards is unknown: use "
                         "another output_dir or delete it") from None
     diff = [f for key in identity for f in cf.fingerprint_diff({key: old.get(key)}, {key: identity[key]})]
     if diff:
@@ -316,10 +309,10 @@ def _finish(cfg: PrecomputeConfig, out: Path, n_shards: int, identity: dict, lat
     sidecars = []
     for i in range(n_shards):
         side = cf.read_sidecar(out, i)
-        if side is None or not error_path(out, i).is_file():
+        if side is None or not cf.error_path(out, i).is_file():
             raise RuntimeError(f"shard {i} is missing after all processes finished")
         sidecars.append(side)
-    errors = b"".join(error_path(out, i).read_bytes() for i in range(n_shards))
+    errors = b"".join(cf.error_path(out, i).read_bytes() for i in range(n_shards))
     cf.atomic_write_bytes(out / cf.ERRORS, errors)
     num_errors = errors.count(b"\n")
     return cf.write_manifest(
@@ -348,7 +341,7 @@ def run(cfg: PrecomputeConfig) -> dict:
     t0 = time.time()
     # Collective for webdataset sources: each tar is header-scanned by one process, once per output_dir.
     listing = sources.open_listing(cfg.source.type, cfg.source.path, cfg.source.num_samples, cfg.seed,
-                                   cfg.source.prompt, index_dir=out / sources.INDEX_DIR, rank=rank, world=world,
+                                   cfg.source.prompt, index_dir=out / cf.INDEX_DIR, rank=rank, world=world,
                                    barrier=state.wait_for_everyone)
     if not len(listing):
         raise UserError(f"config key 'source.path': no samples found in {cfg.source.path}")
@@ -360,15 +353,15 @@ def run(cfg: PrecomputeConfig) -> dict:
     n_shards = math.ceil(len(listing) / cfg.shard_size)
     if rank == 0:
         (out / cf.SHARDS).mkdir(parents=True, exist_ok=True)
-        (out / ERRORS_DIR).mkdir(parents=True, exist_ok=True)
-        for folder in (out, out / cf.SHARDS, out / ERRORS_DIR, out / sources.INDEX_DIR):
+        (out / cf.ERRORS_DIR).mkdir(parents=True, exist_ok=True)
+        for folder in (out, out / cf.SHARDS, out / cf.ERRORS_DIR, out / cf.INDEX_DIR):
             for tmp in folder.glob(".*.tmp*"):
                 tmp.unlink(missing_ok=True)  # leftovers of a killed run; nobody is writing (listing is over)
-        if not (out / RUN_FILE).is_file():
-            cf.atomic_write_json(out / RUN_FILE, identity)
+        if not (out / cf.RUN_FILE).is_file():
+            cf.atomic_write_json(out / cf.RUN_FILE, identity)
     state.wait_for_everyone()
     pending = [i for i in range(rank, n_shards, world)
-               if not (error_path(out, i).is_file() and cf.shard_is_done(out, i))]
+               if not (cf.error_path(out, i).is_file() and cf.shard_is_done(out, i))]
     if pending and (out / cf.MANIFEST).exists():
         (out / cf.MANIFEST).unlink(missing_ok=True)  # a shard went missing: the cache is not complete any more
     t_enc = time.time()

@@ -143,7 +143,7 @@ def _read_tar(path: Path) -> tuple[dict[str, dict[str, bytes]], str | None]:
         with tarfile.open(path, "r:") as tf:
             for m in tf:
                 if m.isfile():
-                    key, _, member = m.name.partition(".")
+                    key, member = cf.split_member(m.name)
                     samples.setdefault(key, {})[member] = tf.extractfile(m).read()
     except (tarfile.TarError, OSError, EOFError) as e:
         return samples, f"unreadable tar: {type(e).__name__}: {e}"

@@ -39,7 +39,6 @@ from theworld.errors import UserError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 WDS_IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp")
-INDEX_DIR = "source-index"  # inside output_dir: per-tar header listings + the global summary (webdataset)
 INDEX_VERSION = 2  # bump when the per-tar listing's content changes, so old listings are rebuilt
 
 

@@ -4,6 +4,9 @@
     <cache_dir>/shards/shard-000000.tar  plain WebDataset shards
     <cache_dir>/shards/shard-000000.json sidecar written after its tar: keys, byte offsets, sha256, count
     <cache_dir>/errors.jsonl             one line per input that could not be used
+    <cache_dir>/errors/shard-000000.jsonl  per-shard errors, written before the shard's tar, merged at the end
+    <cache_dir>/precompute.json          what the cache is being built from: a rerun must match it
+    <cache_dir>/source-index/            the webdataset source's per-tar header listings, kept for reruns
 
 docs/cache-format.md describes the same for readers without this code; keep the two in step.
 """
@@ -30,6 +33,9 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SHARDS = "shards"
 ERRORS = "errors.jsonl"
+ERRORS_DIR = "errors"
+RUN_FILE = "precompute.json"
+INDEX_DIR = "source-index"
 # Member names inside a sample (webdataset: "<key>.<member>").
 LATENT = "latent.safetensors"  # tensors "mean", "logvar": (16, 1, h, w)
 LATENT_FLIP = "latent_flip.safetensors"  # the same for the horizontally flipped image
@@ -188,6 +194,20 @@ def _load_each_and_stack(blobs: list[bytes]) -> dict[str, torch.Tensor]:
 # Shards
 
 
+def member_name(key: str, member: str) -> str:
+    """A sample's member as a tar entry (webdataset: the key is everything before the first dot)."""
+    return f"{key}.{member}"
+
+
+def split_member(name: str) -> tuple[str, str]:
+    key, _, member = name.partition(".")
+    return key, member
+
+
+def error_path(cache_dir: Path, index: int) -> Path:
+    return Path(cache_dir) / ERRORS_DIR / f"{shard_stem(index)}.jsonl"
+
+
 def write_shard(cache_dir: Path, index: int, samples: Iterable[tuple[str, dict[str, bytes]]]) -> dict:
     """Write shard `index` from (key, members) pairs: tar to a temporary name, rename, then its sidecar.
 
@@ -205,7 +225,7 @@ def write_shard(cache_dir: Path, index: int, samples: Iterable[tuple[str, dict[s
                 entry = {"key": key, "members": {}}
                 for name in sorted(members):
                     data = members[name]
-                    info = tarfile.TarInfo(f"{key}.{name}")
+                    info = tarfile.TarInfo(member_name(key, name))
                     info.size, info.mode, info.mtime = len(data), 0o444, 0
                     tf.addfile(info, io.BytesIO(data))
                     padded = -(-len(data) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
