@@ -19,7 +19,6 @@ import queue
 import sys
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -323,18 +322,35 @@ def _finish(cfg: PrecomputeConfig, out: Path, n_shards: int, identity: dict, lat
                "config": to_dict(cfg)})
 
 
-def run(cfg: PrecomputeConfig) -> dict:
-    """Build (or finish) the cache at cfg.output_dir; returns the manifest plus a "summary" of this run."""
+def _process_group():
     from accelerate import PartialState
-    from accelerate.utils import gather_object
 
-    cfg.validate_paths()
     # Without cpu=True, `accelerate launch` on a machine without CUDA starts N processes that each think they are
     # alone (DistributedType.NO) instead of one gloo group.
     use_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes") or not torch.cuda.is_available()
     state = PartialState(cpu=use_cpu)
     if state.num_processes == 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise RuntimeError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but accelerate set up a single process")
+    return state
+
+
+def _claim_output(out: Path, identity: dict) -> None:
+    """Rank 0, once the identity is checked: the folders, no leftovers of a killed run, the identity recorded."""
+    (out / cf.SHARDS).mkdir(parents=True, exist_ok=True)
+    (out / cf.ERRORS_DIR).mkdir(parents=True, exist_ok=True)
+    for folder in (out, out / cf.SHARDS, out / cf.ERRORS_DIR, out / cf.INDEX_DIR):
+        for tmp in folder.glob(".*.tmp*"):
+            tmp.unlink(missing_ok=True)  # nobody is writing: the listing is over, encoding not started
+    if not (out / cf.RUN_FILE).is_file():
+        cf.atomic_write_json(out / cf.RUN_FILE, identity)
+
+
+def run(cfg: PrecomputeConfig) -> dict:
+    """Build (or finish) the cache at cfg.output_dir; returns the manifest plus a "summary" of this run."""
+    from accelerate.utils import gather_object
+
+    cfg.validate_paths()
+    state = _process_group()
     rank, world = state.process_index, state.num_processes
     out = Path(cfg.output_dir)
     _prepare_output(out, cfg)
@@ -352,13 +368,7 @@ def run(cfg: PrecomputeConfig) -> dict:
     _check_identity(out, identity)
     n_shards = math.ceil(len(listing) / cfg.shard_size)
     if rank == 0:
-        (out / cf.SHARDS).mkdir(parents=True, exist_ok=True)
-        (out / cf.ERRORS_DIR).mkdir(parents=True, exist_ok=True)
-        for folder in (out, out / cf.SHARDS, out / cf.ERRORS_DIR, out / cf.INDEX_DIR):
-            for tmp in folder.glob(".*.tmp*"):
-                tmp.unlink(missing_ok=True)  # leftovers of a killed run; nobody is writing (listing is over)
-        if not (out / cf.RUN_FILE).is_file():
-            cf.atomic_write_json(out / cf.RUN_FILE, identity)
+        _claim_output(out, identity)
     state.wait_for_everyone()
     pending = [i for i in range(rank, n_shards, world)
                if not (cf.error_path(out, i).is_file() and cf.shard_is_done(out, i))]
@@ -371,31 +381,32 @@ def run(cfg: PrecomputeConfig) -> dict:
     state.wait_for_everyone()
     elapsed = time.time() - t_enc
     latent_shape = [encoder.vae.config.z_dim, 1, cfg.image.resolution // 8, cfg.image.resolution // 8]
-    manifest = None
     if rank == 0:
-        manifest = _finish(cfg, out, n_shards, identity, latent_shape)
+        _finish(cfg, out, n_shards, identity, latent_shape)
     state.wait_for_everyone()
-    if manifest is None:
-        manifest = cf.load_manifest(out)
-    total_bytes = sum(s["bytes"] for s in manifest["shards"])
+    manifest = cf.load_manifest(out)
     summary = {"samples": manifest["num_samples"], "errors": manifest["num_errors"], "shards": n_shards,
-               "bytes": total_bytes, "encoded_this_run": sum(counts), "processes": world,
-               "encode_seconds": round(elapsed, 3), "total_seconds": round(time.time() - t0, 3),
+               "bytes": sum(s["bytes"] for s in manifest["shards"]), "encoded_this_run": sum(counts),
+               "processes": world, "encode_seconds": round(elapsed, 3), "total_seconds": round(time.time() - t0, 3),
                "images_per_s": round(sum(counts) / elapsed, 1) if elapsed > 0 and sum(counts) else 0.0,
                "seconds_rank0": seconds}
     if state.is_main_process:
-        reasons = Counter(e["reason"].split(":")[0] for e in cf.read_errors(out))
-        print(f"precompute: {summary['samples']} samples, {summary['errors']} errors, {total_bytes / 1e6:.1f} MB in "
-              f"{n_shards} shards ({total_bytes / max(1, summary['samples']) / 1e3:.1f} kB/sample); this run encoded "
-              f"{summary['encoded_this_run']} images in {elapsed:.1f} s = {summary['images_per_s']} images/s on "
-              f"{world} process(es) -> {out}" + (f"; errors: {dict(reasons)}" if reasons else ""), flush=True)
-        if seconds:
-            print("precompute: main loop seconds: " + ", ".join(f"{k.replace('_', ' ')} {v:.1f}"
-                                                              for k, v in seconds.items()), flush=True)
+        _print_summary(summary, out)
     if not manifest["num_samples"]:  # a cache nothing can train on: say so rather than exit 0
         raise UserError(f"no usable sample in {cfg.source.type} source: all {len(listing)} inputs failed "
                         f"(reasons in {out / cf.ERRORS})")
     return {**manifest, "summary": summary}
+
+
+def _print_summary(s: dict, out: Path) -> None:
+    reasons = cf.error_classes(out)
+    print(f"precompute: {s['samples']} samples, {s['errors']} errors, {s['bytes'] / 1e6:.1f} MB in {s['shards']} "
+          f"shards ({s['bytes'] / max(1, s['samples']) / 1e3:.1f} kB/sample); this run encoded {s['encoded_this_run']} "
+          f"images in {s['encode_seconds']:.1f} s = {s['images_per_s']} images/s on {s['processes']} process(es) -> "
+          f"{out}" + (f"; errors: {reasons}" if reasons else ""), flush=True)
+    if s["seconds_rank0"]:
+        print("precompute: main loop seconds: " + ", ".join(f"{k.replace('_', ' ')} {v:.1f}"
+                                                          for k, v in s["seconds_rank0"].items()), flush=True)
 
 
 @cli_entry

@@ -18,7 +18,6 @@ import math
 import random
 import sys
 import tarfile
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -91,7 +90,7 @@ def summary(cache: Path, args) -> tuple[dict, int, str]:
                  "channel_std": [round(v, 5) for v in per_channel.std(1).tolist()],
                  "stats_over_samples": len(idx)}
     reader.close()
-    reasons = Counter(e["reason"].split(":")[0] for e in cf.read_errors(cache))
+    reasons = cf.error_classes(cache)
     report = {"cache": str(cache), "num_samples": manifest["num_samples"], "num_errors": manifest["num_errors"],
               "num_shards": len(manifest["shards"]), "bytes": total_bytes,
               "bytes_per_sample": round(total_bytes / n, 1) if n else None,
@@ -105,7 +104,7 @@ def summary(cache: Path, args) -> tuple[dict, int, str]:
     if stats:
         lines.append("channel mean " + " ".join(f"{v:+.3f}" for v in stats["channel_mean"]))
         lines.append("channel std  " + " ".join(f"{v:.3f}" for v in stats["channel_std"]))
-    lines += [f"errors: {count} x {reason}" for reason, count in reasons.most_common()]
+    lines += [f"errors: {count} x {reason}" for reason, count in reasons.items()]
     return report, 0, "\n".join(lines)
 
 

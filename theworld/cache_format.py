@@ -468,6 +468,15 @@ def read_errors(cache_dir: Path | str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def error_classes(cache_dir: Path | str) -> dict[str, int]:
+    """How many errors of each class (a reason's text before its first colon), most frequent first."""
+    counts: dict[str, int] = {}
+    for e in read_errors(cache_dir):
+        cls = e["reason"].split(":")[0]
+        counts[cls] = counts.get(cls, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
 def image_bytes_hint(data: bytes) -> str | None:
     """Our extension for encoded image bytes (jpg/png/webp), by magic number; None for anything else."""
     if data[:3] == b"\xff\xd8\xff":
