@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import pytest
 
@@ -61,7 +62,20 @@ def test_missing_file_and_bad_yaml(tmp_path):
         load_config(Demo, None, ["world.pool"])
     with pytest.raises(UserError, match="--set model.gemma: value .* is not valid YAML"):
         load_config(Demo, None, ["model.gemma=a: b: c"])
-    assert load_config(Demo, None, ["model.gemma=2024"]).model.gemma == "2024"
+    # a key that takes text gets it as typed; other keys get the YAML value
+    assert [load_config(Demo, None, [f"model.gemma={v}"]).model.gemma for v in ("007", "0x1F", "1e3", "yes")] == \
+        ["007", "0x1F", "1e3", "yes"]
+    cfg = load_config(Demo, None, ["seed=0x1F", "lr=1e3", "freeze.vae=no", "resume=null"])
+    assert (cfg.seed, cfg.lr, cfg.freeze.vae, cfg.resume) == (31, 1000.0, False, None)
+
+
+@dataclass
+class Precision:
+    mixed_precision: Literal["no", "bf16"] = "bf16"
+
+
+def test_a_literal_of_words_takes_yaml_booleans_as_typed():
+    assert load_config(Precision, None, ["mixed_precision=no"]).mixed_precision == "no"
 
 
 def test_hash_is_stable_and_sensitive():

@@ -59,7 +59,26 @@ class FreezeConfig:
 # Loading
 
 
+class _Text:
+    """A `--set` value YAML reads as a number or a bool. A key that takes text gets it as typed (output_dir=007,
+    mixed_precision=no); any other key gets the YAML value."""
+
+    def __init__(self, raw: str, parsed: Any):
+        self.raw, self.parsed = raw, parsed
+
+
+def _takes_text(tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return all(isinstance(c, str) for c in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return any(_takes_text(a) for a in typing.get_args(tp))
+    return tp is str
+
+
 def _check_value(value: Any, tp: Any, key: str) -> Any:
+    if isinstance(value, _Text):
+        value = value.raw if _takes_text(tp) else value.parsed
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
@@ -93,8 +112,6 @@ def _check_value(value: Any, tp: Any, key: str) -> Any:
             return float(value)
         except ValueError:
             pass
-    if tp is str and type(value) is int:  # a path or name of digits (output_dir=2024) reads as a number
-        return str(value)
     if tp in (int, float, str, bool):
         if type(value) is not tp:
             raise UserError(f"config key '{key}': expected {tp.__name__}, got {type(value).__name__} {value!r}")
@@ -117,10 +134,11 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
         raise UserError(f"--set expects key=value, got {text!r}")
     key, raw = text.split("=", 1)
     try:
-        return key.strip().split("."), yaml.safe_load(raw) if raw != "" else ""
+        value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError as e:
         raise UserError(f"--set {key.strip()}: value {raw!r} is not valid YAML ({str(e).splitlines()[0]}); "
                         "quote it") from None
+    return key.strip().split("."), _Text(raw, value) if isinstance(value, (bool, int, float)) else value
 
 
 def _apply_override(data: dict, path: list[str], value: Any) -> None:
