@@ -167,15 +167,19 @@ class ShardWriter:
 # The run
 
 
-def _run_identity(cfg: PrecomputeConfig, fingerprint: dict, num_entries: int) -> dict:
-    """Everything that decides which bytes end up in which shard; a resumed run must agree on all of it."""
+def _layout_identity(cfg: PrecomputeConfig) -> dict:
+    """What decides which source entries go into which shard, and which members they get (known before listing)."""
     src = to_dict(cfg.source)
     if cfg.source.type == "synthetic":
         src.update(path=None, prompt=None, seed=cfg.seed)
     else:
         src.update(num_samples=None)
-    return {"fingerprint": fingerprint, "source": src, "num_entries": num_entries, "shard_size": cfg.shard_size,
-            "cache": to_dict(cfg.cache)}
+    return {"source": src, "shard_size": cfg.shard_size, "cache": to_dict(cfg.cache)}
+
+
+def _run_identity(cfg: PrecomputeConfig, fingerprint: dict, num_entries: int) -> dict:
+    """Everything that decides which bytes end up in which shard; a resumed run must agree on all of it."""
+    return {"fingerprint": fingerprint, **_layout_identity(cfg), "num_entries": num_entries}
 
 
 def _check_identity(out: Path, identity: dict) -> None:
@@ -206,8 +210,7 @@ def _prepare_output(out: Path, cfg: PrecomputeConfig) -> None:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"config key 'output_dir': cannot create {out} ({e.strerror})") from None
-    src = _run_identity(cfg, {}, 0)
-    _check_identity(out, {k: src[k] for k in ("source", "shard_size", "cache")})
+    _check_identity(out, _layout_identity(cfg))
 
 
 def _load_models(cfg: PrecomputeConfig, device: torch.device):

@@ -340,9 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     cache = Path(args.cache)
     try:
         report, code, text = COMMANDS[args.command](cache, args)
-    except OSError as e:  # a shard missing or cut short: verify reports every problem; the others stop at the first
-        raise UserError(f"{args.command} {cache}: {e} (python -m precompute.inspect verify {cache} checks every "
-                        "shard)") from None
+    except OSError as e:  # most often a shard missing or cut short: verify reports every problem, the rest stop
+        raise UserError(f"{args.command} {cache}: {e} (if the cache is damaged, python -m precompute.inspect verify "
+                        f"{cache} checks every shard)") from None
     print(json.dumps(report, indent=1) if args.json else text)
     return code
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -187,22 +188,43 @@ def test_an_output_dir_holding_another_run_is_protected_and_a_killed_save_is_cle
     assert len(err) == 1 and "'resume'" in err[0] and "checkpoint-2" in err[0], err
     assert train_inproc(args(4, resume=out / "checkpoint-1")) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "older than checkpoint-2" in err[0], err
+    assert len(err) == 1 and "not the newest checkpoint" in err[0] and "checkpoint-2" in err[0], err
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
-    # killed while saving: an unfinished checkpoint, final/ moved aside for its replacement, a half-written log line
+    # any folder holding a checkpoint can be continued into an empty output_dir (a branch)
+    branch = tmp_path / "renamed-checkpoint"
+    shutil.copytree(out / "checkpoint-1", branch)
+    assert train_inproc(base_args(cache, tmp_path / "branch", steps=2, resume=branch)) == 0
+    assert "resumed from" in capsys.readouterr().err
+    # killed while saving: an unfinished checkpoint and a half-written log line
     (out / ".tmp-checkpoint-3-999").mkdir()
     (out / ".tmp-checkpoint-3-999" / "trainable.safetensors").write_bytes(b"partial")
-    os.replace(out / "final", out / ".old-final-999")
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"step": 3, "lo')
-    assert train_inproc(args(3)) == 0
+    assert train_inproc(args(3, **{"train.eval_every": 2})) == 0
     assert "removed" in capsys.readouterr().err
-    assert not list(out.glob(".tmp-*")) and not list(out.glob(".old-*")) and (out / "final").is_dir()
+    assert not list(out.glob(".tmp-*")) and (out / "final").is_dir()
     assert [m["step"] for m in metrics(out) if "loss" in m] == [1, 2, 3]
-    # rerunning a finished run rewrites nothing but final/
+    # rerunning a finished run rewrites no checkpoint and logs no second eval
     written = (out / "checkpoint-3" / "state.json").stat().st_mtime_ns
-    assert train_inproc(args(3)) == 0
+    evals = [m["step"] for m in metrics(out) if "eval_loss" in m]
+    assert evals[-1] == 3
+    assert train_inproc(args(3, **{"train.eval_every": 2})) == 0
     assert (out / "checkpoint-3" / "state.json").stat().st_mtime_ns == written
+    assert [m["step"] for m in metrics(out) if "eval_loss" in m] == evals
+
+
+def test_remove_partial_restores_a_folder_moved_aside_and_deletes_unfinished_writes(tmp_path):
+    from train.checkpoint import remove_partial
+
+    for name in (".old-final-17", ".tmp-final-17", ".tmp-checkpoint-4-18", ".old-checkpoint-2-19", "checkpoint-2"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "marker").write_text(name)
+    removed = remove_partial(tmp_path)
+    # final/ never arrived: the old one goes back; checkpoint-2 did arrive: the old copy goes
+    assert (tmp_path / "final" / "marker").read_text() == ".old-final-17"
+    assert (tmp_path / "checkpoint-2" / "marker").read_text() == "checkpoint-2"
+    assert sorted(p.name for p in removed) == [".old-checkpoint-2-19", ".tmp-checkpoint-4-18", ".tmp-final-17"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "final"]
 
 
 def test_damaged_weights_and_a_too_short_max_length_are_one_line_errors(cache, tmp_path, capsys):
@@ -219,7 +241,7 @@ def test_damaged_weights_and_a_too_short_max_length_are_one_line_errors(cache, t
     assert train_inproc(base_args(cache, out, steps=1, **{"train.save_every": 1})) == 0
     (out / "checkpoint-1" / "optimizer.pt").write_bytes(b"torn")
     capsys.readouterr()
-    one_line_error(base_args(cache, out, steps=2), "optimizer.pt", "earlier checkpoint")
+    one_line_error(base_args(cache, out, steps=2), "optimizer.pt", "the one before it")
 
 
 def test_eval_samples_0_runs_no_eval_and_1_is_refused(cache, tmp_path, capsys):

@@ -285,7 +285,8 @@ def make_fingerprint(*, vae_model: str, vae, vae_dtype: str, resolution: int, re
             raise ValueError("a SigLIP fingerprint needs the image processor")
         fp["siglip"] = {"model": gemma_model, "config": config_digest(gemma.config.vision_config.to_dict()),
                         "weights": weights_hash(vision), "dtype": str(gemma.dtype).removeprefix("torch."),
-                        "image_processor": config_digest(image_processor.to_dict())}
+                        "image_processor": config_digest({k: v for k, v in image_processor.to_dict().items()
+                                                          if k not in ("image_processor_type", "processor_class")})}
     return fp
 
 

@@ -43,13 +43,9 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def step_of(checkpoint: Path) -> int:
-    return int(CKPT_RE.match(checkpoint.name).group(1))
-
-
 def resolve_resume(cfg) -> Path | None:
-    """The checkpoint to continue, or None for a fresh start. A run never writes into an output_dir that holds a
-    later point of another run: its checkpoints would interleave with those and keep_last would delete its own."""
+    """The checkpoint to continue, or None for a fresh start. A run never writes into an output_dir that holds
+    checkpoints it does not continue: they would interleave with its own, and keep_last would delete some."""
     ckpts = list_checkpoints(cfg.output_dir)
     if cfg.resume == "auto":
         return ckpts[-1] if ckpts else None
@@ -60,11 +56,11 @@ def resolve_resume(cfg) -> Path | None:
                             "output_dir")
         return None
     p = Path(cfg.resume)
-    if not (p / STATE).is_file() or not CKPT_RE.match(p.name):
-        raise UserError(f"config key 'resume': {p} is not a checkpoint folder (checkpoint-<step> with {STATE})")
-    if ckpts and step_of(ckpts[-1]) > step_of(p):
-        raise UserError(f"config key 'resume': {p.name} is older than {ckpts[-1].name} in output_dir "
-                        f"{cfg.output_dir}; continuing it there would mix two runs: use another output_dir")
+    if not (p / STATE).is_file():
+        raise UserError(f"config key 'resume': {p} is not a checkpoint (no {STATE})")
+    if ckpts and p.resolve() != ckpts[-1].resolve():
+        raise UserError(f"config key 'resume': {p} is not the newest checkpoint of output_dir {cfg.output_dir} "
+                        f"({ckpts[-1].name}); continuing it there would mix two runs: use another output_dir")
     return p
 
 
@@ -171,8 +167,8 @@ def _read(path: Path, reader):
     try:
         return reader(path)
     except Exception as e:  # a damaged checkpoint is a one-line error that says which file and what to do
-        raise UserError(f"resume: cannot read {path} ({type(e).__name__}: {str(e)[:200]}); resume from an earlier "
-                        "checkpoint with resume: PATH, or delete this one") from e
+        raise UserError(f"resume: cannot read {path} ({type(e).__name__}: {str(e)[:200]}); move this checkpoint "
+                        "out of output_dir and resume: auto takes the one before it") from e
 
 
 MODEL_CARD = """# TheWorld: {name}

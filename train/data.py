@@ -147,6 +147,11 @@ def steps_per_epoch(num_train: int, global_batch: int) -> int:
     return num_train // global_batch
 
 
+def rank_offset(global_batch: int, rank: int, world_size: int) -> int:
+    """Where process `rank`'s contiguous slice of a global batch starts."""
+    return rank * (global_batch // world_size)
+
+
 def rank_indices(train_indices: list[int], seed: int, epoch: int, global_batch: int, rank: int, world_size: int,
                  start_batch: int = 0) -> list[int]:
     """This process's samples for global batches [start_batch, end of epoch) of `epoch`, in consumption order."""
@@ -154,7 +159,7 @@ def rank_indices(train_indices: list[int], seed: int, epoch: int, global_batch: 
     per_rank = global_batch // world_size
     out = []
     for b in range(start_batch, len(order) // global_batch):
-        lo = b * global_batch + rank * per_rank
+        lo = b * global_batch + rank_offset(global_batch, rank, world_size)
         out += order[lo:lo + per_rank]
     return out
 

@@ -27,7 +27,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # everything checkable without a model is checked before loading one
     reader, plan = data.open_cache(cfg)
-    resume_from = checkpoint.resolve_resume(cfg)
     if cfg.init_from:
         checkpoint.resolve_weights(cfg.init_from)
     if cfg.train.cpu_threads:
@@ -35,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     acc = optim.make_accelerator(cfg)
     per_epoch = data.check_sizes(cfg, len(reader), acc.num_processes)
     accum = accumulation_steps(cfg, acc.num_processes)
+    removed = checkpoint.remove_partial(cfg.output_dir) if acc.is_main_process else []  # before choosing where to
+    acc.wait_for_everyone()  # resume: a folder a killed save had moved aside may come back
+    resume_from = checkpoint.resolve_resume(cfg)
     reports = []
     c = optim.build(cfg, acc, accum, (lambda m: reports.append(checkpoint.init_from(m, cfg.init_from)))
                     if cfg.init_from else None)
@@ -43,9 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     state = _restore(c, resume_from)
     m = Metrics(acc, cfg.output_dir, {**to_dict(cfg), "run_hash": run_hash(cfg)}, state.step, cfg.train.max_steps,
                 cfg.trackers)
-    if acc.is_main_process:
-        for p in checkpoint.remove_partial(cfg.output_dir):
-            m.message(f"removed {p}, an unfinished save of a killed run")
+    for p in removed:
+        m.message(f"removed {p}, an unfinished save of a killed run")
     for r in reports:
         m.message(checkpoint.describe_init(cfg.init_from, r))
     m.message(f"{'resumed from ' + str(resume_from) if resume_from else 'fresh start'} at step {state.step}; "
@@ -58,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def run_eval():
         if eval_loader is not None:
-            state.last_eval = evaluate(c, eval_loader)
-            m.log({"step": state.step, **state.last_eval})
+            state.last_eval = {"step": state.step, **evaluate(c, eval_loader)}
+            m.log(state.last_eval)
 
     def save():
         acc.wait_for_everyone()
@@ -92,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                 if state.step % cfg.train.log_every == 0 or state.step == cfg.train.max_steps:
                     m.log({"step": state.step, **window.flush(cfg.train.global_batch_size),
                            "nonfinite_total": state.nonfinite_steps, "epoch": epoch})
-                if cfg.train.eval_every and state.step % cfg.train.eval_every == 0:
+                # the last step's eval comes before its save, so the checkpoint holds it
+                if cfg.train.eval_every and state.step % cfg.train.eval_every == 0 or state.step == cfg.train.max_steps:
                     run_eval()
                 if state.step % cfg.train.save_every == 0:
                     save()
@@ -100,9 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         m.close()
         print(f"error: {e}", file=sys.stderr)
         return 3
-    if state.last_eval is None or not cfg.train.eval_every or state.step % cfg.train.eval_every:
+    if state.last_eval is None or state.last_eval.get("step") != state.step:  # a checkpoint saved before its eval
         run_eval()
-    if window.steps_run and state.step % cfg.train.save_every:  # (a rerun of a finished run has its checkpoint)
+    if window.steps_run and state.step % cfg.train.save_every:  # (a finished run's rerun has its checkpoint)
         save()
     if acc.is_main_process:
         final = checkpoint.export_final(c, state, to_yaml(cfg), cfg.output_dir)

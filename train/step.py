@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from train.data import WORLD_KEYS, Batch, _seed
+from train.data import WORLD_KEYS, Batch, _seed, rank_offset
 
 
 class NonFiniteError(RuntimeError):
@@ -61,7 +61,7 @@ def optimization_step(c, state: LoopState, micro_batches: list[Batch]) -> dict:
     lr = cfg.train.lr * c.lr_fn(state.step)
     for g in c.optimizer.param_groups:
         g["lr"] = lr
-    first = c.rank * (cfg.train.global_batch_size // c.world_size)  # this process's slice of the global batch
+    first = rank_offset(cfg.train.global_batch_size, c.rank, c.world_size)  # a sample's position in the global batch
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     for i, mb in enumerate(micro_batches):
         inputs = mb.to(device)
