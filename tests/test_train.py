@@ -244,6 +244,33 @@ def test_damaged_weights_and_a_too_short_max_length_are_one_line_errors(cache, t
     one_line_error(base_args(cache, out, steps=2), "optimizer.pt", "the one before it")
 
 
+def test_a_prompt_too_long_met_inside_a_loader_worker_is_one_line(cache, tmp_path, monkeypatch, capsys):
+    """DataContext.build checks the first sample before training; a longer prompt met later, inside a worker, still
+    ends as one line naming the key (not the worker's traceback)."""
+    from theworld import text
+    from train import data
+
+    armed = {"on": False}
+    label, build = text.ChatFormatter._label, data.DataContext.build
+
+    def long_prompt(self, prompt, full):
+        if armed["on"]:
+            raise text.PromptTooLong("prompt alone is 999 tokens, over max_length 900")
+        return label(self, prompt, full)
+
+    def build_then_arm(*a, **kw):
+        ctx = build(*a, **kw)
+        armed["on"] = True  # the forked loader workers inherit it
+        return ctx
+
+    monkeypatch.setattr(text.ChatFormatter, "_label", long_prompt)
+    monkeypatch.setattr(data.DataContext, "build", build_then_arm)
+    assert train_inproc(base_args(cache, tmp_path / "run", **{"train.num_workers": 1})) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "error: config key 'train.max_length': prompt alone is 999 tokens, over max_length 900", err
+    assert not any("Traceback" in line for line in err)
+
+
 def test_eval_samples_0_runs_no_eval_and_1_is_refused(cache, tmp_path, capsys):
     assert train_inproc(base_args(cache, tmp_path / "a", steps=2, **{"train.eval_samples": 0,
                                                                     "train.eval_every": 1})) == 0

@@ -22,7 +22,10 @@ def cli_entry(main: Callable[[list[str] | None], int | None]) -> Callable[[list[
         try:
             return int(main(argv) or 0)
         except UserError as e:
-            print(f"error: {e}", file=sys.stderr)
+            msg = str(e)
+            if "Original Traceback" in msg:  # raised in a DataLoader worker: its last line is the error itself
+                msg = msg.strip().splitlines()[-1].split(": ", 1)[-1]
+            print(f"error: {msg}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)

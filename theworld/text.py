@@ -14,6 +14,10 @@ import torch
 IGNORE = -100
 
 
+class PromptTooLong(ValueError):
+    """The prompt alone fills max_length: nothing of the answer could be supervised."""
+
+
 @dataclass
 class Encoded:
     input_ids: list[int]
@@ -157,7 +161,7 @@ class ChatFormatter:
             # Keep the end-of-turn as the last supervised token so a truncated answer still teaches when to stop.
             keep = self.max_length
             if keep <= len(prefix):
-                raise ValueError(f"prompt alone is {len(prefix)} tokens, over max_length {self.max_length}")
+                raise PromptTooLong(f"prompt alone is {len(prefix)} tokens, over max_length {self.max_length}")
             full, labels = full[:keep], labels[:keep]
             full[-1] = labels[-1] = self.end_of_turn_id
         return Encoded(full, labels)

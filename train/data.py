@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset
 from theworld import cache_format as cf
 from theworld.errors import UserError
 from theworld.images import decode, load_for_vae
-from theworld.text import IGNORE, ChatFormatter, collate_text
+from theworld.text import IGNORE, ChatFormatter, PromptTooLong, collate_text
 
 
 def _seed(*parts) -> int:
@@ -282,7 +282,11 @@ class Collate:
         self.formatter = formatter
 
     def __call__(self, items: list[dict]) -> Batch:
-        batch = collate_text(self.formatter.encode_many([it["text"] for it in items]), self.formatter.pad_id)
+        try:
+            encoded = self.formatter.encode_many([it["text"] for it in items])
+        except PromptTooLong as e:  # DataContext.build checks one sample; another prompt may be longer
+            raise UserError(f"config key 'train.max_length': {e}") from None
+        batch = collate_text(encoded, self.formatter.pad_id)
         for k in items[0]:
             if k in self.CACHED:
                 stacked = cf.load_stacked([it[k] for it in items])
@@ -310,9 +314,9 @@ class DataContext:
         train, held = split(reader, cfg.train.eval_samples)
         formatter = ChatFormatter(processor, max_length=cfg.train.max_length or None)
         first = cf.decode_sample(reader.key(train[0]), reader.raw(train[0]), tensors=False)
-        try:  # here rather than as a traceback from inside a loader worker
+        try:  # here, before any loader worker starts
             formatter.encode(first.prompt, first.caption)
-        except ValueError as e:
+        except PromptTooLong as e:
             raise UserError(f"config key 'train.max_length': {e} (sample {first.key})") from e
         return cls(reader, plan, formatter, processor.image_processor, train, held)
 

@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         m.close()
         print(f"error: {e}", file=sys.stderr)
         return 3
+    except BaseException:
+        m.close()  # the progress bar ends its line before the error is printed
+        raise
     if state.last_eval is None or state.last_eval.get("step") != state.step:  # a checkpoint saved before its eval
         run_eval()
     if window.steps_run and state.step % cfg.train.save_every:  # (a finished run's rerun has its checkpoint)
