@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
                     m.log({"step": state.step, **window.flush(cfg.train.global_batch_size),
                            "nonfinite_total": state.nonfinite_steps, "epoch": epoch})
                 # the last step's eval comes before its save, so the checkpoint holds it
-                if cfg.train.eval_every and state.step % cfg.train.eval_every == 0 or state.step == cfg.train.max_steps:
+                last = state.step == cfg.train.max_steps
+                if last or (cfg.train.eval_every and state.step % cfg.train.eval_every == 0):
                     run_eval()
                 if state.step % cfg.train.save_every == 0:
                     save()
