@@ -65,12 +65,7 @@ def load_bytes(entry: Entry, resolution: int) -> bytes:
     if kind == "file":
         return Path(entry.loc[1]).read_bytes()
     _, path, offset, size = entry.loc
-    with open(path, "rb") as f:
-        f.seek(offset)
-        data = f.read(size)
-    if len(data) != size:
-        raise OSError(f"truncated tar member ({len(data)} of {size} bytes)")
-    return data
+    return read_member(path, (offset, size))
 
 
 def read_member(path: str, loc: tuple[int, int] | None) -> bytes | None:

@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import tarfile
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -471,11 +472,7 @@ def read_errors(cache_dir: Path | str) -> list[dict]:
 
 def error_classes(cache_dir: Path | str) -> dict[str, int]:
     """How many errors of each class (a reason's text before its first colon), most frequent first."""
-    counts: dict[str, int] = {}
-    for e in read_errors(cache_dir):
-        cls = e["reason"].split(":")[0]
-        counts[cls] = counts.get(cls, 0) + 1
-    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+    return dict(Counter(e["reason"].split(":")[0] for e in read_errors(cache_dir)).most_common())
 
 
 def image_bytes_hint(data: bytes) -> str | None:

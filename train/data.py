@@ -117,11 +117,16 @@ def verify_fingerprint(cfg, model, processor, reader: cf.CacheReader, plan: Inpu
 def split(reader: cf.CacheReader, eval_samples: int) -> tuple[list[int], list[int]]:
     """(train indices, eval indices): the eval_samples keys with the smallest sha256 are held out."""
     n = len(reader)
-    if eval_samples >= n:
-        raise UserError(f"config key 'train.eval_samples': {eval_samples} leaves nothing to train on ({n} samples)")
+    _check_held_out(eval_samples, n)
     ranked = sorted(range(n), key=lambda i: hashlib.sha256(reader.key(i).encode()).digest())
     held = set(ranked[:eval_samples])
     return [i for i in range(n) if i not in held], sorted(held, key=lambda i: reader.key(i))
+
+
+def _check_held_out(eval_samples: int, num_samples: int) -> None:
+    if eval_samples >= num_samples:
+        raise UserError(f"config key 'train.eval_samples': {eval_samples} leaves nothing to train on "
+                        f"({num_samples} samples)")
 
 
 def epoch_order(train_indices: list[int], seed: int, epoch: int) -> list[int]:
@@ -132,8 +137,7 @@ def epoch_order(train_indices: list[int], seed: int, epoch: int) -> list[int]:
 def check_sizes(cfg, num_samples: int, world_size: int) -> int:
     """Steps per epoch from the cache's size alone (before any model loads), or a one-line error naming the key."""
     n_eval = cfg.train.eval_samples
-    if n_eval >= num_samples:
-        raise UserError(f"config key 'train.eval_samples': {n_eval} leaves nothing to train on ({num_samples} samples)")
+    _check_held_out(n_eval, num_samples)
     if 0 < n_eval < 2 * world_size:  # eval shuffles world latents across the samples of a batch: 2 per process
         raise UserError(f"config key 'train.eval_samples': {n_eval} is too few for {world_size} process(es): use 0 "
                         f"(no eval) or at least {2 * world_size}")
@@ -267,10 +271,6 @@ def _byte_buffer(nbytes: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(new_shared(nbytes))
 
 
-# batch keys that carry a sample's world (eval's shuffled-world loss permutes them across the batch)
-WORLD_KEYS = ("latent_mean", "latent_logvar", "images")
-
-
 class Collate:
     """List of samples -> one packed Batch: tokenised and padded text, the cached tensors decoded together, stacked
     pixels, the answer-token count."""
@@ -282,11 +282,7 @@ class Collate:
         self.formatter = formatter
 
     def __call__(self, items: list[dict]) -> Batch:
-        try:
-            encoded = self.formatter.encode_many([it["text"] for it in items])
-        except PromptTooLong as e:  # DataContext.build checks one sample; another prompt may be longer
-            raise UserError(f"config key 'train.max_length': {e}") from None
-        batch = collate_text(encoded, self.formatter.pad_id)
+        batch = collate_text(_encode(self.formatter, [it["text"] for it in items]), self.formatter.pad_id)
         for k in items[0]:
             if k in self.CACHED:
                 stacked = cf.load_stacked([it[k] for it in items])
@@ -296,6 +292,17 @@ class Collate:
             elif k != "text":
                 batch[k] = torch.stack([it[k] for it in items])
         return Batch(batch, num_tokens=int((batch["labels"][:, 1:] != IGNORE).sum()))
+
+
+# batch keys that carry a sample's world (eval's shuffled-world loss permutes them across the batch)
+WORLD_KEYS = (*Collate.CACHED[cf.LATENT].values(), "images")
+
+
+def _encode(formatter: ChatFormatter, pairs: list[tuple[str, str]]) -> list:
+    try:
+        return formatter.encode_many(pairs)
+    except PromptTooLong as e:  # in a loader worker too: cli_entry prints the error's own line
+        raise UserError(f"config key 'train.max_length': {e}") from None
 
 
 @dataclass
@@ -314,10 +321,7 @@ class DataContext:
         train, held = split(reader, cfg.train.eval_samples)
         formatter = ChatFormatter(processor, max_length=cfg.train.max_length or None)
         first = cf.decode_sample(reader.key(train[0]), reader.raw(train[0]), tensors=False)
-        try:  # here, before any loader worker starts
-            formatter.encode(first.prompt, first.caption)
-        except PromptTooLong as e:
-            raise UserError(f"config key 'train.max_length': {e} (sample {first.key})") from e
+        _encode(formatter, [(first.prompt, first.caption)])  # a prompt over max_length: an error before any worker
         return cls(reader, plan, formatter, processor.image_processor, train, held)
 
     def dataset(self, cfg, indices: list[int], epoch: int, flip: bool | None = None) -> CacheDataset:
