@@ -59,17 +59,17 @@ def _real_vae(path: Path) -> str:
     return str(path)
 
 
-def _config(case: str, work: Path, n: int) -> PrecomputeConfig:
+def _config(case: str, work: Path, n: int, workers: int = 0) -> PrecomputeConfig:
     common = dict(model=ModelConfig(gemma="tiny", vae="tiny", dtype="float32"), shard_size=128, num_workers=1)
     if case == "real512":
         if not torch.cuda.is_available():
             raise SystemExit("error: case real512 needs a CUDA GPU")
         _jpeg_folder(work / "jpegs512", n)
-        workers = min(8, os.cpu_count() or 1)
+        workers = workers or min(8, os.cpu_count() or 1)
         return PrecomputeConfig(model=ModelConfig(gemma="tiny", vae=_real_vae(work / "vae-real"), dtype="bfloat16"),
                                 image=ImageConfig(resolution=512), output_dir=str(work / "cache-real512"),
                                 source=SourceConfig(type="folder", path=str(work / "jpegs512")), shard_size=256,
-                                batch_size=32, num_workers=workers)
+                                batch_size=32, num_workers=workers, compile=True)
     if case == "tiny":
         return PrecomputeConfig(**common, image=ImageConfig(resolution=64), output_dir=str(work / "cache-tiny"),
                                 source=SourceConfig(type="synthetic", num_samples=n), batch_size=64)
@@ -86,14 +86,15 @@ def _timed(fn, *args) -> tuple[float, object]:
     return time.perf_counter() - t, out
 
 
-def bench_case(case: str, work: Path, n: int) -> dict:
-    cfg = _config(case, work, n)
+def bench_case(case: str, work: Path, n: int, workers: int = 0) -> dict:
+    cfg = _config(case, work, n, workers)
     entries = list_entries(cfg.source.type, cfg.source.path, cfg.source.num_samples, cfg.seed, cfg.source.prompt)
     dataset = EntryDataset(entries, cfg)
     # Host work of one worker: decode + resize, in this process, image by image.
     t_prep, items = _timed(lambda: [dataset[i] for i in range(len(entries))])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     encoder = encoders.WorldEncoder(encoders.load_vae(cfg.model.vae, cfg.model.dtype)).to(device).eval()
+    encoder.optimize_for_inference(channels_last=device.type == "cuda", compile=cfg.compile)  # as run() does
     # Encode-only: the pixels already sit on the device, so this is the encoder's own speed.
     pixels = torch.stack([it["pixels"] for it in items]).to(device)
     with torch.no_grad():
@@ -166,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--n", type=int, default=1024, help="images per case (jpeg256 uses n/16: its encoder is 60x slower)")
     p.add_argument("--cases", default="tiny,jpeg256")
+    p.add_argument("--workers", type=int, default=0, help="decode workers of real512 (0: min(8, CPU count))")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads for the encoder (0: torch's default). On a small CPU the decode workers share "
                         "the cores with the encoder; --threads 1 with one worker gives each its own core")
@@ -177,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for case in args.cases.split(","):
-            rows.append(bench_case(case, work, args.n if case in ("tiny", "real512") else max(8, args.n // 16)))
+            rows.append(bench_case(case, work, args.n if case in ("tiny", "real512") else max(8, args.n // 16),
+                                   args.workers))
             if not args.json:
                 print(json.dumps(rows[-1]), flush=True)
         rows.append(bench_draft_decode())

@@ -80,14 +80,17 @@ def test_siglip_features_match_gemma(tmp_path, fake_vae):
         torch.testing.assert_close(feats, want, rtol=1e-5, atol=1e-5)
 
 
-def test_cached_latents_equal_direct_wan_encode(tmp_path):
-    """The real (tiny) AutoencoderKLWan, float32: cache == AutoencoderKLWan.encode of the same image in [-1, 1]."""
+@pytest.mark.parametrize("compile", [False, True])
+def test_cached_latents_equal_direct_wan_encode(tmp_path, compile):
+    """The real (tiny) AutoencoderKLWan, float32: cache == AutoencoderKLWan.encode of the same image in [-1, 1],
+    also through the compiled encoder, whose last batch (2 of 4) is padded to the compiled shape."""
     from diffusers import AutoencoderKLWan
 
     from theworld import tiny
 
     out = tmp_path / "c"
-    cosmos_latents.run(make_cfg(out, n=4, shard=4, res=32))
+    result = cosmos_latents.run(make_cfg(out, f"compile={str(compile).lower()}", n=6, shard=6, res=32))
+    assert result["num_samples"] == 6 and (result["summary"]["compile_seconds"] > 0) == compile
     vae = AutoencoderKLWan.from_pretrained(tiny.ensure(tiny.TINY_VAE_DIR), torch_dtype=torch.float32).eval()
     samples = read_cache_plain(out)
     pixels = torch.stack([images.load_for_vae(m["png"], 32)[0] for m in samples.values()])
@@ -95,8 +98,8 @@ def test_cached_latents_equal_direct_wan_encode(tmp_path):
         dist = vae.encode((pixels.float() / 127.5 - 1.0).unsqueeze(2)).latent_dist
     for j, m in enumerate(samples.values()):
         t = st_load(m["latent.safetensors"])
-        torch.testing.assert_close(t["mean"], dist.mean[j], rtol=0, atol=1e-5)
-        torch.testing.assert_close(t["logvar"], dist.logvar[j], rtol=0, atol=1e-5)
+        torch.testing.assert_close(t["mean"], dist.mean[j], rtol=0, atol=1e-4 if compile else 1e-5)
+        torch.testing.assert_close(t["logvar"], dist.logvar[j], rtol=0, atol=1e-4 if compile else 1e-5)
 
 
 def test_folder_with_corrupt_and_unusual_images(tmp_path, fake_vae):

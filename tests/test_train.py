@@ -466,3 +466,20 @@ def test_flipped_samples_get_the_flipped_latents_and_swapped_text(cache, tmp_pat
         prompt = data.swap_left_right(s.prompt) if flipped else s.prompt
         expected = ctx.formatter.encode(prompt, caption).input_ids
         assert batch["input_ids"][row, :len(expected)].tolist() == expected
+
+
+def test_train_attention_sets_the_language_models_kernel_only():
+    from theworld.config import load_config
+    from theworld.errors import UserError
+    from train.bench_real import TINY, build_gemma
+    from train.config import TrainConfig
+    from train.optim import set_language_attention
+
+    gemma = build_gemma(TINY, torch.device("cpu"), "eager")  # goes through set_language_attention
+    assert gemma.model.language_model.config._attn_implementation == "eager"
+    assert gemma.model.vision_tower.config._attn_implementation == "sdpa"
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="train.attention.*CUDA"):
+            set_language_attention(gemma, "flex_attention")
+    with pytest.raises(UserError, match="train.attention"):
+        load_config(TrainConfig, None, ["train.attention=flash"])

@@ -17,10 +17,12 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 from theworld.encoders import WorldEncoder, _quiet_hf
 from theworld.model import TheWorld, compile_language_layers
 from theworld.projector import WorldProjector
+from train.optim import set_language_attention
 
 REAL = {"text": dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
                      num_key_value_heads=4, head_dim=256, sliding_window=1024, vocab_size=262208,
@@ -39,7 +41,7 @@ TEXT_TOKENS = 64  # prompt + chat template around the image, plus a caption of ~
 ANSWER_TOKENS = 32
 
 
-def build_gemma(sizes: dict, device: torch.device):
+def build_gemma(sizes: dict, device: torch.device, attn: str = "sdpa"):
     """Gemma 3 at `sizes` with random weights, frozen, in bf16 (built once; every row shares it)."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
 
@@ -52,6 +54,7 @@ def build_gemma(sizes: dict, device: torch.device):
                        boi_token_index=vocab - 3, eoi_token_index=vocab - 2, image_token_index=vocab - 1)
     with torch.device(device):
         gemma = Gemma3ForConditionalGeneration(cfg).to(torch.bfloat16).eval()
+    set_language_attention(gemma, attn)
     return gemma.requires_grad_(False)
 
 
@@ -126,7 +129,8 @@ def step_row(sizes: dict, gemma, pool: int, ckpt: bool, micro: int, steps: int, 
     seq = x["input_ids"].shape[1] + world
     flops = 2 * lm_flops(sizes, seq) * micro
     row = {"case": "stage1_step", "pool": pool, "world_tokens": world - 2, "seq_len": seq,
-           "gradient_checkpointing": ckpt, "compiled": compiled, "micro_batch": micro, "step_ms": round(1000 * step_s, 1),
+           "gradient_checkpointing": ckpt, "compiled": compiled, "attn": gemma.config.text_config._attn_implementation,
+           "micro_batch": micro, "step_ms": round(1000 * step_s, 1),
            "samples_per_s": round(micro / step_s, 2), "tflops_per_s": round(flops / step_s / 1e12, 1)}
     if device.type == "cuda":
         row["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
@@ -139,22 +143,58 @@ def step_row(sizes: dict, gemma, pool: int, ckpt: bool, micro: int, steps: int, 
 
 
 @torch.no_grad()
-def vae_row(sizes: dict, batch_size: int, steps: int, device: torch.device) -> dict:
+def vae_rows(sizes: dict, batch_size: int, steps: int, device: torch.device) -> list[dict]:
+    """The VAE encoder as precompute runs it: eager, with channels-last conv weights (GPU), and compiled as well
+    (precompute's `compile: true`); each row's max deviation from the eager output."""
     from diffusers import AutoencoderKLWan
 
     with torch.device(device):
         enc = WorldEncoder(AutoencoderKLWan(**sizes["vae"]).to(torch.bfloat16).eval())
     r = sizes["resolution"]
-    pixels = torch.randint(0, 256, (batch_size, 3, r, r), dtype=torch.uint8, device=device)
-    enc(pixels)
-    _sync(device)
-    t = time.perf_counter()
-    for _ in range(steps):
-        enc(pixels)
-    _sync(device)
-    dt = (time.perf_counter() - t) / steps
-    return {"case": "precompute_vae_encode", "resolution": r, "batch": batch_size, "dtype": "bfloat16",
-            "images_per_s": round(batch_size / dt, 1)}
+    g = torch.Generator().manual_seed(0)  # smooth images (upsampled noise): activations closer to photos'
+    pixels = (F.interpolate(torch.rand(batch_size, 3, r // 8, r // 8, generator=g), size=r, mode="bilinear") * 255)
+    pixels = pixels.to(torch.uint8).to(device)
+    rows, ref = [], None
+    for variant, channels_last, compiled in (("eager", False, False), ("channels_last", True, False),
+                                            ("channels_last+compile", True, True)):
+        if channels_last and device.type != "cuda":
+            continue
+        enc.optimize_for_inference(channels_last=channels_last, compile=compiled)
+        t = time.perf_counter()
+        out = enc(pixels)[0].float()
+        _sync(device)
+        first_s = time.perf_counter() - t
+        ref = out if ref is None else ref
+        t = time.perf_counter()
+        for _ in range(steps):
+            enc(pixels)
+        _sync(device)
+        dt = (time.perf_counter() - t) / steps
+        rows.append({"case": "precompute_vae_encode", "variant": variant, "resolution": r, "batch": batch_size,
+                     "dtype": "bfloat16", "images_per_s": round(batch_size / dt, 1),
+                     "first_call_s": round(first_s, 1), "max_abs_diff_vs_eager": round((out - ref).abs().max().item(), 5)})
+    return rows
+
+
+def stage1_rows(sizes: dict, args, device: torch.device) -> list[dict]:
+    """Stage-1 step rows for every (compiled, micro-batch, pool, checkpointing) asked for, on one shared Gemma."""
+    gemma = build_gemma(sizes, device, args.attn)
+    both = {"no": [False], "yes": [True], "both": [False, True]}
+    micros, pools = [int(m) for m in args.micro_batch.split(",")], [int(p) for p in args.pool.split(",")]
+    rows = []
+    for compiled in both[args.compile]:
+        if compiled:
+            compile_language_layers(gemma)  # once: every row shares this Gemma
+        for micro, pool, ckpt in itertools.product(micros, pools, both[args.checkpointing]):
+            try:
+                rows.append(step_row(sizes, gemma, pool, ckpt, micro, args.steps, device, compiled))
+            except torch.OutOfMemoryError:
+                rows.append({"case": "stage1_step", "pool": pool, "gradient_checkpointing": ckpt, "compiled": compiled,
+                             "attn": args.attn, "micro_batch": micro, "error": "out of memory"})
+                torch.cuda.empty_cache()
+            if not args.json:
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,7 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--compile", choices=["no", "yes", "both"], default="both",
                    help="torch.compile the decoder layers (train.compile) for the stage-1 rows")
-    p.add_argument("--vae-batch", type=int, default=16)
+    p.add_argument("--pool", default="1,2", help="comma-separated world.pool values")
+    p.add_argument("--checkpointing", choices=["no", "yes", "both"], default="both")
+    p.add_argument("--attn", choices=["sdpa", "flex_attention", "eager"], default="sdpa",
+                   help="Gemma's attention implementation (model.attention)")
+    p.add_argument("--vae-batch", type=int, default=16, help="batch of the VAE encoder rows")
+    p.add_argument("--rows", default="stage1,vae", help="which rows: stage1, vae, or both (comma-separated)")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.sizes == "real" and device.type != "cuda":
@@ -174,25 +219,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sizes = REAL if args.sizes == "real" else TINY
     _quiet_hf()
-    gemma = build_gemma(sizes, device)
-    modes = {"no": [False], "yes": [True], "both": [False, True]}[args.compile]
-    rows = []
-    for compiled in modes:
-        if compiled:
-            compile_language_layers(gemma)  # once: every row shares this Gemma
-        for micro, pool, ckpt in itertools.product([int(m) for m in args.micro_batch.split(",")], (1, 2), (False, True)):
-            try:
-                rows.append(step_row(sizes, gemma, pool, ckpt, micro, args.steps, device, compiled))
-            except torch.OutOfMemoryError:
-                rows.append({"case": "stage1_step", "pool": pool, "gradient_checkpointing": ckpt, "compiled": compiled,
-                             "micro_batch": micro, "error": "out of memory"})
-                torch.cuda.empty_cache()
-            if not args.json:
-                print(json.dumps(rows[-1]), flush=True)
-    rows.append(vae_row(sizes, args.vae_batch, args.steps, device))
-    print(json.dumps({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                      "torch": torch.__version__, "attn_implementation": gemma.config._attn_implementation, "rows": rows},
-                     indent=1) if args.json else json.dumps(rows[-1]))
+    kinds = set(args.rows.split(","))
+    rows = stage1_rows(sizes, args, device) if "stage1" in kinds else []
+    if "vae" in kinds:
+        vae = vae_rows(sizes, args.vae_batch, args.steps, device)
+        rows += vae
+        for row in vae if not args.json else ():
+            print(json.dumps(row), flush=True)
+    if args.json:
+        print(json.dumps({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                          "torch": torch.__version__, "attn_implementation": args.attn, "rows": rows}, indent=1))
     return 0
 
 

@@ -36,6 +36,8 @@ class TrainSection:
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"  # fp16 is refused with its reason (below)
     gradient_checkpointing: bool = False
     compile: bool = False  # torch.compile the language model's decoder layers (GPU; see docs/performance.md)
+    attention: Literal["sdpa", "flex_attention", "eager"] = "sdpa"  # the language model's attention kernel;
+    # flex_attention (GPU) skips the masked blocks outside Gemma's 1024-token sliding window (docs/performance.md)
     ema: float = 0.0  # EMA decay of the trainable weights (0: off), e.g. 0.999
     flip: bool = False  # horizontal flip augmentation with left/right caption swap (needs flipped latents cached)
     cached_siglip: bool = True  # use cached SigLIP features when present and the vision tower is frozen

@@ -6,6 +6,7 @@ from typing import Callable
 
 import torch
 
+from theworld.errors import UserError
 from theworld.model import TheWorld, compile_language_layers
 
 # Parameter names that never get weight decay besides biases and norm weights (all 1-D tensors).
@@ -25,10 +26,19 @@ def build_model(cfg) -> tuple[TheWorld, object]:
     model, processor = TheWorld.from_config(cfg.model, cfg.world, cfg.freeze, seed=cfg.seed)
     model.cast_trainable_to_fp32()
     model.gradient_checkpointing(cfg.train.gradient_checkpointing)
+    set_language_attention(model.gemma, cfg.train.attention)
     if cfg.train.compile:
         compile_language_layers(model.gemma)
     model.train()
     return model, processor
+
+
+def set_language_attention(gemma: torch.nn.Module, attention: str) -> None:
+    """The language model's attention kernel (the vision tower keeps its own: it runs on 256 patches, unmasked)."""
+    if attention == "flex_attention" and not torch.cuda.is_available():
+        raise UserError("config key 'train.attention': flex_attention needs a CUDA GPU (PyTorch's FlexAttention has "
+                        "no CPU backward); use sdpa")
+    gemma.set_attn_implementation({"text_config": attention})
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
