@@ -1,12 +1,13 @@
 """Real-size benchmark (GPU): Gemma 3 4B + the Wan 2.1 VAE architectures with random weights.
 
-    python -m train.bench_real [--json] [--micro-batch 4,8] [--steps 10] [--compile no|yes|both]
+    python -m train.bench_real [--json] [--rows stage1,vae] [--micro-batch 4,8] [--pool 1,2] [--steps 10]
+                               [--compile no|yes|both] [--checkpointing no|yes|both] [--attn sdpa|flex_attention]
 
 Random weights are fine for speed. Rows: stage-1 steps (projector trains; frozen bf16 Gemma; cached latents and
-SigLIP features staged on the GPU) at world.pool 1 and 2, with and without gradient checkpointing, eager and with
-compiled decoder layers (train.compile), for each micro-batch size: samples/s, peak memory, and MFU against the
-language model's forward + activation-backward FLOPs; and precompute images/s of the VAE encoder at 512 px in bf16.
-`--sizes tiny` runs the same code at toy sizes (CPU smoke test; no MFU there).
+SigLIP features staged on the GPU) for each pool, checkpointing, compile (train.compile) and micro-batch asked for,
+with the language model's attention kernel (train.attention): samples/s, peak memory, and MFU against the language
+model's forward + activation-backward FLOPs; and the VAE encoder at 512 px in bf16 as precompute runs it (eager,
+channels-last, compiled): images/s. `--sizes tiny` runs the same code at toy sizes (CPU smoke test; no MFU there).
 """
 from __future__ import annotations
 
