@@ -228,7 +228,6 @@ def _load_models(cfg: PrecomputeConfig, device: torch.device):
                              gemma_model=cfg.model.gemma if gemma is not None else None, gemma=gemma,
                              image_processor=processor.image_processor if processor is not None else None)
     encoder = encoders.WorldEncoder(vae).to(device).eval()
-    encoder.optimize_for_inference(channels_last=device.type == "cuda", compile=cfg.compile)
     if gemma is not None:
         gemma = gemma.to(device).eval()
     return encoder, gemma, processor, fp
@@ -292,7 +291,8 @@ def _process_shards(cfg: PrecomputeConfig, listing: sources.Listing, pending: li
     try:
         for batch in loader:
             seconds["wait_for_batches"] += (t1 := time.perf_counter()) - t
-            samples = iter(_encode(batch, encoder, gemma, cfg, device))  # waits for the device
+            encoded_batch = _encode(batch, encoder, gemma, cfg, device)  # waits for the device
+            samples = iter(encoded_batch)
             seconds["encode"] += (t2 := time.perf_counter()) - t1
             for b in batch["items"]:
                 i = b["pos"] // S
@@ -307,7 +307,7 @@ def _process_shards(cfg: PrecomputeConfig, listing: sources.Listing, pending: li
                 if buf["left"] == 0:
                     writer.put(i, buffers[i]["samples"], buffers[i]["errors"])  # blocks while 2 shards are queued
                     del buffers[i]
-            encoded += sum(b["error"] is None for b in batch["items"])
+            encoded += len(encoded_batch)
             bar.update(len(batch["items"]))
             seconds["wait_for_writer"] += (t := time.perf_counter()) - t2
     finally:
@@ -387,6 +387,7 @@ def run(cfg: PrecomputeConfig) -> dict:
     if not len(listing):
         raise UserError(f"config key 'source.path': no samples found in {cfg.source.path}")
     encoder, gemma, processor, fingerprint = _load_models(cfg, state.device)
+    encoder.optimize_for_inference(channels_last=state.device.type == "cuda", compile=cfg.compile)
     if state.device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # every batch has the same shape: pick the fastest conv kernels once
     identity = _run_identity(cfg, fingerprint, len(listing))
