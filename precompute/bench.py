@@ -15,6 +15,7 @@ overhead at the size it is used at, without needing the real VAE.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -27,7 +28,7 @@ import torch
 from PIL import Image, ImageFilter
 
 from precompute.config import PrecomputeConfig, SourceConfig
-from precompute.cosmos_latents import EntryDataset, run
+from precompute.cosmos_latents import EntryDataset, encode_latents, run
 from precompute.sources import list_entries
 from theworld import cache_format as cf
 from theworld import encoders, images, synthetic
@@ -97,18 +98,19 @@ def bench_case(case: str, work: Path, n: int, workers: int = 0) -> dict:
     encoder.optimize_for_inference(channels_last=device.type == "cuda", compile=cfg.compile)  # as run() does
     # Encode-only: the pixels already sit on the device, so this is the encoder's own speed.
     pixels = torch.stack([it["pixels"] for it in items]).to(device)
-    with torch.no_grad():
-        encoder(pixels[: cfg.batch_size])[0].cpu()  # warm-up (first-call allocations); .cpu() waits for the device
-        t_enc, latents = _timed(lambda: [[t.float().cpu() for t in encoder(pixels[a:a + cfg.batch_size])]
-                                         for a in range(0, len(pixels), cfg.batch_size)])
+    encode_latents(encoder, pixels[: cfg.batch_size], cfg)  # warm-up (allocations, compilation); waits for the device
+    t_enc, latents = _timed(lambda: [encode_latents(encoder, pixels[a:a + cfg.batch_size], cfg)
+                                     for a in range(0, len(pixels), cfg.batch_size)])
     del encoder, pixels
     mean = torch.cat([m for m, _ in latents])
     logvar = torch.cat([v for _, v in latents])
     samples = [cf.Sample(key=e.key, caption=it["caption"], meta=it["meta"], mean=mean[i], logvar=logvar[i],
                          image=it.get("image"), image_ext=it.get("image_ext")) for i, (e, it) in enumerate(zip(entries, items))]
     t_ser, encoded = _timed(lambda: [cf.encode_sample(s, cfg.cache.dtype) for s in samples])
-    # The full pipeline on the same images (model loading is outside its timer).
-    summary = run(cfg)["summary"]
+    # The full pipeline on the same images (model loading is outside its timer). Its summary lines go to stderr:
+    # stdout is this benchmark's figures alone, so `--json` output parses as it is.
+    with contextlib.redirect_stdout(sys.stderr):
+        summary = run(cfg)["summary"]
     manifest = cf.load_manifest(cfg.output_dir)
     payload = sum(len(v) for members in encoded for v in members.values()) / len(encoded)
     per_sample = sum(s["bytes"] for s in manifest["shards"]) / manifest["num_samples"]

@@ -239,18 +239,26 @@ def expected_fingerprint(cfg: PrecomputeConfig) -> dict:
 
 
 @torch.no_grad()
+def encode_latents(encoder, pixels: torch.Tensor, cfg: PrecomputeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, logvar) of a batch of uint8 pixels as float32 CPU tensors. A compiled encoder sees one input shape:
+    a short batch is padded to `batch_size`, as a new shape would recompile it (~15 s)."""
+    n = len(pixels)
+    if cfg.compile and n < cfg.batch_size:
+        pixels = torch.cat([pixels, pixels.new_zeros(cfg.batch_size - n, *pixels.shape[1:])])
+    mean, logvar = (t[:n].float().cpu() for t in encoder(pixels))
+    return mean, logvar
+
+
+@torch.no_grad()
 def _encode(batch: dict, encoder, gemma, cfg: PrecomputeConfig, device) -> list[cf.Sample]:
     """Samples for the batch's good items, in order (`_collate` stacked their tensors)."""
     good = [b for b in batch["items"] if b["error"] is None]
     if not good:
         return []
     pixels = batch["pixels"].to(device, non_blocking=True)
-    n = len(good)
-    if cfg.compile and n < cfg.batch_size:  # one input shape: a compiled encoder recompiles (~15 s) for a new one
-        pixels = torch.cat([pixels, pixels.new_zeros(cfg.batch_size - n, *pixels.shape[1:])])
-    mean, logvar = (t[:n].float().cpu() for t in encoder(pixels))
+    mean, logvar = encode_latents(encoder, pixels, cfg)
     if cfg.cache.flip:
-        fmean, flogvar = (t[:n].float().cpu() for t in encoder(pixels.flip(-1)))
+        fmean, flogvar = encode_latents(encoder, pixels.flip(-1), cfg)
     if gemma is not None:
         pv = batch["pixel_values"].to(device, gemma.dtype, non_blocking=True)
         feats = gemma.model.get_image_features(pixel_values=pv).pooler_output.float().cpu()

@@ -15,7 +15,7 @@ def _run(args: list[str], tmp_path) -> dict:
     out = subprocess.run([sys.executable, "-m", *args, "--json"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout[out.stdout.index("{"):])
+    return json.loads(out.stdout)  # --json: stdout is the figures alone, nothing before or after them
 
 
 def _positive(row: dict, *keys: str) -> None:

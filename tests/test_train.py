@@ -483,3 +483,17 @@ def test_train_attention_sets_the_language_models_kernel_only():
             set_language_attention(gemma, "flex_attention")
     with pytest.raises(UserError, match="train.attention"):
         load_config(TrainConfig, None, ["train.attention=flash"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="flex_attention is refused only on a machine without CUDA")
+def test_flex_attention_without_cuda_is_refused_before_any_model_loads(cache, tmp_path, capsys, monkeypatch):
+    from theworld.model import TheWorld
+
+    def no_loading(*a, **k):
+        raise AssertionError("a model was loaded before the refusal")
+
+    monkeypatch.setattr(TheWorld, "from_config", no_loading)
+    assert train_inproc(base_args(cache, tmp_path / "run", **{"train.attention": "flex_attention"})) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train.attention" in err[0] and "CUDA" in err[0], err
+    assert not (tmp_path / "run").exists()

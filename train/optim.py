@@ -17,6 +17,7 @@ def make_accelerator(cfg):
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration
 
+    check_attention(cfg.train.attention)  # before the accelerator and the models: a refusal should cost nothing
     return Accelerator(mixed_precision=cfg.train.mixed_precision, log_with=list(cfg.trackers) or None,
                        project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=cfg.output_dir))
 
@@ -33,11 +34,16 @@ def build_model(cfg) -> tuple[TheWorld, object]:
     return model, processor
 
 
-def set_language_attention(gemma: torch.nn.Module, attention: str) -> None:
-    """The language model's attention kernel (the vision tower keeps its own: it runs on 256 patches, unmasked)."""
+def check_attention(attention: str) -> None:
+    """Whether this machine can run the `train.attention` kernel."""
     if attention == "flex_attention" and not torch.cuda.is_available():
         raise UserError("config key 'train.attention': flex_attention needs a CUDA GPU (PyTorch's FlexAttention has "
                         "no CPU backward); use sdpa")
+
+
+def set_language_attention(gemma: torch.nn.Module, attention: str) -> None:
+    """The language model's attention kernel (the vision tower keeps its own: it runs on 256 patches, unmasked)."""
+    check_attention(attention)
     gemma.set_attn_implementation({"text_config": attention})
 
 
