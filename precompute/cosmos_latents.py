@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 from precompute import sources
 from precompute.config import PrecomputeConfig, load
 from theworld import cache_format as cf
-from theworld import encoders, images
+from theworld import encoders, images, run_lock
 from theworld.config import cli_parser, to_dict, to_yaml
 from theworld.errors import UserError, cli_entry
 
@@ -380,13 +380,20 @@ def _claim_output(out: Path, identity: dict) -> None:
 
 def run(cfg: PrecomputeConfig) -> dict:
     """Build (or finish) the cache at cfg.output_dir; returns the manifest plus a "summary" of this run."""
-    from accelerate.utils import gather_object
-
     cfg.validate_paths()
     state = _process_group()
-    rank, world = state.process_index, state.num_processes
     out = Path(cfg.output_dir)
     _prepare_output(out, cfg)
+    # one run per output_dir: a second one would delete this run's unfinished shards as a killed run's leftovers
+    with run_lock.hold(out, state):
+        return _build(cfg, state, out)
+
+
+def _build(cfg: PrecomputeConfig, state, out: Path) -> dict:
+    """run() with output_dir held."""
+    from accelerate.utils import gather_object
+
+    rank, world = state.process_index, state.num_processes
     t0 = time.time()
     # Collective for webdataset sources: each tar is header-scanned by one process, once per output_dir.
     listing = sources.open_listing(cfg.source.type, cfg.source.path, cfg.source.num_samples, cfg.seed,

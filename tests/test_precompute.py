@@ -228,8 +228,8 @@ def test_user_errors_exit_2(tmp_path, capsys, fake_vae):
     assert cosmos_latents.main(cli_args(out, "source.type=webdataset", f"source.path={wds_dir}/00000.tar")) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "source." in err.split("different ")[1].split(" ")[0], err
-    assert sorted(p.name for p in out.iterdir()) == sorted(["errors", "errors.jsonl", "manifest.json", "precompute.json",
-                                                            "shards"])
+    assert sorted(p.name for p in out.iterdir()) == sorted([".run.lock", "errors", "errors.jsonl", "manifest.json",
+                                                            "precompute.json", "shards"])
     # an output_dir that is a file, a --set value that is not YAML
     (tmp_path / "afile").write_text("x")
     assert cosmos_latents.main(cli_args(tmp_path / "afile", n=4)) == 2
@@ -304,6 +304,26 @@ def test_two_processes_give_the_same_cache(tmp_path):
     assert [s["sha256"] for s in m2["shards"]] == [s["sha256"] for s in m1["shards"]]  # byte-identical shards
     l1, l2 = latents(one), latents(two)
     assert list(l1) == list(l2) and all(torch.equal(l1[k], l2[k]) for k in l1)
+
+
+def test_a_second_run_into_a_busy_output_dir_is_refused_by_every_process(tmp_path):
+    from theworld import run_lock
+
+    out = tmp_path / "c"
+    fd = run_lock.acquire(out)  # this process stands for a run writing shards
+    try:
+        cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+               "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "precompute.cosmos_latents",
+               *cli_args(out, n=8, shard=4)]
+        res = subprocess.run(cmd, cwd=ROOT, env=_env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True,
+                             timeout=180)
+        assert res.returncode != 0
+        refusals = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
+        assert len(refusals) == 2, res.stderr[-3000:]  # both processes stop, with the same line, none waits
+        assert all("in use by another run" in line and f"pid {os.getpid()} " in line for line in refusals)
+        assert [p.name for p in out.iterdir()] == [".run.lock"]  # nothing listed, claimed or written
+    finally:
+        os.close(fd)
 
 
 def _spy_listing(monkeypatch) -> tuple[list, list]:

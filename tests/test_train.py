@@ -213,6 +213,25 @@ def test_an_output_dir_holding_another_run_is_protected_and_a_killed_save_is_cle
     assert [m["step"] for m in metrics(out) if "eval_loss" in m] == evals
 
 
+def test_a_second_run_into_a_busy_output_dir_is_refused_and_deletes_nothing(cache, tmp_path):
+    from theworld import run_lock
+
+    out = tmp_path / "run"
+    fd = run_lock.acquire(out)  # this process stands for a run that is saving a checkpoint
+    try:
+        (out / ".tmp-checkpoint-3-999").mkdir()
+        second = train_cli(base_args(cache, out))
+        assert second.returncode == 2, second.stderr[-3000:]
+        err = second.stderr.strip().splitlines()
+        assert len(err) == 1 and "'output_dir'" in err[0] and f"in use by another run (pid {os.getpid()} " in err[0]
+        assert sorted(p.name for p in out.iterdir()) == [".run.lock", ".tmp-checkpoint-3-999"]
+    finally:
+        os.close(fd)
+    again = train_cli(base_args(cache, out))  # the holder gone, that folder is a killed run's leftover
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert not (out / ".tmp-checkpoint-3-999").exists() and (out / "final").is_dir()
+
+
 def test_remove_partial_restores_a_folder_moved_aside_and_deletes_unfinished_writes(tmp_path):
     from train.checkpoint import remove_partial
 

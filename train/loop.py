@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from theworld import run_lock
 from theworld.config import to_dict
 from theworld.errors import cli_entry
 from train import checkpoint, data, optim
@@ -34,6 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     acc = optim.make_accelerator(cfg)
     per_epoch = data.check_sizes(cfg, len(reader), acc.num_processes)
     accum = accumulation_steps(cfg, acc.num_processes)
+    # one run per output_dir: a second one would take this run's unfinished saves for a killed run's and delete them
+    with run_lock.hold(cfg.output_dir, acc):
+        return _train(cfg, acc, reader, plan, per_epoch, accum, t_start)
+
+
+def _train(cfg, acc, reader, plan, per_epoch: int, accum: int, t_start: float) -> int:
+    """From the clean-up after a killed run to the final weights, with output_dir held."""
     removed = checkpoint.remove_partial(cfg.output_dir) if acc.is_main_process else []  # before choosing where to
     acc.wait_for_everyone()  # resume: a folder a killed save had moved aside may come back
     resume_from = checkpoint.resolve_resume(cfg)

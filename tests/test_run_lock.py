@@ -1,0 +1,54 @@
+"""theworld.run_lock: one run per output folder; the lock ends with the process that took it, kill -9 included, and
+never passes to a forked child (a DataLoader worker outliving a killed run must not block its rerun)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import ROOT
+
+from theworld import run_lock
+
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+HOLD = ("import sys, time\nfrom theworld import run_lock\nrun_lock.acquire(sys.argv[1])\nprint('held', flush=True)\n"
+        "time.sleep(120)")
+TRY = ("import sys\nfrom theworld import run_lock\nfrom theworld.errors import UserError\ntry:\n"
+       "    run_lock.acquire(sys.argv[1])\nexcept UserError as e:\n    print(e)\n    sys.exit(2)")
+
+
+def _try(folder) -> subprocess.CompletedProcess:
+    """Another process trying to take the folder: exit 0 if it got it, 2 with the refusal on stdout if not."""
+    return subprocess.run([sys.executable, "-c", TRY, str(folder)], env=ENV, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_a_held_folder_is_refused_naming_its_holder_and_is_free_once_the_holder_is_killed(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], env=ENV, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        refused = _try(tmp_path)
+        assert refused.returncode == 2, refused.stderr
+        assert "'output_dir'" in refused.stdout and "in use by another run" in refused.stdout
+        assert f"pid {holder.pid} on " in refused.stdout
+    finally:
+        holder.kill()  # SIGKILL: no clean-up code runs
+        holder.wait()
+    assert _try(tmp_path).returncode == 0
+
+
+def test_a_forked_child_does_not_keep_the_lock(tmp_path):
+    fd = run_lock.acquire(tmp_path)
+    child = os.fork()
+    if child == 0:  # stands for a loader worker: it has the lock file open, inherited
+        time.sleep(60)
+        os._exit(0)
+    try:
+        assert _try(tmp_path).returncode == 2
+        os.close(fd)
+        assert _try(tmp_path).returncode == 0  # while the child is alive and still has the file open
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)

@@ -1,0 +1,88 @@
+"""One run per output folder at a time, for training and precompute alike.
+
+A second run started into a folder another run is using (a requeued job whose first copy is still alive, a copied
+command) would take that run's unfinished writes for a killed run's leftovers and delete them, then interleave its
+files with the other's. So the main process holds an advisory lock on `<folder>/.run.lock` for the run's life.
+
+POSIX record locks (`fcntl.lockf`) belong to the process that took them: forked loader workers do not inherit them,
+and the kernel drops them when the process ends, `kill -9` included, so a crashed run never leaves a stale lock. The
+file keeps the last holder's pid, host and start time, for the message the next run gives.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from theworld.errors import UserError
+
+LOCK_FILE = ".run.lock"
+
+
+def _holder(fd: int) -> str:
+    return os.pread(fd, 512, 0).decode(errors="replace").strip() or "holder unknown"
+
+
+def _in_use(folder: Path, holder: str, key: str) -> UserError:
+    return UserError(f"config key '{key}': {folder} is in use by another run ({holder}); wait for it to end or use "
+                     f"another {key}")
+
+
+def acquire(folder: Path | str, key: str = "output_dir") -> int | None:
+    """Lock `folder` (created if needed) for this process; returns the descriptor that holds the lock, or None on a
+    file system without locks (a warning: nothing stops two runs there). A folder locked by another process is a
+    UserError naming the holder."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise UserError(f"config key '{key}': cannot write {folder} ({e.strerror})") from None
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (BlockingIOError, PermissionError):  # EAGAIN / EACCES: another process holds it
+        holder = _holder(fd)
+        os.close(fd)
+        raise _in_use(folder, holder, key) from None
+    except OSError as e:  # ENOLCK, EOPNOTSUPP: e.g. a network file system mounted without locking
+        os.close(fd)
+        print(f"warning: cannot lock {folder / LOCK_FILE} ({e.strerror}): make sure no other run uses {key} "
+              f"{folder}", file=sys.stderr)
+        return None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+              .encode(), 0)
+    return fd
+
+
+@contextlib.contextmanager
+def hold(folder: Path | str, state, key: str = "output_dir") -> Iterator[None]:
+    """Held by the main process of `state` (an accelerate Accelerator or PartialState) while the block runs. Every
+    process gets the main process's verdict, so a refused run stops everywhere with the same line."""
+    fd, error = None, None
+    if state.is_main_process:
+        try:
+            fd = acquire(folder, key)
+        except UserError as e:
+            error = e
+    if state.num_processes > 1:
+        from accelerate.utils import broadcast
+
+        refused = broadcast(torch.tensor([error is not None], dtype=torch.int32, device=state.device), 0)
+        if refused.item() and error is None:
+            with open(Path(folder) / LOCK_FILE, "rb") as f:  # not the holder: closing it releases nothing
+                error = _in_use(Path(folder), _holder(f.fileno()), key)
+    if error is not None:
+        raise error
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock
