@@ -8,9 +8,11 @@ import subprocess
 import sys
 import time
 
+import pytest
 from conftest import ROOT
 
 from theworld import run_lock
+from theworld.errors import UserError
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 HOLD = ("import sys, time\nfrom theworld import run_lock\nrun_lock.acquire(sys.argv[1])\nprint('held', flush=True)\n"
@@ -52,3 +54,11 @@ def test_a_forked_child_does_not_keep_the_lock(tmp_path):
     finally:
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
+
+
+def test_a_folder_that_is_a_file_or_cannot_be_made_is_a_one_line_error(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(UserError, match="'output_dir'.*afile is a file, not a folder"):
+        run_lock.acquire(tmp_path / "afile")
+    with pytest.raises(UserError, match="'output_dir': cannot write .*afile/below"):
+        run_lock.acquire(tmp_path / "afile" / "below")

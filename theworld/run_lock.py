@@ -40,6 +40,8 @@ def acquire(folder: Path | str, key: str = "output_dir") -> int | None:
     file system without locks (a warning: nothing stops two runs there). A folder locked by another process is a
     UserError naming the holder."""
     folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"config key '{key}': {folder} is a file, not a folder")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
