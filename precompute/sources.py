@@ -23,6 +23,7 @@ import io
 import json
 import os
 import re
+import sys
 import tarfile
 import tempfile
 from array import array
@@ -247,8 +248,7 @@ class TxtFolderListing(Listing):
 
     def __init__(self, root: Path, default_prompt: str):
         self.root, self.prompt = root, default_prompt
-        rels = sorted(p.relative_to(root).as_posix().encode(errors="surrogateescape") for p in root.rglob("*")
-                      if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+        rels = image_paths(root)
         self.ends = array("q")
         pos = 0
         for r in rels:
@@ -280,6 +280,33 @@ class TxtFolderListing(Listing):
                     e.error = f"empty caption file: {txt.relative_to(self.root).as_posix()}"
             out.append(e)
         return out
+
+
+_IMAGE_SUFFIXES_B = tuple(x.encode() for x in IMAGE_SUFFIXES)
+
+
+def image_paths(root: Path) -> list[bytes]:
+    """Relative POSIX paths (raw bytes) of the image files under `root`, recursively, sorted; symlinked folders are
+    not entered, symlinked files count. A directory entry carries its file type, so a regular file costs no stat
+    call (Path.rglob + is_file made one per image: on a network file system, a round trip each)."""
+    out: list[bytes] = []
+    stack = [b""]
+    base = os.fsencode(root)
+    while stack:
+        rel = stack.pop()
+        try:
+            with os.scandir(os.path.join(base, rel) if rel else base) as it:
+                for e in it:
+                    r = rel + b"/" + e.name if rel else e.name
+                    if e.is_dir(follow_symlinks=False):
+                        stack.append(r)
+                    elif os.path.splitext(e.name)[1].lower() in _IMAGE_SUFFIXES_B and e.is_file():
+                        out.append(r)
+        except OSError as err:  # an unreadable folder: say so rather than drop its images silently
+            print(f"warning: cannot list {os.fsdecode(os.path.join(base, rel))} ({err.strerror}): its images are "
+                  "left out", file=sys.stderr)
+    out.sort()
+    return out
 
 
 def folder_listing(path: str, default_prompt: str) -> Listing:

@@ -147,6 +147,29 @@ def test_folder_with_txt_captions(tmp_path, fake_vae):
     assert result["num_errors"] == 1 and "missing caption" in cf.read_errors(tmp_path / "c")[0]["reason"]
 
 
+def test_folder_walk_lists_what_rglob_lists(tmp_path):
+    """image_paths replaced Path.rglob + is_file (a stat per image); the stat calls saved are measured with strace
+    in docs/precompute.md, the listing must be the same."""
+    from precompute.sources import IMAGE_SUFFIXES, image_paths
+
+    root = tmp_path / "src"
+    for rel in ["a.jpg", "b.JPEG", "c.txt", ".hidden.png", ".jpg", "noext", "x.tar.webp", "d/e.png", "d/f/g.tiff",
+                "d/f/h.gif.txt", ".dot/i.bmp", "sp ace/j k.jpg", "caf\u00e9/\u6771.png"]:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(b"x")
+    (root / "dir.jpg").mkdir()  # a folder named like an image
+    (root / "link.jpg").symlink_to(root / "a.jpg")  # a symlinked file counts
+    (root / "dead.png").symlink_to(root / "gone.png")  # a dangling one does not
+    (root / "linked-dir").symlink_to(root / "d")  # a symlinked folder is not entered
+    bad = os.fsencode(root) + b"/bad-\xff.jpg"  # a name that is not UTF-8
+    open(bad, "wb").close()
+    reference = sorted(p.relative_to(root).as_posix().encode(errors="surrogateescape") for p in root.rglob("*")
+                       if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+    assert image_paths(root) == reference
+    assert b"bad-\xff.jpg" in reference and b"link.jpg" in reference and b"linked-dir/e.png" not in reference
+    assert len(reference) == 11  # every image above, the symlinked file included
+
+
 def test_a_source_with_no_usable_sample_is_an_error_that_keeps_its_reasons(tmp_path, capsys, fake_vae):
     src = tmp_path / "src"
     src.mkdir()
