@@ -62,3 +62,16 @@ def test_a_folder_that_is_a_file_or_cannot_be_made_is_a_one_line_error(tmp_path)
         run_lock.acquire(tmp_path / "afile")
     with pytest.raises(UserError, match="'output_dir': cannot write .*afile/below"):
         run_lock.acquire(tmp_path / "afile" / "below")
+
+
+def test_hold_releases_the_folder_when_its_block_ends_or_raises(tmp_path):
+    class OneProcess:  # what hold() reads of an Accelerator or PartialState
+        is_main_process, num_processes = True, 1
+
+    with run_lock.hold(tmp_path, OneProcess()):
+        assert _try(tmp_path).returncode == 2
+    assert _try(tmp_path).returncode == 0
+    with pytest.raises(RuntimeError, match="boom"):
+        with run_lock.hold(tmp_path, OneProcess()):
+            raise RuntimeError("boom")
+    assert _try(tmp_path).returncode == 0

@@ -19,8 +19,6 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-import torch
-
 from theworld.errors import UserError
 
 LOCK_FILE = ".run.lock"
@@ -75,6 +73,7 @@ def hold(folder: Path | str, state, key: str = "output_dir") -> Iterator[None]:
         except UserError as e:
             error = e
     if state.num_processes > 1:
+        import torch
         from accelerate.utils import broadcast
 
         refused = broadcast(torch.tensor([error is not None], dtype=torch.int32, device=state.device), 0)
