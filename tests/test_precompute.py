@@ -341,9 +341,12 @@ def test_a_second_run_into_a_busy_output_dir_is_refused_by_every_process(tmp_pat
         res = subprocess.run(cmd, cwd=ROOT, env=_env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True,
                              timeout=180)
         assert res.returncode != 0
+        # both processes stop, none waits at a barrier, each with the same line (the launcher may kill the second
+        # before it prints, once the first has exited) and no traceback of ours
         refusals = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
-        assert len(refusals) == 2, res.stderr[-3000:]  # both processes stop, with the same line, none waits
+        assert 1 <= len(refusals) <= 2, res.stderr[-3000:]
         assert all("in use by another run" in line and f"pid {os.getpid()} " in line for line in refusals)
+        assert str(ROOT / "theworld") not in res.stderr and str(ROOT / "precompute") not in res.stderr
         assert [p.name for p in out.iterdir()] == [".run.lock"]  # nothing listed, claimed or written
     finally:
         os.close(fd)

@@ -75,3 +75,13 @@ def test_hold_releases_the_folder_when_its_block_ends_or_raises(tmp_path):
         with run_lock.hold(tmp_path, OneProcess()):
             raise RuntimeError("boom")
     assert _try(tmp_path).returncode == 0
+
+
+def test_the_other_processes_repeat_the_main_processs_verdict(tmp_path):
+    (tmp_path / run_lock.LOCK_FILE).write_text("pid 5 on node-3, since 2026-11-22 02:00:00\n")
+    in_use = run_lock._verdict_elsewhere(tmp_path, 1, "output_dir")
+    assert isinstance(in_use, run_lock.InUse) and "in use by another run (pid 5 on node-3, since" in str(in_use)
+    assert "holder unknown" in str(run_lock._verdict_elsewhere(tmp_path / "gone", 1, "output_dir"))
+    # refused for another reason (a file, not a folder; no permission): no holder is claimed from an old lock file
+    other = run_lock._verdict_elsewhere(tmp_path, 2, "output_dir")
+    assert not isinstance(other, run_lock.InUse) and "cannot be used" in str(other) and "pid" not in str(other)

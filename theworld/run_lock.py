@@ -28,9 +28,13 @@ def _holder(fd: int) -> str:
     return os.pread(fd, 512, 0).decode(errors="replace").strip() or "holder unknown"
 
 
-def _in_use(folder: Path, holder: str, key: str) -> UserError:
-    return UserError(f"config key '{key}': {folder} is in use by another run ({holder}); wait for it to end or use "
-                     f"another {key}")
+class InUse(UserError):
+    """The folder is locked by another run."""
+
+
+def _in_use(folder: Path, holder: str, key: str) -> InUse:
+    return InUse(f"config key '{key}': {folder} is in use by another run ({holder}); wait for it to end or use "
+                 f"another {key}")
 
 
 def acquire(folder: Path | str, key: str = "output_dir") -> int | None:
@@ -62,6 +66,17 @@ def acquire(folder: Path | str, key: str = "output_dir") -> int | None:
     return fd
 
 
+def _verdict_elsewhere(folder: Path, verdict: int, key: str) -> UserError:
+    """The error a non-main process raises when the main process was refused the folder."""
+    if verdict == 1:
+        try:
+            with open(folder / LOCK_FILE, "rb") as f:  # not the holder: closing it releases nothing
+                return _in_use(folder, _holder(f.fileno()), key)
+        except OSError:
+            return _in_use(folder, "holder unknown", key)
+    return UserError(f"config key '{key}': {folder} cannot be used (the main process's message says why)")
+
+
 @contextlib.contextmanager
 def hold(folder: Path | str, state, key: str = "output_dir") -> Iterator[None]:
     """Held by the main process of `state` (an accelerate Accelerator or PartialState) while the block runs. Every
@@ -76,10 +91,10 @@ def hold(folder: Path | str, state, key: str = "output_dir") -> Iterator[None]:
         import torch
         from accelerate.utils import broadcast
 
-        refused = broadcast(torch.tensor([error is not None], dtype=torch.int32, device=state.device), 0)
-        if refused.item() and error is None:
-            with open(Path(folder) / LOCK_FILE, "rb") as f:  # not the holder: closing it releases nothing
-                error = _in_use(Path(folder), _holder(f.fileno()), key)
+        verdict = 0 if error is None else 1 if isinstance(error, InUse) else 2
+        verdict = int(broadcast(torch.tensor([verdict], dtype=torch.int32, device=state.device), 0).item())
+        if verdict and error is None:
+            error = _verdict_elsewhere(Path(folder), verdict, key)
     if error is not None:
         raise error
     try:
