@@ -461,6 +461,9 @@ def main(argv: list[str] | None = None) -> int:
         print(to_yaml(cfg), end="")
         return 0
     run(cfg)
+    # After a successful run only (on an error another process may still be in a collective). A process that exits
+    # with its gloo group alive can abort in interpreter teardown ("terminate called without an active exception").
+    _process_group().destroy_process_group()
     return 0
 
 

@@ -37,7 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     accum = accumulation_steps(cfg, acc.num_processes)
     # one run per output_dir: a second one would take this run's unfinished saves for a killed run's and delete them
     with run_lock.hold(cfg.output_dir, acc):
-        return _train(cfg, acc, reader, plan, per_epoch, accum, t_start)
+        code = _train(cfg, acc, reader, plan, per_epoch, accum, t_start)
+    if code == 0:  # not after an error, when another process may still be in a collective; see precompute's main
+        acc.state.destroy_process_group()
+    return code
 
 
 def _train(cfg, acc, reader, plan, per_epoch: int, accum: int, t_start: float) -> int:
