@@ -208,16 +208,6 @@ def _check_identity(out: Path, identity: dict) -> None:
                         f"use another output_dir or delete it")
 
 
-def _prepare_output(out: Path, cfg: PrecomputeConfig) -> None:
-    """Before listing the source or loading a model: the output_dir can be written, and holds nothing built by
-    another config (a webdataset listing would otherwise be written into another cache's folder)."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"config key 'output_dir': cannot create {out} ({e.strerror})") from None
-    _check_identity(out, _layout_identity(cfg))
-
-
 def _load_models(cfg: PrecomputeConfig, device: torch.device):
     vae = encoders.load_vae(cfg.model.vae, cfg.model.dtype)
     gemma = processor = None
@@ -383,8 +373,11 @@ def run(cfg: PrecomputeConfig) -> dict:
     cfg.validate_paths()
     state = _process_group()
     out = Path(cfg.output_dir)
-    _prepare_output(out, cfg)
-    # one run per output_dir: a second one would delete this run's unfinished shards as a killed run's leftovers
+    # before listing the source or loading a model: output_dir holds nothing built by another config (a webdataset
+    # listing would otherwise be written into another cache's folder)
+    _check_identity(out, _layout_identity(cfg))
+    # one run per output_dir (a second one would delete this run's unfinished shards as a killed run's leftovers);
+    # taking the lock creates the folder, or says why it cannot be written
     with run_lock.hold(out, state):
         return _build(cfg, state, out)
 
