@@ -70,10 +70,13 @@ def test_real_size_bench_code_path_at_toy_sizes(tmp_path):
                 "--compile", "no"],
                tmp_path)
     steps = [r for r in out["rows"] if r["case"] == "stage1_step"]
-    assert [(r["pool"], r["gradient_checkpointing"]) for r in steps] == [(1, False), (1, True), (2, False), (2, True)]
-    assert [r["world_tokens"] for r in steps] == [64, 64, 16, 16]
-    for r in steps:
-        _positive(r, "step_ms", "samples_per_s")
+    assert [(r["pool"], r["gradient_checkpointing"], r["encoding"]) for r in steps] == [
+        (pool, ckpt, enc) for pool in (1, 2) for ckpt in (False, True) for enc in ("cached", "live")]
+    assert [r["world_tokens"] for r in steps] == [64] * 4 + [16] * 4
+    for cached, live in zip(steps[::2], steps[1::2]):
+        _positive(live, "step_ms", "samples_per_s", "cache_speedup")
+        assert live["cache_speedup"] == round(live["step_ms"] / cached["step_ms"], 2)
+        assert "cache_speedup" not in cached
     _positive(out["rows"][-1], "images_per_s")
     # FLOPs: 2 * params * tokens dominates and grows linearly with the sequence (plus attention's quadratic term)
     assert lm_flops(TINY, 200) > 2 * lm_flops(TINY, 100) > 0

@@ -2,12 +2,16 @@
 
     python -m train.bench_real [--json] [--rows stage1,vae] [--micro-batch 4,8] [--pool 1,2] [--steps 10]
                                [--compile no|yes|both] [--checkpointing no|yes|both] [--attn sdpa|flex_attention]
+                               [--encoding cached|live|both]
 
-Random weights are fine for speed. Rows: stage-1 steps (projector trains; frozen bf16 Gemma; cached latents and
-SigLIP features staged on the GPU) for each pool, checkpointing, compile (train.compile) and micro-batch asked for,
-with the language model's attention kernel (train.attention): samples/s, peak memory, and MFU against the language
-model's forward + activation-backward FLOPs; and the VAE encoder at 512 px in bf16 as precompute runs it (eager,
-channels-last, compiled): images/s. `--sizes tiny` runs the same code at toy sizes (CPU smoke test; no MFU there).
+Random weights are fine for speed. Rows: stage-1 steps (projector trains; frozen bf16 Gemma) for each pool,
+checkpointing, compile (train.compile) and micro-batch asked for, with the language model's attention kernel
+(train.attention): samples/s, peak memory, and MFU against the language model's forward + activation-backward FLOPs.
+`cached` steps read latents and SigLIP features staged on the GPU (what the cache gives); `live` steps encode 512 px
+images through the frozen VAE and 896 px pixels through the frozen SigLIP tower inside every step (the reference
+run, and the trainer's fallback), and carry `cache_speedup` = live step time / cached step time of the same row.
+The VAE encoder at 512 px in bf16 as precompute runs it (eager, channels-last, compiled): images/s. `--sizes tiny`
+runs the same code at toy sizes (CPU smoke test; no MFU there).
 """
 from __future__ import annotations
 
@@ -73,17 +77,25 @@ def build(sizes: dict, gemma, pool: int, device: torch.device) -> TheWorld:
     return model
 
 
-def batch(sizes: dict, b: int, device: torch.device) -> dict:
+def batch(sizes: dict, b: int, device: torch.device, live: bool = False) -> dict:
+    """A stage-1 micro-batch: cached world inputs (latents, SigLIP features) or, `live`, the pixels they come from
+    (uint8 images for the VAE as the loader gives them, normalised pixel_values for SigLIP)."""
     vocab, h = sizes["text"]["vocab_size"], sizes["text"]["hidden_size"]
-    mm, lat = sizes["mm_tokens"], sizes["resolution"] // 8
+    mm, lat, res = sizes["mm_tokens"], sizes["resolution"] // 8, sizes["resolution"]
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab - 3, (b, TEXT_TOKENS + mm + 2), generator=g)
     ids[:, 8], ids[:, 9:9 + mm], ids[:, 9 + mm] = vocab - 3, vocab - 1, vocab - 2  # boi, image tokens, eoi
     labels = torch.full_like(ids, -100)
     labels[:, -ANSWER_TOKENS:] = ids[:, -ANSWER_TOKENS:]
-    out = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels,
-           "latent_mean": torch.randn(b, 16, 1, lat, lat, generator=g), "latent_logvar": torch.randn(b, 16, 1, lat, lat, generator=g) - 4,
-           "siglip": torch.randn(b, mm, h, generator=g)}
+    out = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    if live:
+        side = sizes["vision"]["image_size"]
+        out["images"] = torch.randint(0, 256, (b, 3, res, res), dtype=torch.uint8, generator=g)
+        out["pixel_values"] = torch.rand(b, 3, side, side, generator=g) * 2 - 1
+    else:
+        out["latent_mean"] = torch.randn(b, 16, 1, lat, lat, generator=g)
+        out["latent_logvar"] = torch.randn(b, 16, 1, lat, lat, generator=g) - 4
+        out["siglip"] = torch.randn(b, mm, h, generator=g)
     return {k: v.to(device) for k, v in out.items()}
 
 
@@ -106,12 +118,12 @@ def _sync(device: torch.device) -> None:
 
 
 def step_row(sizes: dict, gemma, pool: int, ckpt: bool, micro: int, steps: int, device: torch.device,
-             compiled: bool = False) -> dict:
+             compiled: bool = False, live: bool = False) -> dict:
     model = build(sizes, gemma, pool, device)
     model.gradient_checkpointing(ckpt)
     model.train()
     opt = torch.optim.AdamW(model.projector.parameters(), lr=1e-4)
-    x = batch(sizes, micro, device)
+    x = batch(sizes, micro, device, live)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = []
@@ -131,7 +143,7 @@ def step_row(sizes: dict, gemma, pool: int, ckpt: bool, micro: int, steps: int, 
     flops = 2 * lm_flops(sizes, seq) * micro
     row = {"case": "stage1_step", "pool": pool, "world_tokens": world - 2, "seq_len": seq,
            "gradient_checkpointing": ckpt, "compiled": compiled, "attn": gemma.config.text_config._attn_implementation,
-           "micro_batch": micro, "step_ms": round(1000 * step_s, 1),
+           "encoding": "live" if live else "cached", "micro_batch": micro, "step_ms": round(1000 * step_s, 1),
            "samples_per_s": round(micro / step_s, 2), "tflops_per_s": round(flops / step_s / 1e12, 1)}
     if device.type == "cuda":
         row["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
@@ -181,20 +193,29 @@ def stage1_rows(sizes: dict, args, device: torch.device) -> list[dict]:
     """Stage-1 step rows for every (compiled, micro-batch, pool, checkpointing) asked for, on one shared Gemma."""
     gemma = build_gemma(sizes, device, args.attn)
     both = {"no": [False], "yes": [True], "both": [False, True]}
+    encodings = {"cached": [False], "live": [True], "both": [False, True]}[args.encoding]
     micros, pools = [int(m) for m in args.micro_batch.split(",")], [int(p) for p in args.pool.split(",")]
     rows = []
     for compiled in both[args.compile]:
         if compiled:
             compile_language_layers(gemma)  # once: every row shares this Gemma
         for micro, pool, ckpt in itertools.product(micros, pools, both[args.checkpointing]):
-            try:
-                rows.append(step_row(sizes, gemma, pool, ckpt, micro, args.steps, device, compiled))
-            except torch.OutOfMemoryError:
-                rows.append({"case": "stage1_step", "pool": pool, "gradient_checkpointing": ckpt, "compiled": compiled,
-                             "attn": args.attn, "micro_batch": micro, "error": "out of memory"})
-                torch.cuda.empty_cache()
-            if not args.json:
-                print(json.dumps(rows[-1]), flush=True)
+            cached = None
+            for live in encodings:
+                try:
+                    row = step_row(sizes, gemma, pool, ckpt, micro, args.steps, device, compiled, live)
+                except torch.OutOfMemoryError:
+                    row = {"case": "stage1_step", "pool": pool, "gradient_checkpointing": ckpt, "compiled": compiled,
+                           "attn": args.attn, "encoding": "live" if live else "cached", "micro_batch": micro,
+                           "error": "out of memory"}
+                    torch.cuda.empty_cache()
+                if not live:
+                    cached = row
+                elif cached and "step_ms" in cached and "step_ms" in row:
+                    row["cache_speedup"] = round(row["step_ms"] / cached["step_ms"], 2)
+                rows.append(row)
+                if not args.json:
+                    print(json.dumps(row), flush=True)
     return rows
 
 
@@ -210,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpointing", choices=["no", "yes", "both"], default="both")
     p.add_argument("--attn", choices=["sdpa", "flex_attention", "eager"], default="sdpa",
                    help="Gemma's attention implementation (model.attention)")
+    p.add_argument("--encoding", choices=["cached", "live", "both"], default="both",
+                   help="stage-1 world inputs: cached latents + SigLIP features, live VAE + SigLIP encoding in every "
+                        "step, or both (live rows then carry cache_speedup)")
     p.add_argument("--vae-batch", type=int, default=16, help="batch of the VAE encoder rows")
     p.add_argument("--rows", default="stage1,vae", help="which rows: stage1, vae, or both (comma-separated)")
     args = p.parse_args(argv)
