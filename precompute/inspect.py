@@ -12,7 +12,6 @@ With --config, summary and verify check the fingerprint too.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
@@ -25,7 +24,7 @@ import torch
 from precompute.config import PrecomputeConfig
 from theworld import cache_format as cf
 from theworld import encoders, images
-from theworld.config import load_config
+from theworld.config import ArgParser, add_config_args, load_config
 from theworld.errors import UserError, cli_entry
 
 
@@ -299,22 +298,16 @@ def decode(cache: Path, args) -> tuple[dict, int, str]:
 # CLI
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise UserError(f"precompute.inspect: {message}")
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="precompute.inspect", description="Inspect a latent cache.")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+def _parser() -> ArgParser:
+    p = ArgParser(prog="precompute.inspect", description="Inspect a latent cache.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=ArgParser)
 
     def add(name: str, help_: str, models: bool = False):
         sp = sub.add_parser(name, help=help_)
         sp.add_argument("cache", help="the cache directory")
         sp.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-        sp.add_argument("--config", help="precompute config to check the fingerprint against"
+        add_config_args(sp, "precompute config to check the fingerprint against"
                         + (" and take the VAE from" if models else " (loads the models)"))
-        sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
         if models:
             sp.add_argument("--n", type=int, default=8, help="how many random samples")
             sp.add_argument("--seed", type=int, default=0)

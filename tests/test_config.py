@@ -6,7 +6,7 @@ from typing import Literal
 
 import pytest
 
-from theworld.config import FreezeConfig, ImageConfig, ModelConfig, WorldConfig, config_hash, load_config, to_yaml
+from theworld.config import FreezeConfig, ImageConfig, ModelConfig, WorldConfig, load_config, to_yaml
 from theworld.errors import UserError
 
 
@@ -78,8 +78,6 @@ def test_a_literal_of_words_takes_yaml_booleans_as_typed():
     assert load_config(Precision, None, ["mixed_precision=no"]).mixed_precision == "no"
 
 
-def test_hash_is_stable_and_sensitive():
-    a, b = load_config(Demo, None), load_config(Demo, None)
-    assert config_hash(a) == config_hash(b)
-    assert config_hash(load_config(Demo, None, ["lr=0.5"])) != config_hash(a)
+def test_yaml_dump_round_trips():
+    a = load_config(Demo, None)
     assert "gemma: tiny" in to_yaml(a)

@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from theworld.encoders import DTYPES
 from theworld.errors import CacheMismatch, UserError
 
 FORMAT_VERSION = 1
@@ -44,7 +45,6 @@ SIGLIP = "siglip.safetensors"  # tensor "features": (mm_tokens, H), the multimod
 CAPTION = "txt"
 META = "json"  # prompt, source, original_size, crop_box, flip
 IMAGE_EXTS = ("jpg", "png", "webp")
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def shard_stem(index: int) -> str:
@@ -105,7 +105,7 @@ class Sample:
 
 def encode_sample(s: Sample, dtype: str) -> dict[str, bytes]:
     """Sample -> {member name: bytes} (no "__key__"), tensors cast to the cache dtype."""
-    dt = TORCH_DTYPES[dtype]
+    dt = DTYPES[dtype]
     out = {CAPTION: s.caption.encode(), META: json.dumps(s.meta, sort_keys=True).encode()}
     out[LATENT] = st_save({"mean": s.mean.to(dt).contiguous(), "logvar": s.logvar.to(dt).contiguous()})
     if s.flip_mean is not None:
@@ -140,7 +140,7 @@ def decode_sample(key: str, members: dict[str, bytes], tensors: bool = True) -> 
     return s
 
 
-_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}  # what TORCH_DTYPES writes
+_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}  # what DTYPES writes
 
 
 def load_stacked(blobs: list[bytes]) -> dict[str, torch.Tensor]:

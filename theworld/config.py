@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
-import json
 import types
 import typing
 from dataclasses import dataclass, field
@@ -179,24 +177,26 @@ def to_yaml(cfg: Any) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
-def config_hash(cfg: Any) -> str:
-    return hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()[:16]
+class ArgParser(argparse.ArgumentParser):
+    """argparse whose usage errors are a `UserError`: one line naming the command, exit 2 (through `cli_entry`)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise UserError(f"{self.prog}: {message}")
+
+
+def add_config_args(p: argparse.ArgumentParser, config_help: str = "YAML config file") -> None:
+    p.add_argument("--config", help=config_help)
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set train.lr=1e-3 (repeatable)")
 
 
 def cli_parser(prog: str, description: str) -> argparse.ArgumentParser:
     """The `--config CFG [--set key=value ...]` front every command shares."""
-
-    class _Parser(argparse.ArgumentParser):
-        def error(self, message: str) -> typing.NoReturn:  # argparse exits 2 already; keep it one line
-            raise UserError(f"{prog}: {message}")
-
-    p = _Parser(prog=prog, description=description)
-    p.add_argument("--config", help="YAML config file")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set train.lr=1e-3 (repeatable)")
+    p = ArgParser(prog=prog, description=description)
+    add_config_args(p)
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     return p
 
 
 __all__ = ["ModelConfig", "ImageConfig", "WorldConfig", "FreezeConfig", "load_config", "to_dict", "to_yaml",
-           "config_hash", "cli_parser", "field"]
+           "ArgParser", "add_config_args", "cli_parser", "field"]

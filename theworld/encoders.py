@@ -173,9 +173,9 @@ class WorldEncoder(nn.Module):
 
     def optimize_for_inference(self, channels_last: bool, compile: bool) -> None:
         """For a frozen encoder. `channels_last` (GPU): conv weights in channels-last layout (cuDNN's bf16
-        convolutions are NHWC; 160 -> 185 images/s at 512 px on an H100) and, with `compile`, torch.compile of the VAE
+        convolutions are NHWC) and, with `compile`, torch.compile of the VAE
         encoder, which fuses the fp32 RMS norms and SiLUs that eager mode runs as separate passes over every activation
-        (-> 552 images/s; docs/performance.md). Outputs match the eager ones to bf16 rounding."""
+        (docs/performance.md). Outputs match the eager ones to bf16 rounding."""
         self.channels_last = channels_last
         for p in self.vae.parameters() if channels_last else ():
             if p.dim() in (4, 5):

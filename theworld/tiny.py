@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from theworld import synthetic
+from theworld import gemma3, synthetic
 
 TINY_GEMMA_DIR = "tiny-gemma3"
 TINY_VAE_DIR = "tiny-wan-vae"
@@ -70,13 +70,9 @@ def _gemma_config(tokenizer, initializer_range: float = INITIALIZER_RANGE, **tex
     # Real Gemma 3 scales queries by head_dim**-0.5 (query_pre_attn_scalar 256 = head_dim). Keep that ratio: with q/k
     # RMS-normalised, the default 256 at head_dim 32 would cap attention logits at 2, too flat to read world tokens.
     sizes.setdefault("query_pre_attn_scalar", sizes["head_dim"])
-    # Gemma 3 interleaves 5 sliding-window layers with 1 global one; spell it out (required for few layers), and
-    # end on a global layer so every token can see the whole world.
-    n = sizes["num_hidden_layers"]
-    layer_types = ["full_attention" if (i + 1) % 6 == 0 or i == n - 1 else "sliding_attention" for i in range(n)]
     text = Gemma3TextConfig(
-        vocab_size=len(tokenizer), **sizes, layer_types=layer_types, max_position_embeddings=2048,
-        initializer_range=initializer_range, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer), **sizes, layer_types=gemma3.layer_types(sizes["num_hidden_layers"]),
+        max_position_embeddings=2048, initializer_range=initializer_range, pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                 image_size=32, patch_size=8)

@@ -24,6 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from theworld import gemma3
 from theworld.encoders import WorldEncoder, _quiet_hf
 from theworld.model import TheWorld, compile_language_layers
 from theworld.projector import WorldProjector
@@ -50,9 +51,7 @@ def build_gemma(sizes: dict, device: torch.device, attn: str = "sdpa"):
     """Gemma 3 at `sizes` with random weights, frozen, in bf16 (built once; every row shares it)."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
 
-    n = sizes["text"]["num_hidden_layers"]
-    layer_types = ["full_attention" if (i + 1) % 6 == 0 or i == n - 1 else "sliding_attention" for i in range(n)]
-    text = Gemma3TextConfig(**sizes["text"], layer_types=layer_types)
+    text = Gemma3TextConfig(**sizes["text"], layer_types=gemma3.layer_types(sizes["text"]["num_hidden_layers"]))
     vision = SiglipVisionConfig(**sizes["vision"])
     vocab = sizes["text"]["vocab_size"]
     cfg = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=sizes["mm_tokens"],
@@ -106,7 +105,7 @@ def lm_flops(sizes: dict, seq: int) -> float:
     h, hd, nh, kv, ff = t["hidden_size"], t["head_dim"], t["num_attention_heads"], t["num_key_value_heads"], t["intermediate_size"]
     per_layer_params = h * hd * (nh + 2 * kv) + nh * hd * h + 3 * h * ff
     n = t["num_hidden_layers"]
-    n_global = sum(1 for i in range(n) if (i + 1) % 6 == 0 or i == n - 1)
+    n_global = gemma3.layer_types(n).count("full_attention")
     ctx_local = min(seq, t["sliding_window"])
     attn = 2 * 2 * nh * hd * (seq * seq / 2 * n_global + seq * ctx_local / 2 * (n - n_global))
     return 2 * per_layer_params * n * seq + attn + 2 * h * t["vocab_size"] * ANSWER_TOKENS

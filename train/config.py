@@ -6,8 +6,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Literal
 
-from theworld.config import (FreezeConfig, ImageConfig, ModelConfig, WorldConfig, cli_parser, config_hash,
-                             load_config, to_dict, to_yaml)
+from theworld.config import (FreezeConfig, ImageConfig, ModelConfig, WorldConfig, cli_parser, load_config,
+                             to_dict, to_yaml)
 from theworld.errors import UserError
 
 TRACKERS = ("tensorboard", "wandb")
@@ -130,5 +130,4 @@ def load(argv: list[str] | None = None) -> tuple[TrainConfig, object]:
     return load_config(TrainConfig, args.config, args.overrides), args
 
 
-__all__ = ["TrainConfig", "TrainSection", "ProfileConfig", "accumulation_steps", "run_hash", "load", "to_yaml",
-           "config_hash"]
+__all__ = ["TrainConfig", "TrainSection", "ProfileConfig", "accumulation_steps", "run_hash", "load", "to_yaml"]

@@ -1,0 +1,54 @@
+"""Every shipped config loads as it is, and the run hash that checkpoints record covers what it should."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from precompute.config import PrecomputeConfig
+from theworld.config import load_config
+from train.config import RESUME_NEUTRAL, TrainConfig, run_hash
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+TRAIN_CONFIGS = sorted(CONFIGS.glob("stage*.yaml")) + sorted((CONFIGS / "real").glob("stage*.yaml"))
+PRECOMPUTE_CONFIGS = [CONFIGS / "precompute.yaml", CONFIGS / "real" / "precompute.yaml"]
+
+
+def test_the_shipped_set_is_complete():
+    assert [p.name for p in TRAIN_CONFIGS] == [f"stage{i}.yaml" for i in (1, 2, 3, 4)] * 2
+
+
+@pytest.mark.parametrize("path", TRAIN_CONFIGS, ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_train_configs_load(path):
+    cfg = load_config(TrainConfig, path)
+    stage = int(path.stem[-1])
+    # stage N+1 starts from stage N's final weights; stage 1 starts from the base models
+    assert (cfg.init_from is None) == (stage == 1)
+    if stage > 1:
+        assert f"stage{stage - 1}" in str(cfg.init_from)
+    # progressive unfreezing: stage 2 adds the vision side, stage 3 the language model, stage 4 the VAE
+    assert (cfg.freeze.vision, cfg.freeze.language, cfg.freeze.vae) == (stage < 2, stage < 3, stage < 4)
+
+
+@pytest.mark.parametrize("path", PRECOMPUTE_CONFIGS, ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_precompute_configs_load(path):
+    cfg = load_config(PrecomputeConfig, path)
+    assert cfg.image.resolution % 8 == 0
+
+
+def test_real_configs_share_the_cache_they_read():
+    """The real stages and the real precompute agree on the models and the resolution the cache is built at."""
+    pre = load_config(PrecomputeConfig, CONFIGS / "real" / "precompute.yaml")
+    for path in sorted((CONFIGS / "real").glob("stage*.yaml")):
+        cfg = load_config(TrainConfig, path)
+        assert (cfg.model.gemma, cfg.model.vae, cfg.image.resolution) == \
+            (pre.model.gemma, pre.model.vae, pre.image.resolution), path.name
+
+
+def test_run_hash_ignores_resume_neutral_keys_and_sees_the_rest(tmp_path):
+    base = load_config(TrainConfig, CONFIGS / "stage1.yaml")
+    neutral = [f"{k}=7" if k.startswith("train.") else None for k in RESUME_NEUTRAL]
+    neutral = [o for o in neutral if o] + [f"output_dir={tmp_path}", "trackers=[]", "resume=auto"]
+    assert run_hash(load_config(TrainConfig, CONFIGS / "stage1.yaml", neutral)) == run_hash(base)
+    for change in ("train.lr=0.5", "seed=1", "world.pool=2", "train.max_steps=7", "freeze.vae=false"):
+        assert run_hash(load_config(TrainConfig, CONFIGS / "stage1.yaml", [change])) != run_hash(base), change

@@ -1,0 +1,52 @@
+"""The optimiser's parameter groups and the learning-rate schedule."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from theworld.config import load_config
+from train.config import TrainConfig
+from train.optim import lr_factor, param_groups
+
+
+class Toy(torch.nn.Module):
+    """Names that follow the model's: a projector with markers, a norm, a linear layer with a bias, a frozen part."""
+
+    def __init__(self):
+        super().__init__()
+        self.projector = torch.nn.Module()
+        self.projector.sow = torch.nn.Parameter(torch.zeros(8))
+        self.projector.eow = torch.nn.Parameter(torch.zeros(1, 8))  # 2-D: excluded by name, not by shape
+        self.projector.proj = torch.nn.Linear(4, 8)
+        self.post_norm = torch.nn.Module()
+        self.post_norm.weight = torch.nn.Parameter(torch.ones(8))
+        self.frozen = torch.nn.Linear(8, 8).requires_grad_(False)
+
+
+def test_no_decay_for_biases_norms_and_markers_and_none_for_frozen():
+    model = Toy()
+    groups = param_groups(model, weight_decay=0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    by_decay = {g["weight_decay"]: sorted(names[id(p)] for p in g["params"]) for g in groups}
+    assert by_decay == {0.1: ["projector.proj.weight"],
+                        0.0: ["post_norm.weight", "projector.eow", "projector.proj.bias", "projector.sow"]}
+
+
+def _cfg(*overrides: str) -> TrainConfig:
+    return load_config(TrainConfig, None, ["train.max_steps=100", "train.warmup_steps=10", *overrides])
+
+
+def test_cosine_schedule_is_a_pure_function_of_the_step():
+    f = lr_factor(_cfg("train.schedule=cosine"))
+    assert [f(s) for s in (0, 5, 10)] == pytest.approx([0.0, 0.5, 1.0])
+    assert f(55) == pytest.approx(0.5 * (1 + math.cos(math.pi * 45 / 90)))
+    assert f(100) == pytest.approx(0.0, abs=1e-12)
+    assert [f(s) for s in range(100)] == [lr_factor(_cfg("train.schedule=cosine"))(s) for s in range(100)]
+
+
+def test_linear_and_constant_schedules():
+    lin, const = lr_factor(_cfg("train.schedule=linear")), lr_factor(_cfg("train.schedule=constant"))
+    assert lin(10) == pytest.approx(1.0) and lin(55) == pytest.approx(0.5) and lin(100) == pytest.approx(0.0)
+    assert const(5) == pytest.approx(0.5) and const(10) == const(99) == pytest.approx(1.0)
