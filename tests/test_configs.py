@@ -52,3 +52,17 @@ def test_run_hash_ignores_resume_neutral_keys_and_sees_the_rest(tmp_path):
     assert run_hash(load_config(TrainConfig, CONFIGS / "stage1.yaml", neutral)) == run_hash(base)
     for change in ("train.lr=0.5", "seed=1", "world.pool=2", "train.max_steps=7", "freeze.vae=false"):
         assert run_hash(load_config(TrainConfig, CONFIGS / "stage1.yaml", [change])) != run_hash(base), change
+
+
+def test_layer_types_follow_the_released_gemma3_pattern():
+    from transformers import Gemma3TextConfig
+
+    from theworld import gemma3
+
+    for n in (6, 12, 26, 34, 48, 62):  # the released sizes' depths among them; transformers' own derivation
+        assert gemma3.layer_types(n) == Gemma3TextConfig(num_hidden_layers=n).layer_types, n
+    real = gemma3.layer_types(34)
+    assert [i + 1 for i, t in enumerate(real) if t == "full_attention"] == [6, 12, 18, 24, 30]
+    # below 6 layers the released rule has no global layer; the tiny models make their last one global
+    assert gemma3.layer_types(1) == ["full_attention"]
+    assert gemma3.layer_types(4) == ["sliding_attention"] * 3 + ["full_attention"]
