@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pool", default="1,2", help="comma-separated world.pool values")
     p.add_argument("--checkpointing", choices=["no", "yes", "both"], default="both")
     p.add_argument("--attn", choices=["sdpa", "flex_attention", "eager"], default="sdpa",
-                   help="Gemma's attention implementation (model.attention)")
+                   help="the language model's attention kernel (train.attention)")
     p.add_argument("--encoding", choices=["cached", "live", "both"], default="both",
                    help="stage-1 world inputs: cached latents + SigLIP features, live VAE + SigLIP encoding in every "
                         "step, or both (live rows then carry cache_speedup)")
