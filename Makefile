@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install demo test bench clean-demo
+.PHONY: install demo test test-fast bench clean-demo
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q
+
+# The inner loop: everything but the tests that start whole runs in subprocesses (marked `slow`).
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
 
 bench: install
 	$(PY) -m precompute.bench
