@@ -11,6 +11,7 @@ manifest from the sidecars once every process is through.
 """
 from __future__ import annotations
 
+import errno
 import io
 import math
 import os
@@ -261,7 +262,13 @@ def run(cfg: PrecomputeConfig) -> dict:
     # one run per output_dir (a second one would delete this run's unfinished shards as a killed run's leftovers);
     # taking the lock creates the folder, or says why it cannot be written
     with run_lock.hold(out, state):
-        return _build(cfg, state, out)
+        try:
+            return _build(cfg, state, out)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            raise UserError(f"no space left on device writing {e.filename or out}: free some space and rerun the same "
+                            "command (finished shards are kept, the unfinished one is redone)") from None
 
 
 def _build(cfg: PrecomputeConfig, state, out: Path) -> dict:

@@ -32,7 +32,7 @@ def open_listing(source_type: str, path: str | None, num_samples: int | None, se
     if source_type == "synthetic":
         return SyntheticListing(seed, num_samples, resolution)
     if source_type == "folder":
-        listing = folder_listing(path, prompt)
+        listing = folder_listing(path, prompt, index_dir, rank)
     else:
         listing = WebdatasetListing(path, prompt, index_dir, rank, world, barrier)
     return Truncated(listing, num_samples) if num_samples else listing

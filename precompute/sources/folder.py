@@ -7,18 +7,24 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 from array import array
 from pathlib import Path, PurePosixPath
 from typing import Iterable
 
+import numpy as np
+
 from precompute.sources import content
 from precompute.sources.content import SourceError
-from precompute.sources.listing import Entry, Listing, Loaded, find_duplicates
+from precompute.sources.listing import Entry, Listing, Loaded, find_duplicates, read_json
+from theworld import cache_format as cf
 from theworld.cache_format import safe_key
+from theworld.errors import UserError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 _IMAGE_SUFFIXES_B = tuple(x.encode() for x in IMAGE_SUFFIXES)
+LISTING_FILE = "folder.json"  # in <output_dir>/source-index/: what a rerun's listing must match
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -105,10 +111,20 @@ class JsonlListing(Listing):
     def _load(self, entry: Entry) -> Loaded:
         return Loaded(content.read_file(entry.loc[0]), entry.caption, entry.prompt, {})
 
-    def identity(self) -> dict:
-        """What the order depends on: captions.jsonl's size and modification time."""
+    def persist(self, index_dir: Path, rank: int) -> None:
+        """Refuse to go on with a captions.jsonl that changed since the cache was started (its size and modification
+        time are recorded on the first run): the shards already written follow the old lines."""
         st = os.stat(self.path)
-        return {"captions.jsonl": [st.st_size, st.st_mtime_ns]}
+        state = {"captions.jsonl": [st.st_size, st.st_mtime_ns], "count": len(self)}
+        old = read_json(index_dir / LISTING_FILE)
+        if old is None:
+            if rank == 0:
+                index_dir.mkdir(parents=True, exist_ok=True)
+                cf.atomic_write_json(index_dir / LISTING_FILE, state)
+        elif old != state:
+            raise UserError(f"config key 'source.path': {self.path} changed since the cache in {index_dir.parent} was "
+                            f"started (size or modification time), so its shards follow other lines: restore it, or "
+                            f"use another output_dir (or delete that one) to start over")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -217,8 +233,36 @@ class TxtFolderListing(Listing):
             raise SourceError(f"missing caption file: {txt.relative_to(self.root).as_posix()}") from None
         return Loaded(content.read_file(str(path)), caption, entry.prompt, _sidecar_json(path.with_suffix(".json")))
 
-    def paths(self) -> bytes:
-        return self.blob
+    def persist(self, index_dir: Path, rank: int) -> None:
+        """Record the listing on the first run (the relative paths in order); on a rerun, refuse a folder whose
+        listing differs, naming a file added or removed: the shards already written follow the old order."""
+        ends = np.frombuffer(self.ends, dtype=np.int64).astype("<i8").tobytes()
+        digest = hashlib.sha256(ends + self.blob).hexdigest()
+        old = read_json(index_dir / LISTING_FILE)
+        if old is None:
+            if rank == 0:
+                index_dir.mkdir(parents=True, exist_ok=True)
+                cf.atomic_write_bytes(index_dir / "folder-paths.bin", self.blob)
+                cf.atomic_write_bytes(index_dir / "folder-ends.bin", ends)
+                cf.atomic_write_json(index_dir / LISTING_FILE, {"count": len(self), "sha256": digest})
+        elif old.get("sha256") != digest:
+            raise UserError(f"config key 'source.path': the folder changed since the cache in {index_dir.parent} "
+                            f"was started ({self._change(index_dir)}), so its shards follow another listing: restore "
+                            "the folder, or use another output_dir (or delete that one) to start over")
+
+    def _change(self, index_dir: Path) -> str:
+        """One file added or removed between the recorded listing and this one (the error path only)."""
+        try:
+            blob = (index_dir / "folder-paths.bin").read_bytes()
+            ends = np.frombuffer((index_dir / "folder-ends.bin").read_bytes(), "<i8").tolist()
+        except OSError:
+            return "the recorded listing is unreadable"
+        old = {blob[a:b] for a, b in zip([0] + ends[:-1], ends)}
+        new = {self.blob[self.ends[i - 1] if i else 0:self.ends[i]] for i in range(len(self))}
+        added, removed = sorted(new - old), sorted(old - new)
+        changes = [f"{os.fsdecode(p)} added" for p in added[:1]] + [f"{os.fsdecode(p)} removed" for p in removed[:1]]
+        more = len(added) + len(removed) - len(changes)
+        return ", ".join(changes) + (f", and {more} more" if more else "") if changes else "the order changed"
 
 
 def _sidecar_json(path: Path) -> dict:
@@ -230,8 +274,12 @@ def _sidecar_json(path: Path) -> dict:
     return content.provenance(raw)
 
 
-def folder_listing(path: str, default_prompt: str) -> Listing:
+def folder_listing(path: str, default_prompt: str, index_dir: Path, rank: int = 0) -> Listing:
+    """The folder's listing, checked against (or recorded as) the one this output_dir was started with."""
     root = Path(path)
     if (root / "captions.jsonl").is_file():
-        return JsonlListing(root, default_prompt)
-    return TxtFolderListing(root, default_prompt)
+        listing = JsonlListing(root, default_prompt)
+    else:
+        listing = TxtFolderListing(root, default_prompt)
+    listing.persist(Path(index_dir), rank)
+    return listing
