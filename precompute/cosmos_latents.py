@@ -278,9 +278,8 @@ def _build(cfg: PrecomputeConfig, state, out: Path) -> dict:
     rank, world = state.process_index, state.num_processes
     t0 = time.time()
     # Collective for webdataset sources: each tar is header-scanned by one process, once per output_dir.
-    listing = sources.open_listing(cfg.source.type, cfg.source.path, cfg.source.num_samples, cfg.seed,
-                                   cfg.source.prompt, index_dir=out / cf.INDEX_DIR, rank=rank, world=world,
-                                   barrier=state.wait_for_everyone, resolution=cfg.image.resolution)
+    listing = sources.open_source(cfg.source, cfg.seed, cfg.image.resolution, index_dir=out / cf.INDEX_DIR, rank=rank,
+                                  world=world, barrier=state.wait_for_everyone)
     if not len(listing):
         raise UserError(f"config key 'source.path': no samples found in {cfg.source.path}")
     encoder, gemma, processor, fingerprint = _load_models(cfg, state.device)

@@ -16,6 +16,7 @@ from _precompute_helpers import cli_args, gradient, jpeg_bytes, make_cfg, png_by
 from precompute import cosmos_latents, sources
 from precompute.sources import content
 from theworld import cache_format as cf
+from theworld.errors import UserError
 
 
 def _listing(kind: str, path, tmp_path: Path, **kw) -> sources.Listing:
@@ -354,3 +355,183 @@ def test_a_full_disk_is_one_line_and_the_rerun_is_bit_exact(tmp_path, fake_vae, 
     monkeypatch.setattr(shard_writer.cf, "write_shard", write_shard)
     assert cosmos_latents.main(cli_args(out, n=12, shard=4)) == 0
     assert [s["sha256"] for s in cf.load_manifest(out)["shards"]] == [s["sha256"] for s in reference["shards"]]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Sources as the real tools lay them out
+
+
+def test_img2dataset_files_layout_keeps_url_and_uid(tmp_path, fake_vae):
+    """img2dataset output_format=files: <shard>/<key>.jpg + .txt + .json (+ <shard>.parquet and _stats.json beside)."""
+    src = tmp_path / "dl"
+    (src / "00000").mkdir(parents=True)
+    for i in range(3):
+        key = f"{i:09d}"
+        (src / "00000" / f"{key}.jpg").write_bytes(jpeg_bytes(gradient(30, 24)))
+        (src / "00000" / f"{key}.txt").write_text(f"photo {i}")
+        (src / "00000" / f"{key}.json").write_text(json.dumps({
+            "url": f"http://img/{i}.jpg", "key": key, "status": "success", "error_message": None, "width": 30,
+            "height": 24, "original_width": 300, "original_height": 240, "exif": "{}", "sha256": "ab" * 32,
+            "uid": f"{i:032x}", "caption": f"photo {i}"}))
+    (src / "00000_stats.json").write_text(json.dumps({"count": 3, "successes": 3}))
+    (src / "00000.parquet").write_bytes(b"PAR1")  # beside the folder, not an image: ignored
+    out = tmp_path / "c"
+    cosmos_latents.run(make_cfg(out, "source.type=folder", f"source.path={src}"))
+    samples = read_cache_plain(out)
+    assert list(samples) == [f"00000_{i:09d}_jpg" for i in range(3)]
+    meta = json.loads(samples["00000_000000002_jpg"]["json"])
+    assert (meta["url"], meta["uid"], meta["key"]) == ("http://img/2.jpg", f"{2:032x}", "000000002")
+    assert samples["00000_000000002_jpg"]["txt"] == b"photo 2"
+
+
+def _chat_item(i: int, human: str = "Provide a brief description of the given image.\n<image>", **kw) -> dict:
+    return {"id": f"GCC_train_{i:09d}", "image": f"GCC_train_{i:09d}.jpg",
+            "conversations": [{"from": "human", "value": human}, {"from": "gpt", "value": f"a caption {i} ."}], **kw}
+
+
+def test_llava_chat_json(tmp_path, fake_vae):
+    """LLaVA-CC3M-Pretrain-595K: chat.json beside images/ (the extracted images.zip)."""
+    root = tmp_path / "LLaVA-CC3M-Pretrain-595K"
+    (root / "images").mkdir(parents=True)
+    for i in range(4):
+        (root / "images" / f"GCC_train_{i:09d}.jpg").write_bytes(jpeg_bytes(gradient(30 + i, 24)))
+    items = [_chat_item(0), _chat_item(1, human="<image>\nWhat is in the photo?"), _chat_item(2), _chat_item(3),
+             {"id": "text-only", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
+             _chat_item(5)]
+    items[2]["conversations"] += [{"from": "human", "value": "more?"}, {"from": "gpt", "value": "no"}]
+    (root / "chat.json").write_text(json.dumps(items, indent=2))
+    out = tmp_path / "c"
+    result = cosmos_latents.run(make_cfg(out, "source.type=llava", f"source.path={root}/chat.json",
+                                         f"source.image_root={root}/images", "num_workers=1"))
+    samples = read_cache_plain(out)
+    assert list(samples) == ["GCC_train_000000000", "GCC_train_000000001", "GCC_train_000000003"]
+    s1 = samples["GCC_train_000000001"]
+    assert s1["txt"] == b"a caption 1 ." and json.loads(s1["json"])["prompt"] == "What is in the photo?"
+    assert json.loads(samples["GCC_train_000000000"]["json"])["prompt"] == \
+        "Provide a brief description of the given image."
+    reasons = {e["key"]: e["reason"] for e in cf.read_errors(out)}
+    assert reasons == {
+        "GCC_train_000000002": "bad item: multi-turn conversation (4 turns; one human and one gpt turn supported)",
+        "text-only": "bad item: no 'image' (a text-only item)",
+        "GCC_train_000000005": reasons["GCC_train_000000005"]}
+    assert reasons["GCC_train_000000005"].startswith("cannot read: FileNotFoundError")
+    assert result["num_errors"] == 3
+    # image_root defaults to the JSON's folder; a chat.json that changed is refused on resume
+    (root / "images" / "chat.json").write_text(json.dumps([_chat_item(3)]))
+    listing = _listing("llava", root / "images" / "chat.json", tmp_path / "l2")
+    assert listing.load(listing.entries(0, 1)[0]).caption == "a caption 3 ."
+    (root / "chat.json").write_text(json.dumps(items[:2]))
+    with pytest.raises(UserError, match="chat.json changed since"):
+        cosmos_latents.run(make_cfg(out, "source.type=llava", f"source.path={root}/chat.json",
+                                    f"source.image_root={root}/images"))
+
+
+def _hf_parquet(path: Path, rows: list[dict], row_group_size: int) -> None:
+    """A parquet file as HF `datasets` writes one with an Image feature: image is struct<bytes: binary, path:
+    string>, and the features are recorded in the schema's b"huggingface" metadata."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    image_t = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    schema = pa.schema([("image", image_t), ("text", pa.string())], metadata={b"huggingface": json.dumps(
+        {"info": {"features": {"image": {"_type": "Image"}, "text": {"dtype": "string", "_type": "Value"}}}}).encode()})
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path, row_group_size=row_group_size)
+
+
+def test_parquet_hf_datasets_image_struct(tmp_path, fake_vae, monkeypatch):
+    from precompute.sources import parquet
+
+    monkeypatch.setattr(parquet, "BATCH_ROWS", 2)  # rows stream in batches of 2 inside row groups of 3
+    (tmp_path / "data").mkdir()
+    rows = [{"image": {"bytes": jpeg_bytes(gradient(30 + i, 24)), "path": f"img{i}.jpg"}, "text": f"text {i}"}
+            for i in range(7)]
+    rows[4]["image"] = {"bytes": None, "path": "http://x/4.jpg"}
+    rows[5]["text"] = "  "
+    _hf_parquet(tmp_path / "data" / "train-00000-of-00002.parquet", rows[:5], 3)
+    _hf_parquet(tmp_path / "data" / "train-00001-of-00002.parquet", rows[5:], 3)
+    out = tmp_path / "c"
+    result = cosmos_latents.run(make_cfg(out, "source.type=parquet", f"source.path={tmp_path}/data", "num_workers=1",
+                                         shard=3))  # a worker process: the listing crosses a process boundary
+    samples = read_cache_plain(out)
+    stem = "train-00000-of-00002"
+    assert list(samples) == [f"{stem}-{i:09d}" for i in range(4)] + ["train-00001-of-00002-000000001"]
+    assert [m["txt"] for m in samples.values()] == [b"text 0", b"text 1", b"text 2", b"text 3", b"text 6"]
+    assert json.loads(samples[f"{stem}-000000002"]["json"])["prompt"] == "Describe the image."
+    reasons = {e["source"]: e["reason"] for e in cf.read_errors(out)}
+    assert reasons == {f"{stem}.parquet:4": "no image bytes (path 'http://x/4.jpg'; nothing is downloaded)",
+                       "train-00001-of-00002.parquet:0": "empty caption"}
+    assert result["num_errors"] == 2
+    # the listing is kept: a rerun reads no key column again and gives the same shards
+    index = (out / "source-index" / "parquet.json").stat().st_mtime_ns
+    again = cosmos_latents.run(make_cfg(out, "source.type=parquet", f"source.path={tmp_path}/data", shard=3))
+    assert (out / "source-index" / "parquet.json").stat().st_mtime_ns == index
+    assert [s["sha256"] for s in again["shards"]] == [s["sha256"] for s in result["shards"]]
+
+
+def test_parquet_datacomp(tmp_path, fake_vae, capsys):
+    """DataComp: the metadata parquet (uid, url, text, ...) carries no images and is refused with one line; the
+    img2dataset parquet of it (key, uid, url, caption, status, jpg) is read with source.image_column=jpg."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    meta = {"uid": [f"{i:032x}" for i in range(3)], "url": [f"http://x/{i}" for i in range(3)],
+            "text": ["a", "b", "c"], "original_width": [640] * 3, "original_height": [480] * 3,
+            "clip_b32_similarity_score": [0.3] * 3, "face_bboxes": [[[0.1, 0.1, 0.2, 0.2]], [], []],
+            "sha256": ["0" * 64] * 3}
+    pq.write_table(pa.table(meta), tmp_path / "metadata.parquet")
+    assert cosmos_latents.main(cli_args(tmp_path / "m", "source.type=parquet",
+                                        f"source.path={tmp_path}/metadata.parquet")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "source.image_column" in err and "uid, url, text" in err
+    (tmp_path / "dl").mkdir()
+    table = pa.table({"key": [f"{i:09d}" for i in range(4)], "uid": [f"{i:032x}" for i in range(4)],
+                      "url": [f"http://x/{i}" for i in range(4)], "caption": ["a", "b", "c", "d"],
+                      "status": ["success", "success", "failed_to_download", "success"],
+                      "error_message": [None, None, "timeout", None],
+                      "jpg": pa.array([jpeg_bytes(gradient(30, 24)), jpeg_bytes(gradient(31, 24)), None,
+                                       jpeg_bytes(gradient(32, 24))], pa.binary())})
+    pq.write_table(table, tmp_path / "dl" / "00000.parquet")
+    out = tmp_path / "c"
+    cosmos_latents.run(make_cfg(out, "source.type=parquet", f"source.path={tmp_path}/dl/*.parquet",
+                                "source.image_column=jpg"))
+    samples = read_cache_plain(out)
+    assert list(samples) == ["000000000", "000000001", "000000003"]
+    assert json.loads(samples["000000003"]["json"])["url"] == "http://x/3"
+    assert json.loads(samples["000000003"]["json"])["uid"] == f"{3:032x}" and samples["000000003"]["txt"] == b"d"
+    assert [e["reason"] for e in cf.read_errors(out)] == ["no image bytes"]
+
+
+def test_parquet_columns_and_prompt_column(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    img = jpeg_bytes(gradient(20, 20))
+    pq.write_table(pa.table({"id": [7, 8, 7], "image": pa.array([img] * 3, pa.binary()), "caption": ["x", "y", "z"],
+                             "question": ["Q?", None, "R?"]}), tmp_path / "a.parquet")
+    listing = sources.open_listing("parquet", str(tmp_path / "a.parquet"), None, 0, "Default?",
+                                   index_dir=tmp_path / "idx", columns={"image": None, "caption": None,
+                                                                        "prompt": "question"})
+    entries = listing.entries(0, 3)
+    assert [(e.key, e.error) for e in entries] == [("7", None), ("8", None),
+                                                   ("7", "duplicate key: '7' (first used by a.parquet:0)")]
+    assert [listing.load(e).prompt for e in entries[:2]] == ["Q?", "Default?"]
+    with pytest.raises(UserError, match="source.caption_column.*no column 'nope'"):
+        sources.open_listing("parquet", str(tmp_path / "a.parquet"), None, 0, "p", index_dir=tmp_path / "i2",
+                             columns={"image": None, "caption": "nope", "prompt": None})
+
+
+def test_num_samples_keeps_the_first_n_usable_entries_of_any_source(tmp_path):
+    src = tmp_path / "src"
+    _txt_folder(src, 5)
+    lines = ["{bad", json.dumps({"image": "img000.png", "caption": "a"}), json.dumps({"image": "x.png"}),
+             json.dumps({"image": "img001.png", "caption": "b"}), json.dumps({"image": "img002.png", "caption": "c"})]
+    (src / "captions.jsonl").write_text("\n".join(lines))
+    listing = sources.open_listing("folder", str(src), 2, 0, "p", index_dir=tmp_path / "i")
+    assert [(e.key, e.error is None) for e in listing.entries(0, 10)] == [
+        ("line-1", False), ("img000_png", True), ("line-3", False), ("img001_png", True)]
+    from _precompute_helpers import wds_source
+
+    wds_source(tmp_path / "w", tars=3, per_tar=2, no_caption=(0, 1))
+    listing = sources.open_listing("webdataset", str(tmp_path / "w"), 3, 0, "p", index_dir=tmp_path / "j")
+    assert [e.key for e in listing.entries(0, 10)] == ["000000000", "000000001", "000010000", "000010001"]
+    assert len(sources.open_listing("webdataset", str(tmp_path / "w"), 100, 0, "p", index_dir=tmp_path / "j")) == 6

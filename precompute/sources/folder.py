@@ -31,6 +31,17 @@ LISTING_FILE = "folder.json"  # in <output_dir>/source-index/: what a rerun's li
 # captions.jsonl
 
 
+def check_image_path(rel: object) -> None:
+    """A relative image path as a caption file names it: a non-empty string inside the source folder (absolute paths
+    and '..' are refused; a symlink inside the folder is followed wherever it points)."""
+    if not isinstance(rel, str) or not rel:
+        raise ValueError("'image' must be a non-empty string")
+    if "\x00" in rel:
+        raise ValueError("'image' holds a NUL character")
+    if PurePosixPath(rel).is_absolute() or ".." in PurePosixPath(rel).parts:
+        raise ValueError(f"'image' leaves the source folder: {rel!r}")
+
+
 def _jsonl_record(root: Path, n: int, line: str | None, default_prompt: str) -> Entry:
     """Line n of captions.jsonl as an entry (an error entry for a bad line; None: the line is not valid UTF-8)."""
     src = f"captions.jsonl:{n}"
@@ -44,10 +55,7 @@ def _jsonl_record(root: Path, n: int, line: str | None, default_prompt: str) -> 
         prompt = rec.get("prompt", default_prompt)
         if not all(isinstance(v, str) for v in (rel, caption, prompt)) or not rel:
             raise ValueError("'image', 'caption' and 'prompt' must be non-empty strings")
-        if "\x00" in rel:
-            raise ValueError("'image' holds a NUL character")
-        if PurePosixPath(rel).is_absolute() or ".." in PurePosixPath(rel).parts:
-            raise ValueError(f"'image' leaves the source folder: {rel!r}")
+        check_image_path(rel)
     except (ValueError, KeyError) as e:
         reason = f"missing field {e}" if isinstance(e, KeyError) else str(e)
         return Entry(key=safe_key(f"line-{n}"), source=src, error=f"bad caption line: {reason}")
@@ -81,9 +89,9 @@ def _jsonl_lines(path: Path) -> Iterable[tuple[int, int, int, str | None]]:
 class JsonlListing(Listing):
     """captions.jsonl: per non-blank line its byte offset, sub-line and number; lines are parsed again per range."""
 
-    def __init__(self, root: Path, default_prompt: str):
+    def __init__(self, root: Path, default_prompt: str, path: Path | None = None):
         self.root, self.prompt = root, default_prompt
-        self.path = root / "captions.jsonl"
+        self.path = path or root / "captions.jsonl"
         self.offsets, self.subs, self.numbers = array("q"), array("l"), array("q")
         self.duplicates = find_duplicates(self._scan(), lambda i: self._raw(i, i + 1)[0])
 
@@ -93,7 +101,7 @@ class JsonlListing(Listing):
             if line is not None and not line.strip():
                 continue  # blank lines are not samples
             self.offsets.append(offset), self.subs.append(sub), self.numbers.append(n)
-            e = _jsonl_record(self.root, n, line, self.prompt)
+            e = self._record(n, line)
             yield e.key if e.error is None else None
 
     def __len__(self) -> int:
@@ -105,8 +113,11 @@ class JsonlListing(Listing):
             for i in range(lo, hi):
                 f.seek(self.offsets[i])
                 line = _split_line(f.readline())[self.subs[i]]
-                out.append(_jsonl_record(self.root, self.numbers[i], line, self.prompt))
+                out.append(self._record(self.numbers[i], line))
         return out
+
+    def _record(self, n: int, line: str | None) -> Entry:
+        return _jsonl_record(self.root, n, line, self.prompt)
 
     def _load(self, entry: Entry) -> Loaded:
         return Loaded(content.read_file(entry.loc[0]), entry.caption, entry.prompt, {})
