@@ -535,3 +535,36 @@ def test_num_samples_keeps_the_first_n_usable_entries_of_any_source(tmp_path):
     listing = sources.open_listing("webdataset", str(tmp_path / "w"), 3, 0, "p", index_dir=tmp_path / "j")
     assert [e.key for e in listing.entries(0, 10)] == ["000000000", "000000001", "000010000", "000010001"]
     assert len(sources.open_listing("webdataset", str(tmp_path / "w"), 100, 0, "p", index_dir=tmp_path / "j")) == 6
+
+
+def test_llava_and_parquet_listings_split_across_ranks(tmp_path):
+    """Two ranks (threads meeting at a barrier): rank 0 writes the listing once, both read the same order."""
+    import threading
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "chat.json").write_text(json.dumps([_chat_item(i) for i in range(5)] + [_chat_item(2)]))
+    img = jpeg_bytes(gradient(20, 20))
+    pq.write_table(pa.table({"uid": ["a", "b", "a", "c"], "image": pa.array([img] * 4, pa.binary()),
+                             "text": ["1", "2", "3", "4"]}), tmp_path / "p.parquet", row_group_size=2)
+    for kind, path in (("llava", tmp_path / "chat.json"), ("parquet", tmp_path / "p.parquet")):
+        reference = sources.list_entries(kind, str(path), None, 0, "p")
+        listings, barrier, writes = {}, threading.Barrier(2), []
+        real = cf.atomic_write_bytes
+        cf.atomic_write_bytes = lambda p, data: (writes.append((threading.current_thread().name, p.name)),
+                                                 real(p, data))[1]
+        try:
+            def rank(r: int) -> None:
+                listings[r] = sources.open_listing(kind, str(path), None, 0, "p", index_dir=tmp_path / f"idx-{kind}",
+                                                   rank=r, world=2, barrier=barrier.wait)
+
+            threads = [threading.Thread(target=rank, args=(r,), name=f"rank{r}") for r in (0, 1)]
+            [t.start() for t in threads], [t.join() for t in threads]
+        finally:
+            cf.atomic_write_bytes = real
+        assert writes and all(name == "rank0" for name, _ in writes)
+        assert sum(e.error is not None for e in reference) == 1
+        for listing in listings.values():
+            assert [(e.key, e.source, e.error) for e in listing.entries(0, 10)] == \
+                   [(e.key, e.source, e.error) for e in reference]
