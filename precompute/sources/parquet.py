@@ -193,7 +193,11 @@ class ParquetListing(Listing):
         return s["rows"][r - s["start"]]
 
     def _load(self, entry: Entry) -> Loaded:
-        row = self._row(*entry.loc)
+        try:
+            row = self._row(*entry.loc)
+        except (ValueError, OSError, StopIteration) as e:  # ArrowInvalid is a ValueError, ArrowIOError an OSError
+            self._stream = None
+            raise SourceError(f"cannot read row: {type(e).__name__}: {e}") from None
         prompt = row.get(self.cols["prompt"]) if self.cols["prompt"] else None
         meta = {c: _json_value(row[c]) for c in self.cols["meta"] if row[c] is not None}
         return Loaded(_image_bytes(row[self.cols["image"]]), row[self.cols["caption"]],
