@@ -11,12 +11,26 @@ from theworld.errors import UserError
 
 @dataclass
 class SourceConfig:
-    type: Literal["synthetic", "folder", "webdataset"] = "synthetic"
-    # folder: a directory of images (+ captions.jsonl or same-stem .txt); webdataset: a shard pattern such as
-    # /data/datacomp/{00000..00099}.tar (brace expansion and globs allowed, several patterns separated by "::").
+    type: Literal["synthetic", "folder", "webdataset", "llava", "parquet"] = "synthetic"
+    # folder: a directory of images (+ captions.jsonl or same-stem .txt); webdataset: shard files such as
+    # /data/datacomp/{00000..00099}.tar or a folder of tars; parquet: files, a glob or a folder (brace expansion and
+    # globs allowed, several patterns separated by "::"); llava: the JSON list (chat.json).
     path: str | None = None
-    num_samples: int = 4096  # synthetic only
-    prompt: str = "Describe the image."  # folder/webdataset: used when a sample carries no prompt of its own
+    # synthetic: the number of scenes (default 4096); other sources: the first N entries the listing finds usable,
+    # in source order (default: all)
+    num_samples: int | None = None
+    prompt: str = "Describe the image."  # used when a sample carries no prompt of its own
+    image_root: str | None = None  # llava: the folder image paths are relative to (default: the JSON's folder)
+    image_column: str | None = None  # parquet: {bytes, path} struct or bytes (default: image)
+    caption_column: str | None = None  # parquet (default: the first of caption, text that exists)
+    prompt_column: str | None = None  # parquet (optional; default: `prompt` above)
+
+    def __post_init__(self) -> None:
+        only = {"image_root": "llava", "image_column": "parquet", "caption_column": "parquet",
+                "prompt_column": "parquet"}
+        for key, kind in only.items():
+            if getattr(self, key) is not None and self.type != kind:
+                raise UserError(f"config key 'source.{key}': only used by source.type={kind} (this is {self.type})")
 
 
 @dataclass
@@ -46,7 +60,9 @@ class PrecomputeConfig:
                 raise UserError(f"config key '{key}': must be positive, got {getattr(self, key)}")
         if self.num_workers < 0:
             raise UserError(f"config key 'num_workers': must be >= 0, got {self.num_workers}")
-        if self.source.type == "synthetic" and self.source.num_samples <= 0:
+        if self.source.type == "synthetic" and self.source.num_samples is None:
+            self.source.num_samples = 4096
+        if self.source.num_samples is not None and self.source.num_samples <= 0:
             raise UserError(f"config key 'source.num_samples': must be positive, got {self.source.num_samples}")
 
     def validate_paths(self) -> None:
@@ -60,6 +76,10 @@ class PrecomputeConfig:
             raise UserError(f"config key 'source.path': required for source.type={self.source.type}")
         if self.source.type == "folder" and not Path(self.source.path).is_dir():
             raise UserError(f"config key 'source.path': folder not found: {self.source.path}")
+        if self.source.type == "llava" and not Path(self.source.path).is_file():
+            raise UserError(f"config key 'source.path': file not found: {self.source.path}")
+        if self.source.image_root is not None and not Path(self.source.image_root).is_dir():
+            raise UserError(f"config key 'source.image_root': folder not found: {self.source.image_root}")
 
 
 def load(path: str | None, overrides: list[str] = ()) -> PrecomputeConfig:
