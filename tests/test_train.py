@@ -72,9 +72,9 @@ def test_rank_slices_are_disjoint_complete_and_independent_of_process_count():
 
     train = list(range(100, 180))  # 80 samples, G=16: 5 global batches per epoch
     for epoch in (0, 1):
-        one = rank_indices(train, 7, epoch, 16, 0, 1)
-        two = [rank_indices(train, 7, epoch, 16, r, 2) for r in range(2)]
-        four = [rank_indices(train, 7, epoch, 16, r, 4) for r in range(4)]
+        one = rank_indices(train, 7, epoch, 16, 0, 1).tolist()
+        two = [rank_indices(train, 7, epoch, 16, r, 2).tolist() for r in range(2)]
+        four = [rank_indices(train, 7, epoch, 16, r, 4).tolist() for r in range(4)]
         assert sorted(one) == sorted(train) and sorted(two[0] + two[1]) == sorted(train)
         assert not set(two[0]) & set(two[1])
         for b in range(5):  # the same samples in each global batch whatever the number of processes
@@ -82,8 +82,8 @@ def test_rank_slices_are_disjoint_complete_and_independent_of_process_count():
             assert g == set(two[0][b * 8:(b + 1) * 8] + two[1][b * 8:(b + 1) * 8])
             assert g == set(sum((f[b * 4:(b + 1) * 4] for f in four), []))
         # resuming at global batch 3 reads exactly the tail
-        assert rank_indices(train, 7, epoch, 16, 1, 2, start_batch=3) == two[1][24:]
-    assert epoch_order(train, 7, 0) == epoch_order(train, 7, 0) != epoch_order(train, 7, 1)
+        assert rank_indices(train, 7, epoch, 16, 1, 2, start_batch=3).tolist() == two[1][24:]
+    assert epoch_order(train, 7, 0).tolist() == epoch_order(train, 7, 0).tolist() != epoch_order(train, 7, 1).tolist()
 
 
 def test_accumulation_must_be_integral():
