@@ -417,6 +417,7 @@ def build_eval_loader(cfg, ctx: DataContext, rank: int, world_size: int) -> Data
         pos = np.flatnonzero(of == k).tolist()
         mine = [pos[i:i + size] for i in range(0, len(pos), size)]
         if len(mine) > 1 and len(mine[-1]) == 1:
-            mine[-2] += mine.pop()
+            last = mine.pop()  # (not `mine[-2] += mine.pop()`: the target index is taken before the pop)
+            mine[-1] += last
         batches += mine
     return _loader(cfg, ctx, ctx.dataset(cfg, idx, 0, flip=False), batch_sampler=batches)
