@@ -29,7 +29,7 @@ from PIL import Image, ImageFilter
 
 from precompute.config import PrecomputeConfig, SourceConfig
 from precompute.cosmos_latents import EntryDataset, encode_latents, run
-from precompute.sources import list_entries
+from precompute.sources import open_listing
 from theworld import cache_format as cf
 from theworld import encoders, images, synthetic
 from theworld.config import ImageConfig, ModelConfig
@@ -89,8 +89,10 @@ def _timed(fn, *args) -> tuple[float, object]:
 
 def bench_case(case: str, work: Path, n: int, workers: int = 0) -> dict:
     cfg = _config(case, work, n, workers)
-    entries = list_entries(cfg.source.type, cfg.source.path, cfg.source.num_samples, cfg.seed, cfg.source.prompt)
-    dataset = EntryDataset(entries, cfg)
+    listing = open_listing(cfg.source.type, cfg.source.path, cfg.source.num_samples, cfg.seed, cfg.source.prompt,
+                           index_dir=work / "source-index", resolution=cfg.image.resolution)
+    entries = listing.entries(0, len(listing))
+    dataset = EntryDataset(listing, cfg)
     # Host work of one worker: decode + resize, in this process, image by image.
     t_prep, items = _timed(lambda: [dataset[i] for i in range(len(entries))])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -15,7 +15,9 @@ class SourceConfig:
     # folder: a directory of images (+ captions.jsonl or same-stem .txt); webdataset: a shard pattern such as
     # /data/datacomp/{00000..00099}.tar (brace expansion and globs allowed, several patterns separated by "::").
     path: str | None = None
-    num_samples: int = 4096  # synthetic only
+    # synthetic: the number of scenes (default 4096); other sources: the first N entries the listing finds usable,
+    # in source order (default: all)
+    num_samples: int | None = None
     prompt: str = "Describe the image."  # folder/webdataset: used when a sample carries no prompt of its own
 
 
@@ -48,7 +50,9 @@ class PrecomputeConfig:
                 raise UserError(f"config key '{key}': must be positive, got {getattr(self, key)}")
         if self.num_workers < 0:
             raise UserError(f"config key 'num_workers': must be >= 0, got {self.num_workers}")
-        if self.source.type == "synthetic" and self.source.num_samples <= 0:
+        if self.source.type == "synthetic" and self.source.num_samples is None:
+            self.source.num_samples = 4096
+        if self.source.num_samples is not None and self.source.num_samples <= 0:
             raise UserError(f"config key 'source.num_samples': must be positive, got {self.source.num_samples}")
 
     def validate_paths(self) -> None:

@@ -12,20 +12,18 @@ manifest from the sidecars once every process is through.
 from __future__ import annotations
 
 import io
-import json
 import math
 import os
-import queue
 import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from precompute import sources
+from precompute import identity, sources
 from precompute.config import PrecomputeConfig, load
+from precompute.shard_writer import ShardWriter
 from theworld import cache_format as cf
 from theworld import encoders, images, run_lock
 from theworld.config import cli_parser, to_dict, to_yaml
@@ -40,8 +38,8 @@ class EntryDataset(Dataset):
     """Items by global source position; entries are built one cache shard at a time from the listing (in the worker
     that reads them), so no process holds more than a shard's worth of Entry objects."""
 
-    def __init__(self, entries: sources.Listing | list[sources.Entry], cfg: PrecomputeConfig, image_processor=None):
-        self.listing = sources.MemoryListing(entries) if isinstance(entries, list) else entries
+    def __init__(self, listing: sources.Listing, cfg: PrecomputeConfig, image_processor=None):
+        self.listing = listing
         self.cfg, self.image_processor = cfg, image_processor
         self._shard, self._entries = -1, []
 
@@ -61,24 +59,16 @@ class EntryDataset(Dataset):
         if e.error is None:
             try:
                 item.update(self._prepare(e))
-            except images.BadImage as err:
+            except (images.BadImage, sources.SourceError) as err:
                 item["error"] = str(err)
             except (OSError, UnicodeDecodeError) as err:
                 item["error"] = f"cannot read: {type(err).__name__}: {err}"
         return item
 
     def _prepare(self, e: sources.Entry) -> dict:
-        res, mode = self.cfg.image.resolution, self.cfg.image.resize
-        data = sources.load_bytes(e, res)
-        caption, meta = e.caption, {"prompt": e.prompt, "source": e.source, "flip": self.cfg.cache.flip}
-        if e.loc[0] == "synthetic":
-            caption = sources.synthetic.scene(e.loc[1], e.loc[2], size=res)[1]
-        elif e.loc[0] == "tar":
-            caption = sources.read_member(e.loc[1], e.extra["txt"]).decode("utf-8").strip()
-            meta.update(_wds_json(sources.read_member(e.loc[1], e.extra["json"])))
-        if not caption:
-            raise images.BadImage("empty caption")
-        pixels, geometry = images.load_for_vae(data, res, mode)
+        data, caption, prompt, source_meta = self.listing.load(e)
+        meta = {"prompt": prompt, "source": e.source, "flip": self.cfg.cache.flip, **source_meta}
+        pixels, geometry = images.load_for_vae(data, self.cfg.image.resolution, self.cfg.image.resize)
         meta.update(geometry)
         out = {"pixels": pixels, "caption": caption, "meta": meta}
         if self.cfg.cache.images or self.image_processor is not None:
@@ -96,17 +86,6 @@ class EntryDataset(Dataset):
                 pv = self.image_processor(images=[img], return_tensors="pt")["pixel_values"]
                 out["pixel_values"] = pv[0]
         return out
-
-
-def _wds_json(raw: bytes | None) -> dict:
-    """Keep a few provenance fields of an img2dataset json member (url, original size); ignore it if broken."""
-    if not raw:
-        return {}
-    try:
-        rec = json.loads(raw)
-    except ValueError:
-        return {}
-    return {k: rec[k] for k in ("url", "uid", "key") if isinstance(rec, dict) and k in rec}
 
 
 def _collate(batch: list[dict]) -> dict:
@@ -128,93 +107,7 @@ def _collate(batch: list[dict]) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Writer thread
-
-
-class ShardWriter:
-    """Writes finished shards on a background thread; errors surface in the main thread at the next call."""
-
-    def __init__(self, cache_dir: Path, dtype: str):
-        self.cache_dir, self.dtype = cache_dir, dtype
-        self.queue: queue.Queue = queue.Queue(maxsize=2)
-        self.failure: BaseException | None = None
-        self.bytes_written = 0
-        self.write_seconds = 0.0  # serialising and writing, on this thread
-        self.thread = threading.Thread(target=self._loop, name="shard-writer", daemon=True)
-        self.thread.start()
-
-    def _loop(self) -> None:
-        while (job := self.queue.get()) is not None:
-            if self.failure is None:
-                try:
-                    self._write(*job)
-                except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
-                    self.failure = e
-
-    def _write(self, index: int, samples: list[cf.Sample], errors: list[dict]) -> None:
-        t = time.perf_counter()
-        delay = float(os.environ.get("THEWORLD_PRECOMPUTE_TEST_DELAY_S", "0"))  # tests: a slow disk
-        if delay:
-            time.sleep(delay)
-        # Errors first: when the shard counts as done, its error file is already in place.
-        body = "".join(json.dumps(e, sort_keys=True) + "\n" for e in errors).encode()
-        cf.atomic_write_bytes(cf.error_path(self.cache_dir, index), body)
-        side = cf.write_shard(self.cache_dir, index, ((s.key, cf.encode_sample(s, self.dtype)) for s in samples))
-        self.bytes_written += side["bytes"]
-        self.write_seconds += time.perf_counter() - t
-
-    def put(self, index: int, samples: list[cf.Sample], errors: list[dict]) -> None:
-        self._check()
-        self.queue.put((index, samples, errors))
-
-    def close(self) -> None:
-        self.queue.put(None)
-        self.thread.join()
-        self._check()
-
-    def _check(self) -> None:
-        if self.failure is not None:
-            raise self.failure
-
-
-# ----------------------------------------------------------------------------------------------------------------------
 # The run
-
-
-def _layout_identity(cfg: PrecomputeConfig) -> dict:
-    """What decides which source entries go into which shard, and which members they get (known before listing)."""
-    src = to_dict(cfg.source)
-    if cfg.source.type == "synthetic":
-        src.update(path=None, prompt=None, seed=cfg.seed)
-    else:
-        src.update(num_samples=None)
-    return {"source": src, "shard_size": cfg.shard_size, "cache": to_dict(cfg.cache)}
-
-
-def _run_identity(cfg: PrecomputeConfig, fingerprint: dict, num_entries: int) -> dict:
-    """Everything that decides which bytes end up in which shard; a resumed run must agree on all of it."""
-    return {"fingerprint": fingerprint, **_layout_identity(cfg), "num_entries": num_entries}
-
-
-def _check_identity(out: Path, identity: dict) -> None:
-    """Refuse an output_dir holding (part of) a cache built otherwise, naming the first field of `identity` (an
-    ordered dict, possibly partial) that differs."""
-    path = out / cf.RUN_FILE
-    if not path.is_file():
-        if any((out / cf.SHARDS).glob("*.tar")):
-            raise UserError(f"output_dir {out} holds shards but no {cf.RUN_FILE}, so what built them is unknown: use "
-                            "another output_dir or delete it")
-        return
-    try:
-        old = json.loads(path.read_text())
-    except ValueError:
-        raise UserError(f"output_dir {out}: {cf.RUN_FILE} is unreadable, so what built its shards is unknown: use "
-                        "another output_dir or delete it") from None
-    diff = [f for key in identity for f in cf.fingerprint_diff({key: old.get(key)}, {key: identity[key]})]
-    if diff:
-        more = f" (and {len(diff) - 1} more: {', '.join(diff[1:4])})" if len(diff) > 1 else ""
-        raise UserError(f"output_dir {out} holds a cache built with a different {diff[0]}{more}: "
-                        f"use another output_dir or delete it")
 
 
 def _load_models(cfg: PrecomputeConfig, device: torch.device):
@@ -331,7 +224,7 @@ def _process_shards(cfg: PrecomputeConfig, listing: sources.Listing, pending: li
     return encoded, {k: round(v, 3) for k, v in seconds.items()}
 
 
-def _finish(cfg: PrecomputeConfig, out: Path, n_shards: int, identity: dict, latent_shape: list[int]) -> dict:
+def _finish(cfg: PrecomputeConfig, out: Path, n_shards: int, run_id: dict, latent_shape: list[int]) -> dict:
     """Rank 0, after everyone is done: errors.jsonl and the manifest, both from the per-shard files."""
     sidecars = []
     for i in range(n_shards):
@@ -343,11 +236,11 @@ def _finish(cfg: PrecomputeConfig, out: Path, n_shards: int, identity: dict, lat
     cf.atomic_write_bytes(out / cf.ERRORS, errors)
     num_errors = errors.count(b"\n")
     return cf.write_manifest(
-        out, sidecars, fingerprint=identity["fingerprint"], latent_shape=latent_shape, latent_dtype=cfg.cache.dtype,
+        out, sidecars, fingerprint=run_id["fingerprint"], latent_shape=latent_shape, latent_dtype=cfg.cache.dtype,
         num_errors=num_errors,
         contents={"images": cfg.cache.images, "siglip": cfg.cache.siglip, "flip": cfg.cache.flip,
                   "latents": cfg.cache.latents},
-        extra={"source": identity["source"], "shard_size": cfg.shard_size, "num_entries": identity["num_entries"],
+        extra={"source": run_id["source"], "shard_size": cfg.shard_size, "num_entries": run_id["num_entries"],
                "config": to_dict(cfg)})
 
 
@@ -373,17 +266,6 @@ def _process_group():
     return state
 
 
-def _claim_output(out: Path, identity: dict) -> None:
-    """Rank 0, once the identity is checked: the folders, no leftovers of a killed run, the identity recorded."""
-    (out / cf.SHARDS).mkdir(parents=True, exist_ok=True)
-    (out / cf.ERRORS_DIR).mkdir(parents=True, exist_ok=True)
-    for folder in (out, out / cf.SHARDS, out / cf.ERRORS_DIR, out / cf.INDEX_DIR):
-        for tmp in folder.glob(".*.tmp*"):
-            tmp.unlink(missing_ok=True)  # nobody is writing: the listing is over, encoding not started
-    if not (out / cf.RUN_FILE).is_file():
-        cf.atomic_write_json(out / cf.RUN_FILE, identity)
-
-
 def run(cfg: PrecomputeConfig) -> dict:
     """Build (or finish) the cache at cfg.output_dir; returns the manifest plus a "summary" of this run."""
     cfg.validate_paths()
@@ -391,7 +273,7 @@ def run(cfg: PrecomputeConfig) -> dict:
     out = Path(cfg.output_dir)
     # before listing the source or loading a model: output_dir holds nothing built by another config (a webdataset
     # listing would otherwise be written into another cache's folder)
-    _check_identity(out, _layout_identity(cfg))
+    identity.check_identity(out, identity.layout_identity(cfg))
     # one run per output_dir (a second one would delete this run's unfinished shards as a killed run's leftovers);
     # taking the lock creates the folder, or says why it cannot be written
     with run_lock.hold(out, state):
@@ -407,18 +289,18 @@ def _build(cfg: PrecomputeConfig, state, out: Path) -> dict:
     # Collective for webdataset sources: each tar is header-scanned by one process, once per output_dir.
     listing = sources.open_listing(cfg.source.type, cfg.source.path, cfg.source.num_samples, cfg.seed,
                                    cfg.source.prompt, index_dir=out / cf.INDEX_DIR, rank=rank, world=world,
-                                   barrier=state.wait_for_everyone)
+                                   barrier=state.wait_for_everyone, resolution=cfg.image.resolution)
     if not len(listing):
         raise UserError(f"config key 'source.path': no samples found in {cfg.source.path}")
     encoder, gemma, processor, fingerprint = _load_models(cfg, state.device)
     encoder.optimize_for_inference(channels_last=state.device.type == "cuda", compile=cfg.compile)
     if state.device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # every batch has the same shape: pick the fastest conv kernels once
-    identity = _run_identity(cfg, fingerprint, len(listing))
-    _check_identity(out, identity)
+    run_id = identity.run_identity(cfg, fingerprint, len(listing))
+    identity.check_identity(out, run_id)
     n_shards = math.ceil(len(listing) / cfg.shard_size)
     if rank == 0:
-        _claim_output(out, identity)
+        identity.claim_output(out, run_id)
     state.wait_for_everyone()
     pending = [i for i in range(rank, n_shards, world)
                if not (cf.error_path(out, i).is_file() and cf.shard_is_done(out, i))]
@@ -433,7 +315,7 @@ def _build(cfg: PrecomputeConfig, state, out: Path) -> dict:
     elapsed = time.time() - t_enc
     latent_shape = [encoder.vae.config.z_dim, 1, cfg.image.resolution // 8, cfg.image.resolution // 8]
     if rank == 0:
-        _finish(cfg, out, n_shards, identity, latent_shape)
+        _finish(cfg, out, n_shards, run_id, latent_shape)
     state.wait_for_everyone()
     manifest = cf.load_manifest(out)
     summary = {"samples": manifest["num_samples"], "errors": manifest["num_errors"], "shards": n_shards,

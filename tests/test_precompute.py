@@ -150,7 +150,7 @@ def test_folder_with_txt_captions(tmp_path, fake_vae):
 def test_folder_walk_lists_what_rglob_lists(tmp_path):
     """image_paths replaced Path.rglob + is_file (a stat per image); the stat calls saved are measured with strace
     in docs/precompute.md, the listing must be the same."""
-    from precompute.sources import IMAGE_SUFFIXES, image_paths
+    from precompute.sources.folder import IMAGE_SUFFIXES, image_paths
 
     root = tmp_path / "src"
     for rel in ["a.jpg", "b.JPEG", "c.txt", ".hidden.png", ".jpg", "noext", "x.tar.webp", "d/e.png", "d/f/g.tiff",
@@ -222,7 +222,10 @@ def test_webdataset_source(tmp_path, fake_vae):
 def test_time_breakdown_names_a_slow_writer(tmp_path, fake_vae, monkeypatch):
     """The summary says where the main loop waited: a writer that takes 0.3 s a shard (a slow disk) shows up as the
     writer's time, not as encoding or decoding."""
-    monkeypatch.setenv("THEWORLD_PRECOMPUTE_TEST_DELAY_S", "0.3")
+    from precompute import shard_writer
+
+    write = shard_writer.ShardWriter.write
+    monkeypatch.setattr(shard_writer.ShardWriter, "write", lambda self, *job: (time.sleep(0.3), write(self, *job))[1])
     summary = cosmos_latents.run(make_cfg(tmp_path / "c", n=12, shard=2))["summary"]
     sec = summary["seconds_rank0"]
     assert set(sec) == {"wait_for_batches", "encode", "wait_for_writer", "writer_thread_busy"}
@@ -267,16 +270,14 @@ def test_user_errors_exit_2(tmp_path, capsys, fake_vae):
 
 def _env(**extra) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), **extra}
-    env.pop("THEWORLD_PRECOMPUTE_TEST_DELAY_S", None)
-    env.update(extra)
     return env
 
 
 def test_kill_9_and_rerun(tmp_path):
     out = tmp_path / "c"
     cmd = [sys.executable, "-m", "precompute.cosmos_latents", *cli_args(out, n=40, shard=4, res=32)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(THEWORLD_PRECOMPUTE_TEST_DELAY_S="0.4"),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    slow = [sys.executable, str(ROOT / "tests" / "_slow_writer.py"), "0.4", *cmd[3:]]  # 0.4 s a shard
+    proc = subprocess.Popen(slow, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 90
     while len(list((out / "shards").glob("shard-*.json"))) < 3 and time.time() < deadline:
         time.sleep(0.05)
@@ -309,7 +310,7 @@ def _run_single_threaded(cfg):
 
 def _launch_two_processes(args: list[str]) -> subprocess.CompletedProcess:
     """Two real CPU processes (gloo); see design section 6 for why not `--cpu --num_processes 2`."""
-    cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "precompute.cosmos_latents", *args]
     res = subprocess.run(cmd, cwd=ROOT, env=_env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True,
                          timeout=180)
@@ -335,7 +336,7 @@ def test_a_second_run_into_a_busy_output_dir_is_refused_by_every_process(tmp_pat
     out = tmp_path / "c"
     fd = run_lock.acquire(out)  # this process stands for a run writing shards
     try:
-        cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
                "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "precompute.cosmos_latents",
                *cli_args(out, n=8, shard=4)]
         res = subprocess.run(cmd, cwd=ROOT, env=_env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True,
@@ -355,10 +356,11 @@ def test_a_second_run_into_a_busy_output_dir_is_refused_by_every_process(tmp_pat
 def _spy_listing(monkeypatch) -> tuple[list, list]:
     """Record every tar header scan and every range of Entry objects built through Listing.entries."""
     from precompute import sources
+    from precompute.sources import webdataset
 
     scans, ranges = [], []
-    scan, entries = sources._tar_samples, sources.Listing.entries
-    monkeypatch.setattr(sources, "_tar_samples", lambda path: (scans.append(Path(path).name), scan(path))[1])
+    scan, entries = webdataset._tar_samples, sources.Listing.entries
+    monkeypatch.setattr(webdataset, "_tar_samples", lambda path: (scans.append(Path(path).name), scan(path))[1])
     monkeypatch.setattr(sources.Listing, "entries",
                         lambda self, lo, hi: (ranges.append((lo, hi)), entries(self, lo, hi))[1])
     return scans, ranges
@@ -413,8 +415,10 @@ def test_webdataset_listing_split_across_ranks(tmp_path, monkeypatch):
     wds_source(tmp_path / "wds", tars=5, per_tar=4, dup=(2, 3))
     pattern = f"{tmp_path}/wds/*.tar"
     reference = sources.list_entries("webdataset", pattern, 0, 0, "p")
-    scans, scan = [], sources._tar_samples
-    monkeypatch.setattr(sources, "_tar_samples",
+    from precompute.sources import webdataset
+
+    scans, scan = [], webdataset._tar_samples
+    monkeypatch.setattr(webdataset, "_tar_samples",
                         lambda path: (scans.append((threading.current_thread().name, Path(path).name)), scan(path))[1])
     listings, barrier = {}, threading.Barrier(2)
 

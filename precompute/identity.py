@@ -1,0 +1,55 @@
+"""What built an output_dir: the run identity recorded in precompute.json, and the checks that refuse to mix caches."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from precompute.config import PrecomputeConfig
+from theworld import cache_format as cf
+from theworld.config import to_dict
+from theworld.errors import UserError
+
+
+def layout_identity(cfg: PrecomputeConfig) -> dict:
+    """What decides which source entries go into which shard, and which members they get (known before listing)."""
+    src = to_dict(cfg.source)
+    if cfg.source.type == "synthetic":
+        src.update(path=None, prompt=None, seed=cfg.seed)
+    return {"source": src, "shard_size": cfg.shard_size, "cache": to_dict(cfg.cache)}
+
+
+def run_identity(cfg: PrecomputeConfig, fingerprint: dict, num_entries: int) -> dict:
+    """Everything that decides which bytes end up in which shard; a resumed run must agree on all of it."""
+    return {"fingerprint": fingerprint, **layout_identity(cfg), "num_entries": num_entries}
+
+
+def check_identity(out: Path, identity: dict) -> None:
+    """Refuse an output_dir holding (part of) a cache built otherwise, naming the first field of `identity` (an
+    ordered dict, possibly partial) that differs."""
+    path = out / cf.RUN_FILE
+    if not path.is_file():
+        if any((out / cf.SHARDS).glob("*.tar")):
+            raise UserError(f"output_dir {out} holds shards but no {cf.RUN_FILE}, so what built them is unknown: use "
+                            "another output_dir or delete it")
+        return
+    try:
+        old = json.loads(path.read_text())
+    except ValueError:
+        raise UserError(f"output_dir {out}: {cf.RUN_FILE} is unreadable, so what built its shards is unknown: use "
+                        "another output_dir or delete it") from None
+    diff = [f for key in identity for f in cf.fingerprint_diff({key: old.get(key)}, {key: identity[key]})]
+    if diff:
+        more = f" (and {len(diff) - 1} more: {', '.join(diff[1:4])})" if len(diff) > 1 else ""
+        raise UserError(f"output_dir {out} holds a cache built with a different {diff[0]}{more}: "
+                        f"use another output_dir or delete it")
+
+
+def claim_output(out: Path, identity: dict) -> None:
+    """Rank 0, once the identity is checked: the folders, no leftovers of a killed run, the identity recorded."""
+    (out / cf.SHARDS).mkdir(parents=True, exist_ok=True)
+    (out / cf.ERRORS_DIR).mkdir(parents=True, exist_ok=True)
+    for folder in (out, out / cf.SHARDS, out / cf.ERRORS_DIR, out / cf.INDEX_DIR):
+        for tmp in folder.glob(".*.tmp*"):
+            tmp.unlink(missing_ok=True)  # nobody is writing: the listing is over, encoding not started
+    if not (out / cf.RUN_FILE).is_file():
+        cf.atomic_write_json(out / cf.RUN_FILE, identity)

@@ -1,0 +1,46 @@
+"""Sources: a fixed, documented order of entries, each with a stable key taken from the source (never a position).
+
+Each source is a `Listing` (one module each: synthetic, folder, webdataset): `len(listing)` entries in the source's
+order, `listing.entries(lo, hi)` builds the `Entry` objects of one range (one cache shard) on demand, so memory follows
+shard_size, not dataset size, and `listing.load(entry)` returns the entry's (image bytes, caption, prompt, meta).
+Shard i of the cache = entries [i*S, (i+1)*S) of the order, so the order must never depend on the machine. An entry
+already known to be unusable (a bad caption line, a missing member, a duplicate key) stays in the order as an error
+entry, so each shard's errors are a deterministic function of the source. `load` runs in DataLoader workers.
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from precompute.sources.content import SourceError
+from precompute.sources.folder import IMAGE_SUFFIXES, folder_listing, image_paths, walk_images
+from precompute.sources.listing import Entry, Listing, Loaded, Truncated
+from precompute.sources.synthetic import SyntheticListing
+from precompute.sources.webdataset import WebdatasetListing
+
+__all__ = ["Entry", "IMAGE_SUFFIXES", "Listing", "Loaded", "SourceError", "image_paths", "list_entries",
+           "open_listing", "walk_images"]
+
+
+def open_listing(source_type: str, path: str | None, num_samples: int | None, seed: int, prompt: str, *,
+                 index_dir: Path, rank: int = 0, world: int = 1, barrier: Callable[[], None] = lambda: None,
+                 resolution: int = 64) -> Listing:
+    """The source's order; for webdataset, indexed into `index_dir` by all processes together (collective call).
+    `num_samples` is the synthetic source's size, and for the others the number of usable entries to keep (None
+    or 0: all)."""
+    if source_type == "synthetic":
+        return SyntheticListing(seed, num_samples, resolution)
+    if source_type == "folder":
+        listing = folder_listing(path, prompt)
+    else:
+        listing = WebdatasetListing(path, prompt, index_dir, rank, world, barrier)
+    return Truncated(listing, num_samples) if num_samples else listing
+
+
+def list_entries(source_type: str, path: str | None, num_samples: int | None, seed: int, prompt: str) -> list[Entry]:
+    """Every entry of the source at once (tests, small sources); precompute itself uses `open_listing`.
+    A webdataset source is indexed into a temporary folder."""
+    with tempfile.TemporaryDirectory() as tmp:
+        listing = open_listing(source_type, path, num_samples, seed, prompt, index_dir=Path(tmp))
+        return listing.entries(0, len(listing))

@@ -1,0 +1,143 @@
+"""The shared part of every source: the entry, the listing (an order whose entries are built per range), and the
+duplicate-key rule (a later use of a key is an error entry that names the first use)."""
+from __future__ import annotations
+
+import hashlib
+import json
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, NamedTuple
+
+import numpy as np
+
+from precompute.sources import content
+
+
+@dataclass
+class Entry:
+    key: str
+    source: str  # a human-readable id: relative path, "shard.tar:key", "synthetic:<index>", "captions.jsonl:<line>"
+    caption: str = ""
+    prompt: str = ""
+    error: str | None = None  # set: the entry is recorded in errors.jsonl instead of being encoded
+    loc: tuple = ()  # where the source finds the image (its own layout: a path, a tar span, a row...)
+    extra: dict = field(default_factory=dict)  # what the source needs besides `loc` to load the entry
+
+
+class Loaded(NamedTuple):
+    """One entry's content: encoded image bytes, caption and prompt (checked by `content.check_text`), and the
+    source metadata kept in the sample's json member (url, uid...)."""
+    image: bytes
+    caption: str
+    prompt: str
+    meta: dict
+
+
+class Listing:
+    """The source order. Subclasses give `__len__`, `_raw(lo, hi)` (entries before duplicate marking) and
+    `_load(entry)`; `entries` and `load` add what every source shares."""
+
+    duplicates: dict[int, str]  # global index -> "duplicate key ..." error, for entries that are otherwise usable
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def _raw(self, lo: int, hi: int) -> list[Entry]:
+        raise NotImplementedError
+
+    def _load(self, entry: Entry) -> Loaded:
+        raise NotImplementedError
+
+    def entries(self, lo: int, hi: int) -> list[Entry]:
+        """Entries [lo, hi) of the order, duplicates already marked as errors."""
+        out = self._raw(lo, min(hi, len(self)))
+        for i, e in enumerate(out, start=lo):
+            if e.error is None and i in self.duplicates:
+                e.error = self.duplicates[i]
+        return out
+
+    def load(self, entry: Entry) -> Loaded:
+        """The entry's content. Raises content.SourceError (or OSError) with the reason recorded in errors.jsonl."""
+        image, caption, prompt, meta = self._load(entry)
+        return Loaded(image, content.check_text(caption, "caption"), content.check_text(prompt, "prompt"), meta)
+
+
+def key_hash(key: str) -> int:
+    """A 64-bit hash of a key that is the same in every process and run (unlike hash(), which is salted)."""
+    digest = hashlib.blake2b(key.encode("utf-8", "surrogateescape"), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+def find_duplicates(keys: Iterable[str | None], entry_at: Callable[[int], Entry]) -> dict[int, str]:
+    """{index: error} for every later use of a key, exactly as one pass with a dict of keys would mark them.
+
+    Holds 16 bytes per entry instead of the keys (None = a known error, never a duplicate).
+    """
+    index, hashes = array("q"), array("q")
+    for i, k in enumerate(keys):
+        if k is not None:
+            index.append(i)
+            hashes.append(key_hash(k))
+    return duplicates_from_hashes(np.frombuffer(index, dtype=np.int64), np.frombuffer(hashes, dtype=np.int64),
+                                  entry_at)
+
+
+def duplicates_from_hashes(index: np.ndarray, hashes: np.ndarray, entry_at: Callable[[int], Entry]) -> dict[int, str]:
+    """`find_duplicates` from (global index, key hash) of the possibly usable entries. Only entries whose hash occurs
+    twice are built again (`entry_at`) and compared by their real key, so a hash collision costs a look-up, never a
+    wrong answer."""
+    order = np.argsort(hashes, kind="stable")
+    same = np.zeros(len(hashes), dtype=bool)
+    eq = hashes[order][1:] == hashes[order][:-1]
+    same[1:] |= eq
+    same[:-1] |= eq
+    first: dict[str, str] = {}
+    dups: dict[int, str] = {}
+    for i in np.sort(index[order[same]]).tolist():
+        e = entry_at(i)
+        if e.error is not None:
+            continue
+        if e.key in first:
+            dups[i] = duplicate_error(e.key, first[e.key])
+        else:
+            first[e.key] = e.source
+    return dups
+
+
+def duplicate_error(key: str, first_source: str) -> str:
+    return f"duplicate key: {key!r} (first used by {first_source})"
+
+
+class Truncated(Listing):
+    """`source.num_samples` on a listed source: the inner order up to and including its n-th entry that the listing
+    finds usable (entries already known to be errors before it stay, in place). An image that turns out unreadable
+    when decoded still counts: what is usable must be known before encoding, whatever the process count."""
+
+    def __init__(self, inner: Listing, n: int, chunk: int = 4096):
+        self.inner, self.duplicates = inner, inner.duplicates
+        self.n = len(inner)
+        usable = 0
+        for lo in range(0, len(inner) if n < len(inner) else 0, chunk):  # n entries or more: all of them
+            for i, e in enumerate(inner.entries(lo, lo + chunk), start=lo):
+                usable += e.error is None
+                if usable == n:
+                    self.n = i + 1
+                    return
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _raw(self, lo: int, hi: int) -> list[Entry]:
+        return self.inner._raw(lo, min(hi, self.n))
+
+    def _load(self, entry: Entry) -> Loaded:
+        return self.inner._load(entry)
+
+
+def read_json(path: Path) -> dict | None:
+    """A listing file written by `cf.atomic_write_json`, or None when missing or unreadable (it is rebuilt)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
