@@ -346,10 +346,17 @@ def _print_summary(s: dict, out: Path) -> None:
 @cli_entry
 def main(argv: list[str] | None = None) -> int:
     parser = cli_parser("precompute.cosmos_latents", "Encode a dataset once into a WebDataset latent cache.")
+    parser.add_argument("--plan", action="store_true", help="print entries, shards and bytes per sample and in "
+                        "total, then exit (no model weights loaded, nothing written)")
     args = parser.parse_args(argv)
     cfg = load(args.config, args.overrides)
     if args.print_config:
         print(to_yaml(cfg), end="")
+        return 0
+    if args.plan:
+        from precompute import plan
+
+        print(plan.report(plan.plan(cfg)))
         return 0
     run(cfg)
     # After a successful run only (on an error another process may still be in a collective). A process that exits

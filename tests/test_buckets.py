@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -197,3 +198,68 @@ def test_too_few_samples_in_every_bucket_is_a_one_line_error():
                                         r"latent shape \(largest: 7\)"):
         steps_per_epoch(np.array([7, 5, 3]), 8)
     assert steps_per_epoch(np.array([8, 5, 17]), 8) == 3
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# --plan and cache.latents: mean
+
+
+def _shard_bytes(cache) -> int:
+    return sum(s["bytes"] for s in json.loads((cache / "manifest.json").read_text())["shards"])
+
+
+@pytest.mark.parametrize("latents", ["posterior", "mean"])
+def test_plan_matches_a_real_runs_bytes_within_5_percent(tmp_path, fake_vae, latents):
+    from precompute import plan
+    from precompute.cosmos_latents import run
+    from theworld import cache_format as cf
+
+    src = bucket_folder(tmp_path / "src", 24)
+    cfg = make_cfg(tmp_path / "cache", "source.type=folder", f"source.path={src}", "image.resize=bucket",
+                   "cache.flip=true", "cache.siglip=true", f"cache.latents={latents}", res=128, shard=8, n=24)
+    p = plan.plan(cfg)
+    assert not (tmp_path / "cache").exists()  # the plan writes nothing
+    run(cfg)
+    real = _shard_bytes(tmp_path / "cache")
+    assert p["entries"] == 24 and p["shards"] == 3
+    assert abs(p["bytes_total"] / real - 1) < 0.05, (p, real)
+    side = cf.read_sidecar(tmp_path / "cache", 0)["samples"][0]["members"]
+    assert p["bytes_per_sample"]["siglip"] == plan._member(side[cf.SIGLIP][1])  # exact: sized from the saved config
+    assert len(p["latent_grids"]) == 5
+
+
+def test_a_mean_only_cache_halves_the_latent_bytes(tmp_path, fake_vae):
+    from precompute.cosmos_latents import run
+    from theworld import cache_format as cf
+
+    sizes = {}
+    for latents in ("posterior", "mean"):
+        out = tmp_path / latents
+        run(make_cfg(out, f"cache.latents={latents}", "cache.flip=true", res=64, n=8))
+        reader = cf.CacheReader(out)
+        s = reader[0]
+        assert (s.logvar is None) == (s.flip_logvar is None) == (latents == "mean")
+        assert cf.load_manifest(out)["contents"]["latents"] == latents
+        sizes[latents] = cf.read_sidecar(out, 0)["samples"][0]["members"][cf.LATENT][1]
+    assert 0.49 < sizes["mean"] / sizes["posterior"] < 0.52
+
+
+def test_plan_for_the_real_models_offline_loads_no_model(monkeypatch, capsys):
+    from precompute import cosmos_latents
+    from theworld import encoders
+
+    def no_loading(*a, **k):
+        raise AssertionError("--plan loaded a model")
+
+    monkeypatch.setattr(encoders, "load_gemma", no_loading)
+    monkeypatch.setattr(encoders, "load_vae", no_loading)
+    root = Path(__file__).resolve().parents[1]
+    assert cosmos_latents.main(["--config", str(root / "configs" / "real" / "precompute.yaml"), "--plan",
+                                "--set", "source.type=synthetic", "--set", "source.num_samples=12800000",
+                                "--set", "cache.images=false"]) == 0
+    out = capsys.readouterr().out
+    # Gemma 3 4B: 256 image tokens x 2560 hidden in bf16 = 1.31 MB a sample; 16 x 64 x 64 bf16 mean + logvar
+    assert "entries: 12800000 in 12500 shards of 1024" in out
+    assert "  siglip           1.3 MB   x 12800000 = 16.8 TB" in out
+    assert "  latent         263.2 kB   x 12800000 = 3.4 TB" in out
+    assert "total for the whole source: 20.2 TB" in out

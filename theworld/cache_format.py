@@ -107,9 +107,9 @@ def encode_sample(s: Sample, dtype: str) -> dict[str, bytes]:
     """Sample -> {member name: bytes} (no "__key__"), tensors cast to the cache dtype."""
     dt = TORCH_DTYPES[dtype]
     out = {CAPTION: s.caption.encode(), META: json.dumps(s.meta, sort_keys=True).encode()}
-    out[LATENT] = _latent_blob(s.mean, s.logvar, dt)
+    out[LATENT] = latent_blob(s.mean, s.logvar, dt)
     if s.flip_mean is not None:
-        out[LATENT_FLIP] = _latent_blob(s.flip_mean, s.flip_logvar, dt)
+        out[LATENT_FLIP] = latent_blob(s.flip_mean, s.flip_logvar, dt)
     if s.siglip is not None:
         out[SIGLIP] = st_save({"features": s.siglip.to(dt).contiguous()})
     if s.image is not None:
@@ -119,7 +119,7 @@ def encode_sample(s: Sample, dtype: str) -> dict[str, bytes]:
     return out
 
 
-def _latent_blob(mean: torch.Tensor, logvar: torch.Tensor | None, dt: torch.dtype) -> bytes:
+def latent_blob(mean: torch.Tensor, logvar: torch.Tensor | None, dt: torch.dtype) -> bytes:
     """A latent member; logvar None (cache.latents: mean) stores the posterior mean alone."""
     tensors = {"mean": mean.to(dt).contiguous()}
     if logvar is not None:
