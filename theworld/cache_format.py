@@ -294,6 +294,10 @@ def make_fingerprint(*, vae_model: str, vae, vae_dtype: str, resolution: int, re
                   "dtype": vae_dtype},
           "image": {"resolution": resolution, "resize": resize, "normalisation": "[-1,1]"},
           "siglip": None}
+    if resize == "bucket":  # the set is a function of the resolution in this code; a cache records the one it used
+        from theworld.images import buckets
+
+        fp["image"]["buckets"] = [list(b) for b in buckets(resolution)]
     if gemma is not None:
         inner = gemma.model
         vision = torch.nn.ModuleDict({"tower": inner.vision_tower, "projector": inner.multi_modal_projector})
