@@ -239,7 +239,7 @@ def _finish(cfg: PrecomputeConfig, out: Path, n_shards: int, run_id: dict, laten
         out, sidecars, fingerprint=run_id["fingerprint"], latent_shape=latent_shape, latent_dtype=cfg.cache.dtype,
         num_errors=num_errors,
         contents={"images": cfg.cache.images, "siglip": cfg.cache.siglip, "flip": cfg.cache.flip,
-                  "latents": cfg.cache.latents},
+                  **({"latents": "mean"} if cfg.cache.latents == "mean" else {})},  # absent: the posterior
         extra={"source": run_id["source"], "shard_size": cfg.shard_size, "num_entries": run_id["num_entries"],
                "config": to_dict(cfg)})
 
