@@ -264,3 +264,16 @@ def test_plan_for_the_real_models_offline_loads_no_model(monkeypatch, capsys):
     assert "  siglip           1.3 MB   x 12800000 = 16.8 TB" in out
     assert "  latent         263.2 kB   x 12800000 = 3.4 TB" in out
     assert "total for the whole source: 20.2 TB" in out
+
+
+def test_the_world_projector_pools_a_non_square_latent_over_h_and_w_separately():
+    from theworld.projector import WorldProjector
+
+    torch.manual_seed(0)
+    proj = WorldProjector(32, torch.zeros(16), torch.ones(16), pool=4)
+    mean = torch.randn(2, 16, 1, 12, 20)
+    out = proj(mean, None)
+    assert out.shape == (2, 3 * 5 + 2, 32) and proj.num_tokens(12, 20) == 17
+    # token (row 1, column 3) is the projection of the mean over latent rows 4-7 and columns 12-15
+    pooled = mean[:, :, 0, 4:8, 12:16].mean(dim=(-2, -1))
+    torch.testing.assert_close(out[:, 1 + 1 * 5 + 3], proj.net(pooled) * proj.embed_scale)
