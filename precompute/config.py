@@ -11,14 +11,26 @@ from theworld.errors import UserError
 
 @dataclass
 class SourceConfig:
-    type: Literal["synthetic", "folder", "webdataset"] = "synthetic"
-    # folder: a directory of images (+ captions.jsonl or same-stem .txt); webdataset: a shard pattern such as
-    # /data/datacomp/{00000..00099}.tar (brace expansion and globs allowed, several patterns separated by "::").
+    type: Literal["synthetic", "folder", "webdataset", "llava", "parquet"] = "synthetic"
+    # folder: a directory of images (+ captions.jsonl or same-stem .txt); webdataset: shard files such as
+    # /data/datacomp/{00000..00099}.tar or a folder of tars; parquet: files, a glob or a folder (brace expansion and
+    # globs allowed, several patterns separated by "::"); llava: the JSON list (chat.json).
     path: str | None = None
     # synthetic: the number of scenes (default 4096); other sources: the first N entries the listing finds usable,
     # in source order (default: all)
     num_samples: int | None = None
-    prompt: str = "Describe the image."  # folder/webdataset: used when a sample carries no prompt of its own
+    prompt: str = "Describe the image."  # used when a sample carries no prompt of its own
+    image_root: str | None = None  # llava: the folder image paths are relative to (default: the JSON's folder)
+    image_column: str | None = None  # parquet: {bytes, path} struct or bytes (default: image)
+    caption_column: str | None = None  # parquet (default: the first of caption, text that exists)
+    prompt_column: str | None = None  # parquet (optional; default: `prompt` above)
+
+    def __post_init__(self) -> None:
+        only = {"image_root": "llava", "image_column": "parquet", "caption_column": "parquet",
+                "prompt_column": "parquet"}
+        for key, kind in only.items():
+            if getattr(self, key) is not None and self.type != kind:
+                raise UserError(f"config key 'source.{key}': only used by source.type={kind} (this is {self.type})")
 
 
 @dataclass
@@ -66,6 +78,10 @@ class PrecomputeConfig:
             raise UserError(f"config key 'source.path': required for source.type={self.source.type}")
         if self.source.type == "folder" and not Path(self.source.path).is_dir():
             raise UserError(f"config key 'source.path': folder not found: {self.source.path}")
+        if self.source.type == "llava" and not Path(self.source.path).is_file():
+            raise UserError(f"config key 'source.path': file not found: {self.source.path}")
+        if self.source.image_root is not None and not Path(self.source.image_root).is_dir():
+            raise UserError(f"config key 'source.image_root': folder not found: {self.source.image_root}")
 
 
 def load(path: str | None, overrides: list[str] = ()) -> PrecomputeConfig:

@@ -11,6 +11,7 @@ manifest from the sidecars once every process is through.
 """
 from __future__ import annotations
 
+import errno
 import io
 import math
 import os
@@ -277,7 +278,13 @@ def run(cfg: PrecomputeConfig) -> dict:
     # one run per output_dir (a second one would delete this run's unfinished shards as a killed run's leftovers);
     # taking the lock creates the folder, or says why it cannot be written
     with run_lock.hold(out, state):
-        return _build(cfg, state, out)
+        try:
+            return _build(cfg, state, out)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            raise UserError(f"no space left on device writing {e.filename or out}: free some space and rerun the same "
+                            "command (finished shards are kept, the unfinished one is redone)") from None
 
 
 def _build(cfg: PrecomputeConfig, state, out: Path) -> dict:
@@ -287,9 +294,8 @@ def _build(cfg: PrecomputeConfig, state, out: Path) -> dict:
     rank, world = state.process_index, state.num_processes
     t0 = time.time()
     # Collective for webdataset sources: each tar is header-scanned by one process, once per output_dir.
-    listing = sources.open_listing(cfg.source.type, cfg.source.path, cfg.source.num_samples, cfg.seed,
-                                   cfg.source.prompt, index_dir=out / cf.INDEX_DIR, rank=rank, world=world,
-                                   barrier=state.wait_for_everyone, resolution=cfg.image.resolution)
+    listing = sources.open_source(cfg.source, cfg.seed, cfg.image.resolution, index_dir=out / cf.INDEX_DIR, rank=rank,
+                                  world=world, barrier=state.wait_for_everyone)
     if not len(listing):
         raise UserError(f"config key 'source.path': no samples found in {cfg.source.path}")
     encoder, gemma, processor, fingerprint = _load_models(cfg, state.device)

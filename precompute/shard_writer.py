@@ -1,6 +1,7 @@
 """The writer thread: finished shards become tars (and their error files) while encoding goes on."""
 from __future__ import annotations
 
+import errno
 import json
 import queue
 import threading
@@ -33,11 +34,23 @@ class ShardWriter:
                 self.write_seconds += time.perf_counter() - t
 
     def write(self, index: int, samples: list[cf.Sample], errors: list[dict]) -> None:
-        """One shard: its error file, then its tar and sidecar (the sidecar last: it marks the shard done)."""
-        # Errors first: when the shard counts as done, its error file is already in place.
-        body = "".join(json.dumps(e, sort_keys=True) + "\n" for e in errors).encode()
-        cf.atomic_write_bytes(cf.error_path(self.cache_dir, index), body)
-        side = cf.write_shard(self.cache_dir, index, ((s.key, cf.encode_sample(s, self.dtype)) for s in samples))
+        """One shard: its error file, then its tar and sidecar (the sidecar last: it marks the shard done).
+
+        A failed write leaves no file a rerun would trust (temporary names only, removed here when the disk is full,
+        to give the space back; a killed run's are removed by the next run's claim_output)."""
+        try:
+            # Errors first: when the shard counts as done, its error file is already in place.
+            body = "".join(json.dumps(e, sort_keys=True) + "\n" for e in errors).encode()
+            cf.atomic_write_bytes(cf.error_path(self.cache_dir, index), body)
+            side = cf.write_shard(self.cache_dir, index, ((s.key, cf.encode_sample(s, self.dtype)) for s in samples))
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            tar = cf.tar_path(self.cache_dir, index)
+            for path in (tar, cf.sidecar_path(self.cache_dir, index), cf.error_path(self.cache_dir, index)):
+                for tmp in path.parent.glob(f".{path.name}.tmp*"):
+                    tmp.unlink(missing_ok=True)
+            raise OSError(errno.ENOSPC, "No space left on device", str(tar)) from None
         self.bytes_written += side["bytes"]
 
     def put(self, index: int, samples: list[cf.Sample], errors: list[dict]) -> None:

@@ -29,6 +29,8 @@ def decode_text(data: bytes) -> str:
 def check_text(text: object, what: str) -> str:
     """A caption or prompt as it is stored: surrounding whitespace removed; refused if blank, not a string, or holding
     a Gemma control string (tokenised as a control token, it would not be text)."""
+    if text is None:  # a null column value
+        text = ""
     if not isinstance(text, str):
         raise SourceError(f"{what} is not a string")
     text = text.strip()
@@ -65,7 +67,7 @@ def provenance(raw: bytes | None) -> dict:
     return {k: rec[k] for k in PROVENANCE_FIELDS if isinstance(rec, dict) and k in rec}
 
 
-def _check_size(size: int) -> None:
+def check_image_size(size: int) -> None:
     if size > MAX_IMAGE_BYTES:
         raise SourceError(f"image file too large: {size} bytes (> {MAX_IMAGE_BYTES})")
 
@@ -76,7 +78,7 @@ def read_file(path: str) -> bytes:
     st = os.stat(path)
     if not stat.S_ISREG(st.st_mode):
         raise SourceError(f"not a regular file ({file_kind(st.st_mode)})")
-    _check_size(st.st_size)
+    check_image_size(st.st_size)
     with open(path, "rb") as f:
         return f.read(MAX_IMAGE_BYTES + 1)
 
@@ -92,7 +94,7 @@ def read_span(path: str, offset: int, size: int) -> bytes:
 
 
 def read_image_span(path: str, offset: int, size: int) -> bytes:
-    _check_size(size)
+    check_image_size(size)
     return read_span(path, offset, size)
 
 

@@ -7,22 +7,39 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 from array import array
 from pathlib import Path, PurePosixPath
 from typing import Iterable
 
+import numpy as np
+
 from precompute.sources import content
 from precompute.sources.content import SourceError
-from precompute.sources.listing import Entry, Listing, Loaded, find_duplicates
+from precompute.sources.listing import Entry, Listing, Loaded, find_duplicates, read_json
+from theworld import cache_format as cf
 from theworld.cache_format import safe_key
+from theworld.errors import UserError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 _IMAGE_SUFFIXES_B = tuple(x.encode() for x in IMAGE_SUFFIXES)
+LISTING_FILE = "folder.json"  # in <output_dir>/source-index/: what a rerun's listing must match
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # captions.jsonl
+
+
+def check_image_path(rel: object) -> None:
+    """A relative image path as a caption file names it: a non-empty string inside the source folder (absolute paths
+    and '..' are refused; a symlink inside the folder is followed wherever it points)."""
+    if not isinstance(rel, str) or not rel:
+        raise ValueError("'image' must be a non-empty string")
+    if "\x00" in rel:
+        raise ValueError("'image' holds a NUL character")
+    if PurePosixPath(rel).is_absolute() or ".." in PurePosixPath(rel).parts:
+        raise ValueError(f"'image' leaves the source folder: {rel!r}")
 
 
 def _jsonl_record(root: Path, n: int, line: str | None, default_prompt: str) -> Entry:
@@ -38,10 +55,7 @@ def _jsonl_record(root: Path, n: int, line: str | None, default_prompt: str) -> 
         prompt = rec.get("prompt", default_prompt)
         if not all(isinstance(v, str) for v in (rel, caption, prompt)) or not rel:
             raise ValueError("'image', 'caption' and 'prompt' must be non-empty strings")
-        if "\x00" in rel:
-            raise ValueError("'image' holds a NUL character")
-        if PurePosixPath(rel).is_absolute() or ".." in PurePosixPath(rel).parts:
-            raise ValueError(f"'image' leaves the source folder: {rel!r}")
+        check_image_path(rel)
     except (ValueError, KeyError) as e:
         reason = f"missing field {e}" if isinstance(e, KeyError) else str(e)
         return Entry(key=safe_key(f"line-{n}"), source=src, error=f"bad caption line: {reason}")
@@ -75,9 +89,9 @@ def _jsonl_lines(path: Path) -> Iterable[tuple[int, int, int, str | None]]:
 class JsonlListing(Listing):
     """captions.jsonl: per non-blank line its byte offset, sub-line and number; lines are parsed again per range."""
 
-    def __init__(self, root: Path, default_prompt: str):
+    def __init__(self, root: Path, default_prompt: str, path: Path | None = None):
         self.root, self.prompt = root, default_prompt
-        self.path = root / "captions.jsonl"
+        self.path = path or root / "captions.jsonl"
         self.offsets, self.subs, self.numbers = array("q"), array("l"), array("q")
         self.duplicates = find_duplicates(self._scan(), lambda i: self._raw(i, i + 1)[0])
 
@@ -87,7 +101,7 @@ class JsonlListing(Listing):
             if line is not None and not line.strip():
                 continue  # blank lines are not samples
             self.offsets.append(offset), self.subs.append(sub), self.numbers.append(n)
-            e = _jsonl_record(self.root, n, line, self.prompt)
+            e = self._record(n, line)
             yield e.key if e.error is None else None
 
     def __len__(self) -> int:
@@ -99,16 +113,29 @@ class JsonlListing(Listing):
             for i in range(lo, hi):
                 f.seek(self.offsets[i])
                 line = _split_line(f.readline())[self.subs[i]]
-                out.append(_jsonl_record(self.root, self.numbers[i], line, self.prompt))
+                out.append(self._record(self.numbers[i], line))
         return out
+
+    def _record(self, n: int, line: str | None) -> Entry:
+        return _jsonl_record(self.root, n, line, self.prompt)
 
     def _load(self, entry: Entry) -> Loaded:
         return Loaded(content.read_file(entry.loc[0]), entry.caption, entry.prompt, {})
 
-    def identity(self) -> dict:
-        """What the order depends on: captions.jsonl's size and modification time."""
+    def persist(self, index_dir: Path, rank: int) -> None:
+        """Refuse to go on with a captions.jsonl that changed since the cache was started (its size and modification
+        time are recorded on the first run): the shards already written follow the old lines."""
         st = os.stat(self.path)
-        return {"captions.jsonl": [st.st_size, st.st_mtime_ns]}
+        state = {"captions.jsonl": [st.st_size, st.st_mtime_ns], "count": len(self)}
+        old = read_json(index_dir / LISTING_FILE)
+        if old is None:
+            if rank == 0:
+                index_dir.mkdir(parents=True, exist_ok=True)
+                cf.atomic_write_json(index_dir / LISTING_FILE, state)
+        elif old != state:
+            raise UserError(f"config key 'source.path': {self.path} changed since the cache in {index_dir.parent} was "
+                            f"started (size or modification time), so its shards follow other lines: restore it, or "
+                            f"use another output_dir (or delete that one) to start over")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -217,8 +244,36 @@ class TxtFolderListing(Listing):
             raise SourceError(f"missing caption file: {txt.relative_to(self.root).as_posix()}") from None
         return Loaded(content.read_file(str(path)), caption, entry.prompt, _sidecar_json(path.with_suffix(".json")))
 
-    def paths(self) -> bytes:
-        return self.blob
+    def persist(self, index_dir: Path, rank: int) -> None:
+        """Record the listing on the first run (the relative paths in order); on a rerun, refuse a folder whose
+        listing differs, naming a file added or removed: the shards already written follow the old order."""
+        ends = np.frombuffer(self.ends, dtype=np.int64).astype("<i8").tobytes()
+        digest = hashlib.sha256(ends + self.blob).hexdigest()
+        old = read_json(index_dir / LISTING_FILE)
+        if old is None:
+            if rank == 0:
+                index_dir.mkdir(parents=True, exist_ok=True)
+                cf.atomic_write_bytes(index_dir / "folder-paths.bin", self.blob)
+                cf.atomic_write_bytes(index_dir / "folder-ends.bin", ends)
+                cf.atomic_write_json(index_dir / LISTING_FILE, {"count": len(self), "sha256": digest})
+        elif old.get("sha256") != digest:
+            raise UserError(f"config key 'source.path': the folder changed since the cache in {index_dir.parent} "
+                            f"was started ({self._change(index_dir)}), so its shards follow another listing: restore "
+                            "the folder, or use another output_dir (or delete that one) to start over")
+
+    def _change(self, index_dir: Path) -> str:
+        """One file added or removed between the recorded listing and this one (the error path only)."""
+        try:
+            blob = (index_dir / "folder-paths.bin").read_bytes()
+            ends = np.frombuffer((index_dir / "folder-ends.bin").read_bytes(), "<i8").tolist()
+        except OSError:
+            return "the recorded listing is unreadable"
+        old = {blob[a:b] for a, b in zip([0] + ends[:-1], ends)}
+        new = {self.blob[self.ends[i - 1] if i else 0:self.ends[i]] for i in range(len(self))}
+        added, removed = sorted(new - old), sorted(old - new)
+        changes = [f"{os.fsdecode(p)} added" for p in added[:1]] + [f"{os.fsdecode(p)} removed" for p in removed[:1]]
+        more = len(added) + len(removed) - len(changes)
+        return ", ".join(changes) + (f", and {more} more" if more else "") if changes else "the order changed"
 
 
 def _sidecar_json(path: Path) -> dict:
@@ -230,8 +285,12 @@ def _sidecar_json(path: Path) -> dict:
     return content.provenance(raw)
 
 
-def folder_listing(path: str, default_prompt: str) -> Listing:
+def folder_listing(path: str, default_prompt: str, index_dir: Path, rank: int = 0) -> Listing:
+    """The folder's listing, checked against (or recorded as) the one this output_dir was started with."""
     root = Path(path)
     if (root / "captions.jsonl").is_file():
-        return JsonlListing(root, default_prompt)
-    return TxtFolderListing(root, default_prompt)
+        listing = JsonlListing(root, default_prompt)
+    else:
+        listing = TxtFolderListing(root, default_prompt)
+    listing.persist(Path(index_dir), rank)
+    return listing

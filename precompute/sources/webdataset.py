@@ -44,16 +44,18 @@ def expand_braces(pattern: str) -> list[str]:
     return [out for item in items for out in expand_braces(head + item + tail)]
 
 
-def shard_files(pattern: str) -> list[str]:
+def shard_files(pattern: str, suffix: str = ".tar") -> list[str]:
+    """The files a `source.path` names: patterns separated by "::", braces expanded in order, each glob sorted, a
+    folder meaning every `*<suffix>` in it, sorted."""
     files: list[str] = []
     for part in pattern.split("::"):
         for p in expand_braces(part):
             if os.path.isdir(p):
-                files += sorted(glob.glob(os.path.join(glob.escape(p), "*.tar")))
+                files += sorted(glob.glob(os.path.join(glob.escape(p), "*" + suffix)))
             else:
                 files += sorted(glob.glob(p)) if any(c in p for c in "*?[") else [p]
     if not files:
-        raise UserError(f"config key 'source.path': no shards match {pattern!r}")
+        raise UserError(f"config key 'source.path': no {suffix} files match {pattern!r}")
     missing = [f for f in files if not Path(f).is_file()]
     if missing:
         raise UserError(f"config key 'source.path': shard not found: {missing[0]}"

@@ -1,0 +1,104 @@
+"""LLaVA-style sources: a JSON list of {id, image, conversations: [{from: human, value}, {from: gpt, value}]}
+(LLaVA-CC3M-Pretrain-595K's chat.json), images relative to `image_root` (default: the JSON's folder).
+
+Order: the list's order; key = safe_key(id). The prompt is the human turn without the `<image>` token and its
+newline, the caption is the gpt turn. An item with more than one human/gpt pair, turns in another order, no image or
+no id is an error entry (multi-turn conversations are not supported: a sample has one prompt and one caption).
+
+The list is parsed once per output_dir (on rank 0, the whole file at once: JSON has no streaming form in the
+standard library) into `source-index/llava.jsonl`, one line per item, and listed from there like captions.jsonl, so
+other processes and reruns never parse it again. A rerun against a chat.json that changed is refused.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+from precompute.sources import content
+from precompute.sources.folder import JsonlListing, check_image_path
+from precompute.sources.listing import Entry, read_json
+from theworld import cache_format as cf
+from theworld.cache_format import safe_key
+from theworld.errors import UserError
+
+IMAGE_TOKEN = "<image>"
+
+
+def _identity(path: Path) -> list:
+    st = os.stat(path)
+    return [os.path.abspath(path), st.st_size, st.st_mtime_ns]
+
+
+def strip_image_token(text: str) -> str:
+    """The human turn as a prompt: every `<image>` token removed with the newline that separates it from the text."""
+    return text.replace(IMAGE_TOKEN + "\n", "").replace("\n" + IMAGE_TOKEN, "").replace(IMAGE_TOKEN, "")
+
+
+def item_record(item: object, n: int, name: str) -> dict:
+    """One list item as a normalised line: {key, source, image, prompt, caption} or {key, source, error}."""
+    fallback = {"key": safe_key(f"item-{n}"), "source": f"{name}:{n}"}
+    try:
+        if not isinstance(item, dict):
+            raise ValueError("not a JSON object")
+        if not isinstance(item.get("id"), (str, int)) or isinstance(item.get("id"), bool):
+            raise ValueError("no 'id'")
+        fallback["key"] = safe_key(str(item["id"]))
+        if "image" not in item:
+            raise ValueError("no 'image' (a text-only item)")
+        check_image_path(item["image"])
+        turns = item.get("conversations")
+        if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+            raise ValueError("'conversations' must be a list of turns")
+        if len(turns) > 2:
+            raise ValueError(f"multi-turn conversation ({len(turns)} turns; one human and one gpt turn supported)")
+        if [t.get("from") for t in turns] != ["human", "gpt"]:
+            raise ValueError("conversation is not one human turn then one gpt turn")
+        if not all(isinstance(t.get("value"), str) for t in turns):
+            raise ValueError("a turn's 'value' is not a string")
+    except ValueError as e:
+        return {**fallback, "error": f"bad item: {e}"}
+    return {"key": fallback["key"], "source": item["image"], "image": item["image"],
+            "prompt": strip_image_token(turns[0]["value"]), "caption": turns[1]["value"]}
+
+
+def _convert(path: Path, out: Path) -> None:
+    """chat.json -> normalised lines, written atomically."""
+    try:
+        items = content.parse_json(path.read_bytes())
+    except (OSError, ValueError) as e:
+        raise UserError(f"config key 'source.path': cannot read {path} as JSON: {e}") from None
+    if not isinstance(items, list):
+        raise UserError(f"config key 'source.path': {path} is not a JSON list of items")
+    # ASCII JSON: a U+2028 in a caption must not break the line (the listing splits lines as str.splitlines does)
+    lines = (json.dumps(item_record(item, n, path.name)) + "\n" for n, item in enumerate(items))
+    cf.atomic_write_bytes(out, "".join(lines).encode())
+
+
+class LlavaListing(JsonlListing):
+    def __init__(self, path: str, image_root: str | None, index_dir: Path, rank: int = 0,
+                 barrier: Callable[[], None] = lambda: None):
+        src, index_dir = Path(path), Path(index_dir)
+        lines, ident_file = index_dir / "llava.jsonl", index_dir / "llava.json"
+        old = read_json(ident_file)
+        if old is not None and old.get("identity") != _identity(src):
+            raise UserError(f"config key 'source.path': {src} changed since the cache in {index_dir.parent} was "
+                            "started (size or modification time), so its shards follow other items: restore it, or "
+                            "use another output_dir (or delete that one) to start over")
+        if old is None and rank == 0:
+            index_dir.mkdir(parents=True, exist_ok=True)
+            _convert(src, lines)
+            cf.atomic_write_json(ident_file, {"identity": _identity(src)})
+        barrier()
+        super().__init__(Path(image_root) if image_root else src.parent, "", path=lines)
+
+    def _record(self, n: int, line: str | None) -> Entry:
+        rec = json.loads(line)
+        if "error" in rec:
+            return Entry(key=rec["key"], source=rec["source"], error=rec["error"])
+        return Entry(key=rec["key"], source=rec["source"], caption=rec["caption"], prompt=rec["prompt"],
+                     loc=(str(self.root / rec["image"]),))
+
+    def persist(self, index_dir: Path, rank: int) -> None:
+        pass  # the listing is the persisted llava.jsonl itself
