@@ -104,9 +104,8 @@ def _measure(cfg: PrecomputeConfig, listing: sources.Listing) -> dict:
 def plan(cfg: PrecomputeConfig) -> dict:
     """Entries, shards and bytes per sample by member, and totals for the whole source."""
     cfg.validate_paths()
-    with tempfile.TemporaryDirectory() as tmp:  # a webdataset source's tar headers are listed into a scratch folder
-        listing = sources.open_listing(cfg.source.type, cfg.source.path, cfg.source.num_samples, cfg.seed,
-                                       cfg.source.prompt, index_dir=Path(tmp), resolution=cfg.image.resolution)
+    with tempfile.TemporaryDirectory() as tmp:  # indexed sources (webdataset, parquet, llava) list into a scratch folder
+        listing = sources.open_source(cfg.source, cfg.seed, cfg.image.resolution, index_dir=Path(tmp))
         if not len(listing):
             raise UserError(f"config key 'source.path': no samples found in {cfg.source.path}")
         got = _measure(cfg, listing)
