@@ -148,9 +148,12 @@ def bucket_ids(reader: cf.CacheReader) -> np.ndarray:
     return np.unique(reader.latent_hw, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int32)
 
 
+def _permutation(n: int, seed: int, epoch: int) -> np.ndarray:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(_seed("order", seed, epoch))).numpy()
+
+
 def epoch_order(train_indices: np.ndarray, seed: int, epoch: int) -> np.ndarray:
-    g = torch.Generator().manual_seed(_seed("order", seed, epoch))
-    return np.asarray(train_indices, dtype=np.int64)[torch.randperm(len(train_indices), generator=g).numpy()]
+    return np.asarray(train_indices, dtype=np.int64)[_permutation(len(train_indices), seed, epoch)]
 
 
 def epoch_batches(train_indices: np.ndarray, seed: int, epoch: int, global_batch: int,
@@ -162,8 +165,7 @@ def epoch_batches(train_indices: np.ndarray, seed: int, epoch: int, global_batch
     bucket's batches spread over the epoch), a bucket's leftover (< G samples) is dropped for this epoch, and with one
     bucket batch b is order[b*G:(b+1)*G].
     """
-    g = torch.Generator().manual_seed(_seed("order", seed, epoch))
-    perm = torch.randperm(len(train_indices), generator=g).numpy()
+    perm = _permutation(len(train_indices), seed, epoch)
     order = np.asarray(train_indices, dtype=np.int64)[perm]
     of = np.zeros(len(order), dtype=np.int32) if buckets is None else np.asarray(buckets)[perm]
     rows, ends = [np.zeros((0, global_batch), dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
