@@ -277,3 +277,15 @@ def test_the_world_projector_pools_a_non_square_latent_over_h_and_w_separately()
     # token (row 1, column 3) is the projection of the mean over latent rows 4-7 and columns 12-15
     pooled = mean[:, :, 0, 4:8, 12:16].mean(dim=(-2, -1))
     torch.testing.assert_close(out[:, 1 + 1 * 5 + 3], proj.net(pooled) * proj.embed_scale)
+
+
+def test_bad_images_in_bucket_mode_are_bad_images(tmp_path):
+    """The bucket is chosen from the header before decoding: a broken or zero-size file is still a BadImage."""
+    from _precompute_helpers import bomb_png
+
+    from theworld.images import BadImage, load_for_vae
+
+    for data in (b"", b"\xff\xd8\xff\xe0" + bytes(range(256)), bomb_png(), bomb_png(0, 10), bomb_png(10, 0),
+                 jpeg_bytes(gradient(64, 64))[:200]):
+        with pytest.raises(BadImage):
+            load_for_vae(data, 128, "bucket")

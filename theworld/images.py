@@ -98,11 +98,6 @@ def bucket_for(width: int, height: int, resolution: int) -> tuple[int, int]:
     return min(buckets(resolution), key=lambda b: abs(math.log(b[0] / b[1]) - target))
 
 
-def target_size(width: int, height: int, resolution: int, mode: str = "crop") -> tuple[int, int]:
-    """(width, height) of the VAE input for a width x height (upright) image: its bucket, or R x R."""
-    return bucket_for(width, height, resolution) if mode == "bucket" else (resolution, resolution)
-
-
 def resize(img: Image.Image, resolution: int, mode: str = "crop", bucket: tuple[int, int] | None = None
            ) -> tuple[Image.Image, tuple[float, float, float, float]]:
     """Resize to the VAE input size; returns the image and the crop box (left, top, right, bottom) in the source.
@@ -159,6 +154,8 @@ def load_for_vae(data: bytes, resolution: int, mode: str = "crop") -> tuple[torc
         orig = upright_size(data)
     except Exception:  # noqa: BLE001 - decode() below names what is wrong with the file
         orig = None
+    if orig is not None and 0 in orig:
+        orig = None  # decode() refuses it
     # JPEG draft decoding keeps both sides >= the largest output side, enough to cover any bucket
     draft = max(bucket_for(*orig, resolution)) if mode == "bucket" and orig else resolution
     img = decode(data, draft_size=draft)
