@@ -137,8 +137,15 @@ def test_bucketed_precompute_records_each_samples_latent_shape(tmp_path, fake_va
         assert reader.latent_hw[j].tolist() == shape[2:]
         box = s.meta["crop_box"]
         assert (box[2] - box[0]) / (box[3] - box[1]) == pytest.approx(shape[3] / shape[2], rel=0.05)
-    report, code, _ = inspect.verify(out, type("A", (), {"config": None, "overrides": []})())
+    args = type("A", (), {"config": None, "overrides": [], "n": 18, "seed": 0, "batch_size": 8, "tol": 1e-5,
+                          "out": str(tmp_path / "sheet.png")})()
+    report, code, _ = inspect.verify(out, args)
     assert code == 0 and report["ok"]
+    # stored images re-encoded at their bucket size reproduce the cached latents; decode draws every shape
+    report, code, _ = inspect.compare_live(out, args)
+    assert code == 0 and report["n"] == 18 and report["max_abs_diff"] < 1e-5
+    report, code, _ = inspect.decode(out, args)
+    assert code == 0 and report["n"] == 18 and Image.open(tmp_path / "sheet.png").size[0] > 0
 
 
 def test_a_cache_without_per_sample_shapes_reads_as_square(tmp_path, fake_vae):
@@ -229,6 +236,7 @@ def test_plan_matches_a_real_runs_bytes_within_5_percent(tmp_path, fake_vae, lat
 
 
 def test_a_mean_only_cache_halves_the_latent_bytes(tmp_path, fake_vae):
+    from precompute import inspect
     from precompute.cosmos_latents import run
     from theworld import cache_format as cf
 
@@ -242,6 +250,8 @@ def test_a_mean_only_cache_halves_the_latent_bytes(tmp_path, fake_vae):
         assert cf.latents_stored(cf.load_manifest(out)) == latents
         assert cf.load_manifest(out)["contents"].get("latents") == ("mean" if latents == "mean" else None)
         sizes[latents] = cf.read_sidecar(out, 0)["samples"][0]["members"][cf.LATENT][1]
+        report, code, _ = inspect.verify(out, type("A", (), {"config": None, "overrides": []})())
+        assert code == 0 and report["ok"]
     assert 0.49 < sizes["mean"] / sizes["posterior"] < 0.52
 
 
