@@ -143,9 +143,10 @@ def _check_held_out(eval_samples: int, num_samples: int) -> None:
 
 def bucket_ids(reader: cf.CacheReader) -> np.ndarray:
     """(N,) int32: each sample's bucket, numbered in (h, w) order of the cache's latent shapes."""
-    if not len(reader):
-        return np.zeros(0, dtype=np.int32)
-    return np.unique(reader.latent_hw, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int32)
+    hw = reader.latent_hw
+    if not len(hw) or (hw == hw[0]).all():  # one shape (every square cache): no sort over the whole index
+        return np.zeros(len(hw), dtype=np.int32)
+    return np.unique(hw, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int32)
 
 
 def _permutation(n: int, seed: int, epoch: int) -> np.ndarray:
