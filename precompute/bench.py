@@ -90,7 +90,7 @@ def _timed(fn, *args) -> tuple[float, object]:
 def bench_case(case: str, work: Path, n: int, workers: int = 0) -> dict:
     cfg = _config(case, work, n, workers)
     listing = open_listing(cfg.source.type, cfg.source.path, cfg.source.num_samples, cfg.seed, cfg.source.prompt,
-                           index_dir=work / "source-index", resolution=cfg.image.resolution)
+                           index_dir=Path(cfg.output_dir) / cf.INDEX_DIR, resolution=cfg.image.resolution)
     entries = listing.entries(0, len(listing))
     dataset = EntryDataset(listing, cfg)
     # Host work of one worker: decode + resize, in this process, image by image.

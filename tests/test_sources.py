@@ -568,3 +568,30 @@ def test_llava_and_parquet_listings_split_across_ranks(tmp_path):
         for listing in listings.values():
             assert [(e.key, e.source, e.error) for e in listing.entries(0, 10)] == \
                    [(e.key, e.source, e.error) for e in reference]
+
+
+def test_a_file_that_is_not_parquet_is_refused_naming_it(tmp_path, fake_vae, capsys):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.parquet").write_bytes(b"PAR1 not really")
+    assert cosmos_latents.main(cli_args(tmp_path / "c", "source.type=parquet", f"source.path={tmp_path}/d")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"{tmp_path}/d/a.parquet is not a readable parquet file" in err
+
+
+def test_an_unreadable_file_is_recorded_and_the_rest_encoded(tmp_path, fake_vae, monkeypatch):
+    """Tests run as root, where chmod 000 does not stop a read: the file's open fails as it would for a user."""
+    src = tmp_path / "src"
+    _txt_folder(src, 3)
+    locked = str(src / "img001.png")
+
+    def fake_open(path, *a, **k):
+        if str(path) == locked:
+            raise PermissionError(errno.EACCES, "Permission denied", locked)
+        return open(path, *a, **k)
+
+    monkeypatch.setattr(content, "open", fake_open, raising=False)
+    out = tmp_path / "c"
+    cosmos_latents.run(make_cfg(out, "source.type=folder", f"source.path={src}"))
+    assert list(read_cache_plain(out)) == ["img000_png", "img002_png"]
+    assert [(e["key"], e["reason"]) for e in cf.read_errors(out)] == [
+        ("img001_png", f"cannot read: PermissionError: [Errno 13] Permission denied: '{locked}'")]

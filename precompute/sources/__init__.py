@@ -1,8 +1,9 @@
 """Sources: a fixed, documented order of entries, each with a stable key taken from the source (never a position).
 
-Each source is a `Listing` (one module each: synthetic, folder, webdataset, llava, parquet): `len(listing)` entries in the source's
-order, `listing.entries(lo, hi)` builds the `Entry` objects of one range (one cache shard) on demand, so memory follows
-shard_size, not dataset size, and `listing.load(entry)` returns the entry's (image bytes, caption, prompt, meta).
+Each source is a `Listing`, one module each (synthetic, folder, webdataset, llava, parquet): `len(listing)` entries
+in the source's order, `listing.entries(lo, hi)` builds the `Entry` objects of one range (one cache shard) on demand,
+so memory follows shard_size, not dataset size, and `listing.load(entry)` returns the entry's (image bytes, caption,
+prompt, meta).
 Shard i of the cache = entries [i*S, (i+1)*S) of the order, so the order must never depend on the machine. An entry
 already known to be unusable (a bad caption line, a missing member, a duplicate key) stays in the order as an error
 entry, so each shard's errors are a deterministic function of the source. `load` runs in DataLoader workers.

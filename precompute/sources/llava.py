@@ -99,6 +99,3 @@ class LlavaListing(JsonlListing):
             return Entry(key=rec["key"], source=rec["source"], error=rec["error"])
         return Entry(key=rec["key"], source=rec["source"], caption=rec["caption"], prompt=rec["prompt"],
                      loc=(str(self.root / rec["image"]),))
-
-    def persist(self, index_dir: Path, rank: int) -> None:
-        pass  # the listing is the persisted llava.jsonl itself

@@ -78,6 +78,14 @@ def resolve_columns(schema, path: str, image: str | None, caption: str | None, p
     return cols
 
 
+def _schema(path: str):
+    """A file's arrow schema, from its footer; a file that is not parquet is refused, naming it."""
+    try:
+        return _pq().read_schema(path)
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+        raise UserError(f"config key 'source.path': {path} is not a readable parquet file ({e})") from None
+
+
 def _image_bytes(value: object) -> bytes:
     if isinstance(value, dict):  # HF datasets' Image feature: {"bytes": ..., "path": ...}
         data, path = value.get("bytes"), value.get("path")
@@ -98,9 +106,8 @@ def _json_value(v: object) -> object:
 class ParquetListing(Listing):
     def __init__(self, pattern: str, default_prompt: str, index_dir: Path, columns: dict, rank: int = 0,
                  barrier: Callable[[], None] = lambda: None):
-        pq = _pq()
         self.files, self.prompt = shard_files(pattern, ".parquet"), default_prompt
-        found = [resolve_columns(pq.read_schema(f), f, **columns) for f in self.files]
+        found = [resolve_columns(_schema(f), f, **columns) for f in self.files]
         self.cols = found[0]
         for f, c in zip(self.files, found):
             if c != self.cols:
@@ -193,7 +200,11 @@ class ParquetListing(Listing):
         return s["rows"][r - s["start"]]
 
     def _load(self, entry: Entry) -> Loaded:
-        row = self._row(*entry.loc)
+        try:
+            row = self._row(*entry.loc)
+        except (ValueError, OSError, StopIteration) as e:  # ArrowInvalid is a ValueError, ArrowIOError an OSError
+            self._stream = None
+            raise SourceError(f"cannot read row: {type(e).__name__}: {e}") from None
         prompt = row.get(self.cols["prompt"]) if self.cols["prompt"] else None
         meta = {c: _json_value(row[c]) for c in self.cols["meta"] if row[c] is not None}
         return Loaded(_image_bytes(row[self.cols["image"]]), row[self.cols["caption"]],
