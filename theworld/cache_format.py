@@ -320,11 +320,11 @@ def write_manifest(cache_dir: Path, sidecars: list[dict], *, fingerprint: dict, 
                    latent_dtype: str, num_errors: int, contents: dict, extra: dict | None = None) -> dict:
     """The manifest, from the shards' sidecars; written last and atomically (its presence means complete).
 
-    `latent_shape` is every sample's shape; with aspect-ratio buckets (several shapes in the sidecars) it is null
-    and `latent_shapes` lists each shape with its sample count."""
+    `latent_shape` (the config's; the sidecars' when they agree on one) is every sample's shape; with several
+    (aspect-ratio buckets) it is null and `latent_shapes` lists each shape with its sample count."""
     shapes = latent_shape_counts(sidecars)
-    if len(shapes) > 1 or (shapes and shapes[0]["shape"] != list(latent_shape)):
-        latent_shape = None
+    if shapes:
+        latent_shape = shapes[0]["shape"] if len(shapes) == 1 else None
     manifest = {
         "format_version": FORMAT_VERSION,
         "num_samples": sum(s["count"] for s in sidecars),
