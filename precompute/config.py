@@ -39,6 +39,8 @@ class CacheOptions:
     siglip: bool = False  # also cache Gemma's multimodal-projector output (the image-token features)
     flip: bool = False  # also cache latents of the horizontally flipped image
     images: bool = True  # keep the original image bytes (needed for live fallback and compare-live/decode)
+    latents: Literal["posterior", "mean"] = "posterior"  # mean: the posterior mean alone (half the latent bytes;
+    # training with world.latent: sample refuses such a cache)
 
 
 @dataclass

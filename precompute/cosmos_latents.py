@@ -90,12 +90,21 @@ class EntryDataset(Dataset):
 
 
 def _collate(batch: list[dict]) -> dict:
-    """In the loader worker: the good samples' pixels (and SigLIP inputs) stacked into one tensor each, so the
-    pin-memory thread pins one buffer per batch and the copy to the GPU is asynchronous. (Stacking in the main
-    process made one pageable tensor out of many pinned ones: a synchronous copy, after paying for the pinning.)"""
+    """In the loader worker: the good samples' pixels (and SigLIP inputs) stacked into one tensor per input shape, so
+    the pin-memory thread pins one buffer per shape and the copy to the GPU is asynchronous. (Stacking in the main
+    process made one pageable tensor out of many pinned ones: a synchronous copy, after paying for the pinning.)
+
+    "pixels" is [(positions among the good samples, (n, 3, H, W) uint8)], one entry per aspect-ratio bucket."""
     good = [b for b in batch if b["error"] is None]
-    tensors = {k: torch.stack([b.pop(k) for b in good]) for k in ("pixels", "pixel_values") if good and k in good[0]}
-    return {"items": batch, **tensors}
+    out = {"items": batch, "pixels": []}
+    if good and "pixel_values" in good[0]:
+        out["pixel_values"] = torch.stack([b.pop("pixel_values") for b in good])
+    for shape in sorted({tuple(b["pixels"].shape) for b in good}):
+        rows = [j for j, b in enumerate(good) if tuple(b["pixels"].shape) == shape]
+        out["pixels"].append((torch.tensor(rows), torch.stack([good[j]["pixels"] for j in rows])))
+    for b in good:
+        del b["pixels"]
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -139,10 +148,16 @@ def _encode(batch: dict, encoder, gemma, cfg: PrecomputeConfig, device) -> list[
     good = [b for b in batch["items"] if b["error"] is None]
     if not good:
         return []
-    pixels = batch["pixels"].to(device, non_blocking=True)
-    mean, logvar = encode_latents(encoder, pixels, cfg)
-    if cfg.cache.flip:
-        fmean, flogvar = encode_latents(encoder, pixels.flip(-1), cfg)
+    mean, logvar, fmean, flogvar = ([None] * len(good) for _ in range(4))
+    for rows, pixels in batch["pixels"]:  # one bucket at a time: a VAE batch has one shape
+        pixels = pixels.to(device, non_blocking=True)
+        for j, m, lv in zip(rows.tolist(), *encode_latents(encoder, pixels, cfg)):
+            mean[j], logvar[j] = m, lv
+        if cfg.cache.flip:
+            for j, m, lv in zip(rows.tolist(), *encode_latents(encoder, pixels.flip(-1), cfg)):
+                fmean[j], flogvar[j] = m, lv
+    if cfg.cache.latents == "mean":
+        logvar, flogvar = [None] * len(good), [None] * len(good)
     if gemma is not None:
         pv = batch["pixel_values"].to(device, gemma.dtype, non_blocking=True)
         feats = gemma.model.get_image_features(pixel_values=pv).pooler_output.float().cpu()
@@ -224,7 +239,8 @@ def _finish(cfg: PrecomputeConfig, out: Path, n_shards: int, run_id: dict, laten
     return cf.write_manifest(
         out, sidecars, fingerprint=run_id["fingerprint"], latent_shape=latent_shape, latent_dtype=cfg.cache.dtype,
         num_errors=num_errors,
-        contents={"images": cfg.cache.images, "siglip": cfg.cache.siglip, "flip": cfg.cache.flip},
+        contents={"images": cfg.cache.images, "siglip": cfg.cache.siglip, "flip": cfg.cache.flip,
+                  **({"latents": "mean"} if cfg.cache.latents == "mean" else {})},  # absent: the posterior
         extra={"source": run_id["source"], "shard_size": cfg.shard_size, "num_entries": run_id["num_entries"],
                "config": to_dict(cfg)})
 
@@ -336,10 +352,17 @@ def _print_summary(s: dict, out: Path) -> None:
 @cli_entry
 def main(argv: list[str] | None = None) -> int:
     parser = cli_parser("precompute.cosmos_latents", "Encode a dataset once into a WebDataset latent cache.")
+    parser.add_argument("--plan", action="store_true", help="print entries, shards and bytes per sample and in "
+                        "total, then exit (no model weights loaded, nothing written)")
     args = parser.parse_args(argv)
     cfg = load(args.config, args.overrides)
     if args.print_config:
         print(to_yaml(cfg), end="")
+        return 0
+    if args.plan:
+        from precompute import plan
+
+        print(plan.report(plan.plan(cfg)))
         return 0
     run(cfg)
     # After a successful run only (on an error another process may still be in a collective). A process that exits

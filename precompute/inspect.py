@@ -83,8 +83,8 @@ def summary(cache: Path, args) -> tuple[dict, int, str]:
     total_bytes = sum(s["bytes"] for s in manifest["shards"])
     stats = {}
     if n:
-        means = torch.stack([reader[i].mean.float() for i in idx])  # (n, C, 1, h, w)
-        per_channel = means.transpose(0, 1).reshape(means.shape[1], -1)
+        means = [reader[i].mean.float() for i in idx]  # (C, 1, h, w) each; (h, w) varies with aspect-ratio buckets
+        per_channel = torch.cat([m.reshape(m.shape[0], -1) for m in means], dim=1)
         stats = {"channel_mean": [round(v, 5) for v in per_channel.mean(1).tolist()],
                  "channel_std": [round(v, 5) for v in per_channel.std(1).tolist()],
                  "stats_over_samples": len(idx)}
@@ -93,13 +93,14 @@ def summary(cache: Path, args) -> tuple[dict, int, str]:
     report = {"cache": str(cache), "num_samples": manifest["num_samples"], "num_errors": manifest["num_errors"],
               "num_shards": len(manifest["shards"]), "bytes": total_bytes,
               "bytes_per_sample": round(total_bytes / n, 1) if n else None,
-              "latent_shape": manifest["latent_shape"], "latent_dtype": manifest["latent_dtype"],
+              "latent_shape": manifest["latent_shape"], "latent_shapes": manifest.get("latent_shapes"),
+              "latent_dtype": manifest["latent_dtype"], "latents": cf.latents_stored(manifest),
               "contents": manifest.get("contents", {}), **stats, "error_reasons": dict(reasons),
               "vae": manifest["fingerprint"]["vae"]["model"], "resolution": manifest["fingerprint"]["image"]["resolution"]}
     lines = [f"cache {cache}: {report['num_samples']} samples, {report['num_errors']} errors, "
              f"{report['num_shards']} shards, {total_bytes / 1e6:.2f} MB ({report['bytes_per_sample']} B/sample)",
-             f"latent {report['latent_shape']} {report['latent_dtype']}, contents {report['contents']}, "
-             f"vae {report['vae']} at {report['resolution']} px"]
+             f"latent {_shapes_text(manifest)} {report['latent_dtype']} ({report['latents']}), contents "
+             f"{report['contents']}, vae {report['vae']} at {report['resolution']} px"]
     if stats:
         lines.append("channel mean " + " ".join(f"{v:+.3f}" for v in stats["channel_mean"]))
         lines.append("channel std  " + " ".join(f"{v:.3f}" for v in stats["channel_std"]))
@@ -107,9 +108,16 @@ def summary(cache: Path, args) -> tuple[dict, int, str]:
     return report, 0, "\n".join(lines)
 
 
-def _check_sample(key: str, members: dict[str, bytes], manifest: dict) -> list[str]:
+def _shapes_text(manifest: dict) -> str:
+    if manifest.get("latent_shape") is not None:
+        return str(manifest["latent_shape"])
+    return ", ".join(f"{s['shape']} x{s['num_samples']}" for s in manifest.get("latent_shapes") or [])
+
+
+def _check_sample(key: str, members: dict[str, bytes], manifest: dict, shape: list[int] | None) -> list[str]:
+    """`shape`: the latent shape the sidecar records for this sample (None: the manifest's common one)."""
     problems = []
-    shape = list(manifest["latent_shape"])
+    shape = list(shape or manifest["latent_shape"] or [])
     contents = manifest.get("contents", {})
     for m in (cf.CAPTION, cf.META, cf.LATENT):
         if m not in members:
@@ -121,6 +129,10 @@ def _check_sample(key: str, members: dict[str, bytes], manifest: dict) -> list[s
     tensors = {"mean": s.mean, "logvar": s.logvar}
     if contents.get("flip"):
         tensors.update(flip_mean=s.flip_mean, flip_logvar=s.flip_logvar)
+    if cf.latents_stored(manifest) == "mean":
+        for name in ("logvar", "flip_logvar"):
+            if tensors.pop(name, None) is not None:
+                problems.append(f"{key}: holds {name}, but the cache stores the latent mean only")
     for name, t in tensors.items():
         if t is None:
             problems.append(f"{key}: missing tensor {name}")
@@ -167,6 +179,7 @@ def verify(cache: Path, args) -> tuple[dict, int, str]:
         side = cf.read_sidecar(cache, i)
         if side is None or side.get("sha256") != entry["sha256"]:
             problems.append("sidecar missing or does not match the manifest")
+        shapes = {e["key"]: e.get("latent_shape") for e in (side or {}).get("samples", [])}
         samples, broken = _read_tar(path)
         if broken:
             problems.append(broken)
@@ -176,7 +189,7 @@ def verify(cache: Path, args) -> tuple[dict, int, str]:
             if key in seen:
                 problems.append(f"{key}: duplicate key (also in {seen[key]})")
             seen.setdefault(key, entry["path"])
-            problems += _check_sample(key, members, manifest)
+            problems += _check_sample(key, members, manifest, shapes.get(key))
         total += len(samples)
         shards.append({"path": entry["path"], "ok": not problems, "num_samples": len(samples),
                        "problems": problems[:20] + ([f"... {len(problems) - 20} more"] if len(problems) > 20 else [])})
@@ -205,23 +218,25 @@ def compare_live(cache: Path, args) -> tuple[dict, int, str]:
     encoder = encoders.WorldEncoder(vae)
     reader = cf.CacheReader(cache)
     picked = _pick(len(reader), args.n, args.seed)
-    worst = {"mean": 0.0, "logvar": 0.0}
+    names = ("mean",) if cf.latents_stored(manifest) == "mean" else ("mean", "logvar")
     flip = manifest.get("contents", {}).get("flip")
-    if flip:
-        worst.update(flip_mean=0.0, flip_logvar=0.0)
+    worst = dict.fromkeys(names + tuple(f"flip_{n}" for n in names if flip), 0.0)
     per_sample = []
     with torch.no_grad():
         for start in range(0, len(picked), args.batch_size):
             samples = [reader[i] for i in picked[start:start + args.batch_size]]
-            pixels = torch.stack([_stored_pixels(s, cfg) for s in samples])
-            live = dict(zip(("mean", "logvar"), encoder(pixels)))
-            if flip:
-                live.update(zip(("flip_mean", "flip_logvar"), encoder(pixels.flip(-1))))
-            for j, s in enumerate(samples):
-                diffs = {name: (live[name][j].float() - getattr(s, name).float()).abs().max().item() for name in worst}
-                for name, d in diffs.items():
-                    worst[name] = max(worst[name], d)
-                per_sample.append({"key": s.key, **{f"max_abs_diff_{k}": v for k, v in diffs.items()}})
+            for group in _same_shape(pixels := [_stored_pixels(s, cfg) for s in samples]):
+                batch = torch.stack([pixels[j] for j in group])
+                live = dict(zip(("mean", "logvar"), encoder(batch)))
+                if flip:
+                    live.update(zip(("flip_mean", "flip_logvar"), encoder(batch.flip(-1))))
+                for row, j in enumerate(group):
+                    s = samples[j]
+                    diffs = {name: (live[name][row].float() - getattr(s, name).float()).abs().max().item()
+                             for name in worst}
+                    for name, d in diffs.items():
+                        worst[name] = max(worst[name], d)
+                    per_sample.append({"key": s.key, **{f"max_abs_diff_{k}": v for k, v in diffs.items()}})
     reader.close()
     max_diff = max(worst.values())
     fail = args.tol is not None and max_diff > args.tol
@@ -234,11 +249,20 @@ def compare_live(cache: Path, args) -> tuple[dict, int, str]:
     return report, 1 if fail else 0, text
 
 
+def _same_shape(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """Positions grouped by tensor shape (aspect-ratio buckets), each group in order, groups by first position."""
+    groups: dict[tuple, list[int]] = {}
+    for j, t in enumerate(tensors):
+        groups.setdefault(tuple(t.shape), []).append(j)
+    return list(groups.values())
+
+
 def _sheet(pairs: list[tuple[torch.Tensor, torch.Tensor]], min_tile: int = 128, gap: int = 4):
-    """A grid of (original | reconstruction) pairs, tiles upscaled (nearest) to at least `min_tile` px."""
+    """A grid of (original | reconstruction) pairs on square tiles, each picture upscaled (nearest) by the same whole
+    factor so that the largest side is at least `min_tile` px, and centred on its tile."""
     from PIL import Image
 
-    res = pairs[0][1].shape[-1]
+    res = max(max(r.shape[-2:]) for _, r in pairs)
     scale = max(1, math.ceil(min_tile / res))
     tile = res * scale
     cols = min(4, len(pairs))
@@ -249,8 +273,9 @@ def _sheet(pairs: list[tuple[torch.Tensor, torch.Tensor]], min_tile: int = 128, 
         x = 2 * gap + (n % cols) * (pair_w + 2 * gap)
         y = 2 * gap + (n // cols) * (tile + 2 * gap)
         for k, t in enumerate((orig, recon)):
-            img = Image.fromarray(t.permute(1, 2, 0).numpy()).resize((tile, tile), Image.NEAREST)
-            sheet.paste(img, (x + k * (tile + gap), y))
+            h, w = t.shape[-2:]
+            img = Image.fromarray(t.permute(1, 2, 0).numpy()).resize((w * scale, h * scale), Image.NEAREST)
+            sheet.paste(img, (x + k * (tile + gap) + (tile - w * scale) // 2, y + (tile - h * scale) // 2))
     return sheet
 
 
@@ -279,9 +304,12 @@ def decode(cache: Path, args) -> tuple[dict, int, str]:
     with torch.no_grad():
         for start in range(0, len(picked), args.batch_size):
             samples = [reader[i] for i in picked[start:start + args.batch_size]]
-            z = torch.stack([s.mean for s in samples]).to(dtype)  # (B, 16, 1, h, w), un-normalised
-            out = vae.decode(z).sample[:, :, 0].float().clamp(-1, 1)  # (B, 3, H, W) in [-1, 1]
-            recon = ((out + 1) * 127.5).round().to(torch.uint8)
+            recon = [None] * len(samples)
+            for group in _same_shape([s.mean for s in samples]):
+                z = torch.stack([samples[j].mean for j in group]).to(dtype)  # (B, 16, 1, h, w), un-normalised
+                out = vae.decode(z).sample[:, :, 0].float().clamp(-1, 1)  # (B, 3, H, W) in [-1, 1]
+                for j, r in zip(group, ((out + 1) * 127.5).round().to(torch.uint8)):
+                    recon[j] = r
             for s, r in zip(samples, recon):
                 orig = _stored_pixels(s, cfg) if s.image is not None else torch.full_like(r, 128)
                 mse = ((orig.float() - r.float()) / 127.5).pow(2).mean().item() if s.image is not None else None

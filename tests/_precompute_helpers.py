@@ -132,3 +132,22 @@ def wds_source(root: Path, tars: int, per_tar: int, dup: tuple[int, int] | None 
                     sample["txt"] = f"text {j} {i}".encode()
                 w.write(sample)
     return paths
+
+
+BUCKET_SIZES = [(200, 100), (150, 100), (100, 100), (100, 150), (100, 200), (90, 300)]  # w x h, five buckets at 128
+
+
+def bucket_folder(root: Path, n: int) -> Path:
+    """A `folder` source of n JPEGs cycling through BUCKET_SIZES (a few pixels of jitter), captions.jsonl beside."""
+    root.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i in range(n):
+        w, h = BUCKET_SIZES[i % len(BUCKET_SIZES)]
+        img = gradient(w + i % 7, h)
+        if i % 2:
+            img = img.transpose(Image.Transpose.ROTATE_180)
+        (root / f"img{i:03d}.jpg").write_bytes(jpeg_bytes(img))
+        lines.append(json.dumps({"image": f"img{i:03d}.jpg", "caption": f"a {'dark' if i % 2 else 'light'} corner "
+                                 f"number {i}"}))
+    (root / "captions.jsonl").write_text("\n".join(lines) + "\n")
+    return root

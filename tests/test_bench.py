@@ -80,3 +80,14 @@ def test_real_size_bench_code_path_at_toy_sizes(tmp_path):
     _positive(out["rows"][-1], "images_per_s")
     # FLOPs: 2 * params * tokens dominates and grows linearly with the sequence (plus attention's quadratic term)
     assert lm_flops(TINY, 200) > 2 * lm_flops(TINY, 100) > 0
+
+
+def test_train_bench_bucketed_smoke(tmp_path):
+    rows = _run(["train.bench", "--cases", "tiny_buckets", "--steps", "1", "--warmup", "1", "--rounds", "2",
+                 "--samples", "192", "--root", str(tmp_path / "caches")], tmp_path)["rows"]
+    (row,) = rows
+    _positive(row, "step_ms_staged", "step_ms_fed", "data_overhead", "step_ms_live_encoding", "loader_samples_per_s",
+              "rss_mb_epoch1_start", "rss_mb_epoch2_end")
+    # 96 px buckets: latent grids 8x16 (128 tokens), 12x12 (144), 16x8 (128), a quarter of the images square
+    assert row["latent_shapes"] == 3 and 128 < row["world_tokens"] < 144
+    assert 0 <= row["padding_fraction"] < 0.5

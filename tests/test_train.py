@@ -72,9 +72,9 @@ def test_rank_slices_are_disjoint_complete_and_independent_of_process_count():
 
     train = list(range(100, 180))  # 80 samples, G=16: 5 global batches per epoch
     for epoch in (0, 1):
-        one = rank_indices(train, 7, epoch, 16, 0, 1)
-        two = [rank_indices(train, 7, epoch, 16, r, 2) for r in range(2)]
-        four = [rank_indices(train, 7, epoch, 16, r, 4) for r in range(4)]
+        one = rank_indices(train, 7, epoch, 16, 0, 1).tolist()
+        two = [rank_indices(train, 7, epoch, 16, r, 2).tolist() for r in range(2)]
+        four = [rank_indices(train, 7, epoch, 16, r, 4).tolist() for r in range(4)]
         assert sorted(one) == sorted(train) and sorted(two[0] + two[1]) == sorted(train)
         assert not set(two[0]) & set(two[1])
         for b in range(5):  # the same samples in each global batch whatever the number of processes
@@ -82,8 +82,8 @@ def test_rank_slices_are_disjoint_complete_and_independent_of_process_count():
             assert g == set(two[0][b * 8:(b + 1) * 8] + two[1][b * 8:(b + 1) * 8])
             assert g == set(sum((f[b * 4:(b + 1) * 4] for f in four), []))
         # resuming at global batch 3 reads exactly the tail
-        assert rank_indices(train, 7, epoch, 16, 1, 2, start_batch=3) == two[1][24:]
-    assert epoch_order(train, 7, 0) == epoch_order(train, 7, 0) != epoch_order(train, 7, 1)
+        assert rank_indices(train, 7, epoch, 16, 1, 2, start_batch=3).tolist() == two[1][24:]
+    assert epoch_order(train, 7, 0).tolist() == epoch_order(train, 7, 0).tolist() != epoch_order(train, 7, 1).tolist()
 
 
 def test_accumulation_must_be_integral():
@@ -516,3 +516,119 @@ def test_flex_attention_without_cuda_is_refused_before_any_model_loads(cache, tm
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "train.attention" in err[0] and "CUDA" in err[0], err
     assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Aspect-ratio buckets: the same guarantees on a cache of several latent shapes
+
+
+@pytest.fixture(scope="module")
+def bucket_cache(tmp_path_factory):
+    """48 images of five aspect ratios at 128 px (latent shapes 12x20, 12x24, 16x16, 20x12, 24x12), flipped latents
+    and images kept."""
+    from _precompute_helpers import bucket_folder
+
+    from precompute.config import load as load_pre
+    from precompute.cosmos_latents import run
+
+    root = tmp_path_factory.mktemp("bucket")
+    src = bucket_folder(root / "src", 48)
+    cfg = load_pre(str(ROOT / "configs" / "precompute.yaml"),
+                   [f"output_dir={root / 'cache'}", "source.type=folder", f"source.path={src}", "image.resize=bucket",
+                    "image.resolution=128", "shard_size=16", "batch_size=16", "num_workers=0", "cache.flip=true",
+                    "cache.siglip=false", "cache.dtype=float32", "model.dtype=float32"])
+    run(cfg)
+    return root / "cache"
+
+
+def bucket_args(cache: Path, out: Path, steps: int, **extra) -> list[str]:
+    return base_args(cache, out, steps=steps, **{"image.resolution": 128, "image.resize": "bucket", "world.pool": 2,
+                                                 "train.global_batch_size": 4, "train.micro_batch_size": 2,
+                                                 "train.eval_samples": 8, "train.flip": "true",
+                                                 "world.latent": "sample", **extra})
+
+
+def test_bucketed_cache_resumes_exactly_and_two_processes_match_one(bucket_cache, tmp_path):
+    # 40 train samples in five shapes, G=4: every step's batch has one shape, the world-token count changes between
+    # steps. Resume: a finished run with its last checkpoint and final/ removed is continued from checkpoint-2.
+    ref = train_cli(bucket_args(bucket_cache, tmp_path / "ref", 4, **{"train.save_every": 2}))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert "latent shapes (train samples): " in ref.stderr
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "ref", resumed)
+    shutil.rmtree(resumed / "final")
+    shutil.rmtree(resumed / "checkpoint-4")
+    again = train_cli(bucket_args(bucket_cache, resumed, 4, **{"train.save_every": 2}))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stderr and "checkpoint-2" in again.stderr
+    a, b = weights(tmp_path / "ref"), weights(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [m["loss"] for m in metrics(resumed) if "loss" in m] == [m["loss"] for m in metrics(tmp_path / "ref")
+                                                                     if "loss" in m]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    two = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
+         "-m", "train.loop", *bucket_args(bucket_cache, tmp_path / "two", 4, **{"train.save_every": 2})],
+        cwd=ROOT, env={**ENV, "ACCELERATE_USE_CPU": "true"}, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "2 process(es) x 1 micro-batches" in two.stderr + two.stdout
+    w2 = weights(tmp_path / "two")
+    for k in [k for k in a if not k.endswith("k_proj.bias")]:
+        torch.testing.assert_close(w2[k], a[k], rtol=1e-5, atol=1e-5)
+    l1 = [m["loss"] for m in metrics(tmp_path / "ref") if "loss" in m]
+    assert l1 == pytest.approx([m["loss"] for m in metrics(tmp_path / "two") if "loss" in m], rel=1e-5)
+    e1 = [m for m in metrics(tmp_path / "ref") if "eval_loss" in m][-1]
+    e2 = [m for m in metrics(tmp_path / "two") if "eval_loss" in m][-1]
+    assert e1["eval_tokens"] == e2["eval_tokens"] and e1["eval_loss"] == pytest.approx(e2["eval_loss"], rel=1e-5)
+
+
+def test_bucketed_micro_batches_hold_one_shape_and_live_encoding_matches_the_cache(bucket_cache, tmp_path):
+    from theworld.config import load_config
+    from train import data, optim
+    from train.config import TrainConfig
+
+    cfg = load_config(TrainConfig, None, [a for a in bucket_args(bucket_cache, tmp_path / "run", 1) if a != "--set"])
+    reader, plan = data.open_cache(cfg)
+    c = optim.build(cfg, optim.make_accelerator(cfg), 2)
+    ctx = data.DataContext.build(cfg, reader, plan, c.processor)
+    steps = data.check_sizes(cfg, reader, ctx.train_indices, 1)
+    shapes = []
+    for batch in data.build_train_loader(cfg, ctx, 0, 1, epoch=1):
+        mean = batch.to("cpu")["latent_mean"]
+        shapes.append(tuple(mean.shape[-2:]))
+    assert len(shapes) == 2 * steps and len(set(shapes)) == 5  # every shape met, one per micro-batch (or no stack)
+    # stage 4's live VAE input has the bucket's size: the first step's loss equals the cached one
+    assert train_inproc(bucket_args(bucket_cache, tmp_path / "cached", 1, **{"world.latent": "mean"})) == 0
+    assert train_inproc(bucket_args(bucket_cache, tmp_path / "live", 1, **{"world.latent": "mean",
+                                                                           "freeze.vae": "false"})) == 0
+    cached, live = metrics(tmp_path / "cached")[0], metrics(tmp_path / "live")[0]
+    assert live["loss"] == pytest.approx(cached["loss"], rel=1e-5, abs=1e-6)
+
+
+def test_a_mean_only_cache_trains_with_the_mean_and_refuses_sampling(tmp_path, capsys, monkeypatch):
+    from precompute.config import load as load_pre
+    from precompute.cosmos_latents import run
+    from theworld import cache_format as cf
+
+    out = tmp_path / "cache"
+    run(load_pre(str(ROOT / "configs" / "precompute.yaml"),
+                 [f"output_dir={out}", "source.num_samples=40", "shard_size=20", "batch_size=20", "num_workers=0",
+                  "cache.siglip=false", "cache.latents=mean"]))
+    assert cf.load_manifest(out)["contents"]["latents"] == "mean"
+    assert train_inproc(base_args(out, tmp_path / "mean", steps=1, **{"train.global_batch_size": 8,
+                                                                      "train.micro_batch_size": 8,
+                                                                      "train.eval_samples": 8})) == 0
+    capsys.readouterr()
+    from theworld.model import TheWorld
+
+    def no_loading(*a, **k):
+        raise AssertionError("a model was loaded before the refusal")
+
+    monkeypatch.setattr(TheWorld, "from_config", no_loading)
+    assert train_inproc(base_args(out, tmp_path / "sample", **{"world.latent": "sample"})) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'world.latent'" in err[0] and "cache.latents: mean" in err[0], err
+    assert not (tmp_path / "sample").exists()

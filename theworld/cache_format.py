@@ -39,7 +39,7 @@ ERRORS_DIR = "errors"
 RUN_FILE = "precompute.json"
 INDEX_DIR = "source-index"
 # Member names inside a sample (webdataset: "<key>.<member>").
-LATENT = "latent.safetensors"  # tensors "mean", "logvar": (16, 1, h, w)
+LATENT = "latent.safetensors"  # tensors "mean", "logvar" (only "mean" with cache.latents: mean): (16, 1, h, w)
 LATENT_FLIP = "latent_flip.safetensors"  # the same for the horizontally flipped image
 SIGLIP = "siglip.safetensors"  # tensor "features": (mm_tokens, H), the multimodal projector's output
 CAPTION = "txt"
@@ -107,10 +107,9 @@ def encode_sample(s: Sample, dtype: str) -> dict[str, bytes]:
     """Sample -> {member name: bytes} (no "__key__"), tensors cast to the cache dtype."""
     dt = DTYPES[dtype]
     out = {CAPTION: s.caption.encode(), META: json.dumps(s.meta, sort_keys=True).encode()}
-    out[LATENT] = st_save({"mean": s.mean.to(dt).contiguous(), "logvar": s.logvar.to(dt).contiguous()})
+    out[LATENT] = latent_blob(s.mean, s.logvar, dt)
     if s.flip_mean is not None:
-        out[LATENT_FLIP] = st_save({"mean": s.flip_mean.to(dt).contiguous(),
-                                    "logvar": s.flip_logvar.to(dt).contiguous()})
+        out[LATENT_FLIP] = latent_blob(s.flip_mean, s.flip_logvar, dt)
     if s.siglip is not None:
         out[SIGLIP] = st_save({"features": s.siglip.to(dt).contiguous()})
     if s.image is not None:
@@ -118,6 +117,20 @@ def encode_sample(s: Sample, dtype: str) -> dict[str, bytes]:
             raise ValueError(f"image extension must be one of {IMAGE_EXTS}, got {s.image_ext!r}")
         out[s.image_ext] = s.image
     return out
+
+
+def latent_blob(mean: torch.Tensor, logvar: torch.Tensor | None, dt: torch.dtype) -> bytes:
+    """A latent member; logvar None (cache.latents: mean) stores the posterior mean alone."""
+    tensors = {"mean": mean.to(dt).contiguous()}
+    if logvar is not None:
+        tensors["logvar"] = logvar.to(dt).contiguous()
+    return st_save(tensors)
+
+
+def latent_shape_of(blob: bytes) -> list[int]:
+    """The shape of a latent member's "mean", from its safetensors header alone."""
+    n = int.from_bytes(blob[:8], "little")
+    return list(json.loads(blob[8:8 + n])["mean"]["shape"])
 
 
 def decode_sample(key: str, members: dict[str, bytes], tensors: bool = True) -> Sample:
@@ -131,10 +144,10 @@ def decode_sample(key: str, members: dict[str, bytes], tensors: bool = True) -> 
         return s
     if LATENT in members:
         t = st_load(members[LATENT])
-        s.mean, s.logvar = t["mean"], t["logvar"]
+        s.mean, s.logvar = t["mean"], t.get("logvar")
     if LATENT_FLIP in members:
         t = st_load(members[LATENT_FLIP])
-        s.flip_mean, s.flip_logvar = t["mean"], t["logvar"]
+        s.flip_mean, s.flip_logvar = t["mean"], t.get("logvar")
     if SIGLIP in members:
         s.siglip = st_load(members[SIGLIP])["features"]
     return s
@@ -224,6 +237,8 @@ def write_shard(cache_dir: Path, index: int, samples: Iterable[tuple[str, dict[s
         with tarfile.open(fileobj=f, mode="w") as tf:
             for key, members in samples:
                 entry = {"key": key, "members": {}}
+                if LATENT in members:  # the trainer groups samples by shape without reading the tar
+                    entry["latent_shape"] = latent_shape_of(members[LATENT])
                 for name in sorted(members):
                     data = members[name]
                     info = tarfile.TarInfo(member_name(key, name))
@@ -279,6 +294,10 @@ def make_fingerprint(*, vae_model: str, vae, vae_dtype: str, resolution: int, re
                   "dtype": vae_dtype},
           "image": {"resolution": resolution, "resize": resize, "normalisation": "[-1,1]"},
           "siglip": None}
+    if resize == "bucket":  # the set is a function of the resolution in this code; a cache records the one it used
+        from theworld.images import buckets
+
+        fp["image"]["buckets"] = [list(b) for b in buckets(resolution)]
     if gemma is not None:
         inner = gemma.model
         vision = torch.nn.ModuleDict({"tower": inner.vision_tower, "projector": inner.multi_modal_projector})
@@ -291,14 +310,27 @@ def make_fingerprint(*, vae_model: str, vae, vae_dtype: str, resolution: int, re
     return fp
 
 
+def latent_shape_counts(sidecars: list[dict]) -> list[dict]:
+    """[{"shape", "num_samples"}] over the samples of these sidecars, shapes in sorted order."""
+    counts = Counter(tuple(e["latent_shape"]) for side in sidecars for e in side["samples"] if "latent_shape" in e)
+    return [{"shape": list(k), "num_samples": v} for k, v in sorted(counts.items())]
+
+
 def write_manifest(cache_dir: Path, sidecars: list[dict], *, fingerprint: dict, latent_shape: list[int],
                    latent_dtype: str, num_errors: int, contents: dict, extra: dict | None = None) -> dict:
-    """The manifest, from the shards' sidecars; written last and atomically (its presence means complete)."""
+    """The manifest, from the shards' sidecars; written last and atomically (its presence means complete).
+
+    `latent_shape` (the config's; the sidecars' when they agree on one) is every sample's shape; with several
+    (aspect-ratio buckets) it is null and `latent_shapes` lists each shape with its sample count."""
+    shapes = latent_shape_counts(sidecars)
+    if shapes:
+        latent_shape = shapes[0]["shape"] if len(shapes) == 1 else None
     manifest = {
         "format_version": FORMAT_VERSION,
         "num_samples": sum(s["count"] for s in sidecars),
         "num_errors": num_errors,
         "latent_shape": latent_shape,
+        "latent_shapes": shapes,
         "latent_dtype": latent_dtype,
         "contents": contents,  # which optional members exist: images, siglip, flip
         "shards": [{"path": f"{SHARDS}/{s['shard']}", "num_samples": s["count"], "bytes": s["bytes"],
@@ -308,6 +340,11 @@ def write_manifest(cache_dir: Path, sidecars: list[dict], *, fingerprint: dict, 
     }
     atomic_write_json(Path(cache_dir) / MANIFEST, manifest)
     return manifest
+
+
+def latents_stored(manifest: dict) -> str:
+    """"posterior" (mean and logvar) or "mean" (cache.latents: mean); caches that do not say hold the posterior."""
+    return (manifest.get("contents") or {}).get("latents", "posterior")
 
 
 def fingerprint_diff(expected: dict, actual: dict, prefix: str = "") -> list[str]:
@@ -378,6 +415,7 @@ class CacheReader:
     _keys: np.ndarray = field(init=False, repr=False)  # (N,) bytes
     _shard: np.ndarray = field(init=False, repr=False)  # (N,) int32: which tar
     _spans: np.ndarray = field(init=False, repr=False)  # (N, len(_names), 2) int64 offset, size; -1: absent
+    latent_hw: np.ndarray = field(init=False, repr=False)  # (N, 2) int32: each sample's latent (h, w)
     _files: dict = field(init=False, repr=False, default_factory=dict)
     # Members closer than this are read with one pread, tar headers and skipped members included: a system call
     # costs more than copying a few kB (docs/performance.md)
@@ -386,11 +424,17 @@ class CacheReader:
     def __post_init__(self) -> None:
         self.cache_dir = Path(self.cache_dir)
         self.manifest = load_manifest(self.cache_dir)
-        self._names, keys, shards, spans = [], [], [], []
+        self._names, keys, shards, spans, hw = [], [], [], [], []
+        square = self.manifest.get("latent_shape")  # caches written before per-sample shapes: every sample's
         for i, _ in enumerate(self.manifest["shards"]):
             side = read_sidecar(self.cache_dir, i)
             if side is None:
                 raise UserError(f"cache {self.cache_dir}: sidecar of shard {i} is missing or unreadable")
+            try:
+                hw += [(s.get("latent_shape") or square)[-2:] for s in side["samples"]]
+            except TypeError:
+                raise UserError(f"cache {self.cache_dir}: shard {i}'s sidecar lacks per-sample latent shapes and the "
+                                "manifest has no common latent_shape") from None
             for s in side["samples"]:
                 for name in s["members"]:
                     if name not in self._names:
@@ -407,6 +451,7 @@ class CacheReader:
                                       for b in spans]) if spans else np.zeros((0, width, 2), dtype=np.int64)
         self._keys = np.array(keys, dtype=bytes) if keys else np.zeros(0, dtype="S1")
         self._shard = np.concatenate(shards) if shards else np.zeros(0, dtype=np.int32)
+        self.latent_hw = np.array(hw, dtype=np.int32).reshape(-1, 2)
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_files": {}}

@@ -32,11 +32,18 @@ class ModelConfig:
 @dataclass
 class ImageConfig:
     resolution: int = 64
-    resize: Literal["crop", "squash"] = "crop"  # crop: short side to `resolution`, then center crop
+    # crop: short side to `resolution`, then center crop; squash: whole picture to R x R; bucket: the aspect-ratio
+    # bucket of ~R^2 pixels nearest the picture's shape (theworld.images.buckets), then center crop
+    resize: Literal["crop", "squash", "bucket"] = "crop"
 
     def __post_init__(self) -> None:
         if self.resolution <= 0 or self.resolution % 8:
             raise UserError(f"image.resolution: must be a positive multiple of 8 (the VAE downsamples 8x), got {self.resolution}")
+        from theworld.images import BUCKET_STEP
+
+        if self.resize == "bucket" and self.resolution % BUCKET_STEP:
+            raise UserError(f"image.resolution: must be a multiple of {BUCKET_STEP} with image.resize: bucket (bucket "
+                            f"sides are multiples of 8 x the largest world.pool 4), got {self.resolution}")
 
 
 @dataclass

@@ -5,7 +5,9 @@ process boundary and the [-1, 1] scaling happens once, on the device, in `WorldE
 """
 from __future__ import annotations
 
+import functools
 import io
+import math
 import warnings
 
 import numpy as np
@@ -63,20 +65,59 @@ def decode(data: bytes, draft_size: int | None = None, max_pixels: int = MAX_PIX
         raise BadImage(f"unreadable image: {type(e).__name__}: {e}") from None
 
 
-def resize(img: Image.Image, resolution: int, mode: str = "crop") -> tuple[Image.Image, tuple[int, int, int, int]]:
-    """Resize to resolution x resolution; returns the image and the crop box (left, top, right, bottom) in the source.
+# Bucket sides are multiples of 8 (the VAE's downsampling) x 4 (the largest world.pool), so every pool divides every
+# latent grid; buckets are at most 2:1 (a wider picture loses its sides to the crop, as a square crop would).
+BUCKET_STEP = 8 * 4
+BUCKET_MAX_ASPECT = 2.0
 
-    crop: short side to `resolution`, then a centred square; squash: the whole picture, aspect ratio ignored.
+
+@functools.lru_cache(maxsize=None)
+def buckets(resolution: int) -> tuple[tuple[int, int], ...]:
+    """The aspect-ratio buckets (width, height) for `resolution`, sorted by aspect ratio (tallest first).
+
+    Rule: landscape widths w = R, R + s, R + 2s, ... (s = BUCKET_STEP), each with the height h = s * round(R^2 / (w s))
+    that brings w * h nearest R^2, while w / h <= BUCKET_MAX_ASPECT; the portrait buckets are their transposes. So
+    |w h - R^2| <= w s / 2, and R x R is always a bucket.
+    """
+    if resolution <= 0 or resolution % BUCKET_STEP:
+        raise ValueError(f"bucket resolution must be a positive multiple of {BUCKET_STEP}, got {resolution}")
+    s, area, out = BUCKET_STEP, resolution * resolution, set()
+    w = resolution
+    while True:
+        h = s * max(1, round(area / (w * s)))
+        if w / h > BUCKET_MAX_ASPECT:
+            break
+        out.update({(w, h), (h, w)})
+        w += s
+    return tuple(sorted(out, key=lambda b: b[0] / b[1]))
+
+
+def bucket_for(width: int, height: int, resolution: int) -> tuple[int, int]:
+    """The bucket (width, height) whose log aspect ratio is nearest the image's; a tie goes to the taller bucket."""
+    target = math.log(width / height)
+    return min(buckets(resolution), key=lambda b: abs(math.log(b[0] / b[1]) - target))
+
+
+def resize(img: Image.Image, resolution: int, mode: str = "crop", bucket: tuple[int, int] | None = None
+           ) -> tuple[Image.Image, tuple[float, float, float, float]]:
+    """Resize to the VAE input size; returns the image and the crop box (left, top, right, bottom) in the source.
+
+    crop: short side to `resolution`, then a centred square; squash: the whole picture, aspect ratio ignored;
+    bucket: scaled to cover `bucket` (default: the image's own, `bucket_for`), then the centred bucket-sized window.
     """
     w, h = img.size
-    if mode == "squash":
-        box = (0, 0, w, h)
+    if mode == "bucket":
+        size = bucket or bucket_for(w, h, resolution)
+        scale = min(w / size[0], h / size[1])  # source pixels per output pixel, so the bucket is covered
+        bw, bh = size[0] * scale, size[1] * scale
+        box = ((w - bw) / 2, (h - bh) / 2, (w + bw) / 2, (h + bh) / 2)
+    elif mode == "squash":
+        size, box = (resolution, resolution), (0, 0, w, h)
     else:
         side = min(w, h)
         left, top = (w - side) // 2, (h - side) // 2
-        box = (left, top, left + side, top + side)
-    out = img.resize((resolution, resolution), Image.BICUBIC, box=box, reducing_gap=3.0)
-    return out, box
+        size, box = (resolution, resolution), (left, top, left + side, top + side)
+    return img.resize(size, Image.BICUBIC, box=box, reducing_gap=3.0), box
 
 
 def to_uint8_tensor(img: Image.Image) -> torch.Tensor:
@@ -84,16 +125,39 @@ def to_uint8_tensor(img: Image.Image) -> torch.Tensor:
     return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1).contiguous()
 
 
-def load_for_vae(data: bytes, resolution: int, mode: str = "crop"
-                 ) -> tuple[torch.Tensor, dict]:
-    """Bytes -> ((3, R, R) uint8 tensor, metadata with original size and crop box). Raises BadImage."""
-    img = decode(data, draft_size=resolution)
-    # Draft mode may have shrunk a JPEG by 2^k; report the crop box in the true source's pixels.
+def upright_size(data: bytes) -> tuple[int, int]:
+    """(width, height) of encoded image bytes as shown, EXIF rotation applied, from the header alone."""
     src = Image.open(io.BytesIO(data))  # lazy: reads the header only
-    orig_w, orig_h = src.size
+    w, h = src.size
     if src.getexif().get(0x0112, 1) in (5, 6, 7, 8):  # EXIF orientations that swap width and height
-        orig_w, orig_h = orig_h, orig_w
-    small, box = resize(img, resolution, mode)
+        w, h = h, w
+    return w, h
+
+
+def prepare(img: Image.Image, resolution: int, mode: str = "crop", original_size: tuple[int, int] | None = None
+            ) -> tuple[torch.Tensor, dict]:
+    """An upright RGB image -> ((3, H, W) uint8 VAE input, metadata with original size and crop box).
+
+    (H, W) is R x R, or with mode "bucket" the bucket of `original_size` (default: the image's size; a draft-decoded
+    JPEG can be a pixel off its source's aspect ratio). The crop box is reported in `original_size` pixels.
+    """
+    orig_w, orig_h = original_size or img.size
+    small, box = resize(img, resolution, mode, bucket_for(orig_w, orig_h, resolution) if mode == "bucket" else None)
     sx, sy = orig_w / img.size[0], orig_h / img.size[1]
     box = (round(box[0] * sx), round(box[1] * sy), round(box[2] * sx), round(box[3] * sy))
     return to_uint8_tensor(small), {"original_size": [orig_w, orig_h], "crop_box": list(box)}
+
+
+def load_for_vae(data: bytes, resolution: int, mode: str = "crop") -> tuple[torch.Tensor, dict]:
+    """Bytes -> ((3, H, W) uint8 tensor, metadata with original size and crop box). Raises BadImage."""
+    try:
+        orig = upright_size(data)
+    except Exception:  # noqa: BLE001 - decode() below names what is wrong with the file
+        orig = None
+    if orig is not None and 0 in orig:
+        orig = None  # decode() refuses it
+    # JPEG draft decoding keeps both sides >= the largest output side, enough to cover any bucket
+    draft = max(bucket_for(*orig, resolution)) if mode == "bucket" and orig else resolution
+    img = decode(data, draft_size=draft)
+    # Draft mode may have shrunk a JPEG by 2^k; report the crop box in the true source's pixels.
+    return prepare(img, resolution, mode, orig)

@@ -14,7 +14,9 @@ Per case, all measured side by side in one run, on the same batches:
                         for two epochs: it must not grow with the number of samples read.
   padding_fraction      padding positions / positions the model computes (world + text) over an epoch: the
                         most that length-aware batching could save.
-Caches are built once with the precompute CLI (train/ does not import precompute/) under cache/bench/.
+The tiny_buckets case is the tiny one on an aspect-ratio bucketed cache (image.resize: bucket at 96 px: latent grids
+8x16, 12x12, 16x8; synthetic scenes stretched to 2:1, 1:1, 1:2 and 4:3), so the world-token count changes from batch
+to batch. Caches are built once with the precompute CLI (train/ does not import precompute/) under cache/bench/.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ import psutil
 import torch
 
 from theworld import cache_format as cf
-from theworld import tiny
+from theworld import synthetic, tiny
 from theworld.config import load_config
 from train import data, optim
 from train.config import TrainConfig, accumulation_steps
@@ -48,7 +50,9 @@ CASES = {
     # step on this VM scatters +-7%, so the tiny case takes 150 pairs to pin its mean ratio to about +-1%)
     "tiny": ("tiny", 64, 5120, 32, 32, 1, 150),  # 64 world tokens, the embedded demo's model
     "heavy": ("heavy", 128, 768, 16, 16, 1, 40),  # 256 world tokens, 4 layers of hidden 256
+    "tiny_buckets": ("tiny", 96, 5120, 32, 32, 1, 150),  # 128-144 world tokens, three latent shapes
 }
+BUCKETED = {"tiny_buckets"}
 
 
 def _gemma_path(name: str) -> str:
@@ -62,14 +66,36 @@ def _gemma_path(name: str) -> str:
     return str(path)
 
 
+def _bucket_source(out: Path, resolution: int, samples: int) -> Path:
+    """A folder source of synthetic scenes stretched to 2:1, 1:1, 1:2 and 4:3 (written once)."""
+    if (out / "captions.jsonl").is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    sizes = [(2 * resolution, resolution), (resolution, resolution), (resolution, 2 * resolution),
+             (4 * resolution // 3, resolution)]
+    lines = []
+    for i in range(samples):
+        img, caption = synthetic.scene(0, i, size=resolution)
+        img.resize(sizes[i % len(sizes)]).save(out / f"{i:06d}.png")
+        lines.append(json.dumps({"image": f"{i:06d}.png", "caption": caption}))
+    tmp = out / ".captions.jsonl.tmp"
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, out / "captions.jsonl")
+    return out
+
+
 def _ensure_cache(root: Path, case: str, gemma: str, resolution: int, samples: int) -> Path:
     out = Path(root) / f"{case}-{resolution}px-{samples}"
     if not (out / cf.MANIFEST).is_file():
-        cmd = [sys.executable, "-m", "precompute.cosmos_latents", "--set", f"output_dir={out}",
-               "--set", f"model.gemma={gemma}", "--set", "model.vae=tiny", "--set", "model.dtype=float32",
-               "--set", f"image.resolution={resolution}", "--set", "source.type=synthetic",
-               "--set", f"source.num_samples={samples}", "--set", "cache.siglip=true", "--set", "cache.dtype=float32",
-               "--set", "shard_size=128", "--set", "num_workers=1"]
+        if case in BUCKETED:
+            src = _bucket_source(Path(root) / f"{case}-source-{resolution}px-{samples}", resolution, samples)
+            source = ["source.type=folder", f"source.path={src}", "image.resize=bucket"]
+        else:
+            source = ["source.type=synthetic", f"source.num_samples={samples}"]
+        sets = [f"output_dir={out}", f"model.gemma={gemma}", "model.vae=tiny", "model.dtype=float32",
+                f"image.resolution={resolution}", *source, "cache.siglip=true", "cache.dtype=float32",
+                "shard_size=128", "num_workers=1"]
+        cmd = [sys.executable, "-m", "precompute.cosmos_latents", *(a for kv in sets for a in ("--set", kv))]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return out
 
@@ -130,6 +156,7 @@ def bench_case(case: str, steps: int = 1, warmup: int = 3, samples: int | None =
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config(TrainConfig, None, [
             f"model.gemma={gemma}", "model.vae=tiny", "model.dtype=float32", f"image.resolution={res}",
+            f"image.resize={'bucket' if case in BUCKETED else 'crop'}",
             f"cache_dir={cache}", f"output_dir={out}", "trackers=[]", "resume=null", "train.eval_samples=16",
             f"train.global_batch_size={gbs}", f"train.micro_batch_size={mbs}", f"train.num_workers={workers}",
             f"train.max_steps={10 * steps}", "train.warmup_steps=0", "train.lr=1e-4"])
@@ -140,7 +167,7 @@ def bench_case(case: str, steps: int = 1, warmup: int = 3, samples: int | None =
         ctx = data.DataContext.build(cfg, reader, plan, c.processor)
         state = LoopState()
         n = warmup + rounds * steps
-        per_epoch = data.steps_per_epoch(len(ctx.train_indices), gbs)
+        per_epoch = data.steps_per_epoch(np.bincount(ctx.buckets[ctx.train_indices]), gbs)
         if n > per_epoch:
             raise SystemExit(f"error: {n} steps (warm-up + rounds x steps) do not fit in one epoch of {per_epoch}: "
                              "use more --samples or fewer --rounds")
@@ -164,14 +191,16 @@ def bench_case(case: str, steps: int = 1, warmup: int = 3, samples: int | None =
                                    members=tuple(sorted(cf.IMAGE_EXTS)))
         live_reader = cf.CacheReader(cfg.cache_dir, members=live_plan.members)
         live_ctx = data.DataContext(live_reader, live_plan, ctx.formatter, ctx.image_processor, ctx.train_indices,
-                                    ctx.eval_indices)
+                                    ctx.eval_indices, ctx.buckets)
         live = list(data.build_train_loader(cfg, live_ctx, 0, 1, epoch=0))[: (warmup + steps) * accum]
         t_live = _steps(c, state, live, accum)[warmup:]
-        # positions the model computes for the world: its tokens and the two markers around them
-        world_positions = c.raw.projector.num_tokens(*reader.manifest["latent_shape"][-2:])
-        loader = _loader_and_memory(cfg, ctx, world_positions)
+        loader = _loader_and_memory(cfg, ctx, c.raw.projector)
+        # world tokens per training sample (one figure for a square cache, the mean over samples with buckets)
+        hw = reader.latent_hw[ctx.train_indices]
+        world = (hw[:, 0] // c.raw.projector.pool) * (hw[:, 1] // c.raw.projector.pool)
     return {
-        "case": case, "world_tokens": world_positions - 2, "hidden": c.raw.gemma.config.text_config.hidden_size,
+        "case": case, "world_tokens": int(world[0]) if (world == world[0]).all() else round(float(world.mean()), 1),
+        "latent_shapes": len(np.unique(hw, axis=0)), "hidden": c.raw.gemma.config.text_config.hidden_size,
         "layers": c.raw.gemma.config.text_config.num_hidden_layers, "global_batch": gbs, "workers": workers,
         "threads": torch.get_num_threads(), "steps_per_block": steps, "rounds": rounds,
         "step_ms_staged": round(1000 * step_s, 2), "step_ms_fed": round(1000 * fed_s, 2),
@@ -186,7 +215,7 @@ def bench_case(case: str, steps: int = 1, warmup: int = 3, samples: int | None =
     }
 
 
-def _loader_and_memory(cfg, ctx, world_positions: int) -> dict:
+def _loader_and_memory(cfg, ctx, projector) -> dict:
     """The loader alone over two full epochs: samples/s, RSS early in each epoch and at its end, and the share of
     the positions the model computes that are padding (the most length-aware batching could save)."""
     rss, seen, t_total, pad, computed = [], 0, 0.0, 0, 0
@@ -201,9 +230,11 @@ def _loader_and_memory(cfg, ctx, world_positions: int) -> dict:
             if i in (1, last):
                 rss.append(_rss_mb())
             if epoch == 0:
-                mask = batch.to("cpu")["attention_mask"]
+                tensors = batch.to("cpu")
+                mask = tensors["attention_mask"]
                 pad += int(mask.numel() - mask.sum())
-                computed += mask.numel() + len(mask) * world_positions
+                # positions the model computes for the world: its tokens and the two markers around them
+                computed += mask.numel() + len(mask) * projector.num_tokens(*tensors["latent_mean"].shape[-2:])
         t_total += time.perf_counter() - t
         del it, loader
     return {"loader_samples_per_s": round(seen / t_total, 1),
@@ -215,11 +246,12 @@ def _loader_and_memory(cfg, ctx, world_positions: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="train.bench", description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="print one JSON object instead of one line per case")
-    p.add_argument("--cases", default="tiny,heavy")
+    p.add_argument("--cases", default="tiny,heavy,tiny_buckets")
     p.add_argument("--steps", type=int, default=1, help="timed steps per block")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before the first block")
     p.add_argument("--rounds", type=int, default=None,
-                   help="staged/fed block pairs for data_overhead (default: per case, tiny 150, heavy 40)")
+                   help="staged/fed block pairs for data_overhead (default: per case, tiny and tiny_buckets 150, "
+                        "heavy 40)")
     p.add_argument("--samples", type=int, default=None, help="cache size (default: per case)")
     p.add_argument("--workers", type=int, default=None,
                    help="loader worker processes (train.num_workers; default: per case, 1; 0 loads in the training "

@@ -4,10 +4,14 @@ Everything that decides which sample goes where is a pure function of (seed, epo
 whatever the number of processes, and resuming at step s reads exactly the batches an uninterrupted run reads there:
 
 - eval split: the `train.eval_samples` samples with the smallest sha256(key) are held out (independent of shard layout);
-- epoch order: a permutation of the training samples seeded from (seed, epoch); global batch b of an epoch is
-  order[b*G:(b+1)*G] (an incomplete last batch is dropped); step s is global batch s % steps_per_epoch of epoch
-  s // steps_per_epoch;
-- process r of W takes the r-th contiguous slice (G/W samples) of each global batch, in micro-batches of M.
+- epoch order: a permutation of the training samples seeded from (seed, epoch), walked in order, each sample going to
+  its latent shape's (bucket's) list; each time a list reaches G samples they become the next global batch, and what is
+  left in the lists at the end is dropped. With one shape (a square cache) global batch b is order[b*G:(b+1)*G].
+  Step s is global batch s % steps_per_epoch of epoch s // steps_per_epoch;
+- process r of W takes the r-th contiguous slice (G/W samples) of each global batch, in micro-batches of M, so every
+  micro-batch holds one latent shape.
+
+Sample indices live in numpy arrays (8 bytes a sample), shared by forked loader workers without copying.
 
 Tokenisation (a batch at a time), image decoding and the Gemma image processor run inside DataLoader workers; the main
 process receives collated batches packed into one buffer (`Batch`).
@@ -20,6 +24,7 @@ import os
 import re
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -56,6 +61,10 @@ def plan_inputs(cfg, reader: cf.CacheReader) -> InputPlan:
     cached_latents = cfg.freeze.vae
     cached_siglip = cfg.freeze.vision and cfg.train.cached_siglip and cf.SIGLIP in present
     flip = cfg.train.flip
+    if cached_latents and cfg.world.latent == "sample" and cf.latents_stored(reader.manifest) == "mean":
+        raise UserError(f"config key 'world.latent': 'sample' needs the posterior's logvar, but cache "
+                        f"{reader.cache_dir} stores the mean only (cache.latents: mean); use world.latent: mean, or "
+                        "a cache built with cache.latents: posterior")
     if flip and cached_latents and cf.LATENT_FLIP not in present:
         raise UserError(f"config key 'train.flip': cache {reader.cache_dir} has no flipped latents "
                         "(build it with cache.flip: true, or set train.flip: false)")
@@ -114,13 +123,16 @@ def verify_fingerprint(cfg, model, processor, reader: cf.CacheReader, plan: Inpu
 # Split and order
 
 
-def split(reader: cf.CacheReader, eval_samples: int) -> tuple[list[int], list[int]]:
-    """(train indices, eval indices): the eval_samples keys with the smallest sha256 are held out."""
+def split(reader: cf.CacheReader, eval_samples: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train indices, eval indices): the eval_samples keys with the smallest sha256 are held out. Train indices in
+    cache order, eval indices in key order."""
     n = len(reader)
     _check_held_out(eval_samples, n)
     ranked = sorted(range(n), key=lambda i: hashlib.sha256(reader.key(i).encode()).digest())
-    held = set(ranked[:eval_samples])
-    return [i for i in range(n) if i not in held], sorted(held, key=lambda i: reader.key(i))
+    held = np.array(sorted(ranked[:eval_samples], key=reader.key), dtype=np.int64)
+    keep = np.ones(n, dtype=bool)
+    keep[held] = False
+    return np.flatnonzero(keep).astype(np.int64), held
 
 
 def _check_held_out(eval_samples: int, num_samples: int) -> None:
@@ -129,26 +141,61 @@ def _check_held_out(eval_samples: int, num_samples: int) -> None:
                         f"({num_samples} samples)")
 
 
-def epoch_order(train_indices: list[int], seed: int, epoch: int) -> list[int]:
-    g = torch.Generator().manual_seed(_seed("order", seed, epoch))
-    return [train_indices[i] for i in torch.randperm(len(train_indices), generator=g).tolist()]
+def bucket_ids(reader: cf.CacheReader) -> np.ndarray:
+    """(N,) int32: each sample's bucket, numbered in (h, w) order of the cache's latent shapes."""
+    hw = reader.latent_hw
+    if not len(hw) or (hw == hw[0]).all():  # one shape (every square cache): no sort over the whole index
+        return np.zeros(len(hw), dtype=np.int32)
+    return np.unique(hw, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int32)
 
 
-def check_sizes(cfg, num_samples: int, world_size: int) -> int:
-    """Steps per epoch from the cache's size alone (before any model loads), or a one-line error naming the key."""
+def _permutation(n: int, seed: int, epoch: int) -> np.ndarray:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(_seed("order", seed, epoch))).numpy()
+
+
+def epoch_order(train_indices: np.ndarray, seed: int, epoch: int) -> np.ndarray:
+    return np.asarray(train_indices, dtype=np.int64)[_permutation(len(train_indices), seed, epoch)]
+
+
+def epoch_batches(train_indices: np.ndarray, seed: int, epoch: int, global_batch: int,
+                  buckets: np.ndarray | None = None) -> np.ndarray:
+    """(steps_per_epoch, G) global batches of `epoch`, each of one bucket (`buckets[i]` is train_indices[i]'s).
+
+    The epoch's permutation is walked in order and each sample appended to its bucket's list; whenever a list holds G
+    samples they form the next batch. So batches are ordered by where their last sample falls in the permutation (each
+    bucket's batches spread over the epoch), a bucket's leftover (< G samples) is dropped for this epoch, and with one
+    bucket batch b is order[b*G:(b+1)*G].
+    """
+    perm = _permutation(len(train_indices), seed, epoch)
+    order = np.asarray(train_indices, dtype=np.int64)[perm]
+    of = np.zeros(len(order), dtype=np.int32) if buckets is None else np.asarray(buckets)[perm]
+    rows, ends = [np.zeros((0, global_batch), dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
+    for k in np.unique(of):
+        pos = np.flatnonzero(of == k)
+        full = len(pos) // global_batch * global_batch
+        rows.append(order[pos[:full]].reshape(-1, global_batch))
+        ends.append(pos[global_batch - 1:full:global_batch])
+    return np.concatenate(rows)[np.argsort(np.concatenate(ends), kind="stable")]
+
+
+def check_sizes(cfg, reader: cf.CacheReader, train_indices: np.ndarray, world_size: int) -> int:
+    """Steps per epoch from the cache's index alone (before any model loads), or a one-line error naming the key."""
     n_eval = cfg.train.eval_samples
-    _check_held_out(n_eval, num_samples)
     if 0 < n_eval < 2 * world_size:  # eval shuffles world latents across the samples of a batch: 2 per process
         raise UserError(f"config key 'train.eval_samples': {n_eval} is too few for {world_size} process(es): use 0 "
                         f"(no eval) or at least {2 * world_size}")
-    return steps_per_epoch(num_samples - n_eval, cfg.train.global_batch_size)
+    return steps_per_epoch(np.bincount(bucket_ids(reader)[train_indices]), cfg.train.global_batch_size)
 
 
-def steps_per_epoch(num_train: int, global_batch: int) -> int:
-    if num_train < global_batch:
-        raise UserError(f"config key 'train.global_batch_size': {global_batch} is more than the {num_train} "
-                        "training samples")
-    return num_train // global_batch
+def steps_per_epoch(bucket_sizes: np.ndarray | int, global_batch: int) -> int:
+    """Whole global batches per epoch from the training samples of each bucket (an int: one bucket)."""
+    sizes = np.atleast_1d(bucket_sizes)
+    steps = int((sizes // global_batch).sum())
+    if not steps:
+        where = f"the {int(sizes.sum())} training samples" if len(sizes) == 1 else \
+            f"the training samples of every latent shape (largest: {int(sizes.max())})"
+        raise UserError(f"config key 'train.global_batch_size': {global_batch} is more than {where}")
+    return steps
 
 
 def rank_offset(global_batch: int, rank: int, world_size: int) -> int:
@@ -156,16 +203,12 @@ def rank_offset(global_batch: int, rank: int, world_size: int) -> int:
     return rank * (global_batch // world_size)
 
 
-def rank_indices(train_indices: list[int], seed: int, epoch: int, global_batch: int, rank: int, world_size: int,
-                 start_batch: int = 0) -> list[int]:
+def rank_indices(train_indices: np.ndarray, seed: int, epoch: int, global_batch: int, rank: int, world_size: int,
+                 start_batch: int = 0, buckets: np.ndarray | None = None) -> np.ndarray:
     """This process's samples for global batches [start_batch, end of epoch) of `epoch`, in consumption order."""
-    order = epoch_order(train_indices, seed, epoch)
-    per_rank = global_batch // world_size
-    out = []
-    for b in range(start_batch, len(order) // global_batch):
-        lo = b * global_batch + rank_offset(global_batch, rank, world_size)
-        out += order[lo:lo + per_rank]
-    return out
+    batches = epoch_batches(train_indices, seed, epoch, global_batch, buckets)
+    lo = rank_offset(global_batch, rank, world_size)
+    return batches[start_batch:, lo:lo + global_batch // world_size].reshape(-1)
 
 
 def flip_of(seed: int, epoch: int, index: int) -> bool:
@@ -186,7 +229,7 @@ def swap_left_right(text: str) -> str:
 class CacheDataset(Dataset):
     """Position i -> one model-ready sample (token ids, labels, latents or image, SigLIP features or pixels)."""
 
-    def __init__(self, reader: cf.CacheReader, indices: list[int], formatter: ChatFormatter, plan: InputPlan,
+    def __init__(self, reader: cf.CacheReader, indices: np.ndarray, formatter: ChatFormatter, plan: InputPlan,
                  resolution: int, resize: str, image_processor=None, seed: int = 0, epoch: int = 0,
                  flip: bool | None = None):
         self.reader, self.indices, self.formatter, self.plan = reader, indices, formatter, plan
@@ -198,7 +241,7 @@ class CacheDataset(Dataset):
         return len(self.indices)
 
     def __getitem__(self, pos: int) -> dict:
-        index = self.indices[pos]
+        index = int(self.indices[pos])
         raw = self.reader.raw(index)
         s = cf.decode_sample(self.reader.key(index), raw, tensors=False)
         flipped = self.flip and flip_of(self.seed, self.epoch, index)
@@ -277,6 +320,7 @@ class Collate:
 
     # cache member -> {tensor name in the member: batch key}
     CACHED = {cf.LATENT: {"mean": "latent_mean", "logvar": "latent_logvar"}, cf.SIGLIP: {"features": "siglip"}}
+    OPTIONAL = {"logvar"}  # a mean-only cache (cache.latents: mean)
 
     def __init__(self, formatter: ChatFormatter):
         self.formatter = formatter
@@ -286,9 +330,9 @@ class Collate:
         for k in items[0]:
             if k in self.CACHED:
                 stacked = cf.load_stacked([it[k] for it in items])
-                if missing := self.CACHED[k].keys() - stacked.keys():
+                if missing := self.CACHED[k].keys() - stacked.keys() - self.OPTIONAL:
                     raise ValueError(f"cache member {k} holds no tensor {', '.join(sorted(missing))}")
-                batch.update({key: stacked[name] for name, key in self.CACHED[k].items()})
+                batch.update({key: stacked[name] for name, key in self.CACHED[k].items() if name in stacked})
             elif k != "text":
                 batch[k] = torch.stack([it[k] for it in items])
         return Batch(batch, num_tokens=int((batch["labels"][:, 1:] != IGNORE).sum()))
@@ -313,18 +357,28 @@ class DataContext:
     plan: InputPlan
     formatter: ChatFormatter
     image_processor: object
-    train_indices: list[int]
-    eval_indices: list[int]
+    train_indices: np.ndarray
+    eval_indices: np.ndarray
+    buckets: np.ndarray  # (len(reader),) each sample's bucket (latent shape)
 
     @classmethod
-    def build(cls, cfg, reader: cf.CacheReader, plan: InputPlan, processor) -> "DataContext":
-        train, held = split(reader, cfg.train.eval_samples)
+    def build(cls, cfg, reader: cf.CacheReader, plan: InputPlan, processor,
+              split_: tuple[np.ndarray, np.ndarray] | None = None) -> "DataContext":
+        """`split_`: split(reader, cfg.train.eval_samples) when the caller has it already."""
+        train, held = split_ if split_ is not None else split(reader, cfg.train.eval_samples)
         formatter = ChatFormatter(processor, max_length=cfg.train.max_length or None)
-        first = cf.decode_sample(reader.key(train[0]), reader.raw(train[0]), tensors=False)
+        first = cf.decode_sample(reader.key(int(train[0])), reader.raw(int(train[0])), tensors=False)
         _encode(formatter, [(first.prompt, first.caption)])  # a prompt over max_length: an error before any worker
-        return cls(reader, plan, formatter, processor.image_processor, train, held)
+        return cls(reader, plan, formatter, processor.image_processor, train, held, bucket_ids(reader))
 
-    def dataset(self, cfg, indices: list[int], epoch: int, flip: bool | None = None) -> CacheDataset:
+    def describe_buckets(self) -> str:
+        """'' for one latent shape, else each shape (h x w) with its training samples."""
+        shapes, counts = np.unique(self.reader.latent_hw[self.train_indices], axis=0, return_counts=True)
+        if len(shapes) < 2:
+            return ""
+        return "latent shapes (train samples): " + ", ".join(f"{h}x{w} ({n})" for (h, w), n in zip(shapes, counts))
+
+    def dataset(self, cfg, indices: np.ndarray, epoch: int, flip: bool | None = None) -> CacheDataset:
         return CacheDataset(self.reader, indices, self.formatter, self.plan, cfg.image.resolution, cfg.image.resize,
                             self.image_processor, cfg.seed, epoch, flip)
 
@@ -349,16 +403,24 @@ def _loader(cfg, ctx: DataContext, dataset, **kw) -> DataLoader:
 
 def build_train_loader(cfg, ctx: DataContext, rank: int, world_size: int, epoch: int, start: int = 0) -> DataLoader:
     """Micro-batches of this process for `epoch` from global batch `start` on: accumulation_steps of them per step."""
-    idx = rank_indices(ctx.train_indices, cfg.seed, epoch, cfg.train.global_batch_size, rank, world_size, start)
+    idx = rank_indices(ctx.train_indices, cfg.seed, epoch, cfg.train.global_batch_size, rank, world_size, start,
+                       ctx.buckets[ctx.train_indices])
     return _loader(cfg, ctx, ctx.dataset(cfg, idx, epoch), batch_size=cfg.train.micro_batch_size, shuffle=False)
 
 
 def build_eval_loader(cfg, ctx: DataContext, rank: int, world_size: int) -> DataLoader:
-    """This process's share of the held-out samples, unflipped, in batches of at least 2 (so world latents can be
-    permuted across samples); a trailing single sample joins the batch before it."""
+    """This process's share of the held-out samples, unflipped, in batches of one bucket and of at least 2 where the
+    bucket has 2 (so world latents can be permuted across samples): a bucket's trailing single sample joins the batch
+    before it."""
     idx = ctx.eval_indices[rank::world_size]
     size = max(2, cfg.train.eval_batch_size or cfg.train.micro_batch_size)
-    batches = [list(range(i, min(i + size, len(idx)))) for i in range(0, len(idx), size)]
-    if len(batches) > 1 and len(batches[-1]) == 1:
-        batches[-2] += batches.pop()
+    of = ctx.buckets[idx]
+    batches = []
+    for k in np.unique(of):
+        pos = np.flatnonzero(of == k).tolist()
+        mine = [pos[i:i + size] for i in range(0, len(pos), size)]
+        if len(mine) > 1 and len(mine[-1]) == 1:
+            last = mine.pop()  # (not `mine[-2] += mine.pop()`: the target index is taken before the pop)
+            mine[-1] += last
+        batches += mine
     return _loader(cfg, ctx, ctx.dataset(cfg, idx, 0, flip=False), batch_sampler=batches)

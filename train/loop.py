@@ -33,17 +33,18 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.train.cpu_threads:
         torch.set_num_threads(cfg.train.cpu_threads)
     acc = optim.make_accelerator(cfg)
-    per_epoch = data.check_sizes(cfg, len(reader), acc.num_processes)
+    split = data.split(reader, cfg.train.eval_samples)
+    per_epoch = data.check_sizes(cfg, reader, split[0], acc.num_processes)
     accum = accumulation_steps(cfg, acc.num_processes)
     # one run per output_dir: a second one would take this run's unfinished saves for a killed run's and delete them
     with run_lock.hold(cfg.output_dir, acc):
-        code = _train(cfg, acc, reader, plan, per_epoch, accum, t_start)
+        code = _train(cfg, acc, reader, plan, split, per_epoch, accum, t_start)
     if code == 0:  # not after an error, when another process may still be in a collective; see precompute's main
         acc.state.destroy_process_group()
     return code
 
 
-def _train(cfg, acc, reader, plan, per_epoch: int, accum: int, t_start: float) -> int:
+def _train(cfg, acc, reader, plan, split, per_epoch: int, accum: int, t_start: float) -> int:
     """From the clean-up after a killed run to the final weights, with output_dir held."""
     removed = checkpoint.remove_partial(cfg.output_dir) if acc.is_main_process else []  # before choosing where to
     acc.wait_for_everyone()  # resume: a folder a killed save had moved aside may come back
@@ -52,7 +53,7 @@ def _train(cfg, acc, reader, plan, per_epoch: int, accum: int, t_start: float) -
     c = optim.build(cfg, acc, accum, (lambda m: reports.append(checkpoint.init_from(m, cfg.init_from)))
                     if cfg.init_from else None)
     data.verify_fingerprint(cfg, c.raw, c.processor, reader, plan)
-    ctx = data.DataContext.build(cfg, reader, plan, c.processor)
+    ctx = data.DataContext.build(cfg, reader, plan, c.processor, split)
     state = _restore(c, resume_from)
     m = Metrics(acc, cfg.output_dir, {**to_dict(cfg), "run_hash": run_hash(cfg)}, state.step, cfg.train.max_steps,
                 cfg.trackers)
@@ -65,7 +66,10 @@ def _train(cfg, acc, reader, plan, per_epoch: int, accum: int, t_start: float) -
               f"{acc.num_processes} process(es) x {accum} micro-batches of {cfg.train.micro_batch_size}; "
               f"latents {'cached' if plan.cached_latents else 'live'}, image tokens "
               f"{'cached' if plan.cached_siglip else 'live'}")
-    eval_loader = data.build_eval_loader(cfg, ctx, acc.process_index, acc.num_processes) if ctx.eval_indices else None
+    if buckets := ctx.describe_buckets():
+        m.message(f"{buckets}; each global batch holds one shape, a shape's last < "
+                  f"{cfg.train.global_batch_size} samples of an epoch are left out of it")
+    eval_loader = data.build_eval_loader(cfg, ctx, acc.process_index, acc.num_processes) if len(ctx.eval_indices) else None
     prof = ProfileWindow(cfg.profile, cfg.output_dir, acc.process_index)
 
     def run_eval():

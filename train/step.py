@@ -102,27 +102,30 @@ def optimization_step(c, state: LoopState, micro_batches: list[Batch]) -> dict:
 
 @torch.no_grad()
 def evaluate(c, loader) -> dict:
-    """eval_loss and eval_loss_shuffled_world (the same batches with world inputs rolled by one across samples), per
-    answer token over the whole held-out split (all processes). World latents use the posterior mean."""
+    """eval_loss, and eval_loss_shuffled_world (the same batches with world inputs rolled by one across samples), per
+    answer token over the whole held-out split (all processes). World latents use the posterior mean. A batch of one
+    sample (the only held-out sample of its latent shape on this process) has no other world to swap in: it counts
+    towards eval_loss only."""
     model, acc = c.raw, c.accelerator
     was_training, mode = model.training, model.latent_mode
     model.eval()
     model.latent_mode = "mean"
-    sums = torch.zeros(3, dtype=torch.float64, device=acc.device)  # loss, shuffled loss, tokens
+    sums = torch.zeros(4, dtype=torch.float64, device=acc.device)  # loss, tokens, shuffled loss, its tokens
     try:
         for batch in loader:
+            size = batch.size
             batch = batch.to(acc.device)
-            shuffled = {k: (v.roll(1, dims=0) if k in WORLD_KEYS else v) for k, v in batch.items()}
             with acc.autocast():
                 a = model(**batch)
-                b = model(**shuffled)
-            sums += torch.tensor([float(a.loss_sum), float(b.loss_sum), a.num_tokens], dtype=torch.float64,
-                                 device=acc.device)
+                sums[:2] += torch.tensor([float(a.loss_sum), a.num_tokens], dtype=torch.float64, device=acc.device)
+                if size > 1:
+                    b = model(**{k: (v.roll(1, dims=0) if k in WORLD_KEYS else v) for k, v in batch.items()})
+                    sums[2:] += torch.tensor([float(b.loss_sum), b.num_tokens], dtype=torch.float64,
+                                             device=acc.device)
     finally:
         model.latent_mode = mode
         model.train(was_training)
     if c.world_size > 1:
         sums = acc.reduce(sums, reduction="sum")
-    tokens = max(float(sums[2]), 1.0)
-    return {"eval_loss": float(sums[0]) / tokens, "eval_loss_shuffled_world": float(sums[1]) / tokens,
-            "eval_tokens": int(sums[2])}
+    return {"eval_loss": float(sums[0]) / max(float(sums[1]), 1.0),
+            "eval_loss_shuffled_world": float(sums[2]) / max(float(sums[3]), 1.0), "eval_tokens": int(sums[1])}

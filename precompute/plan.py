@@ -1,0 +1,159 @@
+"""`python -m precompute.cosmos_latents --config CFG --plan`: what a cache will hold and weigh, before any encoding.
+
+No model weights are loaded. Tensor members are sized from the config alone: latent channels from the VAE's config,
+image-token features (mm_tokens x hidden) from Gemma's config, each serialised empty to get its exact safetensors
+size. Configs come from the saved tiny models, a local folder, the local Hugging Face cache (offline), or, for the
+public checkpoints the project targets, the table below. The latent grid and the variable members (image bytes, caption,
+json) are measured on up to PLAN_SAMPLES source entries spread evenly over the source, prepared exactly as the run
+prepares them (decode, resize or bucket, PNG for formats kept as PNG).
+"""
+from __future__ import annotations
+
+import json
+import math
+import tarfile
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save as st_save
+
+from precompute import sources
+from precompute.config import PrecomputeConfig
+from theworld import cache_format as cf
+from theworld import encoders
+from theworld.errors import UserError
+
+PLAN_SAMPLES = 64
+# Offline fallbacks for hub ids whose config is not in the local cache: (mm_tokens_per_image, text hidden_size) and
+# the VAE's z_dim.
+KNOWN_GEMMA = {"google/gemma-3-4b-it": (256, 2560), "google/gemma-3-4b-pt": (256, 2560),
+               "google/gemma-3-12b-it": (256, 3840), "google/gemma-3-27b-it": (256, 5376)}
+KNOWN_VAE = {"nvidia/Cosmos-Predict2-2B-Video2World": 16, "nvidia/Cosmos-Predict2-14B-Video2World": 16,
+             "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": 16}
+
+
+def _local_config(path: str, subfolder: str | None = None) -> dict | None:
+    """config.json of a local folder, or of a hub id already in the local Hugging Face cache (no download)."""
+    p = Path(path) / (subfolder or "") / "config.json"
+    if p.is_file():
+        return json.loads(p.read_text())
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return json.loads(Path(hf_hub_download(path, "config.json", subfolder=subfolder,
+                                               local_files_only=True)).read_text())
+    except Exception:  # noqa: BLE001 - not cached (or not a hub id): the caller falls back to the table
+        return None
+
+
+def siglip_size(spec: str) -> tuple[int, int]:
+    """(image tokens, hidden size) of Gemma's multimodal-projector output for model.gemma `spec`."""
+    config = _local_config(encoders.resolve_gemma(spec))
+    if config is not None:
+        return config.get("mm_tokens_per_image", 256), config["text_config"]["hidden_size"]
+    if spec in KNOWN_GEMMA:
+        return KNOWN_GEMMA[spec]
+    raise UserError(f"model.gemma: no config for {spec!r} offline (a local folder, the Hugging Face cache, or one "
+                    f"of {', '.join(KNOWN_GEMMA)})")
+
+
+def latent_channels(spec: str) -> int:
+    if spec in KNOWN_VAE and not Path(spec).exists():
+        return KNOWN_VAE[spec]
+    config = _local_config(*encoders.resolve_vae(spec))
+    if config is None:
+        raise UserError(f"model.vae: no config for {spec!r} offline (a local folder, the Hugging Face cache, or one "
+                        f"of {', '.join(KNOWN_VAE)})")
+    return config.get("z_dim", 16)
+
+
+def _member(size: float) -> float:
+    """Bytes a member of `size` takes in a tar: a 512-byte header, the data padded to 512."""
+    return tarfile.BLOCKSIZE + math.ceil(size / tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+
+
+def _latent_bytes(channels: int, hw: tuple[int, int], cfg: PrecomputeConfig) -> int:
+    t = torch.zeros(channels, 1, *hw)
+    return len(cf.latent_blob(t, None if cfg.cache.latents == "mean" else t.clone(), cf.TORCH_DTYPES[cfg.cache.dtype]))
+
+
+def _measure(cfg: PrecomputeConfig, listing: sources.Listing) -> dict:
+    """Mean tar bytes of the variable members over up to PLAN_SAMPLES usable entries spread over the source, and the
+    latent grids (h, w) met."""
+    from precompute.cosmos_latents import EntryDataset
+
+    n = len(listing)
+    positions = sorted({i * n // min(n, PLAN_SAMPLES) for i in range(min(n, PLAN_SAMPLES))})
+    dataset = EntryDataset(listing, cfg)
+    got = {"image": [], "txt": [], "json": [], "hw": [], "errors": 0}
+    for pos in positions:
+        item = dataset[pos]
+        if item["error"] is not None:
+            got["errors"] += 1
+            continue
+        got["txt"].append(_member(len(item["caption"].encode())))
+        got["json"].append(_member(len(json.dumps(item["meta"], sort_keys=True).encode())))
+        got["hw"].append((item["pixels"].shape[1] // 8, item["pixels"].shape[2] // 8))
+        if cfg.cache.images:
+            got["image"].append(_member(len(item["image"])))
+    got["sampled"] = len(positions)
+    return got
+
+
+def plan(cfg: PrecomputeConfig) -> dict:
+    """Entries, shards and bytes per sample by member, and totals for the whole source."""
+    cfg.validate_paths()
+    with tempfile.TemporaryDirectory() as tmp:  # indexed sources (webdataset, parquet, llava) list into a scratch folder
+        listing = sources.open_source(cfg.source, cfg.seed, cfg.image.resolution, index_dir=Path(tmp))
+        if not len(listing):
+            raise UserError(f"config key 'source.path': no samples found in {cfg.source.path}")
+        got = _measure(cfg, listing)
+    n = len(listing)
+    if not got["hw"]:
+        raise UserError(f"--plan: none of the {got['sampled']} sampled entries of the source is usable")
+    channels = latent_channels(cfg.model.vae)
+    latent = sum(_member(_latent_bytes(channels, hw, cfg)) for hw in got["hw"]) / len(got["hw"])
+    members = {"latent": latent, "latent_flip": latent if cfg.cache.flip else 0.0}
+    if cfg.cache.siglip:
+        tokens, hidden = siglip_size(cfg.model.gemma)
+        feats = torch.zeros(tokens, hidden, dtype=cf.TORCH_DTYPES[cfg.cache.dtype])
+        members["siglip"] = _member(len(st_save({"features": feats})))
+    else:
+        members["siglip"] = 0.0
+    members["image"] = sum(got["image"]) / len(got["image"]) if got["image"] else 0.0
+    members["txt"] = sum(got["txt"]) / len(got["txt"])
+    members["json"] = sum(got["json"]) / len(got["json"])
+    per_sample = sum(members.values())
+    shards = math.ceil(n / cfg.shard_size)
+    end = 2 * tarfile.BLOCKSIZE + tarfile.RECORDSIZE / 2  # end-of-archive blocks, then padding to a record (mean)
+    return {"source": {"type": cfg.source.type, "path": cfg.source.path}, "entries": n, "shards": shards,
+            "shard_size": cfg.shard_size, "sampled": got["sampled"], "sampled_unusable": got["errors"],
+            "latent_grids": sorted(set(got["hw"])), "latents": cfg.cache.latents, "dtype": cfg.cache.dtype,
+            "bytes_per_sample": {k: round(v) for k, v in members.items()}, "bytes_per_sample_total": round(per_sample),
+            "bytes_total": round(per_sample * n + end * shards)}
+
+
+def _human(b: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
+        if b < 1000 or unit == "PB":
+            return f"{b:.1f} {unit}" if unit != "B" else f"{b:.0f} B"
+        b /= 1000
+    return ""
+
+
+def report(p: dict) -> str:
+    """The plan as text: the source, then a line per member, then the totals."""
+    src = p["source"]
+    lines = [f"source: {src['type']}" + (f" {src['path']}" if src["type"] != "synthetic" else ""),
+             f"entries: {p['entries']} in {p['shards']} shards of {p['shard_size']} (sampled {p['sampled']}, "
+             f"{p['sampled_unusable']} unusable; unusable entries take no space)",
+             f"latent grids (h x w) met: {', '.join(f'{h}x{w}' for h, w in p['latent_grids'])}; cache dtype "
+             f"{p['dtype']}, latents {p['latents']}",
+             "bytes per sample (tar member with header):"]
+    for name, b in p["bytes_per_sample"].items():
+        if b:
+            lines.append(f"  {name:<12} {_human(b):>10}   x {p['entries']} = {_human(b * p['entries'])}")
+    lines.append(f"  {'total':<12} {_human(p['bytes_per_sample_total']):>10}")
+    lines.append(f"total for the whole source: {_human(p['bytes_total'])} ({p['bytes_total']} bytes)")
+    return "\n".join(lines)
