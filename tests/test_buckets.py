@@ -299,3 +299,12 @@ def test_bad_images_in_bucket_mode_are_bad_images(tmp_path):
                  jpeg_bytes(gradient(64, 64))[:200]):
         with pytest.raises(BadImage):
             load_for_vae(data, 128, "bucket")
+
+
+def test_plan_for_an_unknown_hub_model_offline_is_a_one_line_error(capsys):
+    from precompute import cosmos_latents
+
+    assert cosmos_latents.main(["--plan", "--set", "source.num_samples=8", "--set", "cache.siglip=true",
+                                "--set", "model.gemma=nobody/not-a-gemma"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.gemma" in err[0] and "nobody/not-a-gemma" in err[0], err
