@@ -75,7 +75,7 @@ def _member(size: float) -> float:
 
 def _latent_bytes(channels: int, hw: tuple[int, int], cfg: PrecomputeConfig) -> int:
     t = torch.zeros(channels, 1, *hw)
-    return len(cf.latent_blob(t, None if cfg.cache.latents == "mean" else t.clone(), cf.TORCH_DTYPES[cfg.cache.dtype]))
+    return len(cf.latent_blob(t, None if cfg.cache.latents == "mean" else t.clone(), cf.DTYPES[cfg.cache.dtype]))
 
 
 def _measure(cfg: PrecomputeConfig, listing: sources.Listing) -> dict:
@@ -117,7 +117,7 @@ def plan(cfg: PrecomputeConfig) -> dict:
     members = {"latent": latent, "latent_flip": latent if cfg.cache.flip else 0.0}
     if cfg.cache.siglip:
         tokens, hidden = siglip_size(cfg.model.gemma)
-        feats = torch.zeros(tokens, hidden, dtype=cf.TORCH_DTYPES[cfg.cache.dtype])
+        feats = torch.zeros(tokens, hidden, dtype=cf.DTYPES[cfg.cache.dtype])
         members["siglip"] = _member(len(st_save({"features": feats})))
     else:
         members["siglip"] = 0.0
