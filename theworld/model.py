@@ -201,5 +201,16 @@ class TheWorld(nn.Module):
                             f"first differing: {(report.new + report.ignored + sorted(set(tensors) - trainable))[:3]})")
         with torch.no_grad():
             for name in report.loaded:
-                params[name].copy_(tensors[name])
+                params[name].copy_(local_like(params[name], tensors[name]))
         return report
+
+
+def local_like(ref: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """`full`, a whole tensor every process holds, laid out as `ref`: this process's slice when `ref` is a DTensor
+    (a parameter sharded by FSDP2), else `full` itself."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(ref, DTensor):
+        return full
+    # src_data_rank=None: every process has the whole tensor and keeps its own slice, without communicating
+    return distribute_tensor(full.to(ref.device), ref.device_mesh, ref.placements, src_data_rank=None)
