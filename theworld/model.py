@@ -69,6 +69,12 @@ class TheWorld(nn.Module):
         """(TheWorld, processor), base models loaded with `from_pretrained` in `model.dtype`, projector in fp32."""
         gemma, processor = encoders.load_gemma(model.gemma, model.dtype)
         vae = encoders.load_vae(model.vae, model.dtype)
+        return cls.from_modules(gemma, vae, world, freeze, seed), processor
+
+    @classmethod
+    def from_modules(cls, gemma: nn.Module, vae: nn.Module, world: WorldConfig, freeze: FreezeConfig | None = None,
+                     seed: int = 0):
+        """TheWorld around loaded (or, for train.memory, meta-device) base models, with a fresh fp32 projector."""
         encoder = WorldEncoder(vae)
         text_cfg = gemma.config.get_text_config()
         torch.manual_seed(seed)  # the projector's initialisation is part of the run's definition
@@ -77,7 +83,7 @@ class TheWorld(nn.Module):
                                    embed_std=text_cfg.initializer_range)
         self = cls(gemma, encoder, projector, world.latent)
         self.set_freeze(freeze or FreezeConfig())
-        return self, processor
+        return self
 
     # Parameters of an unfrozen part that a one-image forward never reaches: the vision tower's pooling head (Gemma
     # uses the patch tokens), the VAE's decoder side, and the encoder's temporal downsampling (a one-frame video skips

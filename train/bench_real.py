@@ -46,19 +46,26 @@ TEXT_TOKENS = 64  # prompt + chat template around the image, plus a caption of ~
 ANSWER_TOKENS = 32
 
 
-def build_gemma(sizes: dict, device: torch.device, attn: str = "sdpa"):
-    """Gemma 3 at `sizes` with random weights, frozen, in bf16 (built once; every row shares it)."""
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+def gemma_config(sizes: dict):
+    """Gemma3Config at `sizes` (REAL: google/gemma-3-4b-it's architecture; train.memory uses it offline)."""
+    from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
 
     n = sizes["text"]["num_hidden_layers"]
     layer_types = ["full_attention" if (i + 1) % 6 == 0 or i == n - 1 else "sliding_attention" for i in range(n)]
     text = Gemma3TextConfig(**sizes["text"], layer_types=layer_types)
     vision = SiglipVisionConfig(**sizes["vision"])
     vocab = sizes["text"]["vocab_size"]
-    cfg = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=sizes["mm_tokens"],
-                       boi_token_index=vocab - 3, eoi_token_index=vocab - 2, image_token_index=vocab - 1)
+    return Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                        mm_tokens_per_image=sizes["mm_tokens"], boi_token_index=vocab - 3, eoi_token_index=vocab - 2,
+                        image_token_index=vocab - 1)
+
+
+def build_gemma(sizes: dict, device: torch.device, attn: str = "sdpa"):
+    """Gemma 3 at `sizes` with random weights, frozen, in bf16 (built once; every row shares it)."""
+    from transformers import Gemma3ForConditionalGeneration
+
     with torch.device(device):
-        gemma = Gemma3ForConditionalGeneration(cfg).to(torch.bfloat16).eval()
+        gemma = Gemma3ForConditionalGeneration(gemma_config(sizes)).to(torch.bfloat16).eval()
     set_language_attention(gemma, attn)
     return gemma.requires_grad_(False)
 

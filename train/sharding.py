@@ -2,7 +2,7 @@
 that differ when parameters are DTensors (gradient clipping, gathering whole tensors for a save, scattering them back
 on resume). See docs/training.md, "Sharding".
 
-Each Gemma decoder layer, each SigLIP encoder layer and the VAE are one FSDP unit; the root unit holds the rest
+Each Gemma decoder layer, each SigLIP encoder layer and the VAE's encoder and decoder are one FSDP unit; the root unit holds the rest
 (embeddings, tied lm_head, norms, the world projector). Under `train.mixed_precision: bf16` units compute in bf16 from
 fp32 master weights and reduce gradients in fp32. With one process nothing is sharded.
 """
@@ -43,13 +43,13 @@ def resolve(cfg) -> Plan:
 
 
 def units(model: nn.Module) -> list[nn.Module]:
-    """The FSDP units below the root, in forward order: SigLIP encoder layers, Gemma decoder layers, the VAE."""
+    """The FSDP units below the root: the VAE's encoder and decoder (the decoder never runs, so it is never gathered),
+    the SigLIP encoder layers, the Gemma decoder layers."""
     inner = model.gemma.model
     vision = getattr(inner.vision_tower, "vision_model", inner.vision_tower)
-    found = [*vision.encoder.layers, *inner.language_model.layers]
-    if model.world_encoder is not None:
-        found.append(model.world_encoder)
-    return found
+    vae = model.world_encoder.vae if model.world_encoder is not None else None
+    halves = [m for m in (getattr(vae, "encoder", None), getattr(vae, "decoder", None)) if isinstance(m, nn.Module)]
+    return [*halves, *vision.encoder.layers, *inner.language_model.layers]
 
 
 def mixed_precision_policy(mixed_precision: str):
