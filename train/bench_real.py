@@ -33,7 +33,7 @@ REAL = {"text": dict(hidden_size=2560, intermediate_size=10240, num_hidden_layer
                      num_key_value_heads=4, head_dim=256, sliding_window=1024, vocab_size=262208,
                      query_pre_attn_scalar=256),
         "vision": dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
-                       image_size=896, patch_size=14),
+                       image_size=896, patch_size=14, vision_use_head=False),
         "mm_tokens": 256, "resolution": 512, "vae": {}}
 TINY = {"text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                      num_key_value_heads=1, head_dim=32, sliding_window=64, vocab_size=512, query_pre_attn_scalar=32),

@@ -29,7 +29,8 @@ KNOWN_GEMMA = ("google/gemma-3-4b-it", "google/gemma-3-4b-pt")
 KNOWN_VAE = ("nvidia/Cosmos-Predict2-2B-Video2World", "nvidia/Cosmos-Predict2-14B-Video2World",
              "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "Wan-AI/Wan2.1-T2V-14B-Diffusers")
 HEADROOM = 0.9  # of the card: the CUDA context, NCCL buffers and allocator fragmentation take the rest
-ADAM_BYTES = 12  # per trainable parameter: two fp32 moments, and the fp32 temporary of the foreach step
+ADAM_STATE = 8  # bytes per trainable parameter: AdamW's two fp32 moments
+ADAM_FOREACH = 4  # and the whole-size fp32 temporary of its foreach step (the default on GPUs; CPUs go per tensor)
 ACT_PER_TOKEN_LAYER = 17  # elements stored per token per transformer layer per hidden unit (Korthikanti et al.'s
 # 34 s b h bytes in 16 bits, without the attention-score term: sdpa and flex attention keep no scores)
 VAE_TENSORS_PER_STAGE = 14  # activations kept per VAE encoder stage, in units of channels x pixels (2 res blocks)
@@ -140,20 +141,22 @@ def _stack(seq: int, hidden: int, layers: int, e: int, checkpointing: bool) -> i
     return layers * seq * hidden * e + layer if checkpointing else layers * layer
 
 
-def per_gpu(cfg: TrainConfig, model: TheWorld, c: Counts, gpus: int, micro: int) -> dict[str, dict[str, int]]:
+def per_gpu(cfg: TrainConfig, model: TheWorld, c: Counts, gpus: int, micro: int,
+            foreach: bool = True) -> dict[str, dict[str, int]]:
     """Bytes per GPU under ddp and fsdp (with one GPU, fsdp runs unsharded: the two are the same)."""
     e = 2 if cfg.train.mixed_precision == "bf16" else 4
     act = activation_bytes(cfg, model, micro)
+    adam = ADAM_STATE + (ADAM_FOREACH if foreach else 0)
     ddp = {"frozen_weights": c.frozen_bytes, "trainable_weights": 4 * c.trainable,
            # DDP's reducer keeps a flat bucket copy of every gradient besides the .grad tensors
-           "gradients": 4 * c.trainable * (2 if gpus > 1 else 1), "optimizer_state": ADAM_BYTES * c.trainable,
+           "gradients": 4 * c.trainable * (2 if gpus > 1 else 1), "optimizer_state": adam * c.trainable,
            # autocast keeps a bf16 copy of each fp32 weight it used for the rest of the forward
            "working_buffers": 2 * c.trainable if e == 2 else 0, "activations": act}
     if gpus == 1:
         fsdp = dict(ddp)
     else:
         fsdp = {"frozen_weights": c.frozen_bytes // gpus, "trainable_weights": 4 * c.trainable // gpus,
-                "gradients": 4 * c.trainable // gpus, "optimizer_state": ADAM_BYTES * c.trainable // gpus,
+                "gradients": 4 * c.trainable // gpus, "optimizer_state": adam * c.trainable // gpus,
                 # the root stays gathered; two units are gathered at a time (current + prefetched), and one
                 # unit's whole fp32 gradient exists before its reduce-scatter
                 "working_buffers": e * (c.root + 2 * c.largest_unit) + 4 * c.largest_unit_trainable,
