@@ -30,7 +30,8 @@ KNOWN_VAE = ("nvidia/Cosmos-Predict2-2B-Video2World", "nvidia/Cosmos-Predict2-14
              "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "Wan-AI/Wan2.1-T2V-14B-Diffusers")
 HEADROOM = 0.9  # of the card: the CUDA context, NCCL buffers and allocator fragmentation take the rest
 ADAM_STATE = 8  # bytes per trainable parameter: AdamW's two fp32 moments
-ADAM_FOREACH = 4  # and the whole-size fp32 temporary of its foreach step (the default on GPUs; CPUs go per tensor)
+ADAM_FOREACH = 4  # and the fp32 temporary of its step: whole-size with foreach (the default on GPUs), else the size
+# of the largest tensor (CPUs step one tensor at a time)
 ACT_PER_TOKEN_LAYER = 17  # elements stored per token per transformer layer per hidden unit (Korthikanti et al.'s
 # 34 s b h bytes in 16 bits, without the attention-score term: sdpa and flex attention keep no scores)
 VAE_TENSORS_PER_STAGE = 14  # activations kept per VAE encoder stage, in units of channels x pixels (2 res blocks)
@@ -99,6 +100,7 @@ class Counts:
     largest_unit: int  # parameters of the largest FSDP unit below the root
     largest_unit_trainable: int
     root: int  # parameters left in the root FSDP unit
+    largest_trainable: int  # elements of the largest trainable tensor
 
 
 def count(model: TheWorld) -> Counts:
@@ -110,7 +112,8 @@ def count(model: TheWorld) -> Counts:
     biggest = max(range(len(units)), key=lambda i: sizes[i]) if units else None
     big_train = sum(p.numel() for p in units[biggest] if p.requires_grad) if units else 0
     total = sum(p.numel() for p in params.values())
-    return Counts(total, trainable, frozen_bytes, max(sizes), big_train, total - sum(sizes))
+    largest = max((p.numel() for p in params.values() if p.requires_grad), default=0)
+    return Counts(total, trainable, frozen_bytes, max(sizes), big_train, total - sum(sizes), largest)
 
 
 def activation_bytes(cfg: TrainConfig, model: TheWorld, micro: int) -> int:
@@ -146,17 +149,19 @@ def per_gpu(cfg: TrainConfig, model: TheWorld, c: Counts, gpus: int, micro: int,
     """Bytes per GPU under ddp and fsdp (with one GPU, fsdp runs unsharded: the two are the same)."""
     e = 2 if cfg.train.mixed_precision == "bf16" else 4
     act = activation_bytes(cfg, model, micro)
-    adam = ADAM_STATE + (ADAM_FOREACH if foreach else 0)
+    step_tmp = ADAM_FOREACH * (c.trainable if foreach else c.largest_trainable)
     ddp = {"frozen_weights": c.frozen_bytes, "trainable_weights": 4 * c.trainable,
            # DDP's reducer keeps a flat bucket copy of every gradient besides the .grad tensors
-           "gradients": 4 * c.trainable * (2 if gpus > 1 else 1), "optimizer_state": adam * c.trainable,
+           "gradients": 4 * c.trainable * (2 if gpus > 1 else 1),
+           "optimizer_state": ADAM_STATE * c.trainable + step_tmp,
            # autocast keeps a bf16 copy of each fp32 weight it used for the rest of the forward
            "working_buffers": 2 * c.trainable if e == 2 else 0, "activations": act}
     if gpus == 1:
         fsdp = dict(ddp)
     else:
         fsdp = {"frozen_weights": c.frozen_bytes // gpus, "trainable_weights": 4 * c.trainable // gpus,
-                "gradients": 4 * c.trainable // gpus, "optimizer_state": adam * c.trainable // gpus,
+                "gradients": 4 * c.trainable // gpus,
+                "optimizer_state": (ADAM_STATE * c.trainable + step_tmp) // gpus,
                 # the root stays gathered; two units are gathered at a time (current + prefetched), and one
                 # unit's whole fp32 gradient exists before its reduce-scatter
                 "working_buffers": e * (c.root + 2 * c.largest_unit) + 4 * c.largest_unit_trainable,
