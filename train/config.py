@@ -60,7 +60,7 @@ class TrainSection:
     cached_siglip: bool = True  # use cached SigLIP features when present and the vision tower is frozen
     max_length: int = 0  # token cap per sample (0: none)
     sharding: Literal["ddp", "fsdp"] = "ddp"  # fsdp: FSDP2 fully_shard of weights, gradients and optimizer state
-    # across processes (train/sharding.py; docs/training.md); an accelerate launch config asking for FSDP also selects it
+    # across processes (train/sharding.py, docs/training.md); an accelerate launch config asking for FSDP selects it too
     lr_multipliers: LrMultipliers = field(default_factory=LrMultipliers)
     cpu_threads: int = 0  # torch intra-op threads of each training process (0: torch's default); on a small CPU
     # box 1 avoids OpenMP threads fighting the loader workers (several times faster for the tiny demo on 2 cores)

@@ -2,9 +2,9 @@
 that differ when parameters are DTensors (gradient clipping, gathering whole tensors for a save, scattering them back
 on resume). See docs/training.md, "Sharding".
 
-Each Gemma decoder layer, each SigLIP encoder layer and the VAE's encoder and decoder are one FSDP unit; the root unit holds the rest
-(embeddings, tied lm_head, norms, the world projector). Under `train.mixed_precision: bf16` units compute in bf16 from
-fp32 master weights and reduce gradients in fp32. With one process nothing is sharded.
+Each Gemma decoder layer, each SigLIP encoder layer and the VAE's encoder and decoder are one FSDP unit; the root unit
+holds the rest (embeddings, tied lm_head, norms, the world projector). Under `train.mixed_precision: bf16` units compute
+in bf16 from fp32 master weights and reduce gradients in fp32. With one process nothing is sharded.
 """
 from __future__ import annotations
 
