@@ -119,7 +119,8 @@ def test_fsdp_stage_chain_1_2_4(cache, tmp_path):
     w1, w2 = weights(s1), weights(s2)
     assert set(w1) == {k for k in w2 if k.startswith("projector.")}
     assert f"loaded {len(w1)} tensors, {len(w2) - len(w1)} new, 0 ignored" in r2.stderr
-    r4 = run2(["--config", str(cfgs / "stage4.yaml"), *s({**small, "output_dir": s4, "init_from": s2 / "final"})])
+    r4 = run2(["--config", str(cfgs / "stage4.yaml"), *s({**small, "output_dir": s4, "init_from": s2 / "final",
+                                                          "train.gradient_checkpointing": "true"})])
     assert r4.returncode == 0, r4.stderr[-3000:]
     assert "latents live" in r4.stderr and f"loaded {len(w2)} tensors" in r4.stderr
     assert "sharding fsdp (FSDP2 fully_shard" in r4.stderr
@@ -172,9 +173,11 @@ def test_lr_multipliers_reach_their_parameter_groups(cache, tmp_path):
     for g in groups:
         lr = 1e-3 * mult[g["part"]]
         assert g["lr"] == pytest.approx(lr)
-        # AdamW's first step moves each weight by at most lr (plus its decay), and some weight by nearly lr
-        steps = [(p.detach() - before[id(p)]).abs().max().item() for p in g["params"]]
-        assert max(steps) <= lr * (1 + 0.1 * 10) and max(steps) > 0.5 * lr, (g["part"], max(steps), lr)
+        # AdamW's first step moves a weight by at most lr (|m / sqrt(v)| <= 1) plus its decay lr * wd * |w|, and
+        # some weight of the group by nearly lr
+        steps = max((p.detach() - before[id(p)]).abs().max().item() for p in g["params"])
+        w = max(before[id(p)].abs().max().item() for p in g["params"])
+        assert 0.5 * lr < steps <= lr * (1 + g["weight_decay"] * w) * 1.001, (g["part"], steps, lr)
 
 
 @pytest.mark.parametrize("value,key", [("train.lr_multipliers.decoder=2", "train.lr_multipliers.decoder"),
