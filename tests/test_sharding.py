@@ -51,11 +51,13 @@ def losses(run_dir) -> list[float]:
 @pytest.mark.slow
 def test_fsdp_two_processes_give_the_weights_of_one(cache, tmp_path):
     """Stage 3 (vision and language train). The 2-process run asks for FSDP the way an accelerate launch config does
-    (ACCELERATE_USE_FSDP), the 1-process run through train.sharding (which with one process shards nothing)."""
-    one = train_cli(base_args(cache, tmp_path / "one", steps=3, **STAGE3, **{"train.sharding": "fsdp"}))
+    (ACCELERATE_USE_FSDP), the 1-process run through train.sharding (which with one process shards nothing). 19
+    held-out samples give the two processes 2 and 1 eval batches: every forward is a collective under FSDP."""
+    extra = {**STAGE3, "train.eval_samples": 19}
+    one = train_cli(base_args(cache, tmp_path / "one", steps=3, **extra, **{"train.sharding": "fsdp"}))
     assert one.returncode == 0, one.stderr[-3000:]
     assert "sharding fsdp with 1 process: unsharded" in one.stderr
-    two = run2(base_args(cache, tmp_path / "two", steps=3, **STAGE3), env={"ACCELERATE_USE_FSDP": "true"})
+    two = run2(base_args(cache, tmp_path / "two", steps=3, **extra), env={"ACCELERATE_USE_FSDP": "true"})
     assert two.returncode == 0, two.stderr[-3000:]
     assert "sharding fsdp (FSDP2 fully_shard" in two.stderr and "ACCELERATE_USE_FSDP" in two.stderr
     assert "sharding: fsdp" in (tmp_path / "two" / "final" / "config.yaml").read_text()
@@ -65,6 +67,8 @@ def test_fsdp_two_processes_give_the_weights_of_one(cache, tmp_path):
     for k in [k for k in w1 if not k.endswith("k_proj.bias")]:
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-5)
     assert losses(tmp_path / "one") == pytest.approx(losses(tmp_path / "two"), rel=1e-5)
+    ev1, ev2 = ([m for m in metrics(tmp_path / d) if "eval_loss" in m][-1] for d in ("one", "two"))
+    assert ev1["eval_tokens"] == ev2["eval_tokens"] and ev1["eval_loss"] == pytest.approx(ev2["eval_loss"], rel=1e-5)
 
 
 @pytest.mark.slow
@@ -94,6 +98,10 @@ def test_fsdp_kill_9_and_resume_gives_bitwise_equal_weights(cache, tmp_path):
     ckpt = tmp_path / "ref" / "checkpoint-4"
     shapes = {k: v.shape for k, v in load_file(str(ckpt / "trainable.safetensors")).items()}
     assert shapes == {k: v.shape for k, v in a.items()}
+    # AdamW state for exactly the trainable tensors, whole: the frozen VAE has none
+    opt = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    assert sorted(tuple(st["exp_avg"].shape) for st in opt["state"].values()) == sorted(map(tuple, shapes.values()))
+    assert not any(k.startswith("world_encoder.") for k in shapes)
     again = tmp_path / "one"
     again.mkdir()
     shutil.copytree(ckpt, again / "checkpoint-4")
