@@ -360,5 +360,6 @@ def build_eval_loader(cfg, ctx: DataContext, rank: int, world_size: int) -> Data
     size = max(2, cfg.train.eval_batch_size or cfg.train.micro_batch_size)
     batches = [list(range(i, min(i + size, len(idx)))) for i in range(0, len(idx), size)]
     if len(batches) > 1 and len(batches[-1]) == 1:
-        batches[-2] += batches.pop()
+        last = batches.pop()  # (`batches[-2] += batches.pop()` would index after the pop)
+        batches[-1] += last
     return _loader(cfg, ctx, ctx.dataset(cfg, idx, 0, flip=False), batch_sampler=batches)

@@ -100,7 +100,8 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> float:
 
 def missing_forwards(sharded: bool, mine: int, device: torch.device) -> int:
     """Under FSDP every forward is a collective, so a process with fewer eval batches than another (the held-out
-    samples need not split evenly) runs this many extra, discarded, forwards to keep the others company."""
+    samples need not split evenly) runs this many extra, discarded, batches to keep the others company. A collective
+    itself: call it on every process before the first eval forward."""
     if not sharded:
         return 0
     import torch.distributed as dist

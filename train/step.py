@@ -112,6 +112,8 @@ def evaluate(c, loader) -> dict:
     model.eval()
     model.latent_mode = "mean"
     sums = torch.zeros(3, dtype=torch.float64, device=acc.device)  # loss, shuffled loss, tokens
+    # agreed before the first forward: under FSDP every forward is a collective, so all processes run as many
+    extra = sharding.missing_forwards(c.sharded, len(loader), acc.device)
     batch = None
     try:
         for batch in loader:
@@ -122,7 +124,7 @@ def evaluate(c, loader) -> dict:
                 b = model(**shuffled)
             sums += torch.tensor([float(a.loss_sum), float(b.loss_sum), a.num_tokens], dtype=torch.float64,
                                  device=acc.device)
-        for _ in range(2 * sharding.missing_forwards(c.sharded, len(loader), acc.device)):
+        for _ in range(2 * extra):
             model(**batch)  # results unused: only the collectives count
     finally:
         model.latent_mode = mode
