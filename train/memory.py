@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from theworld.config import cli_parser, load_config
+from theworld.config import cli_parser, load_config, to_yaml
 from theworld.encoders import DTYPES, _quiet_hf, resolve_gemma, resolve_vae
 from theworld.errors import UserError, cli_entry
 from theworld.model import TheWorld
@@ -226,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpus < 1 or not args.gpu_memory_gib > 0:
         raise UserError("train.memory: --gpus must be >= 1 and --gpu-memory-gib positive")
     cfg = load_config(TrainConfig, args.config, args.overrides)
+    if args.print_config:
+        print(to_yaml(cfg), end="")
+        return 0
     p = plan(cfg, args.gpus, args.gpu_memory_gib)
     print(json.dumps(p, indent=1) if args.json else render(p))
     return 0
