@@ -11,27 +11,35 @@ from train.config import TrainConfig
 from train.optim import lr_factor, param_groups
 
 
+def _module(**children) -> torch.nn.Module:
+    m = torch.nn.Module()
+    for name, child in children.items():
+        setattr(m, name, child)
+    return m
+
+
 class Toy(torch.nn.Module):
-    """Names that follow the model's: a projector with markers, a norm, a linear layer with a bias, a frozen part."""
+    """Names that follow the model's: a projector with markers, a language-model norm, a linear layer with a bias, a
+    frozen part."""
 
     def __init__(self):
         super().__init__()
-        self.projector = torch.nn.Module()
-        self.projector.sow = torch.nn.Parameter(torch.zeros(8))
-        self.projector.eow = torch.nn.Parameter(torch.zeros(1, 8))  # 2-D: excluded by name, not by shape
-        self.projector.proj = torch.nn.Linear(4, 8)
-        self.post_norm = torch.nn.Module()
-        self.post_norm.weight = torch.nn.Parameter(torch.ones(8))
-        self.frozen = torch.nn.Linear(8, 8).requires_grad_(False)
+        self.projector = _module(sow=torch.nn.Parameter(torch.zeros(8)),
+                                 eow=torch.nn.Parameter(torch.zeros(1, 8)),  # 2-D: excluded by name, not by shape
+                                 proj=torch.nn.Linear(4, 8))
+        norm = _module(weight=torch.nn.Parameter(torch.ones(8)))
+        self.gemma = _module(model=_module(language_model=_module(post_norm=norm)),
+                             lm_head=torch.nn.Linear(8, 8).requires_grad_(False))
 
 
 def test_no_decay_for_biases_norms_and_markers_and_none_for_frozen():
     model = Toy()
     groups = param_groups(model, weight_decay=0.1)
     names = {id(p): n for n, p in model.named_parameters()}
-    by_decay = {g["weight_decay"]: sorted(names[id(p)] for p in g["params"]) for g in groups}
-    assert by_decay == {0.1: ["projector.proj.weight"],
-                        0.0: ["post_norm.weight", "projector.eow", "projector.proj.bias", "projector.sow"]}
+    got = {(g["part"], g["weight_decay"]): sorted(names[id(p)] for p in g["params"]) for g in groups}
+    assert got == {("projector", 0.1): ["projector.proj.weight"],
+                   ("projector", 0.0): ["projector.eow", "projector.proj.bias", "projector.sow"],
+                   ("language", 0.0): ["gemma.model.language_model.post_norm.weight"]}
 
 
 def _cfg(*overrides: str) -> TrainConfig:

@@ -69,6 +69,12 @@ class TheWorld(nn.Module):
         """(TheWorld, processor), base models loaded with `from_pretrained` in `model.dtype`, projector in fp32."""
         gemma, processor = encoders.load_gemma(model.gemma, model.dtype)
         vae = encoders.load_vae(model.vae, model.dtype)
+        return cls.from_modules(gemma, vae, world, freeze, seed), processor
+
+    @classmethod
+    def from_modules(cls, gemma: nn.Module, vae: nn.Module, world: WorldConfig, freeze: FreezeConfig | None = None,
+                     seed: int = 0):
+        """TheWorld around loaded (or, for train.memory, meta-device) base models, with a fresh fp32 projector."""
         encoder = WorldEncoder(vae)
         text_cfg = gemma.config.get_text_config()
         torch.manual_seed(seed)  # the projector's initialisation is part of the run's definition
@@ -77,7 +83,7 @@ class TheWorld(nn.Module):
                                    embed_std=text_cfg.initializer_range)
         self = cls(gemma, encoder, projector, world.latent)
         self.set_freeze(freeze or FreezeConfig())
-        return self, processor
+        return self
 
     # Parameters of an unfrozen part that a one-image forward never reaches: the vision tower's pooling head (Gemma
     # uses the patch tokens), the VAE's decoder side, and the encoder's temporal downsampling (a one-frame video skips
@@ -201,5 +207,16 @@ class TheWorld(nn.Module):
                             f"first differing: {(report.new + report.ignored + sorted(set(tensors) - trainable))[:3]})")
         with torch.no_grad():
             for name in report.loaded:
-                params[name].copy_(tensors[name])
+                params[name].copy_(local_like(params[name], tensors[name]))
         return report
+
+
+def local_like(ref: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """`full`, a whole tensor every process holds, laid out as `ref`: this process's slice when `ref` is a DTensor
+    (a parameter sharded by FSDP2), else `full` itself."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(ref, DTensor):
+        return full
+    # src_data_rank=None: every process has the whole tensor and keeps its own slice, without communicating
+    return distribute_tensor(full.to(ref.device), ref.device_mesh, ref.placements, src_data_rank=None)

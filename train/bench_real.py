@@ -34,7 +34,7 @@ REAL = {"text": dict(hidden_size=2560, intermediate_size=10240, num_hidden_layer
                      num_key_value_heads=4, head_dim=256, sliding_window=1024, vocab_size=262208,
                      query_pre_attn_scalar=256),
         "vision": dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
-                       image_size=896, patch_size=14),
+                       image_size=896, patch_size=14, vision_use_head=False),
         "mm_tokens": 256, "resolution": 512, "vae": {}}
 TINY = {"text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                      num_key_value_heads=1, head_dim=32, sliding_window=64, vocab_size=512, query_pre_attn_scalar=32),
@@ -47,17 +47,24 @@ TEXT_TOKENS = 64  # prompt + chat template around the image, plus a caption of ~
 ANSWER_TOKENS = 32
 
 
-def build_gemma(sizes: dict, device: torch.device, attn: str = "sdpa"):
-    """Gemma 3 at `sizes` with random weights, frozen, in bf16 (built once; every row shares it)."""
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+def gemma_config(sizes: dict):
+    """Gemma3Config at `sizes` (REAL: google/gemma-3-4b-it's architecture; train.memory uses it offline)."""
+    from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
 
     text = Gemma3TextConfig(**sizes["text"], layer_types=gemma3.layer_types(sizes["text"]["num_hidden_layers"]))
     vision = SiglipVisionConfig(**sizes["vision"])
     vocab = sizes["text"]["vocab_size"]
-    cfg = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=sizes["mm_tokens"],
-                       boi_token_index=vocab - 3, eoi_token_index=vocab - 2, image_token_index=vocab - 1)
+    return Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                        mm_tokens_per_image=sizes["mm_tokens"], boi_token_index=vocab - 3, eoi_token_index=vocab - 2,
+                        image_token_index=vocab - 1)
+
+
+def build_gemma(sizes: dict, device: torch.device, attn: str = "sdpa"):
+    """Gemma 3 at `sizes` with random weights, frozen, in bf16 (built once; every row shares it)."""
+    from transformers import Gemma3ForConditionalGeneration
+
     with torch.device(device):
-        gemma = Gemma3ForConditionalGeneration(cfg).to(torch.bfloat16).eval()
+        gemma = Gemma3ForConditionalGeneration(gemma_config(sizes)).to(torch.bfloat16).eval()
     set_language_attention(gemma, attn)
     return gemma.requires_grad_(False)
 

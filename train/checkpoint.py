@@ -8,7 +8,8 @@
     <output_dir>/final/                                   trainable.safetensors (+ ema), config.yaml, README.md
 
 The learning-rate schedule is a pure function of the step and the data cursor a pure function of (seed, step), so
-nothing else needs saving.
+nothing else needs saving. Under FSDP (train.sharding: fsdp) every file holds whole tensors, gathered to the main
+process (`gather`), with the same names and layout as a one-process run: see docs/training.md, "Sharding".
 """
 from __future__ import annotations
 
@@ -17,13 +18,15 @@ import os
 import re
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from theworld.errors import UserError
-from theworld.model import LoadReport
+from theworld.model import LoadReport, local_like
+from train import sharding
 
 CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 PARTIAL_RE = re.compile(r"^\.(tmp|old)-(.+)-\d+$")  # .tmp-<name>-<pid>: being written; .old-<name>-<pid>: replaced
@@ -115,8 +118,33 @@ def _trainable_names(c) -> list[str]:
     return [n for n, p in c.raw.named_parameters() if p.requires_grad]
 
 
-def _ema_writer(c):
-    return lambda p: save_file({n: t.cpu().contiguous() for n, t in zip(_trainable_names(c), c.ema)}, str(p))
+@dataclass
+class Whole:
+    """What a checkpoint holds, as whole CPU tensors by name (the optimiser's state dict in torch's own layout)."""
+
+    weights: dict[str, torch.Tensor]
+    optimizer: dict
+    ema: dict[str, torch.Tensor] | None
+
+
+def gather(c) -> Whole | None:
+    """Every process calls this before a save: under FSDP it gathers the shards (a collective, one tensor at a time,
+    so no process holds more than one extra whole tensor on its device). The main process gets the whole tensors,
+    the others None."""
+    keep = c.accelerator.is_main_process
+    if not c.sharded and not keep:
+        return None
+    names = _trainable_names(c)
+    weights = {n: sharding.whole(p, keep) for n, p in zip(names, c.params)}
+    opt = c.optimizer.state_dict()
+    opt["state"] = {i: {k: sharding.whole(v, keep) if torch.is_tensor(v) else v for k, v in st.items()}
+                    for i, st in sorted(opt["state"].items())}
+    ema = {n: sharding.whole(t, keep) for n, t in zip(names, c.ema)} if c.ema is not None else None
+    return Whole(weights, opt, ema) if keep else None
+
+
+def _ema_writer(whole: Whole):
+    return lambda p: save_file(whole.ema, str(p))
 
 
 def _publish(out: Path, name: str, files: dict) -> Path:
@@ -131,17 +159,19 @@ def _publish(out: Path, name: str, files: dict) -> Path:
     return final
 
 
-def save(c, state, output_dir: str | Path, keep_last: int, extra_state: dict) -> Path:
-    """Main process only. Returns the checkpoint folder; deletes the oldest beyond keep_last after the rename."""
+def save(c, state, output_dir: str | Path, keep_last: int, extra_state: dict, whole: Whole | None = None) -> Path:
+    """Main process only, with what `gather` returned there (required under FSDP). Returns the checkpoint folder;
+    deletes the oldest beyond keep_last after the rename."""
     out = Path(output_dir)
+    whole = whole or gather(c)
     files = {
-        WEIGHTS: lambda p: c.raw.save_trainable(p),
-        OPTIMIZER: lambda p: torch.save(c.optimizer.state_dict(), p),
+        WEIGHTS: lambda p: save_file(whole.weights, str(p)),
+        OPTIMIZER: lambda p: torch.save(whole.optimizer, p),
         RNG: lambda p: save_file({"torch_cpu": torch.get_rng_state()}, str(p)),
         STATE: lambda p: p.write_text(json.dumps({**state.to_json(), **extra_state, "time": time.time()}, indent=1)),
     }
     if c.ema is not None:
-        files[EMA] = _ema_writer(c)
+        files[EMA] = _ema_writer(whole)
     final = _publish(out, f"checkpoint-{state.step}", files)
     for old in list_checkpoints(out)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
@@ -152,15 +182,27 @@ def load(c, path: Path) -> dict:
     """Restore weights, optimiser, EMA and RNG from a checkpoint; returns its state.json."""
     state = _read(path / STATE, lambda p: json.loads(p.read_text()))
     c.raw.load_trainable(path / WEIGHTS, strict=True)
-    c.optimizer.load_state_dict(_read(path / OPTIMIZER, lambda p: torch.load(p, weights_only=True, map_location="cpu")))
+    _read(path / OPTIMIZER, lambda p: _load_optimizer(c, torch.load(p, weights_only=True, map_location="cpu")))
     if c.ema is not None:
         if not (path / EMA).is_file():
             raise UserError(f"resume: {path} has no {EMA} but train.ema is on")
         ema = _read(path / EMA, lambda p: load_file(str(p)))
         for t, n in zip(c.ema, _trainable_names(c)):
-            t.copy_(ema[n])
+            t.copy_(local_like(t, ema[n]))
     torch.set_rng_state(_read(path / RNG, lambda p: load_file(str(p)))["torch_cpu"])
     return state
+
+
+def _load_optimizer(c, saved: dict) -> None:
+    """Whole-tensor state (any sharding, any process count) into this run's optimiser: each process keeps its slice.
+    The learning-rate multipliers are the config's, not the checkpoint's."""
+    params = [p for g in c.optimizer.param_groups for p in g["params"]]
+    saved["state"] = {i: {k: local_like(params[i], v) if torch.is_tensor(v) and v.shape == params[i].shape else v
+                          for k, v in st.items()} for i, st in saved["state"].items()}
+    c.optimizer.load_state_dict(saved)
+    for g in c.optimizer.param_groups:
+        if "part" in g:
+            g["lr_multiplier"] = getattr(c.cfg.train.lr_multipliers, g["part"])
 
 
 def _read(path: Path, reader):
@@ -187,8 +229,10 @@ Trainable weights of a TheWorld stage (Gemma 3 + Cosmos VAE world encoder + worl
 """
 
 
-def export_final(c, state, cfg_yaml: str, output_dir: str | Path) -> Path:
+def export_final(c, state, cfg_yaml: str, output_dir: str | Path, whole: Whole | None = None) -> Path:
+    """Main process only, with what `gather` returned there (required under FSDP)."""
     cfg = c.cfg
+    whole = whole or gather(c)
     out = Path(output_dir)
     ev = state.last_eval or {}
     fmt = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
@@ -199,8 +243,8 @@ def export_final(c, state, cfg_yaml: str, output_dir: str | Path) -> Path:
                              samples=state.samples_seen, lr=cfg.train.lr, schedule=cfg.train.schedule,
                              parent=state.parent or "the base models", eval_loss=fmt(ev.get("eval_loss")),
                              eval_shuffled=fmt(ev.get("eval_loss_shuffled_world")), gap=fmt(gap), out=out / "final")
-    files = {WEIGHTS: lambda p: c.raw.save_trainable(p), "config.yaml": lambda p: p.write_text(cfg_yaml),
+    files = {WEIGHTS: lambda p: save_file(whole.weights, str(p)), "config.yaml": lambda p: p.write_text(cfg_yaml),
              "README.md": lambda p: p.write_text(card)}
     if c.ema is not None:
-        files[EMA] = _ema_writer(c)
+        files[EMA] = _ema_writer(whole)
     return _publish(out, "final", files)

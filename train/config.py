@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -11,6 +12,22 @@ from theworld.config import (FreezeConfig, ImageConfig, ModelConfig, WorldConfig
 from theworld.errors import UserError
 
 TRACKERS = ("tensorboard", "wandb")
+
+
+@dataclass
+class LrMultipliers:
+    """Learning-rate factor of each part on top of train.lr and its schedule (e.g. a freshly initialised projector
+    next to pretrained layers); a part that is frozen ignores its factor."""
+
+    projector: float = 1.0
+    vision: float = 1.0  # SigLIP tower + multimodal projector
+    language: float = 1.0  # language model + lm_head
+    vae: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name, x in vars(self).items():
+            if not (math.isfinite(x) and x > 0):
+                raise UserError(f"config key 'train.lr_multipliers.{name}': must be a positive finite number, got {x}")
 
 
 @dataclass
@@ -42,6 +59,9 @@ class TrainSection:
     flip: bool = False  # horizontal flip augmentation with left/right caption swap (needs flipped latents cached)
     cached_siglip: bool = True  # use cached SigLIP features when present and the vision tower is frozen
     max_length: int = 0  # token cap per sample (0: none)
+    sharding: Literal["ddp", "fsdp"] = "ddp"  # fsdp: FSDP2 fully_shard of weights, gradients and optimizer state
+    # across processes (train/sharding.py, docs/training.md); an accelerate launch config asking for FSDP selects it too
+    lr_multipliers: LrMultipliers = field(default_factory=LrMultipliers)
     cpu_threads: int = 0  # torch intra-op threads of each training process (0: torch's default); on a small CPU
     # box 1 avoids OpenMP threads fighting the loader workers (several times faster for the tiny demo on 2 cores)
 
@@ -130,4 +150,5 @@ def load(argv: list[str] | None = None) -> tuple[TrainConfig, object]:
     return load_config(TrainConfig, args.config, args.overrides), args
 
 
-__all__ = ["TrainConfig", "TrainSection", "ProfileConfig", "accumulation_steps", "run_hash", "load", "to_yaml"]
+__all__ = ["TrainConfig", "TrainSection", "LrMultipliers", "ProfileConfig", "accumulation_steps", "run_hash", "load",
+           "to_yaml"]

@@ -51,8 +51,7 @@ def _train(cfg, acc, reader, plan, split, per_epoch: int, accum: int, t_start: f
     resume_from = checkpoint.resolve_resume(cfg)
     reports = []
     c = optim.build(cfg, acc, accum, (lambda m: reports.append(checkpoint.init_from(m, cfg.init_from)))
-                    if cfg.init_from else None)
-    data.verify_fingerprint(cfg, c.raw, c.processor, reader, plan)
+                    if cfg.init_from else None, check=lambda m, p: data.verify_fingerprint(cfg, m, p, reader, plan))
     ctx = data.DataContext.build(cfg, reader, plan, c.processor, split)
     state = _restore(c, resume_from)
     m = Metrics(acc, cfg.output_dir, {**to_dict(cfg), "run_hash": run_hash(cfg)}, state.step, cfg.train.max_steps,
@@ -65,7 +64,7 @@ def _train(cfg, acc, reader, plan, split, per_epoch: int, accum: int, t_start: f
               f"{len(ctx.train_indices)} train / {len(ctx.eval_indices)} eval samples, {per_epoch} steps/epoch, "
               f"{acc.num_processes} process(es) x {accum} micro-batches of {cfg.train.micro_batch_size}; "
               f"latents {'cached' if plan.cached_latents else 'live'}, image tokens "
-              f"{'cached' if plan.cached_siglip else 'live'}")
+              f"{'cached' if plan.cached_siglip else 'live'}; {c.sharding}")
     if buckets := ctx.describe_buckets():
         m.message(f"{buckets}; each global batch holds one shape, a shape's last < "
                   f"{cfg.train.global_batch_size} samples of an epoch are left out of it")
@@ -79,11 +78,12 @@ def _train(cfg, acc, reader, plan, split, per_epoch: int, accum: int, t_start: f
 
     def save():
         acc.wait_for_everyone()
+        whole = checkpoint.gather(c)  # every process: under FSDP the shards are gathered to the main one
         if acc.is_main_process:
             epoch, cursor = divmod(state.step, per_epoch)
             checkpoint.save(c, state, cfg.output_dir, cfg.train.keep_last,
                             {"epoch": epoch, "data_cursor": {"epoch": epoch, "batch_in_epoch": cursor},
-                             "config_hash": run_hash(cfg), "num_processes": acc.num_processes})
+                             "config_hash": run_hash(cfg), "num_processes": acc.num_processes}, whole)
         acc.wait_for_everyone()
 
     if state.step == 0 and cfg.train.eval_every:
@@ -125,8 +125,9 @@ def _train(cfg, acc, reader, plan, split, per_epoch: int, accum: int, t_start: f
         run_eval()
     if window.steps_run and state.step % cfg.train.save_every:  # (a finished run's rerun has its checkpoint)
         save()
+    whole = checkpoint.gather(c)
     if acc.is_main_process:
-        final = checkpoint.export_final(c, state, to_yaml(cfg), cfg.output_dir)
+        final = checkpoint.export_final(c, state, to_yaml(cfg), cfg.output_dir, whole)
     m.close()
     if acc.is_main_process:
         print(f"final weights: {final}\n" + summary(state, time.time() - t_start, window))

@@ -8,6 +8,7 @@ import torch
 
 from theworld.errors import UserError
 from theworld.model import TheWorld, compile_language_layers
+from train import sharding
 
 # Parameter names that never get weight decay besides biases and norm weights (all 1-D tensors).
 NO_DECAY_NAMES = ("projector.sow", "projector.eow")
@@ -18,8 +19,12 @@ def make_accelerator(cfg):
     from accelerate.utils import ProjectConfiguration
 
     check_attention(cfg.train.attention)  # before the accelerator and the models: a refusal should cost nothing
-    return Accelerator(mixed_precision=cfg.train.mixed_precision, log_with=list(cfg.trackers) or None,
-                       project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=cfg.output_dir))
+    plan = sharding.resolve(cfg)  # before Accelerator(), which would act on the launcher's FSDP request itself
+    cfg.train.sharding = plan.mode
+    acc = Accelerator(mixed_precision=cfg.train.mixed_precision, log_with=list(cfg.trackers) or None,
+                      project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=cfg.output_dir))
+    acc.sharding_plan = plan  # build() reports where the choice came from
+    return acc
 
 
 def build_model(cfg) -> tuple[TheWorld, object]:
@@ -47,18 +52,36 @@ def set_language_attention(gemma: torch.nn.Module, attention: str) -> None:
     gemma.set_attn_implementation({"text_config": attention})
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    decay, no_decay = [], []
+# Which part (train.lr_multipliers key) a parameter belongs to, by name prefix.
+PARTS = (("projector.", "projector"), ("gemma.model.vision_tower.", "vision"),
+         ("gemma.model.multi_modal_projector.", "vision"), ("gemma.model.language_model.", "language"),
+         ("gemma.lm_head.", "language"), ("world_encoder.", "vae"))
+
+
+def part_of(name: str) -> str:
+    for prefix, part in PARTS:
+        if name.startswith(prefix):
+            return part
+    raise ValueError(f"parameter {name} belongs to no part of TheWorld")
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float, multipliers=None) -> list[dict]:
+    """One AdamW group per (part, decay / no decay), in the order of `PARTS`; each group carries its part's
+    `lr_multiplier` (train.lr_multipliers), applied on top of the scheduled rate at every step."""
+    groups: dict[tuple[str, bool], list] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (no_decay if p.ndim < 2 or name in NO_DECAY_NAMES or "norm" in name.lower() else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
+        decay = not (p.ndim < 2 or name in NO_DECAY_NAMES or "norm" in name.lower())
+        groups.setdefault((part_of(name), decay), []).append(p)
+    order = list(dict.fromkeys(part for _, part in PARTS))
+    return [{"params": ps, "weight_decay": weight_decay if decay else 0.0, "part": part,
+             "lr_multiplier": getattr(multipliers, part) if multipliers is not None else 1.0}
+            for (part, decay), ps in sorted(groups.items(), key=lambda kv: (order.index(kv[0][0]), not kv[0][1]))]
 
 
 def build_optimizer(cfg, model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(param_groups(model, cfg.train.weight_decay), lr=cfg.train.lr,
+    return torch.optim.AdamW(param_groups(model, cfg.train.weight_decay, cfg.train.lr_multipliers), lr=cfg.train.lr,
                              betas=tuple(cfg.train.betas))
 
 
@@ -82,9 +105,11 @@ class Components:
     processor: object
     optimizer: torch.optim.Optimizer
     lr_fn: Callable[[int], float]
-    params: list[torch.nn.Parameter]  # trainable, in a fixed order
+    params: list[torch.nn.Parameter]  # trainable, in a fixed order (DTensors when sharded)
     accum: int
     ema: list[torch.Tensor] | None = None
+    sharded: bool = False  # FSDP2 across processes: parameters, gradients, optimizer state and EMA are DTensors
+    sharding: str = "sharding ddp"  # what the run prints about it
 
     @property
     def rank(self) -> int:
@@ -95,14 +120,25 @@ class Components:
         return self.accelerator.num_processes
 
 
-def build(cfg, accelerator, accum: int, init_from: Callable[[TheWorld], None] | None = None) -> Components:
-    """Model (+ init_from weights), optimiser over trainable parameters only, schedule, optional EMA, prepared."""
+def build(cfg, accelerator, accum: int, init_from: Callable[[TheWorld], None] | None = None,
+          check: Callable[[TheWorld, object], None] | None = None) -> Components:
+    """Model (+ init_from weights, then `check(model, processor)` on the whole weights), sharded or DDP-wrapped
+    (train.sharding), optimiser over trainable parameters only, schedule, optional EMA."""
     model, processor = build_model(cfg)
     if init_from is not None:
         init_from(model)
-    optimizer = build_optimizer(cfg, model)
+    if check is not None:
+        check(model, processor)
+    plan = getattr(accelerator, "sharding_plan", None) or sharding.Plan(cfg.train.sharding, "train.sharding")
+    sharded = plan.mode == "fsdp" and accelerator.num_processes > 1
+    if sharded:  # the optimiser is built over the DTensor parameters fully_shard leaves; the model is not prepared
+        n_units = sharding.shard(model, accelerator.device, accelerator.num_processes, cfg.train.mixed_precision)
+        wrapped, optimizer = model, accelerator.prepare(build_optimizer(cfg, model))
+    else:
+        n_units = 0
+        wrapped, optimizer = accelerator.prepare(model, build_optimizer(cfg, model))
     params = [p for p in model.parameters() if p.requires_grad]
-    wrapped, optimizer = accelerator.prepare(model, optimizer)
-    # after prepare, which moves the parameters to the device: the EMA lives next to them
+    # after prepare, which moves the parameters to the device: the EMA lives next to them (sharded like them)
     ema = [p.detach().clone().float() for p in params] if cfg.train.ema > 0 else None
-    return Components(cfg, accelerator, wrapped, model, processor, optimizer, lr_factor(cfg), params, accum, ema)
+    return Components(cfg, accelerator, wrapped, model, processor, optimizer, lr_factor(cfg), params, accum, ema,
+                      sharded, plan.describe(accelerator.num_processes, n_units))

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from train import sharding
 from train.data import WORLD_KEYS, Batch, _seed, rank_offset
 
 
@@ -60,24 +61,26 @@ def optimization_step(c, state: LoopState, micro_batches: list[Batch]) -> dict:
     n = max(int(n_global.item()), 1)
     lr = cfg.train.lr * c.lr_fn(state.step)
     for g in c.optimizer.param_groups:
-        g["lr"] = lr
+        g["lr"] = lr * g.get("lr_multiplier", 1.0)  # train.lr_multipliers of the group's part
     first = rank_offset(cfg.train.global_batch_size, c.rank, c.world_size)  # a sample's position in the global batch
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     for i, mb in enumerate(micro_batches):
         inputs = mb.to(device)
         seeds = noise_seeds(cfg.seed, state.step, first, mb.size) if c.raw.latent_mode == "sample" else None
         first += mb.size
-        sync = i == len(micro_batches) - 1
+        # FSDP reduce-scatters after every micro-batch: skipping it would keep whole unsharded gradients around
+        sync = i == len(micro_batches) - 1 or c.sharded
         with contextlib.nullcontext() if sync else acc.no_sync(c.model):
             out = c.model(**inputs, num_items=n, noise_seeds=seeds)
-            # DDP averages gradients over processes; each process's share is loss_sum_r / n, so undo the mean.
+            # DDP and FSDP average gradients over processes; each process's share is loss_sum_r / n: undo the mean.
             acc.backward(out.loss * c.world_size)
         loss_sum += out.loss_sum.detach().float()
     if c.world_size > 1:
         loss_sum = acc.reduce(loss_sum, reduction="sum")
     loss = float(loss_sum) / n
     max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
-    grad_norm = float(acc.clip_grad_norm_(c.params, max_norm))
+    grad_norm = (sharding.clip_grad_norm_(c.params, max_norm) if c.sharded
+                 else float(acc.clip_grad_norm_(c.params, max_norm)))
     finite = math.isfinite(loss) and math.isfinite(grad_norm)
     if finite:
         c.optimizer.step()
@@ -111,6 +114,9 @@ def evaluate(c, loader) -> dict:
     model.eval()
     model.latent_mode = "mean"
     sums = torch.zeros(4, dtype=torch.float64, device=acc.device)  # loss, tokens, shuffled loss, its tokens
+    # agreed before the first forward: under FSDP every forward is a collective, so all processes run as many
+    extra = sharding.missing_forwards(c.sharded, len(loader), acc.device)
+    batch = None
     try:
         for batch in loader:
             size = batch.size
@@ -118,10 +124,13 @@ def evaluate(c, loader) -> dict:
             with acc.autocast():
                 a = model(**batch)
                 sums[:2] += torch.tensor([float(a.loss_sum), a.num_tokens], dtype=torch.float64, device=acc.device)
+                # run for a batch of one too (rolled onto itself): every process makes two forwards per batch
+                b = model(**{k: (v.roll(1, dims=0) if k in WORLD_KEYS else v) for k, v in batch.items()})
                 if size > 1:
-                    b = model(**{k: (v.roll(1, dims=0) if k in WORLD_KEYS else v) for k, v in batch.items()})
                     sums[2:] += torch.tensor([float(b.loss_sum), b.num_tokens], dtype=torch.float64,
                                              device=acc.device)
+        for _ in range(2 * extra):
+            model(**batch)  # results unused: only the collectives count
     finally:
         model.latent_mode = mode
         model.train(was_training)

@@ -1,0 +1,306 @@
+"""Sharded training (train.sharding: fsdp, FSDP2 on gloo with two real CPU processes), train.lr_multipliers and the
+memory plan (train.memory): FSDP equals one process, kill -9 + resume under FSDP is bitwise exact, the stage chain
+crosses shardings, multipliers reach their parameter groups, the plan's counts are exact and its estimate matches a
+measured peak."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from test_train import ENV, ROOT, base_args, cache, metrics, train_cli, train_inproc, weights  # noqa: F401 (fixture)
+
+STAGE3 = {"freeze.vision": "false", "freeze.language": "false"}
+
+
+def launch2(args: list[str], env: dict | None = None, **popen) -> subprocess.Popen:
+    """Two real processes (gloo) through the interpreter's accelerate."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
+           "-m", "train.loop", *args]
+    return subprocess.Popen(cmd, cwd=ROOT, env={**ENV, "ACCELERATE_USE_CPU": "true", **(env or {})}, **popen)
+
+
+def run2(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    p = launch2(args, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = p.communicate(timeout=600)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def losses(run_dir) -> list[float]:
+    return [m["loss"] for m in metrics(run_dir) if "loss" in m]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# FSDP across two processes
+
+
+@pytest.mark.slow
+def test_fsdp_two_processes_give_the_weights_of_one(cache, tmp_path):
+    """Stage 3 (vision and language train). The 2-process run asks for FSDP the way an accelerate launch config does
+    (ACCELERATE_USE_FSDP), the 1-process run through train.sharding (which with one process shards nothing). 19
+    held-out samples give the two processes 2 and 1 eval batches: every forward is a collective under FSDP."""
+    extra = {**STAGE3, "train.eval_samples": 19}
+    one = train_cli(base_args(cache, tmp_path / "one", steps=3, **extra, **{"train.sharding": "fsdp"}))
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "sharding fsdp with 1 process: unsharded" in one.stderr
+    two = run2(base_args(cache, tmp_path / "two", steps=3, **extra), env={"ACCELERATE_USE_FSDP": "true"})
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "sharding fsdp (FSDP2 fully_shard" in two.stderr and "ACCELERATE_USE_FSDP" in two.stderr
+    assert "sharding: fsdp" in (tmp_path / "two" / "final" / "config.yaml").read_text()
+    w1, w2 = weights(tmp_path / "one"), weights(tmp_path / "two")
+    assert w1.keys() == w2.keys() and any(k.startswith("gemma.model.language_model.") for k in w1)
+    # not attention key biases: softmax ignores them, so their gradient is rounding noise (see test_train.py)
+    for k in [k for k in w1 if not k.endswith("k_proj.bias")]:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-5)
+    assert losses(tmp_path / "one") == pytest.approx(losses(tmp_path / "two"), rel=1e-5)
+    ev1, ev2 = ([m for m in metrics(tmp_path / d) if "eval_loss" in m][-1] for d in ("one", "two"))
+    assert ev1["eval_tokens"] == ev2["eval_tokens"] and ev1["eval_loss"] == pytest.approx(ev2["eval_loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_fsdp_kill_9_and_resume_gives_bitwise_equal_weights(cache, tmp_path):
+    extra = {**STAGE3, "train.sharding": "fsdp", "train.save_every": 2, "train.ema": 0.9, "world.latent": "sample"}
+    ref = run2(base_args(cache, tmp_path / "ref", steps=5, **extra))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    out = tmp_path / "killed"
+    proc = launch2(base_args(cache, out, steps=5, **extra), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   start_new_session=True)
+    deadline = time.time() + 300
+    while not (out / "checkpoint-2").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both training processes, at once
+    proc.wait()
+    assert (out / "checkpoint-2").exists() and not (out / "final").exists(), "not killed between save and end"
+    resumed = run2(base_args(cache, out, steps=5, **extra))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr
+    a, b = weights(tmp_path / "ref"), weights(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ea = load_file(str(tmp_path / "ref" / "final" / "ema.safetensors"))
+    eb = load_file(str(out / "final" / "ema.safetensors"))
+    assert ea.keys() == a.keys() and all(torch.equal(ea[k], eb[k]) for k in ea)
+    assert losses(tmp_path / "ref") == losses(out) and len(losses(out)) == 5
+    # a checkpoint written by two FSDP processes holds whole tensors: one process resumes it (any count may)
+    ckpt = tmp_path / "ref" / "checkpoint-4"
+    shapes = {k: v.shape for k, v in load_file(str(ckpt / "trainable.safetensors")).items()}
+    assert shapes == {k: v.shape for k, v in a.items()}
+    # AdamW state for exactly the trainable tensors, whole: the frozen VAE has none
+    opt = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    assert sorted(tuple(st["exp_avg"].shape) for st in opt["state"].values()) == sorted(map(tuple, shapes.values()))
+    assert not any(k.startswith("world_encoder.") for k in shapes)
+    again = tmp_path / "one"
+    again.mkdir()
+    shutil.copytree(ckpt, again / "checkpoint-4")
+    one = train_cli(base_args(cache, again, steps=5, **extra))
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "written by 2 process(es), resumed by 1" in one.stderr
+
+
+@pytest.mark.slow
+def test_fsdp_stage_chain_1_2_4(cache, tmp_path):
+    """Stage 1 sharded over two processes, stage 2 in one, stage 4 sharded again: init_from reads whole tensors by
+    name whatever wrote them."""
+    cfgs = ROOT / "configs"
+    small = {"train.max_steps": 2, "train.global_batch_size": 8, "train.micro_batch_size": 4, "train.eval_samples": 8,
+             "train.num_workers": 0, "trackers": "[]", "train.eval_every": 0, "cache_dir": cache,
+             "train.sharding": "fsdp"}
+    s = lambda d: [a for k, v in d.items() for a in ("--set", f"{k}={v}")]  # noqa: E731
+    s1, s2, s4 = tmp_path / "s1", tmp_path / "s2", tmp_path / "s4"
+    r1 = run2(["--config", str(cfgs / "stage1.yaml"), *s({**small, "output_dir": s1})])
+    assert r1.returncode == 0, r1.stderr[-3000:]
+    r2 = train_cli(["--config", str(cfgs / "stage2.yaml"), *s({**small, "output_dir": s2, "init_from": s1 / "final"})])
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    w1, w2 = weights(s1), weights(s2)
+    assert set(w1) == {k for k in w2 if k.startswith("projector.")}
+    assert f"loaded {len(w1)} tensors, {len(w2) - len(w1)} new, 0 ignored" in r2.stderr
+    r4 = run2(["--config", str(cfgs / "stage4.yaml"), *s({**small, "output_dir": s4, "init_from": s2 / "final",
+                                                          "train.gradient_checkpointing": "true"})])
+    assert r4.returncode == 0, r4.stderr[-3000:]
+    assert "latents live" in r4.stderr and f"loaded {len(w2)} tensors" in r4.stderr
+    assert "sharding fsdp (FSDP2 fully_shard" in r4.stderr
+    w4 = weights(s4)
+    assert any(k.startswith("world_encoder.vae.encoder.") for k in w4)
+    assert any(k.startswith("gemma.model.language_model.") for k in w4)
+    # whole tensors under the model's own names: exactly the trainable set of an unsharded stage-4 model
+    from theworld.config import load_config
+    from train.config import TrainConfig
+    from train.memory import build_world
+
+    cfg = load_config(TrainConfig, str(cfgs / "stage4.yaml"), ["model.dtype=float32"])
+    expected = {n: p.shape for n, p in build_world(cfg).named_parameters() if p.requires_grad}
+    assert {k: v.shape for k, v in w4.items()} == expected
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Learning-rate multipliers
+
+
+def test_lr_multipliers_reach_their_parameter_groups(cache, tmp_path):
+    from theworld.config import load_config
+    from train import data, optim
+    from train.config import TrainConfig
+    from train.step import LoopState, optimization_step
+
+    mult = {"projector": 10.0, "vision": 0.5, "language": 2.0, "vae": 1.0}
+    sets = [a for a in base_args(cache, tmp_path / "run", **STAGE3, **{"train.warmup_steps": 0, "train.lr": "1e-3",
+                                                                       "train.weight_decay": 0.1}) if a != "--set"]
+    cfg = load_config(TrainConfig, None, sets + [f"train.lr_multipliers.{k}={v}" for k, v in mult.items()])
+    reader, plan = data.open_cache(cfg)
+    c = optim.build(cfg, optim.make_accelerator(cfg), 2)
+    names = {id(p): n for n, p in c.raw.named_parameters()}
+    groups = c.optimizer.param_groups
+    assert sorted({g["part"] for g in groups}) == ["language", "projector", "vision"]  # the frozen VAE has none
+    grouped = [id(p) for g in groups for p in g["params"]]
+    assert sorted(grouped) == sorted(id(p) for p in c.params) and len(set(grouped)) == len(grouped)
+    for g in groups:
+        assert g["lr_multiplier"] == mult[g["part"]]
+        for p in g["params"]:
+            n = names[id(p)]
+            assert optim.part_of(n) == g["part"]
+            no_decay = p.ndim < 2 or "norm" in n or n in ("projector.sow", "projector.eow")
+            assert g["weight_decay"] == (0.0 if no_decay else 0.1), n
+    ctx = data.DataContext.build(cfg, reader, plan, c.processor)
+    it = iter(data.build_train_loader(cfg, ctx, 0, 1, epoch=0, start=0))
+    before = {id(p): p.detach().clone() for p in c.params}
+    out = optimization_step(c, LoopState(), [next(it), next(it)])
+    assert out["lr"] == pytest.approx(1e-3)
+    for g in groups:
+        lr = 1e-3 * mult[g["part"]]
+        assert g["lr"] == pytest.approx(lr)
+        # AdamW's first step moves a weight by at most lr (|m / sqrt(v)| <= 1) plus its decay lr * wd * |w|, and
+        # some weight of the group by nearly lr
+        steps = max((p.detach() - before[id(p)]).abs().max().item() for p in g["params"])
+        w = max(before[id(p)].abs().max().item() for p in g["params"])
+        assert 0.5 * lr < steps <= lr * (1 + g["weight_decay"] * w) * 1.001, (g["part"], steps, lr)
+
+
+@pytest.mark.parametrize("value,key", [("train.lr_multipliers.decoder=2", "train.lr_multipliers.decoder"),
+                                       ("train.lr_multipliers.projector=0", "train.lr_multipliers.projector"),
+                                       ("train.lr_multipliers.vision=-1", "train.lr_multipliers.vision"),
+                                       ("train.lr_multipliers.vae=.nan", "train.lr_multipliers.vae"),
+                                       ("train.lr_multipliers.language=.inf", "train.lr_multipliers.language"),
+                                       ("train.sharding=zero3", "train.sharding")])
+def test_bad_lr_multiplier_or_sharding_is_a_one_line_error(capsys, value, key):
+    assert train_inproc(["--config", str(ROOT / "configs" / "stage3.yaml"), "--set", value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and key in err[0], err
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Memory plan
+
+
+@pytest.mark.parametrize("stage", ["stage1", "stage3", "stage4"])
+def test_memory_plan_counts_parameters_exactly(stage):
+    from theworld.config import load_config
+    from train import memory, optim
+    from train.config import TrainConfig
+
+    cfg = load_config(TrainConfig, str(ROOT / "configs" / f"{stage}.yaml"))
+    model, _ = optim.build_model(cfg)  # the real thing: from_pretrained of the tiny models, freeze flags applied
+    params = dict(model.named_parameters())
+    plan = memory.plan(cfg, gpus=2, gpu_memory_gib=80)
+    assert plan["total_params"] == sum(p.numel() for p in params.values())
+    assert plan["trainable_params"] == sum(p.numel() for p in params.values() if p.requires_grad)
+    frozen = sum(p.numel() * p.element_size() for p in params.values() if not p.requires_grad)
+    assert plan["per_gpu_bytes"]["ddp"]["frozen_weights"] == frozen
+    assert plan["per_gpu_bytes"]["fsdp"]["frozen_weights"] == frozen // 2
+    assert plan["per_gpu_bytes"]["ddp"]["trainable_weights"] == 4 * plan["trainable_params"]
+
+
+def test_memory_cli_real_configs_offline(capsys):
+    """The real configs resolve offline to the architectures train.bench_real builds: Gemma 3 4B (4,300,079,472
+    parameters, as published for google/gemma-3-4b-it) + the Wan 2.1 VAE + the projector."""
+    from train import memory
+    from train.bench_real import REAL
+
+    assert memory.main(["--config", str(ROOT / "configs" / "real" / "stage3.yaml"), "--gpus", "8", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    h = REAL["text"]["hidden_size"]
+    projector = 16 * h + h + h * h + h + 2 * h
+    vae = p["total_params"] - p["trainable_params"]  # stage 3: the VAE is the frozen part
+    assert p["total_params"] - vae - projector == 4_300_079_472
+    assert set(p["per_gpu_bytes"]) == {"ddp", "fsdp"} and not p["fits"]["ddp"] and p["fits"]["fsdp"]
+    ddp, fsdp = p["per_gpu_bytes"]["ddp"], p["per_gpu_bytes"]["fsdp"]
+    assert fsdp["optimizer_state"] == ddp["optimizer_state"] // 8
+    assert memory.main(["--config", str(ROOT / "configs" / "real" / "stage3.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "fits" in out and "optimizer_state" in out
+    assert memory.main(["--config", str(ROOT / "configs" / "stage3.yaml"), "--gpus", "0"]) == 2
+    assert memory.main(["--config", str(ROOT / "configs" / "stage3.yaml"),
+                        "--set", "model.gemma=google/gemma-3-27b-it"]) == 2
+    assert "model.gemma" in capsys.readouterr().err
+
+
+MEASURE = """
+import gc, json, sys, torch
+torch.set_num_threads(1)
+from theworld.config import load_config
+from train import memory, optim
+from train.bench_real import batch
+from train.config import TrainConfig
+
+def status(key):
+    return int(open("/proc/self/status").read().split(key + ":")[1].split()[0]) * 1024
+
+def steps(cfg, sizes, n):
+    model = memory.build_world(cfg, "cpu").train()
+    opt = optim.build_optimizer(cfg, model)
+    x = batch(sizes, cfg.train.micro_batch_size, torch.device("cpu"))
+    for _ in range(n):
+        model(**x).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+sizes, warm, target = json.loads(sys.argv[1]), sys.argv[2].split(), sys.argv[3].split()
+steps(load_config(TrainConfig, None, warm), {**sizes, "text": {**sizes["text"], "num_hidden_layers": 1}}, 1)
+gc.collect()
+open("/proc/self/clear_refs", "w").write("5")  # peak RSS starts again from here: every kernel library is loaded
+base = status("VmRSS")
+steps(load_config(TrainConfig, None, target), sizes, 2)  # the second step runs with the optimiser state in place
+print(json.dumps({"peak_delta": status("VmHWM") - base}))
+"""
+
+
+@pytest.mark.slow
+def test_memory_estimate_matches_peak_rss_of_a_small_model(tmp_path):
+    """The plan's one-process ddp total against the measured peak resident memory of two training steps (language
+    model training, about 25 M trainable parameters on the CPU): within 15%."""
+    from theworld.config import load_config
+    from train import memory
+    from train.bench_real import TINY, gemma_config
+    from train.config import TrainConfig
+
+    text = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=128, sliding_window=64, vocab_size=16384, query_pre_attn_scalar=128)
+    sizes = {**TINY, "text": text}
+    for name, s in (("warm", {**sizes, "text": {**text, "num_hidden_layers": 1}}), ("gemma", sizes)):
+        gemma_config(s).save_pretrained(tmp_path / name)
+    common = ["model.vae=tiny", "model.dtype=float32", "freeze.language=false", "train.micro_batch_size=4",
+              "train.global_batch_size=4", "image.resolution=64"]
+    warm, target = common + [f"model.gemma={tmp_path / 'warm'}"], common + [f"model.gemma={tmp_path / 'gemma'}"]
+    r = subprocess.run([sys.executable, "-c", MEASURE, json.dumps(sizes), " ".join(warm), " ".join(target)],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    measured = json.loads(r.stdout.strip().splitlines()[-1])["peak_delta"]
+    cfg = load_config(TrainConfig, None, target)
+    model = memory.build_world(cfg)
+    c = memory.count(model)
+    assert c.trainable > 20_000_000
+    estimate = memory.per_gpu(cfg, model, c, gpus=1, micro=4, foreach=False)["ddp"]["total"]
+    print(f"peak RSS delta {measured / 2**20:.1f} MiB, estimate {estimate / 2**20:.1f} MiB")
+    assert math.isclose(measured, estimate, rel_tol=0.15), (measured, estimate)

@@ -1,0 +1,238 @@
+"""`python -m train.memory --config FILE [--gpus N] [--gpu-memory-gib 80] [--json]`: a per-GPU memory plan.
+
+Parameter counts are exact: the model is built on the meta device (shapes, no weights) from the configs of the base
+models; a hub id that is not in the local Hugging Face cache falls back to the architecture train.bench_real builds
+(Gemma 3 4B, the Wan 2.1 VAE). Bytes per GPU under ddp and fsdp are broken into frozen weights, trainable weights,
+gradients, optimizer state, working buffers and activations; the activation figure is an estimate (formula below,
+docs/performance.md). Nothing is loaded onto a GPU and nothing is downloaded.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from theworld.config import cli_parser, load_config, to_yaml
+from theworld.encoders import DTYPES, _quiet_hf, resolve_gemma, resolve_vae
+from theworld.errors import UserError, cli_entry
+from theworld.model import TheWorld
+from train import sharding
+from train.bench_real import ANSWER_TOKENS, REAL, TEXT_TOKENS, gemma_config
+from train.config import TrainConfig
+
+# Hub ids whose architecture is known offline (train.bench_real.REAL): Gemma 3 4B and the Wan 2.1 VAE of Cosmos.
+KNOWN_GEMMA = ("google/gemma-3-4b-it", "google/gemma-3-4b-pt")
+KNOWN_VAE = ("nvidia/Cosmos-Predict2-2B-Video2World", "nvidia/Cosmos-Predict2-14B-Video2World",
+             "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "Wan-AI/Wan2.1-T2V-14B-Diffusers")
+HEADROOM = 0.9  # of the card: the CUDA context, NCCL buffers and allocator fragmentation take the rest
+ADAM_STATE = 8  # bytes per trainable parameter: AdamW's two fp32 moments
+ADAM_FOREACH = 4  # and the fp32 temporary of its step: whole-size with foreach (the default on GPUs), else the size
+# of the largest tensor (CPUs step one tensor at a time)
+ACT_PER_TOKEN_LAYER = 17  # elements stored per token per transformer layer per hidden unit (Korthikanti et al.'s
+# 34 s b h bytes in 16 bits, without the attention-score term: sdpa and flex attention keep no scores)
+VAE_TENSORS_PER_STAGE = 14  # activations kept per VAE encoder stage, in units of channels x pixels (2 res blocks)
+
+
+def _gemma_config(spec: str):
+    from transformers import AutoConfig
+
+    if spec == "tiny" or Path(spec).is_dir():
+        return AutoConfig.from_pretrained(resolve_gemma(spec))
+    try:
+        return AutoConfig.from_pretrained(spec, local_files_only=True)
+    except (OSError, ValueError):
+        if spec in KNOWN_GEMMA:
+            return gemma_config(REAL)
+    raise UserError(f"model.gemma: no config for {spec!r} offline (known architectures: {', '.join(KNOWN_GEMMA)}); "
+                    "give a local folder")
+
+
+def _vae_config(spec: str) -> dict:
+    from diffusers import AutoencoderKLWan
+
+    warnings.filterwarnings("ignore", message=".*local_dir_use_symlinks.*")  # huggingface_hub, on a cache miss
+    if spec != "tiny" and not Path(spec).is_dir() and spec in KNOWN_VAE:
+        try:
+            return AutoencoderKLWan.load_config(spec, subfolder="vae", local_files_only=True)
+        except (OSError, ValueError, EnvironmentError):
+            return _wan_defaults()
+    path, subfolder = resolve_vae(spec)
+    try:
+        return AutoencoderKLWan.load_config(path, subfolder=subfolder, local_files_only=True)
+    except (OSError, ValueError, EnvironmentError):
+        raise UserError(f"model.vae: no config for {spec!r} offline (known architectures: {', '.join(KNOWN_VAE)}); "
+                        "give a local folder") from None
+
+
+def _wan_defaults() -> dict:
+    from diffusers import AutoencoderKLWan
+
+    with torch.device("meta"):
+        return dict(AutoencoderKLWan(**REAL["vae"]).config)
+
+
+def build_world(cfg: TrainConfig, device: str = "meta") -> TheWorld:
+    """TheWorld as train.loop builds it (freeze flags, frozen weights in model.dtype, trainable in fp32), from the
+    base models' configs alone: on `meta` it holds shapes only; elsewhere random weights."""
+    from diffusers import AutoencoderKLWan
+    from transformers import Gemma3ForConditionalGeneration
+
+    _quiet_hf()
+    gemma_cfg, vae_cfg = _gemma_config(cfg.model.gemma), _vae_config(cfg.model.vae)
+    dtype = DTYPES[cfg.model.dtype]
+    with torch.device(device):
+        gemma = Gemma3ForConditionalGeneration(gemma_cfg).to(dtype)
+        vae = AutoencoderKLWan.from_config(vae_cfg).to(dtype)
+        model = TheWorld.from_modules(gemma, vae, cfg.world, cfg.freeze, seed=cfg.seed)
+    model.cast_trainable_to_fp32()
+    return model
+
+
+@dataclass
+class Counts:
+    total: int
+    trainable: int
+    frozen_bytes: int  # frozen weights in their load dtype
+    largest_unit: int  # parameters of the largest FSDP unit below the root
+    largest_unit_trainable: int
+    root: int  # parameters left in the root FSDP unit
+    largest_trainable: int  # elements of the largest trainable tensor
+
+
+def count(model: TheWorld) -> Counts:
+    params = dict(model.named_parameters())  # tied weights once, as the optimiser sees them
+    trainable = sum(p.numel() for p in params.values() if p.requires_grad)
+    frozen_bytes = sum(p.numel() * p.element_size() for p in params.values() if not p.requires_grad)
+    units = [list(u.parameters()) for u in sharding.units(model)]
+    sizes = [sum(p.numel() for p in u) for u in units] or [0]
+    biggest = max(range(len(units)), key=lambda i: sizes[i]) if units else None
+    big_train = sum(p.numel() for p in units[biggest] if p.requires_grad) if units else 0
+    total = sum(p.numel() for p in params.values())
+    largest = max((p.numel() for p in params.values() if p.requires_grad), default=0)
+    return Counts(total, trainable, frozen_bytes, max(sizes), big_train, total - sum(sizes), largest)
+
+
+def activation_bytes(cfg: TrainConfig, model: TheWorld, micro: int) -> int:
+    """Estimated activation memory of one micro-batch (see the module docstring for where the constants come from)."""
+    gc = model.gemma.config
+    text, vision = gc.get_text_config(), gc.vision_config
+    e = 2 if cfg.train.mixed_precision == "bf16" else DTYPES[cfg.model.dtype].itemsize
+    world = (cfg.image.resolution // 8 // cfg.world.pool) ** 2 + 2
+    seq = TEXT_TOKENS + gc.mm_tokens_per_image + 2 + world
+    per_sample = _stack(seq, text.hidden_size, text.num_hidden_layers, e, cfg.train.gradient_checkpointing)
+    per_sample += ANSWER_TOKENS * text.vocab_size * (3 * 4 + e)  # answer logits: compute dtype, fp32 loss + grad
+    if not cfg.freeze.vision:
+        patches = (vision.image_size // vision.patch_size) ** 2
+        per_sample += _stack(patches, vision.hidden_size, vision.num_hidden_layers, e,
+                             cfg.train.gradient_checkpointing)
+    if not cfg.freeze.vae and model.world_encoder is not None:
+        vc = model.world_encoder.vae.config
+        r = cfg.image.resolution
+        per_sample += sum(VAE_TENSORS_PER_STAGE * vc.base_dim * m * (r >> i) ** 2 * e
+                          for i, m in enumerate(vc.dim_mult))
+    return micro * per_sample
+
+
+def _stack(seq: int, hidden: int, layers: int, e: int, checkpointing: bool) -> int:
+    """Activations of a stack of transformer layers for one sequence; with checkpointing, each layer's input plus one
+    layer recomputed at a time."""
+    layer = ACT_PER_TOKEN_LAYER * seq * hidden * e
+    return layers * seq * hidden * e + layer if checkpointing else layers * layer
+
+
+def per_gpu(cfg: TrainConfig, model: TheWorld, c: Counts, gpus: int, micro: int,
+            foreach: bool = True) -> dict[str, dict[str, int]]:
+    """Bytes per GPU under ddp and fsdp (with one GPU, fsdp runs unsharded: the two are the same)."""
+    e = 2 if cfg.train.mixed_precision == "bf16" else 4
+    act = activation_bytes(cfg, model, micro)
+    step_tmp = ADAM_FOREACH * (c.trainable if foreach else c.largest_trainable)
+    ddp = {"frozen_weights": c.frozen_bytes, "trainable_weights": 4 * c.trainable,
+           # DDP's reducer keeps a flat bucket copy of every gradient besides the .grad tensors
+           "gradients": 4 * c.trainable * (2 if gpus > 1 else 1),
+           "optimizer_state": ADAM_STATE * c.trainable + step_tmp,
+           # autocast keeps a bf16 copy of each fp32 weight it used for the rest of the forward
+           "working_buffers": 2 * c.trainable if e == 2 else 0, "activations": act}
+    if gpus == 1:
+        fsdp = dict(ddp)
+    else:
+        fsdp = {"frozen_weights": c.frozen_bytes // gpus, "trainable_weights": 4 * c.trainable // gpus,
+                "gradients": 4 * c.trainable // gpus,
+                "optimizer_state": (ADAM_STATE * c.trainable + step_tmp) // gpus,
+                # the root stays gathered; two units are gathered at a time (current + prefetched), and one
+                # unit's whole fp32 gradient exists before its reduce-scatter
+                "working_buffers": e * (c.root + 2 * c.largest_unit) + 4 * c.largest_unit_trainable,
+                "activations": act}
+    for d in (ddp, fsdp):
+        d["total"] = sum(d.values())
+    return {"ddp": ddp, "fsdp": fsdp}
+
+
+def plan(cfg: TrainConfig, gpus: int, gpu_memory_gib: float, model: TheWorld | None = None) -> dict:
+    model = model or build_world(cfg)
+    c = count(model)
+    budget = int(gpu_memory_gib * 2**30 * HEADROOM)
+    micro = cfg.train.micro_batch_size
+    per = per_gpu(cfg, model, c, gpus, micro)
+    out = {"config": {"gemma": cfg.model.gemma, "vae": cfg.model.vae, "freeze": vars(cfg.freeze),
+                      "mixed_precision": cfg.train.mixed_precision,
+                      "gradient_checkpointing": cfg.train.gradient_checkpointing, "micro_batch_size": micro},
+           "gpus": gpus, "gpu_memory_bytes": int(gpu_memory_gib * 2**30), "budget_bytes": budget,
+           "total_params": c.total, "trainable_params": c.trainable, "frozen_params": c.total - c.trainable,
+           "per_gpu_bytes": per, "fits": {k: v["total"] <= budget for k, v in per.items()},
+           "suggested_micro_batch_size": {}}
+    per_process = cfg.train.global_batch_size // gpus if cfg.train.global_batch_size % gpus == 0 else 0
+    for mode in ("ddp", "fsdp"):
+        ok = [m for m in range(1, per_process + 1) if per_process % m == 0
+              and per_gpu(cfg, model, c, gpus, m)[mode]["total"] <= budget]
+        out["suggested_micro_batch_size"][mode] = max(ok) if ok else None
+    return out
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:8.2f}"
+
+
+def render(p: dict) -> str:
+    rows = ["frozen_weights", "trainable_weights", "gradients", "optimizer_state", "working_buffers", "activations",
+            "total"]
+    lines = [f"parameters: {p['total_params']:,} total, {p['trainable_params']:,} trainable, "
+             f"{p['frozen_params']:,} frozen (exact, from the model built on the meta device)",
+             f"per GPU, {p['gpus']} GPU(s) of {p['gpu_memory_bytes'] / 2**30:.0f} GiB "
+             f"(budget {HEADROOM:.0%}: {p['budget_bytes'] / 2**30:.1f} GiB), micro_batch_size "
+             f"{p['config']['micro_batch_size']}; GiB:", f"{'':20s}{'ddp':>10s}{'fsdp':>10s}"]
+    for r in rows:
+        lines.append(f"{r:20s}  {_gib(p['per_gpu_bytes']['ddp'][r])}  {_gib(p['per_gpu_bytes']['fsdp'][r])}")
+    lines.append(f"{'fits':20s}  {str(p['fits']['ddp']):>8s}  {str(p['fits']['fsdp']):>8s}")
+    s = p["suggested_micro_batch_size"]
+    lines.append(f"{'micro_batch_size':20s}  {str(s['ddp'] or '-'):>8s}  {str(s['fsdp'] or '-'):>8s}"
+                 "  (largest that fits and divides the per-process batch; - : none)")
+    lines.append("activations and working buffers are estimates (docs/performance.md); the rest is exact")
+    return "\n".join(lines)
+
+
+@cli_entry
+def main(argv: list[str] | None = None) -> int:
+    ap = cli_parser("train.memory", __doc__.splitlines()[0])
+    ap.add_argument("--gpus", type=int, default=1)
+    ap.add_argument("--gpu-memory-gib", type=float, default=80.0)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if args.config is None:
+        raise UserError("train.memory: --config is required")
+    if args.gpus < 1 or not args.gpu_memory_gib > 0:
+        raise UserError("train.memory: --gpus must be >= 1 and --gpu-memory-gib positive")
+    cfg = load_config(TrainConfig, args.config, args.overrides)
+    if args.print_config:
+        print(to_yaml(cfg), end="")
+        return 0
+    p = plan(cfg, args.gpus, args.gpu_memory_gib)
+    print(json.dumps(p, indent=1) if args.json else render(p))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
