@@ -165,6 +165,11 @@ def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()
             raise UserError(f"config file {p}: top level must be a mapping")
     for text in overrides:
         _apply_override(data, *_parse_override(text))
+    return from_dict(cls, data)
+
+
+def from_dict(cls: type[T], data: dict) -> T:
+    """Validate a mapping strictly into `cls` (what `load_config` does after reading the YAML)."""
     try:
         return _build(cls, data)
     except TypeError as e:  # a required field missing, etc.
@@ -198,5 +203,5 @@ def cli_parser(prog: str, description: str) -> argparse.ArgumentParser:
     return p
 
 
-__all__ = ["ModelConfig", "ImageConfig", "WorldConfig", "FreezeConfig", "load_config", "to_dict", "to_yaml",
+__all__ = ["ModelConfig", "ImageConfig", "WorldConfig", "FreezeConfig", "load_config", "from_dict", "to_dict", "to_yaml",
            "config_hash", "cli_parser", "field"]

@@ -97,3 +97,26 @@ def load_for_vae(data: bytes, resolution: int, mode: str = "crop"
     sx, sy = orig_w / img.size[0], orig_h / img.size[1]
     box = (round(box[0] * sx), round(box[1] * sy), round(box[2] * sx), round(box[3] * sy))
     return to_uint8_tensor(small), {"original_size": [orig_w, orig_h], "crop_box": list(box)}
+
+
+def siglip_pixels(image_processor, img: Image.Image) -> torch.Tensor:
+    """What Gemma's vision tower sees: the whole upright picture through Gemma's own image processor, (3, S, S)."""
+    return image_processor(images=[img], return_tensors="pt")["pixel_values"][0]
+
+
+def to_bytes(image) -> bytes:
+    """A path, bytes or a PIL image -> encoded bytes (a PIL image as PNG, lossless: decoding gives its pixels back)."""
+    if isinstance(image, (bytes, bytearray)):
+        return bytes(image)
+    if isinstance(image, Image.Image):
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        return buf.getvalue()
+    with open(image, "rb") as f:
+        return f.read()
+
+
+def for_model(data: bytes, resolution: int, mode: str, image_processor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(VAE pixels, SigLIP pixel values) of one encoded image, computed as the cache computes them. Raises BadImage."""
+    pixels, _ = load_for_vae(data, resolution, mode)
+    return pixels, siglip_pixels(image_processor, decode(data))
