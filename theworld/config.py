@@ -188,14 +188,16 @@ def config_hash(cfg: Any) -> str:
     return hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()[:16]
 
 
+class ArgParser(argparse.ArgumentParser):
+    """argparse whose errors are one-line `UserError`s (exit 2 through `cli_entry`)."""
+
+    def error(self, message: str) -> typing.NoReturn:  # argparse exits 2 already; keep it one line
+        raise UserError(f"{self.prog}: {message}")
+
+
 def cli_parser(prog: str, description: str) -> argparse.ArgumentParser:
     """The `--config CFG [--set key=value ...]` front every command shares."""
-
-    class _Parser(argparse.ArgumentParser):
-        def error(self, message: str) -> typing.NoReturn:  # argparse exits 2 already; keep it one line
-            raise UserError(f"{prog}: {message}")
-
-    p = _Parser(prog=prog, description=description)
+    p = ArgParser(prog=prog, description=description)
     p.add_argument("--config", help="YAML config file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set train.lr=1e-3 (repeatable)")

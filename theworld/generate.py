@@ -16,6 +16,8 @@ from theworld import images as imagelib
 from theworld.errors import UserError
 from theworld.text import IGNORE, ChatFormatter, Encoded, collate_text
 
+DEFAULT_PROMPT = "Describe the image."  # precompute's default prompt for sources whose samples carry none
+
 
 def prepare(model, images: list, prompts: list[str], world_images: list | None = None) -> dict[str, torch.Tensor]:
     """Model inputs (right-padded prompt ids, VAE pixels, SigLIP pixel values) for one image per prompt."""
