@@ -100,7 +100,7 @@ def read_blink(path: Path) -> list[Item]:
         raise UserError("reading parquet needs pyarrow (pip install pyarrow)") from None
     files = sorted(path.rglob("*.parquet")) if path.is_dir() else [path]
     if not files:
-        raise UserError(f"--data {path}: no .parquet files there")
+        raise UserError(f"{path}: no .parquet files there")
     items = []
     for f in files:
         try:
@@ -130,10 +130,10 @@ def read(path: str | Path) -> list[Item]:
     """Items of a JSONL file, or of BLINK's parquet layout (a folder of parquet files, or one)."""
     p = Path(path)
     if not p.exists():
-        raise UserError(f"--data {p}: no such file or folder")
+        raise UserError(f"{p}: no such file or folder")
     items = read_blink(p) if p.is_dir() or p.suffix == ".parquet" else read_jsonl(p)
     if not items:
-        raise UserError(f"--data {p}: no items")
+        raise UserError(f"{p}: no items")
     return items
 
 

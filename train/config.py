@@ -42,6 +42,8 @@ class TrainSection:
     flip: bool = False  # horizontal flip augmentation with left/right caption swap (needs flipped latents cached)
     cached_siglip: bool = True  # use cached SigLIP features when present and the vision tower is frozen
     max_length: int = 0  # token cap per sample (0: none)
+    benchmarks: list[str] = field(default_factory=list)  # multiple-choice files scored at every eval (JSONL, or a
+    # BLINK parquet folder; docs/inference.md): bench/<name>/accuracy and bench/<name>/accuracy_shuffled_world
     cpu_threads: int = 0  # torch intra-op threads of each training process (0: torch's default); on a small CPU
     # box 1 avoids OpenMP threads fighting the loader workers (several times faster for the tiny demo on 2 cores)
 
@@ -109,7 +111,7 @@ def accumulation_steps(cfg: TrainConfig, world_size: int) -> int:
 
 # Keys that may change between a run and its resumption without changing its numbers.
 RESUME_NEUTRAL = ("resume", "output_dir", "trackers", "profile", "train.num_workers", "train.cpu_threads", "train.log_every", "train.save_every",
-                  "train.keep_last", "train.eval_every")
+                  "train.keep_last", "train.eval_every", "train.benchmarks")
 
 
 def run_hash(cfg: TrainConfig) -> str:
