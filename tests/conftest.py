@@ -78,4 +78,4 @@ def trained_run(tmp_path_factory):
         assert main(argv) == 0
     finally:
         checkpoint.export_final = original
-    return {"run": out, "logits": recorded["logits"], "mc": mc}
+    return {"run": out, "logits": recorded["logits"], "mc": mc, "cache": cache}
