@@ -114,8 +114,14 @@ def main(argv: list[str] | None = None) -> int:
         model, fused = tiny_fused(args.batch)
         rows = cache_rows(model.to(device), {k: v.to(device) for k, v in fused.items()}, args.new_tokens,
                           args.repeats, device)
-    for row in rows:
-        print(json.dumps(row) if args.json else "  ".join(f"{k}={v}" for k, v in row.items()))
+    machine = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+               "threads": torch.get_num_threads()}
+    if args.json:
+        print(json.dumps({**machine, "rows": rows}))
+    else:
+        print("  ".join(f"{k}={v}" for k, v in machine.items()))
+        for row in rows:
+            print("  ".join(f"{k}={v}" for k, v in row.items()))
     return 0
 
 
