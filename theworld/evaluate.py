@@ -169,9 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     t = time.time()
     model, processor = TheWorld.from_pretrained(args.model, ema=args.ema)
     print(f"loaded {args.model} in {time.time() - t:.1f} s; scoring {len(items)} items", file=sys.stderr)
+    tty = sys.stderr.isatty()  # a progress line only where it can be redrawn in place
     records = evaluate(model, processor, model.image_config, items, args.batch_size,
-                       progress=lambda k: print(f"\r{k}/{len(items)}", end="", file=sys.stderr))
-    print(file=sys.stderr)
+                       progress=(lambda k: print(f"\r{k}/{len(items)}", end="", file=sys.stderr)) if tty else None)
+    if tty:
+        print(file=sys.stderr)
     summary = {**summarize(records), "skipped": skipped}
     if args.json:
         print(json.dumps({"model": args.model, "data": args.data, **summary}))
