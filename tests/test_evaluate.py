@@ -119,6 +119,14 @@ def test_a_malformed_line_is_one_line_with_exit_2(tmp_path, capsys, line):
     assert len(err.splitlines()) == 1 and f"{path}:1" in err and "malformed line" in err
 
 
+def test_a_file_that_is_not_utf8_text_is_one_line_with_exit_2(tmp_path, capsys):
+    path = tmp_path / "items.jsonl"
+    path.write_bytes(b"\xff\xfe\x00binary")
+    assert main(["--model", str(tmp_path), "--data", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(path) in err
+
+
 def test_bad_arguments_and_missing_data_exit_2(tmp_path, capsys):
     assert main(["--model", str(tmp_path), "--data", str(tmp_path / "none.jsonl")]) == 2
     assert main(["--model", str(tmp_path), "--data", "x", "--batch-size", "0"]) == 2

@@ -176,12 +176,14 @@ def test_describe_prints_one_line_per_image_and_nothing_else(trained_run, tmp_pa
 
 
 def test_describe_bad_arguments_exit_2_with_one_line(trained_run, tmp_path):
-    img = tmp_path / "a.png"
+    img, bad = tmp_path / "a.png", tmp_path / "bad.png"
     scenes(1)[0].save(img)
+    bad.write_bytes(b"\x89PNG truncated")
     final = str(trained_run["run"] / "final")
     for args, words in [(["--image", str(tmp_path / "missing.png")], "missing.png"),
                         (["--image", str(img), "--shuffle-world"], "at least 2 images"),
-                        (["--image", str(img), "--max-new-tokens", "0"], "max-new-tokens")]:
+                        (["--image", str(img), "--max-new-tokens", "0"], "max-new-tokens"),
+                        (["--image", str(img), str(bad)], "bad.png")]:
         r = describe("--model", final, *args)
         assert r.returncode == 2 and r.stdout == ""
         assert len(r.stderr.strip().splitlines()) == 1 and words in r.stderr

@@ -66,8 +66,12 @@ def _check_text(rec: dict, name: str) -> tuple[str, list[str]]:
 
 
 def read_jsonl(path: Path) -> list[Item]:
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: not a readable UTF-8 JSONL file ({type(e).__name__}: {e})") from None
     items = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         name = f"{path}:{n}"

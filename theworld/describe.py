@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from theworld import images
 from theworld.config import ArgParser
 from theworld.errors import UserError, cli_entry
 from theworld.generate import DEFAULT_PROMPT
@@ -32,9 +33,13 @@ def parse(argv: list[str] | None):
     args = p.parse_args(argv)
     if args.max_new_tokens < 1 or args.batch_size < 1:
         raise UserError("theworld.describe: --max-new-tokens and --batch-size must be >= 1")
-    for img in args.image:
+    for img in args.image:  # before the model loads: a bad file costs a second
         if not Path(img).is_file():
             raise UserError(f"--image {img}: no such file")
+        try:
+            images.decode(images.to_bytes(img))
+        except (OSError, images.BadImage) as e:
+            raise UserError(f"--image {img}: {e}") from None
     if args.shuffle_world and len(args.image) < 2:
         raise UserError("--shuffle-world needs at least 2 images (each takes another one's world)")
     return args
@@ -48,11 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     t = time.time()
     model, _ = TheWorld.from_pretrained(args.model, ema=args.ema)
     print(f"loaded {args.model} in {time.time() - t:.1f} s", file=sys.stderr)
-    images = args.image
-    world = images[-1:] + images[:-1] if args.shuffle_world else None
-    for lo in range(0, len(images), args.batch_size):
+    paths = args.image
+    world = paths[-1:] + paths[:-1] if args.shuffle_world else None
+    for lo in range(0, len(paths), args.batch_size):
         chunk = slice(lo, lo + args.batch_size)
-        texts = model.generate(images[chunk], args.prompt, max_new_tokens=args.max_new_tokens,
+        texts = model.generate(paths[chunk], args.prompt, max_new_tokens=args.max_new_tokens,
                                use_cache=not args.no_cache, world_images=world[chunk] if world else None)
         for text in texts:
             print(escape(text), flush=True)
