@@ -16,10 +16,17 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-# The main job on the embedded default: tiny models, synthetic data; precompute, then stage-1 training + summary.
+MC := runs/synthetic-mc
+# The main job on the embedded default: tiny models, synthetic data; precompute, then stage-1 training + summary;
+# then the trained model describes two unseen scenes and is scored on 256 of them (true caption vs one-word edits).
 demo: install
 	$(PY) -m precompute.cosmos_latents --config configs/precompute.yaml
 	$(PY) -m train.loop --config configs/stage1.yaml
+	$(PY) -m theworld.evaluate --make-synthetic 256 --data $(MC)/items.jsonl
+	@echo "two unseen scenes, described by runs/stage1 (true captions: $(MC)/items.jsonl):"
+	$(PY) -m theworld.describe --model runs/stage1 --prompt "describe the scene ." \
+		--image $(MC)/images/1-000000.png $(MC)/images/1-000001.png
+	$(PY) -m theworld.evaluate --model runs/stage1 --data $(MC)/items.jsonl
 
 test: install
 	$(PY) -m pytest -q
@@ -31,6 +38,7 @@ test-fast: install
 bench: install
 	$(PY) -m precompute.bench
 	$(PY) -m train.bench
+	$(PY) -m train.bench_generate
 
 clean-demo:
 	rm -rf cache/latents runs

@@ -84,8 +84,7 @@ class EntryDataset(Dataset):
                 out["image"], out["image_ext"] = data, ext
             if self.image_processor is not None:  # SigLIP sees the whole upright picture, as Gemma's processor does
                 img = img or images.decode(data)
-                pv = self.image_processor(images=[img], return_tensors="pt")["pixel_values"]
-                out["pixel_values"] = pv[0]
+                out["pixel_values"] = images.siglip_pixels(self.image_processor, img)
         return out
 
 

@@ -26,3 +26,56 @@ def fake_vae(monkeypatch):
     vae = FakeWanVAE()
     monkeypatch.setattr(encoders, "load_vae", lambda spec, dtype="float32": vae)
     return vae
+
+
+def fixed_inputs(model, processor, n: int = 2):
+    """Prompt + caption batch of synthetic scenes with live world and image inputs (for comparing logits)."""
+    import torch
+
+    from theworld import images, synthetic
+    from theworld.text import ChatFormatter, collate_text
+
+    fmt = ChatFormatter(processor)
+    scenes = [synthetic.scene(3, i) for i in range(n)]
+    batch = collate_text([fmt.encode(synthetic.PROMPT, cap) for _, cap in scenes], fmt.pad_id)
+    batch["images"] = torch.stack([images.to_uint8_tensor(img) for img, _ in scenes])
+    batch["pixel_values"] = torch.stack([images.siglip_pixels(processor.image_processor, img) for img, _ in scenes])
+    return batch
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory):
+    """A 4-step stage-1 run on the tiny models with a synthetic multiple-choice benchmark evaluated at every eval;
+    the logits of the model as training ends are recorded (export_final is wrapped) for from_pretrained to match."""
+    import torch
+
+    from precompute.config import load as load_pre
+    from precompute.cosmos_latents import run
+    from theworld import benchmarks
+    from train import checkpoint
+    from train.loop import main
+
+    root = tmp_path_factory.mktemp("trained")
+    cache, out, mc = root / "cache", root / "run", root / "mc" / "items.jsonl"
+    run(load_pre(str(ROOT / "configs" / "precompute.yaml"),
+                 [f"output_dir={cache}", "source.num_samples=48", "shard_size=24", "batch_size=24", "num_workers=0"]))
+    benchmarks.make_synthetic(mc, 6)
+    recorded = {}
+    original = checkpoint.export_final
+
+    def export_and_record(c, state, cfg_yaml, output_dir):
+        with torch.no_grad():
+            c.raw.eval()
+            recorded["logits"] = c.raw(**fixed_inputs(c.raw, c.processor), return_logits=True).logits
+        return original(c, state, cfg_yaml, output_dir)
+
+    sets = {"cache_dir": cache, "output_dir": out, "model.dtype": "float32", "train.max_steps": 4, "train.global_batch_size": 8,
+            "train.micro_batch_size": 8, "train.eval_samples": 8, "train.num_workers": 0, "trackers": "[]",
+            "train.save_every": 2, "train.eval_every": 2, "train.warmup_steps": 1, "train.benchmarks": f"[{mc}]"}
+    argv = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    checkpoint.export_final = export_and_record
+    try:
+        assert main(argv) == 0
+    finally:
+        checkpoint.export_final = original
+    return {"run": out, "logits": recorded["logits"], "mc": mc, "cache": cache}

@@ -91,3 +91,22 @@ def test_train_bench_bucketed_smoke(tmp_path):
     # 96 px buckets: latent grids 8x16 (128 tokens), 12x12 (144), 16x8 (128), a quarter of the images square
     assert row["latent_shapes"] == 3 and 128 < row["world_tokens"] < 144
     assert 0 <= row["padding_fraction"] < 0.5
+
+
+def test_generate_bench_smoke(tmp_path):
+    out = _run(["train.bench_generate", "--new-tokens", "4", "--repeats", "1"], tmp_path)
+    rows = {r["case"]: r for r in out["rows"]}
+    assert set(rows) == {"cache", "no_cache"}
+    for r in rows.values():
+        _positive(r, "t1_ms", "t4_ms", "ratio")
+        assert r["new_tokens"] == 4 and r["prefix_tokens"] > 64  # world tokens, image tokens, prompt
+        assert abs(r["ratio"] - r["t4_ms"] / r["t1_ms"]) < 0.01 + 0.01 * r["ratio"]  # (the times are rounded)
+
+
+def test_generate_bench_real_path_at_toy_sizes(tmp_path):
+    """The GPU comparison (our loop vs Gemma's generate, text-only; our loop on the fused prefix) runs on CPU."""
+    out = _run(["train.bench_generate", "--real", "--sizes", "tiny", "--new-tokens", "3", "--repeats", "1"], tmp_path)
+    rows = {r["case"]: r for r in out["rows"]}
+    _positive(rows["text_only"], "ours_tokens_per_s", "gemma_generate_tokens_per_s", "ours_over_gemma")
+    _positive(rows["fused_prefix"], "ours_tokens_per_s")
+    assert rows["fused_prefix"]["prefix_tokens"] > rows["text_only"]["prompt_tokens"]

@@ -170,6 +170,11 @@ def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()
             raise UserError(f"config file {p}: top level must be a mapping")
     for text in overrides:
         _apply_override(data, *_parse_override(text))
+    return from_dict(cls, data)
+
+
+def from_dict(cls: type[T], data: dict) -> T:
+    """Validate a mapping strictly into `cls` (what `load_config` does after reading the YAML)."""
     try:
         return _build(cls, data)
     except TypeError as e:  # a required field missing, etc.
@@ -197,6 +202,13 @@ def add_config_args(p: argparse.ArgumentParser, config_help: str = "YAML config 
                    help="override a config key, e.g. --set train.lr=1e-3 (repeatable)")
 
 
+class ArgParser(argparse.ArgumentParser):
+    """argparse whose errors are one-line `UserError`s (exit 2 through `cli_entry`)."""
+
+    def error(self, message: str) -> typing.NoReturn:  # argparse exits 2 already; keep it one line
+        raise UserError(f"{self.prog}: {message}")
+
+
 def cli_parser(prog: str, description: str) -> argparse.ArgumentParser:
     """The `--config CFG [--set key=value ...]` front every command shares."""
     p = ArgParser(prog=prog, description=description)
@@ -205,5 +217,5 @@ def cli_parser(prog: str, description: str) -> argparse.ArgumentParser:
     return p
 
 
-__all__ = ["ModelConfig", "ImageConfig", "WorldConfig", "FreezeConfig", "load_config", "to_dict", "to_yaml",
+__all__ = ["ModelConfig", "ImageConfig", "WorldConfig", "FreezeConfig", "load_config", "from_dict", "to_dict", "to_yaml",
            "ArgParser", "add_config_args", "cli_parser", "field"]

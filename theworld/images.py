@@ -161,3 +161,26 @@ def load_for_vae(data: bytes, resolution: int, mode: str = "crop") -> tuple[torc
     img = decode(data, draft_size=draft)
     # Draft mode may have shrunk a JPEG by 2^k; report the crop box in the true source's pixels.
     return prepare(img, resolution, mode, orig)
+
+
+def siglip_pixels(image_processor, img: Image.Image) -> torch.Tensor:
+    """What Gemma's vision tower sees: the whole upright picture through Gemma's own image processor, (3, S, S)."""
+    return image_processor(images=[img], return_tensors="pt")["pixel_values"][0]
+
+
+def to_bytes(image) -> bytes:
+    """A path, bytes or a PIL image -> encoded bytes (a PIL image as PNG, lossless: decoding gives its pixels back)."""
+    if isinstance(image, (bytes, bytearray)):
+        return bytes(image)
+    if isinstance(image, Image.Image):
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        return buf.getvalue()
+    with open(image, "rb") as f:
+        return f.read()
+
+
+def for_model(data: bytes, resolution: int, mode: str, image_processor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(VAE pixels, SigLIP pixel values) of one encoded image, computed as the cache computes them. Raises BadImage."""
+    pixels, _ = load_for_vae(data, resolution, mode)
+    return pixels, siglip_pixels(image_processor, decode(data))

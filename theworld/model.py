@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from theworld.config import FreezeConfig, ModelConfig, WorldConfig
+from theworld.config import FreezeConfig, ImageConfig, ModelConfig, WorldConfig
 from theworld import encoders
 from theworld.encoders import WorldEncoder
 from theworld.errors import UserError
@@ -60,16 +60,22 @@ class TheWorld(nn.Module):
         self.latent_mode = latent_mode
         self.image_token_id = gemma.config.image_token_id
         self.softcap = getattr(gemma.config.get_text_config(), "final_logit_softcapping", None)
+        # what `generate` needs to prepare raw images and prompts (set by from_config / from_pretrained)
+        self.processor = None
+        self.image_config = ImageConfig()
 
     # ------------------------------------------------------------------------------------------------ construction
 
     @classmethod
     def from_config(cls, model: ModelConfig, world: WorldConfig, freeze: FreezeConfig | None = None,
-                    seed: int = 0):
-        """(TheWorld, processor), base models loaded with `from_pretrained` in `model.dtype`, projector in fp32."""
+                    seed: int = 0, image: ImageConfig | None = None):
+        """(TheWorld, processor), base models loaded with `from_pretrained` in `model.dtype`, projector in fp32.
+        `image`: the preprocessing `generate` applies to raw images (the cache's resolution and resize)."""
         gemma, processor = encoders.load_gemma(model.gemma, model.dtype)
         vae = encoders.load_vae(model.vae, model.dtype)
-        return cls.from_modules(gemma, vae, world, freeze, seed), processor
+        self = cls.from_modules(gemma, vae, world, freeze, seed)
+        self.processor, self.image_config = processor, image or ImageConfig()
+        return self, processor
 
     @classmethod
     def from_modules(cls, gemma: nn.Module, vae: nn.Module, world: WorldConfig, freeze: FreezeConfig | None = None,
@@ -84,6 +90,14 @@ class TheWorld(nn.Module):
         self = cls(gemma, encoder, projector, world.latent)
         self.set_freeze(freeze or FreezeConfig())
         return self
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, ema: bool = False, device: str | torch.device | None = None):
+        """(TheWorld, processor) of a trained stage, ready for inference: `path` is a final/ or checkpoint-N/ folder,
+        or a run's output_dir (its final/). See theworld/pretrained.py."""
+        from theworld import pretrained
+
+        return pretrained.load(path, ema=ema, device=device)
 
     # Parameters of an unfrozen part that a one-image forward never reaches: the vision tower's pooling head (Gemma
     # uses the patch tokens), the VAE's decoder side, and the encoder's temporal downsampling (a one-frame video skips
@@ -156,27 +170,66 @@ class TheWorld(nn.Module):
                 images: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None,
                 siglip: torch.Tensor | None = None, num_items: int | torch.Tensor | None = None,
                 noise_seeds: list[int] | None = None, return_logits: bool = False) -> Output:
-        mean, logvar = self.world_latents(images, latent_mean, latent_logvar)
-        world = self.projector(mean, logvar, self.latent_mode, noise_seeds)
-        fused = self.fuse(input_ids, attention_mask, world, self.image_features(pixel_values, siglip))
+        fused = self.embed_inputs(input_ids, attention_mask, latent_mean=latent_mean, latent_logvar=latent_logvar,
+                                  images=images, pixel_values=pixel_values, siglip=siglip, noise_seeds=noise_seeds)
         hidden = self.gemma.model(**fused, use_cache=False).last_hidden_state
-        world_labels = labels.new_full((labels.shape[0], world.shape[1]), IGNORE)
-        labels = torch.cat([labels[:, :1], world_labels, labels[:, 1:]], dim=1)
+        targets, keep = self._answer_targets(labels, hidden.shape[1] - labels.shape[1])
         # Only answer positions go through lm_head: with a 262k vocabulary the full logits would dominate memory.
-        targets = labels[:, 1:]
-        keep = targets != IGNORE
-        logits = self._logits(hidden[:, :-1][keep])
+        logits = self.logits(hidden[:, :-1][keep])
         loss_sum = F.cross_entropy(logits.float(), targets[keep], reduction="sum")
         n = int(keep.sum())
         denom = num_items if num_items is not None else max(n, 1)
-        full = self._logits(hidden) if return_logits else None
+        full = self.logits(hidden) if return_logits else None
         return Output(loss=loss_sum / denom, loss_sum=loss_sum, num_tokens=n, logits=full)
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def embed_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+                     latent_mean: torch.Tensor | None = None, latent_logvar: torch.Tensor | None = None,
+                     images: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None,
+                     siglip: torch.Tensor | None = None, noise_seeds: list[int] | None = None) -> dict:
+        """The fused language-model inputs (see `fuse`) from token ids, world inputs and image inputs."""
+        mean, logvar = self.world_latents(images, latent_mean, latent_logvar)
+        world = self.projector(mean, logvar, self.latent_mode, noise_seeds)
+        return self.fuse(input_ids, attention_mask, world, self.image_features(pixel_values, siglip))
+
+    @staticmethod
+    def _answer_targets(labels: torch.Tensor, n_world: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(next-token targets on the fused sequence, where they are answer tokens)."""
+        world_labels = labels.new_full((labels.shape[0], n_world), IGNORE)
+        targets = torch.cat([labels[:, :1], world_labels, labels[:, 1:]], dim=1)[:, 1:]
+        return targets, targets != IGNORE
+
+    def answer_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
+                        **inputs) -> torch.Tensor:
+        """(B,) float32: each row's summed log-probability of its answer tokens (labels != IGNORE); `inputs` as for
+        `forward`. Multiple-choice scoring (theworld.evaluate) compares these across a question's choices."""
+        fused = self.embed_inputs(input_ids, attention_mask, **inputs)
+        hidden = self.gemma.model(**fused, use_cache=False).last_hidden_state
+        targets, keep = self._answer_targets(labels, hidden.shape[1] - labels.shape[1])
+        nll = F.cross_entropy(self.logits(hidden[:, :-1][keep]).float(), targets[keep], reduction="none")
+        rows = keep.nonzero()[:, 0]
+        return torch.zeros(len(labels), dtype=torch.float32, device=nll.device).index_add_(0, rows, -nll)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head with Gemma's final soft-capping."""
         logits = self.gemma.lm_head(hidden)
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+    # ------------------------------------------------------------------------------------------------ inference
+
+    def generate(self, images: list, prompts: str | list[str], *, max_new_tokens: int = 64, do_sample: bool = False,
+                 temperature: float = 1.0, top_p: float = 1.0, use_cache: bool = True, world_images: list | None = None,
+                 seed: int | None = None) -> list[str]:
+        """One answer per image (paths, bytes or PIL images) to its prompt (one string for all, or one each), through
+        a KV cache (`use_cache=False` recomputes the whole sequence at every step; greedy output is the same). Stops
+        at <end_of_turn> or EOS. `world_images`: take the world latents from these instead (one per image).
+        See theworld/generate.py."""
+        from theworld import generate
+
+        return generate.generate(self, images, prompts, max_new_tokens=max_new_tokens, do_sample=do_sample,
+                                 temperature=temperature, top_p=top_p, use_cache=use_cache,
+                                 world_images=world_images, seed=seed)
 
     # ------------------------------------------------------------------------------------------------ weights
 

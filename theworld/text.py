@@ -47,7 +47,7 @@ class ChatFormatter:
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.tokenizer.image_token)
         self.end_of_turn_id = self.tokenizer.convert_tokens_to_ids("<end_of_turn>")
         self.pad_id = self.tokenizer.pad_token_id
-        self._prefix_cache: dict[str, list[int]] = {}
+        self._prefix_cache: dict[tuple[str, int], list[int]] = {}
         self._splice_cache: dict[str, tuple[str, str] | None] = {}
         self._head_cache: dict[str, tuple[list[int], str, str] | None] = {}
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
@@ -76,8 +76,8 @@ class ChatFormatter:
         return self._ids_many([text])[0]
 
     @staticmethod
-    def _conversation(prompt: str, caption: str | None = None) -> list[dict]:
-        msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+    def _conversation(prompt: str, caption: str | None = None, images: int = 1) -> list[dict]:
+        msgs = [{"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": prompt}]}]
         if caption is not None:
             msgs.append({"role": "assistant", "content": [{"type": "text", "text": caption}]})
         return msgs
@@ -135,20 +135,27 @@ class ChatFormatter:
                 tails.append(rest + caption.strip() + after)
         return [h + t for h, t in zip(heads, self._ids_many(tails))]
 
-    def prefix(self, prompt: str) -> list[int]:
-        if prompt not in self._prefix_cache:
-            self._prefix_cache[prompt] = self._ids(self._render(self._conversation(prompt), True))
-        return self._prefix_cache[prompt]
+    def prefix(self, prompt: str, images: int = 1) -> list[int]:
+        """Ids of the user turn with `images` images before the prompt, up to the model turn's header (what
+        generation continues)."""
+        if (prompt, images) not in self._prefix_cache:
+            text = self._render(self._conversation(prompt, images=images), True)
+            self._prefix_cache[prompt, images] = self._ids(text)
+        return self._prefix_cache[prompt, images]
 
-    def encode(self, prompt: str, caption: str) -> Encoded:
-        return self.encode_many([(prompt, caption)])[0]
+    def encode(self, prompt: str, caption: str, images: int = 1) -> Encoded:
+        if images == 1:
+            return self.encode_many([(prompt, caption)])[0]
+        # several images (multiple-choice benchmarks): the general path, with no per-prompt shortcuts
+        full = self._ids(self._render(self._conversation(prompt, caption, images), False))
+        return self._label(prompt, full, images)
 
     def encode_many(self, pairs: list[tuple[str, str]]) -> list[Encoded]:
         return [self._label(prompt, full) for (prompt, _), full in zip(pairs, self.conversation_ids(pairs))]
 
-    def _label(self, prompt: str, full: list[int]) -> Encoded:
+    def _label(self, prompt: str, full: list[int], images: int = 1) -> Encoded:
         """Labels on the answer: everything after the prompt's ids up to the model turn's last <end_of_turn>."""
-        prefix = self.prefix(prompt)
+        prefix = self.prefix(prompt, images)
         if full[: len(prefix)] != prefix:
             raise ValueError("the chat template's prompt is not a token prefix of the full conversation")
         answer = full[len(prefix):]

@@ -5,6 +5,7 @@
     <output_dir>/checkpoint-<step>/optimizer.pt           AdamW state dict (tensors and numbers: weights_only=True)
     <output_dir>/checkpoint-<step>/rng.safetensors        torch CPU RNG state of the main process
     <output_dir>/checkpoint-<step>/ema.safetensors        EMA of the trainable weights (when train.ema > 0)
+    <output_dir>/checkpoint-<step>/config.yaml            the resolved config (TheWorld.from_pretrained reads it)
     <output_dir>/final/                                   trainable.safetensors (+ ema), config.yaml, README.md
 
 The learning-rate schedule is a pure function of the step and the data cursor a pure function of (seed, step), so
@@ -24,14 +25,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from theworld.config import to_yaml
 from theworld.errors import UserError
+from theworld.generate import DEFAULT_PROMPT as DESCRIBE_PROMPT
 from theworld.model import LoadReport, local_like
+from theworld.pretrained import CONFIG, EMA, WEIGHTS
 from train import sharding
 
 CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 PARTIAL_RE = re.compile(r"^\.(tmp|old)-(.+)-\d+$")  # .tmp-<name>-<pid>: being written; .old-<name>-<pid>: replaced
-WEIGHTS = "trainable.safetensors"
-EMA = "ema.safetensors"
 STATE = "state.json"
 OPTIMIZER = "optimizer.pt"
 RNG = "rng.safetensors"
@@ -169,6 +171,7 @@ def save(c, state, output_dir: str | Path, keep_last: int, extra_state: dict, wh
         OPTIMIZER: lambda p: torch.save(whole.optimizer, p),
         RNG: lambda p: save_file({"torch_cpu": torch.get_rng_state()}, str(p)),
         STATE: lambda p: p.write_text(json.dumps({**state.to_json(), **extra_state, "time": time.time()}, indent=1)),
+        CONFIG: lambda p: p.write_text(to_yaml(c.cfg)),
     }
     if c.ema is not None:
         files[EMA] = _ema_writer(whole)
@@ -223,9 +226,20 @@ Trainable weights of a TheWorld stage (Gemma 3 + Cosmos VAE world encoder + worl
 - started from: {parent}
 - final eval loss {eval_loss}, with world latents shuffled {eval_shuffled} (gap {gap})
 
-`trainable.safetensors` holds only the trained tensors, by their names in `theworld.model.TheWorld`; load them with
-`TheWorld.from_config(...)` then `model.load_trainable(path)`, or start the next stage with `init_from: {out}`.
-`config.yaml` is the resolved training config.
+Load it and describe an image (the base models are read from where `config.yaml` names them):
+
+```python
+from theworld.model import TheWorld
+model, processor = TheWorld.from_pretrained("{out}")
+print(model.generate(["image.png"], "{prompt}")[0])
+```
+
+or `python -m theworld.describe --model {out} --image image.png`, and score it on a multiple-choice set with
+`python -m theworld.evaluate --model {out} --data FILE` (docs/inference.md).
+
+`trainable.safetensors` holds only the trained tensors, by their names in `theworld.model.TheWorld`
+(`ema.safetensors`, when present, their EMA: `from_pretrained(..., ema=True)`); start the next stage from them with
+`init_from: {out}`. `config.yaml` is the resolved training config.
 """
 
 
@@ -242,8 +256,9 @@ def export_final(c, state, cfg_yaml: str, output_dir: str | Path, whole: Whole |
                              trained=", ".join(trained), step=state.step, batch=cfg.train.global_batch_size,
                              samples=state.samples_seen, lr=cfg.train.lr, schedule=cfg.train.schedule,
                              parent=state.parent or "the base models", eval_loss=fmt(ev.get("eval_loss")),
-                             eval_shuffled=fmt(ev.get("eval_loss_shuffled_world")), gap=fmt(gap), out=out / "final")
-    files = {WEIGHTS: lambda p: save_file(whole.weights, str(p)), "config.yaml": lambda p: p.write_text(cfg_yaml),
+                             eval_shuffled=fmt(ev.get("eval_loss_shuffled_world")), gap=fmt(gap), out=out / "final",
+                             prompt=DESCRIBE_PROMPT)
+    files = {WEIGHTS: lambda p: save_file(whole.weights, str(p)), CONFIG: lambda p: p.write_text(cfg_yaml),
              "README.md": lambda p: p.write_text(card)}
     if c.ema is not None:
         files[EMA] = _ema_writer(whole)

@@ -62,6 +62,8 @@ class TrainSection:
     sharding: Literal["ddp", "fsdp"] = "ddp"  # fsdp: FSDP2 fully_shard of weights, gradients and optimizer state
     # across processes (train/sharding.py, docs/training.md); an accelerate launch config asking for FSDP selects it too
     lr_multipliers: LrMultipliers = field(default_factory=LrMultipliers)
+    benchmarks: list[str] = field(default_factory=list)  # multiple-choice files scored at every eval (JSONL, or a
+    # BLINK parquet folder; docs/inference.md): bench/<name>/accuracy and bench/<name>/accuracy_shuffled_world
     cpu_threads: int = 0  # torch intra-op threads of each training process (0: torch's default); on a small CPU
     # box 1 avoids OpenMP threads fighting the loader workers (several times faster for the tiny demo on 2 cores)
 
@@ -129,7 +131,7 @@ def accumulation_steps(cfg: TrainConfig, world_size: int) -> int:
 
 # Keys that may change between a run and its resumption without changing its numbers.
 RESUME_NEUTRAL = ("resume", "output_dir", "trackers", "profile", "train.num_workers", "train.cpu_threads", "train.log_every", "train.save_every",
-                  "train.keep_last", "train.eval_every")
+                  "train.keep_last", "train.eval_every", "train.benchmarks")
 
 
 def run_hash(cfg: TrainConfig) -> str:

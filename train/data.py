@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from theworld import cache_format as cf
 from theworld.errors import UserError
-from theworld.images import decode, load_for_vae
+from theworld.images import decode, load_for_vae, siglip_pixels
 from theworld.text import IGNORE, ChatFormatter, PromptTooLong, collate_text
 
 
@@ -262,7 +262,7 @@ class CacheDataset(Dataset):
             if flipped:
                 from PIL import ImageOps
                 img = ImageOps.mirror(img)
-            item["pixel_values"] = self.image_processor(images=[img], return_tensors="pt")["pixel_values"][0]
+            item["pixel_values"] = siglip_pixels(self.image_processor, img)
         return item
 
 

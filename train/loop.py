@@ -14,6 +14,7 @@ from theworld import run_lock
 from theworld.config import to_dict
 from theworld.errors import cli_entry
 from train import checkpoint, data, optim
+from train.benchmarks import BenchmarkEval
 from train.config import accumulation_steps, load, run_hash, to_yaml
 from train.metrics import Metrics, ProfileWindow, StepWindow, summary
 from train.step import LoopState, NonFiniteError, evaluate, optimization_step
@@ -30,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     reader, plan = data.open_cache(cfg)
     if cfg.init_from:
         checkpoint.resolve_weights(cfg.init_from)
+    bench = BenchmarkEval.load(cfg)
     if cfg.train.cpu_threads:
         torch.set_num_threads(cfg.train.cpu_threads)
     acc = optim.make_accelerator(cfg)
@@ -38,13 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     accum = accumulation_steps(cfg, acc.num_processes)
     # one run per output_dir: a second one would take this run's unfinished saves for a killed run's and delete them
     with run_lock.hold(cfg.output_dir, acc):
-        code = _train(cfg, acc, reader, plan, split, per_epoch, accum, t_start)
+        code = _train(cfg, acc, reader, plan, split, per_epoch, accum, t_start, bench)
     if code == 0:  # not after an error, when another process may still be in a collective; see precompute's main
         acc.state.destroy_process_group()
     return code
 
 
-def _train(cfg, acc, reader, plan, split, per_epoch: int, accum: int, t_start: float) -> int:
+def _train(cfg, acc, reader, plan, split, per_epoch: int, accum: int, t_start: float,
+           bench: BenchmarkEval | None) -> int:
     """From the clean-up after a killed run to the final weights, with output_dir held."""
     removed = checkpoint.remove_partial(cfg.output_dir) if acc.is_main_process else []  # before choosing where to
     acc.wait_for_everyone()  # resume: a folder a killed save had moved aside may come back
@@ -75,6 +78,8 @@ def _train(cfg, acc, reader, plan, split, per_epoch: int, accum: int, t_start: f
         if eval_loader is not None:
             state.last_eval = {"step": state.step, **evaluate(c, eval_loader)}
             m.log(state.last_eval)
+        if bench is not None:
+            m.log({"step": state.step, **bench.run(c)})
 
     def save():
         acc.wait_for_everyone()

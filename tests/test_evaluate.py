@@ -1,0 +1,238 @@
+"""Multiple-choice evaluation: the scorer against a hand computation, the data formats and every bad input, the
+synthetic set, and train.benchmarks."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from theworld import benchmarks, images, synthetic
+from theworld.config import ImageConfig, ModelConfig, WorldConfig
+from theworld.evaluate import Scorer, evaluate, main, summarize, wilson
+from theworld.model import TheWorld
+from theworld.text import IGNORE, ChatFormatter, collate_text
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, processor = TheWorld.from_config(ModelConfig(dtype="float32"), WorldConfig())
+    return model.eval(), processor
+
+
+def write_items(root: Path, records: list[dict], n_images: int = 3) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(n_images):
+        synthetic.scene(11, i)[0].save(root / f"{i}.png")
+    path = root / "items.jsonl"
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+TWO_ITEMS = [{"image": "0.png", "question": "describe the scene .", "choices": ["top left red circle .", "left", "bottom right"],
+              "answer": "(B)", "category": "a"},
+             {"image": ["1.png", "2.png"], "question": "left right", "choices": ["red square .", "blue"], "answer": 0}]
+
+
+def hand_scores(model, processor, item: benchmarks.Item, world_image) -> list[float]:
+    """Each choice on its own: full logits of the sequence, log-softmax, summed over the answer tokens."""
+    fmt = ChatFormatter(processor)
+    world = images.to_uint8_tensor(images.resize(images.decode(Path(world_image).read_bytes()), 64)[0])[None]
+    pv = torch.stack([images.siglip_pixels(processor.image_processor, images.decode(Path(p).read_bytes()))
+                      for p in item.images])
+    out = []
+    for choice in item.choices:
+        enc = fmt.encode(item.question, choice, images=len(item.images))
+        batch = collate_text([enc], fmt.pad_id)
+        with torch.no_grad():
+            logits = model(**batch, images=world, pixel_values=pv, return_logits=True).logits[0]
+        n_world = logits.shape[0] - len(enc.input_ids)
+        labels = torch.tensor(enc.labels[:1] + [IGNORE] * n_world + enc.labels[1:])
+        logp = F.log_softmax(logits[:-1].double(), -1)
+        keep = labels[1:] != IGNORE
+        out.append(float(logp[keep].gather(1, labels[1:][keep][:, None]).sum()))
+    return out
+
+
+def test_the_scorer_agrees_with_a_hand_computation_on_a_two_item_file(tiny, tmp_path):
+    model, processor = tiny
+    items = benchmarks.read(write_items(tmp_path, TWO_ITEMS))
+    assert [it.answer for it in items] == [1, 0] and len(items[1].images) == 2
+    scores = Scorer(model, processor, ImageConfig(), items).score([0, 1])
+    for i, (own, shuffled) in enumerate(scores):
+        # item i's own world (its first image), then item i-1's (the first item takes the last one's)
+        assert own == pytest.approx(hand_scores(model, processor, items[i], items[i].images[0]), abs=1e-4)
+        other = items[(i - 1) % 2].images[0]
+        assert shuffled == pytest.approx(hand_scores(model, processor, items[i], other), abs=1e-4)
+    assert scores[0][0] != scores[0][1]  # the world changes the scores
+    records = evaluate(model, processor, ImageConfig(), items, batch_size=1)
+    for r, (own, shuffled) in zip(records, scores):
+        assert r["pred"] == max(range(len(own)), key=own.__getitem__)
+        assert r["pred_shuffled_world"] == max(range(len(shuffled)), key=shuffled.__getitem__)
+    assert evaluate(model, processor, ImageConfig(), items, batch_size=2) == records  # batching changes nothing
+
+
+def test_wilson_interval_and_summary():
+    lo, hi = wilson(8, 10)
+    assert lo == pytest.approx(0.4902, abs=1e-4) and hi == pytest.approx(0.9433, abs=1e-4)
+    assert wilson(0, 5)[0] == 0.0 and wilson(5, 5)[1] == 1.0
+    recs = [{"item": str(i), "category": "x" if i < 3 else "y", "answer": 0, "pred": int(i % 2 == 1),
+             "pred_shuffled_world": 0} for i in range(4)]
+    s = summarize(recs)
+    assert (s["n"], s["accuracy"], s["accuracy_shuffled_world"]) == (4, 0.5, 1.0)
+    assert s["categories"]["x"]["n"] == 3 and s["categories"]["x"]["accuracy"] == pytest.approx(2 / 3)
+    assert s["accuracy_ci95"] == wilson(2, 4)
+
+
+BAD = [
+    ({"image": "missing.png"}, "field 'image'"),
+    ({"answer": "E"}, "field 'answer'"),
+    ({"answer": 3}, "field 'answer'"),
+    ({"answer": -1}, "field 'answer'"),
+    ({"answer": True}, "field 'answer'"),
+    ({"answer": "red"}, "field 'answer'"),
+    ({"choices": []}, "field 'choices'"),
+    ({"choices": "abc"}, "field 'choices'"),
+    ({"choices": ["a", 3, "c"]}, "field 'choices'"),
+    ({"question": None}, "field 'question'"),
+    ({"image": None}, "field 'image'"),
+    ({"category": 3}, "field 'category'"),
+]
+
+
+@pytest.mark.parametrize("change,words", BAD)
+def test_a_bad_item_is_one_line_naming_the_item_and_field_with_exit_2(tmp_path, capsys, change, words):
+    good = {"image": "0.png", "question": "q", "choices": ["a", "b", "c"], "answer": "A"}
+    path = write_items(tmp_path, [good, {**good, **change}])
+    assert main(["--model", str(tmp_path / "no-model"), "--data", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{path}:2" in err and words in err
+
+
+@pytest.mark.parametrize("line", ["{not json", "[1, 2]", '"text"'])
+def test_a_malformed_line_is_one_line_with_exit_2(tmp_path, capsys, line):
+    path = write_items(tmp_path, [line])
+    assert main(["--model", str(tmp_path), "--data", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{path}:1" in err and "malformed line" in err
+
+
+def test_a_file_that_is_not_utf8_text_is_one_line_with_exit_2(tmp_path, capsys):
+    path = tmp_path / "items.jsonl"
+    path.write_bytes(b"\xff\xfe\x00binary")
+    assert main(["--model", str(tmp_path), "--data", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(path) in err
+
+
+def test_bad_arguments_and_missing_data_exit_2(tmp_path, capsys):
+    assert main(["--model", str(tmp_path), "--data", str(tmp_path / "none.jsonl")]) == 2
+    assert main(["--model", str(tmp_path), "--data", "x", "--batch-size", "0"]) == 2
+    assert main(["--data", "x"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 3
+
+
+def test_an_unreadable_image_is_skipped_and_recorded(tmp_path):
+    path = write_items(tmp_path, TWO_ITEMS)
+    (tmp_path / "2.png").write_bytes(b"not a png")
+    bad = benchmarks.unreadable(benchmarks.read(path))
+    assert bad == [{"item": f"{path}:2", "field": "image 2", "reason": bad[0]["reason"]}] and bad[0]["reason"]
+
+
+def blink_folder(root: Path, answer: str = "(B)", image_1=True) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    png = images.to_bytes(synthetic.scene(11, 0)[0])
+    struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    rows = {"idx": ["val_Counting_1", "val_Counting_2"], "sub_task": ["Counting", "Jigsaw"],
+            "question": ["how many?", "which piece?"], "choices": [["1", "2", "3"], ["(A)", "(B)"]],
+            "answer": ["(C)", answer],
+            "image_1": pa.array([{"bytes": png, "path": "a.png"}, {"bytes": png if image_1 else None, "path": "b"}],
+                                type=struct),
+            "image_2": pa.array([None, {"bytes": png, "path": "c.png"}], type=struct),
+            "image_3": pa.array([None, None], type=struct), "image_4": pa.array([None, None], type=struct)}
+    (root / "Counting").mkdir(parents=True)
+    pq.write_table(pa.table(rows), root / "Counting" / "val-00000-of-00001.parquet")
+    return root
+
+
+def test_blinks_parquet_layout_is_read(tmp_path, tiny):
+    items = benchmarks.read(blink_folder(tmp_path / "blink"))
+    assert [(it.answer, it.category, len(it.images), it.choices) for it in items] == \
+        [(2, "Counting", 1, ["1", "2", "3"]), (1, "Jigsaw", 2, ["(A)", "(B)"])]
+    assert isinstance(items[0].images[0], bytes) and "val_Counting_1" in items[0].name
+    model, processor = tiny
+    records = evaluate(model, processor, ImageConfig(), items, batch_size=2)
+    assert [r["answer"] for r in records] == [2, 1]
+
+
+@pytest.mark.parametrize("answer,image_1,words", [("(D)", True, "field 'answer'"), ("(B)", False, "field 'image_1'")])
+def test_bad_blink_rows_name_the_row_and_field(tmp_path, capsys, answer, image_1, words):
+    folder = blink_folder(tmp_path / "blink", answer, image_1)
+    assert main(["--model", str(tmp_path), "--data", str(folder)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "val_Counting_2" in err and words in err
+
+
+def test_the_synthetic_set_holds_the_true_caption_among_one_word_edits(tmp_path):
+    path = tmp_path / "mc" / "items.jsonl"
+    records = benchmarks.make_synthetic(path, 30, seed=1)
+    assert {r["category"] for r in records} == {"colour", "shape", "position"}
+    for i, (r, item) in enumerate(zip(records, benchmarks.read(path))):
+        caption = synthetic.scene(1, i)[1]
+        assert item.choices[item.answer] == caption and len(set(item.choices)) == len(item.choices) >= 2
+        for j, c in enumerate(item.choices):
+            if j != item.answer:
+                diff = [(a, b) for a, b in zip(c.split(), caption.split()) if a != b]
+                assert len(diff) == 1 and diff[0][1] in benchmarks.EDITS[r["category"]]
+        assert item.images[0].read_bytes() == images.to_bytes(synthetic.scene(1, i)[0])
+
+
+def test_the_cli_on_a_trained_run_and_train_benchmarks_agree(trained_run, capsys):
+    assert main(["--model", str(trained_run["run"]), "--data", str(trained_run["mc"]), "--json",
+                 "--batch-size", "4"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["n"] == 6 and {"accuracy", "accuracy_shuffled_world", "categories"} <= out.keys()
+    lines = [json.loads(x) for x in (trained_run["run"] / "metrics.jsonl").read_text().splitlines()]
+    bench = [x for x in lines if "bench/items/accuracy" in x]
+    assert [x["step"] for x in bench] == [0, 2, 4]
+    assert bench[-1]["bench/items/accuracy"] == out["accuracy"]
+    assert bench[-1]["bench/items/accuracy_shuffled_world"] == out["accuracy_shuffled_world"]
+    assert bench[-1]["bench/items/n"] == 6
+
+
+def test_two_processes_split_the_benchmark_and_agree_with_one(trained_run, tmp_path):
+    """7 items over 2 processes, 1 item per forward: one process runs a stand-in batch at the end and nothing hangs;
+    the summed counts equal the one-process evaluation of the same (step-0, seeded) weights."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    mc = tmp_path / "mc7" / "items.jsonl"
+    benchmarks.make_synthetic(mc, 7, seed=2)
+    sets = {"cache_dir": trained_run["cache"], "output_dir": tmp_path / "two", "model.dtype": "float32",
+            "train.max_steps": 1, "train.global_batch_size": 8, "train.micro_batch_size": 4, "train.eval_samples": 8,
+            "train.eval_batch_size": 4, "train.num_workers": 0, "trackers": "[]", "train.eval_every": 1,
+            "train.benchmarks": f"[{mc}]"}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    two = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
+         "-m", "train.loop", *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]],
+        cwd=root, env={**os.environ, "ACCELERATE_USE_CPU": "true", "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    lines = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    first = next(x for x in lines if "bench/items/n" in x)
+    assert first["step"] == 0 and first["bench/items/n"] == 7
+    model, processor = TheWorld.from_config(ModelConfig(dtype="float32"), WorldConfig(), seed=0)
+    s = summarize(evaluate(model.eval(), processor, ImageConfig(), benchmarks.read(mc)))
+    assert first["bench/items/accuracy"] == pytest.approx(s["accuracy"])
+    assert first["bench/items/accuracy_shuffled_world"] == pytest.approx(s["accuracy_shuffled_world"])

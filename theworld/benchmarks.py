@@ -1,0 +1,201 @@
+"""Multiple-choice benchmark items: reading and checking JSONL files and BLINK's parquet layout, and building a
+synthetic set from unseen scenes.
+
+JSONL, one item per line: `{"image": path relative to the file (or a list of paths), "question": str,
+"choices": [str, ...], "answer": index or letter ("A" / "(A)"), "category": optional str}`.
+BLINK: a folder of its parquet files (or one file) with `idx, sub_task, question, choices, answer "(A)"` and
+`image_1`..`image_4` as image structs `{bytes, path}`; `sub_task` is the category.
+
+Items with several images: the world latents come from the first image; every image gets its image tokens, in order,
+before the question.
+"""
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from theworld import images as imagelib
+from theworld import synthetic
+from theworld.errors import UserError
+
+LETTER = re.compile(r"^\(?([A-Za-z])\)?$")
+BLINK_IMAGES = ("image_1", "image_2", "image_3", "image_4")
+
+
+@dataclass
+class Item:
+    name: str  # where it comes from, for messages: "file.jsonl:12" or "val.parquet:idx 3"
+    images: list  # paths or encoded bytes; the first one's world latents are used
+    question: str
+    choices: list[str]
+    answer: int
+    category: str | None = None
+
+
+def _bad(name: str, field: str, why: str) -> UserError:
+    return UserError(f"{name}: field '{field}': {why}")
+
+
+def parse_answer(answer, choices: list[str], name: str) -> int:
+    """An index into `choices`, or a letter A, B, ... (optionally in parentheses)."""
+    if isinstance(answer, int) and not isinstance(answer, bool):
+        index = answer
+    elif isinstance(answer, str) and (m := LETTER.match(answer.strip())):
+        index = ord(m.group(1).upper()) - ord("A")
+    else:
+        raise _bad(name, "answer", f"{answer!r} is neither an index nor a letter such as A or (A)")
+    if not 0 <= index < len(choices):
+        raise _bad(name, "answer", f"{answer!r} is outside the {len(choices)} choices")
+    return index
+
+
+def _check_text(rec: dict, name: str) -> tuple[str, list[str]]:
+    question, choices = rec.get("question"), rec.get("choices")
+    if not isinstance(question, str) or not question.strip():
+        raise _bad(name, "question", "missing or not a non-empty string")
+    if choices is None or not isinstance(choices, (list, tuple)):
+        raise _bad(name, "choices", "missing or not a list of strings")
+    if not choices:
+        raise _bad(name, "choices", "empty list of choices")
+    if not all(isinstance(c, str) and c.strip() for c in choices):
+        raise _bad(name, "choices", "every choice must be a non-empty string")
+    return question, list(choices)
+
+
+def read_jsonl(path: Path) -> list[Item]:
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: not a readable UTF-8 JSONL file ({type(e).__name__}: {e})") from None
+    items = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        name = f"{path}:{n}"
+        try:
+            rec = json.loads(line)
+        except ValueError as e:
+            raise UserError(f"{name}: malformed line, not JSON ({e})") from None
+        if not isinstance(rec, dict):
+            raise UserError(f"{name}: malformed line, not a JSON object")
+        question, choices = _check_text(rec, name)
+        paths = rec.get("image")
+        paths = [paths] if isinstance(paths, str) else paths
+        if not paths or not isinstance(paths, list) or not all(isinstance(p, str) and p for p in paths):
+            raise _bad(name, "image", "missing, or not a path (or a list of paths)")
+        files = [path.parent / p for p in paths]
+        for f in files:
+            if not f.is_file():
+                raise _bad(name, "image", f"no such file {f}")
+        category = rec.get("category")
+        if category is not None and not isinstance(category, str):
+            raise _bad(name, "category", "not a string")
+        items.append(Item(name, files, question, choices, parse_answer(rec.get("answer"), choices, name), category))
+    return items
+
+
+def read_blink(path: Path) -> list[Item]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UserError("reading parquet needs pyarrow (pip install pyarrow)") from None
+    files = sorted(path.rglob("*.parquet")) if path.is_dir() else [path]
+    if not files:
+        raise UserError(f"{path}: no .parquet files there")
+    items = []
+    for f in files:
+        try:
+            rows = pq.read_table(f).to_pylist()
+        except Exception as e:  # pyarrow raises several types for a file that is not parquet
+            raise UserError(f"{f}: not a readable parquet file ({type(e).__name__}: {e})") from None
+        for i, rec in enumerate(rows):
+            name = f"{f.name}:idx {rec.get('idx', i)}"
+            question, choices = _check_text(rec, name)
+            found = []
+            for col in BLINK_IMAGES:
+                image = rec.get(col)
+                if image is None:
+                    continue
+                data = image.get("bytes") if isinstance(image, dict) else image if isinstance(image, bytes) else None
+                if not data:
+                    raise _bad(name, col, "image struct without bytes")
+                found.append(data)
+            if not found:
+                raise _bad(name, "image_1", "no image")
+            items.append(Item(name, found, question, choices, parse_answer(rec.get("answer"), choices, name),
+                              rec.get("sub_task")))
+    return items
+
+
+def read(path: str | Path) -> list[Item]:
+    """Items of a JSONL file, or of BLINK's parquet layout (a folder of parquet files, or one)."""
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"{p}: no such file or folder")
+    items = read_blink(p) if p.is_dir() or p.suffix == ".parquet" else read_jsonl(p)
+    if not items:
+        raise UserError(f"{p}: no items")
+    return items
+
+
+def unreadable(items: list[Item]) -> list[dict]:
+    """Items with an image that does not decode: [{item, reason}] (they are skipped and reported)."""
+    bad = []
+    for it in items:
+        for k, image in enumerate(it.images):
+            try:
+                imagelib.decode(imagelib.to_bytes(image))
+            except (OSError, imagelib.BadImage) as e:
+                bad.append({"item": it.name, "field": f"image {k + 1}", "reason": str(e)})
+                break
+    return bad
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# A synthetic set: unseen scenes, the true caption among one-word edits
+
+EDITS = {"colour": sorted(synthetic.COLOURS), "shape": list(synthetic.SHAPES), "position": ["top", "bottom", "left", "right"]}
+OPPOSITE = {"top": "bottom", "bottom": "top", "left": "right", "right": "left"}
+
+
+def one_word_edits(caption: str, kind: str) -> list[str]:
+    """Every caption that differs from `caption` in one word of `kind` (a colour, a shape, or a position word
+    swapped with its opposite)."""
+    words = caption.split()
+    out = []
+    for i, w in enumerate(words):
+        if w not in EDITS[kind]:
+            continue
+        for new in ([OPPOSITE[w]] if kind == "position" else [x for x in EDITS[kind] if x != w]):
+            edited = " ".join(words[:i] + [new] + words[i + 1:])
+            if edited != caption and edited not in out:
+                out.append(edited)
+    return out
+
+
+def make_synthetic(path: str | Path, n: int, seed: int = 1, choices: int = 4, size: int = 64) -> list[dict]:
+    """Write `n` items to the JSONL file `path` and their pictures to `images/` beside it. Scenes come from
+    `synthetic.scene(seed, i)`; the training cache's scenes use its own seed (0 by default), so seed 1 is unseen.
+    Each item's distractors are one-word edits of one kind (its category): colour, shape or position."""
+    out = Path(path)
+    (out.parent / "images").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(f"mc:{seed}")
+    records = []
+    for i in range(n):
+        img, caption = synthetic.scene(seed, i, size=size)
+        rel = f"images/{seed}-{i:06d}.png"
+        img.save(out.parent / rel)
+        kinds = [k for k in EDITS if one_word_edits(caption, k)]
+        kind = rng.choice(kinds)
+        edits = one_word_edits(caption, kind)
+        wrong = rng.sample(edits, min(choices - 1, len(edits)))
+        answer = rng.randrange(len(wrong) + 1)
+        records.append({"image": rel, "question": synthetic.PROMPT, "choices": wrong[:answer] + [caption] + wrong[answer:],
+                        "answer": answer, "category": kind})
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tmp.replace(out)
+    return records

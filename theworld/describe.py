@@ -1,0 +1,68 @@
+"""`python -m theworld.describe --model DIR --image IMG [IMG ...]`: what a trained stage says about some images.
+
+stdout holds only the generated text, one line per image in the order given (a newline or backslash inside an answer
+is written as `\\n` / `\\\\`, so one line per image always holds); logs go to stderr. `--shuffle-world` gives image i
+the world latents of image i-1 (the first gets the last one's), to show what the world pathway changes.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from theworld import images
+from theworld.config import ArgParser
+from theworld.errors import UserError, cli_entry
+from theworld.generate import DEFAULT_PROMPT
+
+
+def escape(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
+
+
+def parse(argv: list[str] | None):
+    p = ArgParser(prog="theworld.describe", description="Describe images with a trained TheWorld stage.")
+    p.add_argument("--model", required=True, help="final/ or checkpoint-N/ folder, or a run's output_dir")
+    p.add_argument("--image", required=True, nargs="+", help="image files")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=8, help="images per generate call")
+    p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence at every step")
+    p.add_argument("--shuffle-world", action="store_true", help="give image i the world latents of image i-1")
+    p.add_argument("--ema", action="store_true", help="use the EMA weights (ema.safetensors)")
+    args = p.parse_args(argv)
+    if args.max_new_tokens < 1 or args.batch_size < 1:
+        raise UserError("theworld.describe: --max-new-tokens and --batch-size must be >= 1")
+    for img in args.image:  # before the model loads: a bad file costs a second
+        if not Path(img).is_file():
+            raise UserError(f"--image {img}: no such file")
+        try:
+            images.decode(images.to_bytes(img))
+        except (OSError, images.BadImage) as e:
+            raise UserError(f"--image {img}: {e}") from None
+    if args.shuffle_world and len(args.image) < 2:
+        raise UserError("--shuffle-world needs at least 2 images (each takes another one's world)")
+    return args
+
+
+@cli_entry
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    from theworld.model import TheWorld
+
+    t = time.time()
+    model, _ = TheWorld.from_pretrained(args.model, ema=args.ema)
+    print(f"loaded {args.model} in {time.time() - t:.1f} s", file=sys.stderr)
+    paths = args.image
+    world = paths[-1:] + paths[:-1] if args.shuffle_world else None
+    for lo in range(0, len(paths), args.batch_size):
+        chunk = slice(lo, lo + args.batch_size)
+        texts = model.generate(paths[chunk], args.prompt, max_new_tokens=args.max_new_tokens,
+                               use_cache=not args.no_cache, world_images=world[chunk] if world else None)
+        for text in texts:
+            print(escape(text), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""`train.benchmarks: [FILE, ...]`: multiple-choice benchmarks scored at every eval (theworld/evaluate.py), logged as
+`bench/<name>/accuracy` and `bench/<name>/accuracy_shuffled_world` (name: the file's stem, or the folder's name).
+
+Every process scores its share of the items (item i goes to process i % world_size) and the counts are summed; every
+process runs the same number of forward passes (a process with no items left scores one and discards it), so a
+sharded model's collectives stay matched.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from theworld import benchmarks
+from theworld.errors import UserError
+from theworld.evaluate import Scorer, tally
+
+
+def _name(path: str) -> str:
+    p = Path(path)
+    return p.name if p.is_dir() else p.stem
+
+
+class BenchmarkEval:
+    def __init__(self, sets: dict[str, list[benchmarks.Item]], batch_rows: int):
+        self.sets, self.batch_rows = sets, batch_rows
+
+    @classmethod
+    def load(cls, cfg) -> "BenchmarkEval | None":
+        """Read and check every file before any model loads; items whose images do not decode are left out."""
+        if not cfg.train.benchmarks:
+            return None
+        sets = {}
+        for path in cfg.train.benchmarks:
+            name = _name(path)
+            if name in sets:
+                raise UserError(f"config key 'train.benchmarks': two benchmarks named {name!r}; rename one file")
+            try:
+                items = benchmarks.read(path)
+            except UserError as e:
+                raise UserError(f"config key 'train.benchmarks': {e}") from None
+            bad = {s["item"] for s in benchmarks.unreadable(items)}
+            if bad:
+                print(f"benchmark {name}: {len(bad)} item(s) with unreadable images left out", file=sys.stderr)
+            sets[name] = [it for it in items if it.name not in bad]
+            if not sets[name]:
+                raise UserError(f"config key 'train.benchmarks': {path} has no item with readable images")
+        return cls(sets, max(2, cfg.train.eval_batch_size or cfg.train.micro_batch_size))
+
+    def run(self, c) -> dict:
+        model, acc = c.raw, c.accelerator
+        was_training, mode = model.training, model.latent_mode
+        model.eval()
+        model.latent_mode = "mean"
+        out = {}
+        try:
+            for name, items in self.sets.items():
+                counts = self._counts(c, items)
+                if c.world_size > 1:
+                    counts = acc.reduce(counts, reduction="sum")
+                n, k, ks = (int(x) for x in counts.tolist())
+                out.update({f"bench/{name}/n": n, f"bench/{name}/accuracy": k / max(n, 1),
+                            f"bench/{name}/accuracy_shuffled_world": ks / max(n, 1)})
+        finally:
+            model.latent_mode = mode
+            model.train(was_training)
+        return out
+
+    def _counts(self, c, items: list[benchmarks.Item]) -> torch.Tensor:
+        """(items, correct, correct with the shuffled world) over this process's share."""
+        scorer = Scorer(c.raw, c.processor, c.cfg.image, items)
+        per_batch = max(1, self.batch_rows // max(len(it.choices) for it in items))
+        mine = list(range(c.rank, len(items), c.world_size))
+        steps = math.ceil(math.ceil(len(items) / c.world_size) / per_batch)
+        counts = torch.zeros(3, dtype=torch.float64, device=c.accelerator.device)
+        for s in range(steps):
+            idx = mine[s * per_batch:(s + 1) * per_batch]
+            with c.accelerator.autocast():
+                scores = scorer.score(idx or [0])
+            for r in tally(items, idx, scores):  # no records for the stand-in batch
+                counts += torch.tensor([1, r["pred"] == r["answer"], r["pred_shuffled_world"] == r["answer"]],
+                                       dtype=torch.float64, device=counts.device)
+        return counts
