@@ -309,7 +309,7 @@ def _run_single_threaded(cfg):
 
 def _launch_two_processes(args: list[str]) -> subprocess.CompletedProcess:
     """Two real CPU processes (gloo); see design section 6 for why not `--cpu --num_processes 2`."""
-    cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "precompute.cosmos_latents", *args]
     res = subprocess.run(cmd, cwd=ROOT, env=_env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True,
                          timeout=180)
@@ -335,7 +335,7 @@ def test_a_second_run_into_a_busy_output_dir_is_refused_by_every_process(tmp_pat
     out = tmp_path / "c"
     fd = run_lock.acquire(out)  # this process stands for a run writing shards
     try:
-        cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
                "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "precompute.cosmos_latents",
                *cli_args(out, n=8, shard=4)]
         res = subprocess.run(cmd, cwd=ROOT, env=_env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True,
