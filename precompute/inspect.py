@@ -18,6 +18,7 @@ import math
 import random
 import sys
 import tarfile
+import zlib
 from pathlib import Path
 
 import torch
@@ -26,7 +27,7 @@ from precompute.config import PrecomputeConfig
 from theworld import cache_format as cf
 from theworld import encoders, images
 from theworld.config import load_config
-from theworld.errors import UserError, cli_entry
+from theworld.errors import CacheDamaged, UserError, cli_entry
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -96,7 +97,8 @@ def summary(cache: Path, args) -> tuple[dict, int, str]:
               "bytes_per_sample": round(total_bytes / n, 1) if n else None,
               "latent_shape": manifest["latent_shape"], "latent_dtype": manifest["latent_dtype"],
               "contents": manifest.get("contents", {}), **stats, "error_reasons": dict(reasons),
-              "vae": manifest["fingerprint"]["vae"]["model"], "resolution": manifest["fingerprint"]["image"]["resolution"]}
+              "vae": (manifest["fingerprint"].get("vae") or {}).get("model"),
+              "resolution": (manifest["fingerprint"].get("image") or {}).get("resolution")}
     lines = [f"cache {cache}: {report['num_samples']} samples, {report['num_errors']} errors, "
              f"{report['num_shards']} shards, {total_bytes / 1e6:.2f} MB ({report['bytes_per_sample']} B/sample)",
              f"latent {report['latent_shape']} {report['latent_dtype']}, contents {report['contents']}, "
@@ -136,7 +138,9 @@ def _check_sample(key: str, members: dict[str, bytes], manifest: dict) -> list[s
     return problems
 
 
-def _read_tar(path: Path) -> tuple[dict[str, dict[str, bytes]], str | None]:
+def _read_tar(path: Path, spans: dict | None = None) -> tuple[dict[str, dict[str, bytes]], str | None]:
+    """{key: {member: bytes}} in tar order, and what broke the reading (None: the tar is whole). `spans`, when given,
+    receives {key: {member: [data offset, size]}} as the tar itself places them."""
     samples: dict[str, dict[str, bytes]] = {}
     try:
         with tarfile.open(path, "r:") as tf:
@@ -144,13 +148,36 @@ def _read_tar(path: Path) -> tuple[dict[str, dict[str, bytes]], str | None]:
                 if m.isfile():
                     key, member = cf.split_member(m.name)
                     samples.setdefault(key, {})[member] = tf.extractfile(m).read()
+                    if spans is not None:
+                        spans.setdefault(key, {})[member] = [m.offset_data, m.size]
     except (tarfile.TarError, OSError, EOFError) as e:
         return samples, f"unreadable tar: {type(e).__name__}: {e}"
     return samples, None
 
 
+def _check_sidecar(side: dict, samples: dict[str, dict[str, bytes]], spans: dict) -> list[str]:
+    """The sidecar's keys, member offsets and crc32s against what the tar holds."""
+    try:
+        entries = {e["key"]: e for e in side["samples"]}
+        if list(entries) != list(samples):
+            return [f"sidecar lists {len(entries)} keys, the tar holds {len(samples)}, or not in the same order"]
+        problems = []
+        for key, e in entries.items():
+            if {n: list(v) for n, v in e["members"].items()} != spans[key]:
+                problems.append(f"{key}: sidecar offsets {e['members']} != the tar's {spans[key]}")
+            for name, crc in (e.get(cf.CHECKSUMS) or {}).items():
+                if zlib.crc32(samples[key].get(name, b"")) != crc:
+                    problems.append(f"{key}: {name} fails its crc32 check")
+        return problems
+    except (KeyError, TypeError, AttributeError) as e:
+        return [f"sidecar is malformed ({type(e).__name__}: {e})"]
+
+
 def verify(cache: Path, args) -> tuple[dict, int, str]:
-    manifest = cf.load_manifest(cache)
+    try:
+        manifest = cf.load_manifest(cache)
+    except CacheDamaged as e:  # a finding of verify's, like a bad shard
+        return {"cache": str(cache), "ok": False, "problems": [str(e)], "shards": []}, 1, f"verify {cache}: FAILED: {e}"
     _check_full_fingerprint(cache, manifest, args)
     seen: dict[str, str] = {}
     shards, total = [], 0
@@ -168,9 +195,12 @@ def verify(cache: Path, args) -> tuple[dict, int, str]:
         side = cf.read_sidecar(cache, i)
         if side is None or side.get("sha256") != entry["sha256"]:
             problems.append("sidecar missing or does not match the manifest")
-        samples, broken = _read_tar(path)
+        spans: dict = {}
+        samples, broken = _read_tar(path, spans)
         if broken:
             problems.append(broken)
+        elif side is not None:
+            problems += _check_sidecar(side, samples, spans)
         if len(samples) != entry["num_samples"]:
             problems.append(f"{len(samples)} samples, manifest says {entry['num_samples']}")
         for key, members in samples.items():
@@ -340,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     cache = Path(args.cache)
     try:
         report, code, text = COMMANDS[args.command](cache, args)
-    except OSError as e:  # most often a shard missing or cut short: verify reports every problem, the rest stop
+    except (OSError, CacheDamaged) as e:  # most often a shard missing or cut short: verify reports every problem,
+        # the rest stop
         raise UserError(f"{args.command} {cache}: {e} (if the cache is damaged, python -m precompute.inspect verify "
                         f"{cache} checks every shard)") from None
     print(json.dumps(report, indent=1) if args.json else text)

@@ -14,6 +14,10 @@ class CacheMismatch(UserError):
     """A cache that does not belong to this config (fingerprint differs)."""
 
 
+class CacheDamaged(UserError):
+    """A cache file that does not hold what its sidecar or manifest says (truncated, swapped, bit rot, malformed)."""
+
+
 def cli_entry(main: Callable[[list[str] | None], int | None]) -> Callable[[list[str] | None], int]:
     """Run `main`, turning a UserError into one line on stderr and exit code 2 (never a traceback)."""
 

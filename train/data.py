@@ -18,6 +18,7 @@ import hashlib
 import math
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +84,7 @@ def plan_inputs(cfg, reader: cf.CacheReader) -> InputPlan:
 def open_cache(cfg) -> tuple[cf.CacheReader, InputPlan]:
     """Open the cache and check the fingerprint fields that need no model (before any model is loaded)."""
     reader = cf.CacheReader(cfg.cache_dir)
+    reader.check_consistency()  # sizes and keys only; every member's crc32 is checked as it is read
     fp = reader.manifest.get("fingerprint") or {}
     plan = plan_inputs(cfg, reader)
     cache_side = {"format_version": fp.get("format_version"),
@@ -200,13 +202,13 @@ class CacheDataset(Dataset):
     def __getitem__(self, pos: int) -> dict:
         index = self.indices[pos]
         raw = self.reader.raw(index)
-        s = cf.decode_sample(self.reader.key(index), raw, tensors=False)
+        s = self.reader.decode(index, raw, tensors=False)
         flipped = self.flip and flip_of(self.seed, self.epoch, index)
         prompt, caption = s.prompt, s.caption
         if flipped:
             prompt, caption = swap_left_right(prompt), swap_left_right(caption)
         # text is tokenised and cached tensors are decoded a batch at a time, by Collate
-        item: dict = {"text": (prompt, caption)}
+        item: dict = {"text": (prompt, caption), "origin": (self.reader, index)}
         if self.plan.cached_latents:
             item[cf.LATENT] = raw[cf.LATENT_FLIP if flipped else cf.LATENT]
         else:
@@ -285,13 +287,39 @@ class Collate:
         batch = collate_text(_encode(self.formatter, [it["text"] for it in items]), self.formatter.pad_id)
         for k in items[0]:
             if k in self.CACHED:
-                stacked = cf.load_stacked([it[k] for it in items])
+                stacked = _load_stacked(k, items, tuple(self.CACHED[k]))
                 if missing := self.CACHED[k].keys() - stacked.keys():
                     raise ValueError(f"cache member {k} holds no tensor {', '.join(sorted(missing))}")
                 batch.update({key: stacked[name] for name, key in self.CACHED[k].items()})
-            elif k != "text":
+            elif k not in ("text", "origin"):
                 batch[k] = torch.stack([it[k] for it in items])
         return Batch(batch, num_tokens=int((batch["labels"][:, 1:] != IGNORE).sum()))
+
+
+def _load_stacked(member: str, items: list[dict], names) -> dict[str, torch.Tensor]:
+    """cf.load_stacked; bytes that do not decode to the tensors `names` (a cache written before member checksums)
+    raise CacheDamaged naming the sample."""
+    try:
+        return cf.load_stacked([it[member] for it in items])
+    except BaseException as e:
+        if not isinstance(e, Exception) and type(e).__name__ != "PanicException":  # safetensors' Rust panics
+            raise
+        signatures = []
+        for it in items:  # find the sample at fault, for the error line
+            reader, index = it["origin"]
+            try:
+                t = cf.st_load(it[member])
+                signatures.append(tuple((n, tuple(t[n].shape), t[n].dtype) for n in names))
+            except BaseException as inner:  # noqa: BLE001 - KeyError for a missing tensor, or a decode failure
+                if not isinstance(inner, Exception) and type(inner).__name__ != "PanicException":
+                    raise
+                raise reader.damaged(index, f"member {member} does not decode to tensors {', '.join(names)} "
+                                            f"({type(inner).__name__})") from None
+        common = Counter(signatures).most_common(1)[0][0]
+        odd = next((it["origin"] for it, sig in zip(items, signatures) if sig != common), None)
+        if odd is None:
+            raise
+        raise odd[0].damaged(odd[1], f"member {member} holds tensors unlike the batch's others") from None
 
 
 # batch keys that carry a sample's world (eval's shuffled-world loss permutes them across the batch)
@@ -320,7 +348,7 @@ class DataContext:
     def build(cls, cfg, reader: cf.CacheReader, plan: InputPlan, processor) -> "DataContext":
         train, held = split(reader, cfg.train.eval_samples)
         formatter = ChatFormatter(processor, max_length=cfg.train.max_length or None)
-        first = cf.decode_sample(reader.key(train[0]), reader.raw(train[0]), tensors=False)
+        first = reader.sample(train[0], tensors=False)
         _encode(formatter, [(first.prompt, first.caption)])  # a prompt over max_length: an error before any worker
         return cls(reader, plan, formatter, processor.image_processor, train, held)
 

@@ -58,6 +58,9 @@ def _train(cfg, acc, reader, plan, per_epoch: int, accum: int, t_start: float) -
                 cfg.trackers)
     for p in removed:
         m.message(f"removed {p}, an unfinished save of a killed run")
+    if not reader.checksummed:
+        m.message(f"note: cache {cfg.cache_dir} has no per-member checksums (written before they existed): damaged "
+                  "latents would go unnoticed; rebuild it to add them")
     for r in reports:
         m.message(checkpoint.describe_init(cfg.init_from, r))
     m.message(f"{'resumed from ' + str(resume_from) if resume_from else 'fresh start'} at step {state.step}; "
