@@ -28,6 +28,7 @@ from theworld import cache_format as cf
 from theworld.errors import UserError
 from theworld.images import decode, load_for_vae
 from theworld.text import IGNORE, ChatFormatter, PromptTooLong, collate_text
+from train.preempt import ignore_in_workers
 
 
 def _seed(*parts) -> int:
@@ -361,6 +362,7 @@ def _worker_init(_: int) -> None:
     # workers decode and tokenise; intra-op or tokenizer threads would only fight the training step
     torch.set_num_threads(1)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    ignore_in_workers()
 
 
 def _loader(cfg, ctx: DataContext, dataset, **kw) -> DataLoader:

@@ -14,6 +14,7 @@ from theworld import run_lock
 from theworld.config import to_dict
 from theworld.errors import cli_entry
 from train import checkpoint, data, optim
+from train.preempt import EXIT_CODES, Preemption
 from train.config import accumulation_steps, load, run_hash, to_yaml
 from train.metrics import Metrics, ProfileWindow, StepWindow, summary
 from train.step import LoopState, NonFiniteError, evaluate, optimization_step
@@ -38,7 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     # one run per output_dir: a second one would take this run's unfinished saves for a killed run's and delete them
     with run_lock.hold(cfg.output_dir, acc):
         code = _train(cfg, acc, reader, plan, per_epoch, accum, t_start)
-    if code == 0:  # not after an error, when another process may still be in a collective; see precompute's main
+    # not after an error, when another process may still be in a collective (see precompute's main); a preempted run
+    # stopped on every rank after the same step
+    if code == 0 or code in EXIT_CODES.values():
         acc.state.destroy_process_group()
     return code
 
@@ -48,6 +51,8 @@ def _train(cfg, acc, reader, plan, per_epoch: int, accum: int, t_start: float) -
     removed = checkpoint.remove_partial(cfg.output_dir) if acc.is_main_process else []  # before choosing where to
     acc.wait_for_everyone()  # resume: a folder a killed save had moved aside may come back
     resume_from = checkpoint.resolve_resume(cfg)
+    if resume_from is not None:
+        checkpoint.check_resumable(resume_from, cfg.train.max_steps)  # before the models load
     reports = []
     c = optim.build(cfg, acc, accum, (lambda m: reports.append(checkpoint.init_from(m, cfg.init_from)))
                     if cfg.init_from else None)
@@ -58,6 +63,9 @@ def _train(cfg, acc, reader, plan, per_epoch: int, accum: int, t_start: float) -
                 cfg.trackers)
     for p in removed:
         m.message(f"removed {p}, an unfinished save of a killed run")
+    if not reader.checksummed:
+        m.message(f"note: cache {cfg.cache_dir} has no per-member checksums (written before they existed): damaged "
+                  "latents would go unnoticed; rebuild it to add them")
     if not reader.checksummed:
         m.message(f"note: cache {cfg.cache_dir} has no per-member checksums (written before they existed): damaged "
                   "latents would go unnoticed; rebuild it to add them")
@@ -88,6 +96,7 @@ def _train(cfg, acc, reader, plan, per_epoch: int, accum: int, t_start: float) -
     if state.step == 0 and cfg.train.eval_every:
         run_eval()
     window = StepWindow()
+    stop = Preemption(acc).install()  # SIGTERM / SIGINT: stop after the current step, saved
     try:
         while state.step < cfg.train.max_steps:
             epoch, start = divmod(state.step, per_epoch)
@@ -113,6 +122,8 @@ def _train(cfg, acc, reader, plan, per_epoch: int, accum: int, t_start: float) -
                     run_eval()
                 if state.step % cfg.train.save_every == 0:
                     save()
+                if stop.requested():
+                    return stop.finish(state.step, cfg, save, m)
     except NonFiniteError as e:
         m.close()
         print(f"error: {e}", file=sys.stderr)
@@ -120,6 +131,8 @@ def _train(cfg, acc, reader, plan, per_epoch: int, accum: int, t_start: float) -
     except BaseException:
         m.close()  # the progress bar ends its line before the error is printed
         raise
+    finally:
+        stop.restore()
     if state.last_eval is None or state.last_eval.get("step") != state.step:  # a checkpoint saved before its eval
         run_eval()
     if window.steps_run and state.step % cfg.train.save_every:  # (a finished run's rerun has its checkpoint)

@@ -1,0 +1,165 @@
+"""Training under hostile conditions: damaged checkpoints, a too-small max_steps on a finished run, preemption by
+SIGTERM/SIGINT, a full disk while saving or logging. Each ends in one line, loses nothing, and the rerun is bit-exact."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from test_train import ENV, ROOT, base_args, cache, metrics, train_inproc  # noqa: F401 (cache: a fixture)
+from theworld.cache_format import sha256_file
+
+
+def _one_line(capsys, *words: str) -> str:
+    """The one error line (a run stopped mid-way has also printed its progress bar and start line)."""
+    text = capsys.readouterr().err
+    err = [ln for ln in text.splitlines() if "error" in ln.lower()]
+    assert len(err) == 1 and err[0].startswith("error: ") and all(w in err[0] for w in words), err
+    assert "Traceback" not in text
+    return err[0]
+
+
+def _final(out: Path) -> bytes:
+    return (out / "final" / "trainable.safetensors").read_bytes()
+
+
+def test_checkpoint_files_are_hashed_and_a_damaged_one_is_refused_not_exported(cache, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = lambda steps=4, **kw: base_args(cache, out, steps=steps, **{"train.save_every": 2, **kw})  # noqa: E731
+    assert train_inproc(args()) == 0
+    exported = _final(out)
+    ckpt = out / "checkpoint-4"
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["sha256"] == {f.name: sha256_file(f) for f in ckpt.iterdir() if f.name != "state.json"}
+    assert set(state["sha256"]) == {"trainable.safetensors", "optimizer.pt", "rng.safetensors"}
+    capsys.readouterr()
+    # a finished 4-step run resumed with max_steps 2 would export its step-4 weights as a 2-step run's
+    assert train_inproc(args(steps=2)) == 2
+    _one_line(capsys, "'train.max_steps'", "checkpoint-4")
+    # one flipped bit in the newest checkpoint's weights: refused before anything is loaded or exported
+    weights = ckpt / "trainable.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0x01
+    weights.write_bytes(bytes(data))
+    assert train_inproc(args()) == 2
+    _one_line(capsys, str(weights), "damaged", "the one before it")
+    assert _final(out) == exported
+    # the line's advice: move it out, and the run continues from checkpoint-2 to the same weights
+    ckpt.rename(tmp_path / "damaged-checkpoint-4")
+    assert train_inproc(args()) == 0
+    assert "resumed from" in capsys.readouterr().err and _final(out) == exported
+
+
+def _wait_for_step(out: Path, proc: subprocess.Popen, step: int, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while proc.poll() is None and time.time() < deadline:
+        steps = [m.get("step", -1) for m in _metrics_lines(out) if "loss" in m]
+        if steps and steps[-1] >= step:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"the run did not reach step {step} (exit {proc.poll()})")
+
+
+def _metrics_lines(out: Path) -> list[dict]:
+    try:
+        text = (out / "metrics.jsonl").read_text()
+    except FileNotFoundError:
+        return []
+    lines = []
+    for line in text.splitlines():
+        try:
+            lines.append(json.loads(line))
+        except ValueError:  # being written
+            pass
+    return lines
+
+
+def _interrupt(args: list[str], out: Path, at_step: int, sig: int) -> tuple[int, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "train.loop", *args], cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_step(out, proc, at_step)
+        os.kill(proc.pid, sig)
+        _, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, err
+
+
+def test_sigterm_and_sigint_save_and_the_resumed_run_is_bitwise_equal(cache, tmp_path):
+    extra = {"train.save_every": 100, "world.latent": "sample", "train.ema": 0.9, "train.num_workers": 1}
+    steps = 24
+    ref = subprocess.run([sys.executable, "-m", "train.loop", *base_args(cache, tmp_path / "ref", steps, **extra)],
+                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    out = tmp_path / "run"
+    args = base_args(cache, out, steps, **extra)
+    code, err = _interrupt(args, out, 2, signal.SIGTERM)
+    assert code == 143, err[-3000:]
+    first = sorted(out.glob("checkpoint-*"))
+    assert len(first) == 1 and 2 <= int(first[0].name.split("-")[1]) < steps, first
+    assert f"checkpoint {out}/{first[0].name}" in err and "rerun the same command" in err
+    assert "Traceback" not in err and not (out / "final").exists()
+    code, err = _interrupt(args, out, int(first[0].name.split("-")[1]) + 2, signal.SIGINT)
+    assert code == 130, err[-3000:]
+    assert "resumed from" in err and "SIGINT" in err and "Traceback" not in err
+    done = subprocess.run([sys.executable, "-m", "train.loop", *args], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _final(out) == _final(tmp_path / "ref")
+    assert (out / "final" / "ema.safetensors").read_bytes() == (tmp_path / "ref" / "final" / "ema.safetensors").read_bytes()
+    assert [m["loss"] for m in metrics(out) if "loss" in m] == [m["loss"] for m in metrics(tmp_path / "ref")
+                                                                if "loss" in m]
+
+
+def _enospc(*_a, **_k):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_while_saving_or_logging_is_one_line_and_the_rerun_is_bit_exact(cache, tmp_path, capsys,
+                                                                                    monkeypatch):
+    from train import checkpoint, metrics as metrics_module
+
+    args = lambda out: base_args(cache, out, steps=4, **{"train.save_every": 1})  # noqa: E731
+    assert train_inproc(args(tmp_path / "ref")) == 0
+    capsys.readouterr()
+    out = tmp_path / "run"
+    # the third checkpoint's fsync finds the disk full (where a full disk usually shows first)
+    saves = {"n": 0}
+    real_write_dir = checkpoint._write_dir
+
+    def write_dir(tmp, files):
+        saves["n"] += 1
+        if saves["n"] == 3:
+            monkeypatch.setattr(checkpoint.os, "fsync", _enospc)
+        return real_write_dir(tmp, files)
+
+    monkeypatch.setattr(checkpoint, "_write_dir", write_dir)
+    assert train_inproc(args(out)) == 2
+    _one_line(capsys, "no space left on device", ".tmp-checkpoint-3", "rerun the same command")
+    monkeypatch.undo()
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    # the metrics file fills up at step 4
+    real_open = open
+
+    def metrics_open(path, mode="r", *a, **k):
+        if "a" in mode and any(m.get("step") == 3 for m in _metrics_lines(Path(path).parent)):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_open(path, mode, *a, **k)
+
+    monkeypatch.setattr(metrics_module, "open", metrics_open, raising=False)
+    assert train_inproc(args(out)) == 2
+    _one_line(capsys, "no space left on device", "metrics.jsonl")
+    monkeypatch.undo()
+    assert train_inproc(args(out)) == 0  # space freed
+    assert _final(out) == _final(tmp_path / "ref")
+    assert [m["loss"] for m in metrics(out) if "loss" in m] == [m["loss"] for m in metrics(tmp_path / "ref")
+                                                                if "loss" in m]
