@@ -30,6 +30,7 @@ from theworld import cache_format as cf
 from theworld import encoders, images, run_lock
 from theworld.config import cli_parser, to_dict, to_yaml
 from theworld.errors import UserError, cli_entry
+from theworld.launch import process_group
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -345,18 +346,6 @@ def _compile_encoder(encoder, cfg: PrecomputeConfig, device: torch.device) -> fl
     return round(time.perf_counter() - t, 3)
 
 
-def _process_group():
-    from accelerate import PartialState
-
-    # Without cpu=True, `accelerate launch` on a machine without CUDA starts N processes that each think they are
-    # alone (DistributedType.NO) instead of one gloo group.
-    use_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes") or not torch.cuda.is_available()
-    state = PartialState(cpu=use_cpu)
-    if state.num_processes == 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise RuntimeError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but accelerate set up a single process")
-    return state
-
-
 def _claim_output(out: Path, identity: dict) -> None:
     """Rank 0, once the identity is checked: the folders, no leftovers of a killed run, the identity recorded."""
     (out / cf.SHARDS).mkdir(parents=True, exist_ok=True)
@@ -371,7 +360,7 @@ def _claim_output(out: Path, identity: dict) -> None:
 def run(cfg: PrecomputeConfig) -> dict:
     """Build (or finish) the cache at cfg.output_dir; returns the manifest plus a "summary" of this run."""
     cfg.validate_paths()
-    state = _process_group()
+    state = process_group()
     out = Path(cfg.output_dir)
     # before listing the source or loading a model: output_dir holds nothing built by another config (a webdataset
     # listing would otherwise be written into another cache's folder)
@@ -456,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     run(cfg)
     # After a successful run only (on an error another process may still be in a collective). A process that exits
     # with its gloo group alive can abort in interpreter teardown ("terminate called without an active exception").
-    _process_group().destroy_process_group()
+    process_group().destroy_process_group()
     return 0
 
 

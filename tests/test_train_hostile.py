@@ -163,3 +163,67 @@ def test_a_full_disk_while_saving_or_logging_is_one_line_and_the_rerun_is_bit_ex
     assert _final(out) == _final(tmp_path / "ref")
     assert [m["loss"] for m in metrics(out) if "loss" in m] == [m["loss"] for m in metrics(tmp_path / "ref")
                                                                 if "loss" in m]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Launchers and process counts
+
+
+def test_micro_batch_auto_keeps_the_shipped_numbers_and_a_bad_value_gets_a_suggestion():
+    from theworld.config import load_config
+    from theworld.errors import UserError
+    from train.config import TrainConfig, accumulation_steps
+
+    def micro(path, world, *sets):
+        cfg = load_config(TrainConfig, path, list(sets))
+        return cfg.train.micro_batch_size, accumulation_steps(cfg, world), cfg.train.micro_batch_size
+
+    for stage in range(1, 5):  # 1 process: what the configs gave before auto (32 of 32; real: 8 of 256)
+        assert micro(ROOT / "configs" / f"stage{stage}.yaml", 1) == ("auto", 1, 32)
+        assert micro(ROOT / "configs" / f"stage{stage}.yaml", 2) == ("auto", 1, 16)
+        assert micro(ROOT / "configs" / "real" / f"stage{stage}.yaml", 1) == ("auto", 32, 8)
+        assert micro(ROOT / "configs" / "real" / f"stage{stage}.yaml", 8) == ("auto", 4, 8)
+    assert micro(None, 3, "train.global_batch_size=36", "train.max_micro_batch_size=5")[2] == 4  # 12 per process
+    assert micro(None, 1, "train.global_batch_size=7")[2] == 7
+    with pytest.raises(UserError, match=r"'train.micro_batch_size': 32 .* use 16 \(or auto\)"):
+        micro(None, 2, "train.global_batch_size=32", "train.micro_batch_size=32")
+    with pytest.raises(UserError, match=r"'train.micro_batch_size': 5 .* use 4 \(or auto\)"):
+        micro(None, 1, "train.global_batch_size=32", "train.micro_batch_size=5")
+    with pytest.raises(UserError, match=r"'train.global_batch_size': 32 does not split over 3 processes; .* 33 or 30"):
+        micro(None, 3, "train.global_batch_size=32")
+    for bad in ("0", "-8", "big", "1.5"):
+        with pytest.raises(UserError, match="train.micro_batch_size"):
+            load_config(TrainConfig, None, [f"train.micro_batch_size={bad}"])
+
+
+def test_a_launcher_whose_processes_do_not_form_one_group_is_refused(monkeypatch):
+    from theworld.errors import UserError
+    from theworld.launch import check_group
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    check_group(2)
+    with pytest.raises(UserError, match="started 2 processes"):
+        check_group(1)  # what accelerate gives N CPU processes it was not told to group
+
+
+def test_torchrun_with_two_processes_trains_on_two(cache, tmp_path):
+    import socket
+
+    import torch
+
+    from test_train import weights
+
+    one = subprocess.run([sys.executable, "-m", "train.loop", *base_args(cache, tmp_path / "one", steps=3)],
+                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(port), "-m", "train.loop", *base_args(cache, tmp_path / "two", steps=3)],
+                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "2 process(es) x 1 micro-batches of 8" in two.stderr
+    w1, w2 = weights(tmp_path / "one"), weights(tmp_path / "two")
+    for k in [k for k in w1 if not k.endswith("k_proj.bias")]:  # see test_one_vs_two_processes_vs_accumulation
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-5)

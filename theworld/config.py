@@ -83,9 +83,9 @@ def _takes_text(tp: Any) -> bool:
 
 
 def _check_value(value: Any, tp: Any, key: str) -> Any:
-    if isinstance(value, _Text):
-        value = value.raw if _takes_text(tp) else value.parsed
     origin = typing.get_origin(tp)
+    if isinstance(value, _Text) and origin not in (typing.Union, types.UnionType):  # a union asks each member
+        value = value.raw if _takes_text(tp) else value.parsed
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise UserError(f"config key '{key}': expected a mapping, got {type(value).__name__}")

@@ -7,6 +7,7 @@ from typing import Callable
 import torch
 
 from theworld.errors import UserError
+from theworld.launch import check_group, use_cpu
 from theworld.model import TheWorld, compile_language_layers
 
 # Parameter names that never get weight decay besides biases and norm weights (all 1-D tensors).
@@ -18,8 +19,10 @@ def make_accelerator(cfg):
     from accelerate.utils import ProjectConfiguration
 
     check_attention(cfg.train.attention)  # before the accelerator and the models: a refusal should cost nothing
-    return Accelerator(mixed_precision=cfg.train.mixed_precision, log_with=list(cfg.trackers) or None,
-                       project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=cfg.output_dir))
+    acc = Accelerator(cpu=use_cpu(), mixed_precision=cfg.train.mixed_precision, log_with=list(cfg.trackers) or None,
+                      project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=cfg.output_dir))
+    check_group(acc.num_processes)  # torchrun or a config file: N processes train as one group, never N runs
+    return acc
 
 
 def build_model(cfg) -> tuple[TheWorld, object]:
