@@ -227,3 +227,54 @@ def test_torchrun_with_two_processes_trains_on_two(cache, tmp_path):
     w1, w2 = weights(tmp_path / "one"), weights(tmp_path / "two")
     for k in [k for k in w1 if not k.endswith("k_proj.bias")]:  # see test_one_vs_two_processes_vs_accumulation
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-5)
+
+
+def test_the_shuffled_world_eval_is_the_same_on_one_and_two_processes(cache, tmp_path):
+    import socket
+
+    args = lambda out: base_args(cache, out, steps=1, **{"train.eval_every": 1, "train.eval_samples": 14,  # noqa: E731
+                                                          "train.eval_batch_size": 4})
+    one = subprocess.run([sys.executable, "-m", "train.loop", *args(tmp_path / "one")], cwd=ROOT, env=ENV,
+                         capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    two = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+         "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port), "-m",
+         "train.loop", *args(tmp_path / "two")],
+        cwd=ROOT, env={**ENV, "ACCELERATE_USE_CPU": "true"}, capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    e1 = [m for m in metrics(tmp_path / "one") if "eval_loss" in m]
+    e2 = [m for m in metrics(tmp_path / "two") if "eval_loss" in m]
+    assert [m["step"] for m in e1] == [m["step"] for m in e2] == [0, 1]
+    for a, b in zip(e1, e2):  # 14 samples: 7 per process, batches of 4 and 3 vs 4, 4, 4, 2 on one
+        assert a["eval_tokens"] == b["eval_tokens"]
+        assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-5)
+        assert b["eval_loss_shuffled_world"] == pytest.approx(a["eval_loss_shuffled_world"], rel=1e-5)
+        assert a["eval_loss_shuffled_world"] != pytest.approx(a["eval_loss"], rel=1e-4)  # worlds really swapped
+
+
+def test_eval_items_carry_the_world_of_the_next_held_out_sample(cache):
+    import torch
+
+    from theworld import cache_format as cf
+    from theworld.config import load_config
+    from train import data
+    from train.config import TrainConfig
+
+    cfg = load_config(TrainConfig, None, [f"cache_dir={cache}", "model.dtype=float32", "train.eval_samples=5",
+                                          "train.micro_batch_size=2", "train.global_batch_size=16"])
+    reader, plan = data.open_cache(cfg)
+    _, held = data.split(reader, 5)
+
+    class Fmt:  # the dataset only keeps it for Collate
+        pass
+
+    pixels = lambda images, return_tensors: {"pixel_values": torch.zeros(1, 3, 4, 4)}  # noqa: E731
+    ds = data.CacheDataset(reader, held, Fmt(), plan, 64, "crop", pixels, flip=False, partner=True)
+    for pos in range(5):
+        item = ds[pos]
+        nxt = held[(pos + 1) % 5]
+        assert item[data.PARTNER + cf.LATENT] == reader.raw(nxt)[cf.LATENT] != item[cf.LATENT]

@@ -141,9 +141,9 @@ def check_sizes(cfg, num_samples: int, world_size: int) -> int:
     """Steps per epoch from the cache's size alone (before any model loads), or a one-line error naming the key."""
     n_eval = cfg.train.eval_samples
     _check_held_out(n_eval, num_samples)
-    if 0 < n_eval < 2 * world_size:  # eval shuffles world latents across the samples of a batch: 2 per process
-        raise UserError(f"config key 'train.eval_samples': {n_eval} is too few for {world_size} process(es): use 0 "
-                        f"(no eval) or at least {2 * world_size}")
+    if n_eval == 1:  # the shuffled-world loss pairs each held-out sample with another one
+        raise UserError("config key 'train.eval_samples': 1 has no other sample to take a world from: use 0 (no eval) "
+                        "or at least 2")
     return steps_per_epoch(num_samples - n_eval, cfg.train.global_batch_size)
 
 
@@ -191,11 +191,14 @@ class CacheDataset(Dataset):
 
     def __init__(self, reader: cf.CacheReader, indices: list[int], formatter: ChatFormatter, plan: InputPlan,
                  resolution: int, resize: str, image_processor=None, seed: int = 0, epoch: int = 0,
-                 flip: bool | None = None):
+                 flip: bool | None = None, partner: bool = False):
         self.reader, self.indices, self.formatter, self.plan = reader, indices, formatter, plan
         self.resolution, self.resize, self.image_processor = resolution, resize, image_processor
         self.seed, self.epoch = seed, epoch
         self.flip = plan.flip if flip is None else flip
+        # eval: each item also carries the world of the sample after it in `indices` (cyclically), for the
+        # shuffled-world loss; a rule over the whole split, so the figure does not depend on the process count
+        self.partner = partner
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -215,6 +218,8 @@ class CacheDataset(Dataset):
         else:
             pixels, _ = load_for_vae(s.image, self.resolution, self.resize)
             item["images"] = pixels.flip(-1).contiguous() if flipped else pixels
+        if self.partner:
+            item.update(self._world((pos + 1) % len(self.indices)))
         if self.plan.cached_siglip:
             item[cf.SIGLIP] = raw[cf.SIGLIP]
         else:
@@ -224,6 +229,18 @@ class CacheDataset(Dataset):
                 img = ImageOps.mirror(img)
             item["pixel_values"] = self.image_processor(images=[img], return_tensors="pt")["pixel_values"][0]
         return item
+
+
+    def _world(self, pos: int) -> dict:
+        """The unflipped world input of the sample at `pos`, under PARTNER names."""
+        index = self.indices[pos]
+        if self.plan.cached_latents:
+            return {PARTNER + cf.LATENT: self.reader.raw(index)[cf.LATENT]}
+        image = self.reader.decode(index, self.reader.raw(index), tensors=False).image
+        return {PARTNER + "images": load_for_vae(image, self.resolution, self.resize)[0]}
+
+
+PARTNER = "partner:"  # prefix of an eval item's (and batch's) partner-world keys
 
 
 class Batch:
@@ -287,11 +304,12 @@ class Collate:
     def __call__(self, items: list[dict]) -> Batch:
         batch = collate_text(_encode(self.formatter, [it["text"] for it in items]), self.formatter.pad_id)
         for k in items[0]:
-            if k in self.CACHED:
-                stacked = _load_stacked(k, items, tuple(self.CACHED[k]))
-                if missing := self.CACHED[k].keys() - stacked.keys():
-                    raise ValueError(f"cache member {k} holds no tensor {', '.join(sorted(missing))}")
-                batch.update({key: stacked[name] for name, key in self.CACHED[k].items()})
+            prefix, member = (PARTNER, k.removeprefix(PARTNER)) if k.startswith(PARTNER) else ("", k)
+            if member in self.CACHED:
+                stacked = _load_stacked(k, items, tuple(self.CACHED[member]))
+                if missing := self.CACHED[member].keys() - stacked.keys():
+                    raise ValueError(f"cache member {member} holds no tensor {', '.join(sorted(missing))}")
+                batch.update({prefix + key: stacked[name] for name, key in self.CACHED[member].items()})
             elif k not in ("text", "origin"):
                 batch[k] = torch.stack([it[k] for it in items])
         return Batch(batch, num_tokens=int((batch["labels"][:, 1:] != IGNORE).sum()))
@@ -323,7 +341,7 @@ def _load_stacked(member: str, items: list[dict], names) -> dict[str, torch.Tens
         raise odd[0].damaged(odd[1], f"member {member} holds tensors unlike the batch's others") from None
 
 
-# batch keys that carry a sample's world (eval's shuffled-world loss permutes them across the batch)
+# batch keys that carry a sample's world (eval's shuffled-world loss swaps them for their PARTNER versions)
 WORLD_KEYS = (*Collate.CACHED[cf.LATENT].values(), "images")
 
 
@@ -353,9 +371,10 @@ class DataContext:
         _encode(formatter, [(first.prompt, first.caption)])  # a prompt over max_length: an error before any worker
         return cls(reader, plan, formatter, processor.image_processor, train, held)
 
-    def dataset(self, cfg, indices: list[int], epoch: int, flip: bool | None = None) -> CacheDataset:
+    def dataset(self, cfg, indices: list[int], epoch: int, flip: bool | None = None,
+                partner: bool = False) -> CacheDataset:
         return CacheDataset(self.reader, indices, self.formatter, self.plan, cfg.image.resolution, cfg.image.resize,
-                            self.image_processor, cfg.seed, epoch, flip)
+                            self.image_processor, cfg.seed, epoch, flip, partner)
 
 
 def _worker_init(_: int) -> None:
@@ -384,11 +403,9 @@ def build_train_loader(cfg, ctx: DataContext, rank: int, world_size: int, epoch:
 
 
 def build_eval_loader(cfg, ctx: DataContext, rank: int, world_size: int) -> DataLoader:
-    """This process's share of the held-out samples, unflipped, in batches of at least 2 (so world latents can be
-    permuted across samples); a trailing single sample joins the batch before it."""
-    idx = ctx.eval_indices[rank::world_size]
-    size = max(2, cfg.train.eval_batch_size or cfg.train.micro_batch_size)
-    batches = [list(range(i, min(i + size, len(idx)))) for i in range(0, len(idx), size)]
-    if len(batches) > 1 and len(batches[-1]) == 1:
-        batches[-2] += batches.pop()
-    return _loader(cfg, ctx, ctx.dataset(cfg, idx, 0, flip=False), batch_sampler=batches)
+    """This process's share (positions rank, rank + W, ...) of the held-out samples, unflipped, each with the world of
+    the next held-out sample (cyclically, in key order) for the shuffled-world loss."""
+    positions = list(range(rank, len(ctx.eval_indices), world_size))
+    size = cfg.train.eval_batch_size or cfg.train.micro_batch_size
+    batches = [positions[i:i + size] for i in range(0, len(positions), size)]
+    return _loader(cfg, ctx, ctx.dataset(cfg, ctx.eval_indices, 0, flip=False, partner=True), batch_sampler=batches)

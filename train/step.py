@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from train.data import WORLD_KEYS, Batch, _seed, rank_offset
+from train.data import PARTNER, WORLD_KEYS, Batch, _seed, rank_offset
 
 
 class NonFiniteError(RuntimeError):
@@ -102,8 +102,9 @@ def optimization_step(c, state: LoopState, micro_batches: list[Batch]) -> dict:
 
 @torch.no_grad()
 def evaluate(c, loader) -> dict:
-    """eval_loss and eval_loss_shuffled_world (the same batches with world inputs rolled by one across samples), per
-    answer token over the whole held-out split (all processes). World latents use the posterior mean."""
+    """eval_loss and eval_loss_shuffled_world (held-out sample i of n, in key order, with the world of sample
+    (i + 1) mod n: the same pairs whatever the process count), per answer token over the whole held-out split (all
+    processes). World latents use the posterior mean."""
     model, acc = c.raw, c.accelerator
     was_training, mode = model.training, model.latent_mode
     model.eval()
@@ -112,7 +113,8 @@ def evaluate(c, loader) -> dict:
     try:
         for batch in loader:
             batch = batch.to(acc.device)
-            shuffled = {k: (v.roll(1, dims=0) if k in WORLD_KEYS else v) for k, v in batch.items()}
+            partner = {k: batch.pop(PARTNER + k) for k in WORLD_KEYS if PARTNER + k in batch}
+            shuffled = {**batch, **partner}
             with acc.autocast():
                 a = model(**batch)
                 b = model(**shuffled)
