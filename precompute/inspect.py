@@ -265,9 +265,14 @@ def compare_live(cache: Path, args) -> tuple[dict, int, str]:
     return report, 1 if fail else 0, text
 
 
-def _sheet(pairs: list[tuple[torch.Tensor, torch.Tensor]], min_tile: int = 128, gap: int = 4):
-    """A grid of (original | reconstruction) pairs, tiles upscaled (nearest) to at least `min_tile` px."""
-    from PIL import Image
+LINE = 12  # px per text line of PIL's default bitmap font
+
+
+def _sheet(pairs: list[tuple[torch.Tensor, torch.Tensor]], labels: list[str], header: str, min_tile: int = 128,
+           gap: int = 4):
+    """A grid of (original | decoded) pairs, tiles upscaled (nearest) to at least `min_tile` px; `header` on top,
+    each pair's label (key, caption) under it, cut to the pair's width."""
+    from PIL import Image, ImageDraw
 
     res = pairs[0][1].shape[-1]
     scale = max(1, math.ceil(min_tile / res))
@@ -275,14 +280,28 @@ def _sheet(pairs: list[tuple[torch.Tensor, torch.Tensor]], min_tile: int = 128, 
     cols = min(4, len(pairs))
     rows = math.ceil(len(pairs) / cols)
     pair_w = 2 * tile + gap
-    sheet = Image.new("RGB", (cols * pair_w + (cols + 1) * gap * 2, rows * (tile + 2 * gap) + 2 * gap), (32, 32, 32))
-    for n, (orig, recon) in enumerate(pairs):
+    chars = pair_w // 6  # the default font is 6 px wide
+    top = 2 * gap + LINE * len(header.splitlines())
+    cell_h = tile + 2 * LINE + 2 * gap
+    sheet = Image.new("RGB", (cols * pair_w + (cols + 1) * gap * 2, top + rows * cell_h + 2 * gap), (32, 32, 32))
+    draw = ImageDraw.Draw(sheet)
+    draw.multiline_text((2 * gap, gap), header, fill=(255, 255, 255), spacing=0)
+    for n, ((orig, recon), label) in enumerate(zip(pairs, labels)):
         x = 2 * gap + (n % cols) * (pair_w + 2 * gap)
-        y = 2 * gap + (n // cols) * (tile + 2 * gap)
+        y = top + (n // cols) * cell_h
         for k, t in enumerate((orig, recon)):
             img = Image.fromarray(t.permute(1, 2, 0).numpy()).resize((tile, tile), Image.NEAREST)
             sheet.paste(img, (x + k * (tile + gap), y))
+        for i, line in enumerate(label.splitlines()[:2]):
+            line = line if len(line) <= chars else line[:chars - 3] + "..."
+            draw.text((x, y + tile + gap // 2 + i * LINE), line, fill=(220, 220, 220))
     return sheet
+
+
+def _decode_header(cfg: PrecomputeConfig) -> str:
+    note = ("\nVAE: tiny (random weights): decodes are noise by design; a trained VAE decodes to the picture"
+            if cfg.model.vae == "tiny" else f"\nVAE: {cfg.model.vae}")
+    return "each pair: original | decoded" + note
 
 
 def _writable_image_path(path: str) -> Path:
@@ -320,9 +339,12 @@ def decode(cache: Path, args) -> tuple[dict, int, str]:
                 pairs.append((orig, r))
                 per_sample.append({"key": s.key, "caption": s.caption, "psnr_db": psnr and round(psnr, 2)})
     reader.close()
-    _sheet(pairs).save(out_path)
-    report = {"cache": str(cache), "n": len(pairs), "out": str(out_path), "samples": per_sample}
-    return report, 0, f"decode {cache}: {len(pairs)} samples -> {out_path} (each original left of its reconstruction)"
+    header = _decode_header(cfg)
+    labels = [f"{p['key']}\n{' '.join(p['caption'].split())}" for p in per_sample]
+    _sheet(pairs, labels, header).save(out_path)
+    report = {"cache": str(cache), "n": len(pairs), "out": str(out_path), "samples": per_sample,
+              "header": header}
+    return report, 0, (f"decode {cache}: {len(pairs)} samples -> {out_path} (" + header.replace("\n", "; ") + ")")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
