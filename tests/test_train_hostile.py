@@ -301,3 +301,30 @@ def test_flip_swaps_left_and_right_only_where_they_name_a_side(text, flipped):
 
     assert swap_left_right(text) == flipped
     assert swap_left_right(flipped) == text  # mirroring twice gives the caption back
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# What a user sees
+
+
+def test_the_progress_bar_loss_is_a_smoothed_per_step_value():
+    from train.metrics import SmoothedLoss
+
+    s = SmoothedLoss(beta=0.9)
+    assert s.add(4.0) and s.value == pytest.approx(4.0)  # bias-corrected: the first value is itself
+    assert not s.add(float("nan")) and s.value == pytest.approx(4.0)
+    s.add(2.0)
+    assert s.value == pytest.approx((0.9 * 0.1 * 4 + 0.1 * 2) / (1 - 0.81))
+    for _ in range(200):
+        s.add(1.0)
+    assert s.value == pytest.approx(1.0, abs=1e-6)
+
+
+def test_eval_results_are_printed_as_they_happen(cache, tmp_path, capsys):
+    assert train_inproc(base_args(cache, tmp_path / "run", steps=2, **{"train.eval_every": 1})) == 0
+    err = capsys.readouterr().err
+    evals = [m for m in metrics(tmp_path / "run") if "eval_loss" in m]
+    for m in evals:
+        assert (f"eval at step {m['step']}: eval_loss {m['eval_loss']:.4f}, eval_loss_shuffled_world "
+                f"{m['eval_loss_shuffled_world']:.4f}") in err
+    assert [m["step"] for m in evals] == [0, 1, 2]

@@ -109,7 +109,7 @@ def _train(cfg, acc, reader, plan, per_epoch: int, accum: int, t_start: float) -
                 out = optimization_step(c, state, micro)
                 window.add(out, data_s=t0 - t_data, train_s=time.perf_counter() - t0)
                 prof.after(state.step)
-                m.advance()
+                m.advance(loss=out["loss"])
                 if cfg.train.grad_norm_warn and out["grad_norm"] > cfg.train.grad_norm_warn:
                     m.message(f"warning: step {state.step}: gradient norm {out['grad_norm']:.1f} "
                               f"> train.grad_norm_warn {cfg.train.grad_norm_warn}")
