@@ -68,3 +68,26 @@ def test_32_bit_integer_holds_16_bit_values_or_is_refused():
         data = _file(Image.fromarray(np.full((8, 8), bad, np.int32)), "TIFF")
         with pytest.raises(images.BadImage, match="outside 0..65535"):
             images.decode(data)
+
+
+@pytest.mark.parametrize("data", [b"not an image at all", b"\x89PNG\r\n\x1a\n" + b"\x00" * 40, b"GIF89a" + b"\x01" * 10])
+def test_error_reasons_are_deterministic_with_no_memory_address(data):
+    reasons = set()
+    for _ in range(3):
+        with pytest.raises(images.BadImage) as e:
+            images.load_for_vae(data, 16)
+        reasons.add(str(e.value))
+    (reason,) = reasons  # the same bad file gives the same reason every time
+    assert "0x" not in reason and "object at" not in reason, reason
+
+
+def test_cli_lines_carry_no_memory_address(capsys):
+    from theworld.errors import UserError, cli_entry
+
+    @cli_entry
+    def main(argv=None):
+        raise UserError(f"bad thing: {object()!r}")
+
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: bad thing: <object object>") and "0x" not in err

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -45,6 +46,9 @@ class CacheDamaged(UserError):
     """A cache file that does not hold what its sidecar or manifest says (truncated, swapped, bit rot, malformed)."""
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
 def cli_entry(main: Callable[[list[str] | None], int | None]) -> Callable[[list[str] | None], int]:
     """Run `main`, turning a UserError into one line on stderr and exit code 2 (never a traceback)."""
 
@@ -56,7 +60,9 @@ def cli_entry(main: Callable[[list[str] | None], int | None]) -> Callable[[list[
             msg = str(e)
             if "Original Traceback" in msg:  # raised in a DataLoader worker: its last line is the error itself
                 msg = msg.strip().splitlines()[-1].split(": ", 1)[-1]
-            print(f"error: {msg}", file=sys.stderr)
+            # the same mistake gives the same line: no object addresses from a library's repr (the known sources
+            # are fixed where they arise, e.g. theworld.images._ImageBytes)
+            print(f"error: {_ADDRESS.sub('', msg)}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)

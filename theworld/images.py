@@ -22,6 +22,14 @@ class BadImage(ValueError):
     """An input image that cannot be used; the message is the reason recorded in errors.jsonl."""
 
 
+class _ImageBytes(io.BytesIO):
+    """The bytes PIL opens. PIL names the file object in its errors ("cannot identify image file %r"); a plain
+    BytesIO would put its memory address there, and the same bad file would give a different reason each run."""
+
+    def __repr__(self) -> str:
+        return "<image bytes>"
+
+
 def _to_8bit(img: Image.Image) -> Image.Image:
     """A one-channel high-depth image -> mode L, the same rule for every image of a mode (never guessed from the
     values): 16-bit unsigned v -> round(v * 255 / 65535); 32-bit integer ("I") holds 16-bit values, scaled the same,
@@ -63,7 +71,7 @@ def decode(data: bytes, draft_size: int | None = None, max_pixels: int = MAX_PIX
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data))
+            img = Image.open(_ImageBytes(data))
             w, h = img.size
             if w * h > max_pixels:
                 raise BadImage(f"oversized image {w}x{h} (> {max_pixels} pixels)")
@@ -108,7 +116,7 @@ def load_for_vae(data: bytes, resolution: int, mode: str = "crop"
     """Bytes -> ((3, R, R) uint8 tensor, metadata with original size and crop box). Raises BadImage."""
     img = decode(data, draft_size=resolution)
     # Draft mode may have shrunk a JPEG by 2^k; report the crop box in the true source's pixels.
-    src = Image.open(io.BytesIO(data))  # lazy: reads the header only
+    src = Image.open(_ImageBytes(data))  # lazy: reads the header only
     orig_w, orig_h = src.size
     if src.getexif().get(0x0112, 1) in (5, 6, 7, 8):  # EXIF orientations that swap width and height
         orig_w, orig_h = orig_h, orig_w
