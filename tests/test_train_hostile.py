@@ -328,3 +328,19 @@ def test_eval_results_are_printed_as_they_happen(cache, tmp_path, capsys):
         assert (f"eval at step {m['step']}: eval_loss {m['eval_loss']:.4f}, eval_loss_shuffled_world "
                 f"{m['eval_loss_shuffled_world']:.4f}") in err
     assert [m["step"] for m in evals] == [0, 1, 2]
+
+
+def test_tensorboard_logs_go_to_output_dir_theworld_with_no_timestamp_folders(cache, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = base_args(cache, out, steps=2, trackers="[tensorboard]")
+    assert train_inproc(args) == 0
+    assert train_inproc(base_args(cache, out, steps=3, trackers="[tensorboard]")) == 0  # a resumed run adds none
+    logs = out / "theworld"
+    assert [p.name for p in logs.iterdir() if p.is_dir()] == []
+    events = list(logs.glob("events.out.tfevents.*"))
+    assert events and all(p.stat().st_size > 0 for p in events)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logs), size_guidance={"tensors": 0})
+    acc.Reload()
+    assert "loss" in acc.Tags()["scalars"] and "config/text_summary" in acc.Tags()["tensors"]

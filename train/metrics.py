@@ -48,7 +48,14 @@ class Metrics:
             kept = [ln for ln in self.path.read_text().splitlines() if 0 <= _step_of(ln) <= start_step]
         self.path.write_text("".join(ln + "\n" for ln in kept))
         if trackers:
-            accelerator.init_trackers("theworld", config=_flat(config))
+            # TensorBoard logs go to <output_dir>/theworld/. Its hparams (accelerate's store_init_configuration) would
+            # add a folder named by the clock there on every (re)start; the config goes in as text instead.
+            accelerator.init_trackers("theworld")
+            for t in accelerator.trackers:
+                if t.name == "tensorboard":
+                    t.writer.add_text("config", "    " + json.dumps(config, indent=1).replace("\n", "\n    "))
+                else:
+                    t.store_init_configuration(_flat(config))
         from tqdm.auto import tqdm
 
         self.bar = tqdm(total=max_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr,
