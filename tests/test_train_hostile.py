@@ -344,3 +344,47 @@ def test_tensorboard_logs_go_to_output_dir_theworld_with_no_timestamp_folders(ca
     acc = EventAccumulator(str(logs), size_guidance={"tensors": 0})
     acc.Reload()
     assert "loss" in acc.Tags()["scalars"] and "config/text_summary" in acc.Tags()["tensors"]
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_a_signal_to_one_of_two_processes_stops_both_after_the_same_step_with_a_checkpoint(cache, tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "run"
+    args = base_args(cache, out, steps=40, **{"train.save_every": 100})
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+         "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port), "-m",
+         "train.loop", *args], cwd=ROOT, env={**ENV, "ACCELERATE_USE_CPU": "true"}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_step(out, launcher, 2)
+        ranks = [p for c in _children(launcher.pid) for p in _children(c) or [c]]
+        ranks = [p for p in ranks if "train.loop" in Path(f"/proc/{p}/cmdline").read_text()]
+        assert len(ranks) == 2, ranks
+        os.kill(max(ranks), signal.SIGTERM)  # one rank only: the other learns it from the all-reduce
+        _, err = launcher.communicate(timeout=240)  # no hang
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode != 0 and "stopped by SIGTERM after step" in err, err[-3000:]
+    ckpts = sorted(out.glob("checkpoint-*"))
+    assert len(ckpts) == 1 and not (out / "final").exists()
+    resumed = subprocess.run([sys.executable, "-m", "train.loop", *base_args(cache, out, steps=int(
+        ckpts[0].name.split("-")[1]) + 1, **{"train.save_every": 100})], cwd=ROOT, env=ENV, capture_output=True,
+        text=True, timeout=600)
+    assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]
