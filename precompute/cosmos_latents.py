@@ -29,6 +29,7 @@ from theworld import cache_format as cf
 from theworld import encoders, images, run_lock
 from theworld.config import cli_parser, to_dict, to_yaml
 from theworld.errors import UserError, cli_entry
+from theworld.launch import process_group
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -173,8 +174,9 @@ def _encode(batch: dict, encoder, gemma, cfg: PrecomputeConfig, device) -> list[
 
 
 def _process_shards(cfg: PrecomputeConfig, listing: sources.Listing, pending: list[int], out: Path,
-                    encoder, gemma, processor, device, show: bool) -> tuple[int, dict]:
-    """Encode and write the `pending` shards; returns how many images were encoded, and where the main loop's time
+                    encoder, gemma, processor, device, show: bool) -> tuple[int, int, dict]:
+    """Encode and write the `pending` shards; returns how many images were encoded, how many of them were smaller
+    than the resolution (upscaled: their crop box is under it on a side), and where the main loop's time
     went: waiting for decoded batches (decode-bound), encoding (device-bound), waiting for the shard writer
     (disk-bound), plus the writer thread's own serialise-and-write time."""
     from tqdm import tqdm
@@ -189,7 +191,7 @@ def _process_shards(cfg: PrecomputeConfig, listing: sources.Listing, pending: li
                         pin_memory=device.type == "cuda")
     writer = ShardWriter(out, cfg.cache.dtype)
     buffers: dict[int, dict] = {}
-    encoded = 0
+    encoded = upscaled = 0
     seconds = dict.fromkeys(("wait_for_batches", "encode", "wait_for_writer"), 0.0)
     bar = tqdm(total=sum(hi - lo for lo, hi in bounds.values()), unit="img", disable=not show, dynamic_ncols=True,
                desc="precompute", file=sys.stderr)
@@ -207,6 +209,8 @@ def _process_shards(cfg: PrecomputeConfig, listing: sources.Listing, pending: li
                     s = next(samples)
                     s.key = b["key"]
                     buf["samples"].append(s)
+                    left, top, right, bottom = s.meta["crop_box"]
+                    upscaled += min(right - left, bottom - top) < cfg.image.resolution
                 else:
                     buf["errors"].append({"key": b["key"], "source": b["source"], "reason": b["error"], "shard": i})
                 buf["left"] -= 1
@@ -221,7 +225,7 @@ def _process_shards(cfg: PrecomputeConfig, listing: sources.Listing, pending: li
         writer.close()
     seconds["wait_for_writer"] += time.perf_counter() - t  # the last shards
     seconds["writer_thread_busy"] = writer.write_seconds
-    return encoded, {k: round(v, 3) for k, v in seconds.items()}
+    return encoded, upscaled, {k: round(v, 3) for k, v in seconds.items()}
 
 
 def _finish(cfg: PrecomputeConfig, out: Path, n_shards: int, run_id: dict, latent_shape: list[int]) -> dict:
@@ -254,22 +258,12 @@ def _compile_encoder(encoder, cfg: PrecomputeConfig, device: torch.device) -> fl
     return round(time.perf_counter() - t, 3)
 
 
-def _process_group():
-    from accelerate import PartialState
-
-    # Without cpu=True, `accelerate launch` on a machine without CUDA starts N processes that each think they are
-    # alone (DistributedType.NO) instead of one gloo group.
-    use_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes") or not torch.cuda.is_available()
-    state = PartialState(cpu=use_cpu)
-    if state.num_processes == 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise RuntimeError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but accelerate set up a single process")
-    return state
 
 
 def run(cfg: PrecomputeConfig) -> dict:
     """Build (or finish) the cache at cfg.output_dir; returns the manifest plus a "summary" of this run."""
     cfg.validate_paths()
-    state = _process_group()
+    state = process_group()
     out = Path(cfg.output_dir)
     # before listing the source or loading a model: output_dir holds nothing built by another config (a webdataset
     # listing would otherwise be written into another cache's folder)
@@ -313,9 +307,10 @@ def _build(cfg: PrecomputeConfig, state, out: Path) -> dict:
         (out / cf.MANIFEST).unlink(missing_ok=True)  # a shard went missing: the cache is not complete any more
     compile_s = _compile_encoder(encoder, cfg, state.device) if cfg.compile and pending else 0.0
     t_enc = time.time()
-    encoded, seconds = _process_shards(cfg, listing, pending, out, encoder, gemma, processor, state.device,
-                                       show=state.is_main_process) if pending else (0, {})
+    encoded, upscaled, seconds = _process_shards(cfg, listing, pending, out, encoder, gemma, processor, state.device,
+                                                 show=state.is_main_process) if pending else (0, 0, {})
     counts = gather_object([encoded]) if world > 1 else [encoded]
+    upscaled = sum(gather_object([upscaled])) if world > 1 else upscaled
     state.wait_for_everyone()
     elapsed = time.time() - t_enc
     latent_shape = [encoder.vae.config.z_dim, 1, cfg.image.resolution // 8, cfg.image.resolution // 8]
@@ -326,7 +321,8 @@ def _build(cfg: PrecomputeConfig, state, out: Path) -> dict:
     summary = {"samples": manifest["num_samples"], "errors": manifest["num_errors"], "shards": n_shards,
                "bytes": sum(s["bytes"] for s in manifest["shards"]), "encoded_this_run": sum(counts),
                "processes": world, "encode_seconds": round(elapsed, 3), "total_seconds": round(time.time() - t0, 3),
-               "images_per_s": round(sum(counts) / elapsed, 1) if elapsed > 0 and sum(counts) else 0.0,
+               "images_per_s": images_per_s(sum(counts), elapsed),
+               "upscaled_this_run": upscaled, "resolution": cfg.image.resolution,
                "compile_seconds": compile_s, "seconds_rank0": seconds}
     if state.is_main_process:
         _print_summary(summary, out)
@@ -336,12 +332,18 @@ def _build(cfg: PrecomputeConfig, state, out: Path) -> dict:
     return {**manifest, "summary": summary}
 
 
+def images_per_s(n: int, seconds: float) -> float:
+    """Three significant digits, so a slow run shows its rate (0.0333), not 0.0."""
+    return float(f"{n / seconds:.3g}") if seconds > 0 and n else 0.0
+
+
 def _print_summary(s: dict, out: Path) -> None:
     reasons = cf.error_classes(out)
     print(f"precompute: {s['samples']} samples, {s['errors']} errors, {s['bytes'] / 1e6:.1f} MB in {s['shards']} "
           f"shards ({s['bytes'] / max(1, s['samples']) / 1e3:.1f} kB/sample); this run encoded {s['encoded_this_run']} "
-          f"images in {s['encode_seconds']:.1f} s = {s['images_per_s']} images/s on {s['processes']} process(es) -> "
-          f"{out}" + (f"; errors: {reasons}" if reasons else "")
+          f"images in {s['encode_seconds']:.1f} s = {s['images_per_s']:g} images/s on {s['processes']} process(es)"
+          + (f" ({s['upscaled_this_run']} smaller than {s['resolution']} px, upscaled)" if s['upscaled_this_run'] else "")
+          + f" -> {out}" + (f"; errors: {reasons}" if reasons else "")
           + (f" (after {s['compile_seconds']:.1f} s compiling the encoder)" if s["compile_seconds"] else ""), flush=True)
     if s["seconds_rank0"]:
         print("precompute: main loop seconds: " + ", ".join(f"{k.replace('_', ' ')} {v:.1f}"
@@ -366,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     run(cfg)
     # After a successful run only (on an error another process may still be in a collective). A process that exits
     # with its gloo group alive can abort in interpreter teardown ("terminate called without an active exception").
-    _process_group().destroy_process_group()
+    process_group().destroy_process_group()
     return 0
 
 

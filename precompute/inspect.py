@@ -17,6 +17,7 @@ import math
 import random
 import sys
 import tarfile
+import zlib
 from pathlib import Path
 
 import torch
@@ -25,7 +26,7 @@ from precompute.config import PrecomputeConfig
 from theworld import cache_format as cf
 from theworld import encoders, images
 from theworld.config import ArgParser, add_config_args, load_config
-from theworld.errors import UserError, cli_entry
+from theworld.errors import CacheDamaged, UserError, cli_entry
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -96,7 +97,8 @@ def summary(cache: Path, args) -> tuple[dict, int, str]:
               "latent_shape": manifest["latent_shape"], "latent_shapes": manifest.get("latent_shapes"),
               "latent_dtype": manifest["latent_dtype"], "latents": cf.latents_stored(manifest),
               "contents": manifest.get("contents", {}), **stats, "error_reasons": dict(reasons),
-              "vae": manifest["fingerprint"]["vae"]["model"], "resolution": manifest["fingerprint"]["image"]["resolution"]}
+              "vae": (manifest["fingerprint"].get("vae") or {}).get("model"),
+              "resolution": (manifest["fingerprint"].get("image") or {}).get("resolution")}
     lines = [f"cache {cache}: {report['num_samples']} samples, {report['num_errors']} errors, "
              f"{report['num_shards']} shards, {total_bytes / 1e6:.2f} MB ({report['bytes_per_sample']} B/sample)",
              f"latent {_shapes_text(manifest)} {report['latent_dtype']} ({report['latents']}), contents "
@@ -147,7 +149,9 @@ def _check_sample(key: str, members: dict[str, bytes], manifest: dict, shape: li
     return problems
 
 
-def _read_tar(path: Path) -> tuple[dict[str, dict[str, bytes]], str | None]:
+def _read_tar(path: Path, spans: dict | None = None) -> tuple[dict[str, dict[str, bytes]], str | None]:
+    """{key: {member: bytes}} in tar order, and what broke the reading (None: the tar is whole). `spans`, when given,
+    receives {key: {member: [data offset, size]}} as the tar itself places them."""
     samples: dict[str, dict[str, bytes]] = {}
     try:
         with tarfile.open(path, "r:") as tf:
@@ -155,13 +159,36 @@ def _read_tar(path: Path) -> tuple[dict[str, dict[str, bytes]], str | None]:
                 if m.isfile():
                     key, member = cf.split_member(m.name)
                     samples.setdefault(key, {})[member] = tf.extractfile(m).read()
+                    if spans is not None:
+                        spans.setdefault(key, {})[member] = [m.offset_data, m.size]
     except (tarfile.TarError, OSError, EOFError) as e:
         return samples, f"unreadable tar: {type(e).__name__}: {e}"
     return samples, None
 
 
+def _check_sidecar(side: dict, samples: dict[str, dict[str, bytes]], spans: dict) -> list[str]:
+    """The sidecar's keys, member offsets and crc32s against what the tar holds."""
+    try:
+        entries = {e["key"]: e for e in side["samples"]}
+        if list(entries) != list(samples):
+            return [f"sidecar lists {len(entries)} keys, the tar holds {len(samples)}, or not in the same order"]
+        problems = []
+        for key, e in entries.items():
+            if {n: list(v) for n, v in e["members"].items()} != spans[key]:
+                problems.append(f"{key}: sidecar offsets {e['members']} != the tar's {spans[key]}")
+            for name, crc in (e.get(cf.CHECKSUMS) or {}).items():
+                if zlib.crc32(samples[key].get(name, b"")) != crc:
+                    problems.append(f"{key}: {name} fails its crc32 check")
+        return problems
+    except (KeyError, TypeError, AttributeError) as e:
+        return [f"sidecar is malformed ({type(e).__name__}: {e})"]
+
+
 def verify(cache: Path, args) -> tuple[dict, int, str]:
-    manifest = cf.load_manifest(cache)
+    try:
+        manifest = cf.load_manifest(cache)
+    except CacheDamaged as e:  # a finding of verify's, like a bad shard
+        return {"cache": str(cache), "ok": False, "problems": [str(e)], "shards": []}, 1, f"verify {cache}: FAILED: {e}"
     _check_full_fingerprint(cache, manifest, args)
     seen: dict[str, str] = {}
     shards, total = [], 0
@@ -180,9 +207,12 @@ def verify(cache: Path, args) -> tuple[dict, int, str]:
         if side is None or side.get("sha256") != entry["sha256"]:
             problems.append("sidecar missing or does not match the manifest")
         shapes = {e["key"]: e.get("latent_shape") for e in (side or {}).get("samples", [])}
-        samples, broken = _read_tar(path)
+        spans: dict = {}
+        samples, broken = _read_tar(path, spans)
         if broken:
             problems.append(broken)
+        elif side is not None:
+            problems += _check_sidecar(side, samples, spans)
         if len(samples) != entry["num_samples"]:
             problems.append(f"{len(samples)} samples, manifest says {entry['num_samples']}")
         for key, members in samples.items():
@@ -257,10 +287,15 @@ def _same_shape(tensors: list[torch.Tensor]) -> list[list[int]]:
     return list(groups.values())
 
 
-def _sheet(pairs: list[tuple[torch.Tensor, torch.Tensor]], min_tile: int = 128, gap: int = 4):
-    """A grid of (original | reconstruction) pairs on square tiles, each picture upscaled (nearest) by the same whole
-    factor so that the largest side is at least `min_tile` px, and centred on its tile."""
-    from PIL import Image
+LINE = 12  # px per text line of PIL's default bitmap font
+
+
+def _sheet(pairs: list[tuple[torch.Tensor, torch.Tensor]], labels: list[str], header: str, min_tile: int = 128,
+           gap: int = 4):
+    """A grid of (original | decoded) pairs on square tiles, each picture upscaled (nearest) by the same whole factor
+    so that the largest side is at least `min_tile` px and centred on its tile; `header` on top, each pair's label
+    (key, caption) under it, cut to the pair's width."""
+    from PIL import Image, ImageDraw
 
     res = max(max(r.shape[-2:]) for _, r in pairs)
     scale = max(1, math.ceil(min_tile / res))
@@ -268,15 +303,29 @@ def _sheet(pairs: list[tuple[torch.Tensor, torch.Tensor]], min_tile: int = 128, 
     cols = min(4, len(pairs))
     rows = math.ceil(len(pairs) / cols)
     pair_w = 2 * tile + gap
-    sheet = Image.new("RGB", (cols * pair_w + (cols + 1) * gap * 2, rows * (tile + 2 * gap) + 2 * gap), (32, 32, 32))
-    for n, (orig, recon) in enumerate(pairs):
+    chars = pair_w // 6  # the default font is 6 px wide
+    top = 2 * gap + LINE * len(header.splitlines())
+    cell_h = tile + 2 * LINE + 2 * gap
+    sheet = Image.new("RGB", (cols * pair_w + (cols + 1) * gap * 2, top + rows * cell_h + 2 * gap), (32, 32, 32))
+    draw = ImageDraw.Draw(sheet)
+    draw.multiline_text((2 * gap, gap), header, fill=(255, 255, 255), spacing=0)
+    for n, ((orig, recon), label) in enumerate(zip(pairs, labels)):
         x = 2 * gap + (n % cols) * (pair_w + 2 * gap)
-        y = 2 * gap + (n // cols) * (tile + 2 * gap)
+        y = top + (n // cols) * cell_h
         for k, t in enumerate((orig, recon)):
             h, w = t.shape[-2:]
             img = Image.fromarray(t.permute(1, 2, 0).numpy()).resize((w * scale, h * scale), Image.NEAREST)
             sheet.paste(img, (x + k * (tile + gap) + (tile - w * scale) // 2, y + (tile - h * scale) // 2))
+        for i, line in enumerate(label.splitlines()[:2]):
+            line = line if len(line) <= chars else line[:chars - 3] + "..."
+            draw.text((x, y + tile + gap // 2 + i * LINE), line, fill=(220, 220, 220))
     return sheet
+
+
+def _decode_header(cfg: PrecomputeConfig) -> str:
+    note = ("\nVAE: tiny (random weights): decodes are noise by design; a trained VAE decodes to the picture"
+            if cfg.model.vae == "tiny" else f"\nVAE: {cfg.model.vae}")
+    return "each pair: original | decoded" + note
 
 
 def _writable_image_path(path: str) -> Path:
@@ -317,9 +366,12 @@ def decode(cache: Path, args) -> tuple[dict, int, str]:
                 pairs.append((orig, r))
                 per_sample.append({"key": s.key, "caption": s.caption, "psnr_db": psnr and round(psnr, 2)})
     reader.close()
-    _sheet(pairs).save(out_path)
-    report = {"cache": str(cache), "n": len(pairs), "out": str(out_path), "samples": per_sample}
-    return report, 0, f"decode {cache}: {len(pairs)} samples -> {out_path} (each original left of its reconstruction)"
+    header = _decode_header(cfg)
+    labels = [f"{p['key']}\n{' '.join(p['caption'].split())}" for p in per_sample]
+    _sheet(pairs, labels, header).save(out_path)
+    report = {"cache": str(cache), "n": len(pairs), "out": str(out_path), "samples": per_sample,
+              "header": header}
+    return report, 0, (f"decode {cache}: {len(pairs)} samples -> {out_path} (" + header.replace("\n", "; ") + ")")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -361,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     cache = Path(args.cache)
     try:
         report, code, text = COMMANDS[args.command](cache, args)
-    except OSError as e:  # most often a shard missing or cut short: verify reports every problem, the rest stop
+    except (OSError, CacheDamaged) as e:  # most often a shard missing or cut short: verify reports every problem,
+        # the rest stop
         raise UserError(f"{args.command} {cache}: {e} (if the cache is damaged, python -m precompute.inspect verify "
                         f"{cache} checks every shard)") from None
     print(json.dumps(report, indent=1) if args.json else text)

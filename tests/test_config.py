@@ -81,3 +81,62 @@ def test_a_literal_of_words_takes_yaml_booleans_as_typed():
 def test_yaml_dump_round_trips():
     a = load_config(Demo, None)
     assert "gemma: tiny" in to_yaml(a)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Hostile values and files: one line naming the key or file, for both commands (exit 2)
+
+_BOTH = [("train.loop", "train.lr=.inf", "train.lr"), ("train.loop", "train.weight_decay=.nan", "train.weight_decay"),
+         ("train.loop", "train.grad_clip=.nan", "train.grad_clip"), ("train.loop", "train.lr=1e400", "train.lr"),
+         ("train.loop", "train.ema=.nan", "train.ema"), ("train.loop", "train.betas=[.nan, 0.9]", "train.betas"),
+         ("train.loop", "train.grad_norm_warn=-1", "train.grad_norm_warn"),
+         ("train.loop", f"train.max_steps={10**30}", "train.max_steps"), ("train.loop", f"seed={-10**20}", "seed"),
+         ("train.loop", "image.resolution=1048576", "image.resolution"),
+         ("precompute.cosmos_latents", f"shard_size={2**64}", "shard_size"),
+         ("precompute.cosmos_latents", "batch_size=-4", "batch_size")]
+
+
+@pytest.mark.parametrize("module,override,key", _BOTH)
+def test_non_finite_absurd_or_huge_numbers_name_the_key(module, override, key, capsys):
+    import importlib
+
+    main = importlib.import_module(module).main
+    assert main(["--set", override, "--print-config"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and (f"'{key}" in err[0] or f"{key}:" in err[0]), err
+
+
+def test_a_config_file_that_is_not_utf8_or_not_a_file_is_one_line(tmp_path, capsys):
+    from train.loop import main
+
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes("train:\n  lr: 0.01  # caf\xe9\n".encode("latin-1"))
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    for path, words in [(bad, ["not UTF-8", "latin1.yaml"]), (tmp_path, ["is a directory"]),
+                        (deep, ["deep.yaml"])]:
+        assert main(["--config", str(path), "--print-config"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and all(w in err[0] for w in words), err
+
+
+def test_a_bare_config_name_resolves_to_configs_and_says_so(tmp_path, monkeypatch, capsys):
+    from pathlib import Path
+
+    from train.loop import main
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)  # the design's `accelerate launch -m train.loop --config stage1.yaml`, from the root
+    assert main(["--config", "stage1.yaml", "--print-config"]) == 0
+    out, err = capsys.readouterr()
+    assert "using configs/stage1.yaml" in err
+    assert "output_dir: runs/stage1" in out
+    monkeypatch.chdir(tmp_path)  # elsewhere: this checkout's configs/
+    assert main(["--config", "stage2.yaml", "--print-config"]) == 0
+    assert str(root / "configs" / "stage2.yaml") in capsys.readouterr().err
+    (tmp_path / "stage2.yaml").write_text("seed: 5\n")  # a file in the cwd wins, silently
+    assert main(["--config", "stage2.yaml", "--print-config"]) == 0
+    out, err = capsys.readouterr()
+    assert "seed: 5" in out and "using" not in err
+    assert main(["--config", "nowhere.yaml"]) == 2
+    assert "config file not found: nowhere.yaml" in capsys.readouterr().err

@@ -126,3 +126,19 @@ def test_large_jpeg_uses_draft_decoding_without_changing_the_crop_box():
     assert t.shape == (3, 64, 64) and meta["crop_box"] == [200, 0, 1400, 1200]
     img = images.decode(_encode(big, "JPEG"), draft_size=64)
     assert img.size[0] < 1600 and min(img.size) >= 64  # decoded at a reduced scale, never below the target
+
+
+def test_offline_with_a_hub_id_not_in_the_local_cache_says_exactly_that(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-hub-cache"))
+    for load, spec, key in [(encoders.load_gemma, "google/gemma-3-4b-it", "model.gemma"),
+                            (encoders.load_vae, "nvidia/Cosmos-Predict2-2B-Video2World", "model.vae")]:
+        with pytest.raises(UserError) as e:
+            load(spec, "float32")
+        msg = str(e.value)
+        assert msg.startswith(f"{key}: '{spec}' is not in the local Hugging Face cache") and "HF_HUB_OFFLINE" in msg
+        assert "config.json" not in msg and "\n" not in msg
+    with pytest.raises(UserError, match="is not a folder here"):
+        encoders.load_vae(str(tmp_path / "no" / "such" / "vae"), "float32")

@@ -198,3 +198,20 @@ def test_a_cache_without_samples_is_a_one_line_error(tmp_path, fake_vae, capsys)
     capsys.readouterr()
     assert inspect.main(["decode", str(tmp_path / "c"), "--out", str(tmp_path / "s.png")]) == 2
     assert "no samples" in capsys.readouterr().err
+
+
+def test_decode_sheet_labels_each_pair_and_says_when_the_vae_is_the_random_tiny_one(cache, tmp_path, capsys):
+    import numpy as np
+
+    out = tmp_path / "sheet.png"
+    assert inspect.main(["decode", str(cache), "--n", "2", "--out", str(out), "--json"]) == 0
+    r = _json(capsys)
+    assert "original | decoded" in r["header"] and "tiny (random weights): decodes are noise by design" in r["header"]
+    sheet = np.asarray(Image.open(out))
+    tile = 128
+    assert (sheet[4:28] != 32).any(axis=-1).sum() > 200  # the header's two lines are drawn
+    band = sheet[28 + 4 + tile:28 + 4 + tile + 24, 8:8 + 2 * tile]  # under the first pair: key and caption
+    assert (band != 32).any(axis=-1).sum() > 200
+    assert inspect.main(["decode", str(cache), "--n", "2", "--out", str(out)]) == 0
+    assert "tiny (random weights)" in capsys.readouterr().out
+    assert "random" not in inspect._decode_header(make_cfg(tmp_path, "model.vae=/models/wan"))

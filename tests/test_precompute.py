@@ -449,3 +449,21 @@ def test_two_processes_webdataset_source(tmp_path):
     assert [s["sha256"] for s in m2["shards"]] == [s["sha256"] for s in m1["shards"]]
     index = json.loads((tmp_path / "two" / "source-index" / "listing.json").read_text())
     assert index["counts"] == [3, 3, 3, 3] and list(index["duplicates"]) == ["6"]
+
+
+def test_a_slow_run_shows_its_rate_and_small_images_are_counted_as_upscaled(tmp_path, fake_vae, capsys):
+    from PIL import Image
+
+    from _precompute_helpers import png_bytes
+
+    assert cosmos_latents.images_per_s(1, 30.0) == 0.0333 and cosmos_latents.images_per_s(1234, 1.0) == 1230.0
+    assert cosmos_latents.images_per_s(0, 5.0) == 0.0
+    src = tmp_path / "src"
+    src.mkdir()
+    sizes = {"tiny": (16, 16), "narrow": (20, 64), "exact": (32, 32), "big": (64, 48)}
+    for name, size in sizes.items():
+        (src / f"{name}.png").write_bytes(png_bytes(Image.new("RGB", size, (200, 10, 10))))
+        (src / f"{name}.txt").write_text(f"a {name} red square")
+    m = cosmos_latents.run(make_cfg(tmp_path / "c", "source.type=folder", f"source.path={src}"))
+    assert m["summary"]["upscaled_this_run"] == 2  # tiny, and narrow (its 20 px side is cropped to 20 x 20)
+    assert "(2 smaller than 32 px, upscaled)" in capsys.readouterr().out

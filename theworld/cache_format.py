@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import tarfile
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +30,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from theworld.encoders import DTYPES
-from theworld.errors import CacheMismatch, UserError
+from theworld.errors import CacheDamaged, CacheMismatch, UserError
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -38,6 +39,7 @@ ERRORS = "errors.jsonl"
 ERRORS_DIR = "errors"
 RUN_FILE = "precompute.json"
 INDEX_DIR = "source-index"
+CHECKSUMS = "crc32"  # sidecar sample field {member: zlib.crc32 of its bytes}; caches written before it lack it
 # Member names inside a sample (webdataset: "<key>.<member>").
 LATENT = "latent.safetensors"  # tensors "mean", "logvar" (only "mean" with cache.latents: mean): (16, 1, h, w)
 LATENT_FLIP = "latent_flip.safetensors"  # the same for the horizontally flipped image
@@ -236,7 +238,7 @@ def write_shard(cache_dir: Path, index: int, samples: Iterable[tuple[str, dict[s
     with open(tmp, "wb") as f:
         with tarfile.open(fileobj=f, mode="w") as tf:
             for key, members in samples:
-                entry = {"key": key, "members": {}}
+                entry = {"key": key, "members": {}, CHECKSUMS: {}}
                 if LATENT in members:  # the trainer groups samples by shape without reading the tar
                     entry["latent_shape"] = latent_shape_of(members[LATENT])
                 for name in sorted(members):
@@ -246,6 +248,7 @@ def write_shard(cache_dir: Path, index: int, samples: Iterable[tuple[str, dict[s
                     tf.addfile(info, io.BytesIO(data))
                     padded = -(-len(data) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
                     entry["members"][name] = [tf.offset - padded, len(data)]  # data ends the member, then padding
+                    entry[CHECKSUMS][name] = zlib.crc32(data)  # checked on every read (CacheReader.raw)
                 entries.append(entry)
         f.flush()
         os.fsync(f.fileno())
@@ -258,9 +261,10 @@ def write_shard(cache_dir: Path, index: int, samples: Iterable[tuple[str, dict[s
 
 def read_sidecar(cache_dir: Path, index: int) -> dict | None:
     try:
-        return json.loads(sidecar_path(cache_dir, index).read_text())
-    except (OSError, ValueError):
+        side = json.loads(sidecar_path(cache_dir, index).read_bytes())
+    except (OSError, ValueError, RecursionError):
         return None
+    return side if isinstance(side, dict) else None
 
 
 def shard_is_done(cache_dir: Path, index: int, expected_count: int | None = None) -> bool:
@@ -385,13 +389,50 @@ def load_manifest(cache_dir: Path | str) -> dict:
             raise UserError(f"cache {cache_dir} is incomplete (no {MANIFEST}): rerun the precompute command to finish it")
         raise UserError(f"no cache at {cache_dir} (no {MANIFEST})")
     try:
-        manifest = json.loads(path.read_text())
-    except ValueError as e:
-        raise UserError(f"{path} is not valid JSON: {e}") from None
+        manifest = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise CacheDamaged(f"{path} is not valid JSON ({type(e).__name__}: {str(e)[:120]}); {REBUILD_MANIFEST}") from None
+    if not isinstance(manifest, dict):
+        raise CacheDamaged(f"{path} holds a JSON {type(manifest).__name__}, not an object; {REBUILD_MANIFEST}")
     if manifest.get("format_version") != FORMAT_VERSION:
-        raise UserError(f"cache {cache_dir} has format_version {manifest.get('format_version')}, "
+        raise UserError(f"cache {cache_dir} has format_version {manifest.get('format_version')!r}, "
                         f"this code reads {FORMAT_VERSION}")
+    if problem := _manifest_problem(manifest):
+        raise CacheDamaged(f"{path} is malformed: {problem}; {REBUILD_MANIFEST}")
     return manifest
+
+
+REBUILD_MANIFEST = "rerun the precompute command that built this cache: it rewrites the manifest from the shards"
+
+
+def _is_int(x: Any) -> bool:
+    return type(x) is int and x >= 0
+
+
+def _manifest_problem(m: dict) -> str | None:
+    """What is wrong with the fields every reader relies on, or None."""
+    shards = m.get("shards")
+    if not isinstance(shards, list):
+        return "'shards' is not a list"
+    for i, s in enumerate(shards):
+        if not (isinstance(s, dict) and isinstance(s.get("path"), str) and _is_int(s.get("num_samples"))
+                and _is_int(s.get("bytes")) and isinstance(s.get("sha256"), str)):
+            return f"shards[{i}] is not {{path, num_samples, bytes, sha256}}"
+    for key in ("num_samples", "num_errors"):
+        if not _is_int(m.get(key)):
+            return f"'{key}' is not a count"
+    shape = m.get("latent_shape")
+    if not (isinstance(shape, list) and all(_is_int(d) for d in shape)) or not isinstance(m.get("latent_dtype"), str):
+        return "'latent_shape' / 'latent_dtype' missing or not a shape and a dtype name"
+    if not isinstance(m.get("fingerprint"), dict) or not isinstance(m.get("contents", {}), dict):
+        return "'fingerprint' / 'contents' is not an object"
+    return None
+
+
+def repair_hint(cache_dir: Path | str, index: int) -> str:
+    """How to rebuild shard `index` alone: a shard without its sidecar is not done, so precompute redoes it."""
+    return (f"to repair: delete {sidecar_path(cache_dir, index)} and rerun the precompute command that built this "
+            "cache (it rebuilds that shard alone)")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -416,6 +457,8 @@ class CacheReader:
     _shard: np.ndarray = field(init=False, repr=False)  # (N,) int32: which tar
     _spans: np.ndarray = field(init=False, repr=False)  # (N, len(_names), 2) int64 offset, size; -1: absent
     latent_hw: np.ndarray = field(init=False, repr=False)  # (N, 2) int32: each sample's latent (h, w)
+    _crc: np.ndarray = field(init=False, repr=False)  # (N, len(_names)) int64 crc32 of each member; -1: none recorded
+    _sides: list = field(init=False, repr=False)  # per shard: the sidecar's (count, bytes, sha256)
     _files: dict = field(init=False, repr=False, default_factory=dict)
     # Members closer than this are read with one pread, tar headers and skipped members included: a system call
     # costs more than copying a few kB (docs/performance.md)
@@ -424,34 +467,116 @@ class CacheReader:
     def __post_init__(self) -> None:
         self.cache_dir = Path(self.cache_dir)
         self.manifest = load_manifest(self.cache_dir)
-        self._names, keys, shards, spans, hw = [], [], [], [], []
+        self._names, keys, shards, spans, crcs, hw, self._sides = [], [], [], [], [], [], []
         square = self.manifest.get("latent_shape")  # caches written before per-sample shapes: every sample's
         for i, _ in enumerate(self.manifest["shards"]):
             side = read_sidecar(self.cache_dir, i)
-            if side is None:
-                raise UserError(f"cache {self.cache_dir}: sidecar of shard {i} is missing or unreadable")
+            if not isinstance(side, dict):
+                raise CacheDamaged(f"cache {self.cache_dir}: sidecar {sidecar_path(self.cache_dir, i)} is missing or "
+                                   f"not a JSON object; {repair_hint(self.cache_dir, i)}")
+            try:
+                block, crc = self._index_sidecar(side, keys)
+            except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
+                raise CacheDamaged(f"cache {self.cache_dir}: sidecar {sidecar_path(self.cache_dir, i)} is malformed "
+                                   f"({type(e).__name__}: {str(e)[:80]}); {repair_hint(self.cache_dir, i)}") from None
             try:
                 hw += [(s.get("latent_shape") or square)[-2:] for s in side["samples"]]
             except TypeError:
                 raise UserError(f"cache {self.cache_dir}: shard {i}'s sidecar lacks per-sample latent shapes and the "
                                 "manifest has no common latent_shape") from None
-            for s in side["samples"]:
-                for name in s["members"]:
-                    if name not in self._names:
-                        self._names.append(name)
-            block = np.full((len(side["samples"]), len(self._names), 2), -1, dtype=np.int64)
-            for j, s in enumerate(side["samples"]):
-                keys.append(s["key"].encode())
-                for name, span in s["members"].items():
-                    block[j, self._names.index(name)] = span
             spans.append(block)
+            crcs.append(crc)
+            self._sides.append((side.get("count"), side.get("bytes"), side.get("sha256")))
             shards.append(np.full(len(block), i, dtype=np.int32))
         width = len(self._names)
-        self._spans = np.concatenate([np.pad(b, ((0, 0), (0, width - b.shape[1]), (0, 0)), constant_values=-1)
-                                      for b in spans]) if spans else np.zeros((0, width, 2), dtype=np.int64)
+        pad = lambda b: np.pad(b, ((0, 0), (0, width - b.shape[1])) + ((0, 0),) * (b.ndim - 2), constant_values=-1)  # noqa: E731
+        self._spans = np.concatenate([pad(b) for b in spans]) if spans else np.zeros((0, width, 2), dtype=np.int64)
+        self._crc = np.concatenate([pad(c) for c in crcs]) if crcs else np.zeros((0, width), dtype=np.int64)
         self._keys = np.array(keys, dtype=bytes) if keys else np.zeros(0, dtype="S1")
         self._shard = np.concatenate(shards) if shards else np.zeros(0, dtype=np.int32)
         self.latent_hw = np.array(hw, dtype=np.int32).reshape(-1, 2)
+
+    def _index_sidecar(self, side: dict, keys: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+        """One sidecar's (spans, crc32s) blocks; appends its keys and any new member names."""
+        samples = side["samples"]
+        for s in samples:
+            for name in s["members"]:
+                if name not in self._names:
+                    self._names.append(name)
+        block = np.full((len(samples), len(self._names), 2), -1, dtype=np.int64)
+        crc = np.full((len(samples), len(self._names)), -1, dtype=np.int64)  # -1: no checksum recorded
+        for j, s in enumerate(samples):
+            if not isinstance(s["key"], str):
+                raise TypeError(f"sample {j}: key is not a string")
+            keys.append(s["key"].encode())
+            for name, span in s["members"].items():
+                block[j, self._names.index(name)] = [int(span[0]), int(span[1])]
+            for name, value in (s.get(CHECKSUMS) or {}).items():
+                crc[j, self._names.index(name)] = int(value)
+        return block, crc
+
+    @property
+    def checksummed(self) -> bool:
+        """Whether every member of every sample has a recorded crc32 (caches written before them have none)."""
+        return bool((self._crc[self._spans[..., 0] >= 0] >= 0).all())
+
+    def check_consistency(self) -> None:
+        """Cheap start-of-run checks (no data read): manifest, sidecars and tars agree on shards, counts and sizes,
+        every member lies inside its tar, no key occurs twice. Raises CacheDamaged naming the shard and the repair."""
+        d = self.cache_dir
+        entries = self.manifest["shards"]
+        listed = {f"{shard_stem(i)}.tar" for i in range(len(entries))}
+        found = {p.name for p in (d / SHARDS).glob("shard-*.tar")}
+        if extra := sorted(found - listed):
+            raise CacheDamaged(f"cache {d}: {MANIFEST} lists {len(entries)} shards but {SHARDS}/ also holds "
+                               f"{', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}; {REBUILD_MANIFEST}")
+        counts = np.bincount(self._shard, minlength=len(entries))
+        for i, e in enumerate(entries):
+            side, tar = self._sides[i], tar_path(d, i)
+            where = f"cache {d}: shard {tar.name}"
+            if e["path"] != f"{SHARDS}/{tar.name}":
+                raise CacheDamaged(f"cache {d}: {MANIFEST} shards[{i}] is {e['path']!r}, expected "
+                                   f"'{SHARDS}/{tar.name}'; {REBUILD_MANIFEST}")
+            if not tar.is_file():
+                raise CacheDamaged(f"{where} is missing; {repair_hint(d, i)}")
+            size = tar.stat().st_size
+            if side != (e["num_samples"], e["bytes"], e["sha256"]):
+                raise CacheDamaged(f"{where}: its sidecar (count {side[0]}, {side[1]} bytes) does "
+                                   f"not match {MANIFEST} ({e['num_samples']}, {e['bytes']} bytes): the shard changed "
+                                   f"after the cache was built; {repair_hint(d, i)}")
+            if counts[i] != e["num_samples"] or size != e["bytes"]:
+                raise CacheDamaged(f"{where}: {counts[i]} samples in the sidecar and {size} bytes on disk, "
+                                   f"{MANIFEST} says {e['num_samples']} and {e['bytes']}; {repair_hint(d, i)}")
+        if int(counts.sum()) != self.manifest["num_samples"]:
+            raise CacheDamaged(f"cache {d}: shards hold {int(counts.sum())} samples, {MANIFEST} says "
+                               f"{self.manifest['num_samples']}; {REBUILD_MANIFEST}")
+        ends = self._spans[..., 0] + self._spans[..., 1]
+        sizes = np.array([e["bytes"] for e in entries], dtype=np.int64)[self._shard]
+        bad = (self._spans[..., 0] >= 0) & ((self._spans[..., 1] < 0) | (ends > sizes[:, None]))
+        if bad.any():
+            j = int(np.argwhere(bad)[0][0])
+            raise CacheDamaged(f"cache {d}: shard {tar_path(d, int(self._shard[j])).name}, sample {self.key(j)}: its "
+                               f"sidecar places a member outside the tar; {repair_hint(d, int(self._shard[j]))}")
+        self._check_unique_keys()
+
+    def _check_unique_keys(self) -> None:
+        order = np.argsort(self._keys, kind="stable")
+        same = np.flatnonzero(self._keys[order][1:] == self._keys[order][:-1])
+        if len(same):
+            a, b = int(order[same[0]]), int(order[same[0] + 1])
+            sa, sb = int(self._shard[a]), int(self._shard[b])
+            d = self.cache_dir
+            raise CacheDamaged(f"cache {d}: key {self.key(a)} occurs twice (shards {tar_path(d, sa).name} and "
+                               f"{tar_path(d, sb).name}): one shard was replaced by a copy; to repair: delete "
+                               f"{sidecar_path(d, sb).name}" + (f" and {sidecar_path(d, sa).name}" if sa != sb else "")
+                               + f" in {d / SHARDS} and rerun the precompute command that built this cache "
+                               "(it rebuilds those shards alone)")
+
+    def damaged(self, index: int, what: str) -> CacheDamaged:
+        """The one-line error for sample `index` whose data is not what the cache says."""
+        shard = int(self._shard[index])
+        return CacheDamaged(f"cache {self.cache_dir}: shard {tar_path(self.cache_dir, shard).name}, sample "
+                            f"{self.key(index)}: {what}; {repair_hint(self.cache_dir, shard)}")
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_files": {}}
@@ -470,26 +595,47 @@ class CacheReader:
         return list(self._names)
 
     def raw(self, index: int) -> dict[str, bytes]:
+        """The sample's wanted members' bytes, each checked against its recorded crc32 (raises CacheDamaged)."""
         shard = int(self._shard[index])
         fd = self._files.get(shard)
         if fd is None:
-            fd = self._files[shard] = os.open(tar_path(self.cache_dir, shard), os.O_RDONLY)
+            try:
+                fd = self._files[shard] = os.open(tar_path(self.cache_dir, shard), os.O_RDONLY)
+            except OSError as e:
+                raise self.damaged(index, f"cannot open the tar ({e.strerror})") from None
         spans = self._spans[index].tolist()
-        wanted = sorted((*span, name) for name, span in zip(self._names, spans)
+        crcs = self._crc[index].tolist()
+        wanted = sorted((*span, name, crc) for name, span, crc in zip(self._names, spans, crcs)
                         if span[0] >= 0 and (self.members is None or name in self.members or name in (CAPTION, META)))
         out = {}
         for run in _runs(wanted, self.READ_GAP):
             lo, hi = run[0][0], run[-1][0] + run[-1][1]
             # pread: no shared file offset, so forked DataLoader workers and threads can share the descriptor
-            data = os.pread(fd, hi - lo, lo)
+            try:
+                data = os.pread(fd, hi - lo, lo)
+            except OSError as e:
+                raise self.damaged(index, f"cannot read the tar ({e.strerror})") from None
             if len(data) != hi - lo:
-                raise OSError(f"{tar_path(self.cache_dir, shard)}: sample {self.key(index)} is truncated")
-            for offset, size, name in run:
+                raise self.damaged(index, "the tar ends before this sample (truncated)")
+            for offset, size, name, crc in run:
                 out[name] = data[offset - lo:offset - lo + size]
+                if crc >= 0 and zlib.crc32(out[name]) != crc:
+                    raise self.damaged(index, f"member {name} fails its crc32 check (the tar changed after it was "
+                                              "written)")
         return out
 
+    def sample(self, index: int, tensors: bool = True) -> Sample:
+        """`decode_sample` of `raw(index)`; bytes that do not decode raise CacheDamaged naming shard and key."""
+        return self.decode(index, self.raw(index), tensors)
+
+    def decode(self, index: int, members: dict[str, bytes], tensors: bool = True) -> Sample:
+        try:
+            return decode_sample(self.key(index), members, tensors)
+        except (ValueError, KeyError, RecursionError, RuntimeError) as e:  # UnicodeDecodeError, JSON, safetensors
+            raise self.damaged(index, f"does not decode ({type(e).__name__})") from None
+
     def __getitem__(self, index: int) -> Sample:
-        return decode_sample(self.key(index), self.raw(index))
+        return self.sample(index)
 
     def close(self) -> None:
         for fd in self._files.values():

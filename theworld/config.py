@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import os
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -35,10 +38,13 @@ class ImageConfig:
     # crop: short side to `resolution`, then center crop; squash: whole picture to R x R; bucket: the aspect-ratio
     # bucket of ~R^2 pixels nearest the picture's shape (theworld.images.buckets), then center crop
     resize: Literal["crop", "squash", "bucket"] = "crop"
+    MAX_RESOLUTION = 16384  # (a class constant, not a key) one R x R x 3 float image is then 3 GB
 
     def __post_init__(self) -> None:
         if self.resolution <= 0 or self.resolution % 8:
             raise UserError(f"image.resolution: must be a positive multiple of 8 (the VAE downsamples 8x), got {self.resolution}")
+        if self.resolution > self.MAX_RESOLUTION:
+            raise UserError(f"config key 'image.resolution': at most {self.MAX_RESOLUTION}, got {self.resolution}")
         from theworld.images import BUCKET_STEP
 
         if self.resize == "bucket" and self.resolution % BUCKET_STEP:
@@ -82,9 +88,9 @@ def _takes_text(tp: Any) -> bool:
 
 
 def _check_value(value: Any, tp: Any, key: str) -> Any:
-    if isinstance(value, _Text):
-        value = value.raw if _takes_text(tp) else value.parsed
     origin = typing.get_origin(tp)
+    if isinstance(value, _Text) and origin not in (typing.Union, types.UnionType):  # a union asks each member
+        value = value.raw if _takes_text(tp) else value.parsed
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise UserError(f"config key '{key}': expected a mapping, got {type(value).__name__}")
@@ -111,17 +117,29 @@ def _check_value(value: Any, tp: Any, key: str) -> Any:
         (item,) = typing.get_args(tp)
         return [_check_value(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        value = _check_int(value, key)
         return float(value)
     if tp is float and isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
         try:
-            return float(value)
+            value = float(value)
         except ValueError:
             pass
     if tp in (int, float, str, bool):
         if type(value) is not tp:
             raise UserError(f"config key '{key}': expected {tp.__name__}, got {type(value).__name__} {value!r}")
-        return value
+        if tp is float and not math.isfinite(value):  # .inf / .nan would train to NaN or disable a check silently
+            raise UserError(f"config key '{key}': must be a finite number, got {value!r}")
+        return _check_int(value, key) if tp is int else value
     raise TypeError(f"unsupported config type {tp} for {key}")
+
+
+INT_LIMIT = 2**63 - 1  # what numpy, torch and the C libraries under them hold; any key's own limit is lower
+
+
+def _check_int(value: int, key: str) -> int:
+    if abs(value) > INT_LIMIT:
+        raise UserError(f"config key '{key}': {value} is too large (at most {INT_LIMIT})")
+    return value
 
 
 def _build(cls: type[T], data: dict, prefix: str = "") -> T:
@@ -159,11 +177,16 @@ def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()
     """Read YAML at `path` (or nothing), apply `key.sub=value` overrides, validate strictly into `cls`."""
     data: dict = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise UserError(f"config file not found: {p}")
+        p = resolve_config_path(path)
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = yaml.safe_load(p.read_bytes().decode("utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise UserError(f"config file {p} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})"
+                            ) from None
+        except OSError as e:
+            raise UserError(f"config file {p}: cannot read it ({e.strerror})") from None
+        except RecursionError:
+            raise UserError(f"config file {p} is nested too deeply to be a config") from None
         except yaml.YAMLError as e:
             raise UserError(f"config file {p} is not valid YAML: {str(e).splitlines()[0]}") from None
         if not isinstance(data, dict):
@@ -179,6 +202,28 @@ def from_dict(cls: type[T], data: dict) -> T:
         return _build(cls, data)
     except TypeError as e:  # a required field missing, etc.
         raise UserError(f"config: {e}") from None
+
+
+CONFIGS_DIR = "configs"  # where the shipped configs live, under the repository root
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """`path` itself when it is a file; a bare name that is not (e.g. `stage1.yaml`, the design's own command) is
+    looked up in ./configs/ and then in this checkout's configs/, and the run says which file it used."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    if p.parent == Path(".") and p.name:
+        for folder in (Path.cwd() / CONFIGS_DIR, Path(__file__).resolve().parents[1] / CONFIGS_DIR):
+            if (folder / p.name).is_file():
+                found = folder / p.name
+                shown = found.relative_to(Path.cwd()) if found.is_relative_to(Path.cwd()) else found
+                if int(os.environ.get("RANK", "0")) == 0:  # once under a launcher
+                    print(f"config: {p} is not a file in {Path.cwd()}; using {shown}", file=sys.stderr)
+                return found
+    if p.is_dir():
+        raise UserError(f"config file {p} is a directory")
+    raise UserError(f"config file not found: {p}")
 
 
 def to_dict(cfg: Any) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import json
 from pathlib import Path
 
@@ -46,11 +47,37 @@ def resolve_vae(spec: str) -> tuple[str, str | None]:
     return spec, "vae"  # a hub id: the pipeline repo (nvidia/Cosmos-Predict2-2B-Video2World) keeps the VAE in vae/
 
 
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    flags = (os.environ.get(k, "") for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return constants.HF_HUB_OFFLINE or any(f.upper() in ("1", "ON", "YES", "TRUE") for f in flags)
+
+
+def check_available(spec: str, key: str, config_file: str = "config.json") -> None:
+    """Before from_pretrained: a spec that is neither a folder here nor (offline) in the Hugging Face cache gets a
+    line saying exactly that, not the loader's "does not appear to have a file named config.json"."""
+    if spec == "tiny" or Path(spec).exists():
+        return
+    looks_like_path = spec.startswith(("/", ".", "~")) or spec.count("/") > 1 or spec.endswith("/")
+    if looks_like_path:
+        raise UserError(f"{key}: {spec!r} is not a folder here (nor a hub id of the form org/name)")
+    if not _offline():
+        return
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if not isinstance(try_to_load_from_cache(spec, config_file), str):
+        raise UserError(f"{key}: {spec!r} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+                        "HF_HUB_OFFLINE is set, so it cannot be downloaded: download it once where the network is "
+                        f"reachable (huggingface-cli download {spec}), or give a local folder")
+
+
 def load_gemma(spec: str, dtype: str = "bfloat16"):
     """(Gemma3ForConditionalGeneration, Gemma3Processor) from `tiny`, a local folder or a hub id."""
     from transformers import AutoProcessor, Gemma3ForConditionalGeneration
 
     _quiet_hf()
+    check_available(spec, "model.gemma")
     path = resolve_gemma(spec)
     try:
         model = Gemma3ForConditionalGeneration.from_pretrained(path, dtype=DTYPES[dtype])
@@ -64,6 +91,7 @@ def load_vae(spec: str, dtype: str = "bfloat16"):
     from diffusers import AutoencoderKLWan
 
     _quiet_hf()
+    check_available(spec, "model.vae", "vae/config.json")  # a hub id is the pipeline repo, the VAE in vae/
     path, subfolder = resolve_vae(spec)
     try:
         vae = AutoencoderKLWan.from_pretrained(path, subfolder=subfolder, torch_dtype=DTYPES[dtype])

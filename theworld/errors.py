@@ -1,8 +1,12 @@
 """User-facing errors and the one wrapper every command's `main` goes through."""
 from __future__ import annotations
 
+import errno
 import functools
+import re
+import shutil
 import sys
+from pathlib import Path
 from typing import Callable
 
 
@@ -12,6 +16,37 @@ class UserError(Exception):
 
 class CacheMismatch(UserError):
     """A cache that does not belong to this config (fingerprint differs)."""
+
+
+class OutOfSpace(UserError):
+    """The disk filled up while writing; the rerun after freeing space continues from the last complete save."""
+
+
+def out_of_space(e: BaseException, folder: str | Path | None = None) -> bool:
+    """Whether `e` is a full disk or quota: an OSError saying so, a library error whose text does (safetensors: "No
+    space left on device (os error 28)"), or one that says nothing (torch.save: "file write failed") written into a
+    `folder` whose file system has under 1 MiB left."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(e)
+    if "No space left on device" in text or "os error 28" in text or "Disk quota exceeded" in text:
+        return True
+    try:
+        return folder is not None and shutil.disk_usage(folder).free < (1 << 20)
+    except OSError:
+        return False
+
+
+def no_space_message(what: str | Path) -> str:
+    return (f"no space left on device while writing {what}: free some space and rerun the same command (it continues "
+            "from the last complete save)")
+
+
+class CacheDamaged(UserError):
+    """A cache file that does not hold what its sidecar or manifest says (truncated, swapped, bit rot, malformed)."""
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def cli_entry(main: Callable[[list[str] | None], int | None]) -> Callable[[list[str] | None], int]:
@@ -25,10 +60,17 @@ def cli_entry(main: Callable[[list[str] | None], int | None]) -> Callable[[list[
             msg = str(e)
             if "Original Traceback" in msg:  # raised in a DataLoader worker: its last line is the error itself
                 msg = msg.strip().splitlines()[-1].split(": ", 1)[-1]
-            print(f"error: {msg}", file=sys.stderr)
+            # the same mistake gives the same line: no object addresses from a library's repr (the known sources
+            # are fixed where they arise, e.g. theworld.images._ImageBytes)
+            print(f"error: {_ADDRESS.sub('', msg)}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             return 130
+        except OSError as e:
+            if not out_of_space(e):
+                raise
+            print(f"error: {no_space_message(e.filename or 'a file')}", file=sys.stderr)
+            return 2
 
     return wrapper

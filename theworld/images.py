@@ -16,18 +16,45 @@ from PIL import Image, ImageOps
 
 # PIL's own decompression-bomb threshold; above it we refuse instead of allocating gigabytes.
 MAX_PIXELS = 89_478_485
-_SIXTEEN_BIT = {"I;16", "I;16B", "I;16L", "I;16N", "I"}
+_SIXTEEN_BIT = {"I;16", "I;16B", "I;16L", "I;16N"}
+_HIGH_DEPTH = _SIXTEEN_BIT | {"I", "F"}  # converted by _to_8bit, one rule per kind (docs/cache-format.md)
 
 
 class BadImage(ValueError):
     """An input image that cannot be used; the message is the reason recorded in errors.jsonl."""
 
 
+class _ImageBytes(io.BytesIO):
+    """The bytes PIL opens. PIL names the file object in its errors ("cannot identify image file %r"); a plain
+    BytesIO would put its memory address there, and the same bad file would give a different reason each run."""
+
+    def __repr__(self) -> str:
+        return "<image bytes>"
+
+
+def _to_8bit(img: Image.Image) -> Image.Image:
+    """A one-channel high-depth image -> mode L, the same rule for every image of a mode (never guessed from the
+    values): 16-bit unsigned v -> round(v * 255 / 65535); 32-bit integer ("I") holds 16-bit values, scaled the same,
+    and anything outside 0..65535 is refused; 32-bit float ("F") v -> round(clip(v, 0, 1) * 255), non-finite refused.
+    Rounding is half up. PIL's own convert("RGB") would clip these at 255 instead."""
+    arr = np.asarray(img)
+    if img.mode == "F":
+        arr = arr.astype(np.float64)
+        if not np.isfinite(arr).all():
+            raise BadImage("float image has non-finite pixels")
+        scaled = np.clip(arr, 0.0, 1.0) * 255.0
+    else:
+        arr = arr.astype(np.int64)
+        if arr.size and (arr.min() < 0 or arr.max() > 65535):  # only mode I can hold these
+            raise BadImage(f"32-bit integer image with values outside 0..65535 ({arr.min()}..{arr.max()}): "
+                           "no defined scale to 8 bits")
+        scaled = arr * 255 / 65535.0
+    return Image.fromarray(np.floor(scaled + 0.5).astype(np.uint8), "L")
+
+
 def _to_rgb(img: Image.Image) -> Image.Image:
-    if img.mode in _SIXTEEN_BIT:  # PIL's convert("RGB") would clip 16-bit values at 255
-        arr = np.asarray(img, dtype=np.float64)
-        peak = 65535.0 if arr.max(initial=0) > 255 else 255.0
-        img = Image.fromarray(np.clip(arr * (255.0 / peak), 0, 255).astype(np.uint8), "L")
+    if img.mode in _HIGH_DEPTH:
+        img = _to_8bit(img)
     if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
         rgba = img.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
@@ -46,7 +73,7 @@ def decode(data: bytes, draft_size: int | None = None, max_pixels: int = MAX_PIX
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data))
+            img = Image.open(_ImageBytes(data))
             w, h = img.size
             if w * h > max_pixels:
                 raise BadImage(f"oversized image {w}x{h} (> {max_pixels} pixels)")
@@ -127,7 +154,7 @@ def to_uint8_tensor(img: Image.Image) -> torch.Tensor:
 
 def upright_size(data: bytes) -> tuple[int, int]:
     """(width, height) of encoded image bytes as shown, EXIF rotation applied, from the header alone."""
-    src = Image.open(io.BytesIO(data))  # lazy: reads the header only
+    src = Image.open(_ImageBytes(data))  # lazy: reads the header only
     w, h = src.size
     if src.getexif().get(0x0112, 1) in (5, 6, 7, 8):  # EXIF orientations that swap width and height
         w, h = h, w

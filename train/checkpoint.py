@@ -1,7 +1,8 @@
 """Checkpoints (design section 4): written to a temporary folder and renamed; old ones deleted only afterwards.
 
     <output_dir>/checkpoint-<step>/trainable.safetensors  trainable parameters, by their model names
-    <output_dir>/checkpoint-<step>/state.json             step, epoch, samples seen, data cursor, config hash, parent
+    <output_dir>/checkpoint-<step>/state.json             step, epoch, samples seen, data cursor, config hash, parent,
+                                                          sha256 of every other file (checked before resuming)
     <output_dir>/checkpoint-<step>/optimizer.pt           AdamW state dict (tensors and numbers: weights_only=True)
     <output_dir>/checkpoint-<step>/rng.safetensors        torch CPU RNG state of the main process
     <output_dir>/checkpoint-<step>/ema.safetensors        EMA of the trainable weights (when train.ema > 0)
@@ -25,8 +26,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from theworld.cache_format import sha256_file
 from theworld.config import to_yaml
-from theworld.errors import UserError
+from theworld.errors import OutOfSpace, UserError, no_space_message, out_of_space
 from theworld.generate import DEFAULT_PROMPT as DESCRIBE_PROMPT
 from theworld.model import LoadReport, local_like
 from theworld.pretrained import CONFIG, EMA, WEIGHTS
@@ -69,6 +71,26 @@ def resolve_resume(cfg) -> Path | None:
     return p
 
 
+def check_resumable(path: Path, max_steps: int) -> dict:
+    """Before any model loads: the checkpoint's files are the ones it recorded (sha256 in state.json; checkpoints
+    written before that record are taken as they are), and its step is not past train.max_steps. Returns state.json."""
+    state = _read(path / STATE, lambda p: json.loads(p.read_text()))
+    recorded = state.get("sha256") if isinstance(state, dict) else None
+    for name, digest in (recorded or {}).items():
+        f = path / name
+        if not f.is_file() or sha256_file(f) != digest:
+            raise UserError(f"resume: {f} is {'damaged' if f.is_file() else 'missing'} (its sha256 is not the one "
+                            f"{STATE} recorded); move {path} out of output_dir and resume: auto takes the one before "
+                            "it")
+    step = state.get("step") if isinstance(state, dict) else None
+    if type(step) is not int:
+        raise UserError(f"resume: {path / STATE} holds no step; move {path} out of output_dir")
+    if step > max_steps:
+        raise UserError(f"config key 'train.max_steps': {max_steps} is below step {step} of {path}, which would "
+                        "export weights trained past it; raise train.max_steps, or use another output_dir")
+    return state
+
+
 def remove_partial(output_dir: str | Path) -> list[Path]:
     """Clean up after a run killed while saving: a folder it had moved aside to replace goes back if its replacement
     never arrived; unfinished writes (each can be a full checkpoint in size) are deleted. Returns what was deleted."""
@@ -107,12 +129,17 @@ def describe_init(path: str | Path, report: LoadReport) -> str:
 
 
 def _write_dir(tmp: Path, files: dict) -> None:
-    tmp.mkdir(parents=True)
-    for name, writer in files.items():
-        writer(tmp / name)
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+    try:
+        tmp.mkdir(parents=True)
+        for name, writer in files.items():
+            writer(tmp / name)
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    except Exception as e:  # safetensors and torch.save report a full disk in their own words
+        if out_of_space(e, tmp.parent):
+            raise OutOfSpace(no_space_message(tmp)) from None  # the rerun removes the unfinished folder
+        raise
 
 
 def _trainable_names(c) -> list[str]:
@@ -170,11 +197,14 @@ def save(c, state, output_dir: str | Path, keep_last: int, extra_state: dict, wh
         WEIGHTS: lambda p: save_file(whole.weights, str(p)),
         OPTIMIZER: lambda p: torch.save(whole.optimizer, p),
         RNG: lambda p: save_file({"torch_cpu": torch.get_rng_state()}, str(p)),
-        STATE: lambda p: p.write_text(json.dumps({**state.to_json(), **extra_state, "time": time.time()}, indent=1)),
         CONFIG: lambda p: p.write_text(to_yaml(c.cfg)),
     }
     if c.ema is not None:
         files[EMA] = _ema_writer(whole)
+    # last, so it can record every other file's sha256 (checked by check_resumable)
+    files[STATE] = lambda p: p.write_text(json.dumps(
+        {**state.to_json(), **extra_state, "time": time.time(),
+         "sha256": {f.name: sha256_file(f) for f in sorted(p.parent.iterdir()) if f.name != STATE}}, indent=1))
     final = _publish(out, f"checkpoint-{state.step}", files)
     for old in list_checkpoints(out)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)

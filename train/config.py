@@ -34,7 +34,10 @@ class LrMultipliers:
 class TrainSection:
     max_steps: int = 1000
     global_batch_size: int = 32  # the optimiser's batch, whatever the number of processes
-    micro_batch_size: int = 32  # per process per forward; accumulation = global / (micro * processes)
+    # per process per forward; accumulation = global / (micro * processes). auto: the largest divisor of
+    # global / processes that is at most max_micro_batch_size
+    micro_batch_size: int | Literal["auto"] = "auto"
+    max_micro_batch_size: int = 32  # what one forward fits in memory (used by micro_batch_size: auto)
     lr: float = 1e-2
     warmup_steps: int = 50
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
@@ -68,8 +71,9 @@ class TrainSection:
     # box 1 avoids OpenMP threads fighting the loader workers (several times faster for the tiny demo on 2 cores)
 
     def __post_init__(self) -> None:
-        for name in ("max_steps", "global_batch_size", "micro_batch_size", "log_every", "save_every", "keep_last"):
-            if getattr(self, name) <= 0:
+        for name in ("max_steps", "global_batch_size", "micro_batch_size", "max_micro_batch_size", "log_every",
+                     "save_every", "keep_last"):
+            if getattr(self, name) != "auto" and getattr(self, name) <= 0:
                 raise UserError(f"config key 'train.{name}': must be positive, got {getattr(self, name)}")
         for name in ("cpu_threads", "warmup_steps", "eval_every", "eval_samples", "eval_batch_size", "num_workers", "max_length",
                      "weight_decay", "grad_clip", "grad_norm_warn"):
@@ -121,17 +125,38 @@ class TrainConfig:
             self.resume = None
 
 
+def _largest_divisor(n: int, at_most: int) -> int:
+    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
+
+
+def resolve_micro_batch(cfg: TrainConfig, world_size: int) -> int:
+    """train.micro_batch_size for `world_size` processes (auto resolved), or a one-line error that suggests values
+    that work. Sets it in `cfg` so every later use (loaders, checkpoints' config hash) sees the number."""
+    t = cfg.train
+    g, m = t.global_batch_size, t.micro_batch_size
+    if g % world_size:
+        lo, hi = g - g % world_size, g + world_size - g % world_size
+        raise UserError(f"config key 'train.global_batch_size': {g} does not split over {world_size} processes; use "
+                        f"a multiple of {world_size}, e.g. {hi}" + (f" or {lo}" if lo else ""))
+    per_process = g // world_size
+    if m == "auto":
+        m = _largest_divisor(per_process, t.max_micro_batch_size)
+    elif per_process % m:
+        raise UserError(f"config key 'train.micro_batch_size': {m} does not divide the {per_process} samples each of "
+                        f"{world_size} process(es) gets of train.global_batch_size {g}; use "
+                        f"{_largest_divisor(per_process, m)} (or auto)")
+    t.micro_batch_size = m
+    return m
+
+
 def accumulation_steps(cfg: TrainConfig, world_size: int) -> int:
-    g, m = cfg.train.global_batch_size, cfg.train.micro_batch_size
-    if g % (m * world_size):
-        raise UserError(f"config key 'train.global_batch_size': {g} is not a multiple of train.micro_batch_size "
-                        f"({m}) x processes ({world_size})")
-    return g // (m * world_size)
+    m = resolve_micro_batch(cfg, world_size)
+    return cfg.train.global_batch_size // (m * world_size)
 
 
 # Keys that may change between a run and its resumption without changing its numbers.
 RESUME_NEUTRAL = ("resume", "output_dir", "trackers", "profile", "train.num_workers", "train.cpu_threads", "train.log_every", "train.save_every",
-                  "train.keep_last", "train.eval_every", "train.benchmarks")
+                  "train.keep_last", "train.eval_every", "train.benchmarks", "train.max_micro_batch_size")
 
 
 def run_hash(cfg: TrainConfig) -> str:
@@ -152,5 +177,5 @@ def load(argv: list[str] | None = None) -> tuple[TrainConfig, object]:
     return load_config(TrainConfig, args.config, args.overrides), args
 
 
-__all__ = ["TrainConfig", "TrainSection", "LrMultipliers", "ProfileConfig", "accumulation_steps", "run_hash", "load",
-           "to_yaml"]
+__all__ = ["TrainConfig", "TrainSection", "LrMultipliers", "ProfileConfig", "accumulation_steps", "resolve_micro_batch",
+           "run_hash", "load", "to_yaml"]

@@ -22,6 +22,7 @@ import hashlib
 import math
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +33,7 @@ from theworld import cache_format as cf
 from theworld.errors import UserError
 from theworld.images import decode, load_for_vae, siglip_pixels
 from theworld.text import IGNORE, ChatFormatter, PromptTooLong, collate_text
+from train.preempt import ignore_in_workers
 
 
 def _seed(*parts) -> int:
@@ -92,6 +94,7 @@ def plan_inputs(cfg, reader: cf.CacheReader) -> InputPlan:
 def open_cache(cfg) -> tuple[cf.CacheReader, InputPlan]:
     """Open the cache and check the fingerprint fields that need no model (before any model is loaded)."""
     reader = cf.CacheReader(cfg.cache_dir)
+    reader.check_consistency()  # sizes and keys only; every member's crc32 is checked as it is read
     fp = reader.manifest.get("fingerprint") or {}
     plan = plan_inputs(cfg, reader)
     cache_side = {"format_version": fp.get("format_version"),
@@ -181,9 +184,11 @@ def epoch_batches(train_indices: np.ndarray, seed: int, epoch: int, global_batch
 def check_sizes(cfg, reader: cf.CacheReader, train_indices: np.ndarray, world_size: int) -> int:
     """Steps per epoch from the cache's index alone (before any model loads), or a one-line error naming the key."""
     n_eval = cfg.train.eval_samples
-    if 0 < n_eval < 2 * world_size:  # eval shuffles world latents across the samples of a batch: 2 per process
-        raise UserError(f"config key 'train.eval_samples': {n_eval} is too few for {world_size} process(es): use 0 "
-                        f"(no eval) or at least {2 * world_size}")
+    _check_held_out(n_eval, len(reader))
+    if n_eval == 1 or 0 < n_eval < world_size:  # each process takes a share; a shuffled world is another sample's
+        raise UserError(f"config key 'train.eval_samples': {n_eval} is too few for {world_size} process(es) (the "
+                        f"shuffled-world loss takes each held-out sample's world from another one): use 0 (no eval) "
+                        f"or at least {max(2, world_size)}")
     return steps_per_epoch(np.bincount(bucket_ids(reader)[train_indices]), cfg.train.global_batch_size)
 
 
@@ -215,11 +220,55 @@ def flip_of(seed: int, epoch: int, index: int) -> bool:
     return _seed("flip", seed, epoch, index) & 1 == 1
 
 
-_LR = re.compile(r"\b(left|right)\b")
+# Flip augmentation's text rule (docs/training.md, "Flip"): `left`/`right` (and `leftmost`/`rightmost`) are swapped,
+# case kept, only where they name a side of the picture.
+_SWAP = {"left": "right", "right": "left", "leftmost": "rightmost", "rightmost": "leftmost"}
+SIDE_AFTER = frozenset("of side sides half halves hand hands corner corners edge edges part parts portion portions "
+                       "quadrant quadrants third thirds column columns border margin wing".split())
+SIDE_BEFORE = frozenset("to on at from toward towards top bottom upper lower far center centre middle facing faces "
+                        "face looking looks pointing points turned turning turn turns leaning leans moving moves "
+                        "heading heads".split())
+ARTICLES = frozenset("the its their his her a".split())
+PREPOSITIONS = frozenset("to on at from toward towards in into onto near by off".split())
+LINKS = frozenset(("and", "or", "to"))  # "left and right", "from right to left": both words swap
+_WORD = re.compile(r"[A-Za-z']+")
 
 
 def swap_left_right(text: str) -> str:
-    return _LR.sub(lambda m: "right" if m.group(1) == "left" else "left", text)
+    """The caption of the mirrored picture: see the rule above and in docs/training.md."""
+    words = list(_WORD.finditer(text))
+    low = [m.group().lower() for m in words]
+
+    def joined(i: int, j: int) -> bool:  # words i < j with nothing but spaces or hyphens between them
+        return 0 <= i and j < len(words) and not text[words[i].end():words[j].start()].strip(" -\t")
+
+    swap = set()
+    for i, w in enumerate(low):
+        if w in ("leftmost", "rightmost"):
+            swap.add(i)
+        elif w in ("left", "right"):
+            before = low[i - 1] if joined(i - 1, i) else ""
+            article_after_preposition = before in ARTICLES and joined(i - 2, i - 1) and low[i - 2] in PREPOSITIONS
+            after = low[i + 1] if joined(i, i + 1) else ""
+            if after in SIDE_AFTER or before in SIDE_BEFORE or article_after_preposition:
+                swap.add(i)
+    for i in sorted(swap):  # a swapped word's partner across and/or/to
+        for j in (i - 2, i + 2):
+            lo, hi = min(i, j), max(i, j)
+            if 0 <= lo and hi < len(low) and low[j] in _SWAP and low[lo + 1] in LINKS and joined(lo, lo + 1) \
+                    and joined(lo + 1, hi):
+                swap.add(j)
+    out, end = [], 0
+    for i in sorted(swap):
+        m = words[i]
+        word = _SWAP[low[i]]
+        if m.group().isupper():
+            word = word.upper()
+        elif m.group()[0].isupper():
+            word = word.capitalize()
+        out += [text[end:m.start()], word]
+        end = m.end()
+    return "".join(out) + text[end:]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -231,11 +280,14 @@ class CacheDataset(Dataset):
 
     def __init__(self, reader: cf.CacheReader, indices: np.ndarray, formatter: ChatFormatter, plan: InputPlan,
                  resolution: int, resize: str, image_processor=None, seed: int = 0, epoch: int = 0,
-                 flip: bool | None = None):
+                 flip: bool | None = None, partner: bool = False):
         self.reader, self.indices, self.formatter, self.plan = reader, indices, formatter, plan
         self.resolution, self.resize, self.image_processor = resolution, resize, image_processor
         self.seed, self.epoch = seed, epoch
         self.flip = plan.flip if flip is None else flip
+        # eval: each item also carries its partner's world (eval_partners) for the shuffled-world loss; a rule over
+        # the whole split, so the figure does not depend on the process count
+        self.partners = eval_partners(reader.latent_hw[indices]) if partner else None
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -243,18 +295,22 @@ class CacheDataset(Dataset):
     def __getitem__(self, pos: int) -> dict:
         index = int(self.indices[pos])
         raw = self.reader.raw(index)
-        s = cf.decode_sample(self.reader.key(index), raw, tensors=False)
+        s = self.reader.decode(index, raw, tensors=False)
         flipped = self.flip and flip_of(self.seed, self.epoch, index)
         prompt, caption = s.prompt, s.caption
         if flipped:
             prompt, caption = swap_left_right(prompt), swap_left_right(caption)
         # text is tokenised and cached tensors are decoded a batch at a time, by Collate
-        item: dict = {"text": (prompt, caption)}
+        item: dict = {"text": (prompt, caption), "origin": (self.reader, index)}
         if self.plan.cached_latents:
             item[cf.LATENT] = raw[cf.LATENT_FLIP if flipped else cf.LATENT]
         else:
             pixels, _ = load_for_vae(s.image, self.resolution, self.resize)
             item["images"] = pixels.flip(-1).contiguous() if flipped else pixels
+        if self.partners is not None:
+            mate = int(self.partners[pos])
+            item.update(self._world(mate))
+            item["paired"] = torch.tensor(mate != pos)
         if self.plan.cached_siglip:
             item[cf.SIGLIP] = raw[cf.SIGLIP]
         else:
@@ -264,6 +320,28 @@ class CacheDataset(Dataset):
                 img = ImageOps.mirror(img)
             item["pixel_values"] = siglip_pixels(self.image_processor, img)
         return item
+
+    def _world(self, pos: int) -> dict:
+        """The unflipped world input of the sample at `pos`, under PARTNER names."""
+        index = int(self.indices[pos])
+        if self.plan.cached_latents:
+            return {PARTNER + cf.LATENT: self.reader.raw(index)[cf.LATENT]}
+        image = self.reader.decode(index, self.reader.raw(index), tensors=False).image
+        return {PARTNER + "images": load_for_vae(image, self.resolution, self.resize)[0]}
+
+
+PARTNER = "partner:"  # prefix of an eval item's (and batch's) partner-world keys
+
+
+def eval_partners(latent_hw: np.ndarray) -> np.ndarray:
+    """For held-out samples in key order with latent shapes (n, 2): each one's partner, the next sample of the same
+    shape (cyclically), whose world it takes for the shuffled-world loss; itself when it is its shape's only one."""
+    partners = np.arange(len(latent_hw))
+    shapes = np.unique(latent_hw, axis=0, return_inverse=True)[1].reshape(-1) if len(latent_hw) else partners
+    for k in np.unique(shapes):
+        pos = np.flatnonzero(shapes == k)
+        partners[pos] = np.roll(pos, -1)
+    return partners
 
 
 class Batch:
@@ -328,17 +406,45 @@ class Collate:
     def __call__(self, items: list[dict]) -> Batch:
         batch = collate_text(_encode(self.formatter, [it["text"] for it in items]), self.formatter.pad_id)
         for k in items[0]:
-            if k in self.CACHED:
-                stacked = cf.load_stacked([it[k] for it in items])
-                if missing := self.CACHED[k].keys() - stacked.keys() - self.OPTIONAL:
-                    raise ValueError(f"cache member {k} holds no tensor {', '.join(sorted(missing))}")
-                batch.update({key: stacked[name] for name, key in self.CACHED[k].items() if name in stacked})
-            elif k != "text":
+            prefix, member = (PARTNER, k.removeprefix(PARTNER)) if k.startswith(PARTNER) else ("", k)
+            if member in self.CACHED:
+                stacked = _load_stacked(k, items, tuple(n for n in self.CACHED[member] if n not in self.OPTIONAL))
+                if missing := self.CACHED[member].keys() - stacked.keys() - self.OPTIONAL:
+                    raise ValueError(f"cache member {member} holds no tensor {', '.join(sorted(missing))}")
+                batch.update({prefix + key: stacked[name] for name, key in self.CACHED[member].items()
+                              if name in stacked})
+            elif k not in ("text", "origin"):
                 batch[k] = torch.stack([it[k] for it in items])
         return Batch(batch, num_tokens=int((batch["labels"][:, 1:] != IGNORE).sum()))
 
 
-# batch keys that carry a sample's world (eval's shuffled-world loss permutes them across the batch)
+def _load_stacked(member: str, items: list[dict], names) -> dict[str, torch.Tensor]:
+    """cf.load_stacked; bytes that do not decode to the tensors `names` (a cache written before member checksums)
+    raise CacheDamaged naming the sample."""
+    try:
+        return cf.load_stacked([it[member] for it in items])
+    except BaseException as e:
+        if not isinstance(e, Exception) and type(e).__name__ != "PanicException":  # safetensors' Rust panics
+            raise
+        signatures = []
+        for it in items:  # find the sample at fault, for the error line
+            reader, index = it["origin"]
+            try:
+                t = cf.st_load(it[member])
+                signatures.append(tuple((n, tuple(t[n].shape), t[n].dtype) for n in names))
+            except BaseException as inner:  # noqa: BLE001 - KeyError for a missing tensor, or a decode failure
+                if not isinstance(inner, Exception) and type(inner).__name__ != "PanicException":
+                    raise
+                raise reader.damaged(index, f"member {member} does not decode to tensors {', '.join(names)} "
+                                            f"({type(inner).__name__})") from None
+        common = Counter(signatures).most_common(1)[0][0]
+        odd = next((it["origin"] for it, sig in zip(items, signatures) if sig != common), None)
+        if odd is None:
+            raise
+        raise odd[0].damaged(odd[1], f"member {member} holds tensors unlike the batch's others") from None
+
+
+# batch keys that carry a sample's world (eval's shuffled-world loss swaps them for their PARTNER versions)
 WORLD_KEYS = (*Collate.CACHED[cf.LATENT].values(), "images")
 
 
@@ -367,7 +473,7 @@ class DataContext:
         """`split_`: split(reader, cfg.train.eval_samples) when the caller has it already."""
         train, held = split_ if split_ is not None else split(reader, cfg.train.eval_samples)
         formatter = ChatFormatter(processor, max_length=cfg.train.max_length or None)
-        first = cf.decode_sample(reader.key(int(train[0])), reader.raw(int(train[0])), tensors=False)
+        first = reader.sample(train[0], tensors=False)
         _encode(formatter, [(first.prompt, first.caption)])  # a prompt over max_length: an error before any worker
         return cls(reader, plan, formatter, processor.image_processor, train, held, bucket_ids(reader))
 
@@ -378,15 +484,17 @@ class DataContext:
             return ""
         return "latent shapes (train samples): " + ", ".join(f"{h}x{w} ({n})" for (h, w), n in zip(shapes, counts))
 
-    def dataset(self, cfg, indices: np.ndarray, epoch: int, flip: bool | None = None) -> CacheDataset:
+    def dataset(self, cfg, indices: np.ndarray, epoch: int, flip: bool | None = None,
+                partner: bool = False) -> CacheDataset:
         return CacheDataset(self.reader, indices, self.formatter, self.plan, cfg.image.resolution, cfg.image.resize,
-                            self.image_processor, cfg.seed, epoch, flip)
+                            self.image_processor, cfg.seed, epoch, flip, partner)
 
 
 def _worker_init(_: int) -> None:
     # workers decode and tokenise; intra-op or tokenizer threads would only fight the training step
     torch.set_num_threads(1)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    ignore_in_workers()
 
 
 def _loader(cfg, ctx: DataContext, dataset, **kw) -> DataLoader:
@@ -409,18 +517,13 @@ def build_train_loader(cfg, ctx: DataContext, rank: int, world_size: int, epoch:
 
 
 def build_eval_loader(cfg, ctx: DataContext, rank: int, world_size: int) -> DataLoader:
-    """This process's share of the held-out samples, unflipped, in batches of one bucket and of at least 2 where the
-    bucket has 2 (so world latents can be permuted across samples): a bucket's trailing single sample joins the batch
-    before it."""
-    idx = ctx.eval_indices[rank::world_size]
-    size = max(2, cfg.train.eval_batch_size or cfg.train.micro_batch_size)
-    of = ctx.buckets[idx]
+    """This process's share (positions rank, rank + W, ... of the held-out split) in batches of one latent shape, unflipped,
+    each sample with the world of its partner (`eval_partners`) for the shuffled-world loss."""
+    positions = np.arange(rank, len(ctx.eval_indices), world_size)
+    size = cfg.train.eval_batch_size or cfg.train.micro_batch_size
+    of = ctx.buckets[ctx.eval_indices[positions]]
     batches = []
     for k in np.unique(of):
-        pos = np.flatnonzero(of == k).tolist()
-        mine = [pos[i:i + size] for i in range(0, len(pos), size)]
-        if len(mine) > 1 and len(mine[-1]) == 1:
-            last = mine.pop()  # (not `mine[-2] += mine.pop()`: the target index is taken before the pop)
-            mine[-1] += last
-        batches += mine
-    return _loader(cfg, ctx, ctx.dataset(cfg, idx, 0, flip=False), batch_sampler=batches)
+        mine = positions[of == k].tolist()
+        batches += [mine[i:i + size] for i in range(0, len(mine), size)]
+    return _loader(cfg, ctx, ctx.dataset(cfg, ctx.eval_indices, 0, flip=False, partner=True), batch_sampler=batches)

@@ -17,6 +17,7 @@ from train import checkpoint, data, optim
 from train.benchmarks import BenchmarkEval
 from train.config import accumulation_steps, load, run_hash, to_yaml
 from train.metrics import Metrics, ProfileWindow, StepWindow, summary
+from train.preempt import EXIT_CODES, Preemption
 from train.step import LoopState, NonFiniteError, evaluate, optimization_step
 
 
@@ -41,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     # one run per output_dir: a second one would take this run's unfinished saves for a killed run's and delete them
     with run_lock.hold(cfg.output_dir, acc):
         code = _train(cfg, acc, reader, plan, split, per_epoch, accum, t_start, bench)
-    if code == 0:  # not after an error, when another process may still be in a collective; see precompute's main
+    # not after an error, when another process may still be in a collective (see precompute's main); a preempted run
+    # stopped on every rank after the same step
+    if code == 0 or code in EXIT_CODES.values():
         acc.state.destroy_process_group()
     return code
 
@@ -52,6 +55,8 @@ def _train(cfg, acc, reader, plan, split, per_epoch: int, accum: int, t_start: f
     removed = checkpoint.remove_partial(cfg.output_dir) if acc.is_main_process else []  # before choosing where to
     acc.wait_for_everyone()  # resume: a folder a killed save had moved aside may come back
     resume_from = checkpoint.resolve_resume(cfg)
+    if resume_from is not None:
+        checkpoint.check_resumable(resume_from, cfg.train.max_steps)  # before the models load
     reports = []
     c = optim.build(cfg, acc, accum, (lambda m: reports.append(checkpoint.init_from(m, cfg.init_from)))
                     if cfg.init_from else None, check=lambda m, p: data.verify_fingerprint(cfg, m, p, reader, plan))
@@ -61,6 +66,9 @@ def _train(cfg, acc, reader, plan, split, per_epoch: int, accum: int, t_start: f
                 cfg.trackers)
     for p in removed:
         m.message(f"removed {p}, an unfinished save of a killed run")
+    if not reader.checksummed:
+        m.message(f"note: cache {cfg.cache_dir} has no per-member checksums (written before they existed): damaged "
+                  "latents would go unnoticed; rebuild it to add them")
     for r in reports:
         m.message(checkpoint.describe_init(cfg.init_from, r))
     m.message(f"{'resumed from ' + str(resume_from) if resume_from else 'fresh start'} at step {state.step}; "
@@ -94,6 +102,7 @@ def _train(cfg, acc, reader, plan, split, per_epoch: int, accum: int, t_start: f
     if state.step == 0 and cfg.train.eval_every:
         run_eval()
     window = StepWindow()
+    stop = Preemption(acc).install()  # SIGTERM / SIGINT: stop after the current step, saved
     try:
         while state.step < cfg.train.max_steps:
             epoch, start = divmod(state.step, per_epoch)
@@ -106,7 +115,7 @@ def _train(cfg, acc, reader, plan, split, per_epoch: int, accum: int, t_start: f
                 out = optimization_step(c, state, micro)
                 window.add(out, data_s=t0 - t_data, train_s=time.perf_counter() - t0)
                 prof.after(state.step)
-                m.advance()
+                m.advance(loss=out["loss"])
                 if cfg.train.grad_norm_warn and out["grad_norm"] > cfg.train.grad_norm_warn:
                     m.message(f"warning: step {state.step}: gradient norm {out['grad_norm']:.1f} "
                               f"> train.grad_norm_warn {cfg.train.grad_norm_warn}")
@@ -119,6 +128,8 @@ def _train(cfg, acc, reader, plan, split, per_epoch: int, accum: int, t_start: f
                     run_eval()
                 if state.step % cfg.train.save_every == 0:
                     save()
+                if stop.requested():
+                    return stop.finish(state.step, cfg, save, m)
     except NonFiniteError as e:
         m.close()
         print(f"error: {e}", file=sys.stderr)
@@ -126,6 +137,8 @@ def _train(cfg, acc, reader, plan, split, per_epoch: int, accum: int, t_start: f
     except BaseException:
         m.close()  # the progress bar ends its line before the error is printed
         raise
+    finally:
+        stop.restore()
     if state.last_eval is None or state.last_eval.get("step") != state.step:  # a checkpoint saved before its eval
         run_eval()
     if window.steps_run and state.step % cfg.train.save_every:  # (a finished run's rerun has its checkpoint)

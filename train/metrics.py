@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -38,6 +39,7 @@ class Metrics:
         self.acc, self.main = accelerator, accelerator.is_main_process
         self.path = Path(output_dir) / METRICS
         self.bar = None
+        self.smoothed = SmoothedLoss()
         if not self.main:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -46,11 +48,19 @@ class Metrics:
             kept = [ln for ln in self.path.read_text().splitlines() if 0 <= _step_of(ln) <= start_step]
         self.path.write_text("".join(ln + "\n" for ln in kept))
         if trackers:
-            accelerator.init_trackers("theworld", config=_flat(config))
+            # TensorBoard logs go to <output_dir>/theworld/. Its hparams (accelerate's store_init_configuration) would
+            # add a folder named by the clock there on every (re)start; the config goes in as text instead.
+            accelerator.init_trackers("theworld")
+            for t in accelerator.trackers:
+                if t.name == "tensorboard":
+                    t.writer.add_text("config", "    " + json.dumps(config, indent=1).replace("\n", "\n    "))
+                else:
+                    t.store_init_configuration(_flat(config))
         from tqdm.auto import tqdm
 
         self.bar = tqdm(total=max_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr,
                         mininterval=1.0)
+        self.postfix: dict[str, str] = {}
         self.trackers = bool(trackers)
 
     def log(self, event: dict) -> None:
@@ -61,8 +71,12 @@ class Metrics:
         if self.trackers:
             self.acc.log({k: v for k, v in event.items() if k != "step"}, step=event["step"])
         if self.bar is not None and "loss" in event:
-            self.bar.set_postfix(loss=f"{event['loss']:.4f}", lr=f"{event['lr']:.2e}",
-                                 sps=f"{event['samples_per_s']:.0f}", refresh=False)
+            self.postfix.update(lr=f"{event['lr']:.2e}", sps=f"{event['samples_per_s']:.0f}")
+            self.bar.set_postfix(self.postfix, refresh=False)
+        if "eval_loss" in event:  # evals are rare and the figure people wait for: on the console as they happen
+            gap = event["eval_loss_shuffled_world"] - event["eval_loss"]
+            self.message(f"eval at step {event['step']}: eval_loss {event['eval_loss']:.4f}, "
+                         f"eval_loss_shuffled_world {event['eval_loss_shuffled_world']:.4f}, gap {gap:+.4f}")
 
     def message(self, text: str) -> None:
         if self.main:
@@ -71,8 +85,12 @@ class Metrics:
             else:
                 print(text, file=sys.stderr)
 
-    def advance(self, n: int = 1) -> None:
+    def advance(self, n: int = 1, loss: float | None = None) -> None:
+        """`n` more steps done; `loss`: the last one's, shown smoothed on the progress bar."""
         if self.bar is not None:
+            if loss is not None and self.smoothed.add(loss):
+                self.postfix["loss"] = f"{self.smoothed.value:.4f}"
+                self.bar.set_postfix(self.postfix, refresh=False)
             self.bar.update(n)
 
     def close(self) -> None:
@@ -80,6 +98,25 @@ class Metrics:
             self.bar.close()
         if self.main and self.trackers:
             self.acc.end_training()
+
+
+class SmoothedLoss:
+    """Exponential moving average of the per-step loss (bias-corrected, as TensorBoard's smoothing): the progress bar
+    shows a trend that moves every step instead of one log line's window mean. Non-finite steps are left out."""
+
+    def __init__(self, beta: float = 0.9):
+        self.beta, self.avg, self.n = beta, 0.0, 0
+
+    def add(self, loss: float) -> bool:
+        if not math.isfinite(loss):
+            return False
+        self.avg = self.beta * self.avg + (1 - self.beta) * loss
+        self.n += 1
+        return True
+
+    @property
+    def value(self) -> float:
+        return self.avg / (1 - self.beta ** self.n) if self.n else float("nan")
 
 
 class ProfileWindow:

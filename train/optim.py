@@ -7,6 +7,7 @@ from typing import Callable
 import torch
 
 from theworld.errors import UserError
+from theworld.launch import check_group, use_cpu
 from theworld.model import TheWorld, compile_language_layers
 from train import sharding
 
@@ -21,8 +22,9 @@ def make_accelerator(cfg):
     check_attention(cfg.train.attention)  # before the accelerator and the models: a refusal should cost nothing
     plan = sharding.resolve(cfg)  # before Accelerator(), which would act on the launcher's FSDP request itself
     cfg.train.sharding = plan.mode
-    acc = Accelerator(mixed_precision=cfg.train.mixed_precision, log_with=list(cfg.trackers) or None,
+    acc = Accelerator(cpu=use_cpu(), mixed_precision=cfg.train.mixed_precision, log_with=list(cfg.trackers) or None,
                       project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=cfg.output_dir))
+    check_group(acc.num_processes)  # torchrun or a config file: N processes train as one group, never N runs
     acc.sharding_plan = plan  # build() reports where the choice came from
     return acc
 

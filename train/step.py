@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from train import sharding
-from train.data import WORLD_KEYS, Batch, _seed, rank_offset
+from train.data import PARTNER, WORLD_KEYS, Batch, _seed, rank_offset
 
 
 class NonFiniteError(RuntimeError):
@@ -105,10 +105,10 @@ def optimization_step(c, state: LoopState, micro_batches: list[Batch]) -> dict:
 
 @torch.no_grad()
 def evaluate(c, loader) -> dict:
-    """eval_loss, and eval_loss_shuffled_world (the same batches with world inputs rolled by one across samples), per
-    answer token over the whole held-out split (all processes). World latents use the posterior mean. A batch of one
-    sample (the only held-out sample of its latent shape on this process) has no other world to swap in: it counts
-    towards eval_loss only."""
+    """eval_loss and eval_loss_shuffled_world (each held-out sample with the world of its partner: the next held-out
+    sample of the same latent shape in key order, `data.eval_partners`; the same pairs whatever the process count),
+    per answer token over the whole held-out split (all processes). World latents use the posterior mean. The only
+    held-out sample of its shape has no partner: it counts towards eval_loss only."""
     model, acc = c.raw, c.accelerator
     was_training, mode = model.training, model.latent_mode
     model.eval()
@@ -119,16 +119,15 @@ def evaluate(c, loader) -> dict:
     batch = None
     try:
         for batch in loader:
-            size = batch.size
             batch = batch.to(acc.device)
+            paired = bool(batch.pop("paired").all())  # a batch holds one latent shape: all paired, or its only one
+            partner = {k: batch.pop(PARTNER + k) for k in WORLD_KEYS if PARTNER + k in batch}
             with acc.autocast():
                 a = model(**batch)
-                sums[:2] += torch.tensor([float(a.loss_sum), a.num_tokens], dtype=torch.float64, device=acc.device)
-                # run for a batch of one too (rolled onto itself): every process makes two forwards per batch
-                b = model(**{k: (v.roll(1, dims=0) if k in WORLD_KEYS else v) for k, v in batch.items()})
-                if size > 1:
-                    sums[2:] += torch.tensor([float(b.loss_sum), b.num_tokens], dtype=torch.float64,
-                                             device=acc.device)
+                b = model(**{**batch, **partner})  # also when unpaired: every process makes two forwards per batch
+            sums[:2] += torch.tensor([float(a.loss_sum), a.num_tokens], dtype=torch.float64, device=acc.device)
+            if paired:
+                sums[2:] += torch.tensor([float(b.loss_sum), b.num_tokens], dtype=torch.float64, device=acc.device)
         for _ in range(2 * extra):
             model(**batch)  # results unused: only the collectives count
     finally:

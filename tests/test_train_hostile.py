@@ -1,0 +1,390 @@
+"""Training under hostile conditions: damaged checkpoints, a too-small max_steps on a finished run, preemption by
+SIGTERM/SIGINT, a full disk while saving or logging. Each ends in one line, loses nothing, and the rerun is bit-exact."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from test_train import ENV, ROOT, base_args, cache, metrics, train_inproc  # noqa: F401 (cache: a fixture)
+from theworld.cache_format import sha256_file
+
+
+def _one_line(capsys, *words: str) -> str:
+    """The one error line (a run stopped mid-way has also printed its progress bar and start line)."""
+    text = capsys.readouterr().err
+    err = [ln for ln in text.splitlines() if "error" in ln.lower()]
+    assert len(err) == 1 and err[0].startswith("error: ") and all(w in err[0] for w in words), err
+    assert "Traceback" not in text
+    return err[0]
+
+
+def _final(out: Path) -> bytes:
+    return (out / "final" / "trainable.safetensors").read_bytes()
+
+
+def test_checkpoint_files_are_hashed_and_a_damaged_one_is_refused_not_exported(cache, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = lambda steps=4, **kw: base_args(cache, out, steps=steps, **{"train.save_every": 2, **kw})  # noqa: E731
+    assert train_inproc(args()) == 0
+    exported = _final(out)
+    ckpt = out / "checkpoint-4"
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["sha256"] == {f.name: sha256_file(f) for f in ckpt.iterdir() if f.name != "state.json"}
+    assert set(state["sha256"]) == {"trainable.safetensors", "optimizer.pt", "rng.safetensors"}
+    capsys.readouterr()
+    # a finished 4-step run resumed with max_steps 2 would export its step-4 weights as a 2-step run's
+    assert train_inproc(args(steps=2)) == 2
+    _one_line(capsys, "'train.max_steps'", "checkpoint-4")
+    # one flipped bit in the newest checkpoint's weights: refused before anything is loaded or exported
+    weights = ckpt / "trainable.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0x01
+    weights.write_bytes(bytes(data))
+    assert train_inproc(args()) == 2
+    _one_line(capsys, str(weights), "damaged", "the one before it")
+    assert _final(out) == exported
+    # the line's advice: move it out, and the run continues from checkpoint-2 to the same weights
+    ckpt.rename(tmp_path / "damaged-checkpoint-4")
+    assert train_inproc(args()) == 0
+    assert "resumed from" in capsys.readouterr().err and _final(out) == exported
+
+
+def _wait_for_step(out: Path, proc: subprocess.Popen, step: int, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while proc.poll() is None and time.time() < deadline:
+        steps = [m.get("step", -1) for m in _metrics_lines(out) if "loss" in m]
+        if steps and steps[-1] >= step:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"the run did not reach step {step} (exit {proc.poll()})")
+
+
+def _metrics_lines(out: Path) -> list[dict]:
+    try:
+        text = (out / "metrics.jsonl").read_text()
+    except FileNotFoundError:
+        return []
+    lines = []
+    for line in text.splitlines():
+        try:
+            lines.append(json.loads(line))
+        except ValueError:  # being written
+            pass
+    return lines
+
+
+def _interrupt(args: list[str], out: Path, at_step: int, sig: int) -> tuple[int, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "train.loop", *args], cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_step(out, proc, at_step)
+        os.kill(proc.pid, sig)
+        _, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, err
+
+
+def test_sigterm_and_sigint_save_and_the_resumed_run_is_bitwise_equal(cache, tmp_path):
+    extra = {"train.save_every": 100, "world.latent": "sample", "train.ema": 0.9, "train.num_workers": 1}
+    steps = 24
+    ref = subprocess.run([sys.executable, "-m", "train.loop", *base_args(cache, tmp_path / "ref", steps, **extra)],
+                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    out = tmp_path / "run"
+    args = base_args(cache, out, steps, **extra)
+    code, err = _interrupt(args, out, 2, signal.SIGTERM)
+    assert code == 143, err[-3000:]
+    first = sorted(out.glob("checkpoint-*"))
+    assert len(first) == 1 and 2 <= int(first[0].name.split("-")[1]) < steps, first
+    assert f"checkpoint {out}/{first[0].name}" in err and "rerun the same command" in err
+    assert "Traceback" not in err and not (out / "final").exists()
+    code, err = _interrupt(args, out, int(first[0].name.split("-")[1]) + 2, signal.SIGINT)
+    assert code == 130, err[-3000:]
+    assert "resumed from" in err and "SIGINT" in err and "Traceback" not in err
+    done = subprocess.run([sys.executable, "-m", "train.loop", *args], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _final(out) == _final(tmp_path / "ref")
+    assert (out / "final" / "ema.safetensors").read_bytes() == (tmp_path / "ref" / "final" / "ema.safetensors").read_bytes()
+    assert [m["loss"] for m in metrics(out) if "loss" in m] == [m["loss"] for m in metrics(tmp_path / "ref")
+                                                                if "loss" in m]
+
+
+def _enospc(*_a, **_k):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_while_saving_or_logging_is_one_line_and_the_rerun_is_bit_exact(cache, tmp_path, capsys,
+                                                                                    monkeypatch):
+    from train import checkpoint, metrics as metrics_module
+
+    args = lambda out: base_args(cache, out, steps=4, **{"train.save_every": 1})  # noqa: E731
+    assert train_inproc(args(tmp_path / "ref")) == 0
+    capsys.readouterr()
+    out = tmp_path / "run"
+    # the third checkpoint's fsync finds the disk full (where a full disk usually shows first)
+    saves = {"n": 0}
+    real_write_dir = checkpoint._write_dir
+
+    def write_dir(tmp, files):
+        saves["n"] += 1
+        if saves["n"] == 3:
+            monkeypatch.setattr(checkpoint.os, "fsync", _enospc)
+        return real_write_dir(tmp, files)
+
+    monkeypatch.setattr(checkpoint, "_write_dir", write_dir)
+    assert train_inproc(args(out)) == 2
+    _one_line(capsys, "no space left on device", ".tmp-checkpoint-3", "rerun the same command")
+    monkeypatch.undo()
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    # the metrics file fills up at step 4
+    real_open = open
+
+    def metrics_open(path, mode="r", *a, **k):
+        if "a" in mode and any(m.get("step") == 3 for m in _metrics_lines(Path(path).parent)):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_open(path, mode, *a, **k)
+
+    monkeypatch.setattr(metrics_module, "open", metrics_open, raising=False)
+    assert train_inproc(args(out)) == 2
+    _one_line(capsys, "no space left on device", "metrics.jsonl")
+    monkeypatch.undo()
+    assert train_inproc(args(out)) == 0  # space freed
+    assert _final(out) == _final(tmp_path / "ref")
+    assert [m["loss"] for m in metrics(out) if "loss" in m] == [m["loss"] for m in metrics(tmp_path / "ref")
+                                                                if "loss" in m]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Launchers and process counts
+
+
+def test_micro_batch_auto_keeps_the_shipped_numbers_and_a_bad_value_gets_a_suggestion():
+    from theworld.config import load_config
+    from theworld.errors import UserError
+    from train.config import TrainConfig, accumulation_steps
+
+    def micro(path, world, *sets):
+        cfg = load_config(TrainConfig, path, list(sets))
+        return cfg.train.micro_batch_size, accumulation_steps(cfg, world), cfg.train.micro_batch_size
+
+    for stage in range(1, 5):  # 1 process: what the configs gave before auto (32 of 32; real: 8 of 256)
+        assert micro(ROOT / "configs" / f"stage{stage}.yaml", 1) == ("auto", 1, 32)
+        assert micro(ROOT / "configs" / f"stage{stage}.yaml", 2) == ("auto", 1, 16)
+        assert micro(ROOT / "configs" / "real" / f"stage{stage}.yaml", 1) == ("auto", 32, 8)
+        assert micro(ROOT / "configs" / "real" / f"stage{stage}.yaml", 8) == ("auto", 4, 8)
+    assert micro(None, 3, "train.global_batch_size=36", "train.max_micro_batch_size=5")[2] == 4  # 12 per process
+    assert micro(None, 1, "train.global_batch_size=7")[2] == 7
+    with pytest.raises(UserError, match=r"'train.micro_batch_size': 32 .* use 16 \(or auto\)"):
+        micro(None, 2, "train.global_batch_size=32", "train.micro_batch_size=32")
+    with pytest.raises(UserError, match=r"'train.micro_batch_size': 5 .* use 4 \(or auto\)"):
+        micro(None, 1, "train.global_batch_size=32", "train.micro_batch_size=5")
+    with pytest.raises(UserError, match=r"'train.global_batch_size': 32 does not split over 3 processes; .* 33 or 30"):
+        micro(None, 3, "train.global_batch_size=32")
+    for bad in ("0", "-8", "big", "1.5"):
+        with pytest.raises(UserError, match="train.micro_batch_size"):
+            load_config(TrainConfig, None, [f"train.micro_batch_size={bad}"])
+
+
+def test_a_launcher_whose_processes_do_not_form_one_group_is_refused(monkeypatch):
+    from theworld.errors import UserError
+    from theworld.launch import check_group
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    check_group(2)
+    with pytest.raises(UserError, match="started 2 processes"):
+        check_group(1)  # what accelerate gives N CPU processes it was not told to group
+
+
+def test_torchrun_with_two_processes_trains_on_two(cache, tmp_path):
+    import socket
+
+    import torch
+
+    from test_train import weights
+
+    one = subprocess.run([sys.executable, "-m", "train.loop", *base_args(cache, tmp_path / "one", steps=3)],
+                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(port), "-m", "train.loop", *base_args(cache, tmp_path / "two", steps=3)],
+                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "2 process(es) x 1 micro-batches of 8" in two.stderr
+    w1, w2 = weights(tmp_path / "one"), weights(tmp_path / "two")
+    for k in [k for k in w1 if not k.endswith("k_proj.bias")]:  # see test_one_vs_two_processes_vs_accumulation
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-5)
+
+
+def test_the_shuffled_world_eval_is_the_same_on_one_and_two_processes(cache, tmp_path):
+    import socket
+
+    args = lambda out: base_args(cache, out, steps=1, **{"train.eval_every": 1, "train.eval_samples": 14,  # noqa: E731
+                                                          "train.eval_batch_size": 4})
+    one = subprocess.run([sys.executable, "-m", "train.loop", *args(tmp_path / "one")], cwd=ROOT, env=ENV,
+                         capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    two = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+         "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port), "-m",
+         "train.loop", *args(tmp_path / "two")],
+        cwd=ROOT, env={**ENV, "ACCELERATE_USE_CPU": "true"}, capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    e1 = [m for m in metrics(tmp_path / "one") if "eval_loss" in m]
+    e2 = [m for m in metrics(tmp_path / "two") if "eval_loss" in m]
+    assert [m["step"] for m in e1] == [m["step"] for m in e2] == [0, 1]
+    for a, b in zip(e1, e2):  # 14 samples: 7 per process, batches of 4 and 3 vs 4, 4, 4, 2 on one
+        assert a["eval_tokens"] == b["eval_tokens"]
+        assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-5)
+        assert b["eval_loss_shuffled_world"] == pytest.approx(a["eval_loss_shuffled_world"], rel=1e-5)
+        assert a["eval_loss_shuffled_world"] != pytest.approx(a["eval_loss"], rel=1e-4)  # worlds really swapped
+
+
+def test_eval_items_carry_the_world_of_the_next_held_out_sample(cache):
+    import torch
+
+    from theworld import cache_format as cf
+    from theworld.config import load_config
+    from train import data
+    from train.config import TrainConfig
+
+    cfg = load_config(TrainConfig, None, [f"cache_dir={cache}", "model.dtype=float32", "train.eval_samples=5",
+                                          "train.micro_batch_size=2", "train.global_batch_size=16"])
+    reader, plan = data.open_cache(cfg)
+    _, held = data.split(reader, 5)
+
+    class Fmt:  # the dataset only keeps it for Collate
+        pass
+
+    pixels = lambda images, return_tensors: {"pixel_values": torch.zeros(1, 3, 4, 4)}  # noqa: E731
+    ds = data.CacheDataset(reader, held, Fmt(), plan, 64, "crop", pixels, flip=False, partner=True)
+    for pos in range(5):
+        item = ds[pos]
+        nxt = held[(pos + 1) % 5]
+        assert item[data.PARTNER + cf.LATENT] == reader.raw(nxt)[cf.LATENT] != item[cf.LATENT]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Flip augmentation's caption rule
+
+
+@pytest.mark.parametrize("text,flipped", [
+    ("top left red circle . bottom right blue square .", "top right red circle . bottom left blue square ."),
+    ("a cat on the left and a dog on the right", "a cat on the right and a dog on the left"),
+    ("Left of the tree, to the Right of the car", "Right of the tree, to the Left of the car"),
+    ("THE LEFT SIDE", "THE RIGHT SIDE"), ("upper-right corner", "upper-left corner"),
+    ("the left-hand page", "the right-hand page"), ("the leftmost cup", "the rightmost cup"),
+    ("from left to right", "from right to left"), ("left and right halves", "right and left halves"),
+    ("a bird facing left", "a bird facing right"), ("in the right half", "in the left half"),
+    ("all right", "all right"), ("right now", "right now"), ("you're right", "you're right"),
+    ("left over", "left over"), ("he left the room", "he left the room"), ("the right answer", "the right answer"),
+    ("bright lights, leftovers", "bright lights, leftovers"), ("Turn right. Left alone", "Turn left. Left alone"),
+])
+def test_flip_swaps_left_and_right_only_where_they_name_a_side(text, flipped):
+    from train.data import swap_left_right
+
+    assert swap_left_right(text) == flipped
+    assert swap_left_right(flipped) == text  # mirroring twice gives the caption back
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# What a user sees
+
+
+def test_the_progress_bar_loss_is_a_smoothed_per_step_value():
+    from train.metrics import SmoothedLoss
+
+    s = SmoothedLoss(beta=0.9)
+    assert s.add(4.0) and s.value == pytest.approx(4.0)  # bias-corrected: the first value is itself
+    assert not s.add(float("nan")) and s.value == pytest.approx(4.0)
+    s.add(2.0)
+    assert s.value == pytest.approx((0.9 * 0.1 * 4 + 0.1 * 2) / (1 - 0.81))
+    for _ in range(200):
+        s.add(1.0)
+    assert s.value == pytest.approx(1.0, abs=1e-6)
+
+
+def test_eval_results_are_printed_as_they_happen(cache, tmp_path, capsys):
+    assert train_inproc(base_args(cache, tmp_path / "run", steps=2, **{"train.eval_every": 1})) == 0
+    err = capsys.readouterr().err
+    evals = [m for m in metrics(tmp_path / "run") if "eval_loss" in m]
+    for m in evals:
+        assert (f"eval at step {m['step']}: eval_loss {m['eval_loss']:.4f}, eval_loss_shuffled_world "
+                f"{m['eval_loss_shuffled_world']:.4f}") in err
+    assert [m["step"] for m in evals] == [0, 1, 2]
+
+
+def test_tensorboard_logs_go_to_output_dir_theworld_with_no_timestamp_folders(cache, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = base_args(cache, out, steps=2, trackers="[tensorboard]")
+    assert train_inproc(args) == 0
+    assert train_inproc(base_args(cache, out, steps=3, trackers="[tensorboard]")) == 0  # a resumed run adds none
+    logs = out / "theworld"
+    assert [p.name for p in logs.iterdir() if p.is_dir()] == []
+    events = list(logs.glob("events.out.tfevents.*"))
+    assert events and all(p.stat().st_size > 0 for p in events)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logs), size_guidance={"tensors": 0})
+    acc.Reload()
+    assert "loss" in acc.Tags()["scalars"] and "config/text_summary" in acc.Tags()["tensors"]
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_a_signal_to_one_of_two_processes_stops_both_after_the_same_step_with_a_checkpoint(cache, tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "run"
+    args = base_args(cache, out, steps=40, **{"train.save_every": 100})
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+         "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port), "-m",
+         "train.loop", *args], cwd=ROOT, env={**ENV, "ACCELERATE_USE_CPU": "true"}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_step(out, launcher, 2)
+        ranks = [p for c in _children(launcher.pid) for p in _children(c) or [c]]
+        ranks = [p for p in ranks if "train.loop" in Path(f"/proc/{p}/cmdline").read_text()]
+        assert len(ranks) == 2, ranks
+        os.kill(max(ranks), signal.SIGTERM)  # one rank only: the other learns it from the all-reduce
+        _, err = launcher.communicate(timeout=240)  # no hang
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode != 0 and "stopped by SIGTERM after step" in err, err[-3000:]
+    ckpts = sorted(out.glob("checkpoint-*"))
+    assert len(ckpts) == 1 and not (out / "final").exists()
+    resumed = subprocess.run([sys.executable, "-m", "train.loop", *base_args(cache, out, steps=int(
+        ckpts[0].name.split("-")[1]) + 1, **{"train.save_every": 100})], cwd=ROOT, env=ENV, capture_output=True,
+        text=True, timeout=600)
+    assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]
