@@ -421,8 +421,10 @@ def _manifest_problem(m: dict) -> str | None:
     for key in ("num_samples", "num_errors"):
         if not _is_int(m.get(key)):
             return f"'{key}' is not a count"
-    shape = m.get("latent_shape")
-    if not (isinstance(shape, list) and all(_is_int(d) for d in shape)) or not isinstance(m.get("latent_dtype"), str):
+    shape = m.get("latent_shape")  # null when the samples' shapes differ (aspect-ratio buckets): see latent_shapes
+    is_shape = lambda s: isinstance(s, list) and all(_is_int(d) for d in s)  # noqa: E731
+    if not (is_shape(shape) or shape is None and isinstance(m.get("latent_shapes"), list)) \
+            or not isinstance(m.get("latent_dtype"), str):
         return "'latent_shape' / 'latent_dtype' missing or not a shape and a dtype name"
     if not isinstance(m.get("fingerprint"), dict) or not isinstance(m.get("contents", {}), dict):
         return "'fingerprint' / 'contents' is not an object"
