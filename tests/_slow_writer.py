@@ -1,11 +1,21 @@
-"""Precompute with a shard writer that takes DELAY seconds a shard (a slow disk), for the kill -9 test:
+"""Precompute whose shard writes stall DELAY seconds with the shard's tar complete under its temporary name, just
+before the rename that publishes it (a slow disk), so a kill -9 can be landed mid-write:
 python tests/_slow_writer.py DELAY [precompute arguments...]"""
+import os
 import sys
 import time
 
-from precompute import cosmos_latents, shard_writer
+from precompute import cosmos_latents
 
 delay = float(sys.argv[1])
-write = shard_writer.ShardWriter.write
-shard_writer.ShardWriter.write = lambda self, *job: (time.sleep(delay), write(self, *job))[1]
+replace = os.replace
+
+
+def slow_replace(src, dst, *args, **kwargs):
+    if str(dst).endswith(".tar"):  # only a shard's tar is published this way
+        time.sleep(delay)
+    return replace(src, dst, *args, **kwargs)
+
+
+os.replace = slow_replace
 sys.exit(cosmos_latents.main(sys.argv[2:]))

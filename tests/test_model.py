@@ -248,19 +248,27 @@ def test_tiny_gemma_saved_and_reloaded_gives_identical_logits(tmp_path):
     assert processor2.tokenizer("a red cross").input_ids == processor.tokenizer("a red cross").input_ids
 
 
-def test_tiny_models_are_deterministic(tmp_path, monkeypatch):
-    """Two builds give bit-identical weights, so every machine's `tiny` is the same model."""
+@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-wan-vae"])
+def test_tiny_models_are_deterministic(tmp_path, monkeypatch, name):
+    """Two builds from scratch give the same files (weights bit for bit, tokenizer, configs), so every machine's
+    `tiny` is the same model."""
     from safetensors.torch import load_file
 
     from theworld import tiny
 
-    monkeypatch.setenv("THEWORLD_MODELS", str(tmp_path))
-    path = tiny.ensure(tiny.TINY_VAE_DIR)
-    monkeypatch.setenv("THEWORLD_MODELS", str(tmp_path / "second"))
-    path2 = tiny.ensure(tiny.TINY_VAE_DIR)
-    a = load_file(str(path / "diffusion_pytorch_model.safetensors"))
-    b = load_file(str(path2 / "diffusion_pytorch_model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    builds = []
+    for root in (tmp_path / "first", tmp_path / "second"):
+        monkeypatch.setenv("THEWORLD_MODELS", str(root))
+        builds.append(tiny.ensure(name))
+    files = sorted(p.name for p in builds[0].iterdir())
+    assert files == sorted(p.name for p in builds[1].iterdir()) and any(f.endswith(".safetensors") for f in files)
+    for f in files:
+        a, b = builds[0] / f, builds[1] / f
+        if f.endswith(".safetensors"):
+            ta, tb = load_file(str(a)), load_file(str(b))
+            assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta), f
+        else:
+            assert a.read_bytes() == b.read_bytes(), f
 
 
 def test_bf16_base_models_with_fp32_projector():

@@ -230,8 +230,9 @@ def test_time_breakdown_names_a_slow_writer(tmp_path, fake_vae, monkeypatch):
     sec = summary["seconds_rank0"]
     assert set(sec) == {"wait_for_batches", "encode", "wait_for_writer", "writer_thread_busy"}
     assert sec["writer_thread_busy"] >= 6 * 0.3
-    # the writer's queue holds two shards, so at least the last ones are waited for
-    assert sec["wait_for_writer"] >= 0.3 and sec["wait_for_writer"] > sec["encode"]
+    # the writer's queue holds two shards, so at least the last one is waited for (lower bounds only: on a shared
+    # machine any measured duration can be longer, never shorter than a sleep)
+    assert sec["wait_for_writer"] >= 0.3
     assert sum(v for k, v in sec.items() if k != "writer_thread_busy") <= summary["encode_seconds"] + 0.05
 
 
@@ -279,11 +280,14 @@ def test_kill_9_and_rerun(tmp_path):
     slow = [sys.executable, str(ROOT / "tests" / "_slow_writer.py"), "0.4", *cmd[3:]]  # 0.4 s a shard
     proc = subprocess.Popen(slow, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 90
-    while len(list((out / "shards").glob("shard-*.json"))) < 3 and time.time() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.25)  # land somewhere inside the next shard's write
+    writing = []  # a shard's tar written under its temporary name, not yet renamed: the kill lands mid-write
+    while not writing and time.time() < deadline and proc.poll() is None:
+        if len(list((out / "shards").glob("shard-*.json"))) >= 3:
+            writing = list((out / "shards").glob(".shard-*.tar.tmp*"))
+        time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    assert writing, "the run ended before a kill could land inside a shard's write"
     done = len(list((out / "shards").glob("shard-*.json")))
     assert 3 <= done < 10 and not (out / "manifest.json").exists()
     rerun = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
@@ -291,7 +295,7 @@ def test_kill_9_and_rerun(tmp_path):
     assert "40 samples, 0 errors" in rerun.stdout and f"encoded {40 - 4 * done} images" in rerun.stdout
     keys = list(read_cache_plain(out))
     assert keys == [f"synthetic-0-{i:08d}" for i in range(40)]
-    assert not list((out / "shards").glob(".*tmp*"))
+    assert not list((out / "shards").glob(".*tmp*"))  # the killed write's temporary tar is gone
     from precompute import inspect
 
     assert inspect.main(["verify", str(out)]) == 0

@@ -399,7 +399,8 @@ def test_a_slow_loader_shows_as_data_wait(cache, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(data.CacheDataset, "__getitem__", getitem)  # num_workers=0: loading runs in this process
     assert train_inproc(base_args(cache, tmp_path / "run", steps=2)) == 0
     waits = [m["data_wait"] for m in metrics(tmp_path / "run") if "loss" in m]
-    assert len(waits) == 2 and all(0.5 < w <= 1 for w in waits), waits  # 16 samples x 50 ms a step
+    assert len(waits) == 2 and all(0 < w <= 1 for w in waits), waits  # a fraction of the step's time
+    # 16 samples x 50 ms a step: sleeping never takes less, however loaded the machine (no upper bound on a shared one)
     line = next(ln for ln in capsys.readouterr().out.splitlines() if "waiting for data" in ln)
     assert float(line.split("waiting for data ")[1].split(" ms/step")[0]) >= 800, line
 
@@ -504,9 +505,10 @@ def test_train_attention_sets_the_language_models_kernel_only():
         load_config(TrainConfig, None, ["train.attention=flash"])
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="flex_attention is refused only on a machine without CUDA")
 def test_flex_attention_without_cuda_is_refused_before_any_model_loads(cache, tmp_path, capsys, monkeypatch):
     from theworld.model import TheWorld
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same refusal on a machine with a GPU
 
     def no_loading(*a, **k):
         raise AssertionError("a model was loaded before the refusal")

@@ -38,7 +38,7 @@ def test_checkpoint_files_are_hashed_and_a_damaged_one_is_refused_not_exported(c
     ckpt = out / "checkpoint-4"
     state = json.loads((ckpt / "state.json").read_text())
     assert state["sha256"] == {f.name: sha256_file(f) for f in ckpt.iterdir() if f.name != "state.json"}
-    assert set(state["sha256"]) == {"trainable.safetensors", "optimizer.pt", "rng.safetensors"}
+    assert set(state["sha256"]) == {"trainable.safetensors", "optimizer.pt", "rng.safetensors", "config.yaml"}
     capsys.readouterr()
     # a finished 4-step run resumed with max_steps 2 would export its step-4 weights as a 2-step run's
     assert train_inproc(args(steps=2)) == 2
