@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 
@@ -23,6 +25,7 @@ def _positive(row: dict, *keys: str) -> None:
         assert isinstance(row[k], (int, float)) and math.isfinite(row[k]) and row[k] > 0, (k, row[k])
 
 
+@pytest.mark.slow
 def test_train_bench_smoke(tmp_path):
     rows = _run(["train.bench", "--cases", "tiny", "--steps", "2", "--warmup", "1", "--rounds", "2",
                  "--samples", "176", "--root", str(tmp_path / "caches")], tmp_path)["rows"]
@@ -50,6 +53,7 @@ def test_data_overhead_interval_brackets_the_true_ratio():
     assert lo < 1.04 < hi and hi - lo < 0.03
 
 
+@pytest.mark.slow
 def test_precompute_bench_smoke(tmp_path):
     rows = {r["case"]: r for r in _run(["precompute.bench", "--n", "128"], tmp_path)["rows"]}
     assert set(rows) == {"tiny", "jpeg256", "jpeg_draft_decode", "real_size_format", "real_size_format_no_images"}
@@ -62,6 +66,7 @@ def test_precompute_bench_smoke(tmp_path):
     _positive(rows["jpeg_draft_decode"], "full_ms", "draft_ms", "speedup")
 
 
+@pytest.mark.slow
 def test_real_size_bench_code_path_at_toy_sizes(tmp_path):
     """The GPU benchmark's code (model at given sizes, FLOP count, VAE rate) runs end to end at toy sizes on CPU."""
     from train.bench_real import TINY, lm_flops
@@ -82,6 +87,7 @@ def test_real_size_bench_code_path_at_toy_sizes(tmp_path):
     assert lm_flops(TINY, 200) > 2 * lm_flops(TINY, 100) > 0
 
 
+@pytest.mark.slow
 def test_train_bench_bucketed_smoke(tmp_path):
     rows = _run(["train.bench", "--cases", "tiny_buckets", "--steps", "1", "--warmup", "1", "--rounds", "2",
                  "--samples", "192", "--root", str(tmp_path / "caches")], tmp_path)["rows"]
@@ -93,6 +99,7 @@ def test_train_bench_bucketed_smoke(tmp_path):
     assert 0 <= row["padding_fraction"] < 0.5
 
 
+@pytest.mark.slow
 def test_generate_bench_smoke(tmp_path):
     out = _run(["train.bench_generate", "--new-tokens", "4", "--repeats", "1"], tmp_path)
     rows = {r["case"]: r for r in out["rows"]}
@@ -103,6 +110,7 @@ def test_generate_bench_smoke(tmp_path):
         assert abs(r["ratio"] - r["t4_ms"] / r["t1_ms"]) < 0.01 + 0.01 * r["ratio"]  # (the times are rounded)
 
 
+@pytest.mark.slow
 def test_generate_bench_real_path_at_toy_sizes(tmp_path):
     """The GPU comparison (our loop vs Gemma's generate, text-only; our loop on the fused prefix) runs on CPU."""
     out = _run(["train.bench_generate", "--real", "--sizes", "tiny", "--new-tokens", "3", "--repeats", "1"], tmp_path)

@@ -2,6 +2,8 @@
 as one-line errors (also from inside a loader worker), the documented repair, inspect verify against the tar."""
 from __future__ import annotations
 
+from contextlib import closing
+
 import json
 import shutil
 import subprocess
@@ -77,7 +79,8 @@ def test_the_writer_records_a_crc32_per_member_and_every_read_checks_it(cache):
     assert f"delete {cf.sidecar_path(cache, 1)}" in msg and "rerun the precompute command" in msg
     reader.raw(reader.keys().index(_side(cache, 0)["samples"][0]["key"]))  # other shards still read
     # the reader that skips the damaged member does not see it
-    assert cf.CacheReader(cache, members=(cf.CAPTION,)).raw(index)[cf.CAPTION]
+    with closing(cf.CacheReader(cache, members=(cf.CAPTION,))) as captions_only:
+        assert captions_only.raw(index)[cf.CAPTION]
 
 
 def test_a_cache_without_checksums_still_reads(cache):
@@ -119,8 +122,8 @@ def test_start_of_run_checks_catch_damage_without_reading_data(cache, damage, wo
         side = _side(cache, 2)
         side["samples"][-1]["members"][cf.LATENT][0] = side["bytes"]
         cf.atomic_write_json(cf.sidecar_path(cache, 2), side)
-    with pytest.raises(CacheDamaged) as e:
-        cf.CacheReader(cache).check_consistency()
+    with pytest.raises(CacheDamaged) as e, closing(cf.CacheReader(cache)) as reader:
+        reader.check_consistency()
     assert all(w in str(e.value) for w in words), str(e.value)
 
 
@@ -209,6 +212,7 @@ def _stderr_line(res: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_damaged_latents_stop_training_with_one_line_and_the_documented_repair_rebuilds_that_shard(train_cache,
                                                                                                    tmp_path):
     cache = tmp_path / "cache"
@@ -233,6 +237,7 @@ def test_damaged_latents_stop_training_with_one_line_and_the_documented_repair_r
     assert ok.returncode == 0, ok.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_an_old_cache_trains_with_a_note_and_its_undecodable_bytes_are_one_line(train_cache, tmp_path):
     cache = tmp_path / "cache"
     shutil.copytree(train_cache, cache)

@@ -204,6 +204,7 @@ def test_the_cli_on_a_trained_run_and_train_benchmarks_agree(trained_run, capsys
     assert bench[-1]["bench/items/n"] == 6
 
 
+@pytest.mark.slow
 def test_two_processes_split_the_benchmark_and_agree_with_one(trained_run, tmp_path):
     """7 items over 2 processes, 1 item per forward: one process runs a stand-in batch at the end and nothing hangs;
     the summed counts equal the one-process evaluation of the same (step-0, seeded) weights."""

@@ -1,6 +1,8 @@
 """precompute.inspect: summary numbers, verify catching damage, compare-live, decode, fingerprint refusal."""
 from __future__ import annotations
 
+from contextlib import closing
+
 import json
 import shutil
 
@@ -34,7 +36,8 @@ def test_summary_numbers(cache, capsys):
     r = _json(capsys)
     assert r["num_samples"] == 10 and r["num_shards"] == 3 and r["num_errors"] == 0
     assert r["latent_shape"] == [16, 1, 4, 4] and r["latent_dtype"] == "float32"
-    means = torch.stack([s.mean for s in (cf.CacheReader(cache)[i] for i in range(10))])
+    with closing(cf.CacheReader(cache)) as reader:
+        means = torch.stack([reader[i].mean for i in range(10)])
     per_channel = means.transpose(0, 1).reshape(16, -1)
     assert r["channel_mean"] == pytest.approx(per_channel.mean(1).tolist(), abs=1e-4)
     assert r["channel_std"] == pytest.approx(per_channel.std(1).tolist(), abs=1e-4)

@@ -274,6 +274,7 @@ def _env(**extra) -> dict:
     return env
 
 
+@pytest.mark.slow
 def test_kill_9_and_rerun(tmp_path):
     out = tmp_path / "c"
     cmd = [sys.executable, "-m", "precompute.cosmos_latents", *cli_args(out, n=40, shard=4, res=32)]
@@ -322,6 +323,7 @@ def _launch_two_processes(args: list[str]) -> subprocess.CompletedProcess:
     return res
 
 
+@pytest.mark.slow
 def test_two_processes_give_the_same_cache(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     m1 = _run_single_threaded(make_cfg(one, n=18, shard=4, res=32))
@@ -334,23 +336,29 @@ def test_two_processes_give_the_same_cache(tmp_path):
     assert list(l1) == list(l2) and all(torch.equal(l1[k], l2[k]) for k in l1)
 
 
+@pytest.mark.slow
 def test_a_second_run_into_a_busy_output_dir_is_refused_by_every_process(tmp_path):
     from theworld import run_lock
 
     out = tmp_path / "c"
     fd = run_lock.acquire(out)  # this process stands for a run writing shards
     try:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-               "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "precompute.cosmos_latents",
+        # torchrun writes each process's stderr to its own file, and checks on its processes only every 5 s, so the
+        # first one to exit cannot get the other killed before it has printed
+        logs = tmp_path / "logs"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--monitor-interval", "5",
+               "--redirects", "3", "--log-dir", str(logs), "-m", "precompute.cosmos_latents",
                *cli_args(out, n=8, shard=4)]
         res = subprocess.run(cmd, cwd=ROOT, env=_env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True,
                              timeout=180)
         assert res.returncode != 0
-        # both processes stop, none waits at a barrier, each with the same line (the launcher may kill the second
-        # before it prints, once the first has exited) and no traceback of ours
-        refusals = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
-        assert 1 <= len(refusals) <= 2, res.stderr[-3000:]
-        assert all("in use by another run" in line and f"pid {os.getpid()} " in line for line in refusals)
+        per_rank = {f.parent.name: f.read_text() for f in logs.rglob("stderr.log")}
+        assert sorted(per_rank) == ["0", "1"], (per_rank, res.stderr[-2000:])
+        for rank, err in per_rank.items():  # every process stops with the same one line, none waits at a barrier
+            refusals = [line for line in err.splitlines() if line.startswith("error: ")]
+            assert len(refusals) == 1 and "in use by another run" in refusals[0], (rank, err[-2000:])
+            assert f"pid {os.getpid()} " in refusals[0]
+            assert str(ROOT / "theworld") not in err and str(ROOT / "precompute") not in err
         assert str(ROOT / "theworld") not in res.stderr and str(ROOT / "precompute") not in res.stderr
         assert [p.name for p in out.iterdir()] == [".run.lock"]  # nothing listed, claimed or written
     finally:
@@ -440,6 +448,7 @@ def test_webdataset_listing_split_across_ranks(tmp_path, monkeypatch):
     assert sum(e.error is not None for e in reference) == 1
 
 
+@pytest.mark.slow
 def test_two_processes_webdataset_source(tmp_path):
     """accelerate with 2 processes on a multi-tar source: each tar listed once, same shards as one process."""
     from _precompute_helpers import wds_source

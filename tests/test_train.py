@@ -142,6 +142,7 @@ def test_weights_fingerprint_checked_after_model_load(cache, tmp_path, capsys, m
 # Exact resume
 
 
+@pytest.mark.slow
 def test_kill_9_and_resume_gives_bitwise_equal_weights(cache, tmp_path):
     extra = dict(**{"train.save_every": 2, "train.keep_last": 2, "train.flip": "true", "world.latent": "sample",
                     "train.ema": 0.9})
@@ -213,6 +214,7 @@ def test_an_output_dir_holding_another_run_is_protected_and_a_killed_save_is_cle
     assert [m["step"] for m in metrics(out) if "eval_loss" in m] == evals
 
 
+@pytest.mark.slow
 def test_a_second_run_into_a_busy_output_dir_is_refused_and_deletes_nothing(cache, tmp_path):
     from theworld import run_lock
 
@@ -305,6 +307,7 @@ def test_eval_samples_0_runs_no_eval_and_1_is_refused(cache, tmp_path, capsys):
 # Process count and accumulation do not change the numbers
 
 
+@pytest.mark.slow
 def test_one_vs_two_processes_vs_accumulation(cache, tmp_path):
     # the hardest case: sampled latents, and the VAE and vision tower training (DDP fails on a trainable parameter
     # that gets no gradient)
@@ -479,7 +482,7 @@ def test_flipped_samples_get_the_flipped_latents_and_swapped_text(cache, tmp_pat
     flips = [data.flip_of(cfg.seed, 3, i) for i in ds.indices]
     assert any(flips) and not all(flips)
     for row, (index, flipped) in enumerate(zip(ds.indices, flips)):
-        s = cf.decode_sample(reader.key(index), cf.CacheReader(cache).raw(index))
+        s = reader[index]
         mean, logvar = (s.flip_mean, s.flip_logvar) if flipped else (s.mean, s.logvar)
         assert torch.equal(batch["latent_mean"][row], mean) and torch.equal(batch["latent_logvar"][row], logvar)
         caption = data.swap_left_right(s.caption) if flipped else s.caption
@@ -550,6 +553,7 @@ def bucket_args(cache: Path, out: Path, steps: int, **extra) -> list[str]:
                                                  "world.latent": "sample", **extra})
 
 
+@pytest.mark.slow
 def test_bucketed_cache_resumes_exactly_and_two_processes_match_one(bucket_cache, tmp_path):
     # 40 train samples in five shapes, G=4: every step's batch has one shape, the world-token count changes between
     # steps. Resume: a finished run with its last checkpoint and final/ removed is continued from checkpoint-2.

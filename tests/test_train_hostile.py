@@ -94,6 +94,7 @@ def _interrupt(args: list[str], out: Path, at_step: int, sig: int) -> tuple[int,
     return proc.returncode, err
 
 
+@pytest.mark.slow
 def test_sigterm_and_sigint_save_and_the_resumed_run_is_bitwise_equal(cache, tmp_path):
     extra = {"train.save_every": 100, "world.latent": "sample", "train.ema": 0.9, "train.num_workers": 1}
     steps = 24
@@ -206,6 +207,7 @@ def test_a_launcher_whose_processes_do_not_form_one_group_is_refused(monkeypatch
         check_group(1)  # what accelerate gives N CPU processes it was not told to group
 
 
+@pytest.mark.slow
 def test_torchrun_with_two_processes_trains_on_two(cache, tmp_path):
     import socket
 
@@ -229,6 +231,7 @@ def test_torchrun_with_two_processes_trains_on_two(cache, tmp_path):
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_the_shuffled_world_eval_is_the_same_on_one_and_two_processes(cache, tmp_path):
     import socket
 
@@ -358,6 +361,7 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 def test_a_signal_to_one_of_two_processes_stops_both_after_the_same_step_with_a_checkpoint(cache, tmp_path):
     import socket
 
