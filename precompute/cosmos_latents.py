@@ -209,8 +209,7 @@ def _process_shards(cfg: PrecomputeConfig, listing: sources.Listing, pending: li
                     s = next(samples)
                     s.key = b["key"]
                     buf["samples"].append(s)
-                    left, top, right, bottom = s.meta["crop_box"]
-                    upscaled += min(right - left, bottom - top) < cfg.image.resolution
+                    upscaled += images.upscaled(s.meta, cfg.image.resolution, cfg.image.resize)
                 else:
                     buf["errors"].append({"key": b["key"], "source": b["source"], "reason": b["error"], "shard": i})
                 buf["left"] -= 1

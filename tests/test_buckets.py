@@ -308,3 +308,14 @@ def test_plan_for_an_unknown_hub_model_offline_is_a_one_line_error(capsys):
                                 "--set", "model.gemma=nobody/not-a-gemma"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "model.gemma" in err[0] and "nobody/not-a-gemma" in err[0], err
+
+
+def test_upscaled_compares_the_crop_box_with_the_bucket_not_the_resolution():
+    """A 128x64 picture fills its 128x64 bucket at 96 px exactly: not enlarged, though its short side is under 96."""
+    from theworld import images
+
+    exact = {"original_size": [128, 64], "crop_box": [0, 0, 128, 64]}
+    assert not images.upscaled(exact, 96, "bucket")
+    assert images.upscaled({"original_size": [64, 32], "crop_box": [0, 0, 64, 32]}, 96, "bucket")
+    assert images.upscaled(exact, 96, "crop")  # its 64 px square is enlarged to 96 x 96
+    assert not images.upscaled({"original_size": [200, 100], "crop_box": [50, 0, 150, 100]}, 96, "crop")

@@ -147,6 +147,18 @@ def resize(img: Image.Image, resolution: int, mode: str = "crop", bucket: tuple[
     return img.resize(size, Image.BICUBIC, box=box, reducing_gap=3.0), box
 
 
+def output_size(original_size: tuple[int, int], resolution: int, mode: str) -> tuple[int, int]:
+    """(width, height) of the VAE input made from an upright image of `original_size`."""
+    return bucket_for(*original_size, resolution) if mode == "bucket" else (resolution, resolution)
+
+
+def upscaled(meta: dict, resolution: int, mode: str) -> bool:
+    """Whether a sample's VAE input was enlarged from its source: the crop box is smaller than the output on a side."""
+    left, top, right, bottom = meta["crop_box"]
+    out_w, out_h = output_size(tuple(meta["original_size"]), resolution, mode)
+    return right - left < out_w or bottom - top < out_h
+
+
 def to_uint8_tensor(img: Image.Image) -> torch.Tensor:
     """RGB image -> (3, H, W) uint8."""
     return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1).contiguous()
