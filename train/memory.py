@@ -22,7 +22,7 @@ from theworld.errors import UserError, cli_entry
 from theworld.model import TheWorld
 from train import sharding
 from train.bench_real import ANSWER_TOKENS, REAL, TEXT_TOKENS, gemma_config
-from train.config import TrainConfig
+from train.config import TrainConfig, resolve_micro_batch
 
 # Hub ids whose architecture is known offline (train.bench_real.REAL): Gemma 3 4B and the Wan 2.1 VAE of Cosmos.
 KNOWN_GEMMA = ("google/gemma-3-4b-it", "google/gemma-3-4b-pt")
@@ -175,7 +175,7 @@ def plan(cfg: TrainConfig, gpus: int, gpu_memory_gib: float, model: TheWorld | N
     model = model or build_world(cfg)
     c = count(model)
     budget = int(gpu_memory_gib * 2**30 * HEADROOM)
-    micro = cfg.train.micro_batch_size
+    micro = resolve_micro_batch(cfg, gpus)  # `auto` becomes what a run on `gpus` processes would use
     per = per_gpu(cfg, model, c, gpus, micro)
     out = {"config": {"gemma": cfg.model.gemma, "vae": cfg.model.vae, "freeze": vars(cfg.freeze),
                       "mixed_precision": cfg.train.mixed_precision,
