@@ -63,11 +63,11 @@ def trained_run(tmp_path_factory):
     recorded = {}
     original = checkpoint.export_final
 
-    def export_and_record(c, state, cfg_yaml, output_dir):
+    def export_and_record(c, state, cfg_yaml, output_dir, *whole):
         with torch.no_grad():
             c.raw.eval()
             recorded["logits"] = c.raw(**fixed_inputs(c.raw, c.processor), return_logits=True).logits
-        return original(c, state, cfg_yaml, output_dir)
+        return original(c, state, cfg_yaml, output_dir, *whole)
 
     sets = {"cache_dir": cache, "output_dir": out, "model.dtype": "float32", "train.max_steps": 4, "train.global_batch_size": 8,
             "train.micro_batch_size": 8, "train.eval_samples": 8, "train.num_workers": 0, "trackers": "[]",

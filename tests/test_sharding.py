@@ -237,6 +237,7 @@ def test_memory_cli_real_configs_offline(capsys):
     assert set(p["per_gpu_bytes"]) == {"ddp", "fsdp"} and not p["fits"]["ddp"] and p["fits"]["fsdp"]
     ddp, fsdp = p["per_gpu_bytes"]["ddp"], p["per_gpu_bytes"]["fsdp"]
     assert fsdp["optimizer_state"] == ddp["optimizer_state"] // 8
+    assert p["config"]["micro_batch_size"] == 8  # the config's `auto` as a run on 8 processes resolves it
     assert memory.main(["--config", str(ROOT / "configs" / "real" / "stage3.yaml")]) == 0
     out = capsys.readouterr().out
     assert "fits" in out and "optimizer_state" in out
