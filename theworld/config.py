@@ -247,13 +247,6 @@ def add_config_args(p: argparse.ArgumentParser, config_help: str = "YAML config 
                    help="override a config key, e.g. --set train.lr=1e-3 (repeatable)")
 
 
-class ArgParser(argparse.ArgumentParser):
-    """argparse whose errors are one-line `UserError`s (exit 2 through `cli_entry`)."""
-
-    def error(self, message: str) -> typing.NoReturn:  # argparse exits 2 already; keep it one line
-        raise UserError(f"{self.prog}: {message}")
-
-
 def cli_parser(prog: str, description: str) -> argparse.ArgumentParser:
     """The `--config CFG [--set key=value ...]` front every command shares."""
     p = ArgParser(prog=prog, description=description)
