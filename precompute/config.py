@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from theworld import run_lock
 from theworld.config import ImageConfig, ModelConfig, load_config
 from theworld.errors import UserError
 
@@ -69,9 +70,7 @@ class PrecomputeConfig:
 
     def validate_paths(self) -> None:
         """Checks that touch the filesystem (kept out of __post_init__ so configs can be built anywhere)."""
-        out = Path(self.output_dir)
-        if out.exists() and not out.is_dir():
-            raise UserError(f"config key 'output_dir': {out} exists and is not a directory")
+        run_lock.check_folder(self.output_dir)
         if self.source.type == "synthetic":
             return
         if not self.source.path:

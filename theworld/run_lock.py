@@ -37,13 +37,18 @@ def _in_use(folder: Path, holder: str, key: str) -> InUse:
                  f"another {key}")
 
 
+def check_folder(folder: Path | str, key: str = "output_dir") -> None:
+    """A run's folder may be missing (it is created) but not something else."""
+    if Path(folder).exists() and not Path(folder).is_dir():
+        raise UserError(f"config key '{key}': {folder} is a file, not a folder")
+
+
 def acquire(folder: Path | str, key: str = "output_dir") -> int | None:
     """Lock `folder` (created if needed) for this process; returns the descriptor that holds the lock, or None on a
     file system without locks (a warning: nothing stops two runs there). A folder locked by another process is a
     UserError naming the holder."""
     folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        raise UserError(f"config key '{key}': {folder} is a file, not a folder")
+    check_folder(folder, key)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
