@@ -324,8 +324,8 @@ class CacheDataset(Dataset):
     def _world(self, pos: int) -> dict:
         """The unflipped world input of the sample at `pos`, under PARTNER names."""
         index = int(self.indices[pos])
-        if self.plan.cached_latents:
-            return {PARTNER + cf.LATENT: self.reader.raw(index)[cf.LATENT]}
+        if self.plan.cached_latents:  # (its origin names the right sample if its bytes turn out damaged)
+            return {PARTNER + cf.LATENT: self.reader.raw(index)[cf.LATENT], PARTNER + "origin": (self.reader, index)}
         image = self.reader.decode(index, self.reader.raw(index), tensors=False).image
         return {PARTNER + "images": load_for_vae(image, self.resolution, self.resize)[0]}
 
@@ -408,37 +408,40 @@ class Collate:
         for k in items[0]:
             prefix, member = (PARTNER, k.removeprefix(PARTNER)) if k.startswith(PARTNER) else ("", k)
             if member in self.CACHED:
-                stacked = _load_stacked(k, items, tuple(n for n in self.CACHED[member] if n not in self.OPTIONAL))
+                stacked = _load_stacked(k, items, tuple(self.CACHED[member]), self.OPTIONAL)
                 if missing := self.CACHED[member].keys() - stacked.keys() - self.OPTIONAL:
                     raise ValueError(f"cache member {member} holds no tensor {', '.join(sorted(missing))}")
                 batch.update({prefix + key: stacked[name] for name, key in self.CACHED[member].items()
                               if name in stacked})
-            elif k not in ("text", "origin"):
+            elif k not in ("text", "origin", PARTNER + "origin"):
                 batch[k] = torch.stack([it[k] for it in items])
         return Batch(batch, num_tokens=int((batch["labels"][:, 1:] != IGNORE).sum()))
 
 
-def _load_stacked(member: str, items: list[dict], names) -> dict[str, torch.Tensor]:
-    """cf.load_stacked; bytes that do not decode to the tensors `names` (a cache written before member checksums)
-    raise CacheDamaged naming the sample."""
+def _load_stacked(member: str, items: list[dict], names, optional=frozenset()) -> dict[str, torch.Tensor]:
+    """cf.load_stacked; bytes that do not decode to the tensors `names` (those in `optional` may be absent; a cache
+    written before member checksums) raise CacheDamaged naming the sample."""
     try:
         return cf.load_stacked([it[member] for it in items])
     except BaseException as e:
         if not isinstance(e, Exception) and type(e).__name__ != "PanicException":  # safetensors' Rust panics
             raise
+        origin = PARTNER + "origin" if member.startswith(PARTNER) else "origin"
         signatures = []
         for it in items:  # find the sample at fault, for the error line
-            reader, index = it["origin"]
+            reader, index = it[origin]
             try:
                 t = cf.st_load(it[member])
-                signatures.append(tuple((n, tuple(t[n].shape), t[n].dtype) for n in names))
+                if odd := [n for n in names if n not in t and n not in optional] + [n for n in t if n not in names]:
+                    raise KeyError(odd[0])
+                signatures.append(tuple(sorted((n, tuple(v.shape), v.dtype) for n, v in t.items())))
             except BaseException as inner:  # noqa: BLE001 - KeyError for a missing tensor, or a decode failure
                 if not isinstance(inner, Exception) and type(inner).__name__ != "PanicException":
                     raise
                 raise reader.damaged(index, f"member {member} does not decode to tensors {', '.join(names)} "
                                             f"({type(inner).__name__})") from None
         common = Counter(signatures).most_common(1)[0][0]
-        odd = next((it["origin"] for it, sig in zip(items, signatures) if sig != common), None)
+        odd = next((it[origin] for it, sig in zip(items, signatures) if sig != common), None)
         if odd is None:
             raise
         raise odd[0].damaged(odd[1], f"member {member} holds tensors unlike the batch's others") from None
