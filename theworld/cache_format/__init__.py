@@ -17,7 +17,7 @@ docs/cache-format.md describes the same for readers without this code; keep the 
 from safetensors.torch import load as st_load  # noqa: F401  (the batch collate decodes members with it)
 
 from theworld.cache_format.fingerprint import (check_fingerprint, fingerprint_diff,  # noqa: F401
-                                               make_fingerprint)
+                                               fingerprint_for, fingerprint_overrides)
 from theworld.cache_format.layout import (CAPTION, CHECKSUMS, ERRORS, ERRORS_DIR, FORMAT_VERSION,  # noqa: F401
                                           IMAGE_EXTS, INDEX_DIR, LATENT, LATENT_FLIP, MANIFEST, META,
                                           REBUILD_MANIFEST, RUN_FILE, SHARDS, SIGLIP, Sample, atomic_write_bytes,
