@@ -111,24 +111,23 @@ def _collate(batch: list[dict]) -> dict:
 # The run
 
 
-def _load_models(cfg: PrecomputeConfig, device: torch.device):
+def load_frozen(cfg: PrecomputeConfig) -> tuple:
+    """(VAE, Gemma, processor, fingerprint): the models this config's cache is made with (Gemma and its processor None
+    without cache.siglip) and the fingerprint they give it."""
     vae = encoders.load_vae(cfg.model.vae, cfg.model.dtype)
     gemma = processor = None
     if cfg.cache.siglip:
         gemma, processor = encoders.load_gemma(cfg.model.gemma, cfg.model.dtype)
-    fp = cf.make_fingerprint(vae_model=cfg.model.vae, vae=vae, vae_dtype=cfg.model.dtype,
-                             resolution=cfg.image.resolution, resize=cfg.image.resize,
-                             gemma_model=cfg.model.gemma if gemma is not None else None, gemma=gemma,
-                             image_processor=processor.image_processor if processor is not None else None)
+    fp = cf.fingerprint_for(cfg.model, cfg.image, siglip=cfg.cache.siglip, vae=vae, gemma=gemma, processor=processor)
+    return vae, gemma, processor, fp
+
+
+def _load_models(cfg: PrecomputeConfig, device: torch.device):
+    vae, gemma, processor, fp = load_frozen(cfg)
     encoder = encoders.WorldEncoder(vae).to(device).eval()
     if gemma is not None:
         gemma = gemma.to(device).eval()
     return encoder, gemma, processor, fp
-
-
-def expected_fingerprint(cfg: PrecomputeConfig) -> dict:
-    """The fingerprint this config would give a cache (loads the models)."""
-    return _load_models(cfg, torch.device("cpu"))[3]
 
 
 @torch.no_grad()

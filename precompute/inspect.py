@@ -35,12 +35,7 @@ from theworld.errors import CacheDamaged, UserError, cli_entry
 
 def _config_for(manifest: dict, args) -> PrecomputeConfig:
     """The config whose models should reproduce this cache: the fingerprint's, overridden by --config/--set."""
-    fp = manifest["fingerprint"]
-    base = [f"model.vae={fp['vae']['model']}", f"model.dtype={fp['vae']['dtype']}",
-            f"image.resolution={fp['image']['resolution']}", f"image.resize={fp['image']['resize']}",
-            f"cache.siglip={'true' if fp.get('siglip') else 'false'}"]
-    if fp.get("siglip"):
-        base.append(f"model.gemma={fp['siglip']['model']}")
+    base = cf.fingerprint_overrides(manifest["fingerprint"])
     overrides = ([] if args.config else base) + list(args.overrides)
     return load_config(PrecomputeConfig, args.config, overrides)
 
@@ -49,8 +44,7 @@ def _load_checked_vae(cache: Path, manifest: dict, args):
     """(VAE, config) after checking that this VAE + image settings reproduce the cache's numbers."""
     cfg = _config_for(manifest, args)
     vae = encoders.load_vae(cfg.model.vae, cfg.model.dtype)
-    expected = cf.make_fingerprint(vae_model=cfg.model.vae, vae=vae, vae_dtype=cfg.model.dtype,
-                                   resolution=cfg.image.resolution, resize=cfg.image.resize)
+    expected = cf.fingerprint_for(cfg.model, cfg.image, vae=vae)
     cf.check_fingerprint(manifest["fingerprint"], expected, cache, fields=["format_version", "vae", "image"])
     return vae.eval(), cfg
 
@@ -58,9 +52,9 @@ def _load_checked_vae(cache: Path, manifest: dict, args):
 def _check_full_fingerprint(cache: Path, manifest: dict, args) -> None:
     if not args.config and not args.overrides:
         return
-    from precompute.cosmos_latents import expected_fingerprint
+    from precompute.cosmos_latents import load_frozen
 
-    cf.check_fingerprint(manifest["fingerprint"], expected_fingerprint(_config_for(manifest, args)), cache)
+    cf.check_fingerprint(manifest["fingerprint"], load_frozen(_config_for(manifest, args))[3], cache)
 
 
 def _pick(n_total: int, n: int, seed: int, flag: str = "--n") -> list[int]:

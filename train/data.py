@@ -95,16 +95,10 @@ def open_cache(cfg) -> tuple[cf.CacheReader, InputPlan]:
     """Open the cache and check the fingerprint fields that need no model (before any model is loaded)."""
     reader = cf.CacheReader(cfg.cache_dir)
     reader.check_consistency()  # sizes and keys only; every member's crc32 is checked as it is read
-    fp = reader.manifest.get("fingerprint") or {}
     plan = plan_inputs(cfg, reader)
-    cache_side = {"format_version": fp.get("format_version"),
-                  "image": {k: (fp.get("image") or {}).get(k) for k in ("resolution", "resize")}}
-    expected = {"format_version": cf.FORMAT_VERSION,
-                "image": {"resolution": cfg.image.resolution, "resize": cfg.image.resize}}
-    if plan.cached_latents:
-        cache_side["vae"] = {k: (fp.get("vae") or {}).get(k) for k in ("model", "dtype")}
-        expected["vae"] = {"model": cfg.model.vae, "dtype": cfg.model.dtype}
-    cf.check_fingerprint(cache_side, expected, cfg.cache_dir)
+    fields = ["format_version", "image"] + (["vae"] if plan.cached_latents else [])
+    cf.check_fingerprint(reader.manifest.get("fingerprint") or {}, cf.fingerprint_for(cfg.model, cfg.image),
+                         cfg.cache_dir, fields=fields, partial=True)
     reader.members = plan.members
     return reader, plan
 
@@ -112,13 +106,10 @@ def open_cache(cfg) -> tuple[cf.CacheReader, InputPlan]:
 def verify_fingerprint(cfg, model, processor, reader: cf.CacheReader, plan: InputPlan) -> None:
     """Full check against the loaded models (config digests and weight hashes): format_version, image, and vae when
     cached latents are used, siglip when cached SigLIP features are used."""
-    use_siglip = plan.cached_siglip
-    expected = cf.make_fingerprint(vae_model=cfg.model.vae, vae=model.world_encoder.vae, vae_dtype=cfg.model.dtype,
-                                   resolution=cfg.image.resolution, resize=cfg.image.resize,
-                                   gemma_model=cfg.model.gemma if use_siglip else None,
-                                   gemma=model.gemma if use_siglip else None,
-                                   image_processor=processor.image_processor if use_siglip else None)
-    fields = ["format_version", "image"] + (["vae"] if plan.cached_latents else []) + (["siglip"] if use_siglip else [])
+    expected = cf.fingerprint_for(cfg.model, cfg.image, siglip=plan.cached_siglip, vae=model.world_encoder.vae,
+                                  gemma=model.gemma, processor=processor)
+    fields = ["format_version", "image"] + (["vae"] if plan.cached_latents else []) + \
+        (["siglip"] if plan.cached_siglip else [])
     cf.check_fingerprint(reader.manifest.get("fingerprint") or {}, expected, cfg.cache_dir, fields=fields)
 
 

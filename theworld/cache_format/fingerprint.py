@@ -1,0 +1,105 @@
+"""The cache fingerprint: everything that changes the cached numbers, how two fingerprints differ, and the check that
+refuses a cache built otherwise."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable
+
+import torch
+
+from theworld.cache_format.layout import FORMAT_VERSION
+from theworld.errors import CacheMismatch
+
+if TYPE_CHECKING:
+    from theworld.config import ImageConfig, ModelConfig
+
+
+def fingerprint_for(model: ModelConfig, image: ImageConfig, *, siglip: bool = False, vae=None, gemma=None,
+                    processor=None) -> dict:
+    """The fingerprint of a cache built with these `model` and `image` config sections (`siglip`: with SigLIP
+    features): the one rule the precompute that writes a cache and every check against one use.
+
+    Without loaded models it holds the config's own values (format_version, image resolution and resize, vae model
+    and dtype, siglip model): what can be checked before anything heavy loads (`check_fingerprint(partial=True)`).
+    With the loaded `vae` (an AutoencoderKLWan) it is the full fingerprint a cache records: plus what this code derives
+    from the image settings (normalisation, the bucket set) and the VAE's config digest and weight hash; with
+    `siglip`, also `gemma` (Gemma3ForConditionalGeneration) and its `processor` are needed, for the vision tower's
+    config digest, weight hash and dtype and the image processor's settings (size, mean/std, resampling decide what
+    the tower sees). Weights are hashed, so a changed checkpoint is caught even under the same name.
+    """
+    fp = {"format_version": FORMAT_VERSION, "vae": {"model": model.vae, "dtype": model.dtype},
+          "image": {"resolution": image.resolution, "resize": image.resize},
+          "siglip": {"model": model.gemma} if siglip else None}
+    if vae is None:
+        return fp
+    from theworld.encoders import config_digest, weights_hash
+
+    fp["vae"].update(config=config_digest(dict(vae.config)), weights=weights_hash(vae))
+    fp["image"]["normalisation"] = "[-1,1]"
+    if image.resize == "bucket":  # the set is a function of the resolution in this code; a cache records the one it used
+        from theworld.images import buckets
+
+        fp["image"]["buckets"] = [list(b) for b in buckets(image.resolution)]
+    if siglip:
+        if gemma is None or processor is None:
+            raise ValueError("a SigLIP fingerprint needs the loaded Gemma and its processor")
+        inner = gemma.model
+        vision = torch.nn.ModuleDict({"tower": inner.vision_tower, "projector": inner.multi_modal_projector})
+        settings = {k: v for k, v in processor.image_processor.to_dict().items()
+                    if k not in ("image_processor_type", "processor_class")}
+        fp["siglip"].update(config=config_digest(gemma.config.vision_config.to_dict()), weights=weights_hash(vision),
+                            dtype=str(gemma.dtype).removeprefix("torch."), image_processor=config_digest(settings))
+    return fp
+
+
+def fingerprint_overrides(fp: dict) -> list[str]:
+    """The `--set` overrides that give a precompute config whose `fingerprint_for` has `fp`'s config values (what
+    rebuilds, or checks, the cache `fp` came from)."""
+    out = [f"model.vae={fp['vae']['model']}", f"model.dtype={fp['vae']['dtype']}",
+           f"image.resolution={fp['image']['resolution']}", f"image.resize={fp['image']['resize']}",
+           f"cache.siglip={'true' if fp.get('siglip') else 'false'}"]
+    if fp.get("siglip"):
+        out.append(f"model.gemma={fp['siglip']['model']}")
+    return out
+
+
+def fingerprint_diff(expected: dict, actual: dict, prefix: str = "") -> list[str]:
+    """Dotted names of the fields that differ between two fingerprints (nested dicts compared leaf by leaf)."""
+    out = []
+    for k in sorted(set(expected) | set(actual)):
+        a, b = expected.get(k), actual.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += fingerprint_diff(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}")
+    return out
+
+
+def check_fingerprint(cache_fp: dict, expected: dict, cache_dir: Path | str, fields: Iterable[str] | None = None,
+                      partial: bool = False) -> None:
+    """Raise CacheMismatch naming the first differing field (only top-level `fields` are compared when given).
+
+    `partial`: `expected` is `fingerprint_for` without models, so only the fields it holds are compared."""
+    if fields is not None:
+        cache_fp = {k: cache_fp.get(k) for k in fields}
+        expected = {k: expected.get(k) for k in fields}
+    if partial:
+        cache_fp = _cut_to(cache_fp, expected)
+    diff = fingerprint_diff(expected, cache_fp)
+    if diff:
+        f = diff[0]
+
+        def get(d, dotted):
+            for part in dotted.split("."):
+                d = d.get(part) if isinstance(d, dict) else None
+            return d
+
+        more = f" (and {len(diff) - 1} more: {', '.join(diff[1:4])})" if len(diff) > 1 else ""
+        raise CacheMismatch(f"cache {cache_dir} was built with a different {f}: cache has {get(cache_fp, f)!r}, "
+                            f"this config gives {get(expected, f)!r}{more}")
+
+
+def _cut_to(actual, like: dict) -> dict:
+    """`actual` cut to the keys of `like`, nested dicts alike; what it lacks is None."""
+    actual = actual if isinstance(actual, dict) else {}
+    return {k: _cut_to(actual.get(k), v) if isinstance(v, dict) else actual.get(k) for k, v in like.items()}

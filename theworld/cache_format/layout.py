@@ -1,0 +1,252 @@
+"""Where everything of a cache lives and what it is called: member and file names, shard paths, atomic writes, the
+manifest (write, load, the checks every reader relies on), sidecars, the errors listing and the repair hints."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from theworld.errors import CacheDamaged, UserError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SHARDS = "shards"
+ERRORS = "errors.jsonl"
+ERRORS_DIR = "errors"
+RUN_FILE = "precompute.json"
+INDEX_DIR = "source-index"
+CHECKSUMS = "crc32"  # sidecar sample field {member: zlib.crc32 of its bytes}; caches written before it lack it
+# Member names inside a sample (webdataset: "<key>.<member>").
+LATENT = "latent.safetensors"  # tensors "mean", "logvar" (only "mean" with cache.latents: mean): (16, 1, h, w)
+LATENT_FLIP = "latent_flip.safetensors"  # the same for the horizontally flipped image
+SIGLIP = "siglip.safetensors"  # tensor "features": (mm_tokens, H), the multimodal projector's output
+CAPTION = "txt"
+META = "json"  # prompt, source, original_size, crop_box, flip
+IMAGE_EXTS = ("jpg", "png", "webp")
+
+
+def shard_stem(index: int) -> str:
+    return f"shard-{index:06d}"
+
+
+def tar_path(cache_dir: Path, index: int) -> Path:
+    return Path(cache_dir) / SHARDS / f"{shard_stem(index)}.tar"
+
+
+def sidecar_path(cache_dir: Path, index: int) -> Path:
+    return Path(cache_dir) / SHARDS / f"{shard_stem(index)}.json"
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write to a temporary name in the same folder, fsync, then rename: readers see all or nothing."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# One sample
+
+
+@dataclass
+class Sample:
+    key: str
+    caption: str
+    meta: dict  # prompt, source, original_size, crop_box, flip
+    mean: torch.Tensor | None = None
+    logvar: torch.Tensor | None = None
+    flip_mean: torch.Tensor | None = None
+    flip_logvar: torch.Tensor | None = None
+    siglip: torch.Tensor | None = None
+    image: bytes | None = None
+    image_ext: str | None = None
+
+    @property
+    def prompt(self) -> str:
+        return self.meta.get("prompt", "")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Shards
+
+
+def member_name(key: str, member: str) -> str:
+    """A sample's member as a tar entry (webdataset: the key is everything before the first dot)."""
+    return f"{key}.{member}"
+
+
+def split_member(name: str) -> tuple[str, str]:
+    key, _, member = name.partition(".")
+    return key, member
+
+
+def error_path(cache_dir: Path, index: int) -> Path:
+    return Path(cache_dir) / ERRORS_DIR / f"{shard_stem(index)}.jsonl"
+
+
+def read_sidecar(cache_dir: Path, index: int) -> dict | None:
+    try:
+        side = json.loads(sidecar_path(cache_dir, index).read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return side if isinstance(side, dict) else None
+
+
+def shard_is_done(cache_dir: Path, index: int, expected_count: int | None = None) -> bool:
+    """A shard is done iff its sidecar exists and matches its tar (size and sha256, and count when given)."""
+    side = read_sidecar(cache_dir, index)
+    tar = tar_path(cache_dir, index)
+    if side is None or not tar.is_file() or side.get("format_version") != FORMAT_VERSION:
+        return False
+    if expected_count is not None and side.get("count") != expected_count:
+        return False
+    return os.path.getsize(tar) == side["bytes"] and sha256_file(tar) == side["sha256"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Manifest
+
+
+def latent_shape_counts(sidecars: list[dict]) -> list[dict]:
+    """[{"shape", "num_samples"}] over the samples of these sidecars, shapes in sorted order."""
+    counts = Counter(tuple(e["latent_shape"]) for side in sidecars for e in side["samples"] if "latent_shape" in e)
+    return [{"shape": list(k), "num_samples": v} for k, v in sorted(counts.items())]
+
+
+def write_manifest(cache_dir: Path, sidecars: list[dict], *, fingerprint: dict, latent_shape: list[int],
+                   latent_dtype: str, num_errors: int, contents: dict, extra: dict | None = None) -> dict:
+    """The manifest, from the shards' sidecars; written last and atomically (its presence means complete).
+
+    `latent_shape` (the config's; the sidecars' when they agree on one) is every sample's shape; with several
+    (aspect-ratio buckets) it is null and `latent_shapes` lists each shape with its sample count."""
+    shapes = latent_shape_counts(sidecars)
+    if shapes:
+        latent_shape = shapes[0]["shape"] if len(shapes) == 1 else None
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "num_samples": sum(s["count"] for s in sidecars),
+        "num_errors": num_errors,
+        "latent_shape": latent_shape,
+        "latent_shapes": shapes,
+        "latent_dtype": latent_dtype,
+        "contents": contents,  # which optional members exist: images, siglip, flip
+        "shards": [{"path": f"{SHARDS}/{s['shard']}", "num_samples": s["count"], "bytes": s["bytes"],
+                    "sha256": s["sha256"]} for s in sidecars],
+        "fingerprint": fingerprint,
+        **(extra or {}),
+    }
+    atomic_write_json(Path(cache_dir) / MANIFEST, manifest)
+    return manifest
+
+
+def load_manifest(cache_dir: Path | str) -> dict:
+    path = Path(cache_dir) / MANIFEST
+    if not path.is_file():
+        if (Path(cache_dir) / SHARDS).is_dir():
+            raise UserError(f"cache {cache_dir} is incomplete (no {MANIFEST}): rerun the precompute command to finish it")
+        raise UserError(f"no cache at {cache_dir} (no {MANIFEST})")
+    try:
+        manifest = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise CacheDamaged(f"{path} is not valid JSON ({type(e).__name__}: {str(e)[:120]}); {REBUILD_MANIFEST}") from None
+    if not isinstance(manifest, dict):
+        raise CacheDamaged(f"{path} holds a JSON {type(manifest).__name__}, not an object; {REBUILD_MANIFEST}")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise UserError(f"cache {cache_dir} has format_version {manifest.get('format_version')!r}, "
+                        f"this code reads {FORMAT_VERSION}")
+    if problem := _manifest_problem(manifest):
+        raise CacheDamaged(f"{path} is malformed: {problem}; {REBUILD_MANIFEST}")
+    return manifest
+
+
+def latents_stored(manifest: dict) -> str:
+    """"posterior" (mean and logvar) or "mean" (cache.latents: mean); caches that do not say hold the posterior."""
+    return (manifest.get("contents") or {}).get("latents", "posterior")
+
+
+REBUILD_MANIFEST = "rerun the precompute command that built this cache: it rewrites the manifest from the shards"
+
+
+def _is_int(x: Any) -> bool:
+    return type(x) is int and x >= 0
+
+
+def _manifest_problem(m: dict) -> str | None:
+    """What is wrong with the fields every reader relies on, or None."""
+    shards = m.get("shards")
+    if not isinstance(shards, list):
+        return "'shards' is not a list"
+    for i, s in enumerate(shards):
+        if not (isinstance(s, dict) and isinstance(s.get("path"), str) and _is_int(s.get("num_samples"))
+                and _is_int(s.get("bytes")) and isinstance(s.get("sha256"), str)):
+            return f"shards[{i}] is not {{path, num_samples, bytes, sha256}}"
+    for key in ("num_samples", "num_errors"):
+        if not _is_int(m.get(key)):
+            return f"'{key}' is not a count"
+    shape = m.get("latent_shape")  # null when the samples' shapes differ (aspect-ratio buckets): see latent_shapes
+    is_shape = lambda s: isinstance(s, list) and all(_is_int(d) for d in s)  # noqa: E731
+    if not (is_shape(shape) or shape is None and isinstance(m.get("latent_shapes"), list)) \
+            or not isinstance(m.get("latent_dtype"), str):
+        return "'latent_shape' / 'latent_dtype' missing or not a shape and a dtype name"
+    if not isinstance(m.get("fingerprint"), dict) or not isinstance(m.get("contents", {}), dict):
+        return "'fingerprint' / 'contents' is not an object"
+    return None
+
+
+def repair_hint(cache_dir: Path | str, index: int) -> str:
+    """How to rebuild shard `index` alone: a shard without its sidecar is not done, so precompute redoes it."""
+    return (f"to repair: delete {sidecar_path(cache_dir, index)} and rerun the precompute command that built this "
+            "cache (it rebuilds that shard alone)")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Errors and names
+
+
+def read_errors(cache_dir: Path | str) -> list[dict]:
+    path = Path(cache_dir) / ERRORS
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def error_classes(cache_dir: Path | str) -> dict[str, int]:
+    """How many errors of each class (a reason's text before its first colon), most frequent first."""
+    return dict(Counter(e["reason"].split(":")[0] for e in read_errors(cache_dir)).most_common())
+
+
+def image_bytes_hint(data: bytes) -> str | None:
+    """Our extension for encoded image bytes (jpg/png/webp), by magic number; None for anything else."""
+    if data[:3] == b"\xff\xd8\xff":
+        return "jpg"
+    if data[:8] == b"\x89PNG\r\n\x1a\n":
+        return "png"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "webp"
+    return None
+
+
+def safe_key(text: str) -> str:
+    """A webdataset-safe sample key: webdataset splits member names at the first '.', so keys keep to [A-Za-z0-9_-]."""
+    return "".join(c if c.isascii() and (c.isalnum() or c in "-_") else "_" for c in text)

@@ -1,0 +1,313 @@
+"""Reading a cache: `CacheReader` (random access by global sample index through the sidecars' byte offsets),
+`decode_sample`, and `load_stacked` (one tensor member of a batch's samples in one copy)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load as st_load
+
+from theworld.cache_format.layout import (CAPTION, CHECKSUMS, MANIFEST, META, IMAGE_EXTS, LATENT, LATENT_FLIP,
+                                          REBUILD_MANIFEST, SHARDS, SIGLIP, Sample, load_manifest, read_sidecar,
+                                          repair_hint, shard_stem, sidecar_path, tar_path)
+from theworld.errors import CacheDamaged, UserError
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# One sample
+
+
+def decode_sample(key: str, members: dict[str, bytes], tensors: bool = True) -> Sample:
+    """{member name: bytes} -> Sample. Missing optional members stay None; so do the tensors with tensors=False
+    (a batch's are decoded together by `load_stacked`)."""
+    s = Sample(key=key, caption=members[CAPTION].decode(), meta=json.loads(members[META]))
+    for ext in IMAGE_EXTS:
+        if ext in members:
+            s.image, s.image_ext = members[ext], ext
+    if not tensors:
+        return s
+    if LATENT in members:
+        t = st_load(members[LATENT])
+        s.mean, s.logvar = t["mean"], t.get("logvar")
+    if LATENT_FLIP in members:
+        t = st_load(members[LATENT_FLIP])
+        s.flip_mean, s.flip_logvar = t["mean"], t.get("logvar")
+    if SIGLIP in members:
+        s.siglip = st_load(members[SIGLIP])["features"]
+    return s
+
+
+_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}  # what DTYPES writes
+
+
+def load_stacked(blobs: list[bytes]) -> dict[str, torch.Tensor]:
+    """The same tensor member (e.g. LATENT) of many samples -> {tensor name: (len(blobs), *shape)}.
+
+    The samples of a cache share that member's safetensors header byte for byte (same names, dtypes and shapes, and
+    `st_save` is deterministic), so the header is parsed once and every sample's data is sliced at the same offsets:
+    one copy for the whole batch instead of a parse, a tensor and a stack per sample, which were a loader worker's
+    largest CPU cost (docs/performance.md). Blobs whose headers differ go through safetensors one by one.
+    """
+    first = blobs[0]
+    start = 8 + int.from_bytes(first[:8], "little")  # safetensors: u64 header size, JSON header, then the data
+    head = first[:start]
+    layout = _stackable_layout(head, len(first) - start)
+    if layout is None or any(len(b) != len(first) or not b.startswith(head) for b in blobs):
+        return _load_each_and_stack(blobs)
+    data = bytearray().join(memoryview(b)[start:] for b in blobs)
+    rows = torch.frombuffer(data, dtype=torch.uint8).view(len(blobs), -1)
+    return {name: rows[:, lo:hi].view(dtype).view(len(blobs), *shape) for name, (dtype, shape, lo, hi) in layout.items()}
+
+
+def _stackable_layout(header: bytes, data_size: int) -> dict | None:
+    """{name: (dtype, shape, first byte, end byte)} when every tensor can be a view of a (samples, data_size) byte
+    matrix: little-endian host, a dtype we map, offsets on element boundaries. None: decode one by one."""
+    if sys.byteorder != "little":  # safetensors data is little-endian
+        return None
+    try:
+        meta = json.loads(header[8:])
+        layout = {name: (_ST_DTYPES[v["dtype"]], tuple(v["shape"]), *v["data_offsets"])
+                  for name, v in meta.items() if name != "__metadata__"}
+    except (ValueError, KeyError, TypeError):
+        return None
+    for dtype, _, lo, hi in layout.values():
+        size = dtype.itemsize
+        if lo % size or hi % size or data_size % size or hi > data_size or hi <= lo:
+            return None
+    return layout
+
+
+def _load_each_and_stack(blobs: list[bytes]) -> dict[str, torch.Tensor]:
+    loaded = [st_load(b) for b in blobs]
+    first = loaded[0]
+    for t in loaded[1:]:
+        if t.keys() != first.keys() or any(t[k].shape != first[k].shape or t[k].dtype != first[k].dtype for k in t):
+            raise ValueError("samples of one batch hold different tensors: "
+                             f"{ {k: (tuple(v.shape), v.dtype) for k, v in first.items()} } vs "
+                             f"{ {k: (tuple(v.shape), v.dtype) for k, v in t.items()} }")
+    return {k: torch.stack([t[k] for t in loaded]) for k in first}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Random access reading
+
+
+@dataclass
+class CacheReader:
+    """Random access to a complete cache by global sample index, via the sidecars' byte offsets (no tar scan).
+
+    The index is kept in numpy arrays (keys as fixed-width bytes, member spans as int64), not per-sample Python
+    objects: ~100 bytes per sample, and forked DataLoader workers share it without copying (no refcounts to touch).
+    Picklable (file descriptors are opened lazily per process). `members` limits what is read, e.g. skip the image
+    bytes when every latent comes from the cache; the caption and json are always read.
+    """
+
+    cache_dir: Path
+    members: tuple[str, ...] | None = None
+    manifest: dict = field(init=False)
+    _names: list[str] = field(init=False, repr=False)  # member names, the columns of _spans
+    _keys: np.ndarray = field(init=False, repr=False)  # (N,) bytes
+    _shard: np.ndarray = field(init=False, repr=False)  # (N,) int32: which tar
+    _spans: np.ndarray = field(init=False, repr=False)  # (N, len(_names), 2) int64 offset, size; -1: absent
+    latent_hw: np.ndarray = field(init=False, repr=False)  # (N, 2) int32: each sample's latent (h, w)
+    _crc: np.ndarray = field(init=False, repr=False)  # (N, len(_names)) int64 crc32 of each member; -1: none recorded
+    _sides: list = field(init=False, repr=False)  # per shard: the sidecar's (count, bytes, sha256)
+    _files: dict = field(init=False, repr=False, default_factory=dict)
+    # Members closer than this are read with one pread, tar headers and skipped members included: a system call
+    # costs more than copying a few kB (docs/performance.md)
+    READ_GAP = 16 << 10
+
+    def __post_init__(self) -> None:
+        self.cache_dir = Path(self.cache_dir)
+        self.manifest = load_manifest(self.cache_dir)
+        self._names, keys, shards, spans, crcs, hw, self._sides = [], [], [], [], [], [], []
+        square = self.manifest.get("latent_shape")  # caches written before per-sample shapes: every sample's
+        for i, _ in enumerate(self.manifest["shards"]):
+            side = read_sidecar(self.cache_dir, i)
+            if not isinstance(side, dict):
+                raise CacheDamaged(f"cache {self.cache_dir}: sidecar {sidecar_path(self.cache_dir, i)} is missing or "
+                                   f"not a JSON object; {repair_hint(self.cache_dir, i)}")
+            try:
+                block, crc = self._index_sidecar(side, keys)
+            except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
+                raise CacheDamaged(f"cache {self.cache_dir}: sidecar {sidecar_path(self.cache_dir, i)} is malformed "
+                                   f"({type(e).__name__}: {str(e)[:80]}); {repair_hint(self.cache_dir, i)}") from None
+            try:
+                hw += [(s.get("latent_shape") or square)[-2:] for s in side["samples"]]
+            except TypeError:
+                raise UserError(f"cache {self.cache_dir}: shard {i}'s sidecar lacks per-sample latent shapes and the "
+                                "manifest has no common latent_shape") from None
+            spans.append(block)
+            crcs.append(crc)
+            self._sides.append((side.get("count"), side.get("bytes"), side.get("sha256")))
+            shards.append(np.full(len(block), i, dtype=np.int32))
+        width = len(self._names)
+        pad = lambda b: np.pad(b, ((0, 0), (0, width - b.shape[1])) + ((0, 0),) * (b.ndim - 2), constant_values=-1)  # noqa: E731
+        self._spans = np.concatenate([pad(b) for b in spans]) if spans else np.zeros((0, width, 2), dtype=np.int64)
+        self._crc = np.concatenate([pad(c) for c in crcs]) if crcs else np.zeros((0, width), dtype=np.int64)
+        self._keys = np.array(keys, dtype=bytes) if keys else np.zeros(0, dtype="S1")
+        self._shard = np.concatenate(shards) if shards else np.zeros(0, dtype=np.int32)
+        self.latent_hw = np.array(hw, dtype=np.int32).reshape(-1, 2)
+
+    def _index_sidecar(self, side: dict, keys: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+        """One sidecar's (spans, crc32s) blocks; appends its keys and any new member names."""
+        samples = side["samples"]
+        for s in samples:
+            for name in s["members"]:
+                if name not in self._names:
+                    self._names.append(name)
+        block = np.full((len(samples), len(self._names), 2), -1, dtype=np.int64)
+        crc = np.full((len(samples), len(self._names)), -1, dtype=np.int64)  # -1: no checksum recorded
+        for j, s in enumerate(samples):
+            if not isinstance(s["key"], str):
+                raise TypeError(f"sample {j}: key is not a string")
+            keys.append(s["key"].encode())
+            for name, span in s["members"].items():
+                block[j, self._names.index(name)] = [int(span[0]), int(span[1])]
+            for name, value in (s.get(CHECKSUMS) or {}).items():
+                crc[j, self._names.index(name)] = int(value)
+        return block, crc
+
+    @property
+    def checksummed(self) -> bool:
+        """Whether every member of every sample has a recorded crc32 (caches written before them have none)."""
+        return bool((self._crc[self._spans[..., 0] >= 0] >= 0).all())
+
+    def check_consistency(self) -> None:
+        """Cheap start-of-run checks (no data read): manifest, sidecars and tars agree on shards, counts and sizes,
+        every member lies inside its tar, no key occurs twice. Raises CacheDamaged naming the shard and the repair."""
+        d = self.cache_dir
+        entries = self.manifest["shards"]
+        listed = {f"{shard_stem(i)}.tar" for i in range(len(entries))}
+        found = {p.name for p in (d / SHARDS).glob("shard-*.tar")}
+        if extra := sorted(found - listed):
+            raise CacheDamaged(f"cache {d}: {MANIFEST} lists {len(entries)} shards but {SHARDS}/ also holds "
+                               f"{', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}; {REBUILD_MANIFEST}")
+        counts = np.bincount(self._shard, minlength=len(entries))
+        for i, e in enumerate(entries):
+            side, tar = self._sides[i], tar_path(d, i)
+            where = f"cache {d}: shard {tar.name}"
+            if e["path"] != f"{SHARDS}/{tar.name}":
+                raise CacheDamaged(f"cache {d}: {MANIFEST} shards[{i}] is {e['path']!r}, expected "
+                                   f"'{SHARDS}/{tar.name}'; {REBUILD_MANIFEST}")
+            if not tar.is_file():
+                raise CacheDamaged(f"{where} is missing; {repair_hint(d, i)}")
+            size = tar.stat().st_size
+            if side != (e["num_samples"], e["bytes"], e["sha256"]):
+                raise CacheDamaged(f"{where}: its sidecar (count {side[0]}, {side[1]} bytes) does "
+                                   f"not match {MANIFEST} ({e['num_samples']}, {e['bytes']} bytes): the shard changed "
+                                   f"after the cache was built; {repair_hint(d, i)}")
+            if counts[i] != e["num_samples"] or size != e["bytes"]:
+                raise CacheDamaged(f"{where}: {counts[i]} samples in the sidecar and {size} bytes on disk, "
+                                   f"{MANIFEST} says {e['num_samples']} and {e['bytes']}; {repair_hint(d, i)}")
+        if int(counts.sum()) != self.manifest["num_samples"]:
+            raise CacheDamaged(f"cache {d}: shards hold {int(counts.sum())} samples, {MANIFEST} says "
+                               f"{self.manifest['num_samples']}; {REBUILD_MANIFEST}")
+        ends = self._spans[..., 0] + self._spans[..., 1]
+        sizes = np.array([e["bytes"] for e in entries], dtype=np.int64)[self._shard]
+        bad = (self._spans[..., 0] >= 0) & ((self._spans[..., 1] < 0) | (ends > sizes[:, None]))
+        if bad.any():
+            j = int(np.argwhere(bad)[0][0])
+            raise CacheDamaged(f"cache {d}: shard {tar_path(d, int(self._shard[j])).name}, sample {self.key(j)}: its "
+                               f"sidecar places a member outside the tar; {repair_hint(d, int(self._shard[j]))}")
+        self._check_unique_keys()
+
+    def _check_unique_keys(self) -> None:
+        order = np.argsort(self._keys, kind="stable")
+        same = np.flatnonzero(self._keys[order][1:] == self._keys[order][:-1])
+        if len(same):
+            a, b = int(order[same[0]]), int(order[same[0] + 1])
+            sa, sb = int(self._shard[a]), int(self._shard[b])
+            d = self.cache_dir
+            raise CacheDamaged(f"cache {d}: key {self.key(a)} occurs twice (shards {tar_path(d, sa).name} and "
+                               f"{tar_path(d, sb).name}): one shard was replaced by a copy; to repair: delete "
+                               f"{sidecar_path(d, sb).name}" + (f" and {sidecar_path(d, sa).name}" if sa != sb else "")
+                               + f" in {d / SHARDS} and rerun the precompute command that built this cache "
+                               "(it rebuilds those shards alone)")
+
+    def damaged(self, index: int, what: str) -> CacheDamaged:
+        """The one-line error for sample `index` whose data is not what the cache says."""
+        shard = int(self._shard[index])
+        return CacheDamaged(f"cache {self.cache_dir}: shard {tar_path(self.cache_dir, shard).name}, sample "
+                            f"{self.key(index)}: {what}; {repair_hint(self.cache_dir, shard)}")
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_files": {}}
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def key(self, index: int) -> str:
+        return self._keys[index].decode()
+
+    def keys(self) -> list[str]:
+        return [k.decode() for k in self._keys]
+
+    def member_names(self) -> list[str]:
+        """Every member name some sample in the cache has."""
+        return list(self._names)
+
+    def raw(self, index: int) -> dict[str, bytes]:
+        """The sample's wanted members' bytes, each checked against its recorded crc32 (raises CacheDamaged)."""
+        shard = int(self._shard[index])
+        fd = self._files.get(shard)
+        if fd is None:
+            try:
+                fd = self._files[shard] = os.open(tar_path(self.cache_dir, shard), os.O_RDONLY)
+            except OSError as e:
+                raise self.damaged(index, f"cannot open the tar ({e.strerror})") from None
+        spans = self._spans[index].tolist()
+        crcs = self._crc[index].tolist()
+        wanted = sorted((*span, name, crc) for name, span, crc in zip(self._names, spans, crcs)
+                        if span[0] >= 0 and (self.members is None or name in self.members or name in (CAPTION, META)))
+        out = {}
+        for run in _runs(wanted, self.READ_GAP):
+            lo, hi = run[0][0], run[-1][0] + run[-1][1]
+            # pread: no shared file offset, so forked DataLoader workers and threads can share the descriptor
+            try:
+                data = os.pread(fd, hi - lo, lo)
+            except OSError as e:
+                raise self.damaged(index, f"cannot read the tar ({e.strerror})") from None
+            if len(data) != hi - lo:
+                raise self.damaged(index, "the tar ends before this sample (truncated)")
+            for offset, size, name, crc in run:
+                out[name] = data[offset - lo:offset - lo + size]
+                if crc >= 0 and zlib.crc32(out[name]) != crc:
+                    raise self.damaged(index, f"member {name} fails its crc32 check (the tar changed after it was "
+                                              "written)")
+        return out
+
+    def sample(self, index: int, tensors: bool = True) -> Sample:
+        """`decode_sample` of `raw(index)`; bytes that do not decode raise CacheDamaged naming shard and key."""
+        return self.decode(index, self.raw(index), tensors)
+
+    def decode(self, index: int, members: dict[str, bytes], tensors: bool = True) -> Sample:
+        try:
+            return decode_sample(self.key(index), members, tensors)
+        except (ValueError, KeyError, RecursionError, RuntimeError) as e:  # UnicodeDecodeError, JSON, safetensors
+            raise self.damaged(index, f"does not decode ({type(e).__name__})") from None
+
+    def __getitem__(self, index: int) -> Sample:
+        return self.sample(index)
+
+    def close(self) -> None:
+        for fd in self._files.values():
+            os.close(fd)
+        self._files.clear()
+
+
+def _runs(spans: list[tuple[int, int, str]], gap: int) -> list[list[tuple[int, int, str]]]:
+    """(offset, size, name) sorted by offset -> runs in which each member starts within `gap` of the previous end."""
+    runs: list[list[tuple[int, int, str]]] = []
+    for span in spans:
+        if runs and span[0] - (runs[-1][-1][0] + runs[-1][-1][1]) <= gap:
+            runs[-1].append(span)
+        else:
+            runs.append([span])
+    return runs
