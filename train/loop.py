@@ -1,7 +1,7 @@
 """`accelerate launch -m train.loop --config configs/stage1.yaml` (or `python -m train.loop ...`): train from the cache.
 
-Thin on purpose: parse and validate the config, build the components (train/data.py, train/optim.py,
-train/checkpoint.py, train/metrics.py), run the loop. See docs/training.md.
+Thin on purpose: parse and validate the config, build the components (train/order.py, train/data.py,
+train/optim.py, train/checkpoint.py, train/metrics.py), run the loop. See docs/training.md.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from theworld import run_lock
 from theworld.config import to_dict
 from theworld.errors import cli_entry
-from train import checkpoint, data, optim
+from train import checkpoint, data, optim, order
 from train.benchmarks import BenchmarkEval
 from train.config import accumulation_steps, load, run_hash, to_yaml
 from train.metrics import Metrics, ProfileWindow, StepWindow, summary
@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.train.cpu_threads:
         torch.set_num_threads(cfg.train.cpu_threads)
     acc = optim.make_accelerator(cfg)
-    split = data.split(reader, cfg.train.eval_samples)
-    per_epoch = data.check_sizes(cfg, reader, split[0], acc.num_processes)
+    split = order.split(reader, cfg.train.eval_samples)
+    per_epoch = order.check_sizes(cfg, reader, split[0], acc.num_processes)
     accum = accumulation_steps(cfg, acc.num_processes)
     # one run per output_dir: a second one would take this run's unfinished saves for a killed run's and delete them
     with run_lock.hold(cfg.output_dir, acc):

@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from train import sharding
-from train.data import PARTNER, WORLD_KEYS, Batch, _seed, rank_offset
+from train.batches import PARTNER, WORLD_KEYS, Batch
+from train.order import noise_seeds, rank_offset
 
 
 class NonFiniteError(RuntimeError):
@@ -41,12 +42,6 @@ class LoopState:
     def from_json(cls, d: dict) -> "LoopState":
         known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
         return cls(**known)
-
-
-def noise_seeds(seed: int, step: int, first: int, n: int) -> list[int]:
-    """Latent-sampling seeds of the samples at positions [first, first + n) of a step's global batch: a pure function
-    of (seed, step, position), so neither resuming nor the process count or accumulation changes a sample's noise."""
-    return [_seed("noise", seed, step, i) for i in range(first, first + n)]
 
 
 def optimization_step(c, state: LoopState, micro_batches: list[Batch]) -> dict:
@@ -106,7 +101,7 @@ def optimization_step(c, state: LoopState, micro_batches: list[Batch]) -> dict:
 @torch.no_grad()
 def evaluate(c, loader) -> dict:
     """eval_loss and eval_loss_shuffled_world (each held-out sample with the world of its partner: the next held-out
-    sample of the same latent shape in key order, `data.eval_partners`; the same pairs whatever the process count),
+    sample of the same latent shape in key order, `order.eval_partners`; the same pairs whatever the process count),
     per answer token over the whole held-out split (all processes). World latents use the posterior mean. The only
     held-out sample of its shape has no partner: it counts towards eval_loss only."""
     model, acc = c.raw, c.accelerator
