@@ -1,4 +1,5 @@
-"""Checkpoints (design section 4): written to a temporary folder and renamed; old ones deleted only afterwards.
+"""Checkpoints: where a run resumes from, what it restores, and what a save writes:
+written to a temporary folder and renamed; old ones deleted only afterwards.
 
     <output_dir>/checkpoint-<step>/trainable.safetensors  trainable parameters, by their model names
     <output_dir>/checkpoint-<step>/state.json             step, epoch, samples seen, data cursor, config hash, parent,
@@ -19,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,8 @@ from theworld.generate import DEFAULT_PROMPT as DESCRIBE_PROMPT
 from theworld.model import LoadReport, local_like
 from theworld.pretrained import CONFIG, EMA, WEIGHTS
 from train import sharding
+from train.config import run_hash
+from train.step import LoopState
 
 CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 PARTIAL_RE = re.compile(r"^\.(tmp|old)-(.+)-\d+$")  # .tmp-<name>-<pid>: being written; .old-<name>-<pid>: replaced
@@ -89,6 +93,52 @@ def check_resumable(path: Path, max_steps: int) -> dict:
         raise UserError(f"config key 'train.max_steps': {max_steps} is below step {step} of {path}, which would "
                         "export weights trained past it; raise train.max_steps, or use another output_dir")
     return state
+
+
+def resume_point(cfg, accelerator) -> tuple[list[Path], Path | None]:
+    """Every process, before any model loads: the main process cleans up after a killed run (`remove_partial`), then
+    the checkpoint to continue (checked by `check_resumable`) or None. Returns (what was deleted, that checkpoint)."""
+    removed = remove_partial(cfg.output_dir) if accelerator.is_main_process else []  # before choosing where to
+    accelerator.wait_for_everyone()  # resume: a folder a killed save had moved aside may come back
+    resume_from = resolve_resume(cfg)
+    if resume_from is not None:
+        check_resumable(resume_from, cfg.train.max_steps)
+    return removed, resume_from
+
+
+def restore(c, resume_from: Path | None) -> LoopState:
+    """A fresh LoopState, or the checkpoint's (weights, optimiser, EMA and RNG restored into `c`)."""
+    if resume_from is None:
+        return LoopState(parent=c.cfg.init_from)
+    saved = load(c, resume_from)
+    state = LoopState.from_json(saved)
+    state.history.append(str(resume_from))
+    if c.accelerator.is_main_process:
+        if saved.get("config_hash") != run_hash(c.cfg):
+            print(f"warning: {resume_from} was written under a different config", file=sys.stderr)
+        if saved.get("num_processes", c.world_size) != c.world_size:  # allowed: the data order does not depend on it
+            print(f"note: {resume_from} was written by {saved['num_processes']} process(es), resumed by "
+                  f"{c.world_size}: same samples per step, numbers equal up to rounding", file=sys.stderr)
+    return state
+
+
+def run_state(cfg, step: int, steps_per_epoch: int, num_processes: int) -> dict:
+    """What a checkpoint's state.json records besides the LoopState: where the data order is (a pure function of
+    (seed, step)), and the config and process count it was written under (compared on resume by `restore`)."""
+    epoch, cursor = divmod(step, steps_per_epoch)
+    return {"epoch": epoch, "data_cursor": {"epoch": epoch, "batch_in_epoch": cursor},
+            "config_hash": run_hash(cfg), "num_processes": num_processes}
+
+
+def save_run(c, state, steps_per_epoch: int) -> None:
+    """Every process: gather the weights (a collective under FSDP), save a checkpoint from the main process, and wait
+    for it there."""
+    c.accelerator.wait_for_everyone()
+    whole = gather(c)  # every process: under FSDP the shards are gathered to the main one
+    if c.accelerator.is_main_process:
+        save(c, state, c.cfg.output_dir, c.cfg.train.keep_last,
+             run_state(c.cfg, state.step, steps_per_epoch, c.accelerator.num_processes), whole)
+    c.accelerator.wait_for_everyone()
 
 
 def remove_partial(output_dir: str | Path) -> list[Path]:

@@ -18,7 +18,7 @@ from train.benchmarks import BenchmarkEval
 from train.config import accumulation_steps, load, run_hash, to_yaml
 from train.metrics import Metrics, ProfileWindow, StepWindow, summary
 from train.preempt import EXIT_CODES, Preemption
-from train.step import LoopState, NonFiniteError, evaluate, optimization_step
+from train.step import NonFiniteError, evaluate, optimization_step
 
 
 @cli_entry
@@ -52,33 +52,16 @@ def main(argv: list[str] | None = None) -> int:
 def _train(cfg, acc, reader, plan, split, per_epoch: int, accum: int, t_start: float,
            bench: BenchmarkEval | None) -> int:
     """From the clean-up after a killed run to the final weights, with output_dir held."""
-    removed = checkpoint.remove_partial(cfg.output_dir) if acc.is_main_process else []  # before choosing where to
-    acc.wait_for_everyone()  # resume: a folder a killed save had moved aside may come back
-    resume_from = checkpoint.resolve_resume(cfg)
-    if resume_from is not None:
-        checkpoint.check_resumable(resume_from, cfg.train.max_steps)  # before the models load
+    removed, resume_from = checkpoint.resume_point(cfg, acc)
     reports = []
     c = optim.build(cfg, acc, accum, (lambda m: reports.append(checkpoint.init_from(m, cfg.init_from)))
                     if cfg.init_from else None, check=lambda m, p: data.verify_fingerprint(cfg, m, p, reader, plan))
     ctx = data.DataContext.build(cfg, reader, plan, c.processor, split)
-    state = _restore(c, resume_from)
+    state = checkpoint.restore(c, resume_from)
     m = Metrics(acc, cfg.output_dir, {**to_dict(cfg), "run_hash": run_hash(cfg)}, state.step, cfg.train.max_steps,
                 cfg.trackers)
-    for p in removed:
-        m.message(f"removed {p}, an unfinished save of a killed run")
-    if not reader.checksummed:
-        m.message(f"note: cache {cfg.cache_dir} has no per-member checksums (written before they existed): damaged "
-                  "latents would go unnoticed; rebuild it to add them")
-    for r in reports:
-        m.message(checkpoint.describe_init(cfg.init_from, r))
-    m.message(f"{'resumed from ' + str(resume_from) if resume_from else 'fresh start'} at step {state.step}; "
-              f"{len(ctx.train_indices)} train / {len(ctx.eval_indices)} eval samples, {per_epoch} steps/epoch, "
-              f"{acc.num_processes} process(es) x {accum} micro-batches of {cfg.train.micro_batch_size}; "
-              f"latents {'cached' if plan.cached_latents else 'live'}, image tokens "
-              f"{'cached' if plan.cached_siglip else 'live'}; {c.sharding}")
-    if buckets := ctx.describe_buckets():
-        m.message(f"{buckets}; each global batch holds one shape, a shape's last < "
-                  f"{cfg.train.global_batch_size} samples of an epoch are left out of it")
+    for line in _start_lines(cfg, c, reader, plan, ctx, removed, reports, resume_from, state.step, per_epoch, accum):
+        m.message(line)
     eval_loader = data.build_eval_loader(cfg, ctx, acc.process_index, acc.num_processes) if len(ctx.eval_indices) else None
     prof = ProfileWindow(cfg.profile, cfg.output_dir, acc.process_index)
 
@@ -90,14 +73,7 @@ def _train(cfg, acc, reader, plan, split, per_epoch: int, accum: int, t_start: f
             m.log({"step": state.step, **bench.run(c)})
 
     def save():
-        acc.wait_for_everyone()
-        whole = checkpoint.gather(c)  # every process: under FSDP the shards are gathered to the main one
-        if acc.is_main_process:
-            epoch, cursor = divmod(state.step, per_epoch)
-            checkpoint.save(c, state, cfg.output_dir, cfg.train.keep_last,
-                            {"epoch": epoch, "data_cursor": {"epoch": epoch, "batch_in_epoch": cursor},
-                             "config_hash": run_hash(cfg), "num_processes": acc.num_processes}, whole)
-        acc.wait_for_everyone()
+        checkpoint.save_run(c, state, per_epoch)
 
     if state.step == 0 and cfg.train.eval_every:
         run_eval()
@@ -152,20 +128,26 @@ def _train(cfg, acc, reader, plan, split, per_epoch: int, accum: int, t_start: f
     return 0
 
 
-def _restore(c: optim.Components, resume_from) -> LoopState:
-    """A fresh LoopState, or the checkpoint's (weights, optimiser, EMA and RNG restored into `c`)."""
-    if resume_from is None:
-        return LoopState(parent=c.cfg.init_from)
-    saved = checkpoint.load(c, resume_from)
-    state = LoopState.from_json(saved)
-    state.history.append(str(resume_from))
-    if c.accelerator.is_main_process:
-        if saved.get("config_hash") != run_hash(c.cfg):
-            print(f"warning: {resume_from} was written under a different config", file=sys.stderr)
-        if saved.get("num_processes", c.world_size) != c.world_size:  # allowed: the data order does not depend on it
-            print(f"note: {resume_from} was written by {saved['num_processes']} process(es), resumed by "
-                  f"{c.world_size}: same samples per step, numbers equal up to rounding", file=sys.stderr)
-    return state
+def _start_lines(cfg, c, reader, plan, ctx, removed, reports, resume_from, step: int, per_epoch: int,
+                 accum: int) -> list[str]:
+    """What the run prints before its first step: clean-up, cache and init_from notes, where it starts, the data."""
+    lines = []
+    for p in removed:
+        lines.append(f"removed {p}, an unfinished save of a killed run")
+    if not reader.checksummed:
+        lines.append(f"note: cache {cfg.cache_dir} has no per-member checksums (written before they existed): "
+                     "damaged latents would go unnoticed; rebuild it to add them")
+    for r in reports:
+        lines.append(checkpoint.describe_init(cfg.init_from, r))
+    lines.append(f"{'resumed from ' + str(resume_from) if resume_from else 'fresh start'} at step {step}; "
+                 f"{len(ctx.train_indices)} train / {len(ctx.eval_indices)} eval samples, {per_epoch} steps/epoch, "
+                 f"{c.world_size} process(es) x {accum} micro-batches of {cfg.train.micro_batch_size}; "
+                 f"latents {'cached' if plan.cached_latents else 'live'}, image tokens "
+                 f"{'cached' if plan.cached_siglip else 'live'}; {c.sharding}")
+    if buckets := ctx.describe_buckets():
+        lines.append(f"{buckets}; each global batch holds one shape, a shape's last < "
+                     f"{cfg.train.global_batch_size} samples of an epoch are left out of it")
+    return lines
 
 
 if __name__ == "__main__":
