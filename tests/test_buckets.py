@@ -170,7 +170,7 @@ def test_a_cache_without_per_sample_shapes_reads_as_square(tmp_path, fake_vae):
 
 
 def test_global_batches_hold_one_bucket_and_a_square_cache_keeps_the_plain_order():
-    from train.data import epoch_batches, epoch_order, rank_indices, steps_per_epoch
+    from train.order import epoch_batches, epoch_order, rank_indices, steps_per_epoch
 
     train = np.arange(1000, 1200)
     buckets = np.random.default_rng(0).choice(4, size=200, p=[0.5, 0.3, 0.15, 0.05])
@@ -199,7 +199,7 @@ def test_global_batches_hold_one_bucket_and_a_square_cache_keeps_the_plain_order
 
 def test_too_few_samples_in_every_bucket_is_a_one_line_error():
     from theworld.errors import UserError
-    from train.data import steps_per_epoch
+    from train.order import steps_per_epoch
 
     with pytest.raises(UserError, match="train.global_batch_size': 8 is more than the training samples of every "
                                         r"latent shape \(largest: 7\)"):

@@ -68,7 +68,7 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def test_rank_slices_are_disjoint_complete_and_independent_of_process_count():
-    from train.data import epoch_order, rank_indices
+    from train.order import epoch_order, rank_indices
 
     train = list(range(100, 180))  # 80 samples, G=16: 5 global batches per epoch
     for epoch in (0, 1):
@@ -410,7 +410,7 @@ def test_a_slow_loader_shows_as_data_wait(cache, tmp_path, monkeypatch, capsys):
 
 def test_nonfinite_loss_is_skipped_and_counted(cache, tmp_path):
     from theworld.config import load_config
-    from train import data, optim
+    from train import batches, data, optim
     from train.config import TrainConfig
     from train.step import LoopState, NonFiniteError, optimization_step
 
@@ -424,7 +424,7 @@ def test_nonfinite_loss_is_skipped_and_counted(cache, tmp_path):
     good = [next(it), next(it)]
     tensors = {k: v.clone() for k, v in good[0].to("cpu").items()}
     tensors["latent_mean"][0, 0, 0, 0, 0] = float("nan")
-    bad = [data.Batch(tensors, good[0].num_tokens), good[1]]
+    bad = [batches.Batch(tensors, good[0].num_tokens), good[1]]
     state = LoopState()
     before = {k: v.clone() for k, v in c.raw.trainable_state_dict().items()}
     out = optimization_step(c, state, bad)
@@ -443,7 +443,7 @@ def test_nonfinite_loss_is_skipped_and_counted(cache, tmp_path):
 def test_packed_batch_round_trips_every_tensor_through_a_loader_worker(private_api, monkeypatch):
     from torch.utils.data import DataLoader
 
-    from train import data
+    from train import batches
 
     if not private_api:  # the shared-memory allocation must not depend on torch's private helper
         monkeypatch.setattr(torch.UntypedStorage, "_new_shared", None, raising=False)
@@ -453,10 +453,10 @@ def test_packed_batch_round_trips_every_tensor_through_a_loader_worker(private_a
                "latent_mean": torch.randn(3, 16, 1, 8, 8, generator=g), "siglip": torch.randn(3, 4, 8).bfloat16(),
                "odd": torch.randint(0, 255, (3, 5), dtype=torch.uint8),  # 15 bytes: what follows must be realigned
                "latent_logvar": torch.randn(3, 16, 1, 8, 8, generator=g), "images": torch.randint(0, 255, (3, 3, 8, 8), dtype=torch.uint8)}
-    batch = data.Batch(tensors, num_tokens=11)
+    batch = batches.Batch(tensors, num_tokens=11)
     assert batch.buffer.dtype == torch.uint8 and batch.buffer.dim() == 1  # one block crosses per batch
-    assert all(offset % data.Batch.ALIGN == 0 for _, _, offset, _ in batch.layout)
-    loader = DataLoader([0], batch_size=None, num_workers=1, collate_fn=lambda _: data.Batch(tensors, 11))
+    assert all(offset % batches.Batch.ALIGN == 0 for _, _, offset, _ in batch.layout)
+    loader = DataLoader([0], batch_size=None, num_workers=1, collate_fn=lambda _: batches.Batch(tensors, 11))
     (received,) = list(loader)
     for b in (batch, received):
         out = b.to("cpu")
@@ -469,7 +469,7 @@ def test_flipped_samples_get_the_flipped_latents_and_swapped_text(cache, tmp_pat
     """A batch mixing flipped and unflipped samples: each row holds the cache's latents for its own flip decision."""
     from theworld import cache_format as cf
     from theworld.config import load_config
-    from train import data, optim
+    from train import batches, data, optim, order
     from train.config import TrainConfig
 
     cfg = load_config(TrainConfig, None, [a for a in base_args(cache, tmp_path / "run") if a != "--set"]
@@ -478,8 +478,8 @@ def test_flipped_samples_get_the_flipped_latents_and_swapped_text(cache, tmp_pat
     c = optim.build(cfg, optim.make_accelerator(cfg), 1)
     ctx = data.DataContext.build(cfg, reader, plan, c.processor)
     ds = ctx.dataset(cfg, ctx.train_indices[:16], epoch=3)
-    batch = data.Collate(ctx.formatter)([ds[i] for i in range(16)]).to("cpu")
-    flips = [data.flip_of(cfg.seed, 3, i) for i in ds.indices]
+    batch = batches.Collate(ctx.formatter)([ds[i] for i in range(16)]).to("cpu")
+    flips = [order.flip_of(cfg.seed, 3, i) for i in ds.indices]
     assert any(flips) and not all(flips)
     for row, (index, flipped) in enumerate(zip(ds.indices, flips)):
         s = reader[index]
@@ -593,14 +593,14 @@ def test_bucketed_cache_resumes_exactly_and_two_processes_match_one(bucket_cache
 
 def test_bucketed_micro_batches_hold_one_shape_and_live_encoding_matches_the_cache(bucket_cache, tmp_path):
     from theworld.config import load_config
-    from train import data, optim
+    from train import data, optim, order
     from train.config import TrainConfig
 
     cfg = load_config(TrainConfig, None, [a for a in bucket_args(bucket_cache, tmp_path / "run", 1) if a != "--set"])
     reader, plan = data.open_cache(cfg)
     c = optim.build(cfg, optim.make_accelerator(cfg), 2)
     ctx = data.DataContext.build(cfg, reader, plan, c.processor)
-    steps = data.check_sizes(cfg, reader, ctx.train_indices, 1)
+    steps = order.check_sizes(cfg, reader, ctx.train_indices, 1)
     shapes = []
     for batch in data.build_train_loader(cfg, ctx, 0, 1, epoch=1):
         mean = batch.to("cpu")["latent_mean"]

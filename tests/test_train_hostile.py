@@ -264,13 +264,13 @@ def test_eval_items_carry_the_world_of_the_next_held_out_sample(cache):
 
     from theworld import cache_format as cf
     from theworld.config import load_config
-    from train import data
+    from train import batches, data, order
     from train.config import TrainConfig
 
     cfg = load_config(TrainConfig, None, [f"cache_dir={cache}", "model.dtype=float32", "train.eval_samples=5",
                                           "train.micro_batch_size=2", "train.global_batch_size=16"])
     reader, plan = data.open_cache(cfg)
-    _, held = data.split(reader, 5)
+    _, held = order.split(reader, 5)
 
     class Fmt:  # the dataset only keeps it for Collate
         pass
@@ -280,7 +280,7 @@ def test_eval_items_carry_the_world_of_the_next_held_out_sample(cache):
     for pos in range(5):
         item = ds[pos]
         nxt = held[(pos + 1) % 5]
-        assert item[data.PARTNER + cf.LATENT] == reader.raw(nxt)[cf.LATENT] != item[cf.LATENT]
+        assert item[batches.PARTNER + cf.LATENT] == reader.raw(nxt)[cf.LATENT] != item[cf.LATENT]
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ import torch
 from theworld import cache_format as cf
 from theworld import synthetic, tiny
 from theworld.config import load_config
-from train import data, optim
+from train import data, optim, order
 from train.config import TrainConfig, accumulation_steps
 from train.step import LoopState, optimization_step
 
@@ -167,7 +167,7 @@ def bench_case(case: str, steps: int = 1, warmup: int = 3, samples: int | None =
         ctx = data.DataContext.build(cfg, reader, plan, c.processor)
         state = LoopState()
         n = warmup + rounds * steps
-        per_epoch = data.steps_per_epoch(np.bincount(ctx.buckets[ctx.train_indices]), gbs)
+        per_epoch = order.steps_per_epoch(np.bincount(ctx.buckets[ctx.train_indices]), gbs)
         if n > per_epoch:
             raise SystemExit(f"error: {n} steps (warm-up + rounds x steps) do not fit in one epoch of {per_epoch}: "
                              "use more --samples or fewer --rounds")

@@ -10,12 +10,17 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from theworld import benchmarks
 from theworld.errors import UserError
 from theworld.evaluate import Scorer, tally
+
+if TYPE_CHECKING:
+    from train.config import TrainConfig
+    from train.optim import Components
 
 
 def _name(path: str) -> str:
@@ -28,7 +33,7 @@ class BenchmarkEval:
         self.sets, self.batch_rows = sets, batch_rows
 
     @classmethod
-    def load(cls, cfg) -> "BenchmarkEval | None":
+    def load(cls, cfg: TrainConfig) -> "BenchmarkEval | None":
         """Read and check every file before any model loads; items whose images do not decode are left out."""
         if not cfg.train.benchmarks:
             return None
@@ -49,17 +54,17 @@ class BenchmarkEval:
                 raise UserError(f"config key 'train.benchmarks': {path} has no item with readable images")
         return cls(sets, max(2, cfg.train.eval_batch_size or cfg.train.micro_batch_size))
 
-    def run(self, c) -> dict:
-        model, acc = c.raw, c.accelerator
+    def run(self, components: Components) -> dict:
+        model, accelerator = components.raw, components.accelerator
         was_training, mode = model.training, model.latent_mode
         model.eval()
         model.latent_mode = "mean"
         out = {}
         try:
             for name, items in self.sets.items():
-                counts = self._counts(c, items)
-                if c.world_size > 1:
-                    counts = acc.reduce(counts, reduction="sum")
+                counts = self._counts(components, items)
+                if components.world_size > 1:
+                    counts = accelerator.reduce(counts, reduction="sum")
                 n, k, ks = (int(x) for x in counts.tolist())
                 out.update({f"bench/{name}/n": n, f"bench/{name}/accuracy": k / max(n, 1),
                             f"bench/{name}/accuracy_shuffled_world": ks / max(n, 1)})
@@ -68,16 +73,16 @@ class BenchmarkEval:
             model.train(was_training)
         return out
 
-    def _counts(self, c, items: list[benchmarks.Item]) -> torch.Tensor:
+    def _counts(self, components: Components, items: list[benchmarks.Item]) -> torch.Tensor:
         """(items, correct, correct with the shuffled world) over this process's share."""
-        scorer = Scorer(c.raw, c.processor, c.cfg.image, items)
+        scorer = Scorer(components.raw, components.processor, components.cfg.image, items)
         per_batch = max(1, self.batch_rows // max(len(it.choices) for it in items))
-        mine = list(range(c.rank, len(items), c.world_size))
-        steps = math.ceil(math.ceil(len(items) / c.world_size) / per_batch)
-        counts = torch.zeros(3, dtype=torch.float64, device=c.accelerator.device)
+        mine = list(range(components.rank, len(items), components.world_size))
+        steps = math.ceil(math.ceil(len(items) / components.world_size) / per_batch)
+        counts = torch.zeros(3, dtype=torch.float64, device=components.accelerator.device)
         for s in range(steps):
             idx = mine[s * per_batch:(s + 1) * per_batch]
-            with c.accelerator.autocast():
+            with components.accelerator.autocast():
                 scores = scorer.score(idx or [0])
             for r in tally(items, idx, scores):  # no records for the stand-in batch
                 counts += torch.tensor([1, r["pred"] == r["answer"], r["pred_shuffled_world"] == r["answer"]],

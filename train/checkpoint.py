@@ -1,4 +1,5 @@
-"""Checkpoints (design section 4): written to a temporary folder and renamed; old ones deleted only afterwards.
+"""Checkpoints: where a run resumes from, what it restores, and what a save writes:
+written to a temporary folder and renamed; old ones deleted only afterwards.
 
     <output_dir>/checkpoint-<step>/trainable.safetensors  trainable parameters, by their model names
     <output_dir>/checkpoint-<step>/state.json             step, epoch, samples seen, data cursor, config hash, parent,
@@ -19,9 +20,11 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -33,6 +36,14 @@ from theworld.generate import DEFAULT_PROMPT as DESCRIBE_PROMPT
 from theworld.model import LoadReport, local_like
 from theworld.pretrained import CONFIG, EMA, WEIGHTS
 from train import sharding
+from train.config import run_hash
+from train.step import LoopState
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from train.config import TrainConfig
+    from train.optim import Components
 
 CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 PARTIAL_RE = re.compile(r"^\.(tmp|old)-(.+)-\d+$")  # .tmp-<name>-<pid>: being written; .old-<name>-<pid>: replaced
@@ -50,7 +61,7 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def resolve_resume(cfg) -> Path | None:
+def resolve_resume(cfg: TrainConfig) -> Path | None:
     """The checkpoint to continue, or None for a fresh start. A run never writes into an output_dir that holds
     checkpoints it does not continue: they would interleave with its own, and keep_last would delete some."""
     ckpts = list_checkpoints(cfg.output_dir)
@@ -89,6 +100,53 @@ def check_resumable(path: Path, max_steps: int) -> dict:
         raise UserError(f"config key 'train.max_steps': {max_steps} is below step {step} of {path}, which would "
                         "export weights trained past it; raise train.max_steps, or use another output_dir")
     return state
+
+
+def resume_point(cfg: TrainConfig, accelerator: Accelerator) -> tuple[list[Path], Path | None]:
+    """Every process, before any model loads: the main process cleans up after a killed run (`remove_partial`), then
+    the checkpoint to continue (checked by `check_resumable`) or None. Returns (what was deleted, that checkpoint)."""
+    removed = remove_partial(cfg.output_dir) if accelerator.is_main_process else []  # before choosing where to
+    accelerator.wait_for_everyone()  # resume: a folder a killed save had moved aside may come back
+    resume_from = resolve_resume(cfg)
+    if resume_from is not None:
+        check_resumable(resume_from, cfg.train.max_steps)
+    return removed, resume_from
+
+
+def restore(components: Components, resume_from: Path | None) -> LoopState:
+    """A fresh LoopState, or the checkpoint's (weights, optimiser, EMA and RNG restored into `components`)."""
+    if resume_from is None:
+        return LoopState(parent=components.cfg.init_from)
+    saved = load(components, resume_from)
+    state = LoopState.from_json(saved)
+    state.history.append(str(resume_from))
+    if components.accelerator.is_main_process:
+        if saved.get("config_hash") != run_hash(components.cfg):
+            print(f"warning: {resume_from} was written under a different config", file=sys.stderr)
+        # allowed: the data order does not depend on it
+        if saved.get("num_processes", components.world_size) != components.world_size:
+            print(f"note: {resume_from} was written by {saved['num_processes']} process(es), resumed by "
+                  f"{components.world_size}: same samples per step, numbers equal up to rounding", file=sys.stderr)
+    return state
+
+
+def run_state(cfg: TrainConfig, step: int, steps_per_epoch: int, num_processes: int) -> dict:
+    """What a checkpoint's state.json records besides the LoopState: where the data order is (a pure function of
+    (seed, step)), and the config and process count it was written under (compared on resume by `restore`)."""
+    epoch, cursor = divmod(step, steps_per_epoch)
+    return {"epoch": epoch, "data_cursor": {"epoch": epoch, "batch_in_epoch": cursor},
+            "config_hash": run_hash(cfg), "num_processes": num_processes}
+
+
+def save_run(components: Components, state: LoopState, steps_per_epoch: int) -> None:
+    """Every process: gather the weights (a collective under FSDP), save a checkpoint from the main process, and wait
+    for it there."""
+    components.accelerator.wait_for_everyone()
+    whole = gather(components)  # every process: under FSDP the shards are gathered to the main one
+    if components.accelerator.is_main_process:
+        save(components, state, components.cfg.output_dir, components.cfg.train.keep_last,
+             run_state(components.cfg, state.step, steps_per_epoch, components.accelerator.num_processes), whole)
+    components.accelerator.wait_for_everyone()
 
 
 def remove_partial(output_dir: str | Path) -> list[Path]:
@@ -142,9 +200,9 @@ def _write_dir(tmp: Path, files: dict) -> None:
         raise
 
 
-def _trainable_names(c) -> list[str]:
-    """Names of the trainable parameters, in the order of `c.params` and `c.ema`."""
-    return [n for n, p in c.raw.named_parameters() if p.requires_grad]
+def _trainable_names(components: Components) -> list[str]:
+    """Names of the trainable parameters, in the order of `components.params` and `components.ema`."""
+    return [n for n, p in components.raw.named_parameters() if p.requires_grad]
 
 
 @dataclass
@@ -156,19 +214,19 @@ class Whole:
     ema: dict[str, torch.Tensor] | None
 
 
-def gather(c) -> Whole | None:
+def gather(components: Components) -> Whole | None:
     """Every process calls this before a save: under FSDP it gathers the shards (a collective, one tensor at a time,
     so no process holds more than one extra whole tensor on its device). The main process gets the whole tensors,
     the others None."""
-    keep = c.accelerator.is_main_process
-    if not c.sharded and not keep:
+    keep = components.accelerator.is_main_process
+    if not components.sharded and not keep:
         return None
-    names = _trainable_names(c)
-    weights = {n: sharding.whole(p, keep) for n, p in zip(names, c.params)}
-    opt = c.optimizer.state_dict()
+    names = _trainable_names(components)
+    weights = {n: sharding.whole(p, keep) for n, p in zip(names, components.params)}
+    opt = components.optimizer.state_dict()
     opt["state"] = {i: {k: sharding.whole(v, keep) if torch.is_tensor(v) else v for k, v in st.items()}
                     for i, st in sorted(opt["state"].items())}
-    ema = {n: sharding.whole(t, keep) for n, t in zip(names, c.ema)} if c.ema is not None else None
+    ema = {n: sharding.whole(t, keep) for n, t in zip(names, components.ema)} if components.ema is not None else None
     return Whole(weights, opt, ema) if keep else None
 
 
@@ -188,18 +246,19 @@ def _publish(out: Path, name: str, files: dict) -> Path:
     return final
 
 
-def save(c, state, output_dir: str | Path, keep_last: int, extra_state: dict, whole: Whole | None = None) -> Path:
+def save(components: Components, state: LoopState, output_dir: str | Path, keep_last: int, extra_state: dict,
+         whole: Whole | None = None) -> Path:
     """Main process only, with what `gather` returned there (required under FSDP). Returns the checkpoint folder;
     deletes the oldest beyond keep_last after the rename."""
     out = Path(output_dir)
-    whole = whole or gather(c)
+    whole = whole or gather(components)
     files = {
         WEIGHTS: lambda p: save_file(whole.weights, str(p)),
         OPTIMIZER: lambda p: torch.save(whole.optimizer, p),
         RNG: lambda p: save_file({"torch_cpu": torch.get_rng_state()}, str(p)),
-        CONFIG: lambda p: p.write_text(to_yaml(c.cfg)),
+        CONFIG: lambda p: p.write_text(to_yaml(components.cfg)),
     }
-    if c.ema is not None:
+    if components.ema is not None:
         files[EMA] = _ema_writer(whole)
     # last, so it can record every other file's sha256 (checked by check_resumable)
     files[STATE] = lambda p: p.write_text(json.dumps(
@@ -211,31 +270,31 @@ def save(c, state, output_dir: str | Path, keep_last: int, extra_state: dict, wh
     return final
 
 
-def load(c, path: Path) -> dict:
+def load(components: Components, path: Path) -> dict:
     """Restore weights, optimiser, EMA and RNG from a checkpoint; returns its state.json."""
     state = _read(path / STATE, lambda p: json.loads(p.read_text()))
-    c.raw.load_trainable(path / WEIGHTS, strict=True)
-    _read(path / OPTIMIZER, lambda p: _load_optimizer(c, torch.load(p, weights_only=True, map_location="cpu")))
-    if c.ema is not None:
+    components.raw.load_trainable(path / WEIGHTS, strict=True)
+    _read(path / OPTIMIZER, lambda p: _load_optimizer(components, torch.load(p, weights_only=True, map_location="cpu")))
+    if components.ema is not None:
         if not (path / EMA).is_file():
             raise UserError(f"resume: {path} has no {EMA} but train.ema is on")
         ema = _read(path / EMA, lambda p: load_file(str(p)))
-        for t, n in zip(c.ema, _trainable_names(c)):
+        for t, n in zip(components.ema, _trainable_names(components)):
             t.copy_(local_like(t, ema[n]))
     torch.set_rng_state(_read(path / RNG, lambda p: load_file(str(p)))["torch_cpu"])
     return state
 
 
-def _load_optimizer(c, saved: dict) -> None:
+def _load_optimizer(components: Components, saved: dict) -> None:
     """Whole-tensor state (any sharding, any process count) into this run's optimiser: each process keeps its slice.
     The learning-rate multipliers are the config's, not the checkpoint's."""
-    params = [p for g in c.optimizer.param_groups for p in g["params"]]
+    params = [p for g in components.optimizer.param_groups for p in g["params"]]
     saved["state"] = {i: {k: local_like(params[i], v) if torch.is_tensor(v) and v.shape == params[i].shape else v
                           for k, v in st.items()} for i, st in saved["state"].items()}
-    c.optimizer.load_state_dict(saved)
-    for g in c.optimizer.param_groups:
+    components.optimizer.load_state_dict(saved)
+    for g in components.optimizer.param_groups:
         if "part" in g:
-            g["lr_multiplier"] = getattr(c.cfg.train.lr_multipliers, g["part"])
+            g["lr_multiplier"] = getattr(components.cfg.train.lr_multipliers, g["part"])
 
 
 def _read(path: Path, reader):
@@ -273,10 +332,11 @@ or `python -m theworld.describe --model {out} --image image.png`, and score it o
 """
 
 
-def export_final(c, state, cfg_yaml: str, output_dir: str | Path, whole: Whole | None = None) -> Path:
+def export_final(components: Components, state: LoopState, cfg_yaml: str, output_dir: str | Path,
+                 whole: Whole | None = None) -> Path:
     """Main process only, with what `gather` returned there (required under FSDP)."""
-    cfg = c.cfg
-    whole = whole or gather(c)
+    cfg = components.cfg
+    whole = whole or gather(components)
     out = Path(output_dir)
     ev = state.last_eval or {}
     fmt = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
@@ -290,6 +350,6 @@ def export_final(c, state, cfg_yaml: str, output_dir: str | Path, whole: Whole |
                              prompt=DESCRIBE_PROMPT)
     files = {WEIGHTS: lambda p: save_file(whole.weights, str(p)), CONFIG: lambda p: p.write_text(cfg_yaml),
              "README.md": lambda p: p.write_text(card)}
-    if c.ema is not None:
+    if components.ema is not None:
         files[EMA] = _ema_writer(whole)
     return _publish(out, "final", files)

@@ -1,28 +1,13 @@
-"""Data: the cache, its fingerprint check, the held-out split, per-epoch order, per-process slices, DataLoaders.
+"""Data: the input plan (cached vs live inputs), the cache and its fingerprint, the dataset and the DataLoaders.
 
-Everything that decides which sample goes where is a pure function of (seed, epoch, step), so a run's data is the same
-whatever the number of processes, and resuming at step s reads exactly the batches an uninterrupted run reads there:
-
-- eval split: the `train.eval_samples` samples with the smallest sha256(key) are held out (independent of shard layout);
-- epoch order: a permutation of the training samples seeded from (seed, epoch), walked in order, each sample going to
-  its latent shape's (bucket's) list; each time a list reaches G samples they become the next global batch, and what is
-  left in the lists at the end is dropped. With one shape (a square cache) global batch b is order[b*G:(b+1)*G].
-  Step s is global batch s % steps_per_epoch of epoch s // steps_per_epoch;
-- process r of W takes the r-th contiguous slice (G/W samples) of each global batch, in micro-batches of M, so every
-  micro-batch holds one latent shape.
-
-Sample indices live in numpy arrays (8 bytes a sample), shared by forked loader workers without copying.
-
-Tokenisation (a batch at a time), image decoding and the Gemma image processor run inside DataLoader workers; the main
-process receives collated batches packed into one buffer (`Batch`).
+Which sample goes where (split, epoch order, per-process slices, flip seeds) is `train.order`; collation into one
+packed buffer is `train.batches`. Tokenisation (a batch at a time), image decoding and the Gemma image processor run
+inside DataLoader workers; the main process receives collated batches packed into one buffer (`Batch`).
 """
 from __future__ import annotations
 
-import hashlib
-import math
 import os
 import re
-from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,12 +17,10 @@ from torch.utils.data import DataLoader, Dataset
 from theworld import cache_format as cf
 from theworld.errors import UserError
 from theworld.images import decode, load_for_vae, siglip_pixels
-from theworld.text import IGNORE, ChatFormatter, PromptTooLong, collate_text
+from theworld.text import ChatFormatter
+from train.batches import PARTNER, Collate, encode_texts
+from train.order import bucket_ids, eval_partners, flip_of, rank_indices, split
 from train.preempt import ignore_in_workers
-
-
-def _seed(*parts) -> int:
-    return int.from_bytes(hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest(), "little") >> 1
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -114,103 +97,6 @@ def verify_fingerprint(cfg, model, processor, reader: cf.CacheReader, plan: Inpu
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Split and order
-
-
-def split(reader: cf.CacheReader, eval_samples: int) -> tuple[np.ndarray, np.ndarray]:
-    """(train indices, eval indices): the eval_samples keys with the smallest sha256 are held out. Train indices in
-    cache order, eval indices in key order."""
-    n = len(reader)
-    _check_held_out(eval_samples, n)
-    ranked = sorted(range(n), key=lambda i: hashlib.sha256(reader.key(i).encode()).digest())
-    held = np.array(sorted(ranked[:eval_samples], key=reader.key), dtype=np.int64)
-    keep = np.ones(n, dtype=bool)
-    keep[held] = False
-    return np.flatnonzero(keep).astype(np.int64), held
-
-
-def _check_held_out(eval_samples: int, num_samples: int) -> None:
-    if eval_samples >= num_samples:
-        raise UserError(f"config key 'train.eval_samples': {eval_samples} leaves nothing to train on "
-                        f"({num_samples} samples)")
-
-
-def bucket_ids(reader: cf.CacheReader) -> np.ndarray:
-    """(N,) int32: each sample's bucket, numbered in (h, w) order of the cache's latent shapes."""
-    hw = reader.latent_hw
-    if not len(hw) or (hw == hw[0]).all():  # one shape (every square cache): no sort over the whole index
-        return np.zeros(len(hw), dtype=np.int32)
-    return np.unique(hw, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int32)
-
-
-def _permutation(n: int, seed: int, epoch: int) -> np.ndarray:
-    return torch.randperm(n, generator=torch.Generator().manual_seed(_seed("order", seed, epoch))).numpy()
-
-
-def epoch_order(train_indices: np.ndarray, seed: int, epoch: int) -> np.ndarray:
-    return np.asarray(train_indices, dtype=np.int64)[_permutation(len(train_indices), seed, epoch)]
-
-
-def epoch_batches(train_indices: np.ndarray, seed: int, epoch: int, global_batch: int,
-                  buckets: np.ndarray | None = None) -> np.ndarray:
-    """(steps_per_epoch, G) global batches of `epoch`, each of one bucket (`buckets[i]` is train_indices[i]'s).
-
-    The epoch's permutation is walked in order and each sample appended to its bucket's list; whenever a list holds G
-    samples they form the next batch. So batches are ordered by where their last sample falls in the permutation (each
-    bucket's batches spread over the epoch), a bucket's leftover (< G samples) is dropped for this epoch, and with one
-    bucket batch b is order[b*G:(b+1)*G].
-    """
-    perm = _permutation(len(train_indices), seed, epoch)
-    order = np.asarray(train_indices, dtype=np.int64)[perm]
-    of = np.zeros(len(order), dtype=np.int32) if buckets is None else np.asarray(buckets)[perm]
-    rows, ends = [np.zeros((0, global_batch), dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
-    for k in np.unique(of):
-        pos = np.flatnonzero(of == k)
-        full = len(pos) // global_batch * global_batch
-        rows.append(order[pos[:full]].reshape(-1, global_batch))
-        ends.append(pos[global_batch - 1:full:global_batch])
-    return np.concatenate(rows)[np.argsort(np.concatenate(ends), kind="stable")]
-
-
-def check_sizes(cfg, reader: cf.CacheReader, train_indices: np.ndarray, world_size: int) -> int:
-    """Steps per epoch from the cache's index alone (before any model loads), or a one-line error naming the key."""
-    n_eval = cfg.train.eval_samples
-    _check_held_out(n_eval, len(reader))
-    if n_eval == 1 or 0 < n_eval < world_size:  # each process takes a share; a shuffled world is another sample's
-        raise UserError(f"config key 'train.eval_samples': {n_eval} is too few for {world_size} process(es) (the "
-                        f"shuffled-world loss takes each held-out sample's world from another one): use 0 (no eval) "
-                        f"or at least {max(2, world_size)}")
-    return steps_per_epoch(np.bincount(bucket_ids(reader)[train_indices]), cfg.train.global_batch_size)
-
-
-def steps_per_epoch(bucket_sizes: np.ndarray | int, global_batch: int) -> int:
-    """Whole global batches per epoch from the training samples of each bucket (an int: one bucket)."""
-    sizes = np.atleast_1d(bucket_sizes)
-    steps = int((sizes // global_batch).sum())
-    if not steps:
-        where = f"the {int(sizes.sum())} training samples" if len(sizes) == 1 else \
-            f"the training samples of every latent shape (largest: {int(sizes.max())})"
-        raise UserError(f"config key 'train.global_batch_size': {global_batch} is more than {where}")
-    return steps
-
-
-def rank_offset(global_batch: int, rank: int, world_size: int) -> int:
-    """Where process `rank`'s contiguous slice of a global batch starts."""
-    return rank * (global_batch // world_size)
-
-
-def rank_indices(train_indices: np.ndarray, seed: int, epoch: int, global_batch: int, rank: int, world_size: int,
-                 start_batch: int = 0, buckets: np.ndarray | None = None) -> np.ndarray:
-    """This process's samples for global batches [start_batch, end of epoch) of `epoch`, in consumption order."""
-    batches = epoch_batches(train_indices, seed, epoch, global_batch, buckets)
-    lo = rank_offset(global_batch, rank, world_size)
-    return batches[start_batch:, lo:lo + global_batch // world_size].reshape(-1)
-
-
-def flip_of(seed: int, epoch: int, index: int) -> bool:
-    return _seed("flip", seed, epoch, index) & 1 == 1
-
-
 # Flip augmentation's text rule (docs/training.md, "Flip"): `left`/`right` (and `leftmost`/`rightmost`) are swapped,
 # case kept, only where they name a side of the picture.
 _SWAP = {"left": "right", "right": "left", "leftmost": "rightmost", "rightmost": "leftmost"}
@@ -321,134 +207,6 @@ class CacheDataset(Dataset):
         return {PARTNER + "images": load_for_vae(image, self.resolution, self.resize)[0]}
 
 
-PARTNER = "partner:"  # prefix of an eval item's (and batch's) partner-world keys
-
-
-def eval_partners(latent_hw: np.ndarray) -> np.ndarray:
-    """For held-out samples in key order with latent shapes (n, 2): each one's partner, the next sample of the same
-    shape (cyclically), whose world it takes for the shuffled-world loss; itself when it is its shape's only one."""
-    partners = np.arange(len(latent_hw))
-    shapes = np.unique(latent_hw, axis=0, return_inverse=True)[1].reshape(-1) if len(latent_hw) else partners
-    for k in np.unique(shapes):
-        pos = np.flatnonzero(shapes == k)
-        partners[pos] = np.roll(pos, -1)
-    return partners
-
-
-class Batch:
-    """A collated micro-batch packed into one flat byte buffer.
-
-    A tensor a loader worker returns crosses to the main process as a shared-memory block of its own: created in the
-    worker, opened by name in the main process (each a round trip to torch's shared-memory manager), then pinned and
-    copied to the GPU on its own. One block per batch, allocated shared in the worker so that sending it copies
-    nothing, keeps that cost per batch rather than per tensor (docs/performance.md). `to(device)` gives the named
-    tensors back as views of the copied buffer.
-    """
-
-    ALIGN = 64  # bytes: every tensor starts on a boundary its dtype (and vector loads) can view
-
-    def __init__(self, tensors: dict[str, torch.Tensor], num_tokens: int):
-        self.num_tokens = num_tokens
-        self.size = len(tensors["input_ids"])  # samples
-        self.layout: list[tuple[str, torch.dtype, int, tuple[int, ...]]] = []  # name, dtype, byte offset, shape
-        nbytes = 0
-        for name, t in tensors.items():
-            self.layout.append((name, t.dtype, nbytes, tuple(t.shape)))
-            nbytes += -(-t.numel() * t.element_size() // self.ALIGN) * self.ALIGN
-        self.buffer = _byte_buffer(nbytes)
-        for (name, dtype, offset, shape), t in zip(self.layout, tensors.values()):
-            self._view(self.buffer, dtype, offset, shape).copy_(t)
-
-    @staticmethod
-    def _view(buffer: torch.Tensor, dtype: torch.dtype, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
-        return buffer[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-
-    def pin_memory(self) -> "Batch":  # called by DataLoader(pin_memory=True)'s pinning thread
-        self.buffer = self.buffer.pin_memory()
-        return self
-
-    def to(self, device: torch.device | str) -> dict[str, torch.Tensor]:
-        buffer = self.buffer.to(device, non_blocking=True)
-        return {name: self._view(buffer, dtype, offset, shape) for name, dtype, offset, shape in self.layout}
-
-
-def _byte_buffer(nbytes: int) -> torch.Tensor:
-    if torch.utils.data.get_worker_info() is None:
-        return torch.empty(nbytes, dtype=torch.uint8)
-    # in a loader worker: allocate in shared memory now, as torch's default_collate does, rather than have pickling
-    # copy the batch into a new shared block when it is sent
-    new_shared = getattr(torch.UntypedStorage, "_new_shared", None)  # private: keep working if it goes
-    if new_shared is None:
-        return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
-    return torch.empty(0, dtype=torch.uint8).set_(new_shared(nbytes))
-
-
-class Collate:
-    """List of samples -> one packed Batch: tokenised and padded text, the cached tensors decoded together, stacked
-    pixels, the answer-token count."""
-
-    # cache member -> {tensor name in the member: batch key}
-    CACHED = {cf.LATENT: {"mean": "latent_mean", "logvar": "latent_logvar"}, cf.SIGLIP: {"features": "siglip"}}
-    OPTIONAL = {"logvar"}  # a mean-only cache (cache.latents: mean)
-
-    def __init__(self, formatter: ChatFormatter):
-        self.formatter = formatter
-
-    def __call__(self, items: list[dict]) -> Batch:
-        batch = collate_text(_encode(self.formatter, [it["text"] for it in items]), self.formatter.pad_id)
-        for k in items[0]:
-            prefix, member = (PARTNER, k.removeprefix(PARTNER)) if k.startswith(PARTNER) else ("", k)
-            if member in self.CACHED:
-                stacked = _load_stacked(k, items, tuple(self.CACHED[member]), self.OPTIONAL)
-                if missing := self.CACHED[member].keys() - stacked.keys() - self.OPTIONAL:
-                    raise ValueError(f"cache member {member} holds no tensor {', '.join(sorted(missing))}")
-                batch.update({prefix + key: stacked[name] for name, key in self.CACHED[member].items()
-                              if name in stacked})
-            elif k not in ("text", "origin", PARTNER + "origin"):
-                batch[k] = torch.stack([it[k] for it in items])
-        return Batch(batch, num_tokens=int((batch["labels"][:, 1:] != IGNORE).sum()))
-
-
-def _load_stacked(member: str, items: list[dict], names, optional=frozenset()) -> dict[str, torch.Tensor]:
-    """cf.load_stacked; bytes that do not decode to the tensors `names` (those in `optional` may be absent; a cache
-    written before member checksums) raise CacheDamaged naming the sample."""
-    try:
-        return cf.load_stacked([it[member] for it in items])
-    except BaseException as e:
-        if not isinstance(e, Exception) and type(e).__name__ != "PanicException":  # safetensors' Rust panics
-            raise
-        origin = PARTNER + "origin" if member.startswith(PARTNER) else "origin"
-        signatures = []
-        for it in items:  # find the sample at fault, for the error line
-            reader, index = it[origin]
-            try:
-                t = cf.st_load(it[member])
-                if odd := [n for n in names if n not in t and n not in optional] + [n for n in t if n not in names]:
-                    raise KeyError(odd[0])
-                signatures.append(tuple(sorted((n, tuple(v.shape), v.dtype) for n, v in t.items())))
-            except BaseException as inner:  # noqa: BLE001 - KeyError for a missing tensor, or a decode failure
-                if not isinstance(inner, Exception) and type(inner).__name__ != "PanicException":
-                    raise
-                raise reader.damaged(index, f"member {member} does not decode to tensors {', '.join(names)} "
-                                            f"({type(inner).__name__})") from None
-        common = Counter(signatures).most_common(1)[0][0]
-        odd = next((it[origin] for it, sig in zip(items, signatures) if sig != common), None)
-        if odd is None:
-            raise
-        raise odd[0].damaged(odd[1], f"member {member} holds tensors unlike the batch's others") from None
-
-
-# batch keys that carry a sample's world (eval's shuffled-world loss swaps them for their PARTNER versions)
-WORLD_KEYS = (*Collate.CACHED[cf.LATENT].values(), "images")
-
-
-def _encode(formatter: ChatFormatter, pairs: list[tuple[str, str]]) -> list:
-    try:
-        return formatter.encode_many(pairs)
-    except PromptTooLong as e:  # in a loader worker too: cli_entry prints the error's own line
-        raise UserError(f"config key 'train.max_length': {e}") from None
-
-
 @dataclass
 class DataContext:
     """Everything a loader needs besides (rank, world_size, epoch, start): built once per run."""
@@ -468,7 +226,7 @@ class DataContext:
         train, held = split_ if split_ is not None else split(reader, cfg.train.eval_samples)
         formatter = ChatFormatter(processor, max_length=cfg.train.max_length or None)
         first = reader.sample(train[0], tensors=False)
-        _encode(formatter, [(first.prompt, first.caption)])  # a prompt over max_length: an error before any worker
+        encode_texts(formatter, [(first.prompt, first.caption)])  # a prompt over max_length: an error before any worker
         return cls(reader, plan, formatter, processor.image_processor, train, held, bucket_ids(reader))
 
     def describe_buckets(self) -> str:

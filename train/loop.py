@@ -1,24 +1,35 @@
 """`accelerate launch -m train.loop --config configs/stage1.yaml` (or `python -m train.loop ...`): train from the cache.
 
-Thin on purpose: parse and validate the config, build the components (train/data.py, train/optim.py,
-train/checkpoint.py, train/metrics.py), run the loop. See docs/training.md.
+Thin on purpose: parse and validate the config, build the components (train/order.py, train/data.py,
+train/optim.py, train/checkpoint.py, train/metrics.py), run the loop. See docs/training.md.
 """
 from __future__ import annotations
 
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from theworld import run_lock
 from theworld.config import to_dict
 from theworld.errors import cli_entry
-from train import checkpoint, data, optim
+from train import checkpoint, data, optim, order
 from train.benchmarks import BenchmarkEval
 from train.config import accumulation_steps, load, run_hash, to_yaml
 from train.metrics import Metrics, ProfileWindow, StepWindow, summary
 from train.preempt import EXIT_CODES, Preemption
-from train.step import LoopState, NonFiniteError, evaluate, optimization_step
+from train.step import NonFiniteError, evaluate, optimization_step
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import numpy as np
+    from accelerate import Accelerator
+
+    from theworld.cache_format import CacheReader
+    from theworld.model import LoadReport
+    from train.config import TrainConfig
 
 
 @cli_entry
@@ -35,84 +46,64 @@ def main(argv: list[str] | None = None) -> int:
     bench = BenchmarkEval.load(cfg)
     if cfg.train.cpu_threads:
         torch.set_num_threads(cfg.train.cpu_threads)
-    acc = optim.make_accelerator(cfg)
-    split = data.split(reader, cfg.train.eval_samples)
-    per_epoch = data.check_sizes(cfg, reader, split[0], acc.num_processes)
-    accum = accumulation_steps(cfg, acc.num_processes)
+    accelerator = optim.make_accelerator(cfg)
+    split = order.split(reader, cfg.train.eval_samples)
+    per_epoch = order.check_sizes(cfg, reader, split[0], accelerator.num_processes)
+    accum = accumulation_steps(cfg, accelerator.num_processes)
     # one run per output_dir: a second one would take this run's unfinished saves for a killed run's and delete them
-    with run_lock.hold(cfg.output_dir, acc):
-        code = _train(cfg, acc, reader, plan, split, per_epoch, accum, t_start, bench)
+    with run_lock.hold(cfg.output_dir, accelerator):
+        code = _train(cfg, accelerator, reader, plan, split, per_epoch, accum, t_start, bench)
     # not after an error, when another process may still be in a collective (see precompute's main); a preempted run
     # stopped on every rank after the same step
     if code == 0 or code in EXIT_CODES.values():
-        acc.state.destroy_process_group()
+        accelerator.state.destroy_process_group()
     return code
 
 
-def _train(cfg, acc, reader, plan, split, per_epoch: int, accum: int, t_start: float,
+def _train(cfg: TrainConfig, accelerator: Accelerator, reader: CacheReader, plan: data.InputPlan,
+           split: tuple[np.ndarray, np.ndarray], per_epoch: int, accum: int, t_start: float,
            bench: BenchmarkEval | None) -> int:
     """From the clean-up after a killed run to the final weights, with output_dir held."""
-    removed = checkpoint.remove_partial(cfg.output_dir) if acc.is_main_process else []  # before choosing where to
-    acc.wait_for_everyone()  # resume: a folder a killed save had moved aside may come back
-    resume_from = checkpoint.resolve_resume(cfg)
-    if resume_from is not None:
-        checkpoint.check_resumable(resume_from, cfg.train.max_steps)  # before the models load
+    removed, resume_from = checkpoint.resume_point(cfg, accelerator)
     reports = []
-    c = optim.build(cfg, acc, accum, (lambda m: reports.append(checkpoint.init_from(m, cfg.init_from)))
-                    if cfg.init_from else None, check=lambda m, p: data.verify_fingerprint(cfg, m, p, reader, plan))
-    ctx = data.DataContext.build(cfg, reader, plan, c.processor, split)
-    state = _restore(c, resume_from)
-    m = Metrics(acc, cfg.output_dir, {**to_dict(cfg), "run_hash": run_hash(cfg)}, state.step, cfg.train.max_steps,
-                cfg.trackers)
-    for p in removed:
-        m.message(f"removed {p}, an unfinished save of a killed run")
-    if not reader.checksummed:
-        m.message(f"note: cache {cfg.cache_dir} has no per-member checksums (written before they existed): damaged "
-                  "latents would go unnoticed; rebuild it to add them")
-    for r in reports:
-        m.message(checkpoint.describe_init(cfg.init_from, r))
-    m.message(f"{'resumed from ' + str(resume_from) if resume_from else 'fresh start'} at step {state.step}; "
-              f"{len(ctx.train_indices)} train / {len(ctx.eval_indices)} eval samples, {per_epoch} steps/epoch, "
-              f"{acc.num_processes} process(es) x {accum} micro-batches of {cfg.train.micro_batch_size}; "
-              f"latents {'cached' if plan.cached_latents else 'live'}, image tokens "
-              f"{'cached' if plan.cached_siglip else 'live'}; {c.sharding}")
-    if buckets := ctx.describe_buckets():
-        m.message(f"{buckets}; each global batch holds one shape, a shape's last < "
-                  f"{cfg.train.global_batch_size} samples of an epoch are left out of it")
-    eval_loader = data.build_eval_loader(cfg, ctx, acc.process_index, acc.num_processes) if len(ctx.eval_indices) else None
-    prof = ProfileWindow(cfg.profile, cfg.output_dir, acc.process_index)
+    init = (lambda m: reports.append(checkpoint.init_from(m, cfg.init_from))) if cfg.init_from else None
+    components = optim.build(cfg, accelerator, accum, init,
+                             check=lambda m, p: data.verify_fingerprint(cfg, m, p, reader, plan))
+    ctx = data.DataContext.build(cfg, reader, plan, components.processor, split)
+    state = checkpoint.restore(components, resume_from)
+    m = Metrics(accelerator, cfg.output_dir, {**to_dict(cfg), "run_hash": run_hash(cfg)}, state.step,
+                cfg.train.max_steps, cfg.trackers)
+    for line in _start_lines(cfg, components, reader, plan, ctx, removed, reports, resume_from, state.step, per_epoch,
+                             accum):
+        m.message(line)
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+    eval_loader = data.build_eval_loader(cfg, ctx, rank, world_size) if len(ctx.eval_indices) else None
+    prof = ProfileWindow(cfg.profile, cfg.output_dir, rank)
 
     def run_eval():
         if eval_loader is not None:
-            state.last_eval = {"step": state.step, **evaluate(c, eval_loader)}
+            state.last_eval = {"step": state.step, **evaluate(components, eval_loader)}
             m.log(state.last_eval)
         if bench is not None:
-            m.log({"step": state.step, **bench.run(c)})
+            m.log({"step": state.step, **bench.run(components)})
 
     def save():
-        acc.wait_for_everyone()
-        whole = checkpoint.gather(c)  # every process: under FSDP the shards are gathered to the main one
-        if acc.is_main_process:
-            epoch, cursor = divmod(state.step, per_epoch)
-            checkpoint.save(c, state, cfg.output_dir, cfg.train.keep_last,
-                            {"epoch": epoch, "data_cursor": {"epoch": epoch, "batch_in_epoch": cursor},
-                             "config_hash": run_hash(cfg), "num_processes": acc.num_processes}, whole)
-        acc.wait_for_everyone()
+        checkpoint.save_run(components, state, per_epoch)
 
     if state.step == 0 and cfg.train.eval_every:
         run_eval()
     window = StepWindow()
-    stop = Preemption(acc).install()  # SIGTERM / SIGINT: stop after the current step, saved
+    stop = Preemption(accelerator).install()  # SIGTERM / SIGINT: stop after the current step, saved
     try:
         while state.step < cfg.train.max_steps:
             epoch, start = divmod(state.step, per_epoch)
-            batches = iter(data.build_train_loader(cfg, ctx, acc.process_index, acc.num_processes, epoch, start))
+            batches = iter(data.build_train_loader(cfg, ctx, rank, world_size, epoch, start))
             for _ in range(start, min(per_epoch, start + cfg.train.max_steps - state.step)):
                 t_data = time.perf_counter()
                 micro = [next(batches) for _ in range(accum)]
                 prof.before(state.step)
                 t0 = time.perf_counter()
-                out = optimization_step(c, state, micro)
+                out = optimization_step(components, state, micro)
                 window.add(out, data_s=t0 - t_data, train_s=time.perf_counter() - t0)
                 prof.after(state.step)
                 m.advance(loss=out["loss"])
@@ -143,29 +134,36 @@ def _train(cfg, acc, reader, plan, split, per_epoch: int, accum: int, t_start: f
         run_eval()
     if window.steps_run and state.step % cfg.train.save_every:  # (a finished run's rerun has its checkpoint)
         save()
-    whole = checkpoint.gather(c)
-    if acc.is_main_process:
-        final = checkpoint.export_final(c, state, to_yaml(cfg), cfg.output_dir, whole)
+    whole = checkpoint.gather(components)
+    if accelerator.is_main_process:
+        final = checkpoint.export_final(components, state, to_yaml(cfg), cfg.output_dir, whole)
     m.close()
-    if acc.is_main_process:
+    if accelerator.is_main_process:
         print(f"final weights: {final}\n" + summary(state, time.time() - t_start, window))
     return 0
 
 
-def _restore(c: optim.Components, resume_from) -> LoopState:
-    """A fresh LoopState, or the checkpoint's (weights, optimiser, EMA and RNG restored into `c`)."""
-    if resume_from is None:
-        return LoopState(parent=c.cfg.init_from)
-    saved = checkpoint.load(c, resume_from)
-    state = LoopState.from_json(saved)
-    state.history.append(str(resume_from))
-    if c.accelerator.is_main_process:
-        if saved.get("config_hash") != run_hash(c.cfg):
-            print(f"warning: {resume_from} was written under a different config", file=sys.stderr)
-        if saved.get("num_processes", c.world_size) != c.world_size:  # allowed: the data order does not depend on it
-            print(f"note: {resume_from} was written by {saved['num_processes']} process(es), resumed by "
-                  f"{c.world_size}: same samples per step, numbers equal up to rounding", file=sys.stderr)
-    return state
+def _start_lines(cfg: TrainConfig, components: optim.Components, reader: CacheReader, plan: data.InputPlan,
+                 ctx: data.DataContext, removed: list[Path], reports: list[LoadReport], resume_from: Path | None,
+                 step: int, per_epoch: int, accum: int) -> list[str]:
+    """What the run prints before its first step: clean-up, cache and init_from notes, where it starts, the data."""
+    lines = []
+    for p in removed:
+        lines.append(f"removed {p}, an unfinished save of a killed run")
+    if not reader.checksummed:
+        lines.append(f"note: cache {cfg.cache_dir} has no per-member checksums (written before they existed): "
+                     "damaged latents would go unnoticed; rebuild it to add them")
+    for r in reports:
+        lines.append(checkpoint.describe_init(cfg.init_from, r))
+    lines.append(f"{'resumed from ' + str(resume_from) if resume_from else 'fresh start'} at step {step}; "
+                 f"{len(ctx.train_indices)} train / {len(ctx.eval_indices)} eval samples, {per_epoch} steps/epoch, "
+                 f"{components.world_size} process(es) x {accum} micro-batches of {cfg.train.micro_batch_size}; "
+                 f"latents {'cached' if plan.cached_latents else 'live'}, image tokens "
+                 f"{'cached' if plan.cached_siglip else 'live'}; {components.sharding}")
+    if buckets := ctx.describe_buckets():
+        lines.append(f"{buckets}; each global batch holds one shape, a shape's last < "
+                     f"{cfg.train.global_batch_size} samples of an epoch are left out of it")
+    return lines
 
 
 if __name__ == "__main__":

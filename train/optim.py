@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -11,25 +11,33 @@ from theworld.launch import check_group, use_cpu
 from theworld.model import TheWorld, compile_language_layers
 from train import sharding
 
+if TYPE_CHECKING:  # for annotations only: accelerate and the processor class load slowly
+    from accelerate import Accelerator
+    from transformers import Gemma3Processor
+
+    from train.config import TrainConfig
+
 # Parameter names that never get weight decay besides biases and norm weights (all 1-D tensors).
 NO_DECAY_NAMES = ("projector.sow", "projector.eow")
 
 
-def make_accelerator(cfg):
+def make_accelerator(cfg: TrainConfig) -> Accelerator:
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration
 
     check_attention(cfg.train.attention)  # before the accelerator and the models: a refusal should cost nothing
     plan = sharding.resolve(cfg)  # before Accelerator(), which would act on the launcher's FSDP request itself
     cfg.train.sharding = plan.mode
-    acc = Accelerator(cpu=use_cpu(), mixed_precision=cfg.train.mixed_precision, log_with=list(cfg.trackers) or None,
-                      project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=cfg.output_dir))
-    check_group(acc.num_processes)  # torchrun or a config file: N processes train as one group, never N runs
-    acc.sharding_plan = plan  # build() reports where the choice came from
-    return acc
+    accelerator = Accelerator(cpu=use_cpu(), mixed_precision=cfg.train.mixed_precision,
+                              log_with=list(cfg.trackers) or None,
+                              project_config=ProjectConfiguration(project_dir=cfg.output_dir,
+                                                                  logging_dir=cfg.output_dir))
+    check_group(accelerator.num_processes)  # torchrun or a config file: N processes train as one group, never N runs
+    accelerator.sharding_plan = plan  # build() reports where the choice came from
+    return accelerator
 
 
-def build_model(cfg) -> tuple[TheWorld, object]:
+def build_model(cfg: TrainConfig) -> tuple[TheWorld, Gemma3Processor]:
     """TheWorld in train mode, freeze flags applied, trainable weights in fp32, checkpointing as configured."""
     model, processor = TheWorld.from_config(cfg.model, cfg.world, cfg.freeze, seed=cfg.seed)
     model.cast_trainable_to_fp32()
@@ -82,12 +90,12 @@ def param_groups(model: torch.nn.Module, weight_decay: float, multipliers=None) 
             for (part, decay), ps in sorted(groups.items(), key=lambda kv: (order.index(kv[0][0]), not kv[0][1]))]
 
 
-def build_optimizer(cfg, model: torch.nn.Module) -> torch.optim.Optimizer:
+def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(param_groups(model, cfg.train.weight_decay, cfg.train.lr_multipliers), lr=cfg.train.lr,
                              betas=tuple(cfg.train.betas))
 
 
-def lr_factor(cfg) -> Callable[[int], float]:
+def lr_factor(cfg: TrainConfig) -> Callable[[int], float]:
     """The schedule as a pure function of the step (transformers' own warmup + cosine/linear/constant lambdas)."""
     from transformers import get_scheduler
 
@@ -100,11 +108,11 @@ def lr_factor(cfg) -> Callable[[int], float]:
 
 @dataclass
 class Components:
-    cfg: object
-    accelerator: object
+    cfg: TrainConfig
+    accelerator: Accelerator
     model: torch.nn.Module  # as prepared by accelerate (DDP-wrapped under several processes)
     raw: TheWorld  # the unwrapped model
-    processor: object
+    processor: Gemma3Processor
     optimizer: torch.optim.Optimizer
     lr_fn: Callable[[int], float]
     params: list[torch.nn.Parameter]  # trainable, in a fixed order (DTensors when sharded)
@@ -122,8 +130,8 @@ class Components:
         return self.accelerator.num_processes
 
 
-def build(cfg, accelerator, accum: int, init_from: Callable[[TheWorld], None] | None = None,
-          check: Callable[[TheWorld, object], None] | None = None) -> Components:
+def build(cfg: TrainConfig, accelerator: Accelerator, accum: int, init_from: Callable[[TheWorld], None] | None = None,
+          check: Callable[[TheWorld, Gemma3Processor], None] | None = None) -> Components:
     """Model (+ init_from weights, then `check(model, processor)` on the whole weights), sharded or DDP-wrapped
     (train.sharding), optimiser over trainable parameters only, schedule, optional EMA."""
     model, processor = build_model(cfg)

@@ -10,15 +10,22 @@ from __future__ import annotations
 
 import signal
 import sys
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from train.config import TrainConfig
+    from train.metrics import Metrics
 
 EXIT_CODES = {signal.SIGTERM: 143, signal.SIGINT: 130}  # 128 + signal number, what a shell reports
 
 
 class Preemption:
-    def __init__(self, accelerator):
-        self.acc = accelerator
+    def __init__(self, accelerator: Accelerator):
+        self.accelerator = accelerator
         self.signum: int | None = None
         self._previous = {}
 
@@ -42,9 +49,9 @@ class Preemption:
 
     def requested(self) -> bool:
         """Whether any process got a signal (a collective under several processes: call it on every rank)."""
-        flag = torch.tensor([0 if self.signum is None else int(self.signum)], device=self.acc.device)
-        if self.acc.num_processes > 1:
-            flag = self.acc.reduce(flag, reduction="max")  # ranks may have got different signals, or none
+        flag = torch.tensor([0 if self.signum is None else int(self.signum)], device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            flag = self.accelerator.reduce(flag, reduction="max")  # ranks may have got different signals, or none
         if flag.item() and self.signum is None:
             self.signum = int(flag.item())
         return bool(flag.item())
@@ -53,7 +60,7 @@ class Preemption:
     def exit_code(self) -> int:
         return EXIT_CODES.get(self.signum, 128 + (self.signum or 0))
 
-    def finish(self, step: int, cfg, save, metrics) -> int:
+    def finish(self, step: int, cfg: TrainConfig, save: Callable[[], None], metrics: Metrics) -> int:
         """After the step that saw the request: its checkpoint (unless just saved), where it is, the exit code."""
         if step % cfg.train.save_every:
             save()

@@ -8,11 +8,18 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from train import sharding
-from train.data import PARTNER, WORLD_KEYS, Batch, _seed, rank_offset
+from train.batches import PARTNER, WORLD_KEYS, Batch
+from train.order import noise_seeds, rank_offset
+
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
+
+    from train.optim import Components
 
 
 class NonFiniteError(RuntimeError):
@@ -43,57 +50,53 @@ class LoopState:
         return cls(**known)
 
 
-def noise_seeds(seed: int, step: int, first: int, n: int) -> list[int]:
-    """Latent-sampling seeds of the samples at positions [first, first + n) of a step's global batch: a pure function
-    of (seed, step, position), so neither resuming nor the process count or accumulation changes a sample's noise."""
-    return [_seed("noise", seed, step, i) for i in range(first, first + n)]
-
-
-def optimization_step(c, state: LoopState, micro_batches: list[Batch]) -> dict:
+def optimization_step(components: Components, state: LoopState, micro_batches: list[Batch]) -> dict:
     """Forward/backward over this process's micro-batches of one global batch, clip, AdamW step (unless non-finite),
     EMA update. Advances `state`. Returns {loss, grad_norm, lr, skipped, tokens}."""
-    acc, cfg = c.accelerator, c.cfg
-    device = acc.device
+    accelerator, cfg = components.accelerator, components.cfg
+    device = accelerator.device
     local = sum(b.num_tokens for b in micro_batches)
     n_global = torch.tensor([local], dtype=torch.long, device=device)
-    if c.world_size > 1:
-        n_global = acc.reduce(n_global, reduction="sum")
+    if components.world_size > 1:
+        n_global = accelerator.reduce(n_global, reduction="sum")
     n = max(int(n_global.item()), 1)
-    lr = cfg.train.lr * c.lr_fn(state.step)
-    for g in c.optimizer.param_groups:
+    lr = cfg.train.lr * components.lr_fn(state.step)
+    for g in components.optimizer.param_groups:
         g["lr"] = lr * g.get("lr_multiplier", 1.0)  # train.lr_multipliers of the group's part
-    first = rank_offset(cfg.train.global_batch_size, c.rank, c.world_size)  # a sample's position in the global batch
+    # a sample's position in the global batch
+    first = rank_offset(cfg.train.global_batch_size, components.rank, components.world_size)
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     for i, mb in enumerate(micro_batches):
         inputs = mb.to(device)
-        seeds = noise_seeds(cfg.seed, state.step, first, mb.size) if c.raw.latent_mode == "sample" else None
+        seeds = noise_seeds(cfg.seed, state.step, first, mb.size) if components.raw.latent_mode == "sample" else None
         first += mb.size
         # FSDP reduce-scatters after every micro-batch: skipping it would keep whole unsharded gradients around
-        sync = i == len(micro_batches) - 1 or c.sharded
-        with contextlib.nullcontext() if sync else acc.no_sync(c.model):
-            out = c.model(**inputs, num_items=n, noise_seeds=seeds)
+        sync = i == len(micro_batches) - 1 or components.sharded
+        with contextlib.nullcontext() if sync else accelerator.no_sync(components.model):
+            out = components.model(**inputs, num_items=n, noise_seeds=seeds)
             # DDP and FSDP average gradients over processes; each process's share is loss_sum_r / n: undo the mean.
-            acc.backward(out.loss * c.world_size)
+            accelerator.backward(out.loss * components.world_size)
         loss_sum += out.loss_sum.detach().float()
-    if c.world_size > 1:
-        loss_sum = acc.reduce(loss_sum, reduction="sum")
+    if components.world_size > 1:
+        loss_sum = accelerator.reduce(loss_sum, reduction="sum")
     loss = float(loss_sum) / n
     max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
-    grad_norm = (sharding.clip_grad_norm_(c.params, max_norm) if c.sharded
-                 else float(acc.clip_grad_norm_(c.params, max_norm)))
+    grad_norm = (sharding.clip_grad_norm_(components.params, max_norm) if components.sharded
+                 else float(accelerator.clip_grad_norm_(components.params, max_norm)))
     finite = math.isfinite(loss) and math.isfinite(grad_norm)
     if finite:
-        c.optimizer.step()
-        if c.ema is not None:
+        components.optimizer.step()
+        if components.ema is not None:
             with torch.no_grad():
-                torch._foreach_lerp_(c.ema, [p.detach().float() for p in c.params], 1.0 - cfg.train.ema)
+                torch._foreach_lerp_(components.ema, [p.detach().float() for p in components.params],
+                                     1.0 - cfg.train.ema)
         state.nonfinite_in_a_row = 0
         state.first_loss = loss if state.first_loss is None else state.first_loss
         state.last_loss = loss
     else:
         state.nonfinite_steps += 1
         state.nonfinite_in_a_row += 1
-    c.optimizer.zero_grad(set_to_none=True)
+    components.optimizer.zero_grad(set_to_none=True)
     state.step += 1
     state.samples_seen += cfg.train.global_batch_size
     state.tokens_seen += int(n_global.item())
@@ -104,36 +107,37 @@ def optimization_step(c, state: LoopState, micro_batches: list[Batch]) -> dict:
 
 
 @torch.no_grad()
-def evaluate(c, loader) -> dict:
+def evaluate(components: Components, loader: DataLoader) -> dict:
     """eval_loss and eval_loss_shuffled_world (each held-out sample with the world of its partner: the next held-out
-    sample of the same latent shape in key order, `data.eval_partners`; the same pairs whatever the process count),
+    sample of the same latent shape in key order, `order.eval_partners`; the same pairs whatever the process count),
     per answer token over the whole held-out split (all processes). World latents use the posterior mean. The only
     held-out sample of its shape has no partner: it counts towards eval_loss only."""
-    model, acc = c.raw, c.accelerator
+    model, accelerator = components.raw, components.accelerator
     was_training, mode = model.training, model.latent_mode
     model.eval()
     model.latent_mode = "mean"
-    sums = torch.zeros(4, dtype=torch.float64, device=acc.device)  # loss, tokens, shuffled loss, its tokens
+    sums = torch.zeros(4, dtype=torch.float64, device=accelerator.device)  # loss, tokens, shuffled loss, its tokens
     # agreed before the first forward: under FSDP every forward is a collective, so all processes run as many
-    extra = sharding.missing_forwards(c.sharded, len(loader), acc.device)
+    extra = sharding.missing_forwards(components.sharded, len(loader), accelerator.device)
     batch = None
     try:
         for batch in loader:
-            batch = batch.to(acc.device)
+            batch = batch.to(accelerator.device)
             paired = bool(batch.pop("paired").all())  # a batch holds one latent shape: all paired, or its only one
             partner = {k: batch.pop(PARTNER + k) for k in WORLD_KEYS if PARTNER + k in batch}
-            with acc.autocast():
+            with accelerator.autocast():
                 a = model(**batch)
                 b = model(**{**batch, **partner})  # also when unpaired: every process makes two forwards per batch
-            sums[:2] += torch.tensor([float(a.loss_sum), a.num_tokens], dtype=torch.float64, device=acc.device)
+            sums[:2] += torch.tensor([float(a.loss_sum), a.num_tokens], dtype=torch.float64, device=accelerator.device)
             if paired:
-                sums[2:] += torch.tensor([float(b.loss_sum), b.num_tokens], dtype=torch.float64, device=acc.device)
+                sums[2:] += torch.tensor([float(b.loss_sum), b.num_tokens], dtype=torch.float64,
+                                         device=accelerator.device)
         for _ in range(2 * extra):
             model(**batch)  # results unused: only the collectives count
     finally:
         model.latent_mode = mode
         model.train(was_training)
-    if c.world_size > 1:
-        sums = acc.reduce(sums, reduction="sum")
+    if components.world_size > 1:
+        sums = accelerator.reduce(sums, reduction="sum")
     return {"eval_loss": float(sums[0]) / max(float(sums[1]), 1.0),
             "eval_loss_shuffled_world": float(sums[2]) / max(float(sums[3]), 1.0), "eval_tokens": int(sums[1])}
