@@ -1,4 +1,4 @@
-"""The precompute command's config (design section 5): strict, validated before any model is loaded."""
+"""The precompute command's config: strict, validated before any model is loaded."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

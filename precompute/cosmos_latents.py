@@ -1,4 +1,4 @@
-"""Precompute the frozen encoders' outputs into a crash-safe WebDataset cache (design sections 1 and 3).
+"""Precompute the frozen encoders' outputs into a crash-safe WebDataset cache.
 
     python -m precompute.cosmos_latents --config configs/precompute.yaml [--set key=value ...]
     accelerate launch -m precompute.cosmos_latents --config ...      (shard i goes to rank i % world_size)

@@ -1,4 +1,4 @@
-"""Look inside a latent cache (design section 5).
+"""Look inside a latent cache.
 
     python -m precompute.inspect summary CACHE [--json]
     python -m precompute.inspect verify CACHE [--json]

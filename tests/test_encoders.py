@@ -1,4 +1,4 @@
-"""VAE loading and preprocessing (design section 2): [-1, 1] input, frame axis, posterior mean and logvar."""
+"""VAE loading and preprocessing: [-1, 1] input, frame axis, posterior mean and logvar."""
 from __future__ import annotations
 
 import io

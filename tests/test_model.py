@@ -1,4 +1,4 @@
-"""TheWorld model semantics (design section 2) on the tiny embedded Gemma 3 and Wan VAE."""
+"""TheWorld model semantics on the tiny embedded Gemma 3 and Wan VAE."""
 from __future__ import annotations
 
 import itertools

@@ -314,7 +314,7 @@ def _run_single_threaded(cfg):
 
 
 def _launch_two_processes(args: list[str]) -> subprocess.CompletedProcess:
-    """Two real CPU processes (gloo); see design section 6 for why not `--cpu --num_processes 2`."""
+    """Two real CPU processes (gloo): `accelerate launch --cpu --num_processes 2` silently runs one."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "precompute.cosmos_latents", *args]
     res = subprocess.run(cmd, cwd=ROOT, env=_env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True,

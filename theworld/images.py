@@ -1,4 +1,4 @@
-"""Image decoding and the resize both the cache and live encoding use (design section 2).
+"""Image decoding and the resize both the cache and live encoding use.
 
 Everything here runs in DataLoader workers: it takes bytes and returns uint8 tensors, so only compact arrays cross the
 process boundary and the [-1, 1] scaling happens once, on the device, in `WorldEncoder`.

@@ -1,4 +1,4 @@
-"""TheWorld: Gemma 3 + the Cosmos VAE world encoder + the world projector (design section 2).
+"""TheWorld: Gemma 3 + the Cosmos VAE world encoder + the world projector.
 
 Sequence: [BOS, SOW, W1..WN, EOW, <start_of_turn>user ... <start_of_image> image tokens <end_of_image> prompt
 <end_of_turn> <start_of_turn>model caption <end_of_turn>]. World tokens go right after BOS; every row has the same

@@ -1,4 +1,4 @@
-"""The world projector: VAE posterior -> world tokens in Gemma's input-embedding space (design section 2)."""
+"""The world projector: VAE posterior -> world tokens in Gemma's input-embedding space."""
 from __future__ import annotations
 
 import math

@@ -1,4 +1,4 @@
-"""The training config: one strict dataclass tree, validated before any model is loaded (design section 5)."""
+"""The training config: one strict dataclass tree, validated before any model is loaded."""
 from __future__ import annotations
 
 import hashlib
