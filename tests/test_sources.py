@@ -551,9 +551,9 @@ def test_llava_and_parquet_listings_split_across_ranks(tmp_path):
     for kind, path in (("llava", tmp_path / "chat.json"), ("parquet", tmp_path / "p.parquet")):
         reference = sources.list_entries(kind, str(path), None, 0, "p")
         listings, barrier, writes = {}, threading.Barrier(2), []
-        real = cf.atomic_write_bytes
-        cf.atomic_write_bytes = lambda p, data: (writes.append((threading.current_thread().name, p.name)),
-                                                 real(p, data))[1]
+        real = cf.atomic_write_bytes  # every listing file goes through it (atomic_write_json included)
+        recording = lambda p, data: (writes.append((threading.current_thread().name, p.name)), real(p, data))[1]  # noqa: E731
+        cf.atomic_write_bytes = cf.layout.atomic_write_bytes = recording
         try:
             def rank(r: int) -> None:
                 listings[r] = sources.open_listing(kind, str(path), None, 0, "p", index_dir=tmp_path / f"idx-{kind}",
@@ -562,7 +562,7 @@ def test_llava_and_parquet_listings_split_across_ranks(tmp_path):
             threads = [threading.Thread(target=rank, args=(r,), name=f"rank{r}") for r in (0, 1)]
             [t.start() for t in threads], [t.join() for t in threads]
         finally:
-            cf.atomic_write_bytes = real
+            cf.atomic_write_bytes = cf.layout.atomic_write_bytes = real
         assert writes and all(name == "rank0" for name, _ in writes)
         assert sum(e.error is not None for e in reference) == 1
         for listing in listings.values():

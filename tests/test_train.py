@@ -509,18 +509,23 @@ def test_train_attention_sets_the_language_models_kernel_only():
 
 
 def test_flex_attention_without_cuda_is_refused_before_any_model_loads(cache, tmp_path, capsys, monkeypatch):
-    from theworld.model import TheWorld
-
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same refusal on a machine with a GPU
+    _refused_before_any_model_loads(base_args(cache, tmp_path / "run", **{"train.attention": "flex_attention"}),
+                                    tmp_path / "run", monkeypatch, capsys, "train.attention", "CUDA")
+
+
+def _refused_before_any_model_loads(args: list[str], out, monkeypatch, capsys, *words: str) -> None:
+    """The run exits 2 with one line holding `words`, without loading a model or creating its output_dir."""
+    from theworld.model import TheWorld
 
     def no_loading(*a, **k):
         raise AssertionError("a model was loaded before the refusal")
 
     monkeypatch.setattr(TheWorld, "from_config", no_loading)
-    assert train_inproc(base_args(cache, tmp_path / "run", **{"train.attention": "flex_attention"})) == 2
+    assert train_inproc(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "train.attention" in err[0] and "CUDA" in err[0], err
-    assert not (tmp_path / "run").exists()
+    assert len(err) == 1 and all(w in err[0] for w in words), err
+    assert not out.exists()
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -628,13 +633,5 @@ def test_a_mean_only_cache_trains_with_the_mean_and_refuses_sampling(tmp_path, c
                                                                       "train.micro_batch_size": 8,
                                                                       "train.eval_samples": 8})) == 0
     capsys.readouterr()
-    from theworld.model import TheWorld
-
-    def no_loading(*a, **k):
-        raise AssertionError("a model was loaded before the refusal")
-
-    monkeypatch.setattr(TheWorld, "from_config", no_loading)
-    assert train_inproc(base_args(out, tmp_path / "sample", **{"world.latent": "sample"})) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "'world.latent'" in err[0] and "cache.latents: mean" in err[0], err
-    assert not (tmp_path / "sample").exists()
+    _refused_before_any_model_loads(base_args(out, tmp_path / "sample", **{"world.latent": "sample"}),
+                                    tmp_path / "sample", monkeypatch, capsys, "'world.latent'", "cache.latents: mean")
