@@ -78,3 +78,23 @@ def test_layer_types_follow_the_released_gemma3_pattern():
     # below 6 layers the released rule has no global layer; the tiny models make their last one global
     assert gemma3.layer_types(1) == ["full_attention"]
     assert gemma3.layer_types(4) == ["sliding_attention"] * 3 + ["full_attention"]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3, 4])
+def test_real_configs_build_on_the_meta_device_with_the_real_shapes(stage):
+    """configs/real at the real architecture's shapes (offline, no weights): 512 px latents of 64 x 64, world tokens
+    per pool as docs/training.md gives them (the world block: start marker, tokens, end marker), the projector's output
+    at Gemma 3 4B's hidden size."""
+    import torch
+
+    from train.memory import build_world
+
+    cfg = load_config(TrainConfig, CONFIGS / "real" / f"stage{stage}.yaml")
+    model = build_world(cfg, device="meta")
+    text = model.gemma.config.get_text_config()
+    assert (text.hidden_size, text.num_hidden_layers, cfg.image.resolution) == (2560, 34, 512)
+    latent = torch.zeros(1, 16, 1, cfg.image.resolution // 8, cfg.image.resolution // 8, device="meta")
+    for pool, block in ((1, 4098), (2, 1026), (4, 258)):
+        model.projector.pool = pool
+        assert tuple(model.projector(latent, latent, "mean", None).shape) == (1, block, 2560), pool
+    assert cfg.world.pool == 2
