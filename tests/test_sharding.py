@@ -50,16 +50,19 @@ def losses(run_dir) -> list[float]:
 
 @pytest.mark.slow
 def test_fsdp_two_processes_give_the_weights_of_one(cache, tmp_path):
-    """Stage 3 (vision and language train). The 2-process run asks for FSDP the way an accelerate launch config does
-    (ACCELERATE_USE_FSDP), the 1-process run through train.sharding (which with one process shards nothing). 19
-    held-out samples give the two processes 2 and 1 eval batches: every forward is a collective under FSDP."""
+    """Stage 3 (vision and language train). The 2-process run asks for FSDP with host offload the way an accelerate
+    launch config does (ACCELERATE_USE_FSDP, FSDP_OFFLOAD_PARAMS), the 1-process run through train.sharding (which
+    with one process shards nothing). 19 held-out samples give the two processes 2 and 1 eval batches: every forward
+    is a collective under FSDP."""
     extra = {**STAGE3, "train.eval_samples": 19}
     one = train_cli(base_args(cache, tmp_path / "one", steps=3, **extra, **{"train.sharding": "fsdp"}))
     assert one.returncode == 0, one.stderr[-3000:]
     assert "sharding fsdp with 1 process: unsharded" in one.stderr
-    two = run2(base_args(cache, tmp_path / "two", steps=3, **extra), env={"ACCELERATE_USE_FSDP": "true"})
+    two = run2(base_args(cache, tmp_path / "two", steps=3, **extra),
+               env={"ACCELERATE_USE_FSDP": "true", "FSDP_OFFLOAD_PARAMS": "true"})
     assert two.returncode == 0, two.stderr[-3000:]
     assert "sharding fsdp (FSDP2 fully_shard" in two.stderr and "ACCELERATE_USE_FSDP" in two.stderr
+    assert "offloaded to host memory" in two.stderr
     assert "sharding: fsdp" in (tmp_path / "two" / "final" / "config.yaml").read_text()
     w1, w2 = weights(tmp_path / "one"), weights(tmp_path / "two")
     assert w1.keys() == w2.keys() and any(k.startswith("gemma.model.language_model.") for k in w1)
@@ -146,6 +149,62 @@ def test_fsdp_stage_chain_1_2_4(cache, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# Host offload (train.cpu_offload)
+
+
+@pytest.mark.slow
+def test_cpu_offload_with_one_process_equals_unsharded_and_resumes_bitwise(cache, tmp_path):
+    """One process with FSDP2's CPUOffloadPolicy shards over a group of one (the path a single GPU takes for stages 3
+    and 4): its weights and EMA equal a plain one-process run's, and a rerun from its step-2 checkpoint ends bitwise
+    equal to it."""
+    extra = {**STAGE3, "train.save_every": 2, "train.ema": 0.9}
+    offload = {**extra, "train.sharding": "fsdp", "train.cpu_offload": "true"}
+    off = train_cli(base_args(cache, tmp_path / "off", **offload))
+    assert off.returncode == 0, off.stderr[-3000:]
+    assert "over 1 process(es); parameters, gradients and optimizer state offloaded to host memory" in off.stderr
+    assert "cpu_offload: true" in (tmp_path / "off" / "final" / "config.yaml").read_text()
+    plain = train_cli(base_args(cache, tmp_path / "plain", **extra))
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert "sharding ddp (1 process)" in plain.stderr
+    for name in ("trainable", "ema"):
+        a, b = (load_file(str(tmp_path / d / "final" / f"{name}.safetensors")) for d in ("off", "plain"))
+        assert a.keys() == b.keys() and any(k.startswith("gemma.model.language_model.") for k in a)
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-6)
+    again = tmp_path / "again"
+    again.mkdir()
+    shutil.copytree(tmp_path / "off" / "checkpoint-2", again / "checkpoint-2")
+    resumed = train_cli(base_args(cache, again, **offload))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr and "offloaded to host memory" in resumed.stderr
+    a, b = weights(tmp_path / "off"), weights(again)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert losses(tmp_path / "off")[2:] == losses(again)
+
+
+@pytest.mark.parametrize("config,env,expected", [
+    ("ddp", {"ACCELERATE_USE_FSDP": "true", "FSDP_OFFLOAD_PARAMS": "true"}, ("fsdp", True)),
+    ("ddp", {"ACCELERATE_USE_FSDP": "true", "FSDP_OFFLOAD_PARAMS": "false"}, ("fsdp", False)),
+    ("ddp", {"FSDP_OFFLOAD_PARAMS": "true"}, ("ddp", False)),  # an offload flag alone does not turn FSDP on
+    ("fsdp", {"FSDP_OFFLOAD_PARAMS": "true"}, ("fsdp", True)),
+    ("fsdp", {}, ("fsdp", False))])
+def test_launcher_fsdp_and_offload_flags_select_the_plan(monkeypatch, config, env, expected):
+    from train import sharding
+    from train.config import TrainConfig
+
+    for k in ("ACCELERATE_USE_FSDP", "FSDP_OFFLOAD_PARAMS"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    cfg = TrainConfig()
+    cfg.train.sharding = config
+    plan = sharding.resolve(cfg)
+    assert (plan.mode, plan.offload) == expected
+    assert plan.sharded(1) == plan.offload and plan.sharded(2) == (plan.mode == "fsdp")
+    assert not {"ACCELERATE_USE_FSDP", "FSDP_OFFLOAD_PARAMS"} & set(os.environ)  # Accelerator() must not see them
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # Learning-rate multipliers
 
 
@@ -193,7 +252,8 @@ def test_lr_multipliers_reach_their_parameter_groups(cache, tmp_path):
                                        ("train.lr_multipliers.vision=-1", "train.lr_multipliers.vision"),
                                        ("train.lr_multipliers.vae=.nan", "train.lr_multipliers.vae"),
                                        ("train.lr_multipliers.language=.inf", "train.lr_multipliers.language"),
-                                       ("train.sharding=zero3", "train.sharding")])
+                                       ("train.sharding=zero3", "train.sharding"),
+                                       ("train.cpu_offload=true", "train.cpu_offload")])  # offload without fsdp
 def test_bad_lr_multiplier_or_sharding_is_a_one_line_error(capsys, value, key):
     assert train_inproc(["--config", str(ROOT / "configs" / "stage3.yaml"), "--set", value]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -234,13 +294,19 @@ def test_memory_cli_real_configs_offline(capsys):
     projector = 16 * h + h + h * h + h + 2 * h
     vae = p["total_params"] - p["trainable_params"]  # stage 3: the VAE is the frozen part
     assert p["total_params"] - vae - projector == 4_300_079_472
-    assert set(p["per_gpu_bytes"]) == {"ddp", "fsdp"} and not p["fits"]["ddp"] and p["fits"]["fsdp"]
-    ddp, fsdp = p["per_gpu_bytes"]["ddp"], p["per_gpu_bytes"]["fsdp"]
+    assert set(p["per_gpu_bytes"]) == {"ddp", "fsdp", "fsdp_offload"} and not p["fits"]["ddp"] and p["fits"]["fsdp"]
+    ddp, fsdp, offload = (p["per_gpu_bytes"][k] for k in ("ddp", "fsdp", "fsdp_offload"))
     assert fsdp["optimizer_state"] == ddp["optimizer_state"] // 8
+    # offload: the GPU keeps gathered units and activations; each process's host holds its eighth of every weight
+    # (fp32 trainable, frozen in model.dtype), gradient and both AdamW moments: 16 bytes per trainable parameter
+    assert offload["optimizer_state"] == offload["gradients"] == offload["trainable_weights"] == 0
+    assert offload["total"] == fsdp["working_buffers"] + fsdp["activations"]
+    whole = 16 * p["trainable_params"] + ddp["frozen_weights"]
+    assert whole / 8 <= p["host_bytes_per_process"]["fsdp_offload"] <= whole / 8 * 1.05
     assert p["config"]["micro_batch_size"] == 8  # the config's `auto` as a run on 8 processes resolves it
     assert memory.main(["--config", str(ROOT / "configs" / "real" / "stage3.yaml")]) == 0
     out = capsys.readouterr().out
-    assert "fits" in out and "optimizer_state" in out
+    assert "fits" in out and "optimizer_state" in out and "fsdp_offload" in out
     assert memory.main(["--config", str(ROOT / "configs" / "stage3.yaml"), "--gpus", "0"]) == 2
     assert memory.main(["--config", str(ROOT / "configs" / "stage3.yaml"),
                         "--set", "model.gemma=google/gemma-3-27b-it"]) == 2

@@ -272,4 +272,9 @@ def local_like(ref: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     if not isinstance(ref, DTensor):
         return full
     # src_data_rank=None: every process has the whole tensor and keeps its own slice, without communicating
-    return distribute_tensor(full.to(ref.device), ref.device_mesh, ref.placements, src_data_rank=None)
+    d = distribute_tensor(full, ref.device_mesh, ref.placements, src_data_rank=None)
+    home = ref.to_local().device  # the host under FSDP's CPU offload, while the mesh is on the GPU
+    if d.to_local().device == home:
+        return d
+    return DTensor.from_local(d.to_local().to(home), ref.device_mesh, ref.placements, shape=ref.shape,
+                              stride=ref.stride())

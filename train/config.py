@@ -64,6 +64,8 @@ class TrainSection:
     max_length: int = 0  # token cap per sample (0: none)
     sharding: Literal["ddp", "fsdp"] = "ddp"  # fsdp: FSDP2 fully_shard of weights, gradients and optimizer state
     # across processes (train/sharding.py, docs/training.md); an accelerate launch config asking for FSDP selects it too
+    cpu_offload: bool = False  # fsdp only: keep parameters, gradients and optimizer state in host memory (FSDP2
+    # CPUOffloadPolicy; the optimizer steps on the CPU); also with one process, which then shards over a group of one
     lr_multipliers: LrMultipliers = field(default_factory=LrMultipliers)
     benchmarks: list[str] = field(default_factory=list)  # multiple-choice files scored at every eval (JSONL, or a
     # BLINK parquet folder; docs/inference.md): bench/<name>/accuracy and bench/<name>/accuracy_shuffled_world

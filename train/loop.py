@@ -14,7 +14,7 @@ import torch
 from theworld import run_lock
 from theworld.config import to_dict
 from theworld.errors import cli_entry
-from train import checkpoint, data, optim, order
+from train import checkpoint, data, optim, order, sharding
 from train.benchmarks import BenchmarkEval
 from train.config import accumulation_steps, load, run_hash, to_yaml
 from train.metrics import Metrics, ProfileWindow, StepWindow, summary
@@ -40,13 +40,14 @@ def main(argv: list[str] | None = None) -> int:
         print(to_yaml(cfg), end="")
         return 0
     # everything checkable without a model is checked before loading one
+    sharding_plan = sharding.resolve(cfg)
     reader, plan = data.open_cache(cfg)
     if cfg.init_from:
         checkpoint.resolve_weights(cfg.init_from)
     bench = BenchmarkEval.load(cfg)
     if cfg.train.cpu_threads:
         torch.set_num_threads(cfg.train.cpu_threads)
-    accelerator = optim.make_accelerator(cfg)
+    accelerator = optim.make_accelerator(cfg, sharding_plan)
     split = order.split(reader, cfg.train.eval_samples)
     per_epoch = order.check_sizes(cfg, reader, split[0], accelerator.num_processes)
     accum = accumulation_steps(cfg, accelerator.num_processes)

@@ -146,7 +146,8 @@ def _stack(seq: int, hidden: int, layers: int, e: int, checkpointing: bool) -> i
 
 def per_gpu(cfg: TrainConfig, model: TheWorld, c: Counts, gpus: int, micro: int,
             foreach: bool = True) -> dict[str, dict[str, int]]:
-    """Bytes per GPU under ddp and fsdp (with one GPU, fsdp runs unsharded: the two are the same)."""
+    """Bytes per GPU under ddp, fsdp and fsdp with host offload (train.cpu_offload). With one GPU fsdp runs
+    unsharded (the same as ddp); with offload it shards over a group of one, and only the gathered units stay."""
     e = 2 if cfg.train.mixed_precision == "bf16" else 4
     act = activation_bytes(cfg, model, micro)
     step_tmp = ADAM_FOREACH * (c.trainable if foreach else c.largest_trainable)
@@ -156,19 +157,27 @@ def per_gpu(cfg: TrainConfig, model: TheWorld, c: Counts, gpus: int, micro: int,
            "optimizer_state": ADAM_STATE * c.trainable + step_tmp,
            # autocast keeps a bf16 copy of each fp32 weight it used for the rest of the forward
            "working_buffers": 2 * c.trainable if e == 2 else 0, "activations": act}
+    # the root stays gathered; two units are gathered at a time (current + prefetched), and one unit's whole fp32
+    # gradient exists before its reduce-scatter
+    gathered = e * (c.root + 2 * c.largest_unit) + 4 * c.largest_unit_trainable
     if gpus == 1:
         fsdp = dict(ddp)
     else:
         fsdp = {"frozen_weights": c.frozen_bytes // gpus, "trainable_weights": 4 * c.trainable // gpus,
                 "gradients": 4 * c.trainable // gpus,
                 "optimizer_state": (ADAM_STATE * c.trainable + step_tmp) // gpus,
-                # the root stays gathered; two units are gathered at a time (current + prefetched), and one
-                # unit's whole fp32 gradient exists before its reduce-scatter
-                "working_buffers": e * (c.root + 2 * c.largest_unit) + 4 * c.largest_unit_trainable,
-                "activations": act}
-    for d in (ddp, fsdp):
+                "working_buffers": gathered, "activations": act}
+    offload = {"frozen_weights": 0, "trainable_weights": 0, "gradients": 0, "optimizer_state": 0,
+               "working_buffers": gathered, "activations": act}
+    for d in (ddp, fsdp, offload):
         d["total"] = sum(d.values())
-    return {"ddp": ddp, "fsdp": fsdp}
+    return {"ddp": ddp, "fsdp": fsdp, "fsdp_offload": offload}
+
+
+def host_bytes(c: Counts, gpus: int) -> int:
+    """Host memory each process holds under fsdp with offload: its shard of every weight, gradient and AdamW moment
+    (the optimizer steps on the CPU, one tensor at a time)."""
+    return (c.frozen_bytes + (4 + 4 + ADAM_STATE) * c.trainable + ADAM_FOREACH * c.largest_trainable) // gpus
 
 
 def plan(cfg: TrainConfig, gpus: int, gpu_memory_gib: float, model: TheWorld | None = None) -> dict:
@@ -183,9 +192,9 @@ def plan(cfg: TrainConfig, gpus: int, gpu_memory_gib: float, model: TheWorld | N
            "gpus": gpus, "gpu_memory_bytes": int(gpu_memory_gib * 2**30), "budget_bytes": budget,
            "total_params": c.total, "trainable_params": c.trainable, "frozen_params": c.total - c.trainable,
            "per_gpu_bytes": per, "fits": {k: v["total"] <= budget for k, v in per.items()},
-           "suggested_micro_batch_size": {}}
+           "host_bytes_per_process": {"fsdp_offload": host_bytes(c, gpus)}, "suggested_micro_batch_size": {}}
     per_process = cfg.train.global_batch_size // gpus if cfg.train.global_batch_size % gpus == 0 else 0
-    for mode in ("ddp", "fsdp"):
+    for mode in per:
         ok = [m for m in range(1, per_process + 1) if per_process % m == 0
               and per_gpu(cfg, model, c, gpus, m)[mode]["total"] <= budget]
         out["suggested_micro_batch_size"][mode] = max(ok) if ok else None
@@ -199,17 +208,21 @@ def _gib(n: int) -> str:
 def render(p: dict) -> str:
     rows = ["frozen_weights", "trainable_weights", "gradients", "optimizer_state", "working_buffers", "activations",
             "total"]
+    modes = list(p["per_gpu_bytes"])
+    cell = lambda values: "".join(f"{v:>14s}" for v in values)  # noqa: E731
     lines = [f"parameters: {p['total_params']:,} total, {p['trainable_params']:,} trainable, "
              f"{p['frozen_params']:,} frozen (exact, from the model built on the meta device)",
              f"per GPU, {p['gpus']} GPU(s) of {p['gpu_memory_bytes'] / 2**30:.0f} GiB "
              f"(budget {HEADROOM:.0%}: {p['budget_bytes'] / 2**30:.1f} GiB), micro_batch_size "
-             f"{p['config']['micro_batch_size']}; GiB:", f"{'':20s}{'ddp':>10s}{'fsdp':>10s}"]
+             f"{p['config']['micro_batch_size']}; GiB:", f"{'':20s}{cell(modes)}"]
     for r in rows:
-        lines.append(f"{r:20s}  {_gib(p['per_gpu_bytes']['ddp'][r])}  {_gib(p['per_gpu_bytes']['fsdp'][r])}")
-    lines.append(f"{'fits':20s}  {str(p['fits']['ddp']):>8s}  {str(p['fits']['fsdp']):>8s}")
+        lines.append(f"{r:20s}{cell(_gib(p['per_gpu_bytes'][m][r]).strip() for m in modes)}")
+    lines.append(f"{'fits':20s}{cell(str(p['fits'][m]) for m in modes)}")
     s = p["suggested_micro_batch_size"]
-    lines.append(f"{'micro_batch_size':20s}  {str(s['ddp'] or '-'):>8s}  {str(s['fsdp'] or '-'):>8s}"
+    lines.append(f"{'micro_batch_size':20s}{cell(str(s[m] or '-') for m in modes)}"
                  "  (largest that fits and divides the per-process batch; - : none)")
+    lines.append(f"fsdp_offload (train.cpu_offload) keeps weights, gradients and optimizer state in host memory: "
+                 f"{p['host_bytes_per_process']['fsdp_offload'] / 2**30:.1f} GiB per process")
     lines.append("activations and working buffers are estimates (docs/performance.md); the rest is exact")
     return "\n".join(lines)
 

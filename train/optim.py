@@ -21,12 +21,13 @@ if TYPE_CHECKING:  # for annotations only: accelerate and the processor class lo
 NO_DECAY_NAMES = ("projector.sow", "projector.eow")
 
 
-def make_accelerator(cfg: TrainConfig) -> Accelerator:
+def make_accelerator(cfg: TrainConfig, plan: sharding.Plan | None = None) -> Accelerator:
+    """`plan`: what `sharding.resolve(cfg)` returned, when the caller checked it earlier."""
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration
 
     check_attention(cfg.train.attention)  # before the accelerator and the models: a refusal should cost nothing
-    plan = sharding.resolve(cfg)  # before Accelerator(), which would act on the launcher's FSDP request itself
+    plan = plan or sharding.resolve(cfg)  # before Accelerator(), which would act on the launcher's FSDP request itself
     cfg.train.sharding = plan.mode
     accelerator = Accelerator(cpu=use_cpu(), mixed_precision=cfg.train.mixed_precision,
                               log_with=list(cfg.trackers) or None,
@@ -118,7 +119,8 @@ class Components:
     params: list[torch.nn.Parameter]  # trainable, in a fixed order (DTensors when sharded)
     accum: int
     ema: list[torch.Tensor] | None = None
-    sharded: bool = False  # FSDP2 across processes: parameters, gradients, optimizer state and EMA are DTensors
+    sharded: bool = False  # FSDP2 (train.sharding, train.cpu_offload): parameters, gradients, optimizer state and EMA
+    # are DTensors
     sharding: str = "sharding ddp"  # what the run prints about it
 
     @property
@@ -140,9 +142,10 @@ def build(cfg: TrainConfig, accelerator: Accelerator, accum: int, init_from: Cal
     if check is not None:
         check(model, processor)
     plan = getattr(accelerator, "sharding_plan", None) or sharding.Plan(cfg.train.sharding, "train.sharding")
-    sharded = plan.mode == "fsdp" and accelerator.num_processes > 1
+    sharded = plan.sharded(accelerator.num_processes)
     if sharded:  # the optimiser is built over the DTensor parameters fully_shard leaves; the model is not prepared
-        n_units = sharding.shard(model, accelerator.device, accelerator.num_processes, cfg.train.mixed_precision)
+        n_units = sharding.shard(model, accelerator.device, accelerator.num_processes, cfg.train.mixed_precision,
+                                 plan.offload)
         wrapped, optimizer = model, accelerator.prepare(build_optimizer(cfg, model))
     else:
         n_units = 0

@@ -4,7 +4,8 @@ on resume). See docs/training.md, "Sharding".
 
 Each Gemma decoder layer, each SigLIP encoder layer and the VAE's encoder and decoder are one FSDP unit; the root unit
 holds the rest (embeddings, tied lm_head, norms, the world projector). Under `train.mixed_precision: bf16` units compute
-in bf16 from fp32 master weights and reduce gradients in fp32. With one process nothing is sharded.
+in bf16 from fp32 master weights and reduce gradients in fp32. With one process nothing is sharded, unless
+`train.cpu_offload` asks for FSDP2's host offload: then the one process shards over a process group of one.
 """
 from __future__ import annotations
 
@@ -15,31 +16,50 @@ import torch
 from torch import nn
 
 FSDP_ENV = "ACCELERATE_USE_FSDP"  # what `accelerate launch --use_fsdp` and an accelerate config with FSDP export
+OFFLOAD_ENV = "FSDP_OFFLOAD_PARAMS"  # and `--fsdp_offload_params true` / `fsdp_offload_params: true`
 
 
 @dataclass
 class Plan:
     mode: str  # "ddp" or "fsdp": what the run does
     source: str  # what asked for it
+    offload: bool = False  # FSDP2 CPUOffloadPolicy: parameters, gradients and optimizer state in host memory
+
+    def sharded(self, world_size: int) -> bool:
+        """Whether fully_shard is applied: over several processes, or over one for the offload."""
+        return self.mode == "fsdp" and (world_size > 1 or self.offload)
 
     def describe(self, world_size: int, units: int = 0) -> str:
-        if self.mode == "fsdp" and world_size > 1:
-            return f"sharding fsdp (FSDP2 fully_shard, {units} units over {world_size} processes; from {self.source})"
+        off = "; parameters, gradients and optimizer state offloaded to host memory" if self.offload else ""
+        if self.sharded(world_size):
+            return (f"sharding fsdp (FSDP2 fully_shard, {units} units over {world_size} process(es){off}; "
+                    f"from {self.source})")
         if self.mode == "fsdp":
             return f"sharding fsdp with 1 process: unsharded (from {self.source})"
         return "sharding ddp" + (" (replicated)" if world_size > 1 else " (1 process)")
 
 
 def resolve(cfg) -> Plan:
-    """fsdp when the config or the accelerate launch configuration asks for it. The accelerate variable is taken out
-    of the environment: Accelerator must not also wrap the model (its own FSDP path is CUDA-only and applies its own
-    wrapping policy); train.loop shards it here instead, the same way on every device."""
-    from_launcher = os.environ.pop(FSDP_ENV, "false").lower() in ("true", "1")
+    """fsdp when the config or the accelerate launch configuration asks for it, with host offload when either asks for
+    that. The accelerate variables are taken out of the environment: Accelerator must not also wrap the model (its own
+    FSDP path is CUDA-only and applies its own wrapping policy); train.loop shards it here instead, the same way on
+    every device."""
+    truthy = ("true", "1")
+    from_launcher = os.environ.pop(FSDP_ENV, "false").lower() in truthy
+    offload_launcher = os.environ.pop(OFFLOAD_ENV, "false").lower() in truthy
     if cfg.train.sharding == "fsdp":
-        return Plan("fsdp", "train.sharding")
-    if from_launcher:
-        return Plan("fsdp", f"the accelerate launch configuration ({FSDP_ENV})")
-    return Plan("ddp", "train.sharding")
+        plan = Plan("fsdp", "train.sharding")
+    elif from_launcher:
+        plan = Plan("fsdp", f"the accelerate launch configuration ({FSDP_ENV})")
+    else:
+        plan = Plan("ddp", "train.sharding")
+    plan.offload = cfg.train.cpu_offload or (offload_launcher and plan.mode == "fsdp")
+    if cfg.train.cpu_offload and plan.mode != "fsdp":
+        from theworld.errors import UserError
+
+        raise UserError("config key 'train.cpu_offload': host offload is part of FSDP; set train.sharding: fsdp "
+                        "(or launch with FSDP)")
+    return plan
 
 
 def units(model: nn.Module) -> list[nn.Module]:
@@ -60,18 +80,33 @@ def mixed_precision_policy(mixed_precision: str):
     return MixedPrecisionPolicy()
 
 
-def shard(model: nn.Module, device: torch.device, world_size: int, mixed_precision: str) -> int:
-    """fully_shard each unit, then the root, in place over all processes; returns the number of units."""
+def shard(model: nn.Module, device: torch.device, world_size: int, mixed_precision: str, offload: bool = False) -> int:
+    """fully_shard each unit, then the root, in place over all processes; returns the number of units. With offload
+    the sharded parameters (and so their gradients and the optimizer state built over them) live in host memory,
+    pinned when a GPU copies them."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
+    if world_size == 1:
+        _group_of_one(device)
     mesh = init_device_mesh(device.type, (world_size,))
-    kwargs = {"mesh": mesh, "mp_policy": mixed_precision_policy(mixed_precision)}
+    kwargs = {"mesh": mesh, "mp_policy": mixed_precision_policy(mixed_precision),
+              "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()}
     blocks = units(model)
     for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return len(blocks) + 1
+
+
+def _group_of_one(device: torch.device) -> None:
+    """A one-process group for FSDP when the launcher made none (a plain `python -m train.loop`, or accelerate with
+    one process); train.loop destroys it at the end like accelerate's own."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=None)
 
 
 def is_sharded(t: torch.Tensor) -> bool:
