@@ -118,3 +118,22 @@ def test_generate_bench_real_path_at_toy_sizes(tmp_path):
     _positive(rows["text_only"], "ours_tokens_per_s", "gemma_generate_tokens_per_s", "ours_over_gemma")
     _positive(rows["fused_prefix"], "ours_tokens_per_s")
     assert rows["fused_prefix"]["prefix_tokens"] > rows["text_only"]["prompt_tokens"]
+
+
+@pytest.mark.slow
+def test_stage_bench_rows_at_tiny_sizes(tmp_path):
+    """The one-GPU stage 3/4 benchmark's code path (the trainer's own step, plain and FSDP-offloaded, one process per
+    row) on the tiny stage-3 config; a row that cannot run is recorded with its reason instead of ending the run."""
+    stage3 = str(ROOT / "configs" / "stage3.yaml")
+    rows = _run(["train.bench_stages", "--configs", f"{stage3},{tmp_path / 'missing.yaml'}", "--steps", "1",
+                 "--micro-batch", "2"], tmp_path)
+    assert [(r["config"], r["mode"]) for r in rows] == [(c, m) for c in (stage3, str(tmp_path / "missing.yaml"))
+                                                        for m in ("plain", "offload")]
+    plain, offload = rows[0], rows[1]
+    for r in (plain, offload):
+        assert "error" not in r and r["loss_finite"] and r["micro_batch"] == 2
+        _positive(r, "samples_per_s", "estimate_gpu_gib", "peak_host_gib")
+    assert plain["sharding"] == "sharding ddp (1 process)"
+    assert "over 1 process(es); parameters, gradients and optimizer state offloaded" in offload["sharding"]
+    _positive(offload, "estimate_host_gib")
+    assert all("missing.yaml" in r["error"] for r in rows[2:])

@@ -41,13 +41,17 @@ def make_accelerator(cfg: TrainConfig, plan: sharding.Plan | None = None) -> Acc
 def build_model(cfg: TrainConfig) -> tuple[TheWorld, Gemma3Processor]:
     """TheWorld in train mode, freeze flags applied, trainable weights in fp32, checkpointing as configured."""
     model, processor = TheWorld.from_config(cfg.model, cfg.world, cfg.freeze, seed=cfg.seed)
+    return ready_for_training(model, cfg), processor
+
+
+def ready_for_training(model: TheWorld, cfg: TrainConfig) -> TheWorld:
+    """The train.* settings that act on the model itself, in place."""
     model.cast_trainable_to_fp32()
     model.gradient_checkpointing(cfg.train.gradient_checkpointing)
     set_language_attention(model.gemma, cfg.train.attention)
     if cfg.train.compile:
         compile_language_layers(model.gemma)
-    model.train()
-    return model, processor
+    return model.train()
 
 
 def check_attention(attention: str) -> None:
@@ -133,10 +137,12 @@ class Components:
 
 
 def build(cfg: TrainConfig, accelerator: Accelerator, accum: int, init_from: Callable[[TheWorld], None] | None = None,
-          check: Callable[[TheWorld, Gemma3Processor], None] | None = None) -> Components:
+          check: Callable[[TheWorld, Gemma3Processor], None] | None = None,
+          built: tuple[TheWorld, Gemma3Processor | None] | None = None) -> Components:
     """Model (+ init_from weights, then `check(model, processor)` on the whole weights), sharded or DDP-wrapped
-    (train.sharding), optimiser over trainable parameters only, schedule, optional EMA."""
-    model, processor = build_model(cfg)
+    (train.sharding), optimiser over trainable parameters only, schedule, optional EMA. `built`: a model (and
+    processor) made elsewhere, e.g. the real architecture with random weights for train.bench_stages."""
+    model, processor = built or build_model(cfg)
     if init_from is not None:
         init_from(model)
     if check is not None:
