@@ -131,11 +131,15 @@ def test_fsdp_stage_chain_1_2_4(cache, tmp_path):
     assert set(w1) == {k for k in w2 if k.startswith("projector.")}
     assert f"loaded {len(w1)} tensors, {len(w2) - len(w1)} new, 0 ignored" in r2.stderr
     r4 = run2(["--config", str(cfgs / "stage4.yaml"), *s({**small, "output_dir": s4, "init_from": s2 / "final",
-                                                          "train.gradient_checkpointing": "true"})])
+                                                          "train.gradient_checkpointing": "true",
+                                                          "train.mixed_precision": "bf16"})])
     assert r4.returncode == 0, r4.stderr[-3000:]
     assert "latents live" in r4.stderr and f"loaded {len(w2)} tensors" in r4.stderr
     assert "sharding fsdp (FSDP2 fully_shard" in r4.stderr
     w4 = weights(s4)
+    # bf16 compute from fp32 master weights: what trains is saved in fp32, and it moved
+    assert {v.dtype for v in w4.values()} == {torch.float32} and all(math.isfinite(x) for x in losses(s4))
+    assert any(not torch.equal(w4[k], w2[k]) for k in w2)
     assert any(k.startswith("world_encoder.vae.encoder.") for k in w4)
     assert any(k.startswith("gemma.model.language_model.") for k in w4)
     # whole tensors under the model's own names: exactly the trainable set of an unsharded stage-4 model
