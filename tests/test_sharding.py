@@ -251,6 +251,42 @@ def test_lr_multipliers_reach_their_parameter_groups(cache, tmp_path):
         assert 0.5 * lr < steps <= lr * (1 + g["weight_decay"] * w) * 1.001, (g["part"], steps, lr)
 
 
+def test_checkpoint_with_one_adamw_group_per_decay_setting_resumes_exactly(cache, tmp_path):
+    """Checkpoints written before the per-part groups hold AdamW state in two groups (decay, then no decay, each in
+    parameter order): such a stage-3 checkpoint resumes, its state re-keyed by parameter name, and ends bitwise
+    equal to the run that wrote it."""
+    from theworld.cache_format import sha256_file
+    from theworld.config import load_config
+    from train import optim
+    from train.config import TrainConfig
+
+    extra = {**STAGE3, "train.save_every": 2, "train.weight_decay": 0.1}
+    assert train_inproc(base_args(cache, tmp_path / "ref", **extra)) == 0
+    sets = [a for a in base_args(cache, tmp_path / "ref", **extra) if a != "--set"]
+    model, _ = optim.build_model(load_config(TrainConfig, None, sets))
+    order = [n for n, p in model.named_parameters() if p.requires_grad]
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    groups = optim.param_groups(model, 0.1)
+    now = [name_of[id(p)] for g in groups for p in g["params"]]
+    decay = {name_of[id(p)] for g in groups if g["weight_decay"] > 0 for p in g["params"]}
+    assert len(groups) > 2 and decay and len(decay) < len(now)
+    before = [n for n in order if n in decay] + [n for n in order if n not in decay]
+    ckpt = tmp_path / "old" / "checkpoint-2"
+    shutil.copytree(tmp_path / "ref" / "checkpoint-2", ckpt)
+    saved = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    settings = {k: v for k, v in saved["param_groups"][0].items() if k not in ("params", "part", "lr_multiplier")}
+    saved["state"] = {before.index(now[i]): st for i, st in saved["state"].items()}
+    saved["param_groups"] = [{**settings, "weight_decay": 0.1, "params": list(range(len(decay)))},
+                             {**settings, "weight_decay": 0.0, "params": list(range(len(decay), len(before)))}]
+    torch.save(saved, ckpt / "optimizer.pt")
+    state = json.loads((ckpt / "state.json").read_text())
+    state["sha256"]["optimizer.pt"] = sha256_file(ckpt / "optimizer.pt")
+    (ckpt / "state.json").write_text(json.dumps(state))
+    assert train_inproc(base_args(cache, tmp_path / "old", **extra)) == 0
+    a, b = weights(tmp_path / "ref"), weights(tmp_path / "old")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.parametrize("value,key", [("train.lr_multipliers.decoder=2", "train.lr_multipliers.decoder"),
                                        ("train.lr_multipliers.projector=0", "train.lr_multipliers.projector"),
                                        ("train.lr_multipliers.vision=-1", "train.lr_multipliers.vision"),

@@ -37,6 +37,7 @@ from theworld.model import LoadReport, local_like
 from theworld.pretrained import CONFIG, EMA, WEIGHTS
 from train import sharding
 from train.config import run_hash
+from train.optim import decays
 from train.step import LoopState
 
 if TYPE_CHECKING:
@@ -289,12 +290,32 @@ def _load_optimizer(components: Components, saved: dict) -> None:
     """Whole-tensor state (any sharding, any process count) into this run's optimiser: each process keeps its slice.
     The learning-rate multipliers are the config's, not the checkpoint's."""
     params = [p for g in components.optimizer.param_groups for p in g["params"]]
+    if saved["param_groups"] and "part" not in saved["param_groups"][0]:
+        saved = _from_decay_groups(components, saved)
     saved["state"] = {i: {k: local_like(params[i], v) if torch.is_tensor(v) and v.shape == params[i].shape else v
                           for k, v in st.items()} for i, st in saved["state"].items()}
     components.optimizer.load_state_dict(saved)
     for g in components.optimizer.param_groups:
         if "part" in g:
             g["lr_multiplier"] = getattr(components.cfg.train.lr_multipliers, g["part"])
+
+
+def _from_decay_groups(components: Components, saved: dict) -> dict:
+    """State written with the earlier layout, one AdamW group per decay setting (decay, then no decay, each in
+    parameter order), re-keyed by parameter name to this optimiser's per-part groups."""
+    trainable = [(n, p) for n, p in components.raw.named_parameters() if p.requires_grad]
+    before = [n for n, p in trainable if decays(n, p)] + [n for n, p in trainable if not decays(n, p)]
+    name_of = {id(p): n for n, p in trainable}
+    now = {name_of[id(p)]: i for i, p in enumerate(p for g in components.optimizer.param_groups for p in g["params"])}
+    if sum(len(g["params"]) for g in saved["param_groups"]) != len(before):
+        raise ValueError(f"it holds state for {sum(len(g['params']) for g in saved['param_groups'])} tensors, this "
+                         f"run trains {len(before)}")
+    groups, first = [], 0
+    for g in components.optimizer.param_groups:  # the config's hyperparameters; the state is what carries over
+        settings = {k: v for k, v in g.items() if k != "params"}
+        groups.append({**settings, "params": list(range(first, first + len(g["params"])))})
+        first += len(g["params"])
+    return {"state": {now[before[i]]: st for i, st in saved["state"].items()}, "param_groups": groups}
 
 
 def _read(path: Path, reader):

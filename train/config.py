@@ -157,8 +157,10 @@ def accumulation_steps(cfg: TrainConfig, world_size: int) -> int:
 
 
 # Keys that may change between a run and its resumption without changing its numbers.
-RESUME_NEUTRAL = ("resume", "output_dir", "trackers", "profile", "train.num_workers", "train.cpu_threads", "train.log_every", "train.save_every",
-                  "train.keep_last", "train.eval_every", "train.benchmarks", "train.max_micro_batch_size")
+# train.cpu_offload moves the AdamW step to the host: like a change of process count, equal numbers up to rounding.
+RESUME_NEUTRAL = ("resume", "output_dir", "trackers", "profile", "train.num_workers", "train.cpu_threads",
+                  "train.log_every", "train.save_every", "train.keep_last", "train.eval_every", "train.benchmarks",
+                  "train.max_micro_batch_size", "train.cpu_offload")
 
 
 def run_hash(cfg: TrainConfig) -> str:

@@ -80,15 +80,18 @@ def part_of(name: str) -> str:
     raise ValueError(f"parameter {name} belongs to no part of TheWorld")
 
 
+def decays(name: str, p: torch.Tensor) -> bool:
+    """Whether weight decay applies: not to biases, norm weights (all 1-D) and the world markers."""
+    return not (p.ndim < 2 or name in NO_DECAY_NAMES or "norm" in name.lower())
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float, multipliers=None) -> list[dict]:
     """One AdamW group per (part, decay / no decay), in the order of `PARTS`; each group carries its part's
     `lr_multiplier` (train.lr_multipliers), applied on top of the scheduled rate at every step."""
     groups: dict[tuple[str, bool], list] = {}
     for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        decay = not (p.ndim < 2 or name in NO_DECAY_NAMES or "norm" in name.lower())
-        groups.setdefault((part_of(name), decay), []).append(p)
+        if p.requires_grad:
+            groups.setdefault((part_of(name), decays(name, p)), []).append(p)
     order = list(dict.fromkeys(part for _, part in PARTS))
     return [{"params": ps, "weight_decay": weight_decay if decay else 0.0, "part": part,
              "lr_multiplier": getattr(multipliers, part) if multipliers is not None else 1.0}
