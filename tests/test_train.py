@@ -109,6 +109,17 @@ def test_bad_config_key_or_value_exits_2(capsys, override, key):
     assert len(err) == 1 and key in err[0]
 
 
+def test_a_tracker_that_is_not_installed_is_refused_before_training(cache, tmp_path, capsys, monkeypatch):
+    """Accelerate only warns and trains on without it: days of a run with no wandb curves."""
+    import accelerate.utils
+
+    monkeypatch.setattr(accelerate.utils, "is_wandb_available", lambda: False)
+    assert train_inproc(base_args(cache, tmp_path / "run", **{"trackers": "[tensorboard, wandb]"})) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'trackers': wandb is not installed" in err[0], err
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("override,field", [("image.resolution=32", "image.resolution"),
                                             ("model.dtype=bfloat16", "vae.dtype"),
                                             ("model.vae=/elsewhere/vae", "vae.model")])

@@ -30,6 +30,19 @@ def _step_of(line: str) -> int:
         return -1
 
 
+def check_trackers(trackers: list[str]) -> None:
+    """Every tracker asked for is installed: Accelerate would only warn and train for days without it."""
+    from accelerate.utils import is_tensorboard_available, is_wandb_available
+
+    from theworld.errors import UserError
+
+    available = {"tensorboard": is_tensorboard_available, "wandb": is_wandb_available}
+    for t in trackers:
+        if not available[t]():
+            raise UserError(f"config key 'trackers': {t} is not installed (pip install {t}), or leave it out of "
+                            "trackers")
+
+
 class Metrics:
     """Main-process sink for log and eval events. On resume, lines past the resumed step (from the interrupted
     run) are dropped so the file reads as one uninterrupted run."""
