@@ -188,6 +188,30 @@ def test_kill_9_and_resume_gives_bitwise_equal_weights(cache, tmp_path):
     assert not list(out.glob(".tmp-*"))
 
 
+def test_resuming_on_a_cache_that_holds_other_samples_says_so(cache, tmp_path, capsys):
+    """A checkpoint records which samples its data order indexes; a rebuilt or extended cache gets a warning on
+    resume (the step's indices name other samples now), the same cache none."""
+    from precompute.config import load as load_pre
+    from precompute.cosmos_latents import run
+
+    other = tmp_path / "cache88"
+    run(load_pre(str(ROOT / "configs" / "precompute.yaml"),
+                 [f"output_dir={other}", "source.num_samples=88", "shard_size=32", "batch_size=32", "num_workers=0",
+                  "cache.flip=true", "cache.siglip=false"]))
+    out = tmp_path / "run"
+    assert train_inproc(base_args(cache, out, steps=3, **{"train.save_every": 2})) == 0
+    state = json.loads((out / "checkpoint-2" / "state.json").read_text())
+    assert state["cache"]["samples"] == 96 and len(state["cache"]["keys_sha256"]) == 16
+    for cache_dir, warned in ((cache, False), (other, True)):
+        shutil.rmtree(out / "final")
+        shutil.rmtree(out / "checkpoint-3")
+        capsys.readouterr()
+        assert train_inproc(base_args(cache_dir, out, steps=3, **{"train.save_every": 2})) == 0
+        err = capsys.readouterr().err
+        assert "resumed from" in err
+        assert ("holds other samples than when" in err and "(96 then, 88 now)" in err) == warned, err
+
+
 def test_an_output_dir_holding_another_run_is_protected_and_a_killed_save_is_cleaned_up(cache, tmp_path, capsys):
     out = tmp_path / "run"
     args = lambda steps, **kw: base_args(cache, out, steps=steps, **{"train.save_every": 1, "train.keep_last": 5,  # noqa: E731

@@ -2,8 +2,9 @@
 written to a temporary folder and renamed; old ones deleted only afterwards.
 
     <output_dir>/checkpoint-<step>/trainable.safetensors  trainable parameters, by their model names
-    <output_dir>/checkpoint-<step>/state.json             step, epoch, samples seen, data cursor, config hash, parent,
-                                                          sha256 of every other file (checked before resuming)
+    <output_dir>/checkpoint-<step>/state.json             step, epoch, samples seen, data cursor, the cache's samples,
+                                                          config hash, parent, sha256 of every other file (checked
+                                                          before resuming)
     <output_dir>/checkpoint-<step>/optimizer.pt           AdamW state dict (tensors and numbers: weights_only=True)
     <output_dir>/checkpoint-<step>/rng.safetensors        torch CPU RNG state of the main process
     <output_dir>/checkpoint-<step>/ema.safetensors        EMA of the trainable weights (when train.ema > 0)
@@ -114,8 +115,9 @@ def resume_point(cfg: TrainConfig, accelerator: Accelerator) -> tuple[list[Path]
     return removed, resume_from
 
 
-def restore(components: Components, resume_from: Path | None) -> LoopState:
-    """A fresh LoopState, or the checkpoint's (weights, optimiser, EMA and RNG restored into `components`)."""
+def restore(components: Components, resume_from: Path | None, cache: dict | None = None) -> LoopState:
+    """A fresh LoopState, or the checkpoint's (weights, optimiser, EMA and RNG restored into `components`). `cache`:
+    what `cache_identity` says of the cache now, compared with what the checkpoint recorded."""
     if resume_from is None:
         return LoopState(parent=components.cfg.init_from)
     saved = load(components, resume_from)
@@ -124,6 +126,11 @@ def restore(components: Components, resume_from: Path | None) -> LoopState:
     if components.accelerator.is_main_process:
         if saved.get("config_hash") != run_hash(components.cfg):
             print(f"warning: {resume_from} was written under a different config", file=sys.stderr)
+        was = saved.get("cache")
+        if cache and was and was != cache:  # rebuilt or extended: the same step indices name other samples
+            print(f"warning: the cache {components.cfg.cache_dir} holds other samples than when {resume_from} was "
+                  f"written ({was['samples']} then, {cache['samples']} now): the data order from here on is not the "
+                  "interrupted run's", file=sys.stderr)
         # allowed: the data order does not depend on it
         if saved.get("num_processes", components.world_size) != components.world_size:
             print(f"note: {resume_from} was written by {saved['num_processes']} process(es), resumed by "
@@ -131,22 +138,29 @@ def restore(components: Components, resume_from: Path | None) -> LoopState:
     return state
 
 
-def run_state(cfg: TrainConfig, step: int, steps_per_epoch: int, num_processes: int) -> dict:
+def cache_identity(reader) -> dict:
+    """Which samples the data order's indices name: their count and a digest of their keys in cache order."""
+    return {"samples": len(reader), "keys_sha256": reader.keys_digest()}
+
+
+def run_state(cfg: TrainConfig, step: int, steps_per_epoch: int, num_processes: int, cache: dict | None) -> dict:
     """What a checkpoint's state.json records besides the LoopState: where the data order is (a pure function of
-    (seed, step)), and the config and process count it was written under (compared on resume by `restore`)."""
+    (seed, step)), the samples it orders, and the config and process count it was written under (compared on resume
+    by `restore`)."""
     epoch, cursor = divmod(step, steps_per_epoch)
-    return {"epoch": epoch, "data_cursor": {"epoch": epoch, "batch_in_epoch": cursor},
+    return {"epoch": epoch, "data_cursor": {"epoch": epoch, "batch_in_epoch": cursor}, "cache": cache,
             "config_hash": run_hash(cfg), "num_processes": num_processes}
 
 
-def save_run(components: Components, state: LoopState, steps_per_epoch: int) -> None:
+def save_run(components: Components, state: LoopState, steps_per_epoch: int, cache: dict | None = None) -> None:
     """Every process: gather the weights (a collective under FSDP), save a checkpoint from the main process, and wait
-    for it there."""
+    for it there. `cache`: `cache_identity` of the cache trained on."""
     components.accelerator.wait_for_everyone()
     whole = gather(components)  # every process: under FSDP the shards are gathered to the main one
     if components.accelerator.is_main_process:
         save(components, state, components.cfg.output_dir, components.cfg.train.keep_last,
-             run_state(components.cfg, state.step, steps_per_epoch, components.accelerator.num_processes), whole)
+             run_state(components.cfg, state.step, steps_per_epoch, components.accelerator.num_processes, cache),
+             whole)
     components.accelerator.wait_for_everyone()
 
 

@@ -72,7 +72,8 @@ def _train(cfg: TrainConfig, accelerator: Accelerator, reader: CacheReader, plan
     components = optim.build(cfg, accelerator, accum, init,
                              check=lambda m, p: data.verify_fingerprint(cfg, m, p, reader, plan))
     ctx = data.DataContext.build(cfg, reader, plan, components.processor, split)
-    state = checkpoint.restore(components, resume_from)
+    cache = checkpoint.cache_identity(reader)
+    state = checkpoint.restore(components, resume_from, cache)
     m = Metrics(accelerator, cfg.output_dir, {**to_dict(cfg), "run_hash": run_hash(cfg)}, state.step,
                 cfg.train.max_steps, cfg.trackers)
     for line in _start_lines(cfg, components, reader, plan, ctx, removed, reports, resume_from, state.step, per_epoch,
@@ -90,7 +91,7 @@ def _train(cfg: TrainConfig, accelerator: Accelerator, reader: CacheReader, plan
             m.log({"step": state.step, **bench.run(components)})
 
     def save():
-        checkpoint.save_run(components, state, per_epoch)
+        checkpoint.save_run(components, state, per_epoch, cache)
 
     if state.step == 0 and cfg.train.eval_every:
         run_eval()

@@ -2,6 +2,7 @@
 `decode_sample`, and `load_stacked` (one tensor member of a batch's samples in one copy)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -248,6 +249,10 @@ class CacheReader:
 
     def keys(self) -> list[str]:
         return [k.decode() for k in self._keys]
+
+    def keys_digest(self) -> str:
+        """sha256 (16 hex digits) of the sample keys in cache order: what the indices of a data order refer to."""
+        return hashlib.sha256(b"\n".join(self._keys.tolist())).hexdigest()[:16]
 
     def member_names(self) -> list[str]:
         """Every member name some sample in the cache has."""
