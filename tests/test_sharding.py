@@ -206,6 +206,11 @@ def test_launcher_fsdp_and_offload_flags_select_the_plan(monkeypatch, config, en
     assert (plan.mode, plan.offload) == expected
     assert plan.sharded(1) == plan.offload and plan.sharded(2) == (plan.mode == "fsdp")
     assert not {"ACCELERATE_USE_FSDP", "FSDP_OFFLOAD_PARAMS"} & set(os.environ)  # Accelerator() must not see them
+    # offloaded shards are host tensors: a GPU group of several processes needs gloo for their collectives
+    assert sharding.process_group_backend(plan, cpu=False, processes=8) == ("cuda:nccl,cpu:gloo" if plan.offload
+                                                                             else None)
+    assert sharding.process_group_backend(plan, cpu=True, processes=8) is None  # gloo already
+    assert sharding.process_group_backend(plan, cpu=False, processes=1) is None  # accelerate makes no group
 
 
 # ----------------------------------------------------------------------------------------------------------------------

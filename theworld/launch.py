@@ -17,9 +17,14 @@ def use_cpu() -> bool:
     return os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes") or not torch.cuda.is_available()
 
 
+def launched_processes() -> int:
+    """How many processes the launcher started (accelerate launch and torchrun both set WORLD_SIZE)."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
 def check_group(num_processes: int) -> None:
-    """The launcher's WORLD_SIZE (accelerate launch and torchrun both set it) must be the group's size."""
-    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    """The launcher's WORLD_SIZE must be the group's size."""
+    launched = launched_processes()
     if num_processes != launched:
         raise UserError(f"the launcher started {launched} processes (WORLD_SIZE={launched}) but they formed a group of "
                         f"{num_processes}; on CPU launch with ACCELERATE_USE_CPU=true, e.g. ACCELERATE_USE_CPU=true "

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from theworld.errors import UserError
-from theworld.launch import check_group, use_cpu
+from theworld.launch import check_group, launched_processes, use_cpu
 from theworld.model import TheWorld, compile_language_layers
 from train import sharding
 
@@ -24,15 +24,17 @@ NO_DECAY_NAMES = ("projector.sow", "projector.eow")
 def make_accelerator(cfg: TrainConfig, plan: sharding.Plan | None = None) -> Accelerator:
     """`plan`: what `sharding.resolve(cfg)` returned, when the caller checked it earlier."""
     from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration
+    from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
     check_attention(cfg.train.attention)  # before the accelerator and the models: a refusal should cost nothing
     plan = plan or sharding.resolve(cfg)  # before Accelerator(), which would act on the launcher's FSDP request itself
     cfg.train.sharding = plan.mode
+    backend = sharding.process_group_backend(plan, use_cpu(), launched_processes())
     accelerator = Accelerator(cpu=use_cpu(), mixed_precision=cfg.train.mixed_precision,
                               log_with=list(cfg.trackers) or None,
                               project_config=ProjectConfiguration(project_dir=cfg.output_dir,
-                                                                  logging_dir=cfg.output_dir))
+                                                                  logging_dir=cfg.output_dir),
+                              kwargs_handlers=[InitProcessGroupKwargs(backend=backend)] if backend else None)
     check_group(accelerator.num_processes)  # torchrun or a config file: N processes train as one group, never N runs
     accelerator.sharding_plan = plan  # build() reports where the choice came from
     return accelerator

@@ -17,6 +17,7 @@ from torch import nn
 
 FSDP_ENV = "ACCELERATE_USE_FSDP"  # what `accelerate launch --use_fsdp` and an accelerate config with FSDP export
 OFFLOAD_ENV = "FSDP_OFFLOAD_PARAMS"  # and `--fsdp_offload_params true` / `fsdp_offload_params: true`
+WITH_HOST = "cuda:nccl,cpu:gloo"  # a GPU process group that also runs collectives on host tensors
 
 
 @dataclass
@@ -62,6 +63,14 @@ def resolve(cfg) -> Plan:
     return plan
 
 
+def process_group_backend(plan: Plan, cpu: bool, processes: int) -> str | None:
+    """The backend Accelerate should give the launcher's process group, when not its default. Offloaded shards are
+    host tensors, and the collectives on them (a save's gather, the gradient norm) need gloo beside NCCL, as
+    accelerate and torchtitan set up for CPU offload (accelerate would, from the launcher variables `resolve`
+    removes). One process gets no group from Accelerate: `shard` makes its own."""
+    return WITH_HOST if plan.offload and not cpu and processes > 1 else None
+
+
 def units(model: nn.Module) -> list[nn.Module]:
     """The FSDP units below the root: the VAE's encoder and decoder (the decoder never runs, so it is never gathered),
     the SigLIP encoder layers, the Gemma decoder layers."""
@@ -88,7 +97,7 @@ def shard(model: nn.Module, device: torch.device, world_size: int, mixed_precisi
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     if world_size == 1:
-        _group_of_one(device)
+        _group_of_one(WITH_HOST if device.type == "cuda" else "gloo")
     mesh = init_device_mesh(device.type, (world_size,))
     kwargs = {"mesh": mesh, "mp_policy": mixed_precision_policy(mixed_precision),
               "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()}
@@ -99,14 +108,13 @@ def shard(model: nn.Module, device: torch.device, world_size: int, mixed_precisi
     return len(blocks) + 1
 
 
-def _group_of_one(device: torch.device) -> None:
+def _group_of_one(backend: str) -> None:
     """A one-process group for FSDP when the launcher made none (a plain `python -m train.loop`, or accelerate with
     one process); train.loop destroys it at the end like accelerate's own."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=None)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def is_sharded(t: torch.Tensor) -> bool:
