@@ -9,7 +9,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,26 +17,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import launch2, run2
 from test_train import ENV, ROOT, base_args, cache, metrics, train_cli, train_inproc, weights  # noqa: F401 (fixture)
 
 STAGE3 = {"freeze.vision": "false", "freeze.language": "false"}
-
-
-def launch2(args: list[str], env: dict | None = None, **popen) -> subprocess.Popen:
-    """Two real processes (gloo) through the interpreter's accelerate."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
-           "-m", "train.loop", *args]
-    return subprocess.Popen(cmd, cwd=ROOT, env={**ENV, "ACCELERATE_USE_CPU": "true", **(env or {})}, **popen)
-
-
-def run2(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
-    p = launch2(args, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out, err = p.communicate(timeout=600)
-    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
 def losses(run_dir) -> list[float]:

@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,9 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(ROOT),
-       "OMP_NUM_THREADS": "1"}
+from conftest import ENV, ROOT, run2
 
 
 @pytest.fixture(scope="module")
@@ -316,14 +313,7 @@ def test_one_vs_two_processes_vs_accumulation(cache, tmp_path):
     assert one.returncode == 0, one.stderr[-3000:]
     acc = train_cli(base_args(cache, tmp_path / "acc", steps=3, **extra, **{"train.micro_batch_size": 4}))  # 4 of 4
     assert acc.returncode == 0, acc.stderr[-3000:]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    two = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
-         "-m", "train.loop", *base_args(cache, tmp_path / "two", steps=3, **extra)],
-        cwd=ROOT, env={**ENV, "ACCELERATE_USE_CPU": "true"}, capture_output=True, text=True, timeout=300)
+    two = run2(base_args(cache, tmp_path / "two", steps=3, **extra))
     assert two.returncode == 0, two.stderr[-3000:]
     assert "2 process(es) x 1 micro-batches" in two.stderr + two.stdout
     w1, wa, w2 = weights(tmp_path / "one"), weights(tmp_path / "acc"), weights(tmp_path / "two")
@@ -576,14 +566,7 @@ def test_bucketed_cache_resumes_exactly_and_two_processes_match_one(bucket_cache
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert [m["loss"] for m in metrics(resumed) if "loss" in m] == [m["loss"] for m in metrics(tmp_path / "ref")
                                                                      if "loss" in m]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    two = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
-         "-m", "train.loop", *bucket_args(bucket_cache, tmp_path / "two", 4, **{"train.save_every": 2})],
-        cwd=ROOT, env={**ENV, "ACCELERATE_USE_CPU": "true"}, capture_output=True, text=True, timeout=300)
+    two = run2(bucket_args(bucket_cache, tmp_path / "two", 4, **{"train.save_every": 2}))
     assert two.returncode == 0, two.stderr[-3000:]
     assert "2 process(es) x 1 micro-batches" in two.stderr + two.stdout
     w2 = weights(tmp_path / "two")
