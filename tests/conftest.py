@@ -1,7 +1,9 @@
-"""Shared test set-up: no network, tiny models built once per checkout, a fake VAE on request."""
+"""Shared test set-up: no network, tiny models built once per checkout, a fake VAE on request, two-process launches."""
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +16,39 @@ os.environ.setdefault("THEWORLD_MODELS", str(ROOT / "cache" / "models"))  # buil
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # what every subprocess a test starts gets
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_process_command(module: str, *args: str) -> list[str]:
+    """`python -m MODULE ARGS` as two real CPU processes (gloo) through this interpreter's accelerate, on a free port;
+    run it with ACCELERATE_USE_CPU=true (`accelerate launch --cpu --num_processes 2` silently runs one)."""
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+            str(free_port()), "-m", module, *args]
+
+
+def launch2(args: list[str], env: dict | None = None, module: str = "train.loop", **popen) -> subprocess.Popen:
+    """Start `module` (a training run by default) on two processes; `popen` goes to subprocess.Popen."""
+    return subprocess.Popen(two_process_command(module, *args), cwd=ROOT,
+                            env={**ENV, "ACCELERATE_USE_CPU": "true", **(env or {})}, **popen)
+
+
+def run2(args: list[str], env: dict | None = None, module: str = "train.loop") -> subprocess.CompletedProcess:
+    """`launch2` to the end, its output captured as text."""
+    p = launch2(args, env, module, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = p.communicate(timeout=600)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
 @pytest.fixture

@@ -208,27 +208,15 @@ def test_the_cli_on_a_trained_run_and_train_benchmarks_agree(trained_run, capsys
 def test_two_processes_split_the_benchmark_and_agree_with_one(trained_run, tmp_path):
     """7 items over 2 processes, 1 item per forward: one process runs a stand-in batch at the end and nothing hangs;
     the summed counts equal the one-process evaluation of the same (step-0, seeded) weights."""
-    import os
-    import socket
-    import subprocess
-    import sys
+    from conftest import run2
 
-    root = Path(__file__).resolve().parents[1]
     mc = tmp_path / "mc7" / "items.jsonl"
     benchmarks.make_synthetic(mc, 7, seed=2)
     sets = {"cache_dir": trained_run["cache"], "output_dir": tmp_path / "two", "model.dtype": "float32",
             "train.max_steps": 1, "train.global_batch_size": 8, "train.micro_batch_size": 4, "train.eval_samples": 8,
             "train.eval_batch_size": 4, "train.num_workers": 0, "trackers": "[]", "train.eval_every": 1,
             "train.benchmarks": f"[{mc}]"}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    two = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
-         "-m", "train.loop", *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]],
-        cwd=root, env={**os.environ, "ACCELERATE_USE_CPU": "true", "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"},
-        capture_output=True, text=True, timeout=300)
+    two = run2([a for k, v in sets.items() for a in ("--set", f"{k}={v}")])
     assert two.returncode == 0, two.stderr[-3000:]
     lines = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     first = next(x for x in lines if "bench/items/n" in x)

@@ -9,7 +9,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,26 +17,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import launch2, run2
 from test_train import ENV, ROOT, base_args, cache, metrics, train_cli, train_inproc, weights  # noqa: F401 (fixture)
 
 STAGE3 = {"freeze.vision": "false", "freeze.language": "false"}
-
-
-def launch2(args: list[str], env: dict | None = None, **popen) -> subprocess.Popen:
-    """Two real processes (gloo) through the interpreter's accelerate."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
-           "-m", "train.loop", *args]
-    return subprocess.Popen(cmd, cwd=ROOT, env={**ENV, "ACCELERATE_USE_CPU": "true", **(env or {})}, **popen)
-
-
-def run2(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
-    p = launch2(args, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out, err = p.communicate(timeout=600)
-    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
 def losses(run_dir) -> list[float]:
@@ -49,15 +32,14 @@ def losses(run_dir) -> list[float]:
 
 
 @pytest.mark.slow
-def test_fsdp_two_processes_give_the_weights_of_one(cache, tmp_path):
+def test_fsdp_two_processes_give_the_weights_of_one(cache, tmp_path, capsys):
     """Stage 3 (vision and language train). The 2-process run asks for FSDP with host offload the way an accelerate
     launch config does (ACCELERATE_USE_FSDP, FSDP_OFFLOAD_PARAMS), the 1-process run through train.sharding (which
     with one process shards nothing). 19 held-out samples give the two processes 2 and 1 eval batches: every forward
     is a collective under FSDP."""
     extra = {**STAGE3, "train.eval_samples": 19}
-    one = train_cli(base_args(cache, tmp_path / "one", steps=3, **extra, **{"train.sharding": "fsdp"}))
-    assert one.returncode == 0, one.stderr[-3000:]
-    assert "sharding fsdp with 1 process: unsharded" in one.stderr
+    assert train_inproc(base_args(cache, tmp_path / "one", steps=3, **extra, **{"train.sharding": "fsdp"})) == 0
+    assert "sharding fsdp with 1 process: unsharded" in capsys.readouterr().err
     two = run2(base_args(cache, tmp_path / "two", steps=3, **extra),
                env={"ACCELERATE_USE_FSDP": "true", "FSDP_OFFLOAD_PARAMS": "true"})
     assert two.returncode == 0, two.stderr[-3000:]
@@ -75,7 +57,7 @@ def test_fsdp_two_processes_give_the_weights_of_one(cache, tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp_kill_9_and_resume_gives_bitwise_equal_weights(cache, tmp_path):
+def test_fsdp_kill_9_and_resume_gives_bitwise_equal_weights(cache, tmp_path, capsys):
     extra = {**STAGE3, "train.sharding": "fsdp", "train.save_every": 2, "train.ema": 0.9, "world.latent": "sample"}
     ref = run2(base_args(cache, tmp_path / "ref", steps=5, **extra))
     assert ref.returncode == 0, ref.stderr[-3000:]
@@ -108,13 +90,13 @@ def test_fsdp_kill_9_and_resume_gives_bitwise_equal_weights(cache, tmp_path):
     again = tmp_path / "one"
     again.mkdir()
     shutil.copytree(ckpt, again / "checkpoint-4")
-    one = train_cli(base_args(cache, again, steps=5, **extra))
-    assert one.returncode == 0, one.stderr[-3000:]
-    assert "written by 2 process(es), resumed by 1" in one.stderr
+    capsys.readouterr()
+    assert train_inproc(base_args(cache, again, steps=5, **extra)) == 0
+    assert "written by 2 process(es), resumed by 1" in capsys.readouterr().err
 
 
 @pytest.mark.slow
-def test_fsdp_stage_chain_1_2_4(cache, tmp_path):
+def test_fsdp_stage_chain_1_2_4(cache, tmp_path, capsys):
     """Stage 1 sharded over two processes, stage 2 in one, stage 4 sharded again: init_from reads whole tensors by
     name whatever wrote them."""
     cfgs = ROOT / "configs"
@@ -125,11 +107,12 @@ def test_fsdp_stage_chain_1_2_4(cache, tmp_path):
     s1, s2, s4 = tmp_path / "s1", tmp_path / "s2", tmp_path / "s4"
     r1 = run2(["--config", str(cfgs / "stage1.yaml"), *s({**small, "output_dir": s1})])
     assert r1.returncode == 0, r1.stderr[-3000:]
-    r2 = train_cli(["--config", str(cfgs / "stage2.yaml"), *s({**small, "output_dir": s2, "init_from": s1 / "final"})])
-    assert r2.returncode == 0, r2.stderr[-3000:]
+    capsys.readouterr()
+    assert train_inproc(["--config", str(cfgs / "stage2.yaml"), *s({**small, "output_dir": s2,
+                                                                      "init_from": s1 / "final"})]) == 0
     w1, w2 = weights(s1), weights(s2)
     assert set(w1) == {k for k in w2 if k.startswith("projector.")}
-    assert f"loaded {len(w1)} tensors, {len(w2) - len(w1)} new, 0 ignored" in r2.stderr
+    assert f"loaded {len(w1)} tensors, {len(w2) - len(w1)} new, 0 ignored" in capsys.readouterr().err
     r4 = run2(["--config", str(cfgs / "stage4.yaml"), *s({**small, "output_dir": s4, "init_from": s2 / "final",
                                                           "train.gradient_checkpointing": "true",
                                                           "train.mixed_precision": "bf16"})])

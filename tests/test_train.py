@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,9 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(ROOT),
-       "OMP_NUM_THREADS": "1"}
+from conftest import ENV, ROOT, run2
 
 
 @pytest.fixture(scope="module")
@@ -264,8 +261,7 @@ def test_a_second_run_into_a_busy_output_dir_is_refused_and_deletes_nothing(cach
         assert sorted(p.name for p in out.iterdir()) == [".run.lock", ".tmp-checkpoint-3-999"]
     finally:
         os.close(fd)
-    again = train_cli(base_args(cache, out))  # the holder gone, that folder is a killed run's leftover
-    assert again.returncode == 0, again.stderr[-3000:]
+    assert train_inproc(base_args(cache, out)) == 0  # the holder gone, that folder is a killed run's leftover
     assert not (out / ".tmp-checkpoint-3-999").exists() and (out / "final").is_dir()
 
 
@@ -347,18 +343,9 @@ def test_one_vs_two_processes_vs_accumulation(cache, tmp_path):
     # the hardest case: sampled latents, and the VAE and vision tower training (DDP fails on a trainable parameter
     # that gets no gradient)
     extra = {"train.flip": "true", "world.latent": "sample", "freeze.vae": "false", "freeze.vision": "false"}
-    one = train_cli(base_args(cache, tmp_path / "one", steps=3, **extra))  # 1 process, 2 micro-batches of 8
-    assert one.returncode == 0, one.stderr[-3000:]
-    acc = train_cli(base_args(cache, tmp_path / "acc", steps=3, **extra, **{"train.micro_batch_size": 4}))  # 4 of 4
-    assert acc.returncode == 0, acc.stderr[-3000:]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    two = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
-         "-m", "train.loop", *base_args(cache, tmp_path / "two", steps=3, **extra)],
-        cwd=ROOT, env={**ENV, "ACCELERATE_USE_CPU": "true"}, capture_output=True, text=True, timeout=300)
+    assert train_inproc(base_args(cache, tmp_path / "one", steps=3, **extra)) == 0  # 1 process, 2 micro-batches of 8
+    assert train_inproc(base_args(cache, tmp_path / "acc", steps=3, **extra, **{"train.micro_batch_size": 4})) == 0
+    two = run2(base_args(cache, tmp_path / "two", steps=3, **extra))
     assert two.returncode == 0, two.stderr[-3000:]
     assert "2 process(es) x 1 micro-batches" in two.stderr + two.stdout
     w1, wa, w2 = weights(tmp_path / "one"), weights(tmp_path / "acc"), weights(tmp_path / "two")
@@ -594,31 +581,23 @@ def bucket_args(cache: Path, out: Path, steps: int, **extra) -> list[str]:
 
 
 @pytest.mark.slow
-def test_bucketed_cache_resumes_exactly_and_two_processes_match_one(bucket_cache, tmp_path):
+def test_bucketed_cache_resumes_exactly_and_two_processes_match_one(bucket_cache, tmp_path, capsys):
     # 40 train samples in five shapes, G=4: every step's batch has one shape, the world-token count changes between
     # steps. Resume: a finished run with its last checkpoint and final/ removed is continued from checkpoint-2.
-    ref = train_cli(bucket_args(bucket_cache, tmp_path / "ref", 4, **{"train.save_every": 2}))
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    assert "latent shapes (train samples): " in ref.stderr
+    assert train_inproc(bucket_args(bucket_cache, tmp_path / "ref", 4, **{"train.save_every": 2})) == 0
+    assert "latent shapes (train samples): " in capsys.readouterr().err
     resumed = tmp_path / "resumed"
     shutil.copytree(tmp_path / "ref", resumed)
     shutil.rmtree(resumed / "final")
     shutil.rmtree(resumed / "checkpoint-4")
-    again = train_cli(bucket_args(bucket_cache, resumed, 4, **{"train.save_every": 2}))
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "resumed from" in again.stderr and "checkpoint-2" in again.stderr
+    assert train_inproc(bucket_args(bucket_cache, resumed, 4, **{"train.save_every": 2})) == 0
+    err = capsys.readouterr().err
+    assert "resumed from" in err and "checkpoint-2" in err
     a, b = weights(tmp_path / "ref"), weights(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert [m["loss"] for m in metrics(resumed) if "loss" in m] == [m["loss"] for m in metrics(tmp_path / "ref")
                                                                      if "loss" in m]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    two = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
-         "-m", "train.loop", *bucket_args(bucket_cache, tmp_path / "two", 4, **{"train.save_every": 2})],
-        cwd=ROOT, env={**ENV, "ACCELERATE_USE_CPU": "true"}, capture_output=True, text=True, timeout=300)
+    two = run2(bucket_args(bucket_cache, tmp_path / "two", 4, **{"train.save_every": 2}))
     assert two.returncode == 0, two.stderr[-3000:]
     assert "2 process(es) x 1 micro-batches" in two.stderr + two.stdout
     w2 = weights(tmp_path / "two")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import free_port, launch2, run2
 from test_train import ENV, ROOT, base_args, cache, metrics, train_inproc  # noqa: F401 (cache: a fixture)
 from theworld.cache_format import sha256_file
 
@@ -209,20 +210,13 @@ def test_a_launcher_whose_processes_do_not_form_one_group_is_refused(monkeypatch
 
 @pytest.mark.slow
 def test_torchrun_with_two_processes_trains_on_two(cache, tmp_path):
-    import socket
-
     import torch
 
     from test_train import weights
 
-    one = subprocess.run([sys.executable, "-m", "train.loop", *base_args(cache, tmp_path / "one", steps=3)],
-                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
-    assert one.returncode == 0, one.stderr[-3000:]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    assert train_inproc(base_args(cache, tmp_path / "one", steps=3)) == 0
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          str(port), "-m", "train.loop", *base_args(cache, tmp_path / "two", steps=3)],
+                          str(free_port()), "-m", "train.loop", *base_args(cache, tmp_path / "two", steps=3)],
                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert two.returncode == 0, two.stderr[-3000:]
     assert "2 process(es) x 1 micro-batches of 8" in two.stderr
@@ -233,21 +227,10 @@ def test_torchrun_with_two_processes_trains_on_two(cache, tmp_path):
 
 @pytest.mark.slow
 def test_the_shuffled_world_eval_is_the_same_on_one_and_two_processes(cache, tmp_path):
-    import socket
-
     args = lambda out: base_args(cache, out, steps=1, **{"train.eval_every": 1, "train.eval_samples": 14,  # noqa: E731
                                                           "train.eval_batch_size": 4})
-    one = subprocess.run([sys.executable, "-m", "train.loop", *args(tmp_path / "one")], cwd=ROOT, env=ENV,
-                         capture_output=True, text=True, timeout=600)
-    assert one.returncode == 0, one.stderr[-3000:]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    two = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
-         "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port), "-m",
-         "train.loop", *args(tmp_path / "two")],
-        cwd=ROOT, env={**ENV, "ACCELERATE_USE_CPU": "true"}, capture_output=True, text=True, timeout=600)
+    assert train_inproc(args(tmp_path / "one")) == 0
+    two = run2(args(tmp_path / "two"))
     assert two.returncode == 0, two.stderr[-3000:]
     e1 = [m for m in metrics(tmp_path / "one") if "eval_loss" in m]
     e2 = [m for m in metrics(tmp_path / "two") if "eval_loss" in m]
@@ -362,19 +345,10 @@ def _children(pid: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_a_signal_to_one_of_two_processes_stops_both_after_the_same_step_with_a_checkpoint(cache, tmp_path):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def test_a_signal_to_one_of_two_processes_stops_both_after_the_same_step_with_a_checkpoint(cache, tmp_path, capsys):
     out = tmp_path / "run"
     args = base_args(cache, out, steps=40, **{"train.save_every": 100})
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
-         "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port), "-m",
-         "train.loop", *args], cwd=ROOT, env={**ENV, "ACCELERATE_USE_CPU": "true"}, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
+    launcher = launch2(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for_step(out, launcher, 2)
         ranks = [p for c in _children(launcher.pid) for p in _children(c) or [c]]
@@ -388,7 +362,6 @@ def test_a_signal_to_one_of_two_processes_stops_both_after_the_same_step_with_a_
     assert launcher.returncode != 0 and "stopped by SIGTERM after step" in err, err[-3000:]
     ckpts = sorted(out.glob("checkpoint-*"))
     assert len(ckpts) == 1 and not (out / "final").exists()
-    resumed = subprocess.run([sys.executable, "-m", "train.loop", *base_args(cache, out, steps=int(
-        ckpts[0].name.split("-")[1]) + 1, **{"train.save_every": 100})], cwd=ROOT, env=ENV, capture_output=True,
-        text=True, timeout=600)
-    assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]
+    assert train_inproc(base_args(cache, out, steps=int(ckpts[0].name.split("-")[1]) + 1,
+                                  **{"train.save_every": 100})) == 0
+    assert "resumed from" in capsys.readouterr().err
