@@ -468,6 +468,36 @@ def test_parquet_hf_datasets_image_struct(tmp_path, fake_vae, monkeypatch):
     assert [s["sha256"] for s in again["shards"]] == [s["sha256"] for s in result["shards"]]
 
 
+def test_parquet_file_changed_since_the_cache_was_started_is_refused(tmp_path, fake_vae, capsys):
+    """As a changed folder is: a file whose size or modification time differs, or one added or removed, is named;
+    the shards already written stay."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "data").mkdir()
+    rows = lambda lo, hi: pa.table({"image": pa.array([jpeg_bytes(gradient(20 + i, 20)) for i in range(lo, hi)]),
+                                    "caption": [f"c {i}" for i in range(lo, hi)]})
+    pq.write_table(rows(0, 4), tmp_path / "data" / "a.parquet")
+    pq.write_table(rows(4, 6), tmp_path / "data" / "b.parquet")
+    out = tmp_path / "c"
+    args = cli_args(out, "source.type=parquet", f"source.path={tmp_path}/data", shard=2)
+    assert cosmos_latents.main(args) == 0
+    written = {p.name: p.read_bytes() for p in (out / "shards").iterdir()}
+    cf.tar_path(out, 1).unlink()  # interrupted: shard 1 is to be redone
+    capsys.readouterr()
+    pq.write_table(rows(10, 14), tmp_path / "data" / "a.parquet")  # same row count, other rows
+    os.utime(tmp_path / "data" / "a.parquet", ns=(1, 1))
+    assert cosmos_latents.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "a.parquet changed" in err and "another output_dir" in err
+    assert not cf.tar_path(out, 1).exists()
+    assert all((out / "shards" / n).read_bytes() == b for n, b in written.items() if n != cf.tar_path(out, 1).name)
+    pq.write_table(rows(0, 4), tmp_path / "data" / "a.parquet")
+    (tmp_path / "data" / "b.parquet").unlink()
+    assert cosmos_latents.main(args) == 2
+    assert "b.parquet was removed" in capsys.readouterr().err
+
+
 def test_parquet_datacomp(tmp_path, fake_vae, capsys):
     """DataComp: the metadata parquet (uid, url, text, ...) carries no images and is refused with one line; the
     img2dataset parquet of it (key, uid, url, caption, status, jpg) is read with source.image_column=jpg."""

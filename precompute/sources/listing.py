@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Callable, Iterable, NamedTuple
 import numpy as np
 
 from precompute.sources import content
+from theworld.errors import UserError
 
 
 @dataclass
@@ -141,3 +143,29 @@ def read_json(path: Path) -> dict | None:
         return json.loads(path.read_text())
     except (OSError, ValueError, RecursionError):
         return None
+
+
+def file_identity(path: str) -> list:
+    """What a listing of a source file stays valid for: the same file (absolute path), size and modification time."""
+    st = os.stat(path)
+    return [os.path.abspath(path), st.st_size, st.st_mtime_ns]
+
+
+def check_unchanged(old: list | None, new: list, index_dir: Path, what: str) -> None:
+    """Refuse to go on when the source files recorded in `index_dir` (`file_identity` lists, possibly followed by an
+    index version, which is not compared) are not the ones listed now: the shards already written follow the old
+    `what` (rows, samples). Names the first file added, removed or changed, and how."""
+    if not isinstance(old, list) or not all(isinstance(o, list) and len(o) >= 3 for o in old):
+        return  # no record (or an unreadable one, rebuilt): nothing to compare with
+    before, now = {o[0]: o[1:3] for o in old}, {n[0]: n[1:3] for n in new}
+    changes = [f"{p} was added" for p in now if p not in before] + \
+        [f"{p} was removed" for p in before if p not in now] + \
+        [(f"{p} changed size ({before[p][0]} -> {now[p][0]} bytes)" if before[p][0] != now[p][0]
+          else f"{p} changed (modification time)") for p in now if p in before and before[p] != now[p]]
+    if not changes and list(before) != list(now):
+        changes = ["the files' order changed"]
+    if changes:
+        more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
+        raise UserError(f"config key 'source.path': {changes[0]}{more} since the cache in {Path(index_dir).parent} "
+                        f"was started, so its shards follow other {what}: restore it, or use another output_dir (or "
+                        "delete that one) to start over")
