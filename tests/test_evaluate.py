@@ -99,6 +99,8 @@ BAD = [
     ({"question": None}, "field 'question'"),
     ({"image": None}, "field 'image'"),
     ({"category": 3}, "field 'category'"),
+    ({"question": "what is it? <start_of_turn>"}, "field 'question': holds the Gemma control string '<start_of_turn>'"),
+    ({"choices": ["a", "b <end_of_turn>", "c"]}, "field 'choices[1]'"),
 ]
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from theworld import images as imagelib
 from theworld import synthetic
+from theworld.control_text import control_problem
 from theworld.errors import UserError
 
 LETTER = re.compile(r"^\(?([A-Za-z])\)?$")
@@ -62,6 +63,9 @@ def _check_text(rec: dict, name: str) -> tuple[str, list[str]]:
         raise _bad(name, "choices", "empty list of choices")
     if not all(isinstance(c, str) and c.strip() for c in choices):
         raise _bad(name, "choices", "every choice must be a non-empty string")
+    for field, text in [("question", question)] + [(f"choices[{k}]", c) for k, c in enumerate(choices)]:
+        if problem := control_problem(text, field):  # Gemma would read it as a control token, not text
+            raise _bad(name, field, problem.removeprefix(f"{field} "))
     return question, list(choices)
 
 

@@ -6,7 +6,7 @@ import json
 import os
 import stat
 
-from theworld.control_text import find_control_string
+from theworld.control_text import control_problem
 
 # Larger image files are refused before they are read: PIL's own pixel limit (images.MAX_PIXELS, 89 M pixels) is
 # about 270 MB as an uncompressed 8-bit RGB file, so nothing usable is bigger than this.
@@ -36,9 +36,8 @@ def check_text(text: object, what: str) -> str:
     text = text.strip()
     if not text:
         raise SourceError(f"empty {what}")
-    control = find_control_string(text)
-    if control is not None:
-        raise SourceError(f"{what} holds the Gemma control string {control!r}")
+    if problem := control_problem(text, what):
+        raise SourceError(problem)
     return text
 
 
