@@ -567,6 +567,34 @@ def test_num_samples_keeps_the_first_n_usable_entries_of_any_source(tmp_path):
     assert len(sources.open_listing("webdataset", str(tmp_path / "w"), 100, 0, "p", index_dir=tmp_path / "j")) == 6
 
 
+def test_num_samples_counts_what_loads_in_every_source(tmp_path, fake_vae, monkeypatch):
+    """Rows without image bytes, missing or empty captions, control strings, zero-byte or non-image files are not
+    counted: N usable entries give N samples (pixel decoding aside); the cut is recorded and reused."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    img = jpeg_bytes(gradient(20, 20))
+    images = [None, img, b"", img, b"not an image", img, img, img]
+    captions = ["a", "b", "c", " ", "e", "f <end_of_turn>", "g", "h"]
+    pq.write_table(pa.table({"image": pa.array(images, pa.binary()), "caption": captions}), tmp_path / "p.parquet")
+    out = tmp_path / "c"
+    result = cosmos_latents.run(make_cfg(out, "source.type=parquet", f"source.path={tmp_path}/p.parquet", n=2))
+    assert result["num_samples"] == 2 and result["num_errors"] == 5  # rows 1 and 6 kept; 0, 2-5 recorded
+    assert list(read_cache_plain(out)) == ["p-000000001", "p-000000006"]
+    # a folder: an image without its .txt, a blank caption, a zero-byte image
+    src = tmp_path / "src"
+    _txt_folder(src, 6)
+    (src / "img000.txt").unlink()
+    (src / "img001.txt").write_text("  ")
+    (src / "img002.png").write_bytes(b"")
+    listing = sources.open_listing("folder", str(src), 2, 0, "p", index_dir=tmp_path / "i")
+    assert len(listing) == 5  # img003 and img004
+    loads = []
+    monkeypatch.setattr(sources.Listing, "usable", lambda self, e: loads.append(e) or True)
+    again = sources.open_listing("folder", str(src), 2, 0, "p", index_dir=tmp_path / "i")
+    assert len(again) == 5 and loads == []  # the recorded cut
+
+
 def test_llava_and_parquet_listings_split_across_ranks(tmp_path):
     """Two ranks (threads meeting at a barrier): rank 0 writes the listing once, both read the same order."""
     import threading

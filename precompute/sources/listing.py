@@ -13,6 +13,8 @@ from typing import Callable, Iterable, NamedTuple
 import numpy as np
 
 from precompute.sources import content
+from theworld import images
+from theworld.cache_format import atomic_write_json
 from theworld.errors import UserError
 
 
@@ -64,6 +66,14 @@ class Listing:
         image, caption, prompt, meta = self._load(entry)
         return Loaded(image, content.check_text(caption, "caption"), content.check_text(prompt, "prompt"), meta)
 
+    def usable(self, entry: Entry) -> bool:
+        """Whether an entry the listing finds no error in loads, and its image header reads (pixels not decoded)."""
+        try:
+            images.check_header(self.load(entry).image)
+        except (content.SourceError, images.BadImage, OSError, UnicodeDecodeError):
+            return False
+        return True
+
 
 def key_hash(key: str) -> int:
     """A 64-bit hash of a key that is the same in every process and run (unlike hash(), which is salted)."""
@@ -112,20 +122,47 @@ def duplicate_error(key: str, first_source: str) -> str:
 
 
 class Truncated(Listing):
-    """`source.num_samples` on a listed source: the inner order up to and including its n-th entry that the listing
-    finds usable (entries already known to be errors before it stay, in place). An image that turns out unreadable
-    when decoded still counts: what is usable must be known before encoding, whatever the process count."""
+    """`source.num_samples` on a listed source: the inner order up to and including its n-th usable entry (entries
+    found unusable before it stay, in place, and become errors when encoded).
 
-    def __init__(self, inner: Listing, n: int, chunk: int = 4096):
+    Usable: the listing finds no error, and `usable` loads the entry: image bytes present and within the size limit,
+    caption and prompt pass `content.check_text`, the image header readable with a picture that is neither empty nor
+    oversized. Only decoding the pixels is left to encoding (an image cut short after its header still counts), so
+    the cut is known before encoding and is the same on any number of processes. Rank 0 finds it (reading up to the
+    cut's entries once) and records it in `index_dir`; the other processes and reruns read the record."""
+
+    RECORD = "num_samples.json"
+
+    def __init__(self, inner: Listing, n: int, index_dir: Path | None = None, rank: int = 0,
+                 barrier: Callable[[], None] = lambda: None, chunk: int = 4096):
         self.inner, self.duplicates = inner, inner.duplicates
-        self.n = len(inner)
+        if n >= len(inner):  # every entry: nothing to find
+            self.n = len(inner)
+            return
+        record = Path(index_dir) / self.RECORD if index_dir is not None else None
+        found = read_json(record) if record is not None else None
+        fresh = isinstance(found, dict) and found.get("num_samples") == n and found.get("of") == len(inner)
+        if fresh:
+            self.n = found["length"]
+            return
+        if rank == 0:
+            self.n = self._cut(n, chunk)
+            if record is not None:
+                record.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_json(record, {"num_samples": n, "of": len(inner), "length": self.n})
+        barrier()
+        if rank != 0:
+            self.n = read_json(record)["length"]
+
+    def _cut(self, n: int, chunk: int) -> int:
+        """The length of the order up to and including its n-th usable entry (all of it if it has fewer)."""
         usable = 0
-        for lo in range(0, len(inner) if n < len(inner) else 0, chunk):  # n entries or more: all of them
-            for i, e in enumerate(inner.entries(lo, lo + chunk), start=lo):
-                usable += e.error is None
+        for lo in range(0, len(self.inner), chunk):
+            for i, e in enumerate(self.inner.entries(lo, lo + chunk), start=lo):
+                usable += e.error is None and self.inner.usable(e)
                 if usable == n:
-                    self.n = i + 1
-                    return
+                    return i + 1
+        return len(self.inner)
 
     def __len__(self) -> int:
         return self.n
