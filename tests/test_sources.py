@@ -595,6 +595,19 @@ def test_num_samples_counts_what_loads_in_every_source(tmp_path, fake_vae, monke
     assert len(again) == 5 and loads == []  # the recorded cut
 
 
+def test_a_caption_or_prompt_over_the_length_limit_is_an_error_entry(tmp_path):
+    src = tmp_path / "src"
+    _txt_folder(src, 3)
+    (src / "img001.txt").write_text("word " * content.MAX_TEXT_CHARS)
+    lines = [json.dumps({"image": "img000.png", "caption": "fine", "prompt": "x" * (content.MAX_TEXT_CHARS + 1)}),
+             json.dumps({"image": "img002.png", "caption": "y" * content.MAX_TEXT_CHARS})]
+    got = _outcomes(_listing("folder", src, tmp_path))
+    assert got["img001_png"].startswith("error: caption too long: ")
+    (src / "captions.jsonl").write_text("\n".join(lines))
+    got = _outcomes(_listing("folder", src, tmp_path / "j"))
+    assert got["img000_png"].startswith("error: prompt too long") and got["img002_png"] == "y" * content.MAX_TEXT_CHARS
+
+
 def test_llava_and_parquet_listings_split_across_ranks(tmp_path):
     """Two ranks (threads meeting at a barrier): rank 0 writes the listing once, both read the same order."""
     import threading
