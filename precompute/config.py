@@ -75,12 +75,26 @@ class PrecomputeConfig:
             return
         if not self.source.path:
             raise UserError(f"config key 'source.path': required for source.type={self.source.type}")
-        if self.source.type == "folder" and not Path(self.source.path).is_dir():
-            raise UserError(f"config key 'source.path': folder not found: {self.source.path}")
-        if self.source.type == "llava" and not Path(self.source.path).is_file():
-            raise UserError(f"config key 'source.path': file not found: {self.source.path}")
-        if self.source.image_root is not None and not Path(self.source.image_root).is_dir():
-            raise UserError(f"config key 'source.image_root': folder not found: {self.source.image_root}")
+        if self.source.type == "folder":
+            _check_path("source.path", self.source.path, folder=True)
+        if self.source.type == "llava":
+            _check_path("source.path", self.source.path, folder=False)
+        if self.source.image_root is not None:
+            _check_path("source.image_root", self.source.image_root, folder=True)
+
+
+def _check_path(key: str, path: str, folder: bool) -> None:
+    """A source path that must be a folder (or a file), refused naming what it is instead."""
+    p = Path(path)
+    try:
+        ok, exists = (p.is_dir() if folder else p.is_file()), p.exists()
+    except OSError as e:  # a name too long, a symlink loop
+        raise UserError(f"config key '{key}': cannot use {path} ({e.strerror})") from None
+    if not ok and exists:
+        raise UserError(f"config key '{key}': {path} is " + ("a file, not a folder" if folder else "a folder, not a file"))
+    if not ok:
+        loop = " (a dangling symlink or a symlink loop)" if p.is_symlink() else ""
+        raise UserError(f"config key '{key}': {'folder' if folder else 'file'} not found: {path}{loop}")
 
 
 def load(path: str | None, overrides: list[str] = ()) -> PrecomputeConfig:

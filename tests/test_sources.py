@@ -666,3 +666,16 @@ def test_an_unreadable_file_is_recorded_and_the_rest_encoded(tmp_path, fake_vae,
     assert list(read_cache_plain(out)) == ["img000_png", "img002_png"]
     assert [(e["key"], e["reason"]) for e in cf.read_errors(out)] == [
         ("img001_png", f"cannot read: PermissionError: [Errno 13] Permission denied: '{locked}'")]
+
+
+def test_a_source_path_of_the_wrong_kind_is_named(tmp_path, capsys):
+    (tmp_path / "f.txt").write_text("x")
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    for kind, path, words in [("folder", tmp_path / "f.txt", "is a file, not a folder"),
+                              ("llava", tmp_path, "is a folder, not a file"),
+                              ("folder", tmp_path / "loop1", "folder not found: " + str(tmp_path / "loop1") + " (a dangling"),
+                              ("folder", tmp_path / ("x" * 5000), "(File name too long)")]:
+        assert cosmos_latents.main(cli_args(tmp_path / "c", f"source.type={kind}", f"source.path={path}")) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and words in err, err
