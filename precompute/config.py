@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Literal
 
 from theworld import run_lock
-from theworld.config import ImageConfig, ModelConfig, load_config
+from theworld.config import ImageConfig, ModelConfig, load_config, require_path
 from theworld.errors import UserError
 
 
@@ -58,6 +58,7 @@ class PrecomputeConfig:
     cache: CacheOptions = field(default_factory=CacheOptions)
 
     def __post_init__(self) -> None:
+        require_path("output_dir", self.output_dir)
         for key in ("shard_size", "batch_size"):
             if getattr(self, key) <= 0:
                 raise UserError(f"config key '{key}': must be positive, got {getattr(self, key)}")
