@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Literal
 
 from theworld import run_lock
-from theworld.config import ImageConfig, ModelConfig, load_config
+from theworld.config import ImageConfig, ModelConfig, load_config, require_path
 from theworld.errors import UserError
 
 
@@ -58,6 +58,7 @@ class PrecomputeConfig:
     cache: CacheOptions = field(default_factory=CacheOptions)
 
     def __post_init__(self) -> None:
+        require_path("output_dir", self.output_dir)
         for key in ("shard_size", "batch_size"):
             if getattr(self, key) <= 0:
                 raise UserError(f"config key '{key}': must be positive, got {getattr(self, key)}")
@@ -75,12 +76,26 @@ class PrecomputeConfig:
             return
         if not self.source.path:
             raise UserError(f"config key 'source.path': required for source.type={self.source.type}")
-        if self.source.type == "folder" and not Path(self.source.path).is_dir():
-            raise UserError(f"config key 'source.path': folder not found: {self.source.path}")
-        if self.source.type == "llava" and not Path(self.source.path).is_file():
-            raise UserError(f"config key 'source.path': file not found: {self.source.path}")
-        if self.source.image_root is not None and not Path(self.source.image_root).is_dir():
-            raise UserError(f"config key 'source.image_root': folder not found: {self.source.image_root}")
+        if self.source.type == "folder":
+            _check_path("source.path", self.source.path, folder=True)
+        if self.source.type == "llava":
+            _check_path("source.path", self.source.path, folder=False)
+        if self.source.image_root is not None:
+            _check_path("source.image_root", self.source.image_root, folder=True)
+
+
+def _check_path(key: str, path: str, folder: bool) -> None:
+    """A source path that must be a folder (or a file), refused naming what it is instead."""
+    p = Path(path)
+    try:
+        ok, exists = (p.is_dir() if folder else p.is_file()), p.exists()
+    except OSError as e:  # a name too long, a symlink loop
+        raise UserError(f"config key '{key}': cannot use {path} ({e.strerror})") from None
+    if not ok and exists:
+        raise UserError(f"config key '{key}': {path} is " + ("a file, not a folder" if folder else "a folder, not a file"))
+    if not ok:
+        loop = " (a dangling symlink or a symlink loop)" if p.is_symlink() else ""
+        raise UserError(f"config key '{key}': {'folder' if folder else 'file'} not found: {path}{loop}")
 
 
 def load(path: str | None, overrides: list[str] = ()) -> PrecomputeConfig:

@@ -4,7 +4,8 @@
     accelerate launch -m precompute.cosmos_latents --config ...      (shard i goes to rank i % world_size)
 
 DataLoader workers read and resize images (uint8, so little crosses process boundaries); the main process encodes in
-batches that never straddle a shard (so a latent does not depend on how shards are spread over processes); a writer
+batches of one input shape that never straddle a shard (each shard's samples grouped by aspect-ratio bucket, so a
+latent does not depend on how shards are spread over processes); a writer
 thread turns finished shards into tars so encoding never waits for the disk. A shard is done iff its sidecar matches
 its tar; a rerun after a crash redoes only the shards that are not, and rank 0 writes errors.jsonl and then the
 manifest from the sidecars once every process is through.
@@ -141,34 +142,57 @@ def encode_latents(encoder, pixels: torch.Tensor, cfg: PrecomputeConfig) -> tupl
     return mean, logvar
 
 
+class BucketBatcher:
+    """Encoder batches of one shape: each shard's good samples are grouped by input shape (aspect-ratio bucket) in
+    source order, and a group is encoded when it holds `batch_size` samples or its shard is complete. So a bucketed
+    shard costs one encoder call per `batch_size` samples of a shape, not one per shape in every loader batch (a
+    compiled encoder also sees fewer short, padded batches), and a sample's batch-mates are a function of its shard
+    alone, whatever the process or worker count. Pixels wait on the device, at most batch_size - 1 per shape."""
+
+    def __init__(self, encoder, cfg: PrecomputeConfig):
+        self.encoder, self.cfg = encoder, cfg
+        self.groups: dict[tuple, list[tuple[cf.Sample, torch.Tensor]]] = {}  # (shard, shape) -> waiting samples
+
+    def add(self, shard: int, samples: list[cf.Sample], pixels: torch.Tensor) -> None:
+        """Samples of `shard` with their (n, 3, H, W) uint8 pixels, all of one shape."""
+        group = self.groups.setdefault((shard, tuple(pixels.shape[1:])), [])
+        for s, p in zip(samples, pixels):
+            group.append((s, p))
+            if len(group) == self.cfg.batch_size:
+                self._encode(group)
+                group.clear()
+
+    def flush(self, shard: int) -> None:
+        """Encode what is left of `shard`'s groups (shapes in sorted order)."""
+        for key in sorted(k for k in self.groups if k[0] == shard):
+            self._encode(self.groups.pop(key))
+
+    @torch.no_grad()
+    def _encode(self, group: list[tuple[cf.Sample, torch.Tensor]]) -> None:
+        if not group:
+            return
+        pixels = torch.stack([p for _, p in group])
+        mean, logvar = encode_latents(self.encoder, pixels, self.cfg)
+        flip = encode_latents(self.encoder, pixels.flip(-1), self.cfg) if self.cfg.cache.flip else None
+        keep_logvar = self.cfg.cache.latents != "mean"
+        for j, (s, _) in enumerate(group):
+            s.mean, s.logvar = mean[j], logvar[j] if keep_logvar else None
+            if flip is not None:
+                s.flip_mean, s.flip_logvar = flip[0][j], flip[1][j] if keep_logvar else None
+
+
 @torch.no_grad()
-def _encode(batch: dict, encoder, gemma, cfg: PrecomputeConfig, device) -> list[cf.Sample]:
-    """Samples for the batch's good items, in order (`_collate` stacked their tensors)."""
+def _samples(batch: dict, gemma, device) -> list[cf.Sample]:
+    """Samples for the batch's good items, in order, without latents (BucketBatcher adds them); SigLIP features are
+    computed here, a loader batch at a time (their input has one shape)."""
     good = [b for b in batch["items"] if b["error"] is None]
-    if not good:
-        return []
-    mean, logvar, fmean, flogvar = ([None] * len(good) for _ in range(4))
-    for rows, pixels in batch["pixels"]:  # one bucket at a time: a VAE batch has one shape
-        pixels = pixels.to(device, non_blocking=True)
-        for j, m, lv in zip(rows.tolist(), *encode_latents(encoder, pixels, cfg)):
-            mean[j], logvar[j] = m, lv
-        if cfg.cache.flip:
-            for j, m, lv in zip(rows.tolist(), *encode_latents(encoder, pixels.flip(-1), cfg)):
-                fmean[j], flogvar[j] = m, lv
-    if cfg.cache.latents == "mean":
-        logvar, flogvar = [None] * len(good), [None] * len(good)
-    if gemma is not None:
+    out = [cf.Sample(key=b["key"], caption=b["caption"], meta=b["meta"], image=b.get("image"),
+                     image_ext=b.get("image_ext")) for b in good]
+    if gemma is not None and good:
         pv = batch["pixel_values"].to(device, gemma.dtype, non_blocking=True)
         feats = gemma.model.get_image_features(pixel_values=pv).pooler_output.float().cpu()
-    out = []
-    for j, b in enumerate(good):
-        s = cf.Sample(key="", caption=b["caption"], meta=b["meta"], mean=mean[j], logvar=logvar[j],
-                      image=b.get("image"), image_ext=b.get("image_ext"))
-        if cfg.cache.flip:
-            s.flip_mean, s.flip_logvar = fmean[j], flogvar[j]
-        if gemma is not None:
-            s.siglip = feats[j]
-        out.append(s)
+        for s, f in zip(out, feats):
+            s.siglip = f
     return out
 
 
@@ -189,6 +213,7 @@ def _process_shards(cfg: PrecomputeConfig, listing: sources.Listing, pending: li
                         prefetch_factor=4 if cfg.num_workers else None, persistent_workers=False,
                         pin_memory=device.type == "cuda")
     writer = ShardWriter(out, cfg.cache.dtype)
+    batcher = BucketBatcher(encoder, cfg)
     buffers: dict[int, dict] = {}
     encoded = upscaled = 0
     seconds = dict.fromkeys(("wait_for_batches", "encode", "wait_for_writer"), 0.0)
@@ -198,24 +223,23 @@ def _process_shards(cfg: PrecomputeConfig, listing: sources.Listing, pending: li
     try:
         for batch in loader:
             seconds["wait_for_batches"] += (t1 := time.perf_counter()) - t
-            encoded_batch = _encode(batch, encoder, gemma, cfg, device)  # waits for the device
-            samples = iter(encoded_batch)
+            i = batch["items"][0]["pos"] // S  # a batch never straddles a shard
+            buf = buffers.setdefault(i, {"samples": [], "errors": [], "left": bounds[i][1] - bounds[i][0]})
+            samples = _samples(batch, gemma, device)
+            for rows, pixels in batch["pixels"]:  # one tensor per shape
+                batcher.add(i, [samples[j] for j in rows.tolist()], pixels.to(device, non_blocking=True))
+            buf["left"] -= len(batch["items"])
+            if buf["left"] == 0:
+                batcher.flush(i)  # waits for the device
             seconds["encode"] += (t2 := time.perf_counter()) - t1
-            for b in batch["items"]:
-                i = b["pos"] // S
-                buf = buffers.setdefault(i, {"samples": [], "errors": [], "left": bounds[i][1] - bounds[i][0]})
-                if b["error"] is None:
-                    s = next(samples)
-                    s.key = b["key"]
-                    buf["samples"].append(s)
-                    upscaled += images.upscaled(s.meta, cfg.image.resolution, cfg.image.resize)
-                else:
-                    buf["errors"].append({"key": b["key"], "source": b["source"], "reason": b["error"], "shard": i})
-                buf["left"] -= 1
-                if buf["left"] == 0:
-                    writer.put(i, buffers[i]["samples"], buffers[i]["errors"])  # blocks while 2 shards are queued
-                    del buffers[i]
-            encoded += len(encoded_batch)
+            buf["samples"] += samples
+            buf["errors"] += [{"key": b["key"], "source": b["source"], "reason": b["error"], "shard": i}
+                              for b in batch["items"] if b["error"] is not None]
+            upscaled += sum(images.upscaled(s.meta, cfg.image.resolution, cfg.image.resize) for s in samples)
+            encoded += len(samples)
+            if buf["left"] == 0:
+                writer.put(i, buf["samples"], buf["errors"])  # blocks while 2 shards are queued
+                del buffers[i]
             bar.update(len(batch["items"]))
             seconds["wait_for_writer"] += (t := time.perf_counter()) - t2
     finally:
@@ -247,7 +271,7 @@ def _finish(cfg: PrecomputeConfig, out: Path, n_shards: int, run_id: dict, laten
 
 
 def _compile_encoder(encoder, cfg: PrecomputeConfig, device: torch.device) -> float:
-    """Compile before the clock starts, at the one batch shape `_encode` passes: the first call traces and compiles
+    """Compile before the clock starts, at the square batch shape (crop and squash: the only one `BucketBatcher` passes): the first call traces and compiles
     (~15 s for the Wan VAE at 512 px on an H100)."""
     t = time.perf_counter()
     r = cfg.image.resolution

@@ -404,6 +404,9 @@ COMMANDS = {"summary": summary, "verify": verify, "compare-live": compare_live, 
 @cli_entry
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    tol = getattr(args, "tol", None)
+    if tol is not None and not 0 <= tol < float("inf"):  # a NaN tolerance would pass any difference
+        raise UserError(f"precompute.inspect: --tol must be a finite number >= 0, got {tol}")
     cache = Path(args.cache)
     try:
         report, code, text = COMMANDS[args.command](cache, args)

@@ -319,3 +319,40 @@ def test_upscaled_compares_the_crop_box_with_the_bucket_not_the_resolution():
     assert images.upscaled({"original_size": [64, 32], "crop_box": [0, 0, 64, 32]}, 96, "bucket")
     assert images.upscaled(exact, 96, "crop")  # its 64 px square is enlarged to 96 x 96
     assert not images.upscaled({"original_size": [200, 100], "crop_box": [50, 0, 150, 100]}, 96, "crop")
+
+
+def test_bucketed_precompute_encodes_each_shards_buckets_in_full_batches(tmp_path, fake_vae, monkeypatch):
+    """A shard's samples are grouped by bucket before batching: one encoder call per batch_size samples of a shape
+    in a shard; the cache's key -> latent is what one-sample batches give, and a resumed run writes the same bytes."""
+    import math
+    from collections import Counter
+
+    from _precompute_helpers import latents
+    from precompute.cosmos_latents import run
+    from theworld import cache_format as cf
+    from theworld.images import bucket_for
+
+    src = bucket_folder(tmp_path / "src", 24)
+    calls = []
+    encode = fake_vae.encode
+    monkeypatch.setattr(fake_vae, "encode", lambda x: (calls.append(tuple(x.shape)), encode(x))[1])
+    cfg = lambda out, batch: make_cfg(out, "source.type=folder", f"source.path={src}", "image.resize=bucket",  # noqa: E731
+                                      f"batch_size={batch}", n=24, res=128, shard=12)
+    first = run(cfg(tmp_path / "a", 4))
+    def bucket(i: int) -> tuple[int, int]:
+        w, h = BUCKET_SIZES[i % len(BUCKET_SIZES)]
+        return bucket_for(w + i % 7, h, 128)
+
+    per_shard = [Counter(bucket(i) for i in range(lo, lo + 12)) for lo in (0, 12)]
+    assert len(calls) == sum(math.ceil(n / 4) for c in per_shard for n in c.values())  # 10; splitting each loader batch by shape made 20
+    assert all(n <= 4 for n, *_ in calls)
+    assert {(w, h) for *_, h, w in calls} == {s for c in per_shard for s in c}
+    one = run(cfg(tmp_path / "b", 1))
+    assert first["num_samples"] == one["num_samples"] == 24
+    got, want = latents(tmp_path / "a"), latents(tmp_path / "b")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    # resume: a lost shard is rebuilt byte for byte
+    cf.tar_path(tmp_path / "a", 1).unlink()
+    again = run(cfg(tmp_path / "a", 4))
+    assert again["summary"]["encoded_this_run"] == 12
+    assert [s["sha256"] for s in again["shards"]] == [s["sha256"] for s in first["shards"]]

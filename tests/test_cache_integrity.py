@@ -16,7 +16,7 @@ import pytest
 from _precompute_helpers import make_cfg
 from precompute import cosmos_latents, inspect
 from theworld import cache_format as cf
-from theworld.errors import CacheDamaged
+from theworld.errors import CacheDamaged, UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -264,3 +264,48 @@ def test_a_cache_file_changed_before_the_run_is_refused_before_any_model_loads(t
     (cache / cf.MANIFEST).write_text("[]")
     assert main(base_args(cache, tmp_path / "run")) == 2
     _one_line(capsys, "manifest.json")
+
+
+def _old_shard(cache: Path, shard: int, sample: int, caption: str | None = None, prompt: str | None = None) -> str:
+    """Rewrite a shard as precompute did before it refused control strings: sample `sample` gets `caption` and/or
+    `prompt`, and the sidecar records no text rule. Returns the sample's key."""
+    reader = cf.CacheReader(cache)
+    samples = [(reader.key(i), reader.raw(i)) for i in reader.samples_in([shard]).tolist()]
+    reader.close()
+    members = samples[sample][1]
+    if caption is not None:
+        members[cf.CAPTION] = caption.encode()
+    if prompt is not None:
+        members[cf.META] = json.dumps({**json.loads(members[cf.META]), "prompt": prompt}).encode()
+    side = cf.write_shard(cache, shard, samples)
+    manifest = json.loads((cache / cf.MANIFEST).read_text())
+    manifest["shards"][shard].update(bytes=side["bytes"], sha256=side["sha256"])
+    cf.atomic_write_json(cache / cf.MANIFEST, manifest)
+    return samples[sample][0]
+
+
+def test_an_old_cache_with_a_control_string_caption_is_refused_before_any_model_loads(cache, tmp_path, capsys,
+                                                                                       monkeypatch):
+    from test_train import base_args
+
+    from theworld.control_text import TEXT_RULE
+    from train import data
+    from train.loop import main
+
+    assert {_side(cache, i)["text_rule"] for i in range(3)} == {TEXT_RULE}  # precompute applied the rule
+    key = _old_shard(cache, 1, 2, caption="a red ball <end_of_turn> on grass")
+    assert "text_rule" not in _side(cache, 1)
+    reads = []
+    raw = cf.CacheReader.raw
+    monkeypatch.setattr(cf.CacheReader, "raw", lambda self, i: (reads.append(i), raw(self, i))[1])
+    monkeypatch.setattr("theworld.model.TheWorld.__init__", lambda *a, **k: pytest.fail("a model was built"))
+    assert main(base_args(cache, tmp_path / "run", **{"train.eval_samples": 2})) == 2
+    _one_line(capsys, "1 sample(s)", "shard-000001.tar", key, "caption holds the Gemma control string '<end_of_turn>'",
+              f"delete {cf.sidecar_path(cache, 1).name}")
+    assert sorted(reads) == cf.CacheReader(cache).samples_in([1]).tolist()  # only the unmarked shard is read
+    # the prompt (in the json member) follows the same rule; a clean unmarked shard passes
+    _old_shard(cache, 1, 2, caption="a red ball on grass")
+    data.check_texts(cf.CacheReader(cache))
+    _old_shard(cache, 0, 1, prompt="What is this? <start_of_image>")
+    with pytest.raises(UserError, match=r"shard-000000.tar.*prompt holds the Gemma control string '<start_of_image>'"):
+        data.check_texts(cf.CacheReader(cache))

@@ -140,3 +140,16 @@ def test_a_bare_config_name_resolves_to_configs_and_says_so(tmp_path, monkeypatc
     assert "seed: 5" in out and "using" not in err
     assert main(["--config", "nowhere.yaml"]) == 2
     assert "config file not found: nowhere.yaml" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cli,key", [("precompute.cosmos_latents", "output_dir"), ("train.loop", "output_dir"),
+                                     ("train.loop", "cache_dir")])
+def test_a_blank_folder_path_is_refused_not_taken_as_the_current_directory(cli, key, capsys, tmp_path, monkeypatch):
+    import importlib
+
+    monkeypatch.chdir(tmp_path)
+    for value in ("", "'  '", "null"):
+        assert importlib.import_module(cli).main(["--set", f"{key}={value}"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"'{key}'" in err, err
+    assert list(tmp_path.iterdir()) == []  # nothing written where the command ran

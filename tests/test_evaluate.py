@@ -99,6 +99,8 @@ BAD = [
     ({"question": None}, "field 'question'"),
     ({"image": None}, "field 'image'"),
     ({"category": 3}, "field 'category'"),
+    ({"question": "what is it? <start_of_turn>"}, "field 'question': holds the Gemma control string '<start_of_turn>'"),
+    ({"choices": ["a", "b <end_of_turn>", "c"]}, "field 'choices[1]'"),
 ]
 
 
@@ -111,7 +113,7 @@ def test_a_bad_item_is_one_line_naming_the_item_and_field_with_exit_2(tmp_path, 
     assert len(err.splitlines()) == 1 and f"{path}:2" in err and words in err
 
 
-@pytest.mark.parametrize("line", ["{not json", "[1, 2]", '"text"'])
+@pytest.mark.parametrize("line", ["{not json", "[1, 2]", '"text"', "[" * 100000 + "]" * 100000])
 def test_a_malformed_line_is_one_line_with_exit_2(tmp_path, capsys, line):
     path = write_items(tmp_path, [line])
     assert main(["--model", str(tmp_path), "--data", str(path)]) == 2
@@ -225,3 +227,16 @@ def test_two_processes_split_the_benchmark_and_agree_with_one(trained_run, tmp_p
     s = summarize(evaluate(model.eval(), processor, ImageConfig(), benchmarks.read(mc)))
     assert first["bench/items/accuracy"] == pytest.approx(s["accuracy"])
     assert first["bench/items/accuracy_shuffled_world"] == pytest.approx(s["accuracy_shuffled_world"])
+
+
+def test_hostile_paths_and_tolerances_are_one_line_with_exit_2(tmp_path, capsys):
+    from precompute import inspect
+
+    good = {"image": "a" * 5000 + ".png", "question": "q", "choices": ["a", "b"], "answer": 0}
+    path = write_items(tmp_path, [good])  # a name too long for the file system
+    assert main(["--model", str(tmp_path), "--data", str(path)]) == 2
+    (tmp_path / "file").write_text("x")  # --make-synthetic under a file, not a folder
+    assert main(["--data", str(tmp_path / "file" / "items.jsonl"), "--make-synthetic", "2"]) == 2
+    assert inspect.main(["compare-live", str(tmp_path), "--tol", "nan"]) == 2  # would pass any difference
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and "field 'image'" in err[0] and "cannot create" in err[1] and "--tol" in err[2], err

@@ -405,13 +405,19 @@ def test_webdataset_listing_is_indexed_once_and_built_per_shard(tmp_path, fake_v
     assert {p.name: p.stat().st_mtime_ns for p in (out / "source-index").iterdir()} == index
     assert [s["sha256"] for s in again["shards"]] == [s["sha256"] for s in first["shards"]]
 
-    # A tar that changed (size/mtime) is scanned again, and only that one.
+    # A tar that changed (size/mtime) since the cache was started is refused: the shards follow the old listing.
     tar = tmp_path / "wds" / "00004.tar"
     tar.write_bytes(tar.read_bytes())
     os.utime(tar, ns=(1, 1))
     scans.clear()
     from precompute import sources
+    from theworld.errors import UserError
 
+    with pytest.raises(UserError, match=r"00004.tar changed \(modification time\) since the cache"):
+        cosmos_latents.run(cfg())
+    assert scans == []
+    # Listing cut short before listing.json was written (a crash): only the tar that changed is scanned again.
+    (out / "source-index" / "listing.json").unlink()
     sources.open_listing("webdataset", f"{tmp_path}/wds/*.tar", 0, 0, "p", index_dir=out / "source-index")
     assert scans == ["00004.tar"]
 

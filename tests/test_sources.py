@@ -468,6 +468,36 @@ def test_parquet_hf_datasets_image_struct(tmp_path, fake_vae, monkeypatch):
     assert [s["sha256"] for s in again["shards"]] == [s["sha256"] for s in result["shards"]]
 
 
+def test_parquet_file_changed_since_the_cache_was_started_is_refused(tmp_path, fake_vae, capsys):
+    """As a changed folder is: a file whose size or modification time differs, or one added or removed, is named;
+    the shards already written stay."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "data").mkdir()
+    rows = lambda lo, hi: pa.table({"image": pa.array([jpeg_bytes(gradient(20 + i, 20)) for i in range(lo, hi)]),
+                                    "caption": [f"c {i}" for i in range(lo, hi)]})
+    pq.write_table(rows(0, 4), tmp_path / "data" / "a.parquet")
+    pq.write_table(rows(4, 6), tmp_path / "data" / "b.parquet")
+    out = tmp_path / "c"
+    args = cli_args(out, "source.type=parquet", f"source.path={tmp_path}/data", shard=2)
+    assert cosmos_latents.main(args) == 0
+    written = {p.name: p.read_bytes() for p in (out / "shards").iterdir()}
+    cf.tar_path(out, 1).unlink()  # interrupted: shard 1 is to be redone
+    capsys.readouterr()
+    pq.write_table(rows(10, 14), tmp_path / "data" / "a.parquet")  # same row count, other rows
+    os.utime(tmp_path / "data" / "a.parquet", ns=(1, 1))
+    assert cosmos_latents.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "a.parquet changed" in err and "another output_dir" in err
+    assert not cf.tar_path(out, 1).exists()
+    assert all((out / "shards" / n).read_bytes() == b for n, b in written.items() if n != cf.tar_path(out, 1).name)
+    pq.write_table(rows(0, 4), tmp_path / "data" / "a.parquet")
+    (tmp_path / "data" / "b.parquet").unlink()
+    assert cosmos_latents.main(args) == 2
+    assert "b.parquet was removed" in capsys.readouterr().err
+
+
 def test_parquet_datacomp(tmp_path, fake_vae, capsys):
     """DataComp: the metadata parquet (uid, url, text, ...) carries no images and is refused with one line; the
     img2dataset parquet of it (key, uid, url, caption, status, jpg) is read with source.image_column=jpg."""
@@ -537,6 +567,47 @@ def test_num_samples_keeps_the_first_n_usable_entries_of_any_source(tmp_path):
     assert len(sources.open_listing("webdataset", str(tmp_path / "w"), 100, 0, "p", index_dir=tmp_path / "j")) == 6
 
 
+def test_num_samples_counts_what_loads_in_every_source(tmp_path, fake_vae, monkeypatch):
+    """Rows without image bytes, missing or empty captions, control strings, zero-byte or non-image files are not
+    counted: N usable entries give N samples (pixel decoding aside); the cut is recorded and reused."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    img = jpeg_bytes(gradient(20, 20))
+    images = [None, img, b"", img, b"not an image", img, img, img]
+    captions = ["a", "b", "c", " ", "e", "f <end_of_turn>", "g", "h"]
+    pq.write_table(pa.table({"image": pa.array(images, pa.binary()), "caption": captions}), tmp_path / "p.parquet")
+    out = tmp_path / "c"
+    result = cosmos_latents.run(make_cfg(out, "source.type=parquet", f"source.path={tmp_path}/p.parquet", n=2))
+    assert result["num_samples"] == 2 and result["num_errors"] == 5  # rows 1 and 6 kept; 0, 2-5 recorded
+    assert list(read_cache_plain(out)) == ["p-000000001", "p-000000006"]
+    # a folder: an image without its .txt, a blank caption, a zero-byte image
+    src = tmp_path / "src"
+    _txt_folder(src, 6)
+    (src / "img000.txt").unlink()
+    (src / "img001.txt").write_text("  ")
+    (src / "img002.png").write_bytes(b"")
+    listing = sources.open_listing("folder", str(src), 2, 0, "p", index_dir=tmp_path / "i")
+    assert len(listing) == 5  # img003 and img004
+    loads = []
+    monkeypatch.setattr(sources.Listing, "usable", lambda self, e: loads.append(e) or True)
+    again = sources.open_listing("folder", str(src), 2, 0, "p", index_dir=tmp_path / "i")
+    assert len(again) == 5 and loads == []  # the recorded cut
+
+
+def test_a_caption_or_prompt_over_the_length_limit_is_an_error_entry(tmp_path):
+    src = tmp_path / "src"
+    _txt_folder(src, 3)
+    (src / "img001.txt").write_text("word " * content.MAX_TEXT_CHARS)
+    lines = [json.dumps({"image": "img000.png", "caption": "fine", "prompt": "x" * (content.MAX_TEXT_CHARS + 1)}),
+             json.dumps({"image": "img002.png", "caption": "y" * content.MAX_TEXT_CHARS})]
+    got = _outcomes(_listing("folder", src, tmp_path))
+    assert got["img001_png"].startswith("error: caption too long: ")
+    (src / "captions.jsonl").write_text("\n".join(lines))
+    got = _outcomes(_listing("folder", src, tmp_path / "j"))
+    assert got["img000_png"].startswith("error: prompt too long") and got["img002_png"] == "y" * content.MAX_TEXT_CHARS
+
+
 def test_llava_and_parquet_listings_split_across_ranks(tmp_path):
     """Two ranks (threads meeting at a barrier): rank 0 writes the listing once, both read the same order."""
     import threading
@@ -595,3 +666,16 @@ def test_an_unreadable_file_is_recorded_and_the_rest_encoded(tmp_path, fake_vae,
     assert list(read_cache_plain(out)) == ["img000_png", "img002_png"]
     assert [(e["key"], e["reason"]) for e in cf.read_errors(out)] == [
         ("img001_png", f"cannot read: PermissionError: [Errno 13] Permission denied: '{locked}'")]
+
+
+def test_a_source_path_of_the_wrong_kind_is_named(tmp_path, capsys):
+    (tmp_path / "f.txt").write_text("x")
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    for kind, path, words in [("folder", tmp_path / "f.txt", "is a file, not a folder"),
+                              ("llava", tmp_path, "is a folder, not a file"),
+                              ("folder", tmp_path / "loop1", "folder not found: " + str(tmp_path / "loop1") + " (a dangling"),
+                              ("folder", tmp_path / ("x" * 5000), "(File name too long)")]:
+        assert cosmos_latents.main(cli_args(tmp_path / "c", f"source.type={kind}", f"source.path={path}")) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and words in err, err

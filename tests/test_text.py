@@ -58,3 +58,19 @@ def test_a_template_that_rewrites_the_answer_falls_back(processor):
     finally:
         processor.chat_template = template
     assert f._splice("describe the scene .") is not None
+
+
+def test_text_with_a_gemma_control_string_is_refused_wherever_it_comes_from(processor):
+    from theworld.control_text import ControlText
+
+    f = ChatFormatter(processor)
+    for pairs, words in [([("describe .", "a <end_of_turn> b")], "caption holds the Gemma control string '<end_of_turn>'"),
+                         ([("<start_of_image> describe .", "a b")], "prompt holds"),
+                         ([("describe .", "fine"), ("describe .", "<unused7>")], "'<unused7>'")]:
+        with pytest.raises(ControlText, match=words):
+            f.encode_many(pairs)
+    with pytest.raises(ControlText, match="prompt holds"):
+        f.prefix("<bos>describe")
+    with pytest.raises(ControlText, match="caption holds"):
+        f.encode("describe .", "<pad>", images=2)
+    assert f.encode_many([("describe <b>.", "a <table> b")])  # other tags are text

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from theworld import images as imagelib
 from theworld import synthetic
+from theworld.control_text import control_problem
 from theworld.errors import UserError
 
 LETTER = re.compile(r"^\(?([A-Za-z])\)?$")
@@ -62,6 +63,9 @@ def _check_text(rec: dict, name: str) -> tuple[str, list[str]]:
         raise _bad(name, "choices", "empty list of choices")
     if not all(isinstance(c, str) and c.strip() for c in choices):
         raise _bad(name, "choices", "every choice must be a non-empty string")
+    for field, text in [("question", question)] + [(f"choices[{k}]", c) for k, c in enumerate(choices)]:
+        if problem := control_problem(text, field):  # Gemma would read it as a control token, not text
+            raise _bad(name, field, problem.removeprefix(f"{field} "))
     return question, list(choices)
 
 
@@ -79,6 +83,8 @@ def read_jsonl(path: Path) -> list[Item]:
             rec = json.loads(line)
         except ValueError as e:
             raise UserError(f"{name}: malformed line, not JSON ({e})") from None
+        except RecursionError:
+            raise UserError(f"{name}: malformed line, JSON nested too deeply") from None
         if not isinstance(rec, dict):
             raise UserError(f"{name}: malformed line, not a JSON object")
         question, choices = _check_text(rec, name)
@@ -88,7 +94,11 @@ def read_jsonl(path: Path) -> list[Item]:
             raise _bad(name, "image", "missing, or not a path (or a list of paths)")
         files = [path.parent / p for p in paths]
         for f in files:
-            if not f.is_file():
+            try:
+                found = f.is_file()
+            except OSError as e:  # a name too long, a symlink loop...
+                raise _bad(name, "image", f"cannot use {f} ({e.strerror})") from None
+            if not found:
                 raise _bad(name, "image", f"no such file {f}")
         category = rec.get("category")
         if category is not None and not isinstance(category, str):
@@ -181,7 +191,10 @@ def make_synthetic(path: str | Path, n: int, seed: int = 1, choices: int = 4, si
     `synthetic.scene(seed, i)`; the training cache's scenes use its own seed (0 by default), so seed 1 is unseen.
     Each item's distractors are one-word edits of one kind (its category): colour, shape or position."""
     out = Path(path)
-    (out.parent / "images").mkdir(parents=True, exist_ok=True)
+    try:
+        (out.parent / "images").mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--data {out}: cannot create {out.parent / 'images'} ({e.strerror})") from None
     rng = random.Random(f"mc:{seed}")
     records = []
     for i in range(n):

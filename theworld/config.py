@@ -173,6 +173,13 @@ def _apply_override(data: dict, path: list[str], value: Any) -> None:
     node[path[-1]] = value
 
 
+def require_path(key: str, value: str) -> None:
+    """A folder a run writes or reads: a blank value would mean the current directory, where a cache's or a run's files
+    would land among the user's own."""
+    if not value.strip():
+        raise UserError(f"config key '{key}': empty; give a folder path")
+
+
 def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()) -> T:
     """Read YAML at `path` (or nothing), apply `key.sub=value` overrides, validate strictly into `cls`."""
     data: dict = {}

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from theworld import images
 from theworld.config import ArgParser
+from theworld.control_text import control_problem
 from theworld.errors import UserError, cli_entry
 from theworld.generate import DEFAULT_PROMPT
 
@@ -33,6 +34,8 @@ def parse(argv: list[str] | None):
     args = p.parse_args(argv)
     if args.max_new_tokens < 1 or args.batch_size < 1:
         raise UserError("theworld.describe: --max-new-tokens and --batch-size must be >= 1")
+    if problem := control_problem(args.prompt, "--prompt"):
+        raise UserError(f"theworld.describe: {problem}, which the model would read as a control token, not text")
     for img in args.image:  # before the model loads: a bad file costs a second
         if not Path(img).is_file():
             raise UserError(f"--image {img}: no such file")

@@ -62,34 +62,55 @@ def _to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
+def _open(data: bytes, max_pixels: int) -> Image.Image:
+    """The image's header, read (no pixels decoded): PIL's lazily opened image, its size checked."""
+    if not data:
+        raise BadImage("empty file")
+    img = Image.open(_ImageBytes(data))
+    w, h = img.size
+    if w * h > max_pixels:
+        raise BadImage(f"oversized image {w}x{h} (> {max_pixels} pixels)")
+    if w == 0 or h == 0:
+        raise BadImage("image has zero size")
+    return img
+
+
+def _bad_image(e: Exception) -> BadImage:
+    if isinstance(e, BadImage):
+        return e
+    if isinstance(e, (Image.DecompressionBombError, Image.DecompressionBombWarning)):
+        return BadImage(f"oversized image: {e}")
+    return BadImage(f"unreadable image: {type(e).__name__}: {e}")  # PIL raises many types for broken files
+
+
+def check_header(data: bytes, max_pixels: int = MAX_PIXELS) -> None:
+    """Raise BadImage, as `decode` would, when the bytes are not an image format PIL reads or its header gives an
+    empty or oversized picture; the pixels are not decoded (a file cut short past its header passes)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            _open(data, max_pixels)
+    except Exception as e:  # noqa: BLE001 - see _bad_image
+        raise _bad_image(e) from None
+
+
 def decode(data: bytes, draft_size: int | None = None, max_pixels: int = MAX_PIXELS) -> Image.Image:
     """Bytes -> RGB image, upright (EXIF orientation applied). Raises BadImage with a reason.
 
     `draft_size` lets the JPEG decoder downscale by 2/4/8 while decoding (never below draft_size on either side),
     which makes a 4000 px photo several times cheaper to turn into a 512 px input.
     """
-    if not data:
-        raise BadImage("empty file")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(_ImageBytes(data))
-            w, h = img.size
-            if w * h > max_pixels:
-                raise BadImage(f"oversized image {w}x{h} (> {max_pixels} pixels)")
-            if w == 0 or h == 0:
-                raise BadImage("image has zero size")
+            img = _open(data, max_pixels)
             if draft_size and img.format == "JPEG":
                 img.draft("RGB", (draft_size, draft_size))
             img.load()
             img = ImageOps.exif_transpose(img)
             return _to_rgb(img)
-    except BadImage:
-        raise
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise BadImage(f"oversized image: {e}") from None
-    except Exception as e:  # PIL raises many types (OSError, SyntaxError, ValueError...) for broken files
-        raise BadImage(f"unreadable image: {type(e).__name__}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - see _bad_image
+        raise _bad_image(e) from None
 
 
 # Bucket sides are multiples of 8 (the VAE's downsampling) x 4 (the largest world.pool), so every pool divides every

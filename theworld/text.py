@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from theworld.control_text import check_text
+
 IGNORE = -100
 
 
@@ -139,6 +141,7 @@ class ChatFormatter:
         """Ids of the user turn with `images` images before the prompt, up to the model turn's header (what
         generation continues)."""
         if (prompt, images) not in self._prefix_cache:
+            check_text(prompt, "prompt")
             text = self._render(self._conversation(prompt, images=images), True)
             self._prefix_cache[prompt, images] = self._ids(text)
         return self._prefix_cache[prompt, images]
@@ -147,10 +150,14 @@ class ChatFormatter:
         if images == 1:
             return self.encode_many([(prompt, caption)])[0]
         # several images (multiple-choice benchmarks): the general path, with no per-prompt shortcuts
+        check_text(caption, "caption")
         full = self._ids(self._render(self._conversation(prompt, caption, images), False))
         return self._label(prompt, full, images)
 
     def encode_many(self, pairs: list[tuple[str, str]]) -> list[Encoded]:
+        """Text holding a Gemma control string raises control_text.ControlText: it would not be read as text."""
+        for prompt, caption in pairs:
+            check_text(prompt, "prompt"), check_text(caption, "caption")
         return [self._label(prompt, full) for (prompt, _), full in zip(pairs, self.conversation_ids(pairs))]
 
     def _label(self, prompt: str, full: list[int], images: int = 1) -> Encoded:

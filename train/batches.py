@@ -8,6 +8,7 @@ from collections import Counter
 import torch
 
 from theworld import cache_format as cf
+from theworld.control_text import ControlText
 from theworld.errors import UserError
 from theworld.text import IGNORE, ChatFormatter, PromptTooLong, collate_text
 
@@ -126,3 +127,5 @@ def encode_texts(formatter: ChatFormatter, pairs: list[tuple[str, str]]) -> list
         return formatter.encode_many(pairs)
     except PromptTooLong as e:  # in a loader worker too: cli_entry prints the error's own line
         raise UserError(f"config key 'train.max_length': {e}") from None
+    except ControlText as e:  # data.check_texts refuses such a cache at start; this is the last guard
+        raise UserError(f"cache sample text: {e}") from None

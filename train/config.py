@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from theworld.config import (FreezeConfig, ImageConfig, ModelConfig, WorldConfig, cli_parser, load_config,
-                             to_dict, to_yaml)
+                             require_path, to_dict, to_yaml)
 from theworld.errors import UserError
 
 TRACKERS = ("tensorboard", "wandb")
@@ -120,6 +120,7 @@ class TrainConfig:
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])  # tensorboard, wandb; [] for none
 
     def __post_init__(self) -> None:
+        require_path("cache_dir", self.cache_dir), require_path("output_dir", self.output_dir)
         for t in self.trackers:
             if t not in TRACKERS:
                 raise UserError(f"config key 'trackers': unknown tracker {t!r} (known: {', '.join(TRACKERS)})")

@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from theworld import cache_format as cf
+from theworld.control_text import TEXT_RULE, control_problem
 from theworld.errors import UserError
 from theworld.images import decode, load_for_vae, siglip_pixels
 from theworld.text import ChatFormatter
@@ -78,12 +79,42 @@ def open_cache(cfg) -> tuple[cf.CacheReader, InputPlan]:
     """Open the cache and check the fingerprint fields that need no model (before any model is loaded)."""
     reader = cf.CacheReader(cfg.cache_dir)
     reader.check_consistency()  # sizes and keys only; every member's crc32 is checked as it is read
+    check_texts(reader)
     plan = plan_inputs(cfg, reader)
     fields = ["format_version", "image"] + (["vae"] if plan.cached_latents else [])
     cf.check_fingerprint(reader.manifest.get("fingerprint") or {}, cf.fingerprint_for(cfg.model, cfg.image),
                          cfg.cache_dir, fields=fields, partial=True)
     reader.members = plan.members
     return reader, plan
+
+
+def check_texts(reader: cf.CacheReader) -> None:
+    """Refuse a cache with a caption or prompt that holds a Gemma control string (theworld.control_text: the rule
+    precompute applies). Shards whose sidecar records that precompute applied the rule are not read; in the others
+    (written before it did) every sample's caption and json are read, before any model loads."""
+    unchecked = [i for i, rule in enumerate(reader.text_rules) if rule != TEXT_RULE]
+    if not unchecked:
+        return
+    members, reader.members = reader.members, ()  # the caption and json alone
+    bad: list[tuple[int, str]] = []
+    try:
+        for index in reader.samples_in(unchecked).tolist():
+            s = reader.sample(index, tensors=False)
+            if problem := control_problem(s.caption, "caption") or control_problem(s.prompt, "prompt"):
+                bad.append((index, problem))
+    finally:
+        reader.members = members
+    if bad:
+        index, problem = bad[0]
+        shards = sorted({reader.shard_of(i) for i, _ in bad})
+        sidecars = ", ".join(cf.sidecar_path(reader.cache_dir, i).name for i in shards[:3])
+        first = cf.tar_path(reader.cache_dir, reader.shard_of(index)).name
+        raise UserError(f"cache {reader.cache_dir}: {len(bad)} sample(s) hold a Gemma control string, which the model "
+                        f"would read as a control token, not text (first: shard {first}, sample {reader.key(index)}: "
+                        f"{problem}); the cache was built before precompute refused them: "
+                        f"to repair, delete {sidecars}{' ...' if len(shards) > 3 else ''} in "
+                        f"{reader.cache_dir / cf.SHARDS} and rerun the precompute command that built it (it rebuilds "
+                        "those shards alone, recording such samples in errors.jsonl)")
 
 
 def verify_fingerprint(cfg, model, processor, reader: cf.CacheReader, plan: InputPlan) -> None:

@@ -32,7 +32,7 @@ def open_listing(source_type: str, path: str | None, num_samples: int | None, se
                  resolution: int = 64, image_root: str | None = None, columns: dict | None = None) -> Listing:
     """The source's order; webdataset, parquet and llava sources are indexed into `index_dir` by all processes
     together (a collective call). `num_samples` is the synthetic source's size, and for the others the number of
-    usable entries to keep (None or 0: all). `columns`: parquet's {image, caption, prompt} column names."""
+    usable entries to keep (None or 0: all; `Truncated` says what counts as usable). `columns`: parquet's {image, caption, prompt} column names."""
     if source_type == "synthetic":
         return SyntheticListing(seed, num_samples, resolution)
     if source_type == "folder":
@@ -44,7 +44,7 @@ def open_listing(source_type: str, path: str | None, num_samples: int | None, se
                                  rank, barrier)
     else:
         listing = WebdatasetListing(path, prompt, index_dir, rank, world, barrier)
-    return Truncated(listing, num_samples) if num_samples else listing
+    return Truncated(listing, num_samples, index_dir, rank, barrier) if num_samples else listing
 
 
 def open_source(source: SourceConfig, seed: int, resolution: int, **collective) -> Listing:

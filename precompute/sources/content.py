@@ -6,11 +6,14 @@ import json
 import os
 import stat
 
-from theworld.control_text import find_control_string
+from theworld.control_text import control_problem
 
 # Larger image files are refused before they are read: PIL's own pixel limit (images.MAX_PIXELS, 89 M pixels) is
 # about 270 MB as an uncompressed 8-bit RGB file, so nothing usable is bigger than this.
 MAX_IMAGE_BYTES = 512 << 20
+# Longer captions or prompts are refused: tens of thousands of tokens are not a caption, and with train.max_length: 0
+# (no cap) one such sample makes a batch of that length.
+MAX_TEXT_CHARS = 1 << 16
 
 
 class SourceError(ValueError):
@@ -27,8 +30,8 @@ def decode_text(data: bytes) -> str:
 
 
 def check_text(text: object, what: str) -> str:
-    """A caption or prompt as it is stored: surrounding whitespace removed; refused if blank, not a string, or holding
-    a Gemma control string (tokenised as a control token, it would not be text)."""
+    """A caption or prompt as it is stored: surrounding whitespace removed; refused if blank, not a string, longer than
+    MAX_TEXT_CHARS, or holding a Gemma control string (tokenised as a control token, it would not be text)."""
     if text is None:  # a null column value
         text = ""
     if not isinstance(text, str):
@@ -36,9 +39,10 @@ def check_text(text: object, what: str) -> str:
     text = text.strip()
     if not text:
         raise SourceError(f"empty {what}")
-    control = find_control_string(text)
-    if control is not None:
-        raise SourceError(f"{what} holds the Gemma control string {control!r}")
+    if len(text) > MAX_TEXT_CHARS:
+        raise SourceError(f"{what} too long: {len(text)} characters (> {MAX_TEXT_CHARS})")
+    if problem := control_problem(text, what):
+        raise SourceError(problem)
     return text
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +13,9 @@ from typing import Callable, Iterable, NamedTuple
 import numpy as np
 
 from precompute.sources import content
+from theworld import images
+from theworld.cache_format import atomic_write_json
+from theworld.errors import UserError
 
 
 @dataclass
@@ -62,6 +66,14 @@ class Listing:
         image, caption, prompt, meta = self._load(entry)
         return Loaded(image, content.check_text(caption, "caption"), content.check_text(prompt, "prompt"), meta)
 
+    def usable(self, entry: Entry) -> bool:
+        """Whether an entry the listing finds no error in loads, and its image header reads (pixels not decoded)."""
+        try:
+            images.check_header(self.load(entry).image)
+        except (content.SourceError, images.BadImage, OSError, UnicodeDecodeError):
+            return False
+        return True
+
 
 def key_hash(key: str) -> int:
     """A 64-bit hash of a key that is the same in every process and run (unlike hash(), which is salted)."""
@@ -110,20 +122,47 @@ def duplicate_error(key: str, first_source: str) -> str:
 
 
 class Truncated(Listing):
-    """`source.num_samples` on a listed source: the inner order up to and including its n-th entry that the listing
-    finds usable (entries already known to be errors before it stay, in place). An image that turns out unreadable
-    when decoded still counts: what is usable must be known before encoding, whatever the process count."""
+    """`source.num_samples` on a listed source: the inner order up to and including its n-th usable entry (entries
+    found unusable before it stay, in place, and become errors when encoded).
 
-    def __init__(self, inner: Listing, n: int, chunk: int = 4096):
+    Usable: the listing finds no error, and `usable` loads the entry: image bytes present and within the size limit,
+    caption and prompt pass `content.check_text`, the image header readable with a picture that is neither empty nor
+    oversized. Only decoding the pixels is left to encoding (an image cut short after its header still counts), so
+    the cut is known before encoding and is the same on any number of processes. Rank 0 finds it (reading up to the
+    cut's entries once) and records it in `index_dir`; the other processes and reruns read the record."""
+
+    RECORD = "num_samples.json"
+
+    def __init__(self, inner: Listing, n: int, index_dir: Path | None = None, rank: int = 0,
+                 barrier: Callable[[], None] = lambda: None, chunk: int = 4096):
         self.inner, self.duplicates = inner, inner.duplicates
-        self.n = len(inner)
+        if n >= len(inner):  # every entry: nothing to find
+            self.n = len(inner)
+            return
+        record = Path(index_dir) / self.RECORD if index_dir is not None else None
+        found = read_json(record) if record is not None else None
+        fresh = isinstance(found, dict) and found.get("num_samples") == n and found.get("of") == len(inner)
+        if fresh:
+            self.n = found["length"]
+            return
+        if rank == 0:
+            self.n = self._cut(n, chunk)
+            if record is not None:
+                record.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_json(record, {"num_samples": n, "of": len(inner), "length": self.n})
+        barrier()
+        if rank != 0:
+            self.n = read_json(record)["length"]
+
+    def _cut(self, n: int, chunk: int) -> int:
+        """The length of the order up to and including its n-th usable entry (all of it if it has fewer)."""
         usable = 0
-        for lo in range(0, len(inner) if n < len(inner) else 0, chunk):  # n entries or more: all of them
-            for i, e in enumerate(inner.entries(lo, lo + chunk), start=lo):
-                usable += e.error is None
+        for lo in range(0, len(self.inner), chunk):
+            for i, e in enumerate(self.inner.entries(lo, lo + chunk), start=lo):
+                usable += e.error is None and self.inner.usable(e)
                 if usable == n:
-                    self.n = i + 1
-                    return
+                    return i + 1
+        return len(self.inner)
 
     def __len__(self) -> int:
         return self.n
@@ -141,3 +180,29 @@ def read_json(path: Path) -> dict | None:
         return json.loads(path.read_text())
     except (OSError, ValueError, RecursionError):
         return None
+
+
+def file_identity(path: str) -> list:
+    """What a listing of a source file stays valid for: the same file (absolute path), size and modification time."""
+    st = os.stat(path)
+    return [os.path.abspath(path), st.st_size, st.st_mtime_ns]
+
+
+def check_unchanged(old: list | None, new: list, index_dir: Path, what: str) -> None:
+    """Refuse to go on when the source files recorded in `index_dir` (`file_identity` lists, possibly followed by an
+    index version, which is not compared) are not the ones listed now: the shards already written follow the old
+    `what` (rows, samples). Names the first file added, removed or changed, and how."""
+    if not isinstance(old, list) or not all(isinstance(o, list) and len(o) >= 3 for o in old):
+        return  # no record (or an unreadable one, rebuilt): nothing to compare with
+    before, now = {o[0]: o[1:3] for o in old}, {n[0]: n[1:3] for n in new}
+    changes = [f"{p} was added" for p in now if p not in before] + \
+        [f"{p} was removed" for p in before if p not in now] + \
+        [(f"{p} changed size ({before[p][0]} -> {now[p][0]} bytes)" if before[p][0] != now[p][0]
+          else f"{p} changed (modification time)") for p in now if p in before and before[p] != now[p]]
+    if not changes and list(before) != list(now):
+        changes = ["the files' order changed"]
+    if changes:
+        more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
+        raise UserError(f"config key 'source.path': {changes[0]}{more} since the cache in {Path(index_dir).parent} "
+                        f"was started, so its shards follow other {what}: restore it, or use another output_dir (or "
+                        "delete that one) to start over")

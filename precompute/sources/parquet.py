@@ -10,13 +10,13 @@ patterns), rows in file order. Columns:
   meta:    `url`, `uid`, `key` columns go to the sample's json member.
 
 The listing (per file: identity, row count, row-group sizes; the duplicate-key errors) is written once by rank 0
-into `source-index/parquet.json` and reused while every file's path, size and modification time are unchanged.
+into `source-index/parquet.json`; a rerun whose files differ from it (a file added, removed, or with another size or
+modification time) is refused, since the shards already written follow the recorded rows.
 Only the key column is read to list; an entry's row is read when it is loaded, one batch of `BATCH_ROWS` rows of one
 row group at a time (a DataLoader worker reads its shard's rows in order, so each batch is read once).
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Callable
 
@@ -24,7 +24,8 @@ import numpy as np
 
 from precompute.sources import content
 from precompute.sources.content import SourceError
-from precompute.sources.listing import Entry, Listing, Loaded, duplicates_from_hashes, key_hash, read_json
+from precompute.sources.listing import Entry, Listing, Loaded, check_unchanged, duplicates_from_hashes, \
+    file_identity, key_hash, read_json
 from precompute.sources.webdataset import shard_files
 from theworld import cache_format as cf
 from theworld.cache_format import safe_key
@@ -45,8 +46,7 @@ def _pq():
 
 
 def _identity(path: str) -> list:
-    st = os.stat(path)
-    return [os.path.abspath(path), st.st_size, st.st_mtime_ns, INDEX_VERSION]
+    return file_identity(path) + [INDEX_VERSION]
 
 
 def _first(names: list[str], wanted: tuple[str, ...]) -> str | None:
@@ -115,7 +115,9 @@ class ParquetListing(Listing):
                                 f"({c} vs {self.cols})")
         summary_file = Path(index_dir) / "parquet.json"
         idents = [_identity(f) for f in self.files]
-        fresh = (read_json(summary_file) or {}).get("identities") == idents
+        recorded = (read_json(summary_file) or {}).get("identities")
+        check_unchanged(recorded, idents, index_dir, "rows")
+        fresh = recorded == idents
         if not fresh and rank == 0:
             Path(index_dir).mkdir(parents=True, exist_ok=True)
             self._write_summary(summary_file, idents)

@@ -18,8 +18,8 @@ from typing import Callable
 import numpy as np
 
 from precompute.sources import content
-from precompute.sources.listing import Entry, Listing, Loaded, duplicate_error, duplicates_from_hashes, key_hash, \
-    read_json
+from precompute.sources.listing import Entry, Listing, Loaded, check_unchanged, duplicate_error, \
+    duplicates_from_hashes, file_identity, key_hash, read_json
 from theworld import cache_format as cf
 from theworld.cache_format import safe_key
 from theworld.errors import UserError
@@ -102,8 +102,7 @@ def _tar_samples(path: str) -> tuple[list[tuple[str, dict]], list[int], str | No
 
 def _tar_identity(path: str) -> list:
     """What a per-tar listing is valid for: the same file (absolute path), size and modification time."""
-    st = os.stat(path)
-    return [os.path.abspath(path), st.st_size, st.st_mtime_ns, INDEX_VERSION]
+    return file_identity(path) + [INDEX_VERSION]
 
 
 def index_tar(path: str, index_file: Path) -> dict:
@@ -158,7 +157,9 @@ class WebdatasetListing(Listing):
         self._cache: dict[int, list[Entry]] = {}
         summary_file = self.index_dir / "listing.json"
         idents = [_tar_identity(p) for p in self.files]
-        fresh = (read_json(summary_file) or {}).get("identities") == idents
+        recorded = (read_json(summary_file) or {}).get("identities")
+        check_unchanged(recorded, idents, self.index_dir, "samples")  # the shards written follow the recorded tars
+        fresh = recorded == idents
         if not fresh:  # decided before anyone writes, so every rank takes the same branch and meets the barriers
             self.index_dir.mkdir(parents=True, exist_ok=True)
             for j in range(rank, len(self.files), world):

@@ -119,6 +119,7 @@ class CacheReader:
     latent_hw: np.ndarray = field(init=False, repr=False)  # (N, 2) int32: each sample's latent (h, w)
     _crc: np.ndarray = field(init=False, repr=False)  # (N, len(_names)) int64 crc32 of each member; -1: none recorded
     _sides: list = field(init=False, repr=False)  # per shard: the sidecar's (count, bytes, sha256)
+    text_rules: list = field(init=False, repr=False)  # per shard: the sidecar's "text_rule" (None: not recorded)
     _files: dict = field(init=False, repr=False, default_factory=dict)
     # Members closer than this are read with one pread, tar headers and skipped members included: a system call
     # costs more than copying a few kB (docs/performance.md)
@@ -128,6 +129,7 @@ class CacheReader:
         self.cache_dir = Path(self.cache_dir)
         self.manifest = load_manifest(self.cache_dir)
         self._names, keys, shards, spans, crcs, hw, self._sides = [], [], [], [], [], [], []
+        self.text_rules = []
         square = self.manifest.get("latent_shape")  # caches written before per-sample shapes: every sample's
         for i, _ in enumerate(self.manifest["shards"]):
             side = read_sidecar(self.cache_dir, i)
@@ -147,6 +149,7 @@ class CacheReader:
             spans.append(block)
             crcs.append(crc)
             self._sides.append((side.get("count"), side.get("bytes"), side.get("sha256")))
+            self.text_rules.append(side.get("text_rule"))
             shards.append(np.full(len(block), i, dtype=np.int32))
         width = len(self._names)
         pad = lambda b: np.pad(b, ((0, 0), (0, width - b.shape[1])) + ((0, 0),) * (b.ndim - 2), constant_values=-1)  # noqa: E731
@@ -237,6 +240,13 @@ class CacheReader:
         shard = int(self._shard[index])
         return CacheDamaged(f"cache {self.cache_dir}: shard {tar_path(self.cache_dir, shard).name}, sample "
                             f"{self.key(index)}: {what}; {repair_hint(self.cache_dir, shard)}")
+
+    def shard_of(self, index: int) -> int:
+        return int(self._shard[index])
+
+    def samples_in(self, shards: list[int]) -> np.ndarray:
+        """Global indices of the samples of these shards, in cache order."""
+        return np.flatnonzero(np.isin(self._shard, shards))
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_files": {}}

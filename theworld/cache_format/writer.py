@@ -16,6 +16,7 @@ from safetensors.torch import save as st_save
 from theworld.cache_format.layout import (CAPTION, CHECKSUMS, FORMAT_VERSION, IMAGE_EXTS, LATENT, LATENT_FLIP, META,
                                           SIGLIP, Sample, atomic_write_json, member_name, sha256_file, sidecar_path,
                                           tar_path)
+from theworld.control_text import TEXT_RULE, find_control_string
 from theworld.encoders import DTYPES
 
 
@@ -49,8 +50,20 @@ def latent_shape_of(blob: bytes) -> list[int]:
     return list(json.loads(blob[8:8 + n])["mean"]["shape"])
 
 
+def text_passes(members: dict[str, bytes]) -> bool:
+    """Whether a sample's caption and prompt hold no Gemma control string (the rule a sidecar's `text_rule` names)."""
+    try:
+        caption, meta = members[CAPTION].decode(), json.loads(members[META])
+    except (KeyError, ValueError, RecursionError):
+        return False
+    prompt = meta.get("prompt", "") if isinstance(meta, dict) else ""
+    return isinstance(prompt, str) and find_control_string(caption) is None and find_control_string(prompt) is None
+
+
 def write_shard(cache_dir: Path, index: int, samples: Iterable[tuple[str, dict[str, bytes]]]) -> dict:
-    """Write shard `index` from (key, members) pairs: tar to a temporary name, rename, then its sidecar.
+    """Write shard `index` from (key, members) pairs: tar to a temporary name, rename, then its sidecar. The sidecar
+    records `text_rule` when every sample's caption and prompt pass it (`text_passes`), so a reader need not check
+    them again.
 
     Returns the sidecar. The tar is byte-for-byte reproducible (fixed mtime, owner, member order), so the same
     samples give the same sha256 whichever process or rerun writes them. Member offsets are taken from tarfile's own
@@ -60,10 +73,12 @@ def write_shard(cache_dir: Path, index: int, samples: Iterable[tuple[str, dict[s
     tar.parent.mkdir(parents=True, exist_ok=True)
     tmp = tar.with_name(f".{tar.name}.tmp{os.getpid()}")
     entries = []
+    clean = True
     with open(tmp, "wb") as f:
         with tarfile.open(fileobj=f, mode="w") as tf:
             for key, members in samples:
                 entry = {"key": key, "members": {}, CHECKSUMS: {}}
+                clean = clean and text_passes(members)
                 if LATENT in members:  # the trainer groups samples by shape without reading the tar
                     entry["latent_shape"] = latent_shape_of(members[LATENT])
                 for name in sorted(members):
@@ -78,7 +93,8 @@ def write_shard(cache_dir: Path, index: int, samples: Iterable[tuple[str, dict[s
         f.flush()
         os.fsync(f.fileno())
     side = {"format_version": FORMAT_VERSION, "shard": tar.name, "count": len(entries),
-            "bytes": os.path.getsize(tmp), "sha256": sha256_file(tmp), "samples": entries}
+            "bytes": os.path.getsize(tmp), "sha256": sha256_file(tmp), **({"text_rule": TEXT_RULE} if clean else {}),
+            "samples": entries}
     os.replace(tmp, tar)
     atomic_write_json(sidecar_path(cache_dir, index), side)
     return side
