@@ -83,17 +83,23 @@ def build(sizes: dict, gemma, pool: int, device: torch.device) -> TheWorld:
     return model
 
 
+def text_inputs(b: int, mm: int, boi: int, image: int, eoi: int, g: torch.Generator) -> dict:
+    """Token ids, mask and labels of `b` samples: TEXT_TOKENS of text with one image block (boi, `mm` image tokens,
+    eoi) after the first 8, the last ANSWER_TOKENS labelled; text ids below every special id."""
+    ids = torch.randint(0, min(boi, image, eoi), (b, TEXT_TOKENS + mm + 2), generator=g)
+    ids[:, 8], ids[:, 9:9 + mm], ids[:, 9 + mm] = boi, image, eoi
+    labels = torch.full_like(ids, -100)
+    labels[:, -ANSWER_TOKENS:] = ids[:, -ANSWER_TOKENS:]
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+
+
 def batch(sizes: dict, b: int, device: torch.device, live: bool = False) -> dict:
     """A stage-1 micro-batch: cached world inputs (latents, SigLIP features) or, `live`, the pixels they come from
     (uint8 images for the VAE as the loader gives them, normalised pixel_values for SigLIP)."""
     vocab, h = sizes["text"]["vocab_size"], sizes["text"]["hidden_size"]
     mm, lat, res = sizes["mm_tokens"], sizes["resolution"] // 8, sizes["resolution"]
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab - 3, (b, TEXT_TOKENS + mm + 2), generator=g)
-    ids[:, 8], ids[:, 9:9 + mm], ids[:, 9 + mm] = vocab - 3, vocab - 1, vocab - 2  # boi, image tokens, eoi
-    labels = torch.full_like(ids, -100)
-    labels[:, -ANSWER_TOKENS:] = ids[:, -ANSWER_TOKENS:]
-    out = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    out = text_inputs(b, mm, vocab - 3, vocab - 1, vocab - 2, g)  # gemma_config's boi, image and eoi ids
     if live:
         side = sizes["vision"]["image_size"]
         out["images"] = torch.randint(0, 256, (b, 3, res, res), dtype=torch.uint8, generator=g)

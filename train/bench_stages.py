@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from train.bench_real import ANSWER_TOKENS, TEXT_TOKENS
+from train.bench_real import ANSWER_TOKENS, text_inputs
 
 MODES = {"plain": [], "offload": ["train.sharding=fsdp", "train.cpu_offload=true"]}
 MEMORY_MODE = {"plain": "ddp", "offload": "fsdp_offload"}  # train.memory's column for each (one GPU)
@@ -37,14 +37,9 @@ def micro_batch(model, cfg, b: int):
     from train.batches import Batch
 
     gc = model.gemma.config
-    vocab, mm = gc.get_text_config().vocab_size, gc.mm_tokens_per_image
+    mm = gc.mm_tokens_per_image
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, min(vocab, gc.boi_token_index, gc.image_token_index) - 1, (b, TEXT_TOKENS + mm + 2),
-                        generator=g)
-    ids[:, 8], ids[:, 9:9 + mm], ids[:, 9 + mm] = gc.boi_token_index, gc.image_token_index, gc.eoi_token_index
-    labels = torch.full_like(ids, -100)
-    labels[:, -ANSWER_TOKENS:] = ids[:, -ANSWER_TOKENS:]
-    x = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    x = text_inputs(b, mm, gc.boi_token_index, gc.image_token_index, gc.eoi_token_index, g)
     r = cfg.image.resolution
     if not cfg.freeze.vae:
         x["images"] = torch.randint(0, 256, (b, 3, r, r), dtype=torch.uint8, generator=g)
