@@ -301,7 +301,7 @@ def test_memory_plan_counts_parameters_exactly(stage):
     cfg = load_config(TrainConfig, str(ROOT / "configs" / f"{stage}.yaml"))
     model, _ = components.build_model(cfg)  # the real thing: from_pretrained of the tiny models, freeze flags applied
     params = dict(model.named_parameters())
-    plan = memory.plan(cfg, gpus=2, gpu_memory_gib=80)
+    plan = memory.estimate(cfg, gpus=2, gpu_memory_gib=80)
     assert plan["total_params"] == sum(p.numel() for p in params.values())
     assert plan["trainable_params"] == sum(p.numel() for p in params.values() if p.requires_grad)
     frozen = sum(p.numel() * p.element_size() for p in params.values() if not p.requires_grad)

@@ -76,7 +76,7 @@ def row(config: str, mode: str, steps: int, micro: int | None) -> dict:
     cfg.train.global_batch_size = cfg.train.micro_batch_size = micro
     out = {"case": "stage_step", "config": config, "mode": mode, "micro_batch": micro,
            "mixed_precision": cfg.train.mixed_precision, "gradient_checkpointing": cfg.train.gradient_checkpointing}
-    plan = memory.plan(cfg, 1, 80.0)
+    plan = memory.estimate(cfg, 1, 80.0)
     out["estimate_gpu_gib"] = round(plan["per_gpu_bytes"][MEMORY_MODE[mode]]["total"] / 2**30, 2)
     if mode == "offload":
         out["estimate_host_gib"] = round(plan["host_bytes_per_process"]["fsdp_offload"] / 2**30, 2)

@@ -35,7 +35,7 @@ class Checked:
     cfg: TrainConfig
     launch: Launch
     reader: CacheReader
-    inputs: data.InputPlan
+    inputs: data.InputSources
     split: tuple[np.ndarray, np.ndarray]  # train / held-out sample indices
     per_epoch: int  # optimisation steps per epoch
     bench: BenchmarkEval | None
