@@ -12,16 +12,16 @@ from typing import Any
 
 import torch
 
+from theworld.cache_format import migrations
+from theworld.cache_format.migrations import CHECKSUMS, FORMAT_VERSION  # noqa: F401 (the package exports them)
 from theworld.errors import CacheDamaged, UserError
 
-FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SHARDS = "shards"
 ERRORS = "errors.jsonl"
 ERRORS_DIR = "errors"
 RUN_FILE = "precompute.json"
 INDEX_DIR = "source-index"
-CHECKSUMS = "crc32"  # sidecar sample field {member: zlib.crc32 of its bytes}; caches written before it lack it
 # Member names inside a sample (webdataset: "<key>.<member>").
 LATENT = "latent.safetensors"  # tensors "mean", "logvar" (only "mean" with cache.latents: mean): (16, 1, h, w)
 LATENT_FLIP = "latent_flip.safetensors"  # the same for the horizontally flipped image
@@ -172,16 +172,15 @@ def load_manifest(cache_dir: Path | str) -> dict:
         raise CacheDamaged(f"{path} is not valid JSON ({type(e).__name__}: {str(e)[:120]}); {REBUILD_MANIFEST}") from None
     if not isinstance(manifest, dict):
         raise CacheDamaged(f"{path} holds a JSON {type(manifest).__name__}, not an object; {REBUILD_MANIFEST}")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise UserError(f"cache {cache_dir} has format_version {manifest.get('format_version')!r}, "
-                        f"this code reads {FORMAT_VERSION}")
+    migrations.check_version(manifest, cache_dir)
     if problem := _manifest_problem(manifest):
         raise CacheDamaged(f"{path} is malformed: {problem}; {REBUILD_MANIFEST}")
-    return manifest
+    return migrations.manifest(manifest, cache_dir)
 
 
 def latents_stored(manifest: dict) -> str:
-    """"posterior" (mean and logvar) or "mean" (cache.latents: mean); caches that do not say hold the posterior."""
+    """"posterior" (mean and logvar) or "mean" (cache.latents: mean); caches that do not say hold the posterior
+    (migrations.manifest records it for version 1)."""
     return (manifest.get("contents") or {}).get("latents", "posterior")
 
 
