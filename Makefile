@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install demo test test-fast bench clean-demo
+.PHONY: install demo lint test test-fast bench clean-demo
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,7 +28,12 @@ demo: install
 		--image $(MC)/images/1-000000.png $(MC)/images/1-000001.png
 	$(PY) -m theworld.evaluate --model runs/stage1 --data $(MC)/items.jsonl
 
-test: install
+# The configuration is in pyproject.toml ([tool.ruff]).
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+test: lint
 	$(PY) -m pytest -q
 
 # The inner loop: everything but the tests that start whole runs in subprocesses (marked `slow`).

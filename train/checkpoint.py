@@ -186,7 +186,7 @@ def init_from(model, path: str | Path) -> LoadReport:
 
 
 def describe_init(path: str | Path, report: LoadReport) -> str:
-    parts = lambda names: sorted({".".join(n.split(".")[:3]) for n in names})  # noqa: E731 (module-level prefixes)
+    parts = lambda names: sorted({".".join(n.split(".")[:3]) for n in names})
     return (f"init_from {path}: {report.summary()}; loaded {parts(report.loaded)}, new (from the base model) "
             f"{parts(report.new)}, ignored {parts(report.ignored)}")
 
@@ -345,7 +345,7 @@ def export_final(components: Components, state: LoopState, cfg_yaml: str, output
     whole = whole or gather(components)
     out = Path(output_dir)
     ev = state.last_eval or {}
-    fmt = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
+    fmt = lambda x: "n/a" if x is None else f"{x:.4f}"
     gap = (ev["eval_loss_shuffled_world"] - ev["eval_loss"]) if ev else None
     trained = ["world projector"] + [n for n in FREEZABLE if not getattr(cfg.freeze, n)]
     card = MODEL_CARD.format(name=out.name, gemma=cfg.model.gemma, vae=cfg.model.vae, resolution=cfg.image.resolution,

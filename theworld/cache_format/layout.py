@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from theworld.cache_format import migrations
-from theworld.cache_format.migrations import CHECKSUMS, FORMAT_VERSION  # noqa: F401 (the package exports them)
+from theworld.cache_format.migrations import FORMAT_VERSION
 from theworld.errors import CacheDamaged, UserError
 
 MANIFEST = "manifest.json"
@@ -204,7 +204,7 @@ def _manifest_problem(m: dict) -> str | None:
         if not _is_int(m.get(key)):
             return f"'{key}' is not a count"
     shape = m.get("latent_shape")  # null when the samples' shapes differ (aspect-ratio buckets): see latent_shapes
-    is_shape = lambda s: isinstance(s, list) and all(_is_int(d) for d in s)  # noqa: E731
+    is_shape = lambda s: isinstance(s, list) and all(_is_int(d) for d in s)
     if not (is_shape(shape) or shape is None and isinstance(m.get("latent_shapes"), list)) \
             or not isinstance(m.get("latent_dtype"), str):
         return "'latent_shape' / 'latent_dtype' missing or not a shape and a dtype name"

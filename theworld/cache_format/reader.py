@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load as st_load
 
 from theworld.cache_format import migrations
-from theworld.cache_format.layout import (CAPTION, CHECKSUMS, MANIFEST, META, IMAGE_EXTS, LATENT, LATENT_FLIP,
+from theworld.cache_format.migrations import CHECKSUMS
+from theworld.cache_format.layout import (CAPTION, MANIFEST, META, IMAGE_EXTS, LATENT, LATENT_FLIP,
                                           REBUILD_MANIFEST, SHARDS, SIGLIP, Sample, load_manifest, read_sidecar,
                                           repair_hint, shard_stem, sidecar_path, tar_path)
 from theworld.errors import CacheDamaged, UserError
@@ -152,7 +153,7 @@ class CacheReader:
             self.text_rules.append(side.get("text_rule"))
             shards.append(np.full(len(block), i, dtype=np.int32))
         width = len(self._names)
-        pad = lambda b: np.pad(b, ((0, 0), (0, width - b.shape[1])) + ((0, 0),) * (b.ndim - 2), constant_values=-1)  # noqa: E731
+        pad = lambda b: np.pad(b, ((0, 0), (0, width - b.shape[1])) + ((0, 0),) * (b.ndim - 2), constant_values=-1)
         self._spans = np.concatenate([pad(b) for b in spans]) if spans else np.zeros((0, width, 2), dtype=np.int64)
         self._crc = np.concatenate([pad(c) for c in crcs]) if crcs else np.zeros((0, width), dtype=np.int64)
         self._keys = np.array(keys, dtype=bytes) if keys else np.zeros(0, dtype="S1")

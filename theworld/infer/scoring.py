@@ -108,7 +108,7 @@ def evaluate(model, processor, image_cfg, items: list[benchmarks.Item], batch_si
 
 
 def format_report(summary: dict) -> str:
-    ci = lambda c: f"[{c[0]:.3f}, {c[1]:.3f}]"  # noqa: E731
+    ci = lambda c: f"[{c[0]:.3f}, {c[1]:.3f}]"
     lines = [f"n {summary['n']}",
              f"accuracy                {summary['accuracy']:.4f} {ci(summary['accuracy_ci95'])}",
              f"accuracy_shuffled_world {summary['accuracy_shuffled_world']:.4f} "
