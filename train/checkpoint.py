@@ -73,7 +73,8 @@ def resolve_resume(cfg: TrainConfig) -> Path | None:
 
 def check_resumable(path: Path, max_steps: int) -> dict:
     """Before any model loads: the checkpoint's files are the ones it recorded (sha256 in state.json; see
-    train/checkpoint_migrations.py for older checkpoints), and its step is not past train.max_steps. Returns state.json."""
+    train/checkpoint_migrations.py for older checkpoints), and its step is not past train.max_steps. Returns
+    state.json."""
     state = _read(path / STATE, lambda p: json.loads(p.read_text()))
     if not isinstance(state, dict):
         raise UserError(f"resume: {path / STATE} holds no step; move {path} out of output_dir")

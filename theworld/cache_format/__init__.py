@@ -9,8 +9,8 @@
     <cache_dir>/source-index/            the webdataset source's per-tar header listings, kept for reruns
 
 `layout` holds the names, paths and the manifest; `writer` the shard writer; `reader` `CacheReader`; `fingerprint`
-what a cache was built with and the check against it; `migrations` the format versions and how older ones read. Callers use the package: `from theworld import cache_format as
-cf; cf.CacheReader(...)`.
+what a cache was built with and the check against it; `migrations` the format versions and how older ones read.
+Callers use the package: `from theworld import cache_format as cf; cf.CacheReader(...)`.
 
 docs/cache-format.md describes the same for readers without this code; keep the two in step.
 """
