@@ -16,6 +16,7 @@ from theworld.config import to_dict
 from theworld.errors import cli_entry
 from train import checkpoint, data, optim, order, sharding
 from train.benchmarks import BenchmarkEval
+from train.benchmarks import lines as benchmark_lines
 from train.config import accumulation_steps, load, run_hash, to_yaml
 from train.metrics import Metrics, ProfileWindow, StepWindow, check_trackers, summary
 from train.preempt import EXIT_CODES, Preemption
@@ -88,7 +89,10 @@ def _train(cfg: TrainConfig, accelerator: Accelerator, reader: CacheReader, plan
             state.last_eval = {"step": state.step, **evaluate(components, eval_loader)}
             m.log(state.last_eval)
         if bench is not None:
-            m.log({"step": state.step, **bench.run(components)})
+            results = bench.run(components)
+            m.log({"step": state.step, **results})
+            for line in benchmark_lines(results):
+                m.message(line)
 
     def save():
         checkpoint.save_run(components, state, per_epoch, cache)
