@@ -184,10 +184,9 @@ class TheWorld(nn.Module):
         text = embed(safe_ids)
         text = text.masked_scatter(is_image.unsqueeze(-1), image_feats.to(text.dtype))
         b, n = world.shape[:2]
-        ones, zeros = attention_mask.new_ones(b, n), attention_mask.new_zeros(b, n)
         embeds = torch.cat([text[:, :1], world.to(text.dtype), text[:, 1:]], dim=1)
-        mask = torch.cat([attention_mask[:, :1], ones, attention_mask[:, 1:]], dim=1)
-        types = torch.cat([zeros[:, :1], zeros, is_image[:, 1:].long()], dim=1)
+        mask = torch.cat([attention_mask[:, :1], attention_mask.new_ones(b, n), attention_mask[:, 1:]], dim=1)
+        types = torch.cat([attention_mask.new_zeros(b, 1 + n), is_image[:, 1:].long()], dim=1)  # BOS, world: text
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         return {"inputs_embeds": embeds, "attention_mask": mask, "token_type_ids": types, "position_ids": positions}
 

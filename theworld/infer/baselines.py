@@ -65,7 +65,8 @@ def world_inputs(model, cond: Condition, mean: torch.Tensor, logvar: torch.Tenso
     if cond.world == "none":
         return {"world": False}
     if cond.world == "constant":
-        constant = mean[own] * 0 + model.projector.latents_mean.to(mean.dtype)
+        channels = model.projector.latents_mean.reshape(1, -1, *[1] * (mean.dim() - 2)).to(mean.dtype)
+        constant = mean[own] * 0 + channels
         return {"latent_mean": constant, "latent_logvar": torch.zeros_like(constant)}
     at = own if cond.world == "own" else previous
     return {"latent_mean": mean[at], "latent_logvar": logvar[at]}
