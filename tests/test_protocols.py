@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-
 from test_evaluate import TWO_ITEMS, blink_folder, hand_scores, write_items
+
 from theworld import images, synthetic
 from theworld.config import ImageConfig, ModelConfig, WorldConfig
 from theworld.evaluate import main
@@ -311,7 +311,7 @@ def test_train_benchmarks_run_under_every_shipped_config(config, tiny, tmp_path)
     from accelerate import Accelerator
 
     from train.benchmarks import BenchmarkEval, lines
-    from train.config import load_config, TrainConfig, resolve_micro_batch
+    from train.config import TrainConfig, load_config, resolve_micro_batch
 
     mc = tmp_path / "mc" / "items.jsonl"
     benchmarks.make_synthetic(mc, 3)
@@ -325,3 +325,36 @@ def test_train_benchmarks_run_under_every_shipped_config(config, tiny, tmp_path)
     results = bench.run(components)
     assert results["bench/items/n"] == 3 and 0 <= results["bench/items/no_world/p_value"] <= 1
     assert lines(results)[0].startswith("benchmark items: n 3, accuracy ")
+
+
+# ---------------------------------------------------------------------------------------------------------- describe
+
+def test_describe_uses_the_prompt_the_run_trained_with(trained_run, tmp_path, capsys):
+    from theworld import describe
+
+    final = trained_run["run"] / "final"
+    assert (final / "prompt.txt").read_text() == synthetic.PROMPT + "\n"  # the synthetic cache's prompt
+    assert f'model.generate(["image.png"], "{synthetic.PROMPT}")' in (final / "README.md").read_text()
+    img = tmp_path / "a.png"
+    synthetic.scene(9, 0)[0].save(img)
+    common = ["--model", str(trained_run["run"]), "--image", str(img), str(img), "--max-new-tokens", "6"]
+    assert describe.main(common) == 0
+    default = capsys.readouterr().out
+    assert describe.main(common + ["--prompt", synthetic.PROMPT]) == 0
+    assert capsys.readouterr().out == default
+
+
+def test_generated_text_never_ends_in_a_broken_character(tiny):
+    from theworld.infer.generate import decode_text
+
+    tok = tiny[1].tokenizer
+    ids = tok("é東", add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids[:-1]).endswith("\ufffd")  # a cut inside 東's bytes
+    assert decode_text(tok, ids[:-1]) == "é" and decode_text(tok, ids[:-2]) == "é" and decode_text(tok, ids) == "é東"
+
+
+def test_the_synthetic_set_writes_its_captions_beside_it(tmp_path):
+    records = benchmarks.make_synthetic(tmp_path / "items.jsonl", 4)
+    items = captions.read(tmp_path / benchmarks.CAPTIONS)
+    assert [it.captions for it in items] == [[r["choices"][r["answer"]]] for r in records]
+    assert [it.images[0].name for it in items] == [Path(r["image"]).name for r in records]

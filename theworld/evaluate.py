@@ -11,12 +11,11 @@ result into its model card (final/README.md).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 
-from theworld.config import ArgParser
+from theworld.config import ArgParser, DefaultsHelp
 from theworld.errors import UserError, cli_entry
 from theworld.infer import baselines, benchmarks
 from theworld.infer.scoring import PROTOCOLS
@@ -24,7 +23,7 @@ from theworld.infer.scoring import PROTOCOLS
 
 def parse(argv: list[str] | None):
     p = ArgParser(prog="theworld.evaluate", description="Evaluate a trained TheWorld stage: multiple choice or captions.",
-                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                  formatter_class=DefaultsHelp)
     p.add_argument("--model", help="final/ or checkpoint-N/ folder, or a run's output_dir")
     p.add_argument("--data", required=True, help="JSONL file, or BLINK's parquet folder (or one parquet file)")
     p.add_argument("--task", choices=("mc", "caption"), default="mc",
@@ -99,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"loaded {args.model} in {time.time() - t:.1f} s; evaluating {len(items)} items", file=sys.stderr)
     init = baselines.InitProjector.for_stage(model, folder) if "init_projector" in args.baselines else None
     try:
-        summary = _run(args, model, processor, items, init, out)
+        summary = _run(args, model, processor, items, init, out, layout.trained_prompt(folder))
     finally:
         if out is not None:
             out.close()
@@ -114,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run(args, model, processor, items: list, init, out) -> dict:
+def _run(args, model, processor, items: list, init, out, prompt: str) -> dict:
     from tqdm import tqdm
 
     conds = baselines.conditions(args.baselines)
@@ -132,7 +131,7 @@ def _run(args, model, processor, items: list, init, out) -> dict:
             from theworld.infer import captions
 
             records = captions.evaluate(model, processor, items, args.batch_size, progress,
-                                        max_new_tokens=args.max_new_tokens or 64)
+                                        max_new_tokens=args.max_new_tokens or 64, prompt=prompt)
             return captions.summarize(records)
         from theworld.infer import scoring
 

@@ -143,7 +143,8 @@ def _train(cfg: TrainConfig, accelerator: Accelerator, reader: CacheReader, plan
         save()
     whole = checkpoint.gather(components)
     if accelerator.is_main_process:
-        final = checkpoint.export_final(components, state, to_yaml(cfg), cfg.output_dir, whole)
+        final = checkpoint.export_final(components, state, to_yaml(cfg), cfg.output_dir, whole,
+                                        data.trained_prompt(reader, ctx.train_indices))
     m.close()
     if accelerator.is_main_process:
         print(f"final weights: {final}\n" + summary(state, time.time() - t_start, window))

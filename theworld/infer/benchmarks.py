@@ -211,6 +211,7 @@ def unreadable(items: list[Item]) -> list[dict]:
 # A synthetic set: unseen scenes, the true caption among one-word edits
 
 EDITS = {"colour": sorted(synthetic.COLOURS), "shape": list(synthetic.SHAPES), "position": ["top", "bottom", "left", "right"]}
+CAPTIONS = "captions.jsonl"  # the synthetic set's scenes with their true captions, beside its items
 OPPOSITE = {"top": "bottom", "bottom": "top", "left": "right", "right": "left"}
 
 
@@ -232,8 +233,11 @@ def one_word_edits(caption: str, kind: str) -> list[str]:
 def make_synthetic(path: str | Path, n: int, seed: int = 1, choices: int = 4, size: int = 64) -> list[dict]:
     """Write `n` items to the JSONL file `path` and their pictures to `images/` beside it. Scenes come from
     `synthetic.scene(seed, i)`; the training cache's scenes use its own seed (0 by default), so seed 1 is unseen.
-    Each item's distractors are one-word edits of one kind (its category): colour, shape or position."""
+    Each item's distractors are one-word edits of one kind (its category): colour, shape or position. The same
+    scenes with their true captions go to `captions.jsonl` beside it (the caption task's format)."""
     out = Path(path)
+    if out.name == CAPTIONS:
+        raise UserError(f"--data {out}: {CAPTIONS} is the name of the captions file written beside the items")
     try:
         (out.parent / "images").mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -251,7 +255,9 @@ def make_synthetic(path: str | Path, n: int, seed: int = 1, choices: int = 4, si
         answer = rng.randrange(len(wrong) + 1)
         records.append({"image": rel, "question": synthetic.PROMPT, "choices": wrong[:answer] + [caption] + wrong[answer:],
                         "answer": answer, "category": kind})
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-    tmp.replace(out)
+    caps = [{"image": r["image"], "captions": [r["choices"][r["answer"]]]} for r in records]
+    for path, rows in ((out.parent / CAPTIONS, caps), (out, records)):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tmp.replace(path)
     return records

@@ -24,7 +24,7 @@ from theworld.infer.baselines import (
     applied,
     world_inputs,
 )
-from theworld.infer.generate import Sampler, decode, left_align, stop_ids
+from theworld.infer.generate import Sampler, decode, decode_text, left_align, stop_ids
 from theworld.infer.stats import wilson
 from theworld.text import IGNORE, ChatFormatter, Encoded, collate_text
 
@@ -111,7 +111,7 @@ class Scorer:
                 fused = left_align(model.embed_inputs(**text, siglip=siglip,
                                                       **world_inputs(model, cond, mean, logvar, own, previous)))
                 new = decode(model, fused, self.max_new_tokens, sampler, stop, tok.pad_token_id)
-            per_cond[cond.name] = [tok.decode(r, skip_special_tokens=True).strip() for r in new]
+            per_cond[cond.name] = [decode_text(tok, r) for r in new]
         return [{c: texts[k] for c, texts in per_cond.items()} for k in range(len(indices))]
 
 
