@@ -256,8 +256,8 @@ def make_synthetic(path: str | Path, n: int, seed: int = 1, choices: int = 4, si
         records.append({"image": rel, "question": synthetic.PROMPT, "choices": wrong[:answer] + [caption] + wrong[answer:],
                         "answer": answer, "category": kind})
     caps = [{"image": r["image"], "captions": [r["choices"][r["answer"]]]} for r in records]
-    for path, rows in ((out.parent / CAPTIONS, caps), (out, records)):
-        tmp = path.with_name(path.name + ".tmp")
+    for target, rows in ((out.parent / CAPTIONS, caps), (out, records)):
+        tmp = target.with_name(target.name + ".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        tmp.replace(path)
+        tmp.replace(target)
     return records
