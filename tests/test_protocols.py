@@ -358,3 +358,22 @@ def test_the_synthetic_set_writes_its_captions_beside_it(tmp_path):
     items = captions.read(tmp_path / benchmarks.CAPTIONS)
     assert [it.captions for it in items] == [[r["choices"][r["answer"]]] for r in records]
     assert [it.images[0].name for it in items] == [Path(r["image"]).name for r in records]
+
+
+def test_captions_on_a_caches_held_out_split_are_the_trainers_eval_samples(trained_run, tmp_path, capsys):
+    from theworld import cache_format as cf
+    from train.order import split
+
+    out = tmp_path / "c.jsonl"
+    argv = ["--model", str(trained_run["run"]), "--data", str(trained_run["cache"]), "--task", "caption", "--json",
+            "--max-new-tokens", "4", "--out", str(out)]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["n"] == 8  # the run's train.eval_samples
+    reader = cf.CacheReader(trained_run["cache"])
+    held = split(reader, 8)[1]
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["item"].rsplit(":", 1)[1] for r in recs] == [reader.key(i) for i in held.tolist()]
+    assert [r["references"] for r in recs] == [[reader.sample(i, tensors=False).caption] for i in held.tolist()]
+    assert {r["prompt"] for r in recs} == {synthetic.PROMPT}
+    assert main(argv[:6] + ["--split", "train"]) == 2
+    assert "one held-out split" in capsys.readouterr().err

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 from theworld.config import ArgParser, DefaultsHelp
 from theworld.errors import UserError, cli_entry
@@ -25,7 +26,8 @@ def parse(argv: list[str] | None):
     p = ArgParser(prog="theworld.evaluate", description="Evaluate a trained TheWorld stage: multiple choice or captions.",
                   formatter_class=DefaultsHelp)
     p.add_argument("--model", help="final/ or checkpoint-N/ folder, or a run's output_dir")
-    p.add_argument("--data", required=True, help="JSONL file, or BLINK's parquet folder (or one parquet file)")
+    p.add_argument("--data", required=True, help="JSONL file, or BLINK's parquet folder (or one parquet file); "
+                                                 "captions: JSONL, or a latent cache (its held-out samples)")
     p.add_argument("--task", choices=("mc", "caption"), default="mc",
                    help="mc: multiple choice; caption: JSONL {image, captions} scored by BLEU-4, ROUGE-L, CIDEr")
     p.add_argument("--protocol", choices=PROTOCOLS, default=None,
@@ -33,7 +35,8 @@ def parse(argv: list[str] | None):
                         "when the items carry their own prompt (BLINK), else loglik")
     p.add_argument("--baselines", default="", metavar="all|NAME,...",
                    help=f"baselines on the same items: {', '.join(baselines.BASELINES)}")
-    p.add_argument("--split", default="val", help="which split's files of a BLINK folder to read")
+    p.add_argument("--split", default="val",
+                   help="which split's files of a BLINK folder to read; a cache's held-out samples are val")
     p.add_argument("--out", help="write one JSON line per item (outputs of every condition) to this file")
     p.add_argument("--no-shared-prefix", action="store_true", help="score every choice from the full sequence")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -80,9 +83,15 @@ def main(argv: list[str] | None = None) -> int:
         if not args.model:
             return 0
     if args.task == "caption":
+        from theworld import cache_format as cf
+        from theworld import checkpoint_layout as layout
         from theworld.infer import captions
 
-        items = captions.read(args.data)[: args.limit or None]
+        if (Path(args.data) / cf.MANIFEST).is_file():  # a latent cache: the run's held-out samples
+            items = captions.read_cache(Path(args.data), args.split, layout.resolve(args.model))
+        else:
+            items = captions.read(args.data)
+        items = items[: args.limit or None]
     else:
         items = benchmarks.read(args.data, args.split)[: args.limit or None]
     items = _readable(items, benchmarks.unreadable(items))

@@ -6,7 +6,9 @@ come from the evaluated set's references, as in the COCO caption evaluation).
 Tokenisation: lower case, words of letters and digits, punctuation dropped; a plain regular expression instead of
 pycocoevalcap's PTBTokenizer, which needs Java (as METEOR and SPICE do, which are left out for that reason).
 
-JSONL, one item per line: `{"image": path relative to the file, "captions": str or [str, ...]}`.
+JSONL, one item per line: `{"image": path relative to the file, "captions": str or [str, ...]}`; or a latent cache's
+held-out split: the samples the trainer holds out for its eval (train/order.py `split`, with the run's
+`train.eval_samples`), each with its stored image, its caption as the reference and its own prompt.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ class Item:
     name: str  # "file.jsonl:12", for messages
     images: list  # one path: its world latents and its image tokens
     captions: list[str]  # the references
+    prompt: str | None = None  # the item's own prompt (a cache sample's); None: the one the run trained with
 
 
 def _item(rec, name: str, root: Path) -> Item:
@@ -72,6 +75,31 @@ def read(path: str | Path) -> list[Item]:
     return items
 
 
+def read_cache(path: Path, split: str, stage: Path) -> list[Item]:
+    """The held-out samples of the cache at `path` for the run whose stage folder is `stage`."""
+    import yaml
+
+    from theworld import cache_format as cf
+    from theworld import checkpoint_layout as layout
+    from train.order import split as held_out  # the trainer's own split (the project installs both packages)
+
+    if split != "val":
+        raise UserError(f"--split {split}: a cache has one held-out split, val (the trainer's eval samples)")
+    train = (yaml.safe_load((stage / layout.CONFIG).read_text()) or {}).get("train") or {}
+    eval_samples = train.get("eval_samples", 256)  # TrainSection's default, for a config that leaves it out
+    if not isinstance(eval_samples, int) or eval_samples < 1:
+        raise UserError(f"{stage / layout.CONFIG}: train.eval_samples is {eval_samples!r}: the run held nothing out")
+    reader = cf.CacheReader(path)
+    _, held = held_out(reader, eval_samples)
+    items = []
+    for i in held.tolist():
+        s = reader.sample(i, tensors=False)
+        if s.image is None:
+            raise UserError(f"--data {path}: the cache holds no images (precompute with cache.images: true)")
+        items.append(Item(f"{path}:{s.key}", [s.image], [s.caption], s.prompt))
+    return items
+
+
 def tokens(text: str) -> str:
     return " ".join(re.findall(r"\w+", text.lower()))
 
@@ -96,11 +124,12 @@ def evaluate(model, processor, items: list[Item], batch_size: int = 8, progress=
     n, records = len(items), []
     for lo in range(0, n, batch_size):
         idx = list(range(lo, min(lo + batch_size, n)))
-        own = model.generate([items[i].images[0] for i in idx], prompt, max_new_tokens=max_new_tokens)
-        other = model.generate([items[i].images[0] for i in idx], prompt, max_new_tokens=max_new_tokens,
+        prompts = [items[i].prompt or prompt for i in idx]
+        own = model.generate([items[i].images[0] for i in idx], prompts, max_new_tokens=max_new_tokens)
+        other = model.generate([items[i].images[0] for i in idx], prompts, max_new_tokens=max_new_tokens,
                                world_images=[items[(i - 1) % n].images[0] for i in idx])
-        batch = [{"item": items[i].name, "references": items[i].captions, "prompt": prompt,
-                  "outputs": {"model": a, "shuffled_world": b}} for i, a, b in zip(idx, own, other)]
+        batch = [{"item": items[i].name, "references": items[i].captions, "prompt": p,
+                  "outputs": {"model": a, "shuffled_world": b}} for i, p, a, b in zip(idx, prompts, own, other)]
         records += batch
         if progress:
             progress(batch)
