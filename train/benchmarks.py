@@ -24,7 +24,7 @@ from train.config import BenchmarkEntry
 
 if TYPE_CHECKING:
     from train.config import TrainConfig
-    from train.optim import Components
+    from train.components import Components
 
 
 def _name(path: str) -> str:
