@@ -377,3 +377,14 @@ def test_captions_on_a_caches_held_out_split_are_the_trainers_eval_samples(train
     assert {r["prompt"] for r in recs} == {synthetic.PROMPT}
     assert main(argv[:6] + ["--split", "train"]) == 2
     assert "one held-out split" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("entry,words", [("{path: a.jsonl, baselines: [gemma]}", "'gemma'"),
+                                         ("{path: a.jsonl, protocol: greedy}", "protocol"),
+                                         ("{path: a.jsonl, baseline: [all]}", "baseline")])
+def test_a_bad_benchmark_entry_is_one_line_naming_it(entry, words):
+    from theworld.errors import UserError
+    from train.config import TrainConfig, load_config
+
+    with pytest.raises(UserError, match=words):
+        load_config(TrainConfig, ROOT / "configs" / "stage1.yaml", [f"train.benchmarks=[{entry}]"])
