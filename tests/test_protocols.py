@@ -142,13 +142,13 @@ def test_each_baseline_agrees_with_a_hand_computation_on_a_two_item_file(tiny, t
         pixels = images.to_uint8_tensor(images.resize(images.decode(Path(items[0].images[0]).read_bytes()), 64)[0])
         latent = model.world_latents(pixels[None], None, None)[0]  # (1, C, T=1, h, w)
         const = model.projector.latents_mean.flatten()[None, :, None, None, None].expand_as(latent)
+        fresh, _ = TheWorld.from_config(ModelConfig(dtype="float32"), WorldConfig(), seed=0)
         for i, s in enumerate(scores):
             assert s["model"] == pytest.approx(hand_scores(model, processor, items[i], items[i].images[0]), abs=1e-4)
             other = items[(i - 1) % 2].images[0]
             assert s["shuffled_world"] == pytest.approx(hand_scores(model, processor, items[i], other), abs=1e-4)
             assert s["no_world"] == pytest.approx(gemma_alone(model, processor, items[i]), abs=1e-4)
             assert s["constant_latent"] == pytest.approx(with_latents(model, processor, items[i], const), abs=1e-4)
-            fresh, _ = TheWorld.from_config(ModelConfig(dtype="float32"), WorldConfig(), seed=0)
             assert s["init_projector"] == pytest.approx(hand_scores(fresh.eval(), processor, items[i],
                                                                     items[i].images[0]), abs=1e-4)
             assert len({tuple(v) for v in s.values()}) == 5  # five different columns
