@@ -250,6 +250,16 @@ class ArgParser(argparse.ArgumentParser):
         raise UserError(f"{self.prog}: {message}")
 
 
+class DefaultsHelp(argparse.HelpFormatter):
+    """--help shows each option's default, where it has one worth showing (not a flag's False, not None)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, False, "", argparse.SUPPRESS) or "%(default)" in text or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
 def add_config_args(p: argparse.ArgumentParser, config_help: str = "YAML config file") -> None:
     p.add_argument("--config", help=config_help)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from theworld.arch import FREEZABLE
 from theworld.cache_format import sha256_file
-from theworld.checkpoint_layout import CARD, CHECKPOINT_RE, CONFIG, EMA, FINAL, OPTIMIZER, RNG, STATE, WEIGHTS
+from theworld.checkpoint_layout import CARD, CHECKPOINT_RE, CONFIG, EMA, FINAL, OPTIMIZER, PROMPT, RNG, STATE, WEIGHTS
 from theworld.config import to_yaml
 from theworld.errors import OutOfSpace, UserError, no_space_message, out_of_space
 from theworld.model import LoadReport, local_like
@@ -343,7 +343,7 @@ Load it and describe an image (the base models are read from where `config.yaml`
 ```python
 from theworld.model import TheWorld
 model, processor = TheWorld.from_pretrained("{out}")
-print(model.generate(["image.png"], "{prompt}")[0])
+print(model.generate(["image.png"], {prompt})[0])
 ```
 
 or `python -m theworld.describe --model {out} --image image.png`, and score it on a multiple-choice set with
@@ -356,7 +356,7 @@ or `python -m theworld.describe --model {out} --image image.png`, and score it o
 
 
 def export_final(components: Components, state: LoopState, cfg_yaml: str, output_dir: str | Path,
-                 whole: Whole | None = None) -> Path:
+                 whole: Whole | None = None, prompt: str = DESCRIBE_PROMPT) -> Path:
     """Main process only, with what `gather` returned there (required under FSDP)."""
     cfg = components.cfg
     whole = whole or gather(components)
@@ -370,9 +370,9 @@ def export_final(components: Components, state: LoopState, cfg_yaml: str, output
                              samples=state.samples_seen, lr=cfg.train.lr, schedule=cfg.train.schedule,
                              parent=state.parent or "the base models", eval_loss=fmt(ev.get("eval_loss")),
                              eval_shuffled=fmt(ev.get("eval_loss_shuffled_world")), gap=fmt(gap), out=out / FINAL,
-                             prompt=DESCRIBE_PROMPT)
+                             prompt=json.dumps(prompt))  # a Python string literal
     files = {WEIGHTS: lambda p: save_file(whole.weights, str(p)), CONFIG: lambda p: p.write_text(cfg_yaml),
-             CARD: lambda p: p.write_text(card)}
+             CARD: lambda p: p.write_text(card), PROMPT: lambda p: p.write_text(prompt + "\n", encoding="utf-8")}
     if components.ema is not None:
         files[EMA] = _ema_writer(whole)
     return _publish(out, FINAL, files)
