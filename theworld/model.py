@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from theworld.arch import FREEZABLE, PARTS
 from theworld.config import FreezeConfig, ImageConfig, ModelConfig, WorldConfig
 from theworld import checkpoint_layout as layout
 from theworld import encoders
@@ -132,15 +133,13 @@ class TheWorld(nn.Module):
                           r"|^world_encoder\.vae\.encoder\..*\.time_conv\.")
 
     def set_freeze(self, freeze: FreezeConfig) -> None:
-        inner = self.gemma.model
-        parts = {"vision": [inner.vision_tower, inner.multi_modal_projector],
-                 "language": [inner.language_model, self.gemma.lm_head],
-                 "vae": [self.world_encoder] if self.world_encoder is not None else []}
         if not freeze.vae and self.world_encoder is None:
             raise UserError("freeze.vae: false needs the VAE loaded (live encoding)")
-        for name, modules in parts.items():
-            for m in modules:
-                m.requires_grad_(not getattr(freeze, name))
+        for name in FREEZABLE:
+            if name == "vae" and self.world_encoder is None:  # cached latents only: no VAE loaded
+                continue
+            for path in PARTS[name]:
+                self.get_submodule(path).requires_grad_(not getattr(freeze, name))
         for name, p in self.named_parameters():
             if self.OFF_PATH.match(name):
                 p.requires_grad_(False)

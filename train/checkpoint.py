@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file, save_file
 
+from theworld.arch import FREEZABLE
 from theworld.cache_format import sha256_file
 from theworld.checkpoint_layout import CARD, CHECKPOINT_RE, CONFIG, EMA, FINAL, OPTIMIZER, PROMPT, RNG, STATE, WEIGHTS
 from theworld.config import to_yaml
@@ -363,7 +364,7 @@ def export_final(components: Components, state: LoopState, cfg_yaml: str, output
     ev = state.last_eval or {}
     fmt = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
     gap = (ev["eval_loss_shuffled_world"] - ev["eval_loss"]) if ev else None
-    trained = ["world projector"] + [n for n in ("vision", "language", "vae") if not getattr(cfg.freeze, n)]
+    trained = ["world projector"] + [n for n in FREEZABLE if not getattr(cfg.freeze, n)]
     card = MODEL_CARD.format(name=out.name, gemma=cfg.model.gemma, vae=cfg.model.vae, resolution=cfg.image.resolution,
                              trained=", ".join(trained), step=state.step, batch=cfg.train.global_batch_size,
                              samples=state.samples_seen, lr=cfg.train.lr, schedule=cfg.train.schedule,
