@@ -12,7 +12,7 @@ import math
 import torch
 
 from theworld import images as imagelib
-from theworld.infer import benchmarks
+from theworld.infer import benchmarks, prefix_scoring
 from theworld.text import ChatFormatter, collate_text
 
 
@@ -29,8 +29,9 @@ def wilson(k: int, n: int, z: float = 1.96) -> list[float]:
 class Scorer:
     """Choice log-likelihoods for items, with each item's own world and with item i-1's."""
 
-    def __init__(self, model, processor, image_cfg, items: list[benchmarks.Item]):
+    def __init__(self, model, processor, image_cfg, items: list[benchmarks.Item], shared_prefix: bool = True):
         self.model, self.items, self.image_cfg = model, items, image_cfg
+        self.shared_prefix = shared_prefix  # False: every choice runs its whole sequence (theworld/infer/prefix_scoring.py)
         self.processor, self.formatter = processor, ChatFormatter(processor)
         self.device = next(model.parameters()).device
 
@@ -56,6 +57,8 @@ class Scorer:
                 image_rows.append(i)
         pv = {i: torch.stack([self._load(im)[1] for im in items[i].images]) for i in indices}
         feats = {i: model.image_features(v.to(self.device), None) for i, v in pv.items()}
+        if self.shared_prefix:
+            return self._score_shared(indices, rows, feats, mean, logvar, at)
         siglip = torch.cat([feats[i] for i in image_rows])
         text = {k: v.to(self.device) for k, v in collate_text(rows, self.formatter.pad_id).items()}
         own_t, other_t = torch.tensor(own, device=self.device), torch.tensor(other, device=self.device)
@@ -65,6 +68,23 @@ class Scorer:
         for i in indices:
             k = len(items[i].choices)
             out.append((a[lo:lo + k].tolist(), b[lo:lo + k].tolist()))
+            lo += k
+        return out
+
+    def _score_shared(self, indices, rows, feats, mean, logvar, at) -> list[tuple[list[float], list[float]]]:
+        items, n = self.items, len(self.items)
+        prefixes = [self.formatter.prefix(items[i].question, len(items[i].images)) for i in indices]
+        owner = [j for j, i in enumerate(indices) for _ in items[i].choices]
+        siglip = torch.cat([feats[i] for i in indices])
+        by_world = []
+        for world in ([at[i] for i in indices], [at[(i - 1) % n] for i in indices]):
+            w = torch.tensor(world, device=self.device)
+            by_world.append(prefix_scoring.answer_logprobs(self.model, prefixes, rows, owner, siglip, mean[w],
+                                                           logvar[w] if logvar is not None else None).tolist())
+        out, lo = [], 0
+        for i in indices:
+            k = len(items[i].choices)
+            out.append((by_world[0][lo:lo + k], by_world[1][lo:lo + k]))
             lo += k
         return out
 
@@ -94,10 +114,10 @@ def summarize(records: list[dict]) -> dict:
 
 
 def evaluate(model, processor, image_cfg, items: list[benchmarks.Item], batch_size: int = 8,
-             progress=None) -> list[dict]:
+             progress=None, shared_prefix: bool = True) -> list[dict]:
     """Per-item records (answer, prediction, prediction with the shuffled world) for all items, `batch_size` items
     per forward."""
-    scorer = Scorer(model, processor, image_cfg, items)
+    scorer = Scorer(model, processor, image_cfg, items, shared_prefix)
     records = []
     for lo in range(0, len(items), batch_size):
         idx = list(range(lo, min(lo + batch_size, len(items))))
