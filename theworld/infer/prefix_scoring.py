@@ -18,16 +18,17 @@ from theworld.text import IGNORE, Encoded, collate_text
 
 
 def answer_logprobs(model, prefixes: list[list[int]], rows: list[Encoded], owner: list[int], siglip: torch.Tensor,
-                    latent_mean: torch.Tensor, latent_logvar: torch.Tensor | None) -> torch.Tensor:
+                    greedy: bool = False, **world) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """(len(rows),) float32: each row's summed log-probability of its answer tokens (labels != IGNORE), as
     `TheWorld.answer_logprobs` gives it for the whole row. Row r continues prefix `owner[r]`, and its token ids must
     start with that prefix's ids. `siglip`: the image features of every prefix, concatenated in prefix order;
-    `latent_mean` / `latent_logvar`: one row per prefix."""
-    device = latent_mean.device
+    `world`: `TheWorld.embed_inputs`' world inputs (latent_mean, latent_logvar, ...), one row per prefix.
+    `greedy`: also return, per row, whether every answer token is the most likely one there (lmms-eval's is_greedy)."""
+    device = siglip.device
     tail = collate_text([_after(rows[r], prefixes[o]) for r, o in enumerate(owner)], 0)
     text = collate_text([Encoded(p, [IGNORE] * len(p)) for p in prefixes], 0)  # padding is masked out
     text = {k: v.to(device) for k, v in text.items() if k != "labels"}
-    fused = left_align(model.embed_inputs(**text, latent_mean=latent_mean, latent_logvar=latent_logvar, siglip=siglip))
+    fused = left_align(model.embed_inputs(**text, siglip=siglip, **world))
     cache = _new_cache(model)
     lm = model.gemma.model
     last = lm(**fused, past_key_values=cache, use_cache=True).last_hidden_state[:, -1]
@@ -42,8 +43,14 @@ def answer_logprobs(model, prefixes: list[list[int]], rows: list[Encoded], owner
     # token j of a choice is predicted by the hidden state before it: the prefix's last one for j = 0
     before = torch.cat([last[owner_t, None], hidden[:, :-1]], dim=1)
     keep = labels != IGNORE
-    nll = F.cross_entropy(model.logits(before[keep]).float(), labels[keep], reduction="none")
-    return torch.zeros(len(rows), dtype=torch.float32, device=device).index_add_(0, keep.nonzero()[:, 0], -nll)
+    logits = model.logits(before[keep]).float()
+    nll = F.cross_entropy(logits, labels[keep], reduction="none")
+    at = keep.nonzero()[:, 0]
+    scores = torch.zeros(len(rows), dtype=torch.float32, device=device).index_add_(0, at, -nll)
+    if not greedy:
+        return scores
+    misses = torch.zeros(len(rows), device=device).index_add_(0, at, (logits.argmax(-1) != labels[keep]).float())
+    return scores, misses == 0
 
 
 def _new_cache(model):

@@ -79,8 +79,9 @@ class Scorer:
         by_world = []
         for world in ([at[i] for i in indices], [at[(i - 1) % n] for i in indices]):
             w = torch.tensor(world, device=self.device)
-            by_world.append(prefix_scoring.answer_logprobs(self.model, prefixes, rows, owner, siglip, mean[w],
-                                                           logvar[w] if logvar is not None else None).tolist())
+            by_world.append(prefix_scoring.answer_logprobs(self.model, prefixes, rows, owner, siglip, latent_mean=mean[w],
+                                                           latent_logvar=logvar[w] if logvar is not None else None
+                                                           ).tolist())
         out, lo = [], 0
         for i in indices:
             k = len(items[i].choices)
