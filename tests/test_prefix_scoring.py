@@ -10,6 +10,7 @@ import torch
 from theworld import synthetic
 from theworld.config import ImageConfig, ModelConfig, WorldConfig
 from theworld.infer import benchmarks
+from theworld.infer.baselines import BASELINES, MODEL, SHUFFLED
 from theworld.infer.scoring import Scorer, evaluate
 from theworld.model import TheWorld
 
@@ -43,25 +44,31 @@ def model(request, tmp_path_factory):
     return model.eval(), processor
 
 
+# every condition that changes the world block: own, previous item's, none at all, a constant latent
+CONDS = [MODEL, SHUFFLED, BASELINES["no_world"], BASELINES["constant_latent"]]
+
+
 def test_shared_prefix_scores_equal_whole_sequence_scores(model, items):
     m, processor = model
-    rows = [len(it.input_ids) for it in (Scorer(m, processor, ImageConfig(), items).formatter.encode(
-        items[0].question, c) for c in items[0].choices)]
-    assert len(set(rows)) == 3  # the choices really differ in length
-    shared = Scorer(m, processor, ImageConfig(), items, shared_prefix=True).score([0, 1, 2])
-    whole = Scorer(m, processor, ImageConfig(), items, shared_prefix=False).score([0, 1, 2])
-    for (own_s, other_s), (own_w, other_w) in zip(shared, whole):
-        assert own_s == pytest.approx(own_w, abs=1e-5, rel=0)
-        assert other_s == pytest.approx(other_w, abs=1e-5, rel=0)
-        assert own_s != other_s  # the two world conditions are scored apart
-    assert [len(own) for own, _ in shared] == [3, 2, 2]
+    fmt = Scorer(m, processor, ImageConfig(), items).formatter
+    assert len({len(fmt.encode(items[0].question, c).input_ids) for c in items[0].choices}) == 3  # lengths differ
+    shared = Scorer(m, processor, ImageConfig(), items, shared_prefix=True).score([0, 1, 2], CONDS)
+    whole = Scorer(m, processor, ImageConfig(), items, shared_prefix=False).score([0, 1, 2], CONDS)
+    for s, w in zip(shared, whole):
+        assert list(s) == [c.name for c in CONDS]
+        for c in s:
+            assert s[c] == pytest.approx(w[c], abs=1e-5, rel=0)
+        assert s["model"] != s["shuffled_world"] and s["model"] != s["no_world"]  # the conditions are scored apart
+    assert [len(s["model"]) for s in shared] == [3, 2, 2]
 
 
-def test_evaluate_gives_the_same_records_either_way(model, items):
+def test_evaluate_predicts_the_same_either_way(model, items):
     m, processor = model
-    shared = evaluate(m, processor, ImageConfig(), items, batch_size=2)
-    assert shared == evaluate(m, processor, ImageConfig(), items, batch_size=2, shared_prefix=False)
-    assert shared == evaluate(m, processor, ImageConfig(), items, batch_size=3)  # batching changes nothing
+    preds = lambda records: [r["preds"] for r in records]
+    shared = evaluate(m, processor, ImageConfig(), items, batch_size=2, conds=CONDS)
+    assert preds(shared) == preds(evaluate(m, processor, ImageConfig(), items, batch_size=2, conds=CONDS,
+                                           shared_prefix=False))
+    assert preds(shared) == preds(evaluate(m, processor, ImageConfig(), items, batch_size=3, conds=CONDS))
 
 
 def test_a_choice_that_does_not_continue_its_prefix_is_refused(model, items):
@@ -74,4 +81,4 @@ def test_a_choice_that_does_not_continue_its_prefix_is_refused(model, items):
     row = scorer.formatter.encode(items[0].question, "left")
     bad = Encoded([row.input_ids[0] + 1] + row.input_ids[1:], row.labels)
     with pytest.raises(ValueError, match="do not continue"):
-        prefix_scoring.answer_logprobs(m, [prefix], [bad], [0], torch.zeros(0), torch.zeros(1), None)
+        prefix_scoring.answer_logprobs(m, [prefix], [bad], [0], torch.zeros(0))

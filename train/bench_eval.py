@@ -66,14 +66,14 @@ def demo_case(n_items: int, batch_size: int, repeats: int, device: torch.device)
         benchmarks.make_synthetic(f"{tmp}/items.jsonl", n_items, choices=CHOICES)
         items = benchmarks.read(f"{tmp}/items.jsonl")
 
-        def run(shared: bool):
+        def run(shared: bool):  # own and shuffled world, theworld.evaluate's default conditions
             scorer = Scorer(model, processor, model.image_config, items, shared_prefix=shared)
             return [s for lo in range(0, n_items, batch_size)
                     for s in scorer.score(list(range(lo, min(lo + batch_size, n_items))))]
 
         t_shared, a = _best(lambda: run(True), repeats, device)
         t_whole, b = _best(lambda: run(False), repeats, device)
-    diff = max(abs(x - y) for sa, sb in zip(a, b) for ca, cb in zip(sa, sb) for x, y in zip(ca, cb))
+    diff = max(abs(x - y) for sa, sb in zip(a, b) for c in sa for x, y in zip(sa[c], sb[c]))
     prefix = model.formatter.prefix(items[0].question)
     return _row("demo", n_items, t_shared, t_whole, diff, prefix_tokens=len(prefix) + model.projector.num_tokens(8, 8))
 
