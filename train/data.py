@@ -205,11 +205,9 @@ class CacheDataset(Dataset):
         raw = self.reader.raw(index)
         s = self.reader.decode(index, raw, tensors=False)
         flipped = self.flip and flip_of(self.seed, self.epoch, index)
-        prompt, caption = s.prompt, s.caption
-        if flipped:
-            prompt, caption = swap_left_right(prompt), swap_left_right(caption)
+        turns = tuple((swap_left_right(u), swap_left_right(m)) if flipped else (u, m) for u, m in s.turns)
         # text is tokenised and cached tensors are decoded a batch at a time, by Collate
-        item: dict = {"text": (prompt, caption), "origin": (self.reader, index)}
+        item: dict = {"text": turns, "origin": (self.reader, index)}
         if self.plan.cached_latents:
             item[cf.LATENT] = raw[cf.LATENT_FLIP if flipped else cf.LATENT]
         else:
@@ -249,6 +247,7 @@ class DataContext:
     train_indices: np.ndarray
     eval_indices: np.ndarray
     buckets: np.ndarray  # (len(reader),) each sample's bucket (latent shape)
+    truncation: str = ""  # with train.max_length: how many training samples it shortens (start line)
 
     @classmethod
     def build(cls, cfg, reader: cf.CacheReader, plan: InputPlan, processor,
@@ -257,8 +256,9 @@ class DataContext:
         train, held = split_ if split_ is not None else split(reader, cfg.train.eval_samples)
         formatter = ChatFormatter(processor, max_length=cfg.train.max_length or None)
         first = reader.sample(train[0], tensors=False)
-        encode_texts(formatter, [(first.prompt, first.caption)])  # a prompt over max_length: an error before any worker
-        return cls(reader, plan, formatter, processor.image_processor, train, held, bucket_ids(reader))
+        encode_texts(formatter, [first.turns])  # a prompt over max_length: an error before any worker
+        truncation = truncation_report(formatter, reader, train) if formatter.max_length else ""
+        return cls(reader, plan, formatter, processor.image_processor, train, held, bucket_ids(reader), truncation)
 
     def describe_buckets(self) -> str:
         """'' for one latent shape, else each shape (h x w) with its training samples."""
@@ -271,6 +271,28 @@ class DataContext:
                 partner: bool = False) -> CacheDataset:
         return CacheDataset(self.reader, indices, self.formatter, self.plan, cfg.image.resolution, cfg.image.resize,
                             self.image_processor, cfg.seed, epoch, flip, partner)
+
+
+def truncation_report(formatter: ChatFormatter, reader: cf.CacheReader, indices: np.ndarray,
+                      chunk: int = 1024) -> str:
+    """The start line on what train.max_length does to the samples at `indices`: conversations that lose whole turns
+    from their end, and samples whose (first) answer is cut. Reads and tokenises every sample's text once."""
+    members, reader.members = reader.members, ()  # the caption and json alone
+    shortened = dropped_turns = cut = 0
+    try:
+        for lo in range(0, len(indices), chunk):
+            convs = [reader.sample(int(i), tensors=False).turns for i in indices[lo:lo + chunk]]
+            for c in (c for c in convs if len(c) > 1):
+                kept = formatter.encode_turns(c)[1]
+                shortened += kept < len(c)
+                dropped_turns += len(c) - kept
+            # a first turn over max_length, alone or all that is left of a conversation: its answer is cut
+            firsts = formatter.conversation_ids([c[0] for c in convs])
+            cut += sum(len(ids) > formatter.max_length for ids in firsts)
+    finally:
+        reader.members = members
+    return (f"train.max_length {formatter.max_length}: {shortened} conversation(s) shortened ({dropped_turns} turn(s) "
+            f"dropped from their ends), {cut} sample(s) with the first answer cut, of {len(indices)} training samples")
 
 
 def _worker_init(_: int) -> None:

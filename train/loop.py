@@ -163,6 +163,8 @@ def _start_lines(cfg: TrainConfig, components: optim.Components, reader: CacheRe
                  f"{components.world_size} process(es) x {accum} micro-batches of {cfg.train.micro_batch_size}; "
                  f"latents {'cached' if plan.cached_latents else 'live'}, image tokens "
                  f"{'cached' if plan.cached_siglip else 'live'}; {components.sharding}")
+    if ctx.truncation:
+        lines.append(ctx.truncation)
     if buckets := ctx.describe_buckets():
         lines.append(f"{buckets}; each global batch holds one shape, a shape's last < "
                      f"{cfg.train.global_batch_size} samples of an epoch are left out of it")
