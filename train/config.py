@@ -33,6 +33,7 @@ class LrMultipliers:
 @dataclass
 class TrainSection:
     max_steps: int = 1000
+    epochs: float = 0.0  # > 0: train this many epochs of the data (0.5 allowed) instead of max_steps, which it sets
     global_batch_size: int = 32  # the optimiser's batch, whatever the number of processes
     # per process per forward; accumulation = global / (micro * processes). auto: the largest divisor of
     # global / processes that is at most max_micro_batch_size
@@ -59,6 +60,7 @@ class TrainSection:
     attention: Literal["sdpa", "flex_attention", "eager"] = "sdpa"  # the language model's attention kernel;
     # flex_attention (GPU) skips the masked blocks outside Gemma's 1024-token sliding window (docs/performance.md)
     ema: float = 0.0  # EMA decay of the trainable weights (0: off), e.g. 0.999
+    ema_warmup_steps: int = 0  # the decay ramps up linearly from 0 to train.ema over this many steps (step.ema_decay)
     flip: bool = False  # horizontal flip augmentation with left/right caption swap (needs flipped latents cached)
     cached_siglip: bool = True  # use cached SigLIP features when present and the vision tower is frozen
     max_length: int = 0  # token cap per sample (0: none)
@@ -77,7 +79,9 @@ class TrainSection:
                      "save_every", "keep_last"):
             if getattr(self, name) != "auto" and getattr(self, name) <= 0:
                 raise UserError(f"config key 'train.{name}': must be positive, got {getattr(self, name)}")
-        for name in ("cpu_threads", "warmup_steps", "eval_every", "eval_samples", "eval_batch_size", "num_workers", "max_length",
+        if not (math.isfinite(self.epochs) and self.epochs >= 0):
+            raise UserError(f"config key 'train.epochs': must be a finite number >= 0, got {self.epochs}")
+        for name in ("cpu_threads", "warmup_steps", "ema_warmup_steps", "eval_every", "eval_samples", "eval_batch_size", "num_workers", "max_length",
                      "weight_decay", "grad_clip", "grad_norm_warn"):
             if getattr(self, name) < 0:
                 raise UserError(f"config key 'train.{name}': must be >= 0, got {getattr(self, name)}")

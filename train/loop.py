@@ -14,7 +14,7 @@ import torch
 from theworld import run_lock
 from theworld.config import to_dict
 from theworld.errors import cli_entry
-from train import checkpoint, data, optim, order, sharding
+from train import checkpoint, data, optim, order, params, sharding
 from train.benchmarks import BenchmarkEval
 from train.config import accumulation_steps, load, run_hash, to_yaml
 from train.metrics import Metrics, ProfileWindow, StepWindow, check_trackers, summary
@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     accelerator = optim.make_accelerator(cfg, sharding_plan)
     split = order.split(reader, cfg.train.eval_samples)
     per_epoch = order.check_sizes(cfg, reader, split[0], accelerator.num_processes)
+    cfg.train.max_steps = order.total_steps(cfg.train, per_epoch)
     accum = accumulation_steps(cfg, accelerator.num_processes)
     # one run per output_dir: a second one would take this run's unfinished saves for a killed run's and delete them
     with run_lock.hold(cfg.output_dir, accelerator):
@@ -163,6 +164,9 @@ def _start_lines(cfg: TrainConfig, components: optim.Components, reader: CacheRe
                  f"{components.world_size} process(es) x {accum} micro-batches of {cfg.train.micro_batch_size}; "
                  f"latents {'cached' if plan.cached_latents else 'live'}, image tokens "
                  f"{'cached' if plan.cached_siglip else 'live'}; {components.sharding}")
+    lines.append(params.describe(components.raw))
+    if cfg.train.epochs:
+        lines.append(f"train.epochs {cfg.train.epochs:g}: {cfg.train.max_steps} steps of {per_epoch} per epoch")
     if ctx.truncation:
         lines.append(ctx.truncation)
     if buckets := ctx.describe_buckets():

@@ -17,6 +17,7 @@ Sample indices live in numpy arrays (8 bytes a sample), shared by forked loader 
 from __future__ import annotations
 
 import hashlib
+import math
 
 import numpy as np
 import torch
@@ -105,6 +106,14 @@ def steps_per_epoch(bucket_sizes: np.ndarray | int, global_batch: int) -> int:
             f"the training samples of every latent shape (largest: {int(sizes.max())})"
         raise UserError(f"config key 'train.global_batch_size': {global_batch} is more than {where}")
     return steps
+
+
+def total_steps(train, per_epoch: int) -> int:
+    """The run's length: train.max_steps, or with train.epochs > 0 (which wins) that many epochs of `per_epoch`
+    steps, rounded up to a whole step (0.5 epochs of 5 steps: 3)."""
+    if not train.epochs:
+        return train.max_steps
+    return max(1, math.ceil(round(train.epochs * per_epoch, 6)))  # round: 0.1 * 30 is 3.0000000000000004
 
 
 def rank_offset(global_batch: int, rank: int, world_size: int) -> int:
