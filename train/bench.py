@@ -37,8 +37,8 @@ import torch
 from theworld import cache_format as cf
 from theworld import synthetic, tiny
 from theworld.config import load_config
-from train import data, optim, order
-from train.config import TrainConfig, accumulation_steps
+from train import components, data, order
+from train.config import TrainConfig
 from train.step import LoopState, optimization_step
 
 BENCH_ROOT = Path("cache/bench")
@@ -161,9 +161,10 @@ def bench_case(case: str, steps: int = 1, warmup: int = 3, samples: int | None =
             f"train.global_batch_size={gbs}", f"train.micro_batch_size={mbs}", f"train.num_workers={workers}",
             f"train.max_steps={10 * steps}", "train.warmup_steps=0", "train.lr=1e-4"])
         reader, plan = data.open_cache(cfg)
-        acc = optim.make_accelerator(cfg)
-        accum = accumulation_steps(cfg, acc.num_processes)
-        c = optim.build(cfg, acc, accum)
+        launch = components.resolve_launch(cfg)
+        acc = components.make_accelerator(cfg, launch)
+        accum = launch.accum
+        c = components.build(cfg, acc, accum)
         ctx = data.DataContext.build(cfg, reader, plan, c.processor)
         state = LoopState()
         n = warmup + rounds * steps
