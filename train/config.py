@@ -12,6 +12,7 @@ from theworld.config import (FreezeConfig, ImageConfig, ModelConfig, WorldConfig
 from theworld.errors import UserError
 
 TRACKERS = ("tensorboard", "wandb")
+DEFAULT_CACHE = "cache/latents"
 
 
 @dataclass
@@ -101,6 +102,19 @@ class TrainSection:
 
 
 @dataclass
+class MixtureEntry:
+    """One cache of a `data` mixture and its weight (its share of each epoch is weight / sum of weights)."""
+
+    cache: str
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        require_path("data[].cache", self.cache)
+        if not self.weight > 0:
+            raise UserError(f"config key 'data[].weight': must be positive, got {self.weight} (cache {self.cache})")
+
+
+@dataclass
 class ProfileConfig:
     enabled: bool = False
     start_step: int = 5  # profile steps [start_step, start_step + steps)
@@ -116,15 +130,26 @@ class TrainConfig:
     freeze: FreezeConfig = field(default_factory=FreezeConfig)
     train: TrainSection = field(default_factory=TrainSection)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
-    cache_dir: str = "cache/latents"
+    cache_dir: str = DEFAULT_CACHE  # the one cache trained on; or `data`, leaving this at its default
+    data: list[MixtureEntry] = field(default_factory=list)  # a weighted mixture of caches (train/mixture.py)
     output_dir: str = "runs/stage1"
     seed: int = 0
     resume: str | None = "auto"  # auto: the newest complete checkpoint in output_dir, if any; a path; null: fresh
     init_from: str | None = None  # a previous stage's final/ (or checkpoint dir, or .safetensors file)
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])  # tensorboard, wandb; [] for none
 
+    def caches(self) -> list[tuple[str, float]]:
+        """(cache folder, weight) of each cache trained on: cache_dir with weight 1, or the `data` mixture."""
+        return [(e.cache, e.weight) for e in self.data] if self.data else [(self.cache_dir, 1.0)]
+
     def __post_init__(self) -> None:
         require_path("cache_dir", self.cache_dir), require_path("output_dir", self.output_dir)
+        if self.data and self.cache_dir != DEFAULT_CACHE:
+            raise UserError("config keys 'cache_dir' and 'data' are both set: use cache_dir for one cache, data for a "
+                            "mixture")
+        dirs = [str(e.cache) for e in self.data]
+        if len(set(dirs)) < len(dirs):
+            raise UserError(f"config key 'data': a cache is listed twice ({', '.join(dirs)}); give it one weight")
         for t in self.trackers:
             if t not in TRACKERS:
                 raise UserError(f"config key 'trackers': unknown tracker {t!r} (known: {', '.join(TRACKERS)})")

@@ -20,6 +20,7 @@ from theworld.errors import UserError
 from theworld.images import decode, load_for_vae, siglip_pixels
 from theworld.text import ChatFormatter
 from train.batches import PARTNER, Collate, encode_texts
+from train.mixture import Draw, MixedReader, partner_groups
 from train.order import bucket_ids, eval_partners, flip_of, rank_indices, split
 from train.preempt import ignore_in_workers
 
@@ -75,17 +76,60 @@ def plan_inputs(cfg, reader: cf.CacheReader) -> InputPlan:
 # The cache and its fingerprint
 
 
-def open_cache(cfg) -> tuple[cf.CacheReader, InputPlan]:
-    """Open the cache and check the fingerprint fields that need no model (before any model is loaded)."""
-    reader = cf.CacheReader(cfg.cache_dir)
-    reader.check_consistency()  # sizes and keys only; every member's crc32 is checked as it is read
-    check_texts(reader)
-    plan = plan_inputs(cfg, reader)
-    fields = ["format_version", "image"] + (["vae"] if plan.cached_latents else [])
-    cf.check_fingerprint(reader.manifest.get("fingerprint") or {}, cf.fingerprint_for(cfg.model, cfg.image),
-                         cfg.cache_dir, fields=fields, partial=True)
-    reader.members = plan.members
-    return reader, plan
+def open_cache(cfg) -> tuple[cf.CacheReader | MixedReader, InputPlan]:
+    """Open the cache (or each cache of a `data` mixture, read as one MixedReader) and check the fingerprint fields
+    that need no model (before any model is loaded)."""
+    readers, plans = [], []
+    for cache_dir, _ in cfg.caches():
+        reader = cf.CacheReader(cache_dir)
+        reader.check_consistency()  # sizes and keys only; every member's crc32 is checked as it is read
+        if readers:
+            check_same_layout(readers[0], reader)
+        check_texts(reader)
+        plan = plan_inputs(cfg, reader)
+        if plans and plan != plans[0]:
+            raise UserError(f"config key 'data': caches {readers[0].cache_dir} and {reader.cache_dir} give different "
+                            f"inputs ({_plan_text(plans[0])} vs {_plan_text(plan)}): build them with the same cache "
+                            "options (cache.siglip, cache.flip, cache.images)")
+        fields = ["format_version", "image"] + (["vae"] if plan.cached_latents else [])
+        cf.check_fingerprint(reader.manifest.get("fingerprint") or {}, cf.fingerprint_for(cfg.model, cfg.image),
+                             cache_dir, fields=fields, partial=True)
+        reader.members = plan.members
+        readers.append(reader), plans.append(plan)
+    return (readers[0] if len(readers) == 1 else MixedReader(readers)), plans[0]
+
+
+def _plan_text(plan: InputPlan) -> str:
+    return "members " + ", ".join(plan.members)
+
+
+def check_same_layout(first: cf.CacheReader, other: cf.CacheReader) -> None:
+    """Refuse to mix caches whose world inputs differ in layout (image resolution and resize, latents kept)."""
+    def layout(r: cf.CacheReader) -> dict:
+        image = (r.manifest.get("fingerprint") or {}).get("image") or {}
+        return {"image.resolution": image.get("resolution"), "image.resize": image.get("resize"),
+                "cache.latents": cf.latents_stored(r.manifest)}
+
+    a, b = layout(first), layout(other)
+    if diff := [k for k in a if a[k] != b[k]]:
+        raise UserError(f"config key 'data': caches {first.cache_dir} and {other.cache_dir} have different world "
+                        f"layouts ({', '.join(f'{k} {a[k]} vs {b[k]}' for k in diff)}); a mixture needs one")
+
+
+def split_data(cfg, reader: cf.CacheReader | MixedReader) -> tuple[np.ndarray, np.ndarray]:
+    """(train, held-out) global indices: order.split of the cache, or of each cache of a mixture (train.eval_samples
+    held out from each), offset into the mixture's index."""
+    if not isinstance(reader, MixedReader):
+        return split(reader, cfg.train.eval_samples)
+    parts = [split(r, cfg.train.eval_samples) for r in reader.readers]
+    return tuple(np.concatenate([p[k] + off for p, off in zip(parts, reader.offsets)]) for k in (0, 1))
+
+
+def mixture_draw(cfg, reader: cf.CacheReader | MixedReader, train_indices: np.ndarray) -> Draw | None:
+    """Each epoch's draw from a mixture's caches by weight (None for one cache)."""
+    if not isinstance(reader, MixedReader):
+        return None
+    return Draw.build(reader, train_indices, [w for _, w in cfg.caches()], bucket_ids(reader))
 
 
 def check_texts(reader: cf.CacheReader) -> None:
@@ -117,14 +161,15 @@ def check_texts(reader: cf.CacheReader) -> None:
                         "those shards alone, recording such samples in errors.jsonl)")
 
 
-def verify_fingerprint(cfg, model, processor, reader: cf.CacheReader, plan: InputPlan) -> None:
-    """Full check against the loaded models (config digests and weight hashes): format_version, image, and vae when
-    cached latents are used, siglip when cached SigLIP features are used."""
+def verify_fingerprint(cfg, model, processor, reader: cf.CacheReader | MixedReader, plan: InputPlan) -> None:
+    """Full check against the loaded models (config digests and weight hashes), of each cache: format_version, image,
+    and vae when cached latents are used, siglip when cached SigLIP features are used."""
     expected = cf.fingerprint_for(cfg.model, cfg.image, siglip=plan.cached_siglip, vae=model.world_encoder.vae,
                                   gemma=model.gemma, processor=processor)
     fields = ["format_version", "image"] + (["vae"] if plan.cached_latents else []) + \
         (["siglip"] if plan.cached_siglip else [])
-    cf.check_fingerprint(reader.manifest.get("fingerprint") or {}, expected, cfg.cache_dir, fields=fields)
+    for r in reader.readers if isinstance(reader, MixedReader) else [reader]:
+        cf.check_fingerprint(r.manifest.get("fingerprint") or {}, expected, r.cache_dir, fields=fields)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -195,7 +240,7 @@ class CacheDataset(Dataset):
         self.flip = plan.flip if flip is None else flip
         # eval: each item also carries its partner's world (eval_partners) for the shuffled-world loss; a rule over
         # the whole split, so the figure does not depend on the process count
-        self.partners = eval_partners(reader.latent_hw[indices]) if partner else None
+        self.partners = eval_partners(partner_groups(reader, indices)) if partner else None
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -247,6 +292,7 @@ class DataContext:
     train_indices: np.ndarray
     eval_indices: np.ndarray
     buckets: np.ndarray  # (len(reader),) each sample's bucket (latent shape)
+    draw: Draw | None = None  # a mixture's per-epoch draw from its caches
     truncation: str = ""  # with train.max_length: how many training samples it shortens (start line)
 
     @classmethod
@@ -258,11 +304,19 @@ class DataContext:
         first = reader.sample(train[0], tensors=False)
         encode_texts(formatter, [first.turns])  # a prompt over max_length: an error before any worker
         truncation = truncation_report(formatter, reader, train) if formatter.max_length else ""
-        return cls(reader, plan, formatter, processor.image_processor, train, held, bucket_ids(reader), truncation)
+        return cls(reader, plan, formatter, processor.image_processor, train, held, bucket_ids(reader),
+                   mixture_draw(cfg, reader, train), truncation)
+
+    def epoch_samples(self, seed: int, epoch: int) -> np.ndarray:
+        """The training samples epoch `epoch` orders: all of them, or a mixture's draw."""
+        return self.train_indices if self.draw is None else self.draw.epoch(seed, epoch)
+
+    def describe_mixture(self, cfg) -> str:
+        return "" if self.draw is None else self.draw.describe(self.reader, [w for _, w in cfg.caches()])
 
     def describe_buckets(self) -> str:
         """'' for one latent shape, else each shape (h x w) with its training samples."""
-        shapes, counts = np.unique(self.reader.latent_hw[self.train_indices], axis=0, return_counts=True)
+        shapes, counts = np.unique(self.reader.latent_hw[self.epoch_samples(0, 0)], axis=0, return_counts=True)
         if len(shapes) < 2:
             return ""
         return "latent shapes (train samples): " + ", ".join(f"{h}x{w} ({n})" for (h, w), n in zip(shapes, counts))
@@ -316,8 +370,9 @@ def _loader(cfg, ctx: DataContext, dataset, **kw) -> DataLoader:
 
 def build_train_loader(cfg, ctx: DataContext, rank: int, world_size: int, epoch: int, start: int = 0) -> DataLoader:
     """Micro-batches of this process for `epoch` from global batch `start` on: accumulation_steps of them per step."""
-    idx = rank_indices(ctx.train_indices, cfg.seed, epoch, cfg.train.global_batch_size, rank, world_size, start,
-                       ctx.buckets[ctx.train_indices])
+    samples = ctx.epoch_samples(cfg.seed, epoch)
+    idx = rank_indices(samples, cfg.seed, epoch, cfg.train.global_batch_size, rank, world_size, start,
+                       ctx.buckets[samples])
     return _loader(cfg, ctx, ctx.dataset(cfg, idx, epoch), batch_size=cfg.train.micro_batch_size, shuffle=False)
 
 

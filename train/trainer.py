@@ -50,8 +50,9 @@ class Checked:
         bench = BenchmarkEval.load(cfg)
         if cfg.train.cpu_threads:
             torch.set_num_threads(cfg.train.cpu_threads)
-        split = order.split(reader, cfg.train.eval_samples)
-        per_epoch = order.check_sizes(cfg, reader, split[0], launch.processes)
+        split = data.split_data(cfg, reader)
+        per_epoch = order.check_sizes(cfg, reader, split[0], launch.processes,
+                                      data.mixture_draw(cfg, reader, split[0]))
         cfg.train.max_steps = order.total_steps(cfg.train, per_epoch)
         return cls(cfg, launch, reader, inputs, split, per_epoch, bench)
 
@@ -122,7 +123,7 @@ class Trainer:
         cfg, ctx, inputs = self.cfg, self.ctx, self.checked.inputs
         lines = [f"removed {p}, an unfinished save of a killed run" for p in self.removed]
         if not self.checked.reader.checksummed:
-            lines.append(f"note: cache {cfg.cache_dir} has no per-member checksums (written before they existed): "
+            lines.append(f"note: cache {self.checked.reader.cache_dir} has no per-member checksums (written before they existed): "
                          "damaged latents would go unnoticed; rebuild it to add them")
         for r in self.reports:
             lines.append(checkpoint.describe_init(cfg.init_from, r))
@@ -134,6 +135,8 @@ class Trainer:
         lines.append(params.describe(self.c.raw))
         if cfg.train.epochs:
             lines.append(f"train.epochs {cfg.train.epochs:g}: {cfg.train.max_steps} steps of {self.per_epoch} per epoch")
+        if mixture := ctx.describe_mixture(cfg):
+            lines.append(mixture)
         if ctx.truncation:
             lines.append(ctx.truncation)
         if buckets := ctx.describe_buckets():
