@@ -74,6 +74,7 @@ def llava_cache(tmp_path_factory):
     import json
 
     from _precompute_helpers import gradient, jpeg_bytes, make_cfg
+
     from precompute.cosmos_latents import run
 
     root = tmp_path_factory.mktemp("llava")

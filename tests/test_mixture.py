@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from conftest import ROOT, run2
 from safetensors.torch import load_file
 
-from conftest import ROOT, run2
 from theworld.config import load_config
 from theworld.errors import UserError
 from train.config import TrainConfig

@@ -6,8 +6,8 @@ including the model turn's <end_of_turn> is the answer. A text-only re-render wo
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch

@@ -24,7 +24,6 @@ from train.mixture import Draw, MixedReader, partner_groups
 from train.order import bucket_ids, eval_partners, flip_of, rank_indices, split
 from train.preempt import ignore_in_workers
 
-
 # ----------------------------------------------------------------------------------------------------------------------
 # What each sample needs
 
@@ -297,7 +296,7 @@ class DataContext:
 
     @classmethod
     def build(cls, cfg, reader: cf.CacheReader, plan: InputPlan, processor,
-              split_: tuple[np.ndarray, np.ndarray] | None = None) -> "DataContext":
+              split_: tuple[np.ndarray, np.ndarray] | None = None) -> DataContext:
         """`split_`: split(reader, cfg.train.eval_samples) when the caller has it already."""
         train, held = split_ if split_ is not None else split(reader, cfg.train.eval_samples)
         formatter = ChatFormatter(processor, max_length=cfg.train.max_length or None)

@@ -112,7 +112,7 @@ class Draw:
 
     @classmethod
     def build(cls, reader: MixedReader, train_indices: np.ndarray, weights: list[float],
-              buckets: np.ndarray) -> "Draw":
+              buckets: np.ndarray) -> Draw:
         """`buckets[i]`: sample i's latent shape id (order.bucket_ids)."""
         cache = reader.cache_of[train_indices]
         sizes = np.bincount(cache, minlength=len(reader.readers))
