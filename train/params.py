@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from train.optim import PARTS, part_of
+from theworld.arch import PARTS, part_of
 
 ADAPTER_MARKS = ("lora_",)  # peft's adapter parameter names (lora_A, lora_B, lora_embedding_*, lora_magnitude_vector)
 
@@ -22,8 +22,8 @@ def human(n: int) -> str:
 
 
 def part_counts(model: torch.nn.Module) -> dict[str, dict[str, int]]:
-    """{part: {trainable, total, adapter}} in the order of optim.PARTS (whole counts, also for sharded DTensors)."""
-    out = {part: {"trainable": 0, "total": 0, "adapter": 0} for part in dict.fromkeys(p for _, p in PARTS)}
+    """{part: {trainable, total, adapter}} in the order of arch.PARTS (whole counts, also for sharded DTensors)."""
+    out = {part: {"trainable": 0, "total": 0, "adapter": 0} for part in PARTS}
     for name, p in model.named_parameters():
         c = out[part_of(name)]
         c["total"] += p.numel()
