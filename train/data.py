@@ -132,6 +132,17 @@ def mixture_draw(cfg, reader: cf.CacheReader | MixedReader, train_indices: np.nd
     return Draw.build(reader, train_indices, [w for _, w in cfg.caches()], bucket_ids(reader))
 
 
+def trained_prompt(reader: cf.CacheReader, train_indices: np.ndarray, look: int = 64) -> str:
+    """The prompt the run trains with: the most common one among the first `look` training samples (a cache written
+    from one source carries one prompt), recorded in final/ for describe and caption evaluation."""
+    members, reader.members = reader.members, ()  # the caption and json alone
+    try:
+        prompts = [reader.sample(int(i), tensors=False).prompt for i in train_indices[:look]]
+    finally:
+        reader.members = members
+    return Counter(prompts).most_common(1)[0][0] if prompts else DEFAULT_PROMPT
+
+
 def check_texts(reader: cf.CacheReader) -> None:
     """Refuse a cache with a caption or prompt that holds a Gemma control string (theworld.control_text: the rule
     precompute applies). Shards whose sidecar records that precompute applied the rule are not read; in the others
