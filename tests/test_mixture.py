@@ -16,6 +16,7 @@ from theworld.config import load_config
 from theworld.errors import UserError
 from train.config import TrainConfig
 from train.mixture import Draw, largest_remainder
+from train.order import epoch_batches
 
 
 def fake_mixture(sizes: list[int]) -> tuple[SimpleNamespace, np.ndarray]:
@@ -54,7 +55,10 @@ def test_the_draw_keeps_each_caches_shapes_in_proportion_and_the_same_every_epoc
     assert draw.cache_quotas.tolist() == [20, 60]
     assert draw.bucket_sizes(buckets).tolist() == [15 + 30, 5 + 30]
     for epoch in range(3):
-        assert np.bincount(buckets[draw.epoch(0, epoch)]).tolist() == [45, 35]
+        samples = draw.epoch(0, epoch)
+        assert np.bincount(buckets[samples]).tolist() == [45, 35]
+        batches = epoch_batches(samples, 0, epoch, 8, buckets[samples])
+        assert len(batches) == 45 // 8 + 35 // 8 and all(len(set(buckets[b])) == 1 for b in batches)
 
 
 def test_the_mixtures_batches_mix_the_caches_by_weight_within_sampling_error():
