@@ -142,11 +142,12 @@ def test_a_mixture_trains_prints_its_shares_and_resumes_exactly(caches, tmp_path
     assert whole.keys() == parts.keys() and all(torch.equal(whole[k], parts[k]) for k in whole)
 
 
-def test_caches_of_different_world_layouts_are_refused_naming_both(caches, tmp_path, capsys):
+def test_caches_of_different_world_layouts_or_inputs_are_refused_naming_both(caches, tmp_path, capsys):
     from train.loop import main
 
     for name, setting, words in (("mean", "cache.latents=mean", "cache.latents posterior vs mean"),
-                                 ("small", "image.resolution=32", "image.resolution 64 vs 32")):
+                                 ("small", "image.resolution=32", "image.resolution 64 vs 32"),
+                                 ("siglip", "cache.siglip=true", "give different inputs")):
         other = _cache(tmp_path, name, 12, setting)
         capsys.readouterr()
         assert main(mix_args((caches[0], other), tmp_path / "run", 1)) == 2
