@@ -116,7 +116,7 @@ def restore(components: Components, resume_from: Path | None, cache: dict | None
             print(f"warning: {resume_from} was written under a different config", file=sys.stderr)
         was = saved.get("cache")
         if cache and was and was != cache:  # rebuilt or extended: the same step indices name other samples
-            print(f"warning: the cache {components.cfg.cache_dir} holds other samples than when {resume_from} was "
+            print(f"warning: {'the data mixture' if components.cfg.data else 'the cache ' + components.cfg.cache_dir} holds other samples than when {resume_from} was "
                   f"written ({was['samples']} then, {cache['samples']} now): the data order from here on is not the "
                   "interrupted run's", file=sys.stderr)
         # allowed: the data order does not depend on it
