@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from theworld.config import cli_parser, load_config, to_yaml
+from theworld.config import cli_parser, load_config, to_yaml, trains
 from theworld.encoders import DTYPES, _quiet_hf, resolve_gemma, resolve_vae
 from theworld.errors import UserError, cli_entry
 from theworld.model import TheWorld
@@ -87,7 +87,7 @@ def build_world(cfg: TrainConfig, device: str = "meta") -> TheWorld:
     with torch.device(device):
         gemma = Gemma3ForConditionalGeneration(gemma_cfg).to(dtype)
         vae = AutoencoderKLWan.from_config(vae_cfg).to(dtype)
-        model = TheWorld.from_modules(gemma, vae, cfg.world, cfg.freeze, seed=cfg.seed)
+        model = TheWorld.from_modules(gemma, vae, cfg.world, cfg.freeze, seed=cfg.seed, lora=cfg.lora)
     model.cast_trainable_to_fp32()
     return model
 
@@ -125,7 +125,7 @@ def activation_bytes(cfg: TrainConfig, model: TheWorld, micro: int) -> int:
     seq = TEXT_TOKENS + gc.mm_tokens_per_image + 2 + world
     per_sample = _stack(seq, text.hidden_size, text.num_hidden_layers, e, cfg.train.gradient_checkpointing)
     per_sample += ANSWER_TOKENS * text.vocab_size * (3 * 4 + e)  # answer logits: compute dtype, fp32 loss + grad
-    if not cfg.freeze.vision:
+    if trains(cfg.freeze, cfg.lora, "vision"):
         patches = (vision.image_size // vision.patch_size) ** 2
         per_sample += _stack(patches, vision.hidden_size, vision.num_hidden_layers, e,
                              cfg.train.gradient_checkpointing)
