@@ -318,5 +318,5 @@ def cli_parser(prog: str, description: str) -> argparse.ArgumentParser:
     return p
 
 
-__all__ = ["ModelConfig", "ImageConfig", "WorldConfig", "FreezeConfig", "load_config", "from_dict", "to_dict", "to_yaml",
-           "ArgParser", "add_config_args", "cli_parser", "field"]
+__all__ = ["ModelConfig", "ImageConfig", "WorldConfig", "FreezeConfig", "LoraConfig", "check_lora", "trains",
+           "load_config", "from_dict", "to_dict", "to_yaml", "ArgParser", "add_config_args", "cli_parser", "field"]
