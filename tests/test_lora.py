@@ -213,18 +213,18 @@ def test_lora_fsdp_kill_9_and_resume_gives_bitwise_equal_weights(cache, tmp_path
 def test_memory_plan_counts_lora_exactly_and_the_real_lora_stage_fits_one_gpu():
     from theworld import lora
     from theworld.config import load_config
-    from train import memory, optim
+    from train import components, memory
     from train.config import TrainConfig
 
     cfg = load_config(TrainConfig, str(ROOT / "configs" / "stage3_lora.yaml"))
-    model, _ = optim.build_model(cfg)  # from_pretrained of the tiny models, adapters injected
+    model, _ = components.build_model(cfg)  # from_pretrained of the tiny models, adapters injected
     params = dict(model.named_parameters())
-    plan = memory.plan(cfg, gpus=1, gpu_memory_gib=80)
+    plan = memory.estimate(cfg, gpus=1, gpu_memory_gib=80)
     assert plan["trainable_params"] == sum(p.numel() for p in params.values() if p.requires_grad)
     assert plan["lora"]["params"] == lora.count(model) > 0
-    no_dropout = memory.plan(load_config(TrainConfig, str(ROOT / "configs" / "stage3_lora.yaml"),
+    no_dropout = memory.estimate(load_config(TrainConfig, str(ROOT / "configs" / "stage3_lora.yaml"),
                                          ["lora.dropout=0"]), gpus=1, gpu_memory_gib=80)
     assert no_dropout["per_gpu_bytes"]["ddp"]["activations"] < plan["per_gpu_bytes"]["ddp"]["activations"]
-    real = memory.plan(load_config(TrainConfig, str(ROOT / "configs" / "real" / "stage3_lora.yaml")), gpus=1,
+    real = memory.estimate(load_config(TrainConfig, str(ROOT / "configs" / "real" / "stage3_lora.yaml")), gpus=1,
                        gpu_memory_gib=80)
     assert real["fits"]["ddp"] and real["lora"]["params"] == 29_802_496  # r 16 on Gemma 3 4B's 7 projections
