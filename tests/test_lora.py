@@ -228,3 +228,20 @@ def test_memory_plan_counts_lora_exactly_and_the_real_lora_stage_fits_one_gpu():
     real = memory.estimate(load_config(TrainConfig, str(ROOT / "configs" / "real" / "stage3_lora.yaml")), gpus=1,
                        gpu_memory_gib=80)
     assert real["fits"]["ddp"] and real["lora"]["params"] == 29_802_496  # r 16 on Gemma 3 4B's 7 projections
+
+
+def test_init_from_a_full_fine_tune_into_a_lora_stage_fills_the_frozen_base_layers(tmp_path):
+    from theworld.config import FreezeConfig, LoraConfig, ModelConfig, WorldConfig
+    from theworld.model import TheWorld
+    from train import checkpoint
+
+    full, _ = TheWorld.from_config(ModelConfig(dtype="float32"), WorldConfig(), FreezeConfig(language=False))
+    name = "gemma.model.language_model.layers.0.self_attn.q_proj.weight"
+    with torch.no_grad():
+        dict(full.named_parameters())[name].add_(1.0)  # as if stage 3 had trained it
+    full.save_trainable(tmp_path / "trainable.safetensors")
+    adapted, _ = TheWorld.from_config(ModelConfig(dtype="float32"), WorldConfig(), FreezeConfig(), lora=LoraConfig())
+    report = checkpoint.init_from(adapted, tmp_path / "trainable.safetensors")
+    base = dict(adapted.named_parameters())[name.replace("q_proj.", "q_proj.base_layer.")]
+    assert torch.equal(base, dict(full.named_parameters())[name]) and not base.requires_grad
+    assert not report.ignored
