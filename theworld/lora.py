@@ -13,13 +13,12 @@ import re
 import torch
 from torch import nn
 
+from theworld.arch import PARTS
 from theworld.config import LoraConfig
 
 ADAPTER = "default"  # peft's adapter name inside the model
 ADAPTER_CONFIG = "adapter_config.json"  # peft's adapter folder layout
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-# where each part's layers live inside Gemma3ForConditionalGeneration (the names peft matches)
-PART_PATHS = {"language": r"model\.language_model", "vision": r"model\.vision_tower"}
 PEFT_PREFIX = "base_model.model."  # peft's prefix of a Gemma tensor name in an adapter folder
 ADAPTER_NAME = re.compile(rf"^gemma\.(.+\.lora_[AB])\.{ADAPTER}\.weight$")
 
@@ -29,7 +28,9 @@ def peft_config(lora: LoraConfig, base: str | None = None):
     a name shared by both towers (q_proj) is adapted only where asked."""
     from peft import LoraConfig as PeftLoraConfig
 
-    parts = "|".join(PART_PATHS[p] for p in lora.parts)
+    # the parts' module paths inside Gemma3ForConditionalGeneration: the names peft matches
+    parts = "|".join(re.escape(path.removeprefix("gemma.")) for p in lora.parts for path in PARTS[p]
+                     if path.startswith("gemma."))
     names = "|".join(re.escape(m) for m in lora.target_modules)
     return PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                           target_modules=rf"({parts})\..*\.({names})", base_model_name_or_path=base)
