@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 LMMS_EVAL_SPEC ?= lmms-eval==0.7.3
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install lmms-eval demo test test-fast bench clean-demo
+.PHONY: install lmms-eval demo lint test test-fast bench clean-demo
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,7 +39,12 @@ demo: install
 	$(PY) -m theworld.evaluate --model runs/stage1 --data $(MC)/items.jsonl
 	$(PY) -m theworld.evaluate --model runs/stage1 --task caption --data $(MC)/captions.jsonl --max-new-tokens 24
 
-test: install
+# The configuration is in pyproject.toml ([tool.ruff]).
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+test: lint
 	$(PY) -m pytest -q
 
 # The inner loop: everything but the tests that start whole runs in subprocesses (marked `slow`).

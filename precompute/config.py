@@ -55,7 +55,7 @@ class PrecomputeConfig:
     shard_size: int = 512
     batch_size: int = 32
     num_workers: int = 2
-    compile: bool = False  # torch.compile the VAE encoder (GPU: 3.5x at 512 px, ~15 s to compile; docs/performance.md)
+    compile: bool = False  # torch.compile the VAE encoder (GPU; its speed-up and compile time: docs/performance.md)
     cache: CacheOptions = field(default_factory=CacheOptions)
 
     def __post_init__(self) -> None:

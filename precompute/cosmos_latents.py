@@ -60,7 +60,7 @@ def _load_models(cfg: PrecomputeConfig, device: torch.device):
 @torch.no_grad()
 def encode_latents(encoder, pixels: torch.Tensor, cfg: PrecomputeConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean, logvar) of a batch of uint8 pixels as float32 CPU tensors. A compiled encoder sees one input shape:
-    a short batch is padded to `batch_size`, as a new shape would recompile it (~15 s)."""
+    a short batch is padded to `batch_size`, as a new shape would recompile it (docs/performance.md)."""
     n = len(pixels)
     if cfg.compile and n < cfg.batch_size:
         pixels = torch.cat([pixels, pixels.new_zeros(cfg.batch_size - n, *pixels.shape[1:])])
@@ -198,7 +198,7 @@ def _finish(cfg: PrecomputeConfig, out: Path, n_shards: int, run_id: dict, laten
 
 def _compile_encoder(encoder, cfg: PrecomputeConfig, device: torch.device) -> float:
     """Compile before the clock starts, at the square batch shape (crop and squash: the only one `BucketBatcher` passes): the first call traces and compiles
-    (~15 s for the Wan VAE at 512 px on an H100)."""
+    (its time at 512 px on an H100: docs/performance.md)."""
     t = time.perf_counter()
     r = cfg.image.resolution
     with torch.no_grad():

@@ -4,8 +4,8 @@ No model weights are loaded. Tensor members are sized from the config alone: lat
 image-token features (mm_tokens x hidden) from Gemma's config, each serialised empty to get its exact safetensors
 size. Configs come from the saved tiny models, a local folder, the local Hugging Face cache (offline), or, for the
 public checkpoints the project targets, the table in theworld/arch.py. The latent grid and the variable members
-(image bytes, caption, json) are measured on up to PLAN_SAMPLES source entries spread evenly over the source, prepared exactly as the run
-prepares them (decode, resize or bucket, PNG for formats kept as PNG).
+(image bytes, caption, json) are measured on up to PLAN_SAMPLES source entries spread evenly over the source,
+prepared exactly as the run prepares them (decode, resize or bucket, PNG for formats kept as PNG).
 """
 from __future__ import annotations
 

@@ -198,7 +198,7 @@ def train_cache(tmp_path_factory):
 
 
 def _train(cache: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    from test_train import ENV, base_args
+    from conftest import ENV, base_args
 
     args = base_args(cache, out, steps=2, **{"train.num_workers": 1}) + [a for e in extra for a in ("--set", e)]
     return subprocess.run([sys.executable, "-m", "train.loop", *args], cwd=ROOT, env=ENV, capture_output=True,
@@ -251,7 +251,7 @@ def test_an_old_cache_trains_with_a_note_and_its_undecodable_bytes_are_one_line(
 
 
 def test_a_cache_file_changed_before_the_run_is_refused_before_any_model_loads(train_cache, tmp_path, capsys):
-    from test_train import base_args
+    from conftest import base_args
 
     from train.loop import main
 
@@ -286,7 +286,7 @@ def _old_shard(cache: Path, shard: int, sample: int, caption: str | None = None,
 
 def test_an_old_cache_with_a_control_string_caption_is_refused_before_any_model_loads(cache, tmp_path, capsys,
                                                                                        monkeypatch):
-    from test_train import base_args
+    from conftest import base_args
 
     from theworld.control_text import TEXT_RULE
     from train import data

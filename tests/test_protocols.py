@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from test_evaluate import TWO_ITEMS, blink_folder, hand_scores, write_items
+from _eval_helpers import TWO_ITEMS, blink_folder, hand_scores, write_items
 
 from theworld import images, synthetic
 from theworld.config import ImageConfig, ModelConfig, WorldConfig

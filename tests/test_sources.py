@@ -651,7 +651,7 @@ def test_llava_and_parquet_listings_split_across_ranks(tmp_path):
         reference = sources.list_entries(kind, str(path), None, 0, "p")
         listings, barrier, writes = {}, threading.Barrier(2), []
         real = cf.atomic_write_bytes  # every listing file goes through it (atomic_write_json included)
-        recording = lambda p, data: (writes.append((threading.current_thread().name, p.name)), real(p, data))[1]  # noqa: E731
+        recording = lambda p, data: (writes.append((threading.current_thread().name, p.name)), real(p, data))[1]
         cf.atomic_write_bytes = cf.layout.atomic_write_bytes = recording
         try:
             def rank(r: int) -> None:

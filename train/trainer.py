@@ -153,7 +153,8 @@ class Trainer:
         state, accelerator = self.state, self.c.accelerator
         if state.last_eval is None or state.last_eval.get("step") != state.step:  # a checkpoint saved before its eval
             self.run_eval()
-        if self.window.steps_run and state.step % self.cfg.train.save_every:  # (a finished run's rerun has its checkpoint)
+        # (a finished run's rerun has its checkpoint)
+        if self.window.steps_run and state.step % self.cfg.train.save_every:
             self.save()
         whole = checkpoint.gather(self.c)
         if accelerator.is_main_process:

@@ -12,16 +12,16 @@ from typing import Any
 
 import torch
 
+from theworld.cache_format import migrations
+from theworld.cache_format.migrations import FORMAT_VERSION
 from theworld.errors import CacheDamaged, UserError
 
-FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SHARDS = "shards"
 ERRORS = "errors.jsonl"
 ERRORS_DIR = "errors"
 RUN_FILE = "precompute.json"
 INDEX_DIR = "source-index"
-CHECKSUMS = "crc32"  # sidecar sample field {member: zlib.crc32 of its bytes}; caches written before it lack it
 # Member names inside a sample (webdataset: "<key>.<member>").
 LATENT = "latent.safetensors"  # tensors "mean", "logvar" (only "mean" with cache.latents: mean): (16, 1, h, w)
 LATENT_FLIP = "latent_flip.safetensors"  # the same for the horizontally flipped image
@@ -179,16 +179,15 @@ def load_manifest(cache_dir: Path | str) -> dict:
         raise CacheDamaged(f"{path} is not valid JSON ({type(e).__name__}: {str(e)[:120]}); {REBUILD_MANIFEST}") from None
     if not isinstance(manifest, dict):
         raise CacheDamaged(f"{path} holds a JSON {type(manifest).__name__}, not an object; {REBUILD_MANIFEST}")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise UserError(f"cache {cache_dir} has format_version {manifest.get('format_version')!r}, "
-                        f"this code reads {FORMAT_VERSION}")
+    migrations.check_version(manifest, cache_dir)
     if problem := _manifest_problem(manifest):
         raise CacheDamaged(f"{path} is malformed: {problem}; {REBUILD_MANIFEST}")
-    return manifest
+    return migrations.manifest(manifest, cache_dir)
 
 
 def latents_stored(manifest: dict) -> str:
-    """"posterior" (mean and logvar) or "mean" (cache.latents: mean); caches that do not say hold the posterior."""
+    """"posterior" (mean and logvar) or "mean" (cache.latents: mean); caches that do not say hold the posterior
+    (migrations.manifest records it for version 1)."""
     return (manifest.get("contents") or {}).get("latents", "posterior")
 
 
@@ -212,7 +211,7 @@ def _manifest_problem(m: dict) -> str | None:
         if not _is_int(m.get(key)):
             return f"'{key}' is not a count"
     shape = m.get("latent_shape")  # null when the samples' shapes differ (aspect-ratio buckets): see latent_shapes
-    is_shape = lambda s: isinstance(s, list) and all(_is_int(d) for d in s)  # noqa: E731
+    is_shape = lambda s: isinstance(s, list) and all(_is_int(d) for d in s)
     if not (is_shape(shape) or shape is None and isinstance(m.get("latent_shapes"), list)) \
             or not isinstance(m.get("latent_dtype"), str):
         return "'latent_shape' / 'latent_dtype' missing or not a shape and a dtype name"

@@ -14,7 +14,9 @@ import numpy as np
 import torch
 from safetensors.torch import load as st_load
 
-from theworld.cache_format.layout import (CAPTION, CHECKSUMS, MANIFEST, META, IMAGE_EXTS, LATENT, LATENT_FLIP,
+from theworld.cache_format import migrations
+from theworld.cache_format.migrations import CHECKSUMS
+from theworld.cache_format.layout import (CAPTION, MANIFEST, META, IMAGE_EXTS, LATENT, LATENT_FLIP,
                                           REBUILD_MANIFEST, SHARDS, SIGLIP, Sample, load_manifest, read_sidecar,
                                           repair_hint, shard_stem, sidecar_path, tar_path)
 from theworld.errors import CacheDamaged, UserError
@@ -130,20 +132,19 @@ class CacheReader:
         self.manifest = load_manifest(self.cache_dir)
         self._names, keys, shards, spans, crcs, hw, self._sides = [], [], [], [], [], [], []
         self.text_rules = []
-        square = self.manifest.get("latent_shape")  # caches written before per-sample shapes: every sample's
         for i, _ in enumerate(self.manifest["shards"]):
             side = read_sidecar(self.cache_dir, i)
             if not isinstance(side, dict):
                 raise CacheDamaged(f"cache {self.cache_dir}: sidecar {sidecar_path(self.cache_dir, i)} is missing or "
                                    f"not a JSON object; {repair_hint(self.cache_dir, i)}")
             try:
-                block, crc = self._index_sidecar(side, keys)
+                block, crc = self._index_sidecar(migrations.sidecar(side, self.manifest), keys)
             except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
                 raise CacheDamaged(f"cache {self.cache_dir}: sidecar {sidecar_path(self.cache_dir, i)} is malformed "
                                    f"({type(e).__name__}: {str(e)[:80]}); {repair_hint(self.cache_dir, i)}") from None
             try:
-                hw += [(s.get("latent_shape") or square)[-2:] for s in side["samples"]]
-            except TypeError:
+                hw += [s["latent_shape"][-2:] for s in side["samples"]]
+            except (KeyError, TypeError):
                 raise UserError(f"cache {self.cache_dir}: shard {i}'s sidecar lacks per-sample latent shapes and the "
                                 "manifest has no common latent_shape") from None
             spans.append(block)
@@ -152,7 +153,7 @@ class CacheReader:
             self.text_rules.append(side.get("text_rule"))
             shards.append(np.full(len(block), i, dtype=np.int32))
         width = len(self._names)
-        pad = lambda b: np.pad(b, ((0, 0), (0, width - b.shape[1])) + ((0, 0),) * (b.ndim - 2), constant_values=-1)  # noqa: E731
+        pad = lambda b: np.pad(b, ((0, 0), (0, width - b.shape[1])) + ((0, 0),) * (b.ndim - 2), constant_values=-1)
         self._spans = np.concatenate([pad(b) for b in spans]) if spans else np.zeros((0, width, 2), dtype=np.int64)
         self._crc = np.concatenate([pad(c) for c in crcs]) if crcs else np.zeros((0, width), dtype=np.int64)
         self._keys = np.array(keys, dtype=bytes) if keys else np.zeros(0, dtype="S1")
@@ -174,7 +175,7 @@ class CacheReader:
             keys.append(s["key"].encode())
             for name, span in s["members"].items():
                 block[j, self._names.index(name)] = [int(span[0]), int(span[1])]
-            for name, value in (s.get(CHECKSUMS) or {}).items():
+            for name, value in s[CHECKSUMS].items():
                 crc[j, self._names.index(name)] = int(value)
         return block, crc
 

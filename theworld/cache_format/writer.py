@@ -13,9 +13,10 @@ from typing import Iterable
 import torch
 from safetensors.torch import save as st_save
 
-from theworld.cache_format.layout import (CAPTION, CHECKSUMS, FORMAT_VERSION, IMAGE_EXTS, LATENT, LATENT_FLIP, META,
-                                          SIGLIP, TURNS, Sample, atomic_write_json, member_name, sha256_file, sidecar_path,
+from theworld.cache_format.layout import (CAPTION, IMAGE_EXTS, LATENT, LATENT_FLIP, META, SIGLIP, TURNS, Sample,
+                                          atomic_write_json, member_name, sha256_file, sidecar_path,
                                           tar_path)
+from theworld.cache_format.migrations import CHECKSUMS, FORMAT_VERSION
 from theworld.control_text import TEXT_RULE, find_control_string
 from theworld.encoders import DTYPES
 
