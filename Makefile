@@ -4,15 +4,25 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
+LMMS_EVAL_SPEC ?= lmms-eval==0.7.3
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install demo test test-fast bench clean-demo
+.PHONY: install lmms-eval demo test test-fast bench clean-demo
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -c "import lmms_eval" 2>/dev/null || $(MAKE) --no-print-directory lmms-eval
 	touch $@
+
+# lmms-eval (the `eval` extra) requires torchvision. With a torch that has its torchvision, pip installs it as usual;
+# with a CPU torch (PyPI's torchvision needs PyPI's CUDA torch and would replace it) it is installed without torchvision.
+lmms-eval:
+	if $(PY) -c "import torchvision" 2>/dev/null; then $(PY) -m pip install -q "$(LMMS_EVAL_SPEC)"; else \
+	  $(PY) -m pip install -q --no-deps "$(LMMS_EVAL_SPEC)" && \
+	  $(PY) scripts/lmms_eval_requirements.py > $(VENV)/lmms-eval-requirements.txt && \
+	  $(PY) -m pip install -q -r $(VENV)/lmms-eval-requirements.txt; fi
 
 install: $(VENV)/.installed
 

@@ -21,12 +21,14 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file, save_file
 
+from theworld import lora
 from theworld.arch import FREEZABLE
 from theworld.cache_format import sha256_file
-from theworld.checkpoint_layout import CARD, CHECKPOINT_RE, CONFIG, EMA, FINAL, OPTIMIZER, PROMPT, RNG, STATE, WEIGHTS
+from theworld.checkpoint_layout import (CARD, CHECKPOINT_RE, CONFIG, EMA, FINAL, OPTIMIZER, PROMPT, RNG, STATE, WEIGHTS,
+                                       read_config)
 from theworld.config import to_yaml
 from theworld.errors import OutOfSpace, UserError, no_space_message, out_of_space
-from theworld.model import LoadReport, local_like
+from theworld.model import LoadReport, local_like, read_weights
 from theworld.text import DEFAULT_PROMPT as DESCRIBE_PROMPT
 from train import sharding
 from train.config import run_hash
@@ -179,14 +181,31 @@ def resolve_weights(path: str | Path) -> Path:
 
 
 def init_from(model, path: str | Path) -> LoadReport:
-    """Previous stage's weights by name (shapes checked); parts it lacks keep the base model's weights."""
-    return model.load_trainable(resolve_weights(path), strict=False)
+    """Previous stage's weights by name (shapes checked); parts it lacks keep the base model's weights. A LoRA
+    stage's adapters go into a model without adapters merged into its base weights."""
+    weights = resolve_weights(path)
+    tensors = read_weights(weights)
+    adapters = {n: t for n, t in tensors.items() if lora.is_adapter(n)}
+    if not adapters or lora.adapted_layers(model.gemma):
+        return model.load_tensors(tensors, weights, strict=False)
+    if not (weights.parent / CONFIG).is_file():
+        raise UserError(f"config key 'init_from': {weights} holds LoRA adapters but there is no {CONFIG} beside it "
+                        "to say their layout (lora.r, lora.alpha, ...); give the stage's final/ folder")
+    source = read_config(weights.parent).lora
+    if source is None:
+        raise UserError(f"config key 'init_from': {weights} holds LoRA adapters but {weights.parent / CONFIG} has "
+                        "no lora section")
+    merged = lora.merge_into(model.gemma, source, adapters)
+    report = model.load_tensors({n: t for n, t in tensors.items() if n not in adapters}, weights, strict=False)
+    report.merged = merged
+    return report
 
 
 def describe_init(path: str | Path, report: LoadReport) -> str:
     parts = lambda names: sorted({".".join(n.split(".")[:3]) for n in names})  # noqa: E731 (module-level prefixes)
+    merged = f"; LoRA adapters of {report.merged} layers merged into their base weights" if report.merged else ""
     return (f"init_from {path}: {report.summary()}; loaded {parts(report.loaded)}, new (from the base model) "
-            f"{parts(report.new)}, ignored {parts(report.ignored)}")
+            f"{parts(report.new)}, ignored {parts(report.ignored)}{merged}")
 
 
 def _write_dir(tmp: Path, files: dict) -> None:
@@ -365,6 +384,7 @@ def export_final(components: Components, state: LoopState, cfg_yaml: str, output
     fmt = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
     gap = (ev["eval_loss_shuffled_world"] - ev["eval_loss"]) if ev else None
     trained = ["world projector"] + [n for n in FREEZABLE if not getattr(cfg.freeze, n)]
+    trained += [f"{n} (LoRA r {cfg.lora.r})" for n in (cfg.lora.parts if cfg.lora else ())]
     card = MODEL_CARD.format(name=out.name, gemma=cfg.model.gemma, vae=cfg.model.vae, resolution=cfg.image.resolution,
                              trained=", ".join(trained), step=state.step, batch=cfg.train.global_batch_size,
                              samples=state.samples_seen, lr=cfg.train.lr, schedule=cfg.train.schedule,
@@ -375,4 +395,6 @@ def export_final(components: Components, state: LoopState, cfg_yaml: str, output
              CARD: lambda p: p.write_text(card), PROMPT: lambda p: p.write_text(prompt + "\n", encoding="utf-8")}
     if components.ema is not None:
         files[EMA] = _ema_writer(whole)
+    if cfg.lora is not None:  # final/ is also a peft adapter folder for the base Gemma
+        files.update(lora.adapter_files(cfg.lora, cfg.model.gemma, whole.weights))
     return _publish(out, FINAL, files)

@@ -7,8 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from theworld.config import (FreezeConfig, ImageConfig, ModelConfig, WorldConfig, cli_parser, load_config,
-                             require_path, to_dict, to_yaml)
+from theworld.config import (FreezeConfig, ImageConfig, LoraConfig, ModelConfig, WorldConfig, check_lora, cli_parser,
+                             load_config, require_path, to_dict, to_yaml)
 from theworld.errors import UserError
 
 TRACKERS = ("tensorboard", "wandb")
@@ -145,6 +145,7 @@ class TrainConfig:
     image: ImageConfig = field(default_factory=ImageConfig)
     world: WorldConfig = field(default_factory=WorldConfig)
     freeze: FreezeConfig = field(default_factory=FreezeConfig)
+    lora: LoraConfig | None = None  # LoRA adapters on frozen parts (theworld/lora.py, docs/training.md)
     train: TrainSection = field(default_factory=TrainSection)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     cache_dir: str = DEFAULT_CACHE  # the one cache trained on; or `data`, leaving this at its default
@@ -167,6 +168,7 @@ class TrainConfig:
         dirs = [str(e.cache) for e in self.data]
         if len(set(dirs)) < len(dirs):
             raise UserError(f"config key 'data': a cache is listed twice ({', '.join(dirs)}); give it one weight")
+        check_lora(self.freeze, self.lora)
         for t in self.trackers:
             if t not in TRACKERS:
                 raise UserError(f"config key 'trackers': unknown tracker {t!r} (known: {', '.join(TRACKERS)})")
@@ -213,6 +215,8 @@ RESUME_NEUTRAL = ("resume", "output_dir", "trackers", "profile", "train.num_work
 def run_hash(cfg: TrainConfig) -> str:
     """Hash of everything that defines the run's numbers (recorded in each checkpoint's state.json)."""
     d = to_dict(cfg)
+    if d.get("lora") is None:  # runs without LoRA keep the hash they had before the section existed
+        d.pop("lora", None)
     for key in RESUME_NEUTRAL:
         *parents, last = key.split(".")
         node = d

@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from theworld import cache_format as cf
+from theworld.config import trains
 from theworld.control_text import TEXT_RULE, control_problem
 from theworld.errors import UserError
 from theworld.images import decode, load_for_vae, siglip_pixels
@@ -46,7 +47,7 @@ def input_sources(cfg, reader: cf.CacheReader) -> InputSources:
     present = set(reader.member_names())
     has_image = any(ext in present for ext in cf.IMAGE_EXTS)
     cached_latents = cfg.freeze.vae
-    cached_siglip = cfg.freeze.vision and cfg.train.cached_siglip and cf.SIGLIP in present
+    cached_siglip = not trains(cfg.freeze, cfg.lora, "vision") and cfg.train.cached_siglip and cf.SIGLIP in present
     flip = cfg.train.flip
     if cached_latents and cfg.world.latent == "sample" and cf.latents_stored(reader.manifest) == "mean":
         raise UserError(f"config key 'world.latent': 'sample' needs the posterior's logvar, but cache "

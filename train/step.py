@@ -14,7 +14,7 @@ import torch
 
 from train import sharding
 from train.batches import PARTNER, WORLD_KEYS, Batch
-from train.order import noise_seeds, rank_offset
+from train.order import noise_seeds, rank_offset, seed_of
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
@@ -65,6 +65,8 @@ def optimization_step(components: Components, state: LoopState, micro_batches: l
         g["lr"] = lr * g.get("lr_multiplier", 1.0)  # train.lr_multipliers of the group's part
     # a sample's position in the global batch
     first = rank_offset(cfg.train.global_batch_size, components.rank, components.world_size)
+    if cfg.lora is not None and cfg.lora.dropout > 0:  # masks a pure function of (seed, step, rank): exact resume
+        torch.manual_seed(seed_of("lora-dropout", cfg.seed, state.step, components.rank))
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     for i, mb in enumerate(micro_batches):
         inputs = mb.to(device)

@@ -2,7 +2,9 @@
 
 Two protocols (docs/inference.md):
 - `loglik`: each choice is scored by the summed log-probability of its answer tokens (the choice and the model turn's
-  <end_of_turn>, the tokens training supervises) after the question; the highest wins (ties: the first);
+  <end_of_turn>, the tokens training supervises) after the question; the highest wins (ties: the first). The prefix
+  (world, image and question tokens) runs once per item and condition (theworld/infer/prefix_scoring.py);
+  `shared_prefix=False` runs every choice's whole sequence instead (the same scores, for checking);
 - `generate`: the model answers the lettered prompt greedily and the letter is read back (theworld/infer/letters.py);
   an answer with no readable letter is wrong and counted as unparsed.
 Every item is evaluated under each condition asked for (theworld/infer/baselines.py): the model with its own world,
@@ -15,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from theworld import images as imagelib
-from theworld.infer import benchmarks, letters, stats
+from theworld.infer import benchmarks, letters, prefix_scoring, stats
 from theworld.infer.baselines import (
     MODEL,
     SHUFFLED,
@@ -75,14 +77,22 @@ class Scorer:
             for choice in items[i].choices:
                 enc.append(self.formatter.encode(items[i].question, choice, images=len(items[i].images)))
                 row_item.append(i)
-        text = {k: v.to(self.device) for k, v in collate_text(enc, self.formatter.pad_id).items()}
-        siglip = torch.cat([feats[i] for i in row_item])
-        own, previous = self._rows(row_item, at)
+        if self.shared_prefix:  # one prefix per item and condition, every choice from its KV cache
+            prefixes = [self.formatter.prefix(items[i].question, images=len(items[i].images)) for i in indices]
+            owner = [indices.index(i) for i in row_item]
+            siglip = torch.cat([feats[i] for i in indices])
+            own, previous = self._rows(indices, at)
+        else:  # every choice's whole sequence
+            text = {k: v.to(self.device) for k, v in collate_text(enc, self.formatter.pad_id).items()}
+            siglip = torch.cat([feats[i] for i in row_item])
+            own, previous = self._rows(row_item, at)
         per_cond = {}
         for cond in conds:
             with applied(self.model, cond, self.init):
-                per_cond[cond.name] = self.model.answer_logprobs(
-                    **text, siglip=siglip, **world_inputs(self.model, cond, mean, logvar, own, previous)).tolist()
+                world = world_inputs(self.model, cond, mean, logvar, own, previous)
+                scores = (prefix_scoring.answer_logprobs(self.model, prefixes, enc, owner, siglip, **world)
+                          if self.shared_prefix else self.model.answer_logprobs(**text, siglip=siglip, **world))
+                per_cond[cond.name] = scores.tolist()
         out, lo = [], 0
         for i in indices:
             k = len(items[i].choices)
