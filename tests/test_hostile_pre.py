@@ -1,6 +1,8 @@
 """Round-3 hostile cases on the precompute / cache / inspect / inference-input side (issue 27)."""
 from __future__ import annotations
 
+import pytest
+
 from precompute.sources.listing import Truncated
 from precompute.sources.synthetic import SyntheticListing
 
@@ -23,3 +25,41 @@ def test_num_samples_cut_meets_the_barrier_on_every_rank_even_when_the_record_ex
     assert len(first) == len(late) == 4
     rerun = Truncated(inner, 4, tmp_path, rank=0, barrier=barrier_for(0))  # a rerun reads the record, still meets it
     assert len(rerun) == 4 and calls[0] == 2
+
+
+class _OneProcess:  # what run_lock.hold reads of an Accelerator or PartialState
+    is_main_process, num_processes = True, 1
+
+
+def test_a_failed_run_leaves_no_folder_holding_only_its_lock(tmp_path):
+    from theworld import run_lock
+
+    out = tmp_path / "new" / "run"
+    with pytest.raises(RuntimeError, match="refused"):
+        with run_lock.hold(out, _OneProcess()):
+            (out / "sub").mkdir()
+            raise RuntimeError("refused")
+    assert not (tmp_path / "new").exists()  # the folders the run created go with their lock
+    with pytest.raises(RuntimeError, match="crashed"):
+        with run_lock.hold(out, _OneProcess()):
+            (out / "sub").mkdir()
+            (out / "sub" / "written").write_text("work")
+            raise RuntimeError("crashed")
+    assert (out / "sub" / "written").read_text() == "work"  # what a run wrote is never deleted
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    with pytest.raises(RuntimeError):
+        with run_lock.hold(kept, _OneProcess()):
+            raise RuntimeError("refused")
+    assert kept.is_dir() and not any(kept.iterdir())  # a folder that was there stays, without the lock file
+
+
+def test_a_refused_precompute_into_a_new_folder_leaves_nothing(tmp_path, capsys):
+    from _precompute_helpers import cli_args
+    from precompute import cosmos_latents
+
+    (tmp_path / "empty").mkdir()
+    out = tmp_path / "out" / "cache"
+    rc = cosmos_latents.main(cli_args(out, "source.type=folder", f"source.path={tmp_path / 'empty'}"))
+    assert rc == 2 and "no samples found" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
