@@ -63,3 +63,14 @@ def test_a_refused_precompute_into_a_new_folder_leaves_nothing(tmp_path, capsys)
     rc = cosmos_latents.main(cli_args(out, "source.type=folder", f"source.path={tmp_path / 'empty'}"))
     assert rc == 2 and "no samples found" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_shipped_demo_size_belongs_to_the_synthetic_source_only():
+    from conftest import ROOT
+
+    from precompute.config import load
+
+    shipped = ROOT / "configs" / "precompute.yaml"
+    assert load(str(shipped)).source.num_samples == 4096  # the demo is unchanged
+    other = load(str(shipped), ["source.type=parquet", "source.path=x.parquet"])
+    assert other.source.num_samples is None  # every row, as the docs say, not the demo's 4096
