@@ -30,7 +30,7 @@ from precompute.shard_writer import ShardWriter
 from theworld import cache_format as cf
 from theworld import encoders, images, run_lock
 from theworld.config import cli_parser, to_dict, to_yaml
-from theworld.errors import UserError, cli_entry
+from theworld.errors import UserError, cli_entry, one_line
 from theworld.launch import process_group
 
 
@@ -64,9 +64,9 @@ class EntryDataset(Dataset):
             try:
                 item.update(self._prepare(e))
             except (images.BadImage, sources.SourceError) as err:
-                item["error"] = str(err)
+                item["error"] = one_line(err)
             except (OSError, UnicodeDecodeError) as err:
-                item["error"] = f"cannot read: {type(err).__name__}: {err}"
+                item["error"] = f"cannot read: {type(err).__name__}: {one_line(err)}"
         return item
 
     def _prepare(self, e: sources.Entry) -> dict:

@@ -26,7 +26,7 @@ from precompute.config import PrecomputeConfig
 from theworld import cache_format as cf
 from theworld import encoders, images
 from theworld.config import ArgParser, add_config_args, load_config
-from theworld.errors import CacheDamaged, UserError, cli_entry
+from theworld.errors import CacheDamaged, UserError, cli_entry, one_line
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -121,7 +121,7 @@ def _check_sample(key: str, members: dict[str, bytes], manifest: dict, shape: li
     try:
         s = cf.decode_sample(key, members)
     except Exception as e:  # noqa: BLE001 - any decode failure is a finding, not a crash
-        return problems + [f"{key}: does not decode: {type(e).__name__}: {e}"]
+        return problems + [f"{key}: does not decode: {type(e).__name__}: {one_line(e)}"]
     tensors = {"mean": s.mean, "logvar": s.logvar}
     if contents.get("flip"):
         tensors.update(flip_mean=s.flip_mean, flip_logvar=s.flip_logvar)
@@ -156,7 +156,7 @@ def _read_tar(path: Path, spans: dict | None = None) -> tuple[dict[str, dict[str
                     if spans is not None:
                         spans.setdefault(key, {})[member] = [m.offset_data, m.size]
     except (tarfile.TarError, OSError, EOFError) as e:
-        return samples, f"unreadable tar: {type(e).__name__}: {e}"
+        return samples, f"unreadable tar: {type(e).__name__}: {one_line(e)}"
     return samples, None
 
 
@@ -175,7 +175,7 @@ def _check_sidecar(side: dict, samples: dict[str, dict[str, bytes]], spans: dict
                     problems.append(f"{key}: {name} fails its crc32 check")
         return problems
     except (KeyError, TypeError, AttributeError) as e:
-        return [f"sidecar is malformed ({type(e).__name__}: {e})"]
+        return [f"sidecar is malformed ({type(e).__name__}: {one_line(e)})"]
 
 
 def verify(cache: Path, args) -> tuple[dict, int, str]:

@@ -56,6 +56,7 @@ def test_a_failed_run_leaves_no_folder_holding_only_its_lock(tmp_path):
 
 def test_a_refused_precompute_into_a_new_folder_leaves_nothing(tmp_path, capsys):
     from _precompute_helpers import cli_args
+
     from precompute import cosmos_latents
 
     (tmp_path / "empty").mkdir()
@@ -74,3 +75,36 @@ def test_the_shipped_demo_size_belongs_to_the_synthetic_source_only():
     assert load(str(shipped)).source.num_samples == 4096  # the demo is unchanged
     other = load(str(shipped), ["source.type=parquet", "source.path=x.parquet"])
     assert other.source.num_samples is None  # every row, as the docs say, not the demo's 4096
+
+
+def _parquet_with_corrupt_key_column(path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from _precompute_helpers import gradient, png_bytes
+
+    n, img = 20, png_bytes(gradient(16, 16))
+    pq.write_table(pa.table({"key": [f"k{i:03d}" for i in range(n)], "image": [img] * n,
+                             "caption": [f"c{i}" for i in range(n)]}), path, compression="none")
+    page = pq.ParquetFile(path).metadata.row_group(0).column(0).data_page_offset
+    data = bytearray(path.read_bytes())
+    data[page:page + 12] = bytes(b ^ 0xFF for b in data[page:page + 12])  # the key column's page header
+    path.write_bytes(bytes(data))
+
+
+def test_a_corrupt_parquet_key_column_is_one_line_naming_file_and_column(tmp_path, capsys):
+    from _precompute_helpers import cli_args
+
+    from precompute import cosmos_latents
+
+    bad = tmp_path / "bad.parquet"
+    _parquet_with_corrupt_key_column(bad)
+    assert cosmos_latents.main(cli_args(tmp_path / "out", "source.type=parquet", f"source.path={bad}")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"column 'key' of {bad} cannot be read" in err, err
+
+
+def test_one_line_joins_a_librarys_lines():
+    from theworld.errors import one_line
+
+    assert one_line("Couldn't deserialize thrift\nDeserializing page header failed.\n") == \
+        "Couldn't deserialize thrift / Deserializing page header failed."

@@ -14,6 +14,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
+from theworld.errors import one_line
+
 # PIL's own decompression-bomb threshold; above it we refuse instead of allocating gigabytes.
 MAX_PIXELS = 89_478_485
 _SIXTEEN_BIT = {"I;16", "I;16B", "I;16L", "I;16N"}
@@ -79,8 +81,8 @@ def _bad_image(e: Exception) -> BadImage:
     if isinstance(e, BadImage):
         return e
     if isinstance(e, (Image.DecompressionBombError, Image.DecompressionBombWarning)):
-        return BadImage(f"oversized image: {e}")
-    return BadImage(f"unreadable image: {type(e).__name__}: {e}")  # PIL raises many types for broken files
+        return BadImage(f"oversized image: {one_line(e)}")
+    return BadImage(f"unreadable image: {type(e).__name__}: {one_line(e)}")  # PIL raises many types for broken files
 
 
 def check_header(data: bytes, max_pixels: int = MAX_PIXELS) -> None:

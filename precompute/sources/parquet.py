@@ -29,7 +29,7 @@ from precompute.sources.listing import Entry, Listing, Loaded, check_unchanged, 
 from precompute.sources.webdataset import shard_files
 from theworld import cache_format as cf
 from theworld.cache_format import safe_key
-from theworld.errors import UserError
+from theworld.errors import UserError, one_line
 
 KEY_COLUMNS = ("key", "uid", "id")
 CAPTION_COLUMNS = ("caption", "text")
@@ -83,7 +83,12 @@ def _schema(path: str):
     try:
         return _pq().read_schema(path)
     except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
-        raise UserError(f"config key 'source.path': {path} is not a readable parquet file ({e})") from None
+        raise UserError(f"config key 'source.path': {path} is not a readable parquet file ({one_line(e)})") from None
+
+
+def _unreadable_column(path: str, column: str, e: Exception) -> UserError:
+    return UserError(f"config key 'source.path': column {column!r} of {path} cannot be read ({type(e).__name__}: "
+                     f"{one_line(e)})")
 
 
 def _image_bytes(value: object) -> bytes:
@@ -141,10 +146,13 @@ class ParquetListing(Listing):
                 hashes += [key_hash(self._fallback_key(j, r)) for r in range(pf.metadata.num_rows)]
                 continue
             row = 0
-            for batch in pf.iter_batches(batch_size=65536, columns=[self.cols["key"]]):
-                for value in batch.column(0).to_pylist():
-                    hashes.append(key_hash(self._key(j, row, value)))
-                    row += 1
+            try:
+                for batch in pf.iter_batches(batch_size=65536, columns=[self.cols["key"]]):
+                    for value in batch.column(0).to_pylist():
+                        hashes.append(key_hash(self._key(j, row, value)))
+                        row += 1
+            except (OSError, ValueError) as e:  # a corrupt page: ArrowIOError / ArrowInvalid
+                raise _unreadable_column(f, self.cols["key"], e) from None
         self.starts = [0] + np.cumsum([sum(g) for g in self.groups]).tolist()
         self._keys_cache, self._stream = None, None
         dups = duplicates_from_hashes(np.arange(len(hashes), dtype=np.int64), np.array(hashes, dtype=np.int64),
@@ -169,8 +177,12 @@ class ParquetListing(Listing):
 
     def _group_keys(self, j: int, g: int) -> list:
         if self._keys_cache is None or self._keys_cache[:2] != (j, g):
-            pf = _pq().ParquetFile(self.files[j])
-            self._keys_cache = (j, g, pf.read_row_group(g, columns=[self.cols["key"]]).column(0).to_pylist())
+            try:
+                pf = _pq().ParquetFile(self.files[j])
+                keys = pf.read_row_group(g, columns=[self.cols["key"]]).column(0).to_pylist()
+            except (OSError, ValueError) as e:
+                raise _unreadable_column(self.files[j], self.cols["key"], e) from None
+            self._keys_cache = (j, g, keys)
         return self._keys_cache[2]
 
     def _raw(self, lo: int, hi: int) -> list[Entry]:
@@ -206,7 +218,7 @@ class ParquetListing(Listing):
             row = self._row(*entry.loc)
         except (ValueError, OSError, StopIteration) as e:  # ArrowInvalid is a ValueError, ArrowIOError an OSError
             self._stream = None
-            raise SourceError(f"cannot read row: {type(e).__name__}: {e}") from None
+            raise SourceError(f"cannot read row: {type(e).__name__}: {one_line(e)}") from None
         prompt = row.get(self.cols["prompt"]) if self.cols["prompt"] else None
         meta = {c: _json_value(row[c]) for c in self.cols["meta"] if row[c] is not None}
         return Loaded(_image_bytes(row[self.cols["image"]]), row[self.cols["caption"]],
