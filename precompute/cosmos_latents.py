@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import errno
 import io
-import math
 import os
 import shutil
 import sys
@@ -341,7 +340,7 @@ def _build(cfg: PrecomputeConfig, state, out: Path) -> dict:
         torch.backends.cudnn.benchmark = True  # every batch has the same shape: pick the fastest conv kernels once
     run_id = identity.run_identity(cfg, fingerprint, len(listing))
     identity.check_identity(out, run_id)
-    n_shards = math.ceil(len(listing) / cfg.shard_size)
+    n_shards = -(-len(listing) // cfg.shard_size)
     if rank == 0:
         identity.claim_output(out, run_id)
     state.wait_for_everyone()

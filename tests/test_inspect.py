@@ -200,7 +200,7 @@ def test_a_cache_without_samples_is_a_one_line_error(tmp_path, fake_vae, capsys)
     assert cosmos_latents.main(cli_args(tmp_path / "c", "source.type=folder", f"source.path={src}")) == 2
     capsys.readouterr()
     assert inspect.main(["decode", str(tmp_path / "c"), "--out", str(tmp_path / "s.png")]) == 2
-    assert "no samples" in capsys.readouterr().err
+    assert "holds no samples, so it is not a cache" in capsys.readouterr().err
 
 
 def test_decode_sheet_labels_each_pair_and_says_when_the_vae_is_the_random_tiny_one(cache, tmp_path, capsys):
