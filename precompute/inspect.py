@@ -196,7 +196,9 @@ def verify(cache: Path, args) -> tuple[dict, int, str]:
         if size != entry["bytes"]:
             problems.append(f"size {size} != manifest {entry['bytes']}")
         if digest != entry["sha256"]:
-            problems.append(f"sha256 {digest[:12]}.. != manifest {entry['sha256'][:12]}..")
+            owner = next((e["path"] for e in manifest["shards"] if e["sha256"] == digest), None)
+            problems.append(f"sha256 {digest[:12]}.. != manifest {entry['sha256'][:12]}.."
+                            + (f": it holds what the manifest lists for {owner} (copied or swapped)" if owner else ""))
         side = cf.read_sidecar(cache, i)
         if side is None or side.get("sha256") != entry["sha256"]:
             problems.append("sidecar missing or does not match the manifest")

@@ -82,6 +82,18 @@ def test_verify_ok_then_flipped_byte_and_truncation(cache, capsys):
     assert _json(capsys)["bad_shards"] == ["shards/shard-000001.tar", "shards/shard-000002.tar"]
 
 
+def test_verify_names_the_shard_whose_files_a_swapped_pair_holds(cache, capsys):
+    for path in (cf.tar_path, cf.sidecar_path):
+        a, b = path(cache, 0), path(cache, 1)
+        a.rename(a.with_name("x"))
+        b.rename(a)
+        a.with_name("x").rename(b)
+    assert inspect.main(["verify", str(cache)]) == 1
+    out = capsys.readouterr().out
+    assert "it holds what the manifest lists for shards/shard-000001.tar (copied or swapped)" in out
+    assert "it holds what the manifest lists for shards/shard-000000.tar (copied or swapped)" in out
+
+
 def test_verify_catches_nan_and_duplicates_with_matching_hashes(tmp_path, cache, capsys):
     """A shard whose hashes match the manifest but whose content is wrong (written by buggy code) is still caught."""
     members = read_cache_plain(cache)
