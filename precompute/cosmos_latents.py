@@ -19,6 +19,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -250,7 +251,8 @@ def _process_shards(cfg: PrecomputeConfig, listing: sources.Listing, pending: li
     return encoded, upscaled, {k: round(v, 3) for k, v in seconds.items()}
 
 
-def _finish(cfg: PrecomputeConfig, out: Path, n_shards: int, run_id: dict, latent_shape: list[int]) -> dict:
+def _finish(cfg: PrecomputeConfig, out: Path, n_shards: int, run_id: dict, latent_shape: list[int],
+            hint: Callable[[], str] = lambda: "") -> dict:
     """Rank 0, after everyone is done: errors.jsonl and the manifest, both from the per-shard files."""
     sidecars = []
     for i in range(n_shards):
@@ -263,7 +265,7 @@ def _finish(cfg: PrecomputeConfig, out: Path, n_shards: int, run_id: dict, laten
     num_errors = errors.count(b"\n")
     if not sum(s["count"] for s in sidecars):  # a cache nothing can train on: no manifest, so nothing looks finished
         raise UserError(f"no usable sample in {cfg.source.type} source: all {run_id['num_entries']} inputs failed "
-                        f"({_reasons(out)}; each in {out / cf.ERRORS})")
+                        f"({_reasons(out)}; each in {out / cf.ERRORS})" + (f"; {h}" if (h := hint()) else ""))
     return cf.write_manifest(
         out, sidecars, fingerprint=run_id["fingerprint"], latent_shape=latent_shape, latent_dtype=cfg.cache.dtype,
         num_errors=num_errors,
@@ -360,7 +362,7 @@ def _build(cfg: PrecomputeConfig, state, out: Path) -> dict:
     empty = None
     if rank == 0:
         try:
-            _finish(cfg, out, n_shards, run_id, latent_shape)
+            _finish(cfg, out, n_shards, run_id, latent_shape, listing.failure_hint)
         except UserError as e:
             empty = e
     if world > 1:  # every process stops on rank 0's verdict, with its line

@@ -54,7 +54,7 @@ def test_a_failed_run_leaves_no_folder_holding_only_its_lock(tmp_path):
     assert kept.is_dir() and not any(kept.iterdir())  # a folder that was there stays, without the lock file
 
 
-def test_a_refused_precompute_into_a_new_folder_leaves_nothing(tmp_path, capsys):
+def test_a_refused_precompute_into_a_new_folder_leaves_nothing(tmp_path, capsys, fake_vae):
     from _precompute_helpers import cli_args
 
     from precompute import cosmos_latents
@@ -91,7 +91,7 @@ def _parquet_with_corrupt_key_column(path) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_a_corrupt_parquet_key_column_is_one_line_naming_file_and_column(tmp_path, capsys):
+def test_a_corrupt_parquet_key_column_is_one_line_naming_file_and_column(tmp_path, capsys, fake_vae):
     from _precompute_helpers import cli_args
 
     from precompute import cosmos_latents
@@ -147,3 +147,28 @@ def test_plan_says_why_no_sampled_entry_is_usable(tmp_path, capsys):
     rc, out = _plan(capsys, "source.type=folder", f"source.path={src}", "source.num_samples=null")
     assert rc == 2 and "none of the 3 sampled entries of the source is usable: " in out.err
     assert "empty file x2" in out.err and "unreadable image" in out.err, out.err
+
+
+def test_llava_images_found_nowhere_say_where_they_were_looked_for_and_which_image_root_finds_them(tmp_path, capsys,
+                                                                                                  fake_vae):
+    import json
+
+    from _precompute_helpers import cli_args, gradient, jpeg_bytes
+    from precompute import cosmos_latents
+
+    root = tmp_path / "LLaVA-Pretrain"
+    (root / "images" / "00000").mkdir(parents=True)
+    items = []
+    for i in range(3):
+        (root / "images" / "00000" / f"{i:09d}.jpg").write_bytes(jpeg_bytes(gradient(30, 24)))
+        items.append({"id": f"{i:09d}", "image": f"00000/{i:09d}.jpg", "conversations": [
+            {"from": "human", "value": "<image>\nDescribe."}, {"from": "gpt", "value": f"caption {i}"}]})
+    (root / "blip_laion_cc_sbu_558k.json").write_text(json.dumps(items))
+    src = f"source.path={root / 'blip_laion_cc_sbu_558k.json'}"
+    assert cosmos_latents.main(cli_args(tmp_path / "c", "source.type=llava", src, n=3)) == 2
+    err = capsys.readouterr().err
+    assert "all 3 inputs failed" in err and f"'00000/000000000.jpg' are looked for under {root};" in err
+    assert f"set source.image_root={root / 'images'}" in err, err
+    assert cosmos_latents.main(cli_args(tmp_path / "c2", "source.type=llava", src, f"source.image_root={root}",
+                                        n=3)) == 2
+    assert f"set source.image_root={root / 'images'}" in capsys.readouterr().err  # also from a wrong image_root

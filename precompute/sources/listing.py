@@ -66,6 +66,10 @@ class Listing:
         image, caption, prompt, meta = self._load(entry)
         return Loaded(image, content.check_text(caption, "caption"), content.check_text(prompt, "prompt"), meta)
 
+    def failure_hint(self) -> str:
+        """What to add to "every input failed" for this source (where it looked for images...); "" for nothing."""
+        return ""
+
     def usable(self, entry: Entry) -> bool:
         """Whether an entry the listing finds no error in loads, and its image header reads (pixels not decoded)."""
         try:
@@ -169,6 +173,9 @@ class Truncated(Listing):
 
     def _load(self, entry: Entry) -> Loaded:
         return self.inner._load(entry)
+
+    def failure_hint(self) -> str:
+        return self.inner.failure_hint()
 
 
 def read_json(path: Path) -> dict | None:
