@@ -9,6 +9,7 @@ from typing import Literal
 from theworld import images, run_lock
 from theworld.config import ImageConfig, ModelConfig, load_config, require_path
 from theworld.errors import UserError
+from theworld.text import DEFAULT_PROMPT
 
 
 @dataclass
@@ -21,7 +22,7 @@ class SourceConfig:
     # synthetic: the number of scenes (default 4096); other sources: the first N entries the listing finds usable,
     # in source order (default: all)
     num_samples: int | None = None
-    prompt: str = "Describe the image."  # used when a sample carries no prompt of its own
+    prompt: str = DEFAULT_PROMPT  # used when a sample carries no prompt of its own
     image_root: str | None = None  # llava: the folder image paths are relative to (default: the JSON's folder)
     image_column: str | None = None  # parquet: {bytes, path} struct or bytes (default: image)
     caption_column: str | None = None  # parquet (default: the first of caption, text that exists)

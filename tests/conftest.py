@@ -86,7 +86,7 @@ def trained_run(tmp_path_factory):
 
     from precompute.config import load as load_pre
     from precompute.cosmos_latents import run
-    from theworld import benchmarks
+    from theworld.infer import benchmarks
     from train import checkpoint
     from train.loop import main
 

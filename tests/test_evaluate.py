@@ -9,9 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from theworld import benchmarks, images, synthetic
+from theworld import images, synthetic
+from theworld.infer import benchmarks
 from theworld.config import ImageConfig, ModelConfig, WorldConfig
-from theworld.evaluate import Scorer, evaluate, main, summarize, wilson
+from theworld.evaluate import main
+from theworld.infer.scoring import Scorer, evaluate, summarize, wilson
 from theworld.model import TheWorld
 from theworld.text import IGNORE, ChatFormatter, collate_text
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import fixed_inputs
-from theworld import generate as gen
+from theworld.infer import generate as gen
 from theworld import synthetic
 from theworld.config import ModelConfig, WorldConfig
 from theworld.describe import escape

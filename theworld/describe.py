@@ -14,7 +14,7 @@ from theworld import images
 from theworld.config import ArgParser
 from theworld.control_text import control_problem
 from theworld.errors import UserError, cli_entry
-from theworld.generate import DEFAULT_PROMPT
+from theworld.text import DEFAULT_PROMPT
 
 
 def escape(text: str) -> str:

@@ -16,11 +16,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from theworld.config import FreezeConfig, ImageConfig, ModelConfig, WorldConfig
+from theworld import checkpoint_layout as layout
 from theworld import encoders
 from theworld.encoders import WorldEncoder
 from theworld.errors import UserError
+from theworld.infer import generate as generation
 from theworld.projector import WorldProjector
-from theworld.text import IGNORE
+from theworld.text import IGNORE, ChatFormatter
 
 
 @dataclass
@@ -64,6 +66,16 @@ class TheWorld(nn.Module):
         self.processor = None
         self.image_config = ImageConfig()
 
+    @property
+    def processor(self):
+        return self._processor
+
+    @processor.setter
+    def processor(self, processor) -> None:
+        # the chat formatter belongs with the processor it was built from, so the two never disagree
+        self._processor = processor
+        self.formatter = ChatFormatter(processor) if processor is not None else None
+
     # ------------------------------------------------------------------------------------------------ construction
 
     @classmethod
@@ -94,10 +106,20 @@ class TheWorld(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | Path, *, ema: bool = False, device: str | torch.device | None = None):
         """(TheWorld, processor) of a trained stage, ready for inference: `path` is a final/ or checkpoint-N/ folder,
-        or a run's output_dir (its final/). See theworld/pretrained.py."""
-        from theworld import pretrained
-
-        return pretrained.load(path, ema=ema, device=device)
+        or a run's output_dir (its final/): trained tensors loaded (or their EMA), eval mode, base models in the
+        config's model.dtype, world latents from the posterior mean, on `device` (default: cuda when available).
+        Folder layout: theworld/checkpoint_layout.py."""
+        folder = layout.resolve(path)
+        cfg = layout.read_config(folder)
+        weights = folder / (layout.EMA if ema else layout.WEIGHTS)
+        if ema and not weights.is_file():
+            raise UserError(f"model {folder}: no {layout.EMA} (the run had train.ema: 0)")
+        model, processor = cls.from_config(cfg.model, cfg.world, cfg.freeze, image=cfg.image)
+        model.load_trainable(weights, strict=True)  # the run's freeze flags define the set it must hold exactly
+        model.requires_grad_(False)
+        model.latent_mode = "mean"
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        return model.to(device).eval(), processor
 
     # Parameters of an unfrozen part that a one-image forward never reaches: the vision tower's pooling head (Gemma
     # uses the patch tokens), the VAE's decoder side, and the encoder's temporal downsampling (a one-frame video skips
@@ -224,10 +246,8 @@ class TheWorld(nn.Module):
         """One answer per image (paths, bytes or PIL images) to its prompt (one string for all, or one each), through
         a KV cache (`use_cache=False` recomputes the whole sequence at every step; greedy output is the same). Stops
         at <end_of_turn> or EOS. `world_images`: take the world latents from these instead (one per image).
-        See theworld/generate.py."""
-        from theworld import generate
-
-        return generate.generate(self, images, prompts, max_new_tokens=max_new_tokens, do_sample=do_sample,
+        See theworld/infer/generate.py."""
+        return generation.generate(self, images, prompts, max_new_tokens=max_new_tokens, do_sample=do_sample,
                                  temperature=temperature, top_p=top_p, use_cache=use_cache,
                                  world_images=world_images, seed=seed)
 

@@ -14,6 +14,7 @@ import torch
 from theworld.control_text import check_text
 
 IGNORE = -100
+DEFAULT_PROMPT = "Describe the image."  # for samples that carry no prompt of their own (precompute, describe)
 
 
 class PromptTooLong(ValueError):

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from theworld import generate as gen
+from theworld.infer import generate as gen
 from train.bench_real import REAL, TINY, _sync, batch, build, build_gemma
 
 

@@ -1,4 +1,4 @@
-"""`train.benchmarks: [FILE, ...]`: multiple-choice benchmarks scored at every eval (theworld/evaluate.py), logged as
+"""`train.benchmarks: [FILE, ...]`: multiple-choice benchmarks scored at every eval (theworld/infer/scoring.py), logged as
 `bench/<name>/accuracy` and `bench/<name>/accuracy_shuffled_world` (name: the file's stem, or the folder's name).
 
 Every process scores its share of the items (item i goes to process i % world_size) and the counts are summed; every
@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from theworld import benchmarks
+from theworld.infer import benchmarks
 from theworld.errors import UserError
-from theworld.evaluate import Scorer, tally
+from theworld.infer.scoring import Scorer, tally
 
 if TYPE_CHECKING:
     from train.config import TrainConfig
-    from train.optim import Components
+    from train.components import Components
 
 
 def _name(path: str) -> str:

@@ -1,15 +1,6 @@
 """Checkpoints: where a run resumes from, what it restores, and what a save writes:
-written to a temporary folder and renamed; old ones deleted only afterwards.
-
-    <output_dir>/checkpoint-<step>/trainable.safetensors  trainable parameters, by their model names
-    <output_dir>/checkpoint-<step>/state.json             step, epoch, samples seen, data cursor, the cache's samples,
-                                                          config hash, parent, sha256 of every other file (checked
-                                                          before resuming)
-    <output_dir>/checkpoint-<step>/optimizer.pt           AdamW state dict (tensors and numbers: weights_only=True)
-    <output_dir>/checkpoint-<step>/rng.safetensors        torch CPU RNG state of the main process
-    <output_dir>/checkpoint-<step>/ema.safetensors        EMA of the trainable weights (when train.ema > 0)
-    <output_dir>/checkpoint-<step>/config.yaml            the resolved config (TheWorld.from_pretrained reads it)
-    <output_dir>/final/                                   trainable.safetensors (+ ema), config.yaml, README.md
+written to a temporary folder and renamed; old ones deleted only afterwards. The folders' layout (file names and what
+each holds) is theworld/checkpoint_layout.py.
 
 The learning-rate schedule is a pure function of the step and the data cursor a pure function of (seed, step), so
 nothing else needs saving. Under FSDP (train.sharding: fsdp) every file holds whole tensors, gathered to the main
@@ -31,11 +22,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from theworld.cache_format import sha256_file
+from theworld.checkpoint_layout import CARD, CHECKPOINT_RE, CONFIG, EMA, FINAL, OPTIMIZER, RNG, STATE, WEIGHTS
 from theworld.config import to_yaml
 from theworld.errors import OutOfSpace, UserError, no_space_message, out_of_space
-from theworld.generate import DEFAULT_PROMPT as DESCRIBE_PROMPT
 from theworld.model import LoadReport, local_like
-from theworld.pretrained import CONFIG, EMA, WEIGHTS
+from theworld.text import DEFAULT_PROMPT as DESCRIBE_PROMPT
 from train import sharding
 from train.config import run_hash
 from train.optim import decays
@@ -45,13 +36,9 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from train.config import TrainConfig
-    from train.optim import Components
+    from train.components import Components
 
-CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 PARTIAL_RE = re.compile(r"^\.(tmp|old)-(.+)-\d+$")  # .tmp-<name>-<pid>: being written; .old-<name>-<pid>: replaced
-STATE = "state.json"
-OPTIMIZER = "optimizer.pt"
-RNG = "rng.safetensors"
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -59,7 +46,7 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     out = Path(output_dir)
     if not out.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in out.iterdir() if (m := CKPT_RE.match(p.name)) and (p / STATE).is_file()]
+    found = [(int(m.group(1)), p) for p in out.iterdir() if (m := CHECKPOINT_RE.match(p.name)) and (p / STATE).is_file()]
     return [p for _, p in sorted(found)]
 
 
@@ -381,10 +368,10 @@ def export_final(components: Components, state: LoopState, cfg_yaml: str, output
                              trained=", ".join(trained), step=state.step, batch=cfg.train.global_batch_size,
                              samples=state.samples_seen, lr=cfg.train.lr, schedule=cfg.train.schedule,
                              parent=state.parent or "the base models", eval_loss=fmt(ev.get("eval_loss")),
-                             eval_shuffled=fmt(ev.get("eval_loss_shuffled_world")), gap=fmt(gap), out=out / "final",
+                             eval_shuffled=fmt(ev.get("eval_loss_shuffled_world")), gap=fmt(gap), out=out / FINAL,
                              prompt=DESCRIBE_PROMPT)
     files = {WEIGHTS: lambda p: save_file(whole.weights, str(p)), CONFIG: lambda p: p.write_text(cfg_yaml),
-             "README.md": lambda p: p.write_text(card)}
+             CARD: lambda p: p.write_text(card)}
     if components.ema is not None:
         files[EMA] = _ema_writer(whole)
-    return _publish(out, "final", files)
+    return _publish(out, FINAL, files)

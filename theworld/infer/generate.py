@@ -1,4 +1,4 @@
-"""Generation for `TheWorld.generate`: the fused prefix (world tokens, image tokens, prompt) runs once into a
+"""Generation for `TheWorld.generate` (it takes the model as an argument and imports nothing of it): the fused prefix (world tokens, image tokens, prompt) runs once into a
 transformers `DynamicCache`, then one token per step.
 
 Masking is Gemma 3's own: the prefix goes through `Gemma3Model` with `token_type_ids`, which makes each image block
@@ -14,16 +14,13 @@ import torch
 
 from theworld import images as imagelib
 from theworld.errors import UserError
-from theworld.text import IGNORE, ChatFormatter, Encoded, collate_text
-
-DEFAULT_PROMPT = "Describe the image."  # precompute's default prompt for sources whose samples carry none
-
+from theworld.text import IGNORE, Encoded, collate_text
 
 def prepare(model, images: list, prompts: list[str], world_images: list | None = None) -> dict[str, torch.Tensor]:
     """Model inputs (right-padded prompt ids, VAE pixels, SigLIP pixel values) for one image per prompt."""
     if model.processor is None:
         raise ValueError("generate needs the model's processor: build it with from_config or from_pretrained")
-    cfg, formatter = model.image_config, _formatter(model)
+    cfg, formatter = model.image_config, model.formatter
 
     def load(image, what: str) -> tuple[torch.Tensor, torch.Tensor]:
         try:
@@ -43,12 +40,6 @@ def prepare(model, images: list, prompts: list[str], world_images: list | None =
 
 def _name(image, i: int) -> str:
     return str(image) if isinstance(image, (str, Path)) else f"#{i}"
-
-
-def _formatter(model) -> ChatFormatter:
-    if getattr(model, "_formatter", None) is None or model._formatter.processor is not model.processor:
-        model._formatter = ChatFormatter(model.processor)
-    return model._formatter
 
 
 def left_align(fused: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,15 +1,25 @@
-"""Loading a trained stage for inference: `TheWorld.from_pretrained(path)`.
+"""The layout of a trained stage's folders, read by training (train/checkpoint.py), loading
+(`TheWorld.from_pretrained`) and inference: one place for the file names and for what each holds.
 
-`path` is a `final/` or `checkpoint-N/` folder, or a run's output_dir (its `final/`). Such a folder holds the trained
-tensors and the run's resolved `config.yaml`; the base models come from where that config names them (`tiny`, a
-local folder or a hub id), through the same `from_pretrained` code training uses.
+    <output_dir>/checkpoint-<step>/trainable.safetensors  trainable parameters, by their model names
+    <output_dir>/checkpoint-<step>/state.json             step, epoch, samples seen, data cursor, the cache's samples,
+                                                          config hash, parent, sha256 of every other file (checked
+                                                          before resuming)
+    <output_dir>/checkpoint-<step>/optimizer.pt           AdamW state dict (tensors and numbers: weights_only=True)
+    <output_dir>/checkpoint-<step>/rng.safetensors        torch CPU RNG state of the main process
+    <output_dir>/checkpoint-<step>/ema.safetensors        EMA of the trainable weights (when train.ema > 0)
+    <output_dir>/checkpoint-<step>/config.yaml            the resolved config (defines the model: SECTIONS)
+    <output_dir>/final/                                   trainable.safetensors (+ ema), config.yaml, README.md
+
+A stage folder (final/ or checkpoint-N/) holds the trained tensors and the run's resolved config; the base models come
+from where that config names them (`tiny`, a local folder or a hub id).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 import yaml
 
 from theworld.config import FreezeConfig, ImageConfig, ModelConfig, WorldConfig, from_dict
@@ -18,6 +28,12 @@ from theworld.errors import UserError
 WEIGHTS = "trainable.safetensors"
 EMA = "ema.safetensors"
 CONFIG = "config.yaml"
+STATE = "state.json"
+OPTIMIZER = "optimizer.pt"
+RNG = "rng.safetensors"
+CARD = "README.md"
+FINAL = "final"
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 SECTIONS = ("model", "image", "world", "freeze")  # the parts of a run's config that define the model
 
 
@@ -34,9 +50,9 @@ def resolve(path: str | Path) -> Path:
     p = Path(path)
     if not p.is_dir():
         raise UserError(f"model {p}: not a folder (expected a final/ or checkpoint-N/ folder, or a run's output_dir)")
-    folder = p if (p / WEIGHTS).is_file() else p / "final"
+    folder = p if (p / WEIGHTS).is_file() else p / FINAL
     if not (folder / WEIGHTS).is_file():
-        raise UserError(f"model {p}: no {WEIGHTS} there or in {p / 'final'} (expected a final/ or checkpoint-N/ "
+        raise UserError(f"model {p}: no {WEIGHTS} there or in {p / FINAL} (expected a final/ or checkpoint-N/ "
                         "folder, or the output_dir of a finished run)")
     if not (folder / CONFIG).is_file():
         raise UserError(f"model {folder}: no {CONFIG} (a checkpoint written before checkpoints carried their config: "
@@ -56,21 +72,3 @@ def read_config(folder: Path) -> ModelSections:
         return from_dict(ModelSections, {k: data[k] for k in SECTIONS if k in data})
     except UserError as e:
         raise UserError(f"{path}: {e}") from None
-
-
-def load(path: str | Path, *, ema: bool = False, device: str | torch.device | None = None):
-    """(TheWorld, processor) ready for inference: trained tensors loaded (or their EMA), eval mode, base models in
-    the config's model.dtype, world latents from the posterior mean, on `device` (default: cuda when available)."""
-    from theworld.model import TheWorld
-
-    folder = resolve(path)
-    cfg = read_config(folder)
-    weights = folder / (EMA if ema else WEIGHTS)
-    if ema and not weights.is_file():
-        raise UserError(f"model {folder}: no {EMA} (the run had train.ema: 0)")
-    model, processor = TheWorld.from_config(cfg.model, cfg.world, cfg.freeze, image=cfg.image)
-    model.load_trainable(weights, strict=True)  # the run's freeze flags define the set it must hold exactly
-    model.requires_grad_(False)
-    model.latent_mode = "mean"
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return model.to(device).eval(), processor
