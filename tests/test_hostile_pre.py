@@ -172,3 +172,38 @@ def test_llava_images_found_nowhere_say_where_they_were_looked_for_and_which_ima
     assert cosmos_latents.main(cli_args(tmp_path / "c2", "source.type=llava", src, f"source.image_root={root}",
                                         n=3)) == 2
     assert f"set source.image_root={root / 'images'}" in capsys.readouterr().err  # also from a wrong image_root
+
+
+def test_describe_says_what_an_image_path_is_and_never_opens_a_fifo(tmp_path, capsys):
+    import os
+
+    from theworld import describe
+
+    (tmp_path / "folder").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    for name, words in (("folder", "a directory, not an image file"), ("fifo", "a FIFO, not an image file"),
+                        ("none.png", "no such file")):
+        assert describe.main(["--model", str(tmp_path), "--image", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert err == f"error: --image {tmp_path / name}: {words}\n", err
+    assert describe.main(["--model", str(tmp_path), "--image", str(tmp_path / "none.png"), "--prompt",
+                          "x" * 70000]) == 2
+    assert "--prompt too long: 70000 characters" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config,words", [(b"model: {gemma: tiny}\nx: \xff\xfe\n", "is not UTF-8 text (byte 0xff"),
+                                          (b"[" * 5000 + b"]" * 5000, "nested too deeply"),
+                                          (b"a: [1\n", "is not valid YAML")])
+def test_a_model_folders_broken_config_yaml_is_one_line_in_describe_and_evaluate(tmp_path, capsys, config, words):
+    from theworld import checkpoint_layout, describe, evaluate, synthetic
+
+    folder = tmp_path / "final"
+    folder.mkdir()
+    (folder / checkpoint_layout.WEIGHTS).write_bytes(b"")
+    (folder / checkpoint_layout.CONFIG).write_bytes(config)
+    synthetic.scene(0, 0)[0].save(tmp_path / "a.png")
+    (tmp_path / "items.jsonl").write_text('{"image": "a.png", "question": "q", "choices": ["a", "b"], "answer": 0}\n')
+    for run in (lambda: describe.main(["--model", str(folder), "--image", str(tmp_path / "a.png")]),
+                lambda: evaluate.main(["--model", str(folder), "--data", str(tmp_path / "items.jsonl")])):
+        rc, err = run(), capsys.readouterr().err.splitlines()
+        assert rc == 2 and err[-1].startswith(f"error: {folder / checkpoint_layout.CONFIG}") and words in err[-1], err

@@ -5,9 +5,12 @@ process boundary and the [-1, 1] scaling happens once, on the device, in `WorldE
 """
 from __future__ import annotations
 
+import errno
 import functools
 import io
 import math
+import os
+import stat
 import warnings
 
 import numpy as np
@@ -230,14 +233,37 @@ def siglip_pixels(image_processor, img: Image.Image) -> torch.Tensor:
     return image_processor(images=[img], return_tensors="pt")["pixel_values"][0]
 
 
+def file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a file"
+
+
+def path_problem(path: str | os.PathLike) -> str | None:
+    """Why `path` cannot be read as an image file (said as what it is: missing, a dangling symlink, a symlink loop,
+    a directory, a FIFO...), or None for a regular file. Never opens it: reading a FIFO would wait forever."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ENOENT:
+            return "a dangling symlink" if os.path.islink(path) else "no such file"
+        return "a symlink loop" if e.errno == errno.ELOOP else f"cannot be read ({e.strerror})"
+    return None if stat.S_ISREG(st.st_mode) else f"{file_kind(st.st_mode)}, not an image file"
+
+
 def to_bytes(image) -> bytes:
-    """A path, bytes or a PIL image -> encoded bytes (a PIL image as PNG, lossless: decoding gives its pixels back)."""
+    """A path, bytes or a PIL image -> encoded bytes (a PIL image as PNG, lossless: decoding gives its pixels back).
+    A path that is not a regular file is BadImage saying what it is."""
     if isinstance(image, (bytes, bytearray)):
         return bytes(image)
     if isinstance(image, Image.Image):
         buf = io.BytesIO()
         image.save(buf, format="PNG")
         return buf.getvalue()
+    if problem := path_problem(image):
+        raise BadImage(f"{image}: {problem}")
     with open(image, "rb") as f:
         return f.read()
 

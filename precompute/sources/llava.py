@@ -71,7 +71,7 @@ def _convert(path: Path, out: Path) -> None:
         raise UserError(f"config key 'source.path': cannot read {path} as JSON: {e}") from None
     if not isinstance(items, list):
         raise UserError(f"config key 'source.path': {path} is not a JSON list of items")
-    # ASCII JSON: a U+2028 in a caption must not break the line (the listing splits lines as str.splitlines does)
+    # ASCII JSON: one line per item whatever the captions hold
     lines = (json.dumps(item_record(item, n, path.name)) + "\n" for n, item in enumerate(items))
     cf.atomic_write_bytes(out, "".join(lines).encode())
 

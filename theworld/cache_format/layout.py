@@ -241,7 +241,7 @@ def read_errors(cache_dir: Path | str) -> list[dict]:
     path = Path(cache_dir) / ERRORS
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in path.read_text().split("\n") if line.strip()]  # \n only, as written
 
 
 def error_classes(cache_dir: Path | str) -> dict[str, int]:
