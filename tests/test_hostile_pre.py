@@ -207,3 +207,53 @@ def test_a_model_folders_broken_config_yaml_is_one_line_in_describe_and_evaluate
                 lambda: evaluate.main(["--model", str(folder), "--data", str(tmp_path / "items.jsonl")])):
         rc, err = run(), capsys.readouterr().err.splitlines()
         assert rc == 2 and err[-1].startswith(f"error: {folder / checkpoint_layout.CONFIG}") and words in err[-1], err
+
+
+@pytest.fixture(scope="module")
+def bucketed():
+    from theworld.config import ImageConfig, ModelConfig, WorldConfig
+    from theworld.model import TheWorld
+
+    image = ImageConfig(resolution=96, resize="bucket")
+    model, processor = TheWorld.from_config(ModelConfig(dtype="float32"), WorldConfig(), image=image)
+    return model.eval(), processor, image
+
+
+def _scenes_of_three_aspect_ratios(root) -> list:
+    from theworld import synthetic
+
+    paths = []
+    for i, size in enumerate([(96, 96), (128, 64), (64, 128)]):
+        img = synthetic.scene(3, i, size=64)[0].resize(size)
+        paths.append(root / f"{i}.png")
+        img.save(paths[-1])
+    return paths
+
+
+def test_a_bucketed_model_describes_images_of_any_aspect_ratio_as_it_would_one_by_one(tmp_path, bucketed):
+    from theworld import images
+
+    model, _, image = bucketed
+    paths = _scenes_of_three_aspect_ratios(tmp_path)
+    assert len({images.input_size(p, image.resolution, image.resize) for p in paths}) == 3
+    together = model.generate(paths, "describe", max_new_tokens=3)
+    alone = [model.generate([p], "describe", max_new_tokens=3)[0] for p in paths]
+    assert together == alone
+    shuffled = model.generate(paths, "describe", max_new_tokens=3, world_images=paths[-1:] + paths[:-1])
+    assert shuffled == [model.generate([p], "describe", max_new_tokens=3, world_images=[w])[0]
+                        for p, w in zip(paths, paths[-1:] + paths[:-1])]
+
+
+def test_a_bucketed_model_scores_items_of_any_aspect_ratio_batched_as_one_by_one(tmp_path, bucketed):
+    from theworld.infer import benchmarks
+    from theworld.infer.scoring import Scorer
+
+    model, processor, image = bucketed
+    paths = _scenes_of_three_aspect_ratios(tmp_path)
+    items = [benchmarks.Item(f"item {i}", [p], "which?", ["red", "green", "blue"], i) for i, p in enumerate(paths)]
+    scorer = Scorer(model, processor, image, items)
+    batched = scorer.score([0, 1, 2])
+    alone = [scorer.score([i])[0] for i in range(3)]
+    for (a, b), (a1, b1) in zip(batched, alone):
+        assert a == pytest.approx(a1, abs=1e-4) and b == pytest.approx(b1, abs=1e-4)
+    assert batched[0][0] != batched[0][1]  # the shuffled world is another picture's, of another shape

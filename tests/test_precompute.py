@@ -186,7 +186,7 @@ def test_a_source_with_no_usable_sample_is_an_error_that_keeps_its_reasons(tmp_p
     assert [e["key"] for e in cf.read_errors(tmp_path / "c")] == ["a_png", "b_png"]
     # nothing that looks like a finished cache: no manifest, no "0.0 MB in 1 shards" summary
     assert not (tmp_path / "c" / cf.MANIFEST).exists() and "MB in" not in captured.out
-    with pytest.raises(UserError, match="incomplete"):
+    with pytest.raises(UserError, match="holds no samples, so it is not a cache"):
         cf.load_manifest(tmp_path / "c")
 
 

@@ -268,6 +268,26 @@ def to_bytes(image) -> bytes:
         return f.read()
 
 
+def input_size(image, resolution: int, mode: str) -> tuple[int, int]:
+    """(width, height) of the VAE input made from `image` (a path, bytes or PIL image), as precompute makes it: R x R,
+    or with mode "bucket" its aspect-ratio bucket, from the header alone. Raises BadImage."""
+    if mode != "bucket":
+        return resolution, resolution
+    try:
+        return output_size(upright_size(to_bytes(image)), resolution, mode)
+    except (OSError, SyntaxError, ValueError) as e:  # PIL's errors for a header it cannot read
+        raise _bad_image(e) from None
+
+
+def same_shape_groups(keys: list) -> list[list[int]]:
+    """Indices of `keys` grouped by equal key (an input shape, or a tuple of them), groups in order of first
+    appearance: a batch of images from a bucketed model runs as one forward per shape."""
+    groups: dict = {}
+    for i, k in enumerate(keys):
+        groups.setdefault(k, []).append(i)
+    return list(groups.values())
+
+
 def for_model(data: bytes, resolution: int, mode: str, image_processor) -> tuple[torch.Tensor, torch.Tensor]:
     """(VAE pixels, SigLIP pixel values) of one encoded image, computed as the cache computes them. Raises BadImage."""
     pixels, _ = load_for_vae(data, resolution, mode)

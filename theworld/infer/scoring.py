@@ -43,8 +43,12 @@ class Scorer:
         """For each item index: (choice scores, choice scores with item i-1's world latents)."""
         model, items, n = self.model, self.items, len(self.items)
         worlds = sorted({i for i in indices} | {(i - 1) % n for i in indices})
-        pixels = torch.stack([self._load(items[i].images[0])[0] for i in worlds]).to(self.device)
-        mean, logvar = model.world_latents(pixels, None, None)
+        loaded = [self._load(items[i].images[0])[0] for i in worlds]
+        latents: list = [None] * len(worlds)  # per world: (mean, logvar); a bucketed model's grids differ in shape
+        for group in imagelib.same_shape_groups([tuple(p.shape) for p in loaded]):
+            m, lv = model.world_latents(torch.stack([loaded[k] for k in group]).to(self.device), None, None)
+            for j, k in enumerate(group):
+                latents[k] = (m[j], None if lv is None else lv[j])
         at = {i: k for k, i in enumerate(worlds)}
         rows, own, other, image_rows = [], [], [], []
         for i in indices:
@@ -56,11 +60,23 @@ class Scorer:
                 image_rows.append(i)
         pv = {i: torch.stack([self._load(im)[1] for im in items[i].images]) for i in indices}
         feats = {i: model.image_features(v.to(self.device), None) for i, v in pv.items()}
-        siglip = torch.cat([feats[i] for i in image_rows])
         text = {k: v.to(self.device) for k, v in collate_text(rows, self.formatter.pad_id).items()}
-        own_t, other_t = torch.tensor(own, device=self.device), torch.tensor(other, device=self.device)
-        a = model.answer_logprobs(**text, latent_mean=mean[own_t], latent_logvar=logvar[own_t], siglip=siglip)
-        b = model.answer_logprobs(**text, latent_mean=mean[other_t], latent_logvar=logvar[other_t], siglip=siglip)
+
+        def logprobs(world_of_row: list[int]) -> torch.Tensor:
+            """Each row's answer log-probability with its world; one forward per latent grid shape."""
+            out = torch.empty(len(rows), device=self.device)
+            shapes = [tuple(latents[w][0].shape) for w in world_of_row]
+            for sel in imagelib.same_shape_groups(shapes):
+                idx = torch.tensor(sel, device=self.device)
+                logvar = [latents[world_of_row[r]][1] for r in sel]
+                out[idx] = model.answer_logprobs(
+                    **{k: v[idx] for k, v in text.items()},
+                    latent_mean=torch.stack([latents[world_of_row[r]][0] for r in sel]),
+                    latent_logvar=None if logvar[0] is None else torch.stack(logvar),
+                    siglip=torch.cat([feats[image_rows[r]] for r in sel])).float()
+            return out
+
+        a, b = logprobs(own), logprobs(other)
         out, lo = [], 0
         for i in indices:
             k = len(items[i].choices)
