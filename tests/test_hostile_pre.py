@@ -255,3 +255,28 @@ def test_a_bucketed_model_scores_items_of_any_aspect_ratio_batched_as_one_by_one
     for (a, b), (a1, b1) in zip(batched, alone):
         assert a == pytest.approx(a1, abs=1e-4) and b == pytest.approx(b1, abs=1e-4)
     assert batched[0][0] != batched[0][1]  # the shuffled world is another picture's, of another shape
+
+
+def test_a_datasets_save_to_disk_folder_is_a_parquet_source(tmp_path, capsys, fake_vae):
+    """Written by the real `datasets` package: Arrow stream files listed in state.json, in order."""
+    import datasets
+
+    from _precompute_helpers import cli_args, gradient, png_bytes, read_cache_plain
+    from precompute import cosmos_latents
+
+    n = 12
+    rows = {"image": [{"bytes": png_bytes(gradient(20 + i, 16)), "path": None} for i in range(n)],
+            "caption": [f"scene {i} ." for i in range(n)], "uid": [f"u{i:02d}" for i in range(n)]}
+    ds = datasets.Dataset.from_dict(rows).cast_column("image", datasets.Image())
+    ds.save_to_disk(str(tmp_path / "ds"), num_shards=3)
+    assert len(list((tmp_path / "ds").glob("*.arrow"))) == 3
+    out = tmp_path / "c"
+    assert cosmos_latents.main(cli_args(out, "source.type=parquet", f"source.path={tmp_path / 'ds'}", n=n)) == 0
+    samples = read_cache_plain(out)
+    assert list(samples) == rows["uid"]
+    assert [s["txt"].decode() for s in samples.values()] == rows["caption"]
+    assert [s["png"] for s in samples.values()] == [r["bytes"] for r in rows["image"]]
+    datasets.DatasetDict({"train": ds, "validation": ds}).save_to_disk(str(tmp_path / "dd"))
+    assert cosmos_latents.main(cli_args(tmp_path / "c2", "source.type=parquet", f"source.path={tmp_path / 'dd'}")) == 2
+    assert f"holds a datasets DatasetDict (splits: train, validation); set source.path to one split's folder, e.g. " \
+           f"{tmp_path / 'dd' / 'train'}" in capsys.readouterr().err
