@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from precompute import fonts
 from precompute.config import PrecomputeConfig
 from theworld import cache_format as cf
 from theworld import encoders, images
@@ -283,7 +284,7 @@ def _same_shape(tensors: list[torch.Tensor]) -> list[list[int]]:
     return list(groups.values())
 
 
-LINE = 12  # px per text line of PIL's default bitmap font
+LINE = 14  # px per text line of the label font (fonts.SIZE)
 
 
 def _sheet(pairs: list[tuple[torch.Tensor, torch.Tensor]], labels: list[str], header: str, min_tile: int = 128,
@@ -299,12 +300,13 @@ def _sheet(pairs: list[tuple[torch.Tensor, torch.Tensor]], labels: list[str], he
     cols = min(4, len(pairs))
     rows = math.ceil(len(pairs) / cols)
     pair_w = 2 * tile + gap
-    chars = pair_w // 6  # the default font is 6 px wide
+    font, lacks = fonts.for_text([header, *labels])
+    fonts.say_missing(lacks)
     top = 2 * gap + LINE * len(header.splitlines())
     cell_h = tile + 2 * LINE + 2 * gap
     sheet = Image.new("RGB", (cols * pair_w + (cols + 1) * gap * 2, top + rows * cell_h + 2 * gap), (32, 32, 32))
     draw = ImageDraw.Draw(sheet)
-    draw.multiline_text((2 * gap, gap), header, fill=(255, 255, 255), spacing=0)
+    draw.multiline_text((2 * gap, gap), header, fill=(255, 255, 255), spacing=LINE - fonts.SIZE, font=font)
     for n, ((orig, recon), label) in enumerate(zip(pairs, labels)):
         x = 2 * gap + (n % cols) * (pair_w + 2 * gap)
         y = top + (n // cols) * cell_h
@@ -313,8 +315,10 @@ def _sheet(pairs: list[tuple[torch.Tensor, torch.Tensor]], labels: list[str], he
             img = Image.fromarray(t.permute(1, 2, 0).numpy()).resize((w * scale, h * scale), Image.NEAREST)
             sheet.paste(img, (x + k * (tile + gap) + (tile - w * scale) // 2, y + (tile - h * scale) // 2))
         for i, line in enumerate(label.splitlines()[:2]):
-            line = line if len(line) <= chars else line[:chars - 3] + "..."
-            draw.text((x, y + tile + gap // 2 + i * LINE), line, fill=(220, 220, 220))
+            line = line if len(line) <= pair_w // 3 else line[:pair_w // 3 - 3] + "..."  # no glyph is under 3 px
+            while len(line) > 3 and font.getlength(line) > pair_w:  # cut to the pair's width
+                line = line[:-4] + "..."
+            draw.text((x, y + tile + gap // 2 + i * LINE), line, fill=(220, 220, 220), font=font)
     return sheet
 
 

@@ -280,3 +280,19 @@ def test_a_datasets_save_to_disk_folder_is_a_parquet_source(tmp_path, capsys, fa
     assert cosmos_latents.main(cli_args(tmp_path / "c2", "source.type=parquet", f"source.path={tmp_path / 'dd'}")) == 2
     assert f"holds a datasets DatasetDict (splits: train, validation); set source.path to one split's folder, e.g. " \
            f"{tmp_path / 'dd' / 'train'}" in capsys.readouterr().err
+
+
+def test_decode_sheet_labels_draw_non_latin_captions_and_name_what_no_font_has(capsys):
+    import torch
+
+    from precompute import fonts, inspect
+
+    pair = (torch.zeros(3, 32, 32, dtype=torch.uint8), torch.zeros(3, 32, 32, dtype=torch.uint8))
+    labels = ["key-0\nкрасный квадрат", "key-1\n\ue000 private"]  # U+E000: private use, in no font's tables
+    sheet = inspect._sheet([pair, pair], labels, "header")
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "1 character(s) of the captions ('\\ue000')" in err, err
+    font, lacks = fonts.for_text(labels)
+    assert lacks == {"\ue000"}  # the Cyrillic is drawn: the chosen font has its glyphs
+    assert fonts.missing(font, set("красный")) == set()
+    assert sheet.size[0] > 0
