@@ -252,9 +252,11 @@ def test_a_bucketed_model_scores_items_of_any_aspect_ratio_batched_as_one_by_one
     scorer = Scorer(model, processor, image, items)
     batched = scorer.score([0, 1])
     alone = [scorer.score([i])[0] for i in range(2)]
-    for (a, b), (a1, b1) in zip(batched, alone):
-        assert a == pytest.approx(a1, abs=1e-4) and b == pytest.approx(b1, abs=1e-4)
-    assert batched[0][0] != batched[0][1]  # the shuffled world is another picture's, of another shape
+    for together, one in zip(batched, alone):
+        assert set(together) == {"model", "shuffled_world"}, together
+        for cond in together:
+            assert together[cond] == pytest.approx(one[cond], abs=1e-4)
+    assert batched[0]["model"] != batched[0]["shuffled_world"]  # the partner's world: another picture, another shape
 
 
 def test_a_datasets_save_to_disk_folder_is_a_parquet_source(tmp_path, capsys, fake_vae):

@@ -516,7 +516,8 @@ def test_flipped_samples_get_the_flipped_latents_and_swapped_text(cache, tmp_pat
 def test_train_attention_sets_the_language_models_kernel_only():
     from theworld.config import load_config
     from theworld.errors import UserError
-    from train.bench_real import TINY, build_gemma
+    from theworld.arch import TINY
+    from train.bench_real import build_gemma
     from train.config import TrainConfig
     from train.components import set_language_attention
 
@@ -649,3 +650,14 @@ def test_a_mean_only_cache_trains_with_the_mean_and_refuses_sampling(tmp_path, c
     capsys.readouterr()
     _refused_before_any_model_loads(base_args(out, tmp_path / "sample", **{"world.latent": "sample"}),
                                     tmp_path / "sample", monkeypatch, capsys, "'world.latent'", "cache.latents: mean")
+
+
+def test_train_epochs_sets_the_run_length_and_the_start_line_counts_parameters(cache, tmp_path, capsys):
+    out = tmp_path / "half"
+    # 80 training samples in global batches of 16: 5 steps per epoch, half an epoch rounded up is 3
+    assert train_inproc(base_args(cache, out, steps=50, **{"train.epochs": 0.5, "train.ema": 0.9,
+                                                            "train.ema_warmup_steps": 2})) == 0
+    printed = capsys.readouterr()
+    assert [m["step"] for m in metrics(out) if "loss" in m] == [1, 2, 3]
+    assert "train.epochs 0.5: 3 steps of 5 per epoch" in printed.out + printed.err
+    assert "parameters trainable / total: projector " in printed.out + printed.err

@@ -9,7 +9,8 @@
     <output_dir>/checkpoint-<step>/rng.safetensors        torch CPU RNG state of the main process
     <output_dir>/checkpoint-<step>/ema.safetensors        EMA of the trainable weights (when train.ema > 0)
     <output_dir>/checkpoint-<step>/config.yaml            the resolved config (defines the model: SECTIONS)
-    <output_dir>/final/                                   trainable.safetensors (+ ema), config.yaml, README.md
+    <output_dir>/final/                                   trainable.safetensors (+ ema), config.yaml, README.md,
+                                                          prompt.txt (the prompt the training samples carried)
 
 A stage folder (final/ or checkpoint-N/) holds the trained tensors and the run's resolved config; the base models come
 from where that config names them (`tiny`, a local folder or a hub id).
@@ -22,8 +23,17 @@ from pathlib import Path
 
 import yaml
 
-from theworld.config import FreezeConfig, ImageConfig, ModelConfig, WorldConfig, from_dict
+from theworld.config import (
+    FreezeConfig,
+    ImageConfig,
+    LoraConfig,
+    ModelConfig,
+    WorldConfig,
+    check_lora,
+    from_dict,
+)
 from theworld.errors import UserError
+from theworld.text import DEFAULT_PROMPT
 
 WEIGHTS = "trainable.safetensors"
 EMA = "ema.safetensors"
@@ -32,9 +42,10 @@ STATE = "state.json"
 OPTIMIZER = "optimizer.pt"
 RNG = "rng.safetensors"
 CARD = "README.md"
+PROMPT = "prompt.txt"  # final/: the prompt the run trained with, the default of describe and caption evaluation
 FINAL = "final"
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
-SECTIONS = ("model", "image", "world", "freeze")  # the parts of a run's config that define the model
+SECTIONS = ("model", "image", "world", "freeze", "lora")  # the parts of a run's config that define the model
 
 
 @dataclass
@@ -43,6 +54,10 @@ class ModelSections:
     image: ImageConfig = field(default_factory=ImageConfig)
     world: WorldConfig = field(default_factory=WorldConfig)
     freeze: FreezeConfig = field(default_factory=FreezeConfig)
+    lora: LoraConfig | None = None  # adapters on frozen parts (theworld/lora.py)
+
+    def __post_init__(self) -> None:
+        check_lora(self.freeze, self.lora)
 
 
 def resolve(path: str | Path) -> Path:
@@ -75,6 +90,18 @@ def read_config(folder: Path) -> ModelSections:
     if not isinstance(data, dict):
         raise UserError(f"{path}: top level must be a mapping")
     try:
-        return from_dict(ModelSections, {k: data[k] for k in SECTIONS if k in data})
+        sections = from_dict(ModelSections, {k: data[k] for k in SECTIONS if k in data})
     except UserError as e:
         raise UserError(f"{path}: {e}") from None
+    inside = folder / sections.model.gemma  # an exported folder holds its own Gemma (theworld.export)
+    if not Path(sections.model.gemma).is_absolute() and (inside / "config.json").is_file():
+        sections.model.gemma = str(inside.resolve())
+    return sections
+
+
+def trained_prompt(folder: Path) -> str:
+    """The prompt the stage was trained with (final/prompt.txt), or DEFAULT_PROMPT for a folder without one (a
+    checkpoint-N/, or a run from before the file existed)."""
+    path = folder / PROMPT
+    text = path.read_text(encoding="utf-8").strip("\n") if path.is_file() else ""
+    return text or DEFAULT_PROMPT

@@ -15,9 +15,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from theworld.config import FreezeConfig, ImageConfig, ModelConfig, WorldConfig
+from theworld.arch import FREEZABLE, PARTS
+from theworld.config import FreezeConfig, ImageConfig, LoraConfig, ModelConfig, WorldConfig
 from theworld import checkpoint_layout as layout
-from theworld import encoders
+from theworld import encoders, lora as lora_adapters
 from theworld.encoders import WorldEncoder
 from theworld.errors import UserError
 from theworld.infer import generate as generation
@@ -38,6 +39,7 @@ class LoadReport:
     loaded: list[str]
     new: list[str]  # trainable here, absent from the file: kept as initialised
     ignored: list[str]  # in the file, but not a trainable parameter here
+    merged: int = 0  # layers whose LoRA adapters (of a LoRA stage) were merged into their base weights
 
     def summary(self) -> str:
         return f"loaded {len(self.loaded)} tensors, {len(self.new)} new, {len(self.ignored)} ignored"
@@ -80,28 +82,35 @@ class TheWorld(nn.Module):
 
     @classmethod
     def from_config(cls, model: ModelConfig, world: WorldConfig, freeze: FreezeConfig | None = None,
-                    seed: int = 0, image: ImageConfig | None = None):
+                    seed: int = 0, image: ImageConfig | None = None, lora: LoraConfig | None = None):
         """(TheWorld, processor), base models loaded with `from_pretrained` in `model.dtype`, projector in fp32.
-        `image`: the preprocessing `generate` applies to raw images (the cache's resolution and resize)."""
+        `image`: the preprocessing `generate` applies to raw images (the cache's resolution and resize). `lora`:
+        adapters on the named parts (theworld/lora.py)."""
         gemma, processor = encoders.load_gemma(model.gemma, model.dtype)
         vae = encoders.load_vae(model.vae, model.dtype)
-        self = cls.from_modules(gemma, vae, world, freeze, seed)
+        self = cls.from_modules(gemma, vae, world, freeze, seed, lora)
         self.processor, self.image_config = processor, image or ImageConfig()
         return self, processor
 
     @classmethod
     def from_modules(cls, gemma: nn.Module, vae: nn.Module, world: WorldConfig, freeze: FreezeConfig | None = None,
-                     seed: int = 0):
+                     seed: int = 0, lora: LoraConfig | None = None):
         """TheWorld around loaded (or, for train.memory, meta-device) base models, with a fresh fp32 projector."""
         encoder = WorldEncoder(vae)
-        text_cfg = gemma.config.get_text_config()
-        torch.manual_seed(seed)  # the projector's initialisation is part of the run's definition
-        projector = WorldProjector(text_cfg.hidden_size, encoder.latents_mean, encoder.latents_std,
-                                   latent_channels=vae.config.z_dim, pool=world.pool, arch=world.projector,
-                                   embed_std=text_cfg.initializer_range)
-        self = cls(gemma, encoder, projector, world.latent)
+        self = cls(gemma, encoder, cls.new_projector(gemma, encoder, world, seed), world.latent)
+        if lora is not None:  # after the projector: its initialisation stays what it was without LoRA
+            lora_adapters.apply(gemma, lora)
         self.set_freeze(freeze or FreezeConfig())
         return self
+
+    @staticmethod
+    def new_projector(gemma: nn.Module, encoder: WorldEncoder, world: WorldConfig, seed: int) -> WorldProjector:
+        """The fp32 projector as a run with this seed starts it (also the `init_projector` evaluation baseline)."""
+        text_cfg = gemma.config.get_text_config()
+        torch.manual_seed(seed)  # the projector's initialisation is part of the run's definition
+        return WorldProjector(text_cfg.hidden_size, encoder.latents_mean, encoder.latents_std,
+                              latent_channels=encoder.vae.config.z_dim, pool=world.pool, arch=world.projector,
+                              embed_std=text_cfg.initializer_range)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, ema: bool = False, device: str | torch.device | None = None):
@@ -114,7 +123,7 @@ class TheWorld(nn.Module):
         weights = folder / (layout.EMA if ema else layout.WEIGHTS)
         if ema and not weights.is_file():
             raise UserError(f"model {folder}: no {layout.EMA} (the run had train.ema: 0)")
-        model, processor = cls.from_config(cfg.model, cfg.world, cfg.freeze, image=cfg.image)
+        model, processor = cls.from_config(cfg.model, cfg.world, cfg.freeze, image=cfg.image, lora=cfg.lora)
         model.load_trainable(weights, strict=True)  # the run's freeze flags define the set it must hold exactly
         model.requires_grad_(False)
         model.latent_mode = "mean"
@@ -128,18 +137,18 @@ class TheWorld(nn.Module):
                           r"|^world_encoder\.vae\.encoder\..*\.time_conv\.")
 
     def set_freeze(self, freeze: FreezeConfig) -> None:
-        inner = self.gemma.model
-        parts = {"vision": [inner.vision_tower, inner.multi_modal_projector],
-                 "language": [inner.language_model, self.gemma.lm_head],
-                 "vae": [self.world_encoder] if self.world_encoder is not None else []}
         if not freeze.vae and self.world_encoder is None:
             raise UserError("freeze.vae: false needs the VAE loaded (live encoding)")
-        for name, modules in parts.items():
-            for m in modules:
-                m.requires_grad_(not getattr(freeze, name))
+        for name in FREEZABLE:
+            if name == "vae" and self.world_encoder is None:  # cached latents only: no VAE loaded
+                continue
+            for path in PARTS[name]:
+                self.get_submodule(path).requires_grad_(not getattr(freeze, name))
         for name, p in self.named_parameters():
             if self.OFF_PATH.match(name):
                 p.requires_grad_(False)
+            if lora_adapters.is_adapter(name):  # a LoRA part: its base weights stay frozen, its adapters train
+                p.requires_grad_(True)
         self.projector.requires_grad_(True)
 
     def cast_trainable_to_fp32(self) -> None:
@@ -180,10 +189,9 @@ class TheWorld(nn.Module):
         text = embed(safe_ids)
         text = text.masked_scatter(is_image.unsqueeze(-1), image_feats.to(text.dtype))
         b, n = world.shape[:2]
-        ones, zeros = attention_mask.new_ones(b, n), attention_mask.new_zeros(b, n)
         embeds = torch.cat([text[:, :1], world.to(text.dtype), text[:, 1:]], dim=1)
-        mask = torch.cat([attention_mask[:, :1], ones, attention_mask[:, 1:]], dim=1)
-        types = torch.cat([zeros[:, :1], zeros, is_image[:, 1:].long()], dim=1)
+        mask = torch.cat([attention_mask[:, :1], attention_mask.new_ones(b, n), attention_mask[:, 1:]], dim=1)
+        types = torch.cat([attention_mask.new_zeros(b, 1 + n), is_image[:, 1:].long()], dim=1)  # BOS, world: text
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         return {"inputs_embeds": embeds, "attention_mask": mask, "token_type_ids": types, "position_ids": positions}
 
@@ -207,11 +215,17 @@ class TheWorld(nn.Module):
     def embed_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
                      latent_mean: torch.Tensor | None = None, latent_logvar: torch.Tensor | None = None,
                      images: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None,
-                     siglip: torch.Tensor | None = None, noise_seeds: list[int] | None = None) -> dict:
-        """The fused language-model inputs (see `fuse`) from token ids, world inputs and image inputs."""
+                     siglip: torch.Tensor | None = None, noise_seeds: list[int] | None = None,
+                     world: bool = True) -> dict:
+        """The fused language-model inputs (see `fuse`) from token ids, world inputs and image inputs.
+        `world=False`: no world block at all (no SOW, world or EOW tokens), Gemma 3 as its users know it."""
+        feats = self.image_features(pixel_values, siglip)
+        if not world:
+            none = feats.new_zeros(input_ids.shape[0], 0, self.gemma.config.get_text_config().hidden_size)
+            return self.fuse(input_ids, attention_mask, none, feats)
         mean, logvar = self.world_latents(images, latent_mean, latent_logvar)
-        world = self.projector(mean, logvar, self.latent_mode, noise_seeds)
-        return self.fuse(input_ids, attention_mask, world, self.image_features(pixel_values, siglip))
+        tokens = self.projector(mean, logvar, self.latent_mode, noise_seeds)
+        return self.fuse(input_ids, attention_mask, tokens, feats)
 
     @staticmethod
     def _answer_targets(labels: torch.Tensor, n_world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -261,13 +275,13 @@ class TheWorld(nn.Module):
 
     def load_trainable(self, path: str | Path, strict: bool = True) -> LoadReport:
         """Load trainable tensors by name. Shapes must match. strict: the file must hold exactly the trainable set."""
-        if not Path(path).is_file():
-            raise UserError(f"no weights file at {path}")
-        try:
-            tensors = load_file(str(path))
-        except Exception as e:  # a .bin, a torn copy: name the file rather than show safetensors' internals
-            raise UserError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e})") from e
+        return self.load_tensors(read_weights(path), path, strict)
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor], path: str | Path, strict: bool = True) -> LoadReport:
+        """`load_trainable` of tensors already read from `path` (named in messages). A plain layer's weight goes into
+        its frozen base when this model has LoRA adapters on that layer."""
         params = dict(self.named_parameters())
+        tensors = {lora_adapters.adapted_name(n, params): t for n, t in tensors.items()}
         trainable = {n for n, p in params.items() if p.requires_grad}
         for name, t in tensors.items():
             if name in params and params[name].shape != t.shape:
@@ -282,6 +296,15 @@ class TheWorld(nn.Module):
             for name in report.loaded:
                 params[name].copy_(local_like(params[name], tensors[name]))
         return report
+
+
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    if not Path(path).is_file():
+        raise UserError(f"no weights file at {path}")
+    try:
+        return load_file(str(path))
+    except Exception as e:  # a .bin, a torn copy: name the file rather than show safetensors' internals
+        raise UserError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e})") from e
 
 
 def local_like(ref: torch.Tensor, full: torch.Tensor) -> torch.Tensor:

@@ -21,11 +21,14 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file, save_file
 
+from theworld import lora
+from theworld.arch import FREEZABLE
 from theworld.cache_format import sha256_file
-from theworld.checkpoint_layout import CARD, CHECKPOINT_RE, CONFIG, EMA, FINAL, OPTIMIZER, RNG, STATE, WEIGHTS
+from theworld.checkpoint_layout import (CARD, CHECKPOINT_RE, CONFIG, EMA, FINAL, OPTIMIZER, PROMPT, RNG, STATE, WEIGHTS,
+                                       read_config)
 from theworld.config import to_yaml
 from theworld.errors import OutOfSpace, UserError, no_space_message, out_of_space
-from theworld.model import LoadReport, local_like
+from theworld.model import LoadReport, local_like, read_weights
 from theworld.text import DEFAULT_PROMPT as DESCRIBE_PROMPT
 from train import sharding
 from train.config import run_hash
@@ -115,7 +118,7 @@ def restore(components: Components, resume_from: Path | None, cache: dict | None
             print(f"warning: {resume_from} was written under a different config", file=sys.stderr)
         was = saved.get("cache")
         if cache and was and was != cache:  # rebuilt or extended: the same step indices name other samples
-            print(f"warning: the cache {components.cfg.cache_dir} holds other samples than when {resume_from} was "
+            print(f"warning: {'the data mixture' if components.cfg.data else 'the cache ' + components.cfg.cache_dir} holds other samples than when {resume_from} was "
                   f"written ({was['samples']} then, {cache['samples']} now): the data order from here on is not the "
                   "interrupted run's", file=sys.stderr)
         # allowed: the data order does not depend on it
@@ -178,14 +181,31 @@ def resolve_weights(path: str | Path) -> Path:
 
 
 def init_from(model, path: str | Path) -> LoadReport:
-    """Previous stage's weights by name (shapes checked); parts it lacks keep the base model's weights."""
-    return model.load_trainable(resolve_weights(path), strict=False)
+    """Previous stage's weights by name (shapes checked); parts it lacks keep the base model's weights. A LoRA
+    stage's adapters go into a model without adapters merged into its base weights."""
+    weights = resolve_weights(path)
+    tensors = read_weights(weights)
+    adapters = {n: t for n, t in tensors.items() if lora.is_adapter(n)}
+    if not adapters or lora.adapted_layers(model.gemma):
+        return model.load_tensors(tensors, weights, strict=False)
+    if not (weights.parent / CONFIG).is_file():
+        raise UserError(f"config key 'init_from': {weights} holds LoRA adapters but there is no {CONFIG} beside it "
+                        "to say their layout (lora.r, lora.alpha, ...); give the stage's final/ folder")
+    source = read_config(weights.parent).lora
+    if source is None:
+        raise UserError(f"config key 'init_from': {weights} holds LoRA adapters but {weights.parent / CONFIG} has "
+                        "no lora section")
+    merged = lora.merge_into(model.gemma, source, adapters)
+    report = model.load_tensors({n: t for n, t in tensors.items() if n not in adapters}, weights, strict=False)
+    report.merged = merged
+    return report
 
 
 def describe_init(path: str | Path, report: LoadReport) -> str:
     parts = lambda names: sorted({".".join(n.split(".")[:3]) for n in names})  # noqa: E731 (module-level prefixes)
+    merged = f"; LoRA adapters of {report.merged} layers merged into their base weights" if report.merged else ""
     return (f"init_from {path}: {report.summary()}; loaded {parts(report.loaded)}, new (from the base model) "
-            f"{parts(report.new)}, ignored {parts(report.ignored)}")
+            f"{parts(report.new)}, ignored {parts(report.ignored)}{merged}")
 
 
 def _write_dir(tmp: Path, files: dict) -> None:
@@ -342,7 +362,7 @@ Load it and describe an image (the base models are read from where `config.yaml`
 ```python
 from theworld.model import TheWorld
 model, processor = TheWorld.from_pretrained("{out}")
-print(model.generate(["image.png"], "{prompt}")[0])
+print(model.generate(["image.png"], {prompt})[0])
 ```
 
 or `python -m theworld.describe --model {out} --image image.png`, and score it on a multiple-choice set with
@@ -355,7 +375,7 @@ or `python -m theworld.describe --model {out} --image image.png`, and score it o
 
 
 def export_final(components: Components, state: LoopState, cfg_yaml: str, output_dir: str | Path,
-                 whole: Whole | None = None) -> Path:
+                 whole: Whole | None = None, prompt: str = DESCRIBE_PROMPT) -> Path:
     """Main process only, with what `gather` returned there (required under FSDP)."""
     cfg = components.cfg
     whole = whole or gather(components)
@@ -363,15 +383,18 @@ def export_final(components: Components, state: LoopState, cfg_yaml: str, output
     ev = state.last_eval or {}
     fmt = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
     gap = (ev["eval_loss_shuffled_world"] - ev["eval_loss"]) if ev else None
-    trained = ["world projector"] + [n for n in ("vision", "language", "vae") if not getattr(cfg.freeze, n)]
+    trained = ["world projector"] + [n for n in FREEZABLE if not getattr(cfg.freeze, n)]
+    trained += [f"{n} (LoRA r {cfg.lora.r})" for n in (cfg.lora.parts if cfg.lora else ())]
     card = MODEL_CARD.format(name=out.name, gemma=cfg.model.gemma, vae=cfg.model.vae, resolution=cfg.image.resolution,
                              trained=", ".join(trained), step=state.step, batch=cfg.train.global_batch_size,
                              samples=state.samples_seen, lr=cfg.train.lr, schedule=cfg.train.schedule,
                              parent=state.parent or "the base models", eval_loss=fmt(ev.get("eval_loss")),
                              eval_shuffled=fmt(ev.get("eval_loss_shuffled_world")), gap=fmt(gap), out=out / FINAL,
-                             prompt=DESCRIBE_PROMPT)
+                             prompt=json.dumps(prompt))  # a Python string literal
     files = {WEIGHTS: lambda p: save_file(whole.weights, str(p)), CONFIG: lambda p: p.write_text(cfg_yaml),
-             CARD: lambda p: p.write_text(card)}
+             CARD: lambda p: p.write_text(card), PROMPT: lambda p: p.write_text(prompt + "\n", encoding="utf-8")}
     if components.ema is not None:
         files[EMA] = _ema_writer(whole)
+    if cfg.lora is not None:  # final/ is also a peft adapter folder for the base Gemma
+        files.update(lora.adapter_files(cfg.lora, cfg.model.gemma, whole.weights))
     return _publish(out, FINAL, files)

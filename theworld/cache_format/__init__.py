@@ -20,7 +20,7 @@ from theworld.cache_format.fingerprint import (check_fingerprint, fingerprint_di
                                                fingerprint_for, fingerprint_overrides)
 from theworld.cache_format.layout import (CAPTION, CHECKSUMS, ERRORS, ERRORS_DIR, FORMAT_VERSION,  # noqa: F401
                                           IMAGE_EXTS, INDEX_DIR, LATENT, LATENT_FLIP, MANIFEST, META,
-                                          REBUILD_MANIFEST, RUN_FILE, SHARDS, SIGLIP, Sample, atomic_write_bytes,
+                                          REBUILD_MANIFEST, RUN_FILE, SHARDS, SIGLIP, TURNS, Sample, atomic_write_bytes,
                                           atomic_write_json, error_classes, error_path, image_bytes_hint,
                                           latent_shape_counts, latents_stored, load_manifest, member_name,
                                           read_errors, read_sidecar, repair_hint, safe_key, sha256_file,

@@ -27,7 +27,9 @@ LATENT = "latent.safetensors"  # tensors "mean", "logvar" (only "mean" with cach
 LATENT_FLIP = "latent_flip.safetensors"  # the same for the horizontally flipped image
 SIGLIP = "siglip.safetensors"  # tensor "features": (mm_tokens, H), the multimodal projector's output
 CAPTION = "txt"
-META = "json"  # prompt, source, original_size, crop_box, flip
+META = "json"  # prompt, source, original_size, crop_box, flip; TURNS for a conversation
+TURNS = "turns"  # META field of a multi-turn sample: the turns after the first, [[user, model], ...] (the first is
+# prompt + caption, so single-turn readers and caches are unchanged)
 IMAGE_EXTS = ("jpg", "png", "webp")
 
 
@@ -85,6 +87,11 @@ class Sample:
     @property
     def prompt(self) -> str:
         return self.meta.get("prompt", "")
+
+    @property
+    def turns(self) -> list[tuple[str, str]]:
+        """The conversation as (user, model) turns: (prompt, caption), then the META field TURNS if present."""
+        return [(self.prompt, self.caption)] + [(u, m) for u, m in self.meta.get(TURNS, ())]
 
 
 # ----------------------------------------------------------------------------------------------------------------------

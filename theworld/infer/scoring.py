@@ -1,137 +1,260 @@
-"""Multiple-choice scoring of a trained stage, as a library (`python -m theworld.evaluate` is its command line).
+"""Multiple-choice evaluation of a trained stage, as a library (`python -m theworld.evaluate` is its command line).
 
-Each choice is scored by the summed log-probability of its answer tokens (the choice and the model turn's
-<end_of_turn>, the tokens training supervises) after the question; the highest wins (ties: the first).
-The shuffled-world score gives item i the world latents of item i-1 (the first gets the last one's). Accuracies come
-with a 95% Wilson interval, overall and per category. Data formats: theworld/infer/benchmarks.py.
+Two protocols (docs/inference.md):
+- `loglik`: each choice is scored by the summed log-probability of its answer tokens (the choice and the model turn's
+  <end_of_turn>, the tokens training supervises) after the question; the highest wins (ties: the first). The prefix
+  (world, image and question tokens) runs once per item and condition (theworld/infer/prefix_scoring.py);
+  `shared_prefix=False` runs every choice's whole sequence instead (the same scores, for checking);
+- `generate`: the model answers the lettered prompt greedily and the letter is read back (theworld/infer/letters.py);
+  an answer with no readable letter is wrong and counted as unparsed.
+Every item is evaluated under each condition asked for (theworld/infer/baselines.py): the model with its own world,
+with the shuffled world (item i gets item i-1's world latents, the first gets the last one's), and the baselines.
+Accuracies come with a 95% Wilson interval, overall and per category; each baseline also with the model's paired
+difference to it and an exact McNemar p-value. Data formats: theworld/infer/benchmarks.py.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 
 from theworld import images as imagelib
-from theworld.infer import benchmarks
-from theworld.text import ChatFormatter, collate_text
+from theworld.infer import benchmarks, letters, prefix_scoring, stats
+from theworld.infer.baselines import (
+    MODEL,
+    SHUFFLED,
+    Condition,
+    InitProjector,
+    applied,
+    world_inputs,
+)
+from theworld.infer.generate import Sampler, decode, decode_text, left_align, stop_ids
+from theworld.infer.stats import wilson
+from theworld.text import IGNORE, ChatFormatter, Encoded, collate_text
 
-
-def wilson(k: int, n: int, z: float = 1.96) -> list[float]:
-    """95% Wilson score interval of k successes in n trials."""
-    if n == 0:
-        return [0.0, 1.0]
-    p = k / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return [max(0.0, centre - half), min(1.0, centre + half)]
+PROTOCOLS = ("generate", "loglik")
+NO_CATEGORY = "(no category)"
 
 
 class Scorer:
-    """Choice log-likelihoods for items, with each item's own world and with item i-1's."""
+    """Choice log-likelihoods (loglik) or generated answers (generate) for items, under each condition."""
 
-    def __init__(self, model, processor, image_cfg, items: list[benchmarks.Item]):
-        self.model, self.items, self.image_cfg = model, items, image_cfg
+    def __init__(self, model, processor, image_cfg, items: list[benchmarks.Item], init: InitProjector | None = None,
+                 shared_prefix: bool = True, max_new_tokens: int = 16):
+        self.model, self.items, self.image_cfg, self.init = model, items, image_cfg, init
         self.processor, self.formatter = processor, ChatFormatter(processor)
         self.device = next(model.parameters()).device
+        self.shared_prefix, self.max_new_tokens = shared_prefix, max_new_tokens
 
     def _load(self, image) -> tuple[torch.Tensor, torch.Tensor]:
         return imagelib.for_model(imagelib.to_bytes(image), self.image_cfg.resolution, self.image_cfg.resize,
                                   self.processor.image_processor)
 
-    @torch.no_grad()
-    def score(self, indices: list[int]) -> list[tuple[list[float], list[float]]]:
-        """For each item index: (choice scores, choice scores with item i-1's world latents)."""
-        model, items, n = self.model, self.items, len(self.items)
-        worlds = sorted({i for i in indices} | {(i - 1) % n for i in indices})
-        loaded = [self._load(items[i].images[0])[0] for i in worlds]
-        latents: list = [None] * len(worlds)  # per world: (mean, logvar); a bucketed model's grids differ in shape
-        for group in imagelib.same_shape_groups([tuple(p.shape) for p in loaded]):
-            m, lv = model.world_latents(torch.stack([loaded[k] for k in group]).to(self.device), None, None)
-            for j, k in enumerate(group):
-                latents[k] = (m[j], None if lv is None else lv[j])
+    def _worlds(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, dict[int, int]]:
+        """World latents (mean, logvar) of every item in play (each item's own and item i-1's), and where each is.
+        A bucketed model's worlds of several shapes are encoded one shape at a time (`_Latents`)."""
+        n = len(self.items)
+        worlds = sorted(set(indices) | {(i - 1) % n for i in indices})
+        loaded = [self._load(self.items[i].images[0])[0] for i in worlds]
         at = {i: k for k, i in enumerate(worlds)}
-        rows, own, other, image_rows = [], [], [], []
+        groups = imagelib.same_shape_groups([tuple(p.shape) for p in loaded])
+        if len(groups) == 1:
+            mean, logvar = self.model.world_latents(torch.stack(loaded).to(self.device), None, None)
+            return mean, logvar, at
+        means, logvars = [None] * len(worlds), [None] * len(worlds)
+        for group in groups:
+            m, lv = self.model.world_latents(torch.stack([loaded[k] for k in group]).to(self.device), None, None)
+            for j, k in enumerate(group):
+                means[k], logvars[k] = m[j], lv[j]
+        return _Latents(means), _Latents(logvars), at
+
+    def _shape_groups(self, indices: list[int]) -> list[list[int]]:
+        """`indices` grouped by (input shape of the item's world, of item i-1's): within a group every row's own
+        world has one shape and its shuffled partner one shape, so each condition runs as one batch."""
+        n, cfg = len(self.items), self.image_cfg
+        size = lambda i: imagelib.input_size(self.items[i].images[0], cfg.resolution, cfg.resize)  # noqa: E731
+        groups = imagelib.same_shape_groups([(size(i), size((i - 1) % n)) for i in indices])
+        return [[indices[k] for k in g] for g in groups]
+
+    def _by_shape(self, run, indices: list[int], conds) -> list:
+        """`run(indices, conds)` once per shape group (see `_shape_groups`), results in `indices` order."""
+        groups = self._shape_groups(indices)
+        if len(groups) == 1:
+            return run(indices, conds)
+        got = {}
+        for g in groups:
+            got.update(zip(g, run(g, conds)))
+        return [got[i] for i in indices]
+
+    def _features(self, indices: list[int]) -> dict[int, torch.Tensor]:
+        """Image-token features of each item's images, in order."""
+        pv = {i: torch.stack([self._load(im)[1] for im in self.items[i].images]) for i in indices}
+        return {i: self.model.image_features(v.to(self.device), None) for i, v in pv.items()}
+
+    def _rows(self, rows: list[int], at: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(self.items)
+        own = torch.tensor([at[i] for i in rows], device=self.device)
+        return own, torch.tensor([at[(i - 1) % n] for i in rows], device=self.device)
+
+    @torch.no_grad()
+    def score(self, indices: list[int], conds: list[Condition] = (MODEL, SHUFFLED)) -> list[dict[str, list[float]]]:
+        """For each item index: {condition name: choice scores}."""
+        return self._by_shape(self._score, indices, conds)
+
+    def _score(self, indices: list[int], conds: list[Condition]) -> list[dict[str, list[float]]]:
+        items = self.items
+        mean, logvar, at = self._worlds(indices)
+        feats = self._features(indices)
+        enc, row_item = [], []
         for i in indices:
-            it = items[i]
-            for choice in it.choices:
-                rows.append(self.formatter.encode(it.question, choice, images=len(it.images)))
-                own.append(at[i])
-                other.append(at[(i - 1) % n])
-                image_rows.append(i)
-        pv = {i: torch.stack([self._load(im)[1] for im in items[i].images]) for i in indices}
-        feats = {i: model.image_features(v.to(self.device), None) for i, v in pv.items()}
-        text = {k: v.to(self.device) for k, v in collate_text(rows, self.formatter.pad_id).items()}
-
-        def logprobs(world_of_row: list[int]) -> torch.Tensor:
-            """Each row's answer log-probability with its world; one forward per latent grid shape."""
-            out = torch.empty(len(rows), device=self.device)
-            shapes = [tuple(latents[w][0].shape) for w in world_of_row]
-            for sel in imagelib.same_shape_groups(shapes):
-                idx = torch.tensor(sel, device=self.device)
-                logvar = [latents[world_of_row[r]][1] for r in sel]
-                out[idx] = model.answer_logprobs(
-                    **{k: v[idx] for k, v in text.items()},
-                    latent_mean=torch.stack([latents[world_of_row[r]][0] for r in sel]),
-                    latent_logvar=None if logvar[0] is None else torch.stack(logvar),
-                    siglip=torch.cat([feats[image_rows[r]] for r in sel])).float()
-            return out
-
-        a, b = logprobs(own), logprobs(other)
+            for choice in items[i].choices:
+                enc.append(self.formatter.encode(items[i].question, choice, images=len(items[i].images)))
+                row_item.append(i)
+        if self.shared_prefix:  # one prefix per item and condition, every choice from its KV cache
+            prefixes = [self.formatter.prefix(items[i].question, images=len(items[i].images)) for i in indices]
+            owner = [indices.index(i) for i in row_item]
+            siglip = torch.cat([feats[i] for i in indices])
+            own, previous = self._rows(indices, at)
+        else:  # every choice's whole sequence
+            text = {k: v.to(self.device) for k, v in collate_text(enc, self.formatter.pad_id).items()}
+            siglip = torch.cat([feats[i] for i in row_item])
+            own, previous = self._rows(row_item, at)
+        per_cond = {}
+        for cond in conds:
+            with applied(self.model, cond, self.init):
+                world = world_inputs(self.model, cond, mean, logvar, own, previous)
+                scores = (prefix_scoring.answer_logprobs(self.model, prefixes, enc, owner, siglip, **world)
+                          if self.shared_prefix else self.model.answer_logprobs(**text, siglip=siglip, **world))
+                per_cond[cond.name] = scores.tolist()
         out, lo = [], 0
         for i in indices:
             k = len(items[i].choices)
-            out.append((a[lo:lo + k].tolist(), b[lo:lo + k].tolist()))
+            out.append({c: s[lo:lo + k] for c, s in per_cond.items()})
             lo += k
         return out
+
+    @torch.no_grad()
+    def answer(self, indices: list[int], conds: list[Condition] = (MODEL, SHUFFLED)) -> list[dict[str, str]]:
+        """For each item index: {condition name: the greedy answer to its lettered prompt} (KV cache)."""
+        return self._by_shape(self._answer, indices, conds)
+
+    def _answer(self, indices: list[int], conds: list[Condition]) -> list[dict[str, str]]:
+        model, items = self.model, self.items
+        mean, logvar, at = self._worlds(indices)
+        feats = self._features(indices)
+        prompts = [letters.mc_prompt(items[i].question, items[i].choices, items[i].prompt) for i in indices]
+        ids = [self.formatter.prefix(p, images=len(items[i].images)) for p, i in zip(prompts, indices)]
+        text = {k: v.to(self.device)
+                for k, v in collate_text([Encoded(x, [IGNORE] * len(x)) for x in ids], self.formatter.pad_id).items()}
+        text.pop("labels")
+        siglip = torch.cat([feats[i] for i in indices])
+        own, previous = self._rows(indices, at)
+        tok, stop = self.processor.tokenizer, stop_ids(model)
+        sampler = Sampler(False, 1.0, 1.0, None, self.device)
+        per_cond = {}
+        for cond in conds:
+            with applied(model, cond, self.init):
+                fused = left_align(model.embed_inputs(**text, siglip=siglip,
+                                                      **world_inputs(model, cond, mean, logvar, own, previous)))
+                new = decode(model, fused, self.max_new_tokens, sampler, stop, tok.pad_token_id)
+            per_cond[cond.name] = [decode_text(tok, r) for r in new]
+        return [{c: texts[k] for c, texts in per_cond.items()} for k in range(len(indices))]
+
+
+class _Latents:
+    """Per-world latents of several grid shapes (a bucketed model's), indexed like one tensor by rows that share a
+    shape (`Scorer._by_shape` makes every batch so)."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.tensors = tensors
+        self.dtype = tensors[0].dtype
+
+    def __getitem__(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.stack([self.tensors[k] for k in rows.tolist()])
+
+    def dim(self) -> int:
+        return self.tensors[0].dim() + 1
 
 
 def _argmax(scores: list[float]) -> int:
     return max(range(len(scores)), key=lambda j: (scores[j], -j))
 
 
-def tally(items: list[benchmarks.Item], indices: list[int], scores) -> list[dict]:
-    return [{"item": items[i].name, "category": items[i].category, "answer": items[i].answer,
-             "pred": _argmax(a), "pred_shuffled_world": _argmax(b)} for i, (a, b) in zip(indices, scores)]
+def tally(items: list[benchmarks.Item], indices: list[int], outputs: list[dict], protocol: str = "loglik") -> list[dict]:
+    """Per-item records: answer, `preds` (condition -> chosen index, None when no letter could be read), `outputs`
+    (condition -> choice scores or generated text); `pred` / `pred_shuffled_world` are the first two conditions'."""
+    records = []
+    for i, out in zip(indices, outputs):
+        n = len(items[i].choices)
+        preds = {c: _argmax(v) if protocol == "loglik" else letters.read_letter(v, n) for c, v in out.items()}
+        records.append({"item": items[i].name, "category": items[i].category, "answer": items[i].answer,
+                        "pred": preds[MODEL.name], "pred_shuffled_world": preds[SHUFFLED.name], "preds": preds,
+                        "outputs": out})
+    return records
 
 
-def summarize(records: list[dict]) -> dict:
-    def stats(rs: list[dict]) -> dict:
-        n = len(rs)
-        k = sum(r["pred"] == r["answer"] for r in rs)
-        ks = sum(r["pred_shuffled_world"] == r["answer"] for r in rs)
-        return {"n": n, "accuracy": k / n if n else 0.0, "accuracy_ci95": wilson(k, n),
-                "accuracy_shuffled_world": ks / n if n else 0.0, "accuracy_shuffled_world_ci95": wilson(ks, n)}
+def _stats(rs: list[dict]) -> dict:
+    n = len(rs)
+    k = sum(r["pred"] == r["answer"] for r in rs)
+    ks = sum(r["pred_shuffled_world"] == r["answer"] for r in rs)
+    return {"n": n, "accuracy": k / n if n else 0.0, "accuracy_ci95": wilson(k, n),
+            "accuracy_shuffled_world": ks / n if n else 0.0, "accuracy_shuffled_world_ci95": wilson(ks, n)}
 
-    out = stats(records)
+
+def summarize(records: list[dict], baselines: list[str] = (), protocol: str | None = None) -> dict:
+    """Accuracies overall and per category (items without one under NO_CATEGORY), unparsed answers (generate), and
+    each baseline against the model on the same items."""
+    out = _stats(records)
+    if protocol is not None:
+        out["protocol"] = protocol
+    if protocol == "generate":
+        out["unparsed"] = sum(r["pred"] is None for r in records)
+        out["unparsed_shuffled_world"] = sum(r["pred_shuffled_world"] is None for r in records)
     cats = sorted({r["category"] for r in records if r["category"] is not None})
     if cats:
-        out["categories"] = {c: stats([r for r in records if r["category"] == c]) for c in cats}
+        rows = cats + ([NO_CATEGORY] if any(r["category"] is None for r in records) else [])
+        out["categories"] = {c: _stats([r for r in records if (r["category"] or NO_CATEGORY) == c]) for c in rows}
+    if baselines:
+        model_right = [r["pred"] == r["answer"] for r in records]
+        out["baselines"] = {b: stats.paired(model_right, [r["preds"][b] == r["answer"] for r in records])
+                            for b in baselines}
     return out
 
 
-def evaluate(model, processor, image_cfg, items: list[benchmarks.Item], batch_size: int = 8,
-             progress=None) -> list[dict]:
-    """Per-item records (answer, prediction, prediction with the shuffled world) for all items, `batch_size` items
-    per forward."""
-    scorer = Scorer(model, processor, image_cfg, items)
+def evaluate(model, processor, image_cfg, items: list[benchmarks.Item], batch_size: int = 8, progress=None, *,
+             protocol: str = "loglik", conds: list[Condition] = (MODEL, SHUFFLED), init: InitProjector | None = None,
+             shared_prefix: bool = True, max_new_tokens: int = 16) -> list[dict]:
+    """Per-item records (see `tally`) for all items, `batch_size` items per forward; `progress(records)` with each
+    batch's records as they are done."""
+    scorer = Scorer(model, processor, image_cfg, items, init, shared_prefix, max_new_tokens)
+    run = scorer.score if protocol == "loglik" else scorer.answer
     records = []
     for lo in range(0, len(items), batch_size):
         idx = list(range(lo, min(lo + batch_size, len(items))))
-        records += tally(items, idx, scorer.score(idx))
+        batch = tally(items, idx, run(idx, list(conds)), protocol)
+        records += batch
         if progress:
-            progress(len(records))
+            progress(batch)
     return records
 
 
 def format_report(summary: dict) -> str:
-    ci = lambda c: f"[{c[0]:.3f}, {c[1]:.3f}]"  # noqa: E731
-    lines = [f"n {summary['n']}",
+    ci = lambda c: f"[{c[0]:.3f}, {c[1]:.3f}]"
+    lines = [f"n {summary['n']}" + (f"   protocol {summary['protocol']}" if "protocol" in summary else ""),
              f"accuracy                {summary['accuracy']:.4f} {ci(summary['accuracy_ci95'])}",
-             f"accuracy_shuffled_world {summary['accuracy_shuffled_world']:.4f} "
-             f"{ci(summary['accuracy_shuffled_world_ci95'])}   (95% Wilson intervals)"]
+             (f"accuracy_shuffled_world {summary['accuracy_shuffled_world']:.4f} "
+              f"{ci(summary['accuracy_shuffled_world_ci95'])}   (95% Wilson intervals)")]
+    if "unparsed" in summary:
+        lines.append(f"unparsed                {summary['unparsed']} (shuffled world {summary['unparsed_shuffled_world']})"
+                     "   (no readable letter: counted wrong)")
     if "categories" in summary:
         width = max(8, *(len(c) for c in summary["categories"]))
         lines.append(f"{'category':<{width}}  {'n':>5}  {'accuracy':>8}  {'shuffled_world':>14}")
         for c, s in summary["categories"].items():
             lines.append(f"{c:<{width}}  {s['n']:>5}  {s['accuracy']:>8.4f}  {s['accuracy_shuffled_world']:>14.4f}")
+    if summary.get("baselines"):
+        width = max(8, *(len(b) for b in summary["baselines"]))
+        lines.append(f"{'baseline':<{width}}  {'accuracy':>8}  {'95% interval':>14}  {'model - it':>10}  "
+                     f"{'p (McNemar)':>11}")
+        for b, s in summary["baselines"].items():
+            lines.append(f"{b:<{width}}  {s['accuracy']:>8.4f}  {ci(s['accuracy_ci95']):>14}  "
+                         f"{s['difference']:>+10.4f}  {s['p_value']:>11.4g}")
     return "\n".join(lines)
