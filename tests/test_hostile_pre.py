@@ -154,6 +154,7 @@ def test_llava_images_found_nowhere_say_where_they_were_looked_for_and_which_ima
     import json
 
     from _precompute_helpers import cli_args, gradient, jpeg_bytes
+
     from precompute import cosmos_latents
 
     root = tmp_path / "LLaVA-Pretrain"
@@ -262,8 +263,8 @@ def test_a_bucketed_model_scores_items_of_any_aspect_ratio_batched_as_one_by_one
 def test_a_datasets_save_to_disk_folder_is_a_parquet_source(tmp_path, capsys, fake_vae):
     """Written by the real `datasets` package: Arrow stream files listed in state.json, in order."""
     import datasets
-
     from _precompute_helpers import cli_args, gradient, png_bytes, read_cache_plain
+
     from precompute import cosmos_latents
 
     n = 12
