@@ -332,3 +332,20 @@ def test_decode_sheet_labels_draw_non_latin_captions_and_name_what_no_font_has(c
     assert lacks == {"\ue000"}  # the Cyrillic is drawn: the chosen font has its glyphs
     assert fonts.missing(font, set("красный")) == set()
     assert sheet.size[0] > 0
+
+
+def test_caption_task_jsonl_keeps_a_raw_line_separator_and_refuses_a_fifo(tmp_path):
+    import json
+    import os
+
+    from theworld import synthetic
+    from theworld.errors import UserError
+    from theworld.infer import captions
+
+    synthetic.scene(0, 0)[0].save(tmp_path / "a.png")
+    line = json.dumps({"image": "a.png", "captions": ["one\u2028two"]}, ensure_ascii=False)
+    (tmp_path / "caps.jsonl").write_text(line + "\n" + line + "\n")
+    assert len(captions.read(tmp_path / "caps.jsonl")) == 2
+    os.mkfifo(tmp_path / "fifo.jsonl")
+    with pytest.raises(UserError, match="fifo.jsonl: a FIFO, not a data file"):
+        captions.read(tmp_path / "fifo.jsonl")
