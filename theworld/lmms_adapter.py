@@ -123,7 +123,7 @@ class TheWorldLMM(lmms):
             fused = gen.left_align(self.model.embed_inputs(**text, **self._inputs(visuals)))
             n = int(gen_kwargs.get("max_new_tokens", self.max_new_tokens))
             new = gen.decode(self.model, fused, n, sampler, stop, tok.pad_token_id)[0]
-            answer = tok.decode(new, skip_special_tokens=True).lstrip()
+            answer = gen.decode_text(tok, new)  # as TheWorld.generate decodes it
             until = gen_kwargs.get("until") or []
             for s in [until] if isinstance(until, str) else until:
                 answer = answer.split(s, 1)[0] if s else answer
