@@ -148,6 +148,6 @@ def test_eval_bench_smoke(capsys):
     cases = json.loads(capsys.readouterr().out)["cases"]
     assert set(cases) == {"demo", "real_shaped"}
     for row in cases.values():
-        _positive(row, "items_per_s_shared", "items_per_s_unshared", "speedup")
+        _positive(row, "items_per_s_shared", "items_per_s_unshared", "speedup", "speedup_cpu_time")
         assert row["items"] == 2 and row["choices"] == 4 and row["max_abs_score_diff"] < 1e-4
     assert cases["real_shaped"]["world_tokens"] == 18 and cases["real_shaped"]["image_tokens"] == 4
