@@ -8,7 +8,7 @@ time, which other processes on the same cores do not move); the largest differen
 printed with them.
 - `demo`: the embedded tiny model on the synthetic demo set (4 choices; the Scorer, image loading included).
 - `real_shaped`: the prefix of a real stage (1,026 world tokens as at pool 2 from 512 px, 256 image tokens, a question
-  of the benchmark layout's length), 4 choices of 2 to 6 answer tokens, on a Gemma 3 of Gemma 3 4B's layer pattern,
+  of the benchmark layout's length), 4 choices of 3 to 6 answer tokens, on a Gemma 3 of Gemma 3 4B's layer pattern,
   sliding window and vocabulary with a small hidden size and random weights (train.bench_real's builders), cached
   latents and SigLIP features. `--sizes tiny` shrinks it to toy sizes (a smoke test; no figures worth quoting).
 """
@@ -85,7 +85,7 @@ def demo_case(n_items: int, batch_size: int, repeats: int, device: torch.device)
 
 
 def _items(sizes: dict, n: int, device: torch.device) -> tuple[list[list[int]], list[Encoded], dict]:
-    """`n` prefixes of the benchmark token layout (one image block) and CHOICES answers of 2..6 tokens each, with
+    """`n` prefixes of the benchmark token layout (one image block) and CHOICES answers of 3..6 tokens each, with
     cached world and image inputs per prefix."""
     x = batch(sizes, n, device)
     g = torch.Generator().manual_seed(1)
