@@ -24,7 +24,8 @@ import torch
 
 from theworld.infer import prefix_scoring
 from theworld.text import IGNORE, Encoded, collate_text
-from train.bench_real import TINY, _sync, batch, build, build_gemma
+from theworld.arch import TINY
+from train.bench_real import _sync, batch, build, build_gemma
 
 CHOICES = 4
 SMALL = {"text": {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 6, "num_attention_heads": 4,
