@@ -22,9 +22,9 @@ import time
 
 import torch
 
+from theworld.arch import TINY
 from theworld.infer import prefix_scoring
 from theworld.text import IGNORE, Encoded, collate_text
-from theworld.arch import TINY
 from train.bench_real import _sync, batch, build, build_gemma
 
 CHOICES = 4
