@@ -13,8 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import fixed_inputs, launch2, run2
-from test_train import ROOT, base_args, cache, train_inproc, weights  # noqa: F401 (fixture)
+from conftest import ROOT, base_args, fixed_inputs, launch2, run2, train_inproc, weights
 
 # stage 3 as configs/real/stage3_lora.yaml runs it: the vision tower trains whole, the language model through LoRA
 LORA3 = {"freeze.vision": "false", "lora.r": 4, "lora.alpha": 8}

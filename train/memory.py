@@ -226,7 +226,7 @@ def render(p: dict) -> str:
     rows = ["frozen_weights", "trainable_weights", "gradients", "optimizer_state", "working_buffers", "activations",
             "total"]
     modes = list(p["per_gpu_bytes"])
-    cell = lambda values: "".join(f"{v:>14s}" for v in values)  # noqa: E731
+    cell = lambda values: "".join(f"{v:>14s}" for v in values)
     lines = [f"parameters: {p['total_params']:,} total, {p['trainable_params']:,} trainable, "
              f"{p['frozen_params']:,} frozen (exact, from the model built on the meta device)"
              + (f"; LoRA adapters: {p['lora']['params']:,} on {', '.join(p['lora']['parts'])} (r {p['lora']['r']})"
