@@ -70,13 +70,27 @@ BAD = [
     ({"category": 3}, "field 'category'"),
     ({"question": "what is it? <start_of_turn>"}, "field 'question': holds the Gemma control string '<start_of_turn>'"),
     ({"choices": ["a", "b <end_of_turn>", "c"]}, "field 'choices[1]'"),
+    ({"choices": ["a", "b", "a "]}, "field 'choices': choices[0] and choices[2] are the same text"),
+    ({"choices": ["only"], "answer": 0}, "field 'choices': a single choice"),
+    ({"question": "word " * 20000}, "field 'question': too long: 100000 characters (> 65536)"),
+    ({"choices": ["a", "b" * 400000]}, "field 'choices[1]': too long: 400000 characters"),
+    ({"image": "folder"}, "folder: a directory, not an image file"),
+    ({"image": "fifo"}, "fifo: a FIFO, not an image file"),
+    ({"image": "loop"}, "loop: a symlink loop"),
+    ({"image": "dangling"}, "dangling: a dangling symlink"),
 ]
 
 
 @pytest.mark.parametrize("change,words", BAD)
 def test_a_bad_item_is_one_line_naming_the_item_and_field_with_exit_2(tmp_path, capsys, change, words):
+    import os
+
     good = {"image": "0.png", "question": "q", "choices": ["a", "b", "c"], "answer": "A"}
     path = write_items(tmp_path, [good, {**good, **change}])
+    (tmp_path / "folder").mkdir()
+    os.mkfifo(tmp_path / "fifo")  # never opened: reading it would wait for a writer forever
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone.png")
     assert main(["--model", str(tmp_path / "no-model"), "--data", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"{path}:2" in err and words in err
@@ -88,6 +102,23 @@ def test_a_malformed_line_is_one_line_with_exit_2(tmp_path, capsys, line):
     assert main(["--model", str(tmp_path), "--data", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"{path}:1" in err and "malformed line" in err
+
+
+def test_a_raw_line_separator_inside_a_json_string_is_part_of_the_line(tmp_path):
+    """json.dumps(ensure_ascii=False) writes U+2028 and U+0085 raw; JSONL lines end at \\n only."""
+    item = {"image": "0.png", "question": "one\u2028two\x85three", "choices": ["a\u2029", "b"], "answer": 0}
+    path = write_items(tmp_path, [json.dumps(item, ensure_ascii=False)] * 2)
+    assert "\u2028" in path.read_text()
+    items = benchmarks.read(path)
+    assert [it.name for it in items] == [f"{path}:1", f"{path}:2"] and items[0].question == item["question"]
+
+
+def test_data_that_is_a_fifo_is_refused_without_opening_it(tmp_path, capsys):
+    import os
+
+    os.mkfifo(tmp_path / "items.jsonl")
+    assert main(["--model", str(tmp_path), "--data", str(tmp_path / "items.jsonl")]) == 2
+    assert "items.jsonl: a FIFO, not a data file" in capsys.readouterr().err
 
 
 def test_a_file_that_is_not_utf8_text_is_one_line_with_exit_2(tmp_path, capsys):

@@ -103,7 +103,7 @@ def _cache(root: Path, name: str, n: int, *extra: str) -> Path:
     out = root / name
     run(load_pre(str(ROOT / "configs" / "precompute.yaml"),
                  [f"output_dir={out}", f"source.num_samples={n}", f"shard_size={n}", "batch_size=16", "num_workers=0",
-                  "cache.siglip=false", *extra]))
+                  "cache.siglip=false", "image.resolution=32", *extra]))
     return out
 
 
@@ -116,7 +116,7 @@ def caches(tmp_path_factory):
 def mix_args(caches, out: Path, steps: int, **extra) -> list[str]:
     a, b = caches
     sets = {"data": f"[{{cache: {a}, weight: 3}}, {{cache: {b}, weight: 1}}]", "output_dir": out,
-            "model.dtype": "float32", "train.max_steps": steps, "train.global_batch_size": 8,
+            "model.dtype": "float32", "image.resolution": 32, "train.max_steps": steps, "train.global_batch_size": 8,
             "train.micro_batch_size": 4, "train.eval_samples": 4, "train.num_workers": 0, "trackers": "[]",
             "train.log_every": 1, "train.save_every": 100, "train.eval_every": 0, "train.warmup_steps": 1, **extra}
     return [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
@@ -146,7 +146,7 @@ def test_caches_of_different_world_layouts_or_inputs_are_refused_naming_both(cac
     from train.loop import main
 
     for name, setting, words in (("mean", "cache.latents=mean", "cache.latents posterior vs mean"),
-                                 ("small", "image.resolution=32", "image.resolution 64 vs 32"),
+                                 ("large", "image.resolution=64", "image.resolution 32 vs 64"),
                                  ("siglip", "cache.siglip=true", "give different inputs")):
         other = _cache(tmp_path, name, 12, setting)
         capsys.readouterr()

@@ -46,7 +46,7 @@ def test_parameter_counts_per_part_with_an_adapter_hook():
             self.projector = torch.nn.Linear(10, 10)  # 110
             self.gemma = torch.nn.Module()
             self.gemma.lm_head = torch.nn.Linear(1000, 1000, bias=False)  # 1.0 M, frozen
-            self.gemma.lm_head.lora_A = torch.nn.Linear(1000, 4, bias=False)  # 4000, trainable adapter
+            self.gemma.lm_head.lora_A = torch.nn.Linear(1000, 4, bias=False)  # 4000, trainable adapter (peft: .lora_A.)
             self.gemma.lm_head.weight.requires_grad_(False)
 
     counts = params.part_counts(Tiny())

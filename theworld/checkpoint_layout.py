@@ -78,7 +78,13 @@ def resolve(path: str | Path) -> Path:
 def read_config(folder: Path) -> ModelSections:
     path = folder / CONFIG
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
+    except RecursionError:
+        raise UserError(f"{path} is nested too deeply to be a config") from None
+    except OSError as e:
+        raise UserError(f"{path}: cannot read it ({e.strerror})") from None
     except yaml.YAMLError as e:
         raise UserError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):

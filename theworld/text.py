@@ -1,4 +1,5 @@
-"""The processor side: (prompt, caption) -> token ids with labels on the answer only, and right-padded batches.
+"""The processor side: (prompt, caption) -> token ids with labels on the answer only (a conversation of several
+turns: on every answer, `ChatFormatter.encode_turns`), and right-padded batches.
 
 Labels are built from token ids: the prompt is rendered with the chat template up to the model turn, the full
 conversation is rendered, and the prompt's ids must be a prefix of the full ids; everything after the prefix up to and

@@ -4,13 +4,7 @@ from __future__ import annotations
 import torch
 
 from theworld.arch import PARTS, part_of
-
-ADAPTER_MARKS = ("lora_",)  # peft's adapter parameter names (lora_A, lora_B, lora_embedding_*, lora_magnitude_vector)
-
-
-def is_adapter(name: str) -> bool:
-    """Whether a parameter is an adapter's (counted as "(LoRA n)" in its part)."""
-    return any(mark in name for mark in ADAPTER_MARKS)
+from theworld.lora import is_adapter  # a part's adapter parameters are counted as "(LoRA n)"
 
 
 def human(n: int) -> str:

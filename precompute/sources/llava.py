@@ -79,7 +79,7 @@ def _convert(path: Path, out: Path) -> None:
         raise UserError(f"config key 'source.path': cannot read {path} as JSON: {e}") from None
     if not isinstance(items, list):
         raise UserError(f"config key 'source.path': {path} is not a JSON list of items")
-    # ASCII JSON: a U+2028 in a caption must not break the line (the listing splits lines as str.splitlines does)
+    # ASCII JSON: one line per item whatever the captions hold
     lines = (json.dumps(item_record(item, n, path.name)) + "\n" for n, item in enumerate(items))
     cf.atomic_write_bytes(out, "".join(lines).encode())
 
@@ -99,7 +99,22 @@ class LlavaListing(JsonlListing):
             _convert(src, lines)
             cf.atomic_write_json(ident_file, {"identity": _identity(src)})
         barrier()
+        self.json_path, self.image_root_set = src, image_root is not None
         super().__init__(Path(image_root) if image_root else src.parent, "", path=lines)
+
+    def failure_hint(self) -> str:
+        """Where image paths were looked for; when they are not there but in an images/ folder beside the JSON
+        (LLaVA-Pretrain's layout), the source.image_root that finds them."""
+        first = next((e for lo in range(0, len(self), 1024) for e in self.entries(lo, lo + 1024) if e.error is None),
+                     None)
+        if first is None:
+            return ""
+        rel = Path(first.source)
+        hint = f"image paths such as {str(rel)!r} are looked for under {self.root}"
+        for folder in (self.json_path.parent / "images", self.json_path.parent / "images" / "images"):
+            if folder != self.root and (folder / rel).is_file():
+                return f"{hint}; {folder} holds them: set source.image_root={folder}"
+        return hint + ("" if self.image_root_set else " (the JSON's folder; set source.image_root to another)")
 
     def _record(self, n: int, line: str | None) -> Entry:
         rec = json.loads(line)

@@ -167,9 +167,22 @@ def write_manifest(cache_dir: Path, sidecars: list[dict], *, fingerprint: dict, 
     return manifest
 
 
+def _every_input_failed(cache_dir: Path) -> bool:
+    """A finished precompute run that kept nothing: errors.jsonl (written once every shard is) has a line for each
+    entry the run recorded in its precompute.json."""
+    try:
+        entries = json.loads((cache_dir / RUN_FILE).read_bytes()).get("num_entries")
+        return isinstance(entries, int) and entries > 0 and (cache_dir / ERRORS).read_bytes().count(b"\n") == entries
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return False
+
+
 def load_manifest(cache_dir: Path | str) -> dict:
     path = Path(cache_dir) / MANIFEST
     if not path.is_file():
+        if _every_input_failed(Path(cache_dir)):
+            raise UserError(f"{cache_dir} holds no samples, so it is not a cache: every input of its precompute run "
+                            f"failed (the reasons are in its {ERRORS})")
         if (Path(cache_dir) / SHARDS).is_dir():
             raise UserError(f"cache {cache_dir} is incomplete (no {MANIFEST}): rerun the precompute command to finish it")
         raise UserError(f"no cache at {cache_dir} (no {MANIFEST})")
@@ -234,7 +247,7 @@ def read_errors(cache_dir: Path | str) -> list[dict]:
     path = Path(cache_dir) / ERRORS
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in path.read_text().split("\n") if line.strip()]  # \n only, as written
 
 
 def error_classes(cache_dir: Path | str) -> dict[str, int]:

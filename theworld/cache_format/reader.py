@@ -101,6 +101,26 @@ def _load_each_and_stack(blobs: list[bytes]) -> dict[str, torch.Tensor]:
 # Random access reading
 
 
+def _sidecar_mismatch(sides: list[tuple], entries: list[dict], i: int) -> str:
+    """What differs between shard i's sidecar (count, bytes, sha256) and the manifest's entry: a pair that is another
+    shard's (copied or swapped files) is named as such."""
+    side, e = sides[i], entries[i]
+    j = next((j for j, other in enumerate(entries) if j != i and other.get("sha256") == side[2]), None)
+    if j is not None:
+        swapped = sides[j][2] == e.get("sha256")
+        return (f"it and its sidecar hold what {MANIFEST} lists for {shard_stem(j)}.tar (sha256 {side[2][:12]}...), "
+                f"not this shard's (sha256 {str(e.get('sha256'))[:12]}...)"
+                + (f", and {shard_stem(j)}.tar holds this shard's: the two were swapped" if swapped
+                   else ": the files were copied over it")
+                + "; put each shard's .tar and .json back under its own name")
+    fields = [f"{name} {got} vs {want}" for name, got, want in
+              (("count", side[0], e.get("num_samples")), ("bytes", side[1], e.get("bytes")),
+               ("sha256", f"{str(side[2])[:12]}...", f"{str(e.get('sha256'))[:12]}..."))
+              if got != want]
+    return (f"its sidecar does not match {MANIFEST} ({'; '.join(fields)}, sidecar vs manifest): the shard changed "
+            "after the cache was built")
+
+
 @dataclass
 class CacheReader:
     """Random access to a complete cache by global sample index, via the sidecars' byte offsets (no tar scan).
@@ -205,9 +225,7 @@ class CacheReader:
                 raise CacheDamaged(f"{where} is missing; {repair_hint(d, i)}")
             size = tar.stat().st_size
             if side != (e["num_samples"], e["bytes"], e["sha256"]):
-                raise CacheDamaged(f"{where}: its sidecar (count {side[0]}, {side[1]} bytes) does "
-                                   f"not match {MANIFEST} ({e['num_samples']}, {e['bytes']} bytes): the shard changed "
-                                   f"after the cache was built; {repair_hint(d, i)}")
+                raise CacheDamaged(f"{where}: {_sidecar_mismatch(self._sides, entries, i)}; {repair_hint(d, i)}")
             if counts[i] != e["num_samples"] or size != e["bytes"]:
                 raise CacheDamaged(f"{where}: {counts[i]} samples in the sidecar and {size} bytes on disk, "
                                    f"{MANIFEST} says {e['num_samples']} and {e['bytes']}; {repair_hint(d, i)}")
