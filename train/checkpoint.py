@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file, save_file
 
+from theworld import hub
 from theworld.cache_format import sha256_file
 from theworld.checkpoint_layout import CARD, CHECKPOINT_RE, CONFIG, EMA, FINAL, OPTIMIZER, RNG, STATE, WEIGHTS
 from theworld.config import to_yaml
@@ -30,6 +31,7 @@ from theworld.text import DEFAULT_PROMPT as DESCRIBE_PROMPT
 from train import sharding
 from train.config import run_hash
 from train.optim import decays
+from train.plateau import next_step
 from train.step import LoopState
 
 if TYPE_CHECKING:
@@ -168,8 +170,8 @@ def remove_partial(output_dir: str | Path) -> list[Path]:
 
 
 def resolve_weights(path: str | Path) -> Path:
-    """init_from: a final/ or checkpoint folder, or a .safetensors file."""
-    p = Path(path)
+    """init_from: a final/ or checkpoint folder, a .safetensors file, or a hub repo id (user/name[@revision])."""
+    p = hub.resolve(path, "config key 'init_from':")
     if p.is_dir():
         p = p / WEIGHTS
     if not p.is_file():
@@ -370,6 +372,9 @@ def export_final(components: Components, state: LoopState, cfg_yaml: str, output
                              parent=state.parent or "the base models", eval_loss=fmt(ev.get("eval_loss")),
                              eval_shuffled=fmt(ev.get("eval_loss_shuffled_world")), gap=fmt(gap), out=out / FINAL,
                              prompt=DESCRIBE_PROMPT)
+    if state.eval_history:
+        card += "\n" + next_step(state.plateau_step, str(out / FINAL),
+                                  cfg.train.stop_on_plateau and state.plateau_step is not None) + "\n"
     files = {WEIGHTS: lambda p: save_file(whole.weights, str(p)), CONFIG: lambda p: p.write_text(cfg_yaml),
              CARD: lambda p: p.write_text(card)}
     if components.ema is not None:

@@ -14,11 +14,12 @@ import torch
 from theworld import run_lock
 from theworld.config import to_dict
 from theworld.errors import cli_entry
-from train import checkpoint, data, optim, order, sharding
+from train import checkpoint, data, optim, order, plateau, sharding
 from train.benchmarks import BenchmarkEval
 from train.config import accumulation_steps, load, run_hash, to_yaml
-from train.metrics import Metrics, ProfileWindow, StepWindow, check_trackers, summary
+from train.metrics import Metrics, ProfileWindow, StepWindow, check_trackers, summary, wandb_init
 from train.preempt import EXIT_CODES, Preemption
+from train.samples import CaptionSamples
 from train.step import NonFiniteError, evaluate, optimization_step
 
 if TYPE_CHECKING:
@@ -74,19 +75,34 @@ def _train(cfg: TrainConfig, accelerator: Accelerator, reader: CacheReader, plan
     ctx = data.DataContext.build(cfg, reader, plan, components.processor, split)
     cache = checkpoint.cache_identity(reader)
     state = checkpoint.restore(components, resume_from, cache)
+    if "wandb" in cfg.trackers and state.wandb_run_id is None:
+        import wandb
+
+        state.wandb_run_id = wandb.util.generate_id()
     m = Metrics(accelerator, cfg.output_dir, {**to_dict(cfg), "run_hash": run_hash(cfg)}, state.step,
-                cfg.train.max_steps, cfg.trackers)
+                cfg.train.max_steps, cfg.trackers,
+                wandb_init(cfg.wandb, state.wandb_run_id, cfg.output_dir) if "wandb" in cfg.trackers else None)
     for line in _start_lines(cfg, components, reader, plan, ctx, removed, reports, resume_from, state.step, per_epoch,
                              accum):
         m.message(line)
     rank, world_size = accelerator.process_index, accelerator.num_processes
     eval_loader = data.build_eval_loader(cfg, ctx, rank, world_size) if len(ctx.eval_indices) else None
     prof = ProfileWindow(cfg.profile, cfg.output_dir, rank)
+    sampler = CaptionSamples(cfg, ctx, cfg.train.samples) if cfg.train.samples and len(ctx.eval_indices) else None
 
     def run_eval():
         if eval_loader is not None:
-            state.last_eval = {"step": state.step, **evaluate(components, eval_loader)}
+            ev = evaluate(components, eval_loader)
+            was_flat = state.plateau_step is not None
+            flat = plateau.record(state, cfg.train.plateau, cfg.train.eval_every, cfg.train.max_steps, ev["eval_loss"])
+            state.last_eval = {"step": state.step, **ev, **flat}
             m.log(state.last_eval)
+            if state.plateau_step is not None and not was_flat:
+                m.message(f"step {state.step}: the eval loss has plateaued (less than "
+                          f"{cfg.train.plateau.min_improvement:.1%} better over the last evals)"
+                          + ("; stopping: train.stop_on_plateau" if cfg.train.stop_on_plateau else ""))
+        if sampler is not None:
+            m.log_samples(state.step, sampler.run(components), sampler.images)
         if bench is not None:
             m.log({"step": state.step, **bench.run(components)})
 
@@ -98,7 +114,7 @@ def _train(cfg: TrainConfig, accelerator: Accelerator, reader: CacheReader, plan
     window = StepWindow()
     stop = Preemption(accelerator).install()  # SIGTERM / SIGINT: stop after the current step, saved
     try:
-        while state.step < cfg.train.max_steps:
+        while state.step < cfg.train.max_steps and not plateau.stopping(state, cfg.train.stop_on_plateau):
             epoch, start = divmod(state.step, per_epoch)
             batches = iter(data.build_train_loader(cfg, ctx, rank, world_size, epoch, start))
             for _ in range(start, min(per_epoch, start + cfg.train.max_steps - state.step)):
@@ -107,9 +123,11 @@ def _train(cfg: TrainConfig, accelerator: Accelerator, reader: CacheReader, plan
                 prof.before(state.step)
                 t0 = time.perf_counter()
                 out = optimization_step(components, state, micro)
-                window.add(out, data_s=t0 - t_data, train_s=time.perf_counter() - t0)
+                t1 = time.perf_counter()
+                window.add(out, data_s=t0 - t_data, train_s=t1 - t0)
                 prof.after(state.step)
-                m.advance(loss=out["loss"])
+                m.advance(loss=out["loss"], lr=out["lr"], step_s=t1 - t_data,
+                          samples_per_s=cfg.train.global_batch_size / max(t1 - t_data, 1e-9))
                 if cfg.train.grad_norm_warn and out["grad_norm"] > cfg.train.grad_norm_warn:
                     m.message(f"warning: step {state.step}: gradient norm {out['grad_norm']:.1f} "
                               f"> train.grad_norm_warn {cfg.train.grad_norm_warn}")
@@ -124,6 +142,8 @@ def _train(cfg: TrainConfig, accelerator: Accelerator, reader: CacheReader, plan
                     save()
                 if stop.requested():
                     return stop.finish(state.step, cfg, save, m)
+                if plateau.stopping(state, cfg.train.stop_on_plateau):
+                    break  # saved and exported below
     except NonFiniteError as e:
         m.close()
         print(f"error: {e}", file=sys.stderr)
@@ -142,7 +162,7 @@ def _train(cfg: TrainConfig, accelerator: Accelerator, reader: CacheReader, plan
         final = checkpoint.export_final(components, state, to_yaml(cfg), cfg.output_dir, whole)
     m.close()
     if accelerator.is_main_process:
-        print(f"final weights: {final}\n" + summary(state, time.time() - t_start, window))
+        print(f"final weights: {final}\n" + summary(state, time.time() - t_start, window, cfg.train.stop_on_plateau, final))
     return 0
 
 

@@ -40,6 +40,9 @@ class LoopState:
     last_eval: dict | None = None
     parent: str | None = None  # init_from of this run
     history: list = field(default_factory=list)  # checkpoints this run resumed from
+    eval_history: list = field(default_factory=list)  # [step, eval_loss] of every eval (train/plateau.py)
+    plateau_step: int | None = None  # the first eval that found the eval loss plateaued
+    wandb_run_id: str | None = None  # the W&B run this run logs to (a resumed run continues it)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -139,5 +142,6 @@ def evaluate(components: Components, loader: DataLoader) -> dict:
         model.train(was_training)
     if components.world_size > 1:
         sums = accelerator.reduce(sums, reduction="sum")
-    return {"eval_loss": float(sums[0]) / max(float(sums[1]), 1.0),
-            "eval_loss_shuffled_world": float(sums[2]) / max(float(sums[3]), 1.0), "eval_tokens": int(sums[1])}
+    loss, shuffled = float(sums[0]) / max(float(sums[1]), 1.0), float(sums[2]) / max(float(sums[3]), 1.0)
+    return {"eval_loss": loss, "eval_loss_shuffled_world": shuffled, "eval_gap": shuffled - loss,
+            "eval_tokens": int(sums[1])}
