@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,7 +15,7 @@ import torch
 from theworld import run_lock
 from theworld.config import to_dict
 from theworld.errors import cli_entry
-from train import checkpoint, data, optim, order, plateau, sharding
+from train import checkpoint, data, hub_upload, optim, order, plateau, sharding
 from train.benchmarks import BenchmarkEval
 from train.config import accumulation_steps, load, run_hash, to_yaml
 from train.metrics import Metrics, ProfileWindow, StepWindow, check_trackers, summary, wandb_init
@@ -23,8 +24,6 @@ from train.samples import CaptionSamples
 from train.step import NonFiniteError, evaluate, optimization_step
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     import numpy as np
     from accelerate import Accelerator
 
@@ -106,8 +105,12 @@ def _train(cfg: TrainConfig, accelerator: Accelerator, reader: CacheReader, plan
         if bench is not None:
             m.log({"step": state.step, **bench.run(components)})
 
+    hub = hub_upload.for_run(cfg, accelerator, m.message)
+
     def save():
         checkpoint.save_run(components, state, per_epoch, cache)
+        if hub is not None and cfg.hub.strategy == "every_save":
+            hub.submit(Path(cfg.output_dir) / f"checkpoint-{state.step}", f"checkpoint-{state.step}")
 
     if state.step == 0 and cfg.train.eval_every:
         run_eval()
@@ -163,6 +166,7 @@ def _train(cfg: TrainConfig, accelerator: Accelerator, reader: CacheReader, plan
     m.close()
     if accelerator.is_main_process:
         print(f"final weights: {final}\n" + summary(state, time.time() - t_start, window, cfg.train.stop_on_plateau, final))
+        hub_upload.finish(hub, final)
     return 0
 
 
