@@ -96,7 +96,7 @@ def test_evaluate_accepts_a_hub_id(cached_stage, capsys):
     assert out["model"] == REPO and out["n"] == 6
 
 
-def test_describe_accepts_a_hub_id_and_an_absent_one_is_one_line(cached_stage, tmp_path):
+def test_describe_accepts_a_hub_id_and_an_absent_one_is_one_line(cached_stage, tmp_path, capsys):
     from PIL import Image
 
     img = tmp_path / "a.png"
@@ -108,10 +108,11 @@ def test_describe_accepts_a_hub_id_and_an_absent_one_is_one_line(cached_stage, t
     ok = run(REPO)
     assert ok.returncode == 0, ok.stderr
     assert len(ok.stdout.splitlines()) == 1
-    absent = run("someone/not-there")
-    assert absent.returncode == 2 and absent.stdout == ""
-    assert absent.stderr.strip().count("\n") == 0 and "someone/not-there" in absent.stderr
-    assert "not in the local Hugging Face cache" in absent.stderr
+    from theworld.describe import main
+
+    assert main(["--model", "someone/not-there", "--image", str(img)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "someone/not-there" in err and "not in the local Hugging Face cache" in err
 
 
 def test_an_absent_id_and_an_absent_revision_are_one_line_errors(cached_stage):

@@ -86,7 +86,11 @@ class CaptionSamples:
 
 def _picture(reader, index: int) -> np.ndarray | None:
     """The sample's picture (HWC uint8) when the cache kept it, for TensorBoard and W&B."""
-    image = reader.decode(index, reader.raw(index), tensors=False).image
+    members, reader.members = reader.members, None  # training reads only what it needs, never the image
+    try:
+        image = reader.decode(index, reader.raw(index), tensors=False).image
+    finally:
+        reader.members = members
     if not image:
         return None
     from PIL import Image
