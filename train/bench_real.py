@@ -28,7 +28,7 @@ from theworld import gemma3
 from theworld.encoders import WorldEncoder, _quiet_hf
 from theworld.model import TheWorld, compile_language_layers
 from theworld.projector import WorldProjector
-from train.optim import set_language_attention
+from train.components import set_language_attention
 
 REAL = {"text": dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
                      num_key_value_heads=4, head_dim=256, sliding_window=1024, vocab_size=262208,

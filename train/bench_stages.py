@@ -4,7 +4,7 @@
                                  [--steps 3] [--micro-batch N] [--json]
 
 Each row runs in a process of its own (a clean peak, an out-of-memory that ends only its row): the trainer's own
-optimisation step (`train.step.optimization_step` on `train.optim.build`'s components, one process) on the config's
+optimisation step (`train.step.optimization_step` on `train.components.build`'s components, one process) on the config's
 architecture with random weights (`train.memory.build_world`: no download), on synthetic micro-batches that carry
 live pixels for each encoder that trains. `plain` is one unsharded process, everything on the GPU; `offload` is
 `train.sharding: fsdp` with `train.cpu_offload: true`. Each row has samples/s over the timed steps (after one
@@ -65,7 +65,7 @@ def _host_peak() -> int | None:
 def row(config: str, mode: str, steps: int, micro: int | None) -> dict:
     """One (config, mode) row, in this process."""
     from theworld.config import load_config
-    from train import memory, optim
+    from train import components, memory
     from train.config import TrainConfig
     from train.step import LoopState, optimization_step
 
@@ -76,15 +76,15 @@ def row(config: str, mode: str, steps: int, micro: int | None) -> dict:
     cfg.train.global_batch_size = cfg.train.micro_batch_size = micro
     out = {"case": "stage_step", "config": config, "mode": mode, "micro_batch": micro,
            "mixed_precision": cfg.train.mixed_precision, "gradient_checkpointing": cfg.train.gradient_checkpointing}
-    plan = memory.plan(cfg, 1, 80.0)
+    plan = memory.estimate(cfg, 1, 80.0)
     out["estimate_gpu_gib"] = round(plan["per_gpu_bytes"][MEMORY_MODE[mode]]["total"] / 2**30, 2)
     if mode == "offload":
         out["estimate_host_gib"] = round(plan["host_bytes_per_process"]["fsdp_offload"] / 2**30, 2)
-    accelerator = optim.make_accelerator(cfg)
-    model = optim.ready_for_training(memory.build_world(cfg, "cpu"), cfg)
+    accelerator = components.make_accelerator(cfg)
+    model = components.ready_for_training(memory.build_world(cfg, "cpu"), cfg)
     device = accelerator.device
     try:
-        c = optim.build(cfg, accelerator, 1, built=(model, None))
+        c = components.build(cfg, accelerator, 1, built=(model, None))
         batch, state, times = micro_batch(c.raw, cfg, micro), LoopState(), []
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()

@@ -20,7 +20,7 @@ from theworld.infer.scoring import Scorer, tally
 
 if TYPE_CHECKING:
     from train.config import TrainConfig
-    from train.optim import Components
+    from train.components import Components
 
 
 def _name(path: str) -> str:

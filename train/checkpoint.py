@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from train.config import TrainConfig
-    from train.optim import Components
+    from train.components import Components
 
 PARTIAL_RE = re.compile(r"^\.(tmp|old)-(.+)-\d+$")  # .tmp-<name>-<pid>: being written; .old-<name>-<pid>: replaced
 

@@ -1,35 +1,22 @@
 """`accelerate launch -m train.loop --config configs/stage1.yaml` (or `python -m train.loop ...`): train from the cache.
 
-Thin on purpose: parse and validate the config, build the components (train/order.py, train/data.py,
-train/optim.py, train/checkpoint.py, train/metrics.py), run the loop. See docs/training.md.
+Thin on purpose: parse the config, check everything checkable without a model (train/trainer.py's `Checked`, the
+config resolved there once), build the run (`Trainer.start`: train/components.py, train/data.py, train/checkpoint.py,
+train/metrics.py), run the loop below. See docs/training.md.
 """
 from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
-from typing import TYPE_CHECKING
-
-import torch
 
 from theworld import run_lock
-from theworld.config import to_dict
 from theworld.errors import cli_entry
-from train import checkpoint, data, hub_upload, optim, order, plateau, sharding
-from train.benchmarks import BenchmarkEval
-from train.config import accumulation_steps, load, run_hash, to_yaml
-from train.metrics import Metrics, ProfileWindow, StepWindow, check_trackers, summary, wandb_init
+from train import plateau
+from train.components import make_accelerator
+from train.config import load, to_yaml
 from train.preempt import EXIT_CODES, Preemption
-from train.samples import CaptionSamples
-from train.step import NonFiniteError, evaluate, optimization_step
-
-if TYPE_CHECKING:
-    import numpy as np
-    from accelerate import Accelerator
-
-    from theworld.cache_format import CacheReader
-    from theworld.model import LoadReport
-    from train.config import TrainConfig
+from train.step import NonFiniteError, optimization_step
+from train.trainer import Checked, Trainer
 
 
 @cli_entry
@@ -39,22 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
-    # everything checkable without a model is checked before loading one
-    sharding_plan = sharding.resolve(cfg)
-    check_trackers(cfg.trackers)
-    reader, plan = data.open_cache(cfg)
-    if cfg.init_from:
-        checkpoint.resolve_weights(cfg.init_from)
-    bench = BenchmarkEval.load(cfg)
-    if cfg.train.cpu_threads:
-        torch.set_num_threads(cfg.train.cpu_threads)
-    accelerator = optim.make_accelerator(cfg, sharding_plan)
-    split = order.split(reader, cfg.train.eval_samples)
-    per_epoch = order.check_sizes(cfg, reader, split[0], accelerator.num_processes)
-    accum = accumulation_steps(cfg, accelerator.num_processes)
+    checked = Checked.of(cfg)  # everything checkable without a model is checked before loading one
+    accelerator = make_accelerator(cfg, checked.launch)
     # one run per output_dir: a second one would take this run's unfinished saves for a killed run's and delete them
     with run_lock.hold(cfg.output_dir, accelerator):
-        code = _train(cfg, accelerator, reader, plan, split, per_epoch, accum, t_start, bench)
+        code = train(Trainer.start(checked, accelerator, t_start))
     # not after an error, when another process may still be in a collective (see precompute's main); a preempted run
     # stopped on every rank after the same step
     if code == 0 or code in EXIT_CODES.values():
@@ -62,91 +38,46 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def _train(cfg: TrainConfig, accelerator: Accelerator, reader: CacheReader, plan: data.InputPlan,
-           split: tuple[np.ndarray, np.ndarray], per_epoch: int, accum: int, t_start: float,
-           bench: BenchmarkEval | None) -> int:
-    """From the clean-up after a killed run to the final weights, with output_dir held."""
-    removed, resume_from = checkpoint.resume_point(cfg, accelerator)
-    reports = []
-    init = (lambda m: reports.append(checkpoint.init_from(m, cfg.init_from))) if cfg.init_from else None
-    components = optim.build(cfg, accelerator, accum, init,
-                             check=lambda m, p: data.verify_fingerprint(cfg, m, p, reader, plan))
-    ctx = data.DataContext.build(cfg, reader, plan, components.processor, split)
-    cache = checkpoint.cache_identity(reader)
-    state = checkpoint.restore(components, resume_from, cache)
-    if "wandb" in cfg.trackers and state.wandb_run_id is None:
-        import wandb
-
-        state.wandb_run_id = wandb.util.generate_id()
-    m = Metrics(accelerator, cfg.output_dir, {**to_dict(cfg), "run_hash": run_hash(cfg)}, state.step,
-                cfg.train.max_steps, cfg.trackers,
-                wandb_init(cfg.wandb, state.wandb_run_id, cfg.output_dir) if "wandb" in cfg.trackers else None)
-    for line in _start_lines(cfg, components, reader, plan, ctx, removed, reports, resume_from, state.step, per_epoch,
-                             accum):
+def train(t: Trainer) -> int:
+    """The optimisation steps, with their logs, evals and saves; a requested stop or too many non-finite steps end
+    it early."""
+    cfg, state, m = t.cfg, t.state, t.metrics
+    for line in t.start_lines():
         m.message(line)
-    rank, world_size = accelerator.process_index, accelerator.num_processes
-    eval_loader = data.build_eval_loader(cfg, ctx, rank, world_size) if len(ctx.eval_indices) else None
-    prof = ProfileWindow(cfg.profile, cfg.output_dir, rank)
-    sampler = CaptionSamples(cfg, ctx, cfg.train.samples) if cfg.train.samples and len(ctx.eval_indices) else None
-
-    def run_eval():
-        if eval_loader is not None:
-            ev = evaluate(components, eval_loader)
-            was_flat = state.plateau_step is not None
-            flat = plateau.record(state, cfg.train.plateau, cfg.train.eval_every, cfg.train.max_steps, ev["eval_loss"])
-            state.last_eval = {"step": state.step, **ev, **flat}
-            m.log(state.last_eval)
-            if state.plateau_step is not None and not was_flat:
-                m.message(f"step {state.step}: the eval loss has plateaued (less than "
-                          f"{cfg.train.plateau.min_improvement:.1%} better over the last evals)"
-                          + ("; stopping: train.stop_on_plateau" if cfg.train.stop_on_plateau else ""))
-        if sampler is not None:
-            m.log_samples(state.step, sampler.run(components), sampler.images)
-        if bench is not None:
-            m.log({"step": state.step, **bench.run(components)})
-
-    hub = hub_upload.for_run(cfg, accelerator, m.message)
-
-    def save():
-        checkpoint.save_run(components, state, per_epoch, cache)
-        if hub is not None and cfg.hub.strategy == "every_save":
-            hub.submit(Path(cfg.output_dir) / f"checkpoint-{state.step}", f"checkpoint-{state.step}")
-
     if state.step == 0 and cfg.train.eval_every:
-        run_eval()
-    window = StepWindow()
-    stop = Preemption(accelerator).install()  # SIGTERM / SIGINT: stop after the current step, saved
+        t.run_eval()
+    stop = Preemption(t.c.accelerator).install()  # SIGTERM / SIGINT: stop after the current step, saved
     try:
         while state.step < cfg.train.max_steps and not plateau.stopping(state, cfg.train.stop_on_plateau):
-            epoch, start = divmod(state.step, per_epoch)
-            batches = iter(data.build_train_loader(cfg, ctx, rank, world_size, epoch, start))
-            for _ in range(start, min(per_epoch, start + cfg.train.max_steps - state.step)):
+            epoch, start = divmod(state.step, t.per_epoch)
+            batches = t.train_batches(epoch, start)
+            for _ in range(start, min(t.per_epoch, start + cfg.train.max_steps - state.step)):
                 t_data = time.perf_counter()
-                micro = [next(batches) for _ in range(accum)]
-                prof.before(state.step)
+                micro = [next(batches) for _ in range(t.c.accum)]
+                t.prof.before(state.step)
                 t0 = time.perf_counter()
-                out = optimization_step(components, state, micro)
+                out = optimization_step(t.c, state, micro)
                 t1 = time.perf_counter()
-                window.add(out, data_s=t0 - t_data, train_s=t1 - t0)
-                prof.after(state.step)
+                t.window.add(out, data_s=t0 - t_data, train_s=t1 - t0)
+                t.prof.after(state.step)
                 m.advance(loss=out["loss"], lr=out["lr"], step_s=t1 - t_data,
                           samples_per_s=cfg.train.global_batch_size / max(t1 - t_data, 1e-9))
                 if cfg.train.grad_norm_warn and out["grad_norm"] > cfg.train.grad_norm_warn:
                     m.message(f"warning: step {state.step}: gradient norm {out['grad_norm']:.1f} "
                               f"> train.grad_norm_warn {cfg.train.grad_norm_warn}")
                 if state.step % cfg.train.log_every == 0 or state.step == cfg.train.max_steps:
-                    m.log({"step": state.step, **window.flush(cfg.train.global_batch_size),
+                    m.log({"step": state.step, **t.window.flush(cfg.train.global_batch_size),
                            "nonfinite_total": state.nonfinite_steps, "epoch": epoch})
                 # the last step's eval comes before its save, so the checkpoint holds it
                 last = state.step == cfg.train.max_steps
                 if last or (cfg.train.eval_every and state.step % cfg.train.eval_every == 0):
-                    run_eval()
+                    t.run_eval()
                 if state.step % cfg.train.save_every == 0:
-                    save()
+                    t.save()
                 if stop.requested():
-                    return stop.finish(state.step, cfg, save, m)
+                    return stop.finish(state.step, cfg, t.save, m)
                 if plateau.stopping(state, cfg.train.stop_on_plateau):
-                    break  # saved and exported below
+                    break  # saved and exported by t.finish
     except NonFiniteError as e:
         m.close()
         print(f"error: {e}", file=sys.stderr)
@@ -156,41 +87,7 @@ def _train(cfg: TrainConfig, accelerator: Accelerator, reader: CacheReader, plan
         raise
     finally:
         stop.restore()
-    if state.last_eval is None or state.last_eval.get("step") != state.step:  # a checkpoint saved before its eval
-        run_eval()
-    if window.steps_run and state.step % cfg.train.save_every:  # (a finished run's rerun has its checkpoint)
-        save()
-    whole = checkpoint.gather(components)
-    if accelerator.is_main_process:
-        final = checkpoint.export_final(components, state, to_yaml(cfg), cfg.output_dir, whole)
-    m.close()
-    if accelerator.is_main_process:
-        print(f"final weights: {final}\n" + summary(state, time.time() - t_start, window, cfg.train.stop_on_plateau, final))
-        hub_upload.finish(hub, final)
-    return 0
-
-
-def _start_lines(cfg: TrainConfig, components: optim.Components, reader: CacheReader, plan: data.InputPlan,
-                 ctx: data.DataContext, removed: list[Path], reports: list[LoadReport], resume_from: Path | None,
-                 step: int, per_epoch: int, accum: int) -> list[str]:
-    """What the run prints before its first step: clean-up, cache and init_from notes, where it starts, the data."""
-    lines = []
-    for p in removed:
-        lines.append(f"removed {p}, an unfinished save of a killed run")
-    if not reader.checksummed:
-        lines.append(f"note: cache {cfg.cache_dir} has no per-member checksums (written before they existed): "
-                     "damaged latents would go unnoticed; rebuild it to add them")
-    for r in reports:
-        lines.append(checkpoint.describe_init(cfg.init_from, r))
-    lines.append(f"{'resumed from ' + str(resume_from) if resume_from else 'fresh start'} at step {step}; "
-                 f"{len(ctx.train_indices)} train / {len(ctx.eval_indices)} eval samples, {per_epoch} steps/epoch, "
-                 f"{components.world_size} process(es) x {accum} micro-batches of {cfg.train.micro_batch_size}; "
-                 f"latents {'cached' if plan.cached_latents else 'live'}, image tokens "
-                 f"{'cached' if plan.cached_siglip else 'live'}; {components.sharding}")
-    if buckets := ctx.describe_buckets():
-        lines.append(f"{buckets}; each global batch holds one shape, a shape's last < "
-                     f"{cfg.train.global_batch_size} samples of an epoch are left out of it")
-    return lines
+    return t.finish()
 
 
 if __name__ == "__main__":

@@ -180,7 +180,7 @@ def host_bytes(c: Counts, gpus: int) -> int:
     return (c.frozen_bytes + (4 + 4 + ADAM_STATE) * c.trainable + ADAM_FOREACH * c.largest_trainable) // gpus
 
 
-def plan(cfg: TrainConfig, gpus: int, gpu_memory_gib: float, model: TheWorld | None = None) -> dict:
+def estimate(cfg: TrainConfig, gpus: int, gpu_memory_gib: float, model: TheWorld | None = None) -> dict:
     model = model or build_world(cfg)
     c = count(model)
     budget = int(gpu_memory_gib * 2**30 * HEADROOM)
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
-    p = plan(cfg, args.gpus, args.gpu_memory_gib)
+    p = estimate(cfg, args.gpus, args.gpu_memory_gib)
     print(json.dumps(p, indent=1) if args.json else render(p))
     return 0
 

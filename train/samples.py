@@ -16,7 +16,7 @@ from train.batches import PARTNER, WORLD_KEYS, Collate
 
 if TYPE_CHECKING:
     from train.data import DataContext
-    from train.optim import Components
+    from train.components import Components
 
 TEXT_KEYS = ("input_ids", "attention_mask", "labels")
 

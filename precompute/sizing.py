@@ -81,7 +81,7 @@ def _latent_bytes(channels: int, hw: tuple[int, int], cfg: PrecomputeConfig) -> 
 def _measure(cfg: PrecomputeConfig, listing: sources.Listing) -> dict:
     """Mean tar bytes of the variable members over up to PLAN_SAMPLES usable entries spread over the source, and the
     latent grids (h, w) met."""
-    from precompute.cosmos_latents import EntryDataset
+    from precompute.entry_dataset import EntryDataset
 
     n = len(listing)
     positions = sorted({i * n // min(n, PLAN_SAMPLES) for i in range(min(n, PLAN_SAMPLES))})
@@ -101,7 +101,7 @@ def _measure(cfg: PrecomputeConfig, listing: sources.Listing) -> dict:
     return got
 
 
-def plan(cfg: PrecomputeConfig) -> dict:
+def estimate(cfg: PrecomputeConfig) -> dict:
     """Entries, shards and bytes per sample by member, and totals for the whole source."""
     cfg.validate_paths()
     with tempfile.TemporaryDirectory() as tmp:  # indexed sources (webdataset, parquet, llava) list into a scratch folder

@@ -1,0 +1,177 @@
+"""One training run's state, built once and driven by train/loop.py: `Checked` holds what is settled before any model
+loads (the resolved config, the cache, the held-out split, the benchmarks), `Trainer` everything from the clean-up
+after a killed run to the final weights (components, data, loop state, metrics, evaluation, saves)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from theworld.config import to_dict
+from train import checkpoint, data, hub_upload, order, plateau
+from train.benchmarks import BenchmarkEval
+from train.components import Components, Launch, build, build_model, resolve_launch
+from train.config import run_hash, to_yaml
+from train.hub_upload import HubUploader
+from train.metrics import Metrics, ProfileWindow, StepWindow, check_trackers, summary, wandb_init
+from train.samples import CaptionSamples
+from train.step import LoopState, evaluate
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    from theworld.cache_format import CacheReader
+    from theworld.model import LoadReport
+    from train.config import TrainConfig
+
+
+@dataclass
+class Checked:
+    """Everything checkable without a model, checked: a refusal costs no model load."""
+
+    cfg: TrainConfig
+    launch: Launch
+    reader: CacheReader
+    inputs: data.InputSources
+    split: tuple[np.ndarray, np.ndarray]  # train / held-out sample indices
+    per_epoch: int  # optimisation steps per epoch
+    bench: BenchmarkEval | None
+
+    @classmethod
+    def of(cls, cfg: TrainConfig) -> Checked:
+        launch = resolve_launch(cfg)
+        check_trackers(cfg.trackers)
+        reader, inputs = data.open_cache(cfg)
+        if cfg.init_from:
+            checkpoint.resolve_weights(cfg.init_from)
+        bench = BenchmarkEval.load(cfg)
+        if cfg.train.cpu_threads:
+            torch.set_num_threads(cfg.train.cpu_threads)
+        split = order.split(reader, cfg.train.eval_samples)
+        per_epoch = order.check_sizes(cfg, reader, split[0], launch.processes)
+        return cls(cfg, launch, reader, inputs, split, per_epoch, bench)
+
+
+@dataclass
+class Trainer:
+    """The run from its first line to its final weights, with output_dir held; `Trainer.start` builds it."""
+
+    checked: Checked
+    c: Components
+    ctx: data.DataContext
+    state: LoopState
+    metrics: Metrics
+    eval_loader: DataLoader | None
+    prof: ProfileWindow
+    t_start: float
+    cache: dict  # checkpoint.cache_identity of the cache trained on
+    removed: list[Path] = field(default_factory=list)  # unfinished saves of a killed run, deleted
+    reports: list[LoadReport] = field(default_factory=list)  # what init_from loaded
+    resume_from: Path | None = None
+    window: StepWindow = field(default_factory=StepWindow)
+    samples: CaptionSamples | None = None  # held-out captions generated at every eval
+    hub: HubUploader | None = None  # main process, with hub.model_id
+
+    @classmethod
+    def start(cls, checked: Checked, accelerator: Accelerator, t_start: float) -> Trainer:
+        """Clean up after a killed run, load the model (+ init_from, then the cache's full fingerprint check), build
+        the components, the data and the metrics, restore the checkpoint to continue."""
+        cfg = checked.cfg
+        removed, resume_from = checkpoint.resume_point(cfg, accelerator)
+        model, processor = build_model(cfg)
+        reports = [checkpoint.init_from(model, cfg.init_from)] if cfg.init_from else []
+        data.verify_fingerprint(cfg, model, processor, checked.reader, checked.inputs)
+        c = build(cfg, accelerator, checked.launch.accum, built=(model, processor))
+        ctx = data.DataContext.build(cfg, checked.reader, checked.inputs, c.processor, checked.split)
+        cache = checkpoint.cache_identity(checked.reader)
+        state = checkpoint.restore(c, resume_from, cache)
+        if "wandb" in cfg.trackers and state.wandb_run_id is None:
+            import wandb
+
+            state.wandb_run_id = wandb.util.generate_id()  # kept in the checkpoints: a resumed run continues it
+        metrics = Metrics(accelerator, cfg.output_dir, {**to_dict(cfg), "run_hash": run_hash(cfg)}, state.step,
+                          cfg.train.max_steps, cfg.trackers,
+                          wandb_init(cfg.wandb, state.wandb_run_id, cfg.output_dir) if "wandb" in cfg.trackers else None)
+        rank, world_size = accelerator.process_index, accelerator.num_processes
+        eval_loader = data.build_eval_loader(cfg, ctx, rank, world_size) if len(ctx.eval_indices) else None
+        samples = CaptionSamples(cfg, ctx, cfg.train.samples) if cfg.train.samples and len(ctx.eval_indices) else None
+        return cls(checked, c, ctx, state, metrics, eval_loader, ProfileWindow(cfg.profile, cfg.output_dir, rank),
+                   t_start, cache, removed, reports, resume_from, samples=samples,
+                   hub=hub_upload.for_run(cfg, accelerator, metrics.message))
+
+    @property
+    def cfg(self) -> TrainConfig:
+        return self.checked.cfg
+
+    @property
+    def per_epoch(self) -> int:
+        return self.checked.per_epoch
+
+    def train_batches(self, epoch: int, start: int):
+        """This process's micro-batches of `epoch` from global batch `start` on."""
+        return iter(data.build_train_loader(self.cfg, self.ctx, self.c.rank, self.c.world_size, epoch, start))
+
+    def run_eval(self) -> None:
+        """The held-out loss (when samples are held out) and the benchmarks (when configured), logged."""
+        cfg, state = self.cfg, self.state
+        if self.eval_loader is not None:
+            ev = evaluate(self.c, self.eval_loader)
+            was_flat = state.plateau_step is not None
+            flat = plateau.record(state, cfg.train.plateau, cfg.train.eval_every, cfg.train.max_steps, ev["eval_loss"])
+            state.last_eval = {"step": state.step, **ev, **flat}
+            self.metrics.log(state.last_eval)
+            if state.plateau_step is not None and not was_flat:
+                self.metrics.message(f"step {state.step}: the eval loss has plateaued (less than "
+                                     f"{cfg.train.plateau.min_improvement:.1%} better over the last evals)"
+                                     + ("; stopping: train.stop_on_plateau" if cfg.train.stop_on_plateau else ""))
+        if self.samples is not None:
+            self.metrics.log_samples(state.step, self.samples.run(self.c), self.samples.images)
+        if self.checked.bench is not None:
+            self.metrics.log({"step": self.state.step, **self.checked.bench.run(self.c)})
+
+    def save(self) -> None:
+        checkpoint.save_run(self.c, self.state, self.per_epoch, self.cache)
+        if self.hub is not None and self.cfg.hub.strategy == "every_save":
+            step = self.state.step
+            self.hub.submit(Path(self.cfg.output_dir) / f"checkpoint-{step}", f"checkpoint-{step}")
+
+    def start_lines(self) -> list[str]:
+        """What the run prints before its first step: clean-up, cache and init_from notes, where it starts, the data."""
+        cfg, ctx, inputs = self.cfg, self.ctx, self.checked.inputs
+        lines = [f"removed {p}, an unfinished save of a killed run" for p in self.removed]
+        if not self.checked.reader.checksummed:
+            lines.append(f"note: cache {cfg.cache_dir} has no per-member checksums (written before they existed): "
+                         "damaged latents would go unnoticed; rebuild it to add them")
+        for r in self.reports:
+            lines.append(checkpoint.describe_init(cfg.init_from, r))
+        lines.append(f"{'resumed from ' + str(self.resume_from) if self.resume_from else 'fresh start'} at step "
+                     f"{self.state.step}; {len(ctx.train_indices)} train / {len(ctx.eval_indices)} eval samples, "
+                     f"{self.per_epoch} steps/epoch, {self.c.world_size} process(es) x {self.c.accum} micro-batches "
+                     f"of {cfg.train.micro_batch_size}; latents {'cached' if inputs.cached_latents else 'live'}, "
+                     f"image tokens {'cached' if inputs.cached_siglip else 'live'}; {self.c.sharding}")
+        if buckets := ctx.describe_buckets():
+            lines.append(f"{buckets}; each global batch holds one shape, a shape's last < "
+                         f"{cfg.train.global_batch_size} samples of an epoch are left out of it")
+        return lines
+
+    def finish(self) -> int:
+        """After the last step: its eval and checkpoint where still missing, the final weights, the summary."""
+        state, accelerator = self.state, self.c.accelerator
+        if state.last_eval is None or state.last_eval.get("step") != state.step:  # a checkpoint saved before its eval
+            self.run_eval()
+        if self.window.steps_run and state.step % self.cfg.train.save_every:  # (a finished run's rerun has its checkpoint)
+            self.save()
+        whole = checkpoint.gather(self.c)
+        if accelerator.is_main_process:
+            final = checkpoint.export_final(self.c, state, to_yaml(self.cfg), self.cfg.output_dir, whole)
+        self.metrics.close()
+        if accelerator.is_main_process:
+            print(f"final weights: {final}\n" + summary(state, time.time() - self.t_start, self.window,
+                                                         self.cfg.train.stop_on_plateau, final))
+            hub_upload.finish(self.hub, final)
+        return 0
