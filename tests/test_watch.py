@@ -175,3 +175,50 @@ def test_wandb_offline_holds_config_scalars_and_captions_and_a_resumed_run_conti
     assert tables and all(n.startswith("samples_") for n in tables)
     table = json.loads(next((runs[1] / "files" / "media" / "table").glob("samples_4_*")).read_text())
     assert table["columns"] == ["image", "caption", "own_world", "shuffled_world"] and len(table["data"]) == 2
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# An Accelerate config for several CPU processes
+
+
+def multi_cpu_config(path: Path, processes: int) -> Path:
+    """What `accelerate config` writes for N CPU processes on one machine (its own ClusterConfig)."""
+    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.utils import DistributedType
+
+    ClusterConfig(compute_environment="LOCAL_MACHINE", distributed_type=DistributedType.MULTI_CPU,
+                  mixed_precision="no", use_cpu=True, debug=False, num_processes=processes, num_machines=1,
+                  machine_rank=0, main_training_function="main", downcast_bf16=False).to_yaml_file(str(path))
+    return path
+
+
+def test_the_child_of_a_multi_cpu_config_launch_is_detected(tmp_path, monkeypatch):
+    from theworld import launch
+
+    cfg = multi_cpu_config(tmp_path / "acc.yaml", 3)
+    launcher = ["python", "-m", "accelerate.commands.launch", "--config_file", str(cfg), "-m", "train.loop"]
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    assert launch.cpu_config_processes(launcher) == 0  # asked for one process: nothing to say
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert launch.cpu_config_processes(launcher) == 3
+    assert launch.cpu_config_processes([*launcher[:3], f"--config-file={cfg}"]) == 3
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION")
+    assert launch.cpu_config_processes(launcher) == 0  # not started by accelerate launch
+
+
+@pytest.mark.slow
+def test_accelerate_launch_of_a_multi_cpu_config_says_how_to_start_n_processes(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import ENV, ROOT
+
+    cfg = multi_cpu_config(tmp_path / "acc.yaml", 2)
+    r = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg), "-m",
+                        "train.loop", "--config", "configs/stage1.yaml", "--set", f"output_dir={tmp_path / 'run'}"],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    line = next(ln for ln in r.stderr.splitlines() if ln.startswith("error:"))
+    assert r.returncode != 0 and "asks for 2 CPU processes (MULTI_CPU)" in line
+    assert "accelerate launch --multi_gpu --num_processes 2" in line and "-m train.loop --config" in line
+    assert not (tmp_path / "run").exists()

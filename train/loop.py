@@ -9,8 +9,11 @@ from __future__ import annotations
 import sys
 import time
 
+from torch.profiler import record_function
+
 from theworld import run_lock
 from theworld.errors import cli_entry
+from theworld.model import PROFILE_LABELS
 from train import plateau
 from train.components import make_accelerator
 from train.config import load, to_yaml
@@ -53,7 +56,8 @@ def train(t: Trainer) -> int:
             batches = t.train_batches(epoch, start)
             for _ in range(start, min(t.per_epoch, start + cfg.train.max_steps - state.step)):
                 t_data = time.perf_counter()
-                micro = [next(batches) for _ in range(t.c.accum)]
+                with record_function(PROFILE_LABELS["data"]):
+                    micro = [next(batches) for _ in range(t.c.accum)]
                 t.prof.before(state.step)
                 t0 = time.perf_counter()
                 out = optimization_step(t.c, state, micro)

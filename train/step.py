@@ -11,7 +11,9 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+from torch.profiler import record_function
 
+from theworld.model import PROFILE_LABELS
 from train import sharding
 from train.batches import PARTNER, WORLD_KEYS, Batch
 from train.order import noise_seeds, rank_offset
@@ -78,7 +80,8 @@ def optimization_step(components: Components, state: LoopState, micro_batches: l
         with contextlib.nullcontext() if sync else accelerator.no_sync(components.model):
             out = components.model(**inputs, num_items=n, noise_seeds=seeds)
             # DDP and FSDP average gradients over processes; each process's share is loss_sum_r / n: undo the mean.
-            accelerator.backward(out.loss * components.world_size)
+            with record_function(PROFILE_LABELS["backward"]):
+                accelerator.backward(out.loss * components.world_size)
         loss_sum += out.loss_sum.detach().float()
     if components.world_size > 1:
         loss_sum = accelerator.reduce(loss_sum, reduction="sum")
@@ -88,7 +91,8 @@ def optimization_step(components: Components, state: LoopState, micro_batches: l
                  else float(accelerator.clip_grad_norm_(components.params, max_norm)))
     finite = math.isfinite(loss) and math.isfinite(grad_norm)
     if finite:
-        components.optimizer.step()
+        with record_function(PROFILE_LABELS["optimizer"]):
+            components.optimizer.step()
         if components.ema is not None:
             with torch.no_grad():
                 torch._foreach_lerp_(components.ema, [p.detach().float() for p in components.params],
