@@ -28,6 +28,7 @@ from precompute.entry_dataset import EntryDataset, collate
 from precompute.shard_writer import ShardWriter
 from theworld import cache_format as cf
 from theworld import encoders, images, run_lock
+from theworld.arch import latent_side
 from theworld.config import cli_parser, to_dict, to_yaml
 from theworld.errors import UserError, cli_entry
 from theworld.launch import process_group
@@ -260,7 +261,7 @@ def _build(cfg: PrecomputeConfig, state, out: Path) -> dict:
     upscaled = sum(gather_object([upscaled])) if world > 1 else upscaled
     state.wait_for_everyone()
     elapsed = time.time() - t_enc
-    latent_shape = [encoder.vae.config.z_dim, 1, cfg.image.resolution // 8, cfg.image.resolution // 8]
+    latent_shape = [encoder.vae.config.z_dim, 1, latent_side(cfg.image.resolution), latent_side(cfg.image.resolution)]
     if rank == 0:
         _finish(cfg, out, n_shards, run_id, latent_shape)
     state.wait_for_everyone()

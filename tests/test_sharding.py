@@ -314,7 +314,7 @@ def test_memory_cli_real_configs_offline(capsys):
     """The real configs resolve offline to the architectures train.bench_real builds: Gemma 3 4B (4,300,079,472
     parameters, as published for google/gemma-3-4b-it) + the Wan 2.1 VAE + the projector."""
     from train import memory
-    from train.bench_real import REAL
+    from theworld.arch import REAL
 
     assert memory.main(["--config", str(ROOT / "configs" / "real" / "stage3.yaml"), "--gpus", "8", "--json"]) == 0
     p = json.loads(capsys.readouterr().out)
@@ -377,7 +377,7 @@ def test_memory_estimate_matches_peak_rss_of_a_small_model(tmp_path):
     model training, about 25 M trainable parameters on the CPU): within 15%."""
     from theworld.config import load_config
     from train import memory
-    from train.bench_real import TINY, gemma_config
+    from theworld.arch import TINY, gemma_config
     from train.config import TrainConfig
 
     text = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=4,

@@ -516,7 +516,8 @@ def test_flipped_samples_get_the_flipped_latents_and_swapped_text(cache, tmp_pat
 def test_train_attention_sets_the_language_models_kernel_only():
     from theworld.config import load_config
     from theworld.errors import UserError
-    from train.bench_real import TINY, build_gemma
+    from theworld.arch import TINY
+    from train.bench_real import build_gemma
     from train.config import TrainConfig
     from train.components import set_language_attention
 

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from train.bench_real import ANSWER_TOKENS, text_inputs
+from theworld.arch import ANSWER_TOKENS, latent_side
+from train.bench_real import text_inputs
 
 MODES = {"plain": [], "offload": ["train.sharding=fsdp", "train.cpu_offload=true"]}
 MEMORY_MODE = {"plain": "ddp", "offload": "fsdp_offload"}  # train.memory's column for each (one GPU)
@@ -45,8 +46,8 @@ def micro_batch(model, cfg, b: int):
         x["images"] = torch.randint(0, 256, (b, 3, r, r), dtype=torch.uint8, generator=g)
     else:
         z = model.world_encoder.vae.config.z_dim
-        x["latent_mean"] = torch.randn(b, z, 1, r // 8, r // 8, generator=g)
-        x["latent_logvar"] = torch.randn(b, z, 1, r // 8, r // 8, generator=g) - 4
+        x["latent_mean"] = torch.randn(b, z, 1, latent_side(r), latent_side(r), generator=g)
+        x["latent_logvar"] = torch.randn(b, z, 1, latent_side(r), latent_side(r), generator=g) - 4
     if not cfg.freeze.vision:
         side = gc.vision_config.image_size
         x["pixel_values"] = torch.rand(b, 3, side, side, generator=g) * 2 - 1

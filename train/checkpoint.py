@@ -22,8 +22,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from theworld import hub
+from theworld.arch import FREEZABLE
 from theworld.cache_format import sha256_file
-from theworld.checkpoint_layout import CARD, CHECKPOINT_RE, CONFIG, EMA, FINAL, OPTIMIZER, RNG, STATE, WEIGHTS
+from theworld.checkpoint_layout import CARD, CHECKPOINT_RE, CONFIG, EMA, FINAL, OPTIMIZER, PROMPT, RNG, STATE, WEIGHTS
 from theworld.config import to_yaml
 from theworld.errors import OutOfSpace, UserError, no_space_message, out_of_space
 from theworld.model import LoadReport, local_like
@@ -344,7 +345,7 @@ Load it and describe an image (the base models are read from where `config.yaml`
 ```python
 from theworld.model import TheWorld
 model, processor = TheWorld.from_pretrained("{out}")
-print(model.generate(["image.png"], "{prompt}")[0])
+print(model.generate(["image.png"], {prompt})[0])
 ```
 
 or `python -m theworld.describe --model {out} --image image.png`, and score it on a multiple-choice set with
@@ -357,7 +358,7 @@ or `python -m theworld.describe --model {out} --image image.png`, and score it o
 
 
 def export_final(components: Components, state: LoopState, cfg_yaml: str, output_dir: str | Path,
-                 whole: Whole | None = None) -> Path:
+                 whole: Whole | None = None, prompt: str = DESCRIBE_PROMPT) -> Path:
     """Main process only, with what `gather` returned there (required under FSDP)."""
     cfg = components.cfg
     whole = whole or gather(components)
@@ -365,18 +366,18 @@ def export_final(components: Components, state: LoopState, cfg_yaml: str, output
     ev = state.last_eval or {}
     fmt = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
     gap = (ev["eval_loss_shuffled_world"] - ev["eval_loss"]) if ev else None
-    trained = ["world projector"] + [n for n in ("vision", "language", "vae") if not getattr(cfg.freeze, n)]
+    trained = ["world projector"] + [n for n in FREEZABLE if not getattr(cfg.freeze, n)]
     card = MODEL_CARD.format(name=out.name, gemma=cfg.model.gemma, vae=cfg.model.vae, resolution=cfg.image.resolution,
                              trained=", ".join(trained), step=state.step, batch=cfg.train.global_batch_size,
                              samples=state.samples_seen, lr=cfg.train.lr, schedule=cfg.train.schedule,
                              parent=state.parent or "the base models", eval_loss=fmt(ev.get("eval_loss")),
                              eval_shuffled=fmt(ev.get("eval_loss_shuffled_world")), gap=fmt(gap), out=out / FINAL,
-                             prompt=DESCRIBE_PROMPT)
+                             prompt=json.dumps(prompt))  # a Python string literal
     if state.eval_history:
         card += "\n" + next_step(state.plateau_step, str(out / FINAL),
                                   cfg.train.stop_on_plateau and state.plateau_step is not None) + "\n"
     files = {WEIGHTS: lambda p: save_file(whole.weights, str(p)), CONFIG: lambda p: p.write_text(cfg_yaml),
-             CARD: lambda p: p.write_text(card)}
+             CARD: lambda p: p.write_text(card), PROMPT: lambda p: p.write_text(prompt + "\n", encoding="utf-8")}
     if components.ema is not None:
         files[EMA] = _ema_writer(whole)
     return _publish(out, FINAL, files)

@@ -32,6 +32,23 @@ class LrMultipliers:
 
 
 @dataclass
+class BenchmarkEntry:
+    """A `train.benchmarks` entry that names more than its file (a plain string entry is {path} with defaults)."""
+
+    path: str
+    protocol: Literal["auto", "generate", "loglik"] = "auto"  # auto: generate for items with their own prompt (BLINK)
+    baselines: list[str] = field(default_factory=list)  # names of theworld/infer/baselines.py, or [all]
+
+    def __post_init__(self) -> None:
+        from theworld.infer.baselines import parse
+
+        try:
+            self.baselines = parse(self.baselines)
+        except UserError as e:
+            raise UserError(f"config key 'train.benchmarks': {e}".replace("--baselines: ", "")) from None
+
+
+@dataclass
 class PlateauConfig:
     """When the eval loss counts as plateaued (train/plateau.py): less than `min_improvement` (relative) over the
     last `window_evals` evals; 0: the evals covering the last 5,000 steps, or the run's last quarter if shorter."""
@@ -84,8 +101,8 @@ class TrainSection:
     cpu_offload: bool = False  # fsdp only: keep parameters, gradients and optimizer state in host memory (FSDP2
     # CPUOffloadPolicy; the optimizer steps on the CPU); also with one process, which then shards over a group of one
     lr_multipliers: LrMultipliers = field(default_factory=LrMultipliers)
-    benchmarks: list[str] = field(default_factory=list)  # multiple-choice files scored at every eval (JSONL, or a
-    # BLINK parquet folder; docs/inference.md): bench/<name>/accuracy and bench/<name>/accuracy_shuffled_world
+    benchmarks: list[str | BenchmarkEntry] = field(default_factory=list)  # multiple-choice sets scored at every eval
+    # (JSONL, or a BLINK parquet folder; docs/inference.md): bench/<name>/accuracy, .../accuracy_shuffled_world
     plateau: PlateauConfig = field(default_factory=PlateauConfig)
     stop_on_plateau: bool = False  # checkpoint, final weights and summary at the first eval that finds a plateau
     samples: int = 8  # held-out samples captioned at every eval (own world, shuffled world, true caption); 0: none

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,7 +19,7 @@ from theworld import cache_format as cf
 from theworld.control_text import TEXT_RULE, control_problem
 from theworld.errors import UserError
 from theworld.images import decode, load_for_vae, siglip_pixels
-from theworld.text import ChatFormatter
+from theworld.text import DEFAULT_PROMPT, ChatFormatter
 from train.batches import PARTNER, Collate, encode_texts
 from train.order import bucket_ids, eval_partners, flip_of, rank_indices, split
 from train.preempt import ignore_in_workers
@@ -86,6 +87,17 @@ def open_cache(cfg) -> tuple[cf.CacheReader, InputSources]:
                          cfg.cache_dir, fields=fields, partial=True)
     reader.members = inputs.members
     return reader, inputs
+
+
+def trained_prompt(reader: cf.CacheReader, train_indices: np.ndarray, look: int = 64) -> str:
+    """The prompt the run trains with: the most common one among the first `look` training samples (a cache written
+    from one source carries one prompt), recorded in final/ for describe and caption evaluation."""
+    members, reader.members = reader.members, ()  # the caption and json alone
+    try:
+        prompts = [reader.sample(int(i), tensors=False).prompt for i in train_indices[:look]]
+    finally:
+        reader.members = members
+    return Counter(prompts).most_common(1)[0][0] if prompts else DEFAULT_PROMPT
 
 
 def check_texts(reader: cf.CacheReader) -> None:

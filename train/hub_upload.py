@@ -12,9 +12,9 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from theworld.checkpoint_layout import CARD, CONFIG, EMA, WEIGHTS
+from theworld.checkpoint_layout import CARD, CONFIG, EMA, PROMPT, WEIGHTS
 
-MODEL_FILES = (WEIGHTS, EMA, CONFIG, CARD)  # a checkpoint's optimizer, RNG and state.json stay local
+MODEL_FILES = (WEIGHTS, EMA, CONFIG, CARD, PROMPT)  # a checkpoint's optimizer, RNG and state.json stay local
 
 
 class HubUploader:

@@ -6,24 +6,13 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from theworld.arch import PARTS, part_of
+
 if TYPE_CHECKING:
     from train.config import TrainConfig
 
 # Parameter names that never get weight decay besides biases and norm weights (all 1-D tensors).
 NO_DECAY_NAMES = ("projector.sow", "projector.eow")
-
-
-# Which part (train.lr_multipliers key) a parameter belongs to, by name prefix.
-PARTS = (("projector.", "projector"), ("gemma.model.vision_tower.", "vision"),
-         ("gemma.model.multi_modal_projector.", "vision"), ("gemma.model.language_model.", "language"),
-         ("gemma.lm_head.", "language"), ("world_encoder.", "vae"))
-
-
-def part_of(name: str) -> str:
-    for prefix, part in PARTS:
-        if name.startswith(prefix):
-            return part
-    raise ValueError(f"parameter {name} belongs to no part of TheWorld")
 
 
 def decays(name: str, p: torch.Tensor) -> bool:
@@ -38,7 +27,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float, multipliers=None) 
     for name, p in model.named_parameters():
         if p.requires_grad:
             groups.setdefault((part_of(name), decays(name, p)), []).append(p)
-    order = list(dict.fromkeys(part for _, part in PARTS))
+    order = list(PARTS)
     return [{"params": ps, "weight_decay": weight_decay if decay else 0.0, "part": part,
              "lr_multiplier": getattr(multipliers, part) if multipliers is not None else 1.0}
             for (part, decay), ps in sorted(groups.items(), key=lambda kv: (order.index(kv[0][0]), not kv[0][1]))]

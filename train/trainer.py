@@ -14,6 +14,7 @@ import torch
 from theworld.config import to_dict
 from train import checkpoint, data, hub_upload, order, plateau
 from train.benchmarks import BenchmarkEval
+from train.benchmarks import lines as benchmark_lines
 from train.components import Components, Launch, build, build_model, resolve_launch
 from train.config import run_hash, to_yaml
 from train.hub_upload import HubUploader
@@ -132,7 +133,10 @@ class Trainer:
         if self.samples is not None:
             self.metrics.log_samples(state.step, self.samples.run(self.c), self.samples.images)
         if self.checked.bench is not None:
-            self.metrics.log({"step": self.state.step, **self.checked.bench.run(self.c)})
+            results = self.checked.bench.run(self.c)
+            self.metrics.log({"step": self.state.step, **results})
+            for line in benchmark_lines(results):  # with the eval line: the figures people wait for
+                self.metrics.message(line)
 
     def save(self) -> None:
         checkpoint.save_run(self.c, self.state, self.per_epoch, self.cache)
@@ -168,7 +172,8 @@ class Trainer:
             self.save()
         whole = checkpoint.gather(self.c)
         if accelerator.is_main_process:
-            final = checkpoint.export_final(self.c, state, to_yaml(self.cfg), self.cfg.output_dir, whole)
+            final = checkpoint.export_final(self.c, state, to_yaml(self.cfg), self.cfg.output_dir, whole,
+                                            data.trained_prompt(self.checked.reader, self.ctx.train_indices))
         self.metrics.close()
         if accelerator.is_main_process:
             print(f"final weights: {final}\n" + summary(state, time.time() - self.t_start, self.window,
