@@ -118,8 +118,11 @@ class Trainer:
         return iter(data.build_train_loader(self.cfg, self.ctx, self.c.rank, self.c.world_size, epoch, start))
 
     def run_eval(self) -> None:
-        """The held-out loss (when samples are held out) and the benchmarks (when configured), logged."""
+        """The held-out captions and loss (when samples are held out) and the benchmarks (when configured), logged;
+        the captions first, so an eval's loss line stays its last line but for benchmarks."""
         cfg, state = self.cfg, self.state
+        if self.samples is not None:
+            self.metrics.log_samples(state.step, self.samples.run(self.c), self.samples.images)
         if self.eval_loader is not None:
             ev = evaluate(self.c, self.eval_loader)
             was_flat = state.plateau_step is not None
@@ -130,8 +133,6 @@ class Trainer:
                 self.metrics.message(f"step {state.step}: the eval loss has plateaued (less than "
                                      f"{cfg.train.plateau.min_improvement:.1%} better over the last evals)"
                                      + ("; stopping: train.stop_on_plateau" if cfg.train.stop_on_plateau else ""))
-        if self.samples is not None:
-            self.metrics.log_samples(state.step, self.samples.run(self.c), self.samples.images)
         if self.checked.bench is not None:
             results = self.checked.bench.run(self.c)
             self.metrics.log({"step": self.state.step, **results})
