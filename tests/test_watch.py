@@ -222,3 +222,25 @@ def test_accelerate_launch_of_a_multi_cpu_config_says_how_to_start_n_processes(t
     assert r.returncode != 0 and "asks for 2 CPU processes (MULTI_CPU)" in line
     assert "accelerate launch --multi_gpu --num_processes 2" in line and "-m train.loop --config" in line
     assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The progress bar
+
+
+def test_the_bar_shows_lr_every_step_and_leaves_the_first_step_out_of_its_rate(tmp_path, capsys):
+    import time
+
+    from train.metrics import Metrics
+
+    m = Metrics(SimpleNamespace(is_main_process=True), tmp_path, {}, 0, 100, [])
+    m.bar.start_t -= 30  # a 30 s compile and warm-up before the first step ends
+    m.advance(loss=2.0, lr=1e-3, samples_per_s=1.0, step_s=30.0)
+    assert "first step: 30.0s" in capsys.readouterr().err
+    assert m.bar.n == 1 and m.bar.format_dict["elapsed"] < 5
+    for i in range(3):
+        time.sleep(0.01)
+        m.advance(loss=1.0, lr=1e-4 * (i + 1), samples_per_s=500.0 + i, step_s=0.01)
+    assert "lr=3.00e-04" in m.bar.postfix and "sps=502" in m.bar.postfix  # the last step's, not a log line's
+    assert m.bar.n == 4 and m.bar.format_dict["elapsed"] < 5  # the ETA reads 3 fast steps, not 30 s for 4
+    m.close()

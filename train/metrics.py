@@ -64,7 +64,7 @@ class Metrics:
             kept = [ln for ln in self.path.read_text().splitlines() if 0 <= _step_of(ln) <= start_step]
         self.path.write_text("".join(ln + "\n" for ln in kept))
         if trackers:
-            # TensorBoard logs go to <output_dir>/theworld/. Its hparams (accelerate's store_init_configuration) would
+            # TensorBoard logs go to <output_dir>/theworld/ (<output_dir>/<wandb.project>/ with W&B). Its hparams (accelerate's store_init_configuration) would
             # add a folder named by the clock there on every (re)start; the config goes in as text instead.
             project, kwargs = wandb or ("theworld", {})
             accelerator.init_trackers(project, init_kwargs=kwargs)
