@@ -21,17 +21,17 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file, save_file
 
-from theworld import hub
+from theworld import hub, lora
 from theworld.arch import FREEZABLE
 from theworld.cache_format import sha256_file
-from theworld.checkpoint_layout import CARD, CHECKPOINT_RE, CONFIG, EMA, FINAL, OPTIMIZER, PROMPT, RNG, STATE, WEIGHTS
+from theworld.checkpoint_layout import (CARD, CHECKPOINT_RE, CONFIG, EMA, FINAL, OPTIMIZER, PROMPT, RNG, STATE, WEIGHTS,
+                                       read_config)
 from theworld.config import to_yaml
 from theworld.errors import OutOfSpace, UserError, no_space_message, out_of_space
-from theworld.model import LoadReport, local_like
+from theworld.model import LoadReport, local_like, read_weights
 from theworld.text import DEFAULT_PROMPT as DESCRIBE_PROMPT
-from train import sharding
+from train import checkpoint_migrations, sharding
 from train.config import run_hash
-from train.optim import decays
 from train.plateau import next_step
 from train.step import LoopState
 
@@ -75,17 +75,20 @@ def resolve_resume(cfg: TrainConfig) -> Path | None:
 
 
 def check_resumable(path: Path, max_steps: int) -> dict:
-    """Before any model loads: the checkpoint's files are the ones it recorded (sha256 in state.json; checkpoints
-    written before that record are taken as they are), and its step is not past train.max_steps. Returns state.json."""
+    """Before any model loads: the checkpoint's files are the ones it recorded (sha256 in state.json; see
+    train/checkpoint_migrations.py for older checkpoints), and its step is not past train.max_steps. Returns
+    state.json."""
     state = _read(path / STATE, lambda p: json.loads(p.read_text()))
-    recorded = state.get("sha256") if isinstance(state, dict) else None
-    for name, digest in (recorded or {}).items():
+    if not isinstance(state, dict):
+        raise UserError(f"resume: {path / STATE} holds no step; move {path} out of output_dir")
+    state = checkpoint_migrations.state(state, path)
+    for name, digest in (state["sha256"] or {}).items():
         f = path / name
         if not f.is_file() or sha256_file(f) != digest:
             raise UserError(f"resume: {f} is {'damaged' if f.is_file() else 'missing'} (its sha256 is not the one "
                             f"{STATE} recorded); move {path} out of output_dir and resume: auto takes the one before "
                             "it")
-    step = state.get("step") if isinstance(state, dict) else None
+    step = state.get("step")
     if type(step) is not int:
         raise UserError(f"resume: {path / STATE} holds no step; move {path} out of output_dir")
     if step > max_steps:
@@ -118,7 +121,7 @@ def restore(components: Components, resume_from: Path | None, cache: dict | None
             print(f"warning: {resume_from} was written under a different config", file=sys.stderr)
         was = saved.get("cache")
         if cache and was and was != cache:  # rebuilt or extended: the same step indices name other samples
-            print(f"warning: the cache {components.cfg.cache_dir} holds other samples than when {resume_from} was "
+            print(f"warning: {'the data mixture' if components.cfg.data else 'the cache ' + components.cfg.cache_dir} holds other samples than when {resume_from} was "
                   f"written ({was['samples']} then, {cache['samples']} now): the data order from here on is not the "
                   "interrupted run's", file=sys.stderr)
         # allowed: the data order does not depend on it
@@ -139,7 +142,8 @@ def run_state(cfg: TrainConfig, step: int, steps_per_epoch: int, num_processes: 
     by `restore`)."""
     epoch, cursor = divmod(step, steps_per_epoch)
     return {"epoch": epoch, "data_cursor": {"epoch": epoch, "batch_in_epoch": cursor}, "cache": cache,
-            "config_hash": run_hash(cfg), "num_processes": num_processes}
+            "config_hash": run_hash(cfg), "num_processes": num_processes,
+            "format_version": checkpoint_migrations.FORMAT_VERSION}
 
 
 def save_run(components: Components, state: LoopState, steps_per_epoch: int, cache: dict | None = None) -> None:
@@ -181,14 +185,31 @@ def resolve_weights(path: str | Path) -> Path:
 
 
 def init_from(model, path: str | Path) -> LoadReport:
-    """Previous stage's weights by name (shapes checked); parts it lacks keep the base model's weights."""
-    return model.load_trainable(resolve_weights(path), strict=False)
+    """Previous stage's weights by name (shapes checked); parts it lacks keep the base model's weights. A LoRA
+    stage's adapters go into a model without adapters merged into its base weights."""
+    weights = resolve_weights(path)
+    tensors = read_weights(weights)
+    adapters = {n: t for n, t in tensors.items() if lora.is_adapter(n)}
+    if not adapters or lora.adapted_layers(model.gemma):
+        return model.load_tensors(tensors, weights, strict=False)
+    if not (weights.parent / CONFIG).is_file():
+        raise UserError(f"config key 'init_from': {weights} holds LoRA adapters but there is no {CONFIG} beside it "
+                        "to say their layout (lora.r, lora.alpha, ...); give the stage's final/ folder")
+    source = read_config(weights.parent).lora
+    if source is None:
+        raise UserError(f"config key 'init_from': {weights} holds LoRA adapters but {weights.parent / CONFIG} has "
+                        "no lora section")
+    merged = lora.merge_into(model.gemma, source, adapters)
+    report = model.load_tensors({n: t for n, t in tensors.items() if n not in adapters}, weights, strict=False)
+    report.merged = merged
+    return report
 
 
 def describe_init(path: str | Path, report: LoadReport) -> str:
-    parts = lambda names: sorted({".".join(n.split(".")[:3]) for n in names})  # noqa: E731 (module-level prefixes)
+    parts = lambda names: sorted({".".join(n.split(".")[:3]) for n in names})
+    merged = f"; LoRA adapters of {report.merged} layers merged into their base weights" if report.merged else ""
     return (f"init_from {path}: {report.summary()}; loaded {parts(report.loaded)}, new (from the base model) "
-            f"{parts(report.new)}, ignored {parts(report.ignored)}")
+            f"{parts(report.new)}, ignored {parts(report.ignored)}{merged}")
 
 
 def _write_dir(tmp: Path, files: dict) -> None:
@@ -294,32 +315,13 @@ def _load_optimizer(components: Components, saved: dict) -> None:
     """Whole-tensor state (any sharding, any process count) into this run's optimiser: each process keeps its slice.
     The learning-rate multipliers are the config's, not the checkpoint's."""
     params = [p for g in components.optimizer.param_groups for p in g["params"]]
-    if saved["param_groups"] and "part" not in saved["param_groups"][0]:
-        saved = _from_decay_groups(components, saved)
+    saved = checkpoint_migrations.optimizer(components, saved)
     saved["state"] = {i: {k: local_like(params[i], v) if torch.is_tensor(v) and v.shape == params[i].shape else v
                           for k, v in st.items()} for i, st in saved["state"].items()}
     components.optimizer.load_state_dict(saved)
     for g in components.optimizer.param_groups:
         if "part" in g:
             g["lr_multiplier"] = getattr(components.cfg.train.lr_multipliers, g["part"])
-
-
-def _from_decay_groups(components: Components, saved: dict) -> dict:
-    """State written with the earlier layout, one AdamW group per decay setting (decay, then no decay, each in
-    parameter order), re-keyed by parameter name to this optimiser's per-part groups."""
-    trainable = [(n, p) for n, p in components.raw.named_parameters() if p.requires_grad]
-    before = [n for n, p in trainable if decays(n, p)] + [n for n, p in trainable if not decays(n, p)]
-    name_of = {id(p): n for n, p in trainable}
-    now = {name_of[id(p)]: i for i, p in enumerate(p for g in components.optimizer.param_groups for p in g["params"])}
-    if sum(len(g["params"]) for g in saved["param_groups"]) != len(before):
-        raise ValueError(f"it holds state for {sum(len(g['params']) for g in saved['param_groups'])} tensors, this "
-                         f"run trains {len(before)}")
-    groups, first = [], 0
-    for g in components.optimizer.param_groups:  # the config's hyperparameters; the state is what carries over
-        settings = {k: v for k, v in g.items() if k != "params"}
-        groups.append({**settings, "params": list(range(first, first + len(g["params"])))})
-        first += len(g["params"])
-    return {"state": {now[before[i]]: st for i, st in saved["state"].items()}, "param_groups": groups}
 
 
 def _read(path: Path, reader):
@@ -364,9 +366,10 @@ def export_final(components: Components, state: LoopState, cfg_yaml: str, output
     whole = whole or gather(components)
     out = Path(output_dir)
     ev = state.last_eval or {}
-    fmt = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
+    fmt = lambda x: "n/a" if x is None else f"{x:.4f}"
     gap = (ev["eval_loss_shuffled_world"] - ev["eval_loss"]) if ev else None
     trained = ["world projector"] + [n for n in FREEZABLE if not getattr(cfg.freeze, n)]
+    trained += [f"{n} (LoRA r {cfg.lora.r})" for n in (cfg.lora.parts if cfg.lora else ())]
     card = MODEL_CARD.format(name=out.name, gemma=cfg.model.gemma, vae=cfg.model.vae, resolution=cfg.image.resolution,
                              trained=", ".join(trained), step=state.step, batch=cfg.train.global_batch_size,
                              samples=state.samples_seen, lr=cfg.train.lr, schedule=cfg.train.schedule,
@@ -380,4 +383,6 @@ def export_final(components: Components, state: LoopState, cfg_yaml: str, output
              CARD: lambda p: p.write_text(card), PROMPT: lambda p: p.write_text(prompt + "\n", encoding="utf-8")}
     if components.ema is not None:
         files[EMA] = _ema_writer(whole)
+    if cfg.lora is not None:  # final/ is also a peft adapter folder for the base Gemma
+        files.update(lora.adapter_files(cfg.lora, cfg.model.gemma, whole.weights))
     return _publish(out, FINAL, files)
