@@ -37,14 +37,15 @@ class CaptionSamples:
         dataset = ctx.dataset(cfg, ctx.eval_indices, 0, flip=False, partner=True)
         n = min(n, len(dataset))
         items = [dataset[i] for i in range(n)]
-        self.captions = [it["text"][1] for it in items]
+        first_turns = [it["text"][0] for it in items]  # (prompt, answer); a conversation is judged by its first turn
+        self.captions = [answer for _, answer in first_turns]
         self.images = [_picture(ctx.reader, int(ctx.eval_indices[i])) for i in range(n)]
         self.max_new_tokens = cfg.train.sample_tokens
         shapes = ctx.buckets[ctx.eval_indices[:n]]
         self.groups = []
         for shape in dict.fromkeys(shapes.tolist()):
             pos = [i for i in range(n) if shapes[i] == shape]
-            prompts = [ctx.formatter.prefix(items[i]["text"][0]) for i in pos]
+            prompts = [ctx.formatter.prefix(first_turns[i][0]) for i in pos]
             prompt = collate_text([Encoded(ids, [IGNORE] * len(ids)) for ids in prompts], ctx.formatter.pad_id)
             self.groups.append(Group(pos, Collate(ctx.formatter)([items[i] for i in pos]), prompt))
 
