@@ -23,6 +23,7 @@ from pathlib import Path
 
 import yaml
 
+from theworld import hub
 from theworld.config import (
     FreezeConfig,
     ImageConfig,
@@ -61,8 +62,9 @@ class ModelSections:
 
 
 def resolve(path: str | Path) -> Path:
-    """The folder holding the weights and config: `path` itself, or `path/final` for a run's output_dir."""
-    p = Path(path)
+    """The folder holding the weights and config: `path` itself, or `path/final` for a run's output_dir; a hub repo id
+    (user/name[@revision]) is its snapshot folder (theworld/hub.py)."""
+    p = hub.resolve(path)
     if not p.is_dir():
         raise UserError(f"model {p}: not a folder (expected a final/ or checkpoint-N/ folder, or a run's output_dir)")
     folder = p if (p / WEIGHTS).is_file() else p / FINAL

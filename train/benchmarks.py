@@ -23,8 +23,8 @@ from theworld.infer.scoring import Scorer, tally
 from train.config import BenchmarkEntry
 
 if TYPE_CHECKING:
-    from train.config import TrainConfig
     from train.components import Components
+    from train.config import TrainConfig
 
 
 def _name(path: str) -> str:

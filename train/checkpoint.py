@@ -21,24 +21,36 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file, save_file
 
-from theworld import lora
+from theworld import hub, lora
 from theworld.arch import FREEZABLE
 from theworld.cache_format import sha256_file
-from theworld.checkpoint_layout import (CARD, CHECKPOINT_RE, CONFIG, EMA, FINAL, OPTIMIZER, PROMPT, RNG, STATE, WEIGHTS,
-                                       read_config)
+from theworld.checkpoint_layout import (
+    CARD,
+    CHECKPOINT_RE,
+    CONFIG,
+    EMA,
+    FINAL,
+    OPTIMIZER,
+    PROMPT,
+    RNG,
+    STATE,
+    WEIGHTS,
+    read_config,
+)
 from theworld.config import to_yaml
 from theworld.errors import OutOfSpace, UserError, no_space_message, out_of_space
 from theworld.model import LoadReport, local_like, read_weights
 from theworld.text import DEFAULT_PROMPT as DESCRIBE_PROMPT
 from train import checkpoint_migrations, sharding
 from train.config import run_hash
+from train.plateau import next_step
 from train.step import LoopState
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-    from train.config import TrainConfig
     from train.components import Components
+    from train.config import TrainConfig
 
 PARTIAL_RE = re.compile(r"^\.(tmp|old)-(.+)-\d+$")  # .tmp-<name>-<pid>: being written; .old-<name>-<pid>: replaced
 
@@ -174,8 +186,8 @@ def remove_partial(output_dir: str | Path) -> list[Path]:
 
 
 def resolve_weights(path: str | Path) -> Path:
-    """init_from: a final/ or checkpoint folder, or a .safetensors file."""
-    p = Path(path)
+    """init_from: a final/ or checkpoint folder, a .safetensors file, or a hub repo id (user/name[@revision])."""
+    p = hub.resolve(path, "config key 'init_from':")
     if p.is_dir():
         p = p / WEIGHTS
     if not p.is_file():
@@ -375,6 +387,9 @@ def export_final(components: Components, state: LoopState, cfg_yaml: str, output
                              parent=state.parent or "the base models", eval_loss=fmt(ev.get("eval_loss")),
                              eval_shuffled=fmt(ev.get("eval_loss_shuffled_world")), gap=fmt(gap), out=out / FINAL,
                              prompt=json.dumps(prompt))  # a Python string literal
+    if state.eval_history:
+        card += "\n" + next_step(state.plateau_step, str(out / FINAL),
+                                  cfg.train.stop_on_plateau and state.plateau_step is not None) + "\n"
     files = {WEIGHTS: lambda p: save_file(whole.weights, str(p)), CONFIG: lambda p: p.write_text(cfg_yaml),
              CARD: lambda p: p.write_text(card), PROMPT: lambda p: p.write_text(prompt + "\n", encoding="utf-8")}
     if components.ema is not None:

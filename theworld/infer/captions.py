@@ -7,7 +7,7 @@ Tokenisation: lower case, words of letters and digits, punctuation dropped; a pl
 pycocoevalcap's PTBTokenizer, which needs Java (as METEOR and SPICE do, which are left out for that reason).
 
 JSONL, one item per line: `{"image": path relative to the file, "captions": str or [str, ...]}`; or a latent cache's
-held-out split: the samples the trainer holds out for its eval (train/order.py `split`, with the run's
+held-out split: the samples the trainer holds out for its eval (theworld/cache_format/held_out.py, with the run's
 `train.eval_samples`), each with its stored image, its caption as the reference and its own prompt.
 """
 from __future__ import annotations
@@ -82,7 +82,7 @@ def read_cache(path: Path, split: str, stage: Path) -> list[Item]:
     """The held-out samples of the cache at `path` for the run whose stage folder is `stage`."""
     from theworld import cache_format as cf
     from theworld import checkpoint_layout as layout
-    from train.order import split as held_out  # the trainer's own split (the project installs both packages)
+    from theworld.cache_format.held_out import split as held_out  # the trainer's own split
 
     if split != "val":
         raise UserError(f"--split {split}: a cache has one held-out split, val (the trainer's eval samples)")
