@@ -77,7 +77,9 @@ def resolve(path: str | Path) -> Path:
     return folder
 
 
-def read_config(folder: Path) -> ModelSections:
+def read_yaml(folder: Path) -> dict:
+    """A stage folder's config.yaml as a mapping; text that is not UTF-8, not YAML, nested too deeply or not a
+    mapping is one line naming the file."""
     path = folder / CONFIG
     try:
         data = yaml.safe_load(path.read_bytes().decode("utf-8"))
@@ -91,6 +93,12 @@ def read_config(folder: Path) -> ModelSections:
         raise UserError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise UserError(f"{path}: top level must be a mapping")
+    return data
+
+
+def read_config(folder: Path) -> ModelSections:
+    path = folder / CONFIG
+    data = read_yaml(folder)
     try:
         sections = from_dict(ModelSections, {k: data[k] for k in SECTIONS if k in data})
     except UserError as e:
