@@ -45,12 +45,12 @@ def train(t: Trainer) -> int:
     """The optimisation steps, with their logs, evals and saves; a requested stop or too many non-finite steps end
     it early."""
     cfg, state, m = t.cfg, t.state, t.metrics
-    for line in t.start_lines():
-        m.message(line)
-    if state.step == 0 and cfg.train.eval_every:
-        t.run_eval()
     stop = Preemption(t.c.accelerator).install()  # SIGTERM / SIGINT: stop after the current step, saved
     try:
+        for line in t.start_lines():
+            m.message(line)
+        if state.step == 0 and cfg.train.eval_every:
+            t.run_eval()
         while state.step < cfg.train.max_steps and not plateau.stopping(state, cfg.train.stop_on_plateau):
             epoch, start = divmod(state.step, t.per_epoch)
             batches = t.train_batches(epoch, start)

@@ -97,12 +97,13 @@ class Trainer:
             import wandb
 
             state.wandb_run_id = wandb.util.generate_id()  # kept in the checkpoints: a resumed run continues it
-        metrics = Metrics(accelerator, cfg.output_dir, {**to_dict(cfg), "run_hash": run_hash(cfg)}, state.step,
-                          cfg.train.max_steps, cfg.trackers,
-                          wandb_init(cfg.wandb, state.wandb_run_id, cfg.output_dir) if "wandb" in cfg.trackers else None)
         rank, world_size = accelerator.process_index, accelerator.num_processes
         eval_loader = data.build_eval_loader(cfg, ctx, rank, world_size) if len(ctx.eval_indices) else None
         samples = CaptionSamples(cfg, ctx, cfg.train.samples) if cfg.train.samples and len(ctx.eval_indices) else None
+        # last: what fails above is one error line, with no progress bar drawn before it
+        metrics = Metrics(accelerator, cfg.output_dir, {**to_dict(cfg), "run_hash": run_hash(cfg)}, state.step,
+                          cfg.train.max_steps, cfg.trackers,
+                          wandb_init(cfg.wandb, state.wandb_run_id, cfg.output_dir) if "wandb" in cfg.trackers else None)
         return cls(checked, c, ctx, state, metrics, eval_loader, ProfileWindow(cfg.profile, cfg.output_dir, rank),
                    t_start, cache, removed, reports, resume_from, samples=samples,
                    hub=hub_upload.for_run(cfg, accelerator, metrics.message))
