@@ -17,7 +17,7 @@ from theworld.errors import cli_entry
 from train import checkpoint, data, optim, order, sharding
 from train.benchmarks import BenchmarkEval
 from train.config import accumulation_steps, load, run_hash, to_yaml
-from train.metrics import Metrics, ProfileWindow, StepWindow, check_trackers, summary
+from train.metrics import Metrics, ProfileWindow, StepWindow, check_metrics_file, check_trackers, summary
 from train.preempt import EXIT_CODES, Preemption
 from train.step import NonFiniteError, evaluate, optimization_step
 
@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     # everything checkable without a model is checked before loading one
     sharding_plan = sharding.resolve(cfg)
     check_trackers(cfg.trackers)
+    check_metrics_file(cfg.output_dir)
     reader, plan = data.open_cache(cfg)
     if cfg.init_from:
         checkpoint.resolve_weights(cfg.init_from)
