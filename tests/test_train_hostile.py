@@ -365,3 +365,125 @@ def test_a_signal_to_one_of_two_processes_stops_both_after_the_same_step_with_a_
     assert train_inproc(base_args(cache, out, steps=int(ckpts[0].name.split("-")[1]) + 1,
                                   **{"train.save_every": 100})) == 0
     assert "resumed from" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Round 3: trained folders are checked before use; hand-edited state; metrics.jsonl abuse; resolve-dependent resume
+
+
+def _tamper_weights(path: Path, value: float) -> None:
+    """What an adversary's tool writes: a valid safetensors file with one value of one tensor replaced."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    name = sorted(tensors)[0]
+    tensors[name].view(-1)[0] = value
+    save_file(tensors, str(path))
+
+
+def _reseal(folder: Path) -> None:
+    """An adversary who also rewrites final/'s sha256 record to match."""
+    record = {f.name: sha256_file(f) for f in sorted(folder.iterdir()) if f.name != "sha256.json"}
+    (folder / "sha256.json").write_text(json.dumps(record))
+
+
+def test_final_is_hashed_and_damaged_or_non_finite_weights_are_refused_by_every_reader(cache, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from theworld import describe, evaluate
+    from theworld.errors import UserError
+    from theworld.infer import benchmarks
+    from theworld.model import TheWorld
+
+    out = tmp_path / "run"
+    assert train_inproc(base_args(cache, out, steps=2)) == 0
+    final = out / "final"
+    record = json.loads((final / "sha256.json").read_text())
+    assert record == {f.name: sha256_file(f) for f in final.iterdir() if f.name != "sha256.json"}
+    assert {"trainable.safetensors", "config.yaml", "README.md"} <= set(record)
+    weights = final / "trainable.safetensors"
+    good = weights.read_bytes()
+    first = sorted(load_file(str(weights)))[0]
+    data = tmp_path / "mc.jsonl"
+    benchmarks.make_synthetic(data, 4, seed=1)
+    image = tmp_path / "a.png"
+    from PIL import Image
+
+    Image.new("RGB", (64, 64), "red").save(image)
+    readers = {"describe": lambda: describe.main(["--model", str(out), "--image", str(image)]),
+               "evaluate": lambda: evaluate.main(["--model", str(out), "--data", str(data)]),
+               "init_from": lambda: train_inproc(base_args(cache, tmp_path / "next", steps=1,
+                                                           **{"init_from": final}))}
+    capsys.readouterr()
+    for damage, words in (("bit", ["damaged", "sha256"]), ("nan", [first, "non-finite"]),
+                          ("inf", [first, "non-finite"])):
+        weights.write_bytes(good)
+        if damage == "bit":
+            raw = bytearray(good)
+            raw[-5] ^= 0x10
+            weights.write_bytes(bytes(raw))
+        else:
+            _tamper_weights(weights, float(damage))
+            _reseal(final)  # past the record: the finite check is what refuses it
+        with pytest.raises(UserError) as e:
+            TheWorld.from_pretrained(out)
+        assert all(w in str(e.value) for w in words), str(e.value)
+        for name, run in readers.items():
+            assert run() == 2, (damage, name)
+            _one_line(capsys, *words)
+        _reseal(final)
+    assert not (tmp_path / "next" / "final").exists()
+
+
+def test_a_hand_edited_state_json_is_refused_naming_it(cache, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = lambda steps: base_args(cache, out, steps=steps, **{"train.save_every": 2})  # noqa: E731
+    assert train_inproc(args(4)) == 0
+    ckpt = out / "checkpoint-4"
+    original = (ckpt / "state.json").read_text()
+    state = json.loads(original)
+    assert state["state_sha256"]
+    capsys.readouterr()
+    edits = [({"step": -5}, "changed after it was written"), ({"step": 3}, "changed after it was written"),
+             ({"data_cursor": {"epoch": 0, "batch_in_epoch": 0}}, "changed after it was written")]
+    # one who also drops the digest (as a checkpoint written before it existed has none): the step must be the folder's
+    edits += [({"step": 3, "state_sha256": None}, "not the folder's 4"), ({"step": -5, "state_sha256": None}, "-5")]
+    for edit, words in edits:
+        edited = {k: v for k, v in {**state, **edit}.items() if v is not None}
+        (ckpt / "state.json").write_text(json.dumps(edited))
+        assert train_inproc(args(6)) == 2, edit
+        _one_line(capsys, str(ckpt / "state.json"), words)
+    (ckpt / "state.json").write_text(original)
+    assert train_inproc(args(6)) == 0
+    assert "resumed from" in capsys.readouterr().err
+
+
+def test_resume_reads_a_metrics_log_with_a_non_utf8_line_and_refuses_one_that_is_a_folder(cache, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = lambda steps, d=out: base_args(cache, d, steps=steps, **{"train.save_every": 2})  # noqa: E731
+    assert train_inproc(args(2)) == 0
+    log = out / "metrics.jsonl"
+    log.write_bytes(log.read_bytes() + b'{"step": 1, "note": "caf\xe9"}\n\xff\xfe garbage\n')
+    capsys.readouterr()
+    assert train_inproc(args(3)) == 0
+    assert [m["step"] for m in metrics(out) if "loss" in m] == [1, 2, 3]
+    other = tmp_path / "other"
+    (other / "metrics.jsonl").mkdir(parents=True)
+    capsys.readouterr()
+    assert train_inproc(args(2, other)) == 2
+    _one_line(capsys, "metrics.jsonl", "is a directory")
+    assert sorted(p.name for p in other.iterdir()) == ["metrics.jsonl"]
+
+
+def test_resuming_under_another_resolved_micro_batch_or_sharding_does_not_warn_of_another_config(cache, tmp_path,
+                                                                                                   capsys):
+    out = tmp_path / "run"
+    common = {"train.save_every": 2, "train.micro_batch_size": "auto"}
+    assert train_inproc(base_args(cache, out, steps=2, **common, **{"train.max_micro_batch_size": 4})) == 0
+    capsys.readouterr()
+    # auto now resolves to 8 (as it does when a 2-process run resumes on 1), and the launcher asks for no FSDP
+    assert train_inproc(base_args(cache, out, steps=2, **common, **{"train.max_micro_batch_size": 8})) == 0
+    err = capsys.readouterr().err
+    assert "resumed from" in err and "different config" not in err
+    assert train_inproc(base_args(cache, out, steps=2, **common, **{"train.lr": "2e-2"})) == 0
+    assert "written under a different config" in capsys.readouterr().err  # a change of the numbers still warns

@@ -267,6 +267,7 @@ class TheWorld(nn.Module):
             tensors = load_file(str(path))
         except Exception as e:  # a .bin, a torn copy: name the file rather than show safetensors' internals
             raise UserError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e})") from e
+        layout.check_finite(tensors, path)
         params = dict(self.named_parameters())
         trainable = {n for n, p in params.items() if p.requires_grad}
         for name, t in tensors.items():

@@ -22,7 +22,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from theworld.cache_format import sha256_file
-from theworld.checkpoint_layout import CARD, CHECKPOINT_RE, CONFIG, EMA, FINAL, OPTIMIZER, RNG, STATE, WEIGHTS
+from theworld.checkpoint_layout import (CARD, CHECKPOINT_RE, CONFIG, EMA, FINAL, OPTIMIZER, RNG, STATE, SUMS, WEIGHTS,
+                                       check_finite, state_digest, verify)
 from theworld.config import to_yaml
 from theworld.errors import OutOfSpace, UserError, no_space_message, out_of_space
 from theworld.model import LoadReport, local_like
@@ -72,19 +73,25 @@ def resolve_resume(cfg: TrainConfig) -> Path | None:
 
 
 def check_resumable(path: Path, max_steps: int) -> dict:
-    """Before any model loads: the checkpoint's files are the ones it recorded (sha256 in state.json; checkpoints
-    written before that record are taken as they are), and its step is not past train.max_steps. Returns state.json."""
+    """Before any model loads: the checkpoint's files are the ones it recorded (sha256 in state.json, which also
+    records its own digest; checkpoints written before those records are taken as they are), its step is the folder's
+    and not past train.max_steps. Returns state.json."""
+    advice = f"move {path} out of output_dir and resume: auto takes the one before it"
+    try:
+        verify(path)
+    except UserError as e:
+        raise UserError(f"resume: {e}; {advice}") from None
     state = _read(path / STATE, lambda p: json.loads(p.read_text()))
-    recorded = state.get("sha256") if isinstance(state, dict) else None
-    for name, digest in (recorded or {}).items():
-        f = path / name
-        if not f.is_file() or sha256_file(f) != digest:
-            raise UserError(f"resume: {f} is {'damaged' if f.is_file() else 'missing'} (its sha256 is not the one "
-                            f"{STATE} recorded); move {path} out of output_dir and resume: auto takes the one before "
-                            "it")
-    step = state.get("step") if isinstance(state, dict) else None
-    if type(step) is not int:
-        raise UserError(f"resume: {path / STATE} holds no step; move {path} out of output_dir")
+    if not isinstance(state, dict):
+        raise UserError(f"resume: {path / STATE} is not a checkpoint state; {advice}")
+    if "state_sha256" in state and state["state_sha256"] != state_digest(state):
+        raise UserError(f"resume: {path / STATE} was changed after it was written (its content does not match the "
+                        f"digest it recorded); {advice}")
+    step = state.get("step")
+    folder = CHECKPOINT_RE.match(path.name)
+    if type(step) is not int or step < 0 or (folder and step != int(folder.group(1))):
+        raise UserError(f"resume: {path / STATE} holds step {step!r}, not the folder's "
+                        f"{folder.group(1) if folder else 'a step >= 0'}; {advice}")
     if step > max_steps:
         raise UserError(f"config key 'train.max_steps': {max_steps} is below step {step} of {path}, which would "
                         "export weights trained past it; raise train.max_steps, or use another output_dir")
@@ -168,12 +175,17 @@ def remove_partial(output_dir: str | Path) -> list[Path]:
 
 
 def resolve_weights(path: str | Path) -> Path:
-    """init_from: a final/ or checkpoint folder, or a .safetensors file."""
+    """init_from: a final/ or checkpoint folder, or a .safetensors file; checked against the sha256 its folder
+    recorded."""
     p = Path(path)
     if p.is_dir():
         p = p / WEIGHTS
     if not p.is_file():
         raise UserError(f"config key 'init_from': no weights at {p}")
+    try:
+        verify(p.parent, [p.name])
+    except UserError as e:
+        raise UserError(f"config key 'init_from': {e}") from None
     return p
 
 
@@ -263,13 +275,21 @@ def save(components: Components, state: LoopState, output_dir: str | Path, keep_
     if components.ema is not None:
         files[EMA] = _ema_writer(whole)
     # last, so it can record every other file's sha256 (checked by check_resumable)
-    files[STATE] = lambda p: p.write_text(json.dumps(
-        {**state.to_json(), **extra_state, "time": time.time(),
-         "sha256": {f.name: sha256_file(f) for f in sorted(p.parent.iterdir()) if f.name != STATE}}, indent=1))
+    files[STATE] = lambda p: p.write_text(json.dumps(_sealed(
+        {**state.to_json(), **extra_state, "time": time.time(), "sha256": _sums(p.parent, STATE)}), indent=1))
     final = _publish(out, f"checkpoint-{state.step}", files)
     for old in list_checkpoints(out)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _sums(folder: Path, but: str) -> dict[str, str]:
+    """sha256 of every file in `folder` but `but` (the record being written)."""
+    return {f.name: sha256_file(f) for f in sorted(folder.iterdir()) if f.name != but}
+
+
+def _sealed(state: dict) -> dict:
+    return {**state, "state_sha256": state_digest(state)}
 
 
 def load(components: Components, path: Path) -> dict:
@@ -281,6 +301,7 @@ def load(components: Components, path: Path) -> dict:
         if not (path / EMA).is_file():
             raise UserError(f"resume: {path} has no {EMA} but train.ema is on")
         ema = _read(path / EMA, lambda p: load_file(str(p)))
+        check_finite(ema, path / EMA)
         for t, n in zip(components.ema, _trainable_names(components)):
             t.copy_(local_like(t, ema[n]))
     torch.set_rng_state(_read(path / RNG, lambda p: load_file(str(p)))["torch_cpu"])
@@ -374,4 +395,5 @@ def export_final(components: Components, state: LoopState, cfg_yaml: str, output
              CARD: lambda p: p.write_text(card)}
     if components.ema is not None:
         files[EMA] = _ema_writer(whole)
+    files[SUMS] = lambda p: p.write_text(json.dumps(_sums(p.parent, SUMS), indent=1))  # last: it covers the rest
     return _publish(out, FINAL, files)
