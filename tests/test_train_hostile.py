@@ -487,3 +487,100 @@ def test_resuming_under_another_resolved_micro_batch_or_sharding_does_not_warn_o
     assert "resumed from" in err and "different config" not in err
     assert train_inproc(base_args(cache, out, steps=2, **common, **{"train.lr": "2e-2"})) == 0
     assert "written under a different config" in capsys.readouterr().err  # a change of the numbers still warns
+
+
+def _slow_eval_with_signal(monkeypatch, at_step: int, sig=signal.SIGTERM, per_batch: float = 0.5) -> dict:
+    """The eval at step `at_step` takes `per_batch` s a batch, and `sig` arrives 0.3 s into it. Returns its batches
+    run, when the signal was sent and when the eval gave up (seconds since the epoch)."""
+    import threading
+
+    from train import loop, step
+
+    seen = {}
+
+    def slow(components, loader):
+        if loop_state["state"].step != at_step:
+            return step.evaluate(components, loader)
+
+        def batches():
+            for b in loader:
+                seen["batches"] = seen.get("batches", 0) + 1
+                time.sleep(per_batch)
+                yield b
+
+        class Slow:
+            def __iter__(self):
+                return batches()
+
+            def __len__(self):
+                return len(loader)
+
+        threading.Timer(0.3, lambda: (seen.setdefault("sent", time.time()), os.kill(os.getpid(), sig))).start()
+        try:
+            return step.evaluate(components, Slow())
+        finally:
+            seen["left"] = time.time()
+
+    loop_state = {}
+    real_restore = loop.checkpoint.restore
+
+    def restore(*a, **k):
+        loop_state["state"] = real_restore(*a, **k)
+        return loop_state["state"]
+
+    monkeypatch.setattr(loop.checkpoint, "restore", restore)
+    monkeypatch.setattr(loop, "evaluate", slow)
+    return seen
+
+
+def test_a_stop_during_a_long_eval_cuts_it_and_saves_at_once(cache, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    extra = {"train.eval_every": 2, "train.save_every": 100, "train.eval_samples": 32, "train.eval_batch_size": 2}
+    seen = _slow_eval_with_signal(monkeypatch, at_step=2)  # 16 batches: 8 s of eval
+    assert train_inproc(base_args(cache, out, steps=6, **extra)) == 143
+    err = capsys.readouterr().err
+    assert seen["left"] - seen["sent"] < 2 and seen["batches"] < 6, seen
+    assert "SIGTERM during the eval at step 2: eval cut short and not logged" in err and "Traceback" not in err
+    assert "stopped by SIGTERM after step 2" in err
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-2"] and not (out / "final").exists()
+    assert not [m for m in metrics(out) if "eval_loss" in m and m["step"] == 2]
+    # a stop in the eval before the first step: nothing to save, nothing lost
+    seen = _slow_eval_with_signal(monkeypatch, at_step=0, sig=signal.SIGINT)
+    assert train_inproc(base_args(cache, tmp_path / "fresh", steps=6, **extra)) == 130
+    assert "stopped by SIGINT before the first step: nothing to save" in capsys.readouterr().err
+    assert not list((tmp_path / "fresh").glob("checkpoint-*"))
+
+
+def test_the_last_eval_comes_after_the_checkpoint_and_final_so_neither_a_stop_nor_a_failure_loses_them(
+        cache, tmp_path, capsys, monkeypatch):
+    from theworld.errors import UserError
+    from train import loop, step
+
+    out = tmp_path / "run"
+    extra = {"train.save_every": 100, "train.eval_samples": 32, "train.eval_batch_size": 2}
+    _slow_eval_with_signal(monkeypatch, at_step=4)
+    assert train_inproc(base_args(cache, out, steps=4, **extra)) == 143
+    assert "eval at step 4: eval cut short" in capsys.readouterr().err
+    assert (out / "checkpoint-4").is_dir() and (out / "final" / "trainable.safetensors").is_file()
+    weights = _final(out)
+    assert "final eval loss n/a" in (out / "final" / "README.md").read_text()
+    # the last eval fails (a benchmark that cannot be scored): one line, exit 2, both saves kept
+    ref = tmp_path / "ref"
+    monkeypatch.setattr(loop, "evaluate", lambda *a: (_ for _ in ()).throw(UserError("no memory for item 7")))
+    assert train_inproc(base_args(cache, ref, steps=4, **extra)) == 2
+    _one_line(capsys, "the eval after the last step failed", "no memory for item 7", "checkpoint-4 and final/ are saved")
+    assert (ref / "checkpoint-4").is_dir() and _final(ref) == weights
+    # the rerun repeats only the eval, and the checkpoint and the card record it
+    monkeypatch.setattr(loop, "evaluate", step.evaluate)
+    assert train_inproc(base_args(cache, out, steps=4, **extra)) == 0
+    assert _final(out) == weights
+    last = [m for m in metrics(out) if "eval_loss" in m]
+    assert [m["step"] for m in last] == [4]
+    assert json.loads((out / "checkpoint-4" / "state.json").read_text())["last_eval"]["step"] == 4
+    assert f"final eval loss {last[0]['eval_loss']:.4f}" in (out / "final" / "README.md").read_text()
+    from theworld.checkpoint_layout import verify
+
+    verify(out / "final"), verify(out / "checkpoint-4")  # the records follow the rewritten files
+    capsys.readouterr()
+    assert train_inproc(base_args(cache, out, steps=4, **extra)) == 0  # resumable as it is: the seal holds
+    assert [m["step"] for m in metrics(out) if "eval_loss" in m] == [4]

@@ -17,6 +17,7 @@ import torch
 from theworld.infer import benchmarks
 from theworld.errors import UserError
 from theworld.infer.scoring import Scorer, tally
+from train import preempt
 
 if TYPE_CHECKING:
     from train.config import TrainConfig
@@ -81,6 +82,7 @@ class BenchmarkEval:
         steps = math.ceil(math.ceil(len(items) / components.world_size) / per_batch)
         counts = torch.zeros(3, dtype=torch.float64, device=components.accelerator.device)
         for s in range(steps):
+            preempt.poll()  # the same `steps` on every process
             idx = mine[s * per_batch:(s + 1) * per_batch]
             with components.accelerator.autocast():
                 scores = scorer.score(idx or [0])

@@ -378,9 +378,37 @@ or `python -m theworld.describe --model {out} --image image.png`, and score it o
 def export_final(components: Components, state: LoopState, cfg_yaml: str, output_dir: str | Path,
                  whole: Whole | None = None) -> Path:
     """Main process only, with what `gather` returned there (required under FSDP)."""
-    cfg = components.cfg
     whole = whole or gather(components)
     out = Path(output_dir)
+    files = {WEIGHTS: lambda p: save_file(whole.weights, str(p)), CONFIG: lambda p: p.write_text(cfg_yaml),
+             CARD: lambda p: p.write_text(_card(components, state, out))}
+    if components.ema is not None:
+        files[EMA] = _ema_writer(whole)
+    files[SUMS] = lambda p: p.write_text(json.dumps(_sums(p.parent, SUMS), indent=1))  # last: it covers the rest
+    return _publish(out, FINAL, files)
+
+
+def _replace_file(path: Path, text: str) -> None:
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def record_eval(components: Components, state: LoopState, output_dir: str | Path) -> None:
+    """Main process, after the last eval (which runs once checkpoint-<step> and final/ are saved): the checkpoint's
+    state.json and final/'s model card take its numbers, each file replaced whole and its record updated."""
+    out = Path(output_dir)
+    ckpt = out / f"checkpoint-{state.step}"
+    if (ckpt / STATE).is_file():
+        saved = json.loads((ckpt / STATE).read_text())
+        _replace_file(ckpt / STATE, json.dumps(_sealed({**saved, "last_eval": state.last_eval}), indent=1))
+    final = out / FINAL
+    _replace_file(final / CARD, _card(components, state, out))
+    _replace_file(final / SUMS, json.dumps(_sums(final, SUMS), indent=1))
+
+
+def _card(components: Components, state: LoopState, out: Path) -> str:
+    cfg = components.cfg
     ev = state.last_eval or {}
     fmt = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
     gap = (ev["eval_loss_shuffled_world"] - ev["eval_loss"]) if ev else None
@@ -391,9 +419,4 @@ def export_final(components: Components, state: LoopState, cfg_yaml: str, output
                              parent=state.parent or "the base models", eval_loss=fmt(ev.get("eval_loss")),
                              eval_shuffled=fmt(ev.get("eval_loss_shuffled_world")), gap=fmt(gap), out=out / FINAL,
                              prompt=DESCRIBE_PROMPT)
-    files = {WEIGHTS: lambda p: save_file(whole.weights, str(p)), CONFIG: lambda p: p.write_text(cfg_yaml),
-             CARD: lambda p: p.write_text(card)}
-    if components.ema is not None:
-        files[EMA] = _ema_writer(whole)
-    files[SUMS] = lambda p: p.write_text(json.dumps(_sums(p.parent, SUMS), indent=1))  # last: it covers the rest
-    return _publish(out, FINAL, files)
+    return card

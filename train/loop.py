@@ -13,12 +13,12 @@ import torch
 
 from theworld import run_lock
 from theworld.config import to_dict
-from theworld.errors import cli_entry
+from theworld.errors import UserError, cli_entry
 from train import checkpoint, data, optim, order, sharding
 from train.benchmarks import BenchmarkEval
 from train.config import accumulation_steps, load, run_hash, to_yaml
 from train.metrics import Metrics, ProfileWindow, StepWindow, check_metrics_file, check_trackers, summary
-from train.preempt import EXIT_CODES, Preemption
+from train.preempt import EXIT_CODES, EvalCut, Preemption, cut_message
 from train.step import NonFiniteError, evaluate, optimization_step
 
 if TYPE_CHECKING:
@@ -84,21 +84,27 @@ def _train(cfg: TrainConfig, accelerator: Accelerator, reader: CacheReader, plan
     eval_loader = data.build_eval_loader(cfg, ctx, rank, world_size) if len(ctx.eval_indices) else None
     prof = ProfileWindow(cfg.profile, cfg.output_dir, rank)
 
-    def run_eval():
-        if eval_loader is not None:
-            state.last_eval = {"step": state.step, **evaluate(components, eval_loader)}
-            m.log(state.last_eval)
-        if bench is not None:
-            m.log({"step": state.step, **bench.run(components)})
+    def run_eval() -> bool:
+        """The eval of this step; False when a stop request cut it short (then nothing of it is logged)."""
+        try:
+            if eval_loader is not None:
+                state.last_eval = {"step": state.step, **evaluate(components, eval_loader)}
+                m.log(state.last_eval)
+            if bench is not None:
+                m.log({"step": state.step, **bench.run(components)})
+        except EvalCut:
+            m.message(cut_message(state.step, stop.signum))
+            return False
+        return True
 
     def save():
         checkpoint.save_run(components, state, per_epoch, cache)
 
-    if state.step == 0 and cfg.train.eval_every:
-        run_eval()
     window = StepWindow()
-    stop = Preemption(accelerator).install()  # SIGTERM / SIGINT: stop after the current step, saved
+    stop = Preemption(accelerator).install()  # SIGTERM / SIGINT: stop after the current step (or eval), saved
     try:
+        if state.step == 0 and cfg.train.eval_every and not run_eval():
+            return stop.finish(state.step, cfg, save, m)
         while state.step < cfg.train.max_steps:
             epoch, start = divmod(state.step, per_epoch)
             batches = iter(data.build_train_loader(cfg, ctx, rank, world_size, epoch, start))
@@ -117,14 +123,17 @@ def _train(cfg: TrainConfig, accelerator: Accelerator, reader: CacheReader, plan
                 if state.step % cfg.train.log_every == 0 or state.step == cfg.train.max_steps:
                     m.log({"step": state.step, **window.flush(cfg.train.global_batch_size),
                            "nonfinite_total": state.nonfinite_steps, "epoch": epoch})
-                # the last step's eval comes before its save, so the checkpoint holds it
+                # the last step's eval comes after its checkpoint and final/ (_finish): it cannot lose them
                 last = state.step == cfg.train.max_steps
-                if last or (cfg.train.eval_every and state.step % cfg.train.eval_every == 0):
-                    run_eval()
+                if not last and cfg.train.eval_every and state.step % cfg.train.eval_every == 0:
+                    run_eval()  # a cut one is followed by the stop below
                 if state.step % cfg.train.save_every == 0:
                     save()
                 if stop.requested():
                     return stop.finish(state.step, cfg, save, m)
+        if window.steps_run and state.step % cfg.train.save_every:  # (a finished run's rerun has its checkpoint)
+            save()
+        return _finish(cfg, components, state, m, window, t_start, run_eval, stop)
     except NonFiniteError as e:
         m.close()
         print(f"error: {e}", file=sys.stderr)
@@ -134,13 +143,32 @@ def _train(cfg: TrainConfig, accelerator: Accelerator, reader: CacheReader, plan
         raise
     finally:
         stop.restore()
-    if state.last_eval is None or state.last_eval.get("step") != state.step:  # a checkpoint saved before its eval
-        run_eval()
-    if window.steps_run and state.step % cfg.train.save_every:  # (a finished run's rerun has its checkpoint)
-        save()
+
+
+def _finish(cfg: TrainConfig, components: optim.Components, state, m: Metrics, window: StepWindow, t_start: float,
+            run_eval, stop: Preemption) -> int:
+    """After the last step's checkpoint: final/, then the last eval, which the checkpoint and final/ then record. An
+    eval that fails or is cut short loses nothing: the rerun of the same command repeats only the eval."""
+    accelerator = components.accelerator
     whole = checkpoint.gather(components)
     if accelerator.is_main_process:
         final = checkpoint.export_final(components, state, to_yaml(cfg), cfg.output_dir, whole)
+    if state.last_eval is None or state.last_eval.get("step") != state.step:
+        try:
+            done = run_eval()
+        except Exception as e:
+            m.close()
+            print(f"error: the eval after the last step failed ({type(e).__name__}: {str(e)[:300]}); checkpoint-"
+                  f"{state.step} and final/ are saved, without it; rerunning the same command repeats only the eval",
+                  file=sys.stderr)
+            if isinstance(e, UserError):
+                return 2
+            raise
+        if not done:
+            m.close()
+            return stop.exit_code
+        if accelerator.is_main_process:
+            checkpoint.record_eval(components, state, cfg.output_dir)
     m.close()
     if accelerator.is_main_process:
         print(f"final weights: {final}\n" + summary(state, time.time() - t_start, window))
