@@ -18,15 +18,16 @@ install: $(VENV)/.installed
 
 MC := runs/synthetic-mc
 # The main job on the embedded default: tiny models, synthetic data; precompute, then stage-1 training + summary;
-# then the trained model describes two unseen scenes and is scored on 256 of them (true caption vs one-word edits).
+# then the trained model describes two unseen scenes and is scored on 256 of them (true caption vs one-word edits),
+# then describes all 256 and its descriptions are scored against their true captions (BLEU-4, ROUGE-L, CIDEr).
 demo: install
 	$(PY) -m precompute.cosmos_latents --config configs/precompute.yaml
 	$(PY) -m train.loop --config configs/stage1.yaml
 	$(PY) -m theworld.evaluate --make-synthetic 256 --data $(MC)/items.jsonl
 	@echo "two unseen scenes, described by runs/stage1 (true captions: $(MC)/items.jsonl):"
-	$(PY) -m theworld.describe --model runs/stage1 --prompt "describe the scene ." \
-		--image $(MC)/images/1-000000.png $(MC)/images/1-000001.png
+	$(PY) -m theworld.describe --model runs/stage1 --image $(MC)/images/1-000000.png $(MC)/images/1-000001.png
 	$(PY) -m theworld.evaluate --model runs/stage1 --data $(MC)/items.jsonl
+	$(PY) -m theworld.evaluate --model runs/stage1 --task caption --data $(MC)/captions.jsonl --max-new-tokens 24
 
 test: install
 	$(PY) -m pytest -q

@@ -13,7 +13,6 @@ manifest from the sidecars once every process is through.
 from __future__ import annotations
 
 import errno
-import io
 import math
 import os
 import sys
@@ -21,91 +20,18 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from precompute import identity, sources
 from precompute.config import PrecomputeConfig, load
+from precompute.entry_dataset import EntryDataset, collate
 from precompute.shard_writer import ShardWriter
 from theworld import cache_format as cf
 from theworld import encoders, images, run_lock
+from theworld.arch import latent_side
 from theworld.config import cli_parser, to_dict, to_yaml
 from theworld.errors import UserError, cli_entry
 from theworld.launch import process_group
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Worker side: bytes -> uint8 pixels (+ Gemma pixel values), or the reason it failed
-
-
-class EntryDataset(Dataset):
-    """Items by global source position; entries are built one cache shard at a time from the listing (in the worker
-    that reads them), so no process holds more than a shard's worth of Entry objects."""
-
-    def __init__(self, listing: sources.Listing, cfg: PrecomputeConfig, image_processor=None):
-        self.listing = listing
-        self.cfg, self.image_processor = cfg, image_processor
-        self._shard, self._entries = -1, []
-
-    def __len__(self) -> int:
-        return len(self.listing)
-
-    def _entry(self, pos: int) -> sources.Entry:
-        shard = pos // self.cfg.shard_size
-        if shard != self._shard:  # batches arrive in shard order, so each shard is built once per worker
-            lo = shard * self.cfg.shard_size
-            self._shard, self._entries = shard, self.listing.entries(lo, lo + self.cfg.shard_size)
-        return self._entries[pos - self._shard * self.cfg.shard_size]
-
-    def __getitem__(self, pos: int) -> dict:
-        e = self._entry(pos)
-        item = {"pos": pos, "error": e.error, "key": e.key, "source": e.source}
-        if e.error is None:
-            try:
-                item.update(self._prepare(e))
-            except (images.BadImage, sources.SourceError) as err:
-                item["error"] = str(err)
-            except (OSError, UnicodeDecodeError) as err:
-                item["error"] = f"cannot read: {type(err).__name__}: {err}"
-        return item
-
-    def _prepare(self, e: sources.Entry) -> dict:
-        data, caption, prompt, source_meta = self.listing.load(e)
-        meta = {"prompt": prompt, "source": e.source, "flip": self.cfg.cache.flip, **source_meta}
-        pixels, geometry = images.load_for_vae(data, self.cfg.image.resolution, self.cfg.image.resize)
-        meta.update(geometry)
-        out = {"pixels": pixels, "caption": caption, "meta": meta}
-        if self.cfg.cache.images or self.image_processor is not None:
-            img = None
-            ext = cf.image_bytes_hint(data)
-            if ext is None:  # bmp/tiff/gif...: keep what the VAE saw, full size, as PNG (same pixels on live decode)
-                img = images.decode(data)
-                buf = io.BytesIO()
-                img.save(buf, format="PNG")
-                data, ext = buf.getvalue(), "png"
-            if self.cfg.cache.images:
-                out["image"], out["image_ext"] = data, ext
-            if self.image_processor is not None:  # SigLIP sees the whole upright picture, as Gemma's processor does
-                img = img or images.decode(data)
-                out["pixel_values"] = images.siglip_pixels(self.image_processor, img)
-        return out
-
-
-def _collate(batch: list[dict]) -> dict:
-    """In the loader worker: the good samples' pixels (and SigLIP inputs) stacked into one tensor per input shape, so
-    the pin-memory thread pins one buffer per shape and the copy to the GPU is asynchronous. (Stacking in the main
-    process made one pageable tensor out of many pinned ones: a synchronous copy, after paying for the pinning.)
-
-    "pixels" is [(positions among the good samples, (n, 3, H, W) uint8)], one entry per aspect-ratio bucket."""
-    good = [b for b in batch if b["error"] is None]
-    out = {"items": batch, "pixels": []}
-    if good and "pixel_values" in good[0]:
-        out["pixel_values"] = torch.stack([b.pop("pixel_values") for b in good])
-    for shape in sorted({tuple(b["pixels"].shape) for b in good}):
-        rows = [j for j, b in enumerate(good) if tuple(b["pixels"].shape) == shape]
-        out["pixels"].append((torch.tensor(rows), torch.stack([good[j]["pixels"] for j in rows])))
-    for b in good:
-        del b["pixels"]
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -209,7 +135,7 @@ def _process_shards(cfg: PrecomputeConfig, listing: sources.Listing, pending: li
     # Batches never straddle a shard: a sample's batch-mates are the same whatever the process count.
     batches = [list(range(a, min(a + B, hi))) for i in pending for lo, hi in [bounds[i]] for a in range(lo, hi, B)]
     dataset = EntryDataset(listing, cfg, processor.image_processor if processor is not None else None)
-    loader = DataLoader(dataset, batch_sampler=batches, collate_fn=_collate, num_workers=cfg.num_workers,
+    loader = DataLoader(dataset, batch_sampler=batches, collate_fn=collate, num_workers=cfg.num_workers,
                         prefetch_factor=4 if cfg.num_workers else None, persistent_workers=False,
                         pin_memory=device.type == "cuda")
     writer = ShardWriter(out, cfg.cache.dtype)
@@ -335,7 +261,7 @@ def _build(cfg: PrecomputeConfig, state, out: Path) -> dict:
     upscaled = sum(gather_object([upscaled])) if world > 1 else upscaled
     state.wait_for_everyone()
     elapsed = time.time() - t_enc
-    latent_shape = [encoder.vae.config.z_dim, 1, cfg.image.resolution // 8, cfg.image.resolution // 8]
+    latent_shape = [encoder.vae.config.z_dim, 1, latent_side(cfg.image.resolution), latent_side(cfg.image.resolution)]
     if rank == 0:
         _finish(cfg, out, n_shards, run_id, latent_shape)
     state.wait_for_everyone()
@@ -383,9 +309,9 @@ def main(argv: list[str] | None = None) -> int:
         print(to_yaml(cfg), end="")
         return 0
     if args.plan:
-        from precompute import plan
+        from precompute import sizing
 
-        print(plan.report(plan.plan(cfg)))
+        print(sizing.report(sizing.estimate(cfg)))
         return 0
     run(cfg)
     # After a successful run only (on an error another process may still be in a collective). A process that exits

@@ -69,7 +69,8 @@ def test_precompute_bench_smoke(tmp_path):
 @pytest.mark.slow
 def test_real_size_bench_code_path_at_toy_sizes(tmp_path):
     """The GPU benchmark's code (model at given sizes, FLOP count, VAE rate) runs end to end at toy sizes on CPU."""
-    from train.bench_real import TINY, lm_flops
+    from theworld.arch import TINY
+    from train.bench_real import lm_flops
 
     out = _run(["train.bench_real", "--sizes", "tiny", "--steps", "1", "--vae-batch", "2", "--micro-batch", "2",
                 "--compile", "no"],

@@ -217,21 +217,21 @@ def _shard_bytes(cache) -> int:
 
 @pytest.mark.parametrize("latents", ["posterior", "mean"])
 def test_plan_matches_a_real_runs_bytes_within_5_percent(tmp_path, fake_vae, latents):
-    from precompute import plan
+    from precompute import sizing
     from precompute.cosmos_latents import run
     from theworld import cache_format as cf
 
     src = bucket_folder(tmp_path / "src", 24)
     cfg = make_cfg(tmp_path / "cache", "source.type=folder", f"source.path={src}", "image.resize=bucket",
                    "cache.flip=true", "cache.siglip=true", f"cache.latents={latents}", res=128, shard=8, n=24)
-    p = plan.plan(cfg)
+    p = sizing.estimate(cfg)
     assert not (tmp_path / "cache").exists()  # the plan writes nothing
     run(cfg)
     real = _shard_bytes(tmp_path / "cache")
     assert p["entries"] == 24 and p["shards"] == 3
     assert abs(p["bytes_total"] / real - 1) < 0.05, (p, real)
     side = cf.read_sidecar(tmp_path / "cache", 0)["samples"][0]["members"]
-    assert p["bytes_per_sample"]["siglip"] == plan._member(side[cf.SIGLIP][1])  # exact: sized from the saved config
+    assert p["bytes_per_sample"]["siglip"] == sizing._member(side[cf.SIGLIP][1])  # exact: sized from the saved config
     assert len(p["latent_grids"]) == 5
 
 

@@ -202,7 +202,7 @@ def test_launcher_fsdp_and_offload_flags_select_the_plan(monkeypatch, config, en
 
 def test_lr_multipliers_reach_their_parameter_groups(cache, tmp_path):
     from theworld.config import load_config
-    from train import data, optim
+    from train import components, data, optim
     from train.config import TrainConfig
     from train.step import LoopState, optimization_step
 
@@ -211,7 +211,7 @@ def test_lr_multipliers_reach_their_parameter_groups(cache, tmp_path):
                                                                        "train.weight_decay": 0.1}) if a != "--set"]
     cfg = load_config(TrainConfig, None, sets + [f"train.lr_multipliers.{k}={v}" for k, v in mult.items()])
     reader, plan = data.open_cache(cfg)
-    c = optim.build(cfg, optim.make_accelerator(cfg), 2)
+    c = components.build(cfg, components.make_accelerator(cfg), 2)
     names = {id(p): n for n, p in c.raw.named_parameters()}
     groups = c.optimizer.param_groups
     assert sorted({g["part"] for g in groups}) == ["language", "projector", "vision"]  # the frozen VAE has none
@@ -245,13 +245,13 @@ def test_checkpoint_with_one_adamw_group_per_decay_setting_resumes_exactly(cache
     equal to the run that wrote it."""
     from theworld.cache_format import sha256_file
     from theworld.config import load_config
-    from train import optim
+    from train import components, optim
     from train.config import TrainConfig
 
     extra = {**STAGE3, "train.save_every": 2, "train.weight_decay": 0.1}
     assert train_inproc(base_args(cache, tmp_path / "ref", **extra)) == 0
     sets = [a for a in base_args(cache, tmp_path / "ref", **extra) if a != "--set"]
-    model, _ = optim.build_model(load_config(TrainConfig, None, sets))
+    model, _ = components.build_model(load_config(TrainConfig, None, sets))
     order = [n for n, p in model.named_parameters() if p.requires_grad]
     name_of = {id(p): n for n, p in model.named_parameters()}
     groups = optim.param_groups(model, 0.1)
@@ -295,13 +295,13 @@ def test_bad_lr_multiplier_or_sharding_is_a_one_line_error(capsys, value, key):
 @pytest.mark.parametrize("stage", ["stage1", "stage3", "stage4"])
 def test_memory_plan_counts_parameters_exactly(stage):
     from theworld.config import load_config
-    from train import memory, optim
+    from train import components, memory
     from train.config import TrainConfig
 
     cfg = load_config(TrainConfig, str(ROOT / "configs" / f"{stage}.yaml"))
-    model, _ = optim.build_model(cfg)  # the real thing: from_pretrained of the tiny models, freeze flags applied
+    model, _ = components.build_model(cfg)  # the real thing: from_pretrained of the tiny models, freeze flags applied
     params = dict(model.named_parameters())
-    plan = memory.plan(cfg, gpus=2, gpu_memory_gib=80)
+    plan = memory.estimate(cfg, gpus=2, gpu_memory_gib=80)
     assert plan["total_params"] == sum(p.numel() for p in params.values())
     assert plan["trainable_params"] == sum(p.numel() for p in params.values() if p.requires_grad)
     frozen = sum(p.numel() * p.element_size() for p in params.values() if not p.requires_grad)
@@ -314,7 +314,7 @@ def test_memory_cli_real_configs_offline(capsys):
     """The real configs resolve offline to the architectures train.bench_real builds: Gemma 3 4B (4,300,079,472
     parameters, as published for google/gemma-3-4b-it) + the Wan 2.1 VAE + the projector."""
     from train import memory
-    from train.bench_real import REAL
+    from theworld.arch import REAL
 
     assert memory.main(["--config", str(ROOT / "configs" / "real" / "stage3.yaml"), "--gpus", "8", "--json"]) == 0
     p = json.loads(capsys.readouterr().out)
@@ -377,7 +377,7 @@ def test_memory_estimate_matches_peak_rss_of_a_small_model(tmp_path):
     model training, about 25 M trainable parameters on the CPU): within 15%."""
     from theworld.config import load_config
     from train import memory
-    from train.bench_real import TINY, gemma_config
+    from theworld.arch import TINY, gemma_config
     from train.config import TrainConfig
 
     text = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=4,

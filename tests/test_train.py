@@ -432,15 +432,15 @@ def test_a_slow_loader_shows_as_data_wait(cache, tmp_path, monkeypatch, capsys):
 
 def test_nonfinite_loss_is_skipped_and_counted(cache, tmp_path):
     from theworld.config import load_config
-    from train import batches, data, optim
+    from train import batches, components, data
     from train.config import TrainConfig
     from train.step import LoopState, NonFiniteError, optimization_step
 
     cfg = load_config(TrainConfig, None, [a for a in base_args(cache, tmp_path / "run") if a != "--set"]
                       + ["train.max_nonfinite=2"])
     reader, plan = data.open_cache(cfg)
-    acc = optim.make_accelerator(cfg)
-    c = optim.build(cfg, acc, 2)
+    acc = components.make_accelerator(cfg)
+    c = components.build(cfg, acc, 2)
     ctx = data.DataContext.build(cfg, reader, plan, c.processor)
     it = iter(data.build_train_loader(cfg, ctx, 0, 1, epoch=0, start=0))
     good = [next(it), next(it)]
@@ -491,13 +491,13 @@ def test_flipped_samples_get_the_flipped_latents_and_swapped_text(cache, tmp_pat
     """A batch mixing flipped and unflipped samples: each row holds the cache's latents for its own flip decision."""
     from theworld import cache_format as cf
     from theworld.config import load_config
-    from train import batches, data, optim, order
+    from train import batches, components, data, order
     from train.config import TrainConfig
 
     cfg = load_config(TrainConfig, None, [a for a in base_args(cache, tmp_path / "run") if a != "--set"]
                       + ["train.flip=true", "train.micro_batch_size=16"])
     reader, plan = data.open_cache(cfg)
-    c = optim.build(cfg, optim.make_accelerator(cfg), 1)
+    c = components.build(cfg, components.make_accelerator(cfg), 1)
     ctx = data.DataContext.build(cfg, reader, plan, c.processor)
     ds = ctx.dataset(cfg, ctx.train_indices[:16], epoch=3)
     batch = batches.Collate(ctx.formatter)([ds[i] for i in range(16)]).to("cpu")
@@ -516,9 +516,10 @@ def test_flipped_samples_get_the_flipped_latents_and_swapped_text(cache, tmp_pat
 def test_train_attention_sets_the_language_models_kernel_only():
     from theworld.config import load_config
     from theworld.errors import UserError
-    from train.bench_real import TINY, build_gemma
+    from theworld.arch import TINY
+    from train.bench_real import build_gemma
     from train.config import TrainConfig
-    from train.optim import set_language_attention
+    from train.components import set_language_attention
 
     gemma = build_gemma(TINY, torch.device("cpu"), "eager")  # goes through set_language_attention
     assert gemma.model.language_model.config._attn_implementation == "eager"
@@ -612,12 +613,12 @@ def test_bucketed_cache_resumes_exactly_and_two_processes_match_one(bucket_cache
 
 def test_bucketed_micro_batches_hold_one_shape_and_live_encoding_matches_the_cache(bucket_cache, tmp_path):
     from theworld.config import load_config
-    from train import data, optim, order
+    from train import components, data, order
     from train.config import TrainConfig
 
     cfg = load_config(TrainConfig, None, [a for a in bucket_args(bucket_cache, tmp_path / "run", 1) if a != "--set"])
     reader, plan = data.open_cache(cfg)
-    c = optim.build(cfg, optim.make_accelerator(cfg), 2)
+    c = components.build(cfg, components.make_accelerator(cfg), 2)
     ctx = data.DataContext.build(cfg, reader, plan, c.processor)
     steps = order.check_sizes(cfg, reader, ctx.train_indices, 1)
     shapes = []

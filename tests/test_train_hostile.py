@@ -494,7 +494,7 @@ def _slow_eval_with_signal(monkeypatch, at_step: int, sig=signal.SIGTERM, per_ba
     run, when the signal was sent and when the eval gave up (seconds since the epoch)."""
     import threading
 
-    from train import loop, step
+    from train import step, trainer as loop
 
     seen = {}
 
@@ -554,7 +554,7 @@ def test_a_stop_during_a_long_eval_cuts_it_and_saves_at_once(cache, tmp_path, ca
 def test_the_last_eval_comes_after_the_checkpoint_and_final_so_neither_a_stop_nor_a_failure_loses_them(
         cache, tmp_path, capsys, monkeypatch):
     from theworld.errors import UserError
-    from train import loop, step
+    from train import step, trainer as loop
 
     out = tmp_path / "run"
     extra = {"train.save_every": 100, "train.eval_samples": 32, "train.eval_batch_size": 2}

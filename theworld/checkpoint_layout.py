@@ -10,6 +10,7 @@
     <output_dir>/checkpoint-<step>/ema.safetensors        EMA of the trainable weights (when train.ema > 0)
     <output_dir>/checkpoint-<step>/config.yaml            the resolved config (defines the model: SECTIONS)
     <output_dir>/final/                                   trainable.safetensors (+ ema), config.yaml, README.md,
+                                                          prompt.txt (the prompt the training samples carried),
                                                           sha256.json: the sha256 of every other file
 
 A stage folder (final/ or checkpoint-N/) holds the trained tensors and the run's resolved config; the base models come
@@ -28,6 +29,7 @@ import yaml
 
 from theworld.config import FreezeConfig, ImageConfig, ModelConfig, WorldConfig, from_dict
 from theworld.errors import UserError
+from theworld.text import DEFAULT_PROMPT
 
 WEIGHTS = "trainable.safetensors"
 EMA = "ema.safetensors"
@@ -37,6 +39,7 @@ OPTIMIZER = "optimizer.pt"
 RNG = "rng.safetensors"
 CARD = "README.md"
 SUMS = "sha256.json"  # final/'s record of its files' sha256 (a checkpoint's is in its state.json)
+PROMPT = "prompt.txt"  # final/: the prompt the run trained with, the default of describe and caption evaluation
 FINAL = "final"
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 SECTIONS = ("model", "image", "world", "freeze")  # the parts of a run's config that define the model
@@ -131,3 +134,11 @@ def read_config(folder: Path) -> ModelSections:
         return from_dict(ModelSections, {k: data[k] for k in SECTIONS if k in data})
     except UserError as e:
         raise UserError(f"{path}: {e}") from None
+
+
+def trained_prompt(folder: Path) -> str:
+    """The prompt the stage was trained with (final/prompt.txt), or DEFAULT_PROMPT for a folder without one (a
+    checkpoint-N/, or a run from before the file existed)."""
+    path = folder / PROMPT
+    text = path.read_text(encoding="utf-8").strip("\n") if path.is_file() else ""
+    return text or DEFAULT_PROMPT

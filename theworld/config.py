@@ -24,6 +24,7 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 import yaml
 
+from theworld.arch import VAE_FACTOR
 from theworld.errors import UserError
 
 T = TypeVar("T")
@@ -61,8 +62,9 @@ class ImageConfig:
     MAX_RESOLUTION = 16384  # (a class constant, not a key) one R x R x 3 float image is then 3 GB
 
     def __post_init__(self) -> None:
-        if self.resolution <= 0 or self.resolution % 8:
-            raise UserError(f"image.resolution: must be a positive multiple of 8 (the VAE downsamples 8x), got {self.resolution}")
+        if self.resolution <= 0 or self.resolution % VAE_FACTOR:
+            raise UserError(f"image.resolution: must be a positive multiple of {VAE_FACTOR} (the VAE downsamples "
+                            f"{VAE_FACTOR}x), got {self.resolution}")
         if self.resolution > self.MAX_RESOLUTION:
             raise UserError(f"config key 'image.resolution': at most {self.MAX_RESOLUTION}, got {self.resolution}")
         from theworld.images import BUCKET_STEP
@@ -366,6 +368,16 @@ class ArgParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> typing.NoReturn:
         raise UserError(f"{self.prog}: {message}")
+
+
+class DefaultsHelp(argparse.HelpFormatter):
+    """--help shows each option's default, where it has one worth showing (not a flag's False, not None)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, False, "", argparse.SUPPRESS) or "%(default)" in text or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
 
 
 def add_config_args(p: argparse.ArgumentParser, config_help: str = "YAML config file") -> None:

@@ -6,12 +6,14 @@ the world latents of image i-1 (the first gets the last one's), to show what the
 """
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
 
+from theworld import checkpoint_layout as layout
 from theworld import images
-from theworld.config import ArgParser
+from theworld.config import ArgParser, DefaultsHelp
 from theworld.control_text import control_problem
 from theworld.errors import UserError, cli_entry
 from theworld.text import DEFAULT_PROMPT
@@ -22,11 +24,13 @@ def escape(text: str) -> str:
 
 
 def parse(argv: list[str] | None):
-    p = ArgParser(prog="theworld.describe", description="Describe images with a trained TheWorld stage.")
+    p = ArgParser(prog="theworld.describe", description="Describe images with a trained TheWorld stage.",
+                  formatter_class=DefaultsHelp)
     p.add_argument("--model", required=True, help="final/ or checkpoint-N/ folder, or a run's output_dir")
     p.add_argument("--image", required=True, nargs="+", help="image files")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--prompt", default=argparse.SUPPRESS,
+                   help=f"default: the prompt the run trained with (final/{layout.PROMPT}), else {DEFAULT_PROMPT!r}")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="at most this many new tokens per answer")
     p.add_argument("--batch-size", type=int, default=8, help="images per generate call")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence at every step")
     p.add_argument("--shuffle-world", action="store_true", help="give image i the world latents of image i-1")
@@ -34,7 +38,8 @@ def parse(argv: list[str] | None):
     args = p.parse_args(argv)
     if args.max_new_tokens < 1 or args.batch_size < 1:
         raise UserError("theworld.describe: --max-new-tokens and --batch-size must be >= 1")
-    if problem := control_problem(args.prompt, "--prompt"):
+    args.prompt = getattr(args, "prompt", None)
+    if args.prompt is not None and (problem := control_problem(args.prompt, "--prompt")):
         raise UserError(f"theworld.describe: {problem}, which the model would read as a control token, not text")
     for img in args.image:  # before the model loads: a bad file costs a second
         if not Path(img).is_file():
@@ -53,14 +58,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     from theworld.model import TheWorld
 
+    folder = layout.resolve(args.model)
+    prompt = args.prompt if args.prompt is not None else layout.trained_prompt(folder)
     t = time.time()
-    model, _ = TheWorld.from_pretrained(args.model, ema=args.ema)
+    model, _ = TheWorld.from_pretrained(folder, ema=args.ema)
     print(f"loaded {args.model} in {time.time() - t:.1f} s", file=sys.stderr)
     paths = args.image
     world = paths[-1:] + paths[:-1] if args.shuffle_world else None
     for lo in range(0, len(paths), args.batch_size):
         chunk = slice(lo, lo + args.batch_size)
-        texts = model.generate(paths[chunk], args.prompt, max_new_tokens=args.max_new_tokens,
+        texts = model.generate(paths[chunk], prompt, max_new_tokens=args.max_new_tokens,
                                use_cache=not args.no_cache, world_images=world[chunk] if world else None)
         for text in texts:
             print(escape(text), flush=True)

@@ -1,43 +1,77 @@
-"""`python -m theworld.evaluate --model DIR --data FILE [--json] [--limit N] [--batch-size B]`: multiple-choice
-accuracy of a trained stage, with the world pathway intact and with it shuffled.
+"""`python -m theworld.evaluate --model RUN --data PATH [--protocol generate|loglik] [--baselines all|NAME,...]
+[--split val] [--out FILE] [--no-shared-prefix] [--json]`: multiple-choice accuracy of a trained stage, with each
+item's own world, with the world shuffled, and against baselines on the same items; `--task caption`: caption scores.
 
-Each choice is scored by the summed log-probability of its answer tokens (the choice and the model turn's
-<end_of_turn>, the tokens training supervises) after the question; the highest wins (ties: the first).
-`accuracy_shuffled_world` scores the same items with item i given the world latents of item i-1 (the first gets the
-last one's). Both come with a 95% Wilson interval, overall and per category. Scoring: theworld/infer/scoring.py;
-data formats: theworld/infer/benchmarks.py.
-`--make-synthetic N` first writes N items from unseen synthetic scenes to `--data` (images beside it); without
-`--model` it stops there.
+Protocols, conditions and statistics: theworld/infer/scoring.py, baselines.py, letters.py, stats.py; captions:
+theworld/infer/captions.py; data formats: theworld/infer/benchmarks.py. The default protocol is `generate` for items
+that carry the benchmark's own prompt (BLINK) and `loglik` for the others (JSONL, the synthetic set), which have
+never been asked in a lettered form. `--make-synthetic N` first writes N items from unseen synthetic scenes to
+`--data` (images beside it); without `--model` it stops there. Evaluating a local run's final/ also writes the
+result into its model card (final/README.md).
 """
 from __future__ import annotations
 
 import json
 import sys
 import time
+from pathlib import Path
 
-from theworld.config import ArgParser
+from theworld.config import ArgParser, DefaultsHelp
 from theworld.errors import UserError, cli_entry
-from theworld.infer import benchmarks
-from theworld.infer.scoring import evaluate, format_report, summarize
+from theworld.infer import baselines, benchmarks
+from theworld.infer.scoring import PROTOCOLS
 
 
 def parse(argv: list[str] | None):
-    p = ArgParser(prog="theworld.evaluate", description="Multiple-choice accuracy of a trained TheWorld stage.")
+    p = ArgParser(prog="theworld.evaluate", description="Evaluate a trained TheWorld stage: multiple choice or captions.",
+                  formatter_class=DefaultsHelp)
     p.add_argument("--model", help="final/ or checkpoint-N/ folder, or a run's output_dir")
-    p.add_argument("--data", required=True, help="JSONL file, or BLINK's parquet folder (or one parquet file)")
+    p.add_argument("--data", required=True, help="JSONL file, or BLINK's parquet folder (or one parquet file); "
+                                                 "captions: JSONL, or a latent cache (its held-out samples)")
+    p.add_argument("--task", choices=("mc", "caption"), default="mc",
+                   help="mc: multiple choice; caption: JSONL {image, captions} scored by BLEU-4, ROUGE-L, CIDEr")
+    p.add_argument("--protocol", choices=PROTOCOLS, default=None,
+                   help="multiple choice: generate (read the letter) or loglik (score each choice); default: generate "
+                        "when the items carry their own prompt (BLINK), else loglik")
+    p.add_argument("--baselines", default="", metavar="all|NAME,...",
+                   help=f"baselines on the same items: {', '.join(baselines.BASELINES)}")
+    p.add_argument("--split", default="val",
+                   help="which split's files of a BLINK folder to read; a cache's held-out samples are val")
+    p.add_argument("--out", help="write one JSON line per item (outputs of every condition) to this file")
+    p.add_argument("--no-shared-prefix", action="store_true", help="score every choice from the full sequence")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    p.add_argument("--limit", type=int, default=0, help="score only the first N items (0: all)")
+    p.add_argument("--limit", type=int, default=0, help="evaluate only the first N items (0: all)")
     p.add_argument("--batch-size", type=int, default=8, help="items per forward pass")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="generation length (default: 16 for a letter, 64 for a caption)")
     p.add_argument("--ema", action="store_true", help="use the EMA weights (ema.safetensors)")
     p.add_argument("--make-synthetic", type=int, default=0, metavar="N",
                    help="first write N items from unseen synthetic scenes to --data (images in images/ beside it)")
     p.add_argument("--synthetic-seed", type=int, default=1, help="scene seed of --make-synthetic (training uses 0)")
     args = p.parse_args(argv)
-    if args.limit < 0 or args.batch_size < 1 or args.make_synthetic < 0:
-        raise UserError("theworld.evaluate: --limit and --make-synthetic must be >= 0, --batch-size >= 1")
+    if args.limit < 0 or args.batch_size < 1 or args.make_synthetic < 0 or (args.max_new_tokens or 1) < 1:
+        raise UserError("theworld.evaluate: --limit and --make-synthetic must be >= 0, --batch-size and "
+                        "--max-new-tokens >= 1")
     if not args.model and not args.make_synthetic:
         raise UserError("theworld.evaluate: --model is required (unless only writing a set with --make-synthetic)")
+    args.baselines = baselines.parse(args.baselines)
     return args
+
+
+def _readable(items: list, skipped: list[dict]) -> list:
+    for s in skipped:
+        print(f"skipped {s['item']}: {s['field']}: {s['reason']}", file=sys.stderr)
+    bad = {s["item"] for s in skipped}
+    return [it for it in items if it.name not in bad]
+
+
+def _open_out(path: str | None):
+    if path is None:
+        return None
+    try:
+        return open(path, "w", encoding="utf-8")
+    except OSError as e:
+        raise UserError(f"--out {path}: cannot write ({e.strerror})") from None
 
 
 @cli_entry
@@ -48,30 +82,83 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.make_synthetic} items to {args.data}", file=sys.stderr)
         if not args.model:
             return 0
-    items = benchmarks.read(args.data)[: args.limit or None]
-    skipped = benchmarks.unreadable(items)
-    for s in skipped:
-        print(f"skipped {s['item']}: {s['field']}: {s['reason']}", file=sys.stderr)
-    bad = {s["item"] for s in skipped}
-    items = [it for it in items if it.name not in bad]
+    if args.task == "caption":
+        from theworld import cache_format as cf
+        from theworld import checkpoint_layout as layout
+        from theworld.infer import captions
+
+        if (Path(args.data) / cf.MANIFEST).is_file():  # a latent cache: the run's held-out samples
+            items = captions.read_cache(Path(args.data), args.split, layout.resolve(args.model))
+        else:
+            items = captions.read(args.data)
+        items = items[: args.limit or None]
+    else:
+        items = benchmarks.read(args.data, args.split)[: args.limit or None]
+    items = _readable(items, benchmarks.unreadable(items))
     if not items:
         raise UserError(f"--data {args.data}: no item with readable images")
+    from theworld import checkpoint_layout as layout
     from theworld.model import TheWorld
 
+    folder = layout.resolve(args.model)  # before the slow load: a wrong folder is one line at once
+    out = _open_out(args.out)
     t = time.time()
-    model, processor = TheWorld.from_pretrained(args.model, ema=args.ema)
-    print(f"loaded {args.model} in {time.time() - t:.1f} s; scoring {len(items)} items", file=sys.stderr)
-    tty = sys.stderr.isatty()  # a progress line only where it can be redrawn in place
-    records = evaluate(model, processor, model.image_config, items, args.batch_size,
-                       progress=(lambda k: print(f"\r{k}/{len(items)}", end="", file=sys.stderr)) if tty else None)
-    if tty:
-        print(file=sys.stderr)
-    summary = {**summarize(records), "skipped": skipped}
+    model, processor = TheWorld.from_pretrained(folder, ema=args.ema)
+    print(f"loaded {args.model} in {time.time() - t:.1f} s; evaluating {len(items)} items", file=sys.stderr)
+    init = baselines.InitProjector.for_stage(model, folder) if "init_projector" in args.baselines else None
+    try:
+        summary = _run(args, model, processor, items, init, out, layout.trained_prompt(folder))
+    finally:
+        if out is not None:
+            out.close()
     if args.json:
         print(json.dumps({"model": args.model, "data": args.data, **summary}))
     else:
-        print(format_report(summary))
+        print(_report(args.task, summary))
+    if folder.name == layout.FINAL:
+        from theworld.infer import card
+
+        card.update(folder / layout.CARD, card.row(summary, args.data, args.task, sys.argv[1:] if argv is None else argv))
     return 0
+
+
+def _run(args, model, processor, items: list, init, out, prompt: str) -> dict:
+    from tqdm import tqdm
+
+    conds = baselines.conditions(args.baselines)
+    bar = tqdm(total=len(items), desc="evaluate", unit="item", file=sys.stderr, mininterval=1.0)
+
+    def progress(records: list[dict]) -> None:
+        bar.update(len(records))
+        for r in records if out is not None else ():
+            out.write(json.dumps(r, ensure_ascii=False) + "\n")
+        if out is not None:
+            out.flush()
+
+    try:
+        if args.task == "caption":
+            from theworld.infer import captions
+
+            records = captions.evaluate(model, processor, items, args.batch_size, progress,
+                                        max_new_tokens=args.max_new_tokens or 64, prompt=prompt)
+            return captions.summarize(records)
+        from theworld.infer import scoring
+
+        protocol = args.protocol or ("generate" if all(it.prompt for it in items) else "loglik")
+        records = scoring.evaluate(model, processor, model.image_config, items, args.batch_size, progress,
+                                   protocol=protocol, conds=conds, init=init, shared_prefix=not args.no_shared_prefix,
+                                   max_new_tokens=args.max_new_tokens or 16)
+        return scoring.summarize(records, args.baselines, protocol)
+    finally:
+        bar.close()
+
+
+def _report(task: str, summary: dict) -> str:
+    if task == "caption":
+        from theworld.infer.captions import format_report
+    else:
+        from theworld.infer.scoring import format_report
+    return format_report(summary)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
+from theworld.arch import POOLS, VAE_FACTOR
+
 # PIL's own decompression-bomb threshold; above it we refuse instead of allocating gigabytes.
 MAX_PIXELS = 89_478_485
 _SIXTEEN_BIT = {"I;16", "I;16B", "I;16L", "I;16N"}
@@ -113,9 +115,9 @@ def decode(data: bytes, draft_size: int | None = None, max_pixels: int = MAX_PIX
         raise _bad_image(e) from None
 
 
-# Bucket sides are multiples of 8 (the VAE's downsampling) x 4 (the largest world.pool), so every pool divides every
+# Bucket sides are multiples of the VAE's downsampling x the largest world.pool, so every pool divides every
 # latent grid; buckets are at most 2:1 (a wider picture loses its sides to the crop, as a square crop would).
-BUCKET_STEP = 8 * 4
+BUCKET_STEP = VAE_FACTOR * max(POOLS)
 BUCKET_MAX_ASPECT = 2.0
 
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from theworld.arch import FREEZABLE, PARTS
 from theworld.config import FreezeConfig, ImageConfig, ModelConfig, WorldConfig
 from theworld import checkpoint_layout as layout
 from theworld import encoders
@@ -94,14 +95,18 @@ class TheWorld(nn.Module):
                      seed: int = 0):
         """TheWorld around loaded (or, for train.memory, meta-device) base models, with a fresh fp32 projector."""
         encoder = WorldEncoder(vae)
-        text_cfg = gemma.config.get_text_config()
-        torch.manual_seed(seed)  # the projector's initialisation is part of the run's definition
-        projector = WorldProjector(text_cfg.hidden_size, encoder.latents_mean, encoder.latents_std,
-                                   latent_channels=vae.config.z_dim, pool=world.pool, arch=world.projector,
-                                   embed_std=text_cfg.initializer_range)
-        self = cls(gemma, encoder, projector, world.latent)
+        self = cls(gemma, encoder, cls.new_projector(gemma, encoder, world, seed), world.latent)
         self.set_freeze(freeze or FreezeConfig())
         return self
+
+    @staticmethod
+    def new_projector(gemma: nn.Module, encoder: WorldEncoder, world: WorldConfig, seed: int) -> WorldProjector:
+        """The fp32 projector as a run with this seed starts it (also the `init_projector` evaluation baseline)."""
+        text_cfg = gemma.config.get_text_config()
+        torch.manual_seed(seed)  # the projector's initialisation is part of the run's definition
+        return WorldProjector(text_cfg.hidden_size, encoder.latents_mean, encoder.latents_std,
+                              latent_channels=encoder.vae.config.z_dim, pool=world.pool, arch=world.projector,
+                              embed_std=text_cfg.initializer_range)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, ema: bool = False, device: str | torch.device | None = None):
@@ -128,15 +133,13 @@ class TheWorld(nn.Module):
                           r"|^world_encoder\.vae\.encoder\..*\.time_conv\.")
 
     def set_freeze(self, freeze: FreezeConfig) -> None:
-        inner = self.gemma.model
-        parts = {"vision": [inner.vision_tower, inner.multi_modal_projector],
-                 "language": [inner.language_model, self.gemma.lm_head],
-                 "vae": [self.world_encoder] if self.world_encoder is not None else []}
         if not freeze.vae and self.world_encoder is None:
             raise UserError("freeze.vae: false needs the VAE loaded (live encoding)")
-        for name, modules in parts.items():
-            for m in modules:
-                m.requires_grad_(not getattr(freeze, name))
+        for name in FREEZABLE:
+            if name == "vae" and self.world_encoder is None:  # cached latents only: no VAE loaded
+                continue
+            for path in PARTS[name]:
+                self.get_submodule(path).requires_grad_(not getattr(freeze, name))
         for name, p in self.named_parameters():
             if self.OFF_PATH.match(name):
                 p.requires_grad_(False)
@@ -180,10 +183,9 @@ class TheWorld(nn.Module):
         text = embed(safe_ids)
         text = text.masked_scatter(is_image.unsqueeze(-1), image_feats.to(text.dtype))
         b, n = world.shape[:2]
-        ones, zeros = attention_mask.new_ones(b, n), attention_mask.new_zeros(b, n)
         embeds = torch.cat([text[:, :1], world.to(text.dtype), text[:, 1:]], dim=1)
-        mask = torch.cat([attention_mask[:, :1], ones, attention_mask[:, 1:]], dim=1)
-        types = torch.cat([zeros[:, :1], zeros, is_image[:, 1:].long()], dim=1)
+        mask = torch.cat([attention_mask[:, :1], attention_mask.new_ones(b, n), attention_mask[:, 1:]], dim=1)
+        types = torch.cat([attention_mask.new_zeros(b, 1 + n), is_image[:, 1:].long()], dim=1)  # BOS, world: text
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         return {"inputs_embeds": embeds, "attention_mask": mask, "token_type_ids": types, "position_ids": positions}
 
@@ -207,11 +209,17 @@ class TheWorld(nn.Module):
     def embed_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
                      latent_mean: torch.Tensor | None = None, latent_logvar: torch.Tensor | None = None,
                      images: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None,
-                     siglip: torch.Tensor | None = None, noise_seeds: list[int] | None = None) -> dict:
-        """The fused language-model inputs (see `fuse`) from token ids, world inputs and image inputs."""
+                     siglip: torch.Tensor | None = None, noise_seeds: list[int] | None = None,
+                     world: bool = True) -> dict:
+        """The fused language-model inputs (see `fuse`) from token ids, world inputs and image inputs.
+        `world=False`: no world block at all (no SOW, world or EOW tokens), Gemma 3 as its users know it."""
+        feats = self.image_features(pixel_values, siglip)
+        if not world:
+            none = feats.new_zeros(input_ids.shape[0], 0, self.gemma.config.get_text_config().hidden_size)
+            return self.fuse(input_ids, attention_mask, none, feats)
         mean, logvar = self.world_latents(images, latent_mean, latent_logvar)
-        world = self.projector(mean, logvar, self.latent_mode, noise_seeds)
-        return self.fuse(input_ids, attention_mask, world, self.image_features(pixel_values, siglip))
+        tokens = self.projector(mean, logvar, self.latent_mode, noise_seeds)
+        return self.fuse(input_ids, attention_mask, tokens, feats)
 
     @staticmethod
     def _answer_targets(labels: torch.Tensor, n_world: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from theworld.arch import POOLS
+
 
 class WorldProjector(nn.Module):
     """(mean, logvar) of shape (B, 16, 1, h, w) -> [SOW, W1..WN, EOW] of shape (B, N + 2, H), N = (h/pool)*(w/pool).
@@ -18,8 +20,8 @@ class WorldProjector(nn.Module):
     def __init__(self, hidden_size: int, latents_mean: torch.Tensor, latents_std: torch.Tensor, *,
                  latent_channels: int = 16, pool: int = 1, arch: str = "mlp", embed_std: float = 0.02):
         super().__init__()
-        if pool not in (1, 2, 4):
-            raise ValueError(f"pool must be 1, 2 or 4, got {pool}")
+        if pool not in POOLS:
+            raise ValueError(f"pool must be one of {POOLS}, got {pool}")
         self.pool, self.arch = pool, arch
         self.embed_scale = math.sqrt(hidden_size)
         self.register_buffer("latents_mean", latents_mean.float().reshape(1, -1, 1, 1), persistent=False)

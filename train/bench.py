@@ -37,8 +37,8 @@ import torch
 from theworld import cache_format as cf
 from theworld import synthetic, tiny
 from theworld.config import load_config
-from train import data, optim, order
-from train.config import TrainConfig, accumulation_steps
+from train import components, data, order
+from train.config import TrainConfig
 from train.step import LoopState, optimization_step
 
 BENCH_ROOT = Path("cache/bench")
@@ -160,11 +160,12 @@ def bench_case(case: str, steps: int = 1, warmup: int = 3, samples: int | None =
             f"cache_dir={cache}", f"output_dir={out}", "trackers=[]", "resume=null", "train.eval_samples=16",
             f"train.global_batch_size={gbs}", f"train.micro_batch_size={mbs}", f"train.num_workers={workers}",
             f"train.max_steps={10 * steps}", "train.warmup_steps=0", "train.lr=1e-4"])
-        reader, plan = data.open_cache(cfg)
-        acc = optim.make_accelerator(cfg)
-        accum = accumulation_steps(cfg, acc.num_processes)
-        c = optim.build(cfg, acc, accum)
-        ctx = data.DataContext.build(cfg, reader, plan, c.processor)
+        reader, inputs = data.open_cache(cfg)
+        launch = components.resolve_launch(cfg)
+        acc = components.make_accelerator(cfg, launch)
+        accum = launch.accum
+        c = components.build(cfg, acc, accum)
+        ctx = data.DataContext.build(cfg, reader, inputs, c.processor)
         state = LoopState()
         n = warmup + rounds * steps
         per_epoch = order.steps_per_epoch(np.bincount(ctx.buckets[ctx.train_indices]), gbs)
@@ -187,7 +188,7 @@ def bench_case(case: str, steps: int = 1, warmup: int = 3, samples: int | None =
         step_s, fed_s = _mean(round_staged), _mean(round_fed)
         ratios = [f / s for f, s in zip(round_fed, round_staged)]
         # live path, same model and samples: frozen VAE and SigLIP run inside every step
-        live_plan = data.InputPlan(cached_latents=False, cached_siglip=False, flip=False,
+        live_plan = data.InputSources(cached_latents=False, cached_siglip=False, flip=False,
                                    members=tuple(sorted(cf.IMAGE_EXTS)))
         live_reader = cf.CacheReader(cfg.cache_dir, members=live_plan.members)
         live_ctx = data.DataContext(live_reader, live_plan, ctx.formatter, ctx.image_processor, ctx.train_indices,

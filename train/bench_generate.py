@@ -20,8 +20,9 @@ import time
 
 import torch
 
+from theworld.arch import REAL, TINY
 from theworld.infer import generate as gen
-from train.bench_real import REAL, TINY, _sync, batch, build, build_gemma
+from train.bench_real import _sync, batch, build, build_gemma
 
 
 def _timed(fn, repeats: int, device: torch.device) -> float:

@@ -25,38 +25,13 @@ import torch
 import torch.nn.functional as F
 
 from theworld import gemma3
+from theworld.arch import ANSWER_TOKENS, REAL, TEXT_TOKENS, TINY, gemma_config, latent_side
 from theworld.encoders import WorldEncoder, _quiet_hf
 from theworld.model import TheWorld, compile_language_layers
 from theworld.projector import WorldProjector
-from train.optim import set_language_attention
+from train.components import set_language_attention
 
-REAL = {"text": dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
-                     num_key_value_heads=4, head_dim=256, sliding_window=1024, vocab_size=262208,
-                     query_pre_attn_scalar=256),
-        "vision": dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
-                       image_size=896, patch_size=14, vision_use_head=False),
-        "mm_tokens": 256, "resolution": 512, "vae": {}}
-TINY = {"text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                     num_key_value_heads=1, head_dim=32, sliding_window=64, vocab_size=512, query_pre_attn_scalar=32),
-        "vision": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                       image_size=32, patch_size=8),
-        "mm_tokens": 4, "resolution": 64,
-        "vae": dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1)}
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
-TEXT_TOKENS = 64  # prompt + chat template around the image, plus a caption of ~32 answer tokens
-ANSWER_TOKENS = 32
-
-
-def gemma_config(sizes: dict):
-    """Gemma3Config at `sizes` (REAL: google/gemma-3-4b-it's architecture; train.memory uses it offline)."""
-    from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
-
-    text = Gemma3TextConfig(**sizes["text"], layer_types=gemma3.layer_types(sizes["text"]["num_hidden_layers"]))
-    vision = SiglipVisionConfig(**sizes["vision"])
-    vocab = sizes["text"]["vocab_size"]
-    return Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
-                        mm_tokens_per_image=sizes["mm_tokens"], boi_token_index=vocab - 3, eoi_token_index=vocab - 2,
-                        image_token_index=vocab - 1)
 
 
 def build_gemma(sizes: dict, device: torch.device, attn: str = "sdpa"):
@@ -97,7 +72,7 @@ def batch(sizes: dict, b: int, device: torch.device, live: bool = False) -> dict
     """A stage-1 micro-batch: cached world inputs (latents, SigLIP features) or, `live`, the pixels they come from
     (uint8 images for the VAE as the loader gives them, normalised pixel_values for SigLIP)."""
     vocab, h = sizes["text"]["vocab_size"], sizes["text"]["hidden_size"]
-    mm, lat, res = sizes["mm_tokens"], sizes["resolution"] // 8, sizes["resolution"]
+    mm, lat, res = sizes["mm_tokens"], latent_side(sizes["resolution"]), sizes["resolution"]
     g = torch.Generator().manual_seed(0)
     out = text_inputs(b, mm, vocab - 3, vocab - 1, vocab - 2, g)  # gemma_config's boi, image and eoi ids
     if live:
@@ -150,7 +125,7 @@ def step_row(sizes: dict, gemma, pool: int, ckpt: bool, micro: int, steps: int, 
         _sync(device)
         times.append(time.perf_counter() - t)
     step_s = sum(times[2:]) / steps
-    world = (sizes["resolution"] // 8 // pool) ** 2 + 2
+    world = model.projector.num_tokens(latent_side(sizes["resolution"]), latent_side(sizes["resolution"]))
     seq = x["input_ids"].shape[1] + world
     flops = 2 * lm_flops(sizes, seq) * micro
     row = {"case": "stage1_step", "pool": pool, "world_tokens": world - 2, "seq_len": seq,

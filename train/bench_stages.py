@@ -4,7 +4,7 @@
                                  [--steps 3] [--micro-batch N] [--json]
 
 Each row runs in a process of its own (a clean peak, an out-of-memory that ends only its row): the trainer's own
-optimisation step (`train.step.optimization_step` on `train.optim.build`'s components, one process) on the config's
+optimisation step (`train.step.optimization_step` on `train.components.build`'s components, one process) on the config's
 architecture with random weights (`train.memory.build_world`: no download), on synthetic micro-batches that carry
 live pixels for each encoder that trains. `plain` is one unsharded process, everything on the GPU; `offload` is
 `train.sharding: fsdp` with `train.cpu_offload: true`. Each row has samples/s over the timed steps (after one
@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from train.bench_real import ANSWER_TOKENS, text_inputs
+from theworld.arch import ANSWER_TOKENS, latent_side
+from train.bench_real import text_inputs
 
 MODES = {"plain": [], "offload": ["train.sharding=fsdp", "train.cpu_offload=true"]}
 MEMORY_MODE = {"plain": "ddp", "offload": "fsdp_offload"}  # train.memory's column for each (one GPU)
@@ -45,8 +46,8 @@ def micro_batch(model, cfg, b: int):
         x["images"] = torch.randint(0, 256, (b, 3, r, r), dtype=torch.uint8, generator=g)
     else:
         z = model.world_encoder.vae.config.z_dim
-        x["latent_mean"] = torch.randn(b, z, 1, r // 8, r // 8, generator=g)
-        x["latent_logvar"] = torch.randn(b, z, 1, r // 8, r // 8, generator=g) - 4
+        x["latent_mean"] = torch.randn(b, z, 1, latent_side(r), latent_side(r), generator=g)
+        x["latent_logvar"] = torch.randn(b, z, 1, latent_side(r), latent_side(r), generator=g) - 4
     if not cfg.freeze.vision:
         side = gc.vision_config.image_size
         x["pixel_values"] = torch.rand(b, 3, side, side, generator=g) * 2 - 1
@@ -65,7 +66,7 @@ def _host_peak() -> int | None:
 def row(config: str, mode: str, steps: int, micro: int | None) -> dict:
     """One (config, mode) row, in this process."""
     from theworld.config import load_config
-    from train import memory, optim
+    from train import components, memory
     from train.config import TrainConfig
     from train.step import LoopState, optimization_step
 
@@ -76,15 +77,15 @@ def row(config: str, mode: str, steps: int, micro: int | None) -> dict:
     cfg.train.global_batch_size = cfg.train.micro_batch_size = micro
     out = {"case": "stage_step", "config": config, "mode": mode, "micro_batch": micro,
            "mixed_precision": cfg.train.mixed_precision, "gradient_checkpointing": cfg.train.gradient_checkpointing}
-    plan = memory.plan(cfg, 1, 80.0)
+    plan = memory.estimate(cfg, 1, 80.0)
     out["estimate_gpu_gib"] = round(plan["per_gpu_bytes"][MEMORY_MODE[mode]]["total"] / 2**30, 2)
     if mode == "offload":
         out["estimate_host_gib"] = round(plan["host_bytes_per_process"]["fsdp_offload"] / 2**30, 2)
-    accelerator = optim.make_accelerator(cfg)
-    model = optim.ready_for_training(memory.build_world(cfg, "cpu"), cfg)
+    accelerator = components.make_accelerator(cfg)
+    model = components.ready_for_training(memory.build_world(cfg, "cpu"), cfg)
     device = accelerator.device
     try:
-        c = optim.build(cfg, accelerator, 1, built=(model, None))
+        c = components.build(cfg, accelerator, 1, built=(model, None))
         batch, state, times = micro_batch(c.raw, cfg, micro), LoopState(), []
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()

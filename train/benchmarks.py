@@ -1,27 +1,31 @@
-"""`train.benchmarks: [FILE, ...]`: multiple-choice benchmarks scored at every eval (theworld/infer/scoring.py), logged as
-`bench/<name>/accuracy` and `bench/<name>/accuracy_shuffled_world` (name: the file's stem, or the folder's name).
+"""`train.benchmarks: [FILE or {path, protocol, baselines}, ...]`: multiple-choice benchmarks evaluated at every eval
+(theworld/infer/scoring.py), logged as `bench/<name>/accuracy`, `bench/<name>/accuracy_shuffled_world` (and
+`unparsed` under the generate protocol; `bench/<name>/<baseline>/accuracy`, `.../difference`, `.../p_value` per
+baseline) and printed with the eval lines (name: the file's stem, or the folder's name).
 
-Every process scores its share of the items (item i goes to process i % world_size) and the counts are summed; every
-process runs the same number of forward passes (a process with no items left scores one and discards it), so a
+Every process evaluates its share of the items (item i goes to process i % world_size) and the counts are summed;
+every process runs the same number of forward passes (a process with no items left runs one and discards it), so a
 sharded model's collectives stay matched.
 """
 from __future__ import annotations
 
 import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from theworld.infer import benchmarks
 from theworld.errors import UserError
+from theworld.infer import baselines, benchmarks, stats
 from theworld.infer.scoring import Scorer, tally
 from train import preempt
+from train.config import BenchmarkEntry
 
 if TYPE_CHECKING:
     from train.config import TrainConfig
-    from train.optim import Components
+    from train.components import Components
 
 
 def _name(path: str) -> str:
@@ -29,64 +33,121 @@ def _name(path: str) -> str:
     return p.name if p.is_dir() else p.stem
 
 
+@dataclass
+class BenchmarkSet:
+    items: list[benchmarks.Item]
+    protocol: str  # generate or loglik
+    baselines: list[str]
+
+
 class BenchmarkEval:
-    def __init__(self, sets: dict[str, list[benchmarks.Item]], batch_rows: int):
-        self.sets, self.batch_rows = sets, batch_rows
+    def __init__(self, sets: dict[str, BenchmarkSet], eval_batch_size: int = 0):
+        self.sets, self.eval_batch_size = sets, eval_batch_size
 
     @classmethod
-    def load(cls, cfg: TrainConfig) -> "BenchmarkEval | None":
+    def load(cls, cfg: TrainConfig) -> BenchmarkEval | None:
         """Read and check every file before any model loads; items whose images do not decode are left out."""
         if not cfg.train.benchmarks:
             return None
         sets = {}
-        for path in cfg.train.benchmarks:
-            name = _name(path)
+        for entry in cfg.train.benchmarks:
+            entry = entry if isinstance(entry, BenchmarkEntry) else BenchmarkEntry(entry)
+            name = _name(entry.path)
             if name in sets:
                 raise UserError(f"config key 'train.benchmarks': two benchmarks named {name!r}; rename one file")
+            if cfg.train.sharding == "fsdp" and ("init_projector" in entry.baselines or entry.protocol == "generate"):
+                # the baseline swaps weights FSDP shards; generation stops when every row is done, which differs
+                # between processes, and FSDP's collectives need every process in every forward
+                raise UserError("config key 'train.benchmarks': the init_projector baseline and the generate "
+                                "protocol need train.sharding: ddp")
             try:
-                items = benchmarks.read(path)
+                items = benchmarks.read(entry.path)
             except UserError as e:
                 raise UserError(f"config key 'train.benchmarks': {e}") from None
             bad = {s["item"] for s in benchmarks.unreadable(items)}
             if bad:
                 print(f"benchmark {name}: {len(bad)} item(s) with unreadable images left out", file=sys.stderr)
-            sets[name] = [it for it in items if it.name not in bad]
-            if not sets[name]:
-                raise UserError(f"config key 'train.benchmarks': {path} has no item with readable images")
-        return cls(sets, max(2, cfg.train.eval_batch_size or cfg.train.micro_batch_size))
+            items = [it for it in items if it.name not in bad]
+            if not items:
+                raise UserError(f"config key 'train.benchmarks': {entry.path} has no item with readable images")
+            protocol = entry.protocol if entry.protocol != "auto" else \
+                "generate" if all(it.prompt for it in items) and cfg.train.sharding != "fsdp" else "loglik"
+            sets[name] = BenchmarkSet(items, protocol, entry.baselines)
+        return cls(sets, cfg.train.eval_batch_size)
 
     def run(self, components: Components) -> dict:
         model, accelerator = components.raw, components.accelerator
         was_training, mode = model.training, model.latent_mode
         model.eval()
         model.latent_mode = "mean"
+        # resolved by now (micro_batch_size: auto is a number once the run knows its process count)
+        rows = max(2, self.eval_batch_size or int(components.cfg.train.micro_batch_size))
         out = {}
         try:
-            for name, items in self.sets.items():
-                counts = self._counts(components, items)
+            for name, bset in self.sets.items():
+                init = baselines.InitProjector(model, components.cfg.world, components.cfg.seed) \
+                    if "init_projector" in bset.baselines else None
+                counts = self._counts(components, bset, rows, init)
                 if components.world_size > 1:
                     counts = accelerator.reduce(counts, reduction="sum")
-                n, k, ks = (int(x) for x in counts.tolist())
-                out.update({f"bench/{name}/n": n, f"bench/{name}/accuracy": k / max(n, 1),
-                            f"bench/{name}/accuracy_shuffled_world": ks / max(n, 1)})
+                out.update(_metrics(name, bset, [int(x) for x in counts.tolist()]))
         finally:
             model.latent_mode = mode
             model.train(was_training)
         return out
 
-    def _counts(self, components: Components, items: list[benchmarks.Item]) -> torch.Tensor:
-        """(items, correct, correct with the shuffled world) over this process's share."""
-        scorer = Scorer(components.raw, components.processor, components.cfg.image, items)
-        per_batch = max(1, self.batch_rows // max(len(it.choices) for it in items))
+    def _counts(self, components: Components, bset: BenchmarkSet, rows: int, init) -> torch.Tensor:
+        """This process's share: [items, right, right with the shuffled world, unparsed, then per baseline: right,
+        right only by the model, right only by the baseline]."""
+        items = bset.items
+        conds = baselines.conditions(bset.baselines)
+        scorer = Scorer(components.raw, components.processor, components.cfg.image, items, init)
+        run = scorer.score if bset.protocol == "loglik" else scorer.answer
+        per_batch = max(1, rows // max(len(it.choices) for it in items)) if bset.protocol == "loglik" else rows
         mine = list(range(components.rank, len(items), components.world_size))
         steps = math.ceil(math.ceil(len(items) / components.world_size) / per_batch)
-        counts = torch.zeros(3, dtype=torch.float64, device=components.accelerator.device)
+        counts = torch.zeros(4 + 3 * len(bset.baselines), dtype=torch.float64, device=components.accelerator.device)
         for s in range(steps):
             preempt.poll()  # the same `steps` on every process
             idx = mine[s * per_batch:(s + 1) * per_batch]
             with components.accelerator.autocast():
-                scores = scorer.score(idx or [0])
-            for r in tally(items, idx, scores):  # no records for the stand-in batch
-                counts += torch.tensor([1, r["pred"] == r["answer"], r["pred_shuffled_world"] == r["answer"]],
-                                       dtype=torch.float64, device=counts.device)
+                outputs = run(idx or [0], conds)
+            for r in tally(items, idx, outputs, bset.protocol):  # no records for the stand-in batch
+                right = r["pred"] == r["answer"]
+                row = [1, right, r["pred_shuffled_world"] == r["answer"], r["pred"] is None]
+                for b in bset.baselines:
+                    other = r["preds"][b] == r["answer"]
+                    row += [other, right and not other, other and not right]
+                counts += torch.tensor(row, dtype=torch.float64, device=counts.device)
         return counts
+
+
+def _metrics(name: str, bset: BenchmarkSet, counts: list[int]) -> dict:
+    n, k, ks, unparsed = counts[:4]
+    out = {f"bench/{name}/n": n, f"bench/{name}/accuracy": k / max(n, 1),
+           f"bench/{name}/accuracy_shuffled_world": ks / max(n, 1)}
+    if bset.protocol == "generate":
+        out[f"bench/{name}/unparsed"] = unparsed
+    for j, b in enumerate(bset.baselines):
+        right, only_model, only_base = counts[4 + 3 * j: 7 + 3 * j]
+        out.update({f"bench/{name}/{b}/accuracy": right / max(n, 1),
+                    f"bench/{name}/{b}/difference": (only_model - only_base) / max(n, 1),
+                    f"bench/{name}/{b}/p_value": stats.mcnemar_exact(only_model, only_base)})
+    return out
+
+
+def lines(results: dict) -> list[str]:
+    """One console line per benchmark from `run`'s results."""
+    names = sorted({k.split("/")[1] for k in results if k.startswith("bench/")})
+    out = []
+    for name in names:
+        r = {k.removeprefix(f"bench/{name}/"): v for k, v in results.items() if k.startswith(f"bench/{name}/")}
+        text = (f"benchmark {name}: n {r['n']}, accuracy {r['accuracy']:.4f}, "
+                f"accuracy_shuffled_world {r['accuracy_shuffled_world']:.4f}")
+        if "unparsed" in r:
+            text += f", unparsed {r['unparsed']}"
+        for key in sorted(k for k in r if k.endswith("/accuracy")):
+            b = key.removesuffix("/accuracy")
+            text += f", {b} {r[key]:.4f} (p {r[b + '/p_value']:.3g})"
+        out.append(text)
+    return out

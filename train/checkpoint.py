@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file, save_file
 
+from theworld.arch import FREEZABLE
 from theworld.cache_format import sha256_file
-from theworld.checkpoint_layout import (CARD, CHECKPOINT_RE, CONFIG, EMA, FINAL, OPTIMIZER, RNG, STATE, SUMS, WEIGHTS,
-                                       check_finite, state_digest, verify)
+from theworld.checkpoint_layout import (CARD, CHECKPOINT_RE, CONFIG, EMA, FINAL, OPTIMIZER, PROMPT, RNG, STATE, SUMS,
+                                       WEIGHTS, check_finite, state_digest, verify)
 from theworld.config import to_yaml
 from theworld.errors import OutOfSpace, UserError, no_space_message, out_of_space
 from theworld.model import LoadReport, local_like
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from train.config import TrainConfig
-    from train.optim import Components
+    from train.components import Components
 
 PARTIAL_RE = re.compile(r"^\.(tmp|old)-(.+)-\d+$")  # .tmp-<name>-<pid>: being written; .old-<name>-<pid>: replaced
 
@@ -363,7 +364,7 @@ Load it and describe an image (the base models are read from where `config.yaml`
 ```python
 from theworld.model import TheWorld
 model, processor = TheWorld.from_pretrained("{out}")
-print(model.generate(["image.png"], "{prompt}")[0])
+print(model.generate(["image.png"], {prompt})[0])
 ```
 
 or `python -m theworld.describe --model {out} --image image.png`, and score it on a multiple-choice set with
@@ -376,12 +377,13 @@ or `python -m theworld.describe --model {out} --image image.png`, and score it o
 
 
 def export_final(components: Components, state: LoopState, cfg_yaml: str, output_dir: str | Path,
-                 whole: Whole | None = None) -> Path:
+                 whole: Whole | None = None, prompt: str = DESCRIBE_PROMPT) -> Path:
     """Main process only, with what `gather` returned there (required under FSDP)."""
     whole = whole or gather(components)
     out = Path(output_dir)
     files = {WEIGHTS: lambda p: save_file(whole.weights, str(p)), CONFIG: lambda p: p.write_text(cfg_yaml),
-             CARD: lambda p: p.write_text(_card(components, state, out))}
+             CARD: lambda p: p.write_text(_card(components, state, out, prompt)),
+             PROMPT: lambda p: p.write_text(prompt + "\n", encoding="utf-8")}
     if components.ema is not None:
         files[EMA] = _ema_writer(whole)
     files[SUMS] = lambda p: p.write_text(json.dumps(_sums(p.parent, SUMS), indent=1))  # last: it covers the rest
@@ -403,20 +405,21 @@ def record_eval(components: Components, state: LoopState, output_dir: str | Path
         saved = json.loads((ckpt / STATE).read_text())
         _replace_file(ckpt / STATE, json.dumps(_sealed({**saved, "last_eval": state.last_eval}), indent=1))
     final = out / FINAL
-    _replace_file(final / CARD, _card(components, state, out))
+    prompt = (final / PROMPT).read_text(encoding="utf-8").removesuffix("\n")
+    _replace_file(final / CARD, _card(components, state, out, prompt))
     _replace_file(final / SUMS, json.dumps(_sums(final, SUMS), indent=1))
 
 
-def _card(components: Components, state: LoopState, out: Path) -> str:
+def _card(components: Components, state: LoopState, out: Path, prompt: str) -> str:
     cfg = components.cfg
     ev = state.last_eval or {}
     fmt = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
     gap = (ev["eval_loss_shuffled_world"] - ev["eval_loss"]) if ev else None
-    trained = ["world projector"] + [n for n in ("vision", "language", "vae") if not getattr(cfg.freeze, n)]
+    trained = ["world projector"] + [n for n in FREEZABLE if not getattr(cfg.freeze, n)]
     card = MODEL_CARD.format(name=out.name, gemma=cfg.model.gemma, vae=cfg.model.vae, resolution=cfg.image.resolution,
                              trained=", ".join(trained), step=state.step, batch=cfg.train.global_batch_size,
                              samples=state.samples_seen, lr=cfg.train.lr, schedule=cfg.train.schedule,
                              parent=state.parent or "the base models", eval_loss=fmt(ev.get("eval_loss")),
                              eval_shuffled=fmt(ev.get("eval_loss_shuffled_world")), gap=fmt(gap), out=out / FINAL,
-                             prompt=DESCRIBE_PROMPT)
+                             prompt=json.dumps(prompt))  # a Python string literal
     return card

@@ -31,6 +31,23 @@ class LrMultipliers:
 
 
 @dataclass
+class BenchmarkEntry:
+    """A `train.benchmarks` entry that names more than its file (a plain string entry is {path} with defaults)."""
+
+    path: str
+    protocol: Literal["auto", "generate", "loglik"] = "auto"  # auto: generate for items with their own prompt (BLINK)
+    baselines: list[str] = field(default_factory=list)  # names of theworld/infer/baselines.py, or [all]
+
+    def __post_init__(self) -> None:
+        from theworld.infer.baselines import parse
+
+        try:
+            self.baselines = parse(self.baselines)
+        except UserError as e:
+            raise UserError(f"config key 'train.benchmarks': {e}".replace("--baselines: ", "")) from None
+
+
+@dataclass
 class TrainSection:
     max_steps: int = 1000
     global_batch_size: int = 32  # the optimiser's batch, whatever the number of processes
@@ -67,8 +84,8 @@ class TrainSection:
     cpu_offload: bool = False  # fsdp only: keep parameters, gradients and optimizer state in host memory (FSDP2
     # CPUOffloadPolicy; the optimizer steps on the CPU); also with one process, which then shards over a group of one
     lr_multipliers: LrMultipliers = field(default_factory=LrMultipliers)
-    benchmarks: list[str] = field(default_factory=list)  # multiple-choice files scored at every eval (JSONL, or a
-    # BLINK parquet folder; docs/inference.md): bench/<name>/accuracy and bench/<name>/accuracy_shuffled_world
+    benchmarks: list[str | BenchmarkEntry] = field(default_factory=list)  # multiple-choice sets scored at every eval
+    # (JSONL, or a BLINK parquet folder; docs/inference.md): bench/<name>/accuracy, .../accuracy_shuffled_world
     cpu_threads: int = 0  # torch intra-op threads of each training process (0: torch's default); on a small CPU
     # box 1 avoids OpenMP threads fighting the loader workers (several times faster for the tiny demo on 2 cores)
 

@@ -1,4 +1,4 @@
-"""Data: the input plan (cached vs live inputs), the cache and its fingerprint, the dataset and the DataLoaders.
+"""Data: the input sources (cached vs live inputs), the cache and its fingerprint, the dataset and the DataLoaders.
 
 Which sample goes where (split, epoch order, per-process slices, flip seeds) is `train.order`; collation into one
 packed buffer is `train.batches`. Tokenisation (a batch at a time), image decoding and the Gemma image processor run
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,7 +19,7 @@ from theworld import cache_format as cf
 from theworld.control_text import TEXT_RULE, control_problem
 from theworld.errors import UserError
 from theworld.images import decode, load_for_vae, siglip_pixels
-from theworld.text import ChatFormatter
+from theworld.text import DEFAULT_PROMPT, ChatFormatter
 from train.batches import PARTNER, Collate, encode_texts
 from train.order import bucket_ids, eval_partners, flip_of, rank_indices, split
 from train.preempt import ignore_in_workers
@@ -29,7 +30,7 @@ from train.preempt import ignore_in_workers
 
 
 @dataclass(frozen=True)
-class InputPlan:
+class InputSources:
     cached_latents: bool  # frozen VAE: latents from the cache; else live encoding of the stored image
     cached_siglip: bool  # frozen vision tower and SigLIP cached: features from the cache; else live pixels
     flip: bool
@@ -40,7 +41,7 @@ class InputPlan:
         return not (self.cached_latents and self.cached_siglip)
 
 
-def plan_inputs(cfg, reader: cf.CacheReader) -> InputPlan:
+def input_sources(cfg, reader: cf.CacheReader) -> InputSources:
     """Decide cached vs live inputs from the freeze flags and what the cache holds; refuse impossible combinations."""
     present = set(reader.member_names())
     has_image = any(ext in present for ext in cf.IMAGE_EXTS)
@@ -57,35 +58,46 @@ def plan_inputs(cfg, reader: cf.CacheReader) -> InputPlan:
     if flip and cached_siglip:
         raise UserError("config key 'train.flip': cached SigLIP features are unflipped; set "
                         "train.cached_siglip: false to compute image tokens live, or train.flip: false")
-    plan_members = {cf.LATENT} if cached_latents else set()
+    wanted = {cf.LATENT} if cached_latents else set()
     if flip and cached_latents:
-        plan_members.add(cf.LATENT_FLIP)
+        wanted.add(cf.LATENT_FLIP)
     if cached_siglip:
-        plan_members.add(cf.SIGLIP)
-    plan = InputPlan(cached_latents, cached_siglip, flip, ())
-    if plan.needs_image:
+        wanted.add(cf.SIGLIP)
+    inputs = InputSources(cached_latents, cached_siglip, flip, ())
+    if inputs.needs_image:
         if not has_image:
             what = "freeze.vae: false (live VAE encoding)" if not cached_latents else "live SigLIP pixels"
             raise UserError(f"cache {reader.cache_dir} keeps no images, which {what} needs (build it with cache.images: true)")
-        plan_members.update(cf.IMAGE_EXTS)
-    return InputPlan(cached_latents, cached_siglip, flip, tuple(sorted(plan_members)))
+        wanted.update(cf.IMAGE_EXTS)
+    return InputSources(cached_latents, cached_siglip, flip, tuple(sorted(wanted)))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The cache and its fingerprint
 
 
-def open_cache(cfg) -> tuple[cf.CacheReader, InputPlan]:
+def open_cache(cfg) -> tuple[cf.CacheReader, InputSources]:
     """Open the cache and check the fingerprint fields that need no model (before any model is loaded)."""
     reader = cf.CacheReader(cfg.cache_dir)
     reader.check_consistency()  # sizes and keys only; every member's crc32 is checked as it is read
     check_texts(reader)
-    plan = plan_inputs(cfg, reader)
-    fields = ["format_version", "image"] + (["vae"] if plan.cached_latents else [])
+    inputs = input_sources(cfg, reader)
+    fields = ["format_version", "image"] + (["vae"] if inputs.cached_latents else [])
     cf.check_fingerprint(reader.manifest.get("fingerprint") or {}, cf.fingerprint_for(cfg.model, cfg.image),
                          cfg.cache_dir, fields=fields, partial=True)
-    reader.members = plan.members
-    return reader, plan
+    reader.members = inputs.members
+    return reader, inputs
+
+
+def trained_prompt(reader: cf.CacheReader, train_indices: np.ndarray, look: int = 64) -> str:
+    """The prompt the run trains with: the most common one among the first `look` training samples (a cache written
+    from one source carries one prompt), recorded in final/ for describe and caption evaluation."""
+    members, reader.members = reader.members, ()  # the caption and json alone
+    try:
+        prompts = [reader.sample(int(i), tensors=False).prompt for i in train_indices[:look]]
+    finally:
+        reader.members = members
+    return Counter(prompts).most_common(1)[0][0] if prompts else DEFAULT_PROMPT
 
 
 def check_texts(reader: cf.CacheReader) -> None:
@@ -117,13 +129,13 @@ def check_texts(reader: cf.CacheReader) -> None:
                         "those shards alone, recording such samples in errors.jsonl)")
 
 
-def verify_fingerprint(cfg, model, processor, reader: cf.CacheReader, plan: InputPlan) -> None:
+def verify_fingerprint(cfg, model, processor, reader: cf.CacheReader, inputs: InputSources) -> None:
     """Full check against the loaded models (config digests and weight hashes): format_version, image, and vae when
     cached latents are used, siglip when cached SigLIP features are used."""
-    expected = cf.fingerprint_for(cfg.model, cfg.image, siglip=plan.cached_siglip, vae=model.world_encoder.vae,
+    expected = cf.fingerprint_for(cfg.model, cfg.image, siglip=inputs.cached_siglip, vae=model.world_encoder.vae,
                                   gemma=model.gemma, processor=processor)
-    fields = ["format_version", "image"] + (["vae"] if plan.cached_latents else []) + \
-        (["siglip"] if plan.cached_siglip else [])
+    fields = ["format_version", "image"] + (["vae"] if inputs.cached_latents else []) + \
+        (["siglip"] if inputs.cached_siglip else [])
     cf.check_fingerprint(reader.manifest.get("fingerprint") or {}, expected, cfg.cache_dir, fields=fields)
 
 
@@ -186,13 +198,13 @@ def swap_left_right(text: str) -> str:
 class CacheDataset(Dataset):
     """Position i -> one model-ready sample (token ids, labels, latents or image, SigLIP features or pixels)."""
 
-    def __init__(self, reader: cf.CacheReader, indices: np.ndarray, formatter: ChatFormatter, plan: InputPlan,
+    def __init__(self, reader: cf.CacheReader, indices: np.ndarray, formatter: ChatFormatter, inputs: InputSources,
                  resolution: int, resize: str, image_processor=None, seed: int = 0, epoch: int = 0,
                  flip: bool | None = None, partner: bool = False):
-        self.reader, self.indices, self.formatter, self.plan = reader, indices, formatter, plan
+        self.reader, self.indices, self.formatter, self.inputs = reader, indices, formatter, inputs
         self.resolution, self.resize, self.image_processor = resolution, resize, image_processor
         self.seed, self.epoch = seed, epoch
-        self.flip = plan.flip if flip is None else flip
+        self.flip = inputs.flip if flip is None else flip
         # eval: each item also carries its partner's world (eval_partners) for the shuffled-world loss; a rule over
         # the whole split, so the figure does not depend on the process count
         self.partners = eval_partners(reader.latent_hw[indices]) if partner else None
@@ -210,7 +222,7 @@ class CacheDataset(Dataset):
             prompt, caption = swap_left_right(prompt), swap_left_right(caption)
         # text is tokenised and cached tensors are decoded a batch at a time, by Collate
         item: dict = {"text": (prompt, caption), "origin": (self.reader, index)}
-        if self.plan.cached_latents:
+        if self.inputs.cached_latents:
             item[cf.LATENT] = raw[cf.LATENT_FLIP if flipped else cf.LATENT]
         else:
             pixels, _ = load_for_vae(s.image, self.resolution, self.resize)
@@ -219,7 +231,7 @@ class CacheDataset(Dataset):
             mate = int(self.partners[pos])
             item.update(self._world(mate))
             item["paired"] = torch.tensor(mate != pos)
-        if self.plan.cached_siglip:
+        if self.inputs.cached_siglip:
             item[cf.SIGLIP] = raw[cf.SIGLIP]
         else:
             img = decode(s.image)
@@ -232,7 +244,7 @@ class CacheDataset(Dataset):
     def _world(self, pos: int) -> dict:
         """The unflipped world input of the sample at `pos`, under PARTNER names."""
         index = int(self.indices[pos])
-        if self.plan.cached_latents:  # (its origin names the right sample if its bytes turn out damaged)
+        if self.inputs.cached_latents:  # (its origin names the right sample if its bytes turn out damaged)
             return {PARTNER + cf.LATENT: self.reader.raw(index)[cf.LATENT], PARTNER + "origin": (self.reader, index)}
         image = self.reader.decode(index, self.reader.raw(index), tensors=False).image
         return {PARTNER + "images": load_for_vae(image, self.resolution, self.resize)[0]}
@@ -243,7 +255,7 @@ class DataContext:
     """Everything a loader needs besides (rank, world_size, epoch, start): built once per run."""
 
     reader: cf.CacheReader
-    plan: InputPlan
+    inputs: InputSources
     formatter: ChatFormatter
     image_processor: object
     train_indices: np.ndarray
@@ -251,14 +263,14 @@ class DataContext:
     buckets: np.ndarray  # (len(reader),) each sample's bucket (latent shape)
 
     @classmethod
-    def build(cls, cfg, reader: cf.CacheReader, plan: InputPlan, processor,
+    def build(cls, cfg, reader: cf.CacheReader, inputs: InputSources, processor,
               split_: tuple[np.ndarray, np.ndarray] | None = None) -> "DataContext":
         """`split_`: split(reader, cfg.train.eval_samples) when the caller has it already."""
         train, held = split_ if split_ is not None else split(reader, cfg.train.eval_samples)
         formatter = ChatFormatter(processor, max_length=cfg.train.max_length or None)
         first = reader.sample(train[0], tensors=False)
         encode_texts(formatter, [(first.prompt, first.caption)])  # a prompt over max_length: an error before any worker
-        return cls(reader, plan, formatter, processor.image_processor, train, held, bucket_ids(reader))
+        return cls(reader, inputs, formatter, processor.image_processor, train, held, bucket_ids(reader))
 
     def describe_buckets(self) -> str:
         """'' for one latent shape, else each shape (h x w) with its training samples."""
@@ -269,7 +281,7 @@ class DataContext:
 
     def dataset(self, cfg, indices: np.ndarray, epoch: int, flip: bool | None = None,
                 partner: bool = False) -> CacheDataset:
-        return CacheDataset(self.reader, indices, self.formatter, self.plan, cfg.image.resolution, cfg.image.resize,
+        return CacheDataset(self.reader, indices, self.formatter, self.inputs, cfg.image.resolution, cfg.image.resize,
                             self.image_processor, cfg.seed, epoch, flip, partner)
 
 

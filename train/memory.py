@@ -1,7 +1,7 @@
 """`python -m train.memory --config FILE [--gpus N] [--gpu-memory-gib 80] [--json]`: a per-GPU memory plan.
 
 Parameter counts are exact: the model is built on the meta device (shapes, no weights) from the configs of the base
-models; a hub id that is not in the local Hugging Face cache falls back to the architecture train.bench_real builds
+models; a hub id that is not in the local Hugging Face cache falls back to its architecture in theworld/arch.py
 (Gemma 3 4B, the Wan 2.1 VAE). Bytes per GPU under ddp and fsdp are broken into frozen weights, trainable weights,
 gradients, optimizer state, working buffers and activations; the activation figure is an estimate (formula below,
 docs/performance.md). Nothing is loaded onto a GPU and nothing is downloaded.
@@ -16,18 +16,16 @@ from pathlib import Path
 
 import torch
 
+from theworld.arch import ANSWER_TOKENS, KNOWN_GEMMA, KNOWN_VAE, REAL, TEXT_TOKENS, gemma_config, latent_side
 from theworld.config import cli_parser, load_config, shown, to_yaml
 from theworld.encoders import DTYPES, _quiet_hf, resolve_gemma, resolve_vae
 from theworld.errors import UserError, cli_entry
 from theworld.model import TheWorld
 from train import sharding
-from train.bench_real import ANSWER_TOKENS, REAL, TEXT_TOKENS, gemma_config
 from train.config import TrainConfig, resolve_micro_batch
 
-# Hub ids whose architecture is known offline (train.bench_real.REAL): Gemma 3 4B and the Wan 2.1 VAE of Cosmos.
-KNOWN_GEMMA = ("google/gemma-3-4b-it", "google/gemma-3-4b-pt")
-KNOWN_VAE = ("nvidia/Cosmos-Predict2-2B-Video2World", "nvidia/Cosmos-Predict2-14B-Video2World",
-             "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "Wan-AI/Wan2.1-T2V-14B-Diffusers")
+# Hub ids whose whole architecture is known offline (theworld.arch): Gemma 3 4B.
+BUILDABLE_GEMMA = {k: v.sizes for k, v in KNOWN_GEMMA.items() if v.sizes is not None}
 HEADROOM = 0.9  # of the card: the CUDA context, NCCL buffers and allocator fragmentation take the rest
 ADAM_STATE = 8  # bytes per trainable parameter: AdamW's two fp32 moments
 ADAM_FOREACH = 4  # and the fp32 temporary of its step: whole-size with foreach (the default on GPUs), else the size
@@ -45,9 +43,9 @@ def _gemma_config(spec: str):
     try:
         return AutoConfig.from_pretrained(spec, local_files_only=True)
     except (OSError, ValueError):
-        if spec in KNOWN_GEMMA:
-            return gemma_config(REAL)
-    raise UserError(f"model.gemma: no config for {spec!r} offline (known architectures: {', '.join(KNOWN_GEMMA)}); "
+        if spec in BUILDABLE_GEMMA:
+            return gemma_config(BUILDABLE_GEMMA[spec])
+    raise UserError(f"model.gemma: no config for {spec!r} offline (known architectures: {', '.join(BUILDABLE_GEMMA)}); "
                     "give a local folder")
 
 
@@ -121,7 +119,8 @@ def activation_bytes(cfg: TrainConfig, model: TheWorld, micro: int) -> int:
     gc = model.gemma.config
     text, vision = gc.get_text_config(), gc.vision_config
     e = 2 if cfg.train.mixed_precision == "bf16" else DTYPES[cfg.model.dtype].itemsize
-    world = (cfg.image.resolution // 8 // cfg.world.pool) ** 2 + 2
+    side = latent_side(cfg.image.resolution)
+    world = model.projector.num_tokens(side, side)
     seq = TEXT_TOKENS + gc.mm_tokens_per_image + 2 + world
     per_sample = _stack(seq, text.hidden_size, text.num_hidden_layers, e, cfg.train.gradient_checkpointing)
     per_sample += ANSWER_TOKENS * text.vocab_size * (3 * 4 + e)  # answer logits: compute dtype, fp32 loss + grad
@@ -180,7 +179,7 @@ def host_bytes(c: Counts, gpus: int) -> int:
     return (c.frozen_bytes + (4 + 4 + ADAM_STATE) * c.trainable + ADAM_FOREACH * c.largest_trainable) // gpus
 
 
-def plan(cfg: TrainConfig, gpus: int, gpu_memory_gib: float, model: TheWorld | None = None) -> dict:
+def estimate(cfg: TrainConfig, gpus: int, gpu_memory_gib: float, model: TheWorld | None = None) -> dict:
     model = model or build_world(cfg)
     c = count(model)
     budget = int(gpu_memory_gib * 2**30 * HEADROOM)
@@ -248,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
-    p = plan(cfg, args.gpus, args.gpu_memory_gib)
+    p = estimate(cfg, args.gpus, args.gpu_memory_gib)
     print(json.dumps(p, indent=1) if args.json else render(p))
     return 0
 

@@ -95,8 +95,10 @@ class Preemption:
         return self.exit_code
 
 
-def cut_message(step: int, signum: int | None) -> str:
-    name = signal.Signals(signum).name if signum else "a signal"
+def cut_message(step: int) -> str:
+    """What the run says of an eval a stop request cut short."""
+    signum = _active.signum if _active is not None else None
+    name = signal.Signals(signum).name if signum else "a stop request"
     return (f"{name} during the eval at step {step}: eval cut short and not logged, so the checkpoint is written "
             "before the launcher's grace period ends")
 

@@ -21,7 +21,7 @@ WITH_HOST = "cuda:nccl,cpu:gloo"  # a GPU process group that also runs collectiv
 
 
 @dataclass
-class Plan:
+class ShardingChoice:
     mode: str  # "ddp" or "fsdp": what the run does
     source: str  # what asked for it
     offload: bool = False  # FSDP2 CPUOffloadPolicy: parameters, gradients and optimizer state in host memory
@@ -40,7 +40,7 @@ class Plan:
         return "sharding ddp" + (" (replicated)" if world_size > 1 else " (1 process)")
 
 
-def resolve(cfg) -> Plan:
+def resolve(cfg) -> ShardingChoice:
     """fsdp when the config or the accelerate launch configuration asks for it, with host offload when either asks for
     that. The accelerate variables are taken out of the environment: Accelerator must not also wrap the model (its own
     FSDP path is CUDA-only and applies its own wrapping policy); train.loop shards it here instead, the same way on
@@ -49,26 +49,26 @@ def resolve(cfg) -> Plan:
     from_launcher = os.environ.pop(FSDP_ENV, "false").lower() in truthy
     offload_launcher = os.environ.pop(OFFLOAD_ENV, "false").lower() in truthy
     if cfg.train.sharding == "fsdp":
-        plan = Plan("fsdp", "train.sharding")
+        choice = ShardingChoice("fsdp", "train.sharding")
     elif from_launcher:
-        plan = Plan("fsdp", f"the accelerate launch configuration ({FSDP_ENV})")
+        choice = ShardingChoice("fsdp", f"the accelerate launch configuration ({FSDP_ENV})")
     else:
-        plan = Plan("ddp", "train.sharding")
-    plan.offload = cfg.train.cpu_offload or (offload_launcher and plan.mode == "fsdp")
-    if cfg.train.cpu_offload and plan.mode != "fsdp":
+        choice = ShardingChoice("ddp", "train.sharding")
+    choice.offload = cfg.train.cpu_offload or (offload_launcher and choice.mode == "fsdp")
+    if cfg.train.cpu_offload and choice.mode != "fsdp":
         from theworld.errors import UserError
 
         raise UserError("config key 'train.cpu_offload': host offload is part of FSDP; set train.sharding: fsdp "
                         "(or launch with FSDP)")
-    return plan
+    return choice
 
 
-def process_group_backend(plan: Plan, cpu: bool, processes: int) -> str | None:
+def process_group_backend(choice: ShardingChoice, cpu: bool, processes: int) -> str | None:
     """The backend Accelerate should give the launcher's process group, when not its default. Offloaded shards are
     host tensors, and the collectives on them (a save's gather, the gradient norm) need gloo beside NCCL, as
     accelerate and torchtitan set up for CPU offload (accelerate would, from the launcher variables `resolve`
     removes). One process gets no group from Accelerate: `shard` makes its own."""
-    return WITH_HOST if plan.offload and not cpu and processes > 1 else None
+    return WITH_HOST if choice.offload and not cpu and processes > 1 else None
 
 
 def units(model: nn.Module) -> list[nn.Module]:

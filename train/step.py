@@ -19,7 +19,7 @@ from train.order import noise_seeds, rank_offset
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
 
-    from train.optim import Components
+    from train.components import Components
 
 
 class NonFiniteError(RuntimeError):

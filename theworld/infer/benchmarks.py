@@ -2,9 +2,11 @@
 synthetic set from unseen scenes.
 
 JSONL, one item per line: `{"image": path relative to the file (or a list of paths), "question": str,
-"choices": [str, ...], "answer": index or letter ("A" / "(A)"), "category": optional str}`.
-BLINK: a folder of its parquet files (or one file) with `idx, sub_task, question, choices, answer "(A)"` and
-`image_1`..`image_4` as image structs `{bytes, path}`; `sub_task` is the category.
+"choices": [str, ...], "answer": index or letter ("A" / "(A)"), "category": optional str, "prompt": optional str}`;
+any other key is refused (a typo such as `categry` would otherwise drop the category silently).
+BLINK: a folder of its parquet files (one sub-task folder each, `<split>-*.parquet`, only `split`'s files are read),
+or one file, with `idx, sub_task, question, choices, answer "(A)", prompt` and `image_1`..`image_4` as image structs
+`{bytes, path}`; `sub_task` is the category, `prompt` what the generate protocol asks (theworld/infer/letters.py).
 
 Items with several images: the world latents come from the first image; every image gets its image tokens, in order,
 before the question.
@@ -34,6 +36,7 @@ class Item:
     choices: list[str]
     answer: int
     category: str | None = None
+    prompt: str | None = None  # the benchmark's own lettered prompt (BLINK's `prompt` column), if it has one
 
 
 def _bad(name: str, field: str, why: str) -> UserError:
@@ -51,6 +54,27 @@ def parse_answer(answer, choices: list[str], name: str) -> int:
     if not 0 <= index < len(choices):
         raise _bad(name, "answer", f"{answer!r} is outside the {len(choices)} choices")
     return index
+
+
+JSONL_KEYS = ("image", "question", "choices", "answer", "category", "prompt")
+
+
+def _check_keys(rec: dict, name: str) -> None:
+    unknown = [k for k in rec if k not in JSONL_KEYS]
+    if unknown:
+        raise UserError(f"{name}: unknown key {unknown[0]!r} (an item has {', '.join(JSONL_KEYS[:4])} and optionally "
+                        f"{', '.join(JSONL_KEYS[4:])})")
+
+
+def _check_optional_text(rec: dict, name: str, field: str) -> str | None:
+    value = rec.get(field)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise _bad(name, field, "not a non-empty string")
+    if problem := control_problem(value, field):
+        raise _bad(name, field, problem.removeprefix(f"{field} "))
+    return value
 
 
 def _check_text(rec: dict, name: str) -> tuple[str, list[str]]:
@@ -87,6 +111,7 @@ def read_jsonl(path: Path) -> list[Item]:
             raise UserError(f"{name}: malformed line, JSON nested too deeply") from None
         if not isinstance(rec, dict):
             raise UserError(f"{name}: malformed line, not a JSON object")
+        _check_keys(rec, name)
         question, choices = _check_text(rec, name)
         paths = rec.get("image")
         paths = [paths] if isinstance(paths, str) else paths
@@ -103,26 +128,44 @@ def read_jsonl(path: Path) -> list[Item]:
         category = rec.get("category")
         if category is not None and not isinstance(category, str):
             raise _bad(name, "category", "not a string")
-        items.append(Item(name, files, question, choices, parse_answer(rec.get("answer"), choices, name), category))
+        items.append(Item(name, files, question, choices, parse_answer(rec.get("answer"), choices, name), category,
+                          _check_optional_text(rec, name, "prompt")))
     return items
 
 
-def read_blink(path: Path) -> list[Item]:
+def split_of(f: Path) -> str:
+    """The split a parquet file of the hub layout holds: `val-00000-of-00001.parquet` -> val, `test.parquet` -> test."""
+    return f.name.split("-", 1)[0].removesuffix(".parquet")
+
+
+def blink_files(path: Path, split: str) -> list[Path]:
+    """`path` itself (one file), or the folder's parquet files of `split`."""
+    if not path.is_dir():
+        return [path]
+    files = sorted(path.rglob("*.parquet"))
+    if not files:
+        raise UserError(f"{path}: no .parquet files there")
+    chosen = [f for f in files if split_of(f) == split]
+    if not chosen:
+        raise UserError(f"{path}: no parquet file of split {split!r} (--split; the folder holds "
+                        f"{', '.join(sorted({split_of(f) for f in files}))})")
+    return chosen
+
+
+def read_blink(path: Path, split: str = "val") -> list[Item]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise UserError("reading parquet needs pyarrow (pip install pyarrow)") from None
-    files = sorted(path.rglob("*.parquet")) if path.is_dir() else [path]
-    if not files:
-        raise UserError(f"{path}: no .parquet files there")
     items = []
-    for f in files:
+    for f in blink_files(path, split):
+        where = f.relative_to(path) if path.is_dir() else f  # the sub-task folder and the file
         try:
             rows = pq.read_table(f).to_pylist()
         except Exception as e:  # pyarrow raises several types for a file that is not parquet
-            raise UserError(f"{f}: not a readable parquet file ({type(e).__name__}: {e})") from None
+            raise UserError(f"{where}: not a readable parquet file ({type(e).__name__}: {e})") from None
         for i, rec in enumerate(rows):
-            name = f"{f.name}:idx {rec.get('idx', i)}"
+            name = f"{where}:idx {rec.get('idx', i)}"
             question, choices = _check_text(rec, name)
             found = []
             for col in BLINK_IMAGES:
@@ -136,16 +179,16 @@ def read_blink(path: Path) -> list[Item]:
             if not found:
                 raise _bad(name, "image_1", "no image")
             items.append(Item(name, found, question, choices, parse_answer(rec.get("answer"), choices, name),
-                              rec.get("sub_task")))
+                              rec.get("sub_task"), _check_optional_text(rec, name, "prompt")))
     return items
 
 
-def read(path: str | Path) -> list[Item]:
-    """Items of a JSONL file, or of BLINK's parquet layout (a folder of parquet files, or one)."""
+def read(path: str | Path, split: str = "val") -> list[Item]:
+    """Items of a JSONL file, or of BLINK's parquet layout (a folder of parquet files, only `split`'s, or one)."""
     p = Path(path)
     if not p.exists():
         raise UserError(f"{p}: no such file or folder")
-    items = read_blink(p) if p.is_dir() or p.suffix == ".parquet" else read_jsonl(p)
+    items = read_blink(p, split) if p.is_dir() or p.suffix == ".parquet" else read_jsonl(p)
     if not items:
         raise UserError(f"{p}: no items")
     return items
@@ -168,6 +211,7 @@ def unreadable(items: list[Item]) -> list[dict]:
 # A synthetic set: unseen scenes, the true caption among one-word edits
 
 EDITS = {"colour": sorted(synthetic.COLOURS), "shape": list(synthetic.SHAPES), "position": ["top", "bottom", "left", "right"]}
+CAPTIONS = "captions.jsonl"  # the synthetic set's scenes with their true captions, beside its items
 OPPOSITE = {"top": "bottom", "bottom": "top", "left": "right", "right": "left"}
 
 
@@ -189,8 +233,11 @@ def one_word_edits(caption: str, kind: str) -> list[str]:
 def make_synthetic(path: str | Path, n: int, seed: int = 1, choices: int = 4, size: int = 64) -> list[dict]:
     """Write `n` items to the JSONL file `path` and their pictures to `images/` beside it. Scenes come from
     `synthetic.scene(seed, i)`; the training cache's scenes use its own seed (0 by default), so seed 1 is unseen.
-    Each item's distractors are one-word edits of one kind (its category): colour, shape or position."""
+    Each item's distractors are one-word edits of one kind (its category): colour, shape or position. The same
+    scenes with their true captions go to `captions.jsonl` beside it (the caption task's format)."""
     out = Path(path)
+    if out.name == CAPTIONS:
+        raise UserError(f"--data {out}: {CAPTIONS} is the name of the captions file written beside the items")
     try:
         (out.parent / "images").mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -208,7 +255,9 @@ def make_synthetic(path: str | Path, n: int, seed: int = 1, choices: int = 4, si
         answer = rng.randrange(len(wrong) + 1)
         records.append({"image": rel, "question": synthetic.PROMPT, "choices": wrong[:answer] + [caption] + wrong[answer:],
                         "answer": answer, "category": kind})
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-    tmp.replace(out)
+    caps = [{"image": r["image"], "captions": [r["choices"][r["answer"]]]} for r in records]
+    for target, rows in ((out.parent / CAPTIONS, caps), (out, records)):
+        tmp = target.with_name(target.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tmp.replace(target)
     return records

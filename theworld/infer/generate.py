@@ -145,4 +145,15 @@ def generate(model, images: list, prompts: str | list[str], *, max_new_tokens: i
     sampler = Sampler(do_sample, temperature, top_p, seed, device)
     tok = model.processor.tokenizer
     ids = decode(model, fused, max_new_tokens, sampler, stop_ids(model), tok.pad_token_id, use_cache)
-    return [tok.decode(row, skip_special_tokens=True).strip() for row in ids]
+    return [decode_text(tok, row) for row in ids]
+
+
+def decode_text(tok, ids: list[int]) -> str:
+    """The whole sequence decoded at once; when generation stopped inside a character (a UTF-8 character spans up to
+    four byte tokens), the incomplete character is left out instead of ending the text in U+FFFD."""
+    text = tok.decode(ids, skip_special_tokens=True)
+    for cut in range(1, min(4, len(ids) + 1)):
+        if not text.endswith("\ufffd"):
+            break
+        text = tok.decode(ids[:-cut], skip_special_tokens=True)
+    return text.rstrip("\ufffd").strip()

@@ -1,121 +1,201 @@
-"""Multiple-choice scoring of a trained stage, as a library (`python -m theworld.evaluate` is its command line).
+"""Multiple-choice evaluation of a trained stage, as a library (`python -m theworld.evaluate` is its command line).
 
-Each choice is scored by the summed log-probability of its answer tokens (the choice and the model turn's
-<end_of_turn>, the tokens training supervises) after the question; the highest wins (ties: the first).
-The shuffled-world score gives item i the world latents of item i-1 (the first gets the last one's). Accuracies come
-with a 95% Wilson interval, overall and per category. Data formats: theworld/infer/benchmarks.py.
+Two protocols (docs/inference.md):
+- `loglik`: each choice is scored by the summed log-probability of its answer tokens (the choice and the model turn's
+  <end_of_turn>, the tokens training supervises) after the question; the highest wins (ties: the first);
+- `generate`: the model answers the lettered prompt greedily and the letter is read back (theworld/infer/letters.py);
+  an answer with no readable letter is wrong and counted as unparsed.
+Every item is evaluated under each condition asked for (theworld/infer/baselines.py): the model with its own world,
+with the shuffled world (item i gets item i-1's world latents, the first gets the last one's), and the baselines.
+Accuracies come with a 95% Wilson interval, overall and per category; each baseline also with the model's paired
+difference to it and an exact McNemar p-value. Data formats: theworld/infer/benchmarks.py.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 
 from theworld import images as imagelib
-from theworld.infer import benchmarks
-from theworld.text import ChatFormatter, collate_text
+from theworld.infer import benchmarks, letters, stats
+from theworld.infer.baselines import (
+    MODEL,
+    SHUFFLED,
+    Condition,
+    InitProjector,
+    applied,
+    world_inputs,
+)
+from theworld.infer.generate import Sampler, decode, decode_text, left_align, stop_ids
+from theworld.infer.stats import wilson
+from theworld.text import IGNORE, ChatFormatter, Encoded, collate_text
 
-
-def wilson(k: int, n: int, z: float = 1.96) -> list[float]:
-    """95% Wilson score interval of k successes in n trials."""
-    if n == 0:
-        return [0.0, 1.0]
-    p = k / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return [max(0.0, centre - half), min(1.0, centre + half)]
+PROTOCOLS = ("generate", "loglik")
+NO_CATEGORY = "(no category)"
 
 
 class Scorer:
-    """Choice log-likelihoods for items, with each item's own world and with item i-1's."""
+    """Choice log-likelihoods (loglik) or generated answers (generate) for items, under each condition."""
 
-    def __init__(self, model, processor, image_cfg, items: list[benchmarks.Item]):
-        self.model, self.items, self.image_cfg = model, items, image_cfg
+    def __init__(self, model, processor, image_cfg, items: list[benchmarks.Item], init: InitProjector | None = None,
+                 shared_prefix: bool = True, max_new_tokens: int = 16):
+        self.model, self.items, self.image_cfg, self.init = model, items, image_cfg, init
         self.processor, self.formatter = processor, ChatFormatter(processor)
         self.device = next(model.parameters()).device
+        self.shared_prefix, self.max_new_tokens = shared_prefix, max_new_tokens
 
     def _load(self, image) -> tuple[torch.Tensor, torch.Tensor]:
         return imagelib.for_model(imagelib.to_bytes(image), self.image_cfg.resolution, self.image_cfg.resize,
                                   self.processor.image_processor)
 
+    def _worlds(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, dict[int, int]]:
+        """World latents (mean, logvar) of every item in play (each item's own and item i-1's), and where each is."""
+        n = len(self.items)
+        worlds = sorted(set(indices) | {(i - 1) % n for i in indices})
+        pixels = torch.stack([self._load(self.items[i].images[0])[0] for i in worlds]).to(self.device)
+        mean, logvar = self.model.world_latents(pixels, None, None)
+        return mean, logvar, {i: k for k, i in enumerate(worlds)}
+
+    def _features(self, indices: list[int]) -> dict[int, torch.Tensor]:
+        """Image-token features of each item's images, in order."""
+        pv = {i: torch.stack([self._load(im)[1] for im in self.items[i].images]) for i in indices}
+        return {i: self.model.image_features(v.to(self.device), None) for i, v in pv.items()}
+
+    def _rows(self, rows: list[int], at: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(self.items)
+        own = torch.tensor([at[i] for i in rows], device=self.device)
+        return own, torch.tensor([at[(i - 1) % n] for i in rows], device=self.device)
+
     @torch.no_grad()
-    def score(self, indices: list[int]) -> list[tuple[list[float], list[float]]]:
-        """For each item index: (choice scores, choice scores with item i-1's world latents)."""
-        model, items, n = self.model, self.items, len(self.items)
-        worlds = sorted({i for i in indices} | {(i - 1) % n for i in indices})
-        pixels = torch.stack([self._load(items[i].images[0])[0] for i in worlds]).to(self.device)
-        mean, logvar = model.world_latents(pixels, None, None)
-        at = {i: k for k, i in enumerate(worlds)}
-        rows, own, other, image_rows = [], [], [], []
+    def score(self, indices: list[int], conds: list[Condition] = (MODEL, SHUFFLED)) -> list[dict[str, list[float]]]:
+        """For each item index: {condition name: choice scores}."""
+        items = self.items
+        mean, logvar, at = self._worlds(indices)
+        feats = self._features(indices)
+        enc, row_item = [], []
         for i in indices:
-            it = items[i]
-            for choice in it.choices:
-                rows.append(self.formatter.encode(it.question, choice, images=len(it.images)))
-                own.append(at[i])
-                other.append(at[(i - 1) % n])
-                image_rows.append(i)
-        pv = {i: torch.stack([self._load(im)[1] for im in items[i].images]) for i in indices}
-        feats = {i: model.image_features(v.to(self.device), None) for i, v in pv.items()}
-        siglip = torch.cat([feats[i] for i in image_rows])
-        text = {k: v.to(self.device) for k, v in collate_text(rows, self.formatter.pad_id).items()}
-        own_t, other_t = torch.tensor(own, device=self.device), torch.tensor(other, device=self.device)
-        a = model.answer_logprobs(**text, latent_mean=mean[own_t], latent_logvar=logvar[own_t], siglip=siglip)
-        b = model.answer_logprobs(**text, latent_mean=mean[other_t], latent_logvar=logvar[other_t], siglip=siglip)
+            for choice in items[i].choices:
+                enc.append(self.formatter.encode(items[i].question, choice, images=len(items[i].images)))
+                row_item.append(i)
+        text = {k: v.to(self.device) for k, v in collate_text(enc, self.formatter.pad_id).items()}
+        siglip = torch.cat([feats[i] for i in row_item])
+        own, previous = self._rows(row_item, at)
+        per_cond = {}
+        for cond in conds:
+            with applied(self.model, cond, self.init):
+                per_cond[cond.name] = self.model.answer_logprobs(
+                    **text, siglip=siglip, **world_inputs(self.model, cond, mean, logvar, own, previous)).tolist()
         out, lo = [], 0
         for i in indices:
             k = len(items[i].choices)
-            out.append((a[lo:lo + k].tolist(), b[lo:lo + k].tolist()))
+            out.append({c: s[lo:lo + k] for c, s in per_cond.items()})
             lo += k
         return out
+
+    @torch.no_grad()
+    def answer(self, indices: list[int], conds: list[Condition] = (MODEL, SHUFFLED)) -> list[dict[str, str]]:
+        """For each item index: {condition name: the greedy answer to its lettered prompt} (KV cache)."""
+        model, items = self.model, self.items
+        mean, logvar, at = self._worlds(indices)
+        feats = self._features(indices)
+        prompts = [letters.mc_prompt(items[i].question, items[i].choices, items[i].prompt) for i in indices]
+        ids = [self.formatter.prefix(p, images=len(items[i].images)) for p, i in zip(prompts, indices)]
+        text = {k: v.to(self.device)
+                for k, v in collate_text([Encoded(x, [IGNORE] * len(x)) for x in ids], self.formatter.pad_id).items()}
+        text.pop("labels")
+        siglip = torch.cat([feats[i] for i in indices])
+        own, previous = self._rows(indices, at)
+        tok, stop = self.processor.tokenizer, stop_ids(model)
+        sampler = Sampler(False, 1.0, 1.0, None, self.device)
+        per_cond = {}
+        for cond in conds:
+            with applied(model, cond, self.init):
+                fused = left_align(model.embed_inputs(**text, siglip=siglip,
+                                                      **world_inputs(model, cond, mean, logvar, own, previous)))
+                new = decode(model, fused, self.max_new_tokens, sampler, stop, tok.pad_token_id)
+            per_cond[cond.name] = [decode_text(tok, r) for r in new]
+        return [{c: texts[k] for c, texts in per_cond.items()} for k in range(len(indices))]
 
 
 def _argmax(scores: list[float]) -> int:
     return max(range(len(scores)), key=lambda j: (scores[j], -j))
 
 
-def tally(items: list[benchmarks.Item], indices: list[int], scores) -> list[dict]:
-    return [{"item": items[i].name, "category": items[i].category, "answer": items[i].answer,
-             "pred": _argmax(a), "pred_shuffled_world": _argmax(b)} for i, (a, b) in zip(indices, scores)]
+def tally(items: list[benchmarks.Item], indices: list[int], outputs: list[dict], protocol: str = "loglik") -> list[dict]:
+    """Per-item records: answer, `preds` (condition -> chosen index, None when no letter could be read), `outputs`
+    (condition -> choice scores or generated text); `pred` / `pred_shuffled_world` are the first two conditions'."""
+    records = []
+    for i, out in zip(indices, outputs):
+        n = len(items[i].choices)
+        preds = {c: _argmax(v) if protocol == "loglik" else letters.read_letter(v, n) for c, v in out.items()}
+        records.append({"item": items[i].name, "category": items[i].category, "answer": items[i].answer,
+                        "pred": preds[MODEL.name], "pred_shuffled_world": preds[SHUFFLED.name], "preds": preds,
+                        "outputs": out})
+    return records
 
 
-def summarize(records: list[dict]) -> dict:
-    def stats(rs: list[dict]) -> dict:
-        n = len(rs)
-        k = sum(r["pred"] == r["answer"] for r in rs)
-        ks = sum(r["pred_shuffled_world"] == r["answer"] for r in rs)
-        return {"n": n, "accuracy": k / n if n else 0.0, "accuracy_ci95": wilson(k, n),
-                "accuracy_shuffled_world": ks / n if n else 0.0, "accuracy_shuffled_world_ci95": wilson(ks, n)}
+def _stats(rs: list[dict]) -> dict:
+    n = len(rs)
+    k = sum(r["pred"] == r["answer"] for r in rs)
+    ks = sum(r["pred_shuffled_world"] == r["answer"] for r in rs)
+    return {"n": n, "accuracy": k / n if n else 0.0, "accuracy_ci95": wilson(k, n),
+            "accuracy_shuffled_world": ks / n if n else 0.0, "accuracy_shuffled_world_ci95": wilson(ks, n)}
 
-    out = stats(records)
+
+def summarize(records: list[dict], baselines: list[str] = (), protocol: str | None = None) -> dict:
+    """Accuracies overall and per category (items without one under NO_CATEGORY), unparsed answers (generate), and
+    each baseline against the model on the same items."""
+    out = _stats(records)
+    if protocol is not None:
+        out["protocol"] = protocol
+    if protocol == "generate":
+        out["unparsed"] = sum(r["pred"] is None for r in records)
+        out["unparsed_shuffled_world"] = sum(r["pred_shuffled_world"] is None for r in records)
     cats = sorted({r["category"] for r in records if r["category"] is not None})
     if cats:
-        out["categories"] = {c: stats([r for r in records if r["category"] == c]) for c in cats}
+        rows = cats + ([NO_CATEGORY] if any(r["category"] is None for r in records) else [])
+        out["categories"] = {c: _stats([r for r in records if (r["category"] or NO_CATEGORY) == c]) for c in rows}
+    if baselines:
+        model_right = [r["pred"] == r["answer"] for r in records]
+        out["baselines"] = {b: stats.paired(model_right, [r["preds"][b] == r["answer"] for r in records])
+                            for b in baselines}
     return out
 
 
-def evaluate(model, processor, image_cfg, items: list[benchmarks.Item], batch_size: int = 8,
-             progress=None) -> list[dict]:
-    """Per-item records (answer, prediction, prediction with the shuffled world) for all items, `batch_size` items
-    per forward."""
-    scorer = Scorer(model, processor, image_cfg, items)
+def evaluate(model, processor, image_cfg, items: list[benchmarks.Item], batch_size: int = 8, progress=None, *,
+             protocol: str = "loglik", conds: list[Condition] = (MODEL, SHUFFLED), init: InitProjector | None = None,
+             shared_prefix: bool = True, max_new_tokens: int = 16) -> list[dict]:
+    """Per-item records (see `tally`) for all items, `batch_size` items per forward; `progress(records)` with each
+    batch's records as they are done."""
+    scorer = Scorer(model, processor, image_cfg, items, init, shared_prefix, max_new_tokens)
+    run = scorer.score if protocol == "loglik" else scorer.answer
     records = []
     for lo in range(0, len(items), batch_size):
         idx = list(range(lo, min(lo + batch_size, len(items))))
-        records += tally(items, idx, scorer.score(idx))
+        batch = tally(items, idx, run(idx, list(conds)), protocol)
+        records += batch
         if progress:
-            progress(len(records))
+            progress(batch)
     return records
 
 
 def format_report(summary: dict) -> str:
-    ci = lambda c: f"[{c[0]:.3f}, {c[1]:.3f}]"  # noqa: E731
-    lines = [f"n {summary['n']}",
+    ci = lambda c: f"[{c[0]:.3f}, {c[1]:.3f}]"
+    lines = [f"n {summary['n']}" + (f"   protocol {summary['protocol']}" if "protocol" in summary else ""),
              f"accuracy                {summary['accuracy']:.4f} {ci(summary['accuracy_ci95'])}",
-             f"accuracy_shuffled_world {summary['accuracy_shuffled_world']:.4f} "
-             f"{ci(summary['accuracy_shuffled_world_ci95'])}   (95% Wilson intervals)"]
+             (f"accuracy_shuffled_world {summary['accuracy_shuffled_world']:.4f} "
+              f"{ci(summary['accuracy_shuffled_world_ci95'])}   (95% Wilson intervals)")]
+    if "unparsed" in summary:
+        lines.append(f"unparsed                {summary['unparsed']} (shuffled world {summary['unparsed_shuffled_world']})"
+                     "   (no readable letter: counted wrong)")
     if "categories" in summary:
         width = max(8, *(len(c) for c in summary["categories"]))
         lines.append(f"{'category':<{width}}  {'n':>5}  {'accuracy':>8}  {'shuffled_world':>14}")
         for c, s in summary["categories"].items():
             lines.append(f"{c:<{width}}  {s['n']:>5}  {s['accuracy']:>8.4f}  {s['accuracy_shuffled_world']:>14.4f}")
+    if summary.get("baselines"):
+        width = max(8, *(len(b) for b in summary["baselines"]))
+        lines.append(f"{'baseline':<{width}}  {'accuracy':>8}  {'95% interval':>14}  {'model - it':>10}  "
+                     f"{'p (McNemar)':>11}")
+        for b, s in summary["baselines"].items():
+            lines.append(f"{b:<{width}}  {s['accuracy']:>8.4f}  {ci(s['accuracy_ci95']):>14}  "
+                         f"{s['difference']:>+10.4f}  {s['p_value']:>11.4g}")
     return "\n".join(lines)

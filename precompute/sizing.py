@@ -3,8 +3,8 @@
 No model weights are loaded. Tensor members are sized from the config alone: latent channels from the VAE's config,
 image-token features (mm_tokens x hidden) from Gemma's config, each serialised empty to get its exact safetensors
 size. Configs come from the saved tiny models, a local folder, the local Hugging Face cache (offline), or, for the
-public checkpoints the project targets, the table below. The latent grid and the variable members (image bytes, caption,
-json) are measured on up to PLAN_SAMPLES source entries spread evenly over the source, prepared exactly as the run
+public checkpoints the project targets, the table in theworld/arch.py. The latent grid and the variable members
+(image bytes, caption, json) are measured on up to PLAN_SAMPLES source entries spread evenly over the source, prepared exactly as the run
 prepares them (decode, resize or bucket, PNG for formats kept as PNG).
 """
 from __future__ import annotations
@@ -22,15 +22,10 @@ from precompute import sources
 from precompute.config import PrecomputeConfig
 from theworld import cache_format as cf
 from theworld import encoders
+from theworld.arch import KNOWN_GEMMA, KNOWN_VAE, latent_side
 from theworld.errors import UserError
 
 PLAN_SAMPLES = 64
-# Offline fallbacks for hub ids whose config is not in the local cache: (mm_tokens_per_image, text hidden_size) and
-# the VAE's z_dim.
-KNOWN_GEMMA = {"google/gemma-3-4b-it": (256, 2560), "google/gemma-3-4b-pt": (256, 2560),
-               "google/gemma-3-12b-it": (256, 3840), "google/gemma-3-27b-it": (256, 5376)}
-KNOWN_VAE = {"nvidia/Cosmos-Predict2-2B-Video2World": 16, "nvidia/Cosmos-Predict2-14B-Video2World": 16,
-             "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": 16}
 
 
 def _local_config(path: str, subfolder: str | None = None) -> dict | None:
@@ -53,7 +48,7 @@ def siglip_size(spec: str) -> tuple[int, int]:
     if config is not None:
         return config.get("mm_tokens_per_image", 256), config["text_config"]["hidden_size"]
     if spec in KNOWN_GEMMA:
-        return KNOWN_GEMMA[spec]
+        return KNOWN_GEMMA[spec].mm_tokens, KNOWN_GEMMA[spec].hidden_size
     raise UserError(f"model.gemma: no config for {spec!r} offline (a local folder, the Hugging Face cache, or one "
                     f"of {', '.join(KNOWN_GEMMA)})")
 
@@ -81,7 +76,7 @@ def _latent_bytes(channels: int, hw: tuple[int, int], cfg: PrecomputeConfig) -> 
 def _measure(cfg: PrecomputeConfig, listing: sources.Listing) -> dict:
     """Mean tar bytes of the variable members over up to PLAN_SAMPLES usable entries spread over the source, and the
     latent grids (h, w) met."""
-    from precompute.cosmos_latents import EntryDataset
+    from precompute.entry_dataset import EntryDataset
 
     n = len(listing)
     positions = sorted({i * n // min(n, PLAN_SAMPLES) for i in range(min(n, PLAN_SAMPLES))})
@@ -94,14 +89,14 @@ def _measure(cfg: PrecomputeConfig, listing: sources.Listing) -> dict:
             continue
         got["txt"].append(_member(len(item["caption"].encode())))
         got["json"].append(_member(len(json.dumps(item["meta"], sort_keys=True).encode())))
-        got["hw"].append((item["pixels"].shape[1] // 8, item["pixels"].shape[2] // 8))
+        got["hw"].append((latent_side(item["pixels"].shape[1]), latent_side(item["pixels"].shape[2])))
         if cfg.cache.images:
             got["image"].append(_member(len(item["image"])))
     got["sampled"] = len(positions)
     return got
 
 
-def plan(cfg: PrecomputeConfig) -> dict:
+def estimate(cfg: PrecomputeConfig) -> dict:
     """Entries, shards and bytes per sample by member, and totals for the whole source."""
     cfg.validate_paths()
     with tempfile.TemporaryDirectory() as tmp:  # indexed sources (webdataset, parquet, llava) list into a scratch folder

@@ -1,0 +1,111 @@
+"""The conditions a stage is evaluated under, each a column on the same items: the model with each item's own world,
+and the baselines it is compared with.
+
+- `shuffled_world`: item i gets the world latents of item i-1 (the first gets the last one's): does the world pathway
+  carry information about the scene?
+- `no_world`: the same Gemma weights with no world block at all (no SOW, world or EOW tokens): the base model as its
+  users know it. For a stage that trained only the projector this is Gemma 3 itself.
+- `constant_latent`: every item gets the world tokens of one constant latent, the VAE's own per-channel latent mean
+  (`latents_mean`, which the projector subtracts before anything else, so it is the zero of the projector's input).
+  It needs no cache (evaluation runs from images) and is the latent "the average scene" has by the VAE's statistics;
+  a raw zero latent is (-mean / std) in the projector's units, an arbitrary point. The model keeps the world block's
+  length and markers, with no information about the scene in it.
+- `init_projector`: the projector as the run initialised it (its seed in the stage's config.yaml), the rest of the
+  stage's weights unchanged: what training the projector bought. For a later stage (init_from a previous one) this
+  is still the seed's fresh projector, not the previous stage's.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from theworld import checkpoint_layout as layout
+from theworld.errors import UserError
+
+
+@dataclass(frozen=True)
+class Condition:
+    name: str
+    world: str  # "own", "previous", "constant" or "none"
+    init_projector: bool = False
+
+
+MODEL = Condition("model", "own")
+SHUFFLED = Condition("shuffled_world", "previous")
+BASELINES = {c.name: c for c in (Condition("no_world", "none"), Condition("constant_latent", "constant"), SHUFFLED,
+                                 Condition("init_projector", "own", init_projector=True))}
+
+
+def parse(spec: str | list[str] | None) -> list[str]:
+    """`all`, or comma-separated names (a list: already split) -> baseline names in BASELINES' order."""
+    if not spec:
+        return []
+    names = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
+    if names == ["all"]:
+        return list(BASELINES)
+    unknown = [n for n in names if n not in BASELINES]
+    if unknown:
+        raise UserError(f"--baselines: unknown baseline {unknown[0]!r} (known: all, {', '.join(BASELINES)})")
+    return [n for n in BASELINES if n in names]
+
+
+def conditions(baselines: list[str]) -> list[Condition]:
+    """The model, the shuffled world (always reported), then the other baselines asked for."""
+    return [MODEL, SHUFFLED] + [BASELINES[n] for n in baselines if n != SHUFFLED.name]
+
+
+def world_inputs(model, cond: Condition, mean: torch.Tensor, logvar: torch.Tensor, own: torch.Tensor,
+                 previous: torch.Tensor) -> dict:
+    """`embed_inputs` keyword arguments giving each row its world under `cond`; `mean`/`logvar` hold the latents of
+    the worlds in play, `own`/`previous` index them per row."""
+    if cond.world == "none":
+        return {"world": False}
+    if cond.world == "constant":
+        channels = model.projector.latents_mean.reshape(1, -1, *[1] * (mean.dim() - 2)).to(mean.dtype)
+        constant = mean[own] * 0 + channels
+        return {"latent_mean": constant, "latent_logvar": torch.zeros_like(constant)}
+    at = own if cond.world == "own" else previous
+    return {"latent_mean": mean[at], "latent_logvar": logvar[at]}
+
+
+class InitProjector:
+    """The run's initial projector weights, swapped into the model for the `init_projector` condition."""
+
+    def __init__(self, model, world_cfg, seed: int):
+        with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))):  # seeding here must not move the caller's (a training run's) RNG
+            fresh = type(model).new_projector(model.gemma, model.world_encoder, world_cfg, seed)
+        self.state = fresh.to(next(model.projector.parameters()).device).state_dict()
+
+    @classmethod
+    def for_stage(cls, model, folder: Path) -> InitProjector:
+        """The initial projector of the run whose stage folder (final/ or checkpoint-N/) this is: its config's
+        `world` section and `seed`."""
+        cfg = layout.read_config(folder)
+        seed = (yaml.safe_load((folder / layout.CONFIG).read_text()) or {}).get("seed", 0)
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise UserError(f"{folder / layout.CONFIG}: seed {seed!r} is not an integer")
+        return cls(model, cfg.world, seed)
+
+    @contextlib.contextmanager
+    def active(self, model):
+        trained = {k: v.clone() for k, v in model.projector.state_dict().items()}
+        model.projector.load_state_dict(self.state)
+        try:
+            yield
+        finally:
+            model.projector.load_state_dict(trained)
+
+
+@contextlib.contextmanager
+def applied(model, cond: Condition, init: InitProjector | None):
+    if cond.init_projector:
+        if init is None:
+            raise ValueError("the init_projector condition needs the run's initial projector (InitProjector)")
+        with init.active(model):
+            yield
+    else:
+        yield

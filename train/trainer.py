@@ -1,0 +1,189 @@
+"""One training run's state, built once and driven by train/loop.py: `Checked` holds what is settled before any model
+loads (the resolved config, the cache, the held-out split, the benchmarks), `Trainer` everything from the clean-up
+after a killed run to the final weights (components, data, loop state, metrics, evaluation, saves)."""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from theworld.config import to_dict
+from theworld.errors import UserError
+from train import checkpoint, data, order
+from train.preempt import EvalCut, Preemption, cut_message
+from train.benchmarks import BenchmarkEval
+from train.benchmarks import lines as benchmark_lines
+from train.components import Components, Launch, build, build_model, resolve_launch
+from train.config import run_hash, to_yaml
+from train.metrics import Metrics, ProfileWindow, StepWindow, check_metrics_file, check_trackers, summary
+from train.step import LoopState, evaluate
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    from theworld.cache_format import CacheReader
+    from theworld.model import LoadReport
+    from train.config import TrainConfig
+
+
+@dataclass
+class Checked:
+    """Everything checkable without a model, checked: a refusal costs no model load."""
+
+    cfg: TrainConfig
+    launch: Launch
+    reader: CacheReader
+    inputs: data.InputSources
+    split: tuple[np.ndarray, np.ndarray]  # train / held-out sample indices
+    per_epoch: int  # optimisation steps per epoch
+    bench: BenchmarkEval | None
+
+    @classmethod
+    def of(cls, cfg: TrainConfig) -> Checked:
+        launch = resolve_launch(cfg)
+        check_trackers(cfg.trackers)
+        check_metrics_file(cfg.output_dir)
+        reader, inputs = data.open_cache(cfg)
+        if cfg.init_from:
+            checkpoint.resolve_weights(cfg.init_from)
+        bench = BenchmarkEval.load(cfg)
+        if cfg.train.cpu_threads:
+            torch.set_num_threads(cfg.train.cpu_threads)
+        split = order.split(reader, cfg.train.eval_samples)
+        per_epoch = order.check_sizes(cfg, reader, split[0], launch.processes)
+        return cls(cfg, launch, reader, inputs, split, per_epoch, bench)
+
+
+@dataclass
+class Trainer:
+    """The run from its first line to its final weights, with output_dir held; `Trainer.start` builds it."""
+
+    checked: Checked
+    c: Components
+    ctx: data.DataContext
+    state: LoopState
+    metrics: Metrics
+    eval_loader: DataLoader | None
+    prof: ProfileWindow
+    t_start: float
+    cache: dict  # checkpoint.cache_identity of the cache trained on
+    removed: list[Path] = field(default_factory=list)  # unfinished saves of a killed run, deleted
+    reports: list[LoadReport] = field(default_factory=list)  # what init_from loaded
+    resume_from: Path | None = None
+    window: StepWindow = field(default_factory=StepWindow)
+
+    @classmethod
+    def start(cls, checked: Checked, accelerator: Accelerator, t_start: float) -> Trainer:
+        """Clean up after a killed run, load the model (+ init_from, then the cache's full fingerprint check), build
+        the components, the data and the metrics, restore the checkpoint to continue."""
+        cfg = checked.cfg
+        removed, resume_from = checkpoint.resume_point(cfg, accelerator)
+        model, processor = build_model(cfg)
+        reports = [checkpoint.init_from(model, cfg.init_from)] if cfg.init_from else []
+        data.verify_fingerprint(cfg, model, processor, checked.reader, checked.inputs)
+        c = build(cfg, accelerator, checked.launch.accum, built=(model, processor))
+        ctx = data.DataContext.build(cfg, checked.reader, checked.inputs, c.processor, checked.split)
+        cache = checkpoint.cache_identity(checked.reader)
+        state = checkpoint.restore(c, resume_from, cache)
+        metrics = Metrics(accelerator, cfg.output_dir, {**to_dict(cfg), "run_hash": run_hash(cfg)}, state.step,
+                          cfg.train.max_steps, cfg.trackers)
+        rank, world_size = accelerator.process_index, accelerator.num_processes
+        eval_loader = data.build_eval_loader(cfg, ctx, rank, world_size) if len(ctx.eval_indices) else None
+        return cls(checked, c, ctx, state, metrics, eval_loader, ProfileWindow(cfg.profile, cfg.output_dir, rank),
+                   t_start, cache, removed, reports, resume_from)
+
+    @property
+    def cfg(self) -> TrainConfig:
+        return self.checked.cfg
+
+    @property
+    def per_epoch(self) -> int:
+        return self.checked.per_epoch
+
+    def train_batches(self, epoch: int, start: int):
+        """This process's micro-batches of `epoch` from global batch `start` on."""
+        return iter(data.build_train_loader(self.cfg, self.ctx, self.c.rank, self.c.world_size, epoch, start))
+
+    def run_eval(self) -> bool:
+        """The held-out loss (when samples are held out) and the benchmarks (when configured), logged. False when a
+        stop request cut it short (train/preempt.py): what it had not logged yet is dropped."""
+        try:
+            if self.eval_loader is not None:
+                self.state.last_eval = {"step": self.state.step, **evaluate(self.c, self.eval_loader)}
+                self.metrics.log(self.state.last_eval)
+            if self.checked.bench is not None:
+                results = self.checked.bench.run(self.c)
+                self.metrics.log({"step": self.state.step, **results})
+                for line in benchmark_lines(results):  # with the eval line: the figures people wait for
+                    self.metrics.message(line)
+        except EvalCut:
+            self.metrics.message(cut_message(self.state.step))
+            return False
+        return True
+
+    def save(self) -> None:
+        checkpoint.save_run(self.c, self.state, self.per_epoch, self.cache)
+
+    def start_lines(self) -> list[str]:
+        """What the run prints before its first step: clean-up, cache and init_from notes, where it starts, the data."""
+        cfg, ctx, inputs = self.cfg, self.ctx, self.checked.inputs
+        lines = [f"removed {p}, an unfinished save of a killed run" for p in self.removed]
+        if not self.checked.reader.checksummed:
+            lines.append(f"note: cache {cfg.cache_dir} has no per-member checksums (written before they existed): "
+                         "damaged latents would go unnoticed; rebuild it to add them")
+        for r in self.reports:
+            lines.append(checkpoint.describe_init(cfg.init_from, r))
+        lines.append(f"{'resumed from ' + str(self.resume_from) if self.resume_from else 'fresh start'} at step "
+                     f"{self.state.step}; {len(ctx.train_indices)} train / {len(ctx.eval_indices)} eval samples, "
+                     f"{self.per_epoch} steps/epoch, {self.c.world_size} process(es) x {self.c.accum} micro-batches "
+                     f"of {cfg.train.micro_batch_size}; latents {'cached' if inputs.cached_latents else 'live'}, "
+                     f"image tokens {'cached' if inputs.cached_siglip else 'live'}; {self.c.sharding}")
+        if buckets := ctx.describe_buckets():
+            lines.append(f"{buckets}; each global batch holds one shape, a shape's last < "
+                         f"{cfg.train.global_batch_size} samples of an epoch are left out of it")
+        return lines
+
+    def finish(self, stop: Preemption) -> int:
+        """After the last step: its checkpoint where still missing, the final weights, then the last eval, which the
+        checkpoint and final/ then record. An eval that fails or is cut short loses no steps: the rerun of the same
+        command repeats only the eval."""
+        state, accelerator = self.state, self.c.accelerator
+        if self.window.steps_run and state.step % self.cfg.train.save_every:  # (a finished run's rerun has its checkpoint)
+            self.save()
+        whole = checkpoint.gather(self.c)
+        if accelerator.is_main_process:
+            final = checkpoint.export_final(self.c, state, to_yaml(self.cfg), self.cfg.output_dir, whole,
+                                            data.trained_prompt(self.checked.reader, self.ctx.train_indices))
+        if state.last_eval is None or state.last_eval.get("step") != state.step:
+            code = self._last_eval(stop)
+            if code:
+                return code
+        self.metrics.close()
+        if accelerator.is_main_process:
+            print(f"final weights: {final}\n" + summary(state, time.time() - self.t_start, self.window))
+        return 0
+
+    def _last_eval(self, stop: Preemption) -> int:
+        """The eval after the saves, recorded into them; an exit code when it did not complete."""
+        try:
+            done = self.run_eval()
+        except Exception as e:  # (the loop closes the metrics of an error it sees)
+            print(f"error: the eval after the last step failed ({type(e).__name__}: {str(e)[:300]}); checkpoint-"
+                  f"{self.state.step} and final/ are saved, without it; rerunning the same command repeats only the "
+                  "eval", file=sys.stderr)
+            if isinstance(e, UserError):
+                self.metrics.close()
+                return 2
+            raise
+        if not done:
+            self.metrics.close()
+            return stop.exit_code
+        if self.c.accelerator.is_main_process:
+            checkpoint.record_eval(self.c, self.state, self.cfg.output_dir)
+        return 0
