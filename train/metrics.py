@@ -120,10 +120,13 @@ class Metrics:
             self.bar.update(n)
 
     def close(self) -> None:
+        """Ends the progress bar's line and the trackers; closing twice is harmless."""
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
         if self.main and self.trackers:
             self.acc.end_training()
+            self.trackers = False
 
 
 class SmoothedLoss:

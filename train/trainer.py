@@ -173,12 +173,12 @@ class Trainer:
         """The eval after the saves, recorded into them; an exit code when it did not complete."""
         try:
             done = self.run_eval()
-        except Exception as e:  # (the loop closes the metrics of an error it sees)
+        except Exception as e:
+            self.metrics.close()  # the progress bar ends its line before the error is printed
             print(f"error: the eval after the last step failed ({type(e).__name__}: {str(e)[:300]}); checkpoint-"
                   f"{self.state.step} and final/ are saved, without it; rerunning the same command repeats only the "
                   "eval", file=sys.stderr)
             if isinstance(e, UserError):
-                self.metrics.close()
                 return 2
             raise
         if not done:
