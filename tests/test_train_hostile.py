@@ -383,7 +383,7 @@ def _tamper_weights(path: Path, value: float) -> None:
 
 def _reseal(folder: Path) -> None:
     """An adversary who also rewrites final/'s sha256 record to match."""
-    record = {f.name: sha256_file(f) for f in sorted(folder.iterdir()) if f.name != "sha256.json"}
+    record = {f.name: sha256_file(f) for f in sorted(folder.iterdir()) if f.name not in ("sha256.json", "README.md")}
     (folder / "sha256.json").write_text(json.dumps(record))
 
 
@@ -399,8 +399,8 @@ def test_final_is_hashed_and_damaged_or_non_finite_weights_are_refused_by_every_
     assert train_inproc(base_args(cache, out, steps=2)) == 0
     final = out / "final"
     record = json.loads((final / "sha256.json").read_text())
-    assert record == {f.name: sha256_file(f) for f in final.iterdir() if f.name != "sha256.json"}
-    assert {"trainable.safetensors", "config.yaml", "README.md"} <= set(record)
+    assert record == {f.name: sha256_file(f) for f in final.iterdir() if f.name not in ("sha256.json", "README.md")}
+    assert {"trainable.safetensors", "config.yaml", "prompt.txt"} <= set(record)
     weights = final / "trainable.safetensors"
     good = weights.read_bytes()
     first = sorted(load_file(str(weights)))[0]

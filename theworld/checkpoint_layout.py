@@ -11,7 +11,8 @@
     <output_dir>/checkpoint-<step>/config.yaml            the resolved config (defines the model: SECTIONS)
     <output_dir>/final/                                   trainable.safetensors (+ ema), config.yaml, README.md,
                                                           prompt.txt (the prompt the training samples carried),
-                                                          sha256.json: the sha256 of every other file
+                                                          sha256.json: the sha256 of every other file but the
+                                                          card (README.md, which evaluate adds its results to)
 
 A stage folder (final/ or checkpoint-N/) holds the trained tensors and the run's resolved config; the base models come
 from where that config names them (`tiny`, a local folder or a hub id).
@@ -38,7 +39,7 @@ STATE = "state.json"
 OPTIMIZER = "optimizer.pt"
 RNG = "rng.safetensors"
 CARD = "README.md"
-SUMS = "sha256.json"  # final/'s record of its files' sha256 (a checkpoint's is in its state.json)
+SUMS = "sha256.json"  # final/'s record of its files' sha256 but the card's (a checkpoint's is in its state.json)
 PROMPT = "prompt.txt"  # final/: the prompt the run trained with, the default of describe and caption evaluation
 FINAL = "final"
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")

@@ -284,9 +284,9 @@ def save(components: Components, state: LoopState, output_dir: str | Path, keep_
     return final
 
 
-def _sums(folder: Path, but: str) -> dict[str, str]:
-    """sha256 of every file in `folder` but `but` (the record being written)."""
-    return {f.name: sha256_file(f) for f in sorted(folder.iterdir()) if f.name != but}
+def _sums(folder: Path, *but: str) -> dict[str, str]:
+    """sha256 of every file in `folder` but those named (the record being written, final/'s model card)."""
+    return {f.name: sha256_file(f) for f in sorted(folder.iterdir()) if f.name not in but}
 
 
 def _sealed(state: dict) -> dict:
@@ -386,7 +386,8 @@ def export_final(components: Components, state: LoopState, cfg_yaml: str, output
              PROMPT: lambda p: p.write_text(prompt + "\n", encoding="utf-8")}
     if components.ema is not None:
         files[EMA] = _ema_writer(whole)
-    files[SUMS] = lambda p: p.write_text(json.dumps(_sums(p.parent, SUMS), indent=1))  # last: it covers the rest
+    # last: it covers the rest but the card, which evaluate adds its results to
+    files[SUMS] = lambda p: p.write_text(json.dumps(_sums(p.parent, SUMS, CARD), indent=1))
     return _publish(out, FINAL, files)
 
 
@@ -398,7 +399,7 @@ def _replace_file(path: Path, text: str) -> None:
 
 def record_eval(components: Components, state: LoopState, output_dir: str | Path) -> None:
     """Main process, after the last eval (which runs once checkpoint-<step> and final/ are saved): the checkpoint's
-    state.json and final/'s model card take its numbers, each file replaced whole and its record updated."""
+    state.json (resealed) and final/'s model card take its numbers, each file replaced whole."""
     out = Path(output_dir)
     ckpt = out / f"checkpoint-{state.step}"
     if (ckpt / STATE).is_file():
@@ -407,7 +408,6 @@ def record_eval(components: Components, state: LoopState, output_dir: str | Path
     final = out / FINAL
     prompt = (final / PROMPT).read_text(encoding="utf-8").removesuffix("\n")
     _replace_file(final / CARD, _card(components, state, out, prompt))
-    _replace_file(final / SUMS, json.dumps(_sums(final, SUMS), indent=1))
 
 
 def _card(components: Components, state: LoopState, out: Path, prompt: str) -> str:
