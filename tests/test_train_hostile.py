@@ -584,3 +584,32 @@ def test_the_last_eval_comes_after_the_checkpoint_and_final_so_neither_a_stop_no
     capsys.readouterr()
     assert train_inproc(base_args(cache, out, steps=4, **extra)) == 0  # resumable as it is: the seal holds
     assert [m["step"] for m in metrics(out) if "eval_loss" in m] == [4]
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_two_process_launch_during_a_long_last_eval_ends_well_within_the_grace_period(cache, tmp_path):
+    from theworld.infer import benchmarks
+
+    data = tmp_path / "bench" / "big.jsonl"
+    data.parent.mkdir()
+    benchmarks.make_synthetic(data, 2000, seed=1)  # minutes of scoring on this CPU
+    out = tmp_path / "run"
+    args = base_args(cache, out, steps=2, **{"train.save_every": 100, "train.benchmarks": f"[{data}]"})
+    launcher = launch2(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while not (out / "final" / "sha256.json").is_file() and launcher.poll() is None and time.time() < deadline:
+            time.sleep(0.1)  # final/ is written before the last eval starts
+        assert (out / "final" / "sha256.json").is_file(), launcher.poll()
+        time.sleep(2)  # into the benchmark
+        t0 = time.time()
+        launcher.send_signal(signal.SIGTERM)  # torch elastic forwards it, and SIGKILLs what is left 30 s later
+        _, err = launcher.communicate(timeout=120)
+        took = time.time() - t0
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert took < 20, (took, err[-3000:])
+    assert "SIGTERM during the eval at step 2: eval cut short" in err, err[-3000:]
+    assert (out / "checkpoint-2").is_dir() and (out / "final" / "trainable.safetensors").is_file()
+    assert not [m for m in metrics(out) if "bench/big/accuracy" in m]

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from train.metrics import Metrics
 
 EXIT_CODES = {signal.SIGTERM: 143, signal.SIGINT: 130}  # 128 + signal number, what a shell reports
-_active: "Preemption | None" = None  # the installed one, which `poll` asks
+_active: Preemption | None = None  # the installed one, which `poll` asks
 
 
 class EvalCut(Exception):

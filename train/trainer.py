@@ -15,12 +15,12 @@ import torch
 from theworld.config import to_dict
 from theworld.errors import UserError
 from train import checkpoint, data, order
-from train.preempt import EvalCut, Preemption, cut_message
 from train.benchmarks import BenchmarkEval
 from train.benchmarks import lines as benchmark_lines
 from train.components import Components, Launch, build, build_model, resolve_launch
 from train.config import run_hash, to_yaml
 from train.metrics import Metrics, ProfileWindow, StepWindow, check_metrics_file, check_trackers, summary
+from train.preempt import EvalCut, Preemption, cut_message
 from train.step import LoopState, evaluate
 
 if TYPE_CHECKING:
