@@ -4,15 +4,25 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
+LMMS_EVAL_SPEC ?= lmms-eval==0.7.3
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install demo test test-fast bench clean-demo
+.PHONY: install lmms-eval demo lint test test-fast bench clean-demo
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -c "import lmms_eval" 2>/dev/null || $(MAKE) --no-print-directory lmms-eval
 	touch $@
+
+# lmms-eval (the `eval` extra) requires torchvision. With a torch that has its torchvision, pip installs it as usual;
+# with a CPU torch (PyPI's torchvision needs PyPI's CUDA torch and would replace it) it is installed without torchvision.
+lmms-eval:
+	if $(PY) -c "import torchvision" 2>/dev/null; then $(PY) -m pip install -q "$(LMMS_EVAL_SPEC)"; else \
+	  $(PY) -m pip install -q --no-deps "$(LMMS_EVAL_SPEC)" && \
+	  $(PY) scripts/lmms_eval_requirements.py > $(VENV)/lmms-eval-requirements.txt && \
+	  $(PY) -m pip install -q -r $(VENV)/lmms-eval-requirements.txt; fi
 
 install: $(VENV)/.installed
 
@@ -29,7 +39,12 @@ demo: install
 	$(PY) -m theworld.evaluate --model runs/stage1 --data $(MC)/items.jsonl
 	$(PY) -m theworld.evaluate --model runs/stage1 --task caption --data $(MC)/captions.jsonl --max-new-tokens 24
 
-test: install
+# The configuration is in pyproject.toml ([tool.ruff]).
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+test: lint
 	$(PY) -m pytest -q
 
 # The inner loop: everything but the tests that start whole runs in subprocesses (marked `slow`).

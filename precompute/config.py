@@ -1,11 +1,12 @@
 """The precompute command's config: strict, validated before any model is loaded."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from theworld import run_lock
+from theworld import images, run_lock
 from theworld.config import ImageConfig, ModelConfig, check_workers, load_config, require_path
 from theworld.errors import UserError
 from theworld.text import DEFAULT_PROMPT
@@ -55,7 +56,7 @@ class PrecomputeConfig:
     shard_size: int = 512
     batch_size: int = 32
     num_workers: int = 2
-    compile: bool = False  # torch.compile the VAE encoder (GPU: 3.5x at 512 px, ~15 s to compile; docs/performance.md)
+    compile: bool = False  # torch.compile the VAE encoder (GPU; its speed-up and compile time: docs/performance.md)
     cache: CacheOptions = field(default_factory=CacheOptions)
 
     def __post_init__(self) -> None:
@@ -70,6 +71,10 @@ class PrecomputeConfig:
             self.source.num_samples = 4096
         if self.source.num_samples is not None and self.source.num_samples <= 0:
             raise UserError(f"config key 'source.num_samples': must be positive, got {self.source.num_samples}")
+        if self.source.type == "synthetic" and self.image.resolution ** 2 > images.MAX_PIXELS:
+            raise UserError(f"config key 'image.resolution': synthetic scenes are drawn at {self.image.resolution} px, "
+                            f"over the {images.MAX_PIXELS}-pixel image limit every source is held to (at most "
+                            f"{math.isqrt(images.MAX_PIXELS) // 8 * 8} with source.type=synthetic)")
 
     def validate_paths(self) -> None:
         """Checks that touch the filesystem (kept out of __post_init__ so configs can be built anywhere)."""

@@ -13,11 +13,12 @@ manifest from the sidecars once every process is through.
 from __future__ import annotations
 
 import errno
-import math
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch.utils.data import DataLoader
@@ -60,7 +61,7 @@ def _load_models(cfg: PrecomputeConfig, device: torch.device):
 @torch.no_grad()
 def encode_latents(encoder, pixels: torch.Tensor, cfg: PrecomputeConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean, logvar) of a batch of uint8 pixels as float32 CPU tensors. A compiled encoder sees one input shape:
-    a short batch is padded to `batch_size`, as a new shape would recompile it (~15 s)."""
+    a short batch is padded to `batch_size`, as a new shape would recompile it (docs/performance.md)."""
     n = len(pixels)
     if cfg.compile and n < cfg.batch_size:
         pixels = torch.cat([pixels, pixels.new_zeros(cfg.batch_size - n, *pixels.shape[1:])])
@@ -176,7 +177,8 @@ def _process_shards(cfg: PrecomputeConfig, listing: sources.Listing, pending: li
     return encoded, upscaled, {k: round(v, 3) for k, v in seconds.items()}
 
 
-def _finish(cfg: PrecomputeConfig, out: Path, n_shards: int, run_id: dict, latent_shape: list[int]) -> dict:
+def _finish(cfg: PrecomputeConfig, out: Path, n_shards: int, run_id: dict, latent_shape: list[int],
+            hint: Callable[[], str] = lambda: "") -> dict:
     """Rank 0, after everyone is done: errors.jsonl and the manifest, both from the per-shard files."""
     sidecars = []
     for i in range(n_shards):
@@ -187,6 +189,9 @@ def _finish(cfg: PrecomputeConfig, out: Path, n_shards: int, run_id: dict, laten
     errors = b"".join(cf.error_path(out, i).read_bytes() for i in range(n_shards))
     cf.atomic_write_bytes(out / cf.ERRORS, errors)
     num_errors = errors.count(b"\n")
+    if not sum(s["count"] for s in sidecars):  # a cache nothing can train on: no manifest, so nothing looks finished
+        raise UserError(f"no usable sample in {cfg.source.type} source: all {run_id['num_entries']} inputs failed "
+                        f"({_reasons(out)}; each in {out / cf.ERRORS})" + (f"; {h}" if (h := hint()) else ""))
     return cf.write_manifest(
         out, sidecars, fingerprint=run_id["fingerprint"], latent_shape=latent_shape, latent_dtype=cfg.cache.dtype,
         num_errors=num_errors,
@@ -198,7 +203,7 @@ def _finish(cfg: PrecomputeConfig, out: Path, n_shards: int, run_id: dict, laten
 
 def _compile_encoder(encoder, cfg: PrecomputeConfig, device: torch.device) -> float:
     """Compile before the clock starts, at the square batch shape (crop and squash: the only one `BucketBatcher` passes): the first call traces and compiles
-    (~15 s for the Wan VAE at 512 px on an H100)."""
+    (its time at 512 px on an H100: docs/performance.md)."""
     t = time.perf_counter()
     r = cfg.image.resolution
     with torch.no_grad():
@@ -218,14 +223,32 @@ def run(cfg: PrecomputeConfig) -> dict:
     identity.check_identity(out, identity.layout_identity(cfg))
     # one run per output_dir (a second one would delete this run's unfinished shards as a killed run's leftovers);
     # taking the lock creates the folder, or says why it cannot be written
+    fresh = not out.exists()
     with run_lock.hold(out, state):
         try:
             return _build(cfg, state, out)
+        except UserError:
+            if fresh and state.is_main_process:
+                _forget_listing(out)
+            raise
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise
             raise UserError(f"no space left on device writing {e.filename or out}: free some space and rerun the same "
                             "command (finished shards are kept, the unfinished one is redone)") from None
+
+
+def _reasons(out: Path) -> str:
+    return ", ".join(f"{n} {reason}" for reason, n in cf.error_classes(out).items()) or "no reason recorded"
+
+
+def _forget_listing(out: Path) -> None:
+    """A refused run into a folder it created: before any shard exists, what it wrote is only the source's listing
+    (and the empty folders and run record claim_output made), which goes with it."""
+    if any((out / cf.SHARDS).glob("*")):
+        return
+    shutil.rmtree(out / cf.INDEX_DIR, ignore_errors=True)
+    (out / cf.RUN_FILE).unlink(missing_ok=True)
 
 
 def _build(cfg: PrecomputeConfig, state, out: Path) -> dict:
@@ -245,7 +268,7 @@ def _build(cfg: PrecomputeConfig, state, out: Path) -> dict:
         torch.backends.cudnn.benchmark = True  # every batch has the same shape: pick the fastest conv kernels once
     run_id = identity.run_identity(cfg, fingerprint, len(listing))
     identity.check_identity(out, run_id)
-    n_shards = math.ceil(len(listing) / cfg.shard_size)
+    n_shards = -(-len(listing) // cfg.shard_size)
     if rank == 0:
         identity.claim_output(out, run_id)
     state.wait_for_everyone()
@@ -262,9 +285,18 @@ def _build(cfg: PrecomputeConfig, state, out: Path) -> dict:
     state.wait_for_everyone()
     elapsed = time.time() - t_enc
     latent_shape = [encoder.vae.config.z_dim, 1, latent_side(cfg.image.resolution), latent_side(cfg.image.resolution)]
+    empty = None
     if rank == 0:
-        _finish(cfg, out, n_shards, run_id, latent_shape)
+        try:
+            _finish(cfg, out, n_shards, run_id, latent_shape, listing.failure_hint)
+        except UserError as e:
+            empty = e
+    if world > 1:  # every process stops on rank 0's verdict, with its line
+        empty = gather_object([str(empty) if empty else None])[0]
+        empty = UserError(empty) if empty else None
     state.wait_for_everyone()
+    if empty is not None:
+        raise empty
     manifest = cf.load_manifest(out)
     summary = {"samples": manifest["num_samples"], "errors": manifest["num_errors"], "shards": n_shards,
                "bytes": sum(s["bytes"] for s in manifest["shards"]), "encoded_this_run": sum(counts),
@@ -274,9 +306,6 @@ def _build(cfg: PrecomputeConfig, state, out: Path) -> dict:
                "compile_seconds": compile_s, "seconds_rank0": seconds}
     if state.is_main_process:
         _print_summary(summary, out)
-    if not manifest["num_samples"]:  # a cache nothing can train on: say so rather than exit 0
-        raise UserError(f"no usable sample in {cfg.source.type} source: all {len(listing)} inputs failed "
-                        f"(reasons in {out / cf.ERRORS})")
     return {**manifest, "summary": summary}
 
 

@@ -12,6 +12,7 @@ from precompute import sources
 from precompute.config import PrecomputeConfig
 from theworld import cache_format as cf
 from theworld import images
+from theworld.errors import one_line
 
 
 class EntryDataset(Dataset):
@@ -40,9 +41,9 @@ class EntryDataset(Dataset):
             try:
                 item.update(self._prepare(e))
             except (images.BadImage, sources.SourceError) as err:
-                item["error"] = str(err)
+                item["error"] = one_line(err)
             except (OSError, UnicodeDecodeError) as err:
-                item["error"] = f"cannot read: {type(err).__name__}: {err}"
+                item["error"] = f"cannot read: {type(err).__name__}: {one_line(err)}"
         return item
 
     def _prepare(self, e: sources.Entry) -> dict:

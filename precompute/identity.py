@@ -9,12 +9,16 @@ from theworld import cache_format as cf
 from theworld.config import to_dict
 from theworld.errors import UserError
 
+LLAVA_CONVERSATIONS = "multi-turn"  # llava items of several human/gpt pairs are samples (cache_format.TURNS)
+
 
 def layout_identity(cfg: PrecomputeConfig) -> dict:
     """What decides which source entries go into which shard, and which members they get (known before listing)."""
     src = to_dict(cfg.source)
     if cfg.source.type == "synthetic":
         src.update(path=None, prompt=None, seed=cfg.seed)
+    if cfg.source.type == "llava":  # the rule that turns items into samples: an older cache kept one turn only
+        src["conversations"] = LLAVA_CONVERSATIONS
     return {"source": src, "shard_size": cfg.shard_size, "cache": to_dict(cfg.cache)}
 
 

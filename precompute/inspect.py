@@ -22,11 +22,12 @@ from pathlib import Path
 
 import torch
 
+from precompute import fonts
 from precompute.config import PrecomputeConfig
 from theworld import cache_format as cf
 from theworld import encoders, images
 from theworld.config import ArgParser, add_config_args, load_config
-from theworld.errors import CacheDamaged, UserError, cli_entry
+from theworld.errors import CacheDamaged, UserError, cli_entry, one_line
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -121,7 +122,7 @@ def _check_sample(key: str, members: dict[str, bytes], manifest: dict, shape: li
     try:
         s = cf.decode_sample(key, members)
     except Exception as e:  # noqa: BLE001 - any decode failure is a finding, not a crash
-        return problems + [f"{key}: does not decode: {type(e).__name__}: {e}"]
+        return problems + [f"{key}: does not decode: {type(e).__name__}: {one_line(e)}"]
     tensors = {"mean": s.mean, "logvar": s.logvar}
     if contents.get("flip"):
         tensors.update(flip_mean=s.flip_mean, flip_logvar=s.flip_logvar)
@@ -156,7 +157,7 @@ def _read_tar(path: Path, spans: dict | None = None) -> tuple[dict[str, dict[str
                     if spans is not None:
                         spans.setdefault(key, {})[member] = [m.offset_data, m.size]
     except (tarfile.TarError, OSError, EOFError) as e:
-        return samples, f"unreadable tar: {type(e).__name__}: {e}"
+        return samples, f"unreadable tar: {type(e).__name__}: {one_line(e)}"
     return samples, None
 
 
@@ -175,7 +176,7 @@ def _check_sidecar(side: dict, samples: dict[str, dict[str, bytes]], spans: dict
                     problems.append(f"{key}: {name} fails its crc32 check")
         return problems
     except (KeyError, TypeError, AttributeError) as e:
-        return [f"sidecar is malformed ({type(e).__name__}: {e})"]
+        return [f"sidecar is malformed ({type(e).__name__}: {one_line(e)})"]
 
 
 def verify(cache: Path, args) -> tuple[dict, int, str]:
@@ -196,7 +197,9 @@ def verify(cache: Path, args) -> tuple[dict, int, str]:
         if size != entry["bytes"]:
             problems.append(f"size {size} != manifest {entry['bytes']}")
         if digest != entry["sha256"]:
-            problems.append(f"sha256 {digest[:12]}.. != manifest {entry['sha256'][:12]}..")
+            owner = next((e["path"] for e in manifest["shards"] if e["sha256"] == digest), None)
+            problems.append(f"sha256 {digest[:12]}.. != manifest {entry['sha256'][:12]}.."
+                            + (f": it holds what the manifest lists for {owner} (copied or swapped)" if owner else ""))
         side = cf.read_sidecar(cache, i)
         if side is None or side.get("sha256") != entry["sha256"]:
             problems.append("sidecar missing or does not match the manifest")
@@ -281,7 +284,7 @@ def _same_shape(tensors: list[torch.Tensor]) -> list[list[int]]:
     return list(groups.values())
 
 
-LINE = 12  # px per text line of PIL's default bitmap font
+LINE = 14  # px per text line of the label font (fonts.SIZE)
 
 
 def _sheet(pairs: list[tuple[torch.Tensor, torch.Tensor]], labels: list[str], header: str, min_tile: int = 128,
@@ -297,12 +300,13 @@ def _sheet(pairs: list[tuple[torch.Tensor, torch.Tensor]], labels: list[str], he
     cols = min(4, len(pairs))
     rows = math.ceil(len(pairs) / cols)
     pair_w = 2 * tile + gap
-    chars = pair_w // 6  # the default font is 6 px wide
+    font, lacks = fonts.for_text([header, *labels])
+    fonts.say_missing(lacks)
     top = 2 * gap + LINE * len(header.splitlines())
     cell_h = tile + 2 * LINE + 2 * gap
     sheet = Image.new("RGB", (cols * pair_w + (cols + 1) * gap * 2, top + rows * cell_h + 2 * gap), (32, 32, 32))
     draw = ImageDraw.Draw(sheet)
-    draw.multiline_text((2 * gap, gap), header, fill=(255, 255, 255), spacing=0)
+    draw.multiline_text((2 * gap, gap), header, fill=(255, 255, 255), spacing=LINE - fonts.SIZE, font=font)
     for n, ((orig, recon), label) in enumerate(zip(pairs, labels)):
         x = 2 * gap + (n % cols) * (pair_w + 2 * gap)
         y = top + (n // cols) * cell_h
@@ -311,8 +315,10 @@ def _sheet(pairs: list[tuple[torch.Tensor, torch.Tensor]], labels: list[str], he
             img = Image.fromarray(t.permute(1, 2, 0).numpy()).resize((w * scale, h * scale), Image.NEAREST)
             sheet.paste(img, (x + k * (tile + gap) + (tile - w * scale) // 2, y + (tile - h * scale) // 2))
         for i, line in enumerate(label.splitlines()[:2]):
-            line = line if len(line) <= chars else line[:chars - 3] + "..."
-            draw.text((x, y + tile + gap // 2 + i * LINE), line, fill=(220, 220, 220))
+            line = line if len(line) <= pair_w // 3 else line[:pair_w // 3 - 3] + "..."  # no glyph is under 3 px
+            while len(line) > 3 and font.getlength(line) > pair_w:  # cut to the pair's width
+                line = line[:-4] + "..."
+            draw.text((x, y + tile + gap // 2 + i * LINE), line, fill=(220, 220, 220), font=font)
     return sheet
 
 

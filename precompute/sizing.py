@@ -4,8 +4,8 @@ No model weights are loaded. Tensor members are sized from the config alone: lat
 image-token features (mm_tokens x hidden) from Gemma's config, each serialised empty to get its exact safetensors
 size. Configs come from the saved tiny models, a local folder, the local Hugging Face cache (offline), or, for the
 public checkpoints the project targets, the table in theworld/arch.py. The latent grid and the variable members
-(image bytes, caption, json) are measured on up to PLAN_SAMPLES source entries spread evenly over the source, prepared exactly as the run
-prepares them (decode, resize or bucket, PNG for formats kept as PNG).
+(image bytes, caption, json) are measured on up to PLAN_SAMPLES source entries spread evenly over the source,
+prepared exactly as the run prepares them (decode, resize or bucket, PNG for formats kept as PNG).
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import json
 import math
 import tarfile
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -23,30 +24,48 @@ from precompute.config import PrecomputeConfig
 from theworld import cache_format as cf
 from theworld import encoders
 from theworld.arch import KNOWN_GEMMA, KNOWN_VAE, latent_side
-from theworld.errors import UserError
+from theworld.errors import UserError, one_line
 
 PLAN_SAMPLES = 64
 
 
-def _local_config(path: str, subfolder: str | None = None) -> dict | None:
-    """config.json of a local folder, or of a hub id already in the local Hugging Face cache (no download)."""
+def _local_config(key: str, path: str, subfolder: str | None = None) -> dict | None:
+    """config.json of a local folder, or of a hub id already in the local Hugging Face cache (no download); one that
+    is not a JSON object is refused naming `key` and the file, as loading the model would be."""
     p = Path(path) / (subfolder or "") / "config.json"
-    if p.is_file():
-        return json.loads(p.read_text())
-    try:
-        from huggingface_hub import hf_hub_download
+    if not p.is_file():
+        try:
+            from huggingface_hub import hf_hub_download
 
-        return json.loads(Path(hf_hub_download(path, "config.json", subfolder=subfolder,
-                                               local_files_only=True)).read_text())
-    except Exception:  # noqa: BLE001 - not cached (or not a hub id): the caller falls back to the table
-        return None
+            p = Path(hf_hub_download(path, "config.json", subfolder=subfolder, local_files_only=True))
+        except Exception:  # noqa: BLE001 - not cached (or not a hub id): the caller falls back to the table
+            return None
+    try:
+        config = json.loads(p.read_bytes())
+    except (OSError, ValueError, RecursionError) as e:
+        raise UserError(f"{key}: cannot load {path!r}: {p} is not valid JSON ({type(e).__name__}: "
+                        f"{one_line(e)[:120]})") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{key}: cannot load {path!r}: {p} holds a JSON {type(config).__name__}, not a model config")
+    return config
+
+
+def _count(config: dict, file_key: str, where: str, spec: str, default: int | None = None) -> int:
+    """A positive integer field of a model config (`where`: "text_config." for a nested one)."""
+    section = config.get(where.rstrip("."), {}) if where else config
+    value = section.get(file_key, default) if isinstance(section, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise UserError(f"model.gemma: cannot load {spec!r}: its config.json has no usable {where}{file_key} "
+                        f"(got {value!r})")
+    return value
 
 
 def siglip_size(spec: str) -> tuple[int, int]:
     """(image tokens, hidden size) of Gemma's multimodal-projector output for model.gemma `spec`."""
-    config = _local_config(encoders.resolve_gemma(spec))
+    config = _local_config("model.gemma", encoders.resolve_gemma(spec))
     if config is not None:
-        return config.get("mm_tokens_per_image", 256), config["text_config"]["hidden_size"]
+        return (_count(config, "mm_tokens_per_image", "", spec, default=256),
+                _count(config, "hidden_size", "text_config.", spec))
     if spec in KNOWN_GEMMA:
         return KNOWN_GEMMA[spec].mm_tokens, KNOWN_GEMMA[spec].hidden_size
     raise UserError(f"model.gemma: no config for {spec!r} offline (a local folder, the Hugging Face cache, or one "
@@ -56,7 +75,7 @@ def siglip_size(spec: str) -> tuple[int, int]:
 def latent_channels(spec: str) -> int:
     if spec in KNOWN_VAE and not Path(spec).exists():
         return KNOWN_VAE[spec]
-    config = _local_config(*encoders.resolve_vae(spec))
+    config = _local_config("model.vae", *encoders.resolve_vae(spec))
     if config is None:
         raise UserError(f"model.vae: no config for {spec!r} offline (a local folder, the Hugging Face cache, or one "
                         f"of {', '.join(KNOWN_VAE)})")
@@ -81,11 +100,12 @@ def _measure(cfg: PrecomputeConfig, listing: sources.Listing) -> dict:
     n = len(listing)
     positions = sorted({i * n // min(n, PLAN_SAMPLES) for i in range(min(n, PLAN_SAMPLES))})
     dataset = EntryDataset(listing, cfg)
-    got = {"image": [], "txt": [], "json": [], "hw": [], "errors": 0}
+    got = {"image": [], "txt": [], "json": [], "hw": [], "errors": 0, "reasons": Counter()}
     for pos in positions:
         item = dataset[pos]
         if item["error"] is not None:
             got["errors"] += 1
+            got["reasons"][item["error"]] += 1
             continue
         got["txt"].append(_member(len(item["caption"].encode())))
         got["json"].append(_member(len(json.dumps(item["meta"], sort_keys=True).encode())))
@@ -106,7 +126,10 @@ def estimate(cfg: PrecomputeConfig) -> dict:
         got = _measure(cfg, listing)
     n = len(listing)
     if not got["hw"]:
-        raise UserError(f"--plan: none of the {got['sampled']} sampled entries of the source is usable")
+        reasons = "; ".join(f"{k} x{n}" if n > 1 else k for k, n in got["reasons"].most_common(3))
+        more = f"; and {len(got['reasons']) - 3} other reasons" if len(got["reasons"]) > 3 else ""
+        raise UserError(f"--plan: none of the {got['sampled']} sampled entries of the source is usable: "
+                        f"{reasons}{more}")
     channels = latent_channels(cfg.model.vae)
     latent = sum(_member(_latent_bytes(channels, hw, cfg)) for hw in got["hw"]) / len(got["hw"])
     members = {"latent": latent, "latent_flip": latent if cfg.cache.flip else 0.0}
@@ -120,18 +143,18 @@ def estimate(cfg: PrecomputeConfig) -> dict:
     members["txt"] = sum(got["txt"]) / len(got["txt"])
     members["json"] = sum(got["json"]) / len(got["json"])
     per_sample = sum(members.values())
-    shards = math.ceil(n / cfg.shard_size)
+    shards = -(-n // cfg.shard_size)  # integers: a float quotient is wrong beyond 2**53 entries
     end = 2 * tarfile.BLOCKSIZE + tarfile.RECORDSIZE / 2  # end-of-archive blocks, then padding to a record (mean)
     return {"source": {"type": cfg.source.type, "path": cfg.source.path}, "entries": n, "shards": shards,
             "shard_size": cfg.shard_size, "sampled": got["sampled"], "sampled_unusable": got["errors"],
             "latent_grids": sorted(set(got["hw"])), "latents": cfg.cache.latents, "dtype": cfg.cache.dtype,
             "bytes_per_sample": {k: round(v) for k, v in members.items()}, "bytes_per_sample_total": round(per_sample),
-            "bytes_total": round(per_sample * n + end * shards)}
+            "bytes_total": round(per_sample) * n + round(end) * shards}
 
 
 def _human(b: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
-        if b < 1000 or unit == "PB":
+    for unit in ("B", "kB", "MB", "GB", "TB", "PB", "EB", "ZB", "YB"):
+        if b < 1000 or unit == "YB":
             return f"{b:.1f} {unit}" if unit != "B" else f"{b:.0f} B"
         b /= 1000
     return ""

@@ -1,6 +1,8 @@
-"""Shared test set-up: no network, tiny models built once per checkout, a fake VAE on request, two-process launches."""
+"""Shared test set-up: no network, tiny models built once per checkout, a fake VAE on request, two-process launches,
+training runs on a small synthetic cache (the `cache` fixture, `base_args`, in-process and subprocess runs)."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -114,3 +116,51 @@ def trained_run(tmp_path_factory):
     finally:
         checkpoint.export_final = original
     return {"run": out, "logits": recorded["logits"], "mc": mc, "cache": cache}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Training runs on a small synthetic cache
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """96 synthetic samples at 64 px, float32, flipped latents and images kept (3 shards of 32); no SigLIP features,
+    since flip augmentation needs image tokens computed live from the flipped picture."""
+    from precompute.config import load as load_pre
+    from precompute.cosmos_latents import run
+
+    out = tmp_path_factory.mktemp("train") / "cache"
+    cfg = load_pre(str(ROOT / "configs" / "precompute.yaml"),
+                   [f"output_dir={out}", "source.num_samples=96", "shard_size=32", "batch_size=32", "num_workers=0",
+                    "cache.flip=true", "cache.siglip=false"])
+    run(cfg)
+    return out
+
+
+def base_args(cache: Path, out: Path, steps: int = 4, **extra) -> list[str]:
+    sets = {"cache_dir": cache, "output_dir": out, "model.dtype": "float32", "train.max_steps": steps,
+            "train.global_batch_size": 16, "train.micro_batch_size": 8, "train.eval_samples": 16,
+            "train.num_workers": 0, "trackers": "[]", "train.log_every": 1, "train.save_every": 100,
+            "train.eval_every": 0, "train.warmup_steps": 2, "train.lr": "1e-2", **extra}
+    return [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+
+
+def train_cli(args: list[str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "train.loop", *args], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=300, **kw)
+
+
+def train_inproc(args: list[str]) -> int:
+    from train.loop import main
+
+    return main(args)
+
+
+def weights(run_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "final" / "trainable.safetensors"))
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -59,7 +59,7 @@ def test_the_chosen_bucket_has_the_nearest_log_aspect_ratio():
     for _ in range(500):
         w, h = rng.randint(1, 5000), rng.randint(1, 5000)
         got = bucket_for(w, h, 512)
-        dist = lambda b: abs(math.log(b[0] / b[1]) - math.log(w / h))  # noqa: E731
+        dist = lambda b: abs(math.log(b[0] / b[1]) - math.log(w / h))
         assert dist(got) == min(dist(b) for b in buckets(512))
 
 
@@ -336,7 +336,7 @@ def test_bucketed_precompute_encodes_each_shards_buckets_in_full_batches(tmp_pat
     calls = []
     encode = fake_vae.encode
     monkeypatch.setattr(fake_vae, "encode", lambda x: (calls.append(tuple(x.shape)), encode(x))[1])
-    cfg = lambda out, batch: make_cfg(out, "source.type=folder", f"source.path={src}", "image.resize=bucket",  # noqa: E731
+    cfg = lambda out, batch: make_cfg(out, "source.type=folder", f"source.path={src}", "image.resize=bucket",
                                       f"batch_size={batch}", n=24, res=128, shard=12)
     first = run(cfg(tmp_path / "a", 4))
     def bucket(i: int) -> tuple[int, int]:

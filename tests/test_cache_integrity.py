@@ -94,7 +94,9 @@ def test_a_cache_without_checksums_still_reads(cache):
 @pytest.mark.parametrize("damage,words", [
     ("truncate", ["shard-000001.tar", "bytes on disk", "delete"]),
     ("delete", ["shard-000001.tar", "missing", "delete"]),
-    ("swap_with_sidecar", ["shard-000001.tar", "does not match manifest.json", "delete"]),
+    ("swap_with_sidecar", ["shard-000001.tar", "what manifest.json lists for shard-000000.tar", "copied over it"]),
+    ("swap_pairs", ["shard-000000.tar", "shard-000001.tar holds this shard's: the two were swapped"]),
+    ("edit_sidecar", ["shard-000001.tar", "(count 1 vs ", "sidecar vs manifest", "delete"]),
     ("manifest_lists_fewer", ["shard-000002.tar", "manifest.json lists 2 shards", "rerun the precompute"]),
     ("duplicate_keys", ["occurs twice", "shard-000000.tar", "shard-000001.tar"]),
     ("offset_outside", ["outside the tar", "shard-000002.tar"]),
@@ -109,6 +111,16 @@ def test_start_of_run_checks_catch_damage_without_reading_data(cache, damage, wo
     elif damage == "swap_with_sidecar":  # shard 1 replaced by a copy of shard 0, sidecar and all
         shutil.copy(cf.tar_path(cache, 0), tar1)
         shutil.copy(cf.sidecar_path(cache, 0), cf.sidecar_path(cache, 1))
+    elif damage == "swap_pairs":  # shards 0 and 1 trade places, each with its own sidecar
+        for suffix in (cf.tar_path, cf.sidecar_path):
+            a, b = suffix(cache, 0), suffix(cache, 1)
+            a.rename(a.with_name("x"))
+            b.rename(a)
+            a.with_name("x").rename(b)
+    elif damage == "edit_sidecar":
+        side = _side(cache, 1)
+        side["count"] = 1
+        cf.atomic_write_json(cf.sidecar_path(cache, 1), side)
     elif damage == "manifest_lists_fewer":
         manifest["shards"] = manifest["shards"][:2]
         manifest["num_samples"] = sum(s["num_samples"] for s in manifest["shards"])
@@ -198,7 +210,7 @@ def train_cache(tmp_path_factory):
 
 
 def _train(cache: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    from test_train import ENV, base_args
+    from conftest import ENV, base_args
 
     args = base_args(cache, out, steps=2, **{"train.num_workers": 1}) + [a for e in extra for a in ("--set", e)]
     return subprocess.run([sys.executable, "-m", "train.loop", *args], cwd=ROOT, env=ENV, capture_output=True,
@@ -251,7 +263,7 @@ def test_an_old_cache_trains_with_a_note_and_its_undecodable_bytes_are_one_line(
 
 
 def test_a_cache_file_changed_before_the_run_is_refused_before_any_model_loads(train_cache, tmp_path, capsys):
-    from test_train import base_args
+    from conftest import base_args
 
     from train.loop import main
 
@@ -286,7 +298,7 @@ def _old_shard(cache: Path, shard: int, sample: int, caption: str | None = None,
 
 def test_an_old_cache_with_a_control_string_caption_is_refused_before_any_model_loads(cache, tmp_path, capsys,
                                                                                        monkeypatch):
-    from test_train import base_args
+    from conftest import base_args
 
     from theworld.control_text import TEXT_RULE
     from train import data

@@ -10,7 +10,8 @@ from theworld.config import load_config
 from train.config import RESUME_NEUTRAL, TrainConfig, run_hash
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-TRAIN_CONFIGS = sorted(CONFIGS.glob("stage*.yaml")) + sorted((CONFIGS / "real").glob("stage*.yaml"))
+TRAIN_CONFIGS = sorted(CONFIGS.glob("stage[0-9].yaml")) + sorted((CONFIGS / "real").glob("stage[0-9].yaml"))
+LORA_CONFIGS = [CONFIGS / "stage3_lora.yaml", CONFIGS / "real" / "stage3_lora.yaml"]
 PRECOMPUTE_CONFIGS = [CONFIGS / "precompute.yaml", CONFIGS / "real" / "precompute.yaml"]
 
 
@@ -28,6 +29,15 @@ def test_train_configs_load(path):
         assert f"stage{stage - 1}" in str(cfg.init_from)
     # progressive unfreezing: stage 2 adds the vision side, stage 3 the language model, stage 4 the VAE
     assert (cfg.freeze.vision, cfg.freeze.language, cfg.freeze.vae) == (stage < 2, stage < 3, stage < 4)
+
+
+@pytest.mark.parametrize("path", LORA_CONFIGS, ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_lora_stage3_configs_load(path):
+    """Stage 3 with LoRA: the vision side trains whole, the language model through adapters on frozen weights."""
+    cfg = load_config(TrainConfig, path)
+    assert "stage2" in str(cfg.init_from) and cfg.lora.parts == ["language"]
+    assert (cfg.freeze.vision, cfg.freeze.language, cfg.freeze.vae) == (False, True, True)
+    assert cfg.train.sharding == "ddp"
 
 
 @pytest.mark.parametrize("path", PRECOMPUTE_CONFIGS, ids=lambda p: str(p.relative_to(CONFIGS)))

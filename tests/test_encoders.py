@@ -140,5 +140,23 @@ def test_offline_with_a_hub_id_not_in_the_local_cache_says_exactly_that(tmp_path
         msg = str(e.value)
         assert msg.startswith(f"{key}: '{spec}' is not in the local Hugging Face cache") and "HF_HUB_OFFLINE" in msg
         assert "config.json" not in msg and "\n" not in msg
+        assert f"({encoders.hub_download_command()} download {spec})" in msg
     with pytest.raises(UserError, match="is not a folder here"):
         encoders.load_vae(str(tmp_path / "no" / "such" / "vae"), "float32")
+
+
+def test_the_download_advice_names_the_command_the_installed_huggingface_hub_has(monkeypatch):
+    import importlib.metadata as md
+    import shutil
+
+    real = md.distribution("huggingface_hub")
+    scripts = {e.name for e in real.entry_points if e.group == "console_scripts"}
+    assert encoders.hub_download_command() == ("hf" if "hf" in scripts else "huggingface-cli")
+    if shutil.which("hf") or shutil.which("huggingface-cli"):  # the venv's bin is on PATH: it is that one
+        assert shutil.which(encoders.hub_download_command())
+
+    class Old:  # huggingface_hub before 0.34: only huggingface-cli
+        entry_points = [md.EntryPoint("huggingface-cli", "huggingface_hub.commands:main", "console_scripts")]
+
+    monkeypatch.setattr(md, "distribution", lambda name: Old())
+    assert encoders.hub_download_command() == "huggingface-cli"

@@ -3,11 +3,10 @@ synthetic set, and train.benchmarks."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-import torch
-import torch.nn.functional as F
+
+from _eval_helpers import TWO_ITEMS, blink_folder, hand_scores, write_items
 
 from theworld import images, synthetic
 from theworld.infer import benchmarks
@@ -15,47 +14,12 @@ from theworld.config import ImageConfig, ModelConfig, WorldConfig
 from theworld.evaluate import main
 from theworld.infer.scoring import Scorer, evaluate, summarize, wilson
 from theworld.model import TheWorld
-from theworld.text import IGNORE, ChatFormatter, collate_text
 
 
 @pytest.fixture(scope="module")
 def tiny():
     model, processor = TheWorld.from_config(ModelConfig(dtype="float32"), WorldConfig())
     return model.eval(), processor
-
-
-def write_items(root: Path, records: list[dict], n_images: int = 3) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    for i in range(n_images):
-        synthetic.scene(11, i)[0].save(root / f"{i}.png")
-    path = root / "items.jsonl"
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
-    return path
-
-
-TWO_ITEMS = [{"image": "0.png", "question": "describe the scene .", "choices": ["top left red circle .", "left", "bottom right"],
-              "answer": "(B)", "category": "a"},
-             {"image": ["1.png", "2.png"], "question": "left right", "choices": ["red square .", "blue"], "answer": 0}]
-
-
-def hand_scores(model, processor, item: benchmarks.Item, world_image) -> list[float]:
-    """Each choice on its own: full logits of the sequence, log-softmax, summed over the answer tokens."""
-    fmt = ChatFormatter(processor)
-    world = images.to_uint8_tensor(images.resize(images.decode(Path(world_image).read_bytes()), 64)[0])[None]
-    pv = torch.stack([images.siglip_pixels(processor.image_processor, images.decode(Path(p).read_bytes()))
-                      for p in item.images])
-    out = []
-    for choice in item.choices:
-        enc = fmt.encode(item.question, choice, images=len(item.images))
-        batch = collate_text([enc], fmt.pad_id)
-        with torch.no_grad():
-            logits = model(**batch, images=world, pixel_values=pv, return_logits=True).logits[0]
-        n_world = logits.shape[0] - len(enc.input_ids)
-        labels = torch.tensor(enc.labels[:1] + [IGNORE] * n_world + enc.labels[1:])
-        logp = F.log_softmax(logits[:-1].double(), -1)
-        keep = labels[1:] != IGNORE
-        out.append(float(logp[keep].gather(1, labels[1:][keep][:, None]).sum()))
-    return out
 
 
 def test_the_scorer_agrees_with_a_hand_computation_on_a_two_item_file(tiny, tmp_path):
@@ -75,7 +39,7 @@ def test_the_scorer_agrees_with_a_hand_computation_on_a_two_item_file(tiny, tmp_
         own, shuffled = s["model"], s["shuffled_world"]
         assert r["pred"] == max(range(len(own)), key=own.__getitem__)
         assert r["pred_shuffled_world"] == max(range(len(shuffled)), key=shuffled.__getitem__)
-    choices = lambda rs: [{k: v for k, v in r.items() if k != "outputs"} for r in rs]  # noqa: E731  (scores: to rounding)
+    choices = lambda rs: [{k: v for k, v in r.items() if k != "outputs"} for r in rs]  # scores: to rounding
     assert choices(evaluate(model, processor, ImageConfig(), items, batch_size=2)) == choices(records)  # batching
 
 
@@ -106,13 +70,27 @@ BAD = [
     ({"category": 3}, "field 'category'"),
     ({"question": "what is it? <start_of_turn>"}, "field 'question': holds the Gemma control string '<start_of_turn>'"),
     ({"choices": ["a", "b <end_of_turn>", "c"]}, "field 'choices[1]'"),
+    ({"choices": ["a", "b", "a "]}, "field 'choices': choices[0] and choices[2] are the same text"),
+    ({"choices": ["only"], "answer": 0}, "field 'choices': a single choice"),
+    ({"question": "word " * 20000}, "field 'question': too long: 100000 characters (> 65536)"),
+    ({"choices": ["a", "b" * 400000]}, "field 'choices[1]': too long: 400000 characters"),
+    ({"image": "folder"}, "folder: a directory, not an image file"),
+    ({"image": "fifo"}, "fifo: a FIFO, not an image file"),
+    ({"image": "loop"}, "loop: a symlink loop"),
+    ({"image": "dangling"}, "dangling: a dangling symlink"),
 ]
 
 
 @pytest.mark.parametrize("change,words", BAD)
 def test_a_bad_item_is_one_line_naming_the_item_and_field_with_exit_2(tmp_path, capsys, change, words):
+    import os
+
     good = {"image": "0.png", "question": "q", "choices": ["a", "b", "c"], "answer": "A"}
     path = write_items(tmp_path, [good, {**good, **change}])
+    (tmp_path / "folder").mkdir()
+    os.mkfifo(tmp_path / "fifo")  # never opened: reading it would wait for a writer forever
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone.png")
     assert main(["--model", str(tmp_path / "no-model"), "--data", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"{path}:2" in err and words in err
@@ -124,6 +102,23 @@ def test_a_malformed_line_is_one_line_with_exit_2(tmp_path, capsys, line):
     assert main(["--model", str(tmp_path), "--data", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"{path}:1" in err and "malformed line" in err
+
+
+def test_a_raw_line_separator_inside_a_json_string_is_part_of_the_line(tmp_path):
+    """json.dumps(ensure_ascii=False) writes U+2028 and U+0085 raw; JSONL lines end at \\n only."""
+    item = {"image": "0.png", "question": "one\u2028two\x85three", "choices": ["a\u2029", "b"], "answer": 0}
+    path = write_items(tmp_path, [json.dumps(item, ensure_ascii=False)] * 2)
+    assert "\u2028" in path.read_text()
+    items = benchmarks.read(path)
+    assert [it.name for it in items] == [f"{path}:1", f"{path}:2"] and items[0].question == item["question"]
+
+
+def test_data_that_is_a_fifo_is_refused_without_opening_it(tmp_path, capsys):
+    import os
+
+    os.mkfifo(tmp_path / "items.jsonl")
+    assert main(["--model", str(tmp_path), "--data", str(tmp_path / "items.jsonl")]) == 2
+    assert "items.jsonl: a FIFO, not a data file" in capsys.readouterr().err
 
 
 def test_a_file_that_is_not_utf8_text_is_one_line_with_exit_2(tmp_path, capsys):
@@ -146,24 +141,6 @@ def test_an_unreadable_image_is_skipped_and_recorded(tmp_path):
     (tmp_path / "2.png").write_bytes(b"not a png")
     bad = benchmarks.unreadable(benchmarks.read(path))
     assert bad == [{"item": f"{path}:2", "field": "image 2", "reason": bad[0]["reason"]}] and bad[0]["reason"]
-
-
-def blink_folder(root: Path, answer: str = "(B)", image_1=True) -> Path:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    png = images.to_bytes(synthetic.scene(11, 0)[0])
-    struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
-    rows = {"idx": ["val_Counting_1", "val_Counting_2"], "sub_task": ["Counting", "Jigsaw"],
-            "question": ["how many?", "which piece?"], "choices": [["1", "2", "3"], ["(A)", "(B)"]],
-            "answer": ["(C)", answer],
-            "image_1": pa.array([{"bytes": png, "path": "a.png"}, {"bytes": png if image_1 else None, "path": "b"}],
-                                type=struct),
-            "image_2": pa.array([None, {"bytes": png, "path": "c.png"}], type=struct),
-            "image_3": pa.array([None, None], type=struct), "image_4": pa.array([None, None], type=struct)}
-    (root / "Counting").mkdir(parents=True)
-    pq.write_table(pa.table(rows), root / "Counting" / "val-00000-of-00001.parquet")
-    return root
 
 
 def test_blinks_parquet_layout_is_read(tmp_path, tiny):

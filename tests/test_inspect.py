@@ -82,6 +82,18 @@ def test_verify_ok_then_flipped_byte_and_truncation(cache, capsys):
     assert _json(capsys)["bad_shards"] == ["shards/shard-000001.tar", "shards/shard-000002.tar"]
 
 
+def test_verify_names_the_shard_whose_files_a_swapped_pair_holds(cache, capsys):
+    for path in (cf.tar_path, cf.sidecar_path):
+        a, b = path(cache, 0), path(cache, 1)
+        a.rename(a.with_name("x"))
+        b.rename(a)
+        a.with_name("x").rename(b)
+    assert inspect.main(["verify", str(cache)]) == 1
+    out = capsys.readouterr().out
+    assert "it holds what the manifest lists for shards/shard-000001.tar (copied or swapped)" in out
+    assert "it holds what the manifest lists for shards/shard-000000.tar (copied or swapped)" in out
+
+
 def test_verify_catches_nan_and_duplicates_with_matching_hashes(tmp_path, cache, capsys):
     """A shard whose hashes match the manifest but whose content is wrong (written by buggy code) is still caught."""
     members = read_cache_plain(cache)
@@ -200,7 +212,7 @@ def test_a_cache_without_samples_is_a_one_line_error(tmp_path, fake_vae, capsys)
     assert cosmos_latents.main(cli_args(tmp_path / "c", "source.type=folder", f"source.path={src}")) == 2
     capsys.readouterr()
     assert inspect.main(["decode", str(tmp_path / "c"), "--out", str(tmp_path / "s.png")]) == 2
-    assert "no samples" in capsys.readouterr().err
+    assert "holds no samples, so it is not a cache" in capsys.readouterr().err
 
 
 def test_decode_sheet_labels_each_pair_and_says_when_the_vae_is_the_random_tiny_one(cache, tmp_path, capsys):

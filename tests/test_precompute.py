@@ -20,6 +20,7 @@ from precompute.config import PrecomputeConfig
 from theworld import cache_format as cf
 from theworld import images, synthetic
 from theworld.config import load_config
+from theworld.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -178,9 +179,15 @@ def test_a_source_with_no_usable_sample_is_an_error_that_keeps_its_reasons(tmp_p
     (src / "b.png").write_bytes(b"")
     (src / "b.txt").write_text("caption")
     assert cosmos_latents.main(cli_args(tmp_path / "c", "source.type=folder", f"source.path={src}")) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
     assert "no usable sample" in err[-1] and "all 2 inputs failed" in err[-1]
+    assert "all 2 inputs failed (1 unreadable image, 1 empty file; each in " in err[-1]
     assert [e["key"] for e in cf.read_errors(tmp_path / "c")] == ["a_png", "b_png"]
+    # nothing that looks like a finished cache: no manifest, no "0.0 MB in 1 shards" summary
+    assert not (tmp_path / "c" / cf.MANIFEST).exists() and "MB in" not in captured.out
+    with pytest.raises(UserError, match="holds no samples, so it is not a cache"):
+        cf.load_manifest(tmp_path / "c")
 
 
 def test_webdataset_source(tmp_path, fake_vae):

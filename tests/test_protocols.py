@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from test_evaluate import TWO_ITEMS, blink_folder, hand_scores, write_items
+from _eval_helpers import TWO_ITEMS, blink_folder, hand_scores, write_items
 
 from theworld import images, synthetic
 from theworld.config import ImageConfig, ModelConfig, WorldConfig
@@ -142,13 +142,13 @@ def test_each_baseline_agrees_with_a_hand_computation_on_a_two_item_file(tiny, t
         pixels = images.to_uint8_tensor(images.resize(images.decode(Path(items[0].images[0]).read_bytes()), 64)[0])
         latent = model.world_latents(pixels[None], None, None)[0]  # (1, C, T=1, h, w)
         const = model.projector.latents_mean.flatten()[None, :, None, None, None].expand_as(latent)
+        fresh, _ = TheWorld.from_config(ModelConfig(dtype="float32"), WorldConfig(), seed=0)
         for i, s in enumerate(scores):
             assert s["model"] == pytest.approx(hand_scores(model, processor, items[i], items[i].images[0]), abs=1e-4)
             other = items[(i - 1) % 2].images[0]
             assert s["shuffled_world"] == pytest.approx(hand_scores(model, processor, items[i], other), abs=1e-4)
             assert s["no_world"] == pytest.approx(gemma_alone(model, processor, items[i]), abs=1e-4)
             assert s["constant_latent"] == pytest.approx(with_latents(model, processor, items[i], const), abs=1e-4)
-            fresh, _ = TheWorld.from_config(ModelConfig(dtype="float32"), WorldConfig(), seed=0)
             assert s["init_projector"] == pytest.approx(hand_scores(fresh.eval(), processor, items[i],
                                                                     items[i].images[0]), abs=1e-4)
             assert len({tuple(v) for v in s.values()}) == 5  # five different columns
@@ -377,3 +377,14 @@ def test_captions_on_a_caches_held_out_split_are_the_trainers_eval_samples(train
     assert {r["prompt"] for r in recs} == {synthetic.PROMPT}
     assert main(argv[:6] + ["--split", "train"]) == 2
     assert "one held-out split" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("entry,words", [("{path: a.jsonl, baselines: [gemma]}", "'gemma'"),
+                                         ("{path: a.jsonl, protocol: greedy}", "protocol"),
+                                         ("{path: a.jsonl, baseline: [all]}", "baseline")])
+def test_a_bad_benchmark_entry_is_one_line_naming_it(entry, words):
+    from theworld.errors import UserError
+    from train.config import TrainConfig, load_config
+
+    with pytest.raises(UserError, match=words):
+        load_config(TrainConfig, ROOT / "configs" / "stage1.yaml", [f"train.benchmarks=[{entry}]"])

@@ -17,8 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import launch2, run2
-from test_train import ENV, ROOT, base_args, cache, metrics, train_cli, train_inproc, weights  # noqa: F401 (fixture)
+from conftest import ENV, ROOT, base_args, launch2, metrics, run2, train_cli, train_inproc, weights
 
 STAGE3 = {"freeze.vision": "false", "freeze.language": "false"}
 
@@ -103,7 +102,7 @@ def test_fsdp_stage_chain_1_2_4(cache, tmp_path, capsys):
     small = {"train.max_steps": 2, "train.global_batch_size": 8, "train.micro_batch_size": 4, "train.eval_samples": 8,
              "train.num_workers": 0, "trackers": "[]", "train.eval_every": 0, "cache_dir": cache,
              "train.sharding": "fsdp"}
-    s = lambda d: [a for k, v in d.items() for a in ("--set", f"{k}={v}")]  # noqa: E731
+    s = lambda d: [a for k, v in d.items() for a in ("--set", f"{k}={v}")]
     s1, s2, s4 = tmp_path / "s1", tmp_path / "s2", tmp_path / "s4"
     r1 = run2(["--config", str(cfgs / "stage1.yaml"), *s({**small, "output_dir": s1})])
     assert r1.returncode == 0, r1.stderr[-3000:]

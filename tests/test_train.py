@@ -15,49 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ENV, ROOT, run2
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """96 synthetic samples at 64 px, float32, flipped latents and images kept (3 shards of 32); no SigLIP features,
-    since flip augmentation needs image tokens computed live from the flipped picture."""
-    from precompute.config import load as load_pre
-    from precompute.cosmos_latents import run
-
-    out = tmp_path_factory.mktemp("train") / "cache"
-    cfg = load_pre(str(ROOT / "configs" / "precompute.yaml"),
-                   [f"output_dir={out}", "source.num_samples=96", "shard_size=32", "batch_size=32", "num_workers=0",
-                    "cache.flip=true", "cache.siglip=false"])
-    run(cfg)
-    return out
-
-
-def base_args(cache: Path, out: Path, steps: int = 4, **extra) -> list[str]:
-    sets = {"cache_dir": cache, "output_dir": out, "model.dtype": "float32", "train.max_steps": steps,
-            "train.global_batch_size": 16, "train.micro_batch_size": 8, "train.eval_samples": 16,
-            "train.num_workers": 0, "trackers": "[]", "train.log_every": 1, "train.save_every": 100,
-            "train.eval_every": 0, "train.warmup_steps": 2, "train.lr": "1e-2", **extra}
-    return [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
-
-
-def train_cli(args: list[str], **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "train.loop", *args], cwd=ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=300, **kw)
-
-
-def train_inproc(args: list[str]) -> int:
-    from train.loop import main
-
-    return main(args)
-
-
-def weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(run_dir / "final" / "trainable.safetensors"))
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+from conftest import ENV, ROOT, base_args, metrics, run2, train_cli, train_inproc, weights
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -211,7 +169,7 @@ def test_resuming_on_a_cache_that_holds_other_samples_says_so(cache, tmp_path, c
 
 def test_an_output_dir_holding_another_run_is_protected_and_a_killed_save_is_cleaned_up(cache, tmp_path, capsys):
     out = tmp_path / "run"
-    args = lambda steps, **kw: base_args(cache, out, steps=steps, **{"train.save_every": 1, "train.keep_last": 5,  # noqa: E731
+    args = lambda steps, **kw: base_args(cache, out, steps=steps, **{"train.save_every": 1, "train.keep_last": 5,
                                                                       **kw})
     assert train_inproc(args(2)) == 0
     capsys.readouterr()
@@ -378,7 +336,7 @@ def test_stage_chain_1_2_4(cache, tmp_path, capsys):
     cfgs = ROOT / "configs"
     small = {"train.max_steps": 2, "train.global_batch_size": 8, "train.micro_batch_size": 4, "train.eval_samples": 8,
              "train.num_workers": 0, "trackers": "[]", "train.eval_every": 0, "cache_dir": cache}
-    s = lambda d: [a for k, v in d.items() for a in ("--set", f"{k}={v}")]  # noqa: E731
+    s = lambda d: [a for k, v in d.items() for a in ("--set", f"{k}={v}")]
     s1, s2, s4 = tmp_path / "s1", tmp_path / "s2", tmp_path / "s4"
     assert train_inproc(["--config", str(cfgs / "stage1.yaml"),
                          *s({**small, "output_dir": s1, "profile.enabled": "true", "profile.start_step": 0,
@@ -650,3 +608,14 @@ def test_a_mean_only_cache_trains_with_the_mean_and_refuses_sampling(tmp_path, c
     capsys.readouterr()
     _refused_before_any_model_loads(base_args(out, tmp_path / "sample", **{"world.latent": "sample"}),
                                     tmp_path / "sample", monkeypatch, capsys, "'world.latent'", "cache.latents: mean")
+
+
+def test_train_epochs_sets_the_run_length_and_the_start_line_counts_parameters(cache, tmp_path, capsys):
+    out = tmp_path / "half"
+    # 80 training samples in global batches of 16: 5 steps per epoch, half an epoch rounded up is 3
+    assert train_inproc(base_args(cache, out, steps=50, **{"train.epochs": 0.5, "train.ema": 0.9,
+                                                            "train.ema_warmup_steps": 2})) == 0
+    printed = capsys.readouterr()
+    assert [m["step"] for m in metrics(out) if "loss" in m] == [1, 2, 3]
+    assert "train.epochs 0.5: 3 steps of 5 per epoch" in printed.out + printed.err
+    assert "parameters trainable / total: projector " in printed.out + printed.err

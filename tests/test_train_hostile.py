@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, launch2, run2
-from test_train import ENV, ROOT, base_args, cache, metrics, train_inproc  # noqa: F401 (cache: a fixture)
+from conftest import ENV, ROOT, base_args, free_port, launch2, metrics, run2, train_inproc, weights
 from theworld.cache_format import sha256_file
 
 
@@ -33,7 +32,7 @@ def _final(out: Path) -> bytes:
 
 def test_checkpoint_files_are_hashed_and_a_damaged_one_is_refused_not_exported(cache, tmp_path, capsys):
     out = tmp_path / "run"
-    args = lambda steps=4, **kw: base_args(cache, out, steps=steps, **{"train.save_every": 2, **kw})  # noqa: E731
+    args = lambda steps=4, **kw: base_args(cache, out, steps=steps, **{"train.save_every": 2, **kw})
     assert train_inproc(args()) == 0
     exported = _final(out)
     ckpt = out / "checkpoint-4"
@@ -130,7 +129,7 @@ def test_a_full_disk_while_saving_or_logging_is_one_line_and_the_rerun_is_bit_ex
                                                                                     monkeypatch):
     from train import checkpoint, metrics as metrics_module
 
-    args = lambda out: base_args(cache, out, steps=4, **{"train.save_every": 1})  # noqa: E731
+    args = lambda out: base_args(cache, out, steps=4, **{"train.save_every": 1})
     assert train_inproc(args(tmp_path / "ref")) == 0
     capsys.readouterr()
     out = tmp_path / "run"
@@ -212,7 +211,6 @@ def test_a_launcher_whose_processes_do_not_form_one_group_is_refused(monkeypatch
 def test_torchrun_with_two_processes_trains_on_two(cache, tmp_path):
     import torch
 
-    from test_train import weights
 
     assert train_inproc(base_args(cache, tmp_path / "one", steps=3)) == 0
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
@@ -227,7 +225,7 @@ def test_torchrun_with_two_processes_trains_on_two(cache, tmp_path):
 
 @pytest.mark.slow
 def test_the_shuffled_world_eval_is_the_same_on_one_and_two_processes(cache, tmp_path):
-    args = lambda out: base_args(cache, out, steps=1, **{"train.eval_every": 1, "train.eval_samples": 14,  # noqa: E731
+    args = lambda out: base_args(cache, out, steps=1, **{"train.eval_every": 1, "train.eval_samples": 14,
                                                           "train.eval_batch_size": 4})
     assert train_inproc(args(tmp_path / "one")) == 0
     two = run2(args(tmp_path / "two"))
@@ -258,7 +256,7 @@ def test_eval_items_carry_the_world_of_the_next_held_out_sample(cache):
     class Fmt:  # the dataset only keeps it for Collate
         pass
 
-    pixels = lambda images, return_tensors: {"pixel_values": torch.zeros(1, 3, 4, 4)}  # noqa: E731
+    pixels = lambda images, return_tensors: {"pixel_values": torch.zeros(1, 3, 4, 4)}
     ds = data.CacheDataset(reader, held, Fmt(), plan, 64, "crop", pixels, flip=False, partner=True)
     for pos in range(5):
         item = ds[pos]

@@ -18,6 +18,10 @@ PARTS: dict[str, tuple[str, ...]] = {
     "vae": ("world_encoder",),
 }
 FREEZABLE = ("vision", "language", "vae")  # the projector always trains
+# The parts that may carry LoRA adapters (config section lora) and the names of their linear layers: Gemma 3's
+# decoder layers, SigLIP's encoder layers.
+LORA_MODULES = {"language": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+                "vision": ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")}
 
 
 def part_of(param_name: str) -> str:

@@ -28,7 +28,15 @@ from pathlib import Path
 import torch
 import yaml
 
-from theworld.config import FreezeConfig, ImageConfig, ModelConfig, WorldConfig, from_dict
+from theworld.config import (
+    FreezeConfig,
+    ImageConfig,
+    LoraConfig,
+    ModelConfig,
+    WorldConfig,
+    check_lora,
+    from_dict,
+)
 from theworld.errors import UserError
 from theworld.text import DEFAULT_PROMPT
 
@@ -43,7 +51,7 @@ SUMS = "sha256.json"  # final/'s record of its files' sha256 but the card's (a c
 PROMPT = "prompt.txt"  # final/: the prompt the run trained with, the default of describe and caption evaluation
 FINAL = "final"
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
-SECTIONS = ("model", "image", "world", "freeze")  # the parts of a run's config that define the model
+SECTIONS = ("model", "image", "world", "freeze", "lora")  # the parts of a run's config that define the model
 
 
 @dataclass
@@ -52,6 +60,10 @@ class ModelSections:
     image: ImageConfig = field(default_factory=ImageConfig)
     world: WorldConfig = field(default_factory=WorldConfig)
     freeze: FreezeConfig = field(default_factory=FreezeConfig)
+    lora: LoraConfig | None = None  # adapters on frozen parts (theworld/lora.py)
+
+    def __post_init__(self) -> None:
+        check_lora(self.freeze, self.lora)
 
 
 def resolve(path: str | Path) -> Path:
@@ -126,15 +138,25 @@ def check_finite(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
 def read_config(folder: Path) -> ModelSections:
     path = folder / CONFIG
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
+    except RecursionError:
+        raise UserError(f"{path} is nested too deeply to be a config") from None
+    except OSError as e:
+        raise UserError(f"{path}: cannot read it ({e.strerror})") from None
     except yaml.YAMLError as e:
         raise UserError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise UserError(f"{path}: top level must be a mapping")
     try:
-        return from_dict(ModelSections, {k: data[k] for k in SECTIONS if k in data})
+        sections = from_dict(ModelSections, {k: data[k] for k in SECTIONS if k in data})
     except UserError as e:
         raise UserError(f"{path}: {e}") from None
+    inside = folder / sections.model.gemma  # an exported folder holds its own Gemma (theworld.export)
+    if not Path(sections.model.gemma).is_absolute() and (inside / "config.json").is_file():
+        sections.model.gemma = str(inside.resolve())
+    return sections
 
 
 def trained_prompt(folder: Path) -> str:

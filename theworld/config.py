@@ -24,7 +24,7 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 import yaml
 
-from theworld.arch import VAE_FACTOR
+from theworld.arch import LORA_MODULES, VAE_FACTOR
 from theworld.errors import UserError
 
 T = TypeVar("T")
@@ -86,6 +86,57 @@ class FreezeConfig:
     vision: bool = True  # SigLIP tower + multimodal projector
     language: bool = True  # language model + lm_head
     vae: bool = True
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters on a part's linear layers (through peft): the part's base weights stay frozen. Defaults follow
+    common practice for Gemma 3 (docs/training.md, "LoRA")."""
+
+    parts: list[str] = field(default_factory=lambda: ["language"])
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.05
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_MODULES["language"]))
+    quantize: Literal["none", "4bit"] = "none"  # 4bit: QLoRA bases through bitsandbytes (CUDA only; refused here)
+
+    def __post_init__(self) -> None:
+        if not self.parts or len(set(self.parts)) != len(self.parts) or set(self.parts) - set(LORA_MODULES):
+            raise UserError(f"config key 'lora.parts': one or more of {list(LORA_MODULES)}, each once, got "
+                            f"{self.parts}")
+        if self.r <= 0:
+            raise UserError(f"config key 'lora.r': must be positive, got {self.r}")
+        if not self.alpha > 0:
+            raise UserError(f"config key 'lora.alpha': must be positive, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"config key 'lora.dropout': must be in [0, 1), got {self.dropout}")
+        known = sorted({m for part in self.parts for m in LORA_MODULES[part]})
+        if not self.target_modules or set(self.target_modules) - set(known):
+            raise UserError(f"config key 'lora.target_modules': names of linear layers of lora.parts {self.parts}, "
+                            f"among {known}; got {self.target_modules}")
+        if self.quantize == "4bit":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise UserError("config key 'lora.quantize': 4bit (QLoRA) needs a CUDA GPU (bitsandbytes' 4-bit "
+                                "kernels); this machine has none: use quantize: none")
+            raise UserError("config key 'lora.quantize': 4bit (QLoRA through bitsandbytes) is not supported yet; "
+                            "use quantize: none (bf16 base weights)")
+
+
+def trains(freeze: FreezeConfig, lora: LoraConfig | None, part: str) -> bool:
+    """Whether any weight of `part` trains: unfrozen, or carrying LoRA adapters (its inputs must then be computed
+    live, never read from a cache of its outputs)."""
+    return not getattr(freeze, part) or (lora is not None and part in lora.parts)
+
+
+def check_lora(freeze: FreezeConfig, lora: LoraConfig | None) -> None:
+    """A LoRA part keeps its base weights frozen: fully training it too would be two answers to one question."""
+    for part in lora.parts if lora else ():
+        if not getattr(freeze, part):
+            raise UserError(f"config key 'freeze.{part}': false trains the whole {part} model, and lora.parts lists "
+                            f"{part} (adapters on frozen base weights); choose one: freeze.{part}: true for LoRA, "
+                            f"or remove {part} from lora.parts for a full fine-tune")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -394,5 +445,5 @@ def cli_parser(prog: str, description: str) -> argparse.ArgumentParser:
     return p
 
 
-__all__ = ["ModelConfig", "ImageConfig", "WorldConfig", "FreezeConfig", "load_config", "from_dict", "to_dict", "to_yaml",
-           "ArgParser", "add_config_args", "cli_parser", "field"]
+__all__ = ["ModelConfig", "ImageConfig", "WorldConfig", "FreezeConfig", "LoraConfig", "check_lora", "trains",
+           "load_config", "from_dict", "to_dict", "to_yaml", "ArgParser", "add_config_args", "cli_parser", "field"]

@@ -37,6 +37,19 @@ def control_problem(text: str, what: str) -> str | None:
     return None if control is None else f"{what} holds the Gemma control string {control!r}"
 
 
+# Longer text is refused wherever it enters (captions and prompts in precompute, questions, choices and prompts at
+# inference): tens of thousands of tokens are not a caption, and one such text makes a batch of that length.
+MAX_TEXT_CHARS = 1 << 16
+
+
+def text_problem(text: str, what: str) -> str | None:
+    """Why `text` cannot be given to Gemma as one caption, prompt, question or choice (too long, or holding a control
+    string), or None."""
+    if len(text) > MAX_TEXT_CHARS:
+        return f"{what} too long: {len(text)} characters (> {MAX_TEXT_CHARS})"
+    return control_problem(text, what)
+
+
 def check_text(text: str, what: str) -> str:
     """`text`, or ControlText naming the control string it holds."""
     if problem := control_problem(text, what):

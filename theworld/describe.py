@@ -9,12 +9,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 from theworld import checkpoint_layout as layout
 from theworld import images
 from theworld.config import ArgParser, DefaultsHelp
-from theworld.control_text import control_problem
+from theworld.control_text import text_problem
 from theworld.errors import UserError, cli_entry
 from theworld.text import DEFAULT_PROMPT
 
@@ -39,11 +38,11 @@ def parse(argv: list[str] | None):
     if args.max_new_tokens < 1 or args.batch_size < 1:
         raise UserError("theworld.describe: --max-new-tokens and --batch-size must be >= 1")
     args.prompt = getattr(args, "prompt", None)
-    if args.prompt is not None and (problem := control_problem(args.prompt, "--prompt")):
-        raise UserError(f"theworld.describe: {problem}, which the model would read as a control token, not text")
+    if args.prompt is not None and (problem := text_problem(args.prompt, "--prompt")):
+        raise UserError(f"theworld.describe: {problem}")
     for img in args.image:  # before the model loads: a bad file costs a second
-        if not Path(img).is_file():
-            raise UserError(f"--image {img}: no such file")
+        if problem := images.path_problem(img):
+            raise UserError(f"--image {img}: {problem}")
         try:
             images.decode(images.to_bytes(img))
         except (OSError, images.BadImage) as e:

@@ -69,7 +69,18 @@ def check_available(spec: str, key: str, config_file: str = "config.json") -> No
     if not isinstance(try_to_load_from_cache(spec, config_file), str):
         raise UserError(f"{key}: {spec!r} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and "
                         "HF_HUB_OFFLINE is set, so it cannot be downloaded: download it once where the network is "
-                        f"reachable (huggingface-cli download {spec}), or give a local folder")
+                        f"reachable ({hub_download_command()} download {spec}), or give a local folder")
+
+
+def hub_download_command() -> str:
+    """The download command the installed huggingface_hub provides: `hf` since 0.34, `huggingface-cli` before."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        scripts = {e.name for e in distribution("huggingface_hub").entry_points if e.group == "console_scripts"}
+    except PackageNotFoundError:
+        scripts = set()
+    return "hf" if "hf" in scripts or "huggingface-cli" not in scripts else "huggingface-cli"
 
 
 def load_gemma(spec: str, dtype: str = "bfloat16"):

@@ -47,6 +47,12 @@ class CacheDamaged(UserError):
 
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+_BREAKS = re.compile(r"\s*[\r\n]+\s*")
+
+
+def one_line(text: object) -> str:
+    """A library's exception text (pyarrow's, a parser's: often several lines) as one line of an error message."""
+    return _BREAKS.sub(" / ", str(text).strip())
 
 
 def cli_entry(main: Callable[[list[str] | None], int | None]) -> Callable[[list[str] | None], int]:
@@ -62,7 +68,7 @@ def cli_entry(main: Callable[[list[str] | None], int | None]) -> Callable[[list[
                 msg = msg.strip().splitlines()[-1].split(": ", 1)[-1]
             # the same mistake gives the same line: no object addresses from a library's repr (the known sources
             # are fixed where they arise, e.g. theworld.images._ImageBytes)
-            print(f"error: {_ADDRESS.sub('', msg)}", file=sys.stderr)
+            print(f"error: {one_line(_ADDRESS.sub('', msg))}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)

@@ -5,9 +5,12 @@ process boundary and the [-1, 1] scaling happens once, on the device, in `WorldE
 """
 from __future__ import annotations
 
+import errno
 import functools
 import io
 import math
+import os
+import stat
 import warnings
 
 import numpy as np
@@ -15,6 +18,7 @@ import torch
 from PIL import Image, ImageOps
 
 from theworld.arch import POOLS, VAE_FACTOR
+from theworld.errors import one_line
 
 # PIL's own decompression-bomb threshold; above it we refuse instead of allocating gigabytes.
 MAX_PIXELS = 89_478_485
@@ -81,8 +85,8 @@ def _bad_image(e: Exception) -> BadImage:
     if isinstance(e, BadImage):
         return e
     if isinstance(e, (Image.DecompressionBombError, Image.DecompressionBombWarning)):
-        return BadImage(f"oversized image: {e}")
-    return BadImage(f"unreadable image: {type(e).__name__}: {e}")  # PIL raises many types for broken files
+        return BadImage(f"oversized image: {one_line(e)}")
+    return BadImage(f"unreadable image: {type(e).__name__}: {one_line(e)}")  # PIL raises many types for broken files
 
 
 def check_header(data: bytes, max_pixels: int = MAX_PIXELS) -> None:
@@ -230,16 +234,59 @@ def siglip_pixels(image_processor, img: Image.Image) -> torch.Tensor:
     return image_processor(images=[img], return_tensors="pt")["pixel_values"][0]
 
 
+def file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a file"
+
+
+def path_problem(path: str | os.PathLike) -> str | None:
+    """Why `path` cannot be read as an image file (said as what it is: missing, a dangling symlink, a symlink loop,
+    a directory, a FIFO...), or None for a regular file. Never opens it: reading a FIFO would wait forever."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ENOENT:
+            return "a dangling symlink" if os.path.islink(path) else "no such file"
+        return "a symlink loop" if e.errno == errno.ELOOP else f"cannot be read ({e.strerror})"
+    return None if stat.S_ISREG(st.st_mode) else f"{file_kind(st.st_mode)}, not an image file"
+
+
 def to_bytes(image) -> bytes:
-    """A path, bytes or a PIL image -> encoded bytes (a PIL image as PNG, lossless: decoding gives its pixels back)."""
+    """A path, bytes or a PIL image -> encoded bytes (a PIL image as PNG, lossless: decoding gives its pixels back).
+    A path that is not a regular file is BadImage saying what it is."""
     if isinstance(image, (bytes, bytearray)):
         return bytes(image)
     if isinstance(image, Image.Image):
         buf = io.BytesIO()
         image.save(buf, format="PNG")
         return buf.getvalue()
+    if problem := path_problem(image):
+        raise BadImage(f"{image}: {problem}")
     with open(image, "rb") as f:
         return f.read()
+
+
+def input_size(image, resolution: int, mode: str) -> tuple[int, int]:
+    """(width, height) of the VAE input made from `image` (a path, bytes or PIL image), as precompute makes it: R x R,
+    or with mode "bucket" its aspect-ratio bucket, from the header alone. Raises BadImage."""
+    if mode != "bucket":
+        return resolution, resolution
+    try:
+        return output_size(upright_size(to_bytes(image)), resolution, mode)
+    except (OSError, SyntaxError, ValueError) as e:  # PIL's errors for a header it cannot read
+        raise _bad_image(e) from None
+
+
+def same_shape_groups(keys: list) -> list[list[int]]:
+    """Indices of `keys` grouped by equal key (an input shape, or a tuple of them), groups in order of first
+    appearance: a batch of images from a bucketed model runs as one forward per shape."""
+    groups: dict = {}
+    for i, k in enumerate(keys):
+        groups.setdefault(k, []).append(i)
+    return list(groups.values())
 
 
 def for_model(data: bytes, resolution: int, mode: str, image_processor) -> tuple[torch.Tensor, torch.Tensor]:

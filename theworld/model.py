@@ -16,9 +16,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from theworld.arch import FREEZABLE, PARTS
-from theworld.config import FreezeConfig, ImageConfig, ModelConfig, WorldConfig
+from theworld.config import FreezeConfig, ImageConfig, LoraConfig, ModelConfig, WorldConfig
 from theworld import checkpoint_layout as layout
-from theworld import encoders
+from theworld import encoders, lora as lora_adapters
 from theworld.encoders import WorldEncoder
 from theworld.errors import UserError
 from theworld.infer import generate as generation
@@ -39,6 +39,7 @@ class LoadReport:
     loaded: list[str]
     new: list[str]  # trainable here, absent from the file: kept as initialised
     ignored: list[str]  # in the file, but not a trainable parameter here
+    merged: int = 0  # layers whose LoRA adapters (of a LoRA stage) were merged into their base weights
 
     def summary(self) -> str:
         return f"loaded {len(self.loaded)} tensors, {len(self.new)} new, {len(self.ignored)} ignored"
@@ -81,21 +82,24 @@ class TheWorld(nn.Module):
 
     @classmethod
     def from_config(cls, model: ModelConfig, world: WorldConfig, freeze: FreezeConfig | None = None,
-                    seed: int = 0, image: ImageConfig | None = None):
+                    seed: int = 0, image: ImageConfig | None = None, lora: LoraConfig | None = None):
         """(TheWorld, processor), base models loaded with `from_pretrained` in `model.dtype`, projector in fp32.
-        `image`: the preprocessing `generate` applies to raw images (the cache's resolution and resize)."""
+        `image`: the preprocessing `generate` applies to raw images (the cache's resolution and resize). `lora`:
+        adapters on the named parts (theworld/lora.py)."""
         gemma, processor = encoders.load_gemma(model.gemma, model.dtype)
         vae = encoders.load_vae(model.vae, model.dtype)
-        self = cls.from_modules(gemma, vae, world, freeze, seed)
+        self = cls.from_modules(gemma, vae, world, freeze, seed, lora)
         self.processor, self.image_config = processor, image or ImageConfig()
         return self, processor
 
     @classmethod
     def from_modules(cls, gemma: nn.Module, vae: nn.Module, world: WorldConfig, freeze: FreezeConfig | None = None,
-                     seed: int = 0):
+                     seed: int = 0, lora: LoraConfig | None = None):
         """TheWorld around loaded (or, for train.memory, meta-device) base models, with a fresh fp32 projector."""
         encoder = WorldEncoder(vae)
         self = cls(gemma, encoder, cls.new_projector(gemma, encoder, world, seed), world.latent)
+        if lora is not None:  # after the projector: its initialisation stays what it was without LoRA
+            lora_adapters.apply(gemma, lora)
         self.set_freeze(freeze or FreezeConfig())
         return self
 
@@ -119,7 +123,7 @@ class TheWorld(nn.Module):
         weights = folder / (layout.EMA if ema else layout.WEIGHTS)
         if ema and not weights.is_file():
             raise UserError(f"model {folder}: no {layout.EMA} (the run had train.ema: 0)")
-        model, processor = cls.from_config(cfg.model, cfg.world, cfg.freeze, image=cfg.image)
+        model, processor = cls.from_config(cfg.model, cfg.world, cfg.freeze, image=cfg.image, lora=cfg.lora)
         model.load_trainable(weights, strict=True)  # the run's freeze flags define the set it must hold exactly
         model.requires_grad_(False)
         model.latent_mode = "mean"
@@ -143,6 +147,8 @@ class TheWorld(nn.Module):
         for name, p in self.named_parameters():
             if self.OFF_PATH.match(name):
                 p.requires_grad_(False)
+            if lora_adapters.is_adapter(name):  # a LoRA part: its base weights stay frozen, its adapters train
+                p.requires_grad_(True)
         self.projector.requires_grad_(True)
 
     def cast_trainable_to_fp32(self) -> None:
@@ -269,14 +275,13 @@ class TheWorld(nn.Module):
 
     def load_trainable(self, path: str | Path, strict: bool = True) -> LoadReport:
         """Load trainable tensors by name. Shapes must match. strict: the file must hold exactly the trainable set."""
-        if not Path(path).is_file():
-            raise UserError(f"no weights file at {path}")
-        try:
-            tensors = load_file(str(path))
-        except Exception as e:  # a .bin, a torn copy: name the file rather than show safetensors' internals
-            raise UserError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e})") from e
-        layout.check_finite(tensors, path)
+        return self.load_tensors(read_weights(path), path, strict)
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor], path: str | Path, strict: bool = True) -> LoadReport:
+        """`load_trainable` of tensors already read from `path` (named in messages). A plain layer's weight goes into
+        its frozen base when this model has LoRA adapters on that layer."""
         params = dict(self.named_parameters())
+        tensors = {lora_adapters.adapted_name(n, params): t for n, t in tensors.items()}
         trainable = {n for n, p in params.items() if p.requires_grad}
         for name, t in tensors.items():
             if name in params and params[name].shape != t.shape:
@@ -291,6 +296,17 @@ class TheWorld(nn.Module):
             for name in report.loaded:
                 params[name].copy_(local_like(params[name], tensors[name]))
         return report
+
+
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    if not Path(path).is_file():
+        raise UserError(f"no weights file at {path}")
+    try:
+        tensors = load_file(str(path))
+    except Exception as e:  # a .bin, a torn copy: name the file rather than show safetensors' internals
+        raise UserError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e})") from e
+    layout.check_finite(tensors, path)
+    return tensors
 
 
 def local_like(ref: torch.Tensor, full: torch.Tensor) -> torch.Tensor:

@@ -65,6 +65,9 @@ def acquire(folder: Path | str, key: str = "output_dir") -> int | None:
         print(f"warning: cannot lock {folder / LOCK_FILE} ({e.strerror}): make sure no other run uses {key} "
               f"{folder}", file=sys.stderr)
         return None
+    if not _still_linked(fd, folder / LOCK_FILE):  # a refused run removed the file we opened: lock the new one
+        os.close(fd)
+        return acquire(folder, key)
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
               .encode(), 0)
@@ -82,11 +85,52 @@ def _verdict_elsewhere(folder: Path, verdict: int, key: str) -> UserError:
     return UserError(f"config key '{key}': {folder} cannot be used (the main process's message says why)")
 
 
+def _still_linked(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except OSError:
+        return False
+
+
+def _missing_parents(folder: Path) -> list[Path]:
+    """`folder` and those of its parents that do not exist yet, innermost first."""
+    out = []
+    for p in [folder, *folder.parents]:
+        if p.exists() or p.is_symlink():
+            break
+        out.append(p)
+    return out
+
+
+def _only_lock_left(folder: Path) -> bool:
+    """Whether `folder` holds nothing but the lock file and empty folders."""
+    for p in folder.rglob("*"):
+        if p.is_symlink() or (not p.is_dir() and p != folder / LOCK_FILE):
+            return False
+    return True
+
+
+def _remove_if_empty(folder: Path, created: list[Path]) -> None:
+    """After a run that stopped on an error: a folder it left holding only the lock file and empty folders loses
+    them, and goes itself if the run created it (with the parents it created); anything else is kept."""
+    try:
+        if not _only_lock_left(folder):
+            return
+        (folder / LOCK_FILE).unlink(missing_ok=True)
+        for p in sorted(folder.rglob("*"), key=lambda q: len(q.parts), reverse=True):
+            p.rmdir()
+        for p in created:
+            p.rmdir()
+    except OSError:
+        pass  # another process wrote there meanwhile: keep it
+
+
 @contextlib.contextmanager
 def hold(folder: Path | str, state, key: str = "output_dir") -> Iterator[None]:
     """Held by the main process of `state` (an accelerate Accelerator or PartialState) while the block runs. Every
     process gets the main process's verdict, so a refused run stops everywhere with the same line."""
     fd, error = None, None
+    created = _missing_parents(Path(folder).absolute())
     if state.is_main_process:
         try:
             fd = acquire(folder, key)
@@ -104,6 +148,10 @@ def hold(folder: Path | str, state, key: str = "output_dir") -> Iterator[None]:
         raise error
     try:
         yield
+    except BaseException:
+        if fd is not None:  # a refused or failed run leaves no folder that holds only its lock
+            _remove_if_empty(Path(folder), created)
+        raise
     finally:
         if fd is not None:
             os.close(fd)  # releases the lock

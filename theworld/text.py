@@ -1,4 +1,5 @@
-"""The processor side: (prompt, caption) -> token ids with labels on the answer only, and right-padded batches.
+"""The processor side: (prompt, caption) -> token ids with labels on the answer only (a conversation of several
+turns: on every answer, `ChatFormatter.encode_turns`), and right-padded batches.
 
 Labels are built from token ids: the prompt is rendered with the chat template up to the model turn, the full
 conversation is rendered, and the prompt's ids must be a prefix of the full ids; everything after the prefix up to and
@@ -6,6 +7,7 @@ including the model turn's <end_of_turn> is the answer. A text-only re-render wo
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -180,6 +182,61 @@ class ChatFormatter:
             full, labels = full[:keep], labels[:keep]
             full[-1] = labels[-1] = self.end_of_turn_id
         return Encoded(full, labels)
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # Conversations of several turns (the image in the first user turn)
+
+    @staticmethod
+    def _turn_messages(turns: Sequence[tuple[str, str]], answered: bool = True) -> list[dict]:
+        """Chat messages of `turns`; answered=False leaves the last turn's answer out (what generation continues)."""
+        msgs = []
+        for k, (user, model) in enumerate(turns):
+            image = [{"type": "image"}] if k == 0 else []
+            msgs.append({"role": "user", "content": image + [{"type": "text", "text": user}]})
+            if answered or k < len(turns) - 1:
+                msgs.append({"role": "assistant", "content": [{"type": "text", "text": model}]})
+        return msgs
+
+    def encode_turns(self, turns: Sequence[tuple[str, str]]) -> tuple[Encoded, int]:
+        """(ids with labels on every model turn's answer and its <end_of_turn>, the number of turns kept).
+
+        With max_length, whole turns are dropped from the end until the conversation fits; the first turn is always
+        kept (if it alone is too long, its answer is cut as encode's is). A user turn is never supervised."""
+        if len(turns) == 1:
+            return self.encode_many([tuple(turns[0])])[0], 1
+        for k, (user, model) in enumerate(turns, start=1):
+            check_text(user, f"turn {k} prompt"), check_text(model, f"turn {k} answer")
+        full = self._ids(self._render(self._turn_messages(turns), False))
+        spans, ends = [], []  # per turn: supervised [start, stop); where the conversation up to it ends
+        for k in range(1, len(turns) + 1):
+            opened = self._ids(self._render(self._turn_messages(turns[:k], answered=False), True))
+            closed = self._ids(self._render(self._turn_messages(turns[:k]), False))
+            if full[: len(closed)] != closed or closed[: len(opened)] != opened:
+                raise ValueError("the chat template's earlier turns are not a token prefix of the conversation")
+            stops = [i for i in range(len(opened), len(closed)) if closed[i] == self.end_of_turn_id]
+            if not stops:
+                raise ValueError(f"no <end_of_turn> after answer {k}")
+            spans.append((len(opened), stops[-1] + 1))
+            ends.append(len(closed))
+        kept = len(turns) if self.max_length is None else sum(1 for e in ends if e <= self.max_length)
+        if kept == 0:
+            return self.encode_many([tuple(turns[0])])[0], 1
+        full = full[: ends[kept - 1]]
+        labels = [IGNORE] * len(full)
+        for start, stop in spans[:kept]:
+            labels[start:stop] = full[start:stop]
+        return Encoded(full, labels), kept
+
+    def encode_conversations(self, conversations: Sequence[Sequence[tuple[str, str]]]) -> list[Encoded]:
+        """encode_turns for each conversation; the single-turn ones a batch at a time through encode_many."""
+        single = [i for i, c in enumerate(conversations) if len(c) == 1]
+        out: list[Encoded | None] = [None] * len(conversations)
+        for i, enc in zip(single, self.encode_many([tuple(conversations[i][0]) for i in single])):
+            out[i] = enc
+        for i, c in enumerate(conversations):
+            if out[i] is None:
+                out[i] = self.encode_turns(c)[0]
+        return out
 
 
 def collate_text(items: list[Encoded], pad_id: int) -> dict[str, torch.Tensor]:

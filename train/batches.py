@@ -122,9 +122,10 @@ def _load_stacked(member: str, items: list[dict], names, optional=frozenset()) -
 WORLD_KEYS = (*Collate.CACHED[cf.LATENT].values(), "images")
 
 
-def encode_texts(formatter: ChatFormatter, pairs: list[tuple[str, str]]) -> list:
+def encode_texts(formatter: ChatFormatter, conversations: list[tuple[tuple[str, str], ...]]) -> list:
+    """Each sample's conversation ((prompt, answer) turns) as ids and labels."""
     try:
-        return formatter.encode_many(pairs)
+        return formatter.encode_conversations(conversations)
     except PromptTooLong as e:  # in a loader worker too: cli_entry prints the error's own line
         raise UserError(f"config key 'train.max_length': {e}") from None
     except ControlText as e:  # data.check_texts refuses such a cache at start; this is the last guard

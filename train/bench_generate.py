@@ -86,7 +86,7 @@ def real_rows(sizes: dict, pool: int, batch_size: int, new_tokens: int, repeats:
                         repeats, device)
         fused = gen.left_align(model.embed_inputs(**{k: v for k, v in x.items() if k != "labels"}))
         full = _timed(lambda: _decode(model, fused, new_tokens, True), repeats, device)
-    tps = lambda s: round(batch_size * new_tokens / s, 1)  # noqa: E731
+    tps = lambda s: round(batch_size * new_tokens / s, 1)
     return [{"case": "text_only", "prompt_tokens": ids.shape[1], "batch": batch_size, "new_tokens": new_tokens,
              "ours_tokens_per_s": tps(ours), "gemma_generate_tokens_per_s": tps(theirs),
              "ours_over_gemma": round(theirs / ours, 3)},

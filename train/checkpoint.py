@@ -21,17 +21,17 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file, save_file
 
+from theworld import lora
 from theworld.arch import FREEZABLE
 from theworld.cache_format import sha256_file
 from theworld.checkpoint_layout import (CARD, CHECKPOINT_RE, CONFIG, EMA, FINAL, OPTIMIZER, PROMPT, RNG, STATE, SUMS,
-                                       WEIGHTS, check_finite, state_digest, verify)
+                                       WEIGHTS, check_finite, read_config, state_digest, verify)
 from theworld.config import to_yaml
 from theworld.errors import OutOfSpace, UserError, no_space_message, out_of_space
-from theworld.model import LoadReport, local_like
+from theworld.model import LoadReport, local_like, read_weights
 from theworld.text import DEFAULT_PROMPT as DESCRIBE_PROMPT
-from train import sharding
+from train import checkpoint_migrations, sharding
 from train.config import run_hash
-from train.optim import decays
 from train.step import LoopState
 
 if TYPE_CHECKING:
@@ -75,16 +75,17 @@ def resolve_resume(cfg: TrainConfig) -> Path | None:
 
 def check_resumable(path: Path, max_steps: int) -> dict:
     """Before any model loads: the checkpoint's files are the ones it recorded (sha256 in state.json, which also
-    records its own digest; checkpoints written before those records are taken as they are), its step is the folder's
-    and not past train.max_steps. Returns state.json."""
+    records its own digest; see train/checkpoint_migrations.py for older checkpoints), its step is the folder's and
+    not past train.max_steps. Returns state.json."""
     advice = f"move {path} out of output_dir and resume: auto takes the one before it"
+    state = _read(path / STATE, lambda p: json.loads(p.read_text()))
+    if not isinstance(state, dict):
+        raise UserError(f"resume: {path / STATE} holds no step; {advice}")
+    state = checkpoint_migrations.state(state, path)
     try:
         verify(path)
     except UserError as e:
         raise UserError(f"resume: {e}; {advice}") from None
-    state = _read(path / STATE, lambda p: json.loads(p.read_text()))
-    if not isinstance(state, dict):
-        raise UserError(f"resume: {path / STATE} is not a checkpoint state; {advice}")
     if "state_sha256" in state and state["state_sha256"] != state_digest(state):
         raise UserError(f"resume: {path / STATE} was changed after it was written (its content does not match the "
                         f"digest it recorded); {advice}")
@@ -123,7 +124,7 @@ def restore(components: Components, resume_from: Path | None, cache: dict | None
             print(f"warning: {resume_from} was written under a different config", file=sys.stderr)
         was = saved.get("cache")
         if cache and was and was != cache:  # rebuilt or extended: the same step indices name other samples
-            print(f"warning: the cache {components.cfg.cache_dir} holds other samples than when {resume_from} was "
+            print(f"warning: {'the data mixture' if components.cfg.data else 'the cache ' + components.cfg.cache_dir} holds other samples than when {resume_from} was "
                   f"written ({was['samples']} then, {cache['samples']} now): the data order from here on is not the "
                   "interrupted run's", file=sys.stderr)
         # allowed: the data order does not depend on it
@@ -144,7 +145,8 @@ def run_state(cfg: TrainConfig, step: int, steps_per_epoch: int, num_processes: 
     by `restore`)."""
     epoch, cursor = divmod(step, steps_per_epoch)
     return {"epoch": epoch, "data_cursor": {"epoch": epoch, "batch_in_epoch": cursor}, "cache": cache,
-            "config_hash": run_hash(cfg), "num_processes": num_processes}
+            "config_hash": run_hash(cfg), "num_processes": num_processes,
+            "format_version": checkpoint_migrations.FORMAT_VERSION}
 
 
 def save_run(components: Components, state: LoopState, steps_per_epoch: int, cache: dict | None = None) -> None:
@@ -191,14 +193,31 @@ def resolve_weights(path: str | Path) -> Path:
 
 
 def init_from(model, path: str | Path) -> LoadReport:
-    """Previous stage's weights by name (shapes checked); parts it lacks keep the base model's weights."""
-    return model.load_trainable(resolve_weights(path), strict=False)
+    """Previous stage's weights by name (shapes checked); parts it lacks keep the base model's weights. A LoRA
+    stage's adapters go into a model without adapters merged into its base weights."""
+    weights = resolve_weights(path)
+    tensors = read_weights(weights)
+    adapters = {n: t for n, t in tensors.items() if lora.is_adapter(n)}
+    if not adapters or lora.adapted_layers(model.gemma):
+        return model.load_tensors(tensors, weights, strict=False)
+    if not (weights.parent / CONFIG).is_file():
+        raise UserError(f"config key 'init_from': {weights} holds LoRA adapters but there is no {CONFIG} beside it "
+                        "to say their layout (lora.r, lora.alpha, ...); give the stage's final/ folder")
+    source = read_config(weights.parent).lora
+    if source is None:
+        raise UserError(f"config key 'init_from': {weights} holds LoRA adapters but {weights.parent / CONFIG} has "
+                        "no lora section")
+    merged = lora.merge_into(model.gemma, source, adapters)
+    report = model.load_tensors({n: t for n, t in tensors.items() if n not in adapters}, weights, strict=False)
+    report.merged = merged
+    return report
 
 
 def describe_init(path: str | Path, report: LoadReport) -> str:
-    parts = lambda names: sorted({".".join(n.split(".")[:3]) for n in names})  # noqa: E731 (module-level prefixes)
+    parts = lambda names: sorted({".".join(n.split(".")[:3]) for n in names})
+    merged = f"; LoRA adapters of {report.merged} layers merged into their base weights" if report.merged else ""
     return (f"init_from {path}: {report.summary()}; loaded {parts(report.loaded)}, new (from the base model) "
-            f"{parts(report.new)}, ignored {parts(report.ignored)}")
+            f"{parts(report.new)}, ignored {parts(report.ignored)}{merged}")
 
 
 def _write_dir(tmp: Path, files: dict) -> None:
@@ -313,32 +332,13 @@ def _load_optimizer(components: Components, saved: dict) -> None:
     """Whole-tensor state (any sharding, any process count) into this run's optimiser: each process keeps its slice.
     The learning-rate multipliers are the config's, not the checkpoint's."""
     params = [p for g in components.optimizer.param_groups for p in g["params"]]
-    if saved["param_groups"] and "part" not in saved["param_groups"][0]:
-        saved = _from_decay_groups(components, saved)
+    saved = checkpoint_migrations.optimizer(components, saved)
     saved["state"] = {i: {k: local_like(params[i], v) if torch.is_tensor(v) and v.shape == params[i].shape else v
                           for k, v in st.items()} for i, st in saved["state"].items()}
     components.optimizer.load_state_dict(saved)
     for g in components.optimizer.param_groups:
         if "part" in g:
             g["lr_multiplier"] = getattr(components.cfg.train.lr_multipliers, g["part"])
-
-
-def _from_decay_groups(components: Components, saved: dict) -> dict:
-    """State written with the earlier layout, one AdamW group per decay setting (decay, then no decay, each in
-    parameter order), re-keyed by parameter name to this optimiser's per-part groups."""
-    trainable = [(n, p) for n, p in components.raw.named_parameters() if p.requires_grad]
-    before = [n for n, p in trainable if decays(n, p)] + [n for n, p in trainable if not decays(n, p)]
-    name_of = {id(p): n for n, p in trainable}
-    now = {name_of[id(p)]: i for i, p in enumerate(p for g in components.optimizer.param_groups for p in g["params"])}
-    if sum(len(g["params"]) for g in saved["param_groups"]) != len(before):
-        raise ValueError(f"it holds state for {sum(len(g['params']) for g in saved['param_groups'])} tensors, this "
-                         f"run trains {len(before)}")
-    groups, first = [], 0
-    for g in components.optimizer.param_groups:  # the config's hyperparameters; the state is what carries over
-        settings = {k: v for k, v in g.items() if k != "params"}
-        groups.append({**settings, "params": list(range(first, first + len(g["params"])))})
-        first += len(g["params"])
-    return {"state": {now[before[i]]: st for i, st in saved["state"].items()}, "param_groups": groups}
 
 
 def _read(path: Path, reader):
@@ -379,6 +379,7 @@ or `python -m theworld.describe --model {out} --image image.png`, and score it o
 def export_final(components: Components, state: LoopState, cfg_yaml: str, output_dir: str | Path,
                  whole: Whole | None = None, prompt: str = DESCRIBE_PROMPT) -> Path:
     """Main process only, with what `gather` returned there (required under FSDP)."""
+    cfg = components.cfg
     whole = whole or gather(components)
     out = Path(output_dir)
     files = {WEIGHTS: lambda p: save_file(whole.weights, str(p)), CONFIG: lambda p: p.write_text(cfg_yaml),
@@ -386,6 +387,8 @@ def export_final(components: Components, state: LoopState, cfg_yaml: str, output
              PROMPT: lambda p: p.write_text(prompt + "\n", encoding="utf-8")}
     if components.ema is not None:
         files[EMA] = _ema_writer(whole)
+    if cfg.lora is not None:  # final/ is also a peft adapter folder for the base Gemma
+        files.update(lora.adapter_files(cfg.lora, cfg.model.gemma, whole.weights))
     # last: it covers the rest but the card, which evaluate adds its results to
     files[SUMS] = lambda p: p.write_text(json.dumps(_sums(p.parent, SUMS, CARD), indent=1))
     return _publish(out, FINAL, files)
@@ -413,9 +416,10 @@ def record_eval(components: Components, state: LoopState, output_dir: str | Path
 def _card(components: Components, state: LoopState, out: Path, prompt: str) -> str:
     cfg = components.cfg
     ev = state.last_eval or {}
-    fmt = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
+    fmt = lambda x: "n/a" if x is None else f"{x:.4f}"
     gap = (ev["eval_loss_shuffled_world"] - ev["eval_loss"]) if ev else None
     trained = ["world projector"] + [n for n in FREEZABLE if not getattr(cfg.freeze, n)]
+    trained += [f"{n} (LoRA r {cfg.lora.r})" for n in (cfg.lora.parts if cfg.lora else ())]
     card = MODEL_CARD.format(name=out.name, gemma=cfg.model.gemma, vae=cfg.model.vae, resolution=cfg.image.resolution,
                              trained=", ".join(trained), step=state.step, batch=cfg.train.global_batch_size,
                              samples=state.samples_seen, lr=cfg.train.lr, schedule=cfg.train.schedule,

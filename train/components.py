@@ -61,7 +61,7 @@ def make_accelerator(cfg: TrainConfig, launch: Launch | None = None) -> Accelera
 
 def build_model(cfg: TrainConfig) -> tuple[TheWorld, Gemma3Processor]:
     """TheWorld in train mode, freeze flags applied, trainable weights in fp32, checkpointing as configured."""
-    model, processor = TheWorld.from_config(cfg.model, cfg.world, cfg.freeze, seed=cfg.seed)
+    model, processor = TheWorld.from_config(cfg.model, cfg.world, cfg.freeze, seed=cfg.seed, lora=cfg.lora)
     return ready_for_training(model, cfg), processor
 
 

@@ -7,11 +7,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from theworld.config import (FLOAT32_MAX, FreezeConfig, ImageConfig, ModelConfig, WorldConfig, check_threads,
-                             check_workers, cli_parser, load_config, require_path, to_dict, to_yaml)
+from theworld.config import (FLOAT32_MAX, FreezeConfig, ImageConfig, LoraConfig, ModelConfig, WorldConfig, check_lora,
+                             check_threads, check_workers, cli_parser, load_config, require_path, to_dict, to_yaml)
 from theworld.errors import UserError
 
 TRACKERS = ("tensorboard", "wandb")
+DEFAULT_CACHE = "cache/latents"
 
 
 @dataclass
@@ -50,6 +51,7 @@ class BenchmarkEntry:
 @dataclass
 class TrainSection:
     max_steps: int = 1000
+    epochs: float = 0.0  # > 0: train this many epochs of the data (0.5 allowed) instead of max_steps, which it sets
     global_batch_size: int = 32  # the optimiser's batch, whatever the number of processes
     # per process per forward; accumulation = global / (micro * processes). auto: the largest divisor of
     # global / processes that is at most max_micro_batch_size
@@ -76,6 +78,7 @@ class TrainSection:
     attention: Literal["sdpa", "flex_attention", "eager"] = "sdpa"  # the language model's attention kernel;
     # flex_attention (GPU) skips the masked blocks outside Gemma's 1024-token sliding window (docs/performance.md)
     ema: float = 0.0  # EMA decay of the trainable weights (0: off), e.g. 0.999
+    ema_warmup_steps: int = 0  # the decay ramps up linearly from 0 to train.ema over this many steps (step.ema_decay)
     flip: bool = False  # horizontal flip augmentation with left/right caption swap (needs flipped latents cached)
     cached_siglip: bool = True  # use cached SigLIP features when present and the vision tower is frozen
     max_length: int = 0  # token cap per sample (0: none)
@@ -94,7 +97,9 @@ class TrainSection:
                      "save_every", "keep_last"):
             if getattr(self, name) != "auto" and getattr(self, name) <= 0:
                 raise UserError(f"config key 'train.{name}': must be positive, got {getattr(self, name)}")
-        for name in ("cpu_threads", "warmup_steps", "eval_every", "eval_samples", "eval_batch_size", "num_workers", "max_length",
+        if not (math.isfinite(self.epochs) and self.epochs >= 0):
+            raise UserError(f"config key 'train.epochs': must be a finite number >= 0, got {self.epochs}")
+        for name in ("cpu_threads", "warmup_steps", "ema_warmup_steps", "eval_every", "eval_samples", "eval_batch_size", "num_workers", "max_length",
                      "weight_decay", "grad_clip", "grad_norm_warn"):
             if getattr(self, name) < 0:
                 raise UserError(f"config key 'train.{name}': must be >= 0, got {getattr(self, name)}")
@@ -120,6 +125,19 @@ class TrainSection:
 
 
 @dataclass
+class MixtureEntry:
+    """One cache of a `data` mixture and its weight (its share of each epoch is weight / sum of weights)."""
+
+    cache: str
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        require_path("data[].cache", self.cache)
+        if not self.weight > 0:
+            raise UserError(f"config key 'data[].weight': must be positive, got {self.weight} (cache {self.cache})")
+
+
+@dataclass
 class ProfileConfig:
     enabled: bool = False
     start_step: int = 5  # profile steps [start_step, start_step + steps)
@@ -133,17 +151,30 @@ class TrainConfig:
     image: ImageConfig = field(default_factory=ImageConfig)
     world: WorldConfig = field(default_factory=WorldConfig)
     freeze: FreezeConfig = field(default_factory=FreezeConfig)
+    lora: LoraConfig | None = None  # LoRA adapters on frozen parts (theworld/lora.py, docs/training.md)
     train: TrainSection = field(default_factory=TrainSection)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
-    cache_dir: str = "cache/latents"
+    cache_dir: str = DEFAULT_CACHE  # the one cache trained on; or `data`, leaving this at its default
+    data: list[MixtureEntry] = field(default_factory=list)  # a weighted mixture of caches (train/mixture.py)
     output_dir: str = "runs/stage1"
     seed: int = 0
     resume: str | None = "auto"  # auto: the newest complete checkpoint in output_dir, if any; a path; null: fresh
     init_from: str | None = None  # a previous stage's final/ (or checkpoint dir, or .safetensors file)
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])  # tensorboard, wandb; [] for none
 
+    def caches(self) -> list[tuple[str, float]]:
+        """(cache folder, weight) of each cache trained on: cache_dir with weight 1, or the `data` mixture."""
+        return [(e.cache, e.weight) for e in self.data] if self.data else [(self.cache_dir, 1.0)]
+
     def __post_init__(self) -> None:
         require_path("cache_dir", self.cache_dir), require_path("output_dir", self.output_dir)
+        if self.data and self.cache_dir != DEFAULT_CACHE:
+            raise UserError("config keys 'cache_dir' and 'data' are both set: use cache_dir for one cache, data for a "
+                            "mixture")
+        dirs = [str(e.cache) for e in self.data]
+        if len(set(dirs)) < len(dirs):
+            raise UserError(f"config key 'data': a cache is listed twice ({', '.join(dirs)}); give it one weight")
+        check_lora(self.freeze, self.lora)
         for t in self.trackers:
             if t not in TRACKERS:
                 raise UserError(f"config key 'trackers': unknown tracker {t!r} (known: {', '.join(TRACKERS)})")
@@ -192,6 +223,8 @@ RESUME_NEUTRAL = ("resume", "output_dir", "trackers", "profile", "train.num_work
 def run_hash(cfg: TrainConfig) -> str:
     """Hash of everything that defines the run's numbers (recorded in each checkpoint's state.json)."""
     d = to_dict(cfg)
+    if d.get("lora") is None:  # runs without LoRA keep the hash they had before the section existed
+        d.pop("lora", None)
     for key in RESUME_NEUTRAL:
         *parents, last = key.split(".")
         node = d

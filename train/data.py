@@ -16,14 +16,15 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from theworld import cache_format as cf
+from theworld.config import trains
 from theworld.control_text import TEXT_RULE, control_problem
 from theworld.errors import UserError
 from theworld.images import decode, load_for_vae, siglip_pixels
 from theworld.text import DEFAULT_PROMPT, ChatFormatter
 from train.batches import PARTNER, Collate, encode_texts
+from train.mixture import Draw, MixedReader, partner_groups
 from train.order import bucket_ids, eval_partners, flip_of, rank_indices, split
 from train.preempt import ignore_in_workers
-
 
 # ----------------------------------------------------------------------------------------------------------------------
 # What each sample needs
@@ -46,7 +47,7 @@ def input_sources(cfg, reader: cf.CacheReader) -> InputSources:
     present = set(reader.member_names())
     has_image = any(ext in present for ext in cf.IMAGE_EXTS)
     cached_latents = cfg.freeze.vae
-    cached_siglip = cfg.freeze.vision and cfg.train.cached_siglip and cf.SIGLIP in present
+    cached_siglip = not trains(cfg.freeze, cfg.lora, "vision") and cfg.train.cached_siglip and cf.SIGLIP in present
     flip = cfg.train.flip
     if cached_latents and cfg.world.latent == "sample" and cf.latents_stored(reader.manifest) == "mean":
         raise UserError(f"config key 'world.latent': 'sample' needs the posterior's logvar, but cache "
@@ -76,17 +77,60 @@ def input_sources(cfg, reader: cf.CacheReader) -> InputSources:
 # The cache and its fingerprint
 
 
-def open_cache(cfg) -> tuple[cf.CacheReader, InputSources]:
-    """Open the cache and check the fingerprint fields that need no model (before any model is loaded)."""
-    reader = cf.CacheReader(cfg.cache_dir)
-    reader.check_consistency()  # sizes and keys only; every member's crc32 is checked as it is read
-    check_texts(reader)
-    inputs = input_sources(cfg, reader)
-    fields = ["format_version", "image"] + (["vae"] if inputs.cached_latents else [])
-    cf.check_fingerprint(reader.manifest.get("fingerprint") or {}, cf.fingerprint_for(cfg.model, cfg.image),
-                         cfg.cache_dir, fields=fields, partial=True)
-    reader.members = inputs.members
-    return reader, inputs
+def open_cache(cfg) -> tuple[cf.CacheReader | MixedReader, InputSources]:
+    """Open the cache (or each cache of a `data` mixture, read as one MixedReader) and check the fingerprint fields
+    that need no model (before any model is loaded)."""
+    readers, found = [], []
+    for cache_dir, _ in cfg.caches():
+        reader = cf.CacheReader(cache_dir)
+        reader.check_consistency()  # sizes and keys only; every member's crc32 is checked as it is read
+        if readers:
+            check_same_layout(readers[0], reader)
+        check_texts(reader)
+        inputs = input_sources(cfg, reader)
+        if found and inputs != found[0]:
+            raise UserError(f"config key 'data': caches {readers[0].cache_dir} and {reader.cache_dir} give different "
+                            f"inputs ({_inputs_text(found[0])} vs {_inputs_text(inputs)}): build them with the same cache "
+                            "options (cache.siglip, cache.flip, cache.images)")
+        fields = ["format_version", "image"] + (["vae"] if inputs.cached_latents else [])
+        cf.check_fingerprint(reader.manifest.get("fingerprint") or {}, cf.fingerprint_for(cfg.model, cfg.image),
+                             cache_dir, fields=fields, partial=True)
+        reader.members = inputs.members
+        readers.append(reader), found.append(inputs)
+    return (readers[0] if len(readers) == 1 else MixedReader(readers)), found[0]
+
+
+def _inputs_text(inputs: InputSources) -> str:
+    return "members " + ", ".join(inputs.members)
+
+
+def check_same_layout(first: cf.CacheReader, other: cf.CacheReader) -> None:
+    """Refuse to mix caches whose world inputs differ in layout (image resolution and resize, latents kept)."""
+    def layout(r: cf.CacheReader) -> dict:
+        image = (r.manifest.get("fingerprint") or {}).get("image") or {}
+        return {"image.resolution": image.get("resolution"), "image.resize": image.get("resize"),
+                "cache.latents": cf.latents_stored(r.manifest)}
+
+    a, b = layout(first), layout(other)
+    if diff := [k for k in a if a[k] != b[k]]:
+        raise UserError(f"config key 'data': caches {first.cache_dir} and {other.cache_dir} have different world "
+                        f"layouts ({', '.join(f'{k} {a[k]} vs {b[k]}' for k in diff)}); a mixture needs one")
+
+
+def split_data(cfg, reader: cf.CacheReader | MixedReader) -> tuple[np.ndarray, np.ndarray]:
+    """(train, held-out) global indices: order.split of the cache, or of each cache of a mixture (train.eval_samples
+    held out from each), offset into the mixture's index."""
+    if not isinstance(reader, MixedReader):
+        return split(reader, cfg.train.eval_samples)
+    parts = [split(r, cfg.train.eval_samples) for r in reader.readers]
+    return tuple(np.concatenate([p[k] + off for p, off in zip(parts, reader.offsets)]) for k in (0, 1))
+
+
+def mixture_draw(cfg, reader: cf.CacheReader | MixedReader, train_indices: np.ndarray) -> Draw | None:
+    """Each epoch's draw from a mixture's caches by weight (None for one cache)."""
+    if not isinstance(reader, MixedReader):
+        return None
+    return Draw.build(reader, train_indices, [w for _, w in cfg.caches()], bucket_ids(reader))
 
 
 def trained_prompt(reader: cf.CacheReader, train_indices: np.ndarray, look: int = 64) -> str:
@@ -129,14 +173,15 @@ def check_texts(reader: cf.CacheReader) -> None:
                         "those shards alone, recording such samples in errors.jsonl)")
 
 
-def verify_fingerprint(cfg, model, processor, reader: cf.CacheReader, inputs: InputSources) -> None:
-    """Full check against the loaded models (config digests and weight hashes): format_version, image, and vae when
-    cached latents are used, siglip when cached SigLIP features are used."""
+def verify_fingerprint(cfg, model, processor, reader: cf.CacheReader | MixedReader, inputs: InputSources) -> None:
+    """Full check against the loaded models (config digests and weight hashes), of each cache: format_version, image,
+    and vae when cached latents are used, siglip when cached SigLIP features are used."""
     expected = cf.fingerprint_for(cfg.model, cfg.image, siglip=inputs.cached_siglip, vae=model.world_encoder.vae,
                                   gemma=model.gemma, processor=processor)
     fields = ["format_version", "image"] + (["vae"] if inputs.cached_latents else []) + \
         (["siglip"] if inputs.cached_siglip else [])
-    cf.check_fingerprint(reader.manifest.get("fingerprint") or {}, expected, cfg.cache_dir, fields=fields)
+    for r in reader.readers if isinstance(reader, MixedReader) else [reader]:
+        cf.check_fingerprint(r.manifest.get("fingerprint") or {}, expected, r.cache_dir, fields=fields)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -207,7 +252,7 @@ class CacheDataset(Dataset):
         self.flip = inputs.flip if flip is None else flip
         # eval: each item also carries its partner's world (eval_partners) for the shuffled-world loss; a rule over
         # the whole split, so the figure does not depend on the process count
-        self.partners = eval_partners(reader.latent_hw[indices]) if partner else None
+        self.partners = eval_partners(partner_groups(reader, indices)) if partner else None
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -217,11 +262,9 @@ class CacheDataset(Dataset):
         raw = self.reader.raw(index)
         s = self.reader.decode(index, raw, tensors=False)
         flipped = self.flip and flip_of(self.seed, self.epoch, index)
-        prompt, caption = s.prompt, s.caption
-        if flipped:
-            prompt, caption = swap_left_right(prompt), swap_left_right(caption)
+        turns = tuple((swap_left_right(u), swap_left_right(m)) if flipped else (u, m) for u, m in s.turns)
         # text is tokenised and cached tensors are decoded a batch at a time, by Collate
-        item: dict = {"text": (prompt, caption), "origin": (self.reader, index)}
+        item: dict = {"text": turns, "origin": (self.reader, index)}
         if self.inputs.cached_latents:
             item[cf.LATENT] = raw[cf.LATENT_FLIP if flipped else cf.LATENT]
         else:
@@ -261,20 +304,31 @@ class DataContext:
     train_indices: np.ndarray
     eval_indices: np.ndarray
     buckets: np.ndarray  # (len(reader),) each sample's bucket (latent shape)
+    draw: Draw | None = None  # a mixture's per-epoch draw from its caches
+    truncation: str = ""  # with train.max_length: how many training samples it shortens (start line)
 
     @classmethod
     def build(cls, cfg, reader: cf.CacheReader, inputs: InputSources, processor,
-              split_: tuple[np.ndarray, np.ndarray] | None = None) -> "DataContext":
+              split_: tuple[np.ndarray, np.ndarray] | None = None) -> DataContext:
         """`split_`: split(reader, cfg.train.eval_samples) when the caller has it already."""
         train, held = split_ if split_ is not None else split(reader, cfg.train.eval_samples)
         formatter = ChatFormatter(processor, max_length=cfg.train.max_length or None)
         first = reader.sample(train[0], tensors=False)
-        encode_texts(formatter, [(first.prompt, first.caption)])  # a prompt over max_length: an error before any worker
-        return cls(reader, inputs, formatter, processor.image_processor, train, held, bucket_ids(reader))
+        encode_texts(formatter, [first.turns])  # a prompt over max_length: an error before any worker
+        truncation = truncation_report(formatter, reader, train) if formatter.max_length else ""
+        return cls(reader, inputs, formatter, processor.image_processor, train, held, bucket_ids(reader),
+                   mixture_draw(cfg, reader, train), truncation)
+
+    def epoch_samples(self, seed: int, epoch: int) -> np.ndarray:
+        """The training samples epoch `epoch` orders: all of them, or a mixture's draw."""
+        return self.train_indices if self.draw is None else self.draw.epoch(seed, epoch)
+
+    def describe_mixture(self, cfg) -> str:
+        return "" if self.draw is None else self.draw.describe(self.reader, [w for _, w in cfg.caches()])
 
     def describe_buckets(self) -> str:
         """'' for one latent shape, else each shape (h x w) with its training samples."""
-        shapes, counts = np.unique(self.reader.latent_hw[self.train_indices], axis=0, return_counts=True)
+        shapes, counts = np.unique(self.reader.latent_hw[self.epoch_samples(0, 0)], axis=0, return_counts=True)
         if len(shapes) < 2:
             return ""
         return "latent shapes (train samples): " + ", ".join(f"{h}x{w} ({n})" for (h, w), n in zip(shapes, counts))
@@ -283,6 +337,28 @@ class DataContext:
                 partner: bool = False) -> CacheDataset:
         return CacheDataset(self.reader, indices, self.formatter, self.inputs, cfg.image.resolution, cfg.image.resize,
                             self.image_processor, cfg.seed, epoch, flip, partner)
+
+
+def truncation_report(formatter: ChatFormatter, reader: cf.CacheReader, indices: np.ndarray,
+                      chunk: int = 1024) -> str:
+    """The start line on what train.max_length does to the samples at `indices`: conversations that lose whole turns
+    from their end, and samples whose (first) answer is cut. Reads and tokenises every sample's text once."""
+    members, reader.members = reader.members, ()  # the caption and json alone
+    shortened = dropped_turns = cut = 0
+    try:
+        for lo in range(0, len(indices), chunk):
+            convs = [reader.sample(int(i), tensors=False).turns for i in indices[lo:lo + chunk]]
+            for c in (c for c in convs if len(c) > 1):
+                kept = formatter.encode_turns(c)[1]
+                shortened += kept < len(c)
+                dropped_turns += len(c) - kept
+            # a first turn over max_length, alone or all that is left of a conversation: its answer is cut
+            firsts = formatter.conversation_ids([c[0] for c in convs])
+            cut += sum(len(ids) > formatter.max_length for ids in firsts)
+    finally:
+        reader.members = members
+    return (f"train.max_length {formatter.max_length}: {shortened} conversation(s) shortened ({dropped_turns} turn(s) "
+            f"dropped from their ends), {cut} sample(s) with the first answer cut, of {len(indices)} training samples")
 
 
 def _worker_init(_: int) -> None:
@@ -306,8 +382,9 @@ def _loader(cfg, ctx: DataContext, dataset, **kw) -> DataLoader:
 
 def build_train_loader(cfg, ctx: DataContext, rank: int, world_size: int, epoch: int, start: int = 0) -> DataLoader:
     """Micro-batches of this process for `epoch` from global batch `start` on: accumulation_steps of them per step."""
-    idx = rank_indices(ctx.train_indices, cfg.seed, epoch, cfg.train.global_batch_size, rank, world_size, start,
-                       ctx.buckets[ctx.train_indices])
+    samples = ctx.epoch_samples(cfg.seed, epoch)
+    idx = rank_indices(samples, cfg.seed, epoch, cfg.train.global_batch_size, rank, world_size, start,
+                       ctx.buckets[samples])
     return _loader(cfg, ctx, ctx.dataset(cfg, idx, epoch), batch_size=cfg.train.micro_batch_size, shuffle=False)
 
 

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import torch
 
-from theworld.arch import ANSWER_TOKENS, KNOWN_GEMMA, KNOWN_VAE, REAL, TEXT_TOKENS, gemma_config, latent_side
-from theworld.config import cli_parser, load_config, shown, to_yaml
+from theworld import lora as lora_adapters
+from theworld.arch import (ANSWER_TOKENS, KNOWN_GEMMA, KNOWN_VAE, LORA_MODULES, REAL, TEXT_TOKENS, gemma_config,
+                           latent_side)
+from theworld.config import cli_parser, load_config, shown, to_yaml, trains
 from theworld.encoders import DTYPES, _quiet_hf, resolve_gemma, resolve_vae
 from theworld.errors import UserError, cli_entry
 from theworld.model import TheWorld
@@ -85,7 +87,7 @@ def build_world(cfg: TrainConfig, device: str = "meta") -> TheWorld:
     with torch.device(device):
         gemma = Gemma3ForConditionalGeneration(gemma_cfg).to(dtype)
         vae = AutoencoderKLWan.from_config(vae_cfg).to(dtype)
-        model = TheWorld.from_modules(gemma, vae, cfg.world, cfg.freeze, seed=cfg.seed)
+        model = TheWorld.from_modules(gemma, vae, cfg.world, cfg.freeze, seed=cfg.seed, lora=cfg.lora)
     model.cast_trainable_to_fp32()
     return model
 
@@ -124,16 +126,31 @@ def activation_bytes(cfg: TrainConfig, model: TheWorld, micro: int) -> int:
     seq = TEXT_TOKENS + gc.mm_tokens_per_image + 2 + world
     per_sample = _stack(seq, text.hidden_size, text.num_hidden_layers, e, cfg.train.gradient_checkpointing)
     per_sample += ANSWER_TOKENS * text.vocab_size * (3 * 4 + e)  # answer logits: compute dtype, fp32 loss + grad
-    if not cfg.freeze.vision:
+    per_sample += lora_dropout_bytes(cfg, text, "language", seq, e)
+    if trains(cfg.freeze, cfg.lora, "vision"):
         patches = (vision.image_size // vision.patch_size) ** 2
         per_sample += _stack(patches, vision.hidden_size, vision.num_hidden_layers, e,
                              cfg.train.gradient_checkpointing)
+        per_sample += lora_dropout_bytes(cfg, vision, "vision", patches, e)
     if not cfg.freeze.vae and model.world_encoder is not None:
         vc = model.world_encoder.vae.config
         r = cfg.image.resolution
         per_sample += sum(VAE_TENSORS_PER_STAGE * vc.base_dim * m * (r >> i) ** 2 * e
                           for i, m in enumerate(vc.dim_mult))
     return micro * per_sample
+
+
+def lora_dropout_bytes(cfg: TrainConfig, part_cfg, part: str, seq: int, e: int) -> int:
+    """With lora.dropout > 0 every adapted layer keeps its own dropped-out copy of its input (and a one-byte mask)
+    for the backward of lora_A: per layer (or one layer, with checkpointing) of the part's stack."""
+    lora = cfg.lora
+    if lora is None or lora.dropout == 0 or part not in lora.parts:
+        return 0
+    heads = getattr(part_cfg, "num_attention_heads", 1) * getattr(part_cfg, "head_dim", part_cfg.hidden_size)
+    widths = {"o_proj": heads, "down_proj": part_cfg.intermediate_size, "fc2": part_cfg.intermediate_size}
+    per_layer = sum(seq * widths.get(m, part_cfg.hidden_size) * (e + 1) for m in lora.target_modules
+                    if m in LORA_MODULES[part])
+    return per_layer * (1 if cfg.train.gradient_checkpointing else part_cfg.num_hidden_layers)
 
 
 def _stack(seq: int, hidden: int, layers: int, e: int, checkpointing: bool) -> int:
@@ -190,6 +207,7 @@ def estimate(cfg: TrainConfig, gpus: int, gpu_memory_gib: float, model: TheWorld
                       "gradient_checkpointing": cfg.train.gradient_checkpointing, "micro_batch_size": micro},
            "gpus": gpus, "gpu_memory_bytes": int(gpu_memory_gib * 2**30), "budget_bytes": budget,
            "total_params": c.total, "trainable_params": c.trainable, "frozen_params": c.total - c.trainable,
+           "lora": {"params": lora_adapters.count(model), "parts": cfg.lora.parts, "r": cfg.lora.r} if cfg.lora else None,
            "per_gpu_bytes": per, "fits": {k: v["total"] <= budget for k, v in per.items()},
            "host_bytes_per_process": {"fsdp_offload": host_bytes(c, gpus)}, "suggested_micro_batch_size": {}}
     per_process = cfg.train.global_batch_size // gpus if cfg.train.global_batch_size % gpus == 0 else 0
@@ -208,9 +226,11 @@ def render(p: dict) -> str:
     rows = ["frozen_weights", "trainable_weights", "gradients", "optimizer_state", "working_buffers", "activations",
             "total"]
     modes = list(p["per_gpu_bytes"])
-    cell = lambda values: "".join(f"{v:>14s}" for v in values)  # noqa: E731
+    cell = lambda values: "".join(f"{v:>14s}" for v in values)
     lines = [f"parameters: {p['total_params']:,} total, {p['trainable_params']:,} trainable, "
-             f"{p['frozen_params']:,} frozen (exact, from the model built on the meta device)",
+             f"{p['frozen_params']:,} frozen (exact, from the model built on the meta device)"
+             + (f"; LoRA adapters: {p['lora']['params']:,} on {', '.join(p['lora']['parts'])} (r {p['lora']['r']})"
+                if p["lora"] else ""),
              f"per GPU, {p['gpus']} GPU(s) of {p['gpu_memory_bytes'] / 2**30:.0f} GiB "
              f"(budget {HEADROOM:.0%}: {p['budget_bytes'] / 2**30:.1f} GiB), micro_batch_size "
              f"{p['config']['micro_batch_size']}; GiB:", f"{'':20s}{cell(modes)}"]

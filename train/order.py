@@ -17,6 +17,7 @@ Sample indices live in numpy arrays (8 bytes a sample), shared by forked loader 
 from __future__ import annotations
 
 import hashlib
+import math
 
 import numpy as np
 import torch
@@ -85,15 +86,18 @@ def epoch_batches(train_indices: np.ndarray, seed: int, epoch: int, global_batch
     return np.concatenate(rows)[np.argsort(np.concatenate(ends), kind="stable")]
 
 
-def check_sizes(cfg, reader: cf.CacheReader, train_indices: np.ndarray, world_size: int) -> int:
-    """Steps per epoch from the cache's index alone (before any model loads), or a one-line error naming the key."""
+def check_sizes(cfg, reader: cf.CacheReader, train_indices: np.ndarray, world_size: int, draw=None) -> int:
+    """Steps per epoch from the cache's index alone (before any model loads), or a one-line error naming the key.
+    `draw`: a mixture's train.mixture.Draw, whose epochs hold other samples than `train_indices`."""
     n_eval = cfg.train.eval_samples
-    _check_held_out(n_eval, len(reader))
+    if draw is None:
+        _check_held_out(n_eval, len(reader))
     if n_eval == 1 or 0 < n_eval < world_size:  # each process takes a share; a shuffled world is another sample's
         raise UserError(f"config key 'train.eval_samples': {n_eval} is too few for {world_size} process(es) (the "
                         f"shuffled-world loss takes each held-out sample's world from another one): use 0 (no eval) "
                         f"or at least {max(2, world_size)}")
-    return steps_per_epoch(np.bincount(bucket_ids(reader)[train_indices]), cfg.train.global_batch_size)
+    sizes = np.bincount(bucket_ids(reader)[train_indices]) if draw is None else draw.bucket_sizes(bucket_ids(reader))
+    return steps_per_epoch(sizes, cfg.train.global_batch_size)
 
 
 def steps_per_epoch(bucket_sizes: np.ndarray | int, global_batch: int) -> int:
@@ -105,6 +109,14 @@ def steps_per_epoch(bucket_sizes: np.ndarray | int, global_batch: int) -> int:
             f"the training samples of every latent shape (largest: {int(sizes.max())})"
         raise UserError(f"config key 'train.global_batch_size': {global_batch} is more than {where}")
     return steps
+
+
+def total_steps(train, per_epoch: int) -> int:
+    """The run's length: train.max_steps, or with train.epochs > 0 (which wins) that many epochs of `per_epoch`
+    steps, rounded up to a whole step (0.5 epochs of 5 steps: 3)."""
+    if not train.epochs:
+        return train.max_steps
+    return max(1, math.ceil(round(train.epochs * per_epoch, 6)))  # round: 0.1 * 30 is 3.0000000000000004
 
 
 def rank_offset(global_batch: int, rank: int, world_size: int) -> int:

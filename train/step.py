@@ -14,7 +14,7 @@ import torch
 
 from train import preempt, sharding
 from train.batches import PARTNER, WORLD_KEYS, Batch
-from train.order import noise_seeds, rank_offset
+from train.order import noise_seeds, rank_offset, seed_of
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
@@ -65,6 +65,8 @@ def optimization_step(components: Components, state: LoopState, micro_batches: l
         g["lr"] = lr * g.get("lr_multiplier", 1.0)  # train.lr_multipliers of the group's part
     # a sample's position in the global batch
     first = rank_offset(cfg.train.global_batch_size, components.rank, components.world_size)
+    if cfg.lora is not None and cfg.lora.dropout > 0:  # masks a pure function of (seed, step, rank): exact resume
+        torch.manual_seed(seed_of("lora-dropout", cfg.seed, state.step, components.rank))
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     for i, mb in enumerate(micro_batches):
         inputs = mb.to(device)
@@ -89,7 +91,7 @@ def optimization_step(components: Components, state: LoopState, micro_batches: l
         if components.ema is not None:
             with torch.no_grad():
                 torch._foreach_lerp_(components.ema, [p.detach().float() for p in components.params],
-                                     1.0 - cfg.train.ema)
+                                     1.0 - ema_decay(cfg.train.ema, cfg.train.ema_warmup_steps, state.step))
         state.nonfinite_in_a_row = 0
         state.first_loss = loss if state.first_loss is None else state.first_loss
         state.last_loss = loss
@@ -104,6 +106,13 @@ def optimization_step(components: Components, state: LoopState, micro_batches: l
         raise NonFiniteError(f"{state.nonfinite_in_a_row} non-finite steps in a row (last at step {state.step}: "
                              f"loss {loss}, grad norm {grad_norm}); lower train.lr or check the data")
     return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": not finite, "tokens": int(n_global.item())}
+
+
+def ema_decay(decay: float, warmup_steps: int, step: int) -> float:
+    """The EMA decay applied after the update of step `step` (0-based): `decay`, ramped up linearly from 0 over the
+    first `warmup_steps` steps so that the average is not anchored to the initial weights. A pure function of the step:
+    resuming needs nothing saved."""
+    return decay * min(1.0, step / warmup_steps) if warmup_steps else decay
 
 
 @torch.no_grad()

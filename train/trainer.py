@@ -14,7 +14,7 @@ import torch
 
 from theworld.config import to_dict
 from theworld.errors import UserError
-from train import checkpoint, data, order
+from train import checkpoint, data, order, params
 from train.benchmarks import BenchmarkEval
 from train.benchmarks import lines as benchmark_lines
 from train.components import Components, Launch, build, build_model, resolve_launch
@@ -55,8 +55,10 @@ class Checked:
         bench = BenchmarkEval.load(cfg)
         if cfg.train.cpu_threads:
             torch.set_num_threads(cfg.train.cpu_threads)
-        split = order.split(reader, cfg.train.eval_samples)
-        per_epoch = order.check_sizes(cfg, reader, split[0], launch.processes)
+        split = data.split_data(cfg, reader)
+        per_epoch = order.check_sizes(cfg, reader, split[0], launch.processes,
+                                      data.mixture_draw(cfg, reader, split[0]))
+        cfg.train.max_steps = order.total_steps(cfg.train, per_epoch)
         return cls(cfg, launch, reader, inputs, split, per_epoch, bench)
 
 
@@ -135,7 +137,7 @@ class Trainer:
         cfg, ctx, inputs = self.cfg, self.ctx, self.checked.inputs
         lines = [f"removed {p}, an unfinished save of a killed run" for p in self.removed]
         if not self.checked.reader.checksummed:
-            lines.append(f"note: cache {cfg.cache_dir} has no per-member checksums (written before they existed): "
+            lines.append(f"note: cache {self.checked.reader.cache_dir} has no per-member checksums (written before they existed): "
                          "damaged latents would go unnoticed; rebuild it to add them")
         for r in self.reports:
             lines.append(checkpoint.describe_init(cfg.init_from, r))
@@ -144,6 +146,13 @@ class Trainer:
                      f"{self.per_epoch} steps/epoch, {self.c.world_size} process(es) x {self.c.accum} micro-batches "
                      f"of {cfg.train.micro_batch_size}; latents {'cached' if inputs.cached_latents else 'live'}, "
                      f"image tokens {'cached' if inputs.cached_siglip else 'live'}; {self.c.sharding}")
+        lines.append(params.describe(self.c.raw))
+        if cfg.train.epochs:
+            lines.append(f"train.epochs {cfg.train.epochs:g}: {cfg.train.max_steps} steps of {self.per_epoch} per epoch")
+        if mixture := ctx.describe_mixture(cfg):
+            lines.append(mixture)
+        if ctx.truncation:
+            lines.append(ctx.truncation)
         if buckets := ctx.describe_buckets():
             lines.append(f"{buckets}; each global batch holds one shape, a shape's last < "
                          f"{cfg.train.global_batch_size} samples of an epoch are left out of it")
@@ -154,7 +163,8 @@ class Trainer:
         checkpoint and final/ then record. An eval that fails or is cut short loses no steps: the rerun of the same
         command repeats only the eval."""
         state, accelerator = self.state, self.c.accelerator
-        if self.window.steps_run and state.step % self.cfg.train.save_every:  # (a finished run's rerun has its checkpoint)
+        # (a finished run's rerun has its checkpoint)
+        if self.window.steps_run and state.step % self.cfg.train.save_every:
             self.save()
         whole = checkpoint.gather(self.c)
         if accelerator.is_main_process:

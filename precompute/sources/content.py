@@ -6,14 +6,12 @@ import json
 import os
 import stat
 
-from theworld.control_text import control_problem
+from theworld.control_text import MAX_TEXT_CHARS, text_problem  # noqa: F401 - MAX_TEXT_CHARS: the rule precompute follows
+from theworld.images import file_kind  # noqa: F401 - sources name file kinds through content
 
 # Larger image files are refused before they are read: PIL's own pixel limit (images.MAX_PIXELS, 89 M pixels) is
 # about 270 MB as an uncompressed 8-bit RGB file, so nothing usable is bigger than this.
 MAX_IMAGE_BYTES = 512 << 20
-# Longer captions or prompts are refused: tens of thousands of tokens are not a caption, and with train.max_length: 0
-# (no cap) one such sample makes a batch of that length.
-MAX_TEXT_CHARS = 1 << 16
 
 
 class SourceError(ValueError):
@@ -39,9 +37,7 @@ def check_text(text: object, what: str) -> str:
     text = text.strip()
     if not text:
         raise SourceError(f"empty {what}")
-    if len(text) > MAX_TEXT_CHARS:
-        raise SourceError(f"{what} too long: {len(text)} characters (> {MAX_TEXT_CHARS})")
-    if problem := control_problem(text, what):
+    if problem := text_problem(text, what):
         raise SourceError(problem)
     return text
 
@@ -100,11 +96,3 @@ def read_span(path: str, offset: int, size: int) -> bytes:
 def read_image_span(path: str, offset: int, size: int) -> bytes:
     check_image_size(size)
     return read_span(path, offset, size)
-
-
-def file_kind(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
-        if test(mode):
-            return name
-    return "not a file"

@@ -63,19 +63,18 @@ def _jsonl_record(root: Path, n: int, line: str | None, default_prompt: str) -> 
 
 
 def _split_line(raw: bytes) -> list[str | None]:
-    """A physical line's sub-lines (str.splitlines also breaks at \\r, \\x85, \\u2028); None for each one when the
-    line is not valid UTF-8 (counted the same way, so line numbers do not move)."""
+    """A line of captions.jsonl as its one text (None when it is not valid UTF-8). JSONL lines end at \\n only: a
+    raw U+2028 or \\x85 is part of a JSON string, and a \\r before the \\n is JSON whitespace."""
     try:
-        return content.decode_text(raw).splitlines()
+        return [content.decode_text(raw.removesuffix(b"\n"))]
     except SourceError:
-        return [None] * len(raw.decode(errors="replace").splitlines())
+        return [None]
 
 
 def _jsonl_lines(path: Path) -> Iterable[tuple[int, int, int, str | None]]:
     """(byte offset of the physical line, sub-line, line number, text) for every line of captions.jsonl.
 
-    Line numbers follow str.splitlines() of the whole decoded file, as documented; reading bytes line by line and
-    splitting each one again gives the same lines (\\r, \\x85, \\u2028 also break lines) without holding the file.
+    Lines end at \\n, as JSONL's do; the sub-line is always 0 (kept so listings index lines the same way).
     """
     n, offset = 0, 0
     with open(path, "rb") as f:

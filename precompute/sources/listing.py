@@ -66,6 +66,10 @@ class Listing:
         image, caption, prompt, meta = self._load(entry)
         return Loaded(image, content.check_text(caption, "caption"), content.check_text(prompt, "prompt"), meta)
 
+    def failure_hint(self) -> str:
+        """What to add to "every input failed" for this source (where it looked for images...); "" for nothing."""
+        return ""
+
     def usable(self, entry: Entry) -> bool:
         """Whether an entry the listing finds no error in loads, and its image header reads (pixels not decoded)."""
         try:
@@ -140,17 +144,14 @@ class Truncated(Listing):
             self.n = len(inner)
             return
         record = Path(index_dir) / self.RECORD if index_dir is not None else None
-        found = read_json(record) if record is not None else None
-        fresh = isinstance(found, dict) and found.get("num_samples") == n and found.get("of") == len(inner)
-        if fresh:
-            self.n = found["length"]
-            return
-        if rank == 0:
-            self.n = self._cut(n, chunk)
-            if record is not None:
+        if rank == 0:  # only rank 0 looks for the record: another rank could find the one rank 0 has just written
+            found = read_json(record) if record is not None else None
+            fresh = isinstance(found, dict) and found.get("num_samples") == n and found.get("of") == len(inner)
+            self.n = found["length"] if fresh else self._cut(n, chunk)
+            if record is not None and not fresh:
                 record.parent.mkdir(parents=True, exist_ok=True)
                 atomic_write_json(record, {"num_samples": n, "of": len(inner), "length": self.n})
-        barrier()
+        barrier()  # every rank, every time: so the barriers after this one pair up across ranks
         if rank != 0:
             self.n = read_json(record)["length"]
 
@@ -172,6 +173,9 @@ class Truncated(Listing):
 
     def _load(self, entry: Entry) -> Loaded:
         return self.inner._load(entry)
+
+    def failure_hint(self) -> str:
+        return self.inner.failure_hint()
 
 
 def read_json(path: Path) -> dict | None:

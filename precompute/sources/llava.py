@@ -1,9 +1,11 @@
 """LLaVA-style sources: a JSON list of {id, image, conversations: [{from: human, value}, {from: gpt, value}]}
 (LLaVA-CC3M-Pretrain-595K's chat.json), images relative to `image_root` (default: the JSON's folder).
 
-Order: the list's order; key = safe_key(id). The prompt is the human turn without the `<image>` token and its
-newline, the caption is the gpt turn. An item with more than one human/gpt pair, turns in another order, no image or
-no id is an error entry (multi-turn conversations are not supported: a sample has one prompt and one caption).
+Order: the list's order; key = safe_key(id). The prompt is the first human turn without the `<image>` token (anywhere
+in its text) and its newline, the caption is the first gpt turn; the later human/gpt pairs of a conversation
+(LLaVA-Instruct) go into the sample's json member as `turns` (cache_format.TURNS). An item whose turns do not alternate
+human, gpt, ... ending with gpt, with `<image>` in a later turn, or with no image (text-only: the model always has an
+image) or no id is an error entry.
 
 The list is parsed once per output_dir (on rank 0, the whole file at once: JSON has no streaming form in the
 standard library) into `source-index/llava.jsonl`, one line per item, and listed from there like captions.jsonl, so
@@ -13,12 +15,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Callable
 
 from precompute.sources import content
 from precompute.sources.folder import JsonlListing, check_image_path
-from precompute.sources.listing import Entry, read_json
+from precompute.sources.listing import Entry, Loaded, read_json
 from theworld import cache_format as cf
 from theworld.cache_format import safe_key
 from theworld.errors import UserError
@@ -32,8 +35,9 @@ def _identity(path: Path) -> list:
 
 
 def strip_image_token(text: str) -> str:
-    """The human turn as a prompt: every `<image>` token removed with the newline that separates it from the text."""
-    return text.replace(IMAGE_TOKEN + "\n", "").replace("\n" + IMAGE_TOKEN, "").replace(IMAGE_TOKEN, "")
+    """The human turn as a prompt: every `<image>` token removed with the whitespace around it (one space where it
+    stood between two words)."""
+    return re.sub(r"\s*" + re.escape(IMAGE_TOKEN) + r"\s*", " ", text).strip()
 
 
 def item_record(item: object, n: int, name: str) -> dict:
@@ -51,16 +55,20 @@ def item_record(item: object, n: int, name: str) -> dict:
         turns = item.get("conversations")
         if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
             raise ValueError("'conversations' must be a list of turns")
-        if len(turns) > 2:
-            raise ValueError(f"multi-turn conversation ({len(turns)} turns; one human and one gpt turn supported)")
-        if [t.get("from") for t in turns] != ["human", "gpt"]:
-            raise ValueError("conversation is not one human turn then one gpt turn")
+        if not turns or len(turns) % 2 or [t.get("from") for t in turns] != ["human", "gpt"] * (len(turns) // 2):
+            raise ValueError("conversation does not alternate human, gpt turns (starting with human, ending with gpt)")
         if not all(isinstance(t.get("value"), str) for t in turns):
             raise ValueError("a turn's 'value' is not a string")
+        if any(IMAGE_TOKEN in t["value"] for t in turns[1:]):
+            raise ValueError(f"{IMAGE_TOKEN} outside the first human turn (a sample has one image, in its first turn)")
     except ValueError as e:
         return {**fallback, "error": f"bad item: {e}"}
-    return {"key": fallback["key"], "source": item["image"], "image": item["image"],
-            "prompt": strip_image_token(turns[0]["value"]), "caption": turns[1]["value"]}
+    values = [t["value"] for t in turns]
+    rec = {"key": fallback["key"], "source": item["image"], "image": item["image"],
+           "prompt": strip_image_token(values[0]), "caption": values[1]}
+    if len(values) > 2:
+        rec[cf.TURNS] = [values[i:i + 2] for i in range(2, len(values), 2)]
+    return rec
 
 
 def _convert(path: Path, out: Path) -> None:
@@ -71,7 +79,7 @@ def _convert(path: Path, out: Path) -> None:
         raise UserError(f"config key 'source.path': cannot read {path} as JSON: {e}") from None
     if not isinstance(items, list):
         raise UserError(f"config key 'source.path': {path} is not a JSON list of items")
-    # ASCII JSON: a U+2028 in a caption must not break the line (the listing splits lines as str.splitlines does)
+    # ASCII JSON: one line per item whatever the captions hold
     lines = (json.dumps(item_record(item, n, path.name)) + "\n" for n, item in enumerate(items))
     cf.atomic_write_bytes(out, "".join(lines).encode())
 
@@ -91,11 +99,35 @@ class LlavaListing(JsonlListing):
             _convert(src, lines)
             cf.atomic_write_json(ident_file, {"identity": _identity(src)})
         barrier()
+        self.json_path, self.image_root_set = src, image_root is not None
         super().__init__(Path(image_root) if image_root else src.parent, "", path=lines)
+
+    def failure_hint(self) -> str:
+        """Where image paths were looked for; when they are not there but in an images/ folder beside the JSON
+        (LLaVA-Pretrain's layout), the source.image_root that finds them."""
+        first = next((e for lo in range(0, len(self), 1024) for e in self.entries(lo, lo + 1024) if e.error is None),
+                     None)
+        if first is None:
+            return ""
+        rel = Path(first.source)
+        hint = f"image paths such as {str(rel)!r} are looked for under {self.root}"
+        for folder in (self.json_path.parent / "images", self.json_path.parent / "images" / "images"):
+            if folder != self.root and (folder / rel).is_file():
+                return f"{hint}; {folder} holds them: set source.image_root={folder}"
+        return hint + ("" if self.image_root_set else " (the JSON's folder; set source.image_root to another)")
 
     def _record(self, n: int, line: str | None) -> Entry:
         rec = json.loads(line)
         if "error" in rec:
             return Entry(key=rec["key"], source=rec["source"], error=rec["error"])
+        extra = {cf.TURNS: rec[cf.TURNS]} if cf.TURNS in rec else {}
         return Entry(key=rec["key"], source=rec["source"], caption=rec["caption"], prompt=rec["prompt"],
-                     loc=(str(self.root / rec["image"]),))
+                     loc=(str(self.root / rec["image"]),), extra=extra)
+
+    def _load(self, entry: Entry) -> Loaded:
+        loaded = super()._load(entry)
+        if cf.TURNS not in entry.extra:
+            return loaded
+        turns = [[content.check_text(user, f"turn {n} prompt"), content.check_text(model, f"turn {n} answer")]
+                 for n, (user, model) in enumerate(entry.extra[cf.TURNS], start=2)]
+        return loaded._replace(meta={**loaded.meta, cf.TURNS: turns})

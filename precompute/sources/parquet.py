@@ -1,7 +1,8 @@
 """Parquet sources: files as HF `datasets` or DataComp tooling write them, read with pyarrow in row batches.
 
 Order: files in `source.path` order (a file, a glob, a folder = every *.parquet in it sorted, "::" between
-patterns), rows in file order. Columns:
+patterns; a folder written by `datasets`' `save_to_disk` = its Arrow files in state.json's order), rows in file
+order. Columns:
   image:   `source.image_column` (default `image`): an {bytes, path} struct (HF datasets' Image feature) or raw bytes;
            a row without bytes is an error entry (nothing is downloaded).
   caption: `source.caption_column` (default: the first of `caption`, `text` that exists).
@@ -23,13 +24,14 @@ from typing import Callable
 import numpy as np
 
 from precompute.sources import content
+from precompute.sources.arrow_files import open_table, saved_dataset_files
 from precompute.sources.content import SourceError
 from precompute.sources.listing import Entry, Listing, Loaded, check_unchanged, duplicates_from_hashes, \
     file_identity, key_hash, read_json
 from precompute.sources.webdataset import shard_files
 from theworld import cache_format as cf
 from theworld.cache_format import safe_key
-from theworld.errors import UserError
+from theworld.errors import UserError, one_line
 
 KEY_COLUMNS = ("key", "uid", "id")
 CAPTION_COLUMNS = ("caption", "text")
@@ -79,11 +81,18 @@ def resolve_columns(schema, path: str, image: str | None, caption: str | None, p
 
 
 def _schema(path: str):
-    """A file's arrow schema, from its footer; a file that is not parquet is refused, naming it."""
+    """A file's arrow schema, from its footer (or an Arrow file's header); a file that is neither is refused, naming
+    it."""
+    _pq()
     try:
-        return _pq().read_schema(path)
+        return open_table(path).schema_arrow
     except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
-        raise UserError(f"config key 'source.path': {path} is not a readable parquet file ({e})") from None
+        raise UserError(f"config key 'source.path': {path} is not a readable parquet file ({one_line(e)})") from None
+
+
+def _unreadable_column(path: str, column: str, e: Exception) -> UserError:
+    return UserError(f"config key 'source.path': column {column!r} of {path} cannot be read ({type(e).__name__}: "
+                     f"{one_line(e)})")
 
 
 def _image_bytes(value: object) -> bytes:
@@ -106,7 +115,8 @@ def _json_value(v: object) -> object:
 class ParquetListing(Listing):
     def __init__(self, pattern: str, default_prompt: str, index_dir: Path, columns: dict, rank: int = 0,
                  barrier: Callable[[], None] = lambda: None):
-        self.files, self.prompt = shard_files(pattern, ".parquet"), default_prompt
+        saved = saved_dataset_files(Path(pattern)) if Path(pattern).is_dir() else None
+        self.files, self.prompt = saved or shard_files(pattern, ".parquet"), default_prompt
         found = [resolve_columns(_schema(f), f, **columns) for f in self.files]
         self.cols = found[0]
         for f, c in zip(self.files, found):
@@ -131,20 +141,23 @@ class ParquetListing(Listing):
 
     def _write_summary(self, summary_file: Path, idents: list) -> None:
         """The one scan (rank 0): row-group sizes from each footer, key hashes from the key column alone."""
-        pq = _pq()
+        _pq()  # pyarrow installed, or one line saying so
         self.groups = []
         hashes: list[int] = []
         for j, f in enumerate(self.files):
-            pf = pq.ParquetFile(f)
+            pf = open_table(f)
             self.groups.append([pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)])
             if self.cols["key"] is None:
                 hashes += [key_hash(self._fallback_key(j, r)) for r in range(pf.metadata.num_rows)]
                 continue
             row = 0
-            for batch in pf.iter_batches(batch_size=65536, columns=[self.cols["key"]]):
-                for value in batch.column(0).to_pylist():
-                    hashes.append(key_hash(self._key(j, row, value)))
-                    row += 1
+            try:
+                for batch in pf.iter_batches(batch_size=65536, columns=[self.cols["key"]]):
+                    for value in batch.column(0).to_pylist():
+                        hashes.append(key_hash(self._key(j, row, value)))
+                        row += 1
+            except (OSError, ValueError) as e:  # a corrupt page: ArrowIOError / ArrowInvalid
+                raise _unreadable_column(f, self.cols["key"], e) from None
         self.starts = [0] + np.cumsum([sum(g) for g in self.groups]).tolist()
         self._keys_cache, self._stream = None, None
         dups = duplicates_from_hashes(np.arange(len(hashes), dtype=np.int64), np.array(hashes, dtype=np.int64),
@@ -169,8 +182,12 @@ class ParquetListing(Listing):
 
     def _group_keys(self, j: int, g: int) -> list:
         if self._keys_cache is None or self._keys_cache[:2] != (j, g):
-            pf = _pq().ParquetFile(self.files[j])
-            self._keys_cache = (j, g, pf.read_row_group(g, columns=[self.cols["key"]]).column(0).to_pylist())
+            try:
+                pf = open_table(self.files[j])
+                keys = pf.read_row_group(g, columns=[self.cols["key"]]).column(0).to_pylist()
+            except (OSError, ValueError) as e:
+                raise _unreadable_column(self.files[j], self.cols["key"], e) from None
+            self._keys_cache = (j, g, keys)
         return self._keys_cache[2]
 
     def _raw(self, lo: int, hi: int) -> list[Entry]:
@@ -193,7 +210,7 @@ class ParquetListing(Listing):
         if s is None or (s["j"], s["g"]) != (j, g) or r < s["start"]:
             names = [self.cols["image"], self.cols["caption"], *self.cols["meta"]]
             names += [self.cols["prompt"]] if self.cols["prompt"] else []
-            batches = _pq().ParquetFile(self.files[j]).iter_batches(batch_size=BATCH_ROWS, row_groups=[g],
+            batches = open_table(self.files[j]).iter_batches(batch_size=BATCH_ROWS, row_groups=[g],
                                                                     columns=list(dict.fromkeys(names)))
             s = self._stream = {"j": j, "g": g, "batches": batches, "start": 0, "rows": []}
         while r >= s["start"] + len(s["rows"]):
@@ -206,7 +223,7 @@ class ParquetListing(Listing):
             row = self._row(*entry.loc)
         except (ValueError, OSError, StopIteration) as e:  # ArrowInvalid is a ValueError, ArrowIOError an OSError
             self._stream = None
-            raise SourceError(f"cannot read row: {type(e).__name__}: {e}") from None
+            raise SourceError(f"cannot read row: {type(e).__name__}: {one_line(e)}") from None
         prompt = row.get(self.cols["prompt"]) if self.cols["prompt"] else None
         meta = {c: _json_value(row[c]) for c in self.cols["meta"] if row[c] is not None}
         return Loaded(_image_bytes(row[self.cols["image"]]), row[self.cols["caption"]],

@@ -22,7 +22,7 @@ from precompute.sources.listing import Entry, Listing, Loaded, check_unchanged, 
     duplicates_from_hashes, file_identity, key_hash, read_json
 from theworld import cache_format as cf
 from theworld.cache_format import safe_key
-from theworld.errors import UserError
+from theworld.errors import UserError, one_line
 
 WDS_IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp")
 INDEX_VERSION = 3  # bump when the per-tar listing's content changes, so old listings are rebuilt
@@ -91,7 +91,7 @@ def _tar_samples(path: str) -> tuple[list[tuple[str, dict]], list[int], str | No
                     samples.append((key, {}))
                 samples[-1][1][member] = (m.offset_data, m.size)
     except (tarfile.TarError, OSError, EOFError) as e:
-        error = f"broken tar: after {len(samples)} samples: {type(e).__name__}: {e}"
+        error = f"broken tar: after {len(samples)} samples: {type(e).__name__}: {one_line(e)}"
     # a tar cut short can list a last member whose data runs past the end: its sample is damaged, not short
     end = os.path.getsize(path)
     whole = [i for i, (_, members) in enumerate(samples) if all(o + n <= end for o, n in members.values())]

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Iterable
 
 import torch
 
-from theworld.cache_format.layout import FORMAT_VERSION
+from theworld.cache_format.migrations import FORMAT_VERSION
 from theworld.errors import CacheMismatch
 
 if TYPE_CHECKING:

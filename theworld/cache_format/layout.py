@@ -12,22 +12,24 @@ from typing import Any
 
 import torch
 
+from theworld.cache_format import migrations
+from theworld.cache_format.migrations import FORMAT_VERSION
 from theworld.errors import CacheDamaged, UserError
 
-FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SHARDS = "shards"
 ERRORS = "errors.jsonl"
 ERRORS_DIR = "errors"
 RUN_FILE = "precompute.json"
 INDEX_DIR = "source-index"
-CHECKSUMS = "crc32"  # sidecar sample field {member: zlib.crc32 of its bytes}; caches written before it lack it
 # Member names inside a sample (webdataset: "<key>.<member>").
 LATENT = "latent.safetensors"  # tensors "mean", "logvar" (only "mean" with cache.latents: mean): (16, 1, h, w)
 LATENT_FLIP = "latent_flip.safetensors"  # the same for the horizontally flipped image
 SIGLIP = "siglip.safetensors"  # tensor "features": (mm_tokens, H), the multimodal projector's output
 CAPTION = "txt"
-META = "json"  # prompt, source, original_size, crop_box, flip
+META = "json"  # prompt, source, original_size, crop_box, flip; TURNS for a conversation
+TURNS = "turns"  # META field of a multi-turn sample: the turns after the first, [[user, model], ...] (the first is
+# prompt + caption, so single-turn readers and caches are unchanged)
 IMAGE_EXTS = ("jpg", "png", "webp")
 
 
@@ -85,6 +87,11 @@ class Sample:
     @property
     def prompt(self) -> str:
         return self.meta.get("prompt", "")
+
+    @property
+    def turns(self) -> list[tuple[str, str]]:
+        """The conversation as (user, model) turns: (prompt, caption), then the META field TURNS if present."""
+        return [(self.prompt, self.caption)] + [(u, m) for u, m in self.meta.get(TURNS, ())]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -160,9 +167,22 @@ def write_manifest(cache_dir: Path, sidecars: list[dict], *, fingerprint: dict, 
     return manifest
 
 
+def _every_input_failed(cache_dir: Path) -> bool:
+    """A finished precompute run that kept nothing: errors.jsonl (written once every shard is) has a line for each
+    entry the run recorded in its precompute.json."""
+    try:
+        entries = json.loads((cache_dir / RUN_FILE).read_bytes()).get("num_entries")
+        return isinstance(entries, int) and entries > 0 and (cache_dir / ERRORS).read_bytes().count(b"\n") == entries
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return False
+
+
 def load_manifest(cache_dir: Path | str) -> dict:
     path = Path(cache_dir) / MANIFEST
     if not path.is_file():
+        if _every_input_failed(Path(cache_dir)):
+            raise UserError(f"{cache_dir} holds no samples, so it is not a cache: every input of its precompute run "
+                            f"failed (the reasons are in its {ERRORS})")
         if (Path(cache_dir) / SHARDS).is_dir():
             raise UserError(f"cache {cache_dir} is incomplete (no {MANIFEST}): rerun the precompute command to finish it")
         raise UserError(f"no cache at {cache_dir} (no {MANIFEST})")
@@ -172,16 +192,15 @@ def load_manifest(cache_dir: Path | str) -> dict:
         raise CacheDamaged(f"{path} is not valid JSON ({type(e).__name__}: {str(e)[:120]}); {REBUILD_MANIFEST}") from None
     if not isinstance(manifest, dict):
         raise CacheDamaged(f"{path} holds a JSON {type(manifest).__name__}, not an object; {REBUILD_MANIFEST}")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise UserError(f"cache {cache_dir} has format_version {manifest.get('format_version')!r}, "
-                        f"this code reads {FORMAT_VERSION}")
+    migrations.check_version(manifest, cache_dir)
     if problem := _manifest_problem(manifest):
         raise CacheDamaged(f"{path} is malformed: {problem}; {REBUILD_MANIFEST}")
-    return manifest
+    return migrations.manifest(manifest, cache_dir)
 
 
 def latents_stored(manifest: dict) -> str:
-    """"posterior" (mean and logvar) or "mean" (cache.latents: mean); caches that do not say hold the posterior."""
+    """"posterior" (mean and logvar) or "mean" (cache.latents: mean); caches that do not say hold the posterior
+    (migrations.manifest records it for version 1)."""
     return (manifest.get("contents") or {}).get("latents", "posterior")
 
 
@@ -205,7 +224,7 @@ def _manifest_problem(m: dict) -> str | None:
         if not _is_int(m.get(key)):
             return f"'{key}' is not a count"
     shape = m.get("latent_shape")  # null when the samples' shapes differ (aspect-ratio buckets): see latent_shapes
-    is_shape = lambda s: isinstance(s, list) and all(_is_int(d) for d in s)  # noqa: E731
+    is_shape = lambda s: isinstance(s, list) and all(_is_int(d) for d in s)
     if not (is_shape(shape) or shape is None and isinstance(m.get("latent_shapes"), list)) \
             or not isinstance(m.get("latent_dtype"), str):
         return "'latent_shape' / 'latent_dtype' missing or not a shape and a dtype name"
@@ -228,7 +247,7 @@ def read_errors(cache_dir: Path | str) -> list[dict]:
     path = Path(cache_dir) / ERRORS
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in path.read_text().split("\n") if line.strip()]  # \n only, as written
 
 
 def error_classes(cache_dir: Path | str) -> dict[str, int]:

@@ -14,7 +14,9 @@ import numpy as np
 import torch
 from safetensors.torch import load as st_load
 
-from theworld.cache_format.layout import (CAPTION, CHECKSUMS, MANIFEST, META, IMAGE_EXTS, LATENT, LATENT_FLIP,
+from theworld.cache_format import migrations
+from theworld.cache_format.migrations import CHECKSUMS
+from theworld.cache_format.layout import (CAPTION, MANIFEST, META, IMAGE_EXTS, LATENT, LATENT_FLIP,
                                           REBUILD_MANIFEST, SHARDS, SIGLIP, Sample, load_manifest, read_sidecar,
                                           repair_hint, shard_stem, sidecar_path, tar_path)
 from theworld.errors import CacheDamaged, UserError
@@ -99,6 +101,26 @@ def _load_each_and_stack(blobs: list[bytes]) -> dict[str, torch.Tensor]:
 # Random access reading
 
 
+def _sidecar_mismatch(sides: list[tuple], entries: list[dict], i: int) -> str:
+    """What differs between shard i's sidecar (count, bytes, sha256) and the manifest's entry: a pair that is another
+    shard's (copied or swapped files) is named as such."""
+    side, e = sides[i], entries[i]
+    j = next((j for j, other in enumerate(entries) if j != i and other.get("sha256") == side[2]), None)
+    if j is not None:
+        swapped = sides[j][2] == e.get("sha256")
+        return (f"it and its sidecar hold what {MANIFEST} lists for {shard_stem(j)}.tar (sha256 {side[2][:12]}...), "
+                f"not this shard's (sha256 {str(e.get('sha256'))[:12]}...)"
+                + (f", and {shard_stem(j)}.tar holds this shard's: the two were swapped" if swapped
+                   else ": the files were copied over it")
+                + "; put each shard's .tar and .json back under its own name")
+    fields = [f"{name} {got} vs {want}" for name, got, want in
+              (("count", side[0], e.get("num_samples")), ("bytes", side[1], e.get("bytes")),
+               ("sha256", f"{str(side[2])[:12]}...", f"{str(e.get('sha256'))[:12]}..."))
+              if got != want]
+    return (f"its sidecar does not match {MANIFEST} ({'; '.join(fields)}, sidecar vs manifest): the shard changed "
+            "after the cache was built")
+
+
 @dataclass
 class CacheReader:
     """Random access to a complete cache by global sample index, via the sidecars' byte offsets (no tar scan).
@@ -130,20 +152,19 @@ class CacheReader:
         self.manifest = load_manifest(self.cache_dir)
         self._names, keys, shards, spans, crcs, hw, self._sides = [], [], [], [], [], [], []
         self.text_rules = []
-        square = self.manifest.get("latent_shape")  # caches written before per-sample shapes: every sample's
         for i, _ in enumerate(self.manifest["shards"]):
             side = read_sidecar(self.cache_dir, i)
             if not isinstance(side, dict):
                 raise CacheDamaged(f"cache {self.cache_dir}: sidecar {sidecar_path(self.cache_dir, i)} is missing or "
                                    f"not a JSON object; {repair_hint(self.cache_dir, i)}")
             try:
-                block, crc = self._index_sidecar(side, keys)
+                block, crc = self._index_sidecar(migrations.sidecar(side, self.manifest), keys)
             except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
                 raise CacheDamaged(f"cache {self.cache_dir}: sidecar {sidecar_path(self.cache_dir, i)} is malformed "
                                    f"({type(e).__name__}: {str(e)[:80]}); {repair_hint(self.cache_dir, i)}") from None
             try:
-                hw += [(s.get("latent_shape") or square)[-2:] for s in side["samples"]]
-            except TypeError:
+                hw += [s["latent_shape"][-2:] for s in side["samples"]]
+            except (KeyError, TypeError):
                 raise UserError(f"cache {self.cache_dir}: shard {i}'s sidecar lacks per-sample latent shapes and the "
                                 "manifest has no common latent_shape") from None
             spans.append(block)
@@ -152,7 +173,7 @@ class CacheReader:
             self.text_rules.append(side.get("text_rule"))
             shards.append(np.full(len(block), i, dtype=np.int32))
         width = len(self._names)
-        pad = lambda b: np.pad(b, ((0, 0), (0, width - b.shape[1])) + ((0, 0),) * (b.ndim - 2), constant_values=-1)  # noqa: E731
+        pad = lambda b: np.pad(b, ((0, 0), (0, width - b.shape[1])) + ((0, 0),) * (b.ndim - 2), constant_values=-1)
         self._spans = np.concatenate([pad(b) for b in spans]) if spans else np.zeros((0, width, 2), dtype=np.int64)
         self._crc = np.concatenate([pad(c) for c in crcs]) if crcs else np.zeros((0, width), dtype=np.int64)
         self._keys = np.array(keys, dtype=bytes) if keys else np.zeros(0, dtype="S1")
@@ -174,7 +195,7 @@ class CacheReader:
             keys.append(s["key"].encode())
             for name, span in s["members"].items():
                 block[j, self._names.index(name)] = [int(span[0]), int(span[1])]
-            for name, value in (s.get(CHECKSUMS) or {}).items():
+            for name, value in s[CHECKSUMS].items():
                 crc[j, self._names.index(name)] = int(value)
         return block, crc
 
@@ -204,9 +225,7 @@ class CacheReader:
                 raise CacheDamaged(f"{where} is missing; {repair_hint(d, i)}")
             size = tar.stat().st_size
             if side != (e["num_samples"], e["bytes"], e["sha256"]):
-                raise CacheDamaged(f"{where}: its sidecar (count {side[0]}, {side[1]} bytes) does "
-                                   f"not match {MANIFEST} ({e['num_samples']}, {e['bytes']} bytes): the shard changed "
-                                   f"after the cache was built; {repair_hint(d, i)}")
+                raise CacheDamaged(f"{where}: {_sidecar_mismatch(self._sides, entries, i)}; {repair_hint(d, i)}")
             if counts[i] != e["num_samples"] or size != e["bytes"]:
                 raise CacheDamaged(f"{where}: {counts[i]} samples in the sidecar and {size} bytes on disk, "
                                    f"{MANIFEST} says {e['num_samples']} and {e['bytes']}; {repair_hint(d, i)}")

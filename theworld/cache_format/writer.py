@@ -13,9 +13,10 @@ from typing import Iterable
 import torch
 from safetensors.torch import save as st_save
 
-from theworld.cache_format.layout import (CAPTION, CHECKSUMS, FORMAT_VERSION, IMAGE_EXTS, LATENT, LATENT_FLIP, META,
-                                          SIGLIP, Sample, atomic_write_json, member_name, sha256_file, sidecar_path,
+from theworld.cache_format.layout import (CAPTION, IMAGE_EXTS, LATENT, LATENT_FLIP, META, SIGLIP, TURNS, Sample,
+                                          atomic_write_json, member_name, sha256_file, sidecar_path,
                                           tar_path)
+from theworld.cache_format.migrations import CHECKSUMS, FORMAT_VERSION
 from theworld.control_text import TEXT_RULE, find_control_string
 from theworld.encoders import DTYPES
 
@@ -51,13 +52,16 @@ def latent_shape_of(blob: bytes) -> list[int]:
 
 
 def text_passes(members: dict[str, bytes]) -> bool:
-    """Whether a sample's caption and prompt hold no Gemma control string (the rule a sidecar's `text_rule` names)."""
+    """Whether a sample's texts (caption, prompt, a conversation's later turns) hold no Gemma control string (the rule
+    a sidecar's `text_rule` names)."""
     try:
         caption, meta = members[CAPTION].decode(), json.loads(members[META])
     except (KeyError, ValueError, RecursionError):
         return False
-    prompt = meta.get("prompt", "") if isinstance(meta, dict) else ""
-    return isinstance(prompt, str) and find_control_string(caption) is None and find_control_string(prompt) is None
+    if not isinstance(meta, dict):
+        return find_control_string(caption) is None
+    texts = [caption, meta.get("prompt", "")] + [t for turn in meta.get(TURNS, ()) for t in turn]
+    return all(isinstance(t, str) and find_control_string(t) is None for t in texts)
 
 
 def write_shard(cache_dir: Path, index: int, samples: Iterable[tuple[str, dict[str, bytes]]]) -> dict:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from theworld import images as imagelib
 from theworld import synthetic
-from theworld.control_text import control_problem
+from theworld.control_text import text_problem
 from theworld.errors import UserError
 
 LETTER = re.compile(r"^\(?([A-Za-z])\)?$")
@@ -87,10 +87,20 @@ def _check_text(rec: dict, name: str) -> tuple[str, list[str]]:
         raise _bad(name, "choices", "empty list of choices")
     if not all(isinstance(c, str) and c.strip() for c in choices):
         raise _bad(name, "choices", "every choice must be a non-empty string")
+    if len(choices) < 2:  # always counted correct
+        raise _bad(name, "choices", "a single choice: multiple choice needs at least 2")
+    first: dict[str, int] = {}
+    for k, c in enumerate(choices):  # equal choices score equal, and a tie goes to the first
+        if (j := first.setdefault(c.strip(), k)) != k:
+            raise _bad(name, "choices", f"choices[{j}] and choices[{k}] are the same text ({_short(c)})")
     for field, text in [("question", question)] + [(f"choices[{k}]", c) for k, c in enumerate(choices)]:
-        if problem := control_problem(text, field):  # Gemma would read it as a control token, not text
+        if problem := text_problem(text, field):  # too long, or Gemma would read it as a control token
             raise _bad(name, field, problem.removeprefix(f"{field} "))
     return question, list(choices)
+
+
+def _short(text: str) -> str:
+    return repr(text if len(text) <= 40 else text[:40] + "...")
 
 
 def read_jsonl(path: Path) -> list[Item]:
@@ -99,7 +109,7 @@ def read_jsonl(path: Path) -> list[Item]:
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"{path}: not a readable UTF-8 JSONL file ({type(e).__name__}: {e})") from None
     items = []
-    for n, line in enumerate(text.splitlines(), 1):
+    for n, line in enumerate(text.split("\n"), 1):  # JSONL lines end at \n only: a raw U+2028 is inside a string
         if not line.strip():
             continue
         name = f"{path}:{n}"
@@ -119,12 +129,8 @@ def read_jsonl(path: Path) -> list[Item]:
             raise _bad(name, "image", "missing, or not a path (or a list of paths)")
         files = [path.parent / p for p in paths]
         for f in files:
-            try:
-                found = f.is_file()
-            except OSError as e:  # a name too long, a symlink loop...
-                raise _bad(name, "image", f"cannot use {f} ({e.strerror})") from None
-            if not found:
-                raise _bad(name, "image", f"no such file {f}")
+            if problem := imagelib.path_problem(f):
+                raise _bad(name, "image", f"{f}: {problem}")
         category = rec.get("category")
         if category is not None and not isinstance(category, str):
             raise _bad(name, "category", "not a string")
@@ -186,8 +192,8 @@ def read_blink(path: Path, split: str = "val") -> list[Item]:
 def read(path: str | Path, split: str = "val") -> list[Item]:
     """Items of a JSONL file, or of BLINK's parquet layout (a folder of parquet files, only `split`'s, or one)."""
     p = Path(path)
-    if not p.exists():
-        raise UserError(f"{p}: no such file or folder")
+    if not p.is_dir() and (problem := imagelib.path_problem(p)):  # never opened: a FIFO would block
+        raise UserError(f"{p}: {problem.replace('not an image file', 'not a data file')}")
     items = read_blink(p, split) if p.is_dir() or p.suffix == ".parquet" else read_jsonl(p)
     if not items:
         raise UserError(f"{p}: no items")

@@ -31,9 +31,9 @@ def row(summary: dict, data: str, task: str, argv: list[str]) -> list[str]:
 def update(card: Path, new: list[str]) -> None:
     """Put `new` into the card's results table, replacing a row for the same benchmark, task and protocol."""
     text = card.read_text() if card.is_file() else ""
-    head, _, rest = text.partition(HEADING)
+    head, found, rest = text.partition(HEADING)
     rows, tail = [], ""
-    if _:
+    if found:
         lines = rest.splitlines(keepends=True)
         k = 1  # the heading line's end
         while k < len(lines) and (not lines[k].strip() or lines[k].startswith("|")):

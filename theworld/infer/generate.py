@@ -38,6 +38,21 @@ def prepare(model, images: list, prompts: list[str], world_images: list | None =
             "pixel_values": torch.stack([pv for _, pv in loaded])}
 
 
+def _shape_groups(model, images: list, world_images: list | None) -> list[list[int]]:
+    """Indices of the images grouped by (VAE input size, world image's input size)."""
+    cfg = model.image_config
+
+    def size(image, i: int, what: str) -> tuple[int, int]:
+        try:
+            return imagelib.input_size(image, cfg.resolution, cfg.resize)
+        except (OSError, imagelib.BadImage) as e:
+            raise UserError(f"{what} {_name(image, i)}: {e}") from None
+
+    keys = [(size(im, i, "image"), None if world_images is None else size(world_images[i], i, "world image"))
+            for i, im in enumerate(images)]
+    return imagelib.same_shape_groups(keys)
+
+
 def _name(image, i: int) -> str:
     return str(image) if isinstance(image, (str, Path)) else f"#{i}"
 
@@ -133,6 +148,16 @@ def generate(model, images: list, prompts: str | list[str], *, max_new_tokens: i
         raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not images:
         return []
+    groups = _shape_groups(model, images, world_images)
+    if len(groups) > 1:  # a bucketed model's images of several aspect ratios: one generation per input shape
+        out: list[str] = [""] * len(images)
+        for g in groups:
+            texts = generate(model, [images[i] for i in g], [prompts[i] for i in g], max_new_tokens=max_new_tokens,
+                             do_sample=do_sample, temperature=temperature, top_p=top_p, use_cache=use_cache,
+                             world_images=None if world_images is None else [world_images[i] for i in g], seed=seed)
+            for i, text in zip(g, texts):
+                out[i] = text
+        return out
     device = next(model.parameters()).device
     inputs = {k: v.to(device) for k, v in prepare(model, images, prompts, world_images).items()}
     mode = model.latent_mode

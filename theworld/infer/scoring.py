@@ -2,7 +2,9 @@
 
 Two protocols (docs/inference.md):
 - `loglik`: each choice is scored by the summed log-probability of its answer tokens (the choice and the model turn's
-  <end_of_turn>, the tokens training supervises) after the question; the highest wins (ties: the first);
+  <end_of_turn>, the tokens training supervises) after the question; the highest wins (ties: the first). The prefix
+  (world, image and question tokens) runs once per item and condition (theworld/infer/prefix_scoring.py);
+  `shared_prefix=False` runs every choice's whole sequence instead (the same scores, for checking);
 - `generate`: the model answers the lettered prompt greedily and the letter is read back (theworld/infer/letters.py);
   an answer with no readable letter is wrong and counted as unparsed.
 Every item is evaluated under each condition asked for (theworld/infer/baselines.py): the model with its own world,
@@ -15,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from theworld import images as imagelib
-from theworld.infer import benchmarks, letters, stats
+from theworld.infer import benchmarks, letters, prefix_scoring, stats
 from theworld.infer.baselines import (
     MODEL,
     SHUFFLED,
@@ -47,12 +49,40 @@ class Scorer:
                                   self.processor.image_processor)
 
     def _worlds(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, dict[int, int]]:
-        """World latents (mean, logvar) of every item in play (each item's own and item i-1's), and where each is."""
+        """World latents (mean, logvar) of every item in play (each item's own and item i-1's), and where each is.
+        A bucketed model's worlds of several shapes are encoded one shape at a time (`_Latents`)."""
         n = len(self.items)
         worlds = sorted(set(indices) | {(i - 1) % n for i in indices})
-        pixels = torch.stack([self._load(self.items[i].images[0])[0] for i in worlds]).to(self.device)
-        mean, logvar = self.model.world_latents(pixels, None, None)
-        return mean, logvar, {i: k for k, i in enumerate(worlds)}
+        loaded = [self._load(self.items[i].images[0])[0] for i in worlds]
+        at = {i: k for k, i in enumerate(worlds)}
+        groups = imagelib.same_shape_groups([tuple(p.shape) for p in loaded])
+        if len(groups) == 1:
+            mean, logvar = self.model.world_latents(torch.stack(loaded).to(self.device), None, None)
+            return mean, logvar, at
+        means, logvars = [None] * len(worlds), [None] * len(worlds)
+        for group in groups:
+            m, lv = self.model.world_latents(torch.stack([loaded[k] for k in group]).to(self.device), None, None)
+            for j, k in enumerate(group):
+                means[k], logvars[k] = m[j], lv[j]
+        return _Latents(means), _Latents(logvars), at
+
+    def _shape_groups(self, indices: list[int]) -> list[list[int]]:
+        """`indices` grouped by (input shape of the item's world, of item i-1's): within a group every row's own
+        world has one shape and its shuffled partner one shape, so each condition runs as one batch."""
+        n, cfg = len(self.items), self.image_cfg
+        size = lambda i: imagelib.input_size(self.items[i].images[0], cfg.resolution, cfg.resize)  # noqa: E731
+        groups = imagelib.same_shape_groups([(size(i), size((i - 1) % n)) for i in indices])
+        return [[indices[k] for k in g] for g in groups]
+
+    def _by_shape(self, run, indices: list[int], conds) -> list:
+        """`run(indices, conds)` once per shape group (see `_shape_groups`), results in `indices` order."""
+        groups = self._shape_groups(indices)
+        if len(groups) == 1:
+            return run(indices, conds)
+        got = {}
+        for g in groups:
+            got.update(zip(g, run(g, conds)))
+        return [got[i] for i in indices]
 
     def _features(self, indices: list[int]) -> dict[int, torch.Tensor]:
         """Image-token features of each item's images, in order."""
@@ -67,6 +97,9 @@ class Scorer:
     @torch.no_grad()
     def score(self, indices: list[int], conds: list[Condition] = (MODEL, SHUFFLED)) -> list[dict[str, list[float]]]:
         """For each item index: {condition name: choice scores}."""
+        return self._by_shape(self._score, indices, conds)
+
+    def _score(self, indices: list[int], conds: list[Condition]) -> list[dict[str, list[float]]]:
         items = self.items
         mean, logvar, at = self._worlds(indices)
         feats = self._features(indices)
@@ -75,14 +108,22 @@ class Scorer:
             for choice in items[i].choices:
                 enc.append(self.formatter.encode(items[i].question, choice, images=len(items[i].images)))
                 row_item.append(i)
-        text = {k: v.to(self.device) for k, v in collate_text(enc, self.formatter.pad_id).items()}
-        siglip = torch.cat([feats[i] for i in row_item])
-        own, previous = self._rows(row_item, at)
+        if self.shared_prefix:  # one prefix per item and condition, every choice from its KV cache
+            prefixes = [self.formatter.prefix(items[i].question, images=len(items[i].images)) for i in indices]
+            owner = [indices.index(i) for i in row_item]
+            siglip = torch.cat([feats[i] for i in indices])
+            own, previous = self._rows(indices, at)
+        else:  # every choice's whole sequence
+            text = {k: v.to(self.device) for k, v in collate_text(enc, self.formatter.pad_id).items()}
+            siglip = torch.cat([feats[i] for i in row_item])
+            own, previous = self._rows(row_item, at)
         per_cond = {}
         for cond in conds:
             with applied(self.model, cond, self.init):
-                per_cond[cond.name] = self.model.answer_logprobs(
-                    **text, siglip=siglip, **world_inputs(self.model, cond, mean, logvar, own, previous)).tolist()
+                world = world_inputs(self.model, cond, mean, logvar, own, previous)
+                scores = (prefix_scoring.answer_logprobs(self.model, prefixes, enc, owner, siglip, **world)
+                          if self.shared_prefix else self.model.answer_logprobs(**text, siglip=siglip, **world))
+                per_cond[cond.name] = scores.tolist()
         out, lo = [], 0
         for i in indices:
             k = len(items[i].choices)
@@ -93,6 +134,9 @@ class Scorer:
     @torch.no_grad()
     def answer(self, indices: list[int], conds: list[Condition] = (MODEL, SHUFFLED)) -> list[dict[str, str]]:
         """For each item index: {condition name: the greedy answer to its lettered prompt} (KV cache)."""
+        return self._by_shape(self._answer, indices, conds)
+
+    def _answer(self, indices: list[int], conds: list[Condition]) -> list[dict[str, str]]:
         model, items = self.model, self.items
         mean, logvar, at = self._worlds(indices)
         feats = self._features(indices)
@@ -113,6 +157,21 @@ class Scorer:
                 new = decode(model, fused, self.max_new_tokens, sampler, stop, tok.pad_token_id)
             per_cond[cond.name] = [decode_text(tok, r) for r in new]
         return [{c: texts[k] for c, texts in per_cond.items()} for k in range(len(indices))]
+
+
+class _Latents:
+    """Per-world latents of several grid shapes (a bucketed model's), indexed like one tensor by rows that share a
+    shape (`Scorer._by_shape` makes every batch so)."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.tensors = tensors
+        self.dtype = tensors[0].dtype
+
+    def __getitem__(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.stack([self.tensors[k] for k in rows.tolist()])
+
+    def dim(self) -> int:
+        return self.tensors[0].dim() + 1
 
 
 def _argmax(scores: list[float]) -> int:

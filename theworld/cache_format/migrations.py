@@ -1,0 +1,55 @@
+"""Caches of an older format_version, read as the current one: every "written before ..." rule of the cache format
+lives here, applied as the manifest and the sidecars are loaded, so the reader sees one layout.
+
+- 2 (what this code writes): every sample's sidecar entry has its `latent_shape` (where it holds latents) and a
+  `crc32` for every member, and the manifest's `contents.latents` says which latents are stored.
+- 1: any of those may be missing (caches written before they existed): a sample without a `latent_shape` has the
+  manifest's common `latent_shape`, one without `crc32` is read unchecked (`CacheReader.checksummed` is then False
+  and training prints a note), a manifest without `contents.latents` holds the posterior (mean and logvar).
+
+Precompute resumes and extends only caches of the current version: rerunning it on an older cache's output_dir is
+refused naming `fingerprint.format_version` (build into another output_dir).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from theworld.errors import UserError
+
+FORMAT_VERSION = 2
+READABLE = (1, 2)
+CHECKSUMS = "crc32"  # a sidecar sample's field {member: zlib.crc32 of its bytes}
+
+
+def check_version(m: dict, cache_dir: Path | str) -> int:
+    version = m.get("format_version")
+    if version not in READABLE:
+        raise UserError(f"cache {cache_dir} has format_version {version!r}, this code reads "
+                        f"{' and '.join(map(str, READABLE))}")
+    return version
+
+
+def manifest(m: dict, cache_dir: Path | str) -> dict:
+    """`m` read as FORMAT_VERSION (in place), or a one-line refusal of a version this code does not read. Keeps the
+    version it was written as under `written_as`."""
+    version = check_version(m, cache_dir)
+    if version == FORMAT_VERSION:
+        return m
+    contents = m.setdefault("contents", {})
+    if isinstance(contents, dict):
+        contents.setdefault("latents", "posterior")
+    if isinstance(m.get("fingerprint"), dict):  # what a reader compares: the layout it now reads
+        m["fingerprint"]["format_version"] = FORMAT_VERSION
+    m["written_as"], m["format_version"] = version, FORMAT_VERSION
+    return m
+
+
+def sidecar(side: dict, m: dict) -> dict:
+    """A shard's sidecar read as FORMAT_VERSION (in place), given its cache's migrated manifest `m`. Filled by what is
+    missing rather than by its version field, which version-1 caches carried through every addition."""
+    square = m.get("latent_shape")  # every sample's shape when the cache has one
+    for s in side["samples"]:
+        if square is not None:
+            s.setdefault("latent_shape", square)
+        s.setdefault(CHECKSUMS, {})
+    return side

@@ -1,0 +1,95 @@
+"""`python -m theworld.export --model RUN --merge --out DIR [--ema]`: a trained stage as one self-contained folder.
+
+DIR is at once
+- a plain Gemma 3 folder with every trained Gemma weight in it, LoRA adapters merged into their base weights
+  (`Gemma3ForConditionalGeneration.from_pretrained(DIR)` and `AutoProcessor.from_pretrained(DIR)` read it), and
+- a TheWorld stage folder: `trainable.safetensors` (the world projector, and the VAE when it trained) and a
+  `config.yaml` whose `model.gemma` is DIR itself, so `TheWorld.from_pretrained(DIR)` reads it without peft.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import yaml
+from safetensors.torch import save_file
+
+from theworld import checkpoint_layout as layout
+from theworld import lora
+from theworld.config import ArgParser
+from theworld.errors import UserError, cli_entry
+
+HERE = "."  # model.gemma of an exported folder: the folder itself (checkpoint_layout.read_config resolves it)
+
+
+def parse(argv: list[str] | None):
+    p = ArgParser(prog="theworld.export", description="Export a trained stage with its LoRA adapters merged.")
+    p.add_argument("--model", required=True, help="final/ or checkpoint-N/ folder, or a run's output_dir")
+    p.add_argument("--out", required=True, help="folder to create (must not exist, or be empty)")
+    p.add_argument("--merge", action="store_true", help="merge LoRA adapters into the base weights (required)")
+    p.add_argument("--ema", action="store_true", help="export the EMA weights (ema.safetensors)")
+    args = p.parse_args(argv)
+    if not args.merge:
+        raise UserError("theworld.export: only the merged export exists (--merge); the unmerged LoRA adapters are "
+                        "already a peft adapter folder: the run's final/")
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"theworld.export: --out {out} exists and is not an empty folder; nothing was written")
+    layout.resolve(args.model)  # before the model loads
+    return args
+
+
+def exported_config(folder: Path) -> dict:
+    """The stage's config.yaml as the exported folder's: Gemma read from the folder itself, every Gemma weight in
+    it (so the vision and language parts count as frozen there), no LoRA section."""
+    data = yaml.safe_load((folder / layout.CONFIG).read_text())
+    data["model"] = {**data.get("model", {}), "gemma": HERE}
+    data["freeze"] = {**data.get("freeze", {}), "vision": True, "language": True}
+    data.pop("lora", None)
+    data.pop("init_from", None)  # the weights are all here
+    return data
+
+
+def export(model_dir: str | Path, out: str | Path, ema: bool = False) -> Path:
+    from theworld.model import TheWorld
+
+    folder = layout.resolve(model_dir)
+    model, processor = TheWorld.from_pretrained(folder, ema=ema, device="cpu")
+    merged = lora.merge(model.gemma)
+    out = Path(out)
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.gemma.save_pretrained(tmp)
+    processor.save_pretrained(tmp)
+    params = dict(model.named_parameters())
+    rest = {n: params[n].detach().cpu().contiguous() for n in _trained_outside_gemma(folder)}
+    save_file(rest, str(tmp / layout.WEIGHTS))
+    (tmp / layout.CONFIG).write_text(yaml.safe_dump(exported_config(folder), sort_keys=False))
+    if out.exists():
+        out.rmdir()  # empty (checked by parse)
+    os.replace(tmp, out)
+    print(f"exported {folder} to {out}: {merged} LoRA layers merged; {len(rest)} TheWorld tensors "
+          f"({layout.WEIGHTS})", file=sys.stderr)
+    return out
+
+
+def _trained_outside_gemma(folder: Path) -> list[str]:
+    """Names of the stage's trained tensors that are not Gemma's: the projector, and the VAE's when it trained."""
+    from safetensors import safe_open
+
+    with safe_open(str(folder / layout.WEIGHTS), "pt") as f:
+        return [n for n in f.keys() if not n.startswith("gemma.")]
+
+
+@cli_entry
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    export(args.model, args.out, ema=args.ema)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
