@@ -55,6 +55,7 @@ bench: install
 	$(PY) -m precompute.bench
 	$(PY) -m train.bench
 	$(PY) -m train.bench_generate
+	$(PY) -m train.bench_eval
 
 clean-demo:
 	rm -rf cache/latents runs

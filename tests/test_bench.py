@@ -138,3 +138,16 @@ def test_stage_bench_rows_at_tiny_sizes(tmp_path):
     assert "over 1 process(es); parameters, gradients and optimizer state offloaded" in offload["sharding"]
     _positive(offload, "estimate_host_gib")
     assert all("missing.yaml" in r["error"] for r in rows[2:])
+
+
+def test_eval_bench_smoke(capsys):
+    """train.bench_eval at toy sizes, in process: both cases score the same items both ways and agree."""
+    from train.bench_eval import main
+
+    assert main(["--json", "--sizes", "tiny", "--items", "2", "--batch", "2", "--repeats", "1"]) == 0
+    cases = json.loads(capsys.readouterr().out)["cases"]
+    assert set(cases) == {"demo", "real_shaped"}
+    for row in cases.values():
+        _positive(row, "items_per_s_shared", "items_per_s_unshared", "speedup", "speedup_cpu_time")
+        assert row["items"] == 2 and row["choices"] == 4 and row["max_abs_score_diff"] < 1e-4
+    assert cases["real_shaped"]["world_tokens"] == 18 and cases["real_shaped"]["image_tokens"] == 4

@@ -13,7 +13,7 @@ import pytest
 from conftest import ROOT
 
 pytest.importorskip("lmms_eval", reason="the eval extra (pip install .[eval]) is not installed")
-ENTRY_POINT = "theworld.infer.lmms_adapter:manifest"
+ENTRY_POINT = "theworld.lmms_adapter:manifest"
 
 
 def test_the_entry_point_lmms_eval_reads_is_declared():
@@ -108,7 +108,7 @@ def test_generate_until_gives_the_text_theworld_generates(tmp_path, monkeypatch)
 
     from theworld.config import ModelConfig, WorldConfig
     from theworld.infer import benchmarks
-    from theworld.infer.lmms_adapter import TheWorldLMM
+    from theworld.lmms_adapter import TheWorldLMM
     from theworld.model import TheWorld
 
     model, processor = TheWorld.from_config(ModelConfig(dtype="float32"), WorldConfig())

@@ -89,6 +89,7 @@ def test_merged_export_is_a_plain_gemma_and_a_theworld_folder_without_peft(lora_
     monkeypatch.setitem(sys.modules, "peft", None)  # any import of peft now fails
     merged, merged_processor = TheWorld.from_pretrained(out, device="cpu")
     torch.testing.assert_close(world_logits(merged, merged_processor), want, rtol=0, atol=1e-5)
+    assert (out / "prompt.txt").read_text() == (lora_run / "final" / "prompt.txt").read_text()
     assert set(load_file(str(out / "trainable.safetensors"))) == {k for k in weights(lora_run)
                                                                    if k.startswith("projector.")}
 
@@ -129,6 +130,17 @@ def test_bad_lora_config_is_a_one_line_error_before_any_load(capsys, value, key)
     assert train_inproc(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and key in err[0], err
+
+
+def test_a_lora_stage_without_peft_installed_says_so(lora_run, tmp_path, monkeypatch, capsys):
+    from theworld import describe, synthetic
+
+    image = tmp_path / "scene.png"
+    synthetic.scene(0, 0)[0].save(image)
+    monkeypatch.setitem(sys.modules, "peft.tuners.lora", None)  # as if peft were not installed
+    assert describe.main(["--model", str(lora_run), "--image", str(image)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "peft, which is not installed" in err[-1]
 
 
 def test_qlora_without_cuda_says_so(monkeypatch):

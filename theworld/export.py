@@ -4,7 +4,8 @@ DIR is at once
 - a plain Gemma 3 folder with every trained Gemma weight in it, LoRA adapters merged into their base weights
   (`Gemma3ForConditionalGeneration.from_pretrained(DIR)` and `AutoProcessor.from_pretrained(DIR)` read it), and
 - a TheWorld stage folder: `trainable.safetensors` (the world projector, and the VAE when it trained) and a
-  `config.yaml` whose `model.gemma` is DIR itself, so `TheWorld.from_pretrained(DIR)` reads it without peft.
+  `config.yaml` whose `model.gemma` is DIR itself (and the stage's `prompt.txt`), so `TheWorld.from_pretrained(DIR)`
+  reads it without peft.
 """
 from __future__ import annotations
 
@@ -68,6 +69,8 @@ def export(model_dir: str | Path, out: str | Path, ema: bool = False) -> Path:
     rest = {n: params[n].detach().cpu().contiguous() for n in _trained_outside_gemma(folder)}
     save_file(rest, str(tmp / layout.WEIGHTS))
     (tmp / layout.CONFIG).write_text(yaml.safe_dump(exported_config(folder), sort_keys=False))
+    if (folder / layout.PROMPT).is_file():  # the prompt the stage trained with stays describe's default
+        shutil.copyfile(folder / layout.PROMPT, tmp / layout.PROMPT)
     if out.exists():
         out.rmdir()  # empty (checked by parse)
     os.replace(tmp, out)

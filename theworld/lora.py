@@ -39,8 +39,13 @@ def peft_config(lora: LoraConfig, base: str | None = None):
 def apply(gemma: nn.Module, lora: LoraConfig) -> int:
     """Inject adapters into `gemma` in place (initialised from the global torch RNG: lora_A random, lora_B zero, so
     the model's output is unchanged). Returns the number of adapted layers. Trainability is TheWorld.set_freeze's."""
-    from peft.tuners.lora import LoraModel
+    try:
+        from peft.tuners.lora import LoraModel
+    except ImportError:
+        from theworld.errors import UserError
 
+        raise UserError("config section 'lora': LoRA adapters need peft, which is not installed "
+                        "(pip install -e .[lora])") from None
     flags = {n: p.requires_grad for n, p in gemma.named_parameters()}
     LoraModel(gemma, peft_config(lora), ADAPTER)
     for n, p in gemma.named_parameters():  # peft froze everything but its adapters: give the caller's flags back
@@ -49,6 +54,8 @@ def apply(gemma: nn.Module, lora: LoraConfig) -> int:
 
 
 def adapted_layers(module: nn.Module) -> dict[str, nn.Module]:
+    if not any(is_adapter(n) for n, _ in module.named_parameters()):
+        return {}  # a plain model, where peft need not be installed
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     return {n: m for n, m in module.named_modules() if isinstance(m, BaseTunerLayer)}

@@ -24,8 +24,8 @@ from train import preempt
 from train.config import BenchmarkEntry
 
 if TYPE_CHECKING:
-    from train.config import TrainConfig
     from train.components import Components
+    from train.config import TrainConfig
 
 
 def _name(path: str) -> str:

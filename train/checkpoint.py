@@ -24,8 +24,23 @@ from safetensors.torch import load_file, save_file
 from theworld import lora
 from theworld.arch import FREEZABLE
 from theworld.cache_format import sha256_file
-from theworld.checkpoint_layout import (CARD, CHECKPOINT_RE, CONFIG, EMA, FINAL, OPTIMIZER, PROMPT, RNG, STATE, SUMS,
-                                       WEIGHTS, check_finite, read_config, state_digest, verify)
+from theworld.checkpoint_layout import (
+    CARD,
+    CHECKPOINT_RE,
+    CONFIG,
+    EMA,
+    FINAL,
+    OPTIMIZER,
+    PROMPT,
+    RNG,
+    STATE,
+    SUMS,
+    WEIGHTS,
+    check_finite,
+    read_config,
+    state_digest,
+    verify,
+)
 from theworld.config import to_yaml
 from theworld.errors import OutOfSpace, UserError, no_space_message, out_of_space
 from theworld.model import LoadReport, local_like, read_weights
@@ -37,8 +52,8 @@ from train.step import LoopState
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-    from train.config import TrainConfig
     from train.components import Components
+    from train.config import TrainConfig
 
 PARTIAL_RE = re.compile(r"^\.(tmp|old)-(.+)-\d+$")  # .tmp-<name>-<pid>: being written; .old-<name>-<pid>: replaced
 

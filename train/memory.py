@@ -17,8 +17,16 @@ from pathlib import Path
 import torch
 
 from theworld import lora as lora_adapters
-from theworld.arch import (ANSWER_TOKENS, KNOWN_GEMMA, KNOWN_VAE, LORA_MODULES, REAL, TEXT_TOKENS, gemma_config,
-                           latent_side)
+from theworld.arch import (
+    ANSWER_TOKENS,
+    KNOWN_GEMMA,
+    KNOWN_VAE,
+    LORA_MODULES,
+    REAL,
+    TEXT_TOKENS,
+    gemma_config,
+    latent_side,
+)
 from theworld.config import cli_parser, load_config, shown, to_yaml, trains
 from theworld.encoders import DTYPES, _quiet_hf, resolve_gemma, resolve_vae
 from theworld.errors import UserError, cli_entry
@@ -207,7 +215,8 @@ def estimate(cfg: TrainConfig, gpus: int, gpu_memory_gib: float, model: TheWorld
                       "gradient_checkpointing": cfg.train.gradient_checkpointing, "micro_batch_size": micro},
            "gpus": gpus, "gpu_memory_bytes": int(gpu_memory_gib * 2**30), "budget_bytes": budget,
            "total_params": c.total, "trainable_params": c.trainable, "frozen_params": c.total - c.trainable,
-           "lora": {"params": lora_adapters.count(model), "parts": cfg.lora.parts, "r": cfg.lora.r} if cfg.lora else None,
+           "lora": ({"params": lora_adapters.count(model), "parts": cfg.lora.parts, "r": cfg.lora.r}
+                    if cfg.lora else None),
            "per_gpu_bytes": per, "fits": {k: v["total"] <= budget for k, v in per.items()},
            "host_bytes_per_process": {"fsdp_offload": host_bytes(c, gpus)}, "suggested_micro_batch_size": {}}
     per_process = cfg.train.global_batch_size // gpus if cfg.train.global_batch_size % gpus == 0 else 0

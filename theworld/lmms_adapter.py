@@ -3,7 +3,8 @@
 Installed with the `eval` extra (`pip install .[eval]`); lmms-eval finds the model through the `lmms_eval.models`
 entry point in pyproject.toml (`manifest` below). `pretrained` is what `TheWorld.from_pretrained` takes (a final/ or
 checkpoint-N/ folder or a run's output_dir); other model_args: `device`, `ema` (true: the EMA weights),
-`max_new_tokens` (the default for generate_until, 16).
+`max_new_tokens` (the default for generate_until, 16). `batch_size` (lmms-eval always passes it) is accepted and
+unused: requests run one document at a time.
 
 A request's images are the task's `doc_to_visual(doc)`: every image gets its image tokens before the text, in order,
 and the world latents come from the first one, as in theworld.evaluate. The text goes into the user turn of the chat
@@ -71,7 +72,6 @@ class TheWorldLMM(lmms):
         self.formatter = self.model.formatter
         self.device = next(self.model.parameters()).device
         self.max_new_tokens = int(max_new_tokens)
-        self.batch_size_per_gpu = int(batch_size)
 
     def _visuals(self, doc_to_visual, doc_id, task, split) -> list:
         visuals = doc_to_visual(self.task_dict[task][split][doc_id])
@@ -123,7 +123,7 @@ class TheWorldLMM(lmms):
             fused = gen.left_align(self.model.embed_inputs(**text, **self._inputs(visuals)))
             n = int(gen_kwargs.get("max_new_tokens", self.max_new_tokens))
             new = gen.decode(self.model, fused, n, sampler, stop, tok.pad_token_id)[0]
-            answer = tok.decode(new, skip_special_tokens=True).lstrip()
+            answer = gen.decode_text(tok, new)  # as TheWorld.generate decodes it
             until = gen_kwargs.get("until") or []
             for s in [until] if isinstance(until, str) else until:
                 answer = answer.split(s, 1)[0] if s else answer
