@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ENV, ROOT, base_args, free_port, launch2, metrics, run2, train_inproc, weights
+
 from theworld.cache_format import sha256_file
 
 
@@ -127,7 +127,8 @@ def _enospc(*_a, **_k):
 
 def test_a_full_disk_while_saving_or_logging_is_one_line_and_the_rerun_is_bit_exact(cache, tmp_path, capsys,
                                                                                     monkeypatch):
-    from train import checkpoint, metrics as metrics_module
+    from train import checkpoint
+    from train import metrics as metrics_module
 
     args = lambda out: base_args(cache, out, steps=4, **{"train.save_every": 1})
     assert train_inproc(args(tmp_path / "ref")) == 0
@@ -492,7 +493,8 @@ def _slow_eval_with_signal(monkeypatch, at_step: int, sig=signal.SIGTERM, per_ba
     run, when the signal was sent and when the eval gave up (seconds since the epoch)."""
     import threading
 
-    from train import step, trainer as loop
+    from train import step
+    from train import trainer as loop
 
     seen = {}
 
@@ -552,7 +554,8 @@ def test_a_stop_during_a_long_eval_cuts_it_and_saves_at_once(cache, tmp_path, ca
 def test_the_last_eval_comes_after_the_checkpoint_and_final_so_neither_a_stop_nor_a_failure_loses_them(
         cache, tmp_path, capsys, monkeypatch):
     from theworld.errors import UserError
-    from train import step, trainer as loop
+    from train import step
+    from train import trainer as loop
 
     out = tmp_path / "run"
     extra = {"train.save_every": 100, "train.eval_samples": 32, "train.eval_batch_size": 2}
@@ -566,7 +569,8 @@ def test_the_last_eval_comes_after_the_checkpoint_and_final_so_neither_a_stop_no
     ref = tmp_path / "ref"
     monkeypatch.setattr(loop, "evaluate", lambda *a: (_ for _ in ()).throw(UserError("no memory for item 7")))
     assert train_inproc(base_args(cache, ref, steps=4, **extra)) == 2
-    _one_line(capsys, "the eval after the last step failed", "no memory for item 7", "checkpoint-4 and final/ are saved")
+    _one_line(capsys, "the eval after the last step failed", "no memory for item 7",
+              "checkpoint-4 and final/ are saved")
     assert (ref / "checkpoint-4").is_dir() and _final(ref) == weights
     # the rerun repeats only the eval, and the checkpoint and the card record it
     monkeypatch.setattr(loop, "evaluate", step.evaluate)

@@ -311,8 +311,8 @@ def check_workers(key: str, value: int) -> None:
     """A count of worker processes the machine can hold: every one is a process with its own memory."""
     limit = WORKERS_PER_CORE * usable_cores()
     if value > limit:
-        raise UserError(f"config key '{key}': {shown(value)} worker processes on a machine with {usable_cores()} usable "
-                        f"CPU cores; at most {limit} ({WORKERS_PER_CORE} per core)")
+        raise UserError(f"config key '{key}': {shown(value)} worker processes on a machine with {usable_cores()} "
+                        f"usable CPU cores; at most {limit} ({WORKERS_PER_CORE} per core)")
 
 
 def check_threads(key: str, value: int) -> None:

@@ -7,8 +7,22 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from theworld.config import (FLOAT32_MAX, FreezeConfig, ImageConfig, LoraConfig, ModelConfig, WorldConfig, check_lora,
-                             check_threads, check_workers, cli_parser, load_config, require_path, to_dict, to_yaml)
+from theworld.config import (
+    FLOAT32_MAX,
+    FreezeConfig,
+    ImageConfig,
+    LoraConfig,
+    ModelConfig,
+    WorldConfig,
+    check_lora,
+    check_threads,
+    check_workers,
+    cli_parser,
+    load_config,
+    require_path,
+    to_dict,
+    to_yaml,
+)
 from theworld.errors import UserError
 
 TRACKERS = ("tensorboard", "wandb")
