@@ -4,6 +4,7 @@ PIL's built-in font covers Latin only (anything else is a box). So a TrueType fo
 preferred one with wide coverage (DejaVu Sans, Noto Sans, ...), or, when it lacks characters the labels hold, the
 installed font that covers most of them. What no installed font covers is drawn as boxes and named in one line.
 """
+
 from __future__ import annotations
 
 import functools
@@ -11,10 +12,23 @@ import os
 import sys
 from pathlib import Path
 
-FONT_DIRS = ("/usr/share/fonts", "/usr/local/share/fonts", "~/.local/share/fonts", "~/.fonts", "/Library/Fonts",
-             "/System/Library/Fonts", "C:/Windows/Fonts")
-PREFERRED = ("DejaVuSans.ttf", "NotoSans-Regular.ttf", "NotoSansCJK-Regular.ttc", "LiberationSans-Regular.ttf",
-             "Arial Unicode.ttf", "Arial.ttf")
+FONT_DIRS = (
+    "/usr/share/fonts",
+    "/usr/local/share/fonts",
+    "~/.local/share/fonts",
+    "~/.fonts",
+    "/Library/Fonts",
+    "/System/Library/Fonts",
+    "C:/Windows/Fonts",
+)
+PREFERRED = (
+    "DejaVuSans.ttf",
+    "NotoSans-Regular.ttf",
+    "NotoSansCJK-Regular.ttc",
+    "LiberationSans-Regular.ttf",
+    "Arial Unicode.ttf",
+    "Arial.ttf",
+)
 MAX_SCANNED = 400  # font files tried for coverage at most (a system with thousands stays quick)
 SIZE = 11
 
@@ -71,5 +85,8 @@ def for_text(texts: list[str]):
 def say_missing(lacks: set[str]) -> None:
     if lacks:
         shown = ", ".join(repr(c) for c in sorted(lacks)[:8]) + (" ..." if len(lacks) > 8 else "")
-        print(f"inspect decode: no installed font has glyphs for {len(lacks)} character(s) of the captions "
-              f"({shown}): they are drawn as boxes", file=sys.stderr)
+        print(
+            f"inspect decode: no installed font has glyphs for {len(lacks)} character(s) of the captions "
+            f"({shown}): they are drawn as boxes",
+            file=sys.stderr,
+        )

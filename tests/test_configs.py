@@ -1,6 +1,7 @@
 """Every shipped config loads as it is, and the run hash that checkpoints record covers what it should."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,8 @@ def _another_value(value):
         return str(not value).lower()
     if isinstance(value, int):  # down where it can: thread and worker counts are bounded by the machine's cores
         return str(value - 1 if value > 1 else value + 1)
+    if isinstance(value, float):
+        return str(value + 0.5)
     if isinstance(value, list):
         return "[]" if value else "[x.jsonl]"
     return {"auto": "4", "ddp": "fsdp", "fsdp": "ddp"}.get(value, "x")
@@ -68,8 +71,13 @@ def _another_value(value):
 
 def test_run_hash_ignores_resume_neutral_keys_and_sees_the_rest(tmp_path):
     base = load_config(TrainConfig, CONFIGS / "stage1.yaml")
-    neutral = [f"{k}={_another_value(getattr(base.train, k.split('.')[1]))}"
-               for k in RESUME_NEUTRAL if k.startswith("train.")]
+    neutral = []
+    for k in RESUME_NEUTRAL:
+        if k.startswith("train."):
+            value = getattr(base.train, k.split(".")[1])
+            leaves = vars(value) if dataclasses.is_dataclass(value) else {"": value}  # a section: each of its keys
+            neutral += [f"{k}{'.' + n if n else ''}={_another_value(v)}" for n, v in leaves.items()]
+    neutral += ["wandb.project=x", "hub.model_id=someone/x", "hub.strategy=every_save"]
     neutral += [f"output_dir={tmp_path}", "trackers=[]", "resume=null"]
     assert run_hash(load_config(TrainConfig, CONFIGS / "stage1.yaml", neutral)) == run_hash(base)
     for change in ("train.lr=0.5", "seed=1", "world.pool=2", "train.max_steps=7", "freeze.vae=false"):

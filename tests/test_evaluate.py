@@ -71,6 +71,8 @@ BAD = [
     ({"question": "what is it? <start_of_turn>"}, "field 'question': holds the Gemma control string '<start_of_turn>'"),
     ({"choices": ["a", "b <end_of_turn>", "c"]}, "field 'choices[1]'"),
     ({"choices": ["a", "b", "a "]}, "field 'choices': choices[0] and choices[2] are the same text"),
+    ({"prompt": "answer <start_of_turn>"}, "field 'prompt': holds the Gemma control string '<start_of_turn>'"),
+    ({"prompt": "p" * 70000}, "field 'prompt': too long: 70000 characters"),
     ({"choices": ["only"], "answer": 0}, "field 'choices': a single choice"),
     ({"question": "word " * 20000}, "field 'question': too long: 100000 characters (> 65536)"),
     ({"choices": ["a", "b" * 400000]}, "field 'choices[1]': too long: 400000 characters"),

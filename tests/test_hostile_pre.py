@@ -1,4 +1,5 @@
 """Round-3 hostile cases on the precompute / cache / inspect / inference-input side (issue 27)."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,6 +16,7 @@ def test_num_samples_cut_meets_the_barrier_on_every_rank_even_when_the_record_ex
     def barrier_for(rank):
         def barrier():
             calls[rank] += 1
+
         return barrier
 
     inner = SyntheticListing(0, 10, 16)
@@ -83,11 +85,14 @@ def _parquet_with_corrupt_key_column(path) -> None:
     from _precompute_helpers import gradient, png_bytes
 
     n, img = 20, png_bytes(gradient(16, 16))
-    pq.write_table(pa.table({"key": [f"k{i:03d}" for i in range(n)], "image": [img] * n,
-                             "caption": [f"c{i}" for i in range(n)]}), path, compression="none")
+    pq.write_table(
+        pa.table({"key": [f"k{i:03d}" for i in range(n)], "image": [img] * n, "caption": [f"c{i}" for i in range(n)]}),
+        path,
+        compression="none",
+    )
     page = pq.ParquetFile(path).metadata.row_group(0).column(0).data_page_offset
     data = bytearray(path.read_bytes())
-    data[page:page + 12] = bytes(b ^ 0xFF for b in data[page:page + 12])  # the key column's page header
+    data[page : page + 12] = bytes(b ^ 0xFF for b in data[page : page + 12])  # the key column's page header
     path.write_bytes(bytes(data))
 
 
@@ -106,8 +111,10 @@ def test_a_corrupt_parquet_key_column_is_one_line_naming_file_and_column(tmp_pat
 def test_one_line_joins_a_librarys_lines():
     from theworld.errors import one_line
 
-    assert one_line("Couldn't deserialize thrift\nDeserializing page header failed.\n") == \
-        "Couldn't deserialize thrift / Deserializing page header failed."
+    assert (
+        one_line("Couldn't deserialize thrift\nDeserializing page header failed.\n")
+        == "Couldn't deserialize thrift / Deserializing page header failed."
+    )
 
 
 def _plan(capsys, *overrides: str) -> tuple[int, list[str]]:
@@ -149,11 +156,13 @@ def test_plan_says_why_no_sampled_entry_is_usable(tmp_path, capsys):
     assert "empty file x2" in out.err and "unreadable image" in out.err, out.err
 
 
-def test_llava_images_found_nowhere_say_where_they_were_looked_for_and_which_image_root_finds_them(tmp_path, capsys,
-                                                                                                  fake_vae):
+def test_llava_images_found_nowhere_say_where_they_were_looked_for_and_which_image_root_finds_them(
+    tmp_path, capsys, fake_vae
+):
     import json
 
     from _precompute_helpers import cli_args, gradient, jpeg_bytes
+
     from precompute import cosmos_latents
 
     root = tmp_path / "LLaVA-Pretrain"
@@ -161,16 +170,25 @@ def test_llava_images_found_nowhere_say_where_they_were_looked_for_and_which_ima
     items = []
     for i in range(3):
         (root / "images" / "00000" / f"{i:09d}.jpg").write_bytes(jpeg_bytes(gradient(30, 24)))
-        items.append({"id": f"{i:09d}", "image": f"00000/{i:09d}.jpg", "conversations": [
-            {"from": "human", "value": "<image>\nDescribe."}, {"from": "gpt", "value": f"caption {i}"}]})
+        items.append(
+            {
+                "id": f"{i:09d}",
+                "image": f"00000/{i:09d}.jpg",
+                "conversations": [
+                    {"from": "human", "value": "<image>\nDescribe."},
+                    {"from": "gpt", "value": f"caption {i}"},
+                ],
+            }
+        )
     (root / "blip_laion_cc_sbu_558k.json").write_text(json.dumps(items))
     src = f"source.path={root / 'blip_laion_cc_sbu_558k.json'}"
     assert cosmos_latents.main(cli_args(tmp_path / "c", "source.type=llava", src, n=3)) == 2
     err = capsys.readouterr().err
     assert "all 3 inputs failed" in err and f"'00000/000000000.jpg' are looked for under {root};" in err
     assert f"set source.image_root={root / 'images'}" in err, err
-    assert cosmos_latents.main(cli_args(tmp_path / "c2", "source.type=llava", src, f"source.image_root={root}",
-                                        n=3)) == 2
+    assert (
+        cosmos_latents.main(cli_args(tmp_path / "c2", "source.type=llava", src, f"source.image_root={root}", n=3)) == 2
+    )
     assert f"set source.image_root={root / 'images'}" in capsys.readouterr().err  # also from a wrong image_root
 
 
@@ -181,19 +199,28 @@ def test_describe_says_what_an_image_path_is_and_never_opens_a_fifo(tmp_path, ca
 
     (tmp_path / "folder").mkdir()
     os.mkfifo(tmp_path / "fifo")
-    for name, words in (("folder", "a directory, not an image file"), ("fifo", "a FIFO, not an image file"),
-                        ("none.png", "no such file")):
+    for name, words in (
+        ("folder", "a directory, not an image file"),
+        ("fifo", "a FIFO, not an image file"),
+        ("none.png", "no such file"),
+    ):
         assert describe.main(["--model", str(tmp_path), "--image", str(tmp_path / name)]) == 2
         err = capsys.readouterr().err
         assert err == f"error: --image {tmp_path / name}: {words}\n", err
-    assert describe.main(["--model", str(tmp_path), "--image", str(tmp_path / "none.png"), "--prompt",
-                          "x" * 70000]) == 2
+    assert (
+        describe.main(["--model", str(tmp_path), "--image", str(tmp_path / "none.png"), "--prompt", "x" * 70000]) == 2
+    )
     assert "--prompt too long: 70000 characters" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("config,words", [(b"model: {gemma: tiny}\nx: \xff\xfe\n", "is not UTF-8 text (byte 0xff"),
-                                          (b"[" * 5000 + b"]" * 5000, "nested too deeply"),
-                                          (b"a: [1\n", "is not valid YAML")])
+@pytest.mark.parametrize(
+    "config,words",
+    [
+        (b"model: {gemma: tiny}\nx: \xff\xfe\n", "is not UTF-8 text (byte 0xff"),
+        (b"[" * 5000 + b"]" * 5000, "nested too deeply"),
+        (b"a: [1\n", "is not valid YAML"),
+    ],
+)
 def test_a_model_folders_broken_config_yaml_is_one_line_in_describe_and_evaluate(tmp_path, capsys, config, words):
     from theworld import checkpoint_layout, describe, evaluate, synthetic
 
@@ -203,8 +230,10 @@ def test_a_model_folders_broken_config_yaml_is_one_line_in_describe_and_evaluate
     (folder / checkpoint_layout.CONFIG).write_bytes(config)
     synthetic.scene(0, 0)[0].save(tmp_path / "a.png")
     (tmp_path / "items.jsonl").write_text('{"image": "a.png", "question": "q", "choices": ["a", "b"], "answer": 0}\n')
-    for run in (lambda: describe.main(["--model", str(folder), "--image", str(tmp_path / "a.png")]),
-                lambda: evaluate.main(["--model", str(folder), "--data", str(tmp_path / "items.jsonl")])):
+    for run in (
+        lambda: describe.main(["--model", str(folder), "--image", str(tmp_path / "a.png")]),
+        lambda: evaluate.main(["--model", str(folder), "--data", str(tmp_path / "items.jsonl")]),
+    ):
         rc, err = run(), capsys.readouterr().err.splitlines()
         assert rc == 2 and err[-1].startswith(f"error: {folder / checkpoint_layout.CONFIG}") and words in err[-1], err
 
@@ -262,13 +291,16 @@ def test_a_bucketed_model_scores_items_of_any_aspect_ratio_batched_as_one_by_one
 def test_a_datasets_save_to_disk_folder_is_a_parquet_source(tmp_path, capsys, fake_vae):
     """Written by the real `datasets` package: Arrow stream files listed in state.json, in order."""
     import datasets
-
     from _precompute_helpers import cli_args, gradient, png_bytes, read_cache_plain
+
     from precompute import cosmos_latents
 
     n = 12
-    rows = {"image": [{"bytes": png_bytes(gradient(20 + i, 16)), "path": None} for i in range(n)],
-            "caption": [f"scene {i} ." for i in range(n)], "uid": [f"u{i:02d}" for i in range(n)]}
+    rows = {
+        "image": [{"bytes": png_bytes(gradient(20 + i, 16)), "path": None} for i in range(n)],
+        "caption": [f"scene {i} ." for i in range(n)],
+        "uid": [f"u{i:02d}" for i in range(n)],
+    }
     ds = datasets.Dataset.from_dict(rows).cast_column("image", datasets.Image())
     ds.save_to_disk(str(tmp_path / "ds"), num_shards=3)
     assert len(list((tmp_path / "ds").glob("*.arrow"))) == 3
@@ -280,8 +312,10 @@ def test_a_datasets_save_to_disk_folder_is_a_parquet_source(tmp_path, capsys, fa
     assert [s["png"] for s in samples.values()] == [r["bytes"] for r in rows["image"]]
     datasets.DatasetDict({"train": ds, "validation": ds}).save_to_disk(str(tmp_path / "dd"))
     assert cosmos_latents.main(cli_args(tmp_path / "c2", "source.type=parquet", f"source.path={tmp_path / 'dd'}")) == 2
-    assert f"holds a datasets DatasetDict (splits: train, validation); set source.path to one split's folder, e.g. " \
-           f"{tmp_path / 'dd' / 'train'}" in capsys.readouterr().err
+    assert (
+        f"holds a datasets DatasetDict (splits: train, validation); set source.path to one split's folder, e.g. "
+        f"{tmp_path / 'dd' / 'train'}" in capsys.readouterr().err
+    )
 
 
 def test_decode_sheet_labels_draw_non_latin_captions_and_name_what_no_font_has(capsys):
@@ -298,3 +332,20 @@ def test_decode_sheet_labels_draw_non_latin_captions_and_name_what_no_font_has(c
     assert lacks == {"\ue000"}  # the Cyrillic is drawn: the chosen font has its glyphs
     assert fonts.missing(font, set("красный")) == set()
     assert sheet.size[0] > 0
+
+
+def test_caption_task_jsonl_keeps_a_raw_line_separator_and_refuses_a_fifo(tmp_path):
+    import json
+    import os
+
+    from theworld import synthetic
+    from theworld.errors import UserError
+    from theworld.infer import captions
+
+    synthetic.scene(0, 0)[0].save(tmp_path / "a.png")
+    line = json.dumps({"image": "a.png", "captions": ["one\u2028two"]}, ensure_ascii=False)
+    (tmp_path / "caps.jsonl").write_text(line + "\n" + line + "\n")
+    assert len(captions.read(tmp_path / "caps.jsonl")) == 2
+    os.mkfifo(tmp_path / "fifo.jsonl")
+    with pytest.raises(UserError, match="fifo.jsonl: a FIFO, not a data file"):
+        captions.read(tmp_path / "fifo.jsonl")

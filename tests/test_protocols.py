@@ -362,7 +362,7 @@ def test_the_synthetic_set_writes_its_captions_beside_it(tmp_path):
 
 def test_captions_on_a_caches_held_out_split_are_the_trainers_eval_samples(trained_run, tmp_path, capsys):
     from theworld import cache_format as cf
-    from train.order import split
+    from theworld.cache_format.held_out import split
 
     out = tmp_path / "c.jsonl"
     argv = ["--model", str(trained_run["run"]), "--data", str(trained_run["cache"]), "--task", "caption", "--json",

@@ -167,6 +167,7 @@ def test_resuming_on_a_cache_that_holds_other_samples_says_so(cache, tmp_path, c
         assert ("holds other samples than when" in err and "(96 then, 88 now)" in err) == warned, err
 
 
+@pytest.mark.slow  # five in-process runs
 def test_an_output_dir_holding_another_run_is_protected_and_a_killed_save_is_cleaned_up(cache, tmp_path, capsys):
     out = tmp_path / "run"
     args = lambda steps, **kw: base_args(cache, out, steps=steps, **{"train.save_every": 1, "train.keep_last": 5,

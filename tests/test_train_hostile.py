@@ -245,14 +245,15 @@ def test_eval_items_carry_the_world_of_the_next_held_out_sample(cache):
     import torch
 
     from theworld import cache_format as cf
+    from theworld.cache_format import held_out
     from theworld.config import load_config
-    from train import batches, data, order
+    from train import batches, data
     from train.config import TrainConfig
 
     cfg = load_config(TrainConfig, None, [f"cache_dir={cache}", "model.dtype=float32", "train.eval_samples=5",
                                           "train.micro_batch_size=2", "train.global_batch_size=16"])
     reader, plan = data.open_cache(cfg)
-    _, held = order.split(reader, 5)
+    _, held = held_out.split(reader, 5)
 
     class Fmt:  # the dataset only keeps it for Collate
         pass

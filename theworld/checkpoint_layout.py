@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from theworld import hub
 from theworld.config import (
     FreezeConfig,
     ImageConfig,
@@ -67,8 +68,9 @@ class ModelSections:
 
 
 def resolve(path: str | Path) -> Path:
-    """The folder holding the weights and config: `path` itself, or `path/final` for a run's output_dir."""
-    p = Path(path)
+    """The folder holding the weights and config: `path` itself, or `path/final` for a run's output_dir; a hub repo id
+    (user/name[@revision]) is its snapshot folder (theworld/hub.py)."""
+    p = hub.resolve(path)
     if not p.is_dir():
         raise UserError(f"model {p}: not a folder (expected a final/ or checkpoint-N/ folder, or a run's output_dir)")
     folder = p if (p / WEIGHTS).is_file() else p / FINAL
@@ -135,7 +137,9 @@ def check_finite(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
                             "these weights cannot be used")
 
 
-def read_config(folder: Path) -> ModelSections:
+def read_yaml(folder: Path) -> dict:
+    """A stage folder's config.yaml as a mapping; text that is not UTF-8, not YAML, nested too deeply or not a
+    mapping is one line naming the file."""
     path = folder / CONFIG
     try:
         data = yaml.safe_load(path.read_bytes().decode("utf-8"))
@@ -149,6 +153,12 @@ def read_config(folder: Path) -> ModelSections:
         raise UserError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise UserError(f"{path}: top level must be a mapping")
+    return data
+
+
+def read_config(folder: Path) -> ModelSections:
+    path = folder / CONFIG
+    data = read_yaml(folder)
     try:
         sections = from_dict(ModelSections, {k: data[k] for k in SECTIONS if k in data})
     except UserError as e:

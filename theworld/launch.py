@@ -7,6 +7,8 @@ they are alone (DistributedType.NO) and run N copies of the job. Every command a
 from __future__ import annotations
 
 import os
+import shlex
+import sys
 
 import torch
 
@@ -19,7 +21,46 @@ def use_cpu() -> bool:
 
 def launched_processes() -> int:
     """How many processes the launcher started (accelerate launch and torchrun both set WORLD_SIZE)."""
+    if "WORLD_SIZE" not in os.environ and (asked := cpu_config_processes()) > 1:
+        raise UserError(f"the Accelerate config file asks for {asked} CPU processes (MULTI_CPU), but accelerate "
+                        "launch started one (it starts several CPU processes only through mpirun); start "
+                        f"{asked} with: ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes "
+                        f"{asked} --num_machines 1 --mixed_precision no --dynamo_backend no "
+                        f"{shlex.join(sys.orig_argv[1:]) or '-m MODULE ...'}")
     return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+def cpu_config_processes(parent_args: list[str] | None = None) -> int:
+    """The num_processes of a MULTI_CPU Accelerate config this process was started from by accelerate launch's
+    one-process launcher (which marks its child with ACCELERATE_MIXED_PRECISION and, when asked for several
+    processes, MASTER_PORT); 0 otherwise. The config file is the one on the launcher's command line, or Accelerate's
+    default."""
+    if "ACCELERATE_MIXED_PRECISION" not in os.environ or "MASTER_PORT" not in os.environ:
+        return 0
+    from accelerate.commands.config import default_config_file
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    args = _parent_args() if parent_args is None else parent_args
+    path = next((a.split("=", 1)[1] for a in args if a.startswith(("--config_file=", "--config-file="))), None)
+    if path is None:
+        path = next((b for a, b in zip(args, args[1:]) if a in ("--config_file", "--config-file")), None)
+    path = path or default_config_file
+    if not os.path.isfile(path):
+        return 0
+    try:
+        cfg = load_config_from_file(path)
+    except Exception:  # noqa: BLE001 - accelerate launch read it already; anything odd: no claim made
+        return 0
+    multi_cpu = str(getattr(cfg, "distributed_type", "")).endswith("MULTI_CPU")
+    return int(getattr(cfg, "num_processes", 0) or 0) if multi_cpu else 0
+
+
+def _parent_args() -> list[str]:
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:  # not Linux: the default config file only
+        return []
 
 
 def check_group(num_processes: int) -> None:

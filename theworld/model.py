@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.profiler import record_function
 
 from theworld.arch import FREEZABLE, PARTS
 from theworld.config import FreezeConfig, ImageConfig, LoraConfig, ModelConfig, WorldConfig
@@ -24,6 +25,10 @@ from theworld.errors import UserError
 from theworld.infer import generate as generation
 from theworld.projector import WorldProjector
 from theworld.text import IGNORE, ChatFormatter
+
+# record_function labels of a step's parts in the profiler's trace (train.profile_report groups time by them)
+PROFILE_LABELS = {part: f"theworld:{part}" for part in
+                  ("world_encoder", "projector", "vision_tower", "language_model", "backward", "optimizer", "data")}
 
 
 @dataclass
@@ -202,7 +207,8 @@ class TheWorld(nn.Module):
                 noise_seeds: list[int] | None = None, return_logits: bool = False) -> Output:
         fused = self.embed_inputs(input_ids, attention_mask, latent_mean=latent_mean, latent_logvar=latent_logvar,
                                   images=images, pixel_values=pixel_values, siglip=siglip, noise_seeds=noise_seeds)
-        hidden = self.gemma.model(**fused, use_cache=False).last_hidden_state
+        with record_function(PROFILE_LABELS["language_model"]):
+            hidden = self.gemma.model(**fused, use_cache=False).last_hidden_state
         targets, keep = self._answer_targets(labels, hidden.shape[1] - labels.shape[1])
         # Only answer positions go through lm_head: with a 262k vocabulary the full logits would dominate memory.
         logits = self.logits(hidden[:, :-1][keep])
@@ -219,12 +225,16 @@ class TheWorld(nn.Module):
                      world: bool = True) -> dict:
         """The fused language-model inputs (see `fuse`) from token ids, world inputs and image inputs.
         `world=False`: no world block at all (no SOW, world or EOW tokens), Gemma 3 as its users know it."""
-        feats = self.image_features(pixel_values, siglip)
+        # labels for the profiler's trace (python -m train.profile_report groups its time by them)
+        with record_function(PROFILE_LABELS["vision_tower"]):
+            feats = self.image_features(pixel_values, siglip)
         if not world:
             none = feats.new_zeros(input_ids.shape[0], 0, self.gemma.config.get_text_config().hidden_size)
             return self.fuse(input_ids, attention_mask, none, feats)
-        mean, logvar = self.world_latents(images, latent_mean, latent_logvar)
-        tokens = self.projector(mean, logvar, self.latent_mode, noise_seeds)
+        with record_function(PROFILE_LABELS["world_encoder"]):
+            mean, logvar = self.world_latents(images, latent_mean, latent_logvar)
+        with record_function(PROFILE_LABELS["projector"]):
+            tokens = self.projector(mean, logvar, self.latent_mode, noise_seeds)
         return self.fuse(input_ids, attention_mask, tokens, feats)
 
     @staticmethod

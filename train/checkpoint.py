@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file, save_file
 
-from theworld import lora
+from theworld import hub, lora
 from theworld.arch import FREEZABLE
 from theworld.cache_format import sha256_file
 from theworld.checkpoint_layout import (
@@ -47,6 +47,7 @@ from theworld.model import LoadReport, local_like, read_weights
 from theworld.text import DEFAULT_PROMPT as DESCRIBE_PROMPT
 from train import checkpoint_migrations, sharding
 from train.config import run_hash
+from train.plateau import next_step
 from train.step import LoopState
 
 if TYPE_CHECKING:
@@ -193,9 +194,9 @@ def remove_partial(output_dir: str | Path) -> list[Path]:
 
 
 def resolve_weights(path: str | Path) -> Path:
-    """init_from: a final/ or checkpoint folder, or a .safetensors file; checked against the sha256 its folder
-    recorded."""
-    p = Path(path)
+    """init_from: a final/ or checkpoint folder, a .safetensors file, or a hub repo id (user/name[@revision]);
+    checked against the sha256 its folder recorded."""
+    p = hub.resolve(path, "config key 'init_from':")
     if p.is_dir():
         p = p / WEIGHTS
     if not p.is_file():
@@ -441,4 +442,7 @@ def _card(components: Components, state: LoopState, out: Path, prompt: str) -> s
                              parent=state.parent or "the base models", eval_loss=fmt(ev.get("eval_loss")),
                              eval_shuffled=fmt(ev.get("eval_loss_shuffled_world")), gap=fmt(gap), out=out / FINAL,
                              prompt=json.dumps(prompt))  # a Python string literal
+    if state.eval_history:
+        card += "\n" + next_step(state.plateau_step, str(out / FINAL),
+                                  cfg.train.stop_on_plateau and state.plateau_step is not None) + "\n"
     return card

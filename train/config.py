@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from theworld import hub
 from theworld.config import (
     FLOAT32_MAX,
     FreezeConfig,
@@ -63,6 +64,22 @@ class BenchmarkEntry:
 
 
 @dataclass
+class PlateauConfig:
+    """When the eval loss counts as plateaued (train/plateau.py): less than `min_improvement` (relative) over the
+    last `window_evals` evals; 0: the evals covering the last 5,000 steps, or the run's last quarter if shorter."""
+
+    window_evals: int = 0
+    min_improvement: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.window_evals < 0:
+            raise UserError(f"config key 'train.plateau.window_evals': must be >= 0, got {self.window_evals}")
+        if not (math.isfinite(self.min_improvement) and self.min_improvement >= 0):
+            raise UserError("config key 'train.plateau.min_improvement': must be a finite number >= 0, got "
+                            f"{self.min_improvement}")
+
+
+@dataclass
 class TrainSection:
     max_steps: int = 1000
     epochs: float = 0.0  # > 0: train this many epochs of the data (0.5 allowed) instead of max_steps, which it sets
@@ -103,6 +120,10 @@ class TrainSection:
     lr_multipliers: LrMultipliers = field(default_factory=LrMultipliers)
     benchmarks: list[str | BenchmarkEntry] = field(default_factory=list)  # multiple-choice sets scored at every eval
     # (JSONL, or a BLINK parquet folder; docs/inference.md): bench/<name>/accuracy, .../accuracy_shuffled_world
+    plateau: PlateauConfig = field(default_factory=PlateauConfig)
+    stop_on_plateau: bool = False  # checkpoint, final weights and summary at the first eval that finds a plateau
+    samples: int = 8  # held-out samples captioned at every eval (own world, shuffled world, true caption); 0: none
+    sample_tokens: int = 32  # new tokens per generated caption
     cpu_threads: int = 0  # torch intra-op threads of each training process (0: torch's default); on a small CPU
     # box 1 avoids OpenMP threads fighting the loader workers (several times faster for the tiny demo on 2 cores)
 
@@ -113,7 +134,7 @@ class TrainSection:
                 raise UserError(f"config key 'train.{name}': must be positive, got {getattr(self, name)}")
         if not (math.isfinite(self.epochs) and self.epochs >= 0):
             raise UserError(f"config key 'train.epochs': must be a finite number >= 0, got {self.epochs}")
-        for name in ("cpu_threads", "warmup_steps", "ema_warmup_steps", "eval_every", "eval_samples", "eval_batch_size", "num_workers", "max_length",
+        for name in ("samples", "cpu_threads", "warmup_steps", "ema_warmup_steps", "eval_every", "eval_samples", "eval_batch_size", "num_workers", "max_length",
                      "weight_decay", "grad_clip", "grad_norm_warn"):
             if getattr(self, name) < 0:
                 raise UserError(f"config key 'train.{name}': must be >= 0, got {getattr(self, name)}")
@@ -160,6 +181,30 @@ class ProfileConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Used when `trackers` holds wandb; the run id is kept in the checkpoints, so a resumed run continues it."""
+
+    project: str = "theworld"
+    run_name: str | None = None
+    entity: str | None = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class HubConfig:
+    """Upload to the Hugging Face Hub (train/hub_upload.py), in the background: `end`: final/; `every_save`: also each
+    checkpoint's model files. The token is huggingface_hub's own (its login, or HF_TOKEN)."""
+
+    model_id: str | None = None  # user/name; null: no upload
+    strategy: Literal["end", "every_save"] = "end"
+    private: bool = True
+
+    def __post_init__(self) -> None:
+        if self.model_id is not None:
+            hub.check_id("hub.model_id", self.model_id)
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     image: ImageConfig = field(default_factory=ImageConfig)
@@ -175,6 +220,8 @@ class TrainConfig:
     resume: str | None = "auto"  # auto: the newest complete checkpoint in output_dir, if any; a path; null: fresh
     init_from: str | None = None  # a previous stage's final/ (or checkpoint dir, or .safetensors file)
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])  # tensorboard, wandb; [] for none
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    hub: HubConfig = field(default_factory=HubConfig)
 
     def caches(self) -> list[tuple[str, float]]:
         """(cache folder, weight) of each cache trained on: cache_dir with weight 1, or the `data` mixture."""
@@ -231,7 +278,9 @@ def accumulation_steps(cfg: TrainConfig, world_size: int) -> int:
 # (the launcher's FSDP request), which split the same global batch differently.
 RESUME_NEUTRAL = ("resume", "output_dir", "trackers", "profile", "train.num_workers", "train.cpu_threads",
                   "train.log_every", "train.save_every", "train.keep_last", "train.eval_every", "train.benchmarks",
-                  "train.max_micro_batch_size", "train.cpu_offload", "train.micro_batch_size", "train.sharding")
+                  "train.max_micro_batch_size", "train.cpu_offload", "train.plateau",
+                  "train.stop_on_plateau", "train.samples", "train.sample_tokens", "wandb", "hub",
+                  "train.micro_batch_size", "train.sharding")
 
 
 def run_hash(cfg: TrainConfig) -> str:
@@ -254,5 +303,5 @@ def load(argv: list[str] | None = None) -> tuple[TrainConfig, object]:
     return load_config(TrainConfig, args.config, args.overrides), args
 
 
-__all__ = ["TrainConfig", "TrainSection", "LrMultipliers", "ProfileConfig", "accumulation_steps", "resolve_micro_batch",
+__all__ = ["TrainConfig", "TrainSection", "PlateauConfig", "WandbConfig", "HubConfig", "LrMultipliers", "ProfileConfig", "accumulation_steps", "resolve_micro_batch",
            "run_hash", "load", "to_yaml"]

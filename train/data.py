@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from theworld import cache_format as cf
+from theworld.cache_format.held_out import split
 from theworld.config import trains
 from theworld.control_text import TEXT_RULE, control_problem
 from theworld.errors import UserError
@@ -23,7 +24,7 @@ from theworld.images import decode, load_for_vae, siglip_pixels
 from theworld.text import DEFAULT_PROMPT, ChatFormatter
 from train.batches import PARTNER, Collate, encode_texts
 from train.mixture import Draw, MixedReader, partner_groups
-from train.order import bucket_ids, eval_partners, flip_of, rank_indices, split
+from train.order import bucket_ids, eval_partners, flip_of, rank_indices
 from train.preempt import ignore_in_workers
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -9,8 +9,12 @@ from __future__ import annotations
 import sys
 import time
 
+from torch.profiler import record_function
+
 from theworld import run_lock
 from theworld.errors import cli_entry
+from theworld.model import PROFILE_LABELS
+from train import plateau
 from train.components import make_accelerator
 from train.config import load, to_yaml
 from train.preempt import EXIT_CODES, Preemption
@@ -47,18 +51,21 @@ def train(t: Trainer) -> int:
     try:
         if state.step == 0 and cfg.train.eval_every and not t.run_eval():
             return stop.finish(state.step, cfg, t.save, m)
-        while state.step < cfg.train.max_steps:
+        while state.step < cfg.train.max_steps and not plateau.stopping(state, cfg.train.stop_on_plateau):
             epoch, start = divmod(state.step, t.per_epoch)
             batches = t.train_batches(epoch, start)
             for _ in range(start, min(t.per_epoch, start + cfg.train.max_steps - state.step)):
                 t_data = time.perf_counter()
-                micro = [next(batches) for _ in range(t.c.accum)]
+                with record_function(PROFILE_LABELS["data"]):
+                    micro = [next(batches) for _ in range(t.c.accum)]
                 t.prof.before(state.step)
                 t0 = time.perf_counter()
                 out = optimization_step(t.c, state, micro)
-                t.window.add(out, data_s=t0 - t_data, train_s=time.perf_counter() - t0)
+                t1 = time.perf_counter()
+                t.window.add(out, data_s=t0 - t_data, train_s=t1 - t0)
                 t.prof.after(state.step)
-                m.advance(loss=out["loss"])
+                m.advance(loss=out["loss"], lr=out["lr"], step_s=t1 - t_data,
+                          samples_per_s=cfg.train.global_batch_size / max(t1 - t_data, 1e-9))
                 if cfg.train.grad_norm_warn and out["grad_norm"] > cfg.train.grad_norm_warn:
                     m.message(f"warning: step {state.step}: gradient norm {out['grad_norm']:.1f} "
                               f"> train.grad_norm_warn {cfg.train.grad_norm_warn}")
@@ -73,6 +80,8 @@ def train(t: Trainer) -> int:
                     t.save()
                 if stop.requested():
                     return stop.finish(state.step, cfg, t.save, m)
+                if plateau.stopping(state, cfg.train.stop_on_plateau):
+                    break  # saved and exported by t.finish
         return t.finish(stop)
     except NonFiniteError as e:
         m.close()

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from train.plateau import next_step
+
 METRICS = "metrics.jsonl"
 
 
@@ -61,7 +63,8 @@ class Metrics:
     run) are dropped so the file reads as one uninterrupted run."""
 
     def __init__(self, accelerator, output_dir: str | Path, config: dict, start_step: int, max_steps: int,
-                 trackers: list[str]):
+                 trackers: list[str], wandb: dict | None = None):
+        """`wandb`: wandb_init(...)'s project and init kwargs, when trackers holds wandb."""
         self.acc, self.main = accelerator, accelerator.is_main_process
         self.path = Path(output_dir) / METRICS
         self.bar = None
@@ -74,9 +77,10 @@ class Metrics:
             kept = [ln for ln in self.path.read_bytes().split(b"\n") if 0 <= _step_of(ln) <= start_step]
         self.path.write_bytes(b"".join(ln + b"\n" for ln in kept))
         if trackers:
-            # TensorBoard logs go to <output_dir>/theworld/. Its hparams (accelerate's store_init_configuration) would
+            # TensorBoard logs go to <output_dir>/theworld/ (<output_dir>/<wandb.project>/ with W&B). Its hparams (accelerate's store_init_configuration) would
             # add a folder named by the clock there on every (re)start; the config goes in as text instead.
-            accelerator.init_trackers("theworld")
+            project, kwargs = wandb or ("theworld", {})
+            accelerator.init_trackers(project, init_kwargs=kwargs)
             for t in accelerator.trackers:
                 if t.name == "tensorboard":
                     t.writer.add_text("config", "    " + json.dumps(config, indent=1).replace("\n", "\n    "))
@@ -88,6 +92,7 @@ class Metrics:
                         mininterval=1.0)
         self.postfix: dict[str, str] = {}
         self.trackers = bool(trackers)
+        self.warm = False  # the first step (compile, warm-up) is left out of the progress bar's rate and ETA
 
     def log(self, event: dict) -> None:
         if not self.main:
@@ -96,9 +101,6 @@ class Metrics:
             f.write(json.dumps(event) + "\n")
         if self.trackers:
             self.acc.log({k: v for k, v in event.items() if k != "step"}, step=event["step"])
-        if self.bar is not None and "loss" in event:
-            self.postfix.update(lr=f"{event['lr']:.2e}", sps=f"{event['samples_per_s']:.0f}")
-            self.bar.set_postfix(self.postfix, refresh=False)
         if "eval_loss" in event:  # evals are rare and the figure people wait for: on the console as they happen
             gap = event["eval_loss_shuffled_world"] - event["eval_loss"]
             self.message(f"eval at step {event['step']}: eval_loss {event['eval_loss']:.4f}, "
@@ -111,13 +113,54 @@ class Metrics:
             else:
                 print(text, file=sys.stderr)
 
-    def advance(self, n: int = 1, loss: float | None = None) -> None:
-        """`n` more steps done; `loss`: the last one's, shown smoothed on the progress bar."""
-        if self.bar is not None:
-            if loss is not None and self.smoothed.add(loss):
-                self.postfix["loss"] = f"{self.smoothed.value:.4f}"
-                self.bar.set_postfix(self.postfix, refresh=False)
+    def log_samples(self, step: int, rows: list[dict], images: list) -> None:
+        """Captions generated at an eval (train/samples.py): metrics.jsonl, TensorBoard (a table as text, each image
+        with its captions), W&B (a table), and the first one on the console."""
+        if not self.main or not rows:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, "samples": rows}) + "\n")
+        first = rows[0]
+        self.message(f"sample at step {step}: true {first['caption']!r}; own world {first['own_world']!r}; "
+                     f"shuffled world {first['shuffled_world']!r}")
+        for t in self.acc.trackers if self.trackers else ():
+            if t.name == "tensorboard":
+                t.writer.add_text("samples", samples_markdown(rows), global_step=step)
+                for i, (row, img) in enumerate(zip(rows, images)):
+                    if img is not None:
+                        t.writer.add_image(f"samples/{i}", img, global_step=step, dataformats="HWC")
+                        t.writer.add_text(f"samples/{i}", samples_markdown([row]), global_step=step)
+                t.writer.flush()
+            elif t.name == "wandb":
+                import wandb
+
+                data = [[wandb.Image(img, caption=row["own_world"]) if img is not None else None, row["caption"],
+                         row["own_world"], row["shuffled_world"]] for row, img in zip(rows, images)]
+                t.log_table("samples", columns=["image", *SAMPLE_COLUMNS], data=data, step=step)
+
+    def advance(self, n: int = 1, loss: float | None = None, lr: float | None = None,
+                samples_per_s: float | None = None, step_s: float | None = None) -> None:
+        """`n` more steps done; the last one's `loss` (shown smoothed), `lr` and throughput on the progress bar."""
+        if self.bar is None:
+            return
+        if loss is not None and self.smoothed.add(loss):
+            self.postfix["loss"] = f"{self.smoothed.value:.4f}"
+        if lr is not None:
+            self.postfix["lr"] = f"{lr:.2e}"
+        if samples_per_s is not None and self.warm:
+            self.postfix["sps"] = f"{samples_per_s:.0f}"
+        self.bar.set_postfix(self.postfix, refresh=False)
+        if self.warm:
             self.bar.update(n)
+            return
+        # tqdm's rate would average the first step's compile and warm-up in for the rest of the run
+        self.warm = True
+        took = step_s if step_s is not None else time.time() - self.bar.start_t
+        self.message(f"first step: {took:.1f}s (compile and warm-up; left out of the progress bar's rate and ETA)")
+        self.bar.n += n
+        self.bar.initial = self.bar.n
+        self.bar.start_t = self.bar.last_print_t = time.time()
+        self.bar.refresh()
 
     def close(self) -> None:
         """Ends the progress bar's line and the trackers; closing twice is harmless."""
@@ -127,6 +170,25 @@ class Metrics:
         if self.main and self.trackers:
             self.acc.end_training()
             self.trackers = False
+
+
+SAMPLE_COLUMNS = ["caption", "own_world", "shuffled_world"]
+
+
+def samples_markdown(rows: list[dict]) -> str:
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    head = "| " + " | ".join(SAMPLE_COLUMNS) + " |\n|" + " --- |" * len(SAMPLE_COLUMNS)
+    return "\n".join([head] + ["| " + " | ".join(cell(r[c]) for c in SAMPLE_COLUMNS) + " |" for r in rows])
+
+
+def wandb_init(wandb_cfg, run_id: str, output_dir: str | Path) -> tuple[str, dict]:
+    """(project, Accelerator.init_trackers init_kwargs): the run id is the checkpointed one, so a resumed run continues
+    the same W&B run; its files go under output_dir."""
+    kwargs = {"id": run_id, "resume": "allow", "dir": str(output_dir), "name": wandb_cfg.run_name,
+              "entity": wandb_cfg.entity, "tags": list(wandb_cfg.tags) or None}
+    return wandb_cfg.project, {"wandb": {k: v for k, v in kwargs.items() if v is not None}}
 
 
 class SmoothedLoss:
@@ -204,7 +266,7 @@ class StepWindow:
         return line
 
 
-def summary(state, elapsed: float, window: StepWindow) -> str:
+def summary(state, elapsed: float, window: StepWindow, stop_on_plateau: bool = False, final: str | Path = "final") -> str:
     ev = state.last_eval or {}
     n = window.steps_run
     lines = [f"steps {state.step} ({n} this run) in {elapsed:.1f}s"
@@ -218,4 +280,6 @@ def summary(state, elapsed: float, window: StepWindow) -> str:
                      f"gap {gap:+.4f} nats/token")
     if state.nonfinite_steps:
         lines.append(f"non-finite steps skipped: {state.nonfinite_steps}")
+    if state.eval_history:
+        lines.append(next_step(state.plateau_step, str(final), stop_on_plateau and state.plateau_step is not None))
     return "\n".join(lines)

@@ -1,10 +1,11 @@
-"""Sample order: the held-out split, each epoch's global batches, each process's slice, and the per-sample flip and
+"""Sample order: each epoch's global batches, each process's slice, and the per-sample flip and
 noise seeds.
 
 Everything that decides which sample goes where is a pure function of (seed, epoch, step), so a run's data is the same
 whatever the number of processes, and resuming at step s reads exactly the batches an uninterrupted run reads there:
 
-- eval split: the `train.eval_samples` samples with the smallest sha256(key) are held out (independent of shard layout);
+- eval split: the `train.eval_samples` samples with the smallest sha256(key) are held out (independent of shard layout;
+  theworld/cache_format/held_out.py);
 - epoch order: a permutation of the training samples seeded from (seed, epoch), walked in order, each sample going to
   its latent shape's (bucket's) list; each time a list reaches G samples they become the next global batch, and what is
   left in the lists at the end is dropped. With one shape (a square cache) global batch b is order[b*G:(b+1)*G].
@@ -23,30 +24,13 @@ import numpy as np
 import torch
 
 from theworld import cache_format as cf
+from theworld.cache_format.held_out import check_held_out
 from theworld.errors import UserError
 
 
 def seed_of(*parts) -> int:
     """A 63-bit seed that is a pure function of `parts` (e.g. a purpose name, the run seed, an epoch, an index)."""
     return int.from_bytes(hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest(), "little") >> 1
-
-
-def split(reader: cf.CacheReader, eval_samples: int) -> tuple[np.ndarray, np.ndarray]:
-    """(train indices, eval indices): the eval_samples keys with the smallest sha256 are held out. Train indices in
-    cache order, eval indices in key order."""
-    n = len(reader)
-    _check_held_out(eval_samples, n)
-    ranked = sorted(range(n), key=lambda i: hashlib.sha256(reader.key(i).encode()).digest())
-    held = np.array(sorted(ranked[:eval_samples], key=reader.key), dtype=np.int64)
-    keep = np.ones(n, dtype=bool)
-    keep[held] = False
-    return np.flatnonzero(keep).astype(np.int64), held
-
-
-def _check_held_out(eval_samples: int, num_samples: int) -> None:
-    if eval_samples >= num_samples:
-        raise UserError(f"config key 'train.eval_samples': {eval_samples} leaves nothing to train on "
-                        f"({num_samples} samples)")
 
 
 def bucket_ids(reader: cf.CacheReader) -> np.ndarray:
@@ -91,7 +75,7 @@ def check_sizes(cfg, reader: cf.CacheReader, train_indices: np.ndarray, world_si
     `draw`: a mixture's train.mixture.Draw, whose epochs hold other samples than `train_indices`."""
     n_eval = cfg.train.eval_samples
     if draw is None:
-        _check_held_out(n_eval, len(reader))
+        check_held_out(n_eval, len(reader))
     if n_eval == 1 or 0 < n_eval < world_size:  # each process takes a share; a shuffled world is another sample's
         raise UserError(f"config key 'train.eval_samples': {n_eval} is too few for {world_size} process(es) (the "
                         f"shuffled-world loss takes each held-out sample's world from another one): use 0 (no eval) "

@@ -11,7 +11,9 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+from torch.profiler import record_function
 
+from theworld.model import PROFILE_LABELS
 from train import preempt, sharding
 from train.batches import PARTNER, WORLD_KEYS, Batch
 from train.order import noise_seeds, rank_offset, seed_of
@@ -40,6 +42,9 @@ class LoopState:
     last_eval: dict | None = None
     parent: str | None = None  # init_from of this run
     history: list = field(default_factory=list)  # checkpoints this run resumed from
+    eval_history: list = field(default_factory=list)  # [step, eval_loss] of every eval (train/plateau.py)
+    plateau_step: int | None = None  # the first eval that found the eval loss plateaued
+    wandb_run_id: str | None = None  # the W&B run this run logs to (a resumed run continues it)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -77,7 +82,8 @@ def optimization_step(components: Components, state: LoopState, micro_batches: l
         with contextlib.nullcontext() if sync else accelerator.no_sync(components.model):
             out = components.model(**inputs, num_items=n, noise_seeds=seeds)
             # DDP and FSDP average gradients over processes; each process's share is loss_sum_r / n: undo the mean.
-            accelerator.backward(out.loss * components.world_size)
+            with record_function(PROFILE_LABELS["backward"]):
+                accelerator.backward(out.loss * components.world_size)
         loss_sum += out.loss_sum.detach().float()
     if components.world_size > 1:
         loss_sum = accelerator.reduce(loss_sum, reduction="sum")
@@ -87,7 +93,8 @@ def optimization_step(components: Components, state: LoopState, micro_batches: l
                  else float(accelerator.clip_grad_norm_(components.params, max_norm)))
     finite = math.isfinite(loss) and math.isfinite(grad_norm)
     if finite:
-        components.optimizer.step()
+        with record_function(PROFILE_LABELS["optimizer"]):
+            components.optimizer.step()
         if components.ema is not None:
             with torch.no_grad():
                 torch._foreach_lerp_(components.ema, [p.detach().float() for p in components.params],
@@ -151,5 +158,6 @@ def evaluate(components: Components, loader: DataLoader) -> dict:
         model.train(was_training)
     if components.world_size > 1:
         sums = accelerator.reduce(sums, reduction="sum")
-    return {"eval_loss": float(sums[0]) / max(float(sums[1]), 1.0),
-            "eval_loss_shuffled_world": float(sums[2]) / max(float(sums[3]), 1.0), "eval_tokens": int(sums[1])}
+    loss, shuffled = float(sums[0]) / max(float(sums[1]), 1.0), float(sums[2]) / max(float(sums[3]), 1.0)
+    return {"eval_loss": loss, "eval_loss_shuffled_world": shuffled, "eval_gap": shuffled - loss,
+            "eval_tokens": int(sums[1])}

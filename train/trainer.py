@@ -14,13 +14,16 @@ import torch
 
 from theworld.config import to_dict
 from theworld.errors import UserError
-from train import checkpoint, data, order, params
+from train import checkpoint, data, hub_upload, order, params, plateau
 from train.benchmarks import BenchmarkEval
 from train.benchmarks import lines as benchmark_lines
 from train.components import Components, Launch, build, build_model, resolve_launch
 from train.config import run_hash, to_yaml
-from train.metrics import Metrics, ProfileWindow, StepWindow, check_metrics_file, check_trackers, summary
+from train.hub_upload import HubUploader
+from train.metrics import (Metrics, ProfileWindow, StepWindow, check_metrics_file, check_trackers, summary,
+                           wandb_init)
 from train.preempt import EvalCut, Preemption, cut_message
+from train.samples import CaptionSamples
 from train.step import LoopState, evaluate
 
 if TYPE_CHECKING:
@@ -79,6 +82,8 @@ class Trainer:
     reports: list[LoadReport] = field(default_factory=list)  # what init_from loaded
     resume_from: Path | None = None
     window: StepWindow = field(default_factory=StepWindow)
+    samples: CaptionSamples | None = None  # held-out captions generated at every eval
+    hub: HubUploader | None = None  # main process, with hub.model_id
 
     @classmethod
     def start(cls, checked: Checked, accelerator: Accelerator, t_start: float) -> Trainer:
@@ -93,12 +98,19 @@ class Trainer:
         ctx = data.DataContext.build(cfg, checked.reader, checked.inputs, c.processor, checked.split)
         cache = checkpoint.cache_identity(checked.reader)
         state = checkpoint.restore(c, resume_from, cache)
+        if "wandb" in cfg.trackers and state.wandb_run_id is None:
+            import wandb
+
+            state.wandb_run_id = wandb.util.generate_id()  # kept in the checkpoints: a resumed run continues it
         metrics = Metrics(accelerator, cfg.output_dir, {**to_dict(cfg), "run_hash": run_hash(cfg)}, state.step,
-                          cfg.train.max_steps, cfg.trackers)
+                          cfg.train.max_steps, cfg.trackers,
+                          wandb_init(cfg.wandb, state.wandb_run_id, cfg.output_dir) if "wandb" in cfg.trackers else None)
         rank, world_size = accelerator.process_index, accelerator.num_processes
         eval_loader = data.build_eval_loader(cfg, ctx, rank, world_size) if len(ctx.eval_indices) else None
+        samples = CaptionSamples(cfg, ctx, cfg.train.samples) if cfg.train.samples and len(ctx.eval_indices) else None
         return cls(checked, c, ctx, state, metrics, eval_loader, ProfileWindow(cfg.profile, cfg.output_dir, rank),
-                   t_start, cache, removed, reports, resume_from)
+                   t_start, cache, removed, reports, resume_from, samples=samples,
+                   hub=hub_upload.for_run(cfg, accelerator, metrics.message))
 
     @property
     def cfg(self) -> TrainConfig:
@@ -113,12 +125,23 @@ class Trainer:
         return iter(data.build_train_loader(self.cfg, self.ctx, self.c.rank, self.c.world_size, epoch, start))
 
     def run_eval(self) -> bool:
-        """The held-out loss (when samples are held out) and the benchmarks (when configured), logged. False when a
-        stop request cut it short (train/preempt.py): what it had not logged yet is dropped."""
+        """The held-out captions and loss (when samples are held out) and the benchmarks (when configured), logged;
+        the captions first, so an eval's loss line stays its last line but for benchmarks. False when a stop request
+        cut it short (train/preempt.py): what it had not logged yet is dropped."""
         try:
+            cfg, state = self.cfg, self.state
+            if self.samples is not None:
+                self.metrics.log_samples(state.step, self.samples.run(self.c), self.samples.images)
             if self.eval_loader is not None:
-                self.state.last_eval = {"step": self.state.step, **evaluate(self.c, self.eval_loader)}
-                self.metrics.log(self.state.last_eval)
+                ev = evaluate(self.c, self.eval_loader)
+                was_flat = state.plateau_step is not None
+                flat = plateau.record(state, cfg.train.plateau, cfg.train.eval_every, cfg.train.max_steps, ev["eval_loss"])
+                state.last_eval = {"step": state.step, **ev, **flat}
+                self.metrics.log(state.last_eval)
+                if state.plateau_step is not None and not was_flat:
+                    self.metrics.message(f"step {state.step}: the eval loss has plateaued (less than "
+                                         f"{cfg.train.plateau.min_improvement:.1%} better over the last evals)"
+                                         + ("; stopping: train.stop_on_plateau" if cfg.train.stop_on_plateau else ""))
             if self.checked.bench is not None:
                 results = self.checked.bench.run(self.c)
                 self.metrics.log({"step": self.state.step, **results})
@@ -131,6 +154,9 @@ class Trainer:
 
     def save(self) -> None:
         checkpoint.save_run(self.c, self.state, self.per_epoch, self.cache)
+        if self.hub is not None and self.cfg.hub.strategy == "every_save":
+            step = self.state.step
+            self.hub.submit(Path(self.cfg.output_dir) / f"checkpoint-{step}", f"checkpoint-{step}")
 
     def start_lines(self) -> list[str]:
         """What the run prints before its first step: clean-up, cache and init_from notes, where it starts, the data."""
@@ -176,7 +202,9 @@ class Trainer:
                 return code
         self.metrics.close()
         if accelerator.is_main_process:
-            print(f"final weights: {final}\n" + summary(state, time.time() - self.t_start, self.window))
+            print(f"final weights: {final}\n" + summary(state, time.time() - self.t_start, self.window,
+                                                         self.cfg.train.stop_on_plateau, final))
+            hub_upload.finish(self.hub, final)
         return 0
 
     def _last_eval(self, stop: Preemption) -> int:

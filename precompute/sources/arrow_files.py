@@ -5,6 +5,7 @@ written with `save_to_disk` (`state.json` lists them in order; each is an Arrow 
 `iter_batches`, `read_row_group`, `schema_arrow`) for either kind; an Arrow file is memory-mapped and its record
 batches are its row groups.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,17 +22,20 @@ def saved_dataset_files(folder: Path) -> list[str] | None:
     is refused naming its splits (each split is a source of its own)."""
     if (folder / DATASET_DICT).is_file() and not (folder / STATE).is_file():
         splits = sorted(p.name for p in folder.iterdir() if (p / STATE).is_file())
-        raise UserError(f"config key 'source.path': {folder} holds a datasets DatasetDict (splits: "
-                        f"{', '.join(splits) or 'none'}); set source.path to one split's folder, e.g. "
-                        f"{folder / (splits[0] if splits else 'train')}")
+        raise UserError(
+            f"config key 'source.path': {folder} holds a datasets DatasetDict (splits: "
+            f"{', '.join(splits) or 'none'}); set source.path to one split's folder, e.g. "
+            f"{folder / (splits[0] if splits else 'train')}"
+        )
     if not (folder / STATE).is_file():
         return None
     try:
         state = json.loads((folder / STATE).read_bytes())
         names = [f["filename"] for f in state["_data_files"]]
     except (OSError, ValueError, RecursionError, KeyError, TypeError) as e:
-        raise UserError(f"config key 'source.path': {folder / STATE} is not a datasets state file "
-                        f"({type(e).__name__})") from None
+        raise UserError(
+            f"config key 'source.path': {folder / STATE} is not a datasets state file ({type(e).__name__})"
+        ) from None
     files = [folder / n for n in names]
     if missing := [str(f) for f in files if not f.is_file()]:
         raise UserError(f"config key 'source.path': {folder / STATE} lists {missing[0]}, which is missing")

@@ -72,7 +72,7 @@ def _check_optional_text(rec: dict, name: str, field: str) -> str | None:
         return None
     if not isinstance(value, str) or not value.strip():
         raise _bad(name, field, "not a non-empty string")
-    if problem := control_problem(value, field):
+    if problem := text_problem(value, field):  # too long, or Gemma would read it as a control token
         raise _bad(name, field, problem.removeprefix(f"{field} "))
     return value
 

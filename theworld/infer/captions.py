@@ -7,7 +7,7 @@ Tokenisation: lower case, words of letters and digits, punctuation dropped; a pl
 pycocoevalcap's PTBTokenizer, which needs Java (as METEOR and SPICE do, which are left out for that reason).
 
 JSONL, one item per line: `{"image": path relative to the file, "captions": str or [str, ...]}`; or a latent cache's
-held-out split: the samples the trainer holds out for its eval (train/order.py `split`, with the run's
+held-out split: the samples the trainer holds out for its eval (theworld/cache_format/held_out.py, with the run's
 `train.eval_samples`), each with its stored image, its caption as the reference and its own prompt.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from theworld import images as imagelib
 from theworld.errors import UserError
 from theworld.infer.benchmarks import _bad
 from theworld.text import DEFAULT_PROMPT
@@ -57,12 +58,14 @@ def _item(rec, name: str, root: Path) -> Item:
 
 def read(path: str | Path) -> list[Item]:
     p = Path(path)
+    if problem := imagelib.path_problem(p):  # never opened: a FIFO would block
+        raise UserError(f"{p}: {problem.replace('not an image file', 'not a data file')}")
     try:
         text = p.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"{p}: not a readable UTF-8 JSONL file ({type(e).__name__}: {e})") from None
     items = []
-    for n, line in enumerate(text.splitlines(), 1):
+    for n, line in enumerate(text.split("\n"), 1):  # JSONL lines end at \n only: a raw U+2028 is inside a string
         if not line.strip():
             continue
         try:
@@ -77,15 +80,13 @@ def read(path: str | Path) -> list[Item]:
 
 def read_cache(path: Path, split: str, stage: Path) -> list[Item]:
     """The held-out samples of the cache at `path` for the run whose stage folder is `stage`."""
-    import yaml
-
     from theworld import cache_format as cf
     from theworld import checkpoint_layout as layout
-    from train.order import split as held_out  # the trainer's own split (the project installs both packages)
+    from theworld.cache_format.held_out import split as held_out  # the trainer's own split
 
     if split != "val":
         raise UserError(f"--split {split}: a cache has one held-out split, val (the trainer's eval samples)")
-    train = (yaml.safe_load((stage / layout.CONFIG).read_text()) or {}).get("train") or {}
+    train = layout.read_yaml(stage).get("train") or {}
     eval_samples = train.get("eval_samples", 256)  # TrainSection's default, for a config that leaves it out
     if not isinstance(eval_samples, int) or eval_samples < 1:
         raise UserError(f"{stage / layout.CONFIG}: train.eval_samples is {eval_samples!r}: the run held nothing out")

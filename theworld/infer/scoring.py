@@ -70,7 +70,7 @@ class Scorer:
         """`indices` grouped by (input shape of the item's world, of item i-1's): within a group every row's own
         world has one shape and its shuffled partner one shape, so each condition runs as one batch."""
         n, cfg = len(self.items), self.image_cfg
-        size = lambda i: imagelib.input_size(self.items[i].images[0], cfg.resolution, cfg.resize)  # noqa: E731
+        size = lambda i: imagelib.input_size(self.items[i].images[0], cfg.resolution, cfg.resize)
         groups = imagelib.same_shape_groups([(size(i), size((i - 1) % n)) for i in indices])
         return [[indices[k] for k in g] for g in groups]
 

@@ -1,0 +1,100 @@
+"""Captions generated at every eval for a fixed set of held-out samples: with their own world, with their eval partner's
+(shuffled) world, next to the true caption. The model's own generation (theworld/infer/generate.py: KV cache, greedy)
+runs on the cached inputs the eval loss reads, so what is shown is what the loss measured."""
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from theworld.infer.generate import Sampler, decode, left_align, stop_ids
+from theworld.text import IGNORE, Encoded, collate_text
+from train.batches import PARTNER, WORLD_KEYS, Collate
+
+if TYPE_CHECKING:
+    from train.data import DataContext
+    from train.components import Components
+
+TEXT_KEYS = ("input_ids", "attention_mask", "labels")
+
+
+@dataclass
+class Group:
+    """Held-out samples of one latent shape, collated once."""
+
+    positions: list[int]  # in the held-out split
+    batch: object  # train.batches.Batch of (prompt, caption) rows with their partners' worlds
+    prompt: dict[str, torch.Tensor]  # right-padded prompt-only ids and mask
+
+
+class CaptionSamples:
+    """The first `n` held-out samples (the split is fixed by key hash, so the same ones at every eval and resume)."""
+
+    def __init__(self, cfg, ctx: DataContext, n: int):
+        dataset = ctx.dataset(cfg, ctx.eval_indices, 0, flip=False, partner=True)
+        n = min(n, len(dataset))
+        items = [dataset[i] for i in range(n)]
+        first_turns = [it["text"][0] for it in items]  # (prompt, answer); a conversation is judged by its first turn
+        self.captions = [answer for _, answer in first_turns]
+        self.images = [_picture(ctx.reader, int(ctx.eval_indices[i])) for i in range(n)]
+        self.max_new_tokens = cfg.train.sample_tokens
+        shapes = ctx.buckets[ctx.eval_indices[:n]]
+        self.groups = []
+        for shape in dict.fromkeys(shapes.tolist()):
+            pos = [i for i in range(n) if shapes[i] == shape]
+            prompts = [ctx.formatter.prefix(first_turns[i][0]) for i in pos]
+            prompt = collate_text([Encoded(ids, [IGNORE] * len(ids)) for ids in prompts], ctx.formatter.pad_id)
+            self.groups.append(Group(pos, Collate(ctx.formatter)([items[i] for i in pos]), prompt))
+
+    def __len__(self) -> int:
+        return len(self.captions)
+
+    @torch.no_grad()
+    def run(self, components: Components) -> list[dict]:
+        """One row per sample: caption, own_world, shuffled_world (greedy). Every process runs it (under FSDP each
+        forward is a collective); the main process logs it."""
+        model, acc = components.raw, components.accelerator
+        rows: list[dict] = [{} for _ in self.captions]
+        was_training, mode = model.training, model.latent_mode
+        model.eval()
+        model.latent_mode = "mean"
+        try:
+            for g in self.groups:
+                tensors = g.batch.to(acc.device)
+                inputs = {k: v for k, v in tensors.items() if k not in TEXT_KEYS and k != "paired"
+                          and not k.startswith(PARTNER)}
+                shuffled = {**inputs, **{k: tensors[PARTNER + k] for k in WORLD_KEYS if PARTNER + k in tensors}}
+                for name, world in (("own_world", inputs), ("shuffled_world", shuffled)):
+                    for i, text in zip(g.positions, self._generate(model, acc, g.prompt, world)):
+                        rows[i][name] = text
+        finally:
+            model.latent_mode = mode
+            model.train(was_training)
+        return [{"caption": c, **r} for c, r in zip(self.captions, rows)]
+
+    def _generate(self, model, acc, prompt: dict, world: dict) -> list[str]:
+        ids, mask = prompt["input_ids"].to(acc.device), prompt["attention_mask"].to(acc.device)
+        with acc.autocast():
+            fused = left_align(model.embed_inputs(ids, mask, **world))
+            tok = model.processor.tokenizer
+            out = decode(model, fused, self.max_new_tokens, Sampler(False, 1.0, 1.0, None, acc.device),
+                         stop_ids(model), tok.pad_token_id)
+        return [tok.decode(row, skip_special_tokens=True).strip() for row in out]
+
+
+def _picture(reader, index: int) -> np.ndarray | None:
+    """The sample's picture (HWC uint8) when the cache kept it, for TensorBoard and W&B."""
+    members, reader.members = reader.members, None  # training reads only what it needs, never the image
+    try:
+        image = reader.decode(index, reader.raw(index), tensors=False).image
+    finally:
+        reader.members = members
+    if not image:
+        return None
+    from PIL import Image
+
+    with Image.open(io.BytesIO(image)) as im:
+        return np.asarray(im.convert("RGB"))
