@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 from theworld import images, run_lock
-from theworld.config import ImageConfig, ModelConfig, load_config, require_path
+from theworld.config import ImageConfig, ModelConfig, check_workers, load_config, require_path
 from theworld.errors import UserError
 from theworld.text import DEFAULT_PROMPT
 
@@ -66,6 +66,7 @@ class PrecomputeConfig:
                 raise UserError(f"config key '{key}': must be positive, got {getattr(self, key)}")
         if self.num_workers < 0:
             raise UserError(f"config key 'num_workers': must be >= 0, got {self.num_workers}")
+        check_workers("num_workers", self.num_workers)
         if self.source.type == "synthetic" and self.source.num_samples is None:
             self.source.num_samples = 4096
         if self.source.num_samples is not None and self.source.num_samples <= 0:

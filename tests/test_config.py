@@ -153,3 +153,113 @@ def test_a_blank_folder_path_is_refused_not_taken_as_the_current_directory(cli, 
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and f"'{key}'" in err, err
     assert list(tmp_path.iterdir()) == []  # nothing written where the command ran
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Round 3: alias bombs, echoed values, machine-bounded counts, float32, what a config path is
+
+# 9 anchors, each a list of 9 aliases of the one before: 9^9 = 387 million strings from about 300 bytes
+_BOMB = "[&a [x, x, x, x, x, x, x, x, x], " + ", ".join(
+    f"&{c} [{', '.join([f'*{p}'] * 9)}]" for p, c in zip("abcdefgh", "bcdefghi")) + "]"
+
+
+def _only_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in err[0], err
+    return err[0]
+
+
+def test_a_yaml_alias_bomb_in_a_known_key_is_refused_at_once_in_a_file_and_in_set(tmp_path, capsys):
+    import time
+
+    from precompute.cosmos_latents import main as precompute
+    from train.loop import main as train
+
+    path = tmp_path / "bomb.yaml"
+    for text, cli in ((f"train:\n  benchmarks: {_BOMB}\n", train), (f"model:\n  gemma: {_BOMB}\n", precompute)):
+        path.write_text(text)
+        t0 = time.time()
+        assert cli(["--config", str(path), "--print-config"]) == 2
+        line = _only_line(capsys)
+        assert "aliases" in line and str(path) in line and len(line) < 300, line
+        assert time.time() - t0 < 5
+    assert train(["--set", f"train.benchmarks={_BOMB}", "--print-config"]) == 2
+    assert "--set train.benchmarks" in _only_line(capsys)
+
+
+def test_a_recursive_alias_is_refused_not_followed(tmp_path, capsys):
+    from train.loop import main
+
+    path = tmp_path / "loop.yaml"
+    path.write_text("train:\n  benchmarks: &a [*a]\n")
+    assert main(["--config", str(path), "--print-config"]) == 2
+    assert "refers to its own anchor" in _only_line(capsys)
+
+
+def test_no_error_line_echoes_a_value_longer_than_a_line(tmp_path, capsys):
+    from train.loop import main
+
+    huge = "y" * 2_000_000
+    cases = [["--set", f"train.schedule={huge}"], ["--set", f"train.lr={huge}"],
+             ["--set", f"train.betas=[{', '.join(['0.5'] * 50_000)}]"], ["--set", f"train.max_steps={'9' * 100_000}"],
+             ["--set", f"train.{huge}=1"]]
+    for args in cases:
+        assert main([*args, "--print-config"]) == 2
+        line = _only_line(capsys)
+        assert len(line) < 1000 and "y" * 100 not in line and "9" * 100 not in line, line[:300]
+        assert args[1].split("=")[0][:20] in line
+
+
+@pytest.mark.parametrize("module,key", [("train.loop", "train.num_workers"), ("train.loop", "train.cpu_threads"),
+                                        ("precompute.cosmos_latents", "num_workers")])
+def test_worker_and_thread_counts_are_bounded_by_the_machine(module, key, capsys):
+    import importlib
+
+    from theworld.config import WORKERS_PER_CORE, usable_cores
+
+    main = importlib.import_module(module).main
+    for value in (100_000, 100_000_000):
+        assert main(["--set", f"{key}={value}", "--print-config"]) == 2
+        line = _only_line(capsys)
+        assert f"'{key}'" in line and f"{usable_cores()} usable CPU cores" in line, line
+    fits = usable_cores() * (1 if "threads" in key else WORKERS_PER_CORE)
+    assert main(["--set", f"{key}={fits}", "--print-config"]) == 0
+
+
+@pytest.mark.parametrize("override,key", [("train.lr=1e300", "train.lr"),
+                                          ("train.lr_multipliers.vision=1e308", "train.lr_multipliers.vision"),
+                                          ("train.grad_norm_warn=1e39", "train.grad_norm_warn"),
+                                          # each fits; their product, the rate AdamW applies, does not
+                                          ("train.lr_multipliers.projector=1e30", "train.lr_multipliers.projector")])
+def test_floats_that_do_not_fit_float32_are_refused_before_loading(override, key, capsys):
+    from train.loop import main
+
+    args = ["--set", override] + (["--set", "train.lr=1e10"] if override.endswith("=1e30") else [])
+    assert main([*args, "--print-config"]) == 2
+    line = _only_line(capsys)
+    assert f"'{key}'" in line and "float32" in line, line
+
+
+def test_a_config_path_that_is_no_file_says_what_it_is_without_reading_it(tmp_path, capsys):
+    import os
+
+    from train.loop import main
+
+    loop, fifo, dangling = tmp_path / "loop.yaml", tmp_path / "fifo.yaml", tmp_path / "gone.yaml"
+    loop.symlink_to(loop)
+    os.mkfifo(fifo)  # reading it would block forever
+    dangling.symlink_to(tmp_path / "nowhere.yaml")
+    for path, words in [(loop, "a symlink loop"), (fifo, "a named pipe (FIFO)"), ("/dev/zero", "a character device"),
+                        (dangling, "a broken symlink"), (tmp_path, "a directory")]:
+        assert main(["--config", str(path), "--print-config"]) == 2
+        line = _only_line(capsys)
+        assert str(path) in line and words in line and "not found" not in line, line
+
+
+def test_memory_plan_refuses_infinite_or_absurd_sizes_in_one_line(capsys):
+    from train.memory import main
+
+    for args in (["--gpu-memory-gib", "inf"], ["--gpu-memory-gib", "nan"], ["--gpu-memory-gib", "1e300"],
+                 ["--gpus", str(10**30)]):
+        assert main(["--config", "configs/stage1.yaml", *args]) == 2
+        assert "--gpu" in _only_line(capsys)

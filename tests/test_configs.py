@@ -60,13 +60,13 @@ def _another_value(value):
     """A different value of the same type, written as --set takes it."""
     if isinstance(value, bool):
         return str(not value).lower()
-    if isinstance(value, int):
-        return str(value + 1)
+    if isinstance(value, int):  # down where it can: thread and worker counts are bounded by the machine's cores
+        return str(value - 1 if value > 1 else value + 1)
     if isinstance(value, float):
         return str(value + 0.5)
     if isinstance(value, list):
         return "[]" if value else "[x.jsonl]"
-    return "x"
+    return {"auto": "4", "ddp": "fsdp", "fsdp": "ddp"}.get(value, "x")
 
 
 def test_run_hash_ignores_resume_neutral_keys_and_sees_the_rest(tmp_path):

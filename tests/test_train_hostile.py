@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ENV, ROOT, base_args, free_port, launch2, metrics, run2, train_inproc, weights
+
 from theworld.cache_format import sha256_file
 
 
@@ -127,7 +127,8 @@ def _enospc(*_a, **_k):
 
 def test_a_full_disk_while_saving_or_logging_is_one_line_and_the_rerun_is_bit_exact(cache, tmp_path, capsys,
                                                                                     monkeypatch):
-    from train import checkpoint, metrics as metrics_module
+    from train import checkpoint
+    from train import metrics as metrics_module
 
     args = lambda out: base_args(cache, out, steps=4, **{"train.save_every": 1})
     assert train_inproc(args(tmp_path / "ref")) == 0
@@ -364,3 +365,254 @@ def test_a_signal_to_one_of_two_processes_stops_both_after_the_same_step_with_a_
     assert train_inproc(base_args(cache, out, steps=int(ckpts[0].name.split("-")[1]) + 1,
                                   **{"train.save_every": 100})) == 0
     assert "resumed from" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Round 3: trained folders are checked before use; hand-edited state; metrics.jsonl abuse; resolve-dependent resume
+
+
+def _tamper_weights(path: Path, value: float) -> None:
+    """What an adversary's tool writes: a valid safetensors file with one value of one tensor replaced."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    name = sorted(tensors)[0]
+    tensors[name].view(-1)[0] = value
+    save_file(tensors, str(path))
+
+
+def _reseal(folder: Path) -> None:
+    """An adversary who also rewrites final/'s sha256 record to match."""
+    record = {f.name: sha256_file(f) for f in sorted(folder.iterdir()) if f.name not in ("sha256.json", "README.md")}
+    (folder / "sha256.json").write_text(json.dumps(record))
+
+
+def test_final_is_hashed_and_damaged_or_non_finite_weights_are_refused_by_every_reader(cache, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from theworld import describe, evaluate
+    from theworld.errors import UserError
+    from theworld.infer import benchmarks
+    from theworld.model import TheWorld
+
+    out = tmp_path / "run"
+    assert train_inproc(base_args(cache, out, steps=2)) == 0
+    final = out / "final"
+    record = json.loads((final / "sha256.json").read_text())
+    assert record == {f.name: sha256_file(f) for f in final.iterdir() if f.name not in ("sha256.json", "README.md")}
+    assert {"trainable.safetensors", "config.yaml", "prompt.txt"} <= set(record)
+    weights = final / "trainable.safetensors"
+    good = weights.read_bytes()
+    first = sorted(load_file(str(weights)))[0]
+    data = tmp_path / "mc.jsonl"
+    benchmarks.make_synthetic(data, 4, seed=1)
+    image = tmp_path / "a.png"
+    from PIL import Image
+
+    Image.new("RGB", (64, 64), "red").save(image)
+    readers = {"describe": lambda: describe.main(["--model", str(out), "--image", str(image)]),
+               "evaluate": lambda: evaluate.main(["--model", str(out), "--data", str(data)]),
+               "init_from": lambda: train_inproc(base_args(cache, tmp_path / "next", steps=1,
+                                                           **{"init_from": final}))}
+    capsys.readouterr()
+    for damage, words in (("bit", ["damaged", "sha256"]), ("nan", [first, "non-finite"]),
+                          ("inf", [first, "non-finite"])):
+        weights.write_bytes(good)
+        if damage == "bit":
+            raw = bytearray(good)
+            raw[-5] ^= 0x10
+            weights.write_bytes(bytes(raw))
+        else:
+            _tamper_weights(weights, float(damage))
+            _reseal(final)  # past the record: the finite check is what refuses it
+        with pytest.raises(UserError) as e:
+            TheWorld.from_pretrained(out)
+        assert all(w in str(e.value) for w in words), str(e.value)
+        for name, run in readers.items():
+            assert run() == 2, (damage, name)
+            _one_line(capsys, *words)
+        _reseal(final)
+    assert not (tmp_path / "next" / "final").exists()
+
+
+def test_a_hand_edited_state_json_is_refused_naming_it(cache, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = lambda steps: base_args(cache, out, steps=steps, **{"train.save_every": 2})  # noqa: E731
+    assert train_inproc(args(4)) == 0
+    ckpt = out / "checkpoint-4"
+    original = (ckpt / "state.json").read_text()
+    state = json.loads(original)
+    assert state["state_sha256"]
+    capsys.readouterr()
+    edits = [({"step": -5}, "changed after it was written"), ({"step": 3}, "changed after it was written"),
+             ({"data_cursor": {"epoch": 0, "batch_in_epoch": 0}}, "changed after it was written")]
+    # one who also drops the digest (as a checkpoint written before it existed has none): the step must be the folder's
+    edits += [({"step": 3, "state_sha256": None}, "not the folder's 4"), ({"step": -5, "state_sha256": None}, "-5")]
+    for edit, words in edits:
+        edited = {k: v for k, v in {**state, **edit}.items() if v is not None}
+        (ckpt / "state.json").write_text(json.dumps(edited))
+        assert train_inproc(args(6)) == 2, edit
+        _one_line(capsys, str(ckpt / "state.json"), words)
+    (ckpt / "state.json").write_text(original)
+    assert train_inproc(args(6)) == 0
+    assert "resumed from" in capsys.readouterr().err
+
+
+def test_resume_reads_a_metrics_log_with_a_non_utf8_line_and_refuses_one_that_is_a_folder(cache, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = lambda steps, d=out: base_args(cache, d, steps=steps, **{"train.save_every": 2})  # noqa: E731
+    assert train_inproc(args(2)) == 0
+    log = out / "metrics.jsonl"
+    log.write_bytes(log.read_bytes() + b'{"step": 1, "note": "caf\xe9"}\n\xff\xfe garbage\n')
+    capsys.readouterr()
+    assert train_inproc(args(3)) == 0
+    assert [m["step"] for m in metrics(out) if "loss" in m] == [1, 2, 3]
+    other = tmp_path / "other"
+    (other / "metrics.jsonl").mkdir(parents=True)
+    capsys.readouterr()
+    assert train_inproc(args(2, other)) == 2
+    _one_line(capsys, "metrics.jsonl", "is a directory")
+    assert sorted(p.name for p in other.iterdir()) == ["metrics.jsonl"]
+
+
+def test_resuming_under_another_resolved_micro_batch_or_sharding_does_not_warn_of_another_config(cache, tmp_path,
+                                                                                                   capsys):
+    out = tmp_path / "run"
+    common = {"train.save_every": 2, "train.micro_batch_size": "auto"}
+    assert train_inproc(base_args(cache, out, steps=2, **common, **{"train.max_micro_batch_size": 4})) == 0
+    capsys.readouterr()
+    # auto now resolves to 8 (as it does when a 2-process run resumes on 1), and the launcher asks for no FSDP
+    assert train_inproc(base_args(cache, out, steps=2, **common, **{"train.max_micro_batch_size": 8})) == 0
+    err = capsys.readouterr().err
+    assert "resumed from" in err and "different config" not in err
+    assert train_inproc(base_args(cache, out, steps=2, **common, **{"train.lr": "2e-2"})) == 0
+    assert "written under a different config" in capsys.readouterr().err  # a change of the numbers still warns
+
+
+def _slow_eval_with_signal(monkeypatch, at_step: int, sig=signal.SIGTERM, per_batch: float = 0.5) -> dict:
+    """The eval at step `at_step` takes `per_batch` s a batch, and `sig` arrives 0.3 s into it. Returns its batches
+    run, when the signal was sent and when the eval gave up (seconds since the epoch)."""
+    import threading
+
+    from train import step
+    from train import trainer as loop
+
+    seen = {}
+
+    def slow(components, loader):
+        if loop_state["state"].step != at_step:
+            return step.evaluate(components, loader)
+
+        def batches():
+            for b in loader:
+                seen["batches"] = seen.get("batches", 0) + 1
+                time.sleep(per_batch)
+                yield b
+
+        class Slow:
+            def __iter__(self):
+                return batches()
+
+            def __len__(self):
+                return len(loader)
+
+        threading.Timer(0.3, lambda: (seen.setdefault("sent", time.time()), os.kill(os.getpid(), sig))).start()
+        try:
+            return step.evaluate(components, Slow())
+        finally:
+            seen["left"] = time.time()
+
+    loop_state = {}
+    real_restore = loop.checkpoint.restore
+
+    def restore(*a, **k):
+        loop_state["state"] = real_restore(*a, **k)
+        return loop_state["state"]
+
+    monkeypatch.setattr(loop.checkpoint, "restore", restore)
+    monkeypatch.setattr(loop, "evaluate", slow)
+    return seen
+
+
+def test_a_stop_during_a_long_eval_cuts_it_and_saves_at_once(cache, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    extra = {"train.eval_every": 2, "train.save_every": 100, "train.eval_samples": 32, "train.eval_batch_size": 2}
+    seen = _slow_eval_with_signal(monkeypatch, at_step=2)  # 16 batches: 8 s of eval
+    assert train_inproc(base_args(cache, out, steps=6, **extra)) == 143
+    err = capsys.readouterr().err
+    assert seen["left"] - seen["sent"] < 2 and seen["batches"] < 6, seen
+    assert "SIGTERM during the eval at step 2: eval cut short and not logged" in err and "Traceback" not in err
+    assert "stopped by SIGTERM after step 2" in err
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-2"] and not (out / "final").exists()
+    assert not [m for m in metrics(out) if "eval_loss" in m and m["step"] == 2]
+    # a stop in the eval before the first step: nothing to save, nothing lost
+    seen = _slow_eval_with_signal(monkeypatch, at_step=0, sig=signal.SIGINT)
+    assert train_inproc(base_args(cache, tmp_path / "fresh", steps=6, **extra)) == 130
+    assert "stopped by SIGINT before the first step: nothing to save" in capsys.readouterr().err
+    assert not list((tmp_path / "fresh").glob("checkpoint-*"))
+
+
+def test_the_last_eval_comes_after_the_checkpoint_and_final_so_neither_a_stop_nor_a_failure_loses_them(
+        cache, tmp_path, capsys, monkeypatch):
+    from theworld.errors import UserError
+    from train import step
+    from train import trainer as loop
+
+    out = tmp_path / "run"
+    extra = {"train.save_every": 100, "train.eval_samples": 32, "train.eval_batch_size": 2}
+    _slow_eval_with_signal(monkeypatch, at_step=4)
+    assert train_inproc(base_args(cache, out, steps=4, **extra)) == 143
+    assert "eval at step 4: eval cut short" in capsys.readouterr().err
+    assert (out / "checkpoint-4").is_dir() and (out / "final" / "trainable.safetensors").is_file()
+    weights = _final(out)
+    assert "final eval loss n/a" in (out / "final" / "README.md").read_text()
+    # the last eval fails (a benchmark that cannot be scored): one line, exit 2, both saves kept
+    ref = tmp_path / "ref"
+    monkeypatch.setattr(loop, "evaluate", lambda *a: (_ for _ in ()).throw(UserError("no memory for item 7")))
+    assert train_inproc(base_args(cache, ref, steps=4, **extra)) == 2
+    _one_line(capsys, "the eval after the last step failed", "no memory for item 7",
+              "checkpoint-4 and final/ are saved")
+    assert (ref / "checkpoint-4").is_dir() and _final(ref) == weights
+    # the rerun repeats only the eval, and the checkpoint and the card record it
+    monkeypatch.setattr(loop, "evaluate", step.evaluate)
+    assert train_inproc(base_args(cache, out, steps=4, **extra)) == 0
+    assert _final(out) == weights
+    last = [m for m in metrics(out) if "eval_loss" in m]
+    assert [m["step"] for m in last] == [4]
+    assert json.loads((out / "checkpoint-4" / "state.json").read_text())["last_eval"]["step"] == 4
+    assert f"final eval loss {last[0]['eval_loss']:.4f}" in (out / "final" / "README.md").read_text()
+    from theworld.checkpoint_layout import verify
+
+    verify(out / "final"), verify(out / "checkpoint-4")  # the records follow the rewritten files
+    capsys.readouterr()
+    assert train_inproc(base_args(cache, out, steps=4, **extra)) == 0  # resumable as it is: the seal holds
+    assert [m["step"] for m in metrics(out) if "eval_loss" in m] == [4]
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_two_process_launch_during_a_long_last_eval_ends_well_within_the_grace_period(cache, tmp_path):
+    from theworld.infer import benchmarks
+
+    data = tmp_path / "bench" / "big.jsonl"
+    data.parent.mkdir()
+    benchmarks.make_synthetic(data, 2000, seed=1)  # minutes of scoring on this CPU
+    out = tmp_path / "run"
+    args = base_args(cache, out, steps=2, **{"train.save_every": 100, "train.benchmarks": f"[{data}]"})
+    launcher = launch2(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while not (out / "final" / "sha256.json").is_file() and launcher.poll() is None and time.time() < deadline:
+            time.sleep(0.1)  # final/ is written before the last eval starts
+        assert (out / "final" / "sha256.json").is_file(), launcher.poll()
+        time.sleep(2)  # into the benchmark
+        t0 = time.time()
+        launcher.send_signal(signal.SIGTERM)  # torch elastic forwards it, and SIGKILLs what is left 30 s later
+        _, err = launcher.communicate(timeout=120)
+        took = time.time() - t0
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert took < 20, (took, err[-3000:])
+    assert "SIGTERM during the eval at step 2: eval cut short" in err, err[-3000:]
+    assert (out / "checkpoint-2").is_dir() and (out / "final" / "trainable.safetensors").is_file()
+    assert not [m for m in metrics(out) if "bench/big/accuracy" in m]

@@ -10,17 +10,22 @@
     <output_dir>/checkpoint-<step>/ema.safetensors        EMA of the trainable weights (when train.ema > 0)
     <output_dir>/checkpoint-<step>/config.yaml            the resolved config (defines the model: SECTIONS)
     <output_dir>/final/                                   trainable.safetensors (+ ema), config.yaml, README.md,
-                                                          prompt.txt (the prompt the training samples carried)
+                                                          prompt.txt (the prompt the training samples carried),
+                                                          sha256.json: the sha256 of every other file but the
+                                                          card (README.md, which evaluate adds its results to)
 
 A stage folder (final/ or checkpoint-N/) holds the trained tensors and the run's resolved config; the base models come
 from where that config names them (`tiny`, a local folder or a hub id).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import yaml
 
 from theworld import hub
@@ -43,6 +48,7 @@ STATE = "state.json"
 OPTIMIZER = "optimizer.pt"
 RNG = "rng.safetensors"
 CARD = "README.md"
+SUMS = "sha256.json"  # final/'s record of its files' sha256 but the card's (a checkpoint's is in its state.json)
 PROMPT = "prompt.txt"  # final/: the prompt the run trained with, the default of describe and caption evaluation
 FINAL = "final"
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
@@ -74,7 +80,61 @@ def resolve(path: str | Path) -> Path:
     if not (folder / CONFIG).is_file():
         raise UserError(f"model {folder}: no {CONFIG} (a checkpoint written before checkpoints carried their config: "
                         f"use the run's final/ folder, or copy the run's config there as {CONFIG})")
+    try:
+        verify(folder)
+    except UserError as e:
+        raise UserError(f"model {e}") from None
     return folder
+
+
+def state_digest(state: dict) -> str:
+    """The digest a checkpoint's state.json records of its own content (every key but this one), so a hand edit of
+    the step or the data cursor is caught like a changed weights file."""
+    body = {k: v for k, v in state.items() if k != "state_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def recorded_sha256(folder: Path) -> dict[str, str] | None:
+    """The sha256 a stage folder recorded of its files (a checkpoint's state.json, final/'s sha256.json), or None for
+    a folder written before such records existed (taken as it is)."""
+    for name, key in ((STATE, "sha256"), (SUMS, None)):
+        if (folder / name).is_file():
+            try:
+                data = json.loads((folder / name).read_bytes())
+            except (OSError, ValueError) as e:
+                raise UserError(f"{folder / name}: cannot read it ({type(e).__name__}: {str(e)[:200]})") from None
+            record = (data.get(key) if isinstance(data, dict) else None) if key else data
+            if record is not None and not (isinstance(record, dict)
+                                           and all(isinstance(v, str) for v in record.values())):
+                raise UserError(f"{folder / name}: not a sha256 record (hand-edited or damaged)")
+            return record
+    return None
+
+
+def verify(folder: Path, names: list[str] | None = None) -> None:
+    """The files of a stage folder are the ones it recorded (all of them, or `names`); a damaged, truncated or
+    missing one is a one-line error naming it."""
+    from theworld.cache_format import sha256_file
+
+    record = recorded_sha256(folder)
+    for name, digest in (record or {}).items():
+        if names is not None and name not in names:
+            continue
+        f = folder / name
+        if not f.is_file() or sha256_file(f) != digest:
+            where = STATE if (folder / STATE).is_file() else SUMS
+            raise UserError(f"{f} is {'damaged' if f.is_file() else 'missing'} (its sha256 is not the one {where} "
+                            "recorded)")
+
+
+def check_finite(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
+    """Trained weights hold finite numbers: a NaN or inf tensor gives a model that scores and describes nothing, with
+    no error of its own."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise UserError(f"{path}: tensor {name} holds {bad} non-finite value(s) (NaN or inf) of {t.numel()}; "
+                            "these weights cannot be used")
 
 
 def read_yaml(folder: Path) -> dict:

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import math
 import os
+import reprlib
+import stat
 import sys
 import types
 import typing
@@ -18,12 +21,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+import numpy as np
 import yaml
 
 from theworld.arch import LORA_MODULES, VAE_FACTOR
 from theworld.errors import UserError
 
 T = TypeVar("T")
+
+LINE = 200  # the most of a value an error line echoes
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong, _SHOWN.maxlist, _SHOWN.maxdict, _SHOWN.maxlevel = 60, 60, 40, 6, 6, 3
+
+
+def shown(value: Any) -> str:
+    """`repr(value)` cut to a line, with an ellipsis where it was cut (a value may be megabytes of text or a
+    deeply nested list), so an error line stays one readable line."""
+    return _SHOWN.repr(value)
+
+
+def one_line(text: str, limit: int = 4 * LINE) -> str:
+    """An error message as one line of bounded length (the end cut, with an ellipsis)."""
+    text = " ".join(text.split("\n"))
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 @dataclass
@@ -151,7 +171,7 @@ def _check_value(value: Any, tp: Any, key: str) -> Any:
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices or type(value) is not type(choices[0]):
-            raise UserError(f"config key '{key}': must be one of {list(choices)}, got {value!r}")
+            raise UserError(f"config key '{key}': must be one of {list(choices)}, got {shown(value)}")
         return value
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -163,7 +183,7 @@ def _check_value(value: Any, tp: Any, key: str) -> Any:
                 return _check_value(value, arg, key)
             except UserError as e:
                 errors.append(str(e))
-        raise UserError(errors[0] if len(errors) == 1 else f"config key '{key}': {value!r} has the wrong type")
+        raise UserError(errors[0] if len(errors) == 1 else f"config key '{key}': {shown(value)} has the wrong type")
     if origin is list:
         if not isinstance(value, list):
             raise UserError(f"config key '{key}': expected a list, got {type(value).__name__}")
@@ -179,19 +199,22 @@ def _check_value(value: Any, tp: Any, key: str) -> Any:
             pass
     if tp in (int, float, str, bool):
         if type(value) is not tp:
-            raise UserError(f"config key '{key}': expected {tp.__name__}, got {type(value).__name__} {value!r}")
+            raise UserError(f"config key '{key}': expected {tp.__name__}, got {type(value).__name__} {shown(value)}")
         if tp is float and not math.isfinite(value):  # .inf / .nan would train to NaN or disable a check silently
-            raise UserError(f"config key '{key}': must be a finite number, got {value!r}")
+            raise UserError(f"config key '{key}': must be a finite number, got {shown(value)}")
+        if tp is float and abs(value) > FLOAT32_MAX:  # the tensors it multiplies are float32 (or narrower): inf
+            raise UserError(f"config key '{key}': {value:g} does not fit float32 (at most {FLOAT32_MAX:.4g})")
         return _check_int(value, key) if tp is int else value
     raise TypeError(f"unsupported config type {tp} for {key}")
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 INT_LIMIT = 2**63 - 1  # what numpy, torch and the C libraries under them hold; any key's own limit is lower
 
 
 def _check_int(value: int, key: str) -> int:
     if abs(value) > INT_LIMIT:
-        raise UserError(f"config key '{key}': {value} is too large (at most {INT_LIMIT})")
+        raise UserError(f"config key '{key}': {shown(value)} is too large (at most {INT_LIMIT})")
     return value
 
 
@@ -200,19 +223,21 @@ def _build(cls: type[T], data: dict, prefix: str = "") -> T:
     names = {f.name for f in dataclasses.fields(cls)}
     for k in data:
         if k not in names:
-            raise UserError(f"unknown config key '{prefix}{k}' (known here: {', '.join(sorted(names))})")
+            raise UserError(f"unknown config key {shown(prefix + str(k))} (known here: {', '.join(sorted(names))})")
     kwargs = {k: _check_value(v, hints[k], prefix + k) for k, v in data.items()}
     return cls(**kwargs)
 
 
 def _parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
-        raise UserError(f"--set expects key=value, got {text!r}")
+        raise UserError(f"--set expects key=value, got {shown(text)}")
     key, raw = text.split("=", 1)
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = yaml_load(raw, f"--set {key.strip()}") if raw != "" else ""
+    except RecursionError:
+        raise UserError(f"--set {key.strip()}: value nested too deeply to be a config value") from None
     except yaml.YAMLError as e:
-        raise UserError(f"--set {key.strip()}: value {raw!r} is not valid YAML ({str(e).splitlines()[0]}); "
+        raise UserError(f"--set {key.strip()}: value {shown(raw)} is not valid YAML ({str(e).splitlines()[0]}); "
                         "quote it") from None
     return key.strip().split("."), _Text(raw, value) if isinstance(value, (bool, int, float)) else value
 
@@ -224,6 +249,77 @@ def _apply_override(data: dict, path: list[str], value: Any) -> None:
         if not isinstance(node, dict):
             raise UserError(f"--set {'.'.join(path)}: '{part}' is not a section")
     node[path[-1]] = value
+
+
+MAX_YAML_VALUES = 100_000  # scalars, lists and mappings of a config once its aliases are expanded (a config has
+# a few hundred; an alias bomb of a few hundred bytes has billions)
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int], open_: set[int], where: str) -> int:
+    """How many nodes `node` stands for once every alias is expanded, memoised by node (an alias is the same node
+    object), so the count costs one visit per distinct node however far the aliases would expand."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in open_:
+        raise UserError(f"{where}: a YAML alias refers to its own anchor (an endless value)")
+    open_.add(key)
+    if isinstance(node, yaml.MappingNode):
+        children = [n for pair in node.value for n in pair]
+    elif isinstance(node, yaml.SequenceNode):
+        children = node.value
+    else:
+        children = []
+    total = 1
+    for child in children:
+        total += _expanded_size(child, sizes, open_, where)
+        if total > MAX_YAML_VALUES:
+            break
+    open_.discard(key)
+    sizes[key] = total
+    return total
+
+
+def yaml_load(text: str, where: str) -> Any:
+    """`yaml.safe_load`, refusing a document whose aliases expand beyond MAX_YAML_VALUES values (checked on the
+    composed node graph, before anything is built). `where` names the source in the error line."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        if _expanded_size(node, {}, set(), where) > MAX_YAML_VALUES:
+            raise UserError(f"{where}: more than {MAX_YAML_VALUES:,} values once its YAML aliases are expanded; a "
+                            "config has a few hundred (an alias bomb?)")
+        try:
+            return loader.construct_document(node)
+        except ValueError as e:  # an integer of thousands of digits (Python's int-from-text limit)
+            raise UserError(f"{where}: a value YAML cannot build ({one_line(str(e), LINE)})") from None
+    finally:
+        loader.dispose()
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, which a scheduler's allocation narrows)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+WORKERS_PER_CORE = 8  # loader workers mostly wait on I/O and decoding: a few per core help, thousands only thrash
+
+
+def check_workers(key: str, value: int) -> None:
+    """A count of worker processes the machine can hold: every one is a process with its own memory."""
+    limit = WORKERS_PER_CORE * usable_cores()
+    if value > limit:
+        raise UserError(f"config key '{key}': {shown(value)} worker processes on a machine with {usable_cores()} "
+                        f"usable CPU cores; at most {limit} ({WORKERS_PER_CORE} per core)")
+
+
+def check_threads(key: str, value: int) -> None:
+    """A thread count: more threads than cores only makes them wait for each other."""
+    if value > usable_cores():
+        raise UserError(f"config key '{key}': {shown(value)} threads on a machine with {usable_cores()} usable CPU "
+                        f"cores; at most {usable_cores()}")
 
 
 def require_path(key: str, value: str) -> None:
@@ -239,7 +335,7 @@ def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()
     if path is not None:
         p = resolve_config_path(path)
         try:
-            data = yaml.safe_load(p.read_bytes().decode("utf-8")) or {}
+            data = yaml_load(p.read_bytes().decode("utf-8"), f"config file {p}") or {}
         except UnicodeDecodeError as e:
             raise UserError(f"config file {p} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})"
                             ) from None
@@ -261,7 +357,11 @@ def from_dict(cls: type[T], data: dict) -> T:
     try:
         return _build(cls, data)
     except TypeError as e:  # a required field missing, etc.
-        raise UserError(f"config: {e}") from None
+        raise UserError(one_line(f"config: {e}")) from None
+    except RecursionError:
+        raise UserError("config: a value is nested too deeply to be a config value") from None
+    except UserError as e:  # a check that echoed a huge value (a megabyte string, a long list) still gives one line
+        raise type(e)(one_line(str(e))) from None
 
 
 CONFIGS_DIR = "configs"  # where the shipped configs live, under the repository root
@@ -277,13 +377,33 @@ def resolve_config_path(path: str | Path) -> Path:
         for folder in (Path.cwd() / CONFIGS_DIR, Path(__file__).resolve().parents[1] / CONFIGS_DIR):
             if (folder / p.name).is_file():
                 found = folder / p.name
-                shown = found.relative_to(Path.cwd()) if found.is_relative_to(Path.cwd()) else found
+                rel = found.relative_to(Path.cwd()) if found.is_relative_to(Path.cwd()) else found
                 if int(os.environ.get("RANK", "0")) == 0:  # once under a launcher
-                    print(f"config: {p} is not a file in {Path.cwd()}; using {shown}", file=sys.stderr)
+                    print(f"config: {p} is not a file in {Path.cwd()}; using {rel}", file=sys.stderr)
                 return found
-    if p.is_dir():
-        raise UserError(f"config file {p} is a directory")
-    raise UserError(f"config file not found: {p}")
+    what = path_kind(p)
+    if what is None:
+        raise UserError(f"config file not found: {p}")
+    raise UserError(f"config file {p} is {what}, not a regular file")
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def path_kind(p: Path) -> str | None:
+    """What a path is, in words ("a named pipe (FIFO)", "a symlink loop", ...), from its metadata alone (reading a
+    FIFO or /dev/zero would hang or never end); None when nothing is there."""
+    try:
+        mode = p.stat().st_mode
+    except OSError as e:
+        if p.is_symlink():
+            return "a symlink loop" if e.errno == errno.ELOOP else f"a broken symlink (to {os.readlink(p)})"
+        if e.errno == errno.ELOOP:
+            return "a path through a symlink loop"
+        return None if e.errno == errno.ENOENT else f"unreadable ({e.strerror})"
+    return next((words for test, words in _KINDS if test(mode)), "a regular file" if stat.S_ISREG(mode) else
+                "not a regular file")
 
 
 def to_dict(cfg: Any) -> dict:

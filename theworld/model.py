@@ -312,9 +312,11 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     if not Path(path).is_file():
         raise UserError(f"no weights file at {path}")
     try:
-        return load_file(str(path))
+        tensors = load_file(str(path))
     except Exception as e:  # a .bin, a torn copy: name the file rather than show safetensors' internals
         raise UserError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e})") from e
+    layout.check_finite(tensors, path)
+    return tensors
 
 
 def local_like(ref: torch.Tensor, full: torch.Tensor) -> torch.Tensor:

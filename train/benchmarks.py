@@ -20,6 +20,7 @@ import torch
 from theworld.errors import UserError
 from theworld.infer import baselines, benchmarks, stats
 from theworld.infer.scoring import Scorer, tally
+from train import preempt
 from train.config import BenchmarkEntry
 
 if TYPE_CHECKING:
@@ -107,6 +108,7 @@ class BenchmarkEval:
         steps = math.ceil(math.ceil(len(items) / components.world_size) / per_batch)
         counts = torch.zeros(4 + 3 * len(bset.baselines), dtype=torch.float64, device=components.accelerator.device)
         for s in range(steps):
+            preempt.poll()  # the same `steps` on every process
             idx = mine[s * per_batch:(s + 1) * per_batch]
             with components.accelerator.autocast():
                 outputs = run(idx or [0], conds)

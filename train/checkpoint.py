@@ -34,8 +34,12 @@ from theworld.checkpoint_layout import (
     PROMPT,
     RNG,
     STATE,
+    SUMS,
     WEIGHTS,
+    check_finite,
     read_config,
+    state_digest,
+    verify,
 )
 from theworld.config import to_yaml
 from theworld.errors import OutOfSpace, UserError, no_space_message, out_of_space
@@ -86,22 +90,26 @@ def resolve_resume(cfg: TrainConfig) -> Path | None:
 
 
 def check_resumable(path: Path, max_steps: int) -> dict:
-    """Before any model loads: the checkpoint's files are the ones it recorded (sha256 in state.json; see
-    train/checkpoint_migrations.py for older checkpoints), and its step is not past train.max_steps. Returns
-    state.json."""
+    """Before any model loads: the checkpoint's files are the ones it recorded (sha256 in state.json, which also
+    records its own digest; see train/checkpoint_migrations.py for older checkpoints), its step is the folder's and
+    not past train.max_steps. Returns state.json."""
+    advice = f"move {path} out of output_dir and resume: auto takes the one before it"
     state = _read(path / STATE, lambda p: json.loads(p.read_text()))
     if not isinstance(state, dict):
-        raise UserError(f"resume: {path / STATE} holds no step; move {path} out of output_dir")
+        raise UserError(f"resume: {path / STATE} holds no step; {advice}")
     state = checkpoint_migrations.state(state, path)
-    for name, digest in (state["sha256"] or {}).items():
-        f = path / name
-        if not f.is_file() or sha256_file(f) != digest:
-            raise UserError(f"resume: {f} is {'damaged' if f.is_file() else 'missing'} (its sha256 is not the one "
-                            f"{STATE} recorded); move {path} out of output_dir and resume: auto takes the one before "
-                            "it")
+    try:
+        verify(path)
+    except UserError as e:
+        raise UserError(f"resume: {e}; {advice}") from None
+    if "state_sha256" in state and state["state_sha256"] != state_digest(state):
+        raise UserError(f"resume: {path / STATE} was changed after it was written (its content does not match the "
+                        f"digest it recorded); {advice}")
     step = state.get("step")
-    if type(step) is not int:
-        raise UserError(f"resume: {path / STATE} holds no step; move {path} out of output_dir")
+    folder = CHECKPOINT_RE.match(path.name)
+    if type(step) is not int or step < 0 or (folder and step != int(folder.group(1))):
+        raise UserError(f"resume: {path / STATE} holds step {step!r}, not the folder's "
+                        f"{folder.group(1) if folder else 'a step >= 0'}; {advice}")
     if step > max_steps:
         raise UserError(f"config key 'train.max_steps': {max_steps} is below step {step} of {path}, which would "
                         "export weights trained past it; raise train.max_steps, or use another output_dir")
@@ -186,12 +194,17 @@ def remove_partial(output_dir: str | Path) -> list[Path]:
 
 
 def resolve_weights(path: str | Path) -> Path:
-    """init_from: a final/ or checkpoint folder, a .safetensors file, or a hub repo id (user/name[@revision])."""
+    """init_from: a final/ or checkpoint folder, a .safetensors file, or a hub repo id (user/name[@revision]);
+    checked against the sha256 its folder recorded."""
     p = hub.resolve(path, "config key 'init_from':")
     if p.is_dir():
         p = p / WEIGHTS
     if not p.is_file():
         raise UserError(f"config key 'init_from': no weights at {p}")
+    try:
+        verify(p.parent, [p.name])
+    except UserError as e:
+        raise UserError(f"config key 'init_from': {e}") from None
     return p
 
 
@@ -298,13 +311,21 @@ def save(components: Components, state: LoopState, output_dir: str | Path, keep_
     if components.ema is not None:
         files[EMA] = _ema_writer(whole)
     # last, so it can record every other file's sha256 (checked by check_resumable)
-    files[STATE] = lambda p: p.write_text(json.dumps(
-        {**state.to_json(), **extra_state, "time": time.time(),
-         "sha256": {f.name: sha256_file(f) for f in sorted(p.parent.iterdir()) if f.name != STATE}}, indent=1))
+    files[STATE] = lambda p: p.write_text(json.dumps(_sealed(
+        {**state.to_json(), **extra_state, "time": time.time(), "sha256": _sums(p.parent, STATE)}), indent=1))
     final = _publish(out, f"checkpoint-{state.step}", files)
     for old in list_checkpoints(out)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _sums(folder: Path, *but: str) -> dict[str, str]:
+    """sha256 of every file in `folder` but those named (the record being written, final/'s model card)."""
+    return {f.name: sha256_file(f) for f in sorted(folder.iterdir()) if f.name not in but}
+
+
+def _sealed(state: dict) -> dict:
+    return {**state, "state_sha256": state_digest(state)}
 
 
 def load(components: Components, path: Path) -> dict:
@@ -316,6 +337,7 @@ def load(components: Components, path: Path) -> dict:
         if not (path / EMA).is_file():
             raise UserError(f"resume: {path} has no {EMA} but train.ema is on")
         ema = _read(path / EMA, lambda p: load_file(str(p)))
+        check_finite(ema, path / EMA)
         for t, n in zip(components.ema, _trainable_names(components)):
             t.copy_(local_like(t, ema[n]))
     torch.set_rng_state(_read(path / RNG, lambda p: load_file(str(p)))["torch_cpu"])
@@ -376,6 +398,39 @@ def export_final(components: Components, state: LoopState, cfg_yaml: str, output
     cfg = components.cfg
     whole = whole or gather(components)
     out = Path(output_dir)
+    files = {WEIGHTS: lambda p: save_file(whole.weights, str(p)), CONFIG: lambda p: p.write_text(cfg_yaml),
+             CARD: lambda p: p.write_text(_card(components, state, out, prompt)),
+             PROMPT: lambda p: p.write_text(prompt + "\n", encoding="utf-8")}
+    if components.ema is not None:
+        files[EMA] = _ema_writer(whole)
+    if cfg.lora is not None:  # final/ is also a peft adapter folder for the base Gemma
+        files.update(lora.adapter_files(cfg.lora, cfg.model.gemma, whole.weights))
+    # last: it covers the rest but the card, which evaluate adds its results to
+    files[SUMS] = lambda p: p.write_text(json.dumps(_sums(p.parent, SUMS, CARD), indent=1))
+    return _publish(out, FINAL, files)
+
+
+def _replace_file(path: Path, text: str) -> None:
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def record_eval(components: Components, state: LoopState, output_dir: str | Path) -> None:
+    """Main process, after the last eval (which runs once checkpoint-<step> and final/ are saved): the checkpoint's
+    state.json (resealed) and final/'s model card take its numbers, each file replaced whole."""
+    out = Path(output_dir)
+    ckpt = out / f"checkpoint-{state.step}"
+    if (ckpt / STATE).is_file():
+        saved = json.loads((ckpt / STATE).read_text())
+        _replace_file(ckpt / STATE, json.dumps(_sealed({**saved, "last_eval": state.last_eval}), indent=1))
+    final = out / FINAL
+    prompt = (final / PROMPT).read_text(encoding="utf-8").removesuffix("\n")
+    _replace_file(final / CARD, _card(components, state, out, prompt))
+
+
+def _card(components: Components, state: LoopState, out: Path, prompt: str) -> str:
+    cfg = components.cfg
     ev = state.last_eval or {}
     fmt = lambda x: "n/a" if x is None else f"{x:.4f}"
     gap = (ev["eval_loss_shuffled_world"] - ev["eval_loss"]) if ev else None
@@ -390,10 +445,4 @@ def export_final(components: Components, state: LoopState, cfg_yaml: str, output
     if state.eval_history:
         card += "\n" + next_step(state.plateau_step, str(out / FINAL),
                                   cfg.train.stop_on_plateau and state.plateau_step is not None) + "\n"
-    files = {WEIGHTS: lambda p: save_file(whole.weights, str(p)), CONFIG: lambda p: p.write_text(cfg_yaml),
-             CARD: lambda p: p.write_text(card), PROMPT: lambda p: p.write_text(prompt + "\n", encoding="utf-8")}
-    if components.ema is not None:
-        files[EMA] = _ema_writer(whole)
-    if cfg.lora is not None:  # final/ is also a peft adapter folder for the base Gemma
-        files.update(lora.adapter_files(cfg.lora, cfg.model.gemma, whole.weights))
-    return _publish(out, FINAL, files)
+    return card

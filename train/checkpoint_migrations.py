@@ -2,7 +2,8 @@
 folder's state.json and optimizer.pt lives here, so `train.checkpoint` reads one layout.
 
 - 2 (what this code writes): state.json has `format_version`, the sha256 of every other file, the data position,
-  the cache identity, the config hash and the process count; optimizer.pt has one AdamW group per (part, decay).
+  the cache identity, the config hash and the process count, and `state_sha256`, a digest of its own content (absent
+  in those written before it: taken as they are, the step still checked against the folder's); optimizer.pt has one AdamW group per (part, decay).
 - 1 (no `format_version`): any of those may be missing: files without a recorded sha256 are taken as they are;
   without a cache identity, config hash or process count nothing is compared on resume; AdamW state in one group per
   decay setting (decay, then no decay, each in parameter order) is re-keyed by parameter name to the per-part groups.

@@ -8,8 +8,22 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from theworld import hub
-from theworld.config import (FreezeConfig, ImageConfig, LoraConfig, ModelConfig, WorldConfig, check_lora, cli_parser,
-                             load_config, require_path, to_dict, to_yaml)
+from theworld.config import (
+    FLOAT32_MAX,
+    FreezeConfig,
+    ImageConfig,
+    LoraConfig,
+    ModelConfig,
+    WorldConfig,
+    check_lora,
+    check_threads,
+    check_workers,
+    cli_parser,
+    load_config,
+    require_path,
+    to_dict,
+    to_yaml,
+)
 from theworld.errors import UserError
 
 TRACKERS = ("tensorboard", "wandb")
@@ -126,6 +140,12 @@ class TrainSection:
                 raise UserError(f"config key 'train.{name}': must be >= 0, got {getattr(self, name)}")
         if not self.lr > 0:
             raise UserError(f"config key 'train.lr': must be positive, got {self.lr}")
+        for name, x in vars(self.lr_multipliers).items():  # what AdamW multiplies the update by, in float32
+            if self.lr * x > FLOAT32_MAX:
+                raise UserError(f"config key 'train.lr_multipliers.{name}': {x:g} x train.lr {self.lr:g} does not fit "
+                                f"float32 (at most {FLOAT32_MAX:.4g})")
+        check_workers("train.num_workers", self.num_workers)
+        check_threads("train.cpu_threads", self.cpu_threads)
         if not 0.0 <= self.ema < 1.0:
             raise UserError(f"config key 'train.ema': decay must be in [0, 1), got {self.ema}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
@@ -254,10 +274,13 @@ def accumulation_steps(cfg: TrainConfig, world_size: int) -> int:
 
 # Keys that may change between a run and its resumption without changing its numbers.
 # train.cpu_offload moves the AdamW step to the host: like a change of process count, equal numbers up to rounding.
+# So do the values resolved from the launch: micro_batch_size (auto: a divisor of the per-process batch) and sharding
+# (the launcher's FSDP request), which split the same global batch differently.
 RESUME_NEUTRAL = ("resume", "output_dir", "trackers", "profile", "train.num_workers", "train.cpu_threads",
                   "train.log_every", "train.save_every", "train.keep_last", "train.eval_every", "train.benchmarks",
                   "train.max_micro_batch_size", "train.cpu_offload", "train.plateau",
-                  "train.stop_on_plateau", "train.samples", "train.sample_tokens", "wandb", "hub")
+                  "train.stop_on_plateau", "train.samples", "train.sample_tokens", "wandb", "hub",
+                  "train.micro_batch_size", "train.sharding")
 
 
 def run_hash(cfg: TrainConfig) -> str:

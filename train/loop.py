@@ -45,12 +45,12 @@ def train(t: Trainer) -> int:
     """The optimisation steps, with their logs, evals and saves; a requested stop or too many non-finite steps end
     it early."""
     cfg, state, m = t.cfg, t.state, t.metrics
-    stop = Preemption(t.c.accelerator).install()  # SIGTERM / SIGINT: stop after the current step, saved
+    stop = Preemption(t.c.accelerator).install()  # SIGTERM / SIGINT: stop after the current step (or eval), saved
     try:
         for line in t.start_lines():
             m.message(line)
-        if state.step == 0 and cfg.train.eval_every:
-            t.run_eval()
+        if state.step == 0 and cfg.train.eval_every and not t.run_eval():
+            return stop.finish(state.step, cfg, t.save, m)
         while state.step < cfg.train.max_steps and not plateau.stopping(state, cfg.train.stop_on_plateau):
             epoch, start = divmod(state.step, t.per_epoch)
             batches = t.train_batches(epoch, start)
@@ -72,16 +72,17 @@ def train(t: Trainer) -> int:
                 if state.step % cfg.train.log_every == 0 or state.step == cfg.train.max_steps:
                     m.log({"step": state.step, **t.window.flush(cfg.train.global_batch_size),
                            "nonfinite_total": state.nonfinite_steps, "epoch": epoch})
-                # the last step's eval comes before its save, so the checkpoint holds it
+                # the last step's eval comes after its checkpoint and final/ (Trainer.finish): it cannot lose them
                 last = state.step == cfg.train.max_steps
-                if last or (cfg.train.eval_every and state.step % cfg.train.eval_every == 0):
-                    t.run_eval()
+                if not last and cfg.train.eval_every and state.step % cfg.train.eval_every == 0:
+                    t.run_eval()  # a cut one is followed by the stop below
                 if state.step % cfg.train.save_every == 0:
                     t.save()
                 if stop.requested():
                     return stop.finish(state.step, cfg, t.save, m)
                 if plateau.stopping(state, cfg.train.stop_on_plateau):
                     break  # saved and exported by t.finish
+        return t.finish(stop)
     except NonFiniteError as e:
         m.close()
         print(f"error: {e}", file=sys.stderr)
@@ -91,7 +92,6 @@ def train(t: Trainer) -> int:
         raise
     finally:
         stop.restore()
-    return t.finish()
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from theworld.arch import (
     gemma_config,
     latent_side,
 )
-from theworld.config import cli_parser, load_config, to_yaml, trains
+from theworld.config import cli_parser, load_config, shown, to_yaml, trains
 from theworld.encoders import DTYPES, _quiet_hf, resolve_gemma, resolve_vae
 from theworld.errors import UserError, cli_entry
 from theworld.model import TheWorld
@@ -255,6 +255,9 @@ def render(p: dict) -> str:
     return "\n".join(lines)
 
 
+MAX_GPUS, MAX_GPU_GIB = 2**20, 2**20  # beyond any machine; keeps the byte counts finite integers
+
+
 @cli_entry
 def main(argv: list[str] | None = None) -> int:
     ap = cli_parser("train.memory", __doc__.splitlines()[0])
@@ -264,8 +267,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.config is None:
         raise UserError("train.memory: --config is required")
-    if args.gpus < 1 or not args.gpu_memory_gib > 0:
-        raise UserError("train.memory: --gpus must be >= 1 and --gpu-memory-gib positive")
+    if not 1 <= args.gpus <= MAX_GPUS:
+        raise UserError(f"train.memory: --gpus must be between 1 and {MAX_GPUS}, got {shown(args.gpus)}")
+    if not 0 < args.gpu_memory_gib <= MAX_GPU_GIB:  # also refuses inf and nan
+        raise UserError(f"train.memory: --gpu-memory-gib must be a positive number of GiB up to {MAX_GPU_GIB}, got "
+                        f"{args.gpu_memory_gib}")
     cfg = load_config(TrainConfig, args.config, args.overrides)
     if args.print_config:
         print(to_yaml(cfg), end="")

@@ -24,12 +24,25 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def _step_of(line: str) -> int:
-    """The step of a metrics.jsonl line; -1 for a line a killed run left half-written."""
+def _step_of(line: bytes) -> int:
+    """The step of a metrics.jsonl line; -1 for a line a killed run left half-written, or one that is not UTF-8 JSON
+    (edited or damaged by hand)."""
     try:
-        return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
+        return int(json.loads(line.decode("utf-8"))["step"])
+    except (ValueError, KeyError, TypeError):  # UnicodeDecodeError is a ValueError
         return -1
+
+
+def check_metrics_file(output_dir: str | Path) -> None:
+    """Before any model loads: output_dir's metrics.jsonl, if there, is a file the run can rewrite."""
+    from theworld.config import path_kind
+    from theworld.errors import UserError
+
+    path = Path(output_dir) / METRICS
+    what = path_kind(path)
+    if what not in (None, "a regular file"):
+        raise UserError(f"output_dir {output_dir}: {path} is {what}, where the run writes its metrics log; move it "
+                        "away or use another output_dir")
 
 
 def check_trackers(trackers: list[str]) -> None:
@@ -60,9 +73,9 @@ class Metrics:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
-        if self.path.is_file() and start_step > 0:
-            kept = [ln for ln in self.path.read_text().splitlines() if 0 <= _step_of(ln) <= start_step]
-        self.path.write_text("".join(ln + "\n" for ln in kept))
+        if self.path.is_file() and start_step > 0:  # split on newlines only: JSON text may hold U+2028 and the like
+            kept = [ln for ln in self.path.read_bytes().split(b"\n") if 0 <= _step_of(ln) <= start_step]
+        self.path.write_bytes(b"".join(ln + b"\n" for ln in kept))
         if trackers:
             # TensorBoard logs go to <output_dir>/theworld/ (<output_dir>/<wandb.project>/ with W&B). Its hparams (accelerate's store_init_configuration) would
             # add a folder named by the clock there on every (re)start; the config goes in as text instead.
@@ -150,10 +163,13 @@ class Metrics:
         self.bar.refresh()
 
     def close(self) -> None:
+        """Ends the progress bar's line and the trackers; closing twice is harmless."""
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
         if self.main and self.trackers:
             self.acc.end_training()
+            self.trackers = False
 
 
 SAMPLE_COLUMNS = ["caption", "own_world", "shuffled_world"]

@@ -5,6 +5,11 @@ The signal handler only records the signal; the loop asks `requested()` after ev
 flag is all-reduced (max) each step, so every rank stops after the same step, saves together and nobody waits in a
 collective for a rank that left. A second signal while the checkpoint is being written stops at once (the previous
 checkpoint stays intact: saves are atomic).
+
+A launcher waits only so long after forwarding its SIGTERM (torch elastic: 30 s, then SIGKILL), and an eval (a large
+benchmark) can take minutes. So the evals ask `poll()` between batches: a request cuts the running eval short
+(`EvalCut`, nothing of it logged) and the run goes straight to its checkpoint. Every process polls at the same points
+of an eval (its batches are counted to the longest share), so the check can be a collective too.
 """
 from __future__ import annotations
 
@@ -21,6 +26,17 @@ if TYPE_CHECKING:
     from train.metrics import Metrics
 
 EXIT_CODES = {signal.SIGTERM: 143, signal.SIGINT: 130}  # 128 + signal number, what a shell reports
+_active: Preemption | None = None  # the installed one, which `poll` asks
+
+
+class EvalCut(Exception):
+    """A stop was requested during an eval: the eval is abandoned so the checkpoint comes first."""
+
+
+def poll() -> None:
+    """Between two batches of an eval, on every process: raise EvalCut when any process was asked to stop."""
+    if _active is not None and _active.requested():
+        raise EvalCut
 
 
 class Preemption:
@@ -30,14 +46,18 @@ class Preemption:
         self._previous = {}
 
     def install(self) -> "Preemption":
+        global _active
         for sig in EXIT_CODES:
             self._previous[sig] = signal.signal(sig, self._handle)
+        _active = self
         return self
 
     def restore(self) -> None:
+        global _active
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        _active = None
 
     def _handle(self, signum: int, frame) -> None:
         if self.signum is not None:  # asked twice: stop now
@@ -62,12 +82,25 @@ class Preemption:
 
     def finish(self, step: int, cfg: TrainConfig, save: Callable[[], None], metrics: Metrics) -> int:
         """After the step that saw the request: its checkpoint (unless just saved), where it is, the exit code."""
+        name = signal.Signals(self.signum).name
+        if step == 0:
+            metrics.message(f"stopped by {name} before the first step: nothing to save")
+            metrics.close()
+            return self.exit_code
         if step % cfg.train.save_every:
             save()
-        metrics.message(f"stopped by {signal.Signals(self.signum).name} after step {step}: checkpoint "
-                        f"{cfg.output_dir}/checkpoint-{step}; rerun the same command to resume from it")
+        metrics.message(f"stopped by {name} after step {step}: checkpoint {cfg.output_dir}/checkpoint-{step}; rerun "
+                        "the same command to resume from it")
         metrics.close()
         return self.exit_code
+
+
+def cut_message(step: int) -> str:
+    """What the run says of an eval a stop request cut short."""
+    signum = _active.signum if _active is not None else None
+    name = signal.Signals(signum).name if signum else "a stop request"
+    return (f"{name} during the eval at step {step}: eval cut short and not logged, so the checkpoint is written "
+            "before the launcher's grace period ends")
 
 
 def ignore_in_workers() -> None:

@@ -14,7 +14,7 @@ import torch
 from torch.profiler import record_function
 
 from theworld.model import PROFILE_LABELS
-from train import sharding
+from train import preempt, sharding
 from train.batches import PARTNER, WORLD_KEYS, Batch
 from train.order import noise_seeds, rank_offset, seed_of
 
@@ -138,6 +138,7 @@ def evaluate(components: Components, loader: DataLoader) -> dict:
     batch = None
     try:
         for batch in loader:
+            preempt.poll()  # every process polls len(loader) + extra times: as often as the longest share
             batch = batch.to(accelerator.device)
             paired = bool(batch.pop("paired").all())  # a batch holds one latent shape: all paired, or its only one
             partner = {k: batch.pop(PARTNER + k) for k in WORLD_KEYS if PARTNER + k in batch}
@@ -148,8 +149,10 @@ def evaluate(components: Components, loader: DataLoader) -> dict:
             if paired:
                 sums[2:] += torch.tensor([float(b.loss_sum), b.num_tokens], dtype=torch.float64,
                                          device=accelerator.device)
-        for _ in range(2 * extra):
+        for _ in range(extra):
+            preempt.poll()
             model(**batch)  # results unused: only the collectives count
+            model(**batch)
     finally:
         model.latent_mode = mode
         model.train(was_training)

@@ -3,6 +3,7 @@ loads (the resolved config, the cache, the held-out split, the benchmarks), `Tra
 after a killed run to the final weights (components, data, loop state, metrics, evaluation, saves)."""
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,13 +13,16 @@ import numpy as np
 import torch
 
 from theworld.config import to_dict
+from theworld.errors import UserError
 from train import checkpoint, data, hub_upload, order, params, plateau
 from train.benchmarks import BenchmarkEval
 from train.benchmarks import lines as benchmark_lines
 from train.components import Components, Launch, build, build_model, resolve_launch
 from train.config import run_hash, to_yaml
 from train.hub_upload import HubUploader
-from train.metrics import Metrics, ProfileWindow, StepWindow, check_trackers, summary, wandb_init
+from train.metrics import (Metrics, ProfileWindow, StepWindow, check_metrics_file, check_trackers, summary,
+                           wandb_init)
+from train.preempt import EvalCut, Preemption, cut_message
 from train.samples import CaptionSamples
 from train.step import LoopState, evaluate
 
@@ -47,6 +51,7 @@ class Checked:
     def of(cls, cfg: TrainConfig) -> Checked:
         launch = resolve_launch(cfg)
         check_trackers(cfg.trackers)
+        check_metrics_file(cfg.output_dir)
         reader, inputs = data.open_cache(cfg)
         if cfg.init_from:
             checkpoint.resolve_weights(cfg.init_from)
@@ -120,27 +125,33 @@ class Trainer:
         """This process's micro-batches of `epoch` from global batch `start` on."""
         return iter(data.build_train_loader(self.cfg, self.ctx, self.c.rank, self.c.world_size, epoch, start))
 
-    def run_eval(self) -> None:
+    def run_eval(self) -> bool:
         """The held-out captions and loss (when samples are held out) and the benchmarks (when configured), logged;
-        the captions first, so an eval's loss line stays its last line but for benchmarks."""
-        cfg, state = self.cfg, self.state
-        if self.samples is not None:
-            self.metrics.log_samples(state.step, self.samples.run(self.c), self.samples.images)
-        if self.eval_loader is not None:
-            ev = evaluate(self.c, self.eval_loader)
-            was_flat = state.plateau_step is not None
-            flat = plateau.record(state, cfg.train.plateau, cfg.train.eval_every, cfg.train.max_steps, ev["eval_loss"])
-            state.last_eval = {"step": state.step, **ev, **flat}
-            self.metrics.log(state.last_eval)
-            if state.plateau_step is not None and not was_flat:
-                self.metrics.message(f"step {state.step}: the eval loss has plateaued (less than "
-                                     f"{cfg.train.plateau.min_improvement:.1%} better over the last evals)"
-                                     + ("; stopping: train.stop_on_plateau" if cfg.train.stop_on_plateau else ""))
-        if self.checked.bench is not None:
-            results = self.checked.bench.run(self.c)
-            self.metrics.log({"step": self.state.step, **results})
-            for line in benchmark_lines(results):  # with the eval line: the figures people wait for
-                self.metrics.message(line)
+        the captions first, so an eval's loss line stays its last line but for benchmarks. False when a stop request
+        cut it short (train/preempt.py): what it had not logged yet is dropped."""
+        try:
+            cfg, state = self.cfg, self.state
+            if self.samples is not None:
+                self.metrics.log_samples(state.step, self.samples.run(self.c), self.samples.images)
+            if self.eval_loader is not None:
+                ev = evaluate(self.c, self.eval_loader)
+                was_flat = state.plateau_step is not None
+                flat = plateau.record(state, cfg.train.plateau, cfg.train.eval_every, cfg.train.max_steps, ev["eval_loss"])
+                state.last_eval = {"step": state.step, **ev, **flat}
+                self.metrics.log(state.last_eval)
+                if state.plateau_step is not None and not was_flat:
+                    self.metrics.message(f"step {state.step}: the eval loss has plateaued (less than "
+                                         f"{cfg.train.plateau.min_improvement:.1%} better over the last evals)"
+                                         + ("; stopping: train.stop_on_plateau" if cfg.train.stop_on_plateau else ""))
+            if self.checked.bench is not None:
+                results = self.checked.bench.run(self.c)
+                self.metrics.log({"step": self.state.step, **results})
+                for line in benchmark_lines(results):  # with the eval line: the figures people wait for
+                    self.metrics.message(line)
+        except EvalCut:
+            self.metrics.message(cut_message(self.state.step))
+            return False
+        return True
 
     def save(self) -> None:
         checkpoint.save_run(self.c, self.state, self.per_epoch, self.cache)
@@ -174,11 +185,11 @@ class Trainer:
                          f"{cfg.train.global_batch_size} samples of an epoch are left out of it")
         return lines
 
-    def finish(self) -> int:
-        """After the last step: its eval and checkpoint where still missing, the final weights, the summary."""
+    def finish(self, stop: Preemption) -> int:
+        """After the last step: its checkpoint where still missing, the final weights, then the last eval, which the
+        checkpoint and final/ then record. An eval that fails or is cut short loses no steps: the rerun of the same
+        command repeats only the eval."""
         state, accelerator = self.state, self.c.accelerator
-        if state.last_eval is None or state.last_eval.get("step") != state.step:  # a checkpoint saved before its eval
-            self.run_eval()
         # (a finished run's rerun has its checkpoint)
         if self.window.steps_run and state.step % self.cfg.train.save_every:
             self.save()
@@ -186,9 +197,32 @@ class Trainer:
         if accelerator.is_main_process:
             final = checkpoint.export_final(self.c, state, to_yaml(self.cfg), self.cfg.output_dir, whole,
                                             data.trained_prompt(self.checked.reader, self.ctx.train_indices))
+        if state.last_eval is None or state.last_eval.get("step") != state.step:
+            code = self._last_eval(stop)
+            if code:
+                return code
         self.metrics.close()
         if accelerator.is_main_process:
             print(f"final weights: {final}\n" + summary(state, time.time() - self.t_start, self.window,
                                                          self.cfg.train.stop_on_plateau, final))
             hub_upload.finish(self.hub, final)
+        return 0
+
+    def _last_eval(self, stop: Preemption) -> int:
+        """The eval after the saves, recorded into them; an exit code when it did not complete."""
+        try:
+            done = self.run_eval()
+        except Exception as e:
+            self.metrics.close()  # the progress bar ends its line before the error is printed
+            print(f"error: the eval after the last step failed ({type(e).__name__}: {str(e)[:300]}); checkpoint-"
+                  f"{self.state.step} and final/ are saved, without it; rerunning the same command repeats only the "
+                  "eval", file=sys.stderr)
+            if isinstance(e, UserError):
+                return 2
+            raise
+        if not done:
+            self.metrics.close()
+            return stop.exit_code
+        if self.c.accelerator.is_main_process:
+            checkpoint.record_eval(self.c, self.state, self.cfg.output_dir)
         return 0
