@@ -12,6 +12,7 @@ For each case, measured side by side in one run on the same images:
 A last row writes real-size samples (512 px: latents 16x1x64x64 in bfloat16, a 512 px JPEG) to measure the format's
 overhead at the size it is used at, without needing the real VAE.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,17 +69,33 @@ def _config(case: str, work: Path, n: int, workers: int = 0) -> PrecomputeConfig
             raise SystemExit("error: case real512 needs a CUDA GPU")
         _jpeg_folder(work / "jpegs512", n)
         workers = workers or min(8, os.cpu_count() or 1)
-        return PrecomputeConfig(model=ModelConfig(gemma="tiny", vae=_real_vae(work / "vae-real"), dtype="bfloat16"),
-                                image=ImageConfig(resolution=512), output_dir=str(work / "cache-real512"),
-                                source=SourceConfig(type="folder", path=str(work / "jpegs512")), shard_size=256,
-                                batch_size=32, num_workers=workers, compile=True)
+        return PrecomputeConfig(
+            model=ModelConfig(gemma="tiny", vae=_real_vae(work / "vae-real"), dtype="bfloat16"),
+            image=ImageConfig(resolution=512),
+            output_dir=str(work / "cache-real512"),
+            source=SourceConfig(type="folder", path=str(work / "jpegs512")),
+            shard_size=256,
+            batch_size=32,
+            num_workers=workers,
+            compile=True,
+        )
     if case == "tiny":
-        return PrecomputeConfig(**common, image=ImageConfig(resolution=64), output_dir=str(work / "cache-tiny"),
-                                source=SourceConfig(type="synthetic", num_samples=n), batch_size=64)
+        return PrecomputeConfig(
+            **common,
+            image=ImageConfig(resolution=64),
+            output_dir=str(work / "cache-tiny"),
+            source=SourceConfig(type="synthetic", num_samples=n),
+            batch_size=64,
+        )
     if case == "jpeg256":
         _jpeg_folder(work / "jpegs", n)
-        return PrecomputeConfig(**common, image=ImageConfig(resolution=256), output_dir=str(work / "cache-jpeg"),
-                                source=SourceConfig(type="folder", path=str(work / "jpegs")), batch_size=16)
+        return PrecomputeConfig(
+            **common,
+            image=ImageConfig(resolution=256),
+            output_dir=str(work / "cache-jpeg"),
+            source=SourceConfig(type="folder", path=str(work / "jpegs")),
+            batch_size=16,
+        )
     raise SystemExit(f"unknown case {case!r} (tiny, jpeg256, real512)")
 
 
@@ -90,8 +107,15 @@ def _timed(fn, *args) -> tuple[float, object]:
 
 def bench_case(case: str, work: Path, n: int, workers: int = 0) -> dict:
     cfg = _config(case, work, n, workers)
-    listing = open_listing(cfg.source.type, cfg.source.path, cfg.source.num_samples, cfg.seed, cfg.source.prompt,
-                           index_dir=Path(cfg.output_dir) / cf.INDEX_DIR, resolution=cfg.image.resolution)
+    listing = open_listing(
+        cfg.source.type,
+        cfg.source.path,
+        cfg.source.num_samples,
+        cfg.seed,
+        cfg.source.prompt,
+        index_dir=Path(cfg.output_dir) / cf.INDEX_DIR,
+        resolution=cfg.image.resolution,
+    )
     entries = listing.entries(0, len(listing))
     dataset = EntryDataset(listing, cfg)
     # Host work of one worker: decode + resize, in this process, image by image.
@@ -102,13 +126,26 @@ def bench_case(case: str, work: Path, n: int, workers: int = 0) -> dict:
     # Encode-only: the pixels already sit on the device, so this is the encoder's own speed.
     pixels = torch.stack([it["pixels"] for it in items]).to(device)
     encode_latents(encoder, pixels[: cfg.batch_size], cfg)  # warm-up (allocations, compilation); waits for the device
-    t_enc, latents = _timed(lambda: [encode_latents(encoder, pixels[a:a + cfg.batch_size], cfg)
-                                     for a in range(0, len(pixels), cfg.batch_size)])
-    del encoder, pixels
+    t_enc, latents = _timed(
+        lambda: [
+            encode_latents(encoder, pixels[a : a + cfg.batch_size], cfg) for a in range(0, len(pixels), cfg.batch_size)
+        ]
+    )
+    encoder = pixels = None  # drop the references: the device memory is free for what follows
     mean = torch.cat([m for m, _ in latents])
     logvar = torch.cat([v for _, v in latents])
-    samples = [cf.Sample(key=e.key, caption=it["caption"], meta=it["meta"], mean=mean[i], logvar=logvar[i],
-                         image=it.get("image"), image_ext=it.get("image_ext")) for i, (e, it) in enumerate(zip(entries, items))]
+    samples = [
+        cf.Sample(
+            key=e.key,
+            caption=it["caption"],
+            meta=it["meta"],
+            mean=mean[i],
+            logvar=logvar[i],
+            image=it.get("image"),
+            image_ext=it.get("image_ext"),
+        )
+        for i, (e, it) in enumerate(zip(entries, items))
+    ]
     t_ser, encoded = _timed(lambda: [cf.encode_sample(s, cfg.cache.dtype) for s in samples])
     # The full pipeline on the same images (model loading is outside its timer). Its summary lines go to stderr:
     # stdout is this benchmark's figures alone, so `--json` output parses as it is.
@@ -118,16 +155,21 @@ def bench_case(case: str, work: Path, n: int, workers: int = 0) -> dict:
     payload = sum(len(v) for members in encoded for v in members.values()) / len(encoded)
     per_sample = sum(s["bytes"] for s in manifest["shards"]) / manifest["num_samples"]
     return {
-        "case": case, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "images": n,
-        "resolution": cfg.image.resolution, "batch_size": cfg.batch_size,
-        "num_workers": cfg.num_workers, "threads": torch.get_num_threads(),
+        "case": case,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "images": n,
+        "resolution": cfg.image.resolution,
+        "batch_size": cfg.batch_size,
+        "num_workers": cfg.num_workers,
+        "threads": torch.get_num_threads(),
         "encode_only_images_per_s": round(n / t_enc, 1),
         "pipeline_images_per_s": summary["images_per_s"],
         "pipeline_efficiency": round((t_enc / n) / (summary["encode_seconds"] / n), 3),
         "pipeline_seconds": {"total": summary["encode_seconds"], **summary["seconds_rank0"]},
         "host_ms_per_image_decode_resize": round(1000 * t_prep / n, 3),
         "host_ms_per_image_serialise": round(1000 * t_ser / n, 3),
-        "bytes_per_sample": round(per_sample), "payload_bytes_per_sample": round(payload),
+        "bytes_per_sample": round(per_sample),
+        "payload_bytes_per_sample": round(payload),
         "bytes_overhead": round(per_sample / payload - 1, 4),
     }
 
@@ -139,8 +181,12 @@ def bench_draft_decode(n: int = 16) -> dict:
         blobs = [p.read_bytes() for p in sorted(Path(tmp).glob("*.jpg"))]
     t_full, _ = _timed(lambda: [images.resize(images.decode(b), 256)[0] for b in blobs])
     t_draft, _ = _timed(lambda: [images.resize(images.decode(b, draft_size=256), 256)[0] for b in blobs])
-    return {"case": "jpeg_draft_decode", "full_ms": round(1000 * t_full / n, 2), "draft_ms": round(1000 * t_draft / n, 2),
-            "speedup": round(t_full / t_draft, 2)}
+    return {
+        "case": "jpeg_draft_decode",
+        "full_ms": round(1000 * t_full / n, 2),
+        "draft_ms": round(1000 * t_draft / n, 2),
+        "speedup": round(t_full / t_draft, 2),
+    }
 
 
 def bench_real_size_format(work: Path, n: int = 32) -> dict:
@@ -152,18 +198,41 @@ def bench_real_size_format(work: Path, n: int = 32) -> dict:
     g = torch.Generator().manual_seed(0)
     rows = []
     for keep_image in (True, False):
-        samples = [(f"s{i:05d}", cf.encode_sample(cf.Sample(
-            key=f"s{i:05d}", caption=caption, meta={"prompt": synthetic.PROMPT, "original_size": [512, 512],
-                                                    "crop_box": [0, 0, 512, 512], "flip": False},
-            mean=torch.randn(16, 1, 64, 64, generator=g), logvar=torch.randn(16, 1, 64, 64, generator=g),
-            image=jpeg if keep_image else None, image_ext="jpg" if keep_image else None), "bfloat16"))
-            for i in range(n)]
+        samples = [
+            (
+                f"s{i:05d}",
+                cf.encode_sample(
+                    cf.Sample(
+                        key=f"s{i:05d}",
+                        caption=caption,
+                        meta={
+                            "prompt": synthetic.PROMPT,
+                            "original_size": [512, 512],
+                            "crop_box": [0, 0, 512, 512],
+                            "flip": False,
+                        },
+                        mean=torch.randn(16, 1, 64, 64, generator=g),
+                        logvar=torch.randn(16, 1, 64, 64, generator=g),
+                        image=jpeg if keep_image else None,
+                        image_ext="jpg" if keep_image else None,
+                    ),
+                    "bfloat16",
+                ),
+            )
+            for i in range(n)
+        ]
         side = cf.write_shard(work / f"real-{keep_image}", 0, samples)
         payload = sum(len(v) for _, m in samples for v in m.values()) / n
         raw = 2 * 16 * 64 * 64 * 2  # the two tensors' bytes alone
-        rows.append({"case": f"real_size_format{'' if keep_image else '_no_images'}",
-                     "bytes_per_sample": round(side["bytes"] / n), "payload_bytes_per_sample": round(payload),
-                     "raw_tensor_bytes": raw, "bytes_overhead": round(side["bytes"] / n / payload - 1, 4)})
+        rows.append(
+            {
+                "case": f"real_size_format{'' if keep_image else '_no_images'}",
+                "bytes_per_sample": round(side["bytes"] / n),
+                "payload_bytes_per_sample": round(payload),
+                "raw_tensor_bytes": raw,
+                "bytes_overhead": round(side["bytes"] / n / payload - 1, 4),
+            }
+        )
     return rows
 
 
@@ -173,9 +242,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=1024, help="images per case (jpeg256 uses n/16: its encoder is 60x slower)")
     p.add_argument("--cases", default="tiny,jpeg256")
     p.add_argument("--workers", type=int, default=0, help="decode workers of real512 (0: min(8, CPU count))")
-    p.add_argument("--threads", type=int, default=0,
-                   help="torch threads for the encoder (0: torch's default). On a small CPU the decode workers share "
-                        "the cores with the encoder; --threads 1 with one worker gives each its own core")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads for the encoder (0: torch's default). On a small CPU the decode workers share "
+        "the cores with the encoder; --threads 1 with one worker gives each its own core",
+    )
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -184,8 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for case in args.cases.split(","):
-            rows.append(bench_case(case, work, args.n if case in ("tiny", "real512") else max(8, args.n // 16),
-                                   args.workers))
+            rows.append(
+                bench_case(case, work, args.n if case in ("tiny", "real512") else max(8, args.n // 16), args.workers)
+            )
             if not args.json:
                 print(json.dumps(rows[-1]), flush=True)
         rows.append(bench_draft_decode())
@@ -193,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"rows": rows}, indent=1))
     else:
-        for r in rows[len(args.cases.split(",")):]:
+        for r in rows[len(args.cases.split(",")) :]:
             print(json.dumps(r))
     return 0
 

@@ -6,6 +6,7 @@ Builds WORK/wds/<j>.tar once (img2dataset-like jpg + txt + json members, tiny pa
 then lists it in fresh processes: first run (scan + index + duplicate check), rerun (index reused), one shard's
 entries. Prints one JSON line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,11 @@ def make_source(root: Path, tars: int, per_tar: int) -> str:
         with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tf:
             for i in range(per_tar):
                 key = f"{j:05d}{i:04d}"
-                for member, data in (("jpg", b"\xff\xd8" + bytes(200)), ("txt", f"a caption {key}".encode()),
-                                     ("json", json.dumps({"url": f"http://example.com/{key}.jpg"}).encode())):
+                for member, data in (
+                    ("jpg", b"\xff\xd8" + bytes(200)),
+                    ("txt", f"a caption {key}".encode()),
+                    ("json", json.dumps({"url": f"http://example.com/{key}.jpg"}).encode()),
+                ):
                     info = tarfile.TarInfo(f"{key}.{member}")
                     info.size = len(data)
                     tf.addfile(info, io.BytesIO(data))
@@ -40,7 +44,7 @@ def measure(pattern: str, index_dir: str, shard_size: int) -> dict:
     """In this process: listing time, RSS growth (peak and held), one shard's entries."""
     from precompute import sources
 
-    rss = lambda: int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) / 1024
+    rss = lambda: int(next(line for line in open("/proc/self/status") if line.startswith("VmRSS")).split()[1]) / 1024
     peak0, rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, rss()
     t = time.perf_counter()
     listing = sources.open_listing("webdataset", pattern, 0, 0, "p", index_dir=Path(index_dir))
@@ -49,9 +53,13 @@ def measure(pattern: str, index_dir: str, shard_size: int) -> dict:
     mid = len(listing) // 2 // shard_size * shard_size
     t = time.perf_counter()
     listing.entries(mid, mid + shard_size)
-    return {"entries": len(listing), "listing_s": round(t_list, 3), "held_mib": round(held, 1),
-            "peak_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - peak0, 1),
-            "shard_entries_ms": round(1000 * (time.perf_counter() - t), 1)}
+    return {
+        "entries": len(listing),
+        "listing_s": round(t_list, 3),
+        "held_mib": round(held, 1),
+        "peak_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - peak0, 1),
+        "shard_entries_ms": round(1000 * (time.perf_counter() - t), 1),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,9 +79,23 @@ def main(argv: list[str] | None = None) -> int:
         f.unlink()
     out = {"tars": args.tars, "per_tar": args.per_tar}
     for run in ("first_run", "rerun"):  # fresh processes: what a launch really pays
-        res = subprocess.run([sys.executable, "-m", "precompute.bench_listing", str(args.work), "--child", pattern,
-                              str(index), "--shard-size", str(args.shard_size)], capture_output=True, text=True,
-                             check=True, cwd=Path(__file__).resolve().parents[1])
+        res = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "precompute.bench_listing",
+                str(args.work),
+                "--child",
+                pattern,
+                str(index),
+                "--shard-size",
+                str(args.shard_size),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).resolve().parents[1],
+        )
         out[run] = json.loads(res.stdout)
     out["index_bytes"] = sum(f.stat().st_size for f in index.iterdir())
     print(json.dumps(out))

@@ -1,4 +1,5 @@
 """The precompute command's config: strict, validated before any model is loaded."""
+
 from __future__ import annotations
 
 import math
@@ -29,8 +30,12 @@ class SourceConfig:
     prompt_column: str | None = None  # parquet (optional; default: `prompt` above)
 
     def __post_init__(self) -> None:
-        only = {"image_root": "llava", "image_column": "parquet", "caption_column": "parquet",
-                "prompt_column": "parquet"}
+        only = {
+            "image_root": "llava",
+            "image_column": "parquet",
+            "caption_column": "parquet",
+            "prompt_column": "parquet",
+        }
         for key, kind in only.items():
             if getattr(self, key) is not None and self.type != kind:
                 raise UserError(f"config key 'source.{key}': only used by source.type={kind} (this is {self.type})")
@@ -71,10 +76,12 @@ class PrecomputeConfig:
             self.source.num_samples = 4096
         if self.source.num_samples is not None and self.source.num_samples <= 0:
             raise UserError(f"config key 'source.num_samples': must be positive, got {self.source.num_samples}")
-        if self.source.type == "synthetic" and self.image.resolution ** 2 > images.MAX_PIXELS:
-            raise UserError(f"config key 'image.resolution': synthetic scenes are drawn at {self.image.resolution} px, "
-                            f"over the {images.MAX_PIXELS}-pixel image limit every source is held to (at most "
-                            f"{math.isqrt(images.MAX_PIXELS) // 8 * 8} with source.type=synthetic)")
+        if self.source.type == "synthetic" and self.image.resolution**2 > images.MAX_PIXELS:
+            raise UserError(
+                f"config key 'image.resolution': synthetic scenes are drawn at {self.image.resolution} px, "
+                f"over the {images.MAX_PIXELS}-pixel image limit every source is held to (at most "
+                f"{math.isqrt(images.MAX_PIXELS) // 8 * 8} with source.type=synthetic)"
+            )
 
     def validate_paths(self) -> None:
         """Checks that touch the filesystem (kept out of __post_init__ so configs can be built anywhere)."""
@@ -99,7 +106,9 @@ def _check_path(key: str, path: str, folder: bool) -> None:
     except OSError as e:  # a name too long, a symlink loop
         raise UserError(f"config key '{key}': cannot use {path} ({e.strerror})") from None
     if not ok and exists:
-        raise UserError(f"config key '{key}': {path} is " + ("a file, not a folder" if folder else "a folder, not a file"))
+        raise UserError(
+            f"config key '{key}': {path} is " + ("a file, not a folder" if folder else "a folder, not a file")
+        )
     if not ok:
         loop = " (a dangling symlink or a symlink loop)" if p.is_symlink() else ""
         raise UserError(f"config key '{key}': {'folder' if folder else 'file'} not found: {path}{loop}")

@@ -10,15 +10,15 @@ thread turns finished shards into tars so encoding never waits for the disk. A s
 its tar; a rerun after a crash redoes only the shards that are not, and rank 0 writes errors.jsonl and then the
 manifest from the sidecars once every process is through.
 """
+
 from __future__ import annotations
 
 import errno
-import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch.utils.data import DataLoader
@@ -33,7 +33,6 @@ from theworld.arch import latent_side
 from theworld.config import cli_parser, to_dict, to_yaml
 from theworld.errors import UserError, cli_entry
 from theworld.launch import process_group
-
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The run
@@ -113,8 +112,12 @@ def _samples(batch: dict, gemma, device) -> list[cf.Sample]:
     """Samples for the batch's good items, in order, without latents (BucketBatcher adds them); SigLIP features are
     computed here, a loader batch at a time (their input has one shape)."""
     good = [b for b in batch["items"] if b["error"] is None]
-    out = [cf.Sample(key=b["key"], caption=b["caption"], meta=b["meta"], image=b.get("image"),
-                     image_ext=b.get("image_ext")) for b in good]
+    out = [
+        cf.Sample(
+            key=b["key"], caption=b["caption"], meta=b["meta"], image=b.get("image"), image_ext=b.get("image_ext")
+        )
+        for b in good
+    ]
     if gemma is not None and good:
         pv = batch["pixel_values"].to(device, gemma.dtype, non_blocking=True)
         feats = gemma.model.get_image_features(pixel_values=pv).pooler_output.float().cpu()
@@ -123,8 +126,17 @@ def _samples(batch: dict, gemma, device) -> list[cf.Sample]:
     return out
 
 
-def _process_shards(cfg: PrecomputeConfig, listing: sources.Listing, pending: list[int], out: Path,
-                    encoder, gemma, processor, device, show: bool) -> tuple[int, int, dict]:
+def _process_shards(
+    cfg: PrecomputeConfig,
+    listing: sources.Listing,
+    pending: list[int],
+    out: Path,
+    encoder,
+    gemma,
+    processor,
+    device,
+    show: bool,
+) -> tuple[int, int, dict]:
     """Encode and write the `pending` shards; returns how many images were encoded, how many of them were smaller
     than the resolution (upscaled: their crop box is under it on a side), and where the main loop's time
     went: waiting for decoded batches (decode-bound), encoding (device-bound), waiting for the shard writer
@@ -136,16 +148,28 @@ def _process_shards(cfg: PrecomputeConfig, listing: sources.Listing, pending: li
     # Batches never straddle a shard: a sample's batch-mates are the same whatever the process count.
     batches = [list(range(a, min(a + B, hi))) for i in pending for lo, hi in [bounds[i]] for a in range(lo, hi, B)]
     dataset = EntryDataset(listing, cfg, processor.image_processor if processor is not None else None)
-    loader = DataLoader(dataset, batch_sampler=batches, collate_fn=collate, num_workers=cfg.num_workers,
-                        prefetch_factor=4 if cfg.num_workers else None, persistent_workers=False,
-                        pin_memory=device.type == "cuda")
+    loader = DataLoader(
+        dataset,
+        batch_sampler=batches,
+        collate_fn=collate,
+        num_workers=cfg.num_workers,
+        prefetch_factor=4 if cfg.num_workers else None,
+        persistent_workers=False,
+        pin_memory=device.type == "cuda",
+    )
     writer = ShardWriter(out, cfg.cache.dtype)
     batcher = BucketBatcher(encoder, cfg)
     buffers: dict[int, dict] = {}
     encoded = upscaled = 0
     seconds = dict.fromkeys(("wait_for_batches", "encode", "wait_for_writer"), 0.0)
-    bar = tqdm(total=sum(hi - lo for lo, hi in bounds.values()), unit="img", disable=not show, dynamic_ncols=True,
-               desc="precompute", file=sys.stderr)
+    bar = tqdm(
+        total=sum(hi - lo for lo, hi in bounds.values()),
+        unit="img",
+        disable=not show,
+        dynamic_ncols=True,
+        desc="precompute",
+        file=sys.stderr,
+    )
     t = time.perf_counter()
     try:
         for batch in loader:
@@ -160,8 +184,11 @@ def _process_shards(cfg: PrecomputeConfig, listing: sources.Listing, pending: li
                 batcher.flush(i)  # waits for the device
             seconds["encode"] += (t2 := time.perf_counter()) - t1
             buf["samples"] += samples
-            buf["errors"] += [{"key": b["key"], "source": b["source"], "reason": b["error"], "shard": i}
-                              for b in batch["items"] if b["error"] is not None]
+            buf["errors"] += [
+                {"key": b["key"], "source": b["source"], "reason": b["error"], "shard": i}
+                for b in batch["items"]
+                if b["error"] is not None
+            ]
             upscaled += sum(images.upscaled(s.meta, cfg.image.resolution, cfg.image.resize) for s in samples)
             encoded += len(samples)
             if buf["left"] == 0:
@@ -177,8 +204,14 @@ def _process_shards(cfg: PrecomputeConfig, listing: sources.Listing, pending: li
     return encoded, upscaled, {k: round(v, 3) for k, v in seconds.items()}
 
 
-def _finish(cfg: PrecomputeConfig, out: Path, n_shards: int, run_id: dict, latent_shape: list[int],
-            hint: Callable[[], str] = lambda: "") -> dict:
+def _finish(
+    cfg: PrecomputeConfig,
+    out: Path,
+    n_shards: int,
+    run_id: dict,
+    latent_shape: list[int],
+    hint: Callable[[], str] = lambda: "",
+) -> dict:
     """Rank 0, after everyone is done: errors.jsonl and the manifest, both from the per-shard files."""
     sidecars = []
     for i in range(n_shards):
@@ -190,27 +223,40 @@ def _finish(cfg: PrecomputeConfig, out: Path, n_shards: int, run_id: dict, laten
     cf.atomic_write_bytes(out / cf.ERRORS, errors)
     num_errors = errors.count(b"\n")
     if not sum(s["count"] for s in sidecars):  # a cache nothing can train on: no manifest, so nothing looks finished
-        raise UserError(f"no usable sample in {cfg.source.type} source: all {run_id['num_entries']} inputs failed "
-                        f"({_reasons(out)}; each in {out / cf.ERRORS})" + (f"; {h}" if (h := hint()) else ""))
+        raise UserError(
+            f"no usable sample in {cfg.source.type} source: all {run_id['num_entries']} inputs failed "
+            f"({_reasons(out)}; each in {out / cf.ERRORS})" + (f"; {h}" if (h := hint()) else "")
+        )
     return cf.write_manifest(
-        out, sidecars, fingerprint=run_id["fingerprint"], latent_shape=latent_shape, latent_dtype=cfg.cache.dtype,
+        out,
+        sidecars,
+        fingerprint=run_id["fingerprint"],
+        latent_shape=latent_shape,
+        latent_dtype=cfg.cache.dtype,
         num_errors=num_errors,
-        contents={"images": cfg.cache.images, "siglip": cfg.cache.siglip, "flip": cfg.cache.flip,
-                  **({"latents": "mean"} if cfg.cache.latents == "mean" else {})},  # absent: the posterior
-        extra={"source": run_id["source"], "shard_size": cfg.shard_size, "num_entries": run_id["num_entries"],
-               "config": to_dict(cfg)})
+        contents={
+            "images": cfg.cache.images,
+            "siglip": cfg.cache.siglip,
+            "flip": cfg.cache.flip,
+            **({"latents": "mean"} if cfg.cache.latents == "mean" else {}),
+        },  # absent: the posterior
+        extra={
+            "source": run_id["source"],
+            "shard_size": cfg.shard_size,
+            "num_entries": run_id["num_entries"],
+            "config": to_dict(cfg),
+        },
+    )
 
 
 def _compile_encoder(encoder, cfg: PrecomputeConfig, device: torch.device) -> float:
-    """Compile before the clock starts, at the square batch shape (crop and squash: the only one `BucketBatcher` passes): the first call traces and compiles
-    (its time at 512 px on an H100: docs/performance.md)."""
+    """Compile before the clock starts, at the square batch shape (crop and squash: the only one `BucketBatcher`
+    passes): the first call traces and compiles (its time at 512 px on an H100: docs/performance.md)."""
     t = time.perf_counter()
     r = cfg.image.resolution
     with torch.no_grad():
         encoder(torch.zeros(cfg.batch_size, 3, r, r, dtype=torch.uint8, device=device))
     return round(time.perf_counter() - t, 3)
-
-
 
 
 def run(cfg: PrecomputeConfig) -> dict:
@@ -234,8 +280,10 @@ def run(cfg: PrecomputeConfig) -> dict:
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise
-            raise UserError(f"no space left on device writing {e.filename or out}: free some space and rerun the same "
-                            "command (finished shards are kept, the unfinished one is redone)") from None
+            raise UserError(
+                f"no space left on device writing {e.filename or out}: free some space and rerun the same "
+                "command (finished shards are kept, the unfinished one is redone)"
+            ) from None
 
 
 def _reasons(out: Path) -> str:
@@ -258,8 +306,15 @@ def _build(cfg: PrecomputeConfig, state, out: Path) -> dict:
     rank, world = state.process_index, state.num_processes
     t0 = time.time()
     # Collective for webdataset sources: each tar is header-scanned by one process, once per output_dir.
-    listing = sources.open_source(cfg.source, cfg.seed, cfg.image.resolution, index_dir=out / cf.INDEX_DIR, rank=rank,
-                                  world=world, barrier=state.wait_for_everyone)
+    listing = sources.open_source(
+        cfg.source,
+        cfg.seed,
+        cfg.image.resolution,
+        index_dir=out / cf.INDEX_DIR,
+        rank=rank,
+        world=world,
+        barrier=state.wait_for_everyone,
+    )
     if not len(listing):
         raise UserError(f"config key 'source.path': no samples found in {cfg.source.path}")
     encoder, gemma, processor, fingerprint = _load_models(cfg, state.device)
@@ -272,14 +327,18 @@ def _build(cfg: PrecomputeConfig, state, out: Path) -> dict:
     if rank == 0:
         identity.claim_output(out, run_id)
     state.wait_for_everyone()
-    pending = [i for i in range(rank, n_shards, world)
-               if not (cf.error_path(out, i).is_file() and cf.shard_is_done(out, i))]
+    pending = [
+        i for i in range(rank, n_shards, world) if not (cf.error_path(out, i).is_file() and cf.shard_is_done(out, i))
+    ]
     if pending and (out / cf.MANIFEST).exists():
         (out / cf.MANIFEST).unlink(missing_ok=True)  # a shard went missing: the cache is not complete any more
     compile_s = _compile_encoder(encoder, cfg, state.device) if cfg.compile and pending else 0.0
     t_enc = time.time()
-    encoded, upscaled, seconds = _process_shards(cfg, listing, pending, out, encoder, gemma, processor, state.device,
-                                                 show=state.is_main_process) if pending else (0, 0, {})
+    encoded, upscaled, seconds = (
+        _process_shards(cfg, listing, pending, out, encoder, gemma, processor, state.device, show=state.is_main_process)
+        if pending
+        else (0, 0, {})
+    )
     counts = gather_object([encoded]) if world > 1 else [encoded]
     upscaled = sum(gather_object([upscaled])) if world > 1 else upscaled
     state.wait_for_everyone()
@@ -298,12 +357,21 @@ def _build(cfg: PrecomputeConfig, state, out: Path) -> dict:
     if empty is not None:
         raise empty
     manifest = cf.load_manifest(out)
-    summary = {"samples": manifest["num_samples"], "errors": manifest["num_errors"], "shards": n_shards,
-               "bytes": sum(s["bytes"] for s in manifest["shards"]), "encoded_this_run": sum(counts),
-               "processes": world, "encode_seconds": round(elapsed, 3), "total_seconds": round(time.time() - t0, 3),
-               "images_per_s": images_per_s(sum(counts), elapsed),
-               "upscaled_this_run": upscaled, "resolution": cfg.image.resolution,
-               "compile_seconds": compile_s, "seconds_rank0": seconds}
+    summary = {
+        "samples": manifest["num_samples"],
+        "errors": manifest["num_errors"],
+        "shards": n_shards,
+        "bytes": sum(s["bytes"] for s in manifest["shards"]),
+        "encoded_this_run": sum(counts),
+        "processes": world,
+        "encode_seconds": round(elapsed, 3),
+        "total_seconds": round(time.time() - t0, 3),
+        "images_per_s": images_per_s(sum(counts), elapsed),
+        "upscaled_this_run": upscaled,
+        "resolution": cfg.image.resolution,
+        "compile_seconds": compile_s,
+        "seconds_rank0": seconds,
+    }
     if state.is_main_process:
         _print_summary(summary, out)
     return {**manifest, "summary": summary}
@@ -316,22 +384,33 @@ def images_per_s(n: int, seconds: float) -> float:
 
 def _print_summary(s: dict, out: Path) -> None:
     reasons = cf.error_classes(out)
-    print(f"precompute: {s['samples']} samples, {s['errors']} errors, {s['bytes'] / 1e6:.1f} MB in {s['shards']} "
-          f"shards ({s['bytes'] / max(1, s['samples']) / 1e3:.1f} kB/sample); this run encoded {s['encoded_this_run']} "
-          f"images in {s['encode_seconds']:.1f} s = {s['images_per_s']:g} images/s on {s['processes']} process(es)"
-          + (f" ({s['upscaled_this_run']} smaller than {s['resolution']} px, upscaled)" if s['upscaled_this_run'] else "")
-          + f" -> {out}" + (f"; errors: {reasons}" if reasons else "")
-          + (f" (after {s['compile_seconds']:.1f} s compiling the encoder)" if s["compile_seconds"] else ""), flush=True)
+    print(
+        f"precompute: {s['samples']} samples, {s['errors']} errors, {s['bytes'] / 1e6:.1f} MB in {s['shards']} "
+        f"shards ({s['bytes'] / max(1, s['samples']) / 1e3:.1f} kB/sample); this run encoded {s['encoded_this_run']} "
+        f"images in {s['encode_seconds']:.1f} s = {s['images_per_s']:g} images/s on {s['processes']} process(es)"
+        + (f" ({s['upscaled_this_run']} smaller than {s['resolution']} px, upscaled)" if s["upscaled_this_run"] else "")
+        + f" -> {out}"
+        + (f"; errors: {reasons}" if reasons else "")
+        + (f" (after {s['compile_seconds']:.1f} s compiling the encoder)" if s["compile_seconds"] else ""),
+        flush=True,
+    )
     if s["seconds_rank0"]:
-        print("precompute: main loop seconds: " + ", ".join(f"{k.replace('_', ' ')} {v:.1f}"
-                                                          for k, v in s["seconds_rank0"].items()), flush=True)
+        print(
+            "precompute: main loop seconds: "
+            + ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in s["seconds_rank0"].items()),
+            flush=True,
+        )
 
 
 @cli_entry
 def main(argv: list[str] | None = None) -> int:
     parser = cli_parser("precompute.cosmos_latents", "Encode a dataset once into a WebDataset latent cache.")
-    parser.add_argument("--plan", action="store_true", help="print entries, shards and bytes per sample and in "
-                        "total, then exit (no model weights loaded, nothing written)")
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="print entries, shards and bytes per sample and in "
+        "total, then exit (no model weights loaded, nothing written)",
+    )
     args = parser.parse_args(argv)
     cfg = load(args.config, args.overrides)
     if args.print_config:

@@ -1,6 +1,7 @@
 """The precompute loader's worker side: listing entries -> uint8 pixels (+ Gemma pixel values, the kept image bytes),
 or the reason an entry failed; `collate` stacks a batch's good samples per input shape. Used by the precompute run,
 its `--plan` sizing and its benchmark."""
+
 from __future__ import annotations
 
 import io

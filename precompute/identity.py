@@ -1,4 +1,5 @@
 """What built an output_dir: the run identity recorded in precompute.json, and the checks that refuse to mix caches."""
+
 from __future__ import annotations
 
 import json
@@ -33,19 +34,25 @@ def check_identity(out: Path, identity: dict) -> None:
     path = out / cf.RUN_FILE
     if not path.is_file():
         if any((out / cf.SHARDS).glob("*.tar")):
-            raise UserError(f"output_dir {out} holds shards but no {cf.RUN_FILE}, so what built them is unknown: use "
-                            "another output_dir or delete it")
+            raise UserError(
+                f"output_dir {out} holds shards but no {cf.RUN_FILE}, so what built them is unknown: use "
+                "another output_dir or delete it"
+            )
         return
     try:
         old = json.loads(path.read_text())
     except ValueError:
-        raise UserError(f"output_dir {out}: {cf.RUN_FILE} is unreadable, so what built its shards is unknown: use "
-                        "another output_dir or delete it") from None
+        raise UserError(
+            f"output_dir {out}: {cf.RUN_FILE} is unreadable, so what built its shards is unknown: use "
+            "another output_dir or delete it"
+        ) from None
     diff = [f for key in identity for f in cf.fingerprint_diff({key: old.get(key)}, {key: identity[key]})]
     if diff:
         more = f" (and {len(diff) - 1} more: {', '.join(diff[1:4])})" if len(diff) > 1 else ""
-        raise UserError(f"output_dir {out} holds a cache built with a different {diff[0]}{more}: "
-                        f"use another output_dir or delete it")
+        raise UserError(
+            f"output_dir {out} holds a cache built with a different {diff[0]}{more}: "
+            f"use another output_dir or delete it"
+        )
 
 
 def claim_output(out: Path, identity: dict) -> None:

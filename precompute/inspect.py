@@ -10,6 +10,7 @@ compare-live and decode need the VAE: by default the one named in the cache's fi
 --config/--set override it, and a VAE that would not reproduce the cache is refused, naming the differing field.
 With --config, summary and verify check the fingerprint too.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,7 +29,6 @@ from theworld import cache_format as cf
 from theworld import encoders, images
 from theworld.config import ArgParser, add_config_args, load_config
 from theworld.errors import CacheDamaged, UserError, cli_entry, one_line
-
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Models and fingerprints
@@ -81,23 +81,36 @@ def summary(cache: Path, args) -> tuple[dict, int, str]:
     if n:
         means = [reader[i].mean.float() for i in idx]  # (C, 1, h, w) each; (h, w) varies with aspect-ratio buckets
         per_channel = torch.cat([m.reshape(m.shape[0], -1) for m in means], dim=1)
-        stats = {"channel_mean": [round(v, 5) for v in per_channel.mean(1).tolist()],
-                 "channel_std": [round(v, 5) for v in per_channel.std(1).tolist()],
-                 "stats_over_samples": len(idx)}
+        stats = {
+            "channel_mean": [round(v, 5) for v in per_channel.mean(1).tolist()],
+            "channel_std": [round(v, 5) for v in per_channel.std(1).tolist()],
+            "stats_over_samples": len(idx),
+        }
     reader.close()
     reasons = cf.error_classes(cache)
-    report = {"cache": str(cache), "num_samples": manifest["num_samples"], "num_errors": manifest["num_errors"],
-              "num_shards": len(manifest["shards"]), "bytes": total_bytes,
-              "bytes_per_sample": round(total_bytes / n, 1) if n else None,
-              "latent_shape": manifest["latent_shape"], "latent_shapes": manifest.get("latent_shapes"),
-              "latent_dtype": manifest["latent_dtype"], "latents": cf.latents_stored(manifest),
-              "contents": manifest.get("contents", {}), **stats, "error_reasons": dict(reasons),
-              "vae": (manifest["fingerprint"].get("vae") or {}).get("model"),
-              "resolution": (manifest["fingerprint"].get("image") or {}).get("resolution")}
-    lines = [f"cache {cache}: {report['num_samples']} samples, {report['num_errors']} errors, "
-             f"{report['num_shards']} shards, {total_bytes / 1e6:.2f} MB ({report['bytes_per_sample']} B/sample)",
-             f"latent {_shapes_text(manifest)} {report['latent_dtype']} ({report['latents']}), contents "
-             f"{report['contents']}, vae {report['vae']} at {report['resolution']} px"]
+    report = {
+        "cache": str(cache),
+        "num_samples": manifest["num_samples"],
+        "num_errors": manifest["num_errors"],
+        "num_shards": len(manifest["shards"]),
+        "bytes": total_bytes,
+        "bytes_per_sample": round(total_bytes / n, 1) if n else None,
+        "latent_shape": manifest["latent_shape"],
+        "latent_shapes": manifest.get("latent_shapes"),
+        "latent_dtype": manifest["latent_dtype"],
+        "latents": cf.latents_stored(manifest),
+        "contents": manifest.get("contents", {}),
+        **stats,
+        "error_reasons": dict(reasons),
+        "vae": (manifest["fingerprint"].get("vae") or {}).get("model"),
+        "resolution": (manifest["fingerprint"].get("image") or {}).get("resolution"),
+    }
+    lines = [
+        f"cache {cache}: {report['num_samples']} samples, {report['num_errors']} errors, "
+        f"{report['num_shards']} shards, {total_bytes / 1e6:.2f} MB ({report['bytes_per_sample']} B/sample)",
+        f"latent {_shapes_text(manifest)} {report['latent_dtype']} ({report['latents']}), contents "
+        f"{report['contents']}, vae {report['vae']} at {report['resolution']} px",
+    ]
     if stats:
         lines.append("channel mean " + " ".join(f"{v:+.3f}" for v in stats["channel_mean"]))
         lines.append("channel std  " + " ".join(f"{v:.3f}" for v in stats["channel_std"]))
@@ -198,8 +211,10 @@ def verify(cache: Path, args) -> tuple[dict, int, str]:
             problems.append(f"size {size} != manifest {entry['bytes']}")
         if digest != entry["sha256"]:
             owner = next((e["path"] for e in manifest["shards"] if e["sha256"] == digest), None)
-            problems.append(f"sha256 {digest[:12]}.. != manifest {entry['sha256'][:12]}.."
-                            + (f": it holds what the manifest lists for {owner} (copied or swapped)" if owner else ""))
+            problems.append(
+                f"sha256 {digest[:12]}.. != manifest {entry['sha256'][:12]}.."
+                + (f": it holds what the manifest lists for {owner} (copied or swapped)" if owner else "")
+            )
         side = cf.read_sidecar(cache, i)
         if side is None or side.get("sha256") != entry["sha256"]:
             problems.append("sidecar missing or does not match the manifest")
@@ -218,18 +233,33 @@ def verify(cache: Path, args) -> tuple[dict, int, str]:
             seen.setdefault(key, entry["path"])
             problems += _check_sample(key, members, manifest, shapes.get(key))
         total += len(samples)
-        shards.append({"path": entry["path"], "ok": not problems, "num_samples": len(samples),
-                       "problems": problems[:20] + ([f"... {len(problems) - 20} more"] if len(problems) > 20 else [])})
+        shards.append(
+            {
+                "path": entry["path"],
+                "ok": not problems,
+                "num_samples": len(samples),
+                "problems": problems[:20] + ([f"... {len(problems) - 20} more"] if len(problems) > 20 else []),
+            }
+        )
     cache_problems = []
     if total != manifest["num_samples"]:
         cache_problems.append(f"{total} samples in shards, manifest says {manifest['num_samples']}")
     bad = [s for s in shards if not s["ok"]]
     ok = not bad and not cache_problems
-    report = {"cache": str(cache), "ok": ok, "num_samples_checked": total, "num_shards": len(shards),
-              "bad_shards": [s["path"] for s in bad], "problems": cache_problems, "shards": shards}
+    report = {
+        "cache": str(cache),
+        "ok": ok,
+        "num_samples_checked": total,
+        "num_shards": len(shards),
+        "bad_shards": [s["path"] for s in bad],
+        "problems": cache_problems,
+        "shards": shards,
+    }
     lines = [f"bad shard {s['path']}: {'; '.join(s['problems'][:3])}" for s in bad] + cache_problems
-    lines.append(f"verify {cache}: {'OK' if ok else 'FAILED'}: {total} samples in {len(shards)} shards checked"
-                 + (f", {len(bad)} bad shard(s)" if bad else ""))
+    lines.append(
+        f"verify {cache}: {'OK' if ok else 'FAILED'}: {total} samples in {len(shards)} shards checked"
+        + (f", {len(bad)} bad shard(s)" if bad else "")
+    )
     return report, 0 if ok else 1, "\n".join(lines)
 
 
@@ -251,7 +281,7 @@ def compare_live(cache: Path, args) -> tuple[dict, int, str]:
     per_sample = []
     with torch.no_grad():
         for start in range(0, len(picked), args.batch_size):
-            samples = [reader[i] for i in picked[start:start + args.batch_size]]
+            samples = [reader[i] for i in picked[start : start + args.batch_size]]
             for group in _same_shape(pixels := [_stored_pixels(s, cfg) for s in samples]):
                 batch = torch.stack([pixels[j] for j in group])
                 live = dict(zip(("mean", "logvar"), encoder(batch)))
@@ -259,20 +289,31 @@ def compare_live(cache: Path, args) -> tuple[dict, int, str]:
                     live.update(zip(("flip_mean", "flip_logvar"), encoder(batch.flip(-1))))
                 for row, j in enumerate(group):
                     s = samples[j]
-                    diffs = {name: (live[name][row].float() - getattr(s, name).float()).abs().max().item()
-                             for name in worst}
+                    diffs = {
+                        name: (live[name][row].float() - getattr(s, name).float()).abs().max().item() for name in worst
+                    }
                     for name, d in diffs.items():
                         worst[name] = max(worst[name], d)
                     per_sample.append({"key": s.key, **{f"max_abs_diff_{k}": v for k, v in diffs.items()}})
     reader.close()
     max_diff = max(worst.values())
     fail = args.tol is not None and max_diff > args.tol
-    report = {"cache": str(cache), "n": len(picked), "latent_dtype": manifest["latent_dtype"],
-              "max_abs_diff": max_diff, **{f"max_abs_diff_{k}": v for k, v in worst.items()},
-              "tol": args.tol, "ok": not fail, "samples": per_sample}
-    text = (f"compare-live {cache}: {len(picked)} samples re-encoded from their stored images; max abs difference "
-            + ", ".join(f"{k} {v:.3g}" for k, v in worst.items()) + f" (cache dtype {manifest['latent_dtype']})"
-            + (f": exceeds --tol {args.tol}" if fail else ""))
+    report = {
+        "cache": str(cache),
+        "n": len(picked),
+        "latent_dtype": manifest["latent_dtype"],
+        "max_abs_diff": max_diff,
+        **{f"max_abs_diff_{k}": v for k, v in worst.items()},
+        "tol": args.tol,
+        "ok": not fail,
+        "samples": per_sample,
+    }
+    text = (
+        f"compare-live {cache}: {len(picked)} samples re-encoded from their stored images; max abs difference "
+        + ", ".join(f"{k} {v:.3g}" for k, v in worst.items())
+        + f" (cache dtype {manifest['latent_dtype']})"
+        + (f": exceeds --tol {args.tol}" if fail else "")
+    )
     return report, 1 if fail else 0, text
 
 
@@ -287,8 +328,9 @@ def _same_shape(tensors: list[torch.Tensor]) -> list[list[int]]:
 LINE = 14  # px per text line of the label font (fonts.SIZE)
 
 
-def _sheet(pairs: list[tuple[torch.Tensor, torch.Tensor]], labels: list[str], header: str, min_tile: int = 128,
-           gap: int = 4):
+def _sheet(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], labels: list[str], header: str, min_tile: int = 128, gap: int = 4
+):
     """A grid of (original | decoded) pairs on square tiles, each picture upscaled (nearest) by the same whole factor
     so that the largest side is at least `min_tile` px and centred on its tile; `header` on top, each pair's label
     (key, caption) under it, cut to the pair's width."""
@@ -315,7 +357,7 @@ def _sheet(pairs: list[tuple[torch.Tensor, torch.Tensor]], labels: list[str], he
             img = Image.fromarray(t.permute(1, 2, 0).numpy()).resize((w * scale, h * scale), Image.NEAREST)
             sheet.paste(img, (x + k * (tile + gap) + (tile - w * scale) // 2, y + (tile - h * scale) // 2))
         for i, line in enumerate(label.splitlines()[:2]):
-            line = line if len(line) <= pair_w // 3 else line[:pair_w // 3 - 3] + "..."  # no glyph is under 3 px
+            line = line if len(line) <= pair_w // 3 else line[: pair_w // 3 - 3] + "..."  # no glyph is under 3 px
             while len(line) > 3 and font.getlength(line) > pair_w:  # cut to the pair's width
                 line = line[:-4] + "..."
             draw.text((x, y + tile + gap // 2 + i * LINE), line, fill=(220, 220, 220), font=font)
@@ -323,8 +365,11 @@ def _sheet(pairs: list[tuple[torch.Tensor, torch.Tensor]], labels: list[str], he
 
 
 def _decode_header(cfg: PrecomputeConfig) -> str:
-    note = ("\nVAE: tiny (random weights): decodes are noise by design; a trained VAE decodes to the picture"
-            if cfg.model.vae == "tiny" else f"\nVAE: {cfg.model.vae}")
+    note = (
+        "\nVAE: tiny (random weights): decodes are noise by design; a trained VAE decodes to the picture"
+        if cfg.model.vae == "tiny"
+        else f"\nVAE: {cfg.model.vae}"
+    )
     return "each pair: original | decoded" + note
 
 
@@ -352,7 +397,7 @@ def decode(cache: Path, args) -> tuple[dict, int, str]:
     pairs, per_sample = [], []
     with torch.no_grad():
         for start in range(0, len(picked), args.batch_size):
-            samples = [reader[i] for i in picked[start:start + args.batch_size]]
+            samples = [reader[i] for i in picked[start : start + args.batch_size]]
             recon = [None] * len(samples)
             for group in _same_shape([s.mean for s in samples]):
                 z = torch.stack([samples[j].mean for j in group]).to(dtype)  # (B, 16, 1, h, w), un-normalised
@@ -369,8 +414,7 @@ def decode(cache: Path, args) -> tuple[dict, int, str]:
     header = _decode_header(cfg)
     labels = [f"{p['key']}\n{' '.join(p['caption'].split())}" for p in per_sample]
     _sheet(pairs, labels, header).save(out_path)
-    report = {"cache": str(cache), "n": len(pairs), "out": str(out_path), "samples": per_sample,
-              "header": header}
+    report = {"cache": str(cache), "n": len(pairs), "out": str(out_path), "samples": per_sample, "header": header}
     return report, 0, (f"decode {cache}: {len(pairs)} samples -> {out_path} (" + header.replace("\n", "; ") + ")")
 
 
@@ -386,8 +430,11 @@ def _parser() -> ArgParser:
         sp = sub.add_parser(name, help=help_)
         sp.add_argument("cache", help="the cache directory")
         sp.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-        add_config_args(sp, "precompute config to check the fingerprint against"
-                        + (" and take the VAE from" if models else " (loads the models)"))
+        add_config_args(
+            sp,
+            "precompute config to check the fingerprint against"
+            + (" and take the VAE from" if models else " (loads the models)"),
+        )
         if models:
             sp.add_argument("--n", type=int, default=8, help="how many random samples")
             sp.add_argument("--seed", type=int, default=0)
@@ -395,12 +442,15 @@ def _parser() -> ArgParser:
         return sp
 
     add("summary", "counts, sizes, latent statistics, error reasons").add_argument(
-        "--max-samples", type=int, default=2048, help="latent statistics over at most this many samples")
+        "--max-samples", type=int, default=2048, help="latent statistics over at most this many samples"
+    )
     add("verify", "check every shard and tensor against the manifest")
     add("compare-live", "re-encode stored images and compare with the cached latents", models=True).add_argument(
-        "--tol", type=float, default=None, help="exit 1 when the max abs difference exceeds this")
+        "--tol", type=float, default=None, help="exit 1 when the max abs difference exceeds this"
+    )
     add("decode", "decode latents with the VAE into a contact sheet", models=True).add_argument(
-        "--out", required=True, help="PNG file to write")
+        "--out", required=True, help="PNG file to write"
+    )
     return p
 
 
@@ -418,8 +468,10 @@ def main(argv: list[str] | None = None) -> int:
         report, code, text = COMMANDS[args.command](cache, args)
     except (OSError, CacheDamaged) as e:  # most often a shard missing or cut short: verify reports every problem,
         # the rest stop
-        raise UserError(f"{args.command} {cache}: {e} (if the cache is damaged, python -m precompute.inspect verify "
-                        f"{cache} checks every shard)") from None
+        raise UserError(
+            f"{args.command} {cache}: {e} (if the cache is damaged, python -m precompute.inspect verify "
+            f"{cache} checks every shard)"
+        ) from None
     print(json.dumps(report, indent=1) if args.json else text)
     return code
 

@@ -1,4 +1,5 @@
 """The writer thread: finished shards become tars (and their error files) while encoding goes on."""
+
 from __future__ import annotations
 
 import errno

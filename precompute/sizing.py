@@ -7,6 +7,7 @@ public checkpoints the project targets, the table in theworld/arch.py. The laten
 (image bytes, caption, json) are measured on up to PLAN_SAMPLES source entries spread evenly over the source,
 prepared exactly as the run prepares them (decode, resize or bucket, PNG for formats kept as PNG).
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,9 @@ def _local_config(key: str, path: str, subfolder: str | None = None) -> dict | N
     try:
         config = json.loads(p.read_bytes())
     except (OSError, ValueError, RecursionError) as e:
-        raise UserError(f"{key}: cannot load {path!r}: {p} is not valid JSON ({type(e).__name__}: "
-                        f"{one_line(e)[:120]})") from None
+        raise UserError(
+            f"{key}: cannot load {path!r}: {p} is not valid JSON ({type(e).__name__}: {one_line(e)[:120]})"
+        ) from None
     if not isinstance(config, dict):
         raise UserError(f"{key}: cannot load {path!r}: {p} holds a JSON {type(config).__name__}, not a model config")
     return config
@@ -55,8 +57,9 @@ def _count(config: dict, file_key: str, where: str, spec: str, default: int | No
     section = config.get(where.rstrip("."), {}) if where else config
     value = section.get(file_key, default) if isinstance(section, dict) else None
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise UserError(f"model.gemma: cannot load {spec!r}: its config.json has no usable {where}{file_key} "
-                        f"(got {value!r})")
+        raise UserError(
+            f"model.gemma: cannot load {spec!r}: its config.json has no usable {where}{file_key} (got {value!r})"
+        )
     return value
 
 
@@ -64,12 +67,16 @@ def siglip_size(spec: str) -> tuple[int, int]:
     """(image tokens, hidden size) of Gemma's multimodal-projector output for model.gemma `spec`."""
     config = _local_config("model.gemma", encoders.resolve_gemma(spec))
     if config is not None:
-        return (_count(config, "mm_tokens_per_image", "", spec, default=256),
-                _count(config, "hidden_size", "text_config.", spec))
+        return (
+            _count(config, "mm_tokens_per_image", "", spec, default=256),
+            _count(config, "hidden_size", "text_config.", spec),
+        )
     if spec in KNOWN_GEMMA:
         return KNOWN_GEMMA[spec].mm_tokens, KNOWN_GEMMA[spec].hidden_size
-    raise UserError(f"model.gemma: no config for {spec!r} offline (a local folder, the Hugging Face cache, or one "
-                    f"of {', '.join(KNOWN_GEMMA)})")
+    raise UserError(
+        f"model.gemma: no config for {spec!r} offline (a local folder, the Hugging Face cache, or one "
+        f"of {', '.join(KNOWN_GEMMA)})"
+    )
 
 
 def latent_channels(spec: str) -> int:
@@ -77,8 +84,10 @@ def latent_channels(spec: str) -> int:
         return KNOWN_VAE[spec]
     config = _local_config("model.vae", *encoders.resolve_vae(spec))
     if config is None:
-        raise UserError(f"model.vae: no config for {spec!r} offline (a local folder, the Hugging Face cache, or one "
-                        f"of {', '.join(KNOWN_VAE)})")
+        raise UserError(
+            f"model.vae: no config for {spec!r} offline (a local folder, the Hugging Face cache, or one "
+            f"of {', '.join(KNOWN_VAE)})"
+        )
     return config.get("z_dim", 16)
 
 
@@ -119,7 +128,9 @@ def _measure(cfg: PrecomputeConfig, listing: sources.Listing) -> dict:
 def estimate(cfg: PrecomputeConfig) -> dict:
     """Entries, shards and bytes per sample by member, and totals for the whole source."""
     cfg.validate_paths()
-    with tempfile.TemporaryDirectory() as tmp:  # indexed sources (webdataset, parquet, llava) list into a scratch folder
+    with (
+        tempfile.TemporaryDirectory() as tmp
+    ):  # indexed sources (webdataset, parquet, llava) list into a scratch folder
         listing = sources.open_source(cfg.source, cfg.seed, cfg.image.resolution, index_dir=Path(tmp))
         if not len(listing):
             raise UserError(f"config key 'source.path': no samples found in {cfg.source.path}")
@@ -128,8 +139,9 @@ def estimate(cfg: PrecomputeConfig) -> dict:
     if not got["hw"]:
         reasons = "; ".join(f"{k} x{n}" if n > 1 else k for k, n in got["reasons"].most_common(3))
         more = f"; and {len(got['reasons']) - 3} other reasons" if len(got["reasons"]) > 3 else ""
-        raise UserError(f"--plan: none of the {got['sampled']} sampled entries of the source is usable: "
-                        f"{reasons}{more}")
+        raise UserError(
+            f"--plan: none of the {got['sampled']} sampled entries of the source is usable: {reasons}{more}"
+        )
     channels = latent_channels(cfg.model.vae)
     latent = sum(_member(_latent_bytes(channels, hw, cfg)) for hw in got["hw"]) / len(got["hw"])
     members = {"latent": latent, "latent_flip": latent if cfg.cache.flip else 0.0}
@@ -145,11 +157,20 @@ def estimate(cfg: PrecomputeConfig) -> dict:
     per_sample = sum(members.values())
     shards = -(-n // cfg.shard_size)  # integers: a float quotient is wrong beyond 2**53 entries
     end = 2 * tarfile.BLOCKSIZE + tarfile.RECORDSIZE / 2  # end-of-archive blocks, then padding to a record (mean)
-    return {"source": {"type": cfg.source.type, "path": cfg.source.path}, "entries": n, "shards": shards,
-            "shard_size": cfg.shard_size, "sampled": got["sampled"], "sampled_unusable": got["errors"],
-            "latent_grids": sorted(set(got["hw"])), "latents": cfg.cache.latents, "dtype": cfg.cache.dtype,
-            "bytes_per_sample": {k: round(v) for k, v in members.items()}, "bytes_per_sample_total": round(per_sample),
-            "bytes_total": round(per_sample) * n + round(end) * shards}
+    return {
+        "source": {"type": cfg.source.type, "path": cfg.source.path},
+        "entries": n,
+        "shards": shards,
+        "shard_size": cfg.shard_size,
+        "sampled": got["sampled"],
+        "sampled_unusable": got["errors"],
+        "latent_grids": sorted(set(got["hw"])),
+        "latents": cfg.cache.latents,
+        "dtype": cfg.cache.dtype,
+        "bytes_per_sample": {k: round(v) for k, v in members.items()},
+        "bytes_per_sample_total": round(per_sample),
+        "bytes_total": round(per_sample) * n + round(end) * shards,
+    }
 
 
 def _human(b: float) -> str:
@@ -163,12 +184,14 @@ def _human(b: float) -> str:
 def report(p: dict) -> str:
     """The plan as text: the source, then a line per member, then the totals."""
     src = p["source"]
-    lines = [f"source: {src['type']}" + (f" {src['path']}" if src["type"] != "synthetic" else ""),
-             f"entries: {p['entries']} in {p['shards']} shards of {p['shard_size']} (sampled {p['sampled']}, "
-             f"{p['sampled_unusable']} unusable; unusable entries take no space)",
-             f"latent grids (h x w) met: {', '.join(f'{h}x{w}' for h, w in p['latent_grids'])}; cache dtype "
-             f"{p['dtype']}, latents {p['latents']}",
-             "bytes per sample (tar member with header):"]
+    lines = [
+        f"source: {src['type']}" + (f" {src['path']}" if src["type"] != "synthetic" else ""),
+        f"entries: {p['entries']} in {p['shards']} shards of {p['shard_size']} (sampled {p['sampled']}, "
+        f"{p['sampled_unusable']} unusable; unusable entries take no space)",
+        f"latent grids (h x w) met: {', '.join(f'{h}x{w}' for h, w in p['latent_grids'])}; cache dtype "
+        f"{p['dtype']}, latents {p['latents']}",
+        "bytes per sample (tar member with header):",
+    ]
     for name, b in p["bytes_per_sample"].items():
         if b:
             lines.append(f"  {name:<12} {_human(b):>10}   x {p['entries']} = {_human(b * p['entries'])}")

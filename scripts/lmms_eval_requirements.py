@@ -4,6 +4,7 @@
 CUDA torch, and installing them would replace the CPU torch) installs lmms-eval with `--no-deps` and then these.
 TheWorld's lmms-eval adapter and the tasks it is tested on use neither package.
 """
+
 from __future__ import annotations
 
 from importlib.metadata import requires

@@ -1,5 +1,6 @@
 """Multiple-choice fixtures shared by tests/test_evaluate.py and tests/test_protocols.py: item files, a BLINK-layout
 folder, and the scores computed by hand (each choice alone, full logits)."""
+
 from __future__ import annotations
 
 import json
@@ -22,17 +23,25 @@ def write_items(root: Path, records: list[dict], n_images: int = 3) -> Path:
     return path
 
 
-TWO_ITEMS = [{"image": "0.png", "question": "describe the scene .", "choices": ["top left red circle .", "left", "bottom right"],
-              "answer": "(B)", "category": "a"},
-             {"image": ["1.png", "2.png"], "question": "left right", "choices": ["red square .", "blue"], "answer": 0}]
+TWO_ITEMS = [
+    {
+        "image": "0.png",
+        "question": "describe the scene .",
+        "choices": ["top left red circle .", "left", "bottom right"],
+        "answer": "(B)",
+        "category": "a",
+    },
+    {"image": ["1.png", "2.png"], "question": "left right", "choices": ["red square .", "blue"], "answer": 0},
+]
 
 
 def hand_scores(model, processor, item: benchmarks.Item, world_image) -> list[float]:
     """Each choice on its own: full logits of the sequence, log-softmax, summed over the answer tokens."""
     fmt = ChatFormatter(processor)
     world = images.to_uint8_tensor(images.resize(images.decode(Path(world_image).read_bytes()), 64)[0])[None]
-    pv = torch.stack([images.siglip_pixels(processor.image_processor, images.decode(Path(p).read_bytes()))
-                      for p in item.images])
+    pv = torch.stack(
+        [images.siglip_pixels(processor.image_processor, images.decode(Path(p).read_bytes())) for p in item.images]
+    )
     out = []
     for choice in item.choices:
         enc = fmt.encode(item.question, choice, images=len(item.images))
@@ -53,13 +62,19 @@ def blink_folder(root: Path, answer: str = "(B)", image_1=True) -> Path:
 
     png = images.to_bytes(synthetic.scene(11, 0)[0])
     struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
-    rows = {"idx": ["val_Counting_1", "val_Counting_2"], "sub_task": ["Counting", "Jigsaw"],
-            "question": ["how many?", "which piece?"], "choices": [["1", "2", "3"], ["(A)", "(B)"]],
-            "answer": ["(C)", answer],
-            "image_1": pa.array([{"bytes": png, "path": "a.png"}, {"bytes": png if image_1 else None, "path": "b"}],
-                                type=struct),
-            "image_2": pa.array([None, {"bytes": png, "path": "c.png"}], type=struct),
-            "image_3": pa.array([None, None], type=struct), "image_4": pa.array([None, None], type=struct)}
+    rows = {
+        "idx": ["val_Counting_1", "val_Counting_2"],
+        "sub_task": ["Counting", "Jigsaw"],
+        "question": ["how many?", "which piece?"],
+        "choices": [["1", "2", "3"], ["(A)", "(B)"]],
+        "answer": ["(C)", answer],
+        "image_1": pa.array(
+            [{"bytes": png, "path": "a.png"}, {"bytes": png if image_1 else None, "path": "b"}], type=struct
+        ),
+        "image_2": pa.array([None, {"bytes": png, "path": "c.png"}], type=struct),
+        "image_3": pa.array([None, None], type=struct),
+        "image_4": pa.array([None, None], type=struct),
+    }
     (root / "Counting").mkdir(parents=True)
     pq.write_table(pa.table(rows), root / "Counting" / "val-00000-of-00001.parquet")
     return root

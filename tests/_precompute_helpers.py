@@ -1,4 +1,5 @@
 """Helpers for the precompute/inspect tests: small configs, image zoo, reading a cache back without our reader."""
+
 from __future__ import annotations
 
 import io
@@ -16,14 +17,30 @@ from theworld.config import load_config
 
 
 def make_cfg(out: Path, *overrides: str, n: int = 20, res: int = 32, shard: int = 8) -> PrecomputeConfig:
-    base = [f"output_dir={out}", "model.dtype=float32", "cache.dtype=float32", f"image.resolution={res}",
-            f"source.num_samples={n}", f"shard_size={shard}", "batch_size=4", "num_workers=0"]
+    base = [
+        f"output_dir={out}",
+        "model.dtype=float32",
+        "cache.dtype=float32",
+        f"image.resolution={res}",
+        f"source.num_samples={n}",
+        f"shard_size={shard}",
+        "batch_size=4",
+        "num_workers=0",
+    ]
     return load_config(PrecomputeConfig, None, base + list(overrides))
 
 
 def cli_args(out: Path, *overrides: str, n: int = 20, res: int = 32, shard: int = 8) -> list[str]:
-    base = [f"output_dir={out}", "model.dtype=float32", "cache.dtype=float32", f"image.resolution={res}",
-            f"source.num_samples={n}", f"shard_size={shard}", "batch_size=4", "num_workers=0"]
+    base = [
+        f"output_dir={out}",
+        "model.dtype=float32",
+        "cache.dtype=float32",
+        f"image.resolution={res}",
+        f"source.num_samples={n}",
+        f"shard_size={shard}",
+        "batch_size=4",
+        "num_workers=0",
+    ]
     return [a for o in base + list(overrides) for a in ("--set", o)]
 
 
@@ -65,14 +82,17 @@ def bomb_png(width: int = 20000, height: int = 20000) -> bytes:
     """A valid PNG header that claims width x height pixels (no pixel data worth decoding)."""
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     chunk = lambda t, d: struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d) & 0xFFFFFFFF)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * 16)) + chunk(b"IEND", b"")
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * 16)) + chunk(b"IEND", b"")
+    )
 
 
 def gradient(w: int, h: int) -> Image.Image:
     x = np.linspace(0, 255, w, dtype=np.float32)[None, :, None]
     y = np.linspace(0, 255, h, dtype=np.float32)[:, None, None]
-    arr = np.concatenate([np.broadcast_to(x, (h, w, 1)), np.broadcast_to(y, (h, w, 1)),
-                          np.full((h, w, 1), 90, np.float32)], axis=2)
+    arr = np.concatenate(
+        [np.broadcast_to(x, (h, w, 1)), np.broadcast_to(y, (h, w, 1)), np.full((h, w, 1), 90, np.float32)], axis=2
+    )
     return Image.fromarray(arr.astype(np.uint8), "RGB")
 
 
@@ -102,19 +122,26 @@ def image_zoo(root: Path) -> tuple[list[dict], dict[str, str]]:
     records = [{"image": rel, "caption": f"caption of {rel}"} for rel in sorted(files)]
     records.insert(2, {"image": "missing.png", "caption": "not there"})
     next(r for r in records if r["image"] == "cmyk.jpg")["prompt"] = "what is this ?"
-    expected_bad = {"corrupt_jpg": "unreadable", "truncated_png": "unreadable", "empty_png": "empty",
-                    "bomb_png": "oversized", "missing_png": "cannot read"}
+    expected_bad = {
+        "corrupt_jpg": "unreadable",
+        "truncated_png": "unreadable",
+        "empty_png": "empty",
+        "bomb_png": "oversized",
+        "missing_png": "cannot read",
+    }
     lines = [json.dumps(r) for r in records]
     lines += ["{not json", json.dumps({"image": "rgb.jpg"}), json.dumps({"image": "rgb.jpg", "caption": "again"})]
     (root / "captions.jsonl").write_text("\n".join(lines) + "\n")
     n = len(records)
-    expected_bad.update({f"line-{n + 1}": "bad caption line", f"line-{n + 2}": "bad caption line",
-                         "rgb_jpg#dup": "duplicate"})
+    expected_bad.update(
+        {f"line-{n + 1}": "bad caption line", f"line-{n + 2}": "bad caption line", "rgb_jpg#dup": "duplicate"}
+    )
     return records, expected_bad
 
 
-def wds_source(root: Path, tars: int, per_tar: int, dup: tuple[int, int] | None = None,
-               no_caption: tuple[int, int] | None = None) -> list[Path]:
+def wds_source(
+    root: Path, tars: int, per_tar: int, dup: tuple[int, int] | None = None, no_caption: tuple[int, int] | None = None
+) -> list[Path]:
     """img2dataset-like tars `root/<j:05d>.tar` (jpg + txt + json); `dup`: that (tar, sample) reuses tar 0's key 0;
     `no_caption`: that (tar, sample) has no txt member. Returns the tar paths."""
     import webdataset as wds
@@ -126,8 +153,11 @@ def wds_source(root: Path, tars: int, per_tar: int, dup: tuple[int, int] | None 
         with wds.TarWriter(str(paths[-1])) as w:
             for i in range(per_tar):
                 key = "000000000" if (j, i) == dup else f"{j:05d}{i:04d}"
-                sample = {"__key__": key, "jpg": jpeg_bytes(gradient(36 + i % 5, 36 + j % 3)),
-                          "json": json.dumps({"url": f"http://x/{key}"}).encode()}
+                sample = {
+                    "__key__": key,
+                    "jpg": jpeg_bytes(gradient(36 + i % 5, 36 + j % 3)),
+                    "json": json.dumps({"url": f"http://x/{key}"}).encode(),
+                }
                 if (j, i) != no_caption:
                     sample["txt"] = f"text {j} {i}".encode()
                 w.write(sample)
@@ -147,7 +177,8 @@ def bucket_folder(root: Path, n: int) -> Path:
         if i % 2:
             img = img.transpose(Image.Transpose.ROTATE_180)
         (root / f"img{i:03d}.jpg").write_bytes(jpeg_bytes(img))
-        lines.append(json.dumps({"image": f"img{i:03d}.jpg", "caption": f"a {'dark' if i % 2 else 'light'} corner "
-                                 f"number {i}"}))
+        lines.append(
+            json.dumps({"image": f"img{i:03d}.jpg", "caption": f"a {'dark' if i % 2 else 'light'} corner number {i}"})
+        )
     (root / "captions.jsonl").write_text("\n".join(lines) + "\n")
     return root

@@ -1,6 +1,7 @@
 """Precompute whose shard writes stall DELAY seconds with the shard's tar complete under its temporary name, just
 before the rename that publishes it (a slow disk), so a kill -9 can be landed mid-write:
 python tests/_slow_writer.py DELAY [precompute arguments...]"""
+
 import os
 import sys
 import time

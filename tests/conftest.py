@@ -1,5 +1,6 @@
 """Shared test set-up: no network, tiny models built once per checkout, a fake VAE on request, two-process launches,
 training runs on a small synthetic cache (the `cache` fixture, `base_args`, in-process and subprocess runs)."""
+
 from __future__ import annotations
 
 import json
@@ -30,15 +31,32 @@ def free_port() -> int:
 def two_process_command(module: str, *args: str) -> list[str]:
     """`python -m MODULE ARGS` as two real CPU processes (gloo) through this interpreter's accelerate, on a free port;
     run it with ACCELERATE_USE_CPU=true (`accelerate launch --cpu --num_processes 2` silently runs one)."""
-    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-            str(free_port()), "-m", module, *args]
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(free_port()),
+        "-m",
+        module,
+        *args,
+    ]
 
 
 def launch2(args: list[str], env: dict | None = None, module: str = "train.loop", **popen) -> subprocess.Popen:
     """Start `module` (a training run by default) on two processes; `popen` goes to subprocess.Popen."""
-    return subprocess.Popen(two_process_command(module, *args), cwd=ROOT,
-                            env={**ENV, "ACCELERATE_USE_CPU": "true", **(env or {})}, **popen)
+    return subprocess.Popen(
+        two_process_command(module, *args), cwd=ROOT, env={**ENV, "ACCELERATE_USE_CPU": "true", **(env or {})}, **popen
+    )
 
 
 def run2(args: list[str], env: dict | None = None, module: str = "train.loop") -> subprocess.CompletedProcess:
@@ -94,8 +112,12 @@ def trained_run(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("trained")
     cache, out, mc = root / "cache", root / "run", root / "mc" / "items.jsonl"
-    run(load_pre(str(ROOT / "configs" / "precompute.yaml"),
-                 [f"output_dir={cache}", "source.num_samples=48", "shard_size=24", "batch_size=24", "num_workers=0"]))
+    run(
+        load_pre(
+            str(ROOT / "configs" / "precompute.yaml"),
+            [f"output_dir={cache}", "source.num_samples=48", "shard_size=24", "batch_size=24", "num_workers=0"],
+        )
+    )
     benchmarks.make_synthetic(mc, 6)
     recorded = {}
     original = checkpoint.export_final
@@ -106,9 +128,21 @@ def trained_run(tmp_path_factory):
             recorded["logits"] = c.raw(**fixed_inputs(c.raw, c.processor), return_logits=True).logits
         return original(c, state, cfg_yaml, output_dir, *whole)
 
-    sets = {"cache_dir": cache, "output_dir": out, "model.dtype": "float32", "train.max_steps": 4, "train.global_batch_size": 8,
-            "train.micro_batch_size": 8, "train.eval_samples": 8, "train.num_workers": 0, "trackers": "[]",
-            "train.save_every": 2, "train.eval_every": 2, "train.warmup_steps": 1, "train.benchmarks": f"[{mc}]"}
+    sets = {
+        "cache_dir": cache,
+        "output_dir": out,
+        "model.dtype": "float32",
+        "train.max_steps": 4,
+        "train.global_batch_size": 8,
+        "train.micro_batch_size": 8,
+        "train.eval_samples": 8,
+        "train.num_workers": 0,
+        "trackers": "[]",
+        "train.save_every": 2,
+        "train.eval_every": 2,
+        "train.warmup_steps": 1,
+        "train.benchmarks": f"[{mc}]",
+    }
     argv = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
     checkpoint.export_final = export_and_record
     try:
@@ -130,24 +164,53 @@ def cache(tmp_path_factory):
     from precompute.cosmos_latents import run
 
     out = tmp_path_factory.mktemp("train") / "cache"
-    cfg = load_pre(str(ROOT / "configs" / "precompute.yaml"),
-                   [f"output_dir={out}", "source.num_samples=96", "shard_size=32", "batch_size=32", "num_workers=0",
-                    "cache.flip=true", "cache.siglip=false"])
+    cfg = load_pre(
+        str(ROOT / "configs" / "precompute.yaml"),
+        [
+            f"output_dir={out}",
+            "source.num_samples=96",
+            "shard_size=32",
+            "batch_size=32",
+            "num_workers=0",
+            "cache.flip=true",
+            "cache.siglip=false",
+        ],
+    )
     run(cfg)
     return out
 
 
 def base_args(cache: Path, out: Path, steps: int = 4, **extra) -> list[str]:
-    sets = {"cache_dir": cache, "output_dir": out, "model.dtype": "float32", "train.max_steps": steps,
-            "train.global_batch_size": 16, "train.micro_batch_size": 8, "train.eval_samples": 16,
-            "train.num_workers": 0, "trackers": "[]", "train.log_every": 1, "train.save_every": 100,
-            "train.eval_every": 0, "train.warmup_steps": 2, "train.lr": "1e-2", **extra}
+    sets = {
+        "cache_dir": cache,
+        "output_dir": out,
+        "model.dtype": "float32",
+        "train.max_steps": steps,
+        "train.global_batch_size": 16,
+        "train.micro_batch_size": 8,
+        "train.eval_samples": 16,
+        "train.num_workers": 0,
+        "trackers": "[]",
+        "train.log_every": 1,
+        "train.save_every": 100,
+        "train.eval_every": 0,
+        "train.warmup_steps": 2,
+        "train.lr": "1e-2",
+        **extra,
+    }
     return [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
 
 
 def train_cli(args: list[str], **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "train.loop", *args], cwd=ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=300, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "train.loop", *args],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        **kw,
+    )
 
 
 def train_inproc(args: list[str]) -> int:

@@ -4,6 +4,7 @@ encode: (B, 3, 1, H, W) in [-1, 1] -> latent_dist with mean/logvar (B, 16, 1, H/
 average-pooled pixels (so it depends on the picture and is exactly reproducible); decode maps back. Its one weight
 is an nn.Parameter, so unfreezing it trains something.
 """
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -19,8 +20,9 @@ class FakeWanVAE(nn.Module):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.mix = nn.Parameter(torch.randn(z_dim, 3, generator=g))
-        self.config = FrozenDict(z_dim=z_dim, latents_mean=[0.1] * z_dim, latents_std=[0.5] * z_dim,
-                                 scale_factor_spatial=8, fake=True)
+        self.config = FrozenDict(
+            z_dim=z_dim, latents_mean=[0.1] * z_dim, latents_std=[0.5] * z_dim, scale_factor_spatial=8, fake=True
+        )
 
     def encode(self, x: torch.Tensor):
         pooled = F.avg_pool3d(x, (1, 8, 8))  # (B, 3, 1, h, w)

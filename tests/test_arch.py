@@ -1,5 +1,6 @@
 """theworld/arch.py is the one place for the model's facts: the config keys, the freeze flags and the optimiser groups
 follow its parts map, and every parameter of TheWorld belongs to exactly one part."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,12 +19,18 @@ def test_config_keys_follow_the_parts_map():
     assert typing.get_args(typing.get_type_hints(WorldConfig)["pool"]) == arch.POOLS
 
 
-@pytest.mark.parametrize("name, part", [("projector.sow", "projector"), ("projector.net.0.weight", "projector"),
-                                        ("gemma.model.vision_tower.vision_model.embeddings.patch_embedding.weight",
-                                         "vision"), ("gemma.model.multi_modal_projector.mm_soft_emb_norm.weight",
-                                                     "vision"), ("gemma.lm_head.weight", "language"),
-                                        ("gemma.model.language_model.layers.0.mlp.up_proj.weight", "language"),
-                                        ("world_encoder.vae.encoder.conv_in.weight", "vae")])
+@pytest.mark.parametrize(
+    "name, part",
+    [
+        ("projector.sow", "projector"),
+        ("projector.net.0.weight", "projector"),
+        ("gemma.model.vision_tower.vision_model.embeddings.patch_embedding.weight", "vision"),
+        ("gemma.model.multi_modal_projector.mm_soft_emb_norm.weight", "vision"),
+        ("gemma.lm_head.weight", "language"),
+        ("gemma.model.language_model.layers.0.mlp.up_proj.weight", "language"),
+        ("world_encoder.vae.encoder.conv_in.weight", "vae"),
+    ],
+)
 def test_part_of(name, part):
     assert arch.part_of(name) == part
 

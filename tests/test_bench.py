@@ -1,5 +1,6 @@
 """Smoke runs of both benchmarks at tiny sizes, so they cannot rot. Figures are checked for sanity, not speed:
 speed targets live in the benchmarks' own output (docs/performance.md), never in timed tests."""
+
 from __future__ import annotations
 
 import json
@@ -9,13 +10,18 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 
 def _run(args: list[str], tmp_path) -> dict:
-    out = subprocess.run([sys.executable, "-m", *args, "--json"], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = subprocess.run(
+        [sys.executable, "-m", *args, "--json"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout)  # --json: stdout is the figures alone, nothing before or after them
 
@@ -27,11 +33,37 @@ def _positive(row: dict, *keys: str) -> None:
 
 @pytest.mark.slow
 def test_train_bench_smoke(tmp_path):
-    rows = _run(["train.bench", "--cases", "tiny", "--steps", "2", "--warmup", "1", "--rounds", "2",
-                 "--samples", "176", "--root", str(tmp_path / "caches")], tmp_path)["rows"]
+    rows = _run(
+        [
+            "train.bench",
+            "--cases",
+            "tiny",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--rounds",
+            "2",
+            "--samples",
+            "176",
+            "--root",
+            str(tmp_path / "caches"),
+        ],
+        tmp_path,
+    )["rows"]
     (row,) = rows
-    _positive(row, "step_ms_staged", "step_ms_fed", "data_overhead", "step_ms_live_encoding", "cache_speedup",
-              "loader_samples_per_s", "loader_vs_training", "rss_mb_epoch1_start", "rss_mb_epoch2_end")
+    _positive(
+        row,
+        "step_ms_staged",
+        "step_ms_fed",
+        "data_overhead",
+        "step_ms_live_encoding",
+        "cache_speedup",
+        "loader_samples_per_s",
+        "loader_vs_training",
+        "rss_mb_epoch1_start",
+        "rss_mb_epoch2_end",
+    )
     assert row["world_tokens"] == 64 and row["steps_per_block"] == 2 and row["rounds"] == 2
     assert len(row["data_overhead_round_quartiles"]) == 3 and all(r > 0 for r in row["data_overhead_round_quartiles"])
     assert 0 <= row["padding_fraction"] < 0.5
@@ -58,8 +90,15 @@ def test_precompute_bench_smoke(tmp_path):
     rows = {r["case"]: r for r in _run(["precompute.bench", "--n", "128"], tmp_path)["rows"]}
     assert set(rows) == {"tiny", "jpeg256", "jpeg_draft_decode", "real_size_format", "real_size_format_no_images"}
     for case in ("tiny", "jpeg256"):
-        _positive(rows[case], "pipeline_efficiency", "encode_only_images_per_s", "pipeline_images_per_s",
-                  "host_ms_per_image_decode_resize", "host_ms_per_image_serialise", "bytes_per_sample")
+        _positive(
+            rows[case],
+            "pipeline_efficiency",
+            "encode_only_images_per_s",
+            "pipeline_images_per_s",
+            "host_ms_per_image_decode_resize",
+            "host_ms_per_image_serialise",
+            "bytes_per_sample",
+        )
     # the format's own overhead at real size is deterministic (tar headers, safetensors headers, json): <= 5%
     for case in ("real_size_format", "real_size_format_no_images"):
         assert 0 < rows[case]["bytes_overhead"] <= 0.05, rows[case]
@@ -72,12 +111,26 @@ def test_real_size_bench_code_path_at_toy_sizes(tmp_path):
     from theworld.arch import TINY
     from train.bench_real import lm_flops
 
-    out = _run(["train.bench_real", "--sizes", "tiny", "--steps", "1", "--vae-batch", "2", "--micro-batch", "2",
-                "--compile", "no"],
-               tmp_path)
+    out = _run(
+        [
+            "train.bench_real",
+            "--sizes",
+            "tiny",
+            "--steps",
+            "1",
+            "--vae-batch",
+            "2",
+            "--micro-batch",
+            "2",
+            "--compile",
+            "no",
+        ],
+        tmp_path,
+    )
     steps = [r for r in out["rows"] if r["case"] == "stage1_step"]
     assert [(r["pool"], r["gradient_checkpointing"], r["encoding"]) for r in steps] == [
-        (pool, ckpt, enc) for pool in (1, 2) for ckpt in (False, True) for enc in ("cached", "live")]
+        (pool, ckpt, enc) for pool in (1, 2) for ckpt in (False, True) for enc in ("cached", "live")
+    ]
     assert [r["world_tokens"] for r in steps] == [64] * 4 + [16] * 4
     for cached, live in zip(steps[::2], steps[1::2]):
         _positive(live, "step_ms", "samples_per_s", "cache_speedup")
@@ -90,11 +143,35 @@ def test_real_size_bench_code_path_at_toy_sizes(tmp_path):
 
 @pytest.mark.slow
 def test_train_bench_bucketed_smoke(tmp_path):
-    rows = _run(["train.bench", "--cases", "tiny_buckets", "--steps", "1", "--warmup", "1", "--rounds", "2",
-                 "--samples", "192", "--root", str(tmp_path / "caches")], tmp_path)["rows"]
+    rows = _run(
+        [
+            "train.bench",
+            "--cases",
+            "tiny_buckets",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--rounds",
+            "2",
+            "--samples",
+            "192",
+            "--root",
+            str(tmp_path / "caches"),
+        ],
+        tmp_path,
+    )["rows"]
     (row,) = rows
-    _positive(row, "step_ms_staged", "step_ms_fed", "data_overhead", "step_ms_live_encoding", "loader_samples_per_s",
-              "rss_mb_epoch1_start", "rss_mb_epoch2_end")
+    _positive(
+        row,
+        "step_ms_staged",
+        "step_ms_fed",
+        "data_overhead",
+        "step_ms_live_encoding",
+        "loader_samples_per_s",
+        "rss_mb_epoch1_start",
+        "rss_mb_epoch2_end",
+    )
     # 96 px buckets: latent grids 8x16 (128 tokens), 12x12 (144), 16x8 (128), a quarter of the images square
     assert row["latent_shapes"] == 3 and 128 < row["world_tokens"] < 144
     assert 0 <= row["padding_fraction"] < 0.5
@@ -126,10 +203,21 @@ def test_stage_bench_rows_at_tiny_sizes(tmp_path):
     """The one-GPU stage 3/4 benchmark's code path (the trainer's own step, plain and FSDP-offloaded, one process per
     row) on the tiny stage-3 config; a row that cannot run is recorded with its reason instead of ending the run."""
     stage3 = str(ROOT / "configs" / "stage3.yaml")
-    rows = _run(["train.bench_stages", "--configs", f"{stage3},{tmp_path / 'missing.yaml'}", "--steps", "1",
-                 "--micro-batch", "2"], tmp_path)
-    assert [(r["config"], r["mode"]) for r in rows] == [(c, m) for c in (stage3, str(tmp_path / "missing.yaml"))
-                                                        for m in ("plain", "offload")]
+    rows = _run(
+        [
+            "train.bench_stages",
+            "--configs",
+            f"{stage3},{tmp_path / 'missing.yaml'}",
+            "--steps",
+            "1",
+            "--micro-batch",
+            "2",
+        ],
+        tmp_path,
+    )
+    assert [(r["config"], r["mode"]) for r in rows] == [
+        (c, m) for c in (stage3, str(tmp_path / "missing.yaml")) for m in ("plain", "offload")
+    ]
     plain, offload = rows[0], rows[1]
     for r in (plain, offload):
         assert "error" not in r and r["loss_finite"] and r["micro_batch"] == 2

@@ -1,5 +1,6 @@
 """Aspect-ratio buckets: the bucket set, the choice and the resize, a bucketed cache end to end (fake VAE), the
 trainer's single-bucket batches, mean-only caches."""
+
 from __future__ import annotations
 
 import json
@@ -10,10 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-
 from _precompute_helpers import BUCKET_SIZES, bucket_folder, gradient, jpeg_bytes, make_cfg
-
+from PIL import Image
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The bucket set and the choice
@@ -39,13 +38,22 @@ def test_buckets_at_512_are_the_documented_ones_within_4_percent_of_the_area():
 
     landscape = [(512, 512), (544, 480), (576, 448), (608, 416), (640, 416), (672, 384), (704, 384)]
     assert buckets(512) == tuple(sorted({*landscape, *((h, w) for w, h in landscape)}, key=lambda b: b[0] / b[1]))
-    assert all(abs(w * h / 512 ** 2 - 1) < 0.04 for w, h in buckets(512))
+    assert all(abs(w * h / 512**2 - 1) < 0.04 for w, h in buckets(512))
 
 
-@pytest.mark.parametrize("size,bucket", [((1920, 1080), (672, 384)), ((1080, 1920), (384, 672)),
-                                         ((1000, 1000), (512, 512)), ((1200, 1000), (544, 480)),
-                                         ((4000, 1000), (704, 384)), ((640, 480), (576, 448)),
-                                         ((480, 640), (448, 576)), ((3, 2), (640, 416))])
+@pytest.mark.parametrize(
+    "size,bucket",
+    [
+        ((1920, 1080), (672, 384)),
+        ((1080, 1920), (384, 672)),
+        ((1000, 1000), (512, 512)),
+        ((1200, 1000), (544, 480)),
+        ((4000, 1000), (704, 384)),
+        ((640, 480), (576, 448)),
+        ((480, 640), (448, 576)),
+        ((3, 2), (640, 416)),
+    ],
+)
 def test_the_chosen_bucket(size, bucket):
     from theworld.images import bucket_for
 
@@ -112,8 +120,11 @@ def test_bucketed_precompute_records_each_samples_latent_shape(tmp_path, fake_va
 
     src = bucket_folder(tmp_path / "src", 18)
     out = tmp_path / "cache"
-    run(make_cfg(out, "source.type=folder", f"source.path={src}", "image.resize=bucket", "cache.flip=true",
-                 res=128, shard=8))
+    run(
+        make_cfg(
+            out, "source.type=folder", f"source.path={src}", "image.resize=bucket", "cache.flip=true", res=128, shard=8
+        )
+    )
     manifest = json.loads((out / "manifest.json").read_text())
     expected = {}
     for i in range(18):
@@ -137,8 +148,19 @@ def test_bucketed_precompute_records_each_samples_latent_shape(tmp_path, fake_va
         assert reader.latent_hw[j].tolist() == shape[2:]
         box = s.meta["crop_box"]
         assert (box[2] - box[0]) / (box[3] - box[1]) == pytest.approx(shape[3] / shape[2], rel=0.05)
-    args = type("A", (), {"config": None, "overrides": [], "n": 18, "seed": 0, "batch_size": 8, "tol": 1e-5,
-                          "out": str(tmp_path / "sheet.png")})()
+    args = type(
+        "A",
+        (),
+        {
+            "config": None,
+            "overrides": [],
+            "n": 18,
+            "seed": 0,
+            "batch_size": 8,
+            "tol": 1e-5,
+            "out": str(tmp_path / "sheet.png"),
+        },
+    )()
     report, code, _ = inspect.verify(out, args)
     assert code == 0 and report["ok"]
     # stored images re-encoded at their bucket size reproduce the cached latents; decode draws every shape
@@ -201,8 +223,11 @@ def test_too_few_samples_in_every_bucket_is_a_one_line_error():
     from theworld.errors import UserError
     from train.order import steps_per_epoch
 
-    with pytest.raises(UserError, match="train.global_batch_size': 8 is more than the training samples of every "
-                                        r"latent shape \(largest: 7\)"):
+    with pytest.raises(
+        UserError,
+        match="train.global_batch_size': 8 is more than the training samples of every "
+        r"latent shape \(largest: 7\)",
+    ):
         steps_per_epoch(np.array([7, 5, 3]), 8)
     assert steps_per_epoch(np.array([8, 5, 17]), 8) == 3
 
@@ -222,8 +247,18 @@ def test_plan_matches_a_real_runs_bytes_within_5_percent(tmp_path, fake_vae, lat
     from theworld import cache_format as cf
 
     src = bucket_folder(tmp_path / "src", 24)
-    cfg = make_cfg(tmp_path / "cache", "source.type=folder", f"source.path={src}", "image.resize=bucket",
-                   "cache.flip=true", "cache.siglip=true", f"cache.latents={latents}", res=128, shard=8, n=24)
+    cfg = make_cfg(
+        tmp_path / "cache",
+        "source.type=folder",
+        f"source.path={src}",
+        "image.resize=bucket",
+        "cache.flip=true",
+        "cache.siglip=true",
+        f"cache.latents={latents}",
+        res=128,
+        shard=8,
+        n=24,
+    )
     p = sizing.estimate(cfg)
     assert not (tmp_path / "cache").exists()  # the plan writes nothing
     run(cfg)
@@ -265,9 +300,22 @@ def test_plan_for_the_real_models_offline_loads_no_model(monkeypatch, capsys):
     monkeypatch.setattr(encoders, "load_gemma", no_loading)
     monkeypatch.setattr(encoders, "load_vae", no_loading)
     root = Path(__file__).resolve().parents[1]
-    assert cosmos_latents.main(["--config", str(root / "configs" / "real" / "precompute.yaml"), "--plan",
-                                "--set", "source.type=synthetic", "--set", "source.num_samples=12800000",
-                                "--set", "cache.images=false"]) == 0
+    assert (
+        cosmos_latents.main(
+            [
+                "--config",
+                str(root / "configs" / "real" / "precompute.yaml"),
+                "--plan",
+                "--set",
+                "source.type=synthetic",
+                "--set",
+                "source.num_samples=12800000",
+                "--set",
+                "cache.images=false",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     # Gemma 3 4B: 256 image tokens x 2560 hidden in bf16 = 1.31 MB a sample; 16 x 64 x 64 bf16 mean + logvar
     assert "entries: 12800000 in 12500 shards of 1024" in out
@@ -295,8 +343,14 @@ def test_bad_images_in_bucket_mode_are_bad_images(tmp_path):
 
     from theworld.images import BadImage, load_for_vae
 
-    for data in (b"", b"\xff\xd8\xff\xe0" + bytes(range(256)), bomb_png(), bomb_png(0, 10), bomb_png(10, 0),
-                 jpeg_bytes(gradient(64, 64))[:200]):
+    for data in (
+        b"",
+        b"\xff\xd8\xff\xe0" + bytes(range(256)),
+        bomb_png(),
+        bomb_png(0, 10),
+        bomb_png(10, 0),
+        jpeg_bytes(gradient(64, 64))[:200],
+    ):
         with pytest.raises(BadImage):
             load_for_vae(data, 128, "bucket")
 
@@ -304,8 +358,20 @@ def test_bad_images_in_bucket_mode_are_bad_images(tmp_path):
 def test_plan_for_an_unknown_hub_model_offline_is_a_one_line_error(capsys):
     from precompute import cosmos_latents
 
-    assert cosmos_latents.main(["--plan", "--set", "source.num_samples=8", "--set", "cache.siglip=true",
-                                "--set", "model.gemma=nobody/not-a-gemma"]) == 2
+    assert (
+        cosmos_latents.main(
+            [
+                "--plan",
+                "--set",
+                "source.num_samples=8",
+                "--set",
+                "cache.siglip=true",
+                "--set",
+                "model.gemma=nobody/not-a-gemma",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "model.gemma" in err[0] and "nobody/not-a-gemma" in err[0], err
 
@@ -328,6 +394,7 @@ def test_bucketed_precompute_encodes_each_shards_buckets_in_full_batches(tmp_pat
     from collections import Counter
 
     from _precompute_helpers import latents
+
     from precompute.cosmos_latents import run
     from theworld import cache_format as cf
     from theworld.images import bucket_for
@@ -336,15 +403,26 @@ def test_bucketed_precompute_encodes_each_shards_buckets_in_full_batches(tmp_pat
     calls = []
     encode = fake_vae.encode
     monkeypatch.setattr(fake_vae, "encode", lambda x: (calls.append(tuple(x.shape)), encode(x))[1])
-    cfg = lambda out, batch: make_cfg(out, "source.type=folder", f"source.path={src}", "image.resize=bucket",
-                                      f"batch_size={batch}", n=24, res=128, shard=12)
+    cfg = lambda out, batch: make_cfg(
+        out,
+        "source.type=folder",
+        f"source.path={src}",
+        "image.resize=bucket",
+        f"batch_size={batch}",
+        n=24,
+        res=128,
+        shard=12,
+    )
     first = run(cfg(tmp_path / "a", 4))
+
     def bucket(i: int) -> tuple[int, int]:
         w, h = BUCKET_SIZES[i % len(BUCKET_SIZES)]
         return bucket_for(w + i % 7, h, 128)
 
     per_shard = [Counter(bucket(i) for i in range(lo, lo + 12)) for lo in (0, 12)]
-    assert len(calls) == sum(math.ceil(n / 4) for c in per_shard for n in c.values())  # 10; splitting each loader batch by shape made 20
+    assert len(calls) == sum(
+        math.ceil(n / 4) for c in per_shard for n in c.values()
+    )  # 10; splitting each loader batch by shape made 20
     assert all(n <= 4 for n, *_ in calls)
     assert {(w, h) for *_, h, w in calls} == {s for c in per_shard for s in c}
     one = run(cfg(tmp_path / "b", 1))

@@ -1,4 +1,5 @@
 """Shard writing: sidecar offsets match what tarfile and webdataset read back; bytes are reproducible. Fingerprints."""
+
 from __future__ import annotations
 
 import tarfile
@@ -13,10 +14,16 @@ def _samples(n: int, long_key: bool = False):
     g = torch.Generator().manual_seed(0)
     out = []
     for i in range(n):
-        key = (f"{'k' * 150}-{i}" if long_key else f"s{i:04d}")  # a key too long for a plain ustar name
-        s = cf.Sample(key=key, caption=f"caption {i}", meta={"prompt": "p", "i": i},
-                      mean=torch.randn(16, 1, 4, 4, generator=g), logvar=torch.randn(16, 1, 4, 4, generator=g),
-                      image=b"\x89PNG\r\n\x1a\n" + bytes(range(i % 7 + 1)), image_ext="png")
+        key = f"{'k' * 150}-{i}" if long_key else f"s{i:04d}"  # a key too long for a plain ustar name
+        s = cf.Sample(
+            key=key,
+            caption=f"caption {i}",
+            meta={"prompt": "p", "i": i},
+            mean=torch.randn(16, 1, 4, 4, generator=g),
+            logvar=torch.randn(16, 1, 4, 4, generator=g),
+            image=b"\x89PNG\r\n\x1a\n" + bytes(range(i % 7 + 1)),
+            image_ext="png",
+        )
         out.append((key, cf.encode_sample(s, "float32")))
     return out
 
@@ -35,7 +42,7 @@ def test_sidecar_offsets_match_tarfile_and_webdataset(tmp_path):
             assert entry["key"] == key
             for name, (offset, size) in entry["members"].items():
                 assert read[f"{key}.{name}"] == (offset, size)
-                assert tar.read_bytes()[offset:offset + size] == members[name]
+                assert tar.read_bytes()[offset : offset + size] == members[name]
         ds = wds.WebDataset(str(tar), shardshuffle=False, nodesplitter=wds.split_by_node)
         assert [s["__key__"] for s in ds] == [k for k, _ in samples]
         assert cf.shard_is_done(tmp_path / str(long_key), 0, expected_count=5)
@@ -54,11 +61,25 @@ def test_load_stacked_matches_safetensors_sample_by_sample():
 
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        blobs = [st_save({"mean": torch.randn(16, 1, 4, 4, generator=g).to(dtype),
-                          "logvar": torch.randn(16, 1, 4, 4, generator=g).to(dtype)}) for _ in range(5)]
+        blobs = [
+            st_save(
+                {
+                    "mean": torch.randn(16, 1, 4, 4, generator=g).to(dtype),
+                    "logvar": torch.randn(16, 1, 4, 4, generator=g).to(dtype),
+                }
+            )
+            for _ in range(5)
+        ]
         # a header that differs (metadata) takes the one-by-one path; the values must not care which
-        blobs.append(st_save({"mean": torch.randn(16, 1, 4, 4, generator=g).to(dtype),
-                              "logvar": torch.randn(16, 1, 4, 4, generator=g).to(dtype)}, metadata={"x": "y"}))
+        blobs.append(
+            st_save(
+                {
+                    "mean": torch.randn(16, 1, 4, 4, generator=g).to(dtype),
+                    "logvar": torch.randn(16, 1, 4, 4, generator=g).to(dtype),
+                },
+                metadata={"x": "y"},
+            )
+        )
         for batch in (blobs[:5], blobs):
             out = cf.load_stacked(batch)
             assert out.keys() == {"mean", "logvar"}
@@ -72,9 +93,16 @@ def test_load_stacked_matches_safetensors_sample_by_sample():
 
 def test_reader_returns_each_member_exactly_whatever_reads_are_merged(tmp_path):
     samples = _samples(6)
-    sides = [cf.write_shard(tmp_path, i, samples[3 * i:3 * i + 3]) for i in range(2)]
-    cf.write_manifest(tmp_path, sides, fingerprint={}, latent_shape=[16, 1, 4, 4], latent_dtype="float32",
-                      num_errors=0, contents={"images": True})
+    sides = [cf.write_shard(tmp_path, i, samples[3 * i : 3 * i + 3]) for i in range(2)]
+    cf.write_manifest(
+        tmp_path,
+        sides,
+        fingerprint={},
+        latent_shape=[16, 1, 4, 4],
+        latent_dtype="float32",
+        num_errors=0,
+        contents={"images": True},
+    )
     for members in (None, (cf.LATENT,)):
         for gap in (-1, 0, 512, 1 << 20):  # never merge, ..., one read per sample
             reader = cf.CacheReader(tmp_path, members=members)
@@ -93,9 +121,14 @@ def test_siglip_fingerprint_covers_the_image_processor_settings():
     vae = encoders.load_vae("tiny", "float32")
 
     def fp():
-        return cf.fingerprint_for(ModelConfig(gemma="tiny", vae="tiny", dtype="float32"),
-                                  ImageConfig(resolution=64, resize="crop"), siglip=True, vae=vae, gemma=gemma,
-                                  processor=processor)
+        return cf.fingerprint_for(
+            ModelConfig(gemma="tiny", vae="tiny", dtype="float32"),
+            ImageConfig(resolution=64, resize="crop"),
+            siglip=True,
+            vae=vae,
+            gemma=gemma,
+            processor=processor,
+        )
 
     before = fp()
     assert before == fp()
@@ -114,15 +147,24 @@ def test_the_config_fingerprint_is_the_full_one_cut_to_the_config_values(resize,
 
     model, image = ModelConfig(gemma="tiny", vae="tiny", dtype="float32"), ImageConfig(resolution=128, resize=resize)
     gemma, processor = encoders.load_gemma("tiny", "float32") if siglip else (None, None)
-    full = cf.fingerprint_for(model, image, siglip=siglip, vae=encoders.load_vae("tiny", "float32"), gemma=gemma,
-                              processor=processor)
+    full = cf.fingerprint_for(
+        model, image, siglip=siglip, vae=encoders.load_vae("tiny", "float32"), gemma=gemma, processor=processor
+    )
     cheap = cf.fingerprint_for(model, image, siglip=siglip)
-    assert cheap == {"format_version": cf.FORMAT_VERSION, "vae": {"model": "tiny", "dtype": "float32"},
-                     "image": {"resolution": 128, "resize": resize}, "siglip": {"model": "tiny"} if siglip else None}
+    assert cheap == {
+        "format_version": cf.FORMAT_VERSION,
+        "vae": {"model": "tiny", "dtype": "float32"},
+        "image": {"resolution": 128, "resize": resize},
+        "siglip": {"model": "tiny"} if siglip else None,
+    }
     cf.check_fingerprint(full, cheap, tmp_path, partial=True)
     with pytest.raises(CacheMismatch, match="different image.resolution: cache has 128, this config gives 64"):
-        cf.check_fingerprint(full, cf.fingerprint_for(model, ImageConfig(resolution=64, resize=resize),
-                                                      siglip=siglip), tmp_path, partial=True)
+        cf.check_fingerprint(
+            full,
+            cf.fingerprint_for(model, ImageConfig(resolution=64, resize=resize), siglip=siglip),
+            tmp_path,
+            partial=True,
+        )
     with pytest.raises(CacheMismatch, match=r"different image\.(buckets|normalisation)"):  # the full check: every field
         cf.check_fingerprint(full, cheap, tmp_path)
     cfg = load_config(PrecomputeConfig, None, cf.fingerprint_overrides(full))

@@ -1,19 +1,19 @@
 """The trainer does not trust the cache: start-of-run consistency checks, per-member crc32 on every read, damaged files
 as one-line errors (also from inside a loader worker), the documented repair, inspect verify against the tar."""
-from __future__ import annotations
 
-from contextlib import closing
+from __future__ import annotations
 
 import json
 import shutil
 import subprocess
 import sys
 import zlib
+from contextlib import closing
 from pathlib import Path
 
 import pytest
-
 from _precompute_helpers import make_cfg
+
 from precompute import cosmos_latents, inspect
 from theworld import cache_format as cf
 from theworld.errors import CacheDamaged, UserError
@@ -65,7 +65,7 @@ def test_the_writer_records_a_crc32_per_member_and_every_read_checks_it(cache):
     for s in side["samples"]:
         assert s[cf.CHECKSUMS].keys() == s["members"].keys()
         for name, (offset, size) in s["members"].items():
-            assert s[cf.CHECKSUMS][name] == zlib.crc32(tar[offset:offset + size])
+            assert s[cf.CHECKSUMS][name] == zlib.crc32(tar[offset : offset + size])
     reader = cf.CacheReader(cache)
     reader.check_consistency()
     assert reader.checksummed and len(reader) == 10
@@ -91,16 +91,19 @@ def test_a_cache_without_checksums_still_reads(cache):
     assert all(reader[i].mean is not None for i in range(len(reader)))
 
 
-@pytest.mark.parametrize("damage,words", [
-    ("truncate", ["shard-000001.tar", "bytes on disk", "delete"]),
-    ("delete", ["shard-000001.tar", "missing", "delete"]),
-    ("swap_with_sidecar", ["shard-000001.tar", "what manifest.json lists for shard-000000.tar", "copied over it"]),
-    ("swap_pairs", ["shard-000000.tar", "shard-000001.tar holds this shard's: the two were swapped"]),
-    ("edit_sidecar", ["shard-000001.tar", "(count 1 vs ", "sidecar vs manifest", "delete"]),
-    ("manifest_lists_fewer", ["shard-000002.tar", "manifest.json lists 2 shards", "rerun the precompute"]),
-    ("duplicate_keys", ["occurs twice", "shard-000000.tar", "shard-000001.tar"]),
-    ("offset_outside", ["outside the tar", "shard-000002.tar"]),
-])
+@pytest.mark.parametrize(
+    "damage,words",
+    [
+        ("truncate", ["shard-000001.tar", "bytes on disk", "delete"]),
+        ("delete", ["shard-000001.tar", "missing", "delete"]),
+        ("swap_with_sidecar", ["shard-000001.tar", "what manifest.json lists for shard-000000.tar", "copied over it"]),
+        ("swap_pairs", ["shard-000000.tar", "shard-000001.tar holds this shard's: the two were swapped"]),
+        ("edit_sidecar", ["shard-000001.tar", "(count 1 vs ", "sidecar vs manifest", "delete"]),
+        ("manifest_lists_fewer", ["shard-000002.tar", "manifest.json lists 2 shards", "rerun the precompute"]),
+        ("duplicate_keys", ["occurs twice", "shard-000000.tar", "shard-000001.tar"]),
+        ("offset_outside", ["outside the tar", "shard-000002.tar"]),
+    ],
+)
 def test_start_of_run_checks_catch_damage_without_reading_data(cache, damage, words):
     tar1 = cf.tar_path(cache, 1)
     manifest = json.loads((cache / cf.MANIFEST).read_text())
@@ -139,9 +142,16 @@ def test_start_of_run_checks_catch_damage_without_reading_data(cache, damage, wo
     assert all(w in str(e.value) for w in words), str(e.value)
 
 
-@pytest.mark.parametrize("sidecar", [b"{not json", b"[1, 2]", b'{"samples": 3}',
-                                     b'{"samples": [{"key": "a", "members": {"txt": "x"}}]}',
-                                     b'{"samples": [{"key": 1, "members": {}}]}'])
+@pytest.mark.parametrize(
+    "sidecar",
+    [
+        b"{not json",
+        b"[1, 2]",
+        b'{"samples": 3}',
+        b'{"samples": [{"key": "a", "members": {"txt": "x"}}]}',
+        b'{"samples": [{"key": 1, "members": {}}]}',
+    ],
+)
 def test_a_malformed_sidecar_is_one_line_naming_it(cache, sidecar):
     cf.sidecar_path(cache, 1).write_bytes(sidecar)
     with pytest.raises(CacheDamaged) as e:
@@ -149,9 +159,18 @@ def test_a_malformed_sidecar_is_one_line_naming_it(cache, sidecar):
     assert "shard-000001.json" in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("manifest", [b"[1, 2, 3]", b'"a string"', b"17", b"null", b"\xff\xfe not utf-8",
-                                      b'{"format_version": 1, "shards": {"a": 1}}',
-                                      b'{"format_version": 1, "shards": [{"path": "x"}]}'])
+@pytest.mark.parametrize(
+    "manifest",
+    [
+        b"[1, 2, 3]",
+        b'"a string"',
+        b"17",
+        b"null",
+        b"\xff\xfe not utf-8",
+        b'{"format_version": 1, "shards": {"a": 1}}',
+        b'{"format_version": 1, "shards": [{"path": "x"}]}',
+    ],
+)
 def test_a_manifest_that_is_not_a_valid_object_is_one_line_in_summary_and_verify(cache, capsys, manifest):
     (cache / cf.MANIFEST).write_bytes(manifest)
     assert inspect.main(["summary", str(cache)]) == 2
@@ -203,9 +222,19 @@ def train_cache(tmp_path_factory):
     from precompute.cosmos_latents import run
 
     out = tmp_path_factory.mktemp("integrity") / "cache"
-    run(load_pre(str(ROOT / "configs" / "precompute.yaml"),
-                 [f"output_dir={out}", "source.num_samples=48", "shard_size=16", "batch_size=16", "num_workers=0",
-                  "cache.siglip=false"]))
+    run(
+        load_pre(
+            str(ROOT / "configs" / "precompute.yaml"),
+            [
+                f"output_dir={out}",
+                "source.num_samples=48",
+                "shard_size=16",
+                "batch_size=16",
+                "num_workers=0",
+                "cache.siglip=false",
+            ],
+        )
+    )
     return out
 
 
@@ -213,8 +242,9 @@ def _train(cache: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
     from conftest import ENV, base_args
 
     args = base_args(cache, out, steps=2, **{"train.num_workers": 1}) + [a for e in extra for a in ("--set", e)]
-    return subprocess.run([sys.executable, "-m", "train.loop", *args], cwd=ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "train.loop", *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300
+    )
 
 
 def _stderr_line(res: subprocess.CompletedProcess) -> str:
@@ -225,8 +255,9 @@ def _stderr_line(res: subprocess.CompletedProcess) -> str:
 
 
 @pytest.mark.slow
-def test_damaged_latents_stop_training_with_one_line_and_the_documented_repair_rebuilds_that_shard(train_cache,
-                                                                                                   tmp_path):
+def test_damaged_latents_stop_training_with_one_line_and_the_documented_repair_rebuilds_that_shard(
+    train_cache, tmp_path
+):
     cache = tmp_path / "cache"
     shutil.copytree(train_cache, cache)
     keys = [s["key"] for i in range(3) for s in _side(cache, i)["samples"]]
@@ -236,11 +267,31 @@ def test_damaged_latents_stop_training_with_one_line_and_the_documented_repair_r
     repair = f"delete {cf.sidecar_path(cache, 1)}"
     assert repair in line
     cf.sidecar_path(cache, 1).unlink()  # the repair the line names
-    res = subprocess.run([sys.executable, "-m", "precompute.cosmos_latents", "--config",
-                          str(ROOT / "configs" / "precompute.yaml"), "--set", f"output_dir={cache}",
-                          "--set", "source.num_samples=48", "--set", "shard_size=16", "--set", "batch_size=16",
-                          "--set", "num_workers=0", "--set", "cache.siglip=false"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "precompute.cosmos_latents",
+            "--config",
+            str(ROOT / "configs" / "precompute.yaml"),
+            "--set",
+            f"output_dir={cache}",
+            "--set",
+            "source.num_samples=48",
+            "--set",
+            "shard_size=16",
+            "--set",
+            "batch_size=16",
+            "--set",
+            "num_workers=0",
+            "--set",
+            "cache.siglip=false",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "this run encoded 16 images" in res.stdout  # that shard alone
     assert cf.tar_path(cache, 1).read_bytes() == cf.tar_path(train_cache, 1).read_bytes()
@@ -296,8 +347,9 @@ def _old_shard(cache: Path, shard: int, sample: int, caption: str | None = None,
     return samples[sample][0]
 
 
-def test_an_old_cache_with_a_control_string_caption_is_refused_before_any_model_loads(cache, tmp_path, capsys,
-                                                                                       monkeypatch):
+def test_an_old_cache_with_a_control_string_caption_is_refused_before_any_model_loads(
+    cache, tmp_path, capsys, monkeypatch
+):
     from conftest import base_args
 
     from theworld.control_text import TEXT_RULE
@@ -312,8 +364,14 @@ def test_an_old_cache_with_a_control_string_caption_is_refused_before_any_model_
     monkeypatch.setattr(cf.CacheReader, "raw", lambda self, i: (reads.append(i), raw(self, i))[1])
     monkeypatch.setattr("theworld.model.TheWorld.__init__", lambda *a, **k: pytest.fail("a model was built"))
     assert main(base_args(cache, tmp_path / "run", **{"train.eval_samples": 2})) == 2
-    _one_line(capsys, "1 sample(s)", "shard-000001.tar", key, "caption holds the Gemma control string '<end_of_turn>'",
-              f"delete {cf.sidecar_path(cache, 1).name}")
+    _one_line(
+        capsys,
+        "1 sample(s)",
+        "shard-000001.tar",
+        key,
+        "caption holds the Gemma control string '<end_of_turn>'",
+        f"delete {cf.sidecar_path(cache, 1).name}",
+    )
     assert sorted(reads) == cf.CacheReader(cache).samples_in([1]).tolist()  # only the unmarked shard is read
     # the prompt (in the json member) follows the same rule; a clean unmarked shard passes
     _old_shard(cache, 1, 2, caption="a red ball on grass")

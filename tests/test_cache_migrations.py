@@ -1,5 +1,6 @@
 """Caches of format_version 1 read as the current version (theworld/cache_format/migrations.py); a version this code
 does not know is one line naming it."""
+
 from __future__ import annotations
 
 import json
@@ -15,14 +16,33 @@ from theworld.errors import UserError
 def _cache(tmp_path, n: int = 6):
     """A two-shard cache as the writer makes it, then its manifest."""
     g = torch.Generator().manual_seed(0)
-    samples = [(f"s{i:04d}", cf.encode_sample(cf.Sample(key=f"s{i:04d}", caption=f"caption {i}", meta={"prompt": "p"},
-                                                         mean=torch.randn(16, 1, 4, 4, generator=g),
-                                                         logvar=torch.randn(16, 1, 4, 4, generator=g)), "float32"))
-               for i in range(n)]
-    sides = [cf.write_shard(tmp_path, 0, samples[: n // 2]), cf.write_shard(tmp_path, 1, samples[n // 2:])]
+    samples = [
+        (
+            f"s{i:04d}",
+            cf.encode_sample(
+                cf.Sample(
+                    key=f"s{i:04d}",
+                    caption=f"caption {i}",
+                    meta={"prompt": "p"},
+                    mean=torch.randn(16, 1, 4, 4, generator=g),
+                    logvar=torch.randn(16, 1, 4, 4, generator=g),
+                ),
+                "float32",
+            ),
+        )
+        for i in range(n)
+    ]
+    sides = [cf.write_shard(tmp_path, 0, samples[: n // 2]), cf.write_shard(tmp_path, 1, samples[n // 2 :])]
     fp = {"format_version": cf.FORMAT_VERSION, "vae": {"model": "tiny", "dtype": "float32"}}
-    cf.write_manifest(tmp_path, sides, fingerprint=fp, latent_shape=[16, 1, 4, 4], latent_dtype="float32",
-                      num_errors=0, contents={"images": False, "siglip": False, "flip": False, "latents": "posterior"})
+    cf.write_manifest(
+        tmp_path,
+        sides,
+        fingerprint=fp,
+        latent_shape=[16, 1, 4, 4],
+        latent_dtype="float32",
+        num_errors=0,
+        contents={"images": False, "siglip": False, "flip": False, "latents": "posterior"},
+    )
     return samples
 
 

@@ -1,6 +1,7 @@
 """Checkpoints of format_version 1 (no version in state.json) resume; a version this code does not know is one line
 naming it (train/checkpoint_migrations.py). The optimiser re-keying of version-1 state is checked bitwise by
 tests/test_sharding.py (test_checkpoint_with_one_adamw_group_per_decay_setting_resumes_exactly)."""
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """Strict configs: every mistake names its key, before any model loads."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -28,24 +29,30 @@ def write(tmp_path, text: str):
 
 
 def test_yaml_and_overrides(tmp_path):
-    cfg = load_config(Demo, write(tmp_path, "model:\n  gemma: some/path\nlr: 3\n"),
-                      ["world.pool=2", "freeze.vae=false", "resume=auto", "image.resolution=128"])
+    cfg = load_config(
+        Demo,
+        write(tmp_path, "model:\n  gemma: some/path\nlr: 3\n"),
+        ["world.pool=2", "freeze.vae=false", "resume=auto", "image.resolution=128"],
+    )
     assert cfg.model.gemma == "some/path" and cfg.lr == 3.0 and isinstance(cfg.lr, float)
     assert cfg.world.pool == 2 and cfg.freeze.vae is False and cfg.resume == "auto" and cfg.image.resolution == 128
     assert load_config(Demo, None, ["resume=null"]).resume is None
 
 
-@pytest.mark.parametrize("text,overrides,key", [
-    ("modle:\n  gemma: x\n", [], "modle"),
-    ("model:\n  gema: x\n", [], "model.gema"),
-    ("", ["world.pool=3"], "world.pool"),
-    ("", ["world.latent=mode"], "world.latent"),
-    ("", ["freeze.vae=maybe"], "freeze.vae"),
-    ("", ["seed=1.5"], "seed"),
-    ("lr: fast\n", [], "lr"),
-    ("image:\n  resolution: 100\n", [], "image.resolution"),
-    ("", ["model=3"], "model"),
-])
+@pytest.mark.parametrize(
+    "text,overrides,key",
+    [
+        ("modle:\n  gemma: x\n", [], "modle"),
+        ("model:\n  gema: x\n", [], "model.gema"),
+        ("", ["world.pool=3"], "world.pool"),
+        ("", ["world.latent=mode"], "world.latent"),
+        ("", ["freeze.vae=maybe"], "freeze.vae"),
+        ("", ["seed=1.5"], "seed"),
+        ("lr: fast\n", [], "lr"),
+        ("image:\n  resolution: 100\n", [], "image.resolution"),
+        ("", ["model=3"], "model"),
+    ],
+)
 def test_errors_name_the_key(tmp_path, text, overrides, key):
     with pytest.raises(UserError) as e:
         load_config(Demo, write(tmp_path, text), overrides)
@@ -63,8 +70,12 @@ def test_missing_file_and_bad_yaml(tmp_path):
     with pytest.raises(UserError, match="--set model.gemma: value .* is not valid YAML"):
         load_config(Demo, None, ["model.gemma=a: b: c"])
     # a key that takes text gets it as typed; other keys get the YAML value
-    assert [load_config(Demo, None, [f"model.gemma={v}"]).model.gemma for v in ("007", "0x1F", "1e3", "yes")] == \
-        ["007", "0x1F", "1e3", "yes"]
+    assert [load_config(Demo, None, [f"model.gemma={v}"]).model.gemma for v in ("007", "0x1F", "1e3", "yes")] == [
+        "007",
+        "0x1F",
+        "1e3",
+        "yes",
+    ]
     cfg = load_config(Demo, None, ["seed=0x1F", "lr=1e3", "freeze.vae=no", "resume=null"])
     assert (cfg.seed, cfg.lr, cfg.freeze.vae, cfg.resume) == (31, 1000.0, False, None)
 
@@ -86,14 +97,20 @@ def test_yaml_dump_round_trips():
 # ----------------------------------------------------------------------------------------------------------------------
 # Hostile values and files: one line naming the key or file, for both commands (exit 2)
 
-_BOTH = [("train.loop", "train.lr=.inf", "train.lr"), ("train.loop", "train.weight_decay=.nan", "train.weight_decay"),
-         ("train.loop", "train.grad_clip=.nan", "train.grad_clip"), ("train.loop", "train.lr=1e400", "train.lr"),
-         ("train.loop", "train.ema=.nan", "train.ema"), ("train.loop", "train.betas=[.nan, 0.9]", "train.betas"),
-         ("train.loop", "train.grad_norm_warn=-1", "train.grad_norm_warn"),
-         ("train.loop", f"train.max_steps={10**30}", "train.max_steps"), ("train.loop", f"seed={-10**20}", "seed"),
-         ("train.loop", "image.resolution=1048576", "image.resolution"),
-         ("precompute.cosmos_latents", f"shard_size={2**64}", "shard_size"),
-         ("precompute.cosmos_latents", "batch_size=-4", "batch_size")]
+_BOTH = [
+    ("train.loop", "train.lr=.inf", "train.lr"),
+    ("train.loop", "train.weight_decay=.nan", "train.weight_decay"),
+    ("train.loop", "train.grad_clip=.nan", "train.grad_clip"),
+    ("train.loop", "train.lr=1e400", "train.lr"),
+    ("train.loop", "train.ema=.nan", "train.ema"),
+    ("train.loop", "train.betas=[.nan, 0.9]", "train.betas"),
+    ("train.loop", "train.grad_norm_warn=-1", "train.grad_norm_warn"),
+    ("train.loop", f"train.max_steps={10**30}", "train.max_steps"),
+    ("train.loop", f"seed={-(10**20)}", "seed"),
+    ("train.loop", "image.resolution=1048576", "image.resolution"),
+    ("precompute.cosmos_latents", f"shard_size={2**64}", "shard_size"),
+    ("precompute.cosmos_latents", "batch_size=-4", "batch_size"),
+]
 
 
 @pytest.mark.parametrize("module,override,key", _BOTH)
@@ -113,8 +130,7 @@ def test_a_config_file_that_is_not_utf8_or_not_a_file_is_one_line(tmp_path, caps
     bad.write_bytes("train:\n  lr: 0.01  # caf\xe9\n".encode("latin-1"))
     deep = tmp_path / "deep.yaml"
     deep.write_text("[" * 100_000 + "]" * 100_000)
-    for path, words in [(bad, ["not UTF-8", "latin1.yaml"]), (tmp_path, ["is a directory"]),
-                        (deep, ["deep.yaml"])]:
+    for path, words in [(bad, ["not UTF-8", "latin1.yaml"]), (tmp_path, ["is a directory"]), (deep, ["deep.yaml"])]:
         assert main(["--config", str(path), "--print-config"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and all(w in err[0] for w in words), err
@@ -142,8 +158,9 @@ def test_a_bare_config_name_resolves_to_configs_and_says_so(tmp_path, monkeypatc
     assert "config file not found: nowhere.yaml" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("cli,key", [("precompute.cosmos_latents", "output_dir"), ("train.loop", "output_dir"),
-                                     ("train.loop", "cache_dir")])
+@pytest.mark.parametrize(
+    "cli,key", [("precompute.cosmos_latents", "output_dir"), ("train.loop", "output_dir"), ("train.loop", "cache_dir")]
+)
 def test_a_blank_folder_path_is_refused_not_taken_as_the_current_directory(cli, key, capsys, tmp_path, monkeypatch):
     import importlib
 
@@ -159,8 +176,11 @@ def test_a_blank_folder_path_is_refused_not_taken_as_the_current_directory(cli, 
 # Round 3: alias bombs, echoed values, machine-bounded counts, float32, what a config path is
 
 # 9 anchors, each a list of 9 aliases of the one before: 9^9 = 387 million strings from about 300 bytes
-_BOMB = "[&a [x, x, x, x, x, x, x, x, x], " + ", ".join(
-    f"&{c} [{', '.join([f'*{p}'] * 9)}]" for p, c in zip("abcdefgh", "bcdefghi")) + "]"
+_BOMB = (
+    "[&a [x, x, x, x, x, x, x, x, x], "
+    + ", ".join(f"&{c} [{', '.join([f'*{p}'] * 9)}]" for p, c in zip("abcdefgh", "bcdefghi"))
+    + "]"
+)
 
 
 def _only_line(capsys) -> str:
@@ -200,9 +220,13 @@ def test_no_error_line_echoes_a_value_longer_than_a_line(tmp_path, capsys):
     from train.loop import main
 
     huge = "y" * 2_000_000
-    cases = [["--set", f"train.schedule={huge}"], ["--set", f"train.lr={huge}"],
-             ["--set", f"train.betas=[{', '.join(['0.5'] * 50_000)}]"], ["--set", f"train.max_steps={'9' * 100_000}"],
-             ["--set", f"train.{huge}=1"]]
+    cases = [
+        ["--set", f"train.schedule={huge}"],
+        ["--set", f"train.lr={huge}"],
+        ["--set", f"train.betas=[{', '.join(['0.5'] * 50_000)}]"],
+        ["--set", f"train.max_steps={'9' * 100_000}"],
+        ["--set", f"train.{huge}=1"],
+    ]
     for args in cases:
         assert main([*args, "--print-config"]) == 2
         line = _only_line(capsys)
@@ -210,8 +234,14 @@ def test_no_error_line_echoes_a_value_longer_than_a_line(tmp_path, capsys):
         assert args[1].split("=")[0][:20] in line
 
 
-@pytest.mark.parametrize("module,key", [("train.loop", "train.num_workers"), ("train.loop", "train.cpu_threads"),
-                                        ("precompute.cosmos_latents", "num_workers")])
+@pytest.mark.parametrize(
+    "module,key",
+    [
+        ("train.loop", "train.num_workers"),
+        ("train.loop", "train.cpu_threads"),
+        ("precompute.cosmos_latents", "num_workers"),
+    ],
+)
 def test_worker_and_thread_counts_are_bounded_by_the_machine(module, key, capsys):
     import importlib
 
@@ -226,11 +256,16 @@ def test_worker_and_thread_counts_are_bounded_by_the_machine(module, key, capsys
     assert main(["--set", f"{key}={fits}", "--print-config"]) == 0
 
 
-@pytest.mark.parametrize("override,key", [("train.lr=1e300", "train.lr"),
-                                          ("train.lr_multipliers.vision=1e308", "train.lr_multipliers.vision"),
-                                          ("train.grad_norm_warn=1e39", "train.grad_norm_warn"),
-                                          # each fits; their product, the rate AdamW applies, does not
-                                          ("train.lr_multipliers.projector=1e30", "train.lr_multipliers.projector")])
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("train.lr=1e300", "train.lr"),
+        ("train.lr_multipliers.vision=1e308", "train.lr_multipliers.vision"),
+        ("train.grad_norm_warn=1e39", "train.grad_norm_warn"),
+        # each fits; their product, the rate AdamW applies, does not
+        ("train.lr_multipliers.projector=1e30", "train.lr_multipliers.projector"),
+    ],
+)
 def test_floats_that_do_not_fit_float32_are_refused_before_loading(override, key, capsys):
     from train.loop import main
 
@@ -249,8 +284,13 @@ def test_a_config_path_that_is_no_file_says_what_it_is_without_reading_it(tmp_pa
     loop.symlink_to(loop)
     os.mkfifo(fifo)  # reading it would block forever
     dangling.symlink_to(tmp_path / "nowhere.yaml")
-    for path, words in [(loop, "a symlink loop"), (fifo, "a named pipe (FIFO)"), ("/dev/zero", "a character device"),
-                        (dangling, "a broken symlink"), (tmp_path, "a directory")]:
+    for path, words in [
+        (loop, "a symlink loop"),
+        (fifo, "a named pipe (FIFO)"),
+        ("/dev/zero", "a character device"),
+        (dangling, "a broken symlink"),
+        (tmp_path, "a directory"),
+    ]:
         assert main(["--config", str(path), "--print-config"]) == 2
         line = _only_line(capsys)
         assert str(path) in line and words in line and "not found" not in line, line
@@ -259,7 +299,11 @@ def test_a_config_path_that_is_no_file_says_what_it_is_without_reading_it(tmp_pa
 def test_memory_plan_refuses_infinite_or_absurd_sizes_in_one_line(capsys):
     from train.memory import main
 
-    for args in (["--gpu-memory-gib", "inf"], ["--gpu-memory-gib", "nan"], ["--gpu-memory-gib", "1e300"],
-                 ["--gpus", str(10**30)]):
+    for args in (
+        ["--gpu-memory-gib", "inf"],
+        ["--gpu-memory-gib", "nan"],
+        ["--gpu-memory-gib", "1e300"],
+        ["--gpus", str(10**30)],
+    ):
         assert main(["--config", "configs/stage1.yaml", *args]) == 2
         assert "--gpu" in _only_line(capsys)

@@ -1,4 +1,5 @@
 """Every shipped config loads as it is, and the run hash that checkpoints record covers what it should."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,8 +53,11 @@ def test_real_configs_share_the_cache_they_read():
     pre = load_config(PrecomputeConfig, CONFIGS / "real" / "precompute.yaml")
     for path in sorted((CONFIGS / "real").glob("stage*.yaml")):
         cfg = load_config(TrainConfig, path)
-        assert (cfg.model.gemma, cfg.model.vae, cfg.image.resolution) == \
-            (pre.model.gemma, pre.model.vae, pre.image.resolution), path.name
+        assert (cfg.model.gemma, cfg.model.vae, cfg.image.resolution) == (
+            pre.model.gemma,
+            pre.model.vae,
+            pre.image.resolution,
+        ), path.name
 
 
 def _another_value(value):

@@ -1,5 +1,6 @@
 """Multi-turn conversations: labels on every model turn (checked against a hand-built sequence) and turn-wise
 truncation to train.max_length."""
+
 from __future__ import annotations
 
 import pytest
@@ -50,22 +51,31 @@ def test_one_turn_is_what_encode_gives(processor):
     ref = fmt.encode(*TURNS[0])
     assert kept == 1 and (enc.input_ids, enc.labels) == (ref.input_ids, ref.labels)
     both = fmt.encode_conversations([TURNS[:1], TURNS, TURNS[:2]])
-    assert [e.input_ids for e in both] == [ref.input_ids, hand_built(processor, TURNS)[0],
-                                           hand_built(processor, TURNS[:2])[0]]
+    assert [e.input_ids for e in both] == [
+        ref.input_ids,
+        hand_built(processor, TURNS)[0],
+        hand_built(processor, TURNS[:2])[0],
+    ]
 
 
 def test_max_length_drops_whole_turns_from_the_end(processor):
     lengths = [len(hand_built(processor, TURNS[:k])[0]) for k in (1, 2, 3)]
-    for max_length, kept in ((lengths[2], 3), (lengths[2] - 1, 2), (lengths[1], 2), (lengths[1] - 1, 1),
-                             (lengths[0], 1)):
+    for max_length, kept in (
+        (lengths[2], 3),
+        (lengths[2] - 1, 2),
+        (lengths[1], 2),
+        (lengths[1] - 1, 1),
+        (lengths[0], 1),
+    ):
         enc, n = ChatFormatter(processor, max_length=max_length).encode_turns(TURNS)
         assert n == kept and (enc.input_ids, enc.labels) == hand_built(processor, TURNS[:kept]), max_length
     # the first turn alone too long: kept, its answer cut as a single-turn sample's is
     short = ChatFormatter(processor, max_length=lengths[0] - 2)
     enc, n = short.encode_turns(TURNS)
     ref = short.encode(*TURNS[0])
-    assert n == 1 and len(enc.input_ids) == lengths[0] - 2 and (enc.input_ids, enc.labels) == \
-        (ref.input_ids, ref.labels)
+    assert (
+        n == 1 and len(enc.input_ids) == lengths[0] - 2 and (enc.input_ids, enc.labels) == (ref.input_ids, ref.labels)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -99,20 +109,37 @@ def test_truncation_report_counts_shortened_conversations_and_cut_answers(llava_
     everything = __import__("numpy").arange(len(reader))
     lengths = [len(hand_built(processor, TURNS[:k])[0]) for k in (1, 2, 3)]
     report = truncation_report(ChatFormatter(processor, max_length=lengths[1]), reader, everything)
-    assert "4 conversation(s) shortened (4 turn(s) dropped from their ends), 0 sample(s) with the first answer cut, " \
-           "of 12 training samples" in report
+    assert (
+        "4 conversation(s) shortened (4 turn(s) dropped from their ends), 0 sample(s) with the first answer cut, "
+        "of 12 training samples" in report
+    )
     report = truncation_report(ChatFormatter(processor, max_length=lengths[0] - 1), reader, everything)
-    assert "5 conversation(s) shortened (9 turn(s) dropped from their ends), 12 sample(s) with the first answer cut" \
+    assert (
+        "5 conversation(s) shortened (9 turn(s) dropped from their ends), 12 sample(s) with the first answer cut"
         in report
+    )
 
 
 def test_training_on_conversations_prints_what_max_length_drops(llava_cache, tmp_path, processor, capsys):
     from train.loop import main
 
     lengths = [len(hand_built(processor, TURNS[:k])[0]) for k in (1, 2, 3)]
-    sets = {"cache_dir": llava_cache, "output_dir": tmp_path / "run", "model.dtype": "float32", "image.resolution": 32,
-            "train.max_steps": 1, "train.global_batch_size": 8, "train.micro_batch_size": 4, "train.eval_samples": 2,
-            "train.num_workers": 0, "trackers": "[]", "train.max_length": lengths[1]}
+    sets = {
+        "cache_dir": llava_cache,
+        "output_dir": tmp_path / "run",
+        "model.dtype": "float32",
+        "image.resolution": 32,
+        "train.max_steps": 1,
+        "train.global_batch_size": 8,
+        "train.micro_batch_size": 4,
+        "train.eval_samples": 2,
+        "train.num_workers": 0,
+        "trackers": "[]",
+        "train.max_length": lengths[1],
+    }
     assert main([a for k, v in sets.items() for a in ("--set", f"{k}={v}")]) == 0
     out = capsys.readouterr()
-    assert f"train.max_length {lengths[1]}: " in out.out + out.err and "turn(s) dropped from their ends" in out.out + out.err
+    assert (
+        f"train.max_length {lengths[1]}: " in out.out + out.err
+        and "turn(s) dropped from their ends" in out.out + out.err
+    )

@@ -1,4 +1,5 @@
 """VAE loading and preprocessing: [-1, 1] input, frame axis, posterior mean and logvar."""
+
 from __future__ import annotations
 
 import io
@@ -64,7 +65,10 @@ def test_vae_folder_or_pipeline_folder_or_hub_id(tmp_path):
     assert encoders.resolve_vae(str(tmp_path / "pipeline")) == (str(tmp_path / "pipeline"), "vae")
     again = encoders.load_vae(str(tmp_path / "pipeline"), "float32")
     assert encoders.weights_hash(again) == encoders.weights_hash(vae)
-    assert encoders.resolve_vae("nvidia/Cosmos-Predict2-2B-Video2World") == ("nvidia/Cosmos-Predict2-2B-Video2World", "vae")
+    assert encoders.resolve_vae("nvidia/Cosmos-Predict2-2B-Video2World") == (
+        "nvidia/Cosmos-Predict2-2B-Video2World",
+        "vae",
+    )
     with pytest.raises(UserError, match="model.vae"):  # offline: a clear one-line error, no traceback
         encoders.load_vae("nobody/no-such-model", "float32")
 
@@ -107,8 +111,14 @@ def test_unusual_images_are_converted():
     assert meta["original_size"] == [20, 40]
 
 
-@pytest.mark.parametrize("data,reason", [(b"", "empty"), (b"not an image at all", "unreadable"),
-                                         (_encode(Image.new("RGB", (64, 64)), "PNG")[:60], "unreadable")])
+@pytest.mark.parametrize(
+    "data,reason",
+    [
+        (b"", "empty"),
+        (b"not an image at all", "unreadable"),
+        (_encode(Image.new("RGB", (64, 64)), "PNG")[:60], "unreadable"),
+    ],
+)
 def test_bad_images_raise_with_a_reason(data, reason):
     with pytest.raises(images.BadImage, match=reason):
         images.load_for_vae(data, 16)
@@ -133,8 +143,10 @@ def test_offline_with_a_hub_id_not_in_the_local_cache_says_exactly_that(tmp_path
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-hub-cache"))
-    for load, spec, key in [(encoders.load_gemma, "google/gemma-3-4b-it", "model.gemma"),
-                            (encoders.load_vae, "nvidia/Cosmos-Predict2-2B-Video2World", "model.vae")]:
+    for load, spec, key in [
+        (encoders.load_gemma, "google/gemma-3-4b-it", "model.gemma"),
+        (encoders.load_vae, "nvidia/Cosmos-Predict2-2B-Video2World", "model.vae"),
+    ]:
         with pytest.raises(UserError) as e:
             load(spec, "float32")
         msg = str(e.value)

@@ -1,17 +1,17 @@
 """Multiple-choice evaluation: the scorer against a hand computation, the data formats and every bad input, the
 synthetic set, and train.benchmarks."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
-
 from _eval_helpers import TWO_ITEMS, blink_folder, hand_scores, write_items
 
 from theworld import images, synthetic
-from theworld.infer import benchmarks
 from theworld.config import ImageConfig, ModelConfig, WorldConfig
 from theworld.evaluate import main
+from theworld.infer import benchmarks
 from theworld.infer.scoring import Scorer, evaluate, summarize, wilson
 from theworld.model import TheWorld
 
@@ -47,8 +47,16 @@ def test_wilson_interval_and_summary():
     lo, hi = wilson(8, 10)
     assert lo == pytest.approx(0.4902, abs=1e-4) and hi == pytest.approx(0.9433, abs=1e-4)
     assert wilson(0, 5)[0] == 0.0 and wilson(5, 5)[1] == 1.0
-    recs = [{"item": str(i), "category": "x" if i < 3 else "y", "answer": 0, "pred": int(i % 2 == 1),
-             "pred_shuffled_world": 0} for i in range(4)]
+    recs = [
+        {
+            "item": str(i),
+            "category": "x" if i < 3 else "y",
+            "answer": 0,
+            "pred": int(i % 2 == 1),
+            "pred_shuffled_world": 0,
+        }
+        for i in range(4)
+    ]
     s = summarize(recs)
     assert (s["n"], s["accuracy"], s["accuracy_shuffled_world"]) == (4, 0.5, 1.0)
     assert s["categories"]["x"]["n"] == 3 and s["categories"]["x"]["accuracy"] == pytest.approx(2 / 3)
@@ -147,8 +155,10 @@ def test_an_unreadable_image_is_skipped_and_recorded(tmp_path):
 
 def test_blinks_parquet_layout_is_read(tmp_path, tiny):
     items = benchmarks.read(blink_folder(tmp_path / "blink"))
-    assert [(it.answer, it.category, len(it.images), it.choices) for it in items] == \
-        [(2, "Counting", 1, ["1", "2", "3"]), (1, "Jigsaw", 2, ["(A)", "(B)"])]
+    assert [(it.answer, it.category, len(it.images), it.choices) for it in items] == [
+        (2, "Counting", 1, ["1", "2", "3"]),
+        (1, "Jigsaw", 2, ["(A)", "(B)"]),
+    ]
     assert isinstance(items[0].images[0], bytes) and "val_Counting_1" in items[0].name
     model, processor = tiny
     records = evaluate(model, processor, ImageConfig(), items, batch_size=2)
@@ -178,8 +188,9 @@ def test_the_synthetic_set_holds_the_true_caption_among_one_word_edits(tmp_path)
 
 
 def test_the_cli_on_a_trained_run_and_train_benchmarks_agree(trained_run, capsys):
-    assert main(["--model", str(trained_run["run"]), "--data", str(trained_run["mc"]), "--json",
-                 "--batch-size", "4"]) == 0
+    assert (
+        main(["--model", str(trained_run["run"]), "--data", str(trained_run["mc"]), "--json", "--batch-size", "4"]) == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["n"] == 6 and {"accuracy", "accuracy_shuffled_world", "categories"} <= out.keys()
     lines = [json.loads(x) for x in (trained_run["run"] / "metrics.jsonl").read_text().splitlines()]
@@ -198,10 +209,20 @@ def test_two_processes_split_the_benchmark_and_agree_with_one(trained_run, tmp_p
 
     mc = tmp_path / "mc7" / "items.jsonl"
     benchmarks.make_synthetic(mc, 7, seed=2)
-    sets = {"cache_dir": trained_run["cache"], "output_dir": tmp_path / "two", "model.dtype": "float32",
-            "train.max_steps": 1, "train.global_batch_size": 8, "train.micro_batch_size": 4, "train.eval_samples": 8,
-            "train.eval_batch_size": 4, "train.num_workers": 0, "trackers": "[]", "train.eval_every": 1,
-            "train.benchmarks": f"[{mc}]"}
+    sets = {
+        "cache_dir": trained_run["cache"],
+        "output_dir": tmp_path / "two",
+        "model.dtype": "float32",
+        "train.max_steps": 1,
+        "train.global_batch_size": 8,
+        "train.micro_batch_size": 4,
+        "train.eval_samples": 8,
+        "train.eval_batch_size": 4,
+        "train.num_workers": 0,
+        "trackers": "[]",
+        "train.eval_every": 1,
+        "train.benchmarks": f"[{mc}]",
+    }
     two = run2([a for k, v in sets.items() for a in ("--set", f"{k}={v}")])
     assert two.returncode == 0, two.stderr[-3000:]
     lines = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]

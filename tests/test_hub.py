@@ -3,6 +3,7 @@ describe, evaluate, init_from), a one-line error naming an id that is not there;
 file list, a slow or failing endpoint never stops or slows training, a failure is retried at the next save).
 
 Not testable here (no hub on these machines): a real upload and a real download."""
+
 from __future__ import annotations
 
 import hashlib
@@ -15,8 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ENV, ROOT
+
 from theworld import hub
 from theworld.errors import UserError
 
@@ -54,8 +55,9 @@ def cached_stage(trained_run, tmp_path, monkeypatch):
     hf_cache(cache, REPO, {p.name: p for p in final.iterdir()})
     info = scan_cache_dir(cache)  # huggingface_hub itself reads the layout back
     assert not info.warnings and [r.repo_id for r in info.repos] == [REPO]
-    assert {f.file_name for r in info.repos for rev in r.revisions for f in rev.files} == \
-        {p.name for p in final.iterdir()}
+    assert {f.file_name for r in info.repos for rev in r.revisions for f in rev.files} == {
+        p.name for p in final.iterdir()
+    }
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     return {**trained_run, "hf_cache": cache, "final": final}
@@ -104,7 +106,12 @@ def test_describe_accepts_a_hub_id_and_an_absent_one_is_one_line(cached_stage, t
     env = {**ENV, "HF_HUB_CACHE": str(cached_stage["hf_cache"]), "HF_HUB_OFFLINE": "1"}
     run = lambda model: subprocess.run(  # noqa: E731
         [sys.executable, "-m", "theworld.describe", "--model", model, "--image", str(img), "--max-new-tokens", "3"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     ok = run(REPO)
     assert ok.returncode == 0, ok.stderr
     assert len(ok.stdout.splitlines()) == 1
@@ -220,10 +227,22 @@ def test_a_run_with_a_slow_failing_hub_endpoint_trains_on_and_says_so(cached_sta
     from train.loop import main
 
     out = tmp_path / "run"
-    sets = {"cache_dir": cached_stage["cache"], "output_dir": out, "model.dtype": "float32",
-            "train.max_steps": 4, "train.global_batch_size": 8, "train.micro_batch_size": 8,
-            "train.eval_samples": 8, "train.num_workers": 0, "trackers": "[]", "train.save_every": 1,
-            "train.eval_every": 0, "train.samples": 0, "hub.model_id": "someone/run", "hub.strategy": "every_save"}
+    sets = {
+        "cache_dir": cached_stage["cache"],
+        "output_dir": out,
+        "model.dtype": "float32",
+        "train.max_steps": 4,
+        "train.global_batch_size": 8,
+        "train.micro_batch_size": 8,
+        "train.eval_samples": 8,
+        "train.num_workers": 0,
+        "trackers": "[]",
+        "train.save_every": 1,
+        "train.eval_every": 0,
+        "train.samples": 0,
+        "hub.model_id": "someone/run",
+        "hub.strategy": "every_save",
+    }
     t = time.perf_counter()
     try:
         assert main([a for k, v in sets.items() for a in ("--set", f"{k}={v}")]) == 0
@@ -233,7 +252,8 @@ def test_a_run_with_a_slow_failing_hub_endpoint_trains_on_and_says_so(cached_sta
     assert "upload it by hand: huggingface-cli upload someone/run" in err
     warnings = [ln for ln in err.splitlines() if "hub upload to someone/run failed" in ln]
     assert 1 <= len(warnings) <= 5  # one per attempt: saves at steps 1..4 while one upload is under way, then final
-    assert "hf_fake_token" not in err and not any("hf_fake_token" in p.read_text(errors="ignore")
-                                                  for p in out.rglob("*") if p.is_file())
+    assert "hf_fake_token" not in err and not any(
+        "hf_fake_token" in p.read_text(errors="ignore") for p in out.rglob("*") if p.is_file()
+    )
     assert (out / "final" / "trainable.safetensors").is_file()
     assert time.perf_counter() - t < 120

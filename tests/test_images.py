@@ -1,4 +1,5 @@
 """Pixel conversion: every high-depth mode scaled by one documented rule (never guessed from the values), or refused."""
+
 from __future__ import annotations
 
 import io
@@ -70,7 +71,9 @@ def test_32_bit_integer_holds_16_bit_values_or_is_refused():
             images.decode(data)
 
 
-@pytest.mark.parametrize("data", [b"not an image at all", b"\x89PNG\r\n\x1a\n" + b"\x00" * 40, b"GIF89a" + b"\x01" * 10])
+@pytest.mark.parametrize(
+    "data", [b"not an image at all", b"\x89PNG\r\n\x1a\n" + b"\x00" * 40, b"GIF89a" + b"\x01" * 10]
+)
 def test_error_reasons_are_deterministic_with_no_memory_address(data):
     reasons = set()
     for _ in range(3):

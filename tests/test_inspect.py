@@ -1,17 +1,16 @@
 """precompute.inspect: summary numbers, verify catching damage, compare-live, decode, fingerprint refusal."""
+
 from __future__ import annotations
 
-from contextlib import closing
-
 import json
-import shutil
+from contextlib import closing
 
 import pytest
 import torch
-from PIL import Image
-
 from _precompute_helpers import cli_args, make_cfg, read_cache_plain
 from fake_vae import FakeWanVAE
+from PIL import Image
+
 from precompute import cosmos_latents, inspect
 from theworld import cache_format as cf
 from theworld import encoders
@@ -54,8 +53,10 @@ def test_summary_error_reasons(tmp_path, fake_vae, capsys):
 
     (src / "ok.png").write_bytes(png_bytes(gradient(40, 40)))
     (src / "bad.png").write_bytes(b"not an image")
-    (src / "captions.jsonl").write_text('{"image": "ok.png", "caption": "a"}\n{"image": "bad.png", "caption": "b"}\n'
-                                        '{"image": "gone.png", "caption": "c"}\n')
+    (src / "captions.jsonl").write_text(
+        '{"image": "ok.png", "caption": "a"}\n{"image": "bad.png", "caption": "b"}\n'
+        '{"image": "gone.png", "caption": "c"}\n'
+    )
     cosmos_latents.run(make_cfg(tmp_path / "c", "source.type=folder", f"source.path={src}"))
     assert inspect.main(["summary", str(tmp_path / "c"), "--json"]) == 0
     r = _json(capsys)
@@ -225,7 +226,7 @@ def test_decode_sheet_labels_each_pair_and_says_when_the_vae_is_the_random_tiny_
     sheet = np.asarray(Image.open(out))
     tile = 128
     assert (sheet[4:28] != 32).any(axis=-1).sum() > 200  # the header's two lines are drawn
-    band = sheet[28 + 4 + tile:28 + 4 + tile + 24, 8:8 + 2 * tile]  # under the first pair: key and caption
+    band = sheet[28 + 4 + tile : 28 + 4 + tile + 24, 8 : 8 + 2 * tile]  # under the first pair: key and caption
     assert (band != 32).any(axis=-1).sum() > 200
     assert inspect.main(["decode", str(cache), "--n", "2", "--out", str(out)]) == 0
     assert "tiny (random weights)" in capsys.readouterr().out

@@ -1,5 +1,6 @@
 """The lmms-eval adapter: `python -m lmms_eval --model theworld` on a local task (tests/lmms_task, data in a temporary
 folder, no hub) gives what theworld's own scoring and generation give on the same items."""
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,20 @@ def _task_folder(root: Path, items) -> Path:
     tasks = root / "tasks"
     shutil.copytree(ROOT / "tests" / "lmms_task", tasks)
     data = root / "items.jsonl"
-    data.write_text("".join(json.dumps({"image": str(Path(it.images[0]).resolve()), "question": it.question,
-                                        "choices": it.choices, "answer": it.answer}) + "\n" for it in items))
+    data.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "image": str(Path(it.images[0]).resolve()),
+                    "question": it.question,
+                    "choices": it.choices,
+                    "answer": it.answer,
+                }
+            )
+            + "\n"
+            for it in items
+        )
+    )
     for name in ("gen.yaml", "loglik.yaml"):
         (tasks / name).write_text((tasks / name).read_text().replace("DATA_FILE", str(data)))
     return tasks
@@ -74,14 +87,40 @@ def test_python_m_lmms_eval_runs_the_adapter_and_agrees_with_theworld(trained_ru
 
     items = benchmarks.read(trained_run["mc"])
     tasks = _task_folder(tmp_path, items)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "HF_DATASETS_CACHE": str(tmp_path / "hf_datasets"),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(_entry_point(tmp_path))])}
-    run = subprocess.run([sys.executable, "-m", "lmms_eval", "--model", "theworld", "--model_args",
-                          f"pretrained={trained_run['run']},device=cpu", "--tasks",
-                          "theworld_local_generate,theworld_local_loglik", "--include_path", str(tasks),
-                          "--batch_size", "1", "--output_path", str(tmp_path / "out"), "--log_samples"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900, check=False)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "HF_DATASETS_CACHE": str(tmp_path / "hf_datasets"),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(_entry_point(tmp_path))]),
+    }
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lmms_eval",
+            "--model",
+            "theworld",
+            "--model_args",
+            f"pretrained={trained_run['run']},device=cpu",
+            "--tasks",
+            "theworld_local_generate,theworld_local_loglik",
+            "--include_path",
+            str(tasks),
+            "--batch_size",
+            "1",
+            "--output_path",
+            str(tmp_path / "out"),
+            "--log_samples",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
     results = list((tmp_path / "out").rglob("*_results.json"))  # lmms-eval exits 0 after an error too
     assert run.returncode == 0 and len(results) == 1, run.stderr[-4000:]
     got = json.loads(results[0].read_text())["results"]
@@ -89,7 +128,8 @@ def test_python_m_lmms_eval_runs_the_adapter_and_agrees_with_theworld(trained_ru
     model, processor = TheWorld.from_pretrained(trained_run["run"], device="cpu")
     records = evaluate(model, processor, model.image_config, items)
     assert got["theworld_local_loglik"]["acc,none"] == pytest.approx(
-        sum(r["pred"] == r["answer"] for r in records) / len(records))
+        sum(r["pred"] == r["answer"] for r in records) / len(records)
+    )
     docs = [json.loads(x) for x in (tmp_path / "items.jsonl").read_text().splitlines()]
     answers, accuracy = _reference_generate(model, docs)
     assert got["theworld_local_generate"]["accuracy,none"] == pytest.approx(accuracy)
@@ -119,8 +159,12 @@ def test_generate_until_gives_the_text_theworld_generates(tmp_path, monkeypatch)
     benchmarks.make_synthetic(tmp_path / "mc" / "items.jsonl", 4)
     tasks = _task_folder(tmp_path, benchmarks.read(tmp_path / "mc" / "items.jsonl"))
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
-    out = simple_evaluate(model=TheWorldLMM("unused"), tasks=["theworld_local_generate"], log_samples=True,
-                         task_manager=TaskManager(include_path=str(tasks)))
+    out = simple_evaluate(
+        model=TheWorldLMM("unused"),
+        tasks=["theworld_local_generate"],
+        log_samples=True,
+        task_manager=TaskManager(include_path=str(tasks)),
+    )
     docs = [json.loads(x) for x in (tmp_path / "items.jsonl").read_text().splitlines()]
     answers, accuracy = _reference_generate(model, docs)
     assert len(set(answers)) > 1 and all(answers)  # text worth comparing

@@ -1,6 +1,7 @@
 """LoRA stages (config `lora`, theworld/lora.py, theworld/export.py): what trains and what is saved, peft reading the
 adapter folder, the merged export read by plain transformers and by TheWorld without peft, init_from merging into a
 full fine-tune, FSDP over two processes equal to one, kill -9 + resume bitwise, and every refusal."""
+
 from __future__ import annotations
 
 import os
@@ -11,9 +12,8 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import ROOT, base_args, fixed_inputs, launch2, run2, train_inproc, weights
+from safetensors.torch import load_file
 
 # stage 3 as configs/real/stage3_lora.yaml runs it: the vision tower trains whole, the language model through LoRA
 LORA3 = {"freeze.vision": "false", "lora.r": 4, "lora.alpha": 8}
@@ -35,8 +35,14 @@ def world_logits(model, processor) -> torch.Tensor:
 def lora_run(cache, tmp_path_factory):
     """3 steps of LoRA stage 3 in one process, with EMA, lr_multipliers, gradient checkpointing and dropout on."""
     out = tmp_path_factory.mktemp("lora") / "run"
-    extra = {**LORA3, "train.ema": 0.9, "train.lr_multipliers.language": 2.0, "train.gradient_checkpointing": "true",
-             "lora.dropout": 0.1, "train.save_every": 2}
+    extra = {
+        **LORA3,
+        "train.ema": 0.9,
+        "train.lr_multipliers.language": 2.0,
+        "train.gradient_checkpointing": "true",
+        "lora.dropout": 0.1,
+        "train.save_every": 2,
+    }
     assert train_inproc(base_args(cache, out, steps=3, **extra)) == 0
     return out
 
@@ -90,8 +96,9 @@ def test_merged_export_is_a_plain_gemma_and_a_theworld_folder_without_peft(lora_
     merged, merged_processor = TheWorld.from_pretrained(out, device="cpu")
     torch.testing.assert_close(world_logits(merged, merged_processor), want, rtol=0, atol=1e-5)
     assert (out / "prompt.txt").read_text() == (lora_run / "final" / "prompt.txt").read_text()
-    assert set(load_file(str(out / "trainable.safetensors"))) == {k for k in weights(lora_run)
-                                                                   if k.startswith("projector.")}
+    assert set(load_file(str(out / "trainable.safetensors"))) == {
+        k for k in weights(lora_run) if k.startswith("projector.")
+    }
 
 
 def test_init_from_a_lora_stage_into_a_full_fine_tune_merges_first(lora_run):
@@ -100,8 +107,9 @@ def test_init_from_a_lora_stage_into_a_full_fine_tune_merges_first(lora_run):
     from train import checkpoint
 
     adapter_model, _ = TheWorld.from_pretrained(lora_run, device="cpu")
-    full, _ = TheWorld.from_config(ModelConfig(dtype="float32"), WorldConfig(), FreezeConfig(vision=False,
-                                                                                                language=False))
+    full, _ = TheWorld.from_config(
+        ModelConfig(dtype="float32"), WorldConfig(), FreezeConfig(vision=False, language=False)
+    )
     report = checkpoint.init_from(full, lora_run / "final")
     assert report.merged == 7 and not report.ignored
     assert "LoRA adapters of 7 layers merged" in checkpoint.describe_init(lora_run / "final", report)
@@ -119,12 +127,20 @@ def test_evaluate_reads_a_lora_stage(lora_run, tmp_path, capsys):
     assert '"n": 4' in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("value,key", [
-    ("lora.parts=[language,audio]", "lora.parts"), ("lora.parts=[]", "lora.parts"), ("lora.r=0", "lora.r"),
-    ("lora.alpha=0", "lora.alpha"), ("lora.dropout=1.0", "lora.dropout"),
-    ("lora.target_modules=[out_proj]", "lora.target_modules"),  # a SigLIP name, with only the language part
-    ("lora.target_modules=[qproj]", "lora.target_modules"), ("freeze.language=false", "freeze.language"),
-    ("lora.quantize=4bit", "lora.quantize")])
+@pytest.mark.parametrize(
+    "value,key",
+    [
+        ("lora.parts=[language,audio]", "lora.parts"),
+        ("lora.parts=[]", "lora.parts"),
+        ("lora.r=0", "lora.r"),
+        ("lora.alpha=0", "lora.alpha"),
+        ("lora.dropout=1.0", "lora.dropout"),
+        ("lora.target_modules=[out_proj]", "lora.target_modules"),  # a SigLIP name, with only the language part
+        ("lora.target_modules=[qproj]", "lora.target_modules"),
+        ("freeze.language=false", "freeze.language"),
+        ("lora.quantize=4bit", "lora.quantize"),
+    ],
+)
 def test_bad_lora_config_is_a_one_line_error_before_any_load(capsys, value, key):
     args = ["--config", str(ROOT / "configs" / "stage3_lora.yaml"), "--set", value, "--set", "cache_dir=/nonexistent"]
     assert train_inproc(args) == 2
@@ -194,8 +210,10 @@ def test_lora_fsdp_two_processes_give_the_weights_of_one(cache, tmp_path):
     assert w1.keys() == w2.keys() and any(".lora_B." in k for k in w1)
     for k in [k for k in w1 if not k.endswith("k_proj.bias")]:  # (softmax ignores key biases: rounding noise)
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-5)
-    assert load_file(str(tmp_path / "two" / "final" / "adapter_model.safetensors")).keys() == \
-        load_file(str(tmp_path / "one" / "final" / "adapter_model.safetensors")).keys()
+    assert (
+        load_file(str(tmp_path / "two" / "final" / "adapter_model.safetensors")).keys()
+        == load_file(str(tmp_path / "one" / "final" / "adapter_model.safetensors")).keys()
+    )
 
 
 @pytest.mark.slow
@@ -205,8 +223,12 @@ def test_lora_fsdp_kill_9_and_resume_gives_bitwise_equal_weights(cache, tmp_path
     ref = run2(base_args(cache, tmp_path / "ref", steps=4, **extra))
     assert ref.returncode == 0, ref.stderr[-3000:]
     out = tmp_path / "killed"
-    proc = launch2(base_args(cache, out, steps=4, **extra), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   start_new_session=True)
+    proc = launch2(
+        base_args(cache, out, steps=4, **extra),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.time() + 300
     while not (out / "checkpoint-2").exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)
@@ -233,11 +255,15 @@ def test_memory_plan_counts_lora_exactly_and_the_real_lora_stage_fits_one_gpu():
     plan = memory.estimate(cfg, gpus=1, gpu_memory_gib=80)
     assert plan["trainable_params"] == sum(p.numel() for p in params.values() if p.requires_grad)
     assert plan["lora"]["params"] == lora.count(model) > 0
-    no_dropout = memory.estimate(load_config(TrainConfig, str(ROOT / "configs" / "stage3_lora.yaml"),
-                                         ["lora.dropout=0"]), gpus=1, gpu_memory_gib=80)
+    no_dropout = memory.estimate(
+        load_config(TrainConfig, str(ROOT / "configs" / "stage3_lora.yaml"), ["lora.dropout=0"]),
+        gpus=1,
+        gpu_memory_gib=80,
+    )
     assert no_dropout["per_gpu_bytes"]["ddp"]["activations"] < plan["per_gpu_bytes"]["ddp"]["activations"]
-    real = memory.estimate(load_config(TrainConfig, str(ROOT / "configs" / "real" / "stage3_lora.yaml")), gpus=1,
-                       gpu_memory_gib=80)
+    real = memory.estimate(
+        load_config(TrainConfig, str(ROOT / "configs" / "real" / "stage3_lora.yaml")), gpus=1, gpu_memory_gib=80
+    )
     assert real["fits"]["ddp"] and real["lora"]["params"] == 29_802_496  # r 16 on Gemma 3 4B's 7 projections
 
 

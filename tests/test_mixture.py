@@ -1,5 +1,6 @@
 """Weighted mixtures of caches (`data: [{cache, weight}]`): the per-epoch draw (deterministic, by weight, repeats and
 subsamples), refusals, and training on a mixture (start line, exact resume, 1 process == 2 processes)."""
+
 from __future__ import annotations
 
 import json
@@ -80,12 +81,15 @@ def test_the_mixtures_batches_mix_the_caches_by_weight_within_sampling_error():
 # Config refusals
 
 
-@pytest.mark.parametrize("sets,words", [
-    (["cache_dir=a", "data=[{cache: b}]"], ["'cache_dir' and 'data' are both set"]),
-    (["data=[{cache: b, weight: 0}]"], ["data[].weight", "must be positive"]),
-    (["data=[{cache: b}, {cache: b, weight: 2}]"], ["listed twice"]),
-    (["data=[{cache: b, weights: 2}]"], ["unknown config key 'data[0].weights'"]),
-])
+@pytest.mark.parametrize(
+    "sets,words",
+    [
+        (["cache_dir=a", "data=[{cache: b}]"], ["'cache_dir' and 'data' are both set"]),
+        (["data=[{cache: b, weight: 0}]"], ["data[].weight", "must be positive"]),
+        (["data=[{cache: b}, {cache: b, weight: 2}]"], ["listed twice"]),
+        (["data=[{cache: b, weights: 2}]"], ["unknown config key 'data[0].weights'"]),
+    ],
+)
 def test_bad_data_entries_are_refused_naming_the_key(sets, words):
     with pytest.raises(UserError) as e:
         load_config(TrainConfig, None, sets)
@@ -101,9 +105,21 @@ def _cache(root: Path, name: str, n: int, *extra: str) -> Path:
     from precompute.cosmos_latents import run
 
     out = root / name
-    run(load_pre(str(ROOT / "configs" / "precompute.yaml"),
-                 [f"output_dir={out}", f"source.num_samples={n}", f"shard_size={n}", "batch_size=16", "num_workers=0",
-                  "cache.siglip=false", "image.resolution=32", *extra]))
+    run(
+        load_pre(
+            str(ROOT / "configs" / "precompute.yaml"),
+            [
+                f"output_dir={out}",
+                f"source.num_samples={n}",
+                f"shard_size={n}",
+                "batch_size=16",
+                "num_workers=0",
+                "cache.siglip=false",
+                "image.resolution=32",
+                *extra,
+            ],
+        )
+    )
     return out
 
 
@@ -115,10 +131,23 @@ def caches(tmp_path_factory):
 
 def mix_args(caches, out: Path, steps: int, **extra) -> list[str]:
     a, b = caches
-    sets = {"data": f"[{{cache: {a}, weight: 3}}, {{cache: {b}, weight: 1}}]", "output_dir": out,
-            "model.dtype": "float32", "image.resolution": 32, "train.max_steps": steps, "train.global_batch_size": 8,
-            "train.micro_batch_size": 4, "train.eval_samples": 4, "train.num_workers": 0, "trackers": "[]",
-            "train.log_every": 1, "train.save_every": 100, "train.eval_every": 0, "train.warmup_steps": 1, **extra}
+    sets = {
+        "data": f"[{{cache: {a}, weight: 3}}, {{cache: {b}, weight: 1}}]",
+        "output_dir": out,
+        "model.dtype": "float32",
+        "image.resolution": 32,
+        "train.max_steps": steps,
+        "train.global_batch_size": 8,
+        "train.micro_batch_size": 4,
+        "train.eval_samples": 4,
+        "train.num_workers": 0,
+        "trackers": "[]",
+        "train.log_every": 1,
+        "train.save_every": 100,
+        "train.eval_every": 0,
+        "train.warmup_steps": 1,
+        **extra,
+    }
     return [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
 
 
@@ -145,9 +174,11 @@ def test_a_mixture_trains_prints_its_shares_and_resumes_exactly(caches, tmp_path
 def test_caches_of_different_world_layouts_or_inputs_are_refused_naming_both(caches, tmp_path, capsys):
     from train.loop import main
 
-    for name, setting, words in (("mean", "cache.latents=mean", "cache.latents posterior vs mean"),
-                                 ("large", "image.resolution=64", "image.resolution 32 vs 64"),
-                                 ("siglip", "cache.siglip=true", "give different inputs")):
+    for name, setting, words in (
+        ("mean", "cache.latents=mean", "cache.latents posterior vs mean"),
+        ("large", "image.resolution=64", "image.resolution 32 vs 64"),
+        ("siglip", "cache.siglip=true", "give different inputs"),
+    ):
         other = _cache(tmp_path, name, 12, setting)
         capsys.readouterr()
         assert main(mix_args((caches[0], other), tmp_path / "run", 1)) == 2
@@ -166,6 +197,8 @@ def test_a_mixture_on_two_processes_equals_one(caches, tmp_path):
     w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "two")
     for k in [k for k in w1 if not k.endswith("k_proj.bias")]:  # see test_train's 1 vs 2 processes
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-5)
-    losses = [[json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
-              for run in (tmp_path / "one", tmp_path / "two")]
+    losses = [
+        [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+        for run in (tmp_path / "one", tmp_path / "two")
+    ]
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)

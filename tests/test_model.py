@@ -1,4 +1,5 @@
 """TheWorld model semantics on the tiny embedded Gemma 3 and Wan VAE."""
+
 from __future__ import annotations
 
 import itertools
@@ -12,8 +13,11 @@ from theworld.config import FreezeConfig, ModelConfig, WorldConfig
 from theworld.model import TheWorld, compile_language_layers
 from theworld.text import IGNORE, ChatFormatter, collate_text
 
-CAPTIONS = ["top left red circle .", "top right blue square . bottom left green cross . bottom right white triangle .",
-            "top left purple cross . bottom right yellow square ."]
+CAPTIONS = [
+    "top left red circle .",
+    "top right blue square . bottom left green cross . bottom right white triangle .",
+    "top left purple cross . bottom right yellow square .",
+]
 
 
 def build(world: WorldConfig | None = None, freeze: FreezeConfig | None = None):
@@ -31,7 +35,9 @@ def batch_for(model, processor, captions=CAPTIONS, seed=0):
     pixels = torch.stack([images.to_uint8_tensor(synthetic.scene(seed, i)[0]) for i in range(len(captions))])
     with torch.no_grad():
         mean, logvar = model.world_encoder(pixels)
-    siglip = torch.randn(len(captions), 4, model.gemma.config.text_config.hidden_size, generator=torch.Generator().manual_seed(1))
+    siglip = torch.randn(
+        len(captions), 4, model.gemma.config.text_config.hidden_size, generator=torch.Generator().manual_seed(1)
+    )
     return batch, pixels, mean, logvar, siglip
 
 
@@ -76,11 +82,11 @@ def test_fused_sequence_layout(tiny):
     text = emb(batch["input_ids"])
     e = fused["inputs_embeds"]
     assert torch.equal(e[:, 0], text[:, 0])  # BOS first
-    assert torch.allclose(e[:, 1:1 + n_world], world)  # then SOW, W1..WN, EOW
+    assert torch.allclose(e[:, 1 : 1 + n_world], world)  # then SOW, W1..WN, EOW
     assert torch.allclose(e[:, 1], model.projector.sow * model.projector.embed_scale)
     assert torch.allclose(e[:, n_world], model.projector.eow * model.projector.embed_scale)
     # the rest is the text, with the SigLIP features scattered into the image-token positions
-    rest, is_image = e[:, 1 + n_world:], batch["input_ids"][:, 1:] == model.image_token_id
+    rest, is_image = e[:, 1 + n_world :], batch["input_ids"][:, 1:] == model.image_token_id
     assert torch.allclose(rest[~is_image], text[:, 1:][~is_image])
     assert torch.allclose(rest[is_image].view(3, 4, -1), siglip)
     # per-row positions: 0..len-1 over real tokens, mask and token types aligned
@@ -89,7 +95,7 @@ def test_fused_sequence_layout(tiny):
         n = int(lengths[row])
         assert fused["attention_mask"][row, :n].all() and not fused["attention_mask"][row, n:].any()
         assert torch.equal(fused["position_ids"][row, :n], torch.arange(n))
-    assert torch.equal(fused["token_type_ids"][:, 1 + n_world:].bool(), is_image)
+    assert torch.equal(fused["token_type_ids"][:, 1 + n_world :].bool(), is_image)
     assert not fused["token_type_ids"][:, : 1 + n_world].any()
 
 
@@ -314,7 +320,9 @@ def test_compiled_language_layers_give_the_same_loss_and_gradients(checkpointing
     results = []
     for compiled in (False, True):
         if compiled:
-            assert compile_language_layers(model.gemma, backend="aot_eager") == len(model.gemma.model.language_model.layers)
+            assert compile_language_layers(model.gemma, backend="aot_eager") == len(
+                model.gemma.model.language_model.layers
+            )
         model.zero_grad()
         loss = model(**batch, latent_mean=mean, latent_logvar=logvar, siglip=siglip).loss
         loss.backward()

@@ -1,4 +1,5 @@
 """The optimiser's parameter groups and the learning-rate schedule."""
+
 from __future__ import annotations
 
 import math
@@ -24,12 +25,15 @@ class Toy(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.projector = _module(sow=torch.nn.Parameter(torch.zeros(8)),
-                                 eow=torch.nn.Parameter(torch.zeros(1, 8)),  # 2-D: excluded by name, not by shape
-                                 proj=torch.nn.Linear(4, 8))
+        self.projector = _module(
+            sow=torch.nn.Parameter(torch.zeros(8)),
+            eow=torch.nn.Parameter(torch.zeros(1, 8)),  # 2-D: excluded by name, not by shape
+            proj=torch.nn.Linear(4, 8),
+        )
         norm = _module(weight=torch.nn.Parameter(torch.ones(8)))
-        self.gemma = _module(model=_module(language_model=_module(post_norm=norm)),
-                             lm_head=torch.nn.Linear(8, 8).requires_grad_(False))
+        self.gemma = _module(
+            model=_module(language_model=_module(post_norm=norm)), lm_head=torch.nn.Linear(8, 8).requires_grad_(False)
+        )
 
 
 def test_no_decay_for_biases_norms_and_markers_and_none_for_frozen():
@@ -37,9 +41,11 @@ def test_no_decay_for_biases_norms_and_markers_and_none_for_frozen():
     groups = param_groups(model, weight_decay=0.1)
     names = {id(p): n for n, p in model.named_parameters()}
     got = {(g["part"], g["weight_decay"]): sorted(names[id(p)] for p in g["params"]) for g in groups}
-    assert got == {("projector", 0.1): ["projector.proj.weight"],
-                   ("projector", 0.0): ["projector.eow", "projector.proj.bias", "projector.sow"],
-                   ("language", 0.0): ["gemma.model.language_model.post_norm.weight"]}
+    assert got == {
+        ("projector", 0.1): ["projector.proj.weight"],
+        ("projector", 0.0): ["projector.eow", "projector.proj.bias", "projector.sow"],
+        ("language", 0.0): ["gemma.model.language_model.post_norm.weight"],
+    }
 
 
 def _cfg(*overrides: str) -> TrainConfig:

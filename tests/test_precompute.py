@@ -1,4 +1,5 @@
 """precompute.cosmos_latents: contents, sources, bad input, crash safety, process-count independence."""
+
 from __future__ import annotations
 
 import json
@@ -6,20 +7,17 @@ import os
 import signal
 import subprocess
 import sys
-import tarfile
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from _precompute_helpers import cli_args, image_zoo, latents, make_cfg, read_cache_plain
 from safetensors.torch import load as st_load
 
-from _precompute_helpers import cli_args, image_zoo, latents, make_cfg, read_cache_plain
 from precompute import cosmos_latents
-from precompute.config import PrecomputeConfig
 from theworld import cache_format as cf
 from theworld import images, synthetic
-from theworld.config import load_config
 from theworld.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,7 +69,7 @@ def test_siglip_features_match_gemma(tmp_path, fake_vae):
     result = cosmos_latents.run(make_cfg(out, "cache.siglip=true", n=3))
     assert result["contents"]["siglip"] and result["fingerprint"]["siglip"]["model"] == "tiny"
     gemma, processor = encoders.load_gemma("tiny", "float32")
-    for key, m in read_cache_plain(out).items():
+    for m in read_cache_plain(out).values():
         feats = st_load(m["siglip.safetensors"])["features"]
         pv = processor.image_processor(images=[images.decode(m["png"])], return_tensors="pt")["pixel_values"]
         with torch.no_grad():
@@ -111,8 +109,16 @@ def test_folder_with_corrupt_and_unusual_images(tmp_path, fake_vae):
     good = [cf.safe_key(r["image"]) for r in records if cf.safe_key(r["image"]) not in bad]
     samples = read_cache_plain(out)
     assert list(samples) == good  # captions.jsonl order, bad ones skipped
-    assert set(good) == {"cmyk_jpg", "gray_png", "gray16_png", "palette_png", "rgb_jpg", "rgba_png", "rotated_jpg",
-                         "sub_pic_bmp"}
+    assert set(good) == {
+        "cmyk_jpg",
+        "gray_png",
+        "gray16_png",
+        "palette_png",
+        "rgb_jpg",
+        "rgba_png",
+        "rotated_jpg",
+        "sub_pic_bmp",
+    }
     errors = cf.read_errors(out)
     assert result["num_errors"] == len(errors) == len(bad)
     by_key = {}
@@ -154,8 +160,21 @@ def test_folder_walk_lists_what_rglob_lists(tmp_path):
     from precompute.sources.folder import IMAGE_SUFFIXES, image_paths
 
     root = tmp_path / "src"
-    for rel in ["a.jpg", "b.JPEG", "c.txt", ".hidden.png", ".jpg", "noext", "x.tar.webp", "d/e.png", "d/f/g.tiff",
-                "d/f/h.gif.txt", ".dot/i.bmp", "sp ace/j k.jpg", "caf\u00e9/\u6771.png"]:
+    for rel in [
+        "a.jpg",
+        "b.JPEG",
+        "c.txt",
+        ".hidden.png",
+        ".jpg",
+        "noext",
+        "x.tar.webp",
+        "d/e.png",
+        "d/f/g.tiff",
+        "d/f/h.gif.txt",
+        ".dot/i.bmp",
+        "sp ace/j k.jpg",
+        "caf\u00e9/\u6771.png",
+    ]:
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_bytes(b"x")
     (root / "dir.jpg").mkdir()  # a folder named like an image
@@ -164,8 +183,11 @@ def test_folder_walk_lists_what_rglob_lists(tmp_path):
     (root / "linked-dir").symlink_to(root / "d")  # a symlinked folder is not entered
     bad = os.fsencode(root) + b"/bad-\xff.jpg"  # a name that is not UTF-8
     open(bad, "wb").close()
-    reference = sorted(p.relative_to(root).as_posix().encode(errors="surrogateescape") for p in root.rglob("*")
-                       if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+    reference = sorted(
+        p.relative_to(root).as_posix().encode(errors="surrogateescape")
+        for p in root.rglob("*")
+        if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()
+    )
     assert image_paths(root) == reference
     assert b"bad-\xff.jpg" in reference and b"link.jpg" in reference and b"linked-dir/e.png" not in reference
     assert len(reference) == 11  # every image above, the symlinked file included
@@ -192,7 +214,6 @@ def test_a_source_with_no_usable_sample_is_an_error_that_keeps_its_reasons(tmp_p
 
 def test_webdataset_source(tmp_path, fake_vae):
     import webdataset as wds
-
     from _precompute_helpers import gradient, jpeg_bytes
 
     src = tmp_path / "wds"
@@ -201,13 +222,17 @@ def test_webdataset_source(tmp_path, fake_vae):
         with wds.TarWriter(str(src / f"{s:05d}.tar")) as w:
             for i in range(3):
                 key = f"{s:05d}{i:04d}"
-                sample = {"__key__": key, "jpg": jpeg_bytes(gradient(40 + i, 36)),
-                          "json": json.dumps({"url": f"http://x/{key}", "key": key}).encode()}
+                sample = {
+                    "__key__": key,
+                    "jpg": jpeg_bytes(gradient(40 + i, 36)),
+                    "json": json.dumps({"url": f"http://x/{key}", "key": key}).encode(),
+                }
                 if (s, i) != (1, 1):
                     sample["txt"] = f"text {key}".encode()
                 w.write(sample)
-    result = cosmos_latents.run(make_cfg(tmp_path / "c", "source.type=webdataset",
-                                         f"source.path={src}/{{00000..00001}}.tar", shard=4))
+    result = cosmos_latents.run(
+        make_cfg(tmp_path / "c", "source.type=webdataset", f"source.path={src}/{{00000..00001}}.tar", shard=4)
+    )
     samples = read_cache_plain(tmp_path / "c")
     assert list(samples) == ["000000000", "000000001", "000000002", "000010000", "000010002"]
     assert samples["000010002"]["txt"] == b"text 000010002" and "jpg" in samples["000010002"]
@@ -220,8 +245,9 @@ def test_webdataset_source(tmp_path, fake_vae):
     data = (src / "00002.tar").read_bytes()
     cut = data.rindex(b"x" * 3000) + 1500
     (src / "00002.tar").write_bytes(data[:cut])
-    cosmos_latents.run(make_cfg(tmp_path / "d", "source.type=webdataset", f"source.path={src}/{{00000..00002}}.tar",
-                                shard=4))
+    cosmos_latents.run(
+        make_cfg(tmp_path / "d", "source.type=webdataset", f"source.path={src}/{{00000..00002}}.tar", shard=4)
+    )
     assert "000020000" in read_cache_plain(tmp_path / "d") and "000020001" not in read_cache_plain(tmp_path / "d")
     assert any(e["reason"].startswith("broken tar: truncated") for e in cf.read_errors(tmp_path / "d"))
 
@@ -262,8 +288,9 @@ def test_user_errors_exit_2(tmp_path, capsys, fake_vae):
     assert cosmos_latents.main(cli_args(out, "source.type=webdataset", f"source.path={wds_dir}/00000.tar")) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "source." in err.split("different ")[1].split(" ")[0], err
-    assert sorted(p.name for p in out.iterdir()) == sorted([".run.lock", "errors", "errors.jsonl", "manifest.json",
-                                                            "precompute.json", "shards"])
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [".run.lock", "errors", "errors.jsonl", "manifest.json", "precompute.json", "shards"]
+    )
     # an output_dir that is a file, a --set value that is not YAML
     (tmp_path / "afile").write_text("x")
     assert cosmos_latents.main(cli_args(tmp_path / "afile", n=4)) == 2
@@ -322,10 +349,26 @@ def _run_single_threaded(cfg):
 
 def _launch_two_processes(args: list[str]) -> subprocess.CompletedProcess:
     """Two real CPU processes (gloo): `accelerate launch --cpu --num_processes 2` silently runs one."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "precompute.cosmos_latents", *args]
-    res = subprocess.run(cmd, cwd=ROOT, env=_env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True,
-                         timeout=180)
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "-m",
+        "precompute.cosmos_latents",
+        *args,
+    ]
+    res = subprocess.run(
+        cmd, cwd=ROOT, env=_env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True, timeout=180
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     return res
 
@@ -353,11 +396,25 @@ def test_a_second_run_into_a_busy_output_dir_is_refused_by_every_process(tmp_pat
         # torchrun writes each process's stderr to its own file, and checks on its processes only every 5 s, so the
         # first one to exit cannot get the other killed before it has printed
         logs = tmp_path / "logs"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--monitor-interval", "5",
-               "--redirects", "3", "--log-dir", str(logs), "-m", "precompute.cosmos_latents",
-               *cli_args(out, n=8, shard=4)]
-        res = subprocess.run(cmd, cwd=ROOT, env=_env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True,
-                             timeout=180)
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--monitor-interval",
+            "5",
+            "--redirects",
+            "3",
+            "--log-dir",
+            str(logs),
+            "-m",
+            "precompute.cosmos_latents",
+            *cli_args(out, n=8, shard=4),
+        ]
+        res = subprocess.run(
+            cmd, cwd=ROOT, env=_env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True, timeout=180
+        )
         assert res.returncode != 0
         per_rank = {f.parent.name: f.read_text() for f in logs.rglob("stderr.log")}
         assert sorted(per_rank) == ["0", "1"], (per_rank, res.stderr[-2000:])
@@ -380,8 +437,9 @@ def _spy_listing(monkeypatch) -> tuple[list, list]:
     scans, ranges = [], []
     scan, entries = webdataset._tar_samples, sources.Listing.entries
     monkeypatch.setattr(webdataset, "_tar_samples", lambda path: (scans.append(Path(path).name), scan(path))[1])
-    monkeypatch.setattr(sources.Listing, "entries",
-                        lambda self, lo, hi: (ranges.append((lo, hi)), entries(self, lo, hi))[1])
+    monkeypatch.setattr(
+        sources.Listing, "entries", lambda self, lo, hi: (ranges.append((lo, hi)), entries(self, lo, hi))[1]
+    )
     return scans, ranges
 
 
@@ -435,6 +493,7 @@ def test_webdataset_listing_split_across_ranks(tmp_path, monkeypatch):
     import threading
 
     from _precompute_helpers import wds_source
+
     from precompute import sources
 
     wds_source(tmp_path / "wds", tars=5, per_tar=4, dup=(2, 3))
@@ -443,21 +502,26 @@ def test_webdataset_listing_split_across_ranks(tmp_path, monkeypatch):
     from precompute.sources import webdataset
 
     scans, scan = [], webdataset._tar_samples
-    monkeypatch.setattr(webdataset, "_tar_samples",
-                        lambda path: (scans.append((threading.current_thread().name, Path(path).name)), scan(path))[1])
+    monkeypatch.setattr(
+        webdataset,
+        "_tar_samples",
+        lambda path: (scans.append((threading.current_thread().name, Path(path).name)), scan(path))[1],
+    )
     listings, barrier = {}, threading.Barrier(2)
 
     def rank(r: int) -> None:
-        listings[r] = sources.open_listing("webdataset", pattern, 0, 0, "p", index_dir=tmp_path / "idx", rank=r,
-                                           world=2, barrier=barrier.wait)
+        listings[r] = sources.open_listing(
+            "webdataset", pattern, 0, 0, "p", index_dir=tmp_path / "idx", rank=r, world=2, barrier=barrier.wait
+        )
 
     threads = [threading.Thread(target=rank, args=(r,), name=f"rank{r}") for r in (0, 1)]
     [t.start() for t in threads], [t.join() for t in threads]
     assert sorted(scans) == [(f"rank{j % 2}", f"{j:05d}.tar") for j in sorted(range(5), key=lambda j: (j % 2, j))]
-    for r, listing in listings.items():
+    for listing in listings.values():
         got = listing.entries(0, 12) + listing.entries(12, 20)
-        assert [(e.key, e.source, e.error, e.loc) for e in got] == \
-               [(e.key, e.source, e.error, e.loc) for e in reference]
+        assert [(e.key, e.source, e.error, e.loc) for e in got] == [
+            (e.key, e.source, e.error, e.loc) for e in reference
+        ]
     assert sum(e.error is not None for e in reference) == 1
 
 
@@ -478,9 +542,8 @@ def test_two_processes_webdataset_source(tmp_path):
 
 
 def test_a_slow_run_shows_its_rate_and_small_images_are_counted_as_upscaled(tmp_path, fake_vae, capsys):
-    from PIL import Image
-
     from _precompute_helpers import png_bytes
+    from PIL import Image
 
     assert cosmos_latents.images_per_s(1, 30.0) == 0.0333 and cosmos_latents.images_per_s(1234, 1.0) == 1230.0
     assert cosmos_latents.images_per_s(0, 5.0) == 0.0

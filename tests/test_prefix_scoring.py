@@ -1,4 +1,5 @@
 """One prefix per item and world: the shared-prefix scores equal the whole-sequence ones (float32, tiny models)."""
+
 from __future__ import annotations
 
 import json
@@ -15,11 +16,21 @@ from theworld.infer.scoring import Scorer, evaluate
 from theworld.model import TheWorld
 
 # choices that tokenize to different lengths, items with 3 and 2 choices, one and two images (prefixes of two lengths)
-ITEMS = [{"image": "0.png", "question": "describe the scene .", "answer": 1,
-          "choices": ["top left red circle . bottom right blue square .", "left", "bottom right"]},
-         {"image": ["1.png", "2.png"], "question": "left right", "choices": ["red square .", "blue"], "answer": 0},
-         {"image": "2.png", "question": "which colour ?", "choices": ["green", "a blue square in the top left"],
-          "answer": "B"}]
+ITEMS = [
+    {
+        "image": "0.png",
+        "question": "describe the scene .",
+        "answer": 1,
+        "choices": ["top left red circle . bottom right blue square .", "left", "bottom right"],
+    },
+    {"image": ["1.png", "2.png"], "question": "left right", "choices": ["red square .", "blue"], "answer": 0},
+    {
+        "image": "2.png",
+        "question": "which colour ?",
+        "choices": ["green", "a blue square in the top left"],
+        "answer": "B",
+    },
+]
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +77,9 @@ def test_evaluate_predicts_the_same_either_way(model, items):
     m, processor = model
     preds = lambda records: [r["preds"] for r in records]
     shared = evaluate(m, processor, ImageConfig(), items, batch_size=2, conds=CONDS)
-    assert preds(shared) == preds(evaluate(m, processor, ImageConfig(), items, batch_size=2, conds=CONDS,
-                                           shared_prefix=False))
+    assert preds(shared) == preds(
+        evaluate(m, processor, ImageConfig(), items, batch_size=2, conds=CONDS, shared_prefix=False)
+    )
     assert preds(shared) == preds(evaluate(m, processor, ImageConfig(), items, batch_size=3, conds=CONDS))
 
 

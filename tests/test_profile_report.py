@@ -1,5 +1,6 @@
 """python -m train.profile_report: self times and parts from a Chrome trace (exact on a hand-made one), and the report
 of a real trace written by `profile:` in a tiny run."""
+
 from __future__ import annotations
 
 import json
@@ -16,10 +17,14 @@ def ev(name: str, ts: float, dur: float, cat: str = "cpu_op", tid: int = 1) -> d
 def test_self_times_and_parts_add_up_on_a_hand_made_trace():
     events = [
         ev("theworld:language_model", 0, 100, "user_annotation"),
-        ev("aten::mm", 10, 50), ev("aten::add", 20, 10),  # add inside mm: mm's self time is 40
-        ev("theworld:optimizer", 200, 30, "user_annotation"), ev("aten::mul", 205, 20),
-        ev("autograd::engine::evaluate_function: MmBackward0", 300, 40, tid=2), ev("aten::mm", 305, 30, tid=2),
-        ev("gloo:all_reduce", 400, 25), ev("aten::copy_", 500, 5),
+        ev("aten::mm", 10, 50),
+        ev("aten::add", 20, 10),  # add inside mm: mm's self time is 40
+        ev("theworld:optimizer", 200, 30, "user_annotation"),
+        ev("aten::mul", 205, 20),
+        ev("autograd::engine::evaluate_function: MmBackward0", 300, 40, tid=2),
+        ev("aten::mm", 305, 30, tid=2),
+        ev("gloo:all_reduce", 400, 25),
+        ev("aten::copy_", 500, 5),
     ]
     ops, parts, wall = profile_report.host_times(events)
     assert ops["aten::mm"] == [2, 40 + 30] and ops["aten::add"] == [1, 10] and ops["aten::mul"] == [1, 20]
@@ -30,23 +35,40 @@ def test_self_times_and_parts_add_up_on_a_hand_made_trace():
 def test_advice_names_the_part_that_stands_out():
     said = "\n".join(profile_report.advice({"data": 0.4, "language_model": 0.3, "backward": 0.3}))
     assert "data wait takes 40%" in said and "train.num_workers" in said and "compute-bound" in said
-    assert profile_report.advice({"language_model": 0.3, "other": 0.7}) == ["- no part stands out: the step is balanced"]
+    assert profile_report.advice({"language_model": 0.3, "other": 0.7}) == [
+        "- no part stands out: the step is balanced"
+    ]
 
 
 def test_report_of_a_tiny_runs_trace(trained_run, tmp_path, capsys):
     from train.loop import main
 
     out = tmp_path / "run"
-    sets = {"cache_dir": trained_run["cache"], "output_dir": out, "model.dtype": "float32", "train.max_steps": 3,
-            "train.global_batch_size": 8, "train.micro_batch_size": 8, "train.eval_samples": 8,
-            "train.num_workers": 0, "trackers": "[]", "train.eval_every": 0, "train.samples": 0,
-            "profile.enabled": "true", "profile.start_step": 1, "profile.steps": 2}
+    sets = {
+        "cache_dir": trained_run["cache"],
+        "output_dir": out,
+        "model.dtype": "float32",
+        "train.max_steps": 3,
+        "train.global_batch_size": 8,
+        "train.micro_batch_size": 8,
+        "train.eval_samples": 8,
+        "train.num_workers": 0,
+        "trackers": "[]",
+        "train.eval_every": 0,
+        "train.samples": 0,
+        "profile.enabled": "true",
+        "profile.start_step": 1,
+        "profile.steps": 2,
+    }
     assert main([a for k, v in sets.items() for a in ("--set", f"{k}={v}")]) == 0
     capsys.readouterr()
     assert profile_report.main([str(out), "--top", "5"]) == 0
     text = capsys.readouterr().out
-    rows = {ln.split("|")[1].strip(): float(ln.split("|")[2]) for ln in text.splitlines()
-            if ln.startswith("| ") and not ln.startswith("| ---") and ln.count("|") == 4 and "time (ms)" not in ln}
+    rows = {
+        ln.split("|")[1].strip(): float(ln.split("|")[2])
+        for ln in text.splitlines()
+        if ln.startswith("| ") and not ln.startswith("| ---") and ln.count("|") == 4 and "time (ms)" not in ln
+    }
     for part in ("language model forward", "backward", "world projector", "optimizer", "data wait"):
         assert rows.get(part, 0) > 0, (part, text)
     assert "## Top 5 operations by self time" in text and "`aten::" in text and "## What it suggests" in text

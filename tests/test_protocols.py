@@ -1,6 +1,7 @@
 """Evaluation protocols and baselines: the letter reader against lmms-eval's examples, the exact McNemar test against
 known values, each baseline against a hand computation, captions against pycocoevalcap, the command line's outputs
 (--json, --out, the model card's table) and its bad inputs, and train.benchmarks under every shipped config."""
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,16 @@ def tiny():
 # ---------------------------------------------------------------------------------------------------------- letters
 
 # lmms_eval/tasks/blink/utils.py, _extract_answer_letter's docstring (all with 26 valid letters there; 4 here)
-LMMS_EXAMPLES = [("A answer1", "A"), ("A) answer2", "A"), ("(B) answer", "B"), ("C", "C"), ("(C)", "C"), ("A.", "A"),
-                 ("The correct answer is (B).", "B"), ("I think the answer is C because ...", "C")]
+LMMS_EXAMPLES = [
+    ("A answer1", "A"),
+    ("A) answer2", "A"),
+    ("(B) answer", "B"),
+    ("C", "C"),
+    ("(C)", "C"),
+    ("A.", "A"),
+    ("The correct answer is (B).", "B"),
+    ("I think the answer is C because ...", "C"),
+]
 MORE = ["", "none of them", "b", " (d) ", "Answer: D", "E", "(E) no", "answers are A and (C)", "The ball.", "\n\nB\n"]
 
 
@@ -50,15 +59,29 @@ def test_the_letter_reader_agrees_with_lmms_eval_where_it_is_installed():
 
 
 def test_the_prompt_is_lmms_evals_instruction_then_the_benchmarks_prompt():
-    assert letters.mc_prompt("q?", ["x", "y"], "BLINK'S OWN") == \
-        "Note: You only need to respond with A, B without providing any additional information.\nBLINK'S OWN"
-    assert letters.mc_prompt("q?", ["x", "y", "z"]).endswith("q?\nSelect from the following choices.\n(A) x\n(B) y\n(C) z")
+    assert (
+        letters.mc_prompt("q?", ["x", "y"], "BLINK'S OWN")
+        == "Note: You only need to respond with A, B without providing any additional information.\nBLINK'S OWN"
+    )
+    assert letters.mc_prompt("q?", ["x", "y", "z"]).endswith(
+        "q?\nSelect from the following choices.\n(A) x\n(B) y\n(C) z"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------- stats
 
-@pytest.mark.parametrize("b,c,p", [(1, 7, 18 / 256),  # Fagerland et al. 2013 (BMC Med Res Methodol 13:91): 0.070
-                                   (0, 0, 1.0), (5, 5, 1.0), (0, 10, 2 / 1024), (3, 0, 0.25), (12, 2, 0.012939453125)])
+
+@pytest.mark.parametrize(
+    "b,c,p",
+    [
+        (1, 7, 18 / 256),  # Fagerland et al. 2013 (BMC Med Res Methodol 13:91): 0.070
+        (0, 0, 1.0),
+        (5, 5, 1.0),
+        (0, 10, 2 / 1024),
+        (3, 0, 0.25),
+        (12, 2, 0.012939453125),
+    ],
+)
 def test_exact_mcnemar_against_known_values(b, c, p):
     assert stats.mcnemar_exact(b, c) == pytest.approx(p, rel=1e-12)
     assert stats.mcnemar_exact(c, b) == stats.mcnemar_exact(b, c)
@@ -66,8 +89,17 @@ def test_exact_mcnemar_against_known_values(b, c, p):
 
 def test_paired_difference_and_summary_of_baselines():
     # 10 items: model right on 0..6, baseline right on 5..9 -> only model 0..4 (5), only baseline 7..9 (3)
-    recs = [{"item": str(i), "category": None, "answer": 0, "pred": 0 if i < 7 else 1, "pred_shuffled_world": 1,
-             "preds": {"no_world": 0 if i >= 5 else 1}} for i in range(10)]
+    recs = [
+        {
+            "item": str(i),
+            "category": None,
+            "answer": 0,
+            "pred": 0 if i < 7 else 1,
+            "pred_shuffled_world": 1,
+            "preds": {"no_world": 0 if i >= 5 else 1},
+        }
+        for i in range(10)
+    ]
     s = scoring.summarize(recs, ["no_world"], "loglik")["baselines"]["no_world"]
     assert s["accuracy"] == 0.5 and s["accuracy_ci95"] == stats.wilson(5, 10)
     assert s["difference"] == pytest.approx(0.2) and s["p_value"] == pytest.approx(2 * (1 + 8 + 28 + 56) / 256)
@@ -75,15 +107,25 @@ def test_paired_difference_and_summary_of_baselines():
 
 def test_unparsed_answers_are_wrong_and_counted_and_uncategorised_items_get_their_own_row(tmp_path):
     items = benchmarks.read(write_items(tmp_path, TWO_ITEMS))
-    recs = scoring.tally(items, [0, 1], [{"model": "(B)", "shuffled_world": "the ball"},
-                                         {"model": "no idea", "shuffled_world": "A"}], "generate")
+    recs = scoring.tally(
+        items,
+        [0, 1],
+        [{"model": "(B)", "shuffled_world": "the ball"}, {"model": "no idea", "shuffled_world": "A"}],
+        "generate",
+    )
     assert [(r["pred"], r["pred_shuffled_world"]) for r in recs] == [(1, None), (None, 0)]
     s = scoring.summarize(recs, [], "generate")
-    assert (s["accuracy"], s["accuracy_shuffled_world"], s["unparsed"], s["unparsed_shuffled_world"]) == (0.5, 0.5, 1, 1)
+    assert (s["accuracy"], s["accuracy_shuffled_world"], s["unparsed"], s["unparsed_shuffled_world"]) == (
+        0.5,
+        0.5,
+        1,
+        1,
+    )
     assert s["categories"]["a"]["n"] == 1 and s["categories"][scoring.NO_CATEGORY]["n"] == 1
 
 
 # ---------------------------------------------------------------------------------------------------------- baselines
+
 
 def loglik(logits: torch.Tensor, enc, n_extra: int) -> float:
     labels = torch.tensor(enc.labels[:1] + [IGNORE] * n_extra + enc.labels[1:])
@@ -95,30 +137,40 @@ def loglik(logits: torch.Tensor, enc, n_extra: int) -> float:
 def gemma_alone(model, processor, item) -> list[float]:
     """Gemma 3's own forward (Gemma3ForConditionalGeneration, its image tokens and masks), no world anywhere."""
     fmt = ChatFormatter(processor)
-    pv = torch.stack([images.siglip_pixels(processor.image_processor, images.decode(Path(p).read_bytes()))
-                      for p in item.images])
+    pv = torch.stack(
+        [images.siglip_pixels(processor.image_processor, images.decode(Path(p).read_bytes())) for p in item.images]
+    )
     out = []
     for choice in item.choices:
         enc = fmt.encode(item.question, choice, images=len(item.images))
         batch = collate_text([enc], fmt.pad_id)
         with torch.no_grad():
-            logits = model.gemma(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                 pixel_values=pv, token_type_ids=(batch["input_ids"] == model.image_token_id).long()
-                                 ).logits[0]
+            logits = model.gemma(
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                pixel_values=pv,
+                token_type_ids=(batch["input_ids"] == model.image_token_id).long(),
+            ).logits[0]
         out.append(loglik(logits, enc, 0))
     return out
 
 
 def with_latents(model, processor, item, mean: torch.Tensor) -> list[float]:
     fmt = ChatFormatter(processor)
-    pv = torch.stack([images.siglip_pixels(processor.image_processor, images.decode(Path(p).read_bytes()))
-                      for p in item.images])
+    pv = torch.stack(
+        [images.siglip_pixels(processor.image_processor, images.decode(Path(p).read_bytes())) for p in item.images]
+    )
     out = []
     for choice in item.choices:
         enc = fmt.encode(item.question, choice, images=len(item.images))
         with torch.no_grad():
-            logits = model(**collate_text([enc], fmt.pad_id), latent_mean=mean, latent_logvar=torch.zeros_like(mean),
-                           pixel_values=pv, return_logits=True).logits[0]
+            logits = model(
+                **collate_text([enc], fmt.pad_id),
+                latent_mean=mean,
+                latent_logvar=torch.zeros_like(mean),
+                pixel_values=pv,
+                return_logits=True,
+            ).logits[0]
         out.append(loglik(logits, enc, logits.shape[0] - len(enc.input_ids)))
     return out
 
@@ -149,8 +201,9 @@ def test_each_baseline_agrees_with_a_hand_computation_on_a_two_item_file(tiny, t
             assert s["shuffled_world"] == pytest.approx(hand_scores(model, processor, items[i], other), abs=1e-4)
             assert s["no_world"] == pytest.approx(gemma_alone(model, processor, items[i]), abs=1e-4)
             assert s["constant_latent"] == pytest.approx(with_latents(model, processor, items[i], const), abs=1e-4)
-            assert s["init_projector"] == pytest.approx(hand_scores(fresh.eval(), processor, items[i],
-                                                                    items[i].images[0]), abs=1e-4)
+            assert s["init_projector"] == pytest.approx(
+                hand_scores(fresh.eval(), processor, items[i], items[i].images[0]), abs=1e-4
+            )
             assert len({tuple(v) for v in s.values()}) == 5  # five different columns
     finally:
         model.projector.load_state_dict(trained)
@@ -164,21 +217,28 @@ def test_the_generate_protocol_answers_as_model_generate_and_gemma_generate_do(t
     prompts = [letters.mc_prompt(it.question, it.choices) for it in items]
     paths = [it.images[0] for it in items]
     assert [o["model"] for o in out] == model.generate(paths, prompts, max_new_tokens=6)
-    assert [o["shuffled_world"] for o in out] == model.generate(paths, prompts, max_new_tokens=6,
-                                                                 world_images=paths[-1:] + paths[:-1])
+    assert [o["shuffled_world"] for o in out] == model.generate(
+        paths, prompts, max_new_tokens=6, world_images=paths[-1:] + paths[:-1]
+    )
     fmt, tok = ChatFormatter(processor), processor.tokenizer
     for o, item, prompt in zip(out, items, prompts):  # no world: Gemma 3's own greedy generate
         ids = torch.tensor([fmt.prefix(prompt)])
         pv = images.siglip_pixels(processor.image_processor, images.decode(Path(item.images[0]).read_bytes()))[None]
         with torch.no_grad():
-            new = model.gemma.generate(input_ids=ids, pixel_values=pv, max_new_tokens=6, do_sample=False,
-                                       token_type_ids=(ids == model.image_token_id).long())[0, ids.shape[1]:].tolist()
+            new = model.gemma.generate(
+                input_ids=ids,
+                pixel_values=pv,
+                max_new_tokens=6,
+                do_sample=False,
+                token_type_ids=(ids == model.image_token_id).long(),
+            )[0, ids.shape[1] :].tolist()
         stops = scoring.stop_ids(model)
         new = new[: next((k for k, t in enumerate(new) if t in stops), len(new))]
         assert o["no_world"] == tok.decode(new, skip_special_tokens=True).strip()
 
 
 # ---------------------------------------------------------------------------------------------------------- captions
+
 
 def test_caption_metrics_are_pycocoevalcaps_on_the_plain_tokenisation():
     from pycocoevalcap.bleu.bleu import Bleu
@@ -211,10 +271,20 @@ def caption_file(root: Path, n: int = 3) -> Path:
 
 # ---------------------------------------------------------------------------------------------------------- the CLI
 
+
 def test_the_cli_json_out_and_model_card_on_a_trained_run(trained_run, tmp_path, capsys):
     out = tmp_path / "items.out.jsonl"
-    argv = ["--model", str(trained_run["run"]), "--data", str(trained_run["mc"]), "--json", "--baselines", "all",
-            "--out", str(out)]
+    argv = [
+        "--model",
+        str(trained_run["run"]),
+        "--data",
+        str(trained_run["mc"]),
+        "--json",
+        "--baselines",
+        "all",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["n"] == 6 and res["protocol"] == "loglik" and set(res["baselines"]) == set(baselines.BASELINES)
@@ -229,7 +299,7 @@ def test_the_cli_json_out_and_model_card_on_a_trained_run(trained_run, tmp_path,
     gen = json.loads(capsys.readouterr().out)
     assert gen["protocol"] == "generate" and 0 <= gen["unparsed"] <= 6
     card = (trained_run["run"] / "final" / "README.md").read_text()
-    table = card[card.index("## Evaluation results"):].splitlines()
+    table = card[card.index("## Evaluation results") :].splitlines()
     rows = [r for r in table if r.startswith("| items.jsonl")]
     assert len(rows) == 2 and "| loglik | 6 |" in rows[0] and "| generate | 6 |" in rows[1]
     assert f"{res['accuracy']:.4f}" in rows[0] and "no_world" in rows[0] and "--baselines all" in rows[0]
@@ -237,23 +307,39 @@ def test_the_cli_json_out_and_model_card_on_a_trained_run(trained_run, tmp_path,
     capsys.readouterr()
     again = (trained_run["run"] / "final" / "README.md").read_text()
     assert len([r for r in again.splitlines() if r.startswith("| items.jsonl")]) == 2
-    assert again.startswith(card[:card.index("## Evaluation results")])  # the card above the table is kept
+    assert again.startswith(card[: card.index("## Evaluation results")])  # the card above the table is kept
 
 
 def test_the_caption_task_on_a_trained_run(trained_run, tmp_path, capsys):
     data = caption_file(tmp_path)
-    assert main(["--model", str(trained_run["run"]), "--data", str(data), "--task", "caption", "--json",
-                 "--max-new-tokens", "8", "--out", str(tmp_path / "c.jsonl")]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                str(trained_run["run"]),
+                "--data",
+                str(data),
+                "--task",
+                "caption",
+                "--json",
+                "--max-new-tokens",
+                "8",
+                "--out",
+                str(tmp_path / "c.jsonl"),
+            ]
+        )
+        == 0
+    )
     res = json.loads(capsys.readouterr().out)
     assert res["n"] == 3
     recs = [json.loads(x) for x in (tmp_path / "c.jsonl").read_text().splitlines()]
     for suffix, cond in (("", "model"), ("_shuffled_world", "shuffled_world")):
         expected = captions.scores([r["references"] for r in recs], [r["outputs"][cond] for r in recs])
-        assert {k + suffix: res[k + suffix] for k in captions.METRICS} == \
-            {k + suffix: v for k, v in expected.items()}
+        assert {k + suffix: res[k + suffix] for k in captions.METRICS} == {k + suffix: v for k, v in expected.items()}
 
 
 # ---------------------------------------------------------------------------------------------------------- bad input
+
 
 @pytest.mark.parametrize("key", ["categry", "answers"])
 def test_an_unknown_key_is_one_line_naming_the_key_and_the_item(tmp_path, capsys, key):
@@ -320,14 +406,16 @@ def test_train_benchmarks_run_under_every_shipped_config(config, tiny, tmp_path)
     resolve_micro_batch(cfg, 1)
     cfg.image = ImageConfig()
     model, processor = tiny
-    components = SimpleNamespace(raw=model, processor=processor, cfg=cfg, accelerator=Accelerator(cpu=True), rank=0,
-                                 world_size=1)
+    components = SimpleNamespace(
+        raw=model, processor=processor, cfg=cfg, accelerator=Accelerator(cpu=True), rank=0, world_size=1
+    )
     results = bench.run(components)
     assert results["bench/items/n"] == 3 and 0 <= results["bench/items/no_world/p_value"] <= 1
     assert lines(results)[0].startswith("benchmark items: n 3, accuracy ")
 
 
 # ---------------------------------------------------------------------------------------------------------- describe
+
 
 def test_describe_uses_the_prompt_the_run_trained_with(trained_run, tmp_path, capsys):
     from theworld import describe
@@ -365,8 +453,19 @@ def test_captions_on_a_caches_held_out_split_are_the_trainers_eval_samples(train
     from theworld.cache_format.held_out import split
 
     out = tmp_path / "c.jsonl"
-    argv = ["--model", str(trained_run["run"]), "--data", str(trained_run["cache"]), "--task", "caption", "--json",
-            "--max-new-tokens", "4", "--out", str(out)]
+    argv = [
+        "--model",
+        str(trained_run["run"]),
+        "--data",
+        str(trained_run["cache"]),
+        "--task",
+        "caption",
+        "--json",
+        "--max-new-tokens",
+        "4",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["n"] == 8  # the run's train.eval_samples
     reader = cf.CacheReader(trained_run["cache"])
@@ -379,9 +478,14 @@ def test_captions_on_a_caches_held_out_split_are_the_trainers_eval_samples(train
     assert "one held-out split" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("entry,words", [("{path: a.jsonl, baselines: [gemma]}", "'gemma'"),
-                                         ("{path: a.jsonl, protocol: greedy}", "protocol"),
-                                         ("{path: a.jsonl, baseline: [all]}", "baseline")])
+@pytest.mark.parametrize(
+    "entry,words",
+    [
+        ("{path: a.jsonl, baselines: [gemma]}", "'gemma'"),
+        ("{path: a.jsonl, protocol: greedy}", "protocol"),
+        ("{path: a.jsonl, baseline: [all]}", "baseline"),
+    ],
+)
 def test_a_bad_benchmark_entry_is_one_line_naming_it(entry, words):
     from theworld.errors import UserError
     from train.config import TrainConfig, load_config

@@ -1,5 +1,6 @@
 """theworld.run_lock: one run per output folder; the lock ends with the process that took it, kill -9 included, and
 never passes to a forked child (a DataLoader worker outliving a killed run must not block its rerun)."""
+
 from __future__ import annotations
 
 import os
@@ -15,16 +16,19 @@ from theworld import run_lock
 from theworld.errors import UserError
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
-HOLD = ("import sys, time\nfrom theworld import run_lock\nrun_lock.acquire(sys.argv[1])\nprint('held', flush=True)\n"
-        "time.sleep(120)")
-TRY = ("import sys\nfrom theworld import run_lock\nfrom theworld.errors import UserError\ntry:\n"
-       "    run_lock.acquire(sys.argv[1])\nexcept UserError as e:\n    print(e)\n    sys.exit(2)")
+HOLD = (
+    "import sys, time\nfrom theworld import run_lock\nrun_lock.acquire(sys.argv[1])\nprint('held', flush=True)\n"
+    "time.sleep(120)"
+)
+TRY = (
+    "import sys\nfrom theworld import run_lock\nfrom theworld.errors import UserError\ntry:\n"
+    "    run_lock.acquire(sys.argv[1])\nexcept UserError as e:\n    print(e)\n    sys.exit(2)"
+)
 
 
 def _try(folder) -> subprocess.CompletedProcess:
     """Another process trying to take the folder: exit 0 if it got it, 2 with the refusal on stdout if not."""
-    return subprocess.run([sys.executable, "-c", TRY, str(folder)], env=ENV, capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run([sys.executable, "-c", TRY, str(folder)], env=ENV, capture_output=True, text=True, timeout=60)
 
 
 def test_a_held_folder_is_refused_naming_its_holder_and_is_free_once_the_holder_is_killed(tmp_path):

@@ -2,6 +2,7 @@
 memory plan (train.memory): FSDP equals one process, kill -9 + resume under FSDP is bitwise exact, the stage chain
 crosses shardings, multipliers reach their parameter groups, the plan's counts are exact and its estimate matches a
 measured peak."""
+
 from __future__ import annotations
 
 import json
@@ -15,9 +16,8 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import ENV, ROOT, base_args, launch2, metrics, run2, train_cli, train_inproc, weights
+from safetensors.torch import load_file
 
 STAGE3 = {"freeze.vision": "false", "freeze.language": "false"}
 
@@ -39,8 +39,10 @@ def test_fsdp_two_processes_give_the_weights_of_one(cache, tmp_path, capsys):
     extra = {**STAGE3, "train.eval_samples": 19}
     assert train_inproc(base_args(cache, tmp_path / "one", steps=3, **extra, **{"train.sharding": "fsdp"})) == 0
     assert "sharding fsdp with 1 process: unsharded" in capsys.readouterr().err
-    two = run2(base_args(cache, tmp_path / "two", steps=3, **extra),
-               env={"ACCELERATE_USE_FSDP": "true", "FSDP_OFFLOAD_PARAMS": "true"})
+    two = run2(
+        base_args(cache, tmp_path / "two", steps=3, **extra),
+        env={"ACCELERATE_USE_FSDP": "true", "FSDP_OFFLOAD_PARAMS": "true"},
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     assert "sharding fsdp (FSDP2 fully_shard" in two.stderr and "ACCELERATE_USE_FSDP" in two.stderr
     assert "offloaded to host memory" in two.stderr
@@ -61,8 +63,12 @@ def test_fsdp_kill_9_and_resume_gives_bitwise_equal_weights(cache, tmp_path, cap
     ref = run2(base_args(cache, tmp_path / "ref", steps=5, **extra))
     assert ref.returncode == 0, ref.stderr[-3000:]
     out = tmp_path / "killed"
-    proc = launch2(base_args(cache, out, steps=5, **extra), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   start_new_session=True)
+    proc = launch2(
+        base_args(cache, out, steps=5, **extra),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.time() + 300
     while not (out / "checkpoint-2").exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)
@@ -99,22 +105,46 @@ def test_fsdp_stage_chain_1_2_4(cache, tmp_path, capsys):
     """Stage 1 sharded over two processes, stage 2 in one, stage 4 sharded again: init_from reads whole tensors by
     name whatever wrote them."""
     cfgs = ROOT / "configs"
-    small = {"train.max_steps": 2, "train.global_batch_size": 8, "train.micro_batch_size": 4, "train.eval_samples": 8,
-             "train.num_workers": 0, "trackers": "[]", "train.eval_every": 0, "cache_dir": cache,
-             "train.sharding": "fsdp"}
+    small = {
+        "train.max_steps": 2,
+        "train.global_batch_size": 8,
+        "train.micro_batch_size": 4,
+        "train.eval_samples": 8,
+        "train.num_workers": 0,
+        "trackers": "[]",
+        "train.eval_every": 0,
+        "cache_dir": cache,
+        "train.sharding": "fsdp",
+    }
     s = lambda d: [a for k, v in d.items() for a in ("--set", f"{k}={v}")]
     s1, s2, s4 = tmp_path / "s1", tmp_path / "s2", tmp_path / "s4"
     r1 = run2(["--config", str(cfgs / "stage1.yaml"), *s({**small, "output_dir": s1})])
     assert r1.returncode == 0, r1.stderr[-3000:]
     capsys.readouterr()
-    assert train_inproc(["--config", str(cfgs / "stage2.yaml"), *s({**small, "output_dir": s2,
-                                                                      "init_from": s1 / "final"})]) == 0
+    assert (
+        train_inproc(
+            ["--config", str(cfgs / "stage2.yaml"), *s({**small, "output_dir": s2, "init_from": s1 / "final"})]
+        )
+        == 0
+    )
     w1, w2 = weights(s1), weights(s2)
     assert set(w1) == {k for k in w2 if k.startswith("projector.")}
     assert f"loaded {len(w1)} tensors, {len(w2) - len(w1)} new, 0 ignored" in capsys.readouterr().err
-    r4 = run2(["--config", str(cfgs / "stage4.yaml"), *s({**small, "output_dir": s4, "init_from": s2 / "final",
-                                                          "train.gradient_checkpointing": "true",
-                                                          "train.mixed_precision": "bf16"})])
+    r4 = run2(
+        [
+            "--config",
+            str(cfgs / "stage4.yaml"),
+            *s(
+                {
+                    **small,
+                    "output_dir": s4,
+                    "init_from": s2 / "final",
+                    "train.gradient_checkpointing": "true",
+                    "train.mixed_precision": "bf16",
+                }
+            ),
+        ]
+    )
     assert r4.returncode == 0, r4.stderr[-3000:]
     assert "latents live" in r4.stderr and f"loaded {len(w2)} tensors" in r4.stderr
     assert "sharding fsdp (FSDP2 fully_shard" in r4.stderr
@@ -168,12 +198,16 @@ def test_cpu_offload_with_one_process_equals_unsharded_and_resumes_bitwise(cache
     assert losses(tmp_path / "off")[2:] == losses(again)
 
 
-@pytest.mark.parametrize("config,env,expected", [
-    ("ddp", {"ACCELERATE_USE_FSDP": "true", "FSDP_OFFLOAD_PARAMS": "true"}, ("fsdp", True)),
-    ("ddp", {"ACCELERATE_USE_FSDP": "true", "FSDP_OFFLOAD_PARAMS": "false"}, ("fsdp", False)),
-    ("ddp", {"FSDP_OFFLOAD_PARAMS": "true"}, ("ddp", False)),  # an offload flag alone does not turn FSDP on
-    ("fsdp", {"FSDP_OFFLOAD_PARAMS": "true"}, ("fsdp", True)),
-    ("fsdp", {}, ("fsdp", False))])
+@pytest.mark.parametrize(
+    "config,env,expected",
+    [
+        ("ddp", {"ACCELERATE_USE_FSDP": "true", "FSDP_OFFLOAD_PARAMS": "true"}, ("fsdp", True)),
+        ("ddp", {"ACCELERATE_USE_FSDP": "true", "FSDP_OFFLOAD_PARAMS": "false"}, ("fsdp", False)),
+        ("ddp", {"FSDP_OFFLOAD_PARAMS": "true"}, ("ddp", False)),  # an offload flag alone does not turn FSDP on
+        ("fsdp", {"FSDP_OFFLOAD_PARAMS": "true"}, ("fsdp", True)),
+        ("fsdp", {}, ("fsdp", False)),
+    ],
+)
 def test_launcher_fsdp_and_offload_flags_select_the_plan(monkeypatch, config, env, expected):
     from train import sharding
     from train.config import TrainConfig
@@ -189,8 +223,9 @@ def test_launcher_fsdp_and_offload_flags_select_the_plan(monkeypatch, config, en
     assert plan.sharded(1) == plan.offload and plan.sharded(2) == (plan.mode == "fsdp")
     assert not {"ACCELERATE_USE_FSDP", "FSDP_OFFLOAD_PARAMS"} & set(os.environ)  # Accelerator() must not see them
     # offloaded shards are host tensors: a GPU group of several processes needs gloo for their collectives
-    assert sharding.process_group_backend(plan, cpu=False, processes=8) == ("cuda:nccl,cpu:gloo" if plan.offload
-                                                                             else None)
+    assert sharding.process_group_backend(plan, cpu=False, processes=8) == (
+        "cuda:nccl,cpu:gloo" if plan.offload else None
+    )
     assert sharding.process_group_backend(plan, cpu=True, processes=8) is None  # gloo already
     assert sharding.process_group_backend(plan, cpu=False, processes=1) is None  # accelerate makes no group
 
@@ -206,8 +241,16 @@ def test_lr_multipliers_reach_their_parameter_groups(cache, tmp_path):
     from train.step import LoopState, optimization_step
 
     mult = {"projector": 10.0, "vision": 0.5, "language": 2.0, "vae": 1.0}
-    sets = [a for a in base_args(cache, tmp_path / "run", **STAGE3, **{"train.warmup_steps": 0, "train.lr": "1e-3",
-                                                                       "train.weight_decay": 0.1}) if a != "--set"]
+    sets = [
+        a
+        for a in base_args(
+            cache,
+            tmp_path / "run",
+            **STAGE3,
+            **{"train.warmup_steps": 0, "train.lr": "1e-3", "train.weight_decay": 0.1},
+        )
+        if a != "--set"
+    ]
     cfg = load_config(TrainConfig, None, sets + [f"train.lr_multipliers.{k}={v}" for k, v in mult.items()])
     reader, plan = data.open_cache(cfg)
     c = components.build(cfg, components.make_accelerator(cfg), 2)
@@ -263,8 +306,10 @@ def test_checkpoint_with_one_adamw_group_per_decay_setting_resumes_exactly(cache
     saved = torch.load(ckpt / "optimizer.pt", weights_only=True)
     settings = {k: v for k, v in saved["param_groups"][0].items() if k not in ("params", "part", "lr_multiplier")}
     saved["state"] = {before.index(now[i]): st for i, st in saved["state"].items()}
-    saved["param_groups"] = [{**settings, "weight_decay": 0.1, "params": list(range(len(decay)))},
-                             {**settings, "weight_decay": 0.0, "params": list(range(len(decay), len(before)))}]
+    saved["param_groups"] = [
+        {**settings, "weight_decay": 0.1, "params": list(range(len(decay)))},
+        {**settings, "weight_decay": 0.0, "params": list(range(len(decay), len(before)))},
+    ]
     torch.save(saved, ckpt / "optimizer.pt")
     state = json.loads((ckpt / "state.json").read_text())
     state["sha256"]["optimizer.pt"] = sha256_file(ckpt / "optimizer.pt")
@@ -275,13 +320,18 @@ def test_checkpoint_with_one_adamw_group_per_decay_setting_resumes_exactly(cache
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("value,key", [("train.lr_multipliers.decoder=2", "train.lr_multipliers.decoder"),
-                                       ("train.lr_multipliers.projector=0", "train.lr_multipliers.projector"),
-                                       ("train.lr_multipliers.vision=-1", "train.lr_multipliers.vision"),
-                                       ("train.lr_multipliers.vae=.nan", "train.lr_multipliers.vae"),
-                                       ("train.lr_multipliers.language=.inf", "train.lr_multipliers.language"),
-                                       ("train.sharding=zero3", "train.sharding"),
-                                       ("train.cpu_offload=true", "train.cpu_offload")])  # offload without fsdp
+@pytest.mark.parametrize(
+    "value,key",
+    [
+        ("train.lr_multipliers.decoder=2", "train.lr_multipliers.decoder"),
+        ("train.lr_multipliers.projector=0", "train.lr_multipliers.projector"),
+        ("train.lr_multipliers.vision=-1", "train.lr_multipliers.vision"),
+        ("train.lr_multipliers.vae=.nan", "train.lr_multipliers.vae"),
+        ("train.lr_multipliers.language=.inf", "train.lr_multipliers.language"),
+        ("train.sharding=zero3", "train.sharding"),
+        ("train.cpu_offload=true", "train.cpu_offload"),
+    ],
+)  # offload without fsdp
 def test_bad_lr_multiplier_or_sharding_is_a_one_line_error(capsys, value, key):
     assert train_inproc(["--config", str(ROOT / "configs" / "stage3.yaml"), "--set", value]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -313,8 +363,8 @@ def test_memory_plan_counts_parameters_exactly(stage):
 def test_memory_cli_real_configs_offline(capsys):
     """The real configs resolve offline to the architectures train.bench_real builds: Gemma 3 4B (4,300,079,472
     parameters, as published for google/gemma-3-4b-it) + the Wan 2.1 VAE + the projector."""
-    from train import memory
     from theworld.arch import REAL
+    from train import memory
 
     assert memory.main(["--config", str(ROOT / "configs" / "real" / "stage3.yaml"), "--gpus", "8", "--json"]) == 0
     p = json.loads(capsys.readouterr().out)
@@ -336,8 +386,10 @@ def test_memory_cli_real_configs_offline(capsys):
     out = capsys.readouterr().out
     assert "fits" in out and "optimizer_state" in out and "fsdp_offload" in out
     assert memory.main(["--config", str(ROOT / "configs" / "stage3.yaml"), "--gpus", "0"]) == 2
-    assert memory.main(["--config", str(ROOT / "configs" / "stage3.yaml"),
-                        "--set", "model.gemma=google/gemma-3-27b-it"]) == 2
+    assert (
+        memory.main(["--config", str(ROOT / "configs" / "stage3.yaml"), "--set", "model.gemma=google/gemma-3-27b-it"])
+        == 2
+    )
     assert "model.gemma" in capsys.readouterr().err
 
 
@@ -375,21 +427,42 @@ print(json.dumps({"peak_delta": status("VmHWM") - base}))
 def test_memory_estimate_matches_peak_rss_of_a_small_model(tmp_path):
     """The plan's one-process ddp total against the measured peak resident memory of two training steps (language
     model training, about 25 M trainable parameters on the CPU): within 15%."""
+    from theworld.arch import TINY, gemma_config
     from theworld.config import load_config
     from train import memory
-    from theworld.arch import TINY, gemma_config
     from train.config import TrainConfig
 
-    text = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=128, sliding_window=64, vocab_size=16384, query_pre_attn_scalar=128)
+    text = dict(
+        hidden_size=512,
+        intermediate_size=2048,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        sliding_window=64,
+        vocab_size=16384,
+        query_pre_attn_scalar=128,
+    )
     sizes = {**TINY, "text": text}
     for name, s in (("warm", {**sizes, "text": {**text, "num_hidden_layers": 1}}), ("gemma", sizes)):
         gemma_config(s).save_pretrained(tmp_path / name)
-    common = ["model.vae=tiny", "model.dtype=float32", "freeze.language=false", "train.micro_batch_size=4",
-              "train.global_batch_size=4", "image.resolution=64"]
+    common = [
+        "model.vae=tiny",
+        "model.dtype=float32",
+        "freeze.language=false",
+        "train.micro_batch_size=4",
+        "train.global_batch_size=4",
+        "image.resolution=64",
+    ]
     warm, target = common + [f"model.gemma={tmp_path / 'warm'}"], common + [f"model.gemma={tmp_path / 'gemma'}"]
-    r = subprocess.run([sys.executable, "-c", MEASURE, json.dumps(sizes), " ".join(warm), " ".join(target)],
-                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", MEASURE, json.dumps(sizes), " ".join(warm), " ".join(target)],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     measured = json.loads(r.stdout.strip().splitlines()[-1])["peak_delta"]
     cfg = load_config(TrainConfig, None, target)

@@ -1,5 +1,6 @@
 """precompute.sources: hostile inputs each source meets (bad directory entries, changed folders, repeated keys, text
 that is not what it seems, paths that leave the folder, deep JSON, huge files, a full disk)."""
+
 from __future__ import annotations
 
 import errno
@@ -11,8 +12,8 @@ import tarfile
 from pathlib import Path
 
 import pytest
-
 from _precompute_helpers import cli_args, gradient, jpeg_bytes, make_cfg, png_bytes, read_cache_plain
+
 from precompute import cosmos_latents, sources
 from precompute.sources import content
 from theworld import cache_format as cf
@@ -106,10 +107,14 @@ def test_folder_walk_records_each_bad_entry_and_lists_the_rest(tmp_path, fake_va
     samples = read_cache_plain(out)
     assert sorted(samples) == [f"img{i:03d}_png" for i in range(40)] + ["zz_a_png"]
     reasons = {e["source"]: e["reason"] for e in cf.read_errors(out)}
-    assert reasons == {"dead.png": "dangling symlink", "fifo.jpg": "not a regular file (a FIFO)",
-                       "sock.png": "not a regular file (a socket)", "locked": "cannot list folder: Permission denied",
-                       "loop.jpg": "cannot stat: Too many levels of symbolic links",
-                       "zz": "cannot list folder: Input/output error"}
+    assert reasons == {
+        "dead.png": "dangling symlink",
+        "fifo.jpg": "not a regular file (a FIFO)",
+        "sock.png": "not a regular file (a socket)",
+        "locked": "cannot list folder: Permission denied",
+        "loop.jpg": "cannot stat: Too many levels of symbolic links",
+        "zz": "cannot list folder: Input/output error",
+    }
     assert result["num_samples"] == 41 and result["num_errors"] == 6
     sock.close()
 
@@ -119,10 +124,13 @@ def test_a_fifo_named_in_captions_jsonl_is_refused_without_opening_it(tmp_path, 
     src.mkdir()
     os.mkfifo(src / "pipe.jpg")
     (src / "ok.png").write_bytes(png_bytes(gradient(20, 20)))
-    (src / "captions.jsonl").write_text("\n".join(json.dumps({"image": i, "caption": "c"})
-                                                  for i in ("pipe.jpg", "ok.png")))
-    assert _outcomes(_listing("folder", src, tmp_path)) == {"pipe_jpg": "error: not a regular file (a FIFO)",
-                                                            "ok_png": "c"}
+    (src / "captions.jsonl").write_text(
+        "\n".join(json.dumps({"image": i, "caption": "c"}) for i in ("pipe.jpg", "ok.png"))
+    )
+    assert _outcomes(_listing("folder", src, tmp_path)) == {
+        "pipe_jpg": "error: not a regular file (a FIFO)",
+        "ok_png": "c",
+    }
 
 
 def test_an_image_file_over_the_size_limit_is_refused_before_reading(tmp_path, monkeypatch):
@@ -135,8 +143,10 @@ def test_an_image_file_over_the_size_limit_is_refused_before_reading(tmp_path, m
     real_open = open
     monkeypatch.setattr("builtins.open", lambda p, *a, **k: (reads.append(str(p)), real_open(p, *a, **k))[1])
     got = _outcomes(_listing("folder", src, tmp_path))
-    assert got["huge_png"] == f"error: image file too large: {content.MAX_IMAGE_BYTES + 1} bytes " \
-                              f"(> {content.MAX_IMAGE_BYTES})"
+    assert (
+        got["huge_png"] == f"error: image file too large: {content.MAX_IMAGE_BYTES + 1} bytes "
+        f"(> {content.MAX_IMAGE_BYTES})"
+    )
     assert str(src / "huge.png") not in reads and got["img000_png"] == "caption 0"
     # a tar member: its size is known from the listing
     tar = _tar(tmp_path / "w.tar", [("a", "jpg", jpeg_bytes(gradient(20, 20))), ("a", "txt", b"x")])
@@ -192,22 +202,45 @@ def _tar(path: Path, members: list[tuple[str, str, bytes]]) -> Path:
 
 def test_a_key_repeated_inside_one_tar_keeps_the_first_sample(tmp_path):
     img = jpeg_bytes(gradient(20, 20))
-    tar = _tar(tmp_path / "00000.tar", [("a", "jpg", img), ("a", "txt", b"first a"), ("b", "jpg", img),
-                                        ("b", "txt", b"b"), ("a", "jpg", img), ("a", "txt", b"second a"),
-                                        ("c", "jpg", img), ("c", "txt", b"c1"), ("c", "txt", b"c2")])
+    tar = _tar(
+        tmp_path / "00000.tar",
+        [
+            ("a", "jpg", img),
+            ("a", "txt", b"first a"),
+            ("b", "jpg", img),
+            ("b", "txt", b"b"),
+            ("a", "jpg", img),
+            ("a", "txt", b"second a"),
+            ("c", "jpg", img),
+            ("c", "txt", b"c1"),
+            ("c", "txt", b"c2"),
+        ],
+    )
     listing = _listing("webdataset", tar, tmp_path)
     entries = listing.entries(0, len(listing))
     assert [(e.source, e.error) for e in entries] == [
-        ("00000.tar:a", None), ("00000.tar:b", None),
-        ("00000.tar:a", "duplicate key: 'a' (first used by 00000.tar:a)"), ("00000.tar:c", None),
-        ("00000.tar:c", "duplicate key: 'c' (first used by 00000.tar:c)")]
+        ("00000.tar:a", None),
+        ("00000.tar:b", None),
+        ("00000.tar:a", "duplicate key: 'a' (first used by 00000.tar:a)"),
+        ("00000.tar:c", None),
+        ("00000.tar:c", "duplicate key: 'c' (first used by 00000.tar:c)"),
+    ]
     assert listing.load(entries[0]).caption == "first a" and listing.load(entries[3]).caption == "c1"
     # webdataset's own reader starts a new sample where the key changes, as the listing does (a member repeated
     # within a sample, like c.txt above, is an error there)
     import webdataset as wds
 
-    tar = _tar(tmp_path / "00001.tar", [("a", "jpg", img), ("a", "txt", b"first a"), ("b", "jpg", img),
-                                        ("b", "txt", b"b"), ("a", "jpg", img), ("a", "txt", b"second a")])
+    tar = _tar(
+        tmp_path / "00001.tar",
+        [
+            ("a", "jpg", img),
+            ("a", "txt", b"first a"),
+            ("b", "jpg", img),
+            ("b", "txt", b"b"),
+            ("a", "jpg", img),
+            ("a", "txt", b"second a"),
+        ],
+    )
     assert [s["txt"] for s in wds.WebDataset(str(tar), shardshuffle=False)] == [b"first a", b"b", b"second a"]
 
 
@@ -217,23 +250,35 @@ def test_webdataset_path_may_be_a_folder_of_tars(tmp_path):
     wds_source(tmp_path / "w", tars=3, per_tar=2)
     (tmp_path / "w" / "notes.txt").write_text("not a shard")
     listing = _listing("webdataset", tmp_path / "w", tmp_path)
-    assert [e.source for e in listing.entries(0, 6)] == [f"{j:05d}.tar:{j:05d}{i:04d}" for j in range(3)
-                                                         for i in range(2)]
+    assert [e.source for e in listing.entries(0, 6)] == [
+        f"{j:05d}.tar:{j:05d}{i:04d}" for j in range(3) for i in range(2)
+    ]
 
 
 def test_deeply_nested_json_is_an_error_for_that_entry_only(tmp_path):
     img = jpeg_bytes(gradient(20, 20))
     deep = b"[" * 100_000 + b"]" * 100_000
-    tar = _tar(tmp_path / "00000.tar", [("a", "jpg", img), ("a", "txt", b"a"), ("a", "json", deep),
-                                        ("b", "jpg", img), ("b", "txt", b"b"), ("b", "json", b'{"url": "u"}')])
+    tar = _tar(
+        tmp_path / "00000.tar",
+        [
+            ("a", "jpg", img),
+            ("a", "txt", b"a"),
+            ("a", "json", deep),
+            ("b", "jpg", img),
+            ("b", "txt", b"b"),
+            ("b", "json", b'{"url": "u"}'),
+        ],
+    )
     listing = _listing("webdataset", tar, tmp_path)
     assert _outcomes(listing) == {"a": "error: json member nested too deeply", "b": "b"}
     assert listing.load(listing.entries(1, 2)[0]).meta == {"url": "u"}
     src = tmp_path / "src"
     _txt_folder(src, 1)
     (src / "captions.jsonl").write_text("[" * 100_000 + "\n" + json.dumps({"image": "img000.png", "caption": "x"}))
-    assert _outcomes(_listing("folder", src, tmp_path)) == {"line-1": "error: bad caption line: JSON nested too "
-                                                                      "deeply", "img000_png": "x"}
+    assert _outcomes(_listing("folder", src, tmp_path)) == {
+        "line-1": "error: bad caption line: JSON nested too deeply",
+        "img000_png": "x",
+    }
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -265,28 +310,40 @@ def test_text_is_strict_utf8_without_bom_in_every_source(tmp_path):
         (src / f"{name}.txt").write_bytes(raw)
     want = {"bom_png": "with a BOM", "bad_png": "error: invalid UTF-8 at byte 3", "ok_png": "caf\u00e9"}
     assert _outcomes(_listing("folder", src, tmp_path / "a")) == want
-    tar = _tar(tmp_path / "00000.tar", [(k, m, d) for k in ("bom", "bad", "ok") for m, d in
-                                        (("png", img), ("txt", (src / f"{k}.txt").read_bytes()))])
+    tar = _tar(
+        tmp_path / "00000.tar",
+        [(k, m, d) for k in ("bom", "bad", "ok") for m, d in (("png", img), ("txt", (src / f"{k}.txt").read_bytes()))],
+    )
     assert _outcomes(_listing("webdataset", tar, tmp_path / "b")) == {k[:-4]: v for k, v in want.items()}
     jsonl = tmp_path / "jsonl"
     jsonl.mkdir()
     (jsonl / "ok.png").write_bytes(img)
     line = json.dumps({"image": "ok.png", "caption": "x"}).encode()
-    (jsonl / "captions.jsonl").write_bytes(b"\xef\xbb\xbf" + line + b"\n" + line[:-3] + b"\xe9\"}\n")
-    assert _outcomes(_listing("folder", jsonl, tmp_path / "c")) == {"ok_png": "x",
-                                                                    "line-2": "error: bad caption line: invalid UTF-8"}
+    (jsonl / "captions.jsonl").write_bytes(b"\xef\xbb\xbf" + line + b"\n" + line[:-3] + b'\xe9"}\n')
+    assert _outcomes(_listing("folder", jsonl, tmp_path / "c")) == {
+        "ok_png": "x",
+        "line-2": "error: bad caption line: invalid UTF-8",
+    }
 
 
 def test_gemma_control_strings_in_captions_and_prompts_are_refused(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
-    texts = {"soft": ("a cat <image_soft_token> here", None), "turn": ("fine", "describe<end_of_turn>"),
-             "unused": ("x <unused42> y", None), "bos": ("<bos>", None), "html": ("a <table> of <b>bold</b>", None)}
+    texts = {
+        "soft": ("a cat <image_soft_token> here", None),
+        "turn": ("fine", "describe<end_of_turn>"),
+        "unused": ("x <unused42> y", None),
+        "bos": ("<bos>", None),
+        "html": ("a <table> of <b>bold</b>", None),
+    }
     for k in texts:
         (src / f"{k}.png").write_bytes(png_bytes(gradient(20, 20)))
-    (src / "captions.jsonl").write_text("".join(
-        json.dumps({"image": f"{k}.png", "caption": c, **({"prompt": p} if p else {})}) + "\n"
-        for k, (c, p) in texts.items()))
+    (src / "captions.jsonl").write_text(
+        "".join(
+            json.dumps({"image": f"{k}.png", "caption": c, **({"prompt": p} if p else {})}) + "\n"
+            for k, (c, p) in texts.items()
+        )
+    )
     listing = _listing("folder", src, tmp_path)
     got = []
     for e in listing.entries(0, len(listing)):
@@ -294,10 +351,13 @@ def test_gemma_control_strings_in_captions_and_prompts_are_refused(tmp_path):
             got.append(listing.load(e).caption)
         except sources.SourceError as err:
             got.append(str(err))
-    assert got == ["caption holds the Gemma control string '<image_soft_token>'",
-                   "prompt holds the Gemma control string '<end_of_turn>'",
-                   "caption holds the Gemma control string '<unused42>'",
-                   "caption holds the Gemma control string '<bos>'", "a <table> of <b>bold</b>"]
+    assert got == [
+        "caption holds the Gemma control string '<image_soft_token>'",
+        "prompt holds the Gemma control string '<end_of_turn>'",
+        "caption holds the Gemma control string '<unused42>'",
+        "caption holds the Gemma control string '<bos>'",
+        "a <table> of <b>bold</b>",
+    ]
 
 
 def test_control_string_list_covers_the_tokenizers_special_tokens():
@@ -369,10 +429,24 @@ def test_img2dataset_files_layout_keeps_url_and_uid(tmp_path, fake_vae):
         key = f"{i:09d}"
         (src / "00000" / f"{key}.jpg").write_bytes(jpeg_bytes(gradient(30, 24)))
         (src / "00000" / f"{key}.txt").write_text(f"photo {i}")
-        (src / "00000" / f"{key}.json").write_text(json.dumps({
-            "url": f"http://img/{i}.jpg", "key": key, "status": "success", "error_message": None, "width": 30,
-            "height": 24, "original_width": 300, "original_height": 240, "exif": "{}", "sha256": "ab" * 32,
-            "uid": f"{i:032x}", "caption": f"photo {i}"}))
+        (src / "00000" / f"{key}.json").write_text(
+            json.dumps(
+                {
+                    "url": f"http://img/{i}.jpg",
+                    "key": key,
+                    "status": "success",
+                    "error_message": None,
+                    "width": 30,
+                    "height": 24,
+                    "original_width": 300,
+                    "original_height": 240,
+                    "exif": "{}",
+                    "sha256": "ab" * 32,
+                    "uid": f"{i:032x}",
+                    "caption": f"photo {i}",
+                }
+            )
+        )
     (src / "00000_stats.json").write_text(json.dumps({"count": 3, "successes": 3}))
     (src / "00000.parquet").write_bytes(b"PAR1")  # beside the folder, not an image: ignored
     out = tmp_path / "c"
@@ -385,8 +459,12 @@ def test_img2dataset_files_layout_keeps_url_and_uid(tmp_path, fake_vae):
 
 
 def _chat_item(i: int, human: str = "Provide a brief description of the given image.\n<image>", **kw) -> dict:
-    return {"id": f"GCC_train_{i:09d}", "image": f"GCC_train_{i:09d}.jpg",
-            "conversations": [{"from": "human", "value": human}, {"from": "gpt", "value": f"a caption {i} ."}], **kw}
+    return {
+        "id": f"GCC_train_{i:09d}",
+        "image": f"GCC_train_{i:09d}.jpg",
+        "conversations": [{"from": "human", "value": human}, {"from": "gpt", "value": f"a caption {i} ."}],
+        **kw,
+    }
 
 
 def test_llava_chat_json(tmp_path, fake_vae):
@@ -396,37 +474,55 @@ def test_llava_chat_json(tmp_path, fake_vae):
     (root / "images").mkdir(parents=True)
     for i in (0, 1, 2, 3, 6, 7):  # not 5: an item whose image is missing
         (root / "images" / f"GCC_train_{i:09d}.jpg").write_bytes(jpeg_bytes(gradient(30 + i, 24)))
-    items = [_chat_item(0), _chat_item(1, human="<image>\nWhat is in the photo?"), _chat_item(2), _chat_item(3),
-             {"id": "text-only", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
-             _chat_item(5), _chat_item(6), _chat_item(7)]
+    items = [
+        _chat_item(0),
+        _chat_item(1, human="<image>\nWhat is in the photo?"),
+        _chat_item(2),
+        _chat_item(3),
+        {"id": "text-only", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
+        _chat_item(5),
+        _chat_item(6),
+        _chat_item(7),
+    ]
     items[2]["conversations"] += [{"from": "human", "value": " more?"}, {"from": "gpt", "value": "no "}]
     items[2]["conversations"][0]["value"] = "Look: <image> what is it?"
     items[6]["conversations"] += [{"from": "human", "value": "<image>\nand?"}, {"from": "gpt", "value": "no"}]
     items[7]["conversations"] += [{"from": "human", "value": "and?"}]
     (root / "chat.json").write_text(json.dumps(items, indent=2))
     out = tmp_path / "c"
-    result = cosmos_latents.run(make_cfg(out, "source.type=llava", f"source.path={root}/chat.json",
-                                         f"source.image_root={root}/images", "num_workers=1"))
+    result = cosmos_latents.run(
+        make_cfg(
+            out,
+            "source.type=llava",
+            f"source.path={root}/chat.json",
+            f"source.image_root={root}/images",
+            "num_workers=1",
+        )
+    )
     samples = read_cache_plain(out)
     assert list(samples) == [f"GCC_train_{i:09d}" for i in range(4)]
     s1 = samples["GCC_train_000000001"]
     assert s1["txt"] == b"a caption 1 ." and json.loads(s1["json"])["prompt"] == "What is in the photo?"
-    assert json.loads(samples["GCC_train_000000000"]["json"])["prompt"] == \
-        "Provide a brief description of the given image."
+    assert (
+        json.loads(samples["GCC_train_000000000"]["json"])["prompt"]
+        == "Provide a brief description of the given image."
+    )
     assert cf.TURNS not in json.loads(s1["json"])
     reader = cf.CacheReader(out)
     conv = reader.sample(reader.keys().index("GCC_train_000000002"), tensors=False)
     assert conv.turns == [("Look: what is it?", "a caption 2 ."), ("more?", "no")]
-    assert reader.sample(reader.keys().index("GCC_train_000000001"), tensors=False).turns == \
-        [("What is in the photo?", "a caption 1 .")]
+    assert reader.sample(reader.keys().index("GCC_train_000000001"), tensors=False).turns == [
+        ("What is in the photo?", "a caption 1 .")
+    ]
     reasons = {e["key"]: e["reason"] for e in cf.read_errors(out)}
     assert reasons == {
         "text-only": "bad item: no 'image' (a text-only item)",
         "GCC_train_000000006": "bad item: <image> outside the first human turn (a sample has one image, in its "
-                               "first turn)",
+        "first turn)",
         "GCC_train_000000007": "bad item: conversation does not alternate human, gpt turns (starting with human, "
-                               "ending with gpt)",
-        "GCC_train_000000005": reasons["GCC_train_000000005"]}
+        "ending with gpt)",
+        "GCC_train_000000005": reasons["GCC_train_000000005"],
+    }
     assert reasons["GCC_train_000000005"].startswith("cannot read: FileNotFoundError")
     assert result["num_errors"] == 4
     # image_root defaults to the JSON's folder; a chat.json that changed is refused on resume
@@ -435,8 +531,9 @@ def test_llava_chat_json(tmp_path, fake_vae):
     assert listing.load(listing.entries(0, 1)[0]).caption == "a caption 3 ."
     (root / "chat.json").write_text(json.dumps(items[:2]))
     with pytest.raises(UserError, match="chat.json changed since"):
-        cosmos_latents.run(make_cfg(out, "source.type=llava", f"source.path={root}/chat.json",
-                                    f"source.image_root={root}/images"))
+        cosmos_latents.run(
+            make_cfg(out, "source.type=llava", f"source.path={root}/chat.json", f"source.image_root={root}/images")
+        )
 
 
 def test_llava_cache_of_single_turn_items_is_not_resumed(tmp_path, fake_vae):
@@ -461,8 +558,14 @@ def _hf_parquet(path: Path, rows: list[dict], row_group_size: int) -> None:
     import pyarrow.parquet as pq
 
     image_t = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
-    schema = pa.schema([("image", image_t), ("text", pa.string())], metadata={b"huggingface": json.dumps(
-        {"info": {"features": {"image": {"_type": "Image"}, "text": {"dtype": "string", "_type": "Value"}}}}).encode()})
+    schema = pa.schema(
+        [("image", image_t), ("text", pa.string())],
+        metadata={
+            b"huggingface": json.dumps(
+                {"info": {"features": {"image": {"_type": "Image"}, "text": {"dtype": "string", "_type": "Value"}}}}
+            ).encode()
+        },
+    )
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), path, row_group_size=row_group_size)
 
 
@@ -471,23 +574,28 @@ def test_parquet_hf_datasets_image_struct(tmp_path, fake_vae, monkeypatch):
 
     monkeypatch.setattr(parquet, "BATCH_ROWS", 2)  # rows stream in batches of 2 inside row groups of 3
     (tmp_path / "data").mkdir()
-    rows = [{"image": {"bytes": jpeg_bytes(gradient(30 + i, 24)), "path": f"img{i}.jpg"}, "text": f"text {i}"}
-            for i in range(7)]
+    rows = [
+        {"image": {"bytes": jpeg_bytes(gradient(30 + i, 24)), "path": f"img{i}.jpg"}, "text": f"text {i}"}
+        for i in range(7)
+    ]
     rows[4]["image"] = {"bytes": None, "path": "http://x/4.jpg"}
     rows[5]["text"] = "  "
     _hf_parquet(tmp_path / "data" / "train-00000-of-00002.parquet", rows[:5], 3)
     _hf_parquet(tmp_path / "data" / "train-00001-of-00002.parquet", rows[5:], 3)
     out = tmp_path / "c"
-    result = cosmos_latents.run(make_cfg(out, "source.type=parquet", f"source.path={tmp_path}/data", "num_workers=1",
-                                         shard=3))  # a worker process: the listing crosses a process boundary
+    result = cosmos_latents.run(
+        make_cfg(out, "source.type=parquet", f"source.path={tmp_path}/data", "num_workers=1", shard=3)
+    )  # a worker process: the listing crosses a process boundary
     samples = read_cache_plain(out)
     stem = "train-00000-of-00002"
     assert list(samples) == [f"{stem}-{i:09d}" for i in range(4)] + ["train-00001-of-00002-000000001"]
     assert [m["txt"] for m in samples.values()] == [b"text 0", b"text 1", b"text 2", b"text 3", b"text 6"]
     assert json.loads(samples[f"{stem}-000000002"]["json"])["prompt"] == "Describe the image."
     reasons = {e["source"]: e["reason"] for e in cf.read_errors(out)}
-    assert reasons == {f"{stem}.parquet:4": "no image bytes (path 'http://x/4.jpg'; nothing is downloaded)",
-                       "train-00001-of-00002.parquet:0": "empty caption"}
+    assert reasons == {
+        f"{stem}.parquet:4": "no image bytes (path 'http://x/4.jpg'; nothing is downloaded)",
+        "train-00001-of-00002.parquet:0": "empty caption",
+    }
     assert result["num_errors"] == 2
     # the listing is kept: a rerun reads no key column again and gives the same shards
     index = (out / "source-index" / "parquet.json").stat().st_mtime_ns
@@ -503,8 +611,12 @@ def test_parquet_file_changed_since_the_cache_was_started_is_refused(tmp_path, f
     import pyarrow.parquet as pq
 
     (tmp_path / "data").mkdir()
-    rows = lambda lo, hi: pa.table({"image": pa.array([jpeg_bytes(gradient(20 + i, 20)) for i in range(lo, hi)]),
-                                    "caption": [f"c {i}" for i in range(lo, hi)]})
+    rows = lambda lo, hi: pa.table(
+        {
+            "image": pa.array([jpeg_bytes(gradient(20 + i, 20)) for i in range(lo, hi)]),
+            "caption": [f"c {i}" for i in range(lo, hi)],
+        }
+    )
     pq.write_table(rows(0, 4), tmp_path / "data" / "a.parquet")
     pq.write_table(rows(4, 6), tmp_path / "data" / "b.parquet")
     out = tmp_path / "c"
@@ -532,26 +644,43 @@ def test_parquet_datacomp(tmp_path, fake_vae, capsys):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    meta = {"uid": [f"{i:032x}" for i in range(3)], "url": [f"http://x/{i}" for i in range(3)],
-            "text": ["a", "b", "c"], "original_width": [640] * 3, "original_height": [480] * 3,
-            "clip_b32_similarity_score": [0.3] * 3, "face_bboxes": [[[0.1, 0.1, 0.2, 0.2]], [], []],
-            "sha256": ["0" * 64] * 3}
+    meta = {
+        "uid": [f"{i:032x}" for i in range(3)],
+        "url": [f"http://x/{i}" for i in range(3)],
+        "text": ["a", "b", "c"],
+        "original_width": [640] * 3,
+        "original_height": [480] * 3,
+        "clip_b32_similarity_score": [0.3] * 3,
+        "face_bboxes": [[[0.1, 0.1, 0.2, 0.2]], [], []],
+        "sha256": ["0" * 64] * 3,
+    }
     pq.write_table(pa.table(meta), tmp_path / "metadata.parquet")
-    assert cosmos_latents.main(cli_args(tmp_path / "m", "source.type=parquet",
-                                        f"source.path={tmp_path}/metadata.parquet")) == 2
+    assert (
+        cosmos_latents.main(cli_args(tmp_path / "m", "source.type=parquet", f"source.path={tmp_path}/metadata.parquet"))
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "source.image_column" in err and "uid, url, text" in err
     (tmp_path / "dl").mkdir()
-    table = pa.table({"key": [f"{i:09d}" for i in range(4)], "uid": [f"{i:032x}" for i in range(4)],
-                      "url": [f"http://x/{i}" for i in range(4)], "caption": ["a", "b", "c", "d"],
-                      "status": ["success", "success", "failed_to_download", "success"],
-                      "error_message": [None, None, "timeout", None],
-                      "jpg": pa.array([jpeg_bytes(gradient(30, 24)), jpeg_bytes(gradient(31, 24)), None,
-                                       jpeg_bytes(gradient(32, 24))], pa.binary())})
+    table = pa.table(
+        {
+            "key": [f"{i:09d}" for i in range(4)],
+            "uid": [f"{i:032x}" for i in range(4)],
+            "url": [f"http://x/{i}" for i in range(4)],
+            "caption": ["a", "b", "c", "d"],
+            "status": ["success", "success", "failed_to_download", "success"],
+            "error_message": [None, None, "timeout", None],
+            "jpg": pa.array(
+                [jpeg_bytes(gradient(30, 24)), jpeg_bytes(gradient(31, 24)), None, jpeg_bytes(gradient(32, 24))],
+                pa.binary(),
+            ),
+        }
+    )
     pq.write_table(table, tmp_path / "dl" / "00000.parquet")
     out = tmp_path / "c"
-    cosmos_latents.run(make_cfg(out, "source.type=parquet", f"source.path={tmp_path}/dl/*.parquet",
-                                "source.image_column=jpg"))
+    cosmos_latents.run(
+        make_cfg(out, "source.type=parquet", f"source.path={tmp_path}/dl/*.parquet", "source.image_column=jpg")
+    )
     samples = read_cache_plain(out)
     assert list(samples) == ["000000000", "000000001", "000000003"]
     assert json.loads(samples["000000003"]["json"])["url"] == "http://x/3"
@@ -564,29 +693,63 @@ def test_parquet_columns_and_prompt_column(tmp_path):
     import pyarrow.parquet as pq
 
     img = jpeg_bytes(gradient(20, 20))
-    pq.write_table(pa.table({"id": [7, 8, 7], "image": pa.array([img] * 3, pa.binary()), "caption": ["x", "y", "z"],
-                             "question": ["Q?", None, "R?"]}), tmp_path / "a.parquet")
-    listing = sources.open_listing("parquet", str(tmp_path / "a.parquet"), None, 0, "Default?",
-                                   index_dir=tmp_path / "idx", columns={"image": None, "caption": None,
-                                                                        "prompt": "question"})
+    pq.write_table(
+        pa.table(
+            {
+                "id": [7, 8, 7],
+                "image": pa.array([img] * 3, pa.binary()),
+                "caption": ["x", "y", "z"],
+                "question": ["Q?", None, "R?"],
+            }
+        ),
+        tmp_path / "a.parquet",
+    )
+    listing = sources.open_listing(
+        "parquet",
+        str(tmp_path / "a.parquet"),
+        None,
+        0,
+        "Default?",
+        index_dir=tmp_path / "idx",
+        columns={"image": None, "caption": None, "prompt": "question"},
+    )
     entries = listing.entries(0, 3)
-    assert [(e.key, e.error) for e in entries] == [("7", None), ("8", None),
-                                                   ("7", "duplicate key: '7' (first used by a.parquet:0)")]
+    assert [(e.key, e.error) for e in entries] == [
+        ("7", None),
+        ("8", None),
+        ("7", "duplicate key: '7' (first used by a.parquet:0)"),
+    ]
     assert [listing.load(e).prompt for e in entries[:2]] == ["Q?", "Default?"]
     with pytest.raises(UserError, match="source.caption_column.*no column 'nope'"):
-        sources.open_listing("parquet", str(tmp_path / "a.parquet"), None, 0, "p", index_dir=tmp_path / "i2",
-                             columns={"image": None, "caption": "nope", "prompt": None})
+        sources.open_listing(
+            "parquet",
+            str(tmp_path / "a.parquet"),
+            None,
+            0,
+            "p",
+            index_dir=tmp_path / "i2",
+            columns={"image": None, "caption": "nope", "prompt": None},
+        )
 
 
 def test_num_samples_keeps_the_first_n_usable_entries_of_any_source(tmp_path):
     src = tmp_path / "src"
     _txt_folder(src, 5)
-    lines = ["{bad", json.dumps({"image": "img000.png", "caption": "a"}), json.dumps({"image": "x.png"}),
-             json.dumps({"image": "img001.png", "caption": "b"}), json.dumps({"image": "img002.png", "caption": "c"})]
+    lines = [
+        "{bad",
+        json.dumps({"image": "img000.png", "caption": "a"}),
+        json.dumps({"image": "x.png"}),
+        json.dumps({"image": "img001.png", "caption": "b"}),
+        json.dumps({"image": "img002.png", "caption": "c"}),
+    ]
     (src / "captions.jsonl").write_text("\n".join(lines))
     listing = sources.open_listing("folder", str(src), 2, 0, "p", index_dir=tmp_path / "i")
     assert [(e.key, e.error is None) for e in listing.entries(0, 10)] == [
-        ("line-1", False), ("img000_png", True), ("line-3", False), ("img001_png", True)]
+        ("line-1", False),
+        ("img000_png", True),
+        ("line-3", False),
+        ("img001_png", True),
+    ]
     from _precompute_helpers import wds_source
 
     wds_source(tmp_path / "w", tars=3, per_tar=2, no_caption=(0, 1))
@@ -627,8 +790,10 @@ def test_a_caption_or_prompt_over_the_length_limit_is_an_error_entry(tmp_path):
     src = tmp_path / "src"
     _txt_folder(src, 3)
     (src / "img001.txt").write_text("word " * content.MAX_TEXT_CHARS)
-    lines = [json.dumps({"image": "img000.png", "caption": "fine", "prompt": "x" * (content.MAX_TEXT_CHARS + 1)}),
-             json.dumps({"image": "img002.png", "caption": "y" * content.MAX_TEXT_CHARS})]
+    lines = [
+        json.dumps({"image": "img000.png", "caption": "fine", "prompt": "x" * (content.MAX_TEXT_CHARS + 1)}),
+        json.dumps({"image": "img002.png", "caption": "y" * content.MAX_TEXT_CHARS}),
+    ]
     got = _outcomes(_listing("folder", src, tmp_path))
     assert got["img001_png"].startswith("error: caption too long: ")
     (src / "captions.jsonl").write_text("\n".join(lines))
@@ -645,8 +810,13 @@ def test_llava_and_parquet_listings_split_across_ranks(tmp_path):
 
     (tmp_path / "chat.json").write_text(json.dumps([_chat_item(i) for i in range(5)] + [_chat_item(2)]))
     img = jpeg_bytes(gradient(20, 20))
-    pq.write_table(pa.table({"uid": ["a", "b", "a", "c"], "image": pa.array([img] * 4, pa.binary()),
-                             "text": ["1", "2", "3", "4"]}), tmp_path / "p.parquet", row_group_size=2)
+    pq.write_table(
+        pa.table(
+            {"uid": ["a", "b", "a", "c"], "image": pa.array([img] * 4, pa.binary()), "text": ["1", "2", "3", "4"]}
+        ),
+        tmp_path / "p.parquet",
+        row_group_size=2,
+    )
     for kind, path in (("llava", tmp_path / "chat.json"), ("parquet", tmp_path / "p.parquet")):
         reference = sources.list_entries(kind, str(path), None, 0, "p")
         listings, barrier, writes = {}, threading.Barrier(2), []
@@ -654,9 +824,19 @@ def test_llava_and_parquet_listings_split_across_ranks(tmp_path):
         recording = lambda p, data: (writes.append((threading.current_thread().name, p.name)), real(p, data))[1]
         cf.atomic_write_bytes = cf.layout.atomic_write_bytes = recording
         try:
+
             def rank(r: int) -> None:
-                listings[r] = sources.open_listing(kind, str(path), None, 0, "p", index_dir=tmp_path / f"idx-{kind}",
-                                                   rank=r, world=2, barrier=barrier.wait)
+                listings[r] = sources.open_listing(
+                    kind,
+                    str(path),
+                    None,
+                    0,
+                    "p",
+                    index_dir=tmp_path / f"idx-{kind}",
+                    rank=r,
+                    world=2,
+                    barrier=barrier.wait,
+                )
 
             threads = [threading.Thread(target=rank, args=(r,), name=f"rank{r}") for r in (0, 1)]
             [t.start() for t in threads], [t.join() for t in threads]
@@ -665,8 +845,9 @@ def test_llava_and_parquet_listings_split_across_ranks(tmp_path):
         assert writes and all(name == "rank0" for name, _ in writes)
         assert sum(e.error is not None for e in reference) == 1
         for listing in listings.values():
-            assert [(e.key, e.source, e.error) for e in listing.entries(0, 10)] == \
-                   [(e.key, e.source, e.error) for e in reference]
+            assert [(e.key, e.source, e.error) for e in listing.entries(0, 10)] == [
+                (e.key, e.source, e.error) for e in reference
+            ]
 
 
 def test_a_file_that_is_not_parquet_is_refused_naming_it(tmp_path, fake_vae, capsys):
@@ -693,17 +874,20 @@ def test_an_unreadable_file_is_recorded_and_the_rest_encoded(tmp_path, fake_vae,
     cosmos_latents.run(make_cfg(out, "source.type=folder", f"source.path={src}"))
     assert list(read_cache_plain(out)) == ["img000_png", "img002_png"]
     assert [(e["key"], e["reason"]) for e in cf.read_errors(out)] == [
-        ("img001_png", f"cannot read: PermissionError: [Errno 13] Permission denied: '{locked}'")]
+        ("img001_png", f"cannot read: PermissionError: [Errno 13] Permission denied: '{locked}'")
+    ]
 
 
 def test_a_source_path_of_the_wrong_kind_is_named(tmp_path, capsys):
     (tmp_path / "f.txt").write_text("x")
     (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
     (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
-    for kind, path, words in [("folder", tmp_path / "f.txt", "is a file, not a folder"),
-                              ("llava", tmp_path, "is a folder, not a file"),
-                              ("folder", tmp_path / "loop1", "folder not found: " + str(tmp_path / "loop1") + " (a dangling"),
-                              ("folder", tmp_path / ("x" * 5000), "(File name too long)")]:
+    for kind, path, words in [
+        ("folder", tmp_path / "f.txt", "is a file, not a folder"),
+        ("llava", tmp_path, "is a folder, not a file"),
+        ("folder", tmp_path / "loop1", "folder not found: " + str(tmp_path / "loop1") + " (a dangling"),
+        ("folder", tmp_path / ("x" * 5000), "(File name too long)"),
+    ]:
         assert cosmos_latents.main(cli_args(tmp_path / "c", f"source.type={kind}", f"source.path={path}")) == 2
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and words in err, err

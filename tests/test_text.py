@@ -1,5 +1,6 @@
 """ChatFormatter's shortcuts (spliced template, direct batched Rust tokenizer, per-prompt head) give exactly the
 general path's ids."""
+
 from __future__ import annotations
 
 import pytest
@@ -64,9 +65,11 @@ def test_text_with_a_gemma_control_string_is_refused_wherever_it_comes_from(proc
     from theworld.control_text import ControlText
 
     f = ChatFormatter(processor)
-    for pairs, words in [([("describe .", "a <end_of_turn> b")], "caption holds the Gemma control string '<end_of_turn>'"),
-                         ([("<start_of_image> describe .", "a b")], "prompt holds"),
-                         ([("describe .", "fine"), ("describe .", "<unused7>")], "'<unused7>'")]:
+    for pairs, words in [
+        ([("describe .", "a <end_of_turn> b")], "caption holds the Gemma control string '<end_of_turn>'"),
+        ([("<start_of_image> describe .", "a b")], "prompt holds"),
+        ([("describe .", "fine"), ("describe .", "<unused7>")], "'<unused7>'"),
+    ]:
         with pytest.raises(ControlText, match=words):
             f.encode_many(pairs)
     with pytest.raises(ControlText, match="prompt holds"):

@@ -1,5 +1,6 @@
 """Training loop tests (CPU): exact resume after kill -9, 1 vs 2 processes vs accumulation, stage chaining with live
 VAE encoding, live == cached first-step loss, non-finite steps, fingerprint and config errors, data order."""
+
 from __future__ import annotations
 
 import json
@@ -13,10 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import ENV, ROOT, base_args, metrics, run2, train_cli, train_inproc, weights
-
+from safetensors.torch import load_file
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Pure functions: order, split, accumulation
@@ -33,9 +32,9 @@ def test_rank_slices_are_disjoint_complete_and_independent_of_process_count():
         assert sorted(one) == sorted(train) and sorted(two[0] + two[1]) == sorted(train)
         assert not set(two[0]) & set(two[1])
         for b in range(5):  # the same samples in each global batch whatever the number of processes
-            g = set(one[b * 16:(b + 1) * 16])
-            assert g == set(two[0][b * 8:(b + 1) * 8] + two[1][b * 8:(b + 1) * 8])
-            assert g == set(sum((f[b * 4:(b + 1) * 4] for f in four), []))
+            g = set(one[b * 16 : (b + 1) * 16])
+            assert g == set(two[0][b * 8 : (b + 1) * 8] + two[1][b * 8 : (b + 1) * 8])
+            assert g == set(sum((f[b * 4 : (b + 1) * 4] for f in four), []))
         # resuming at global batch 3 reads exactly the tail
         assert rank_indices(train, 7, epoch, 16, 1, 2, start_batch=3).tolist() == two[1][24:]
     assert epoch_order(train, 7, 0).tolist() == epoch_order(train, 7, 0).tolist() != epoch_order(train, 7, 1).tolist()
@@ -56,8 +55,10 @@ def test_accumulation_must_be_integral():
 # User errors: exit 2, one line naming the cause
 
 
-@pytest.mark.parametrize("override,key", [("train.learning_rate=1", "train.learning_rate"),
-                                          ("train.mixed_precision=fp16", "train.mixed_precision")])
+@pytest.mark.parametrize(
+    "override,key",
+    [("train.learning_rate=1", "train.learning_rate"), ("train.mixed_precision=fp16", "train.mixed_precision")],
+)
 def test_bad_config_key_or_value_exits_2(capsys, override, key):
     assert train_inproc(["--config", str(ROOT / "configs" / "stage1.yaml"), "--set", override]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -75,9 +76,14 @@ def test_a_tracker_that_is_not_installed_is_refused_before_training(cache, tmp_p
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("override,field", [("image.resolution=32", "image.resolution"),
-                                            ("model.dtype=bfloat16", "vae.dtype"),
-                                            ("model.vae=/elsewhere/vae", "vae.model")])
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        ("image.resolution=32", "image.resolution"),
+        ("model.dtype=bfloat16", "vae.dtype"),
+        ("model.vae=/elsewhere/vae", "vae.model"),
+    ],
+)
 def test_mismatched_cache_fingerprint_is_refused(cache, tmp_path, capsys, override, field):
     args = base_args(cache, tmp_path / "run") + ["--set", override]
     assert train_inproc(args) == 2
@@ -110,14 +116,26 @@ def test_weights_fingerprint_checked_after_model_load(cache, tmp_path, capsys, m
 
 @pytest.mark.slow
 def test_kill_9_and_resume_gives_bitwise_equal_weights(cache, tmp_path):
-    extra = dict(**{"train.save_every": 2, "train.keep_last": 2, "train.flip": "true", "world.latent": "sample",
-                    "train.ema": 0.9})
+    extra = dict(
+        **{
+            "train.save_every": 2,
+            "train.keep_last": 2,
+            "train.flip": "true",
+            "world.latent": "sample",
+            "train.ema": 0.9,
+        }
+    )
     ref = train_cli(base_args(cache, tmp_path / "ref", steps=9, **extra))
     assert ref.returncode == 0, ref.stderr[-3000:]
 
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "train.loop", *base_args(cache, out, steps=9, **extra)], cwd=ROOT,
-                            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "train.loop", *base_args(cache, out, steps=9, **extra)],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 120
     while not (out / "checkpoint-4").exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)
@@ -150,9 +168,20 @@ def test_resuming_on_a_cache_that_holds_other_samples_says_so(cache, tmp_path, c
     from precompute.cosmos_latents import run
 
     other = tmp_path / "cache88"
-    run(load_pre(str(ROOT / "configs" / "precompute.yaml"),
-                 [f"output_dir={other}", "source.num_samples=88", "shard_size=32", "batch_size=32", "num_workers=0",
-                  "cache.flip=true", "cache.siglip=false"]))
+    run(
+        load_pre(
+            str(ROOT / "configs" / "precompute.yaml"),
+            [
+                f"output_dir={other}",
+                "source.num_samples=88",
+                "shard_size=32",
+                "batch_size=32",
+                "num_workers=0",
+                "cache.flip=true",
+                "cache.siglip=false",
+            ],
+        )
+    )
     out = tmp_path / "run"
     assert train_inproc(base_args(cache, out, steps=3, **{"train.save_every": 2})) == 0
     state = json.loads((out / "checkpoint-2" / "state.json").read_text())
@@ -170,8 +199,7 @@ def test_resuming_on_a_cache_that_holds_other_samples_says_so(cache, tmp_path, c
 @pytest.mark.slow  # five in-process runs
 def test_an_output_dir_holding_another_run_is_protected_and_a_killed_save_is_cleaned_up(cache, tmp_path, capsys):
     out = tmp_path / "run"
-    args = lambda steps, **kw: base_args(cache, out, steps=steps, **{"train.save_every": 1, "train.keep_last": 5,
-                                                                      **kw})
+    args = lambda steps, **kw: base_args(cache, out, steps=steps, **{"train.save_every": 1, "train.keep_last": 5, **kw})
     assert train_inproc(args(2)) == 0
     capsys.readouterr()
     # a fresh start, or an older checkpoint, in this output_dir would interleave two runs' checkpoints
@@ -283,8 +311,9 @@ def test_a_prompt_too_long_met_inside_a_loader_worker_is_one_line(cache, tmp_pat
 
 
 def test_eval_samples_0_runs_no_eval_and_1_is_refused(cache, tmp_path, capsys):
-    assert train_inproc(base_args(cache, tmp_path / "a", steps=2, **{"train.eval_samples": 0,
-                                                                    "train.eval_every": 1})) == 0
+    assert (
+        train_inproc(base_args(cache, tmp_path / "a", steps=2, **{"train.eval_samples": 0, "train.eval_every": 1})) == 0
+    )
     assert not [m for m in metrics(tmp_path / "a") if "eval_loss" in m]
     assert "eval_loss" not in capsys.readouterr().out
     assert "final eval loss n/a" in (tmp_path / "a" / "final" / "README.md").read_text()
@@ -335,27 +364,53 @@ def test_live_vae_first_step_loss_equals_cached(cache, tmp_path):
 
 def test_stage_chain_1_2_4(cache, tmp_path, capsys):
     cfgs = ROOT / "configs"
-    small = {"train.max_steps": 2, "train.global_batch_size": 8, "train.micro_batch_size": 4, "train.eval_samples": 8,
-             "train.num_workers": 0, "trackers": "[]", "train.eval_every": 0, "cache_dir": cache}
+    small = {
+        "train.max_steps": 2,
+        "train.global_batch_size": 8,
+        "train.micro_batch_size": 4,
+        "train.eval_samples": 8,
+        "train.num_workers": 0,
+        "trackers": "[]",
+        "train.eval_every": 0,
+        "cache_dir": cache,
+    }
     s = lambda d: [a for k, v in d.items() for a in ("--set", f"{k}={v}")]
     s1, s2, s4 = tmp_path / "s1", tmp_path / "s2", tmp_path / "s4"
-    assert train_inproc(["--config", str(cfgs / "stage1.yaml"),
-                         *s({**small, "output_dir": s1, "profile.enabled": "true", "profile.start_step": 0,
-                             "profile.steps": 1})]) == 0
+    assert (
+        train_inproc(
+            [
+                "--config",
+                str(cfgs / "stage1.yaml"),
+                *s({**small, "output_dir": s1, "profile.enabled": "true", "profile.start_step": 0, "profile.steps": 1}),
+            ]
+        )
+        == 0
+    )
     out1 = capsys.readouterr()
     assert "latents cached" in out1.err
     assert (s1 / "profile" / "trace-rank0.json").stat().st_size > 0 and "aten::" in out1.err
-    assert train_inproc(["--config", str(cfgs / "stage2.yaml"),
-                         *s({**small, "output_dir": s2, "init_from": s1 / "final"})]) == 0
+    assert (
+        train_inproc(
+            ["--config", str(cfgs / "stage2.yaml"), *s({**small, "output_dir": s2, "init_from": s1 / "final"})]
+        )
+        == 0
+    )
     out2 = capsys.readouterr()
     w1, w2 = weights(s1), weights(s2)
     assert set(w1) == {k for k in w2 if k.startswith("projector.")}
     assert any(k.startswith("gemma.model.vision_tower.") for k in w2)
     n_new = len(w2) - len(w1)
     assert f"loaded {len(w1)} tensors, {n_new} new, 0 ignored" in out2.err
-    assert train_inproc(["--config", str(cfgs / "stage4.yaml"),
-                         *s({**small, "output_dir": s4, "init_from": s2 / "final",
-                             "train.num_workers": 1})]) == 0
+    assert (
+        train_inproc(
+            [
+                "--config",
+                str(cfgs / "stage4.yaml"),
+                *s({**small, "output_dir": s4, "init_from": s2 / "final", "train.num_workers": 1}),
+            ]
+        )
+        == 0
+    )
     out4 = capsys.readouterr()
     assert "latents live" in out4.err and f"loaded {len(w2)} tensors" in out4.err
     w4 = weights(s4)
@@ -395,8 +450,9 @@ def test_nonfinite_loss_is_skipped_and_counted(cache, tmp_path):
     from train.config import TrainConfig
     from train.step import LoopState, NonFiniteError, optimization_step
 
-    cfg = load_config(TrainConfig, None, [a for a in base_args(cache, tmp_path / "run") if a != "--set"]
-                      + ["train.max_nonfinite=2"])
+    cfg = load_config(
+        TrainConfig, None, [a for a in base_args(cache, tmp_path / "run") if a != "--set"] + ["train.max_nonfinite=2"]
+    )
     reader, plan = data.open_cache(cfg)
     acc = components.make_accelerator(cfg)
     c = components.build(cfg, acc, 2)
@@ -430,10 +486,15 @@ def test_packed_batch_round_trips_every_tensor_through_a_loader_worker(private_a
         monkeypatch.setattr(torch.UntypedStorage, "_new_shared", None, raising=False)
 
     g = torch.Generator().manual_seed(0)
-    tensors = {"input_ids": torch.randint(0, 100, (3, 7), generator=g), "labels": torch.randint(0, 100, (3, 7), generator=g),
-               "latent_mean": torch.randn(3, 16, 1, 8, 8, generator=g), "siglip": torch.randn(3, 4, 8).bfloat16(),
-               "odd": torch.randint(0, 255, (3, 5), dtype=torch.uint8),  # 15 bytes: what follows must be realigned
-               "latent_logvar": torch.randn(3, 16, 1, 8, 8, generator=g), "images": torch.randint(0, 255, (3, 3, 8, 8), dtype=torch.uint8)}
+    tensors = {
+        "input_ids": torch.randint(0, 100, (3, 7), generator=g),
+        "labels": torch.randint(0, 100, (3, 7), generator=g),
+        "latent_mean": torch.randn(3, 16, 1, 8, 8, generator=g),
+        "siglip": torch.randn(3, 4, 8).bfloat16(),
+        "odd": torch.randint(0, 255, (3, 5), dtype=torch.uint8),  # 15 bytes: what follows must be realigned
+        "latent_logvar": torch.randn(3, 16, 1, 8, 8, generator=g),
+        "images": torch.randint(0, 255, (3, 3, 8, 8), dtype=torch.uint8),
+    }
     batch = batches.Batch(tensors, num_tokens=11)
     assert batch.buffer.dtype == torch.uint8 and batch.buffer.dim() == 1  # one block crosses per batch
     assert all(offset % batches.Batch.ALIGN == 0 for _, _, offset, _ in batch.layout)
@@ -448,13 +509,16 @@ def test_packed_batch_round_trips_every_tensor_through_a_loader_worker(private_a
 
 def test_flipped_samples_get_the_flipped_latents_and_swapped_text(cache, tmp_path):
     """A batch mixing flipped and unflipped samples: each row holds the cache's latents for its own flip decision."""
-    from theworld import cache_format as cf
     from theworld.config import load_config
     from train import batches, components, data, order
     from train.config import TrainConfig
 
-    cfg = load_config(TrainConfig, None, [a for a in base_args(cache, tmp_path / "run") if a != "--set"]
-                      + ["train.flip=true", "train.micro_batch_size=16"])
+    cfg = load_config(
+        TrainConfig,
+        None,
+        [a for a in base_args(cache, tmp_path / "run") if a != "--set"]
+        + ["train.flip=true", "train.micro_batch_size=16"],
+    )
     reader, plan = data.open_cache(cfg)
     c = components.build(cfg, components.make_accelerator(cfg), 1)
     ctx = data.DataContext.build(cfg, reader, plan, c.processor)
@@ -469,16 +533,16 @@ def test_flipped_samples_get_the_flipped_latents_and_swapped_text(cache, tmp_pat
         caption = data.swap_left_right(s.caption) if flipped else s.caption
         prompt = data.swap_left_right(s.prompt) if flipped else s.prompt
         expected = ctx.formatter.encode(prompt, caption).input_ids
-        assert batch["input_ids"][row, :len(expected)].tolist() == expected
+        assert batch["input_ids"][row, : len(expected)].tolist() == expected
 
 
 def test_train_attention_sets_the_language_models_kernel_only():
+    from theworld.arch import TINY
     from theworld.config import load_config
     from theworld.errors import UserError
-    from theworld.arch import TINY
     from train.bench_real import build_gemma
-    from train.config import TrainConfig
     from train.components import set_language_attention
+    from train.config import TrainConfig
 
     gemma = build_gemma(TINY, torch.device("cpu"), "eager")  # goes through set_language_attention
     assert gemma.model.language_model.config._attn_implementation == "eager"
@@ -492,8 +556,14 @@ def test_train_attention_sets_the_language_models_kernel_only():
 
 def test_flex_attention_without_cuda_is_refused_before_any_model_loads(cache, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same refusal on a machine with a GPU
-    _refused_before_any_model_loads(base_args(cache, tmp_path / "run", **{"train.attention": "flex_attention"}),
-                                    tmp_path / "run", monkeypatch, capsys, "train.attention", "CUDA")
+    _refused_before_any_model_loads(
+        base_args(cache, tmp_path / "run", **{"train.attention": "flex_attention"}),
+        tmp_path / "run",
+        monkeypatch,
+        capsys,
+        "train.attention",
+        "CUDA",
+    )
 
 
 def _refused_before_any_model_loads(args: list[str], out, monkeypatch, capsys, *words: str) -> None:
@@ -525,19 +595,44 @@ def bucket_cache(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("bucket")
     src = bucket_folder(root / "src", 48)
-    cfg = load_pre(str(ROOT / "configs" / "precompute.yaml"),
-                   [f"output_dir={root / 'cache'}", "source.type=folder", f"source.path={src}", "image.resize=bucket",
-                    "image.resolution=128", "shard_size=16", "batch_size=16", "num_workers=0", "cache.flip=true",
-                    "cache.siglip=false", "cache.dtype=float32", "model.dtype=float32"])
+    cfg = load_pre(
+        str(ROOT / "configs" / "precompute.yaml"),
+        [
+            f"output_dir={root / 'cache'}",
+            "source.type=folder",
+            f"source.path={src}",
+            "image.resize=bucket",
+            "image.resolution=128",
+            "shard_size=16",
+            "batch_size=16",
+            "num_workers=0",
+            "cache.flip=true",
+            "cache.siglip=false",
+            "cache.dtype=float32",
+            "model.dtype=float32",
+        ],
+    )
     run(cfg)
     return root / "cache"
 
 
 def bucket_args(cache: Path, out: Path, steps: int, **extra) -> list[str]:
-    return base_args(cache, out, steps=steps, **{"image.resolution": 128, "image.resize": "bucket", "world.pool": 2,
-                                                 "train.global_batch_size": 4, "train.micro_batch_size": 2,
-                                                 "train.eval_samples": 8, "train.flip": "true",
-                                                 "world.latent": "sample", **extra})
+    return base_args(
+        cache,
+        out,
+        steps=steps,
+        **{
+            "image.resolution": 128,
+            "image.resize": "bucket",
+            "world.pool": 2,
+            "train.global_batch_size": 4,
+            "train.micro_batch_size": 2,
+            "train.eval_samples": 8,
+            "train.flip": "true",
+            "world.latent": "sample",
+            **extra,
+        },
+    )
 
 
 @pytest.mark.slow
@@ -555,8 +650,9 @@ def test_bucketed_cache_resumes_exactly_and_two_processes_match_one(bucket_cache
     assert "resumed from" in err and "checkpoint-2" in err
     a, b = weights(tmp_path / "ref"), weights(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert [m["loss"] for m in metrics(resumed) if "loss" in m] == [m["loss"] for m in metrics(tmp_path / "ref")
-                                                                     if "loss" in m]
+    assert [m["loss"] for m in metrics(resumed) if "loss" in m] == [
+        m["loss"] for m in metrics(tmp_path / "ref") if "loss" in m
+    ]
     two = run2(bucket_args(bucket_cache, tmp_path / "two", 4, **{"train.save_every": 2}))
     assert two.returncode == 0, two.stderr[-3000:]
     assert "2 process(es) x 1 micro-batches" in two.stderr + two.stdout
@@ -587,8 +683,10 @@ def test_bucketed_micro_batches_hold_one_shape_and_live_encoding_matches_the_cac
     assert len(shapes) == 2 * steps and len(set(shapes)) == 5  # every shape met, one per micro-batch (or no stack)
     # stage 4's live VAE input has the bucket's size: the first step's loss equals the cached one
     assert train_inproc(bucket_args(bucket_cache, tmp_path / "cached", 1, **{"world.latent": "mean"})) == 0
-    assert train_inproc(bucket_args(bucket_cache, tmp_path / "live", 1, **{"world.latent": "mean",
-                                                                           "freeze.vae": "false"})) == 0
+    assert (
+        train_inproc(bucket_args(bucket_cache, tmp_path / "live", 1, **{"world.latent": "mean", "freeze.vae": "false"}))
+        == 0
+    )
     cached, live = metrics(tmp_path / "cached")[0], metrics(tmp_path / "live")[0]
     assert live["loss"] == pytest.approx(cached["loss"], rel=1e-5, abs=1e-6)
 
@@ -599,23 +697,52 @@ def test_a_mean_only_cache_trains_with_the_mean_and_refuses_sampling(tmp_path, c
     from theworld import cache_format as cf
 
     out = tmp_path / "cache"
-    run(load_pre(str(ROOT / "configs" / "precompute.yaml"),
-                 [f"output_dir={out}", "source.num_samples=40", "shard_size=20", "batch_size=20", "num_workers=0",
-                  "cache.siglip=false", "cache.latents=mean"]))
+    run(
+        load_pre(
+            str(ROOT / "configs" / "precompute.yaml"),
+            [
+                f"output_dir={out}",
+                "source.num_samples=40",
+                "shard_size=20",
+                "batch_size=20",
+                "num_workers=0",
+                "cache.siglip=false",
+                "cache.latents=mean",
+            ],
+        )
+    )
     assert cf.load_manifest(out)["contents"]["latents"] == "mean"
-    assert train_inproc(base_args(out, tmp_path / "mean", steps=1, **{"train.global_batch_size": 8,
-                                                                      "train.micro_batch_size": 8,
-                                                                      "train.eval_samples": 8})) == 0
+    assert (
+        train_inproc(
+            base_args(
+                out,
+                tmp_path / "mean",
+                steps=1,
+                **{"train.global_batch_size": 8, "train.micro_batch_size": 8, "train.eval_samples": 8},
+            )
+        )
+        == 0
+    )
     capsys.readouterr()
-    _refused_before_any_model_loads(base_args(out, tmp_path / "sample", **{"world.latent": "sample"}),
-                                    tmp_path / "sample", monkeypatch, capsys, "'world.latent'", "cache.latents: mean")
+    _refused_before_any_model_loads(
+        base_args(out, tmp_path / "sample", **{"world.latent": "sample"}),
+        tmp_path / "sample",
+        monkeypatch,
+        capsys,
+        "'world.latent'",
+        "cache.latents: mean",
+    )
 
 
 def test_train_epochs_sets_the_run_length_and_the_start_line_counts_parameters(cache, tmp_path, capsys):
     out = tmp_path / "half"
     # 80 training samples in global batches of 16: 5 steps per epoch, half an epoch rounded up is 3
-    assert train_inproc(base_args(cache, out, steps=50, **{"train.epochs": 0.5, "train.ema": 0.9,
-                                                            "train.ema_warmup_steps": 2})) == 0
+    assert (
+        train_inproc(
+            base_args(cache, out, steps=50, **{"train.epochs": 0.5, "train.ema": 0.9, "train.ema_warmup_steps": 2})
+        )
+        == 0
+    )
     printed = capsys.readouterr()
     assert [m["step"] for m in metrics(out) if "loss" in m] == [1, 2, 3]
     assert "train.epochs 0.5: 3 steps of 5 per epoch" in printed.out + printed.err

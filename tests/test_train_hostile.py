@@ -1,5 +1,7 @@
 """Training under hostile conditions: damaged checkpoints, a too-small max_steps on a finished run, preemption by
-SIGTERM/SIGINT, a full disk while saving or logging. Each ends in one line, loses nothing, and the rerun is bit-exact."""
+SIGTERM/SIGINT, a full disk while saving or logging. Each ends in one line, loses nothing, and the rerun is
+bit-exact."""
+
 from __future__ import annotations
 
 import errno
@@ -82,8 +84,14 @@ def _metrics_lines(out: Path) -> list[dict]:
 
 
 def _interrupt(args: list[str], out: Path, at_step: int, sig: int) -> tuple[int, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "train.loop", *args], cwd=ROOT, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "train.loop", *args],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         _wait_for_step(out, proc, at_step)
         os.kill(proc.pid, sig)
@@ -98,8 +106,14 @@ def _interrupt(args: list[str], out: Path, at_step: int, sig: int) -> tuple[int,
 def test_sigterm_and_sigint_save_and_the_resumed_run_is_bitwise_equal(cache, tmp_path):
     extra = {"train.save_every": 100, "world.latent": "sample", "train.ema": 0.9, "train.num_workers": 1}
     steps = 24
-    ref = subprocess.run([sys.executable, "-m", "train.loop", *base_args(cache, tmp_path / "ref", steps, **extra)],
-                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    ref = subprocess.run(
+        [sys.executable, "-m", "train.loop", *base_args(cache, tmp_path / "ref", steps, **extra)],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert ref.returncode == 0, ref.stderr[-3000:]
     out = tmp_path / "run"
     args = base_args(cache, out, steps, **extra)
@@ -112,21 +126,26 @@ def test_sigterm_and_sigint_save_and_the_resumed_run_is_bitwise_equal(cache, tmp
     code, err = _interrupt(args, out, int(first[0].name.split("-")[1]) + 2, signal.SIGINT)
     assert code == 130, err[-3000:]
     assert "resumed from" in err and "SIGINT" in err and "Traceback" not in err
-    done = subprocess.run([sys.executable, "-m", "train.loop", *args], cwd=ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "train.loop", *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert _final(out) == _final(tmp_path / "ref")
-    assert (out / "final" / "ema.safetensors").read_bytes() == (tmp_path / "ref" / "final" / "ema.safetensors").read_bytes()
-    assert [m["loss"] for m in metrics(out) if "loss" in m] == [m["loss"] for m in metrics(tmp_path / "ref")
-                                                                if "loss" in m]
+    assert (out / "final" / "ema.safetensors").read_bytes() == (
+        tmp_path / "ref" / "final" / "ema.safetensors"
+    ).read_bytes()
+    assert [m["loss"] for m in metrics(out) if "loss" in m] == [
+        m["loss"] for m in metrics(tmp_path / "ref") if "loss" in m
+    ]
 
 
 def _enospc(*_a, **_k):
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
-def test_a_full_disk_while_saving_or_logging_is_one_line_and_the_rerun_is_bit_exact(cache, tmp_path, capsys,
-                                                                                    monkeypatch):
+def test_a_full_disk_while_saving_or_logging_is_one_line_and_the_rerun_is_bit_exact(
+    cache, tmp_path, capsys, monkeypatch
+):
     from train import checkpoint
     from train import metrics as metrics_module
 
@@ -163,8 +182,9 @@ def test_a_full_disk_while_saving_or_logging_is_one_line_and_the_rerun_is_bit_ex
     monkeypatch.undo()
     assert train_inproc(args(out)) == 0  # space freed
     assert _final(out) == _final(tmp_path / "ref")
-    assert [m["loss"] for m in metrics(out) if "loss" in m] == [m["loss"] for m in metrics(tmp_path / "ref")
-                                                                if "loss" in m]
+    assert [m["loss"] for m in metrics(out) if "loss" in m] == [
+        m["loss"] for m in metrics(tmp_path / "ref") if "loss" in m
+    ]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -212,11 +232,26 @@ def test_a_launcher_whose_processes_do_not_form_one_group_is_refused(monkeypatch
 def test_torchrun_with_two_processes_trains_on_two(cache, tmp_path):
     import torch
 
-
     assert train_inproc(base_args(cache, tmp_path / "one", steps=3)) == 0
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          str(free_port()), "-m", "train.loop", *base_args(cache, tmp_path / "two", steps=3)],
-                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    two = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "-m",
+            "train.loop",
+            *base_args(cache, tmp_path / "two", steps=3),
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     assert "2 process(es) x 1 micro-batches of 8" in two.stderr
     w1, w2 = weights(tmp_path / "one"), weights(tmp_path / "two")
@@ -226,8 +261,9 @@ def test_torchrun_with_two_processes_trains_on_two(cache, tmp_path):
 
 @pytest.mark.slow
 def test_the_shuffled_world_eval_is_the_same_on_one_and_two_processes(cache, tmp_path):
-    args = lambda out: base_args(cache, out, steps=1, **{"train.eval_every": 1, "train.eval_samples": 14,
-                                                          "train.eval_batch_size": 4})
+    args = lambda out: base_args(
+        cache, out, steps=1, **{"train.eval_every": 1, "train.eval_samples": 14, "train.eval_batch_size": 4}
+    )
     assert train_inproc(args(tmp_path / "one")) == 0
     two = run2(args(tmp_path / "two"))
     assert two.returncode == 0, two.stderr[-3000:]
@@ -250,8 +286,17 @@ def test_eval_items_carry_the_world_of_the_next_held_out_sample(cache):
     from train import batches, data
     from train.config import TrainConfig
 
-    cfg = load_config(TrainConfig, None, [f"cache_dir={cache}", "model.dtype=float32", "train.eval_samples=5",
-                                          "train.micro_batch_size=2", "train.global_batch_size=16"])
+    cfg = load_config(
+        TrainConfig,
+        None,
+        [
+            f"cache_dir={cache}",
+            "model.dtype=float32",
+            "train.eval_samples=5",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=16",
+        ],
+    )
     reader, plan = data.open_cache(cfg)
     _, held = held_out.split(reader, 5)
 
@@ -270,18 +315,30 @@ def test_eval_items_carry_the_world_of_the_next_held_out_sample(cache):
 # Flip augmentation's caption rule
 
 
-@pytest.mark.parametrize("text,flipped", [
-    ("top left red circle . bottom right blue square .", "top right red circle . bottom left blue square ."),
-    ("a cat on the left and a dog on the right", "a cat on the right and a dog on the left"),
-    ("Left of the tree, to the Right of the car", "Right of the tree, to the Left of the car"),
-    ("THE LEFT SIDE", "THE RIGHT SIDE"), ("upper-right corner", "upper-left corner"),
-    ("the left-hand page", "the right-hand page"), ("the leftmost cup", "the rightmost cup"),
-    ("from left to right", "from right to left"), ("left and right halves", "right and left halves"),
-    ("a bird facing left", "a bird facing right"), ("in the right half", "in the left half"),
-    ("all right", "all right"), ("right now", "right now"), ("you're right", "you're right"),
-    ("left over", "left over"), ("he left the room", "he left the room"), ("the right answer", "the right answer"),
-    ("bright lights, leftovers", "bright lights, leftovers"), ("Turn right. Left alone", "Turn left. Left alone"),
-])
+@pytest.mark.parametrize(
+    "text,flipped",
+    [
+        ("top left red circle . bottom right blue square .", "top right red circle . bottom left blue square ."),
+        ("a cat on the left and a dog on the right", "a cat on the right and a dog on the left"),
+        ("Left of the tree, to the Right of the car", "Right of the tree, to the Left of the car"),
+        ("THE LEFT SIDE", "THE RIGHT SIDE"),
+        ("upper-right corner", "upper-left corner"),
+        ("the left-hand page", "the right-hand page"),
+        ("the leftmost cup", "the rightmost cup"),
+        ("from left to right", "from right to left"),
+        ("left and right halves", "right and left halves"),
+        ("a bird facing left", "a bird facing right"),
+        ("in the right half", "in the left half"),
+        ("all right", "all right"),
+        ("right now", "right now"),
+        ("you're right", "you're right"),
+        ("left over", "left over"),
+        ("he left the room", "he left the room"),
+        ("the right answer", "the right answer"),
+        ("bright lights, leftovers", "bright lights, leftovers"),
+        ("Turn right. Left alone", "Turn left. Left alone"),
+    ],
+)
 def test_flip_swaps_left_and_right_only_where_they_name_a_side(text, flipped):
     from train.data import swap_left_right
 
@@ -311,8 +368,10 @@ def test_eval_results_are_printed_as_they_happen(cache, tmp_path, capsys):
     err = capsys.readouterr().err
     evals = [m for m in metrics(tmp_path / "run") if "eval_loss" in m]
     for m in evals:
-        assert (f"eval at step {m['step']}: eval_loss {m['eval_loss']:.4f}, eval_loss_shuffled_world "
-                f"{m['eval_loss_shuffled_world']:.4f}") in err
+        assert (
+            f"eval at step {m['step']}: eval_loss {m['eval_loss']:.4f}, eval_loss_shuffled_world "
+            f"{m['eval_loss_shuffled_world']:.4f}"
+        ) in err
     assert [m["step"] for m in evals] == [0, 1, 2]
 
 
@@ -362,8 +421,10 @@ def test_a_signal_to_one_of_two_processes_stops_both_after_the_same_step_with_a_
     assert launcher.returncode != 0 and "stopped by SIGTERM after step" in err, err[-3000:]
     ckpts = sorted(out.glob("checkpoint-*"))
     assert len(ckpts) == 1 and not (out / "final").exists()
-    assert train_inproc(base_args(cache, out, steps=int(ckpts[0].name.split("-")[1]) + 1,
-                                  **{"train.save_every": 100})) == 0
+    assert (
+        train_inproc(base_args(cache, out, steps=int(ckpts[0].name.split("-")[1]) + 1, **{"train.save_every": 100}))
+        == 0
+    )
     assert "resumed from" in capsys.readouterr().err
 
 
@@ -410,13 +471,17 @@ def test_final_is_hashed_and_damaged_or_non_finite_weights_are_refused_by_every_
     from PIL import Image
 
     Image.new("RGB", (64, 64), "red").save(image)
-    readers = {"describe": lambda: describe.main(["--model", str(out), "--image", str(image)]),
-               "evaluate": lambda: evaluate.main(["--model", str(out), "--data", str(data)]),
-               "init_from": lambda: train_inproc(base_args(cache, tmp_path / "next", steps=1,
-                                                           **{"init_from": final}))}
+    readers = {
+        "describe": lambda: describe.main(["--model", str(out), "--image", str(image)]),
+        "evaluate": lambda: evaluate.main(["--model", str(out), "--data", str(data)]),
+        "init_from": lambda: train_inproc(base_args(cache, tmp_path / "next", steps=1, **{"init_from": final})),
+    }
     capsys.readouterr()
-    for damage, words in (("bit", ["damaged", "sha256"]), ("nan", [first, "non-finite"]),
-                          ("inf", [first, "non-finite"])):
+    for damage, words in (
+        ("bit", ["damaged", "sha256"]),
+        ("nan", [first, "non-finite"]),
+        ("inf", [first, "non-finite"]),
+    ):
         weights.write_bytes(good)
         if damage == "bit":
             raw = bytearray(good)
@@ -444,8 +509,11 @@ def test_a_hand_edited_state_json_is_refused_naming_it(cache, tmp_path, capsys):
     state = json.loads(original)
     assert state["state_sha256"]
     capsys.readouterr()
-    edits = [({"step": -5}, "changed after it was written"), ({"step": 3}, "changed after it was written"),
-             ({"data_cursor": {"epoch": 0, "batch_in_epoch": 0}}, "changed after it was written")]
+    edits = [
+        ({"step": -5}, "changed after it was written"),
+        ({"step": 3}, "changed after it was written"),
+        ({"data_cursor": {"epoch": 0, "batch_in_epoch": 0}}, "changed after it was written"),
+    ]
     # one who also drops the digest (as a checkpoint written before it existed has none): the step must be the folder's
     edits += [({"step": 3, "state_sha256": None}, "not the folder's 4"), ({"step": -5, "state_sha256": None}, "-5")]
     for edit, words in edits:
@@ -475,8 +543,9 @@ def test_resume_reads_a_metrics_log_with_a_non_utf8_line_and_refuses_one_that_is
     assert sorted(p.name for p in other.iterdir()) == ["metrics.jsonl"]
 
 
-def test_resuming_under_another_resolved_micro_batch_or_sharding_does_not_warn_of_another_config(cache, tmp_path,
-                                                                                                   capsys):
+def test_resuming_under_another_resolved_micro_batch_or_sharding_does_not_warn_of_another_config(
+    cache, tmp_path, capsys
+):
     out = tmp_path / "run"
     common = {"train.save_every": 2, "train.micro_batch_size": "auto"}
     assert train_inproc(base_args(cache, out, steps=2, **common, **{"train.max_micro_batch_size": 4})) == 0
@@ -553,7 +622,8 @@ def test_a_stop_during_a_long_eval_cuts_it_and_saves_at_once(cache, tmp_path, ca
 
 
 def test_the_last_eval_comes_after_the_checkpoint_and_final_so_neither_a_stop_nor_a_failure_loses_them(
-        cache, tmp_path, capsys, monkeypatch):
+    cache, tmp_path, capsys, monkeypatch
+):
     from theworld.errors import UserError
     from train import step
     from train import trainer as loop
@@ -570,8 +640,9 @@ def test_the_last_eval_comes_after_the_checkpoint_and_final_so_neither_a_stop_no
     ref = tmp_path / "ref"
     monkeypatch.setattr(loop, "evaluate", lambda *a: (_ for _ in ()).throw(UserError("no memory for item 7")))
     assert train_inproc(base_args(cache, ref, steps=4, **extra)) == 2
-    _one_line(capsys, "the eval after the last step failed", "no memory for item 7",
-              "checkpoint-4 and final/ are saved")
+    _one_line(
+        capsys, "the eval after the last step failed", "no memory for item 7", "checkpoint-4 and final/ are saved"
+    )
     assert (ref / "checkpoint-4").is_dir() and _final(ref) == weights
     # the rerun repeats only the eval, and the checkpoint and the card record it
     monkeypatch.setattr(loop, "evaluate", step.evaluate)

@@ -1,4 +1,5 @@
 """train.epochs, train.ema_warmup_steps and the per-part parameter counts of the start line."""
+
 from __future__ import annotations
 
 import pytest
@@ -52,5 +53,7 @@ def test_parameter_counts_per_part_with_an_adapter_hook():
     counts = params.part_counts(Tiny())
     assert counts["projector"] == {"trainable": 110, "total": 110, "adapter": 0}
     assert counts["language"] == {"trainable": 4000, "total": 1_004_000, "adapter": 4000}
-    assert params.describe(Tiny()) == \
-        "parameters trainable / total: projector 110 / 110, language 4.0 k / 1.0 M (LoRA 4.0 k)"
+    assert (
+        params.describe(Tiny())
+        == "parameters trainable / total: projector 110 / 110, language 4.0 k / 1.0 M (LoRA 4.0 k)"
+    )

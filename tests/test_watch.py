@@ -1,5 +1,6 @@
 """Watching a run: the plateau rule, stop_on_plateau, generated captions at every eval (metrics.jsonl, TensorBoard,
 W&B), the eval gap as a scalar, and a W&B run that a resumed run continues (the real wandb package, offline)."""
+
 from __future__ import annotations
 
 import json
@@ -13,10 +14,24 @@ from train.config import PlateauConfig
 
 
 def run_args(cache: Path, out: Path, **extra) -> list[str]:
-    sets = {"cache_dir": cache, "output_dir": out, "model.dtype": "float32", "train.max_steps": 4,
-            "train.global_batch_size": 8, "train.micro_batch_size": 8, "train.eval_samples": 8,
-            "train.num_workers": 0, "trackers": "[]", "train.log_every": 1, "train.save_every": 2,
-            "train.eval_every": 1, "train.warmup_steps": 1, "train.samples": 2, "train.sample_tokens": 4, **extra}
+    sets = {
+        "cache_dir": cache,
+        "output_dir": out,
+        "model.dtype": "float32",
+        "train.max_steps": 4,
+        "train.global_batch_size": 8,
+        "train.micro_batch_size": 8,
+        "train.eval_samples": 8,
+        "train.num_workers": 0,
+        "trackers": "[]",
+        "train.log_every": 1,
+        "train.save_every": 2,
+        "train.eval_every": 1,
+        "train.warmup_steps": 1,
+        "train.samples": 2,
+        "train.sample_tokens": 4,
+        **extra,
+    }
     return [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
 
 
@@ -36,13 +51,16 @@ def test_the_default_window_is_the_guides_5000_steps_or_a_quarter_of_a_shorter_r
     assert plateau.window_evals(3, eval_every=0, max_steps=1000) == 3
 
 
-@pytest.mark.parametrize("losses,window,flat", [
-    ([2.0, 1.5, 1.2, 1.0], 2, False),  # 1.5 -> 1.0: 33% better
-    ([2.0, 1.0, 0.999, 0.995], 2, True),  # 0.5% better than 1.0 over the last two evals
-    ([2.0, 1.0, 1.01, 1.02], 2, True),  # worse
-    ([2.0, 1.0], 2, False),  # too short to judge
-    ([1.0, 0.995], 1, True),
-])
+@pytest.mark.parametrize(
+    "losses,window,flat",
+    [
+        ([2.0, 1.5, 1.2, 1.0], 2, False),  # 1.5 -> 1.0: 33% better
+        ([2.0, 1.0, 0.999, 0.995], 2, True),  # 0.5% better than 1.0 over the last two evals
+        ([2.0, 1.0, 1.01, 1.02], 2, True),  # worse
+        ([2.0, 1.0], 2, False),  # too short to judge
+        ([1.0, 0.995], 1, True),
+    ],
+)
 def test_plateaued_is_less_than_min_improvement_over_the_window(losses, window, flat):
     assert plateau.plateaued(losses, window, 0.01) is flat
 
@@ -78,9 +96,16 @@ def test_a_run_logs_captions_and_the_gap_and_stops_on_plateau_for_good(trained_r
     from train.loop import main
 
     out = tmp_path / "run"
-    args = run_args(trained_run["cache"], out, **{"train.plateau.window_evals": 1,
-                                                  "train.plateau.min_improvement": 10,
-                                                  "train.stop_on_plateau": "true", "trackers": "[tensorboard]"})
+    args = run_args(
+        trained_run["cache"],
+        out,
+        **{
+            "train.plateau.window_evals": 1,
+            "train.plateau.min_improvement": 10,
+            "train.stop_on_plateau": "true",
+            "trackers": "[tensorboard]",
+        },
+    )
     assert main(args) == 0
     cap = capsys.readouterr()
     err = cap.err
@@ -132,16 +157,18 @@ def wandb_records(run_dir: Path) -> dict[str, list]:
 
 
 @pytest.mark.slow
-def test_wandb_offline_holds_config_scalars_and_captions_and_a_resumed_run_continues_it(trained_run, tmp_path,
-                                                                                       monkeypatch):
+def test_wandb_offline_holds_config_scalars_and_captions_and_a_resumed_run_continues_it(
+    trained_run, tmp_path, monkeypatch
+):
     import train.loop
     from train.loop import main
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     out = tmp_path / "run"
-    args = run_args(trained_run["cache"], out, **{"trackers": "[wandb]", "wandb.run_name": "stage1-test",
-                                                  "wandb.tags": "[demo]"})
+    args = run_args(
+        trained_run["cache"], out, **{"trackers": "[wandb]", "wandb.run_name": "stage1-test", "wandb.tags": "[demo]"}
+    )
     real_step = train.loop.optimization_step
 
     def crash_at_3(components, state, micro):
@@ -186,9 +213,18 @@ def multi_cpu_config(path: Path, processes: int) -> Path:
     from accelerate.commands.config.config_args import ClusterConfig
     from accelerate.utils import DistributedType
 
-    ClusterConfig(compute_environment="LOCAL_MACHINE", distributed_type=DistributedType.MULTI_CPU,
-                  mixed_precision="no", use_cpu=True, debug=False, num_processes=processes, num_machines=1,
-                  machine_rank=0, main_training_function="main", downcast_bf16=False).to_yaml_file(str(path))
+    ClusterConfig(
+        compute_environment="LOCAL_MACHINE",
+        distributed_type=DistributedType.MULTI_CPU,
+        mixed_precision="no",
+        use_cpu=True,
+        debug=False,
+        num_processes=processes,
+        num_machines=1,
+        machine_rank=0,
+        main_training_function="main",
+        downcast_bf16=False,
+    ).to_yaml_file(str(path))
     return path
 
 
@@ -215,9 +251,26 @@ def test_accelerate_launch_of_a_multi_cpu_config_says_how_to_start_n_processes(t
     from conftest import ENV, ROOT
 
     cfg = multi_cpu_config(tmp_path / "acc.yaml", 2)
-    r = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg), "-m",
-                        "train.loop", "--config", "configs/stage1.yaml", "--set", f"output_dir={tmp_path / 'run'}"],
-                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(cfg),
+            "-m",
+            "train.loop",
+            "--config",
+            "configs/stage1.yaml",
+            "--set",
+            f"output_dir={tmp_path / 'run'}",
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     line = next(ln for ln in r.stderr.splitlines() if ln.startswith("error:"))
     assert r.returncode != 0 and "asks for 2 CPU processes (MULTI_CPU)" in line
     assert "accelerate launch --multi_gpu --num_processes 2" in line and "-m train.loop --config" in line

@@ -17,6 +17,7 @@
 A stage folder (final/ or checkpoint-N/) holds the trained tensors and the run's resolved config; the base models come
 from where that config names them (`tiny`, a local folder or a hub id).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -75,11 +76,15 @@ def resolve(path: str | Path) -> Path:
         raise UserError(f"model {p}: not a folder (expected a final/ or checkpoint-N/ folder, or a run's output_dir)")
     folder = p if (p / WEIGHTS).is_file() else p / FINAL
     if not (folder / WEIGHTS).is_file():
-        raise UserError(f"model {p}: no {WEIGHTS} there or in {p / FINAL} (expected a final/ or checkpoint-N/ "
-                        "folder, or the output_dir of a finished run)")
+        raise UserError(
+            f"model {p}: no {WEIGHTS} there or in {p / FINAL} (expected a final/ or checkpoint-N/ "
+            "folder, or the output_dir of a finished run)"
+        )
     if not (folder / CONFIG).is_file():
-        raise UserError(f"model {folder}: no {CONFIG} (a checkpoint written before checkpoints carried their config: "
-                        f"use the run's final/ folder, or copy the run's config there as {CONFIG})")
+        raise UserError(
+            f"model {folder}: no {CONFIG} (a checkpoint written before checkpoints carried their config: "
+            f"use the run's final/ folder, or copy the run's config there as {CONFIG})"
+        )
     try:
         verify(folder)
     except UserError as e:
@@ -104,8 +109,9 @@ def recorded_sha256(folder: Path) -> dict[str, str] | None:
             except (OSError, ValueError) as e:
                 raise UserError(f"{folder / name}: cannot read it ({type(e).__name__}: {str(e)[:200]})") from None
             record = (data.get(key) if isinstance(data, dict) else None) if key else data
-            if record is not None and not (isinstance(record, dict)
-                                           and all(isinstance(v, str) for v in record.values())):
+            if record is not None and not (
+                isinstance(record, dict) and all(isinstance(v, str) for v in record.values())
+            ):
                 raise UserError(f"{folder / name}: not a sha256 record (hand-edited or damaged)")
             return record
     return None
@@ -123,8 +129,9 @@ def verify(folder: Path, names: list[str] | None = None) -> None:
         f = folder / name
         if not f.is_file() or sha256_file(f) != digest:
             where = STATE if (folder / STATE).is_file() else SUMS
-            raise UserError(f"{f} is {'damaged' if f.is_file() else 'missing'} (its sha256 is not the one {where} "
-                            "recorded)")
+            raise UserError(
+                f"{f} is {'damaged' if f.is_file() else 'missing'} (its sha256 is not the one {where} recorded)"
+            )
 
 
 def check_finite(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
@@ -133,8 +140,10 @@ def check_finite(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
     for name, t in tensors.items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             bad = int((~torch.isfinite(t)).sum())
-            raise UserError(f"{path}: tensor {name} holds {bad} non-finite value(s) (NaN or inf) of {t.numel()}; "
-                            "these weights cannot be used")
+            raise UserError(
+                f"{path}: tensor {name} holds {bad} non-finite value(s) (NaN or inf) of {t.numel()}; "
+                "these weights cannot be used"
+            )
 
 
 def read_yaml(folder: Path) -> dict:

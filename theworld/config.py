@@ -5,6 +5,7 @@ value outside its choices is a `UserError` naming the dotted key, so a typo cost
 Shared sections live here; each command's top-level dataclass lives with the command (precompute/config.py,
 train/config.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,7 +44,7 @@ def shown(value: Any) -> str:
 def one_line(text: str, limit: int = 4 * LINE) -> str:
     """An error message as one line of bounded length (the end cut, with an ellipsis)."""
     text = " ".join(text.split("\n"))
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass
@@ -63,15 +64,19 @@ class ImageConfig:
 
     def __post_init__(self) -> None:
         if self.resolution <= 0 or self.resolution % VAE_FACTOR:
-            raise UserError(f"image.resolution: must be a positive multiple of {VAE_FACTOR} (the VAE downsamples "
-                            f"{VAE_FACTOR}x), got {self.resolution}")
+            raise UserError(
+                f"image.resolution: must be a positive multiple of {VAE_FACTOR} (the VAE downsamples "
+                f"{VAE_FACTOR}x), got {self.resolution}"
+            )
         if self.resolution > self.MAX_RESOLUTION:
             raise UserError(f"config key 'image.resolution': at most {self.MAX_RESOLUTION}, got {self.resolution}")
         from theworld.images import BUCKET_STEP
 
         if self.resize == "bucket" and self.resolution % BUCKET_STEP:
-            raise UserError(f"image.resolution: must be a multiple of {BUCKET_STEP} with image.resize: bucket (bucket "
-                            f"sides are multiples of 8 x the largest world.pool 4), got {self.resolution}")
+            raise UserError(
+                f"image.resolution: must be a multiple of {BUCKET_STEP} with image.resize: bucket (bucket "
+                f"sides are multiples of 8 x the largest world.pool 4), got {self.resolution}"
+            )
 
 
 @dataclass
@@ -102,8 +107,9 @@ class LoraConfig:
 
     def __post_init__(self) -> None:
         if not self.parts or len(set(self.parts)) != len(self.parts) or set(self.parts) - set(LORA_MODULES):
-            raise UserError(f"config key 'lora.parts': one or more of {list(LORA_MODULES)}, each once, got "
-                            f"{self.parts}")
+            raise UserError(
+                f"config key 'lora.parts': one or more of {list(LORA_MODULES)}, each once, got {self.parts}"
+            )
         if self.r <= 0:
             raise UserError(f"config key 'lora.r': must be positive, got {self.r}")
         if not self.alpha > 0:
@@ -112,16 +118,22 @@ class LoraConfig:
             raise UserError(f"config key 'lora.dropout': must be in [0, 1), got {self.dropout}")
         known = sorted({m for part in self.parts for m in LORA_MODULES[part]})
         if not self.target_modules or set(self.target_modules) - set(known):
-            raise UserError(f"config key 'lora.target_modules': names of linear layers of lora.parts {self.parts}, "
-                            f"among {known}; got {self.target_modules}")
+            raise UserError(
+                f"config key 'lora.target_modules': names of linear layers of lora.parts {self.parts}, "
+                f"among {known}; got {self.target_modules}"
+            )
         if self.quantize == "4bit":
             import torch
 
             if not torch.cuda.is_available():
-                raise UserError("config key 'lora.quantize': 4bit (QLoRA) needs a CUDA GPU (bitsandbytes' 4-bit "
-                                "kernels); this machine has none: use quantize: none")
-            raise UserError("config key 'lora.quantize': 4bit (QLoRA through bitsandbytes) is not supported yet; "
-                            "use quantize: none (bf16 base weights)")
+                raise UserError(
+                    "config key 'lora.quantize': 4bit (QLoRA) needs a CUDA GPU (bitsandbytes' 4-bit "
+                    "kernels); this machine has none: use quantize: none"
+                )
+            raise UserError(
+                "config key 'lora.quantize': 4bit (QLoRA through bitsandbytes) is not supported yet; "
+                "use quantize: none (bf16 base weights)"
+            )
 
 
 def trains(freeze: FreezeConfig, lora: LoraConfig | None, part: str) -> bool:
@@ -134,9 +146,11 @@ def check_lora(freeze: FreezeConfig, lora: LoraConfig | None) -> None:
     """A LoRA part keeps its base weights frozen: fully training it too would be two answers to one question."""
     for part in lora.parts if lora else ():
         if not getattr(freeze, part):
-            raise UserError(f"config key 'freeze.{part}': false trains the whole {part} model, and lora.parts lists "
-                            f"{part} (adapters on frozen base weights); choose one: freeze.{part}: true for LoRA, "
-                            f"or remove {part} from lora.parts for a full fine-tune")
+            raise UserError(
+                f"config key 'freeze.{part}': false trains the whole {part} model, and lora.parts lists "
+                f"{part} (adapters on frozen base weights); choose one: freeze.{part}: true for LoRA, "
+                f"or remove {part} from lora.parts for a full fine-tune"
+            )
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -237,8 +251,9 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
     except RecursionError:
         raise UserError(f"--set {key.strip()}: value nested too deeply to be a config value") from None
     except yaml.YAMLError as e:
-        raise UserError(f"--set {key.strip()}: value {shown(raw)} is not valid YAML ({str(e).splitlines()[0]}); "
-                        "quote it") from None
+        raise UserError(
+            f"--set {key.strip()}: value {shown(raw)} is not valid YAML ({str(e).splitlines()[0]}); quote it"
+        ) from None
     return key.strip().split("."), _Text(raw, value) if isinstance(value, (bool, int, float)) else value
 
 
@@ -289,8 +304,10 @@ def yaml_load(text: str, where: str) -> Any:
         if node is None:
             return None
         if _expanded_size(node, {}, set(), where) > MAX_YAML_VALUES:
-            raise UserError(f"{where}: more than {MAX_YAML_VALUES:,} values once its YAML aliases are expanded; a "
-                            "config has a few hundred (an alias bomb?)")
+            raise UserError(
+                f"{where}: more than {MAX_YAML_VALUES:,} values once its YAML aliases are expanded; a "
+                "config has a few hundred (an alias bomb?)"
+            )
         try:
             return loader.construct_document(node)
         except ValueError as e:  # an integer of thousands of digits (Python's int-from-text limit)
@@ -311,15 +328,19 @@ def check_workers(key: str, value: int) -> None:
     """A count of worker processes the machine can hold: every one is a process with its own memory."""
     limit = WORKERS_PER_CORE * usable_cores()
     if value > limit:
-        raise UserError(f"config key '{key}': {shown(value)} worker processes on a machine with {usable_cores()} "
-                        f"usable CPU cores; at most {limit} ({WORKERS_PER_CORE} per core)")
+        raise UserError(
+            f"config key '{key}': {shown(value)} worker processes on a machine with {usable_cores()} "
+            f"usable CPU cores; at most {limit} ({WORKERS_PER_CORE} per core)"
+        )
 
 
 def check_threads(key: str, value: int) -> None:
     """A thread count: more threads than cores only makes them wait for each other."""
     if value > usable_cores():
-        raise UserError(f"config key '{key}': {shown(value)} threads on a machine with {usable_cores()} usable CPU "
-                        f"cores; at most {usable_cores()}")
+        raise UserError(
+            f"config key '{key}': {shown(value)} threads on a machine with {usable_cores()} usable CPU "
+            f"cores; at most {usable_cores()}"
+        )
 
 
 def require_path(key: str, value: str) -> None:
@@ -337,8 +358,9 @@ def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()
         try:
             data = yaml_load(p.read_bytes().decode("utf-8"), f"config file {p}") or {}
         except UnicodeDecodeError as e:
-            raise UserError(f"config file {p} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})"
-                            ) from None
+            raise UserError(
+                f"config file {p} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})"
+            ) from None
         except OSError as e:
             raise UserError(f"config file {p}: cannot read it ({e.strerror})") from None
         except RecursionError:
@@ -387,8 +409,13 @@ def resolve_config_path(path: str | Path) -> Path:
     raise UserError(f"config file {p} is {what}, not a regular file")
 
 
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 
 def path_kind(p: Path) -> str | None:
@@ -402,8 +429,10 @@ def path_kind(p: Path) -> str | None:
         if e.errno == errno.ELOOP:
             return "a path through a symlink loop"
         return None if e.errno == errno.ENOENT else f"unreadable ({e.strerror})"
-    return next((words for test, words in _KINDS if test(mode)), "a regular file" if stat.S_ISREG(mode) else
-                "not a regular file")
+    return next(
+        (words for test, words in _KINDS if test(mode)),
+        "a regular file" if stat.S_ISREG(mode) else "not a regular file",
+    )
 
 
 def to_dict(cfg: Any) -> dict:
@@ -433,8 +462,14 @@ class DefaultsHelp(argparse.HelpFormatter):
 
 def add_config_args(p: argparse.ArgumentParser, config_help: str = "YAML config file") -> None:
     p.add_argument("--config", help=config_help)
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set train.lr=1e-3 (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set train.lr=1e-3 (repeatable)",
+    )
 
 
 def cli_parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -445,5 +480,20 @@ def cli_parser(prog: str, description: str) -> argparse.ArgumentParser:
     return p
 
 
-__all__ = ["ModelConfig", "ImageConfig", "WorldConfig", "FreezeConfig", "LoraConfig", "check_lora", "trains",
-           "load_config", "from_dict", "to_dict", "to_yaml", "ArgParser", "add_config_args", "cli_parser", "field"]
+__all__ = [
+    "ModelConfig",
+    "ImageConfig",
+    "WorldConfig",
+    "FreezeConfig",
+    "LoraConfig",
+    "check_lora",
+    "trains",
+    "load_config",
+    "from_dict",
+    "to_dict",
+    "to_yaml",
+    "ArgParser",
+    "add_config_args",
+    "cli_parser",
+    "field",
+]

@@ -4,19 +4,31 @@ A caption or prompt holding one would be tokenised as a turn marker, an image pl
 of as text (an `<image_soft_token>` in a caption makes the image-token count disagree with the image features, so
 training stops at that sample on every rerun). This is the one rule: precompute records such samples as errors, the
 cache writer marks a shard whose captions and prompts all pass it with TEXT_RULE in its sidecar, training refuses a
-cache whose unmarked shards hold one, the benchmark reader and theworld.describe refuse such questions and prompts, and ChatFormatter
-refuses such text wherever it comes from.
+cache whose unmarked shards hold one, the benchmark reader and theworld.describe refuse such questions and prompts,
+and ChatFormatter refuses such text wherever it comes from.
 
 The set is Gemma 3's special tokens: the ones `tokenizer.all_special_tokens` and the `special=True` added tokens of
 the released tokenizer (`google/gemma-3-4b-it`) name, plus its reserved `<unusedN>` tokens. Its ordinary added tokens
 (HTML tags such as `<table>`, runs of spaces) are left alone: they tokenise the same text either way.
 """
+
 from __future__ import annotations
 
 import re
 
-CONTROL_STRINGS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "[@BOS@]", "<start_of_turn>", "<end_of_turn>",
-                   "<start_of_image>", "<end_of_image>", "<image_soft_token>")
+CONTROL_STRINGS = (
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<mask>",
+    "[@BOS@]",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<start_of_image>",
+    "<end_of_image>",
+    "<image_soft_token>",
+)
 TEXT_RULE = "gemma3-control-strings"  # a sidecar's "text_rule": its shard's captions and prompts pass this rule
 _PATTERN = re.compile("|".join(re.escape(s) for s in CONTROL_STRINGS) + r"|<unused\d+>")
 

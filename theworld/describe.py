@@ -4,6 +4,7 @@ stdout holds only the generated text, one line per image in the order given (a n
 is written as `\\n` / `\\\\`, so one line per image always holds); logs go to stderr. `--shuffle-world` gives image i
 the world latents of image i-1 (the first gets the last one's), to show what the world pathway changes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,12 +24,18 @@ def escape(text: str) -> str:
 
 
 def parse(argv: list[str] | None):
-    p = ArgParser(prog="theworld.describe", description="Describe images with a trained TheWorld stage.",
-                  formatter_class=DefaultsHelp)
+    p = ArgParser(
+        prog="theworld.describe",
+        description="Describe images with a trained TheWorld stage.",
+        formatter_class=DefaultsHelp,
+    )
     p.add_argument("--model", required=True, help="final/ or checkpoint-N/ folder, or a run's output_dir")
     p.add_argument("--image", required=True, nargs="+", help="image files")
-    p.add_argument("--prompt", default=argparse.SUPPRESS,
-                   help=f"default: the prompt the run trained with (final/{layout.PROMPT}), else {DEFAULT_PROMPT!r}")
+    p.add_argument(
+        "--prompt",
+        default=argparse.SUPPRESS,
+        help=f"default: the prompt the run trained with (final/{layout.PROMPT}), else {DEFAULT_PROMPT!r}",
+    )
     p.add_argument("--max-new-tokens", type=int, default=64, help="at most this many new tokens per answer")
     p.add_argument("--batch-size", type=int, default=8, help="images per generate call")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence at every step")
@@ -66,8 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     world = paths[-1:] + paths[:-1] if args.shuffle_world else None
     for lo in range(0, len(paths), args.batch_size):
         chunk = slice(lo, lo + args.batch_size)
-        texts = model.generate(paths[chunk], prompt, max_new_tokens=args.max_new_tokens,
-                               use_cache=not args.no_cache, world_images=world[chunk] if world else None)
+        texts = model.generate(
+            paths[chunk],
+            prompt,
+            max_new_tokens=args.max_new_tokens,
+            use_cache=not args.no_cache,
+            world_images=world[chunk] if world else None,
+        )
         for text in texts:
             print(escape(text), flush=True)
     return 0

@@ -2,12 +2,13 @@
 
 `tiny`, a local folder and a hub id all go through `from_pretrained`; only where the weights come from differs.
 """
+
 from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -67,9 +68,11 @@ def check_available(spec: str, key: str, config_file: str = "config.json") -> No
     from huggingface_hub import constants, try_to_load_from_cache
 
     if not isinstance(try_to_load_from_cache(spec, config_file), str):
-        raise UserError(f"{key}: {spec!r} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and "
-                        "HF_HUB_OFFLINE is set, so it cannot be downloaded: download it once where the network is "
-                        f"reachable ({hub_download_command()} download {spec}), or give a local folder")
+        raise UserError(
+            f"{key}: {spec!r} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+            "HF_HUB_OFFLINE is set, so it cannot be downloaded: download it once where the network is "
+            f"reachable ({hub_download_command()} download {spec}), or give a local folder"
+        )
 
 
 def hub_download_command() -> str:
@@ -106,7 +109,7 @@ def load_vae(spec: str, dtype: str = "bfloat16"):
     path, subfolder = resolve_vae(spec)
     try:
         vae = AutoencoderKLWan.from_pretrained(path, subfolder=subfolder, torch_dtype=DTYPES[dtype])
-    except (OSError, ValueError, EnvironmentError) as e:
+    except (OSError, ValueError) as e:
         raise UserError(f"model.vae: cannot load {spec!r}: {str(e).splitlines()[0]}") from None
     return vae.eval()
 
@@ -141,8 +144,14 @@ def _single_frame_conv_class() -> type:
             if x.shape[2] != 1 or cache_x is not None or self._padding[4] != kt - 1 or self.stride[0] != 1:
                 return super().forward(x, cache_x)
             pad_w, pad_h = self._padding[0], self._padding[2]
-            y = F.conv2d(x[:, :, 0], self.weight[:, :, -1], self.bias, stride=self.stride[1:], padding=(pad_h, pad_w),
-                         dilation=self.dilation[1:])
+            y = F.conv2d(
+                x[:, :, 0],
+                self.weight[:, :, -1],
+                self.bias,
+                stride=self.stride[1:],
+                padding=(pad_h, pad_w),
+                dilation=self.dilation[1:],
+            )
             return y.unsqueeze(2)
 
     return SingleFrameCausalConv3d
@@ -202,8 +211,12 @@ class WorldEncoder(nn.Module):
         from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
         vae = self.vae
-        if (not isinstance(vae, AutoencoderKLWan) or vae.config.get("patch_size") is not None or vae.use_tiling
-                or vae.use_slicing):
+        if (
+            not isinstance(vae, AutoencoderKLWan)
+            or vae.config.get("patch_size") is not None
+            or vae.use_tiling
+            or vae.use_slicing
+        ):
             return vae.encode(x).latent_dist
         # Wan's encode runs the encoder with a temporal feature cache, which a single frame never reads (every conv's
         # cached input is None on the first chunk); without it the function is the same, minus a clone of every
@@ -218,7 +231,8 @@ class WorldEncoder(nn.Module):
         self.channels_last = channels_last
         for p in self.vae.parameters() if channels_last else ():
             if p.dim() in (4, 5):
-                p.data = p.data.contiguous(memory_format=torch.channels_last if p.dim() == 4 else torch.channels_last_3d)
+                p.data = p.data.contiguous(
+                    memory_format=torch.channels_last if p.dim() == 4 else torch.channels_last_3d
+                )
         if compile:
             self.vae.encoder.compile()
-

@@ -1,4 +1,5 @@
 """User-facing errors and the one wrapper every command's `main` goes through."""
+
 from __future__ import annotations
 
 import errno
@@ -6,8 +7,8 @@ import functools
 import re
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 
 class UserError(Exception):
@@ -38,8 +39,10 @@ def out_of_space(e: BaseException, folder: str | Path | None = None) -> bool:
 
 
 def no_space_message(what: str | Path) -> str:
-    return (f"no space left on device while writing {what}: free some space and rerun the same command (it continues "
-            "from the last complete save)")
+    return (
+        f"no space left on device while writing {what}: free some space and rerun the same command (it continues "
+        "from the last complete save)"
+    )
 
 
 class CacheDamaged(UserError):

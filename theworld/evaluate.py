@@ -9,6 +9,7 @@ never been asked in a lettered form. `--make-synthetic N` first writes N items f
 `--data` (images beside it); without `--model` it stops there. Evaluating a local run's final/ also writes the
 result into its model card (final/README.md).
 """
+
 from __future__ import annotations
 
 import json
@@ -23,35 +24,67 @@ from theworld.infer.scoring import PROTOCOLS
 
 
 def parse(argv: list[str] | None):
-    p = ArgParser(prog="theworld.evaluate", description="Evaluate a trained TheWorld stage: multiple choice or captions.",
-                  formatter_class=DefaultsHelp)
+    p = ArgParser(
+        prog="theworld.evaluate",
+        description="Evaluate a trained TheWorld stage: multiple choice or captions.",
+        formatter_class=DefaultsHelp,
+    )
     p.add_argument("--model", help="final/ or checkpoint-N/ folder, or a run's output_dir")
-    p.add_argument("--data", required=True, help="JSONL file, or BLINK's parquet folder (or one parquet file); "
-                                                 "captions: JSONL, or a latent cache (its held-out samples)")
-    p.add_argument("--task", choices=("mc", "caption"), default="mc",
-                   help="mc: multiple choice; caption: JSONL {image, captions} scored by BLEU-4, ROUGE-L, CIDEr")
-    p.add_argument("--protocol", choices=PROTOCOLS, default=None,
-                   help="multiple choice: generate (read the letter) or loglik (score each choice); default: generate "
-                        "when the items carry their own prompt (BLINK), else loglik")
-    p.add_argument("--baselines", default="", metavar="all|NAME,...",
-                   help=f"baselines on the same items: {', '.join(baselines.BASELINES)}")
-    p.add_argument("--split", default="val",
-                   help="which split's files of a BLINK folder to read; a cache's held-out samples are val")
+    p.add_argument(
+        "--data",
+        required=True,
+        help="JSONL file, or BLINK's parquet folder (or one parquet file); "
+        "captions: JSONL, or a latent cache (its held-out samples)",
+    )
+    p.add_argument(
+        "--task",
+        choices=("mc", "caption"),
+        default="mc",
+        help="mc: multiple choice; caption: JSONL {image, captions} scored by BLEU-4, ROUGE-L, CIDEr",
+    )
+    p.add_argument(
+        "--protocol",
+        choices=PROTOCOLS,
+        default=None,
+        help="multiple choice: generate (read the letter) or loglik (score each choice); default: generate "
+        "when the items carry their own prompt (BLINK), else loglik",
+    )
+    p.add_argument(
+        "--baselines",
+        default="",
+        metavar="all|NAME,...",
+        help=f"baselines on the same items: {', '.join(baselines.BASELINES)}",
+    )
+    p.add_argument(
+        "--split",
+        default="val",
+        help="which split's files of a BLINK folder to read; a cache's held-out samples are val",
+    )
     p.add_argument("--out", help="write one JSON line per item (outputs of every condition) to this file")
     p.add_argument("--no-shared-prefix", action="store_true", help="score every choice from the full sequence")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--limit", type=int, default=0, help="evaluate only the first N items (0: all)")
     p.add_argument("--batch-size", type=int, default=8, help="items per forward pass")
-    p.add_argument("--max-new-tokens", type=int, default=None,
-                   help="generation length (default: 16 for a letter, 64 for a caption)")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="generation length (default: 16 for a letter, 64 for a caption)",
+    )
     p.add_argument("--ema", action="store_true", help="use the EMA weights (ema.safetensors)")
-    p.add_argument("--make-synthetic", type=int, default=0, metavar="N",
-                   help="first write N items from unseen synthetic scenes to --data (images in images/ beside it)")
+    p.add_argument(
+        "--make-synthetic",
+        type=int,
+        default=0,
+        metavar="N",
+        help="first write N items from unseen synthetic scenes to --data (images in images/ beside it)",
+    )
     p.add_argument("--synthetic-seed", type=int, default=1, help="scene seed of --make-synthetic (training uses 0)")
     args = p.parse_args(argv)
     if args.limit < 0 or args.batch_size < 1 or args.make_synthetic < 0 or (args.max_new_tokens or 1) < 1:
-        raise UserError("theworld.evaluate: --limit and --make-synthetic must be >= 0, --batch-size and "
-                        "--max-new-tokens >= 1")
+        raise UserError(
+            "theworld.evaluate: --limit and --make-synthetic must be >= 0, --batch-size and --max-new-tokens >= 1"
+        )
     if not args.model and not args.make_synthetic:
         raise UserError("theworld.evaluate: --model is required (unless only writing a set with --make-synthetic)")
     args.baselines = baselines.parse(args.baselines)
@@ -118,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     if folder.name == layout.FINAL:
         from theworld.infer import card
 
-        card.update(folder / layout.CARD, card.row(summary, args.data, args.task, sys.argv[1:] if argv is None else argv))
+        card.update(
+            folder / layout.CARD, card.row(summary, args.data, args.task, sys.argv[1:] if argv is None else argv)
+        )
     return 0
 
 
@@ -139,15 +174,32 @@ def _run(args, model, processor, items: list, init, out, prompt: str) -> dict:
         if args.task == "caption":
             from theworld.infer import captions
 
-            records = captions.evaluate(model, processor, items, args.batch_size, progress,
-                                        max_new_tokens=args.max_new_tokens or 64, prompt=prompt)
+            records = captions.evaluate(
+                model,
+                processor,
+                items,
+                args.batch_size,
+                progress,
+                max_new_tokens=args.max_new_tokens or 64,
+                prompt=prompt,
+            )
             return captions.summarize(records)
         from theworld.infer import scoring
 
         protocol = args.protocol or ("generate" if all(it.prompt for it in items) else "loglik")
-        records = scoring.evaluate(model, processor, model.image_config, items, args.batch_size, progress,
-                                   protocol=protocol, conds=conds, init=init, shared_prefix=not args.no_shared_prefix,
-                                   max_new_tokens=args.max_new_tokens or 16)
+        records = scoring.evaluate(
+            model,
+            processor,
+            model.image_config,
+            items,
+            args.batch_size,
+            progress,
+            protocol=protocol,
+            conds=conds,
+            init=init,
+            shared_prefix=not args.no_shared_prefix,
+            max_new_tokens=args.max_new_tokens or 16,
+        )
         return scoring.summarize(records, args.baselines, protocol)
     finally:
         bar.close()

@@ -7,6 +7,7 @@ DIR is at once
   `config.yaml` whose `model.gemma` is DIR itself (and the stage's `prompt.txt`), so `TheWorld.from_pretrained(DIR)`
   reads it without peft.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,8 +34,10 @@ def parse(argv: list[str] | None):
     p.add_argument("--ema", action="store_true", help="export the EMA weights (ema.safetensors)")
     args = p.parse_args(argv)
     if not args.merge:
-        raise UserError("theworld.export: only the merged export exists (--merge); the unmerged LoRA adapters are "
-                        "already a peft adapter folder: the run's final/")
+        raise UserError(
+            "theworld.export: only the merged export exists (--merge); the unmerged LoRA adapters are "
+            "already a peft adapter folder: the run's final/"
+        )
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"theworld.export: --out {out} exists and is not an empty folder; nothing was written")
@@ -74,8 +77,10 @@ def export(model_dir: str | Path, out: str | Path, ema: bool = False) -> Path:
     if out.exists():
         out.rmdir()  # empty (checked by parse)
     os.replace(tmp, out)
-    print(f"exported {folder} to {out}: {merged} LoRA layers merged; {len(rest)} TheWorld tensors "
-          f"({layout.WEIGHTS})", file=sys.stderr)
+    print(
+        f"exported {folder} to {out}: {merged} LoRA layers merged; {len(rest)} TheWorld tensors ({layout.WEIGHTS})",
+        file=sys.stderr,
+    )
     return out
 
 

@@ -1,4 +1,5 @@
 """Facts about the Gemma 3 architecture that the tiny models, the benchmarks and the memory plan share."""
+
 from __future__ import annotations
 
 SLIDING_PATTERN = 6  # every 6th decoder layer attends globally, the other five within the sliding window

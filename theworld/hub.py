@@ -1,5 +1,6 @@
 """Hugging Face Hub repo ids wherever a model folder is accepted: `user/name` or `user/name@revision` -> a local folder,
 through huggingface_hub's own cache (with HF_HUB_OFFLINE=1, the local cache only). A local path always wins."""
+
 from __future__ import annotations
 
 import os
@@ -40,17 +41,25 @@ def resolve(ref: str | Path, what: str = "model") -> Path:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
     except ImportError:
-        raise UserError(f"{what} {ref}: not a local folder; loading it as a hub repo id needs huggingface_hub "
-                        "(pip install 'theworld[hub]')") from None
+        raise UserError(
+            f"{what} {ref}: not a local folder; loading it as a hub repo id needs huggingface_hub "
+            "(pip install 'theworld[hub]')"
+        ) from None
     try:
         return Path(snapshot_download(repo, revision=revision, local_files_only=offline()))
     except LocalEntryNotFoundError:
-        raise UserError(f"{what} {ref}: not a local folder, and hub repo {repo}"
-                        f"{'@' + revision if revision else ''} is not in the local Hugging Face cache "
-                        f"({'HF_HUB_OFFLINE is set' if offline() else 'and the hub cannot be reached'})") from None
+        raise UserError(
+            f"{what} {ref}: not a local folder, and hub repo {repo}"
+            f"{'@' + revision if revision else ''} is not in the local Hugging Face cache "
+            f"({'HF_HUB_OFFLINE is set' if offline() else 'and the hub cannot be reached'})"
+        ) from None
     except RepositoryNotFoundError:
-        raise UserError(f"{what} {ref}: not a local folder, and no hub repo {repo} (or no access to it: "
-                        "huggingface-cli login, or HF_TOKEN)") from None
+        raise UserError(
+            f"{what} {ref}: not a local folder, and no hub repo {repo} (or no access to it: "
+            "huggingface-cli login, or HF_TOKEN)"
+        ) from None
     except (HfHubHTTPError, OSError, ValueError) as e:
-        raise UserError(f"{what} {ref}: not a local folder, and hub repo {repo} could not be fetched: "
-                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        raise UserError(
+            f"{what} {ref}: not a local folder, and hub repo {repo} could not be fetched: "
+            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from None

@@ -3,6 +3,7 @@
 Everything here runs in DataLoader workers: it takes bytes and returns uint8 tensors, so only compact arrays cross the
 process boundary and the [-1, 1] scaling happens once, on the device, in `WorldEncoder`.
 """
+
 from __future__ import annotations
 
 import errno
@@ -52,8 +53,10 @@ def _to_8bit(img: Image.Image) -> Image.Image:
     else:
         arr = arr.astype(np.int64)
         if arr.size and (arr.min() < 0 or arr.max() > 65535):  # only mode I can hold these
-            raise BadImage(f"32-bit integer image with values outside 0..65535 ({arr.min()}..{arr.max()}): "
-                           "no defined scale to 8 bits")
+            raise BadImage(
+                f"32-bit integer image with values outside 0..65535 ({arr.min()}..{arr.max()}): "
+                "no defined scale to 8 bits"
+            )
         scaled = arr * 255 / 65535.0
     return Image.fromarray(np.floor(scaled + 0.5).astype(np.uint8), "L")
 
@@ -125,7 +128,7 @@ BUCKET_STEP = VAE_FACTOR * max(POOLS)
 BUCKET_MAX_ASPECT = 2.0
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def buckets(resolution: int) -> tuple[tuple[int, int], ...]:
     """The aspect-ratio buckets (width, height) for `resolution`, sorted by aspect ratio (tallest first).
 
@@ -152,8 +155,9 @@ def bucket_for(width: int, height: int, resolution: int) -> tuple[int, int]:
     return min(buckets(resolution), key=lambda b: abs(math.log(b[0] / b[1]) - target))
 
 
-def resize(img: Image.Image, resolution: int, mode: str = "crop", bucket: tuple[int, int] | None = None
-           ) -> tuple[Image.Image, tuple[float, float, float, float]]:
+def resize(
+    img: Image.Image, resolution: int, mode: str = "crop", bucket: tuple[int, int] | None = None
+) -> tuple[Image.Image, tuple[float, float, float, float]]:
     """Resize to the VAE input size; returns the image and the crop box (left, top, right, bottom) in the source.
 
     crop: short side to `resolution`, then a centred square; squash: the whole picture, aspect ratio ignored;
@@ -200,8 +204,9 @@ def upright_size(data: bytes) -> tuple[int, int]:
     return w, h
 
 
-def prepare(img: Image.Image, resolution: int, mode: str = "crop", original_size: tuple[int, int] | None = None
-            ) -> tuple[torch.Tensor, dict]:
+def prepare(
+    img: Image.Image, resolution: int, mode: str = "crop", original_size: tuple[int, int] | None = None
+) -> tuple[torch.Tensor, dict]:
     """An upright RGB image -> ((3, H, W) uint8 VAE input, metadata with original size and crop box).
 
     (H, W) is R x R, or with mode "bucket" the bucket of `original_size` (default: the image's size; a draft-decoded
@@ -235,8 +240,13 @@ def siglip_pixels(image_processor, img: Image.Image) -> torch.Tensor:
 
 
 def file_kind(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
         if test(mode):
             return name
     return "not a file"

@@ -4,6 +4,7 @@ Without CUDA, accelerate forms a process group only when asked for the CPU: othe
 they are alone (DistributedType.NO) and run N copies of the job. Every command asks for the CPU when there is no GPU
 (or ACCELERATE_USE_CPU says so) and checks that the group it got is the one the launcher started.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,11 +23,13 @@ def use_cpu() -> bool:
 def launched_processes() -> int:
     """How many processes the launcher started (accelerate launch and torchrun both set WORLD_SIZE)."""
     if "WORLD_SIZE" not in os.environ and (asked := cpu_config_processes()) > 1:
-        raise UserError(f"the Accelerate config file asks for {asked} CPU processes (MULTI_CPU), but accelerate "
-                        "launch started one (it starts several CPU processes only through mpirun); start "
-                        f"{asked} with: ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes "
-                        f"{asked} --num_machines 1 --mixed_precision no --dynamo_backend no "
-                        f"{shlex.join(sys.orig_argv[1:]) or '-m MODULE ...'}")
+        raise UserError(
+            f"the Accelerate config file asks for {asked} CPU processes (MULTI_CPU), but accelerate "
+            "launch started one (it starts several CPU processes only through mpirun); start "
+            f"{asked} with: ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes "
+            f"{asked} --num_machines 1 --mixed_precision no --dynamo_backend no "
+            f"{shlex.join(sys.orig_argv[1:]) or '-m MODULE ...'}"
+        )
     return int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
@@ -67,9 +70,11 @@ def check_group(num_processes: int) -> None:
     """The launcher's WORLD_SIZE must be the group's size."""
     launched = launched_processes()
     if num_processes != launched:
-        raise UserError(f"the launcher started {launched} processes (WORLD_SIZE={launched}) but they formed a group of "
-                        f"{num_processes}; on CPU launch with ACCELERATE_USE_CPU=true, e.g. ACCELERATE_USE_CPU=true "
-                        "python -m accelerate.commands.launch --multi_gpu --num_processes N ...")
+        raise UserError(
+            f"the launcher started {launched} processes (WORLD_SIZE={launched}) but they formed a group of "
+            f"{num_processes}; on CPU launch with ACCELERATE_USE_CPU=true, e.g. ACCELERATE_USE_CPU=true "
+            "python -m accelerate.commands.launch --multi_gpu --num_processes N ..."
+        )
 
 
 def process_group():

@@ -19,6 +19,7 @@ template the model was trained with.
   as TheWorld.generate drops it: lmms-eval's default `until` is a blank line, which would otherwise cut an answer that
   starts with one to nothing).
 """
+
 from __future__ import annotations
 
 from itertools import groupby
@@ -60,12 +61,15 @@ def _flag(value) -> bool:
 class TheWorldLMM(lmms):
     is_simple = True
 
-    def __init__(self, pretrained: str, device: str | None = None, ema=False, max_new_tokens: int = 16,
-                 batch_size=1, **kwargs) -> None:
+    def __init__(
+        self, pretrained: str, device: str | None = None, ema=False, max_new_tokens: int = 16, batch_size=1, **kwargs
+    ) -> None:
         super().__init__()
         if kwargs:
-            raise ValueError(f"theworld: unknown model_args {sorted(kwargs)} (known: pretrained, device, ema, "
-                             "max_new_tokens, batch_size)")
+            raise ValueError(
+                f"theworld: unknown model_args {sorted(kwargs)} (known: pretrained, device, ema, "
+                "max_new_tokens, batch_size)"
+            )
         from theworld.model import TheWorld
 
         self.model, self.processor = TheWorld.from_pretrained(pretrained, ema=_flag(ema), device=device)
@@ -83,8 +87,10 @@ class TheWorldLMM(lmms):
     def _inputs(self, visuals: list) -> dict[str, torch.Tensor]:
         """World latents of the first image and image-token features of all of them (one prefix's worth)."""
         cfg = self.model.image_config
-        loaded = [imagelib.for_model(imagelib.to_bytes(v), cfg.resolution, cfg.resize, self.processor.image_processor)
-                  for v in visuals]
+        loaded = [
+            imagelib.for_model(imagelib.to_bytes(v), cfg.resolution, cfg.resize, self.processor.image_processor)
+            for v in visuals
+        ]
         mean, logvar = self.model.world_latents(loaded[0][0][None].to(self.device), None, None)
         siglip = self.model.image_features(torch.stack([pv for _, pv in loaded]).to(self.device), None)
         return {"latent_mean": mean, "latent_logvar": logvar, "siglip": siglip}
@@ -105,8 +111,9 @@ class TheWorldLMM(lmms):
             prefix = self.formatter.prefix(context, images=len(visuals))
             rows = [self.formatter.encode(context, t, images=len(visuals)) for t in targets]
             world = self._inputs(visuals)
-            scores, greedy = prefix_scoring.answer_logprobs(self.model, [prefix], rows, [0] * len(rows),
-                                                            greedy=True, **world)
+            scores, greedy = prefix_scoring.answer_logprobs(
+                self.model, [prefix], rows, [0] * len(rows), greedy=True, **world
+            )
             out.update({k: (-float(s), bool(g)) for k, s, g in zip(group, scores.tolist(), greedy.tolist())})
         return [_as_response(out[k]) for k in range(len(requests))]
 

@@ -5,6 +5,7 @@ adapted layer `gemma.<path>.q_proj` holds its frozen base weight as `q_proj.base
 `q_proj.lora_A.default.weight` / `lora_B`. A LoRA stage's trainable tensors are the adapters (plus the projector and any
 fully trained part); `adapter_files` writes the language/vision adapters as a peft adapter folder for the plain Gemma.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,11 +30,17 @@ def peft_config(lora: LoraConfig, base: str | None = None):
     from peft import LoraConfig as PeftLoraConfig
 
     # the parts' module paths inside Gemma3ForConditionalGeneration: the names peft matches
-    parts = "|".join(re.escape(path.removeprefix("gemma.")) for p in lora.parts for path in PARTS[p]
-                     if path.startswith("gemma."))
+    parts = "|".join(
+        re.escape(path.removeprefix("gemma.")) for p in lora.parts for path in PARTS[p] if path.startswith("gemma.")
+    )
     names = "|".join(re.escape(m) for m in lora.target_modules)
-    return PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                          target_modules=rf"({parts})\..*\.({names})", base_model_name_or_path=base)
+    return PeftLoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=rf"({parts})\..*\.({names})",
+        base_model_name_or_path=base,
+    )
 
 
 def apply(gemma: nn.Module, lora: LoraConfig) -> int:
@@ -44,8 +51,9 @@ def apply(gemma: nn.Module, lora: LoraConfig) -> int:
     except ImportError:
         from theworld.errors import UserError
 
-        raise UserError("config section 'lora': LoRA adapters need peft, which is not installed "
-                        "(pip install -e .[lora])") from None
+        raise UserError(
+            "config section 'lora': LoRA adapters need peft, which is not installed (pip install -e .[lora])"
+        ) from None
     flags = {n: p.requires_grad for n, p in gemma.named_parameters()}
     LoraModel(gemma, peft_config(lora), ADAPTER)
     for n, p in gemma.named_parameters():  # peft froze everything but its adapters: give the caller's flags back
@@ -118,11 +126,14 @@ def adapter_files(lora: LoraConfig, base: str, weights: dict[str, torch.Tensor])
     the adapters in `weights` (TheWorld names): `PeftModel.from_pretrained(gemma, folder)` reads it."""
     from safetensors.torch import save_file
 
-    tensors = {PEFT_PREFIX + m.group(1) + ".weight": t.contiguous()
-               for n, t in weights.items() if (m := ADAPTER_NAME.match(n))}
+    tensors = {
+        PEFT_PREFIX + m.group(1) + ".weight": t.contiguous() for n, t in weights.items() if (m := ADAPTER_NAME.match(n))
+    }
     config = peft_config(lora, base).to_dict()
-    return {ADAPTER_CONFIG: lambda p: p.write_text(json.dumps(_jsonable(config), indent=2, sort_keys=True)),
-            ADAPTER_WEIGHTS: lambda p: save_file(tensors, str(p), metadata={"format": "pt"})}
+    return {
+        ADAPTER_CONFIG: lambda p: p.write_text(json.dumps(_jsonable(config), indent=2, sort_keys=True)),
+        ADAPTER_WEIGHTS: lambda p: save_file(tensors, str(p), metadata={"format": "pt"}),
+    }
 
 
 def _jsonable(value):

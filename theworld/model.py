@@ -4,6 +4,7 @@ Sequence: [BOS, SOW, W1..WN, EOW, <start_of_turn>user ... <start_of_image> image
 <end_of_turn> <start_of_turn>model caption <end_of_turn>]. World tokens go right after BOS; every row has the same
 number of them and rows are right-padded, so inserting them is one concatenation and positions stay 0..len-1 per row.
 """
+
 from __future__ import annotations
 
 import re
@@ -16,10 +17,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.profiler import record_function
 
+from theworld import checkpoint_layout as layout
+from theworld import encoders
+from theworld import lora as lora_adapters
 from theworld.arch import FREEZABLE, PARTS
 from theworld.config import FreezeConfig, ImageConfig, LoraConfig, ModelConfig, WorldConfig
-from theworld import checkpoint_layout as layout
-from theworld import encoders, lora as lora_adapters
 from theworld.encoders import WorldEncoder
 from theworld.errors import UserError
 from theworld.infer import generate as generation
@@ -27,8 +29,10 @@ from theworld.projector import WorldProjector
 from theworld.text import IGNORE, ChatFormatter
 
 # record_function labels of a step's parts in the profiler's trace (train.profile_report groups time by them)
-PROFILE_LABELS = {part: f"theworld:{part}" for part in
-                  ("world_encoder", "projector", "vision_tower", "language_model", "backward", "optimizer", "data")}
+PROFILE_LABELS = {
+    part: f"theworld:{part}"
+    for part in ("world_encoder", "projector", "vision_tower", "language_model", "backward", "optimizer", "data")
+}
 
 
 @dataclass
@@ -60,8 +64,9 @@ def compile_language_layers(gemma: nn.Module, **compile_kwargs) -> int:
 
 
 class TheWorld(nn.Module):
-    def __init__(self, gemma: nn.Module, world_encoder: WorldEncoder | None, projector: WorldProjector,
-                 latent_mode: str = "mean"):
+    def __init__(
+        self, gemma: nn.Module, world_encoder: WorldEncoder | None, projector: WorldProjector, latent_mode: str = "mean"
+    ):
         super().__init__()
         self.gemma = gemma
         self.world_encoder = world_encoder
@@ -86,8 +91,15 @@ class TheWorld(nn.Module):
     # ------------------------------------------------------------------------------------------------ construction
 
     @classmethod
-    def from_config(cls, model: ModelConfig, world: WorldConfig, freeze: FreezeConfig | None = None,
-                    seed: int = 0, image: ImageConfig | None = None, lora: LoraConfig | None = None):
+    def from_config(
+        cls,
+        model: ModelConfig,
+        world: WorldConfig,
+        freeze: FreezeConfig | None = None,
+        seed: int = 0,
+        image: ImageConfig | None = None,
+        lora: LoraConfig | None = None,
+    ):
         """(TheWorld, processor), base models loaded with `from_pretrained` in `model.dtype`, projector in fp32.
         `image`: the preprocessing `generate` applies to raw images (the cache's resolution and resize). `lora`:
         adapters on the named parts (theworld/lora.py)."""
@@ -98,8 +110,15 @@ class TheWorld(nn.Module):
         return self, processor
 
     @classmethod
-    def from_modules(cls, gemma: nn.Module, vae: nn.Module, world: WorldConfig, freeze: FreezeConfig | None = None,
-                     seed: int = 0, lora: LoraConfig | None = None):
+    def from_modules(
+        cls,
+        gemma: nn.Module,
+        vae: nn.Module,
+        world: WorldConfig,
+        freeze: FreezeConfig | None = None,
+        seed: int = 0,
+        lora: LoraConfig | None = None,
+    ):
         """TheWorld around loaded (or, for train.memory, meta-device) base models, with a fresh fp32 projector."""
         encoder = WorldEncoder(vae)
         self = cls(gemma, encoder, cls.new_projector(gemma, encoder, world, seed), world.latent)
@@ -113,9 +132,15 @@ class TheWorld(nn.Module):
         """The fp32 projector as a run with this seed starts it (also the `init_projector` evaluation baseline)."""
         text_cfg = gemma.config.get_text_config()
         torch.manual_seed(seed)  # the projector's initialisation is part of the run's definition
-        return WorldProjector(text_cfg.hidden_size, encoder.latents_mean, encoder.latents_std,
-                              latent_channels=encoder.vae.config.z_dim, pool=world.pool, arch=world.projector,
-                              embed_std=text_cfg.initializer_range)
+        return WorldProjector(
+            text_cfg.hidden_size,
+            encoder.latents_mean,
+            encoder.latents_std,
+            latent_channels=encoder.vae.config.z_dim,
+            pool=world.pool,
+            arch=world.projector,
+            embed_std=text_cfg.initializer_range,
+        )
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, ema: bool = False, device: str | torch.device | None = None):
@@ -138,8 +163,10 @@ class TheWorld(nn.Module):
     # Parameters of an unfrozen part that a one-image forward never reaches: the vision tower's pooling head (Gemma
     # uses the patch tokens), the VAE's decoder side, and the encoder's temporal downsampling (a one-frame video skips
     # it). They would get no gradient, which multi-process (DDP) training refuses, so they stay frozen.
-    OFF_PATH = re.compile(r"^gemma\.model\.vision_tower\.(.+\.)?head\.|^world_encoder\.vae\.(decoder|post_quant_conv)\."
-                          r"|^world_encoder\.vae\.encoder\..*\.time_conv\.")
+    OFF_PATH = re.compile(
+        r"^gemma\.model\.vision_tower\.(.+\.)?head\.|^world_encoder\.vae\.(decoder|post_quant_conv)\."
+        r"|^world_encoder\.vae\.encoder\..*\.time_conv\."
+    )
 
     def set_freeze(self, freeze: FreezeConfig) -> None:
         if not freeze.vae and self.world_encoder is None:
@@ -185,8 +212,9 @@ class TheWorld(nn.Module):
             raise ValueError("need cached latents (mean, logvar) or images plus a loaded VAE")
         return self.world_encoder(images)
 
-    def fuse(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, world: torch.Tensor,
-             image_feats: torch.Tensor) -> dict[str, torch.Tensor]:
+    def fuse(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, world: torch.Tensor, image_feats: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
         """Embeddings, mask, positions and token types of the fused sequence (world tokens after BOS)."""
         embed = self.gemma.get_input_embeddings()
         is_image = input_ids == self.image_token_id
@@ -200,13 +228,31 @@ class TheWorld(nn.Module):
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         return {"inputs_embeds": embeds, "attention_mask": mask, "token_type_ids": types, "position_ids": positions}
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor, *,
-                latent_mean: torch.Tensor | None = None, latent_logvar: torch.Tensor | None = None,
-                images: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None,
-                siglip: torch.Tensor | None = None, num_items: int | torch.Tensor | None = None,
-                noise_seeds: list[int] | None = None, return_logits: bool = False) -> Output:
-        fused = self.embed_inputs(input_ids, attention_mask, latent_mean=latent_mean, latent_logvar=latent_logvar,
-                                  images=images, pixel_values=pixel_values, siglip=siglip, noise_seeds=noise_seeds)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        latent_mean: torch.Tensor | None = None,
+        latent_logvar: torch.Tensor | None = None,
+        images: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        siglip: torch.Tensor | None = None,
+        num_items: int | torch.Tensor | None = None,
+        noise_seeds: list[int] | None = None,
+        return_logits: bool = False,
+    ) -> Output:
+        fused = self.embed_inputs(
+            input_ids,
+            attention_mask,
+            latent_mean=latent_mean,
+            latent_logvar=latent_logvar,
+            images=images,
+            pixel_values=pixel_values,
+            siglip=siglip,
+            noise_seeds=noise_seeds,
+        )
         with record_function(PROFILE_LABELS["language_model"]):
             hidden = self.gemma.model(**fused, use_cache=False).last_hidden_state
         targets, keep = self._answer_targets(labels, hidden.shape[1] - labels.shape[1])
@@ -218,11 +264,19 @@ class TheWorld(nn.Module):
         full = self.logits(hidden) if return_logits else None
         return Output(loss=loss_sum / denom, loss_sum=loss_sum, num_tokens=n, logits=full)
 
-    def embed_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-                     latent_mean: torch.Tensor | None = None, latent_logvar: torch.Tensor | None = None,
-                     images: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None,
-                     siglip: torch.Tensor | None = None, noise_seeds: list[int] | None = None,
-                     world: bool = True) -> dict:
+    def embed_inputs(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        *,
+        latent_mean: torch.Tensor | None = None,
+        latent_logvar: torch.Tensor | None = None,
+        images: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        siglip: torch.Tensor | None = None,
+        noise_seeds: list[int] | None = None,
+        world: bool = True,
+    ) -> dict:
         """The fused language-model inputs (see `fuse`) from token ids, world inputs and image inputs.
         `world=False`: no world block at all (no SOW, world or EOW tokens), Gemma 3 as its users know it."""
         # labels for the profiler's trace (python -m train.profile_report groups its time by them)
@@ -244,8 +298,9 @@ class TheWorld(nn.Module):
         targets = torch.cat([labels[:, :1], world_labels, labels[:, 1:]], dim=1)[:, 1:]
         return targets, targets != IGNORE
 
-    def answer_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
-                        **inputs) -> torch.Tensor:
+    def answer_logprobs(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor, **inputs
+    ) -> torch.Tensor:
         """(B,) float32: each row's summed log-probability of its answer tokens (labels != IGNORE); `inputs` as for
         `forward`. Multiple-choice scoring (theworld.evaluate) compares these across a question's choices."""
         fused = self.embed_inputs(input_ids, attention_mask, **inputs)
@@ -264,16 +319,35 @@ class TheWorld(nn.Module):
 
     # ------------------------------------------------------------------------------------------------ inference
 
-    def generate(self, images: list, prompts: str | list[str], *, max_new_tokens: int = 64, do_sample: bool = False,
-                 temperature: float = 1.0, top_p: float = 1.0, use_cache: bool = True, world_images: list | None = None,
-                 seed: int | None = None) -> list[str]:
+    def generate(
+        self,
+        images: list,
+        prompts: str | list[str],
+        *,
+        max_new_tokens: int = 64,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        use_cache: bool = True,
+        world_images: list | None = None,
+        seed: int | None = None,
+    ) -> list[str]:
         """One answer per image (paths, bytes or PIL images) to its prompt (one string for all, or one each), through
         a KV cache (`use_cache=False` recomputes the whole sequence at every step; greedy output is the same). Stops
         at <end_of_turn> or EOS. `world_images`: take the world latents from these instead (one per image).
         See theworld/infer/generate.py."""
-        return generation.generate(self, images, prompts, max_new_tokens=max_new_tokens, do_sample=do_sample,
-                                 temperature=temperature, top_p=top_p, use_cache=use_cache,
-                                 world_images=world_images, seed=seed)
+        return generation.generate(
+            self,
+            images,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_p=top_p,
+            use_cache=use_cache,
+            world_images=world_images,
+            seed=seed,
+        )
 
     # ------------------------------------------------------------------------------------------------ weights
 
@@ -295,13 +369,19 @@ class TheWorld(nn.Module):
         trainable = {n for n, p in params.items() if p.requires_grad}
         for name, t in tensors.items():
             if name in params and params[name].shape != t.shape:
-                raise UserError(f"{path}: tensor {name} has shape {tuple(t.shape)}, "
-                                f"the model expects {tuple(params[name].shape)}")
-        report = LoadReport(loaded=sorted(set(tensors) & set(params)), new=sorted(trainable - set(tensors)),
-                            ignored=sorted(set(tensors) - set(params)))
+                raise UserError(
+                    f"{path}: tensor {name} has shape {tuple(t.shape)}, the model expects {tuple(params[name].shape)}"
+                )
+        report = LoadReport(
+            loaded=sorted(set(tensors) & set(params)),
+            new=sorted(trainable - set(tensors)),
+            ignored=sorted(set(tensors) - set(params)),
+        )
         if strict and (report.new or report.ignored or set(tensors) != trainable):
-            raise UserError(f"{path}: weights do not match the trainable set ({report.summary()}; "
-                            f"first differing: {(report.new + report.ignored + sorted(set(tensors) - trainable))[:3]})")
+            raise UserError(
+                f"{path}: weights do not match the trainable set ({report.summary()}; "
+                f"first differing: {(report.new + report.ignored + sorted(set(tensors) - trainable))[:3]})"
+            )
         with torch.no_grad():
             for name in report.loaded:
                 params[name].copy_(local_like(params[name], tensors[name]))
@@ -331,5 +411,6 @@ def local_like(ref: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     home = ref.to_local().device  # the host under FSDP's CPU offload, while the mesh is on the GPU
     if d.to_local().device == home:
         return d
-    return DTensor.from_local(d.to_local().to(home), ref.device_mesh, ref.placements, shape=ref.shape,
-                              stride=ref.stride())
+    return DTensor.from_local(
+        d.to_local().to(home), ref.device_mesh, ref.placements, shape=ref.shape, stride=ref.stride()
+    )

@@ -1,4 +1,5 @@
 """The world projector: VAE posterior -> world tokens in Gemma's input-embedding space."""
+
 from __future__ import annotations
 
 import math
@@ -17,8 +18,17 @@ class WorldProjector(nn.Module):
     initialised at the embedding table's std, so at step 0 they sit at the scale of the text they are mixed with.
     """
 
-    def __init__(self, hidden_size: int, latents_mean: torch.Tensor, latents_std: torch.Tensor, *,
-                 latent_channels: int = 16, pool: int = 1, arch: str = "mlp", embed_std: float = 0.02):
+    def __init__(
+        self,
+        hidden_size: int,
+        latents_mean: torch.Tensor,
+        latents_std: torch.Tensor,
+        *,
+        latent_channels: int = 16,
+        pool: int = 1,
+        arch: str = "mlp",
+        embed_std: float = 0.02,
+    ):
         super().__init__()
         if pool not in POOLS:
             raise ValueError(f"pool must be one of {POOLS}, got {pool}")
@@ -27,8 +37,9 @@ class WorldProjector(nn.Module):
         self.register_buffer("latents_mean", latents_mean.float().reshape(1, -1, 1, 1), persistent=False)
         self.register_buffer("latents_std", latents_std.float().reshape(1, -1, 1, 1), persistent=False)
         if arch == "mlp":
-            self.net = nn.Sequential(nn.Linear(latent_channels, hidden_size), nn.GELU(),
-                                     nn.Linear(hidden_size, hidden_size))
+            self.net = nn.Sequential(
+                nn.Linear(latent_channels, hidden_size), nn.GELU(), nn.Linear(hidden_size, hidden_size)
+            )
         elif arch == "linear":
             self.net = nn.Sequential(nn.Linear(latent_channels, hidden_size))
         else:
@@ -40,8 +51,9 @@ class WorldProjector(nn.Module):
         nn.init.normal_(last.weight, std=embed_std / math.sqrt(last.in_features) * (2.0 if arch == "mlp" else 1.0))
         nn.init.zeros_(last.bias)
 
-    def latent(self, mean: torch.Tensor, logvar: torch.Tensor, mode: str = "mean",
-               noise_seeds: list[int] | None = None) -> torch.Tensor:
+    def latent(
+        self, mean: torch.Tensor, logvar: torch.Tensor, mode: str = "mean", noise_seeds: list[int] | None = None
+    ) -> torch.Tensor:
         """z = mean, or mean + exp(logvar / 2) * eps with each sample's eps drawn from a generator seeded with its
         entry of `noise_seeds`: a sample's noise does not depend on which other samples share its batch."""
         if mode == "mean":
@@ -50,15 +62,29 @@ class WorldProjector(nn.Module):
             raise ValueError(f"latent mode must be 'mean' or 'sample', got {mode!r}")
         if noise_seeds is None or len(noise_seeds) != len(mean):
             raise ValueError("latent mode 'sample' needs one noise seed per sample")
-        eps = torch.stack([torch.randn(mean.shape[1:], generator=torch.Generator(mean.device).manual_seed(s),
-                                       device=mean.device, dtype=torch.float32) for s in noise_seeds])
+        eps = torch.stack(
+            [
+                torch.randn(
+                    mean.shape[1:],
+                    generator=torch.Generator(mean.device).manual_seed(s),
+                    device=mean.device,
+                    dtype=torch.float32,
+                )
+                for s in noise_seeds
+            ]
+        )
         return mean.float() + torch.exp(0.5 * logvar.float()) * eps
 
     def num_tokens(self, h: int, w: int) -> int:
         return (h // self.pool) * (w // self.pool) + 2
 
-    def forward(self, mean: torch.Tensor, logvar: torch.Tensor | None = None, mode: str = "mean",
-                noise_seeds: list[int] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        mean: torch.Tensor,
+        logvar: torch.Tensor | None = None,
+        mode: str = "mean",
+        noise_seeds: list[int] | None = None,
+    ) -> torch.Tensor:
         z = self.latent(mean, logvar, mode, noise_seeds).float()
         if z.dim() == 5:  # (B, C, T=1, h, w): one image is a one-frame video
             z = z[:, :, 0]

@@ -8,6 +8,7 @@ POSIX record locks (`fcntl.lockf`) belong to the process that took them: forked 
 and the kernel drops them when the process ends, `kill -9` included, so a crashed run never leaves a stale lock. The
 file keeps the last holder's pid, host and start time, for the message the next run gives.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,8 +17,8 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from theworld.errors import UserError
 
@@ -33,8 +34,9 @@ class InUse(UserError):
 
 
 def _in_use(folder: Path, holder: str, key: str) -> InUse:
-    return InUse(f"config key '{key}': {folder} is in use by another run ({holder}); wait for it to end or use "
-                 f"another {key}")
+    return InUse(
+        f"config key '{key}': {folder} is in use by another run ({holder}); wait for it to end or use another {key}"
+    )
 
 
 def check_folder(folder: Path | str, key: str = "output_dir") -> None:
@@ -62,15 +64,18 @@ def acquire(folder: Path | str, key: str = "output_dir") -> int | None:
         raise _in_use(folder, holder, key) from None
     except OSError as e:  # ENOLCK, EOPNOTSUPP: e.g. a network file system mounted without locking
         os.close(fd)
-        print(f"warning: cannot lock {folder / LOCK_FILE} ({e.strerror}): make sure no other run uses {key} "
-              f"{folder}", file=sys.stderr)
+        print(
+            f"warning: cannot lock {folder / LOCK_FILE} ({e.strerror}): make sure no other run uses {key} {folder}",
+            file=sys.stderr,
+        )
         return None
     if not _still_linked(fd, folder / LOCK_FILE):  # a refused run removed the file we opened: lock the new one
         os.close(fd)
         return acquire(folder, key)
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
-              .encode(), 0)
+    os.pwrite(
+        fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0
+    )
     return fd
 
 

@@ -4,14 +4,21 @@ Sample i is a pure function of (seed, i), so every process and every rerun draws
 word-level ("top left red circle . bottom right blue square .") and only the picture tells colour and shape, so a
 model can beat an image-blind one only by reading its world (or image) tokens.
 """
+
 from __future__ import annotations
 
 import random
 
 from PIL import Image, ImageDraw
 
-COLOURS = {"red": (220, 40, 40), "green": (40, 190, 60), "blue": (50, 80, 230), "yellow": (235, 215, 40),
-           "white": (245, 245, 245), "purple": (150, 60, 200)}
+COLOURS = {
+    "red": (220, 40, 40),
+    "green": (40, 190, 60),
+    "blue": (50, 80, 230),
+    "yellow": (235, 215, 40),
+    "white": (245, 245, 245),
+    "purple": (150, 60, 200),
+}
 SHAPES = ("circle", "square", "triangle", "cross")
 POSITIONS = ("top left", "top right", "bottom left", "bottom right")
 PROMPT = "describe the scene ."

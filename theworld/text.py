@@ -5,6 +5,7 @@ Labels are built from token ids: the prompt is rendered with the chat template u
 conversation is rendered, and the prompt's ids must be a prefix of the full ids; everything after the prefix up to and
 including the model turn's <end_of_turn> is the answer. A text-only re-render would miss the expanded image tokens.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -43,7 +44,14 @@ class ChatFormatter:
 
     SENTINEL = "\ue000answer\ue000"  # private-use characters: no tokenizer or template gives them meaning
     PROBE = "  a <probe> & 'caption'\n with {braces} and \"quotes\"  "
-    HEAD_PROBES = (PROBE.strip(), "x", "12 ÷ 3 = four", "\u00e9t\u00e9 \u6771\u4eac .", "model\nmodel", "<end_of_turn> !")
+    HEAD_PROBES = (
+        PROBE.strip(),
+        "x",
+        "12 ÷ 3 = four",
+        "\u00e9t\u00e9 \u6771\u4eac .",
+        "model\nmodel",
+        "<end_of_turn> !",
+    )
 
     def __init__(self, processor, max_length: int | None = None):
         self.processor = processor
@@ -57,8 +65,11 @@ class ChatFormatter:
         self._head_cache: dict[str, tuple[list[int], str, str] | None] = {}
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         probe = self._render(self._conversation("describe .", self.PROBE), False)
-        self._backend = backend if backend is not None and \
-            [self._slow_ids(probe)] * 2 == self._fast_ids_many(backend, [probe, probe]) else None
+        self._backend = (
+            backend
+            if backend is not None and [self._slow_ids(probe)] * 2 == self._fast_ids_many(backend, [probe, probe])
+            else None
+        )
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
@@ -91,8 +102,11 @@ class ChatFormatter:
         """(text before the answer, text after it) for this prompt, if splicing reproduces the template."""
         if prompt not in self._splice_cache:
             parts = self._render(self._conversation(prompt, self.SENTINEL), False).split(self.SENTINEL)
-            ok = len(parts) == 2 and self._render(self._conversation(prompt, self.PROBE), False) == \
-                parts[0] + self.PROBE.strip() + parts[1]
+            ok = (
+                len(parts) == 2
+                and self._render(self._conversation(prompt, self.PROBE), False)
+                == parts[0] + self.PROBE.strip() + parts[1]
+            )
             self._splice_cache[prompt] = (parts[0], parts[1]) if ok else None
         return self._splice_cache[prompt]
 
@@ -121,7 +135,7 @@ class ChatFormatter:
         last = max((i for i, t in enumerate(enc.ids) if t in special), default=None)
         if last is None:
             return [], before
-        ids, rest = enc.ids[: last + 1], before[enc.offsets[last][1]:]
+        ids, rest = enc.ids[: last + 1], before[enc.offsets[last][1] :]
         tails = self._ids_many([rest + c + after for c in self.HEAD_PROBES])
         whole = self._ids_many([before + c + after for c in self.HEAD_PROBES])
         return (ids, rest) if [ids + tail for tail in tails] == whole else ([], before)
@@ -168,7 +182,7 @@ class ChatFormatter:
         prefix = self.prefix(prompt, images)
         if full[: len(prefix)] != prefix:
             raise ValueError("the chat template's prompt is not a token prefix of the full conversation")
-        answer = full[len(prefix):]
+        answer = full[len(prefix) :]
         ends = [i for i, t in enumerate(answer) if t == self.end_of_turn_id]
         if not ends:
             raise ValueError("no <end_of_turn> after the answer")

@@ -4,6 +4,7 @@ No download is possible on our machines or in CI, so `model.gemma: tiny` / `mode
 them with `save_pretrained` under `cache/models/`, and from then on load them through the same `from_pretrained` code a
 hub id or a local checkpoint goes through. Building is deterministic, so every machine gets identical weights.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,17 @@ SEED = 1234
 # Large enough that the tied output embedding does not cap the logits: with the default 0.02 the logit length is
 # capped near 0.02 * hidden, which caps what any projector can achieve at hidden 128.
 INITIALIZER_RANGE = 0.05
-SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>",
-                  "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+SPECIAL_TOKENS = [
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<start_of_image>",
+    "<end_of_image>",
+    "<image_soft_token>",
+]
 # Gemma 3's chat template, reduced to what we use: text and image content, user/model turns.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -53,34 +63,70 @@ def _build_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     corpus = ["user\nmodel\n", "\n\n", *synthetic.VOCABULARY, *(f" {w}" for w in synthetic.VOCABULARY)]
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(corpus * 20, trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
-        extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
-                              "image_token": "<image_soft_token>"},
-        chat_template=CHAT_TEMPLATE, padding_side="right")
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        extra_special_tokens={
+            "boi_token": "<start_of_image>",
+            "eoi_token": "<end_of_image>",
+            "image_token": "<image_soft_token>",
+        },
+        chat_template=CHAT_TEMPLATE,
+        padding_side="right",
+    )
 
 
 def _gemma_config(tokenizer, initializer_range: float = INITIALIZER_RANGE, **text_sizes):
     from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
 
-    sizes = {**dict(hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
-                    num_key_value_heads=4, head_dim=32, sliding_window=64), **text_sizes}
+    sizes = {
+        **dict(
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            head_dim=32,
+            sliding_window=64,
+        ),
+        **text_sizes,
+    }
     # Real Gemma 3 scales queries by head_dim**-0.5 (query_pre_attn_scalar 256 = head_dim). Keep that ratio: with q/k
     # RMS-normalised, the default 256 at head_dim 32 would cap attention logits at 2, too flat to read world tokens.
     sizes.setdefault("query_pre_attn_scalar", sizes["head_dim"])
     text = Gemma3TextConfig(
-        vocab_size=len(tokenizer), **sizes, layer_types=gemma3.layer_types(sizes["num_hidden_layers"]),
-        max_position_embeddings=2048, initializer_range=initializer_range, pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                image_size=32, patch_size=8)
+        vocab_size=len(tokenizer),
+        **sizes,
+        layer_types=gemma3.layer_types(sizes["num_hidden_layers"]),
+        max_position_embeddings=2048,
+        initializer_range=initializer_range,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    vision = SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8
+    )
     ids = tokenizer.convert_tokens_to_ids
-    return Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
-                        boi_token_index=ids("<start_of_image>"), eoi_token_index=ids("<end_of_image>"),
-                        image_token_index=ids("<image_soft_token>"), initializer_range=initializer_range)
+    return Gemma3Config(
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        mm_tokens_per_image=4,
+        boi_token_index=ids("<start_of_image>"),
+        eoi_token_index=ids("<end_of_image>"),
+        image_token_index=ids("<image_soft_token>"),
+        initializer_range=initializer_range,
+    )
 
 
 def build_tiny_gemma(out_dir: Path, **text_sizes) -> None:
@@ -95,10 +141,14 @@ def build_tiny_gemma(out_dir: Path, **text_sizes) -> None:
     # token embedding so the image path carries signal, as a trained one does.
     with torch.no_grad():
         w = model.model.multi_modal_projector.mm_input_projection_weight
-        w.normal_(0.0, INITIALIZER_RANGE * config.text_config.hidden_size ** 0.5 / w.shape[0] ** 0.5)
+        w.normal_(0.0, INITIALIZER_RANGE * config.text_config.hidden_size**0.5 / w.shape[0] ** 0.5)
     image_processor = Gemma3ImageProcessorPil(size={"height": 32, "width": 32}, do_pan_and_scan=False)
-    processor = Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE,
-                                image_seq_length=config.mm_tokens_per_image)
+    processor = Gemma3Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        chat_template=CHAT_TEMPLATE,
+        image_seq_length=config.mm_tokens_per_image,
+    )
     model.save_pretrained(out_dir)
     processor.save_pretrained(out_dir)
 
@@ -115,8 +165,9 @@ def build_tiny_vae(out_dir: Path) -> None:
     pixels = torch.stack([to_uint8_tensor(synthetic.scene(SEED, i)[0]) for i in range(64)])
     with torch.no_grad():
         mean = vae.encode((pixels.float() / 127.5 - 1).unsqueeze(2)).latent_dist.mean
-    vae.register_to_config(latents_mean=mean.mean(dim=(0, 2, 3, 4)).tolist(),
-                           latents_std=mean.std(dim=(0, 2, 3, 4)).tolist())
+    vae.register_to_config(
+        latents_mean=mean.mean(dim=(0, 2, 3, 4)).tolist(), latents_std=mean.std(dim=(0, 2, 3, 4)).tolist()
+    )
     vae.save_pretrained(out_dir)
 
 

@@ -1,5 +1,6 @@
 """Batch assembly (in loader workers): tokenised text, cached tensors decoded together and stacked pixels, packed
 into one buffer (`Batch`) that the main process receives and copies to the device in one piece."""
+
 from __future__ import annotations
 
 import math
@@ -36,14 +37,14 @@ class Batch:
             self.layout.append((name, t.dtype, nbytes, tuple(t.shape)))
             nbytes += -(-t.numel() * t.element_size() // self.ALIGN) * self.ALIGN
         self.buffer = _byte_buffer(nbytes)
-        for (name, dtype, offset, shape), t in zip(self.layout, tensors.values()):
+        for (_name, dtype, offset, shape), t in zip(self.layout, tensors.values()):
             self._view(self.buffer, dtype, offset, shape).copy_(t)
 
     @staticmethod
     def _view(buffer: torch.Tensor, dtype: torch.dtype, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
-        return buffer[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+        return buffer[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
-    def pin_memory(self) -> "Batch":  # called by DataLoader(pin_memory=True)'s pinning thread
+    def pin_memory(self) -> Batch:  # called by DataLoader(pin_memory=True)'s pinning thread
         self.buffer = self.buffer.pin_memory()
         return self
 
@@ -82,8 +83,9 @@ class Collate:
                 stacked = _load_stacked(k, items, tuple(self.CACHED[member]), self.OPTIONAL)
                 if missing := self.CACHED[member].keys() - stacked.keys() - self.OPTIONAL:
                     raise ValueError(f"cache member {member} holds no tensor {', '.join(sorted(missing))}")
-                batch.update({prefix + key: stacked[name] for name, key in self.CACHED[member].items()
-                              if name in stacked})
+                batch.update(
+                    {prefix + key: stacked[name] for name, key in self.CACHED[member].items() if name in stacked}
+                )
             elif k not in ("text", "origin", PARTNER + "origin"):
                 batch[k] = torch.stack([it[k] for it in items])
         return Batch(batch, num_tokens=int((batch["labels"][:, 1:] != IGNORE).sum()))
@@ -109,8 +111,9 @@ def _load_stacked(member: str, items: list[dict], names, optional=frozenset()) -
             except BaseException as inner:  # noqa: BLE001 - KeyError for a missing tensor, or a decode failure
                 if not isinstance(inner, Exception) and type(inner).__name__ != "PanicException":
                     raise
-                raise reader.damaged(index, f"member {member} does not decode to tensors {', '.join(names)} "
-                                            f"({type(inner).__name__})") from None
+                raise reader.damaged(
+                    index, f"member {member} does not decode to tensors {', '.join(names)} ({type(inner).__name__})"
+                ) from None
         common = Counter(signatures).most_common(1)[0][0]
         odd = next((it[origin] for it, sig in zip(items, signatures) if sig != common), None)
         if odd is None:

@@ -18,6 +18,7 @@ The tiny_buckets case is the tiny one on an aspect-ratio bucketed cache (image.r
 8x16, 12x12, 16x8; synthetic scenes stretched to 2:1, 1:1, 1:2 and 4:3), so the world-token count changes from batch
 to batch. Caches are built once with the precompute CLI (train/ does not import precompute/) under cache/bench/.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,15 @@ from train.config import TrainConfig
 from train.step import LoopState, optimization_step
 
 BENCH_ROOT = Path("cache/bench")
-HEAVY = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=64, sliding_window=512)
+HEAVY = dict(
+    hidden_size=256,
+    intermediate_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    sliding_window=512,
+)
 CASES = {
     # name: (gemma, resolution, samples, global batch, micro batch, loader workers: one is 8-120x faster than
     # training needs here, and every extra process takes CPU from the 2-core training threads; rounds: a single
@@ -71,8 +79,12 @@ def _bucket_source(out: Path, resolution: int, samples: int) -> Path:
     if (out / "captions.jsonl").is_file():
         return out
     out.mkdir(parents=True, exist_ok=True)
-    sizes = [(2 * resolution, resolution), (resolution, resolution), (resolution, 2 * resolution),
-             (4 * resolution // 3, resolution)]
+    sizes = [
+        (2 * resolution, resolution),
+        (resolution, resolution),
+        (resolution, 2 * resolution),
+        (4 * resolution // 3, resolution),
+    ]
     lines = []
     for i in range(samples):
         img, caption = synthetic.scene(0, i, size=resolution)
@@ -92,9 +104,18 @@ def _ensure_cache(root: Path, case: str, gemma: str, resolution: int, samples: i
             source = ["source.type=folder", f"source.path={src}", "image.resize=bucket"]
         else:
             source = ["source.type=synthetic", f"source.num_samples={samples}"]
-        sets = [f"output_dir={out}", f"model.gemma={gemma}", "model.vae=tiny", "model.dtype=float32",
-                f"image.resolution={resolution}", *source, "cache.siglip=true", "cache.dtype=float32",
-                "shard_size=128", "num_workers=1"]
+        sets = [
+            f"output_dir={out}",
+            f"model.gemma={gemma}",
+            "model.vae=tiny",
+            "model.dtype=float32",
+            f"image.resolution={resolution}",
+            *source,
+            "cache.siglip=true",
+            "cache.dtype=float32",
+            "shard_size=128",
+            "num_workers=1",
+        ]
         cmd = [sys.executable, "-m", "precompute.cosmos_latents", *(a for kv in sets for a in ("--set", kv))]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return out
@@ -117,7 +138,7 @@ def _steps(c, state, batches, accum) -> list[float]:
     times = []
     for i in range(0, len(batches), accum):
         t = time.perf_counter()
-        optimization_step(c, state, batches[i:i + accum])
+        optimization_step(c, state, batches[i : i + accum])
         times.append(time.perf_counter() - t)
     return times
 
@@ -146,20 +167,43 @@ def _ratio_ci95(fed: list[float], staged: list[float], resamples: int = 2000) ->
     return [round(float(q), 3) for q in np.quantile(ratios, [0.025, 0.975])]
 
 
-def bench_case(case: str, steps: int = 1, warmup: int = 3, samples: int | None = None, root: Path = BENCH_ROOT,
-               rounds: int | None = None, workers: int | None = None) -> dict:
+def bench_case(
+    case: str,
+    steps: int = 1,
+    warmup: int = 3,
+    samples: int | None = None,
+    root: Path = BENCH_ROOT,
+    rounds: int | None = None,
+    workers: int | None = None,
+) -> dict:
     gemma_name, res, default_samples, gbs, mbs, default_workers, default_rounds = CASES[case]
     rounds = rounds or default_rounds
     workers = default_workers if workers is None else workers
     gemma = _gemma_path(gemma_name)
     cache = _ensure_cache(root, case, gemma, res, samples or default_samples)
     with tempfile.TemporaryDirectory() as out:
-        cfg = load_config(TrainConfig, None, [
-            f"model.gemma={gemma}", "model.vae=tiny", "model.dtype=float32", f"image.resolution={res}",
-            f"image.resize={'bucket' if case in BUCKETED else 'crop'}",
-            f"cache_dir={cache}", f"output_dir={out}", "trackers=[]", "resume=null", "train.eval_samples=16",
-            f"train.global_batch_size={gbs}", f"train.micro_batch_size={mbs}", f"train.num_workers={workers}",
-            f"train.max_steps={10 * steps}", "train.warmup_steps=0", "train.lr=1e-4"])
+        cfg = load_config(
+            TrainConfig,
+            None,
+            [
+                f"model.gemma={gemma}",
+                "model.vae=tiny",
+                "model.dtype=float32",
+                f"image.resolution={res}",
+                f"image.resize={'bucket' if case in BUCKETED else 'crop'}",
+                f"cache_dir={cache}",
+                f"output_dir={out}",
+                "trackers=[]",
+                "resume=null",
+                "train.eval_samples=16",
+                f"train.global_batch_size={gbs}",
+                f"train.micro_batch_size={mbs}",
+                f"train.num_workers={workers}",
+                f"train.max_steps={10 * steps}",
+                "train.warmup_steps=0",
+                "train.lr=1e-4",
+            ],
+        )
         reader, inputs = data.open_cache(cfg)
         launch = components.resolve_launch(cfg)
         acc = components.make_accelerator(cfg, launch)
@@ -170,8 +214,10 @@ def bench_case(case: str, steps: int = 1, warmup: int = 3, samples: int | None =
         n = warmup + rounds * steps
         per_epoch = order.steps_per_epoch(np.bincount(ctx.buckets[ctx.train_indices]), gbs)
         if n > per_epoch:
-            raise SystemExit(f"error: {n} steps (warm-up + rounds x steps) do not fit in one epoch of {per_epoch}: "
-                             "use more --samples or fewer --rounds")
+            raise SystemExit(
+                f"error: {n} steps (warm-up + rounds x steps) do not fit in one epoch of {per_epoch}: "
+                "use more --samples or fewer --rounds"
+            )
         staged = list(data.build_train_loader(cfg, ctx, 0, 1, epoch=0))[: n * accum]
         # cached path: short staged and loader-fed blocks over the same batches, alternated so that the drift and
         # bursts of a shared machine land on both sides alike. One loader serves every fed block: its worker runs
@@ -182,17 +228,19 @@ def bench_case(case: str, steps: int = 1, warmup: int = 3, samples: int | None =
         round_staged, round_fed = [], []  # mean step seconds of each round's two blocks (all of `steps` steps)
         for r in range(rounds):
             lo = (warmup + r * steps) * accum
-            round_staged.append(_mean(_steps(c, state, staged[lo:lo + steps * accum], accum)))
+            round_staged.append(_mean(_steps(c, state, staged[lo : lo + steps * accum], accum)))
             round_fed.append(_mean(_fed_steps(c, state, it, steps, accum)))
         del it
         step_s, fed_s = _mean(round_staged), _mean(round_fed)
         ratios = [f / s for f, s in zip(round_fed, round_staged)]
         # live path, same model and samples: frozen VAE and SigLIP run inside every step
-        live_plan = data.InputSources(cached_latents=False, cached_siglip=False, flip=False,
-                                   members=tuple(sorted(cf.IMAGE_EXTS)))
+        live_plan = data.InputSources(
+            cached_latents=False, cached_siglip=False, flip=False, members=tuple(sorted(cf.IMAGE_EXTS))
+        )
         live_reader = cf.CacheReader(cfg.cache_dir, members=live_plan.members)
-        live_ctx = data.DataContext(live_reader, live_plan, ctx.formatter, ctx.image_processor, ctx.train_indices,
-                                    ctx.eval_indices, ctx.buckets)
+        live_ctx = data.DataContext(
+            live_reader, live_plan, ctx.formatter, ctx.image_processor, ctx.train_indices, ctx.eval_indices, ctx.buckets
+        )
         live = list(data.build_train_loader(cfg, live_ctx, 0, 1, epoch=0))[: (warmup + steps) * accum]
         t_live = _steps(c, state, live, accum)[warmup:]
         loader = _loader_and_memory(cfg, ctx, c.raw.projector)
@@ -200,11 +248,18 @@ def bench_case(case: str, steps: int = 1, warmup: int = 3, samples: int | None =
         hw = reader.latent_hw[ctx.train_indices]
         world = (hw[:, 0] // c.raw.projector.pool) * (hw[:, 1] // c.raw.projector.pool)
     return {
-        "case": case, "world_tokens": int(world[0]) if (world == world[0]).all() else round(float(world.mean()), 1),
-        "latent_shapes": len(np.unique(hw, axis=0)), "hidden": c.raw.gemma.config.text_config.hidden_size,
-        "layers": c.raw.gemma.config.text_config.num_hidden_layers, "global_batch": gbs, "workers": workers,
-        "threads": torch.get_num_threads(), "steps_per_block": steps, "rounds": rounds,
-        "step_ms_staged": round(1000 * step_s, 2), "step_ms_fed": round(1000 * fed_s, 2),
+        "case": case,
+        "world_tokens": int(world[0]) if (world == world[0]).all() else round(float(world.mean()), 1),
+        "latent_shapes": len(np.unique(hw, axis=0)),
+        "hidden": c.raw.gemma.config.text_config.hidden_size,
+        "layers": c.raw.gemma.config.text_config.num_hidden_layers,
+        "global_batch": gbs,
+        "workers": workers,
+        "threads": torch.get_num_threads(),
+        "steps_per_block": steps,
+        "rounds": rounds,
+        "step_ms_staged": round(1000 * step_s, 2),
+        "step_ms_fed": round(1000 * fed_s, 2),
         "data_overhead": round(fed_s / step_s, 3),
         "data_overhead_ci95": _ratio_ci95(round_fed, round_staged),
         "data_overhead_round_quartiles": [round(q, 3) for q in statistics.quantiles(ratios, n=4)],
@@ -238,10 +293,15 @@ def _loader_and_memory(cfg, ctx, projector) -> dict:
                 computed += mask.numel() + len(mask) * projector.num_tokens(*tensors["latent_mean"].shape[-2:])
         t_total += time.perf_counter() - t
         del it, loader
-    return {"loader_samples_per_s": round(seen / t_total, 1),
-            "rss_mb_epoch1_start": round(rss[0]), "rss_mb_epoch1_end": round(rss[1]),
-            "rss_mb_epoch2_start": round(rss[2]), "rss_mb_epoch2_end": round(rss[3]),
-            "rss_growth_mb": round(rss[3] - rss[0], 1), "padding_fraction": round(pad / computed, 4)}
+    return {
+        "loader_samples_per_s": round(seen / t_total, 1),
+        "rss_mb_epoch1_start": round(rss[0]),
+        "rss_mb_epoch1_end": round(rss[1]),
+        "rss_mb_epoch2_start": round(rss[2]),
+        "rss_mb_epoch2_end": round(rss[3]),
+        "rss_growth_mb": round(rss[3] - rss[0], 1),
+        "padding_fraction": round(pad / computed, 4),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -250,17 +310,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", default="tiny,heavy,tiny_buckets")
     p.add_argument("--steps", type=int, default=1, help="timed steps per block")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before the first block")
-    p.add_argument("--rounds", type=int, default=None,
-                   help="staged/fed block pairs for data_overhead (default: per case, tiny and tiny_buckets 150, "
-                        "heavy 40)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="staged/fed block pairs for data_overhead (default: per case, tiny and tiny_buckets 150, heavy 40)",
+    )
     p.add_argument("--samples", type=int, default=None, help="cache size (default: per case)")
-    p.add_argument("--workers", type=int, default=None,
-                   help="loader worker processes (train.num_workers; default: per case, 1; 0 loads in the training "
-                        "process, between steps)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="loader worker processes (train.num_workers; default: per case, 1; 0 loads in the training "
+        "process, between steps)",
+    )
     p.add_argument("--root", default=str(BENCH_ROOT), help="where the bench caches are kept")
-    p.add_argument("--threads", type=int, default=0,
-                   help="torch threads of the training step (train.cpu_threads; 0: torch's default). The loader worker "
-                        "needs a core of its own, as it has next to a GPU: on a 2-core CPU that is --threads 1")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads of the training step (train.cpu_threads; 0: torch's default). The loader worker "
+        "needs a core of its own, as it has next to a GPU: on a 2-core CPU that is --threads 1",
+    )
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -270,8 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         if case not in CASES:
             print(f"error: unknown case {case!r} (known: {', '.join(CASES)})", file=sys.stderr)
             return 2
-        rows.append(bench_case(case, args.steps, args.warmup, args.samples, Path(args.root), args.rounds,
-                               args.workers))
+        rows.append(bench_case(case, args.steps, args.warmup, args.samples, Path(args.root), args.rounds, args.workers))
         if not args.json:
             print(json.dumps(rows[-1]), flush=True)
     if args.json:

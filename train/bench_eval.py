@@ -12,6 +12,7 @@ printed with them.
   sliding window and vocabulary with a small hidden size and random weights (train.bench_real's builders), cached
   latents and SigLIP features. `--sizes tiny` shrinks it to toy sizes (a smoke test; no figures worth quoting).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,13 +29,31 @@ from theworld.text import IGNORE, Encoded, collate_text
 from train.bench_real import _sync, batch, build, build_gemma
 
 CHOICES = 4
-SMALL = {"text": {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 6, "num_attention_heads": 4,
-                  "num_key_value_heads": 2, "head_dim": 32, "sliding_window": 1024, "vocab_size": 262208,
-                  "query_pre_attn_scalar": 32},
-         # 16 x 16 patches pool to the 256 image tokens (the tower never runs: SigLIP features are given)
-         "vision": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-                    "image_size": 64, "patch_size": 4},
-         "mm_tokens": 256, "resolution": 512, "vae": TINY["vae"]}
+SMALL = {
+    "text": {
+        "hidden_size": 128,
+        "intermediate_size": 512,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "sliding_window": 1024,
+        "vocab_size": 262208,
+        "query_pre_attn_scalar": 32,
+    },
+    # 16 x 16 patches pool to the 256 image tokens (the tower never runs: SigLIP features are given)
+    "vision": {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "image_size": 64,
+        "patch_size": 4,
+    },
+    "mm_tokens": 256,
+    "resolution": 512,
+    "vae": TINY["vae"],
+}
 SIZES = {"small": SMALL, "tiny": TINY}
 
 
@@ -54,11 +73,17 @@ def _best(fn, repeats: int, device: torch.device) -> tuple[dict, object]:
 
 
 def _row(name: str, n_items: int, t_shared: dict, t_whole: dict, diff: float, **facts) -> dict:
-    return {"case": name, **facts, "items": n_items, "choices": CHOICES,
-            "items_per_s_shared": round(n_items / t_shared["wall"], 2),
-            "items_per_s_unshared": round(n_items / t_whole["wall"], 2),
-            "speedup": round(t_whole["wall"] / t_shared["wall"], 2),
-            "speedup_cpu_time": round(t_whole["cpu"] / t_shared["cpu"], 2), "max_abs_score_diff": diff}
+    return {
+        "case": name,
+        **facts,
+        "items": n_items,
+        "choices": CHOICES,
+        "items_per_s_shared": round(n_items / t_shared["wall"], 2),
+        "items_per_s_unshared": round(n_items / t_whole["wall"], 2),
+        "speedup": round(t_whole["wall"] / t_shared["wall"], 2),
+        "speedup_cpu_time": round(t_whole["cpu"] / t_shared["cpu"], 2),
+        "max_abs_score_diff": diff,
+    }
 
 
 def demo_case(n_items: int, batch_size: int, repeats: int, device: torch.device) -> dict:
@@ -75,8 +100,11 @@ def demo_case(n_items: int, batch_size: int, repeats: int, device: torch.device)
 
         def run(shared: bool):  # own and shuffled world, theworld.evaluate's default conditions
             scorer = Scorer(model, processor, model.image_config, items, shared_prefix=shared)
-            return [s for lo in range(0, n_items, batch_size)
-                    for s in scorer.score(list(range(lo, min(lo + batch_size, n_items))))]
+            return [
+                s
+                for lo in range(0, n_items, batch_size)
+                for s in scorer.score(list(range(lo, min(lo + batch_size, n_items))))
+            ]
 
         t_shared, a = _best(lambda: run(True), repeats, device)
         t_whole, b = _best(lambda: run(False), repeats, device)
@@ -122,24 +150,39 @@ def real_shaped_case(sizes: dict, n_items: int, batch_size: int, repeats: int, d
                 with autocast:
                     if shared:
                         local = [idx.index(owner[r]) for r in sel]
-                        s = prefix_scoring.answer_logprobs(model, [prefixes[j] for j in idx], [rows[r] for r in sel],
-                                                           local, siglip.flatten(0, 1), latent_mean=mean,
-                                                           latent_logvar=logvar)
+                        s = prefix_scoring.answer_logprobs(
+                            model,
+                            [prefixes[j] for j in idx],
+                            [rows[r] for r in sel],
+                            local,
+                            siglip.flatten(0, 1),
+                            latent_mean=mean,
+                            latent_logvar=logvar,
+                        )
                     else:
                         text = {k: v.to(device) for k, v in collate_text([rows[r] for r in sel], 0).items()}
                         rep = torch.tensor([idx.index(owner[r]) for r in sel], device=device)
-                        s = model.answer_logprobs(**text, latent_mean=mean[rep], latent_logvar=logvar[rep],
-                                                  siglip=siglip[rep].flatten(0, 1))
+                        s = model.answer_logprobs(
+                            **text, latent_mean=mean[rep], latent_logvar=logvar[rep], siglip=siglip[rep].flatten(0, 1)
+                        )
                 out += s.tolist()
         return out
 
     t_shared, a = _best(lambda: run(True), repeats, device)
     t_whole, b = _best(lambda: run(False), repeats, device)
     world_tokens = model.projector.num_tokens(sizes["resolution"] // 8, sizes["resolution"] // 8)
-    return _row("real_shaped", n_items, t_shared, t_whole, max(abs(x - y) for x, y in zip(a, b)),
-                world_tokens=world_tokens, image_tokens=sizes["mm_tokens"],
-                prefix_tokens=len(prefixes[0]) + world_tokens, hidden_size=sizes["text"]["hidden_size"],
-                layers=sizes["text"]["num_hidden_layers"])
+    return _row(
+        "real_shaped",
+        n_items,
+        t_shared,
+        t_whole,
+        max(abs(x - y) for x, y in zip(a, b)),
+        world_tokens=world_tokens,
+        image_tokens=sizes["mm_tokens"],
+        prefix_tokens=len(prefixes[0]) + world_tokens,
+        hidden_size=sizes["text"]["hidden_size"],
+        layers=sizes["text"]["num_hidden_layers"],
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,21 +197,29 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     cases = args.cases.split(",")
     if not set(cases) <= {"demo", "real_shaped"} or args.items < 2 or args.batch < 1 or args.repeats < 1:
-        print("error: train.bench_eval: --cases from demo,real_shaped; --items >= 2, --batch and --repeats >= 1",
-              file=sys.stderr)
+        print(
+            "error: train.bench_eval: --cases from demo,real_shaped; --items >= 2, --batch and --repeats >= 1",
+            file=sys.stderr,
+        )
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
     for case in cases:
-        row = (demo_case(args.items, args.batch, args.repeats, device) if case == "demo" else
-               real_shaped_case(SIZES[args.sizes], args.items, args.batch, args.repeats, device))
+        row = (
+            demo_case(args.items, args.batch, args.repeats, device)
+            if case == "demo"
+            else real_shaped_case(SIZES[args.sizes], args.items, args.batch, args.repeats, device)
+        )
         rows.append(row)
         if not args.json:
             print("  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
-    machine = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-               "threads": torch.get_num_threads(), "torch": torch.__version__}
+    machine = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
     if args.json:
         print(json.dumps({**machine, "cases": {r.pop("case"): r for r in rows}}))
     else:

@@ -12,6 +12,7 @@ generation loop against `Gemma3ForConditionalGeneration.generate` on the same te
 tokens), and of our loop on the full fused prefix (world + image tokens). `--sizes tiny` runs that path at toy sizes
 (a smoke test; no figures worth quoting).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,11 +46,19 @@ def _decode(model, fused: dict, n: int, use_cache: bool) -> list[list[int]]:
 def cache_rows(model, fused: dict, new_tokens: int, repeats: int, device: torch.device) -> list[dict]:
     rows = []
     for use_cache in (True, False):
-        one = _timed(lambda: _decode(model, fused, 1, use_cache), repeats, device)
-        many = _timed(lambda: _decode(model, fused, new_tokens, use_cache), repeats, device)
-        rows.append({"case": "cache" if use_cache else "no_cache", "prefix_tokens": fused["inputs_embeds"].shape[1],
-                     "batch": fused["inputs_embeds"].shape[0], "new_tokens": new_tokens, "t1_ms": round(1000 * one, 1),
-                     f"t{new_tokens}_ms": round(1000 * many, 1), "ratio": round(many / one, 2)})
+        one = _timed(lambda use_cache=use_cache: _decode(model, fused, 1, use_cache), repeats, device)
+        many = _timed(lambda use_cache=use_cache: _decode(model, fused, new_tokens, use_cache), repeats, device)
+        rows.append(
+            {
+                "case": "cache" if use_cache else "no_cache",
+                "prefix_tokens": fused["inputs_embeds"].shape[1],
+                "batch": fused["inputs_embeds"].shape[0],
+                "new_tokens": new_tokens,
+                "t1_ms": round(1000 * one, 1),
+                f"t{new_tokens}_ms": round(1000 * many, 1),
+                "ratio": round(many / one, 2),
+            }
+        )
     return rows
 
 
@@ -69,29 +78,56 @@ def tiny_fused(batch_size: int):
 def text_only(model, ids: torch.Tensor) -> dict:
     """Fused inputs of a text-only prompt: what Gemma's own generate sees, in our loop's form."""
     pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-    return {"inputs_embeds": model.gemma.get_input_embeddings()(ids), "attention_mask": torch.ones_like(ids),
-            "position_ids": pos, "token_type_ids": torch.zeros_like(ids)}
+    return {
+        "inputs_embeds": model.gemma.get_input_embeddings()(ids),
+        "attention_mask": torch.ones_like(ids),
+        "position_ids": pos,
+        "token_type_ids": torch.zeros_like(ids),
+    }
 
 
 @torch.no_grad()
-def real_rows(sizes: dict, pool: int, batch_size: int, new_tokens: int, repeats: int, device: torch.device) -> list[dict]:
+def real_rows(
+    sizes: dict, pool: int, batch_size: int, new_tokens: int, repeats: int, device: torch.device
+) -> list[dict]:
     gemma = build_gemma(sizes, device)
     model = build(sizes, gemma, pool, device).eval()
     x = batch(sizes, batch_size, device)
     ids = x["input_ids"].masked_fill(x["input_ids"] >= sizes["text"]["vocab_size"] - 3, 0)  # text only
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         ours = _timed(lambda: _decode(model, text_only(model, ids), new_tokens, True), repeats, device)
-        theirs = _timed(lambda: gemma.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                               max_new_tokens=new_tokens, min_new_tokens=new_tokens),
-                        repeats, device)
+        theirs = _timed(
+            lambda: gemma.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+            ),
+            repeats,
+            device,
+        )
         fused = gen.left_align(model.embed_inputs(**{k: v for k, v in x.items() if k != "labels"}))
         full = _timed(lambda: _decode(model, fused, new_tokens, True), repeats, device)
     tps = lambda s: round(batch_size * new_tokens / s, 1)
-    return [{"case": "text_only", "prompt_tokens": ids.shape[1], "batch": batch_size, "new_tokens": new_tokens,
-             "ours_tokens_per_s": tps(ours), "gemma_generate_tokens_per_s": tps(theirs),
-             "ours_over_gemma": round(theirs / ours, 3)},
-            {"case": "fused_prefix", "prefix_tokens": fused["inputs_embeds"].shape[1], "batch": batch_size,
-             "new_tokens": new_tokens, "ours_tokens_per_s": tps(full)}]
+    return [
+        {
+            "case": "text_only",
+            "prompt_tokens": ids.shape[1],
+            "batch": batch_size,
+            "new_tokens": new_tokens,
+            "ours_tokens_per_s": tps(ours),
+            "gemma_generate_tokens_per_s": tps(theirs),
+            "ours_over_gemma": round(theirs / ours, 3),
+        },
+        {
+            "case": "fused_prefix",
+            "prefix_tokens": fused["inputs_embeds"].shape[1],
+            "batch": batch_size,
+            "new_tokens": new_tokens,
+            "ours_tokens_per_s": tps(full),
+        },
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,14 +145,18 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.real:
-        rows = real_rows(REAL if args.sizes == "real" else TINY, args.pool, args.batch, args.new_tokens, args.repeats,
-                         device)
+        rows = real_rows(
+            REAL if args.sizes == "real" else TINY, args.pool, args.batch, args.new_tokens, args.repeats, device
+        )
     else:
         model, fused = tiny_fused(args.batch)
-        rows = cache_rows(model.to(device), {k: v.to(device) for k, v in fused.items()}, args.new_tokens,
-                          args.repeats, device)
-    machine = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-               "threads": torch.get_num_threads()}
+        rows = cache_rows(
+            model.to(device), {k: v.to(device) for k, v in fused.items()}, args.new_tokens, args.repeats, device
+        )
+    machine = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "threads": torch.get_num_threads(),
+    }
     if args.json:
         print(json.dumps({**machine, "rows": rows}))
     else:

@@ -13,6 +13,7 @@ run, and the trainer's fallback), and carry `cache_speedup` = live step time / c
 The VAE encoder at 512 px in bf16 as precompute runs it (eager, channels-last, compiled): images/s. `--sizes tiny`
 runs the same code at toy sizes (CPU smoke test; no MFU there).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,7 +63,7 @@ def text_inputs(b: int, mm: int, boi: int, image: int, eoi: int, g: torch.Genera
     """Token ids, mask and labels of `b` samples: TEXT_TOKENS of text with one image block (boi, `mm` image tokens,
     eoi) after the first 8, the last ANSWER_TOKENS labelled; text ids below every special id."""
     ids = torch.randint(0, min(boi, image, eoi), (b, TEXT_TOKENS + mm + 2), generator=g)
-    ids[:, 8], ids[:, 9:9 + mm], ids[:, 9 + mm] = boi, image, eoi
+    ids[:, 8], ids[:, 9 : 9 + mm], ids[:, 9 + mm] = boi, image, eoi
     labels = torch.full_like(ids, -100)
     labels[:, -ANSWER_TOKENS:] = ids[:, -ANSWER_TOKENS:]
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
@@ -90,7 +91,13 @@ def lm_flops(sizes: dict, seq: int) -> float:
     """Forward FLOPs of the language model over one sequence (matmuls + attention; lm_head on answer tokens only);
     the activation backward of frozen weights costs the same again (dX only, no dW)."""
     t = sizes["text"]
-    h, hd, nh, kv, ff = t["hidden_size"], t["head_dim"], t["num_attention_heads"], t["num_key_value_heads"], t["intermediate_size"]
+    h, hd, nh, kv, ff = (
+        t["hidden_size"],
+        t["head_dim"],
+        t["num_attention_heads"],
+        t["num_key_value_heads"],
+        t["intermediate_size"],
+    )
     per_layer_params = h * hd * (nh + 2 * kv) + nh * hd * h + 3 * h * ff
     n = t["num_hidden_layers"]
     n_global = gemma3.layer_types(n).count("full_attention")
@@ -104,8 +111,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def step_row(sizes: dict, gemma, pool: int, ckpt: bool, micro: int, steps: int, device: torch.device,
-             compiled: bool = False, live: bool = False) -> dict:
+def step_row(
+    sizes: dict,
+    gemma,
+    pool: int,
+    ckpt: bool,
+    micro: int,
+    steps: int,
+    device: torch.device,
+    compiled: bool = False,
+    live: bool = False,
+) -> dict:
     model = build(sizes, gemma, pool, device)
     model.gradient_checkpointing(ckpt)
     model.train()
@@ -114,7 +130,7 @@ def step_row(sizes: dict, gemma, pool: int, ckpt: bool, micro: int, steps: int, 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = []
-    for i in range(steps + 2):  # two warm-up steps (compilation happens there)
+    for _ in range(steps + 2):  # two warm-up steps (compilation happens there)
         _sync(device)
         t = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
@@ -128,10 +144,20 @@ def step_row(sizes: dict, gemma, pool: int, ckpt: bool, micro: int, steps: int, 
     world = model.projector.num_tokens(latent_side(sizes["resolution"]), latent_side(sizes["resolution"]))
     seq = x["input_ids"].shape[1] + world
     flops = 2 * lm_flops(sizes, seq) * micro
-    row = {"case": "stage1_step", "pool": pool, "world_tokens": world - 2, "seq_len": seq,
-           "gradient_checkpointing": ckpt, "compiled": compiled, "attn": gemma.config.text_config._attn_implementation,
-           "encoding": "live" if live else "cached", "micro_batch": micro, "step_ms": round(1000 * step_s, 1),
-           "samples_per_s": round(micro / step_s, 2), "tflops_per_s": round(flops / step_s / 1e12, 1)}
+    row = {
+        "case": "stage1_step",
+        "pool": pool,
+        "world_tokens": world - 2,
+        "seq_len": seq,
+        "gradient_checkpointing": ckpt,
+        "compiled": compiled,
+        "attn": gemma.config.text_config._attn_implementation,
+        "encoding": "live" if live else "cached",
+        "micro_batch": micro,
+        "step_ms": round(1000 * step_s, 1),
+        "samples_per_s": round(micro / step_s, 2),
+        "tflops_per_s": round(flops / step_s / 1e12, 1),
+    }
     if device.type == "cuda":
         row["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in torch.cuda.get_device_name()), None)
@@ -152,11 +178,14 @@ def vae_rows(sizes: dict, batch_size: int, steps: int, device: torch.device) -> 
         enc = WorldEncoder(AutoencoderKLWan(**sizes["vae"]).to(torch.bfloat16).eval())
     r = sizes["resolution"]
     g = torch.Generator().manual_seed(0)  # smooth images (upsampled noise): activations closer to photos'
-    pixels = (F.interpolate(torch.rand(batch_size, 3, r // 8, r // 8, generator=g), size=r, mode="bilinear") * 255)
+    pixels = F.interpolate(torch.rand(batch_size, 3, r // 8, r // 8, generator=g), size=r, mode="bilinear") * 255
     pixels = pixels.to(torch.uint8).to(device)
     rows, ref = [], None
-    for variant, channels_last, compiled in (("eager", False, False), ("channels_last", True, False),
-                                            ("channels_last+compile", True, True)):
+    for variant, channels_last, compiled in (
+        ("eager", False, False),
+        ("channels_last", True, False),
+        ("channels_last+compile", True, True),
+    ):
         if channels_last and device.type != "cuda":
             continue
         enc.optimize_for_inference(channels_last=channels_last, compile=compiled)
@@ -170,9 +199,18 @@ def vae_rows(sizes: dict, batch_size: int, steps: int, device: torch.device) -> 
             enc(pixels)
         _sync(device)
         dt = (time.perf_counter() - t) / steps
-        rows.append({"case": "precompute_vae_encode", "variant": variant, "resolution": r, "batch": batch_size,
-                     "dtype": "bfloat16", "images_per_s": round(batch_size / dt, 1),
-                     "first_call_s": round(first_s, 1), "max_abs_diff_vs_eager": round((out - ref).abs().max().item(), 5)})
+        rows.append(
+            {
+                "case": "precompute_vae_encode",
+                "variant": variant,
+                "resolution": r,
+                "batch": batch_size,
+                "dtype": "bfloat16",
+                "images_per_s": round(batch_size / dt, 1),
+                "first_call_s": round(first_s, 1),
+                "max_abs_diff_vs_eager": round((out - ref).abs().max().item(), 5),
+            }
+        )
     return rows
 
 
@@ -191,9 +229,16 @@ def stage1_rows(sizes: dict, args, device: torch.device) -> list[dict]:
             try:
                 row = step_row(sizes, gemma, pool, ckpt, micro, args.steps, device, compiled, live)
             except torch.OutOfMemoryError:
-                row = {"case": "stage1_step", "pool": pool, "gradient_checkpointing": ckpt, "compiled": compiled,
-                       "attn": args.attn, "encoding": "live" if live else "cached", "micro_batch": micro,
-                       "error": "out of memory"}
+                row = {
+                    "case": "stage1_step",
+                    "pool": pool,
+                    "gradient_checkpointing": ckpt,
+                    "compiled": compiled,
+                    "attn": args.attn,
+                    "encoding": "live" if live else "cached",
+                    "micro_batch": micro,
+                    "error": "out of memory",
+                }
                 torch.cuda.empty_cache()
             prev = rows[-1] if rows else {}
             if live and prev.get("encoding") == "cached" and "step_ms" in prev and "step_ms" in row:
@@ -210,22 +255,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", choices=["real", "tiny"], default="real")
     p.add_argument("--micro-batch", default="4", help="comma-separated micro-batch sizes, one set of rows each")
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--compile", choices=["no", "yes", "both"], default="both",
-                   help="torch.compile the decoder layers (train.compile) for the stage-1 rows")
+    p.add_argument(
+        "--compile",
+        choices=["no", "yes", "both"],
+        default="both",
+        help="torch.compile the decoder layers (train.compile) for the stage-1 rows",
+    )
     p.add_argument("--pool", default="1,2", help="comma-separated world.pool values")
     p.add_argument("--checkpointing", choices=["no", "yes", "both"], default="both")
-    p.add_argument("--attn", choices=["sdpa", "flex_attention", "eager"], default="sdpa",
-                   help="the language model's attention kernel (train.attention)")
-    p.add_argument("--encoding", choices=["cached", "live", "both"], default="both",
-                   help="stage-1 world inputs: cached latents + SigLIP features, live VAE + SigLIP encoding in every "
-                        "step, or both (live rows then carry cache_speedup)")
+    p.add_argument(
+        "--attn",
+        choices=["sdpa", "flex_attention", "eager"],
+        default="sdpa",
+        help="the language model's attention kernel (train.attention)",
+    )
+    p.add_argument(
+        "--encoding",
+        choices=["cached", "live", "both"],
+        default="both",
+        help="stage-1 world inputs: cached latents + SigLIP features, live VAE + SigLIP encoding in every "
+        "step, or both (live rows then carry cache_speedup)",
+    )
     p.add_argument("--vae-batch", type=int, default=16, help="batch of the VAE encoder rows")
     p.add_argument("--rows", default="stage1,vae", help="which rows: stage1, vae, or both (comma-separated)")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.sizes == "real" and device.type != "cuda":
-        print("error: train.bench_real at real sizes needs a CUDA GPU (use --sizes tiny for a CPU smoke run)",
-              file=sys.stderr)
+        print(
+            "error: train.bench_real at real sizes needs a CUDA GPU (use --sizes tiny for a CPU smoke run)",
+            file=sys.stderr,
+        )
         return 2
     sizes = REAL if args.sizes == "real" else TINY
     _quiet_hf()
@@ -237,8 +296,17 @@ def main(argv: list[str] | None = None) -> int:
         for row in vae if not args.json else ():
             print(json.dumps(row), flush=True)
     if args.json:
-        print(json.dumps({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                          "torch": torch.__version__, "attn_implementation": args.attn, "rows": rows}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                    "torch": torch.__version__,
+                    "attn_implementation": args.attn,
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
     return 0
 
 

@@ -12,6 +12,7 @@ warm-up step), the peak GPU memory (`max_memory_allocated`; on a CPU, none), the
 and train.memory's estimate for the same mode next to them. Any config runs: `configs/stage3.yaml` (the tiny models)
 is the CPU smoke test.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,13 +71,24 @@ def row(config: str, mode: str, steps: int, micro: int | None) -> dict:
     from train.config import TrainConfig
     from train.step import LoopState, optimization_step
 
-    sets = ["trackers=[]", f"output_dir={tempfile.mkdtemp(prefix='bench_stages-')}", "train.global_batch_size=1",
-            "train.micro_batch_size=1", *MODES[mode]]
+    sets = [
+        "trackers=[]",
+        f"output_dir={tempfile.mkdtemp(prefix='bench_stages-')}",
+        "train.global_batch_size=1",
+        "train.micro_batch_size=1",
+        *MODES[mode],
+    ]
     cfg = load_config(TrainConfig, config, sets)
     micro = micro or load_config(TrainConfig, config).train.max_micro_batch_size
     cfg.train.global_batch_size = cfg.train.micro_batch_size = micro
-    out = {"case": "stage_step", "config": config, "mode": mode, "micro_batch": micro,
-           "mixed_precision": cfg.train.mixed_precision, "gradient_checkpointing": cfg.train.gradient_checkpointing}
+    out = {
+        "case": "stage_step",
+        "config": config,
+        "mode": mode,
+        "micro_batch": micro,
+        "mixed_precision": cfg.train.mixed_precision,
+        "gradient_checkpointing": cfg.train.gradient_checkpointing,
+    }
     plan = memory.estimate(cfg, 1, 80.0)
     out["estimate_gpu_gib"] = round(plan["per_gpu_bytes"][MEMORY_MODE[mode]]["total"] / 2**30, 2)
     if mode == "offload":
@@ -98,8 +110,12 @@ def row(config: str, mode: str, steps: int, micro: int | None) -> dict:
     except torch.OutOfMemoryError:
         return {**out, "error": "out of memory"}
     step_s = sum(times[1:]) / steps
-    out.update(sharding=c.sharding, step_s=round(step_s, 3), samples_per_s=round(micro / step_s, 3),
-               loss_finite=state.last_loss is not None)
+    out.update(
+        sharding=c.sharding,
+        step_s=round(step_s, 3),
+        samples_per_s=round(micro / step_s, 3),
+        loss_finite=state.last_loss is not None,
+    )
     if device.type == "cuda":
         out["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         out["device"] = torch.cuda.get_device_name()
@@ -126,13 +142,34 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for config in args.configs.split(","):
         for mode in modes:
-            r = subprocess.run([sys.executable, "-m", "train.bench_stages", "--row", config, mode, "--steps",
-                                str(args.steps), "--micro-batch", str(args.micro_batch)], capture_output=True,
-                               text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+            r = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "train.bench_stages",
+                    "--row",
+                    config,
+                    mode,
+                    "--steps",
+                    str(args.steps),
+                    "--micro-batch",
+                    str(args.micro_batch),
+                ],
+                capture_output=True,
+                text=True,
+                env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            )
             lines = r.stdout.strip().splitlines()
-            rows.append(json.loads(lines[-1]) if r.returncode == 0 and lines else
-                        {"case": "stage_step", "config": config, "mode": mode,
-                         "error": (r.stderr.strip().splitlines() or ["no output"])[-1][:300]})
+            rows.append(
+                json.loads(lines[-1])
+                if r.returncode == 0 and lines
+                else {
+                    "case": "stage_step",
+                    "config": config,
+                    "mode": mode,
+                    "error": (r.stderr.strip().splitlines() or ["no output"])[-1][:300],
+                }
+            )
             if not args.json:
                 print(json.dumps(rows[-1]), flush=True)
     if args.json:

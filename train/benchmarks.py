@@ -7,6 +7,7 @@ Every process evaluates its share of the items (item i goes to process i % world
 every process runs the same number of forward passes (a process with no items left runs one and discards it), so a
 sharded model's collectives stay matched.
 """
+
 from __future__ import annotations
 
 import math
@@ -58,8 +59,10 @@ class BenchmarkEval:
             if cfg.train.sharding == "fsdp" and ("init_projector" in entry.baselines or entry.protocol == "generate"):
                 # the baseline swaps weights FSDP shards; generation stops when every row is done, which differs
                 # between processes, and FSDP's collectives need every process in every forward
-                raise UserError("config key 'train.benchmarks': the init_projector baseline and the generate "
-                                "protocol need train.sharding: ddp")
+                raise UserError(
+                    "config key 'train.benchmarks': the init_projector baseline and the generate "
+                    "protocol need train.sharding: ddp"
+                )
             try:
                 items = benchmarks.read(entry.path)
             except UserError as e:
@@ -70,8 +73,13 @@ class BenchmarkEval:
             items = [it for it in items if it.name not in bad]
             if not items:
                 raise UserError(f"config key 'train.benchmarks': {entry.path} has no item with readable images")
-            protocol = entry.protocol if entry.protocol != "auto" else \
-                "generate" if all(it.prompt for it in items) and cfg.train.sharding != "fsdp" else "loglik"
+            protocol = (
+                entry.protocol
+                if entry.protocol != "auto"
+                else "generate"
+                if all(it.prompt for it in items) and cfg.train.sharding != "fsdp"
+                else "loglik"
+            )
             sets[name] = BenchmarkSet(items, protocol, entry.baselines)
         return cls(sets, cfg.train.eval_batch_size)
 
@@ -85,8 +93,11 @@ class BenchmarkEval:
         out = {}
         try:
             for name, bset in self.sets.items():
-                init = baselines.InitProjector(model, components.cfg.world, components.cfg.seed) \
-                    if "init_projector" in bset.baselines else None
+                init = (
+                    baselines.InitProjector(model, components.cfg.world, components.cfg.seed)
+                    if "init_projector" in bset.baselines
+                    else None
+                )
                 counts = self._counts(components, bset, rows, init)
                 if components.world_size > 1:
                     counts = accelerator.reduce(counts, reduction="sum")
@@ -109,7 +120,7 @@ class BenchmarkEval:
         counts = torch.zeros(4 + 3 * len(bset.baselines), dtype=torch.float64, device=components.accelerator.device)
         for s in range(steps):
             preempt.poll()  # the same `steps` on every process
-            idx = mine[s * per_batch:(s + 1) * per_batch]
+            idx = mine[s * per_batch : (s + 1) * per_batch]
             with components.accelerator.autocast():
                 outputs = run(idx or [0], conds)
             for r in tally(items, idx, outputs, bset.protocol):  # no records for the stand-in batch
@@ -124,15 +135,22 @@ class BenchmarkEval:
 
 def _metrics(name: str, bset: BenchmarkSet, counts: list[int]) -> dict:
     n, k, ks, unparsed = counts[:4]
-    out = {f"bench/{name}/n": n, f"bench/{name}/accuracy": k / max(n, 1),
-           f"bench/{name}/accuracy_shuffled_world": ks / max(n, 1)}
+    out = {
+        f"bench/{name}/n": n,
+        f"bench/{name}/accuracy": k / max(n, 1),
+        f"bench/{name}/accuracy_shuffled_world": ks / max(n, 1),
+    }
     if bset.protocol == "generate":
         out[f"bench/{name}/unparsed"] = unparsed
     for j, b in enumerate(bset.baselines):
-        right, only_model, only_base = counts[4 + 3 * j: 7 + 3 * j]
-        out.update({f"bench/{name}/{b}/accuracy": right / max(n, 1),
-                    f"bench/{name}/{b}/difference": (only_model - only_base) / max(n, 1),
-                    f"bench/{name}/{b}/p_value": stats.mcnemar_exact(only_model, only_base)})
+        right, only_model, only_base = counts[4 + 3 * j : 7 + 3 * j]
+        out.update(
+            {
+                f"bench/{name}/{b}/accuracy": right / max(n, 1),
+                f"bench/{name}/{b}/difference": (only_model - only_base) / max(n, 1),
+                f"bench/{name}/{b}/p_value": stats.mcnemar_exact(only_model, only_base),
+            }
+        )
     return out
 
 
@@ -142,8 +160,10 @@ def lines(results: dict) -> list[str]:
     out = []
     for name in names:
         r = {k.removeprefix(f"bench/{name}/"): v for k, v in results.items() if k.startswith(f"bench/{name}/")}
-        text = (f"benchmark {name}: n {r['n']}, accuracy {r['accuracy']:.4f}, "
-                f"accuracy_shuffled_world {r['accuracy_shuffled_world']:.4f}")
+        text = (
+            f"benchmark {name}: n {r['n']}, accuracy {r['accuracy']:.4f}, "
+            f"accuracy_shuffled_world {r['accuracy_shuffled_world']:.4f}"
+        )
         if "unparsed" in r:
             text += f", unparsed {r['unparsed']}"
         for key in sorted(k for k in r if k.endswith("/accuracy")):

@@ -6,6 +6,7 @@ The learning-rate schedule is a pure function of the step and the data cursor a 
 nothing else needs saving. Under FSDP (train.sharding: fsdp) every file holds whole tensors, gathered to the main
 process (`gather`), with the same names and layout as a one-process run: see docs/training.md, "Sharding".
 """
+
 from __future__ import annotations
 
 import json
@@ -64,7 +65,9 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     out = Path(output_dir)
     if not out.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in out.iterdir() if (m := CHECKPOINT_RE.match(p.name)) and (p / STATE).is_file()]
+    found = [
+        (int(m.group(1)), p) for p in out.iterdir() if (m := CHECKPOINT_RE.match(p.name)) and (p / STATE).is_file()
+    ]
     return [p for _, p in sorted(found)]
 
 
@@ -76,16 +79,20 @@ def resolve_resume(cfg: TrainConfig) -> Path | None:
         return ckpts[-1] if ckpts else None
     if cfg.resume is None:
         if ckpts:
-            raise UserError(f"config key 'resume': null starts afresh, but output_dir {cfg.output_dir} holds "
-                            f"{ckpts[-1].name} of an earlier run; use resume: auto to continue it, or another "
-                            "output_dir")
+            raise UserError(
+                f"config key 'resume': null starts afresh, but output_dir {cfg.output_dir} holds "
+                f"{ckpts[-1].name} of an earlier run; use resume: auto to continue it, or another "
+                "output_dir"
+            )
         return None
     p = Path(cfg.resume)
     if not (p / STATE).is_file():
         raise UserError(f"config key 'resume': {p} is not a checkpoint (no {STATE})")
     if ckpts and p.resolve() != ckpts[-1].resolve():
-        raise UserError(f"config key 'resume': {p} is not the newest checkpoint of output_dir {cfg.output_dir} "
-                        f"({ckpts[-1].name}); continuing it there would mix two runs: use another output_dir")
+        raise UserError(
+            f"config key 'resume': {p} is not the newest checkpoint of output_dir {cfg.output_dir} "
+            f"({ckpts[-1].name}); continuing it there would mix two runs: use another output_dir"
+        )
     return p
 
 
@@ -103,16 +110,22 @@ def check_resumable(path: Path, max_steps: int) -> dict:
     except UserError as e:
         raise UserError(f"resume: {e}; {advice}") from None
     if "state_sha256" in state and state["state_sha256"] != state_digest(state):
-        raise UserError(f"resume: {path / STATE} was changed after it was written (its content does not match the "
-                        f"digest it recorded); {advice}")
+        raise UserError(
+            f"resume: {path / STATE} was changed after it was written (its content does not match the "
+            f"digest it recorded); {advice}"
+        )
     step = state.get("step")
     folder = CHECKPOINT_RE.match(path.name)
     if type(step) is not int or step < 0 or (folder and step != int(folder.group(1))):
-        raise UserError(f"resume: {path / STATE} holds step {step!r}, not the folder's "
-                        f"{folder.group(1) if folder else 'a step >= 0'}; {advice}")
+        raise UserError(
+            f"resume: {path / STATE} holds step {step!r}, not the folder's "
+            f"{folder.group(1) if folder else 'a step >= 0'}; {advice}"
+        )
     if step > max_steps:
-        raise UserError(f"config key 'train.max_steps': {max_steps} is below step {step} of {path}, which would "
-                        "export weights trained past it; raise train.max_steps, or use another output_dir")
+        raise UserError(
+            f"config key 'train.max_steps': {max_steps} is below step {step} of {path}, which would "
+            "export weights trained past it; raise train.max_steps, or use another output_dir"
+        )
     return state
 
 
@@ -140,13 +153,20 @@ def restore(components: Components, resume_from: Path | None, cache: dict | None
             print(f"warning: {resume_from} was written under a different config", file=sys.stderr)
         was = saved.get("cache")
         if cache and was and was != cache:  # rebuilt or extended: the same step indices name other samples
-            print(f"warning: {'the data mixture' if components.cfg.data else 'the cache ' + components.cfg.cache_dir} holds other samples than when {resume_from} was "
-                  f"written ({was['samples']} then, {cache['samples']} now): the data order from here on is not the "
-                  "interrupted run's", file=sys.stderr)
+            print(
+                f"warning: {'the data mixture' if components.cfg.data else 'the cache ' + components.cfg.cache_dir} "
+                f"holds other samples than when {resume_from} was "
+                f"written ({was['samples']} then, {cache['samples']} now): the data order from here on is not the "
+                "interrupted run's",
+                file=sys.stderr,
+            )
         # allowed: the data order does not depend on it
         if saved.get("num_processes", components.world_size) != components.world_size:
-            print(f"note: {resume_from} was written by {saved['num_processes']} process(es), resumed by "
-                  f"{components.world_size}: same samples per step, numbers equal up to rounding", file=sys.stderr)
+            print(
+                f"note: {resume_from} was written by {saved['num_processes']} process(es), resumed by "
+                f"{components.world_size}: same samples per step, numbers equal up to rounding",
+                file=sys.stderr,
+            )
     return state
 
 
@@ -160,9 +180,14 @@ def run_state(cfg: TrainConfig, step: int, steps_per_epoch: int, num_processes: 
     (seed, step)), the samples it orders, and the config and process count it was written under (compared on resume
     by `restore`)."""
     epoch, cursor = divmod(step, steps_per_epoch)
-    return {"epoch": epoch, "data_cursor": {"epoch": epoch, "batch_in_epoch": cursor}, "cache": cache,
-            "config_hash": run_hash(cfg), "num_processes": num_processes,
-            "format_version": checkpoint_migrations.FORMAT_VERSION}
+    return {
+        "epoch": epoch,
+        "data_cursor": {"epoch": epoch, "batch_in_epoch": cursor},
+        "cache": cache,
+        "config_hash": run_hash(cfg),
+        "num_processes": num_processes,
+        "format_version": checkpoint_migrations.FORMAT_VERSION,
+    }
 
 
 def save_run(components: Components, state: LoopState, steps_per_epoch: int, cache: dict | None = None) -> None:
@@ -171,9 +196,14 @@ def save_run(components: Components, state: LoopState, steps_per_epoch: int, cac
     components.accelerator.wait_for_everyone()
     whole = gather(components)  # every process: under FSDP the shards are gathered to the main one
     if components.accelerator.is_main_process:
-        save(components, state, components.cfg.output_dir, components.cfg.train.keep_last,
-             run_state(components.cfg, state.step, steps_per_epoch, components.accelerator.num_processes, cache),
-             whole)
+        save(
+            components,
+            state,
+            components.cfg.output_dir,
+            components.cfg.train.keep_last,
+            run_state(components.cfg, state.step, steps_per_epoch, components.accelerator.num_processes, cache),
+            whole,
+        )
     components.accelerator.wait_for_everyone()
 
 
@@ -217,12 +247,15 @@ def init_from(model, path: str | Path) -> LoadReport:
     if not adapters or lora.adapted_layers(model.gemma):
         return model.load_tensors(tensors, weights, strict=False)
     if not (weights.parent / CONFIG).is_file():
-        raise UserError(f"config key 'init_from': {weights} holds LoRA adapters but there is no {CONFIG} beside it "
-                        "to say their layout (lora.r, lora.alpha, ...); give the stage's final/ folder")
+        raise UserError(
+            f"config key 'init_from': {weights} holds LoRA adapters but there is no {CONFIG} beside it "
+            "to say their layout (lora.r, lora.alpha, ...); give the stage's final/ folder"
+        )
     source = read_config(weights.parent).lora
     if source is None:
-        raise UserError(f"config key 'init_from': {weights} holds LoRA adapters but {weights.parent / CONFIG} has "
-                        "no lora section")
+        raise UserError(
+            f"config key 'init_from': {weights} holds LoRA adapters but {weights.parent / CONFIG} has no lora section"
+        )
     merged = lora.merge_into(model.gemma, source, adapters)
     report = model.load_tensors({n: t for n, t in tensors.items() if n not in adapters}, weights, strict=False)
     report.merged = merged
@@ -232,8 +265,10 @@ def init_from(model, path: str | Path) -> LoadReport:
 def describe_init(path: str | Path, report: LoadReport) -> str:
     parts = lambda names: sorted({".".join(n.split(".")[:3]) for n in names})
     merged = f"; LoRA adapters of {report.merged} layers merged into their base weights" if report.merged else ""
-    return (f"init_from {path}: {report.summary()}; loaded {parts(report.loaded)}, new (from the base model) "
-            f"{parts(report.new)}, ignored {parts(report.ignored)}{merged}")
+    return (
+        f"init_from {path}: {report.summary()}; loaded {parts(report.loaded)}, new (from the base model) "
+        f"{parts(report.new)}, ignored {parts(report.ignored)}{merged}"
+    )
 
 
 def _write_dir(tmp: Path, files: dict) -> None:
@@ -274,8 +309,10 @@ def gather(components: Components) -> Whole | None:
     names = _trainable_names(components)
     weights = {n: sharding.whole(p, keep) for n, p in zip(names, components.params)}
     opt = components.optimizer.state_dict()
-    opt["state"] = {i: {k: sharding.whole(v, keep) if torch.is_tensor(v) else v for k, v in st.items()}
-                    for i, st in sorted(opt["state"].items())}
+    opt["state"] = {
+        i: {k: sharding.whole(v, keep) if torch.is_tensor(v) else v for k, v in st.items()}
+        for i, st in sorted(opt["state"].items())
+    }
     ema = {n: sharding.whole(t, keep) for n, t in zip(names, components.ema)} if components.ema is not None else None
     return Whole(weights, opt, ema) if keep else None
 
@@ -296,8 +333,14 @@ def _publish(out: Path, name: str, files: dict) -> Path:
     return final
 
 
-def save(components: Components, state: LoopState, output_dir: str | Path, keep_last: int, extra_state: dict,
-         whole: Whole | None = None) -> Path:
+def save(
+    components: Components,
+    state: LoopState,
+    output_dir: str | Path,
+    keep_last: int,
+    extra_state: dict,
+    whole: Whole | None = None,
+) -> Path:
     """Main process only, with what `gather` returned there (required under FSDP). Returns the checkpoint folder;
     deletes the oldest beyond keep_last after the rename."""
     out = Path(output_dir)
@@ -311,8 +354,11 @@ def save(components: Components, state: LoopState, output_dir: str | Path, keep_
     if components.ema is not None:
         files[EMA] = _ema_writer(whole)
     # last, so it can record every other file's sha256 (checked by check_resumable)
-    files[STATE] = lambda p: p.write_text(json.dumps(_sealed(
-        {**state.to_json(), **extra_state, "time": time.time(), "sha256": _sums(p.parent, STATE)}), indent=1))
+    files[STATE] = lambda p: p.write_text(
+        json.dumps(
+            _sealed({**state.to_json(), **extra_state, "time": time.time(), "sha256": _sums(p.parent, STATE)}), indent=1
+        )
+    )
     final = _publish(out, f"checkpoint-{state.step}", files)
     for old in list_checkpoints(out)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
@@ -349,8 +395,13 @@ def _load_optimizer(components: Components, saved: dict) -> None:
     The learning-rate multipliers are the config's, not the checkpoint's."""
     params = [p for g in components.optimizer.param_groups for p in g["params"]]
     saved = checkpoint_migrations.optimizer(components, saved)
-    saved["state"] = {i: {k: local_like(params[i], v) if torch.is_tensor(v) and v.shape == params[i].shape else v
-                          for k, v in st.items()} for i, st in saved["state"].items()}
+    saved["state"] = {
+        i: {
+            k: local_like(params[i], v) if torch.is_tensor(v) and v.shape == params[i].shape else v
+            for k, v in st.items()
+        }
+        for i, st in saved["state"].items()
+    }
     components.optimizer.load_state_dict(saved)
     for g in components.optimizer.param_groups:
         if "part" in g:
@@ -361,8 +412,10 @@ def _read(path: Path, reader):
     try:
         return reader(path)
     except Exception as e:  # a damaged checkpoint is a one-line error that says which file and what to do
-        raise UserError(f"resume: cannot read {path} ({type(e).__name__}: {str(e)[:200]}); move this checkpoint "
-                        "out of output_dir and resume: auto takes the one before it") from e
+        raise UserError(
+            f"resume: cannot read {path} ({type(e).__name__}: {str(e)[:200]}); move this checkpoint "
+            "out of output_dir and resume: auto takes the one before it"
+        ) from e
 
 
 MODEL_CARD = """# TheWorld: {name}
@@ -392,15 +445,24 @@ or `python -m theworld.describe --model {out} --image image.png`, and score it o
 """
 
 
-def export_final(components: Components, state: LoopState, cfg_yaml: str, output_dir: str | Path,
-                 whole: Whole | None = None, prompt: str = DESCRIBE_PROMPT) -> Path:
+def export_final(
+    components: Components,
+    state: LoopState,
+    cfg_yaml: str,
+    output_dir: str | Path,
+    whole: Whole | None = None,
+    prompt: str = DESCRIBE_PROMPT,
+) -> Path:
     """Main process only, with what `gather` returned there (required under FSDP)."""
     cfg = components.cfg
     whole = whole or gather(components)
     out = Path(output_dir)
-    files = {WEIGHTS: lambda p: save_file(whole.weights, str(p)), CONFIG: lambda p: p.write_text(cfg_yaml),
-             CARD: lambda p: p.write_text(_card(components, state, out, prompt)),
-             PROMPT: lambda p: p.write_text(prompt + "\n", encoding="utf-8")}
+    files = {
+        WEIGHTS: lambda p: save_file(whole.weights, str(p)),
+        CONFIG: lambda p: p.write_text(cfg_yaml),
+        CARD: lambda p: p.write_text(_card(components, state, out, prompt)),
+        PROMPT: lambda p: p.write_text(prompt + "\n", encoding="utf-8"),
+    }
     if components.ema is not None:
         files[EMA] = _ema_writer(whole)
     if cfg.lora is not None:  # final/ is also a peft adapter folder for the base Gemma
@@ -436,13 +498,30 @@ def _card(components: Components, state: LoopState, out: Path, prompt: str) -> s
     gap = (ev["eval_loss_shuffled_world"] - ev["eval_loss"]) if ev else None
     trained = ["world projector"] + [n for n in FREEZABLE if not getattr(cfg.freeze, n)]
     trained += [f"{n} (LoRA r {cfg.lora.r})" for n in (cfg.lora.parts if cfg.lora else ())]
-    card = MODEL_CARD.format(name=out.name, gemma=cfg.model.gemma, vae=cfg.model.vae, resolution=cfg.image.resolution,
-                             trained=", ".join(trained), step=state.step, batch=cfg.train.global_batch_size,
-                             samples=state.samples_seen, lr=cfg.train.lr, schedule=cfg.train.schedule,
-                             parent=state.parent or "the base models", eval_loss=fmt(ev.get("eval_loss")),
-                             eval_shuffled=fmt(ev.get("eval_loss_shuffled_world")), gap=fmt(gap), out=out / FINAL,
-                             prompt=json.dumps(prompt))  # a Python string literal
+    card = MODEL_CARD.format(
+        name=out.name,
+        gemma=cfg.model.gemma,
+        vae=cfg.model.vae,
+        resolution=cfg.image.resolution,
+        trained=", ".join(trained),
+        step=state.step,
+        batch=cfg.train.global_batch_size,
+        samples=state.samples_seen,
+        lr=cfg.train.lr,
+        schedule=cfg.train.schedule,
+        parent=state.parent or "the base models",
+        eval_loss=fmt(ev.get("eval_loss")),
+        eval_shuffled=fmt(ev.get("eval_loss_shuffled_world")),
+        gap=fmt(gap),
+        out=out / FINAL,
+        prompt=json.dumps(prompt),
+    )  # a Python string literal
     if state.eval_history:
-        card += "\n" + next_step(state.plateau_step, str(out / FINAL),
-                                  cfg.train.stop_on_plateau and state.plateau_step is not None) + "\n"
+        card += (
+            "\n"
+            + next_step(
+                state.plateau_step, str(out / FINAL), cfg.train.stop_on_plateau and state.plateau_step is not None
+            )
+            + "\n"
+        )
     return card

@@ -3,13 +3,15 @@ folder's state.json and optimizer.pt lives here, so `train.checkpoint` reads one
 
 - 2 (what this code writes): state.json has `format_version`, the sha256 of every other file, the data position,
   the cache identity, the config hash and the process count, and `state_sha256`, a digest of its own content (absent
-  in those written before it: taken as they are, the step still checked against the folder's); optimizer.pt has one AdamW group per (part, decay).
+  in those written before it: taken as they are, the step still checked against the folder's); optimizer.pt has one
+  AdamW group per (part, decay).
 - 1 (no `format_version`): any of those may be missing: files without a recorded sha256 are taken as they are;
   without a cache identity, config hash or process count nothing is compared on resume; AdamW state in one group per
   decay setting (decay, then no decay, each in parameter order) is re-keyed by parameter name to the per-part groups.
 
 Both resume, and `init_from` and `TheWorld.from_pretrained` read the weights of either.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -30,8 +32,10 @@ def state(saved: dict, path: Path) -> dict:
     this code does not read."""
     version = saved.get("format_version", 1)
     if version not in READABLE:
-        raise UserError(f"resume: {path} has checkpoint format_version {version!r}, this code reads "
-                        f"{' and '.join(map(str, READABLE))}; resume it with the code that wrote it")
+        raise UserError(
+            f"resume: {path} has checkpoint format_version {version!r}, this code reads "
+            f"{' and '.join(map(str, READABLE))}; resume it with the code that wrote it"
+        )
     saved.setdefault("sha256", {})
     return saved
 
@@ -51,8 +55,10 @@ def _from_decay_groups(components: Components, saved: dict) -> dict:
     name_of = {id(p): n for n, p in trainable}
     now = {name_of[id(p)]: i for i, p in enumerate(p for g in components.optimizer.param_groups for p in g["params"])}
     if sum(len(g["params"]) for g in saved["param_groups"]) != len(before):
-        raise ValueError(f"it holds state for {sum(len(g['params']) for g in saved['param_groups'])} tensors, this "
-                         f"run trains {len(before)}")
+        raise ValueError(
+            f"it holds state for {sum(len(g['params']) for g in saved['param_groups'])} tensors, this "
+            f"run trains {len(before)}"
+        )
     groups, first = [], 0
     for g in components.optimizer.param_groups:  # the config's hyperparameters; the state is what carries over
         settings = {k: v for k, v in g.items() if k != "params"}

@@ -1,10 +1,12 @@
 """What a run trains with, built once: the accelerator (over the launched processes), the model (freeze flags, fp32
 trainable weights, checkpointing, attention kernel, compile), sharded or DDP-wrapped, the optimiser and schedule
 (train/optim.py) and the EMA: everything `Components` holds."""
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -49,11 +51,13 @@ def make_accelerator(cfg: TrainConfig, launch: Launch | None = None) -> Accelera
 
     launch = launch or resolve_launch(cfg)
     backend = sharding.process_group_backend(launch.sharding, use_cpu(), launch.processes)
-    accelerator = Accelerator(cpu=use_cpu(), mixed_precision=cfg.train.mixed_precision,
-                              log_with=list(cfg.trackers) or None,
-                              project_config=ProjectConfiguration(project_dir=cfg.output_dir,
-                                                                  logging_dir=cfg.output_dir),
-                              kwargs_handlers=[InitProcessGroupKwargs(backend=backend)] if backend else None)
+    accelerator = Accelerator(
+        cpu=use_cpu(),
+        mixed_precision=cfg.train.mixed_precision,
+        log_with=list(cfg.trackers) or None,
+        project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=cfg.output_dir),
+        kwargs_handlers=[InitProcessGroupKwargs(backend=backend)] if backend else None,
+    )
     check_group(accelerator.num_processes)  # torchrun or a config file: N processes train as one group, never N runs
     accelerator.sharding_choice = launch.sharding  # build() reports where the choice came from
     return accelerator
@@ -78,8 +82,10 @@ def ready_for_training(model: TheWorld, cfg: TrainConfig) -> TheWorld:
 def check_attention(attention: str) -> None:
     """Whether this machine can run the `train.attention` kernel."""
     if attention == "flex_attention" and not torch.cuda.is_available():
-        raise UserError("config key 'train.attention': flex_attention needs a CUDA GPU (PyTorch's FlexAttention has "
-                        "no CPU backward); use sdpa")
+        raise UserError(
+            "config key 'train.attention': flex_attention needs a CUDA GPU (PyTorch's FlexAttention has "
+            "no CPU backward); use sdpa"
+        )
 
 
 def set_language_attention(gemma: torch.nn.Module, attention: str) -> None:
@@ -113,18 +119,21 @@ class Components:
         return self.accelerator.num_processes
 
 
-def build(cfg: TrainConfig, accelerator: Accelerator, accum: int,
-          built: tuple[TheWorld, Gemma3Processor | None] | None = None) -> Components:
+def build(
+    cfg: TrainConfig, accelerator: Accelerator, accum: int, built: tuple[TheWorld, Gemma3Processor | None] | None = None
+) -> Components:
     """Model sharded or DDP-wrapped (train.sharding), optimiser over trainable parameters only, schedule, optional EMA.
     `built`: a model (and processor) made by `build_model` and then given its init_from weights, or made elsewhere
     (e.g. the real architecture with random weights for train.bench_stages)."""
     model, processor = built or build_model(cfg)
-    choice = (getattr(accelerator, "sharding_choice", None)
-              or sharding.ShardingChoice(cfg.train.sharding, "train.sharding"))
+    choice = getattr(accelerator, "sharding_choice", None) or sharding.ShardingChoice(
+        cfg.train.sharding, "train.sharding"
+    )
     sharded = choice.sharded(accelerator.num_processes)
     if sharded:  # the optimiser is built over the DTensor parameters fully_shard leaves; the model is not prepared
-        n_units = sharding.shard(model, accelerator.device, accelerator.num_processes, cfg.train.mixed_precision,
-                                 choice.offload)
+        n_units = sharding.shard(
+            model, accelerator.device, accelerator.num_processes, cfg.train.mixed_precision, choice.offload
+        )
         wrapped, optimizer = model, accelerator.prepare(build_optimizer(cfg, model))
     else:
         n_units = 0
@@ -132,5 +141,17 @@ def build(cfg: TrainConfig, accelerator: Accelerator, accum: int,
     params = [p for p in model.parameters() if p.requires_grad]
     # after prepare, which moves the parameters to the device: the EMA lives next to them (sharded like them)
     ema = [p.detach().clone().float() for p in params] if cfg.train.ema > 0 else None
-    return Components(cfg, accelerator, wrapped, model, processor, optimizer, lr_factor(cfg), params, accum, ema,
-                      sharded, choice.describe(accelerator.num_processes, n_units))
+    return Components(
+        cfg,
+        accelerator,
+        wrapped,
+        model,
+        processor,
+        optimizer,
+        lr_factor(cfg),
+        params,
+        accum,
+        ema,
+        sharded,
+        choice.describe(accelerator.num_processes, n_units),
+    )

@@ -1,4 +1,5 @@
 """The training config: one strict dataclass tree, validated before any model is loaded."""
+
 from __future__ import annotations
 
 import hashlib
@@ -75,8 +76,9 @@ class PlateauConfig:
         if self.window_evals < 0:
             raise UserError(f"config key 'train.plateau.window_evals': must be >= 0, got {self.window_evals}")
         if not (math.isfinite(self.min_improvement) and self.min_improvement >= 0):
-            raise UserError("config key 'train.plateau.min_improvement': must be a finite number >= 0, got "
-                            f"{self.min_improvement}")
+            raise UserError(
+                f"config key 'train.plateau.min_improvement': must be a finite number >= 0, got {self.min_improvement}"
+            )
 
 
 @dataclass
@@ -128,22 +130,43 @@ class TrainSection:
     # box 1 avoids OpenMP threads fighting the loader workers (several times faster for the tiny demo on 2 cores)
 
     def __post_init__(self) -> None:
-        for name in ("max_steps", "global_batch_size", "micro_batch_size", "max_micro_batch_size", "log_every",
-                     "save_every", "keep_last"):
+        for name in (
+            "max_steps",
+            "global_batch_size",
+            "micro_batch_size",
+            "max_micro_batch_size",
+            "log_every",
+            "save_every",
+            "keep_last",
+        ):
             if getattr(self, name) != "auto" and getattr(self, name) <= 0:
                 raise UserError(f"config key 'train.{name}': must be positive, got {getattr(self, name)}")
         if not (math.isfinite(self.epochs) and self.epochs >= 0):
             raise UserError(f"config key 'train.epochs': must be a finite number >= 0, got {self.epochs}")
-        for name in ("samples", "cpu_threads", "warmup_steps", "ema_warmup_steps", "eval_every", "eval_samples", "eval_batch_size", "num_workers", "max_length",
-                     "weight_decay", "grad_clip", "grad_norm_warn"):
+        for name in (
+            "samples",
+            "cpu_threads",
+            "warmup_steps",
+            "ema_warmup_steps",
+            "eval_every",
+            "eval_samples",
+            "eval_batch_size",
+            "num_workers",
+            "max_length",
+            "weight_decay",
+            "grad_clip",
+            "grad_norm_warn",
+        ):
             if getattr(self, name) < 0:
                 raise UserError(f"config key 'train.{name}': must be >= 0, got {getattr(self, name)}")
         if not self.lr > 0:
             raise UserError(f"config key 'train.lr': must be positive, got {self.lr}")
         for name, x in vars(self.lr_multipliers).items():  # what AdamW multiplies the update by, in float32
             if self.lr * x > FLOAT32_MAX:
-                raise UserError(f"config key 'train.lr_multipliers.{name}': {x:g} x train.lr {self.lr:g} does not fit "
-                                f"float32 (at most {FLOAT32_MAX:.4g})")
+                raise UserError(
+                    f"config key 'train.lr_multipliers.{name}': {x:g} x train.lr {self.lr:g} does not fit "
+                    f"float32 (at most {FLOAT32_MAX:.4g})"
+                )
         check_workers("train.num_workers", self.num_workers)
         check_threads("train.cpu_threads", self.cpu_threads)
         if not 0.0 <= self.ema < 1.0:
@@ -153,8 +176,9 @@ class TrainSection:
         if self.mixed_precision == "fp16":
             # Gemma 3's activations overflow float16, and fp16 needs a loss scaler whose state and skipped steps this
             # loop does not handle: bf16 has float32's range and needs none.
-            raise UserError("config key 'train.mixed_precision': fp16 is not supported (Gemma 3 overflows float16); "
-                            "use bf16")
+            raise UserError(
+                "config key 'train.mixed_precision': fp16 is not supported (Gemma 3 overflows float16); use bf16"
+            )
         if self.max_nonfinite < 1:
             raise UserError(f"config key 'train.max_nonfinite': must be >= 1, got {self.max_nonfinite}")
 
@@ -230,8 +254,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         require_path("cache_dir", self.cache_dir), require_path("output_dir", self.output_dir)
         if self.data and self.cache_dir != DEFAULT_CACHE:
-            raise UserError("config keys 'cache_dir' and 'data' are both set: use cache_dir for one cache, data for a "
-                            "mixture")
+            raise UserError(
+                "config keys 'cache_dir' and 'data' are both set: use cache_dir for one cache, data for a mixture"
+            )
         dirs = [str(e.cache) for e in self.data]
         if len(set(dirs)) < len(dirs):
             raise UserError(f"config key 'data': a cache is listed twice ({', '.join(dirs)}); give it one weight")
@@ -254,15 +279,19 @@ def resolve_micro_batch(cfg: TrainConfig, world_size: int) -> int:
     g, m = t.global_batch_size, t.micro_batch_size
     if g % world_size:
         lo, hi = g - g % world_size, g + world_size - g % world_size
-        raise UserError(f"config key 'train.global_batch_size': {g} does not split over {world_size} processes; use "
-                        f"a multiple of {world_size}, e.g. {hi}" + (f" or {lo}" if lo else ""))
+        raise UserError(
+            f"config key 'train.global_batch_size': {g} does not split over {world_size} processes; use "
+            f"a multiple of {world_size}, e.g. {hi}" + (f" or {lo}" if lo else "")
+        )
     per_process = g // world_size
     if m == "auto":
         m = _largest_divisor(per_process, t.max_micro_batch_size)
     elif per_process % m:
-        raise UserError(f"config key 'train.micro_batch_size': {m} does not divide the {per_process} samples each of "
-                        f"{world_size} process(es) gets of train.global_batch_size {g}; use "
-                        f"{_largest_divisor(per_process, m)} (or auto)")
+        raise UserError(
+            f"config key 'train.micro_batch_size': {m} does not divide the {per_process} samples each of "
+            f"{world_size} process(es) gets of train.global_batch_size {g}; use "
+            f"{_largest_divisor(per_process, m)} (or auto)"
+        )
     t.micro_batch_size = m
     return m
 
@@ -276,11 +305,29 @@ def accumulation_steps(cfg: TrainConfig, world_size: int) -> int:
 # train.cpu_offload moves the AdamW step to the host: like a change of process count, equal numbers up to rounding.
 # So do the values resolved from the launch: micro_batch_size (auto: a divisor of the per-process batch) and sharding
 # (the launcher's FSDP request), which split the same global batch differently.
-RESUME_NEUTRAL = ("resume", "output_dir", "trackers", "profile", "train.num_workers", "train.cpu_threads",
-                  "train.log_every", "train.save_every", "train.keep_last", "train.eval_every", "train.benchmarks",
-                  "train.max_micro_batch_size", "train.cpu_offload", "train.plateau",
-                  "train.stop_on_plateau", "train.samples", "train.sample_tokens", "wandb", "hub",
-                  "train.micro_batch_size", "train.sharding")
+RESUME_NEUTRAL = (
+    "resume",
+    "output_dir",
+    "trackers",
+    "profile",
+    "train.num_workers",
+    "train.cpu_threads",
+    "train.log_every",
+    "train.save_every",
+    "train.keep_last",
+    "train.eval_every",
+    "train.benchmarks",
+    "train.max_micro_batch_size",
+    "train.cpu_offload",
+    "train.plateau",
+    "train.stop_on_plateau",
+    "train.samples",
+    "train.sample_tokens",
+    "wandb",
+    "hub",
+    "train.micro_batch_size",
+    "train.sharding",
+)
 
 
 def run_hash(cfg: TrainConfig) -> str:
@@ -303,5 +350,17 @@ def load(argv: list[str] | None = None) -> tuple[TrainConfig, object]:
     return load_config(TrainConfig, args.config, args.overrides), args
 
 
-__all__ = ["TrainConfig", "TrainSection", "PlateauConfig", "WandbConfig", "HubConfig", "LrMultipliers", "ProfileConfig", "accumulation_steps", "resolve_micro_batch",
-           "run_hash", "load", "to_yaml"]
+__all__ = [
+    "TrainConfig",
+    "TrainSection",
+    "PlateauConfig",
+    "WandbConfig",
+    "HubConfig",
+    "LrMultipliers",
+    "ProfileConfig",
+    "accumulation_steps",
+    "resolve_micro_batch",
+    "run_hash",
+    "load",
+    "to_yaml",
+]

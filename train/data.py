@@ -4,6 +4,7 @@ Which sample goes where (split, epoch order, per-process slices, flip seeds) is 
 packed buffer is `train.batches`. Tokenisation (a batch at a time), image decoding and the Gemma image processor run
 inside DataLoader workers; the main process receives collated batches packed into one buffer (`Batch`).
 """
+
 from __future__ import annotations
 
 import os
@@ -51,15 +52,21 @@ def input_sources(cfg, reader: cf.CacheReader) -> InputSources:
     cached_siglip = not trains(cfg.freeze, cfg.lora, "vision") and cfg.train.cached_siglip and cf.SIGLIP in present
     flip = cfg.train.flip
     if cached_latents and cfg.world.latent == "sample" and cf.latents_stored(reader.manifest) == "mean":
-        raise UserError(f"config key 'world.latent': 'sample' needs the posterior's logvar, but cache "
-                        f"{reader.cache_dir} stores the mean only (cache.latents: mean); use world.latent: mean, or "
-                        "a cache built with cache.latents: posterior")
+        raise UserError(
+            f"config key 'world.latent': 'sample' needs the posterior's logvar, but cache "
+            f"{reader.cache_dir} stores the mean only (cache.latents: mean); use world.latent: mean, or "
+            "a cache built with cache.latents: posterior"
+        )
     if flip and cached_latents and cf.LATENT_FLIP not in present:
-        raise UserError(f"config key 'train.flip': cache {reader.cache_dir} has no flipped latents "
-                        "(build it with cache.flip: true, or set train.flip: false)")
+        raise UserError(
+            f"config key 'train.flip': cache {reader.cache_dir} has no flipped latents "
+            "(build it with cache.flip: true, or set train.flip: false)"
+        )
     if flip and cached_siglip:
-        raise UserError("config key 'train.flip': cached SigLIP features are unflipped; set "
-                        "train.cached_siglip: false to compute image tokens live, or train.flip: false")
+        raise UserError(
+            "config key 'train.flip': cached SigLIP features are unflipped; set "
+            "train.cached_siglip: false to compute image tokens live, or train.flip: false"
+        )
     wanted = {cf.LATENT} if cached_latents else set()
     if flip and cached_latents:
         wanted.add(cf.LATENT_FLIP)
@@ -69,7 +76,9 @@ def input_sources(cfg, reader: cf.CacheReader) -> InputSources:
     if inputs.needs_image:
         if not has_image:
             what = "freeze.vae: false (live VAE encoding)" if not cached_latents else "live SigLIP pixels"
-            raise UserError(f"cache {reader.cache_dir} keeps no images, which {what} needs (build it with cache.images: true)")
+            raise UserError(
+                f"cache {reader.cache_dir} keeps no images, which {what} needs (build it with cache.images: true)"
+            )
         wanted.update(cf.IMAGE_EXTS)
     return InputSources(cached_latents, cached_siglip, flip, tuple(sorted(wanted)))
 
@@ -90,12 +99,19 @@ def open_cache(cfg) -> tuple[cf.CacheReader | MixedReader, InputSources]:
         check_texts(reader)
         inputs = input_sources(cfg, reader)
         if found and inputs != found[0]:
-            raise UserError(f"config key 'data': caches {readers[0].cache_dir} and {reader.cache_dir} give different "
-                            f"inputs ({_inputs_text(found[0])} vs {_inputs_text(inputs)}): build them with the same cache "
-                            "options (cache.siglip, cache.flip, cache.images)")
+            raise UserError(
+                f"config key 'data': caches {readers[0].cache_dir} and {reader.cache_dir} give different "
+                f"inputs ({_inputs_text(found[0])} vs {_inputs_text(inputs)}): build them with the same cache "
+                "options (cache.siglip, cache.flip, cache.images)"
+            )
         fields = ["format_version", "image"] + (["vae"] if inputs.cached_latents else [])
-        cf.check_fingerprint(reader.manifest.get("fingerprint") or {}, cf.fingerprint_for(cfg.model, cfg.image),
-                             cache_dir, fields=fields, partial=True)
+        cf.check_fingerprint(
+            reader.manifest.get("fingerprint") or {},
+            cf.fingerprint_for(cfg.model, cfg.image),
+            cache_dir,
+            fields=fields,
+            partial=True,
+        )
         reader.members = inputs.members
         readers.append(reader), found.append(inputs)
     return (readers[0] if len(readers) == 1 else MixedReader(readers)), found[0]
@@ -107,15 +123,21 @@ def _inputs_text(inputs: InputSources) -> str:
 
 def check_same_layout(first: cf.CacheReader, other: cf.CacheReader) -> None:
     """Refuse to mix caches whose world inputs differ in layout (image resolution and resize, latents kept)."""
+
     def layout(r: cf.CacheReader) -> dict:
         image = (r.manifest.get("fingerprint") or {}).get("image") or {}
-        return {"image.resolution": image.get("resolution"), "image.resize": image.get("resize"),
-                "cache.latents": cf.latents_stored(r.manifest)}
+        return {
+            "image.resolution": image.get("resolution"),
+            "image.resize": image.get("resize"),
+            "cache.latents": cf.latents_stored(r.manifest),
+        }
 
     a, b = layout(first), layout(other)
     if diff := [k for k in a if a[k] != b[k]]:
-        raise UserError(f"config key 'data': caches {first.cache_dir} and {other.cache_dir} have different world "
-                        f"layouts ({', '.join(f'{k} {a[k]} vs {b[k]}' for k in diff)}); a mixture needs one")
+        raise UserError(
+            f"config key 'data': caches {first.cache_dir} and {other.cache_dir} have different world "
+            f"layouts ({', '.join(f'{k} {a[k]} vs {b[k]}' for k in diff)}); a mixture needs one"
+        )
 
 
 def split_data(cfg, reader: cf.CacheReader | MixedReader) -> tuple[np.ndarray, np.ndarray]:
@@ -166,21 +188,32 @@ def check_texts(reader: cf.CacheReader) -> None:
         shards = sorted({reader.shard_of(i) for i, _ in bad})
         sidecars = ", ".join(cf.sidecar_path(reader.cache_dir, i).name for i in shards[:3])
         first = cf.tar_path(reader.cache_dir, reader.shard_of(index)).name
-        raise UserError(f"cache {reader.cache_dir}: {len(bad)} sample(s) hold a Gemma control string, which the model "
-                        f"would read as a control token, not text (first: shard {first}, sample {reader.key(index)}: "
-                        f"{problem}); the cache was built before precompute refused them: "
-                        f"to repair, delete {sidecars}{' ...' if len(shards) > 3 else ''} in "
-                        f"{reader.cache_dir / cf.SHARDS} and rerun the precompute command that built it (it rebuilds "
-                        "those shards alone, recording such samples in errors.jsonl)")
+        raise UserError(
+            f"cache {reader.cache_dir}: {len(bad)} sample(s) hold a Gemma control string, which the model "
+            f"would read as a control token, not text (first: shard {first}, sample {reader.key(index)}: "
+            f"{problem}); the cache was built before precompute refused them: "
+            f"to repair, delete {sidecars}{' ...' if len(shards) > 3 else ''} in "
+            f"{reader.cache_dir / cf.SHARDS} and rerun the precompute command that built it (it rebuilds "
+            "those shards alone, recording such samples in errors.jsonl)"
+        )
 
 
 def verify_fingerprint(cfg, model, processor, reader: cf.CacheReader | MixedReader, inputs: InputSources) -> None:
     """Full check against the loaded models (config digests and weight hashes), of each cache: format_version, image,
     and vae when cached latents are used, siglip when cached SigLIP features are used."""
-    expected = cf.fingerprint_for(cfg.model, cfg.image, siglip=inputs.cached_siglip, vae=model.world_encoder.vae,
-                                  gemma=model.gemma, processor=processor)
-    fields = ["format_version", "image"] + (["vae"] if inputs.cached_latents else []) + \
-        (["siglip"] if inputs.cached_siglip else [])
+    expected = cf.fingerprint_for(
+        cfg.model,
+        cfg.image,
+        siglip=inputs.cached_siglip,
+        vae=model.world_encoder.vae,
+        gemma=model.gemma,
+        processor=processor,
+    )
+    fields = (
+        ["format_version", "image"]
+        + (["vae"] if inputs.cached_latents else [])
+        + (["siglip"] if inputs.cached_siglip else [])
+    )
     for r in reader.readers if isinstance(reader, MixedReader) else [reader]:
         cf.check_fingerprint(r.manifest.get("fingerprint") or {}, expected, r.cache_dir, fields=fields)
 
@@ -189,11 +222,15 @@ def verify_fingerprint(cfg, model, processor, reader: cf.CacheReader | MixedRead
 # Flip augmentation's text rule (docs/training.md, "Flip"): `left`/`right` (and `leftmost`/`rightmost`) are swapped,
 # case kept, only where they name a side of the picture.
 _SWAP = {"left": "right", "right": "left", "leftmost": "rightmost", "rightmost": "leftmost"}
-SIDE_AFTER = frozenset("of side sides half halves hand hands corner corners edge edges part parts portion portions "
-                       "quadrant quadrants third thirds column columns border margin wing".split())
-SIDE_BEFORE = frozenset("to on at from toward towards top bottom upper lower far center centre middle facing faces "
-                        "face looking looks pointing points turned turning turn turns leaning leans moving moves "
-                        "heading heads".split())
+SIDE_AFTER = frozenset(
+    "of side sides half halves hand hands corner corners edge edges part parts portion portions "
+    "quadrant quadrants third thirds column columns border margin wing".split()
+)
+SIDE_BEFORE = frozenset(
+    "to on at from toward towards top bottom upper lower far center centre middle facing faces "
+    "face looking looks pointing points turned turning turn turns leaning leans moving moves "
+    "heading heads".split()
+)
 ARTICLES = frozenset("the its their his her a".split())
 PREPOSITIONS = frozenset("to on at from toward towards in into onto near by off".split())
 LINKS = frozenset(("and", "or", "to"))  # "left and right", "from right to left": both words swap
@@ -206,7 +243,7 @@ def swap_left_right(text: str) -> str:
     low = [m.group().lower() for m in words]
 
     def joined(i: int, j: int) -> bool:  # words i < j with nothing but spaces or hyphens between them
-        return 0 <= i and j < len(words) and not text[words[i].end():words[j].start()].strip(" -\t")
+        return 0 <= i and j < len(words) and not text[words[i].end() : words[j].start()].strip(" -\t")
 
     swap = set()
     for i, w in enumerate(low):
@@ -221,8 +258,14 @@ def swap_left_right(text: str) -> str:
     for i in sorted(swap):  # a swapped word's partner across and/or/to
         for j in (i - 2, i + 2):
             lo, hi = min(i, j), max(i, j)
-            if 0 <= lo and hi < len(low) and low[j] in _SWAP and low[lo + 1] in LINKS and joined(lo, lo + 1) \
-                    and joined(lo + 1, hi):
+            if (
+                0 <= lo
+                and hi < len(low)
+                and low[j] in _SWAP
+                and low[lo + 1] in LINKS
+                and joined(lo, lo + 1)
+                and joined(lo + 1, hi)
+            ):
                 swap.add(j)
     out, end = [], 0
     for i in sorted(swap):
@@ -232,7 +275,7 @@ def swap_left_right(text: str) -> str:
             word = word.upper()
         elif m.group()[0].isupper():
             word = word.capitalize()
-        out += [text[end:m.start()], word]
+        out += [text[end : m.start()], word]
         end = m.end()
     return "".join(out) + text[end:]
 
@@ -244,9 +287,20 @@ def swap_left_right(text: str) -> str:
 class CacheDataset(Dataset):
     """Position i -> one model-ready sample (token ids, labels, latents or image, SigLIP features or pixels)."""
 
-    def __init__(self, reader: cf.CacheReader, indices: np.ndarray, formatter: ChatFormatter, inputs: InputSources,
-                 resolution: int, resize: str, image_processor=None, seed: int = 0, epoch: int = 0,
-                 flip: bool | None = None, partner: bool = False):
+    def __init__(
+        self,
+        reader: cf.CacheReader,
+        indices: np.ndarray,
+        formatter: ChatFormatter,
+        inputs: InputSources,
+        resolution: int,
+        resize: str,
+        image_processor=None,
+        seed: int = 0,
+        epoch: int = 0,
+        flip: bool | None = None,
+        partner: bool = False,
+    ):
         self.reader, self.indices, self.formatter, self.inputs = reader, indices, formatter, inputs
         self.resolution, self.resize, self.image_processor = resolution, resize, image_processor
         self.seed, self.epoch = seed, epoch
@@ -281,6 +335,7 @@ class CacheDataset(Dataset):
             img = decode(s.image)
             if flipped:
                 from PIL import ImageOps
+
                 img = ImageOps.mirror(img)
             item["pixel_values"] = siglip_pixels(self.image_processor, img)
         return item
@@ -309,16 +364,31 @@ class DataContext:
     truncation: str = ""  # with train.max_length: how many training samples it shortens (start line)
 
     @classmethod
-    def build(cls, cfg, reader: cf.CacheReader, inputs: InputSources, processor,
-              split_: tuple[np.ndarray, np.ndarray] | None = None) -> DataContext:
+    def build(
+        cls,
+        cfg,
+        reader: cf.CacheReader,
+        inputs: InputSources,
+        processor,
+        split_: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> DataContext:
         """`split_`: split(reader, cfg.train.eval_samples) when the caller has it already."""
         train, held = split_ if split_ is not None else split(reader, cfg.train.eval_samples)
         formatter = ChatFormatter(processor, max_length=cfg.train.max_length or None)
         first = reader.sample(train[0], tensors=False)
         encode_texts(formatter, [first.turns])  # a prompt over max_length: an error before any worker
         truncation = truncation_report(formatter, reader, train) if formatter.max_length else ""
-        return cls(reader, inputs, formatter, processor.image_processor, train, held, bucket_ids(reader),
-                   mixture_draw(cfg, reader, train), truncation)
+        return cls(
+            reader,
+            inputs,
+            formatter,
+            processor.image_processor,
+            train,
+            held,
+            bucket_ids(reader),
+            mixture_draw(cfg, reader, train),
+            truncation,
+        )
 
     def epoch_samples(self, seed: int, epoch: int) -> np.ndarray:
         """The training samples epoch `epoch` orders: all of them, or a mixture's draw."""
@@ -334,21 +404,32 @@ class DataContext:
             return ""
         return "latent shapes (train samples): " + ", ".join(f"{h}x{w} ({n})" for (h, w), n in zip(shapes, counts))
 
-    def dataset(self, cfg, indices: np.ndarray, epoch: int, flip: bool | None = None,
-                partner: bool = False) -> CacheDataset:
-        return CacheDataset(self.reader, indices, self.formatter, self.inputs, cfg.image.resolution, cfg.image.resize,
-                            self.image_processor, cfg.seed, epoch, flip, partner)
+    def dataset(
+        self, cfg, indices: np.ndarray, epoch: int, flip: bool | None = None, partner: bool = False
+    ) -> CacheDataset:
+        return CacheDataset(
+            self.reader,
+            indices,
+            self.formatter,
+            self.inputs,
+            cfg.image.resolution,
+            cfg.image.resize,
+            self.image_processor,
+            cfg.seed,
+            epoch,
+            flip,
+            partner,
+        )
 
 
-def truncation_report(formatter: ChatFormatter, reader: cf.CacheReader, indices: np.ndarray,
-                      chunk: int = 1024) -> str:
+def truncation_report(formatter: ChatFormatter, reader: cf.CacheReader, indices: np.ndarray, chunk: int = 1024) -> str:
     """The start line on what train.max_length does to the samples at `indices`: conversations that lose whole turns
     from their end, and samples whose (first) answer is cut. Reads and tokenises every sample's text once."""
     members, reader.members = reader.members, ()  # the caption and json alone
     shortened = dropped_turns = cut = 0
     try:
         for lo in range(0, len(indices), chunk):
-            convs = [reader.sample(int(i), tensors=False).turns for i in indices[lo:lo + chunk]]
+            convs = [reader.sample(int(i), tensors=False).turns for i in indices[lo : lo + chunk]]
             for c in (c for c in convs if len(c) > 1):
                 kept = formatter.encode_turns(c)[1]
                 shortened += kept < len(c)
@@ -358,8 +439,10 @@ def truncation_report(formatter: ChatFormatter, reader: cf.CacheReader, indices:
             cut += sum(len(ids) > formatter.max_length for ids in firsts)
     finally:
         reader.members = members
-    return (f"train.max_length {formatter.max_length}: {shortened} conversation(s) shortened ({dropped_turns} turn(s) "
-            f"dropped from their ends), {cut} sample(s) with the first answer cut, of {len(indices)} training samples")
+    return (
+        f"train.max_length {formatter.max_length}: {shortened} conversation(s) shortened ({dropped_turns} turn(s) "
+        f"dropped from their ends), {cut} sample(s) with the first answer cut, of {len(indices)} training samples"
+    )
 
 
 def _worker_init(_: int) -> None:
@@ -376,27 +459,34 @@ def _loader(cfg, ctx: DataContext, dataset, **kw) -> DataLoader:
         # the worker process for each descriptor over a socket when the batch is received: a round trip that waits
         # for the worker to be scheduled, on the training step's time (docs/performance.md).
         torch.multiprocessing.set_sharing_strategy("file_system")
-    return DataLoader(dataset, num_workers=workers, pin_memory=torch.cuda.is_available(),
-                      collate_fn=Collate(ctx.formatter), prefetch_factor=4 if workers else None,
-                      worker_init_fn=_worker_init if workers else None, **kw)
+    return DataLoader(
+        dataset,
+        num_workers=workers,
+        pin_memory=torch.cuda.is_available(),
+        collate_fn=Collate(ctx.formatter),
+        prefetch_factor=4 if workers else None,
+        worker_init_fn=_worker_init if workers else None,
+        **kw,
+    )
 
 
 def build_train_loader(cfg, ctx: DataContext, rank: int, world_size: int, epoch: int, start: int = 0) -> DataLoader:
     """Micro-batches of this process for `epoch` from global batch `start` on: accumulation_steps of them per step."""
     samples = ctx.epoch_samples(cfg.seed, epoch)
-    idx = rank_indices(samples, cfg.seed, epoch, cfg.train.global_batch_size, rank, world_size, start,
-                       ctx.buckets[samples])
+    idx = rank_indices(
+        samples, cfg.seed, epoch, cfg.train.global_batch_size, rank, world_size, start, ctx.buckets[samples]
+    )
     return _loader(cfg, ctx, ctx.dataset(cfg, idx, epoch), batch_size=cfg.train.micro_batch_size, shuffle=False)
 
 
 def build_eval_loader(cfg, ctx: DataContext, rank: int, world_size: int) -> DataLoader:
-    """This process's share (positions rank, rank + W, ... of the held-out split) in batches of one latent shape, unflipped,
-    each sample with the world of its partner (`eval_partners`) for the shuffled-world loss."""
+    """This process's share (positions rank, rank + W, ... of the held-out split) in batches of one latent shape,
+    unflipped, each sample with the world of its partner (`eval_partners`) for the shuffled-world loss."""
     positions = np.arange(rank, len(ctx.eval_indices), world_size)
     size = cfg.train.eval_batch_size or cfg.train.micro_batch_size
     of = ctx.buckets[ctx.eval_indices[positions]]
     batches = []
     for k in np.unique(of):
         mine = positions[of == k].tolist()
-        batches += [mine[i:i + size] for i in range(0, len(mine), size)]
+        batches += [mine[i : i + size] for i in range(0, len(mine), size)]
     return _loader(cfg, ctx, ctx.dataset(cfg, ctx.eval_indices, 0, flip=False, partner=True), batch_sampler=batches)

@@ -2,6 +2,7 @@
 a background thread. Training never waits for an upload; a failed one is one warning line and the next save is
 uploaded in its place; at the end of the run the final weights' upload is waited for. The token is huggingface_hub's
 own (its login, or HF_TOKEN): nothing here reads or writes it."""
+
 from __future__ import annotations
 
 import os
@@ -9,8 +10,8 @@ import shutil
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from theworld.checkpoint_layout import CARD, CONFIG, EMA, PROMPT, WEIGHTS
 
@@ -59,9 +60,11 @@ class HubUploader:
                 self._upload(staged, message)
                 self.uploaded.append(message)
             except Exception as e:  # noqa: BLE001 - any failure (network, auth, hub) is reported, never raised
-                self.warn(f"warning: hub upload to {self.model_id} failed ({message}): "
-                          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; the next save is "
-                          "uploaded in its place")
+                self.warn(
+                    f"warning: hub upload to {self.model_id} failed ({message}): "
+                    f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; the next save is "
+                    "uploaded in its place"
+                )
             finally:
                 shutil.rmtree(staged, ignore_errors=True)
 

@@ -4,6 +4,7 @@ Thin on purpose: parse the config, check everything checkable without a model (t
 config resolved there once), build the run (`Trainer.start`: train/components.py, train/data.py, train/checkpoint.py,
 train/metrics.py), run the loop below. See docs/training.md.
 """
+
 from __future__ import annotations
 
 import sys
@@ -64,14 +65,26 @@ def train(t: Trainer) -> int:
                 t1 = time.perf_counter()
                 t.window.add(out, data_s=t0 - t_data, train_s=t1 - t0)
                 t.prof.after(state.step)
-                m.advance(loss=out["loss"], lr=out["lr"], step_s=t1 - t_data,
-                          samples_per_s=cfg.train.global_batch_size / max(t1 - t_data, 1e-9))
+                m.advance(
+                    loss=out["loss"],
+                    lr=out["lr"],
+                    step_s=t1 - t_data,
+                    samples_per_s=cfg.train.global_batch_size / max(t1 - t_data, 1e-9),
+                )
                 if cfg.train.grad_norm_warn and out["grad_norm"] > cfg.train.grad_norm_warn:
-                    m.message(f"warning: step {state.step}: gradient norm {out['grad_norm']:.1f} "
-                              f"> train.grad_norm_warn {cfg.train.grad_norm_warn}")
+                    m.message(
+                        f"warning: step {state.step}: gradient norm {out['grad_norm']:.1f} "
+                        f"> train.grad_norm_warn {cfg.train.grad_norm_warn}"
+                    )
                 if state.step % cfg.train.log_every == 0 or state.step == cfg.train.max_steps:
-                    m.log({"step": state.step, **t.window.flush(cfg.train.global_batch_size),
-                           "nonfinite_total": state.nonfinite_steps, "epoch": epoch})
+                    m.log(
+                        {
+                            "step": state.step,
+                            **t.window.flush(cfg.train.global_batch_size),
+                            "nonfinite_total": state.nonfinite_steps,
+                            "epoch": epoch,
+                        }
+                    )
                 # the last step's eval comes after its checkpoint and final/ (Trainer.finish): it cannot lose them
                 last = state.step == cfg.train.max_steps
                 if not last and cfg.train.eval_every and state.step % cfg.train.eval_every == 0:

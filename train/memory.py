@@ -6,6 +6,7 @@ models; a hub id that is not in the local Hugging Face cache falls back to its a
 gradients, optimizer state, working buffers and activations; the activation figure is an estimate (formula below,
 docs/performance.md). Nothing is loaded onto a GPU and nothing is downloaded.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,8 +56,10 @@ def _gemma_config(spec: str):
     except (OSError, ValueError):
         if spec in BUILDABLE_GEMMA:
             return gemma_config(BUILDABLE_GEMMA[spec])
-    raise UserError(f"model.gemma: no config for {spec!r} offline (known architectures: {', '.join(BUILDABLE_GEMMA)}); "
-                    "give a local folder")
+    raise UserError(
+        f"model.gemma: no config for {spec!r} offline (known architectures: {', '.join(BUILDABLE_GEMMA)}); "
+        "give a local folder"
+    )
 
 
 def _vae_config(spec: str) -> dict:
@@ -66,14 +69,16 @@ def _vae_config(spec: str) -> dict:
     if spec != "tiny" and not Path(spec).is_dir() and spec in KNOWN_VAE:
         try:
             return AutoencoderKLWan.load_config(spec, subfolder="vae", local_files_only=True)
-        except (OSError, ValueError, EnvironmentError):
+        except (OSError, ValueError):
             return _wan_defaults()
     path, subfolder = resolve_vae(spec)
     try:
         return AutoencoderKLWan.load_config(path, subfolder=subfolder, local_files_only=True)
-    except (OSError, ValueError, EnvironmentError):
-        raise UserError(f"model.vae: no config for {spec!r} offline (known architectures: {', '.join(KNOWN_VAE)}); "
-                        "give a local folder") from None
+    except (OSError, ValueError):
+        raise UserError(
+            f"model.vae: no config for {spec!r} offline (known architectures: {', '.join(KNOWN_VAE)}); "
+            "give a local folder"
+        ) from None
 
 
 def _wan_defaults() -> dict:
@@ -137,14 +142,14 @@ def activation_bytes(cfg: TrainConfig, model: TheWorld, micro: int) -> int:
     per_sample += lora_dropout_bytes(cfg, text, "language", seq, e)
     if trains(cfg.freeze, cfg.lora, "vision"):
         patches = (vision.image_size // vision.patch_size) ** 2
-        per_sample += _stack(patches, vision.hidden_size, vision.num_hidden_layers, e,
-                             cfg.train.gradient_checkpointing)
+        per_sample += _stack(patches, vision.hidden_size, vision.num_hidden_layers, e, cfg.train.gradient_checkpointing)
         per_sample += lora_dropout_bytes(cfg, vision, "vision", patches, e)
     if not cfg.freeze.vae and model.world_encoder is not None:
         vc = model.world_encoder.vae.config
         r = cfg.image.resolution
-        per_sample += sum(VAE_TENSORS_PER_STAGE * vc.base_dim * m * (r >> i) ** 2 * e
-                          for i, m in enumerate(vc.dim_mult))
+        per_sample += sum(
+            VAE_TENSORS_PER_STAGE * vc.base_dim * m * (r >> i) ** 2 * e for i, m in enumerate(vc.dim_mult)
+        )
     return micro * per_sample
 
 
@@ -156,8 +161,9 @@ def lora_dropout_bytes(cfg: TrainConfig, part_cfg, part: str, seq: int, e: int) 
         return 0
     heads = getattr(part_cfg, "num_attention_heads", 1) * getattr(part_cfg, "head_dim", part_cfg.hidden_size)
     widths = {"o_proj": heads, "down_proj": part_cfg.intermediate_size, "fc2": part_cfg.intermediate_size}
-    per_layer = sum(seq * widths.get(m, part_cfg.hidden_size) * (e + 1) for m in lora.target_modules
-                    if m in LORA_MODULES[part])
+    per_layer = sum(
+        seq * widths.get(m, part_cfg.hidden_size) * (e + 1) for m in lora.target_modules if m in LORA_MODULES[part]
+    )
     return per_layer * (1 if cfg.train.gradient_checkpointing else part_cfg.num_hidden_layers)
 
 
@@ -168,31 +174,46 @@ def _stack(seq: int, hidden: int, layers: int, e: int, checkpointing: bool) -> i
     return layers * seq * hidden * e + layer if checkpointing else layers * layer
 
 
-def per_gpu(cfg: TrainConfig, model: TheWorld, c: Counts, gpus: int, micro: int,
-            foreach: bool = True) -> dict[str, dict[str, int]]:
+def per_gpu(
+    cfg: TrainConfig, model: TheWorld, c: Counts, gpus: int, micro: int, foreach: bool = True
+) -> dict[str, dict[str, int]]:
     """Bytes per GPU under ddp, fsdp and fsdp with host offload (train.cpu_offload). With one GPU fsdp runs
     unsharded (the same as ddp); with offload it shards over a group of one, and only the gathered units stay."""
     e = 2 if cfg.train.mixed_precision == "bf16" else 4
     act = activation_bytes(cfg, model, micro)
     step_tmp = ADAM_FOREACH * (c.trainable if foreach else c.largest_trainable)
-    ddp = {"frozen_weights": c.frozen_bytes, "trainable_weights": 4 * c.trainable,
-           # DDP's reducer keeps a flat bucket copy of every gradient besides the .grad tensors
-           "gradients": 4 * c.trainable * (2 if gpus > 1 else 1),
-           "optimizer_state": ADAM_STATE * c.trainable + step_tmp,
-           # autocast keeps a bf16 copy of each fp32 weight it used for the rest of the forward
-           "working_buffers": 2 * c.trainable if e == 2 else 0, "activations": act}
+    ddp = {
+        "frozen_weights": c.frozen_bytes,
+        "trainable_weights": 4 * c.trainable,
+        # DDP's reducer keeps a flat bucket copy of every gradient besides the .grad tensors
+        "gradients": 4 * c.trainable * (2 if gpus > 1 else 1),
+        "optimizer_state": ADAM_STATE * c.trainable + step_tmp,
+        # autocast keeps a bf16 copy of each fp32 weight it used for the rest of the forward
+        "working_buffers": 2 * c.trainable if e == 2 else 0,
+        "activations": act,
+    }
     # the root stays gathered; two units are gathered at a time (current + prefetched), and one unit's whole fp32
     # gradient exists before its reduce-scatter
     gathered = e * (c.root + 2 * c.largest_unit) + 4 * c.largest_unit_trainable
     if gpus == 1:
         fsdp = dict(ddp)
     else:
-        fsdp = {"frozen_weights": c.frozen_bytes // gpus, "trainable_weights": 4 * c.trainable // gpus,
-                "gradients": 4 * c.trainable // gpus,
-                "optimizer_state": (ADAM_STATE * c.trainable + step_tmp) // gpus,
-                "working_buffers": gathered, "activations": act}
-    offload = {"frozen_weights": 0, "trainable_weights": 0, "gradients": 0, "optimizer_state": 0,
-               "working_buffers": gathered, "activations": act}
+        fsdp = {
+            "frozen_weights": c.frozen_bytes // gpus,
+            "trainable_weights": 4 * c.trainable // gpus,
+            "gradients": 4 * c.trainable // gpus,
+            "optimizer_state": (ADAM_STATE * c.trainable + step_tmp) // gpus,
+            "working_buffers": gathered,
+            "activations": act,
+        }
+    offload = {
+        "frozen_weights": 0,
+        "trainable_weights": 0,
+        "gradients": 0,
+        "optimizer_state": 0,
+        "working_buffers": gathered,
+        "activations": act,
+    }
     for d in (ddp, fsdp, offload):
         d["total"] = sum(d.values())
     return {"ddp": ddp, "fsdp": fsdp, "fsdp_offload": offload}
@@ -210,19 +231,36 @@ def estimate(cfg: TrainConfig, gpus: int, gpu_memory_gib: float, model: TheWorld
     budget = int(gpu_memory_gib * 2**30 * HEADROOM)
     micro = resolve_micro_batch(cfg, gpus)  # `auto` becomes what a run on `gpus` processes would use
     per = per_gpu(cfg, model, c, gpus, micro)
-    out = {"config": {"gemma": cfg.model.gemma, "vae": cfg.model.vae, "freeze": vars(cfg.freeze),
-                      "mixed_precision": cfg.train.mixed_precision,
-                      "gradient_checkpointing": cfg.train.gradient_checkpointing, "micro_batch_size": micro},
-           "gpus": gpus, "gpu_memory_bytes": int(gpu_memory_gib * 2**30), "budget_bytes": budget,
-           "total_params": c.total, "trainable_params": c.trainable, "frozen_params": c.total - c.trainable,
-           "lora": ({"params": lora_adapters.count(model), "parts": cfg.lora.parts, "r": cfg.lora.r}
-                    if cfg.lora else None),
-           "per_gpu_bytes": per, "fits": {k: v["total"] <= budget for k, v in per.items()},
-           "host_bytes_per_process": {"fsdp_offload": host_bytes(c, gpus)}, "suggested_micro_batch_size": {}}
+    out = {
+        "config": {
+            "gemma": cfg.model.gemma,
+            "vae": cfg.model.vae,
+            "freeze": vars(cfg.freeze),
+            "mixed_precision": cfg.train.mixed_precision,
+            "gradient_checkpointing": cfg.train.gradient_checkpointing,
+            "micro_batch_size": micro,
+        },
+        "gpus": gpus,
+        "gpu_memory_bytes": int(gpu_memory_gib * 2**30),
+        "budget_bytes": budget,
+        "total_params": c.total,
+        "trainable_params": c.trainable,
+        "frozen_params": c.total - c.trainable,
+        "lora": (
+            {"params": lora_adapters.count(model), "parts": cfg.lora.parts, "r": cfg.lora.r} if cfg.lora else None
+        ),
+        "per_gpu_bytes": per,
+        "fits": {k: v["total"] <= budget for k, v in per.items()},
+        "host_bytes_per_process": {"fsdp_offload": host_bytes(c, gpus)},
+        "suggested_micro_batch_size": {},
+    }
     per_process = cfg.train.global_batch_size // gpus if cfg.train.global_batch_size % gpus == 0 else 0
     for mode in per:
-        ok = [m for m in range(1, per_process + 1) if per_process % m == 0
-              and per_gpu(cfg, model, c, gpus, m)[mode]["total"] <= budget]
+        ok = [
+            m
+            for m in range(1, per_process + 1)
+            if per_process % m == 0 and per_gpu(cfg, model, c, gpus, m)[mode]["total"] <= budget
+        ]
         out["suggested_micro_batch_size"][mode] = max(ok) if ok else None
     return out
 
@@ -232,25 +270,42 @@ def _gib(n: int) -> str:
 
 
 def render(p: dict) -> str:
-    rows = ["frozen_weights", "trainable_weights", "gradients", "optimizer_state", "working_buffers", "activations",
-            "total"]
+    rows = [
+        "frozen_weights",
+        "trainable_weights",
+        "gradients",
+        "optimizer_state",
+        "working_buffers",
+        "activations",
+        "total",
+    ]
     modes = list(p["per_gpu_bytes"])
     cell = lambda values: "".join(f"{v:>14s}" for v in values)
-    lines = [f"parameters: {p['total_params']:,} total, {p['trainable_params']:,} trainable, "
-             f"{p['frozen_params']:,} frozen (exact, from the model built on the meta device)"
-             + (f"; LoRA adapters: {p['lora']['params']:,} on {', '.join(p['lora']['parts'])} (r {p['lora']['r']})"
-                if p["lora"] else ""),
-             f"per GPU, {p['gpus']} GPU(s) of {p['gpu_memory_bytes'] / 2**30:.0f} GiB "
-             f"(budget {HEADROOM:.0%}: {p['budget_bytes'] / 2**30:.1f} GiB), micro_batch_size "
-             f"{p['config']['micro_batch_size']}; GiB:", f"{'':20s}{cell(modes)}"]
+    lines = [
+        f"parameters: {p['total_params']:,} total, {p['trainable_params']:,} trainable, "
+        f"{p['frozen_params']:,} frozen (exact, from the model built on the meta device)"
+        + (
+            f"; LoRA adapters: {p['lora']['params']:,} on {', '.join(p['lora']['parts'])} (r {p['lora']['r']})"
+            if p["lora"]
+            else ""
+        ),
+        f"per GPU, {p['gpus']} GPU(s) of {p['gpu_memory_bytes'] / 2**30:.0f} GiB "
+        f"(budget {HEADROOM:.0%}: {p['budget_bytes'] / 2**30:.1f} GiB), micro_batch_size "
+        f"{p['config']['micro_batch_size']}; GiB:",
+        f"{'':20s}{cell(modes)}",
+    ]
     for r in rows:
         lines.append(f"{r:20s}{cell(_gib(p['per_gpu_bytes'][m][r]).strip() for m in modes)}")
     lines.append(f"{'fits':20s}{cell(str(p['fits'][m]) for m in modes)}")
     s = p["suggested_micro_batch_size"]
-    lines.append(f"{'micro_batch_size':20s}{cell(str(s[m] or '-') for m in modes)}"
-                 "  (largest that fits and divides the per-process batch; - : none)")
-    lines.append(f"fsdp_offload (train.cpu_offload) keeps weights, gradients and optimizer state in host memory: "
-                 f"{p['host_bytes_per_process']['fsdp_offload'] / 2**30:.1f} GiB per process")
+    lines.append(
+        f"{'micro_batch_size':20s}{cell(str(s[m] or '-') for m in modes)}"
+        "  (largest that fits and divides the per-process batch; - : none)"
+    )
+    lines.append(
+        f"fsdp_offload (train.cpu_offload) keeps weights, gradients and optimizer state in host memory: "
+        f"{p['host_bytes_per_process']['fsdp_offload'] / 2**30:.1f} GiB per process"
+    )
     lines.append("activations and working buffers are estimates (docs/performance.md); the rest is exact")
     return "\n".join(lines)
 
@@ -270,8 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.gpus <= MAX_GPUS:
         raise UserError(f"train.memory: --gpus must be between 1 and {MAX_GPUS}, got {shown(args.gpus)}")
     if not 0 < args.gpu_memory_gib <= MAX_GPU_GIB:  # also refuses inf and nan
-        raise UserError(f"train.memory: --gpu-memory-gib must be a positive number of GiB up to {MAX_GPU_GIB}, got "
-                        f"{args.gpu_memory_gib}")
+        raise UserError(
+            f"train.memory: --gpu-memory-gib must be a positive number of GiB up to {MAX_GPU_GIB}, got "
+            f"{args.gpu_memory_gib}"
+        )
     cfg = load_config(TrainConfig, args.config, args.overrides)
     if args.print_config:
         print(to_yaml(cfg), end="")

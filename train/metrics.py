@@ -1,4 +1,5 @@
 """Metrics: metrics.jsonl, Accelerate trackers, the progress bar, an optional profiler window, the final summary."""
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,10 @@ def check_metrics_file(output_dir: str | Path) -> None:
     path = Path(output_dir) / METRICS
     what = path_kind(path)
     if what not in (None, "a regular file"):
-        raise UserError(f"output_dir {output_dir}: {path} is {what}, where the run writes its metrics log; move it "
-                        "away or use another output_dir")
+        raise UserError(
+            f"output_dir {output_dir}: {path} is {what}, where the run writes its metrics log; move it "
+            "away or use another output_dir"
+        )
 
 
 def check_trackers(trackers: list[str]) -> None:
@@ -54,16 +57,25 @@ def check_trackers(trackers: list[str]) -> None:
     available = {"tensorboard": is_tensorboard_available, "wandb": is_wandb_available}
     for t in trackers:
         if not available[t]():
-            raise UserError(f"config key 'trackers': {t} is not installed (pip install {t}), or leave it out of "
-                            "trackers")
+            raise UserError(
+                f"config key 'trackers': {t} is not installed (pip install {t}), or leave it out of trackers"
+            )
 
 
 class Metrics:
     """Main-process sink for log and eval events. On resume, lines past the resumed step (from the interrupted
     run) are dropped so the file reads as one uninterrupted run."""
 
-    def __init__(self, accelerator, output_dir: str | Path, config: dict, start_step: int, max_steps: int,
-                 trackers: list[str], wandb: dict | None = None):
+    def __init__(
+        self,
+        accelerator,
+        output_dir: str | Path,
+        config: dict,
+        start_step: int,
+        max_steps: int,
+        trackers: list[str],
+        wandb: dict | None = None,
+    ):
         """`wandb`: wandb_init(...)'s project and init kwargs, when trackers holds wandb."""
         self.acc, self.main = accelerator, accelerator.is_main_process
         self.path = Path(output_dir) / METRICS
@@ -77,8 +89,9 @@ class Metrics:
             kept = [ln for ln in self.path.read_bytes().split(b"\n") if 0 <= _step_of(ln) <= start_step]
         self.path.write_bytes(b"".join(ln + b"\n" for ln in kept))
         if trackers:
-            # TensorBoard logs go to <output_dir>/theworld/ (<output_dir>/<wandb.project>/ with W&B). Its hparams (accelerate's store_init_configuration) would
-            # add a folder named by the clock there on every (re)start; the config goes in as text instead.
+            # TensorBoard logs go to <output_dir>/theworld/ (<output_dir>/<wandb.project>/ with W&B). Its hparams
+            # (accelerate's store_init_configuration) would add a folder named by the clock there on every (re)start;
+            # the config goes in as text instead.
             project, kwargs = wandb or ("theworld", {})
             accelerator.init_trackers(project, init_kwargs=kwargs)
             for t in accelerator.trackers:
@@ -88,8 +101,9 @@ class Metrics:
                     t.store_init_configuration(_flat(config))
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=max_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr,
-                        mininterval=1.0)
+        self.bar = tqdm(
+            total=max_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr, mininterval=1.0
+        )
         self.postfix: dict[str, str] = {}
         self.trackers = bool(trackers)
         self.warm = False  # the first step (compile, warm-up) is left out of the progress bar's rate and ETA
@@ -103,8 +117,10 @@ class Metrics:
             self.acc.log({k: v for k, v in event.items() if k != "step"}, step=event["step"])
         if "eval_loss" in event:  # evals are rare and the figure people wait for: on the console as they happen
             gap = event["eval_loss_shuffled_world"] - event["eval_loss"]
-            self.message(f"eval at step {event['step']}: eval_loss {event['eval_loss']:.4f}, "
-                         f"eval_loss_shuffled_world {event['eval_loss_shuffled_world']:.4f}, gap {gap:+.4f}")
+            self.message(
+                f"eval at step {event['step']}: eval_loss {event['eval_loss']:.4f}, "
+                f"eval_loss_shuffled_world {event['eval_loss_shuffled_world']:.4f}, gap {gap:+.4f}"
+            )
 
     def message(self, text: str) -> None:
         if self.main:
@@ -121,8 +137,10 @@ class Metrics:
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, "samples": rows}) + "\n")
         first = rows[0]
-        self.message(f"sample at step {step}: true {first['caption']!r}; own world {first['own_world']!r}; "
-                     f"shuffled world {first['shuffled_world']!r}")
+        self.message(
+            f"sample at step {step}: true {first['caption']!r}; own world {first['own_world']!r}; "
+            f"shuffled world {first['shuffled_world']!r}"
+        )
         for t in self.acc.trackers if self.trackers else ():
             if t.name == "tensorboard":
                 t.writer.add_text("samples", samples_markdown(rows), global_step=step)
@@ -134,12 +152,25 @@ class Metrics:
             elif t.name == "wandb":
                 import wandb
 
-                data = [[wandb.Image(img, caption=row["own_world"]) if img is not None else None, row["caption"],
-                         row["own_world"], row["shuffled_world"]] for row, img in zip(rows, images)]
+                data = [
+                    [
+                        wandb.Image(img, caption=row["own_world"]) if img is not None else None,
+                        row["caption"],
+                        row["own_world"],
+                        row["shuffled_world"],
+                    ]
+                    for row, img in zip(rows, images)
+                ]
                 t.log_table("samples", columns=["image", *SAMPLE_COLUMNS], data=data, step=step)
 
-    def advance(self, n: int = 1, loss: float | None = None, lr: float | None = None,
-                samples_per_s: float | None = None, step_s: float | None = None) -> None:
+    def advance(
+        self,
+        n: int = 1,
+        loss: float | None = None,
+        lr: float | None = None,
+        samples_per_s: float | None = None,
+        step_s: float | None = None,
+    ) -> None:
         """`n` more steps done; the last one's `loss` (shown smoothed), `lr` and throughput on the progress bar."""
         if self.bar is None:
             return
@@ -186,8 +217,14 @@ def samples_markdown(rows: list[dict]) -> str:
 def wandb_init(wandb_cfg, run_id: str, output_dir: str | Path) -> tuple[str, dict]:
     """(project, Accelerator.init_trackers init_kwargs): the run id is the checkpointed one, so a resumed run continues
     the same W&B run; its files go under output_dir."""
-    kwargs = {"id": run_id, "resume": "allow", "dir": str(output_dir), "name": wandb_cfg.run_name,
-              "entity": wandb_cfg.entity, "tags": list(wandb_cfg.tags) or None}
+    kwargs = {
+        "id": run_id,
+        "resume": "allow",
+        "dir": str(output_dir),
+        "name": wandb_cfg.run_name,
+        "entity": wandb_cfg.entity,
+        "tags": list(wandb_cfg.tags) or None,
+    }
     return wandb_cfg.project, {"wandb": {k: v for k, v in kwargs.items() if v is not None}}
 
 
@@ -207,7 +244,7 @@ class SmoothedLoss:
 
     @property
     def value(self) -> float:
-        return self.avg / (1 - self.beta ** self.n) if self.n else float("nan")
+        return self.avg / (1 - self.beta**self.n) if self.n else float("nan")
 
 
 class ProfileWindow:
@@ -259,25 +296,40 @@ class StepWindow:
         """The log line's figures (loss: mean over the window's finite steps), then a new window."""
         ok = [o["loss"] for o in self.outs if not o["skipped"]]
         now, last = time.perf_counter(), self.outs[-1]
-        line = {"loss": sum(ok) / len(ok) if ok else float("nan"), "lr": last["lr"], "grad_norm": last["grad_norm"],
-                "samples_per_s": len(self.outs) * global_batch / (now - self.start),
-                "skipped": len(self.outs) - len(ok), "data_wait": self.data_s / (now - self.start)}
+        line = {
+            "loss": sum(ok) / len(ok) if ok else float("nan"),
+            "lr": last["lr"],
+            "grad_norm": last["grad_norm"],
+            "samples_per_s": len(self.outs) * global_batch / (now - self.start),
+            "skipped": len(self.outs) - len(ok),
+            "data_wait": self.data_s / (now - self.start),
+        }
         self.outs, self.start, self.data_s = [], now, 0.0
         return line
 
 
-def summary(state, elapsed: float, window: StepWindow, stop_on_plateau: bool = False, final: str | Path = "final") -> str:
+def summary(
+    state, elapsed: float, window: StepWindow, stop_on_plateau: bool = False, final: str | Path = "final"
+) -> str:
     ev = state.last_eval or {}
     n = window.steps_run
-    lines = [f"steps {state.step} ({n} this run) in {elapsed:.1f}s"
-             + (f", {1000 * window.train_total_s / n:.1f} ms/step, waiting for data "
-                f"{1000 * window.data_total_s / n:.1f} ms/step" if n else "")]
+    lines = [
+        f"steps {state.step} ({n} this run) in {elapsed:.1f}s"
+        + (
+            f", {1000 * window.train_total_s / n:.1f} ms/step, waiting for data "
+            f"{1000 * window.data_total_s / n:.1f} ms/step"
+            if n
+            else ""
+        )
+    ]
     if state.first_loss is not None:
         lines.append(f"train loss: first {state.first_loss:.4f} -> last {state.last_loss:.4f}")
     if ev:
         gap = ev["eval_loss_shuffled_world"] - ev["eval_loss"]
-        lines.append(f"eval_loss {ev['eval_loss']:.4f}, eval_loss_shuffled_world {ev['eval_loss_shuffled_world']:.4f}, "
-                     f"gap {gap:+.4f} nats/token")
+        lines.append(
+            f"eval_loss {ev['eval_loss']:.4f}, eval_loss_shuffled_world {ev['eval_loss_shuffled_world']:.4f}, "
+            f"gap {gap:+.4f} nats/token"
+        )
     if state.nonfinite_steps:
         lines.append(f"non-finite steps skipped: {state.nonfinite_steps}")
     if state.eval_history:

@@ -13,6 +13,7 @@ one more. The quotas are the same every epoch, so the number of global batches p
 function of (seed, epoch): resuming and the process count do not change it. The epoch's order is then made from the
 drawn samples as from one cache's (`order.epoch_batches`).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -94,7 +95,7 @@ def largest_remainder(shares: np.ndarray, total: int) -> np.ndarray:
     """Non-negative integers proportional to `shares` that add up to `total` (Hamilton's method; ties to the first)."""
     exact = np.asarray(shares, dtype=np.float64) * total / np.sum(shares)
     out = np.floor(exact).astype(np.int64)
-    rest = np.argsort(-(exact - out), kind="stable")[:total - int(out.sum())]
+    rest = np.argsort(-(exact - out), kind="stable")[: total - int(out.sum())]
     out[rest] += 1
     return out
 
@@ -111,8 +112,7 @@ class Draw:
     cache_sizes: np.ndarray  # training samples per cache
 
     @classmethod
-    def build(cls, reader: MixedReader, train_indices: np.ndarray, weights: list[float],
-              buckets: np.ndarray) -> Draw:
+    def build(cls, reader: MixedReader, train_indices: np.ndarray, weights: list[float], buckets: np.ndarray) -> Draw:
         """`buckets[i]`: sample i's latent shape id (order.bucket_ids)."""
         cache = reader.cache_of[train_indices]
         sizes = np.bincount(cache, minlength=len(reader.readers))
@@ -137,8 +137,12 @@ class Draw:
                 out.append(members)
                 continue
             rounds = -(-quota // len(members))
-            perms = [torch.randperm(len(members), generator=torch.Generator().manual_seed(
-                seed_of("mix", seed, epoch, g, r))).numpy() for r in range(rounds)]
+            perms = [
+                torch.randperm(
+                    len(members), generator=torch.Generator().manual_seed(seed_of("mix", seed, epoch, g, r))
+                ).numpy()
+                for r in range(rounds)
+            ]
             out.append(members[np.concatenate(perms)[:quota]])
         return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
@@ -146,11 +150,14 @@ class Draw:
         """Samples per latent shape in every epoch's draw (the same each epoch)."""
         shape_of_group = [int(buckets[g[0]]) for g in self.groups]
         return np.bincount(shape_of_group, weights=self.quotas, minlength=int(buckets.max(initial=0)) + 1).astype(
-            np.int64)
+            np.int64
+        )
 
     def describe(self, reader: MixedReader, weights: list[float]) -> str:
         """The start line: each cache's training samples, share and effective epochs per epoch of the mixture."""
         total = float(np.sum(weights))
-        parts = [f"{r.cache_dir} {int(n)} samples, share {w / total:.1%}, {q / max(int(n), 1):.2f} epochs"
-                 for r, n, w, q in zip(reader.readers, self.cache_sizes, weights, self.cache_quotas)]
+        parts = [
+            f"{r.cache_dir} {int(n)} samples, share {w / total:.1%}, {q / max(int(n), 1):.2f} epochs"
+            for r, n, w, q in zip(reader.readers, self.cache_sizes, weights, self.cache_quotas)
+        ]
         return "mixture per epoch: " + "; ".join(parts)

@@ -1,8 +1,10 @@
 """The optimiser and its schedule: AdamW over parameter groups by part (train.lr_multipliers) and decay, and the
 learning-rate factor as a pure function of the step."""
+
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,14 +30,23 @@ def param_groups(model: torch.nn.Module, weight_decay: float, multipliers=None) 
         if p.requires_grad:
             groups.setdefault((part_of(name), decays(name, p)), []).append(p)
     order = list(PARTS)
-    return [{"params": ps, "weight_decay": weight_decay if decay else 0.0, "part": part,
-             "lr_multiplier": getattr(multipliers, part) if multipliers is not None else 1.0}
-            for (part, decay), ps in sorted(groups.items(), key=lambda kv: (order.index(kv[0][0]), not kv[0][1]))]
+    return [
+        {
+            "params": ps,
+            "weight_decay": weight_decay if decay else 0.0,
+            "part": part,
+            "lr_multiplier": getattr(multipliers, part) if multipliers is not None else 1.0,
+        }
+        for (part, decay), ps in sorted(groups.items(), key=lambda kv: (order.index(kv[0][0]), not kv[0][1]))
+    ]
 
 
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(param_groups(model, cfg.train.weight_decay, cfg.train.lr_multipliers), lr=cfg.train.lr,
-                             betas=tuple(cfg.train.betas))
+    return torch.optim.AdamW(
+        param_groups(model, cfg.train.weight_decay, cfg.train.lr_multipliers),
+        lr=cfg.train.lr,
+        betas=tuple(cfg.train.betas),
+    )
 
 
 def lr_factor(cfg: TrainConfig) -> Callable[[int], float]:
@@ -44,8 +55,5 @@ def lr_factor(cfg: TrainConfig) -> Callable[[int], float]:
 
     name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[cfg.train.schedule]
     dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    sched = get_scheduler(name, dummy, num_warmup_steps=cfg.train.warmup_steps,
-                          num_training_steps=cfg.train.max_steps)
+    sched = get_scheduler(name, dummy, num_warmup_steps=cfg.train.warmup_steps, num_training_steps=cfg.train.max_steps)
     return sched.lr_lambdas[0]
-
-

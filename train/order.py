@@ -15,6 +15,7 @@ whatever the number of processes, and resuming at step s reads exactly the batch
 
 Sample indices live in numpy arrays (8 bytes a sample), shared by forked loader workers without copying.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -49,8 +50,9 @@ def epoch_order(train_indices: np.ndarray, seed: int, epoch: int) -> np.ndarray:
     return np.asarray(train_indices, dtype=np.int64)[_permutation(len(train_indices), seed, epoch)]
 
 
-def epoch_batches(train_indices: np.ndarray, seed: int, epoch: int, global_batch: int,
-                  buckets: np.ndarray | None = None) -> np.ndarray:
+def epoch_batches(
+    train_indices: np.ndarray, seed: int, epoch: int, global_batch: int, buckets: np.ndarray | None = None
+) -> np.ndarray:
     """(steps_per_epoch, G) global batches of `epoch`, each of one bucket (`buckets[i]` is train_indices[i]'s).
 
     The epoch's permutation is walked in order and each sample appended to its bucket's list; whenever a list holds G
@@ -66,7 +68,7 @@ def epoch_batches(train_indices: np.ndarray, seed: int, epoch: int, global_batch
         pos = np.flatnonzero(of == k)
         full = len(pos) // global_batch * global_batch
         rows.append(order[pos[:full]].reshape(-1, global_batch))
-        ends.append(pos[global_batch - 1:full:global_batch])
+        ends.append(pos[global_batch - 1 : full : global_batch])
     return np.concatenate(rows)[np.argsort(np.concatenate(ends), kind="stable")]
 
 
@@ -77,9 +79,11 @@ def check_sizes(cfg, reader: cf.CacheReader, train_indices: np.ndarray, world_si
     if draw is None:
         check_held_out(n_eval, len(reader))
     if n_eval == 1 or 0 < n_eval < world_size:  # each process takes a share; a shuffled world is another sample's
-        raise UserError(f"config key 'train.eval_samples': {n_eval} is too few for {world_size} process(es) (the "
-                        f"shuffled-world loss takes each held-out sample's world from another one): use 0 (no eval) "
-                        f"or at least {max(2, world_size)}")
+        raise UserError(
+            f"config key 'train.eval_samples': {n_eval} is too few for {world_size} process(es) (the "
+            f"shuffled-world loss takes each held-out sample's world from another one): use 0 (no eval) "
+            f"or at least {max(2, world_size)}"
+        )
     sizes = np.bincount(bucket_ids(reader)[train_indices]) if draw is None else draw.bucket_sizes(bucket_ids(reader))
     return steps_per_epoch(sizes, cfg.train.global_batch_size)
 
@@ -89,8 +93,11 @@ def steps_per_epoch(bucket_sizes: np.ndarray | int, global_batch: int) -> int:
     sizes = np.atleast_1d(bucket_sizes)
     steps = int((sizes // global_batch).sum())
     if not steps:
-        where = f"the {int(sizes.sum())} training samples" if len(sizes) == 1 else \
-            f"the training samples of every latent shape (largest: {int(sizes.max())})"
+        where = (
+            f"the {int(sizes.sum())} training samples"
+            if len(sizes) == 1
+            else f"the training samples of every latent shape (largest: {int(sizes.max())})"
+        )
         raise UserError(f"config key 'train.global_batch_size': {global_batch} is more than {where}")
     return steps
 
@@ -108,16 +115,25 @@ def rank_offset(global_batch: int, rank: int, world_size: int) -> int:
     return rank * (global_batch // world_size)
 
 
-def rank_indices(train_indices: np.ndarray, seed: int, epoch: int, global_batch: int, rank: int, world_size: int,
-                 start_batch: int = 0, buckets: np.ndarray | None = None) -> np.ndarray:
+def rank_indices(
+    train_indices: np.ndarray,
+    seed: int,
+    epoch: int,
+    global_batch: int,
+    rank: int,
+    world_size: int,
+    start_batch: int = 0,
+    buckets: np.ndarray | None = None,
+) -> np.ndarray:
     """This process's samples for global batches [start_batch, end of epoch) of `epoch`, in consumption order."""
     batches = epoch_batches(train_indices, seed, epoch, global_batch, buckets)
     lo = rank_offset(global_batch, rank, world_size)
-    return batches[start_batch:, lo:lo + global_batch // world_size].reshape(-1)
+    return batches[start_batch:, lo : lo + global_batch // world_size].reshape(-1)
 
 
 def flip_of(seed: int, epoch: int, index: int) -> bool:
     return seed_of("flip", seed, epoch, index) & 1 == 1
+
 
 def noise_seeds(seed: int, step: int, first: int, n: int) -> list[int]:
     """Latent-sampling seeds of the samples at positions [first, first + n) of a step's global batch: a pure function

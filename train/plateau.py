@@ -5,6 +5,7 @@ The multi-stage guide's rule: less than 1% improvement of the validation loss ov
 `train.plateau.window_evals: 0` the window is the evals covering the last 5,000 steps, or a quarter of the run when
 that is shorter (a 1,000-step demo stage would otherwise never be judged).
 """
+
 from __future__ import annotations
 
 import math
@@ -42,11 +43,15 @@ def plateaued(losses: list[float], window: int, min_improvement: float) -> bool:
 def next_step(plateau_step: int | None, final_dir: str, stopped: bool) -> str:
     """The guide's advice for the summary and final/README.md."""
     if plateau_step is None:
-        return ("The eval loss was still improving when the run ended: the guide's next step is to continue this "
-                "stage (raise train.max_steps and resume) before moving on.")
+        return (
+            "The eval loss was still improving when the run ended: the guide's next step is to continue this "
+            "stage (raise train.max_steps and resume) before moving on."
+        )
     how = "; the run stopped there (train.stop_on_plateau)" if stopped else ""
-    return (f"The eval loss plateaued at step {plateau_step} (train.plateau){how}: the guide's next step is the next "
-            f"stage, started from these weights with `init_from: {final_dir}`.")
+    return (
+        f"The eval loss plateaued at step {plateau_step} (train.plateau){how}: the guide's next step is the next "
+        f"stage, started from these weights with `init_from: {final_dir}`."
+    )
 
 
 def record(state, plateau_cfg, eval_every: int, max_steps: int, eval_loss: float) -> dict:

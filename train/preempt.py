@@ -11,11 +11,13 @@ benchmark) can take minutes. So the evals ask `poll()` between batches: a reques
 (`EvalCut`, nothing of it logged) and the run goes straight to its checkpoint. Every process polls at the same points
 of an eval (its batches are counted to the longest share), so the check can be a collective too.
 """
+
 from __future__ import annotations
 
 import signal
 import sys
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -45,7 +47,7 @@ class Preemption:
         self.signum: int | None = None
         self._previous = {}
 
-    def install(self) -> "Preemption":
+    def install(self) -> Preemption:
         global _active
         for sig in EXIT_CODES:
             self._previous[sig] = signal.signal(sig, self._handle)
@@ -64,8 +66,12 @@ class Preemption:
             signal.signal(signum, signal.SIG_DFL)
             raise KeyboardInterrupt
         self.signum = signum
-        print(f"\n{signal.Signals(signum).name} received: finishing this step, then saving a checkpoint "
-              "(send it again to stop at once)", file=sys.stderr, flush=True)
+        print(
+            f"\n{signal.Signals(signum).name} received: finishing this step, then saving a checkpoint "
+            "(send it again to stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def requested(self) -> bool:
         """Whether any process got a signal (a collective under several processes: call it on every rank)."""
@@ -89,8 +95,10 @@ class Preemption:
             return self.exit_code
         if step % cfg.train.save_every:
             save()
-        metrics.message(f"stopped by {name} after step {step}: checkpoint {cfg.output_dir}/checkpoint-{step}; rerun "
-                        "the same command to resume from it")
+        metrics.message(
+            f"stopped by {name} after step {step}: checkpoint {cfg.output_dir}/checkpoint-{step}; rerun "
+            "the same command to resume from it"
+        )
         metrics.close()
         return self.exit_code
 
@@ -99,8 +107,10 @@ def cut_message(step: int) -> str:
     """What the run says of an eval a stop request cut short."""
     signum = _active.signum if _active is not None else None
     name = signal.Signals(signum).name if signum else "a stop request"
-    return (f"{name} during the eval at step {step}: eval cut short and not logged, so the checkpoint is written "
-            "before the launcher's grace period ends")
+    return (
+        f"{name} during the eval at step {step}: eval cut short and not logged, so the checkpoint is written "
+        "before the launcher's grace period ends"
+    )
 
 
 def ignore_in_workers() -> None:

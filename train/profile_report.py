@@ -2,6 +2,7 @@
 (RUN_DIR/profile/trace-rank<R>.json, torch.profiler's Chrome trace): the top operations by self time, the time of
 each part of a step (the `theworld:` labels of theworld.model.PROFILE_LABELS, communication by operation name), and
 what the shares suggest. Times are host-side (CPU) time; on a GPU the top kernels by device time follow."""
+
 from __future__ import annotations
 
 import argparse
@@ -13,23 +14,51 @@ from pathlib import Path
 from theworld.errors import UserError, cli_entry
 from theworld.model import PROFILE_LABELS
 
-CATEGORIES = {"world_encoder": "world encoder (VAE)", "vision_tower": "vision tower (SigLIP)",
-              "language_model": "language model forward", "backward": "backward",
-              "projector": "world projector", "optimizer": "optimizer", "data": "data wait",
-              "communication": "communication", "other": "other"}
+CATEGORIES = {
+    "world_encoder": "world encoder (VAE)",
+    "vision_tower": "vision tower (SigLIP)",
+    "language_model": "language model forward",
+    "backward": "backward",
+    "projector": "world projector",
+    "optimizer": "optimizer",
+    "data": "data wait",
+    "communication": "communication",
+    "other": "other",
+}
 LABEL_TO_PART = {label: part for part, label in PROFILE_LABELS.items()}
-COMM_WORDS = ("nccl", "gloo", "c10d::", "allreduce", "all_reduce", "allgather", "all_gather", "reduce_scatter",
-              "broadcast_", "record_param_comms")
+COMM_WORDS = (
+    "nccl",
+    "gloo",
+    "c10d::",
+    "allreduce",
+    "all_reduce",
+    "allgather",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast_",
+    "record_param_comms",
+)
 HOST_CATS = ("cpu_op", "user_annotation")
 ADVICE = [  # (part, share above which it is worth saying, what to try)
-    ("data", 0.10, "the loader is behind: raise train.num_workers, and keep latents and SigLIP features cached "
-                   "(precompute with cache.siglip: true)"),
+    (
+        "data",
+        0.10,
+        "the loader is behind: raise train.num_workers, and keep latents and SigLIP features cached "
+        "(precompute with cache.siglip: true)",
+    ),
     ("world_encoder", 0.10, "the VAE runs live: train from cached latents (precompute them)"),
     ("vision_tower", 0.10, "the vision tower runs live: with freeze.vision, cache its features (cache.siglip: true)"),
-    ("communication", 0.15, "communication-bound: fewer, larger steps (raise train.micro_batch_size or accumulate), "
-                            "or train.sharding: ddp where the model fits"),
-    ("optimizer", 0.15, "the optimizer step is heavy: fewer trainable parts (freeze), or train.sharding: fsdp to "
-                        "shard its state"),
+    (
+        "communication",
+        0.15,
+        "communication-bound: fewer, larger steps (raise train.micro_batch_size or accumulate), "
+        "or train.sharding: ddp where the model fits",
+    ),
+    (
+        "optimizer",
+        0.15,
+        "the optimizer step is heavy: fewer trainable parts (freeze), or train.sharding: fsdp to shard its state",
+    ),
     ("projector", 0.15, "the world projector is a large share: a lighter world.projector or pooling (world.pool)"),
 ]
 
@@ -104,46 +133,66 @@ def _table(rows: dict[str, list[float]], total: float, top: int, what: str) -> l
 
 
 def advice(shares: dict[str, float]) -> list[str]:
-    said = [f"- {CATEGORIES[part]} takes {shares.get(part, 0.0):.0%}: {text}" for part, limit, text in ADVICE
-            if shares.get(part, 0.0) > limit]
+    said = [
+        f"- {CATEGORIES[part]} takes {shares.get(part, 0.0):.0%}: {text}"
+        for part, limit, text in ADVICE
+        if shares.get(part, 0.0) > limit
+    ]
     lm = shares.get("language_model", 0.0) + shares.get("backward", 0.0)
     if lm >= 0.5:
-        said.append(f"- the language model's forward and backward take {lm:.0%}: compute-bound where it should be; "
-                    "faster steps come from train.mixed_precision: bf16, train.compile, train.attention: "
-                    "flex_attention (GPU), and larger micro-batches")
+        said.append(
+            f"- the language model's forward and backward take {lm:.0%}: compute-bound where it should be; "
+            "faster steps come from train.mixed_precision: bf16, train.compile, train.attention: "
+            "flex_attention (GPU), and larger micro-batches"
+        )
     return said or ["- no part stands out: the step is balanced"]
 
 
 def report(run_dir: str | Path, top: int = 15, rank: int = 0) -> str:
     path = Path(run_dir) / "profile" / f"trace-rank{rank}.json"
     if not path.is_file():
-        raise UserError(f"{run_dir}: no {path.relative_to(run_dir)} (run with profile.enabled: true, and at least "
-                        "profile.start_step + profile.steps steps)")
+        raise UserError(
+            f"{run_dir}: no {path.relative_to(run_dir)} (run with profile.enabled: true, and at least "
+            "profile.start_step + profile.steps steps)"
+        )
     events = load_trace(path)
     ops, parts, wall = host_times(events)
     busy = sum(parts.values())
     if not busy:
         raise UserError(f"{path}: holds no host operations")
     shares = {p: t / busy for p, t in parts.items()}
-    lines = [f"# Profile of {Path(run_dir).name} (rank {rank})", "",
-             f"Trace `{path}`: {wall / 1000:.1f} ms of wall time, {busy / 1000:.1f} ms of host time on its threads.",
-             "", "## Time per part of a step", "", "| part | time (ms) | share |", "| --- | ---: | ---: |"]
+    lines = [
+        f"# Profile of {Path(run_dir).name} (rank {rank})",
+        "",
+        f"Trace `{path}`: {wall / 1000:.1f} ms of wall time, {busy / 1000:.1f} ms of host time on its threads.",
+        "",
+        "## Time per part of a step",
+        "",
+        "| part | time (ms) | share |",
+        "| --- | ---: | ---: |",
+    ]
     for part, us in sorted(parts.items(), key=lambda kv: -kv[1]):
         lines.append(f"| {CATEGORIES[part]} | {us / 1000:.2f} | {us / busy:.1%} |")
     lines += ["", f"## Top {top} operations by self time (host)", "", *_table(ops, busy, top, "operation")]
     kernels = kernel_times(events)
     if kernels:
         gpu = sum(us for _, us in kernels.values())
-        lines += ["", f"## Top {top} GPU kernels ({gpu / 1000:.1f} ms of device time)", "",
-                  *_table(kernels, gpu, top, "kernel")]
+        lines += [
+            "",
+            f"## Top {top} GPU kernels ({gpu / 1000:.1f} ms of device time)",
+            "",
+            *_table(kernels, gpu, top, "kernel"),
+        ]
     lines += ["", "## What it suggests", "", *advice(shares)]
     return "\n".join(lines) + "\n"
 
 
 @cli_entry
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m train.profile_report",
-                                description="Markdown report of a run's profiler trace (profile: in the config).")
+    p = argparse.ArgumentParser(
+        prog="python -m train.profile_report",
+        description="Markdown report of a run's profiler trace (profile: in the config).",
+    )
     p.add_argument("run_dir", help="the run's output_dir (holding profile/trace-rank<R>.json)")
     p.add_argument("--top", type=int, default=15, help="operations listed (default 15)")
     p.add_argument("--rank", type=int, default=0, help="the process whose trace to read (default 0)")

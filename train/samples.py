@@ -1,6 +1,7 @@
 """Captions generated at every eval for a fixed set of held-out samples: with their own world, with their eval partner's
 (shuffled) world, next to the true caption. The model's own generation (theworld/infer/generate.py: KV cache, greedy)
 runs on the cached inputs the eval loss reads, so what is shown is what the loss measured."""
+
 from __future__ import annotations
 
 import io
@@ -15,8 +16,8 @@ from theworld.text import IGNORE, Encoded, collate_text
 from train.batches import PARTNER, WORLD_KEYS, Collate
 
 if TYPE_CHECKING:
-    from train.data import DataContext
     from train.components import Components
+    from train.data import DataContext
 
 TEXT_KEYS = ("input_ids", "attention_mask", "labels")
 
@@ -64,8 +65,11 @@ class CaptionSamples:
         try:
             for g in self.groups:
                 tensors = g.batch.to(acc.device)
-                inputs = {k: v for k, v in tensors.items() if k not in TEXT_KEYS and k != "paired"
-                          and not k.startswith(PARTNER)}
+                inputs = {
+                    k: v
+                    for k, v in tensors.items()
+                    if k not in TEXT_KEYS and k != "paired" and not k.startswith(PARTNER)
+                }
                 shuffled = {**inputs, **{k: tensors[PARTNER + k] for k in WORLD_KEYS if PARTNER + k in tensors}}
                 for name, world in (("own_world", inputs), ("shuffled_world", shuffled)):
                     for i, text in zip(g.positions, self._generate(model, acc, g.prompt, world)):
@@ -80,8 +84,14 @@ class CaptionSamples:
         with acc.autocast():
             fused = left_align(model.embed_inputs(ids, mask, **world))
             tok = model.processor.tokenizer
-            out = decode(model, fused, self.max_new_tokens, Sampler(False, 1.0, 1.0, None, acc.device),
-                         stop_ids(model), tok.pad_token_id)
+            out = decode(
+                model,
+                fused,
+                self.max_new_tokens,
+                Sampler(False, 1.0, 1.0, None, acc.device),
+                stop_ids(model),
+                tok.pad_token_id,
+            )
         return [tok.decode(row, skip_special_tokens=True).strip() for row in out]
 
 

@@ -7,6 +7,7 @@ holds the rest (embeddings, tied lm_head, norms, the world projector). Under `tr
 in bf16 from fp32 master weights and reduce gradients in fp32. With one process nothing is sharded, unless
 `train.cpu_offload` asks for FSDP2's host offload: then the one process shards over a process group of one.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,8 +34,10 @@ class ShardingChoice:
     def describe(self, world_size: int, units: int = 0) -> str:
         off = "; parameters, gradients and optimizer state offloaded to host memory" if self.offload else ""
         if self.sharded(world_size):
-            return (f"sharding fsdp (FSDP2 fully_shard, {units} units over {world_size} process(es){off}; "
-                    f"from {self.source})")
+            return (
+                f"sharding fsdp (FSDP2 fully_shard, {units} units over {world_size} process(es){off}; "
+                f"from {self.source})"
+            )
         if self.mode == "fsdp":
             return f"sharding fsdp with 1 process: unsharded (from {self.source})"
         return "sharding ddp" + (" (replicated)" if world_size > 1 else " (1 process)")
@@ -58,8 +61,10 @@ def resolve(cfg) -> ShardingChoice:
     if cfg.train.cpu_offload and choice.mode != "fsdp":
         from theworld.errors import UserError
 
-        raise UserError("config key 'train.cpu_offload': host offload is part of FSDP; set train.sharding: fsdp "
-                        "(or launch with FSDP)")
+        raise UserError(
+            "config key 'train.cpu_offload': host offload is part of FSDP; set train.sharding: fsdp "
+            "(or launch with FSDP)"
+        )
     return choice
 
 
@@ -99,8 +104,11 @@ def shard(model: nn.Module, device: torch.device, world_size: int, mixed_precisi
     if world_size == 1:
         _group_of_one(WITH_HOST if device.type == "cuda" else "gloo")
     mesh = init_device_mesh(device.type, (world_size,))
-    kwargs = {"mesh": mesh, "mp_policy": mixed_precision_policy(mixed_precision),
-              "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()}
+    kwargs = {
+        "mesh": mesh,
+        "mp_policy": mixed_precision_policy(mixed_precision),
+        "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy(),
+    }
     blocks = units(model)
     for block in blocks:
         fully_shard(block, **kwargs)

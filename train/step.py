@@ -3,6 +3,7 @@
 The loss is normalised by the number of answer tokens in the whole global batch (all micro-batches, all processes),
 counted and all-reduced before the forward passes, so accumulation and process count leave the gradient unchanged.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,7 +51,7 @@ class LoopState:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, d: dict) -> "LoopState":
+    def from_json(cls, d: dict) -> LoopState:
         known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
         return cls(**known)
 
@@ -89,16 +90,22 @@ def optimization_step(components: Components, state: LoopState, micro_batches: l
         loss_sum = accelerator.reduce(loss_sum, reduction="sum")
     loss = float(loss_sum) / n
     max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
-    grad_norm = (sharding.clip_grad_norm_(components.params, max_norm) if components.sharded
-                 else float(accelerator.clip_grad_norm_(components.params, max_norm)))
+    grad_norm = (
+        sharding.clip_grad_norm_(components.params, max_norm)
+        if components.sharded
+        else float(accelerator.clip_grad_norm_(components.params, max_norm))
+    )
     finite = math.isfinite(loss) and math.isfinite(grad_norm)
     if finite:
         with record_function(PROFILE_LABELS["optimizer"]):
             components.optimizer.step()
         if components.ema is not None:
             with torch.no_grad():
-                torch._foreach_lerp_(components.ema, [p.detach().float() for p in components.params],
-                                     1.0 - ema_decay(cfg.train.ema, cfg.train.ema_warmup_steps, state.step))
+                torch._foreach_lerp_(
+                    components.ema,
+                    [p.detach().float() for p in components.params],
+                    1.0 - ema_decay(cfg.train.ema, cfg.train.ema_warmup_steps, state.step),
+                )
         state.nonfinite_in_a_row = 0
         state.first_loss = loss if state.first_loss is None else state.first_loss
         state.last_loss = loss
@@ -110,8 +117,10 @@ def optimization_step(components: Components, state: LoopState, micro_batches: l
     state.samples_seen += cfg.train.global_batch_size
     state.tokens_seen += int(n_global.item())
     if state.nonfinite_in_a_row >= cfg.train.max_nonfinite:
-        raise NonFiniteError(f"{state.nonfinite_in_a_row} non-finite steps in a row (last at step {state.step}: "
-                             f"loss {loss}, grad norm {grad_norm}); lower train.lr or check the data")
+        raise NonFiniteError(
+            f"{state.nonfinite_in_a_row} non-finite steps in a row (last at step {state.step}: "
+            f"loss {loss}, grad norm {grad_norm}); lower train.lr or check the data"
+        )
     return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": not finite, "tokens": int(n_global.item())}
 
 
@@ -147,8 +156,9 @@ def evaluate(components: Components, loader: DataLoader) -> dict:
                 b = model(**{**batch, **partner})  # also when unpaired: every process makes two forwards per batch
             sums[:2] += torch.tensor([float(a.loss_sum), a.num_tokens], dtype=torch.float64, device=accelerator.device)
             if paired:
-                sums[2:] += torch.tensor([float(b.loss_sum), b.num_tokens], dtype=torch.float64,
-                                         device=accelerator.device)
+                sums[2:] += torch.tensor(
+                    [float(b.loss_sum), b.num_tokens], dtype=torch.float64, device=accelerator.device
+                )
         for _ in range(extra):
             preempt.poll()
             model(**batch)  # results unused: only the collectives count
@@ -159,5 +169,9 @@ def evaluate(components: Components, loader: DataLoader) -> dict:
     if components.world_size > 1:
         sums = accelerator.reduce(sums, reduction="sum")
     loss, shuffled = float(sums[0]) / max(float(sums[1]), 1.0), float(sums[2]) / max(float(sums[3]), 1.0)
-    return {"eval_loss": loss, "eval_loss_shuffled_world": shuffled, "eval_gap": shuffled - loss,
-            "eval_tokens": int(sums[1])}
+    return {
+        "eval_loss": loss,
+        "eval_loss_shuffled_world": shuffled,
+        "eval_gap": shuffled - loss,
+        "eval_tokens": int(sums[1]),
+    }

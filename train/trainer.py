@@ -1,6 +1,7 @@
 """One training run's state, built once and driven by train/loop.py: `Checked` holds what is settled before any model
 loads (the resolved config, the cache, the held-out split, the benchmarks), `Trainer` everything from the clean-up
 after a killed run to the final weights (components, data, loop state, metrics, evaluation, saves)."""
+
 from __future__ import annotations
 
 import sys
@@ -20,8 +21,7 @@ from train.benchmarks import lines as benchmark_lines
 from train.components import Components, Launch, build, build_model, resolve_launch
 from train.config import run_hash, to_yaml
 from train.hub_upload import HubUploader
-from train.metrics import (Metrics, ProfileWindow, StepWindow, check_metrics_file, check_trackers, summary,
-                           wandb_init)
+from train.metrics import Metrics, ProfileWindow, StepWindow, check_metrics_file, check_trackers, summary, wandb_init
 from train.preempt import EvalCut, Preemption, cut_message
 from train.samples import CaptionSamples
 from train.step import LoopState, evaluate
@@ -59,8 +59,7 @@ class Checked:
         if cfg.train.cpu_threads:
             torch.set_num_threads(cfg.train.cpu_threads)
         split = data.split_data(cfg, reader)
-        per_epoch = order.check_sizes(cfg, reader, split[0], launch.processes,
-                                      data.mixture_draw(cfg, reader, split[0]))
+        per_epoch = order.check_sizes(cfg, reader, split[0], launch.processes, data.mixture_draw(cfg, reader, split[0]))
         cfg.train.max_steps = order.total_steps(cfg.train, per_epoch)
         return cls(cfg, launch, reader, inputs, split, per_epoch, bench)
 
@@ -106,12 +105,31 @@ class Trainer:
         eval_loader = data.build_eval_loader(cfg, ctx, rank, world_size) if len(ctx.eval_indices) else None
         samples = CaptionSamples(cfg, ctx, cfg.train.samples) if cfg.train.samples and len(ctx.eval_indices) else None
         # last: what fails above is one error line, with no progress bar drawn before it
-        metrics = Metrics(accelerator, cfg.output_dir, {**to_dict(cfg), "run_hash": run_hash(cfg)}, state.step,
-                          cfg.train.max_steps, cfg.trackers,
-                          wandb_init(cfg.wandb, state.wandb_run_id, cfg.output_dir) if "wandb" in cfg.trackers else None)
-        return cls(checked, c, ctx, state, metrics, eval_loader, ProfileWindow(cfg.profile, cfg.output_dir, rank),
-                   t_start, cache, removed, reports, resume_from, samples=samples,
-                   hub=hub_upload.for_run(cfg, accelerator, metrics.message))
+        metrics = Metrics(
+            accelerator,
+            cfg.output_dir,
+            {**to_dict(cfg), "run_hash": run_hash(cfg)},
+            state.step,
+            cfg.train.max_steps,
+            cfg.trackers,
+            wandb_init(cfg.wandb, state.wandb_run_id, cfg.output_dir) if "wandb" in cfg.trackers else None,
+        )
+        return cls(
+            checked,
+            c,
+            ctx,
+            state,
+            metrics,
+            eval_loader,
+            ProfileWindow(cfg.profile, cfg.output_dir, rank),
+            t_start,
+            cache,
+            removed,
+            reports,
+            resume_from,
+            samples=samples,
+            hub=hub_upload.for_run(cfg, accelerator, metrics.message),
+        )
 
     @property
     def cfg(self) -> TrainConfig:
@@ -136,13 +154,17 @@ class Trainer:
             if self.eval_loader is not None:
                 ev = evaluate(self.c, self.eval_loader)
                 was_flat = state.plateau_step is not None
-                flat = plateau.record(state, cfg.train.plateau, cfg.train.eval_every, cfg.train.max_steps, ev["eval_loss"])
+                flat = plateau.record(
+                    state, cfg.train.plateau, cfg.train.eval_every, cfg.train.max_steps, ev["eval_loss"]
+                )
                 state.last_eval = {"step": state.step, **ev, **flat}
                 self.metrics.log(state.last_eval)
                 if state.plateau_step is not None and not was_flat:
-                    self.metrics.message(f"step {state.step}: the eval loss has plateaued (less than "
-                                         f"{cfg.train.plateau.min_improvement:.1%} better over the last evals)"
-                                         + ("; stopping: train.stop_on_plateau" if cfg.train.stop_on_plateau else ""))
+                    self.metrics.message(
+                        f"step {state.step}: the eval loss has plateaued (less than "
+                        f"{cfg.train.plateau.min_improvement:.1%} better over the last evals)"
+                        + ("; stopping: train.stop_on_plateau" if cfg.train.stop_on_plateau else "")
+                    )
             if self.checked.bench is not None:
                 results = self.checked.bench.run(self.c)
                 self.metrics.log({"step": self.state.step, **results})
@@ -164,25 +186,34 @@ class Trainer:
         cfg, ctx, inputs = self.cfg, self.ctx, self.checked.inputs
         lines = [f"removed {p}, an unfinished save of a killed run" for p in self.removed]
         if not self.checked.reader.checksummed:
-            lines.append(f"note: cache {self.checked.reader.cache_dir} has no per-member checksums (written before they existed): "
-                         "damaged latents would go unnoticed; rebuild it to add them")
+            lines.append(
+                f"note: cache {self.checked.reader.cache_dir} has no per-member checksums "
+                "(written before they existed): "
+                "damaged latents would go unnoticed; rebuild it to add them"
+            )
         for r in self.reports:
             lines.append(checkpoint.describe_init(cfg.init_from, r))
-        lines.append(f"{'resumed from ' + str(self.resume_from) if self.resume_from else 'fresh start'} at step "
-                     f"{self.state.step}; {len(ctx.train_indices)} train / {len(ctx.eval_indices)} eval samples, "
-                     f"{self.per_epoch} steps/epoch, {self.c.world_size} process(es) x {self.c.accum} micro-batches "
-                     f"of {cfg.train.micro_batch_size}; latents {'cached' if inputs.cached_latents else 'live'}, "
-                     f"image tokens {'cached' if inputs.cached_siglip else 'live'}; {self.c.sharding}")
+        lines.append(
+            f"{'resumed from ' + str(self.resume_from) if self.resume_from else 'fresh start'} at step "
+            f"{self.state.step}; {len(ctx.train_indices)} train / {len(ctx.eval_indices)} eval samples, "
+            f"{self.per_epoch} steps/epoch, {self.c.world_size} process(es) x {self.c.accum} micro-batches "
+            f"of {cfg.train.micro_batch_size}; latents {'cached' if inputs.cached_latents else 'live'}, "
+            f"image tokens {'cached' if inputs.cached_siglip else 'live'}; {self.c.sharding}"
+        )
         lines.append(params.describe(self.c.raw))
         if cfg.train.epochs:
-            lines.append(f"train.epochs {cfg.train.epochs:g}: {cfg.train.max_steps} steps of {self.per_epoch} per epoch")
+            lines.append(
+                f"train.epochs {cfg.train.epochs:g}: {cfg.train.max_steps} steps of {self.per_epoch} per epoch"
+            )
         if mixture := ctx.describe_mixture(cfg):
             lines.append(mixture)
         if ctx.truncation:
             lines.append(ctx.truncation)
         if buckets := ctx.describe_buckets():
-            lines.append(f"{buckets}; each global batch holds one shape, a shape's last < "
-                         f"{cfg.train.global_batch_size} samples of an epoch are left out of it")
+            lines.append(
+                f"{buckets}; each global batch holds one shape, a shape's last < "
+                f"{cfg.train.global_batch_size} samples of an epoch are left out of it"
+            )
         return lines
 
     def finish(self, stop: Preemption) -> int:
@@ -195,16 +226,24 @@ class Trainer:
             self.save()
         whole = checkpoint.gather(self.c)
         if accelerator.is_main_process:
-            final = checkpoint.export_final(self.c, state, to_yaml(self.cfg), self.cfg.output_dir, whole,
-                                            data.trained_prompt(self.checked.reader, self.ctx.train_indices))
+            final = checkpoint.export_final(
+                self.c,
+                state,
+                to_yaml(self.cfg),
+                self.cfg.output_dir,
+                whole,
+                data.trained_prompt(self.checked.reader, self.ctx.train_indices),
+            )
         if state.last_eval is None or state.last_eval.get("step") != state.step:
             code = self._last_eval(stop)
             if code:
                 return code
         self.metrics.close()
         if accelerator.is_main_process:
-            print(f"final weights: {final}\n" + summary(state, time.time() - self.t_start, self.window,
-                                                         self.cfg.train.stop_on_plateau, final))
+            print(
+                f"final weights: {final}\n"
+                + summary(state, time.time() - self.t_start, self.window, self.cfg.train.stop_on_plateau, final)
+            )
             hub_upload.finish(self.hub, final)
         return 0
 
@@ -214,9 +253,12 @@ class Trainer:
             done = self.run_eval()
         except Exception as e:
             self.metrics.close()  # the progress bar ends its line before the error is printed
-            print(f"error: the eval after the last step failed ({type(e).__name__}: {str(e)[:300]}); checkpoint-"
-                  f"{self.state.step} and final/ are saved, without it; rerunning the same command repeats only the "
-                  "eval", file=sys.stderr)
+            print(
+                f"error: the eval after the last step failed ({type(e).__name__}: {str(e)[:300]}); checkpoint-"
+                f"{self.state.step} and final/ are saved, without it; rerunning the same command repeats only the "
+                "eval",
+                file=sys.stderr,
+            )
             if isinstance(e, UserError):
                 return 2
             raise

@@ -8,11 +8,12 @@ Shard i of the cache = entries [i*S, (i+1)*S) of the order, so the order must ne
 already known to be unusable (a bad caption line, a missing member, a duplicate key) stays in the order as an error
 entry, so each shard's errors are a deterministic function of the source. `load` runs in DataLoader workers.
 """
+
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from precompute.config import SourceConfig
 from precompute.sources.content import SourceError
@@ -23,16 +24,39 @@ from precompute.sources.parquet import ParquetListing
 from precompute.sources.synthetic import SyntheticListing
 from precompute.sources.webdataset import WebdatasetListing
 
-__all__ = ["Entry", "IMAGE_SUFFIXES", "Listing", "Loaded", "SourceError", "image_paths", "list_entries",
-           "open_listing", "open_source", "walk_images"]
+__all__ = [
+    "Entry",
+    "IMAGE_SUFFIXES",
+    "Listing",
+    "Loaded",
+    "SourceError",
+    "image_paths",
+    "list_entries",
+    "open_listing",
+    "open_source",
+    "walk_images",
+]
 
 
-def open_listing(source_type: str, path: str | None, num_samples: int | None, seed: int, prompt: str, *,
-                 index_dir: Path, rank: int = 0, world: int = 1, barrier: Callable[[], None] = lambda: None,
-                 resolution: int = 64, image_root: str | None = None, columns: dict | None = None) -> Listing:
+def open_listing(
+    source_type: str,
+    path: str | None,
+    num_samples: int | None,
+    seed: int,
+    prompt: str,
+    *,
+    index_dir: Path,
+    rank: int = 0,
+    world: int = 1,
+    barrier: Callable[[], None] = lambda: None,
+    resolution: int = 64,
+    image_root: str | None = None,
+    columns: dict | None = None,
+) -> Listing:
     """The source's order; webdataset, parquet and llava sources are indexed into `index_dir` by all processes
     together (a collective call). `num_samples` is the synthetic source's size, and for the others the number of
-    usable entries to keep (None or 0: all; `Truncated` says what counts as usable). `columns`: parquet's {image, caption, prompt} column names."""
+    usable entries to keep (None or 0: all; `Truncated` says what counts as usable). `columns`: parquet's
+    {image, caption, prompt} column names."""
     if source_type == "synthetic":
         return SyntheticListing(seed, num_samples, resolution)
     if source_type == "folder":
@@ -40,8 +64,9 @@ def open_listing(source_type: str, path: str | None, num_samples: int | None, se
     elif source_type == "llava":
         listing = LlavaListing(path, image_root, index_dir, rank, barrier)
     elif source_type == "parquet":
-        listing = ParquetListing(path, prompt, index_dir, columns or dict.fromkeys(("image", "caption", "prompt")),
-                                 rank, barrier)
+        listing = ParquetListing(
+            path, prompt, index_dir, columns or dict.fromkeys(("image", "caption", "prompt")), rank, barrier
+        )
     else:
         listing = WebdatasetListing(path, prompt, index_dir, rank, world, barrier)
     return Truncated(listing, num_samples, index_dir, rank, barrier) if num_samples else listing
@@ -50,8 +75,17 @@ def open_listing(source_type: str, path: str | None, num_samples: int | None, se
 def open_source(source: SourceConfig, seed: int, resolution: int, **collective) -> Listing:
     """`open_listing` for a config's `source` section (`collective`: index_dir, rank, world, barrier)."""
     columns = {"image": source.image_column, "caption": source.caption_column, "prompt": source.prompt_column}
-    return open_listing(source.type, source.path, source.num_samples, seed, source.prompt, resolution=resolution,
-                        image_root=source.image_root, columns=columns, **collective)
+    return open_listing(
+        source.type,
+        source.path,
+        source.num_samples,
+        seed,
+        source.prompt,
+        resolution=resolution,
+        image_root=source.image_root,
+        columns=columns,
+        **collective,
+    )
 
 
 def list_entries(source_type: str, path: str | None, num_samples: int | None, seed: int, prompt: str) -> list[Entry]:

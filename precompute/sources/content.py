@@ -1,5 +1,6 @@
 """The rules every source applies to what it reads: text decoding, caption and prompt checks, JSON parsing, and
 reading an image file or tar member (regular files only, size checked before reading)."""
+
 from __future__ import annotations
 
 import json

@@ -1,17 +1,18 @@
 """Folder sources, listed once per process into compact arrays (16 bytes a line, or the path's bytes + 8 a file).
 
-  with captions.jsonl: its lines in file order; key = safe_key(image relative path).
-  without: image files sorted by relative path (POSIX, byte order), caption from the same-stem .txt, and the url/uid
-           of a same-stem .json when there is one (img2dataset's output_format=files layout).
+with captions.jsonl: its lines in file order; key = safe_key(image relative path).
+without: image files sorted by relative path (POSIX, byte order), caption from the same-stem .txt, and the url/uid
+         of a same-stem .json when there is one (img2dataset's output_format=files layout).
 """
+
 from __future__ import annotations
 
 import errno
 import hashlib
 import os
 from array import array
+from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
-from typing import Iterable
 
 import numpy as np
 
@@ -132,9 +133,11 @@ class JsonlListing(Listing):
                 index_dir.mkdir(parents=True, exist_ok=True)
                 cf.atomic_write_json(index_dir / LISTING_FILE, state)
         elif old != state:
-            raise UserError(f"config key 'source.path': {self.path} changed since the cache in {index_dir.parent} was "
-                            f"started (size or modification time), so its shards follow other lines: restore it, or "
-                            f"use another output_dir (or delete that one) to start over")
+            raise UserError(
+                f"config key 'source.path': {self.path} changed since the cache in {index_dir.parent} was "
+                f"started (size or modification time), so its shards follow other lines: restore it, or "
+                f"use another output_dir (or delete that one) to start over"
+            )
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -217,21 +220,30 @@ class TxtFolderListing(Listing):
                 self.problems[i] = problems[r]
         self.blob = b"".join(rels)
         del rels
-        self.duplicates = find_duplicates((None if i in self.problems else safe_key(self._rel(i))
-                                           for i in range(len(self))), lambda i: self._raw(i, i + 1)[0])
+        self.duplicates = find_duplicates(
+            (None if i in self.problems else safe_key(self._rel(i)) for i in range(len(self))),
+            lambda i: self._raw(i, i + 1)[0],
+        )
 
     def __len__(self) -> int:
         return len(self.ends)
 
     def _rel(self, i: int) -> str:
-        return self.blob[self.ends[i - 1] if i else 0:self.ends[i]].decode(errors="surrogateescape")
+        return self.blob[self.ends[i - 1] if i else 0 : self.ends[i]].decode(errors="surrogateescape")
 
     def _raw(self, lo: int, hi: int) -> list[Entry]:
         out = []
         for i in range(lo, hi):
             rel = self._rel(i)
-            out.append(Entry(key=safe_key(rel), source=rel, prompt=self.prompt, loc=(str(self.root / rel),),
-                             error=self.problems.get(i)))
+            out.append(
+                Entry(
+                    key=safe_key(rel),
+                    source=rel,
+                    prompt=self.prompt,
+                    loc=(str(self.root / rel),),
+                    error=self.problems.get(i),
+                )
+            )
         return out
 
     def _load(self, entry: Entry) -> Loaded:
@@ -256,9 +268,11 @@ class TxtFolderListing(Listing):
                 cf.atomic_write_bytes(index_dir / "folder-ends.bin", ends)
                 cf.atomic_write_json(index_dir / LISTING_FILE, {"count": len(self), "sha256": digest})
         elif old.get("sha256") != digest:
-            raise UserError(f"config key 'source.path': the folder changed since the cache in {index_dir.parent} "
-                            f"was started ({self._change(index_dir)}), so its shards follow another listing: restore "
-                            "the folder, or use another output_dir (or delete that one) to start over")
+            raise UserError(
+                f"config key 'source.path': the folder changed since the cache in {index_dir.parent} "
+                f"was started ({self._change(index_dir)}), so its shards follow another listing: restore "
+                "the folder, or use another output_dir (or delete that one) to start over"
+            )
 
     def _change(self, index_dir: Path) -> str:
         """One file added or removed between the recorded listing and this one (the error path only)."""
@@ -268,7 +282,7 @@ class TxtFolderListing(Listing):
         except OSError:
             return "the recorded listing is unreadable"
         old = {blob[a:b] for a, b in zip([0] + ends[:-1], ends)}
-        new = {self.blob[self.ends[i - 1] if i else 0:self.ends[i]] for i in range(len(self))}
+        new = {self.blob[self.ends[i - 1] if i else 0 : self.ends[i]] for i in range(len(self))}
         added, removed = sorted(new - old), sorted(old - new)
         changes = [f"{os.fsdecode(p)} added" for p in added[:1]] + [f"{os.fsdecode(p)} removed" for p in removed[:1]]
         more = len(added) + len(removed) - len(changes)

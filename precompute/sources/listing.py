@@ -1,14 +1,16 @@
 """The shared part of every source: the entry, the listing (an order whose entries are built per range), and the
 duplicate-key rule (a later use of a key is an error entry that names the first use)."""
+
 from __future__ import annotations
 
 import hashlib
 import json
 import os
 from array import array
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -32,6 +34,7 @@ class Entry:
 class Loaded(NamedTuple):
     """One entry's content: encoded image bytes, caption and prompt (checked by `content.check_text`), and the
     source metadata kept in the sample's json member (url, uid...)."""
+
     image: bytes
     caption: str
     prompt: str
@@ -95,8 +98,7 @@ def find_duplicates(keys: Iterable[str | None], entry_at: Callable[[int], Entry]
         if k is not None:
             index.append(i)
             hashes.append(key_hash(k))
-    return duplicates_from_hashes(np.frombuffer(index, dtype=np.int64), np.frombuffer(hashes, dtype=np.int64),
-                                  entry_at)
+    return duplicates_from_hashes(np.frombuffer(index, dtype=np.int64), np.frombuffer(hashes, dtype=np.int64), entry_at)
 
 
 def duplicates_from_hashes(index: np.ndarray, hashes: np.ndarray, entry_at: Callable[[int], Entry]) -> dict[int, str]:
@@ -137,8 +139,15 @@ class Truncated(Listing):
 
     RECORD = "num_samples.json"
 
-    def __init__(self, inner: Listing, n: int, index_dir: Path | None = None, rank: int = 0,
-                 barrier: Callable[[], None] = lambda: None, chunk: int = 4096):
+    def __init__(
+        self,
+        inner: Listing,
+        n: int,
+        index_dir: Path | None = None,
+        rank: int = 0,
+        barrier: Callable[[], None] = lambda: None,
+        chunk: int = 4096,
+    ):
         self.inner, self.duplicates = inner, inner.duplicates
         if n >= len(inner):  # every entry: nothing to find
             self.n = len(inner)
@@ -199,14 +208,25 @@ def check_unchanged(old: list | None, new: list, index_dir: Path, what: str) -> 
     if not isinstance(old, list) or not all(isinstance(o, list) and len(o) >= 3 for o in old):
         return  # no record (or an unreadable one, rebuilt): nothing to compare with
     before, now = {o[0]: o[1:3] for o in old}, {n[0]: n[1:3] for n in new}
-    changes = [f"{p} was added" for p in now if p not in before] + \
-        [f"{p} was removed" for p in before if p not in now] + \
-        [(f"{p} changed size ({before[p][0]} -> {now[p][0]} bytes)" if before[p][0] != now[p][0]
-          else f"{p} changed (modification time)") for p in now if p in before and before[p] != now[p]]
+    changes = (
+        [f"{p} was added" for p in now if p not in before]
+        + [f"{p} was removed" for p in before if p not in now]
+        + [
+            (
+                f"{p} changed size ({before[p][0]} -> {now[p][0]} bytes)"
+                if before[p][0] != now[p][0]
+                else f"{p} changed (modification time)"
+            )
+            for p in now
+            if p in before and before[p] != now[p]
+        ]
+    )
     if not changes and list(before) != list(now):
         changes = ["the files' order changed"]
     if changes:
         more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
-        raise UserError(f"config key 'source.path': {changes[0]}{more} since the cache in {Path(index_dir).parent} "
-                        f"was started, so its shards follow other {what}: restore it, or use another output_dir (or "
-                        "delete that one) to start over")
+        raise UserError(
+            f"config key 'source.path': {changes[0]}{more} since the cache in {Path(index_dir).parent} "
+            f"was started, so its shards follow other {what}: restore it, or use another output_dir (or "
+            "delete that one) to start over"
+        )

@@ -11,13 +11,14 @@ The list is parsed once per output_dir (on rank 0, the whole file at once: JSON 
 standard library) into `source-index/llava.jsonl`, one line per item, and listed from there like captions.jsonl, so
 other processes and reruns never parse it again. A rerun against a chat.json that changed is refused.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from precompute.sources import content
 from precompute.sources.folder import JsonlListing, check_image_path
@@ -64,10 +65,15 @@ def item_record(item: object, n: int, name: str) -> dict:
     except ValueError as e:
         return {**fallback, "error": f"bad item: {e}"}
     values = [t["value"] for t in turns]
-    rec = {"key": fallback["key"], "source": item["image"], "image": item["image"],
-           "prompt": strip_image_token(values[0]), "caption": values[1]}
+    rec = {
+        "key": fallback["key"],
+        "source": item["image"],
+        "image": item["image"],
+        "prompt": strip_image_token(values[0]),
+        "caption": values[1],
+    }
     if len(values) > 2:
-        rec[cf.TURNS] = [values[i:i + 2] for i in range(2, len(values), 2)]
+        rec[cf.TURNS] = [values[i : i + 2] for i in range(2, len(values), 2)]
     return rec
 
 
@@ -85,15 +91,23 @@ def _convert(path: Path, out: Path) -> None:
 
 
 class LlavaListing(JsonlListing):
-    def __init__(self, path: str, image_root: str | None, index_dir: Path, rank: int = 0,
-                 barrier: Callable[[], None] = lambda: None):
+    def __init__(
+        self,
+        path: str,
+        image_root: str | None,
+        index_dir: Path,
+        rank: int = 0,
+        barrier: Callable[[], None] = lambda: None,
+    ):
         src, index_dir = Path(path), Path(index_dir)
         lines, ident_file = index_dir / "llava.jsonl", index_dir / "llava.json"
         old = read_json(ident_file)
         if old is not None and old.get("identity") != _identity(src):
-            raise UserError(f"config key 'source.path': {src} changed since the cache in {index_dir.parent} was "
-                            "started (size or modification time), so its shards follow other items: restore it, or "
-                            "use another output_dir (or delete that one) to start over")
+            raise UserError(
+                f"config key 'source.path': {src} changed since the cache in {index_dir.parent} was "
+                "started (size or modification time), so its shards follow other items: restore it, or "
+                "use another output_dir (or delete that one) to start over"
+            )
         if old is None and rank == 0:
             index_dir.mkdir(parents=True, exist_ok=True)
             _convert(src, lines)
@@ -105,8 +119,9 @@ class LlavaListing(JsonlListing):
     def failure_hint(self) -> str:
         """Where image paths were looked for; when they are not there but in an images/ folder beside the JSON
         (LLaVA-Pretrain's layout), the source.image_root that finds them."""
-        first = next((e for lo in range(0, len(self), 1024) for e in self.entries(lo, lo + 1024) if e.error is None),
-                     None)
+        first = next(
+            (e for lo in range(0, len(self), 1024) for e in self.entries(lo, lo + 1024) if e.error is None), None
+        )
         if first is None:
             return ""
         rel = Path(first.source)
@@ -121,13 +136,21 @@ class LlavaListing(JsonlListing):
         if "error" in rec:
             return Entry(key=rec["key"], source=rec["source"], error=rec["error"])
         extra = {cf.TURNS: rec[cf.TURNS]} if cf.TURNS in rec else {}
-        return Entry(key=rec["key"], source=rec["source"], caption=rec["caption"], prompt=rec["prompt"],
-                     loc=(str(self.root / rec["image"]),), extra=extra)
+        return Entry(
+            key=rec["key"],
+            source=rec["source"],
+            caption=rec["caption"],
+            prompt=rec["prompt"],
+            loc=(str(self.root / rec["image"]),),
+            extra=extra,
+        )
 
     def _load(self, entry: Entry) -> Loaded:
         loaded = super()._load(entry)
         if cf.TURNS not in entry.extra:
             return loaded
-        turns = [[content.check_text(user, f"turn {n} prompt"), content.check_text(model, f"turn {n} answer")]
-                 for n, (user, model) in enumerate(entry.extra[cf.TURNS], start=2)]
+        turns = [
+            [content.check_text(user, f"turn {n} prompt"), content.check_text(model, f"turn {n} answer")]
+            for n, (user, model) in enumerate(entry.extra[cf.TURNS], start=2)
+        ]
         return loaded._replace(meta={**loaded.meta, cf.TURNS: turns})

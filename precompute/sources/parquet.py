@@ -16,18 +16,27 @@ modification time) is refused, since the shards already written follow the recor
 Only the key column is read to list; an entry's row is read when it is loaded, one batch of `BATCH_ROWS` rows of one
 row group at a time (a DataLoader worker reads its shard's rows in order, so each batch is read once).
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
 from precompute.sources import content
 from precompute.sources.arrow_files import open_table, saved_dataset_files
 from precompute.sources.content import SourceError
-from precompute.sources.listing import Entry, Listing, Loaded, check_unchanged, duplicates_from_hashes, \
-    file_identity, key_hash, read_json
+from precompute.sources.listing import (
+    Entry,
+    Listing,
+    Loaded,
+    check_unchanged,
+    duplicates_from_hashes,
+    file_identity,
+    key_hash,
+    read_json,
+)
 from precompute.sources.webdataset import shard_files
 from theworld import cache_format as cf
 from theworld.cache_format import safe_key
@@ -61,22 +70,33 @@ def resolve_columns(schema, path: str, image: str | None, caption: str | None, p
     import pyarrow as pa
 
     names = schema.names
-    cols = {"image": image or "image", "caption": caption or _first(names, CAPTION_COLUMNS), "prompt": prompt,
-            "key": _first(names, KEY_COLUMNS), "meta": [c for c in content.PROVENANCE_FIELDS if c in names]}
+    cols = {
+        "image": image or "image",
+        "caption": caption or _first(names, CAPTION_COLUMNS),
+        "prompt": prompt,
+        "key": _first(names, KEY_COLUMNS),
+        "meta": [c for c in content.PROVENANCE_FIELDS if c in names],
+    }
     listed = ", ".join(names)
-    for key, name in (("image_column", cols["image"]), ("caption_column", cols["caption"]),
-                      ("prompt_column", cols["prompt"])):
+    for key, name in (
+        ("image_column", cols["image"]),
+        ("caption_column", cols["caption"]),
+        ("prompt_column", cols["prompt"]),
+    ):
         if key == "caption_column" and name is None:
-            raise UserError(f"config key 'source.caption_column': {path} has none of the columns "
-                            f"{', '.join(CAPTION_COLUMNS)} (columns: {listed})")
+            raise UserError(
+                f"config key 'source.caption_column': {path} has none of the columns "
+                f"{', '.join(CAPTION_COLUMNS)} (columns: {listed})"
+            )
         if name is not None and name not in names:
             raise UserError(f"config key 'source.{key}': {path} has no column {name!r} (columns: {listed})")
     t = schema.field(cols["image"]).type
     binary = lambda x: pa.types.is_binary(x) or pa.types.is_large_binary(x)
-    if not (binary(t) or (pa.types.is_struct(t) and t.get_field_index("bytes") >= 0
-                          and binary(t.field("bytes").type))):
-        raise UserError(f"config key 'source.image_column': column {cols['image']!r} of {path} is {t}, not image "
-                        "bytes or a {bytes, path} struct (parquet rows must carry the images: nothing is downloaded)")
+    if not (binary(t) or (pa.types.is_struct(t) and t.get_field_index("bytes") >= 0 and binary(t.field("bytes").type))):
+        raise UserError(
+            f"config key 'source.image_column': column {cols['image']!r} of {path} is {t}, not image "
+            "bytes or a {bytes, path} struct (parquet rows must carry the images: nothing is downloaded)"
+        )
     return cols
 
 
@@ -91,8 +111,9 @@ def _schema(path: str):
 
 
 def _unreadable_column(path: str, column: str, e: Exception) -> UserError:
-    return UserError(f"config key 'source.path': column {column!r} of {path} cannot be read ({type(e).__name__}: "
-                     f"{one_line(e)})")
+    return UserError(
+        f"config key 'source.path': column {column!r} of {path} cannot be read ({type(e).__name__}: {one_line(e)})"
+    )
 
 
 def _image_bytes(value: object) -> bytes:
@@ -113,16 +134,24 @@ def _json_value(v: object) -> object:
 
 
 class ParquetListing(Listing):
-    def __init__(self, pattern: str, default_prompt: str, index_dir: Path, columns: dict, rank: int = 0,
-                 barrier: Callable[[], None] = lambda: None):
+    def __init__(
+        self,
+        pattern: str,
+        default_prompt: str,
+        index_dir: Path,
+        columns: dict,
+        rank: int = 0,
+        barrier: Callable[[], None] = lambda: None,
+    ):
         saved = saved_dataset_files(Path(pattern)) if Path(pattern).is_dir() else None
         self.files, self.prompt = saved or shard_files(pattern, ".parquet"), default_prompt
         found = [resolve_columns(_schema(f), f, **columns) for f in self.files]
         self.cols = found[0]
         for f, c in zip(self.files, found):
             if c != self.cols:
-                raise UserError(f"config key 'source.path': {f} has other columns than {self.files[0]} "
-                                f"({c} vs {self.cols})")
+                raise UserError(
+                    f"config key 'source.path': {f} has other columns than {self.files[0]} ({c} vs {self.cols})"
+                )
         summary_file = Path(index_dir) / "parquet.json"
         idents = [_identity(f) for f in self.files]
         recorded = (read_json(summary_file) or {}).get("identities")
@@ -160,10 +189,17 @@ class ParquetListing(Listing):
                 raise _unreadable_column(f, self.cols["key"], e) from None
         self.starts = [0] + np.cumsum([sum(g) for g in self.groups]).tolist()
         self._keys_cache, self._stream = None, None
-        dups = duplicates_from_hashes(np.arange(len(hashes), dtype=np.int64), np.array(hashes, dtype=np.int64),
-                                      lambda i: self._raw(i, i + 1)[0])
-        cf.atomic_write_json(summary_file, {"identities": idents, "row_groups": self.groups,
-                                            "duplicates": {str(i): m for i, m in sorted(dups.items())}})
+        dups = duplicates_from_hashes(
+            np.arange(len(hashes), dtype=np.int64), np.array(hashes, dtype=np.int64), lambda i: self._raw(i, i + 1)[0]
+        )
+        cf.atomic_write_json(
+            summary_file,
+            {
+                "identities": idents,
+                "row_groups": self.groups,
+                "duplicates": {str(i): m for i, m in sorted(dups.items())},
+            },
+        )
 
     def _fallback_key(self, j: int, row: int) -> str:
         return f"{Path(self.files[j]).stem}-{row:09d}"
@@ -199,8 +235,14 @@ class ParquetListing(Listing):
             if self.cols["key"] is not None:
                 g, r = self._locate(j, row)
                 value = self._group_keys(j, g)[r]
-            out.append(Entry(key=self._key(j, row, value), source=f"{Path(self.files[j]).name}:{row}",
-                             prompt=self.prompt, loc=(j, row)))
+            out.append(
+                Entry(
+                    key=self._key(j, row, value),
+                    source=f"{Path(self.files[j]).name}:{row}",
+                    prompt=self.prompt,
+                    loc=(j, row),
+                )
+            )
         return out
 
     def _row(self, j: int, row: int) -> dict:
@@ -210,8 +252,9 @@ class ParquetListing(Listing):
         if s is None or (s["j"], s["g"]) != (j, g) or r < s["start"]:
             names = [self.cols["image"], self.cols["caption"], *self.cols["meta"]]
             names += [self.cols["prompt"]] if self.cols["prompt"] else []
-            batches = open_table(self.files[j]).iter_batches(batch_size=BATCH_ROWS, row_groups=[g],
-                                                                    columns=list(dict.fromkeys(names)))
+            batches = open_table(self.files[j]).iter_batches(
+                batch_size=BATCH_ROWS, row_groups=[g], columns=list(dict.fromkeys(names))
+            )
             s = self._stream = {"j": j, "g": g, "batches": batches, "start": 0, "rows": []}
         while r >= s["start"] + len(s["rows"]):
             s["start"] += len(s["rows"])
@@ -226,8 +269,12 @@ class ParquetListing(Listing):
             raise SourceError(f"cannot read row: {type(e).__name__}: {one_line(e)}") from None
         prompt = row.get(self.cols["prompt"]) if self.cols["prompt"] else None
         meta = {c: _json_value(row[c]) for c in self.cols["meta"] if row[c] is not None}
-        return Loaded(_image_bytes(row[self.cols["image"]]), row[self.cols["caption"]],
-                      entry.prompt if prompt is None else prompt, meta)
+        return Loaded(
+            _image_bytes(row[self.cols["image"]]),
+            row[self.cols["caption"]],
+            entry.prompt if prompt is None else prompt,
+            meta,
+        )
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_keys_cache": None, "_stream": None}  # workers open their own readers

@@ -1,4 +1,5 @@
 """Synthetic scenes: index 0..num_samples-1, key "synthetic-<seed>-<index:08d>" (the index *is* the identity)."""
+
 from __future__ import annotations
 
 import io
@@ -15,8 +16,15 @@ class SyntheticListing(Listing):
         return self.n
 
     def _raw(self, lo: int, hi: int) -> list[Entry]:
-        return [Entry(key=f"synthetic-{self.seed}-{i:08d}", source=f"synthetic:{i}", prompt=synthetic.PROMPT,
-                      loc=(self.seed, i)) for i in range(lo, hi)]
+        return [
+            Entry(
+                key=f"synthetic-{self.seed}-{i:08d}",
+                source=f"synthetic:{i}",
+                prompt=synthetic.PROMPT,
+                loc=(self.seed, i),
+            )
+            for i in range(lo, hi)
+        ]
 
     def _load(self, entry: Entry) -> Loaded:
         img, caption = synthetic.scene(*entry.loc, size=self.resolution)

@@ -5,6 +5,7 @@ sorted), samples in tar order; key = safe_key(the tar's __key__). Members are gr
 groups them: consecutive members with the same key, a new sample when the key changes or a member repeats. A key
 that comes back later in the same tar is a `duplicate key` error entry; the first sample keeps it.
 """
+
 from __future__ import annotations
 
 import base64
@@ -12,14 +13,23 @@ import glob
 import os
 import re
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
 from precompute.sources import content
-from precompute.sources.listing import Entry, Listing, Loaded, check_unchanged, duplicate_error, \
-    duplicates_from_hashes, file_identity, key_hash, read_json
+from precompute.sources.listing import (
+    Entry,
+    Listing,
+    Loaded,
+    check_unchanged,
+    duplicate_error,
+    duplicates_from_hashes,
+    file_identity,
+    key_hash,
+    read_json,
+)
 from theworld import cache_format as cf
 from theworld.cache_format import safe_key
 from theworld.errors import UserError, one_line
@@ -33,7 +43,7 @@ def expand_braces(pattern: str) -> list[str]:
     m = re.search(r"\{([^{}]*)\}", pattern)
     if not m:
         return [pattern]
-    body, head, tail = m.group(1), pattern[:m.start()], pattern[m.end():]
+    body, head, tail = m.group(1), pattern[: m.start()], pattern[m.end() :]
     rng = re.fullmatch(r"(\d+)\.\.(\d+)", body)
     if rng:
         a, b = rng.groups()
@@ -58,8 +68,10 @@ def shard_files(pattern: str, suffix: str = ".tar") -> list[str]:
         raise UserError(f"config key 'source.path': no {suffix} files match {pattern!r}")
     missing = [f for f in files if not Path(f).is_file()]
     if missing:
-        raise UserError(f"config key 'source.path': shard not found: {missing[0]}"
-                        + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        raise UserError(
+            f"config key 'source.path': shard not found: {missing[0]}"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
     return files
 
 
@@ -112,8 +124,13 @@ def index_tar(path: str, index_file: Path) -> dict:
     if cached is not None and cached.get("identity") == ident:
         return cached
     samples, dups, broken = _tar_samples(path)
-    listing = {"identity": ident, "samples": [[k, {m: list(v) for m, v in ms.items()}] for k, ms in samples],
-               "duplicates": dups, "broken": broken, "count": len(samples) + (1 if broken else 0)}
+    listing = {
+        "identity": ident,
+        "samples": [[k, {m: list(v) for m, v in ms.items()}] for k, ms in samples],
+        "duplicates": dups,
+        "broken": broken,
+        "count": len(samples) + (1 if broken else 0),
+    }
     cf.atomic_write_json(index_file, listing)
     return listing
 
@@ -151,8 +168,15 @@ class WebdatasetListing(Listing):
     listings that overlap [lo, hi).
     """
 
-    def __init__(self, pattern: str, default_prompt: str, index_dir: Path, rank: int = 0, world: int = 1,
-                 barrier: Callable[[], None] = lambda: None):
+    def __init__(
+        self,
+        pattern: str,
+        default_prompt: str,
+        index_dir: Path,
+        rank: int = 0,
+        world: int = 1,
+        barrier: Callable[[], None] = lambda: None,
+    ):
         self.files, self.prompt, self.index_dir = shard_files(pattern), default_prompt, Path(index_dir)
         self._cache: dict[int, list[Entry]] = {}
         summary_file = self.index_dir / "listing.json"
@@ -181,8 +205,10 @@ class WebdatasetListing(Listing):
         index = np.concatenate([np.zeros(0, np.int64)] + [a + pos for a, (_, pos, _) in zip(self.starts, keys)])
         hashes = np.concatenate([np.zeros(0, np.int64)] + [h for _, _, h in keys])
         dups = duplicates_from_hashes(index, hashes, lambda i: self._raw(i, i + 1)[0])
-        cf.atomic_write_json(summary_file, {"identities": idents, "counts": counts,
-                                            "duplicates": {str(i): m for i, m in sorted(dups.items())}})
+        cf.atomic_write_json(
+            summary_file,
+            {"identities": idents, "counts": counts, "duplicates": {str(i): m for i, m in sorted(dups.items())}},
+        )
 
     def _index_file(self, j: int) -> Path:
         return self.index_dir / f"tar-{j:06d}.json"
@@ -196,12 +222,16 @@ class WebdatasetListing(Listing):
             entries = _tar_entries(path, index_tar(path, self._index_file(j)), "")
             pos = [p for p, e in enumerate(entries) if e.error is None]
             hashes = [key_hash(entries[p].key) for p in pos]
-            cached = {"identity": _tar_identity(path), "count": len(entries),
-                      "positions": base64.b64encode(np.array(pos, "<i8").tobytes()).decode(),
-                      "hashes": base64.b64encode(np.array(hashes, "<i8").tobytes()).decode()}
+            cached = {
+                "identity": _tar_identity(path),
+                "count": len(entries),
+                "positions": base64.b64encode(np.array(pos, "<i8").tobytes()).decode(),
+                "hashes": base64.b64encode(np.array(hashes, "<i8").tobytes()).decode(),
+            }
             cf.atomic_write_json(keys_file, cached)
-        pos, hashes = (np.frombuffer(base64.b64decode(cached[k]), "<i8").astype(np.int64)
-                       for k in ("positions", "hashes"))
+        pos, hashes = (
+            np.frombuffer(base64.b64decode(cached[k]), "<i8").astype(np.int64) for k in ("positions", "hashes")
+        )
         return cached["count"], pos, hashes
 
     def _tar(self, j: int) -> list[Entry]:
@@ -219,7 +249,7 @@ class WebdatasetListing(Listing):
         j = max(0, int(np.searchsorted(self.starts, lo, side="right")) - 1)
         while lo < hi:
             a = self.starts[j]
-            take = self._tar(j)[lo - a:hi - a]
+            take = self._tar(j)[lo - a : hi - a]
             out += [Entry(**vars(e)) for e in take]  # copies: duplicate marking must not touch the cached list
             lo += len(take)
             j += 1

@@ -1,6 +1,7 @@
 """A local lmms-eval task over a JSONL multiple-choice file (`image`: absolute path, `question`, `choices`, `answer`:
 index), asked as a lettered prompt (generate) or scored choice by choice (loglikelihood). Used by
 tests/test_lmms_adapter.py; the same prompt and letter rule are used for the reference there."""
+
 import re
 import string
 

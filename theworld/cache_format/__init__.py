@@ -14,18 +14,52 @@ Callers use the package: `from theworld import cache_format as cf; cf.CacheReade
 
 docs/cache-format.md describes the same for readers without this code; keep the two in step.
 """
+
 from safetensors.torch import load as st_load  # the batch collate decodes members with it
 
-from theworld.cache_format.fingerprint import (check_fingerprint, fingerprint_diff,
-                                               fingerprint_for, fingerprint_overrides)
-from theworld.cache_format.layout import (CAPTION, ERRORS, ERRORS_DIR,
-                                          IMAGE_EXTS, INDEX_DIR, LATENT, LATENT_FLIP, MANIFEST, META,
-                                          REBUILD_MANIFEST, RUN_FILE, SHARDS, SIGLIP, TURNS, Sample, atomic_write_bytes,
-                                          atomic_write_json, error_classes, error_path, image_bytes_hint,
-                                          latent_shape_counts, latents_stored, load_manifest, member_name,
-                                          read_errors, read_sidecar, repair_hint, safe_key, sha256_file,
-                                          shard_is_done, shard_stem, sidecar_path, split_member, tar_path,
-                                          write_manifest)
+from theworld.cache_format.fingerprint import (
+    check_fingerprint,
+    fingerprint_diff,
+    fingerprint_for,
+    fingerprint_overrides,
+)
+from theworld.cache_format.layout import (
+    CAPTION,
+    ERRORS,
+    ERRORS_DIR,
+    IMAGE_EXTS,
+    INDEX_DIR,
+    LATENT,
+    LATENT_FLIP,
+    MANIFEST,
+    META,
+    REBUILD_MANIFEST,
+    RUN_FILE,
+    SHARDS,
+    SIGLIP,
+    TURNS,
+    Sample,
+    atomic_write_bytes,
+    atomic_write_json,
+    error_classes,
+    error_path,
+    image_bytes_hint,
+    latent_shape_counts,
+    latents_stored,
+    load_manifest,
+    member_name,
+    read_errors,
+    read_sidecar,
+    repair_hint,
+    safe_key,
+    sha256_file,
+    shard_is_done,
+    shard_stem,
+    sidecar_path,
+    split_member,
+    tar_path,
+    write_manifest,
+)
 from theworld.cache_format.migrations import CHECKSUMS, FORMAT_VERSION
 from theworld.cache_format.reader import CacheReader, decode_sample, load_stacked
 from theworld.cache_format.writer import encode_sample, latent_blob, latent_shape_of, write_shard

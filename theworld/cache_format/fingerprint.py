@@ -1,9 +1,11 @@
 """The cache fingerprint: everything that changes the cached numbers, how two fingerprints differ, and the check that
 refuses a cache built otherwise."""
+
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,8 +16,9 @@ if TYPE_CHECKING:
     from theworld.config import ImageConfig, ModelConfig
 
 
-def fingerprint_for(model: ModelConfig, image: ImageConfig, *, siglip: bool = False, vae=None, gemma=None,
-                    processor=None) -> dict:
+def fingerprint_for(
+    model: ModelConfig, image: ImageConfig, *, siglip: bool = False, vae=None, gemma=None, processor=None
+) -> dict:
     """The fingerprint of a cache built with these `model` and `image` config sections (`siglip`: with SigLIP
     features): the one rule the precompute that writes a cache and every check against one use.
 
@@ -27,16 +30,21 @@ def fingerprint_for(model: ModelConfig, image: ImageConfig, *, siglip: bool = Fa
     config digest, weight hash and dtype and the image processor's settings (size, mean/std, resampling decide what
     the tower sees). Weights are hashed, so a changed checkpoint is caught even under the same name.
     """
-    fp = {"format_version": FORMAT_VERSION, "vae": {"model": model.vae, "dtype": model.dtype},
-          "image": {"resolution": image.resolution, "resize": image.resize},
-          "siglip": {"model": model.gemma} if siglip else None}
+    fp = {
+        "format_version": FORMAT_VERSION,
+        "vae": {"model": model.vae, "dtype": model.dtype},
+        "image": {"resolution": image.resolution, "resize": image.resize},
+        "siglip": {"model": model.gemma} if siglip else None,
+    }
     if vae is None:
         return fp
     from theworld.encoders import config_digest, weights_hash
 
     fp["vae"].update(config=config_digest(dict(vae.config)), weights=weights_hash(vae))
     fp["image"]["normalisation"] = "[-1,1]"
-    if image.resize == "bucket":  # the set is a function of the resolution in this code; a cache records the one it used
+    if (
+        image.resize == "bucket"
+    ):  # the set is a function of the resolution in this code; a cache records the one it used
         from theworld.images import buckets
 
         fp["image"]["buckets"] = [list(b) for b in buckets(image.resolution)]
@@ -45,19 +53,30 @@ def fingerprint_for(model: ModelConfig, image: ImageConfig, *, siglip: bool = Fa
             raise ValueError("a SigLIP fingerprint needs the loaded Gemma and its processor")
         inner = gemma.model
         vision = torch.nn.ModuleDict({"tower": inner.vision_tower, "projector": inner.multi_modal_projector})
-        settings = {k: v for k, v in processor.image_processor.to_dict().items()
-                    if k not in ("image_processor_type", "processor_class")}
-        fp["siglip"].update(config=config_digest(gemma.config.vision_config.to_dict()), weights=weights_hash(vision),
-                            dtype=str(gemma.dtype).removeprefix("torch."), image_processor=config_digest(settings))
+        settings = {
+            k: v
+            for k, v in processor.image_processor.to_dict().items()
+            if k not in ("image_processor_type", "processor_class")
+        }
+        fp["siglip"].update(
+            config=config_digest(gemma.config.vision_config.to_dict()),
+            weights=weights_hash(vision),
+            dtype=str(gemma.dtype).removeprefix("torch."),
+            image_processor=config_digest(settings),
+        )
     return fp
 
 
 def fingerprint_overrides(fp: dict) -> list[str]:
     """The `--set` overrides that give a precompute config whose `fingerprint_for` has `fp`'s config values (what
     rebuilds, or checks, the cache `fp` came from)."""
-    out = [f"model.vae={fp['vae']['model']}", f"model.dtype={fp['vae']['dtype']}",
-           f"image.resolution={fp['image']['resolution']}", f"image.resize={fp['image']['resize']}",
-           f"cache.siglip={'true' if fp.get('siglip') else 'false'}"]
+    out = [
+        f"model.vae={fp['vae']['model']}",
+        f"model.dtype={fp['vae']['dtype']}",
+        f"image.resolution={fp['image']['resolution']}",
+        f"image.resize={fp['image']['resize']}",
+        f"cache.siglip={'true' if fp.get('siglip') else 'false'}",
+    ]
     if fp.get("siglip"):
         out.append(f"model.gemma={fp['siglip']['model']}")
     return out
@@ -75,8 +94,9 @@ def fingerprint_diff(expected: dict, actual: dict, prefix: str = "") -> list[str
     return out
 
 
-def check_fingerprint(cache_fp: dict, expected: dict, cache_dir: Path | str, fields: Iterable[str] | None = None,
-                      partial: bool = False) -> None:
+def check_fingerprint(
+    cache_fp: dict, expected: dict, cache_dir: Path | str, fields: Iterable[str] | None = None, partial: bool = False
+) -> None:
     """Raise CacheMismatch naming the first differing field (only top-level `fields` are compared when given).
 
     `partial`: `expected` is `fingerprint_for` without models, so only the fields it holds are compared."""
@@ -95,8 +115,10 @@ def check_fingerprint(cache_fp: dict, expected: dict, cache_dir: Path | str, fie
             return d
 
         more = f" (and {len(diff) - 1} more: {', '.join(diff[1:4])})" if len(diff) > 1 else ""
-        raise CacheMismatch(f"cache {cache_dir} was built with a different {f}: cache has {get(cache_fp, f)!r}, "
-                            f"this config gives {get(expected, f)!r}{more}")
+        raise CacheMismatch(
+            f"cache {cache_dir} was built with a different {f}: cache has {get(cache_fp, f)!r}, "
+            f"this config gives {get(expected, f)!r}{more}"
+        )
 
 
 def _cut_to(actual, like: dict) -> dict:

@@ -2,6 +2,7 @@
 (`theworld.evaluate --task caption --data CACHE_DIR`) scores too. A pure function of the sample keys, so it does not
 depend on the shard layout, the number of processes or the run.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,5 +27,6 @@ def split(reader: CacheReader, eval_samples: int) -> tuple[np.ndarray, np.ndarra
 
 def check_held_out(eval_samples: int, num_samples: int) -> None:
     if eval_samples >= num_samples:
-        raise UserError(f"config key 'train.eval_samples': {eval_samples} leaves nothing to train on "
-                        f"({num_samples} samples)")
+        raise UserError(
+            f"config key 'train.eval_samples': {eval_samples} leaves nothing to train on ({num_samples} samples)"
+        )

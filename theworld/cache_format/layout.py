@@ -1,5 +1,6 @@
 """Where everything of a cache lives and what it is called: member and file names, shard paths, atomic writes, the
 manifest (write, load, the checks every reader relies on), sidecars, the errors listing and the repair hints."""
+
 from __future__ import annotations
 
 import hashlib
@@ -141,8 +142,17 @@ def latent_shape_counts(sidecars: list[dict]) -> list[dict]:
     return [{"shape": list(k), "num_samples": v} for k, v in sorted(counts.items())]
 
 
-def write_manifest(cache_dir: Path, sidecars: list[dict], *, fingerprint: dict, latent_shape: list[int],
-                   latent_dtype: str, num_errors: int, contents: dict, extra: dict | None = None) -> dict:
+def write_manifest(
+    cache_dir: Path,
+    sidecars: list[dict],
+    *,
+    fingerprint: dict,
+    latent_shape: list[int],
+    latent_dtype: str,
+    num_errors: int,
+    contents: dict,
+    extra: dict | None = None,
+) -> dict:
     """The manifest, from the shards' sidecars; written last and atomically (its presence means complete).
 
     `latent_shape` (the config's; the sidecars' when they agree on one) is every sample's shape; with several
@@ -158,8 +168,10 @@ def write_manifest(cache_dir: Path, sidecars: list[dict], *, fingerprint: dict, 
         "latent_shapes": shapes,
         "latent_dtype": latent_dtype,
         "contents": contents,  # which optional members exist: images, siglip, flip
-        "shards": [{"path": f"{SHARDS}/{s['shard']}", "num_samples": s["count"], "bytes": s["bytes"],
-                    "sha256": s["sha256"]} for s in sidecars],
+        "shards": [
+            {"path": f"{SHARDS}/{s['shard']}", "num_samples": s["count"], "bytes": s["bytes"], "sha256": s["sha256"]}
+            for s in sidecars
+        ],
         "fingerprint": fingerprint,
         **(extra or {}),
     }
@@ -181,15 +193,21 @@ def load_manifest(cache_dir: Path | str) -> dict:
     path = Path(cache_dir) / MANIFEST
     if not path.is_file():
         if _every_input_failed(Path(cache_dir)):
-            raise UserError(f"{cache_dir} holds no samples, so it is not a cache: every input of its precompute run "
-                            f"failed (the reasons are in its {ERRORS})")
+            raise UserError(
+                f"{cache_dir} holds no samples, so it is not a cache: every input of its precompute run "
+                f"failed (the reasons are in its {ERRORS})"
+            )
         if (Path(cache_dir) / SHARDS).is_dir():
-            raise UserError(f"cache {cache_dir} is incomplete (no {MANIFEST}): rerun the precompute command to finish it")
+            raise UserError(
+                f"cache {cache_dir} is incomplete (no {MANIFEST}): rerun the precompute command to finish it"
+            )
         raise UserError(f"no cache at {cache_dir} (no {MANIFEST})")
     try:
         manifest = json.loads(path.read_bytes())
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-        raise CacheDamaged(f"{path} is not valid JSON ({type(e).__name__}: {str(e)[:120]}); {REBUILD_MANIFEST}") from None
+        raise CacheDamaged(
+            f"{path} is not valid JSON ({type(e).__name__}: {str(e)[:120]}); {REBUILD_MANIFEST}"
+        ) from None
     if not isinstance(manifest, dict):
         raise CacheDamaged(f"{path} holds a JSON {type(manifest).__name__}, not an object; {REBUILD_MANIFEST}")
     migrations.check_version(manifest, cache_dir)
@@ -199,7 +217,7 @@ def load_manifest(cache_dir: Path | str) -> dict:
 
 
 def latents_stored(manifest: dict) -> str:
-    """"posterior" (mean and logvar) or "mean" (cache.latents: mean); caches that do not say hold the posterior
+    """ "posterior" (mean and logvar) or "mean" (cache.latents: mean); caches that do not say hold the posterior
     (migrations.manifest records it for version 1)."""
     return (manifest.get("contents") or {}).get("latents", "posterior")
 
@@ -217,16 +235,22 @@ def _manifest_problem(m: dict) -> str | None:
     if not isinstance(shards, list):
         return "'shards' is not a list"
     for i, s in enumerate(shards):
-        if not (isinstance(s, dict) and isinstance(s.get("path"), str) and _is_int(s.get("num_samples"))
-                and _is_int(s.get("bytes")) and isinstance(s.get("sha256"), str)):
+        if not (
+            isinstance(s, dict)
+            and isinstance(s.get("path"), str)
+            and _is_int(s.get("num_samples"))
+            and _is_int(s.get("bytes"))
+            and isinstance(s.get("sha256"), str)
+        ):
             return f"shards[{i}] is not {{path, num_samples, bytes, sha256}}"
     for key in ("num_samples", "num_errors"):
         if not _is_int(m.get(key)):
             return f"'{key}' is not a count"
     shape = m.get("latent_shape")  # null when the samples' shapes differ (aspect-ratio buckets): see latent_shapes
     is_shape = lambda s: isinstance(s, list) and all(_is_int(d) for d in s)
-    if not (is_shape(shape) or shape is None and isinstance(m.get("latent_shapes"), list)) \
-            or not isinstance(m.get("latent_dtype"), str):
+    if not (is_shape(shape) or shape is None and isinstance(m.get("latent_shapes"), list)) or not isinstance(
+        m.get("latent_dtype"), str
+    ):
         return "'latent_shape' / 'latent_dtype' missing or not a shape and a dtype name"
     if not isinstance(m.get("fingerprint"), dict) or not isinstance(m.get("contents", {}), dict):
         return "'fingerprint' / 'contents' is not an object"
@@ -235,8 +259,10 @@ def _manifest_problem(m: dict) -> str | None:
 
 def repair_hint(cache_dir: Path | str, index: int) -> str:
     """How to rebuild shard `index` alone: a shard without its sidecar is not done, so precompute redoes it."""
-    return (f"to repair: delete {sidecar_path(cache_dir, index)} and rerun the precompute command that built this "
-            "cache (it rebuilds that shard alone)")
+    return (
+        f"to repair: delete {sidecar_path(cache_dir, index)} and rerun the precompute command that built this "
+        "cache (it rebuilds that shard alone)"
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ lives here, applied as the manifest and the sidecars are loaded, so the reader s
 Precompute resumes and extends only caches of the current version: rerunning it on an older cache's output_dir is
 refused naming `fingerprint.format_version` (build into another output_dir).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,8 +25,9 @@ CHECKSUMS = "crc32"  # a sidecar sample's field {member: zlib.crc32 of its bytes
 def check_version(m: dict, cache_dir: Path | str) -> int:
     version = m.get("format_version")
     if version not in READABLE:
-        raise UserError(f"cache {cache_dir} has format_version {version!r}, this code reads "
-                        f"{' and '.join(map(str, READABLE))}")
+        raise UserError(
+            f"cache {cache_dir} has format_version {version!r}, this code reads {' and '.join(map(str, READABLE))}"
+        )
     return version
 
 

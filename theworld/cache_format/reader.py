@@ -1,5 +1,6 @@
 """Reading a cache: `CacheReader` (random access by global sample index through the sidecars' byte offsets),
 `decode_sample`, and `load_stacked` (one tensor member of a batch's samples in one copy)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -15,12 +16,26 @@ import torch
 from safetensors.torch import load as st_load
 
 from theworld.cache_format import migrations
+from theworld.cache_format.layout import (
+    CAPTION,
+    IMAGE_EXTS,
+    LATENT,
+    LATENT_FLIP,
+    MANIFEST,
+    META,
+    REBUILD_MANIFEST,
+    SHARDS,
+    SIGLIP,
+    Sample,
+    load_manifest,
+    read_sidecar,
+    repair_hint,
+    shard_stem,
+    sidecar_path,
+    tar_path,
+)
 from theworld.cache_format.migrations import CHECKSUMS
-from theworld.cache_format.layout import (CAPTION, MANIFEST, META, IMAGE_EXTS, LATENT, LATENT_FLIP,
-                                          REBUILD_MANIFEST, SHARDS, SIGLIP, Sample, load_manifest, read_sidecar,
-                                          repair_hint, shard_stem, sidecar_path, tar_path)
 from theworld.errors import CacheDamaged, UserError
-
 
 # ----------------------------------------------------------------------------------------------------------------------
 # One sample
@@ -65,7 +80,9 @@ def load_stacked(blobs: list[bytes]) -> dict[str, torch.Tensor]:
         return _load_each_and_stack(blobs)
     data = bytearray().join(memoryview(b)[start:] for b in blobs)
     rows = torch.frombuffer(data, dtype=torch.uint8).view(len(blobs), -1)
-    return {name: rows[:, lo:hi].view(dtype).view(len(blobs), *shape) for name, (dtype, shape, lo, hi) in layout.items()}
+    return {
+        name: rows[:, lo:hi].view(dtype).view(len(blobs), *shape) for name, (dtype, shape, lo, hi) in layout.items()
+    }
 
 
 def _stackable_layout(header: bytes, data_size: int) -> dict | None:
@@ -75,8 +92,11 @@ def _stackable_layout(header: bytes, data_size: int) -> dict | None:
         return None
     try:
         meta = json.loads(header[8:])
-        layout = {name: (_ST_DTYPES[v["dtype"]], tuple(v["shape"]), *v["data_offsets"])
-                  for name, v in meta.items() if name != "__metadata__"}
+        layout = {
+            name: (_ST_DTYPES[v["dtype"]], tuple(v["shape"]), *v["data_offsets"])
+            for name, v in meta.items()
+            if name != "__metadata__"
+        }
     except (ValueError, KeyError, TypeError):
         return None
     for dtype, _, lo, hi in layout.values():
@@ -91,9 +111,11 @@ def _load_each_and_stack(blobs: list[bytes]) -> dict[str, torch.Tensor]:
     first = loaded[0]
     for t in loaded[1:]:
         if t.keys() != first.keys() or any(t[k].shape != first[k].shape or t[k].dtype != first[k].dtype for k in t):
-            raise ValueError("samples of one batch hold different tensors: "
-                             f"{ {k: (tuple(v.shape), v.dtype) for k, v in first.items()} } vs "
-                             f"{ {k: (tuple(v.shape), v.dtype) for k, v in t.items()} }")
+            raise ValueError(
+                "samples of one batch hold different tensors: "
+                f"{ {k: (tuple(v.shape), v.dtype) for k, v in first.items()} } vs "
+                f"{ {k: (tuple(v.shape), v.dtype) for k, v in t.items()} }"
+            )
     return {k: torch.stack([t[k] for t in loaded]) for k in first}
 
 
@@ -108,17 +130,29 @@ def _sidecar_mismatch(sides: list[tuple], entries: list[dict], i: int) -> str:
     j = next((j for j, other in enumerate(entries) if j != i and other.get("sha256") == side[2]), None)
     if j is not None:
         swapped = sides[j][2] == e.get("sha256")
-        return (f"it and its sidecar hold what {MANIFEST} lists for {shard_stem(j)}.tar (sha256 {side[2][:12]}...), "
-                f"not this shard's (sha256 {str(e.get('sha256'))[:12]}...)"
-                + (f", and {shard_stem(j)}.tar holds this shard's: the two were swapped" if swapped
-                   else ": the files were copied over it")
-                + "; put each shard's .tar and .json back under its own name")
-    fields = [f"{name} {got} vs {want}" for name, got, want in
-              (("count", side[0], e.get("num_samples")), ("bytes", side[1], e.get("bytes")),
-               ("sha256", f"{str(side[2])[:12]}...", f"{str(e.get('sha256'))[:12]}..."))
-              if got != want]
-    return (f"its sidecar does not match {MANIFEST} ({'; '.join(fields)}, sidecar vs manifest): the shard changed "
-            "after the cache was built")
+        return (
+            f"it and its sidecar hold what {MANIFEST} lists for {shard_stem(j)}.tar (sha256 {side[2][:12]}...), "
+            f"not this shard's (sha256 {str(e.get('sha256'))[:12]}...)"
+            + (
+                f", and {shard_stem(j)}.tar holds this shard's: the two were swapped"
+                if swapped
+                else ": the files were copied over it"
+            )
+            + "; put each shard's .tar and .json back under its own name"
+        )
+    fields = [
+        f"{name} {got} vs {want}"
+        for name, got, want in (
+            ("count", side[0], e.get("num_samples")),
+            ("bytes", side[1], e.get("bytes")),
+            ("sha256", f"{str(side[2])[:12]}...", f"{str(e.get('sha256'))[:12]}..."),
+        )
+        if got != want
+    ]
+    return (
+        f"its sidecar does not match {MANIFEST} ({'; '.join(fields)}, sidecar vs manifest): the shard changed "
+        "after the cache was built"
+    )
 
 
 @dataclass
@@ -155,18 +189,24 @@ class CacheReader:
         for i, _ in enumerate(self.manifest["shards"]):
             side = read_sidecar(self.cache_dir, i)
             if not isinstance(side, dict):
-                raise CacheDamaged(f"cache {self.cache_dir}: sidecar {sidecar_path(self.cache_dir, i)} is missing or "
-                                   f"not a JSON object; {repair_hint(self.cache_dir, i)}")
+                raise CacheDamaged(
+                    f"cache {self.cache_dir}: sidecar {sidecar_path(self.cache_dir, i)} is missing or "
+                    f"not a JSON object; {repair_hint(self.cache_dir, i)}"
+                )
             try:
                 block, crc = self._index_sidecar(migrations.sidecar(side, self.manifest), keys)
             except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
-                raise CacheDamaged(f"cache {self.cache_dir}: sidecar {sidecar_path(self.cache_dir, i)} is malformed "
-                                   f"({type(e).__name__}: {str(e)[:80]}); {repair_hint(self.cache_dir, i)}") from None
+                raise CacheDamaged(
+                    f"cache {self.cache_dir}: sidecar {sidecar_path(self.cache_dir, i)} is malformed "
+                    f"({type(e).__name__}: {str(e)[:80]}); {repair_hint(self.cache_dir, i)}"
+                ) from None
             try:
                 hw += [s["latent_shape"][-2:] for s in side["samples"]]
             except (KeyError, TypeError):
-                raise UserError(f"cache {self.cache_dir}: shard {i}'s sidecar lacks per-sample latent shapes and the "
-                                "manifest has no common latent_shape") from None
+                raise UserError(
+                    f"cache {self.cache_dir}: shard {i}'s sidecar lacks per-sample latent shapes and the "
+                    "manifest has no common latent_shape"
+                ) from None
             spans.append(block)
             crcs.append(crc)
             self._sides.append((side.get("count"), side.get("bytes"), side.get("sha256")))
@@ -212,33 +252,43 @@ class CacheReader:
         listed = {f"{shard_stem(i)}.tar" for i in range(len(entries))}
         found = {p.name for p in (d / SHARDS).glob("shard-*.tar")}
         if extra := sorted(found - listed):
-            raise CacheDamaged(f"cache {d}: {MANIFEST} lists {len(entries)} shards but {SHARDS}/ also holds "
-                               f"{', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}; {REBUILD_MANIFEST}")
+            raise CacheDamaged(
+                f"cache {d}: {MANIFEST} lists {len(entries)} shards but {SHARDS}/ also holds "
+                f"{', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}; {REBUILD_MANIFEST}"
+            )
         counts = np.bincount(self._shard, minlength=len(entries))
         for i, e in enumerate(entries):
             side, tar = self._sides[i], tar_path(d, i)
             where = f"cache {d}: shard {tar.name}"
             if e["path"] != f"{SHARDS}/{tar.name}":
-                raise CacheDamaged(f"cache {d}: {MANIFEST} shards[{i}] is {e['path']!r}, expected "
-                                   f"'{SHARDS}/{tar.name}'; {REBUILD_MANIFEST}")
+                raise CacheDamaged(
+                    f"cache {d}: {MANIFEST} shards[{i}] is {e['path']!r}, expected "
+                    f"'{SHARDS}/{tar.name}'; {REBUILD_MANIFEST}"
+                )
             if not tar.is_file():
                 raise CacheDamaged(f"{where} is missing; {repair_hint(d, i)}")
             size = tar.stat().st_size
             if side != (e["num_samples"], e["bytes"], e["sha256"]):
                 raise CacheDamaged(f"{where}: {_sidecar_mismatch(self._sides, entries, i)}; {repair_hint(d, i)}")
             if counts[i] != e["num_samples"] or size != e["bytes"]:
-                raise CacheDamaged(f"{where}: {counts[i]} samples in the sidecar and {size} bytes on disk, "
-                                   f"{MANIFEST} says {e['num_samples']} and {e['bytes']}; {repair_hint(d, i)}")
+                raise CacheDamaged(
+                    f"{where}: {counts[i]} samples in the sidecar and {size} bytes on disk, "
+                    f"{MANIFEST} says {e['num_samples']} and {e['bytes']}; {repair_hint(d, i)}"
+                )
         if int(counts.sum()) != self.manifest["num_samples"]:
-            raise CacheDamaged(f"cache {d}: shards hold {int(counts.sum())} samples, {MANIFEST} says "
-                               f"{self.manifest['num_samples']}; {REBUILD_MANIFEST}")
+            raise CacheDamaged(
+                f"cache {d}: shards hold {int(counts.sum())} samples, {MANIFEST} says "
+                f"{self.manifest['num_samples']}; {REBUILD_MANIFEST}"
+            )
         ends = self._spans[..., 0] + self._spans[..., 1]
         sizes = np.array([e["bytes"] for e in entries], dtype=np.int64)[self._shard]
         bad = (self._spans[..., 0] >= 0) & ((self._spans[..., 1] < 0) | (ends > sizes[:, None]))
         if bad.any():
             j = int(np.argwhere(bad)[0][0])
-            raise CacheDamaged(f"cache {d}: shard {tar_path(d, int(self._shard[j])).name}, sample {self.key(j)}: its "
-                               f"sidecar places a member outside the tar; {repair_hint(d, int(self._shard[j]))}")
+            raise CacheDamaged(
+                f"cache {d}: shard {tar_path(d, int(self._shard[j])).name}, sample {self.key(j)}: its "
+                f"sidecar places a member outside the tar; {repair_hint(d, int(self._shard[j]))}"
+            )
         self._check_unique_keys()
 
     def _check_unique_keys(self) -> None:
@@ -248,17 +298,22 @@ class CacheReader:
             a, b = int(order[same[0]]), int(order[same[0] + 1])
             sa, sb = int(self._shard[a]), int(self._shard[b])
             d = self.cache_dir
-            raise CacheDamaged(f"cache {d}: key {self.key(a)} occurs twice (shards {tar_path(d, sa).name} and "
-                               f"{tar_path(d, sb).name}): one shard was replaced by a copy; to repair: delete "
-                               f"{sidecar_path(d, sb).name}" + (f" and {sidecar_path(d, sa).name}" if sa != sb else "")
-                               + f" in {d / SHARDS} and rerun the precompute command that built this cache "
-                               "(it rebuilds those shards alone)")
+            raise CacheDamaged(
+                f"cache {d}: key {self.key(a)} occurs twice (shards {tar_path(d, sa).name} and "
+                f"{tar_path(d, sb).name}): one shard was replaced by a copy; to repair: delete "
+                f"{sidecar_path(d, sb).name}"
+                + (f" and {sidecar_path(d, sa).name}" if sa != sb else "")
+                + f" in {d / SHARDS} and rerun the precompute command that built this cache "
+                "(it rebuilds those shards alone)"
+            )
 
     def damaged(self, index: int, what: str) -> CacheDamaged:
         """The one-line error for sample `index` whose data is not what the cache says."""
         shard = int(self._shard[index])
-        return CacheDamaged(f"cache {self.cache_dir}: shard {tar_path(self.cache_dir, shard).name}, sample "
-                            f"{self.key(index)}: {what}; {repair_hint(self.cache_dir, shard)}")
+        return CacheDamaged(
+            f"cache {self.cache_dir}: shard {tar_path(self.cache_dir, shard).name}, sample "
+            f"{self.key(index)}: {what}; {repair_hint(self.cache_dir, shard)}"
+        )
 
     def shard_of(self, index: int) -> int:
         return int(self._shard[index])
@@ -298,8 +353,11 @@ class CacheReader:
                 raise self.damaged(index, f"cannot open the tar ({e.strerror})") from None
         spans = self._spans[index].tolist()
         crcs = self._crc[index].tolist()
-        wanted = sorted((*span, name, crc) for name, span, crc in zip(self._names, spans, crcs)
-                        if span[0] >= 0 and (self.members is None or name in self.members or name in (CAPTION, META)))
+        wanted = sorted(
+            (*span, name, crc)
+            for name, span, crc in zip(self._names, spans, crcs)
+            if span[0] >= 0 and (self.members is None or name in self.members or name in (CAPTION, META))
+        )
         out = {}
         for run in _runs(wanted, self.READ_GAP):
             lo, hi = run[0][0], run[-1][0] + run[-1][1]
@@ -311,10 +369,11 @@ class CacheReader:
             if len(data) != hi - lo:
                 raise self.damaged(index, "the tar ends before this sample (truncated)")
             for offset, size, name, crc in run:
-                out[name] = data[offset - lo:offset - lo + size]
+                out[name] = data[offset - lo : offset - lo + size]
                 if crc >= 0 and zlib.crc32(out[name]) != crc:
-                    raise self.damaged(index, f"member {name} fails its crc32 check (the tar changed after it was "
-                                              "written)")
+                    raise self.damaged(
+                        index, f"member {name} fails its crc32 check (the tar changed after it was written)"
+                    )
         return out
 
     def sample(self, index: int, tensors: bool = True) -> Sample:

@@ -1,5 +1,6 @@
 """Writing a cache: a sample's members as bytes (`encode_sample`, `latent_blob`) and a shard's reproducible tar plus
 its sidecar (`write_shard`)."""
+
 from __future__ import annotations
 
 import io
@@ -7,15 +8,27 @@ import json
 import os
 import tarfile
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 from safetensors.torch import save as st_save
 
-from theworld.cache_format.layout import (CAPTION, IMAGE_EXTS, LATENT, LATENT_FLIP, META, SIGLIP, TURNS, Sample,
-                                          atomic_write_json, member_name, sha256_file, sidecar_path,
-                                          tar_path)
+from theworld.cache_format.layout import (
+    CAPTION,
+    IMAGE_EXTS,
+    LATENT,
+    LATENT_FLIP,
+    META,
+    SIGLIP,
+    TURNS,
+    Sample,
+    atomic_write_json,
+    member_name,
+    sha256_file,
+    sidecar_path,
+    tar_path,
+)
 from theworld.cache_format.migrations import CHECKSUMS, FORMAT_VERSION
 from theworld.control_text import TEXT_RULE, find_control_string
 from theworld.encoders import DTYPES
@@ -48,7 +61,7 @@ def latent_blob(mean: torch.Tensor, logvar: torch.Tensor | None, dt: torch.dtype
 def latent_shape_of(blob: bytes) -> list[int]:
     """The shape of a latent member's "mean", from its safetensors header alone."""
     n = int.from_bytes(blob[:8], "little")
-    return list(json.loads(blob[8:8 + n])["mean"]["shape"])
+    return list(json.loads(blob[8 : 8 + n])["mean"]["shape"])
 
 
 def text_passes(members: dict[str, bytes]) -> bool:
@@ -96,9 +109,15 @@ def write_shard(cache_dir: Path, index: int, samples: Iterable[tuple[str, dict[s
                 entries.append(entry)
         f.flush()
         os.fsync(f.fileno())
-    side = {"format_version": FORMAT_VERSION, "shard": tar.name, "count": len(entries),
-            "bytes": os.path.getsize(tmp), "sha256": sha256_file(tmp), **({"text_rule": TEXT_RULE} if clean else {}),
-            "samples": entries}
+    side = {
+        "format_version": FORMAT_VERSION,
+        "shard": tar.name,
+        "count": len(entries),
+        "bytes": os.path.getsize(tmp),
+        "sha256": sha256_file(tmp),
+        **({"text_rule": TEXT_RULE} if clean else {}),
+        "samples": entries,
+    }
     os.replace(tmp, tar)
     atomic_write_json(sidecar_path(cache_dir, index), side)
     return side

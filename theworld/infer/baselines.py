@@ -14,6 +14,7 @@ and the baselines it is compared with.
   stage's weights unchanged: what training the projector bought. For a later stage (init_from a previous one) this
   is still the seed's fresh projector, not the previous stage's.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,8 +37,15 @@ class Condition:
 
 MODEL = Condition("model", "own")
 SHUFFLED = Condition("shuffled_world", "previous")
-BASELINES = {c.name: c for c in (Condition("no_world", "none"), Condition("constant_latent", "constant"), SHUFFLED,
-                                 Condition("init_projector", "own", init_projector=True))}
+BASELINES = {
+    c.name: c
+    for c in (
+        Condition("no_world", "none"),
+        Condition("constant_latent", "constant"),
+        SHUFFLED,
+        Condition("init_projector", "own", init_projector=True),
+    )
+}
 
 
 def parse(spec: str | list[str] | None) -> list[str]:
@@ -58,8 +66,9 @@ def conditions(baselines: list[str]) -> list[Condition]:
     return [MODEL, SHUFFLED] + [BASELINES[n] for n in baselines if n != SHUFFLED.name]
 
 
-def world_inputs(model, cond: Condition, mean: torch.Tensor, logvar: torch.Tensor, own: torch.Tensor,
-                 previous: torch.Tensor) -> dict:
+def world_inputs(
+    model, cond: Condition, mean: torch.Tensor, logvar: torch.Tensor, own: torch.Tensor, previous: torch.Tensor
+) -> dict:
     """`embed_inputs` keyword arguments giving each row its world under `cond`; `mean`/`logvar` hold the latents of
     the worlds in play, `own`/`previous` index them per row."""
     if cond.world == "none":
@@ -76,7 +85,9 @@ class InitProjector:
     """The run's initial projector weights, swapped into the model for the `init_projector` condition."""
 
     def __init__(self, model, world_cfg, seed: int):
-        with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))):  # seeding here must not move the caller's (a training run's) RNG
+        with torch.random.fork_rng(
+            devices=list(range(torch.cuda.device_count()))
+        ):  # seeding here must not move the caller's (a training run's) RNG
             fresh = type(model).new_projector(model.gemma, model.world_encoder, world_cfg, seed)
         self.state = fresh.to(next(model.projector.parameters()).device).state_dict()
 

@@ -11,6 +11,7 @@ or one file, with `idx, sub_task, question, choices, answer "(A)", prompt` and `
 Items with several images: the world latents come from the first image; every image gets its image tokens, in order,
 before the question.
 """
+
 from __future__ import annotations
 
 import json
@@ -62,8 +63,10 @@ JSONL_KEYS = ("image", "question", "choices", "answer", "category", "prompt")
 def _check_keys(rec: dict, name: str) -> None:
     unknown = [k for k in rec if k not in JSONL_KEYS]
     if unknown:
-        raise UserError(f"{name}: unknown key {unknown[0]!r} (an item has {', '.join(JSONL_KEYS[:4])} and optionally "
-                        f"{', '.join(JSONL_KEYS[4:])})")
+        raise UserError(
+            f"{name}: unknown key {unknown[0]!r} (an item has {', '.join(JSONL_KEYS[:4])} and optionally "
+            f"{', '.join(JSONL_KEYS[4:])})"
+        )
 
 
 def _check_optional_text(rec: dict, name: str, field: str) -> str | None:
@@ -134,8 +137,17 @@ def read_jsonl(path: Path) -> list[Item]:
         category = rec.get("category")
         if category is not None and not isinstance(category, str):
             raise _bad(name, "category", "not a string")
-        items.append(Item(name, files, question, choices, parse_answer(rec.get("answer"), choices, name), category,
-                          _check_optional_text(rec, name, "prompt")))
+        items.append(
+            Item(
+                name,
+                files,
+                question,
+                choices,
+                parse_answer(rec.get("answer"), choices, name),
+                category,
+                _check_optional_text(rec, name, "prompt"),
+            )
+        )
     return items
 
 
@@ -153,8 +165,10 @@ def blink_files(path: Path, split: str) -> list[Path]:
         raise UserError(f"{path}: no .parquet files there")
     chosen = [f for f in files if split_of(f) == split]
     if not chosen:
-        raise UserError(f"{path}: no parquet file of split {split!r} (--split; the folder holds "
-                        f"{', '.join(sorted({split_of(f) for f in files}))})")
+        raise UserError(
+            f"{path}: no parquet file of split {split!r} (--split; the folder holds "
+            f"{', '.join(sorted({split_of(f) for f in files}))})"
+        )
     return chosen
 
 
@@ -168,7 +182,7 @@ def read_blink(path: Path, split: str = "val") -> list[Item]:
         where = f.relative_to(path) if path.is_dir() else f  # the sub-task folder and the file
         try:
             rows = pq.read_table(f).to_pylist()
-        except Exception as e:  # pyarrow raises several types for a file that is not parquet
+        except Exception as e:  # noqa: BLE001  (pyarrow raises several types for a file that is not parquet)
             raise UserError(f"{where}: not a readable parquet file ({type(e).__name__}: {e})") from None
         for i, rec in enumerate(rows):
             name = f"{where}:idx {rec.get('idx', i)}"
@@ -184,8 +198,17 @@ def read_blink(path: Path, split: str = "val") -> list[Item]:
                 found.append(data)
             if not found:
                 raise _bad(name, "image_1", "no image")
-            items.append(Item(name, found, question, choices, parse_answer(rec.get("answer"), choices, name),
-                              rec.get("sub_task"), _check_optional_text(rec, name, "prompt")))
+            items.append(
+                Item(
+                    name,
+                    found,
+                    question,
+                    choices,
+                    parse_answer(rec.get("answer"), choices, name),
+                    rec.get("sub_task"),
+                    _check_optional_text(rec, name, "prompt"),
+                )
+            )
     return items
 
 
@@ -216,7 +239,11 @@ def unreadable(items: list[Item]) -> list[dict]:
 # ----------------------------------------------------------------------------------------------------------------------
 # A synthetic set: unseen scenes, the true caption among one-word edits
 
-EDITS = {"colour": sorted(synthetic.COLOURS), "shape": list(synthetic.SHAPES), "position": ["top", "bottom", "left", "right"]}
+EDITS = {
+    "colour": sorted(synthetic.COLOURS),
+    "shape": list(synthetic.SHAPES),
+    "position": ["top", "bottom", "left", "right"],
+}
 CAPTIONS = "captions.jsonl"  # the synthetic set's scenes with their true captions, beside its items
 OPPOSITE = {"top": "bottom", "bottom": "top", "left": "right", "right": "left"}
 
@@ -229,8 +256,8 @@ def one_word_edits(caption: str, kind: str) -> list[str]:
     for i, w in enumerate(words):
         if w not in EDITS[kind]:
             continue
-        for new in ([OPPOSITE[w]] if kind == "position" else [x for x in EDITS[kind] if x != w]):
-            edited = " ".join(words[:i] + [new] + words[i + 1:])
+        for new in [OPPOSITE[w]] if kind == "position" else [x for x in EDITS[kind] if x != w]:
+            edited = " ".join(words[:i] + [new] + words[i + 1 :])
             if edited != caption and edited not in out:
                 out.append(edited)
     return out
@@ -259,8 +286,15 @@ def make_synthetic(path: str | Path, n: int, seed: int = 1, choices: int = 4, si
         edits = one_word_edits(caption, kind)
         wrong = rng.sample(edits, min(choices - 1, len(edits)))
         answer = rng.randrange(len(wrong) + 1)
-        records.append({"image": rel, "question": synthetic.PROMPT, "choices": wrong[:answer] + [caption] + wrong[answer:],
-                        "answer": answer, "category": kind})
+        records.append(
+            {
+                "image": rel,
+                "question": synthetic.PROMPT,
+                "choices": wrong[:answer] + [caption] + wrong[answer:],
+                "answer": answer,
+                "category": kind,
+            }
+        )
     caps = [{"image": r["image"], "captions": [r["choices"][r["answer"]]]} for r in records]
     for target, rows in ((out.parent / CAPTIONS, caps), (out, records)):
         tmp = target.with_name(target.name + ".tmp")

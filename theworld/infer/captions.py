@@ -10,6 +10,7 @@ JSONL, one item per line: `{"image": path relative to the file, "captions": str 
 held-out split: the samples the trainer holds out for its eval (theworld/cache_format/held_out.py, with the run's
 `train.eval_samples`), each with its stored image, its caption as the reference and its own prompt.
 """
+
 from __future__ import annotations
 
 import json
@@ -119,18 +120,37 @@ def scores(references: list[list[str]], hypotheses: list[str]) -> dict[str, floa
     return {"bleu4": float(bleu[3]), "rouge_l": float(rouge), "cider": float(cider)}
 
 
-def evaluate(model, processor, items: list[Item], batch_size: int = 8, progress=None, *, max_new_tokens: int = 64,
-             prompt: str = DEFAULT_PROMPT) -> list[dict]:
+def evaluate(
+    model,
+    processor,
+    items: list[Item],
+    batch_size: int = 8,
+    progress=None,
+    *,
+    max_new_tokens: int = 64,
+    prompt: str = DEFAULT_PROMPT,
+) -> list[dict]:
     """Per-item records: item, references, the caption with its own world and with the shuffled world."""
     n, records = len(items), []
     for lo in range(0, n, batch_size):
         idx = list(range(lo, min(lo + batch_size, n)))
         prompts = [items[i].prompt or prompt for i in idx]
         own = model.generate([items[i].images[0] for i in idx], prompts, max_new_tokens=max_new_tokens)
-        other = model.generate([items[i].images[0] for i in idx], prompts, max_new_tokens=max_new_tokens,
-                               world_images=[items[(i - 1) % n].images[0] for i in idx])
-        batch = [{"item": items[i].name, "references": items[i].captions, "prompt": p,
-                  "outputs": {"model": a, "shuffled_world": b}} for i, p, a, b in zip(idx, prompts, own, other)]
+        other = model.generate(
+            [items[i].images[0] for i in idx],
+            prompts,
+            max_new_tokens=max_new_tokens,
+            world_images=[items[(i - 1) % n].images[0] for i in idx],
+        )
+        batch = [
+            {
+                "item": items[i].name,
+                "references": items[i].captions,
+                "prompt": p,
+                "outputs": {"model": a, "shuffled_world": b},
+            }
+            for i, p, a, b in zip(idx, prompts, own, other)
+        ]
         records += batch
         if progress:
             progress(batch)

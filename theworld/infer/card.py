@@ -1,5 +1,6 @@
 """The results table of a stage's model card (final/README.md): one row per benchmark, task and protocol, written or
 updated by `theworld.evaluate` whenever it evaluates a local run's final/ folder."""
+
 from __future__ import annotations
 
 import shlex
@@ -24,8 +25,16 @@ def row(summary: dict, data: str, task: str, argv: list[str]) -> list[str]:
         protocol = summary.get("protocol", "loglik")
     base = ", ".join(f"{b} {s['accuracy']:.4f} (p {s['p_value']:.2g})" for b, s in summary.get("baselines", {}).items())
     command = "python -m theworld.evaluate " + " ".join(shlex.quote(a) for a in argv)
-    return [Path(data).name, task, protocol, str(summary["n"]), model, shuffled, base or "-",
-            f"`{command.replace('|', '%7C')}`"]
+    return [
+        Path(data).name,
+        task,
+        protocol,
+        str(summary["n"]),
+        model,
+        shuffled,
+        base or "-",
+        f"`{command.replace('|', '%7C')}`",
+    ]
 
 
 def update(card: Path, new: list[str]) -> None:
@@ -43,7 +52,9 @@ def update(card: Path, new: list[str]) -> None:
         tail = "".join(lines[k:])
         rows = rows[2:]  # the header and the rule
     rows = [r for r in rows if r[:3] != new[:3]] + [new]
-    table = ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)] + ["| " + " | ".join(r) + " |" for r in rows]
+    table = ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)] + [
+        "| " + " | ".join(r) + " |" for r in rows
+    ]
     section = f"{HEADING}\n\n" + "\n".join(table) + "\n" + ("\n" + tail if tail else "")
     tmp = card.with_name(card.name + ".tmp")
     tmp.write_text(head.rstrip("\n") + "\n\n" + section if head.strip() else section)

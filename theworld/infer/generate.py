@@ -1,11 +1,12 @@
-"""Generation for `TheWorld.generate` (it takes the model as an argument and imports nothing of it): the fused prefix (world tokens, image tokens, prompt) runs once into a
-transformers `DynamicCache`, then one token per step.
+"""Generation for `TheWorld.generate` (it takes the model as an argument and imports nothing of it): the fused
+prefix (world tokens, image tokens, prompt) runs once into a transformers `DynamicCache`, then one token per step.
 
 Masking is Gemma 3's own: the prefix goes through `Gemma3Model` with `token_type_ids`, which makes each image block
 bidirectional as in training; decoding steps are plain causal text. Rows are fused right-padded (as in training) and
 then left-aligned, so every row's last prefix token sits in the last column and new tokens append to all rows at once;
 each row keeps positions 0..len-1 and padding is masked out, so a row gets the tokens it would get alone.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,6 +17,7 @@ from theworld import images as imagelib
 from theworld.errors import UserError
 from theworld.text import IGNORE, Encoded, collate_text
 
+
 def prepare(model, images: list, prompts: list[str], world_images: list | None = None) -> dict[str, torch.Tensor]:
     """Model inputs (right-padded prompt ids, VAE pixels, SigLIP pixel values) for one image per prompt."""
     if model.processor is None:
@@ -24,8 +26,9 @@ def prepare(model, images: list, prompts: list[str], world_images: list | None =
 
     def load(image, what: str) -> tuple[torch.Tensor, torch.Tensor]:
         try:
-            return imagelib.for_model(imagelib.to_bytes(image), cfg.resolution, cfg.resize,
-                                      model.processor.image_processor)
+            return imagelib.for_model(
+                imagelib.to_bytes(image), cfg.resolution, cfg.resize, model.processor.image_processor
+            )
         except (OSError, imagelib.BadImage) as e:
             raise UserError(f"{what}: {e}") from None
 
@@ -34,8 +37,12 @@ def prepare(model, images: list, prompts: list[str], world_images: list | None =
     pixels = torch.stack([px for px, _ in loaded])
     if world_images is not None:
         pixels = torch.stack([load(im, f"world image {_name(im, i)}")[0] for i, im in enumerate(world_images)])
-    return {"input_ids": text["input_ids"], "attention_mask": text["attention_mask"], "images": pixels,
-            "pixel_values": torch.stack([pv for _, pv in loaded])}
+    return {
+        "input_ids": text["input_ids"],
+        "attention_mask": text["attention_mask"],
+        "images": pixels,
+        "pixel_values": torch.stack([pv for _, pv in loaded]),
+    }
 
 
 def _shape_groups(model, images: list, world_images: list | None) -> list[list[int]]:
@@ -48,8 +55,10 @@ def _shape_groups(model, images: list, world_images: list | None) -> list[list[i
         except (OSError, imagelib.BadImage) as e:
             raise UserError(f"{what} {_name(image, i)}: {e}") from None
 
-    keys = [(size(im, i, "image"), None if world_images is None else size(world_images[i], i, "world image"))
-            for i, im in enumerate(images)]
+    keys = [
+        (size(im, i, "image"), None if world_images is None else size(world_images[i], i, "world image"))
+        for i, im in enumerate(images)
+    ]
     return imagelib.same_shape_groups(keys)
 
 
@@ -100,8 +109,15 @@ def stop_ids(model) -> list[int]:
 
 
 @torch.no_grad()
-def decode(model, fused: dict[str, torch.Tensor], max_new_tokens: int, sampler: Sampler, stop: list[int],
-           pad_id: int, use_cache: bool = True) -> list[list[int]]:
+def decode(
+    model,
+    fused: dict[str, torch.Tensor],
+    max_new_tokens: int,
+    sampler: Sampler,
+    stop: list[int],
+    pad_id: int,
+    use_cache: bool = True,
+) -> list[list[int]]:
     """New token ids of each row of left-aligned fused inputs, up to and without the stop token."""
     from transformers import DynamicCache
 
@@ -121,8 +137,11 @@ def decode(model, fused: dict[str, torch.Tensor], max_new_tokens: int, sampler: 
         done |= torch.isin(token, stop_t)
         if bool(done.all()):
             break
-        new = {"inputs_embeds": embed(token[:, None]).to(embeds.dtype), "position_ids": pos[:, -1:] + 1,
-               "token_type_ids": torch.zeros_like(token[:, None])}
+        new = {
+            "inputs_embeds": embed(token[:, None]).to(embeds.dtype),
+            "position_ids": pos[:, -1:] + 1,
+            "token_type_ids": torch.zeros_like(token[:, None]),
+        }
         mask = torch.cat([mask, mask.new_ones(b, 1)], dim=1)
         pos = torch.cat([pos, new["position_ids"]], dim=1)
         if use_cache:  # the new token only; it is text, so the plain causal mask applies (as in transformers)
@@ -136,14 +155,26 @@ def decode(model, fused: dict[str, torch.Tensor], max_new_tokens: int, sampler: 
     return out
 
 
-def generate(model, images: list, prompts: str | list[str], *, max_new_tokens: int = 64, do_sample: bool = False,
-             temperature: float = 1.0, top_p: float = 1.0, use_cache: bool = True, world_images: list | None = None,
-             seed: int | None = None) -> list[str]:
+def generate(
+    model,
+    images: list,
+    prompts: str | list[str],
+    *,
+    max_new_tokens: int = 64,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    use_cache: bool = True,
+    world_images: list | None = None,
+    seed: int | None = None,
+) -> list[str]:
     if isinstance(prompts, str):
         prompts = [prompts] * len(images)
     if len(prompts) != len(images) or (world_images is not None and len(world_images) != len(images)):
-        raise ValueError(f"{len(images)} images, {len(prompts)} prompts"
-                         + ("" if world_images is None else f", {len(world_images)} world images"))
+        raise ValueError(
+            f"{len(images)} images, {len(prompts)} prompts"
+            + ("" if world_images is None else f", {len(world_images)} world images")
+        )
     if max_new_tokens < 1:
         raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not images:
@@ -152,9 +183,18 @@ def generate(model, images: list, prompts: str | list[str], *, max_new_tokens: i
     if len(groups) > 1:  # a bucketed model's images of several aspect ratios: one generation per input shape
         out: list[str] = [""] * len(images)
         for g in groups:
-            texts = generate(model, [images[i] for i in g], [prompts[i] for i in g], max_new_tokens=max_new_tokens,
-                             do_sample=do_sample, temperature=temperature, top_p=top_p, use_cache=use_cache,
-                             world_images=None if world_images is None else [world_images[i] for i in g], seed=seed)
+            texts = generate(
+                model,
+                [images[i] for i in g],
+                [prompts[i] for i in g],
+                max_new_tokens=max_new_tokens,
+                do_sample=do_sample,
+                temperature=temperature,
+                top_p=top_p,
+                use_cache=use_cache,
+                world_images=None if world_images is None else [world_images[i] for i in g],
+                seed=seed,
+            )
             for i, text in zip(g, texts):
                 out[i] = text
         return out

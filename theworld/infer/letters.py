@@ -9,6 +9,7 @@ from here can sit next to one from the harness:
 - the letter is read by `read_letter`, lmms-eval's `_extract_answer_letter` rule for rule, accepting only this item's
   letters. An answer with no readable letter is wrong, and counted as `unparsed`.
 """
+
 from __future__ import annotations
 
 import re
@@ -23,8 +24,10 @@ def letters(n: int) -> str:
 
 def blink_style_prompt(question: str, choices: list[str]) -> str:
     """A question in the layout of BLINK's `prompt` column: the question, a line, then `(A) choice` per choice."""
-    return "\n".join([question.strip(), "Select from the following choices."]
-                     + [f"({k}) {c}" for k, c in zip(letters(len(choices)), choices)])
+    return "\n".join(
+        [question.strip(), "Select from the following choices."]
+        + [f"({k}) {c}" for k, c in zip(letters(len(choices)), choices)]
+    )
 
 
 def mc_prompt(question: str, choices: list[str], prompt: str | None = None) -> str:

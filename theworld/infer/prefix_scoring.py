@@ -8,6 +8,7 @@ and world condition into a transformers `DynamicCache`; the cache is then copied
 bidirectional) and is left-aligned, so every prefix ends in the last column; the choices are plain causal text
 appended after it, right-padded, with positions continuing each row's prefix.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,8 +18,15 @@ from theworld.infer.generate import left_align
 from theworld.text import IGNORE, Encoded, collate_text
 
 
-def answer_logprobs(model, prefixes: list[list[int]], rows: list[Encoded], owner: list[int], siglip: torch.Tensor,
-                    greedy: bool = False, **world) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def answer_logprobs(
+    model,
+    prefixes: list[list[int]],
+    rows: list[Encoded],
+    owner: list[int],
+    siglip: torch.Tensor,
+    greedy: bool = False,
+    **world,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """(len(rows),) float32: each row's summed log-probability of its answer tokens (labels != IGNORE), as
     `TheWorld.answer_logprobs` gives it for the whole row. Row r continues prefix `owner[r]`, and its token ids must
     start with that prefix's ids. `siglip`: the image features of every prefix, concatenated in prefix order;
@@ -38,8 +46,9 @@ def answer_logprobs(model, prefixes: list[list[int]], rows: list[Encoded], owner
     mask = torch.cat([fused["attention_mask"][owner_t], tail["attention_mask"].to(device)], dim=1)
     pos = fused["position_ids"][owner_t, -1:] + 1 + torch.arange(ids.shape[1], device=device)
     embeds = model.gemma.get_input_embeddings()(ids).to(fused["inputs_embeds"].dtype)
-    hidden = lm(inputs_embeds=embeds, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                use_cache=True).last_hidden_state
+    hidden = lm(
+        inputs_embeds=embeds, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True
+    ).last_hidden_state
     # token j of a choice is predicted by the hidden state before it: the prefix's last one for j = 0
     before = torch.cat([last[owner_t, None], hidden[:, :-1]], dim=1)
     keep = labels != IGNORE

@@ -12,6 +12,7 @@ with the shuffled world (item i gets item i-1's world latents, the first gets th
 Accuracies come with a 95% Wilson interval, overall and per category; each baseline also with the model's paired
 difference to it and an exact McNemar p-value. Data formats: theworld/infer/benchmarks.py.
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,16 +38,25 @@ NO_CATEGORY = "(no category)"
 class Scorer:
     """Choice log-likelihoods (loglik) or generated answers (generate) for items, under each condition."""
 
-    def __init__(self, model, processor, image_cfg, items: list[benchmarks.Item], init: InitProjector | None = None,
-                 shared_prefix: bool = True, max_new_tokens: int = 16):
+    def __init__(
+        self,
+        model,
+        processor,
+        image_cfg,
+        items: list[benchmarks.Item],
+        init: InitProjector | None = None,
+        shared_prefix: bool = True,
+        max_new_tokens: int = 16,
+    ):
         self.model, self.items, self.image_cfg, self.init = model, items, image_cfg, init
         self.processor, self.formatter = processor, ChatFormatter(processor)
         self.device = next(model.parameters()).device
         self.shared_prefix, self.max_new_tokens = shared_prefix, max_new_tokens
 
     def _load(self, image) -> tuple[torch.Tensor, torch.Tensor]:
-        return imagelib.for_model(imagelib.to_bytes(image), self.image_cfg.resolution, self.image_cfg.resize,
-                                  self.processor.image_processor)
+        return imagelib.for_model(
+            imagelib.to_bytes(image), self.image_cfg.resolution, self.image_cfg.resize, self.processor.image_processor
+        )
 
     def _worlds(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, dict[int, int]]:
         """World latents (mean, logvar) of every item in play (each item's own and item i-1's), and where each is.
@@ -121,13 +131,16 @@ class Scorer:
         for cond in conds:
             with applied(self.model, cond, self.init):
                 world = world_inputs(self.model, cond, mean, logvar, own, previous)
-                scores = (prefix_scoring.answer_logprobs(self.model, prefixes, enc, owner, siglip, **world)
-                          if self.shared_prefix else self.model.answer_logprobs(**text, siglip=siglip, **world))
+                scores = (
+                    prefix_scoring.answer_logprobs(self.model, prefixes, enc, owner, siglip, **world)
+                    if self.shared_prefix
+                    else self.model.answer_logprobs(**text, siglip=siglip, **world)
+                )
                 per_cond[cond.name] = scores.tolist()
         out, lo = [], 0
         for i in indices:
             k = len(items[i].choices)
-            out.append({c: s[lo:lo + k] for c, s in per_cond.items()})
+            out.append({c: s[lo : lo + k] for c, s in per_cond.items()})
             lo += k
         return out
 
@@ -142,8 +155,10 @@ class Scorer:
         feats = self._features(indices)
         prompts = [letters.mc_prompt(items[i].question, items[i].choices, items[i].prompt) for i in indices]
         ids = [self.formatter.prefix(p, images=len(items[i].images)) for p, i in zip(prompts, indices)]
-        text = {k: v.to(self.device)
-                for k, v in collate_text([Encoded(x, [IGNORE] * len(x)) for x in ids], self.formatter.pad_id).items()}
+        text = {
+            k: v.to(self.device)
+            for k, v in collate_text([Encoded(x, [IGNORE] * len(x)) for x in ids], self.formatter.pad_id).items()
+        }
         text.pop("labels")
         siglip = torch.cat([feats[i] for i in indices])
         own, previous = self._rows(indices, at)
@@ -152,8 +167,9 @@ class Scorer:
         per_cond = {}
         for cond in conds:
             with applied(model, cond, self.init):
-                fused = left_align(model.embed_inputs(**text, siglip=siglip,
-                                                      **world_inputs(model, cond, mean, logvar, own, previous)))
+                fused = left_align(
+                    model.embed_inputs(**text, siglip=siglip, **world_inputs(model, cond, mean, logvar, own, previous))
+                )
                 new = decode(model, fused, self.max_new_tokens, sampler, stop, tok.pad_token_id)
             per_cond[cond.name] = [decode_text(tok, r) for r in new]
         return [{c: texts[k] for c, texts in per_cond.items()} for k in range(len(indices))]
@@ -178,16 +194,26 @@ def _argmax(scores: list[float]) -> int:
     return max(range(len(scores)), key=lambda j: (scores[j], -j))
 
 
-def tally(items: list[benchmarks.Item], indices: list[int], outputs: list[dict], protocol: str = "loglik") -> list[dict]:
+def tally(
+    items: list[benchmarks.Item], indices: list[int], outputs: list[dict], protocol: str = "loglik"
+) -> list[dict]:
     """Per-item records: answer, `preds` (condition -> chosen index, None when no letter could be read), `outputs`
     (condition -> choice scores or generated text); `pred` / `pred_shuffled_world` are the first two conditions'."""
     records = []
     for i, out in zip(indices, outputs):
         n = len(items[i].choices)
         preds = {c: _argmax(v) if protocol == "loglik" else letters.read_letter(v, n) for c, v in out.items()}
-        records.append({"item": items[i].name, "category": items[i].category, "answer": items[i].answer,
-                        "pred": preds[MODEL.name], "pred_shuffled_world": preds[SHUFFLED.name], "preds": preds,
-                        "outputs": out})
+        records.append(
+            {
+                "item": items[i].name,
+                "category": items[i].category,
+                "answer": items[i].answer,
+                "pred": preds[MODEL.name],
+                "pred_shuffled_world": preds[SHUFFLED.name],
+                "preds": preds,
+                "outputs": out,
+            }
+        )
     return records
 
 
@@ -195,8 +221,13 @@ def _stats(rs: list[dict]) -> dict:
     n = len(rs)
     k = sum(r["pred"] == r["answer"] for r in rs)
     ks = sum(r["pred_shuffled_world"] == r["answer"] for r in rs)
-    return {"n": n, "accuracy": k / n if n else 0.0, "accuracy_ci95": wilson(k, n),
-            "accuracy_shuffled_world": ks / n if n else 0.0, "accuracy_shuffled_world_ci95": wilson(ks, n)}
+    return {
+        "n": n,
+        "accuracy": k / n if n else 0.0,
+        "accuracy_ci95": wilson(k, n),
+        "accuracy_shuffled_world": ks / n if n else 0.0,
+        "accuracy_shuffled_world_ci95": wilson(ks, n),
+    }
 
 
 def summarize(records: list[dict], baselines: list[str] = (), protocol: str | None = None) -> dict:
@@ -214,14 +245,26 @@ def summarize(records: list[dict], baselines: list[str] = (), protocol: str | No
         out["categories"] = {c: _stats([r for r in records if (r["category"] or NO_CATEGORY) == c]) for c in rows}
     if baselines:
         model_right = [r["pred"] == r["answer"] for r in records]
-        out["baselines"] = {b: stats.paired(model_right, [r["preds"][b] == r["answer"] for r in records])
-                            for b in baselines}
+        out["baselines"] = {
+            b: stats.paired(model_right, [r["preds"][b] == r["answer"] for r in records]) for b in baselines
+        }
     return out
 
 
-def evaluate(model, processor, image_cfg, items: list[benchmarks.Item], batch_size: int = 8, progress=None, *,
-             protocol: str = "loglik", conds: list[Condition] = (MODEL, SHUFFLED), init: InitProjector | None = None,
-             shared_prefix: bool = True, max_new_tokens: int = 16) -> list[dict]:
+def evaluate(
+    model,
+    processor,
+    image_cfg,
+    items: list[benchmarks.Item],
+    batch_size: int = 8,
+    progress=None,
+    *,
+    protocol: str = "loglik",
+    conds: list[Condition] = (MODEL, SHUFFLED),
+    init: InitProjector | None = None,
+    shared_prefix: bool = True,
+    max_new_tokens: int = 16,
+) -> list[dict]:
     """Per-item records (see `tally`) for all items, `batch_size` items per forward; `progress(records)` with each
     batch's records as they are done."""
     scorer = Scorer(model, processor, image_cfg, items, init, shared_prefix, max_new_tokens)
@@ -238,13 +281,19 @@ def evaluate(model, processor, image_cfg, items: list[benchmarks.Item], batch_si
 
 def format_report(summary: dict) -> str:
     ci = lambda c: f"[{c[0]:.3f}, {c[1]:.3f}]"
-    lines = [f"n {summary['n']}" + (f"   protocol {summary['protocol']}" if "protocol" in summary else ""),
-             f"accuracy                {summary['accuracy']:.4f} {ci(summary['accuracy_ci95'])}",
-             (f"accuracy_shuffled_world {summary['accuracy_shuffled_world']:.4f} "
-              f"{ci(summary['accuracy_shuffled_world_ci95'])}   (95% Wilson intervals)")]
+    lines = [
+        f"n {summary['n']}" + (f"   protocol {summary['protocol']}" if "protocol" in summary else ""),
+        f"accuracy                {summary['accuracy']:.4f} {ci(summary['accuracy_ci95'])}",
+        (
+            f"accuracy_shuffled_world {summary['accuracy_shuffled_world']:.4f} "
+            f"{ci(summary['accuracy_shuffled_world_ci95'])}   (95% Wilson intervals)"
+        ),
+    ]
     if "unparsed" in summary:
-        lines.append(f"unparsed                {summary['unparsed']} (shuffled world {summary['unparsed_shuffled_world']})"
-                     "   (no readable letter: counted wrong)")
+        lines.append(
+            f"unparsed                {summary['unparsed']} (shuffled world {summary['unparsed_shuffled_world']})"
+            "   (no readable letter: counted wrong)"
+        )
     if "categories" in summary:
         width = max(8, *(len(c) for c in summary["categories"]))
         lines.append(f"{'category':<{width}}  {'n':>5}  {'accuracy':>8}  {'shuffled_world':>14}")
@@ -252,9 +301,12 @@ def format_report(summary: dict) -> str:
             lines.append(f"{c:<{width}}  {s['n']:>5}  {s['accuracy']:>8.4f}  {s['accuracy_shuffled_world']:>14.4f}")
     if summary.get("baselines"):
         width = max(8, *(len(b) for b in summary["baselines"]))
-        lines.append(f"{'baseline':<{width}}  {'accuracy':>8}  {'95% interval':>14}  {'model - it':>10}  "
-                     f"{'p (McNemar)':>11}")
+        lines.append(
+            f"{'baseline':<{width}}  {'accuracy':>8}  {'95% interval':>14}  {'model - it':>10}  {'p (McNemar)':>11}"
+        )
         for b, s in summary["baselines"].items():
-            lines.append(f"{b:<{width}}  {s['accuracy']:>8.4f}  {ci(s['accuracy_ci95']):>14}  "
-                         f"{s['difference']:>+10.4f}  {s['p_value']:>11.4g}")
+            lines.append(
+                f"{b:<{width}}  {s['accuracy']:>8.4f}  {ci(s['accuracy_ci95']):>14}  "
+                f"{s['difference']:>+10.4f}  {s['p_value']:>11.4g}"
+            )
     return "\n".join(lines)

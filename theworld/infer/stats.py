@@ -1,4 +1,5 @@
 """Intervals and paired tests for accuracies on a benchmark's items."""
+
 from __future__ import annotations
 
 import math
@@ -21,7 +22,7 @@ def mcnemar_exact(b: int, c: int) -> float:
     if n == 0:
         return 1.0
     tail = sum(math.comb(n, k) for k in range(min(b, c) + 1))
-    return min(1.0, 2 * tail / 2 ** n)
+    return min(1.0, 2 * tail / 2**n)
 
 
 def paired(model_right: list[bool], other_right: list[bool]) -> dict:
@@ -32,6 +33,12 @@ def paired(model_right: list[bool], other_right: list[bool]) -> dict:
     n, k = len(other_right), sum(other_right)
     only_model = sum(a and not b for a, b in zip(model_right, other_right))
     only_other = sum(b and not a for a, b in zip(model_right, other_right))
-    return {"n": n, "accuracy": k / n if n else 0.0, "accuracy_ci95": wilson(k, n),
-            "difference": (only_model - only_other) / n if n else 0.0, "p_value": mcnemar_exact(only_model, only_other),
-            "only_model_right": only_model, "only_baseline_right": only_other}
+    return {
+        "n": n,
+        "accuracy": k / n if n else 0.0,
+        "accuracy_ci95": wilson(k, n),
+        "difference": (only_model - only_other) / n if n else 0.0,
+        "p_value": mcnemar_exact(only_model, only_other),
+        "only_model_right": only_model,
+        "only_baseline_right": only_other,
+    }
