@@ -133,6 +133,9 @@ def test_python_m_lmms_eval_runs_the_adapter_and_agrees_with_theworld(trained_ru
     docs = [json.loads(x) for x in (tmp_path / "items.jsonl").read_text().splitlines()]
     answers, accuracy = _reference_generate(model, docs)
     assert got["theworld_local_generate"]["accuracy,none"] == pytest.approx(accuracy)
+    # and theworld.evaluate's generate protocol (same prompt, greedy, 16 new tokens, same letter rule) on the items
+    protocol = evaluate(model, processor, model.image_config, items, protocol="generate")
+    assert accuracy == pytest.approx(sum(r["pred"] == r["answer"] for r in protocol) / len(protocol))
     (samples,) = (tmp_path / "out").rglob("*_samples_theworld_local_generate.jsonl")
     logged = {s["doc_id"]: _text(s["filtered_resps"]) for s in map(json.loads, samples.read_text().splitlines())}
     assert [logged[k] for k in range(len(docs))] == answers

@@ -1,11 +1,11 @@
 """A local lmms-eval task over a JSONL multiple-choice file (`image`: absolute path, `question`, `choices`, `answer`:
 index), asked as a lettered prompt (generate) or scored choice by choice (loglikelihood). Used by
-tests/test_lmms_adapter.py; the same prompt and letter rule are used for the reference there."""
-
-import re
-import string
+tests/test_lmms_adapter.py. The prompt and the letter rule are theworld.evaluate's generate protocol
+(theworld/infer/letters.py, lmms-eval's BLINK rule), so the two accuracies are comparable item for item."""
 
 from PIL import Image
+
+from theworld.infer import letters
 
 
 def doc_to_visual(doc):
@@ -13,8 +13,7 @@ def doc_to_visual(doc):
 
 
 def doc_to_text(doc):
-    lines = [doc["question"]] + [f"({k}) {c}" for k, c in zip(string.ascii_uppercase, doc["choices"])]
-    return "\n".join(lines + ["Answer with the option's letter from the given choices directly."])
+    return letters.mc_prompt(doc["question"], doc["choices"])
 
 
 def doc_to_question(doc):
@@ -26,8 +25,7 @@ def doc_to_choice(doc):
 
 
 def read_letter(text, n):
-    m = re.search(rf"\b([{string.ascii_uppercase[:n]}])\b", text)
-    return None if m is None else ord(m.group(1)) - ord("A")
+    return letters.read_letter(text, n)
 
 
 def process_results(doc, results):
