@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,12 +107,13 @@ def _short(text: str) -> str:
     return repr(text if len(text) <= 40 else text[:40] + "...")
 
 
-def read_jsonl(path: Path) -> list[Item]:
+def jsonl_records(path: Path) -> Iterator[tuple[str, dict]]:
+    """(`path:line`, object) for each non-blank line of a UTF-8 JSONL file; a line that is not a JSON object is one
+    error naming it."""
     try:
         text = path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"{path}: not a readable UTF-8 JSONL file ({type(e).__name__}: {e})") from None
-    items = []
     for n, line in enumerate(text.split("\n"), 1):  # JSONL lines end at \n only: a raw U+2028 is inside a string
         if not line.strip():
             continue
@@ -124,6 +126,12 @@ def read_jsonl(path: Path) -> list[Item]:
             raise UserError(f"{name}: malformed line, JSON nested too deeply") from None
         if not isinstance(rec, dict):
             raise UserError(f"{name}: malformed line, not a JSON object")
+        yield name, rec
+
+
+def read_jsonl(path: Path) -> list[Item]:
+    items = []
+    for name, rec in jsonl_records(path):
         _check_keys(rec, name)
         question, choices = _check_text(rec, name)
         paths = rec.get("image")

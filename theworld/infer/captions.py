@@ -13,14 +13,13 @@ held-out split: the samples the trainer holds out for its eval (theworld/cache_f
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from theworld import images as imagelib
 from theworld.errors import UserError
-from theworld.infer.benchmarks import _bad
+from theworld.infer.benchmarks import _bad, jsonl_records
 from theworld.text import DEFAULT_PROMPT
 
 KEYS = ("image", "captions")
@@ -35,9 +34,7 @@ class Item:
     prompt: str | None = None  # the item's own prompt (a cache sample's); None: the one the run trained with
 
 
-def _item(rec, name: str, root: Path) -> Item:
-    if not isinstance(rec, dict):
-        raise UserError(f"{name}: malformed line, not a JSON object")
+def _item(rec: dict, name: str, root: Path) -> Item:
     unknown = [k for k in rec if k not in KEYS]
     if unknown:
         raise UserError(f"{name}: unknown key {unknown[0]!r} (a caption item has image and captions)")
@@ -61,19 +58,7 @@ def read(path: str | Path) -> list[Item]:
     p = Path(path)
     if problem := imagelib.path_problem(p):  # never opened: a FIFO would block
         raise UserError(f"{p}: {problem.replace('not an image file', 'not a data file')}")
-    try:
-        text = p.read_text(encoding="utf-8-sig")
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"{p}: not a readable UTF-8 JSONL file ({type(e).__name__}: {e})") from None
-    items = []
-    for n, line in enumerate(text.split("\n"), 1):  # JSONL lines end at \n only: a raw U+2028 is inside a string
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except (ValueError, RecursionError) as e:
-            raise UserError(f"{p}:{n}: malformed line, not JSON ({type(e).__name__})") from None
-        items.append(_item(rec, f"{p}:{n}", p.parent))
+    items = [_item(rec, name, p.parent) for name, rec in jsonl_records(p)]
     if not items:
         raise UserError(f"{p}: no items")
     return items
