@@ -14,6 +14,7 @@ import torch
 from theworld.infer.generate import Sampler, decode, left_align, stop_ids
 from theworld.text import IGNORE, Encoded, collate_text
 from train.batches import PARTNER, WORLD_KEYS, Collate
+from train.sharding import root_gathered
 
 if TYPE_CHECKING:
     from train.components import Components
@@ -35,6 +36,11 @@ class CaptionSamples:
     """The first `n` held-out samples (the split is fixed by key hash, so the same ones at every eval and resume)."""
 
     def __init__(self, cfg, ctx: DataContext, n: int):
+        self.cfg, self.ctx, self.n = cfg, ctx, n
+        self.groups: list[Group] | None = None  # read at the first eval, after the run's start lines are out
+
+    def _read(self) -> None:
+        cfg, ctx, n = self.cfg, self.ctx, self.n
         dataset = ctx.dataset(cfg, ctx.eval_indices, 0, flip=False, partner=True)
         n = min(n, len(dataset))
         items = [dataset[i] for i in range(n)]
@@ -50,30 +56,30 @@ class CaptionSamples:
             prompt = collate_text([Encoded(ids, [IGNORE] * len(ids)) for ids in prompts], ctx.formatter.pad_id)
             self.groups.append(Group(pos, Collate(ctx.formatter)([items[i] for i in pos]), prompt))
 
-    def __len__(self) -> int:
-        return len(self.captions)
-
     @torch.no_grad()
     def run(self, components: Components) -> list[dict]:
         """One row per sample: caption, own_world, shuffled_world (greedy). Every process runs it (under FSDP each
         forward is a collective); the main process logs it."""
+        if self.groups is None:
+            self._read()
         model, acc = components.raw, components.accelerator
         rows: list[dict] = [{} for _ in self.captions]
         was_training, mode = model.training, model.latent_mode
         model.eval()
         model.latent_mode = "mean"
         try:
-            for g in self.groups:
-                tensors = g.batch.to(acc.device)
-                inputs = {
-                    k: v
-                    for k, v in tensors.items()
-                    if k not in TEXT_KEYS and k != "paired" and not k.startswith(PARTNER)
-                }
-                shuffled = {**inputs, **{k: tensors[PARTNER + k] for k in WORLD_KEYS if PARTNER + k in tensors}}
-                for name, world in (("own_world", inputs), ("shuffled_world", shuffled)):
-                    for i, text in zip(g.positions, self._generate(model, acc, g.prompt, world)):
-                        rows[i][name] = text
+            with root_gathered(model):  # generation calls the model's parts, not its forward
+                for g in self.groups:
+                    tensors = g.batch.to(acc.device)
+                    inputs = {
+                        k: v
+                        for k, v in tensors.items()
+                        if k not in TEXT_KEYS and k != "paired" and not k.startswith(PARTNER)
+                    }
+                    shuffled = {**inputs, **{k: tensors[PARTNER + k] for k in WORLD_KEYS if PARTNER + k in tensors}}
+                    for name, world in (("own_world", inputs), ("shuffled_world", shuffled)):
+                        for i, text in zip(g.positions, self._generate(model, acc, g.prompt, world)):
+                            rows[i][name] = text
         finally:
             model.latent_mode = mode
             model.train(was_training)

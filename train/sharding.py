@@ -10,7 +10,9 @@ in bf16 from fp32 master weights and reduce gradients in fp32. With one process 
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -123,6 +125,23 @@ def _group_of_one(backend: str) -> None:
 
     if not dist.is_initialized():
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+@contextlib.contextmanager
+def root_gathered(model: nn.Module) -> Iterator[None]:
+    """FSDP2 gathers the root's own parameters (embeddings, lm_head, the VAE's convolutions outside its encoder, the
+    projector) in the root's `forward`; code that calls the model's parts directly (generation at eval) gathers them
+    for its block with this, and they are resharded after. No-op for a model that is not sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
 
 
 def is_sharded(t: torch.Tensor) -> bool:
