@@ -26,7 +26,7 @@ import numpy as np
 import yaml
 
 from theworld.arch import LORA_MODULES, VAE_FACTOR
-from theworld.errors import UserError
+from theworld.errors import UserError, one_line
 
 T = TypeVar("T")
 
@@ -39,12 +39,6 @@ def shown(value: Any) -> str:
     """`repr(value)` cut to a line, with an ellipsis where it was cut (a value may be megabytes of text or a
     deeply nested list), so an error line stays one readable line."""
     return _SHOWN.repr(value)
-
-
-def one_line(text: str, limit: int = 4 * LINE) -> str:
-    """An error message as one line of bounded length (the end cut, with an ellipsis)."""
-    text = " ".join(text.split("\n"))
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass
@@ -379,11 +373,11 @@ def from_dict(cls: type[T], data: dict) -> T:
     try:
         return _build(cls, data)
     except TypeError as e:  # a required field missing, etc.
-        raise UserError(one_line(f"config: {e}")) from None
+        raise UserError(one_line(f"config: {e}", 4 * LINE)) from None
     except RecursionError:
         raise UserError("config: a value is nested too deeply to be a config value") from None
     except UserError as e:  # a check that echoed a huge value (a megabyte string, a long list) still gives one line
-        raise type(e)(one_line(str(e))) from None
+        raise type(e)(one_line(str(e), 4 * LINE)) from None
 
 
 CONFIGS_DIR = "configs"  # where the shipped configs live, under the repository root

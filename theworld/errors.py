@@ -53,9 +53,11 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 _BREAKS = re.compile(r"\s*[\r\n]+\s*")
 
 
-def one_line(text: object) -> str:
-    """A library's exception text (pyarrow's, a parser's: often several lines) as one line of an error message."""
-    return _BREAKS.sub(" / ", str(text).strip())
+def one_line(text: object, limit: int | None = None) -> str:
+    """A library's exception text (pyarrow's, a parser's: often several lines) as one line of an error message;
+    with `limit`, at most that many characters (the end cut, with an ellipsis)."""
+    line = _BREAKS.sub(" / ", str(text).strip())
+    return line if limit is None or len(line) <= limit else line[: limit - 3] + "..."
 
 
 def cli_entry(main: Callable[[list[str] | None], int | None]) -> Callable[[list[str] | None], int]:
