@@ -142,7 +142,6 @@ def bench_case(case: str, work: Path, n: int, workers: int = 0) -> dict:
             mean=mean[i],
             logvar=logvar[i],
             image=it.get("image"),
-            image_ext=it.get("image_ext"),
         )
         for i, (e, it) in enumerate(zip(entries, items))
     ]
@@ -214,7 +213,6 @@ def bench_real_size_format(work: Path, n: int = 32) -> dict:
                         mean=torch.randn(16, 1, 64, 64, generator=g),
                         logvar=torch.randn(16, 1, 64, 64, generator=g),
                         image=jpeg if keep_image else None,
-                        image_ext="jpg" if keep_image else None,
                     ),
                     "bfloat16",
                 ),

@@ -112,12 +112,7 @@ def _samples(batch: dict, gemma, device) -> list[cf.Sample]:
     """Samples for the batch's good items, in order, without latents (BucketBatcher adds them); SigLIP features are
     computed here, a loader batch at a time (their input has one shape)."""
     good = [b for b in batch["items"] if b["error"] is None]
-    out = [
-        cf.Sample(
-            key=b["key"], caption=b["caption"], meta=b["meta"], image=b.get("image"), image_ext=b.get("image_ext")
-        )
-        for b in good
-    ]
+    out = [cf.Sample(key=b["key"], caption=b["caption"], meta=b["meta"], image=b.get("image")) for b in good]
     if gemma is not None and good:
         pv = batch["pixel_values"].to(device, gemma.dtype, non_blocking=True)
         feats = gemma.model.get_image_features(pixel_values=pv).pooler_output.float().cpu()

@@ -55,14 +55,13 @@ class EntryDataset(Dataset):
         out = {"pixels": pixels, "caption": caption, "meta": meta}
         if self.cfg.cache.images or self.image_processor is not None:
             img = None
-            ext = cf.image_bytes_hint(data)
-            if ext is None:  # bmp/tiff/gif...: keep what the VAE saw, full size, as PNG (same pixels on live decode)
-                img = images.decode(data)
+            if cf.image_bytes_hint(data) is None:  # bmp/tiff/gif...: keep what the VAE saw, full size, as PNG
+                img = images.decode(data)  # (the same pixels on a live decode)
                 buf = io.BytesIO()
                 img.save(buf, format="PNG")
-                data, ext = buf.getvalue(), "png"
+                data = buf.getvalue()
             if self.cfg.cache.images:
-                out["image"], out["image_ext"] = data, ext
+                out["image"] = data
             if self.image_processor is not None:  # SigLIP sees the whole upright picture, as Gemma's processor does
                 img = img or images.decode(data)
                 out["pixel_values"] = images.siglip_pixels(self.image_processor, img)

@@ -166,6 +166,7 @@ def _read_tar(path: Path, spans: dict | None = None) -> tuple[dict[str, dict[str
             for m in tf:
                 if m.isfile():
                     key, member = cf.split_member(m.name)
+                    member = cf.migrations.member(member)  # an older cache's names read as this version's
                     samples.setdefault(key, {})[member] = tf.extractfile(m).read()
                     if spans is not None:
                         spans.setdefault(key, {})[member] = [m.offset_data, m.size]
@@ -174,10 +175,10 @@ def _read_tar(path: Path, spans: dict | None = None) -> tuple[dict[str, dict[str
     return samples, None
 
 
-def _check_sidecar(side: dict, samples: dict[str, dict[str, bytes]], spans: dict) -> list[str]:
+def _check_sidecar(side: dict, manifest: dict, samples: dict[str, dict[str, bytes]], spans: dict) -> list[str]:
     """The sidecar's keys, member offsets and crc32s against what the tar holds."""
     try:
-        entries = {e["key"]: e for e in side["samples"]}
+        entries = {e["key"]: e for e in cf.migrations.sidecar(side, manifest)["samples"]}
         if list(entries) != list(samples):
             return [f"sidecar lists {len(entries)} keys, the tar holds {len(samples)}, or not in the same order"]
         problems = []
@@ -224,7 +225,7 @@ def verify(cache: Path, args) -> tuple[dict, int, str]:
         if broken:
             problems.append(broken)
         elif side is not None:
-            problems += _check_sidecar(side, samples, spans)
+            problems += _check_sidecar(side, manifest, samples, spans)
         if len(samples) != entry["num_samples"]:
             problems.append(f"{len(samples)} samples, manifest says {entry['num_samples']}")
         for key, members in samples.items():

@@ -22,7 +22,6 @@ def _samples(n: int, long_key: bool = False):
             mean=torch.randn(16, 1, 4, 4, generator=g),
             logvar=torch.randn(16, 1, 4, 4, generator=g),
             image=b"\x89PNG\r\n\x1a\n" + bytes(range(i % 7 + 1)),
-            image_ext="png",
         )
         out.append((key, cf.encode_sample(s, "float32")))
     return out
@@ -169,3 +168,39 @@ def test_the_config_fingerprint_is_the_full_one_cut_to_the_config_values(resize,
         cf.check_fingerprint(full, cheap, tmp_path)
     cfg = load_config(PrecomputeConfig, None, cf.fingerprint_overrides(full))
     assert cf.fingerprint_for(cfg.model, cfg.image, siglip=cfg.cache.siglip) == cheap
+
+
+def test_datasets_webdataset_loads_a_cache_of_mixed_image_formats(tmp_path, fake_vae):
+    """Hugging Face `datasets` infers one schema from a cache's first samples and refuses samples whose member names
+    differ: every sample keeps its original image bytes under the one member `image`, whatever the format."""
+    import datasets
+    from _precompute_helpers import make_cfg
+    from PIL import Image
+
+    from precompute import cosmos_latents
+
+    src = tmp_path / "src"
+    src.mkdir()
+    sizes, lines = {}, []
+    for i, fmt in enumerate(["jpg", "png", "webp", "bmp", "png", "jpg", "webp"]):
+        name = f"im{i}.{fmt}"
+        Image.new("RGB", (40 + 4 * i, 36), (30 * i, 90, 200)).save(src / name)
+        sizes[cf.safe_key(name)] = (40 + 4 * i, 36)
+        lines.append(f'{{"image": "{name}", "caption": "picture {i}"}}')
+    (src / "captions.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "c"
+    cosmos_latents.run(make_cfg(out, "source.type=folder", f"source.path={src}", "cache.flip=true", shard=3))
+    tars = [str(out / s["path"]) for s in cf.load_manifest(out)["shards"]]
+    ds = datasets.load_dataset("webdataset", data_files={"train": tars}, split="train", cache_dir=str(tmp_path / "hf"))
+    reader = cf.CacheReader(out)
+    assert ds.num_rows == len(reader) == 7
+    assert set(ds.column_names) == {"__key__", "__url__", "image", "json", "latent.safetensors",
+                                    "latent_flip.safetensors", "txt"}  # fmt: skip
+    for i, row in enumerate(ds):
+        s = reader.sample(i)
+        assert row["__key__"] == s.key and row["txt"] == s.caption and row["json"]["crop_box"] == s.meta["crop_box"]
+        assert row["image"] == s.image  # the original file's bytes (bmp: kept as PNG)
+        assert torch.equal(cf.st_load(row["latent.safetensors"])["mean"], s.mean)
+    decoded = ds.cast_column("image", datasets.Image())
+    assert [img.size for img in decoded["image"]] == [sizes[k] for k in ds["__key__"]]
+    assert [cf.image_bytes_hint(b) for b in ds["image"]] == ["jpg", "png", "webp", "png", "png", "jpg", "webp"]

@@ -1,16 +1,20 @@
-"""Caches of format_version 1 read as the current version (theworld/cache_format/migrations.py); a version this code
-does not know is one line naming it."""
+"""Caches of format_versions 1 and 2 read as the current version (theworld/cache_format/migrations.py); a version
+this code does not know is one line naming it."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import tarfile
+from pathlib import Path
 
 import pytest
 import torch
 
+from precompute import inspect
 from theworld import cache_format as cf
 from theworld.cache_format import migrations
-from theworld.errors import UserError
+from theworld.errors import CacheDamaged, UserError
 
 
 def _cache(tmp_path, n: int = 6):
@@ -62,16 +66,16 @@ def _as_version_1(cache) -> None:
 
 def test_the_writer_writes_the_current_version(tmp_path):
     _cache(tmp_path)
-    assert cf.FORMAT_VERSION == 2 and cf.read_sidecar(tmp_path, 0)["format_version"] == 2
+    assert cf.FORMAT_VERSION == 3 and cf.read_sidecar(tmp_path, 0)["format_version"] == 3
     m = cf.load_manifest(tmp_path)
-    assert m["format_version"] == 2 and "written_as" not in m
+    assert m["format_version"] == 3 and "written_as" not in m
 
 
 def test_a_version_1_cache_reads_as_the_current_one(tmp_path):
     samples = _cache(tmp_path)
     _as_version_1(tmp_path)
     m = cf.load_manifest(tmp_path)
-    assert (m["format_version"], m["written_as"], m["fingerprint"]["format_version"]) == (2, 1, 2)
+    assert (m["format_version"], m["written_as"], m["fingerprint"]["format_version"]) == (3, 1, 3)
     assert cf.latents_stored(m) == "posterior"
     reader = cf.CacheReader(tmp_path)
     assert reader.latent_hw.tolist() == [[4, 4]] * 6 and not reader.checksummed
@@ -91,13 +95,13 @@ def test_a_version_1_cache_without_a_common_shape_names_what_it_lacks(tmp_path):
         cf.CacheReader(tmp_path)
 
 
-@pytest.mark.parametrize("version", [0, 3, "2", None])
+@pytest.mark.parametrize("version", [0, 4, "2", None])
 def test_an_unknown_version_is_refused_naming_it(tmp_path, version):
     _cache(tmp_path)
     m = json.loads((tmp_path / cf.MANIFEST).read_text())
     m["format_version"] = version
     cf.atomic_write_json(tmp_path / cf.MANIFEST, m)
-    with pytest.raises(UserError, match=f"format_version {version!r}, this code reads 1 and 2"):
+    with pytest.raises(UserError, match=f"format_version {version!r}, this code reads 1, 2 and 3"):
         cf.load_manifest(tmp_path)
 
 
@@ -107,4 +111,56 @@ def test_only_current_shards_count_as_done_for_precompute(tmp_path):
     assert cf.shard_is_done(tmp_path, 0)
     _as_version_1(tmp_path)
     assert not cf.shard_is_done(tmp_path, 0)
-    assert migrations.READABLE == (1, 2)
+    assert migrations.READABLE == (1, 2, 3)
+
+
+# A cache written by the format-2 code (commit 05a2319): `python -m precompute.cosmos_latents --config
+# configs/precompute.yaml --set source.type=folder --set source.path=SRC --set source.num_samples=null --set
+# shard_size=3 --set image.resolution=32 --set cache.siglip=false --set model.dtype=float32 --set cache.dtype=float32`
+# over six images im0..im5 saved as jpg, png, webp in turn; its image members are named jpg / png / webp.
+FORMAT_2 = Path(__file__).parent / "data" / "cache_v2"
+
+
+def _tar_members(cache: Path) -> dict[str, dict[str, bytes]]:
+    out: dict[str, dict[str, bytes]] = {}
+    for tar in sorted((cache / "shards").glob("*.tar")):
+        with tarfile.open(tar) as tf:
+            for m in tf:
+                key, member = cf.split_member(m.name)
+                out.setdefault(key, {})[member] = tf.extractfile(m).read()
+    return out
+
+
+def test_a_format_2_cache_reads_with_one_image_member(tmp_path):
+    cache = shutil.copytree(FORMAT_2, tmp_path / "c")
+    stored = _tar_members(cache)
+    assert {k: sorted(set(v) & {"jpg", "png", "webp"}) for k, v in stored.items()} == {
+        f"im{i}_{ext}": [ext] for i, ext in enumerate(["jpg", "png", "webp"] * 2)
+    }
+    m = cf.load_manifest(cache)
+    assert (m["format_version"], m["written_as"]) == (3, 2)
+    reader = cf.CacheReader(cache)
+    assert sorted(reader.member_names()) == sorted([cf.CAPTION, cf.META, cf.LATENT, cf.IMAGE]) and reader.checksummed
+    for i in range(len(reader)):
+        key = reader.key(i)
+        ext = key.rsplit("_", 1)[1]
+        s = reader.sample(i)
+        assert s.image == stored[key][ext] and cf.image_bytes_hint(s.image) == ext
+        assert reader.raw(i)[cf.LATENT] == stored[key][cf.LATENT]
+    # only the image when asked for it (a live-encoding run's reader), checked against its crc32
+    images_only = cf.CacheReader(cache, members=(cf.IMAGE,))
+    assert set(images_only.raw(4)) == {cf.CAPTION, cf.META, cf.IMAGE}
+    assert inspect.main(["verify", str(cache)]) == 0
+
+
+def test_a_format_2_cache_with_a_changed_image_fails_verify_naming_the_member(tmp_path, capsys):
+    cache = shutil.copytree(FORMAT_2, tmp_path / "c")
+    offset, _ = cf.read_sidecar(cache, 0)["samples"][1]["members"]["png"]
+    tar = cf.tar_path(cache, 0)
+    data = bytearray(tar.read_bytes())
+    data[offset + 20] ^= 0xFF
+    tar.write_bytes(bytes(data))
+    assert inspect.main(["verify", str(cache)]) == 1
+    assert "im1_png: image fails its crc32 check" in capsys.readouterr().out
+    with pytest.raises(CacheDamaged, match="member image fails its crc32 check"):
+        cf.CacheReader(cache).raw(1)

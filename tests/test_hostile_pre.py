@@ -309,7 +309,7 @@ def test_a_datasets_save_to_disk_folder_is_a_parquet_source(tmp_path, capsys, fa
     samples = read_cache_plain(out)
     assert list(samples) == rows["uid"]
     assert [s["txt"].decode() for s in samples.values()] == rows["caption"]
-    assert [s["png"] for s in samples.values()] == [r["bytes"] for r in rows["image"]]
+    assert [s["image"] for s in samples.values()] == [r["bytes"] for r in rows["image"]]
     datasets.DatasetDict({"train": ds, "validation": ds}).save_to_disk(str(tmp_path / "dd"))
     assert cosmos_latents.main(cli_args(tmp_path / "c2", "source.type=parquet", f"source.path={tmp_path / 'dd'}")) == 2
     assert (

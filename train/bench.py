@@ -234,9 +234,7 @@ def bench_case(
         step_s, fed_s = _mean(round_staged), _mean(round_fed)
         ratios = [f / s for f, s in zip(round_fed, round_staged)]
         # live path, same model and samples: frozen VAE and SigLIP run inside every step
-        live_plan = data.InputSources(
-            cached_latents=False, cached_siglip=False, flip=False, members=tuple(sorted(cf.IMAGE_EXTS))
-        )
+        live_plan = data.InputSources(cached_latents=False, cached_siglip=False, flip=False, members=(cf.IMAGE,))
         live_reader = cf.CacheReader(cfg.cache_dir, members=live_plan.members)
         live_ctx = data.DataContext(
             live_reader, live_plan, ctx.formatter, ctx.image_processor, ctx.train_indices, ctx.eval_indices, ctx.buckets

@@ -47,7 +47,7 @@ class InputSources:
 def input_sources(cfg, reader: cf.CacheReader) -> InputSources:
     """Decide cached vs live inputs from the freeze flags and what the cache holds; refuse impossible combinations."""
     present = set(reader.member_names())
-    has_image = any(ext in present for ext in cf.IMAGE_EXTS)
+    has_image = cf.IMAGE in present
     cached_latents = cfg.freeze.vae
     cached_siglip = not trains(cfg.freeze, cfg.lora, "vision") and cfg.train.cached_siglip and cf.SIGLIP in present
     flip = cfg.train.flip
@@ -79,7 +79,7 @@ def input_sources(cfg, reader: cf.CacheReader) -> InputSources:
             raise UserError(
                 f"cache {reader.cache_dir} keeps no images, which {what} needs (build it with cache.images: true)"
             )
-        wanted.update(cf.IMAGE_EXTS)
+        wanted.add(cf.IMAGE)
     return InputSources(cached_latents, cached_siglip, flip, tuple(sorted(wanted)))
 
 

@@ -8,8 +8,9 @@
     <cache_dir>/precompute.json          what the cache is being built from: a rerun must match it
     <cache_dir>/source-index/            the webdataset source's per-tar header listings, kept for reruns
 
-`layout` holds the names, paths and the manifest; `writer` the shard writer; `reader` `CacheReader`; `fingerprint`
-what a cache was built with and the check against it; `migrations` the format versions and how older ones read.
+`names` holds what everything is called; `layout` the paths and the manifest; `writer` the shard writer; `reader`
+`CacheReader`; `fingerprint` what a cache was built with and the check against it; `migrations` the format versions
+and how older ones read.
 Callers use the package: `from theworld import cache_format as cf; cf.CacheReader(...)`.
 
 docs/cache-format.md describes the same for readers without this code; keep the two in step.
@@ -24,20 +25,7 @@ from theworld.cache_format.fingerprint import (
     fingerprint_overrides,
 )
 from theworld.cache_format.layout import (
-    CAPTION,
-    ERRORS,
-    ERRORS_DIR,
-    IMAGE_EXTS,
-    INDEX_DIR,
-    LATENT,
-    LATENT_FLIP,
-    MANIFEST,
-    META,
     REBUILD_MANIFEST,
-    RUN_FILE,
-    SHARDS,
-    SIGLIP,
-    TURNS,
     Sample,
     atomic_write_bytes,
     atomic_write_json,
@@ -61,6 +49,21 @@ from theworld.cache_format.layout import (
     write_manifest,
 )
 from theworld.cache_format.migrations import CHECKSUMS, FORMAT_VERSION
+from theworld.cache_format.names import (
+    CAPTION,
+    ERRORS,
+    ERRORS_DIR,
+    IMAGE,
+    INDEX_DIR,
+    LATENT,
+    LATENT_FLIP,
+    MANIFEST,
+    META,
+    RUN_FILE,
+    SHARDS,
+    SIGLIP,
+    TURNS,
+)
 from theworld.cache_format.reader import CacheReader, decode_sample, load_stacked
 from theworld.cache_format.writer import encode_sample, latent_blob, latent_shape_of, write_shard
 from theworld.encoders import DTYPES  # the cache dtypes: `cache.dtype` names a key of it

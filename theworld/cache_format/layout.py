@@ -1,5 +1,5 @@
-"""Where everything of a cache lives and what it is called: member and file names, shard paths, atomic writes, the
-manifest (write, load, the checks every reader relies on), sidecars, the errors listing and the repair hints."""
+"""Where everything of a cache lives (the names are in names.py): shard paths, atomic writes, the manifest (write,
+load, the checks every reader relies on), sidecars, the errors listing and the repair hints."""
 
 from __future__ import annotations
 
@@ -15,23 +15,15 @@ import torch
 
 from theworld.cache_format import migrations
 from theworld.cache_format.migrations import FORMAT_VERSION
+from theworld.cache_format.names import (
+    ERRORS,
+    ERRORS_DIR,
+    MANIFEST,
+    RUN_FILE,
+    SHARDS,
+    TURNS,
+)
 from theworld.errors import CacheDamaged, UserError
-
-MANIFEST = "manifest.json"
-SHARDS = "shards"
-ERRORS = "errors.jsonl"
-ERRORS_DIR = "errors"
-RUN_FILE = "precompute.json"
-INDEX_DIR = "source-index"
-# Member names inside a sample (webdataset: "<key>.<member>").
-LATENT = "latent.safetensors"  # tensors "mean", "logvar" (only "mean" with cache.latents: mean): (16, 1, h, w)
-LATENT_FLIP = "latent_flip.safetensors"  # the same for the horizontally flipped image
-SIGLIP = "siglip.safetensors"  # tensor "features": (mm_tokens, H), the multimodal projector's output
-CAPTION = "txt"
-META = "json"  # prompt, source, original_size, crop_box, flip; TURNS for a conversation
-TURNS = "turns"  # META field of a multi-turn sample: the turns after the first, [[user, model], ...] (the first is
-# prompt + caption, so single-turn readers and caches are unchanged)
-IMAGE_EXTS = ("jpg", "png", "webp")
 
 
 def shard_stem(index: int) -> str:
@@ -82,8 +74,7 @@ class Sample:
     flip_mean: torch.Tensor | None = None
     flip_logvar: torch.Tensor | None = None
     siglip: torch.Tensor | None = None
-    image: bytes | None = None
-    image_ext: str | None = None
+    image: bytes | None = None  # the original file's bytes (IMAGE)
 
     @property
     def prompt(self) -> str:

@@ -1,11 +1,13 @@
 """Caches of an older format_version, read as the current one: every "written before ..." rule of the cache format
-lives here, applied as the manifest and the sidecars are loaded, so the reader sees one layout.
+lives here, applied as the manifest and the sidecars are loaded (and, by `member`, to names read from a tar), so the
+reader sees one layout.
 
-- 2 (what this code writes): every sample's sidecar entry has its `latent_shape` (where it holds latents) and a
-  `crc32` for every member, and the manifest's `contents.latents` says which latents are stored.
-- 1: any of those may be missing (caches written before they existed): a sample without a `latent_shape` has the
-  manifest's common `latent_shape`, one without `crc32` is read unchecked (`CacheReader.checksummed` is then False
-  and training prints a note), a manifest without `contents.latents` holds the posterior (mean and logvar).
+- 3 (what this code writes): every sample's original image is the member IMAGE, whatever its format.
+- 2: the image member was named by its format (`jpg`, `png` or `webp`), so one cache could hold samples with different
+  member names (which `datasets`' webdataset builder refuses); read as IMAGE.
+- 1: besides, any of these may be missing (caches written before they existed): a sample's `latent_shape` (then it
+  has the manifest's common `latent_shape`), its `crc32` (read unchecked: `CacheReader.checksummed` is then False and
+  training prints a note), the manifest's `contents.latents` (then it holds the posterior: mean and logvar).
 
 Precompute resumes and extends only caches of the current version: rerunning it on an older cache's output_dir is
 refused naming `fingerprint.format_version` (build into another output_dir).
@@ -15,18 +17,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from theworld.cache_format.names import IMAGE
 from theworld.errors import UserError
 
-FORMAT_VERSION = 2
-READABLE = (1, 2)
+FORMAT_VERSION = 3
+READABLE = (1, 2, 3)
 CHECKSUMS = "crc32"  # a sidecar sample's field {member: zlib.crc32 of its bytes}
+FORMAT_NAMED_IMAGES = ("jpg", "png", "webp")  # versions 1-2: the image member, named by the image's format
 
 
 def check_version(m: dict, cache_dir: Path | str) -> int:
     version = m.get("format_version")
     if version not in READABLE:
         raise UserError(
-            f"cache {cache_dir} has format_version {version!r}, this code reads {' and '.join(map(str, READABLE))}"
+            f"cache {cache_dir} has format_version {version!r}, this code reads "
+            f"{', '.join(map(str, READABLE[:-1]))} and {READABLE[-1]}"
         )
     return version
 
@@ -46,6 +51,11 @@ def manifest(m: dict, cache_dir: Path | str) -> dict:
     return m
 
 
+def member(name: str) -> str:
+    """A sample's member name as FORMAT_VERSION calls it."""
+    return IMAGE if name in FORMAT_NAMED_IMAGES else name
+
+
 def sidecar(side: dict, m: dict) -> dict:
     """A shard's sidecar read as FORMAT_VERSION (in place), given its cache's migrated manifest `m`. Filled by what is
     missing rather than by its version field, which version-1 caches carried through every addition."""
@@ -54,4 +64,7 @@ def sidecar(side: dict, m: dict) -> dict:
         if square is not None:
             s.setdefault("latent_shape", square)
         s.setdefault(CHECKSUMS, {})
+        for field in ("members", CHECKSUMS):
+            if isinstance(s[field], dict) and any(name in FORMAT_NAMED_IMAGES for name in s[field]):
+                s[field] = {member(name): value for name, value in s[field].items()}
     return side

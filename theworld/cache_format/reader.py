@@ -17,15 +17,7 @@ from safetensors.torch import load as st_load
 
 from theworld.cache_format import migrations
 from theworld.cache_format.layout import (
-    CAPTION,
-    IMAGE_EXTS,
-    LATENT,
-    LATENT_FLIP,
-    MANIFEST,
-    META,
     REBUILD_MANIFEST,
-    SHARDS,
-    SIGLIP,
     Sample,
     load_manifest,
     read_sidecar,
@@ -35,6 +27,7 @@ from theworld.cache_format.layout import (
     tar_path,
 )
 from theworld.cache_format.migrations import CHECKSUMS
+from theworld.cache_format.names import CAPTION, IMAGE, LATENT, LATENT_FLIP, MANIFEST, META, SHARDS, SIGLIP
 from theworld.errors import CacheDamaged, UserError
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -44,10 +37,7 @@ from theworld.errors import CacheDamaged, UserError
 def decode_sample(key: str, members: dict[str, bytes], tensors: bool = True) -> Sample:
     """{member name: bytes} -> Sample. Missing optional members stay None; so do the tensors with tensors=False
     (a batch's are decoded together by `load_stacked`)."""
-    s = Sample(key=key, caption=members[CAPTION].decode(), meta=json.loads(members[META]))
-    for ext in IMAGE_EXTS:
-        if ext in members:
-            s.image, s.image_ext = members[ext], ext
+    s = Sample(key=key, caption=members[CAPTION].decode(), meta=json.loads(members[META]), image=members.get(IMAGE))
     if not tensors:
         return s
     if LATENT in members:

@@ -15,13 +15,6 @@ import torch
 from safetensors.torch import save as st_save
 
 from theworld.cache_format.layout import (
-    CAPTION,
-    IMAGE_EXTS,
-    LATENT,
-    LATENT_FLIP,
-    META,
-    SIGLIP,
-    TURNS,
     Sample,
     atomic_write_json,
     member_name,
@@ -30,6 +23,7 @@ from theworld.cache_format.layout import (
     tar_path,
 )
 from theworld.cache_format.migrations import CHECKSUMS, FORMAT_VERSION
+from theworld.cache_format.names import CAPTION, IMAGE, LATENT, LATENT_FLIP, META, SIGLIP, TURNS
 from theworld.control_text import TEXT_RULE, find_control_string
 from theworld.encoders import DTYPES
 
@@ -44,9 +38,7 @@ def encode_sample(s: Sample, dtype: str) -> dict[str, bytes]:
     if s.siglip is not None:
         out[SIGLIP] = st_save({"features": s.siglip.to(dt).contiguous()})
     if s.image is not None:
-        if s.image_ext not in IMAGE_EXTS:
-            raise ValueError(f"image extension must be one of {IMAGE_EXTS}, got {s.image_ext!r}")
-        out[s.image_ext] = s.image
+        out[IMAGE] = s.image
     return out
 
 
