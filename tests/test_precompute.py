@@ -254,6 +254,18 @@ def test_webdataset_source(tmp_path, fake_vae):
     assert any(e["reason"].startswith("broken tar: truncated") for e in cf.read_errors(tmp_path / "d"))
 
 
+def test_a_cache_is_a_webdataset_source(tmp_path, fake_vae):
+    """A cache's shards feed another precompute run (another resolution, say): its `image` member is the image."""
+    cosmos_latents.run(make_cfg(tmp_path / "a", n=6, shard=3, res=32))
+    cosmos_latents.run(
+        make_cfg(tmp_path / "b", "source.type=webdataset", f"source.path={tmp_path}/a/shards/*.tar", res=48)
+    )
+    a, b = read_cache_plain(tmp_path / "a"), read_cache_plain(tmp_path / "b")
+    assert list(b) == list(a) and [s["image"] for s in b.values()] == [s["image"] for s in a.values()]
+    assert [s["txt"] for s in b.values()] == [s["txt"] for s in a.values()]
+    assert cf.load_manifest(tmp_path / "b")["latent_shape"] == [16, 1, 6, 6]
+
+
 def test_time_breakdown_names_a_slow_writer(tmp_path, fake_vae, monkeypatch):
     """The summary says where the main loop waited: a writer that takes 0.3 s a shard (a slow disk) shows up as the
     writer's time, not as encoding or decoding."""

@@ -34,7 +34,7 @@ from theworld import cache_format as cf
 from theworld.cache_format import safe_key
 from theworld.errors import UserError, one_line
 
-WDS_IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp")
+WDS_IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp", cf.IMAGE)  # the last: a cache of ours as a source
 INDEX_VERSION = 3  # bump when the per-tar listing's content changes, so old listings are rebuilt
 
 
@@ -146,7 +146,7 @@ def _tar_entries(path: str, listing: dict, default_prompt: str) -> list[Entry]:
         if pos in dups:
             e.error = duplicate_error(e.key, f"{name}:{key}")
         elif img is None:
-            e.error = "missing image (no jpg/png/webp member)"
+            e.error = f"missing image (no {'/'.join(WDS_IMAGE_MEMBERS)} member)"
         elif "txt" not in members:
             e.error = "missing caption (no txt member)"
         else:
