@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from theworld import images, run_lock
+from theworld import images, paths, run_lock
 from theworld.config import ImageConfig, ModelConfig, check_workers, load_config, require_path
 from theworld.errors import UserError
 from theworld.text import DEFAULT_PROMPT
@@ -110,8 +110,10 @@ def _check_path(key: str, path: str, folder: bool) -> None:
             f"config key '{key}': {path} is " + ("a file, not a folder" if folder else "a folder, not a file")
         )
     if not ok:
-        loop = " (a dangling symlink or a symlink loop)" if p.is_symlink() else ""
-        raise UserError(f"config key '{key}': {'folder' if folder else 'file'} not found: {path}{loop}")
+        what = paths.path_kind(p)
+        raise UserError(
+            f"config key '{key}': {'folder' if folder else 'file'} not found: {path}" + (f" ({what})" if what else "")
+        )
 
 
 def load(path: str | None, overrides: list[str] = ()) -> PrecomputeConfig:

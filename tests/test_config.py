@@ -286,9 +286,9 @@ def test_a_config_path_that_is_no_file_says_what_it_is_without_reading_it(tmp_pa
     dangling.symlink_to(tmp_path / "nowhere.yaml")
     for path, words in [
         (loop, "a symlink loop"),
-        (fifo, "a named pipe (FIFO)"),
+        (fifo, "a FIFO"),
         ("/dev/zero", "a character device"),
-        (dangling, "a broken symlink"),
+        (dangling, f"a dangling symlink to {tmp_path / 'nowhere.yaml'}"),
         (tmp_path, "a directory"),
     ]:
         assert main(["--config", str(path), "--print-config"]) == 2

@@ -108,11 +108,11 @@ def test_folder_walk_records_each_bad_entry_and_lists_the_rest(tmp_path, fake_va
     assert sorted(samples) == [f"img{i:03d}_png" for i in range(40)] + ["zz_a_png"]
     reasons = {e["source"]: e["reason"] for e in cf.read_errors(out)}
     assert reasons == {
-        "dead.png": "dangling symlink",
+        "dead.png": f"not a regular file (a dangling symlink to {src / 'gone.png'})",
         "fifo.jpg": "not a regular file (a FIFO)",
         "sock.png": "not a regular file (a socket)",
         "locked": "cannot list folder: Permission denied",
-        "loop.jpg": "cannot stat: Too many levels of symbolic links",
+        "loop.jpg": "not a regular file (a symlink loop)",
         "zz": "cannot list folder: Input/output error",
     }
     assert result["num_samples"] == 41 and result["num_errors"] == 6
@@ -885,7 +885,7 @@ def test_a_source_path_of_the_wrong_kind_is_named(tmp_path, capsys):
     for kind, path, words in [
         ("folder", tmp_path / "f.txt", "is a file, not a folder"),
         ("llava", tmp_path, "is a folder, not a file"),
-        ("folder", tmp_path / "loop1", "folder not found: " + str(tmp_path / "loop1") + " (a dangling"),
+        ("folder", tmp_path / "loop1", f"folder not found: {tmp_path / 'loop1'} (a symlink loop)"),
         ("folder", tmp_path / ("x" * 5000), "(File name too long)"),
     ]:
         assert cosmos_latents.main(cli_args(tmp_path / "c", f"source.type={kind}", f"source.path={path}")) == 2

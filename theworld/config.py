@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import errno
 import math
 import os
 import reprlib
-import stat
 import sys
 import types
 import typing
@@ -25,6 +23,7 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 import yaml
 
+from theworld import paths
 from theworld.arch import LORA_MODULES, VAE_FACTOR
 from theworld.errors import UserError, one_line
 
@@ -397,36 +396,10 @@ def resolve_config_path(path: str | Path) -> Path:
                 if int(os.environ.get("RANK", "0")) == 0:  # once under a launcher
                     print(f"config: {p} is not a file in {Path.cwd()}; using {rel}", file=sys.stderr)
                 return found
-    what = path_kind(p)
+    what = paths.path_kind(p)
     if what is None:
         raise UserError(f"config file not found: {p}")
     raise UserError(f"config file {p} is {what}, not a regular file")
-
-
-_KINDS = (
-    (stat.S_ISDIR, "a directory"),
-    (stat.S_ISFIFO, "a named pipe (FIFO)"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-    (stat.S_ISSOCK, "a socket"),
-)
-
-
-def path_kind(p: Path) -> str | None:
-    """What a path is, in words ("a named pipe (FIFO)", "a symlink loop", ...), from its metadata alone (reading a
-    FIFO or /dev/zero would hang or never end); None when nothing is there."""
-    try:
-        mode = p.stat().st_mode
-    except OSError as e:
-        if p.is_symlink():
-            return "a symlink loop" if e.errno == errno.ELOOP else f"a broken symlink (to {os.readlink(p)})"
-        if e.errno == errno.ELOOP:
-            return "a path through a symlink loop"
-        return None if e.errno == errno.ENOENT else f"unreadable ({e.strerror})"
-    return next(
-        (words for test, words in _KINDS if test(mode)),
-        "a regular file" if stat.S_ISREG(mode) else "not a regular file",
-    )
 
 
 def to_dict(cfg: Any) -> dict:

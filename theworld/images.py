@@ -6,18 +6,17 @@ process boundary and the [-1, 1] scaling happens once, on the device, in `WorldE
 
 from __future__ import annotations
 
-import errno
 import functools
 import io
 import math
 import os
-import stat
 import warnings
 
 import numpy as np
 import torch
 from PIL import Image, ImageOps
 
+from theworld import paths
 from theworld.arch import POOLS, VAE_FACTOR
 from theworld.errors import one_line
 
@@ -239,29 +238,13 @@ def siglip_pixels(image_processor, img: Image.Image) -> torch.Tensor:
     return image_processor(images=[img], return_tensors="pt")["pixel_values"][0]
 
 
-def file_kind(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-    ):
-        if test(mode):
-            return name
-    return "not a file"
-
-
 def path_problem(path: str | os.PathLike) -> str | None:
-    """Why `path` cannot be read as an image file (said as what it is: missing, a dangling symlink, a symlink loop,
-    a directory, a FIFO...), or None for a regular file. Never opens it: reading a FIFO would wait forever."""
-    try:
-        st = os.stat(path)
-    except OSError as e:
-        if e.errno == errno.ENOENT:
-            return "a dangling symlink" if os.path.islink(path) else "no such file"
-        return "a symlink loop" if e.errno == errno.ELOOP else f"cannot be read ({e.strerror})"
-    return None if stat.S_ISREG(st.st_mode) else f"{file_kind(st.st_mode)}, not an image file"
+    """Why `path` cannot be read as an image file, said as what it is ("no such file", "a FIFO, not an image file",
+    "a symlink loop, not an image file"...), or None for a regular file. Never opens it."""
+    what = paths.path_kind(path)
+    if what is None:
+        return "no such file"
+    return None if what == paths.REGULAR else f"{what}, not an image file"
 
 
 def to_bytes(image) -> bytes:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from theworld import paths
 from train.plateau import next_step
 
 METRICS = "metrics.jsonl"
@@ -36,12 +37,11 @@ def _step_of(line: bytes) -> int:
 
 def check_metrics_file(output_dir: str | Path) -> None:
     """Before any model loads: output_dir's metrics.jsonl, if there, is a file the run can rewrite."""
-    from theworld.config import path_kind
     from theworld.errors import UserError
 
     path = Path(output_dir) / METRICS
-    what = path_kind(path)
-    if what not in (None, "a regular file"):
+    what = paths.path_kind(path)
+    if what not in (None, paths.REGULAR):
         raise UserError(
             f"output_dir {output_dir}: {path} is {what}, where the run writes its metrics log; move it "
             "away or use another output_dir"

@@ -7,7 +7,6 @@ without: image files sorted by relative path (POSIX, byte order), caption from t
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import os
 from array import array
@@ -20,6 +19,7 @@ from precompute.sources import content
 from precompute.sources.content import SourceError
 from precompute.sources.listing import Entry, Listing, Loaded, find_duplicates, read_json
 from theworld import cache_format as cf
+from theworld import paths
 from theworld.cache_format import safe_key
 from theworld.errors import UserError
 
@@ -146,11 +146,7 @@ class JsonlListing(Listing):
 
 def _why_not_a_file(path: bytes) -> str:
     """The reason an image-named directory entry that is not a regular file is left out."""
-    try:
-        st = os.stat(path)
-    except OSError as err:
-        return "dangling symlink" if err.errno == errno.ENOENT else f"cannot stat: {err.strerror}"
-    return f"not a regular file ({content.file_kind(st.st_mode)})"
+    return f"not a regular file ({paths.path_kind(path) or 'gone'})"
 
 
 def walk_images(root: Path) -> tuple[list[bytes], dict[bytes, str]]:
