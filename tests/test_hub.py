@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ENV, ROOT
+from conftest import ENV, ROOT, base_args
 
 from theworld import hub
 from theworld.errors import UserError
@@ -227,25 +227,11 @@ def test_a_run_with_a_slow_failing_hub_endpoint_trains_on_and_says_so(cached_sta
     from train.loop import main
 
     out = tmp_path / "run"
-    sets = {
-        "cache_dir": cached_stage["cache"],
-        "output_dir": out,
-        "model.dtype": "float32",
-        "train.max_steps": 4,
-        "train.global_batch_size": 8,
-        "train.micro_batch_size": 8,
-        "train.eval_samples": 8,
-        "train.num_workers": 0,
-        "trackers": "[]",
-        "train.save_every": 1,
-        "train.eval_every": 0,
-        "train.samples": 0,
-        "hub.model_id": "someone/run",
-        "hub.strategy": "every_save",
-    }
+    sets = {"train.global_batch_size": 8, "train.eval_samples": 8, "train.save_every": 1, "train.samples": 0}
+    sets |= {"hub.model_id": "someone/run", "hub.strategy": "every_save"}
     t = time.perf_counter()
     try:
-        assert main([a for k, v in sets.items() for a in ("--set", f"{k}={v}")]) == 0
+        assert main(base_args(cached_stage["cache"], out, steps=4, **sets)) == 0
     finally:
         server.shutdown()
     err = capsys.readouterr().err

@@ -8,31 +8,17 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import base_args
 
 from train import plateau
 from train.config import PlateauConfig
 
 
 def run_args(cache: Path, out: Path, **extra) -> list[str]:
-    sets = {
-        "cache_dir": cache,
-        "output_dir": out,
-        "model.dtype": "float32",
-        "train.max_steps": 4,
-        "train.global_batch_size": 8,
-        "train.micro_batch_size": 8,
-        "train.eval_samples": 8,
-        "train.num_workers": 0,
-        "trackers": "[]",
-        "train.log_every": 1,
-        "train.save_every": 2,
-        "train.eval_every": 1,
-        "train.warmup_steps": 1,
-        "train.samples": 2,
-        "train.sample_tokens": 4,
-        **extra,
-    }
-    return [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    """conftest's small run with an eval (and its sampled captions) every step and a checkpoint every second."""
+    watched = {"train.global_batch_size": 8, "train.eval_samples": 8, "train.save_every": 2, "train.eval_every": 1}
+    watched |= {"train.warmup_steps": 1, "train.samples": 2, "train.sample_tokens": 4}
+    return base_args(cache, out, steps=4, **watched, **extra)
 
 
 def lines(run: Path) -> list[dict]:
