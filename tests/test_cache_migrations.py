@@ -164,3 +164,15 @@ def test_a_format_2_cache_with_a_changed_image_fails_verify_naming_the_member(tm
     assert "im1_png: image fails its crc32 check" in capsys.readouterr().out
     with pytest.raises(CacheDamaged, match="member image fails its crc32 check"):
         cf.CacheReader(cache).raw(1)
+
+
+def test_a_run_encoding_live_reads_a_format_2_caches_images(tmp_path):
+    """freeze.vae: false encodes the stored images live: those of a format-2 cache are found under their old names."""
+    from conftest import base_args
+
+    from train.loop import main
+
+    cache = shutil.copytree(FORMAT_2, tmp_path / "c")
+    small = {"freeze.vae": "false", "image.resolution": 32, "train.global_batch_size": 4, "train.micro_batch_size": 2}
+    assert main(base_args(cache, tmp_path / "run", steps=2, **small, **{"train.eval_samples": 2})) == 0
+    assert (tmp_path / "run" / "final" / "trainable.safetensors").is_file()
