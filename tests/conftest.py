@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -28,13 +29,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def two_process_command(module: str, *args: str) -> list[str]:
-    """`python -m MODULE ARGS` as two real CPU processes (gloo) through this interpreter's accelerate, on a free port;
-    run it with ACCELERATE_USE_CPU=true (`accelerate launch --cpu --num_processes 2` silently runs one)."""
+def two_process_command(module: str, *args: str, via: str = "accelerate.commands.launch") -> list[str]:
+    """`python -m MODULE ARGS` as two real CPU processes (gloo) through this interpreter's accelerate (or `via`, a
+    module taking accelerate launch's arguments: train.launch), on a free port; run it with ACCELERATE_USE_CPU=true
+    (`accelerate launch --cpu --num_processes 2` silently runs one)."""
     return [
         sys.executable,
         "-m",
-        "accelerate.commands.launch",
+        via,
         "--multi_gpu",
         "--num_processes",
         "2",
@@ -52,10 +54,19 @@ def two_process_command(module: str, *args: str) -> list[str]:
     ]
 
 
-def launch2(args: list[str], env: dict | None = None, module: str = "train.loop", **popen) -> subprocess.Popen:
+def launch2(
+    args: list[str],
+    env: dict | None = None,
+    module: str = "train.loop",
+    via: str = "accelerate.commands.launch",
+    **popen,
+) -> subprocess.Popen:
     """Start `module` (a training run by default) on two processes; `popen` goes to subprocess.Popen."""
     return subprocess.Popen(
-        two_process_command(module, *args), cwd=ROOT, env={**ENV, "ACCELERATE_USE_CPU": "true", **(env or {})}, **popen
+        two_process_command(module, *args, via=via),
+        cwd=ROOT,
+        env={**ENV, "ACCELERATE_USE_CPU": "true", **(env or {})},
+        **popen,
     )
 
 
@@ -227,3 +238,29 @@ def weights(run_dir: Path) -> dict:
 
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def wait_for_step(out: Path, proc: subprocess.Popen, step: int, timeout: float = 240) -> None:
+    """Wait until `proc`'s run at `out` has logged training step `step` (raises if it ends or times out first)."""
+    deadline = time.time() + timeout
+    while proc.poll() is None and time.time() < deadline:
+        steps = [m.get("step", -1) for m in metrics_lines(out) if "loss" in m]
+        if steps and steps[-1] >= step:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"the run did not reach step {step} (exit {proc.poll()})")
+
+
+def metrics_lines(out: Path) -> list[dict]:
+    """The run's metrics.jsonl lines so far (a line being written is left out)."""
+    try:
+        text = (out / "metrics.jsonl").read_text()
+    except FileNotFoundError:
+        return []
+    lines = []
+    for line in text.splitlines():
+        try:
+            lines.append(json.loads(line))
+        except ValueError:  # being written
+            pass
+    return lines

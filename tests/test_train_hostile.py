@@ -14,7 +14,19 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ENV, ROOT, base_args, free_port, launch2, metrics, run2, train_inproc, weights
+from conftest import (
+    ENV,
+    ROOT,
+    base_args,
+    free_port,
+    launch2,
+    metrics,
+    metrics_lines,
+    run2,
+    train_inproc,
+    wait_for_step,
+    weights,
+)
 
 from theworld.cache_format import sha256_file
 
@@ -59,30 +71,6 @@ def test_checkpoint_files_are_hashed_and_a_damaged_one_is_refused_not_exported(c
     assert "resumed from" in capsys.readouterr().err and _final(out) == exported
 
 
-def _wait_for_step(out: Path, proc: subprocess.Popen, step: int, timeout: float = 240) -> None:
-    deadline = time.time() + timeout
-    while proc.poll() is None and time.time() < deadline:
-        steps = [m.get("step", -1) for m in _metrics_lines(out) if "loss" in m]
-        if steps and steps[-1] >= step:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"the run did not reach step {step} (exit {proc.poll()})")
-
-
-def _metrics_lines(out: Path) -> list[dict]:
-    try:
-        text = (out / "metrics.jsonl").read_text()
-    except FileNotFoundError:
-        return []
-    lines = []
-    for line in text.splitlines():
-        try:
-            lines.append(json.loads(line))
-        except ValueError:  # being written
-            pass
-    return lines
-
-
 def _interrupt(args: list[str], out: Path, at_step: int, sig: int) -> tuple[int, str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "train.loop", *args],
@@ -93,7 +81,7 @@ def _interrupt(args: list[str], out: Path, at_step: int, sig: int) -> tuple[int,
         text=True,
     )
     try:
-        _wait_for_step(out, proc, at_step)
+        wait_for_step(out, proc, at_step)
         os.kill(proc.pid, sig)
         _, err = proc.communicate(timeout=240)
     finally:
@@ -172,7 +160,7 @@ def test_a_full_disk_while_saving_or_logging_is_one_line_and_the_rerun_is_bit_ex
     real_open = open
 
     def metrics_open(path, mode="r", *a, **k):
-        if "a" in mode and any(m.get("step") == 3 for m in _metrics_lines(Path(path).parent)):
+        if "a" in mode and any(m.get("step") == 3 for m in metrics_lines(Path(path).parent)):
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return real_open(path, mode, *a, **k)
 
@@ -409,7 +397,7 @@ def test_a_signal_to_one_of_two_processes_stops_both_after_the_same_step_with_a_
     args = base_args(cache, out, steps=40, **{"train.save_every": 100})
     launcher = launch2(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_for_step(out, launcher, 2)
+        wait_for_step(out, launcher, 2)
         ranks = [p for c in _children(launcher.pid) for p in _children(c) or [c]]
         ranks = [p for p in ranks if "train.loop" in Path(f"/proc/{p}/cmdline").read_text()]
         assert len(ranks) == 2, ranks
@@ -669,7 +657,7 @@ def test_sigterm_to_a_two_process_launch_during_a_long_last_eval_ends_well_withi
     benchmarks.make_synthetic(data, 2000, seed=1)  # minutes of scoring on this CPU
     out = tmp_path / "run"
     args = base_args(cache, out, steps=2, **{"train.save_every": 100, "train.benchmarks": f"[{data}]"})
-    launcher = launch2(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = launch2(args, via="train.launch", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 300
         while not (out / "final" / "sha256.json").is_file() and launcher.poll() is None and time.time() < deadline:
@@ -684,6 +672,8 @@ def test_sigterm_to_a_two_process_launch_during_a_long_last_eval_ends_well_withi
         if launcher.poll() is None:
             launcher.kill()
     assert took < 20, (took, err[-3000:])
+    assert launcher.returncode == 143 and "Traceback" not in err, err[-3000:]
+    assert err.rstrip().endswith("launch: the launcher stopped by SIGTERM; rerun the same command to resume")
     assert "SIGTERM during the eval at step 2: eval cut short" in err, err[-3000:]
     assert (out / "checkpoint-2").is_dir() and (out / "final" / "trainable.safetensors").is_file()
     assert not [m for m in metrics(out) if "bench/big/accuracy" in m]

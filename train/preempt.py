@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,9 @@ if TYPE_CHECKING:
     from train.metrics import Metrics
 
 EXIT_CODES = {signal.SIGTERM: 143, signal.SIGINT: 130}  # 128 + signal number, what a shell reports
+# A launcher passes its stop signal on to processes that may have had it already (a Ctrl-C, or a scheduler that
+# signals the whole process group): a repeat this close to the first is the same request, not "stop at once".
+REPEAT_S = 1.0
 _active: Preemption | None = None  # the installed one, which `poll` asks
 
 
@@ -44,7 +48,8 @@ def poll() -> None:
 class Preemption:
     def __init__(self, accelerator: Accelerator):
         self.accelerator = accelerator
-        self.signum: int | None = None
+        self.signum: int | None = None  # this process's signal, or another's (`requested`)
+        self._received: float | None = None  # when this process got its first signal
         self._previous = {}
 
     def install(self) -> Preemption:
@@ -62,10 +67,13 @@ class Preemption:
         _active = None
 
     def _handle(self, signum: int, frame) -> None:
-        if self.signum is not None:  # asked twice: stop now
+        if self._received is not None:  # asked twice: stop now
+            if time.monotonic() - self._received < REPEAT_S:
+                return
             signal.signal(signum, signal.SIG_DFL)
             raise KeyboardInterrupt
-        self.signum = signum
+        self._received = time.monotonic()
+        self.signum = self.signum or signum
         print(
             f"\n{signal.Signals(signum).name} received: finishing this step, then saving a checkpoint "
             "(send it again to stop at once)",

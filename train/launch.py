@@ -1,0 +1,80 @@
+"""`python -m train.launch ARGS`: `accelerate launch ARGS` (the same arguments, parsed and run by accelerate itself)
+whose exit status says how the run ended, for schedulers and requeue scripts that read it.
+
+`accelerate launch` exits 1 with a traceback whenever it is stopped or its processes end other than with 0: on a
+SIGTERM, torch elastic forwards the signal, waits for the processes (which save a checkpoint and exit 143) and then
+re-raises it as a `SignalException`; a process's one-line error becomes a `ChildFailedError` table; the one-process
+path raises `CalledProcessError`, and does not pass a SIGTERM on at all. Here:
+
+- a stop signal to the launcher -> one line, exit 128 + the signal (143 for SIGTERM, 130 for SIGINT), after the
+  processes saved; on the one-process path the signal is passed on to the process first;
+- a process that failed -> one line naming its rank, exit with its code (2 for a user's mistake, which the process
+  already explained on its own line; 128 + N for a process killed by signal N);
+- success -> 0.
+
+torch elastic waits 30 s after passing a signal on before it kills the processes; writing a large model's checkpoint
+can take longer, so this launcher waits 120 s unless TORCH_ELASTIC_SHUTDOWN_TIMEOUT says otherwise (a scheduler
+enforces its own limit anyway).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import psutil
+
+GRACE_S = "120"
+FORWARDED = (signal.SIGTERM, signal.SIGINT)
+
+
+def _pass_on(signum: int, frame) -> None:
+    """The one-process path: accelerate's child gets the launcher's stop signal (the child may have it already, from
+    a Ctrl-C to the whole process group; train.preempt takes a repeat that close as the same request)."""
+    children = psutil.Process().children()
+    if not children:  # nothing started yet, so nothing to save
+        raise SystemExit(128 + signum)
+    for child in children:
+        child.send_signal(signum)
+
+
+def _code(exitcode: int) -> int:
+    """A process's exit code as a shell reports it (a negative one is death by that signal)."""
+    return 128 - exitcode if exitcode < 0 else exitcode
+
+
+def main(argv: list[str] | None = None) -> int:
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    args = launch_command_parser().parse_args(argv)
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", GRACE_S)
+    for sig in FORWARDED:  # torch elastic installs its own handlers when it starts several processes
+        signal.signal(sig, _pass_on)
+    try:
+        launch_command(args)
+    except SignalException as e:
+        return _ended(128 + int(e.sigval), "the launcher")
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        return _ended(_code(failure.exitcode), f"process {rank}")
+    except subprocess.CalledProcessError as e:
+        return _ended(_code(e.returncode), "the process")
+    return 0
+
+
+def _ended(code: int, who: str) -> int:
+    """The launcher's one line for a run that did not end with 0, and its exit code."""
+    stops = {128 + s: s.name for s in FORWARDED}
+    if code in stops:
+        print(f"launch: {who} stopped by {stops[code]}; rerun the same command to resume", file=sys.stderr)
+    else:
+        print(f"launch: {who} exited with code {code} (its own lines above say why)", file=sys.stderr)
+    return code or 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
