@@ -120,3 +120,9 @@ def test_sigterm_to_every_process_of_the_run_saves_and_the_launcher_exits_143(ca
     assert "stopped by SIGTERM after step" in err and time.time() - t0 < 60
     ckpts = sorted(out.glob("checkpoint-*"))
     assert len(ckpts) == 1 and (ckpts[0] / "state.json").is_file()
+
+
+def test_a_usage_mistake_is_one_line_and_exit_2(capsys):
+    assert launch.main(["--num_processes", "two", "-m", "train.loop"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--num_processes" in err and "'two'" in err, err

@@ -26,6 +26,9 @@ import sys
 
 import psutil
 
+from theworld.config import ArgParser
+from theworld.errors import cli_entry
+
 GRACE_S = "120"
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
 
@@ -45,12 +48,16 @@ def _code(exitcode: int) -> int:
     return 128 - exitcode if exitcode < 0 else exitcode
 
 
+@cli_entry
 def main(argv: list[str] | None = None) -> int:
     from accelerate.commands.launch import launch_command, launch_command_parser
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    args = launch_command_parser().parse_args(argv)
+    parser = launch_command_parser()
+    parser.prog = "python -m train.launch"
+    parser.error = ArgParser.error.__get__(parser)  # a usage mistake is one line (exit 2), as in every command here
+    args = parser.parse_args(argv)
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", GRACE_S)
     for sig in FORWARDED:  # torch elastic installs its own handlers when it starts several processes
         signal.signal(sig, _pass_on)
