@@ -52,14 +52,14 @@ def _local_config(key: str, path: str, subfolder: str | None = None) -> dict | N
     return config
 
 
-def _count(config: dict, file_key: str, where: str, spec: str, default: int | None = None) -> int:
+def _count(
+    config: dict, file_key: str, where: str, spec: str, default: int | None = None, key: str = "model.gemma"
+) -> int:
     """A positive integer field of a model config (`where`: "text_config." for a nested one)."""
     section = config.get(where.rstrip("."), {}) if where else config
     value = section.get(file_key, default) if isinstance(section, dict) else None
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise UserError(
-            f"model.gemma: cannot load {spec!r}: its config.json has no usable {where}{file_key} (got {value!r})"
-        )
+        raise UserError(f"{key}: cannot load {spec!r}: its config.json has no usable {where}{file_key} (got {value!r})")
     return value
 
 
@@ -88,7 +88,7 @@ def latent_channels(spec: str) -> int:
             f"model.vae: no config for {spec!r} offline (a local folder, the Hugging Face cache, or one "
             f"of {', '.join(KNOWN_VAE)})"
         )
-    return config.get("z_dim", 16)
+    return _count(config, "z_dim", "", spec, default=16, key="model.vae")
 
 
 def _member(size: float) -> float:
@@ -96,8 +96,22 @@ def _member(size: float) -> float:
     return tarfile.BLOCKSIZE + math.ceil(size / tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
 
 
+# The plan measures a member by writing one (zeros): a tensor this large per sample is a broken config, not a cache
+# (the real models': 16 x 64 x 64 latents, 256 x 2560 SigLIP features).
+MAX_VALUES = 1 << 26  # the largest image any source accepts (images.MAX_PIXELS) gives a third of it
+
+
+def _zeros(shape: tuple[int, ...], key: str, what: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    if math.prod(shape) > MAX_VALUES:
+        raise UserError(
+            f"{key}: its {what} would hold {math.prod(shape):,} values per sample ({' x '.join(map(str, shape))}), "
+            f"more than any model this plans for ({MAX_VALUES:,}): check its config.json"
+        )
+    return torch.zeros(shape, dtype=dtype)
+
+
 def _latent_bytes(channels: int, hw: tuple[int, int], cfg: PrecomputeConfig) -> int:
-    t = torch.zeros(channels, 1, *hw)
+    t = _zeros((channels, 1, *hw), "model.vae", "latent")
     return len(cf.latent_blob(t, None if cfg.cache.latents == "mean" else t.clone(), cf.DTYPES[cfg.cache.dtype]))
 
 
@@ -147,7 +161,7 @@ def estimate(cfg: PrecomputeConfig) -> dict:
     members = {"latent": latent, "latent_flip": latent if cfg.cache.flip else 0.0}
     if cfg.cache.siglip:
         tokens, hidden = siglip_size(cfg.model.gemma)
-        feats = torch.zeros(tokens, hidden, dtype=cf.DTYPES[cfg.cache.dtype])
+        feats = _zeros((tokens, hidden), "model.gemma", "SigLIP features", cf.DTYPES[cfg.cache.dtype])
         members["siglip"] = _member(len(st_save({"features": feats})))
     else:
         members["siglip"] = 0.0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from precompute.sources.listing import Truncated
@@ -136,6 +138,23 @@ def test_plan_with_a_broken_model_config_is_one_line(tmp_path, capsys, key, text
         assert rc == 0 and "latent" in out.out
         return
     assert rc == 2 and out.err.count("\n") == 1 and out.err.startswith(f"error: {key}: cannot load"), out.err
+
+
+@pytest.mark.parametrize(
+    "key,config,words",
+    [
+        ("model.vae", {"z_dim": "16"}, "no usable z_dim (got '16')"),
+        ("model.vae", {"z_dim": -5}, "no usable z_dim (got -5)"),
+        ("model.vae", {"z_dim": None}, "no usable z_dim (got None)"),
+        ("model.vae", {"z_dim": 10**12}, "its latent would hold 64,000,000,000,000 values per sample"),
+        ("model.gemma", {"mm_tokens_per_image": 0, "text_config": {"hidden_size": 8}}, "no usable mm_tokens"),
+        ("model.gemma", {"mm_tokens_per_image": 10**5, "text_config": {"hidden_size": 10**5}}, "SigLIP features"),
+    ],
+)
+def test_plan_with_unusable_sizes_in_a_model_config_is_one_line(tmp_path, capsys, key, config, words):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    rc, out = _plan(capsys, f"{key}={tmp_path}", "source.num_samples=4", f"output_dir={tmp_path / 'c'}")
+    assert rc == 2 and out.err.count("\n") == 1 and out.err.startswith(f"error: {key}: ") and words in out.err, out.err
 
 
 def test_plan_at_absurd_sizes_answers_in_integers_or_refuses(tmp_path, capsys):

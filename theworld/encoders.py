@@ -107,10 +107,16 @@ def load_vae(spec: str, dtype: str = "bfloat16"):
     _quiet_hf()
     check_available(spec, "model.vae", "vae/config.json")  # a hub id is the pipeline repo, the VAE in vae/
     path, subfolder = resolve_vae(spec)
+    from diffusers.utils import logging as diffusers_logging
+
+    level = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity(diffusers_logging.CRITICAL)  # it logs each failed try: our one line says it
     try:
         vae = AutoencoderKLWan.from_pretrained(path, subfolder=subfolder, torch_dtype=DTYPES[dtype])
     except (OSError, ValueError) as e:
         raise UserError(f"model.vae: cannot load {spec!r}: {str(e).splitlines()[0]}") from None
+    finally:
+        diffusers_logging.set_verbosity(level)
     return vae.eval()
 
 
