@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -307,3 +308,36 @@ def test_memory_plan_refuses_infinite_or_absurd_sizes_in_one_line(capsys):
     ):
         assert main(["--config", "configs/stage1.yaml", *args]) == 2
         assert "--gpu" in _only_line(capsys)
+
+
+def _tiny_gemma_with(tmp_path, **text_config) -> str:
+    """The tiny Gemma's folder with its text_config changed the way a hand edit would."""
+    import shutil
+
+    from theworld import tiny
+
+    folder = shutil.copytree(tiny.ensure(tiny.TINY_GEMMA_DIR), tmp_path / "gemma")
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"].update(text_config)
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    "edit,words",
+    [
+        ({"hidden_size": "x"}, "Field 'hidden_size' expected int, got str"),
+        ({"num_hidden_layers": 10**6, "layer_types": None}, "has 1000000 layers in its text_config"),
+    ],
+)
+def test_a_hand_broken_model_config_is_one_line_for_the_memory_plan_and_the_loader(tmp_path, capsys, edit, words):
+    from theworld.encoders import load_gemma
+    from theworld.errors import UserError
+    from train.memory import main
+
+    folder = _tiny_gemma_with(tmp_path, **edit)
+    assert main(["--config", "configs/stage1.yaml", "--set", f"model.gemma={folder}"]) == 2
+    assert words in _only_line(capsys)
+    if "hidden_size" in edit:  # what every command that loads the model raises, before any weight is read
+        with pytest.raises(UserError, match="model.gemma: cannot load .*expected int, got str"):
+            load_gemma(folder)

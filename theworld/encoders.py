@@ -16,9 +16,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from theworld import tiny
-from theworld.errors import UserError
+from theworld.errors import UserError, one_line
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def load_errors() -> tuple[type[BaseException], ...]:
+    """What loading a model folder raises for a broken config.json (not JSON, a missing or mistyped field:
+    transformers validates fields with huggingface_hub's strict dataclasses) or missing files: one line each."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    return OSError, ValueError, KeyError, TypeError, StrictDataclassError
 
 
 def _quiet_hf() -> None:
@@ -96,8 +104,8 @@ def load_gemma(spec: str, dtype: str = "bfloat16"):
     try:
         model = Gemma3ForConditionalGeneration.from_pretrained(path, dtype=DTYPES[dtype])
         processor = AutoProcessor.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise UserError(f"model.gemma: cannot load {spec!r}: {str(e).splitlines()[0]}") from None
+    except load_errors() as e:
+        raise UserError(f"model.gemma: cannot load {spec!r}: {one_line(e, 300)}") from None
     return model.eval(), processor
 
 
@@ -113,8 +121,8 @@ def load_vae(spec: str, dtype: str = "bfloat16"):
     diffusers_logging.set_verbosity(diffusers_logging.CRITICAL)  # it logs each failed try: our one line says it
     try:
         vae = AutoencoderKLWan.from_pretrained(path, subfolder=subfolder, torch_dtype=DTYPES[dtype])
-    except (OSError, ValueError) as e:
-        raise UserError(f"model.vae: cannot load {spec!r}: {str(e).splitlines()[0]}") from None
+    except load_errors() as e:
+        raise UserError(f"model.vae: cannot load {spec!r}: {one_line(e, 300)}") from None
     finally:
         diffusers_logging.set_verbosity(level)
     return vae.eval()

@@ -29,8 +29,8 @@ from theworld.arch import (
     latent_side,
 )
 from theworld.config import cli_parser, load_config, shown, to_yaml, trains
-from theworld.encoders import DTYPES, _quiet_hf, resolve_gemma, resolve_vae
-from theworld.errors import UserError, cli_entry
+from theworld.encoders import DTYPES, _quiet_hf, load_errors, resolve_gemma, resolve_vae
+from theworld.errors import UserError, cli_entry, one_line
 from theworld.model import TheWorld
 from train import sharding
 from train.config import TrainConfig, resolve_micro_batch
@@ -46,11 +46,27 @@ ACT_PER_TOKEN_LAYER = 17  # elements stored per token per transformer layer per 
 VAE_TENSORS_PER_STAGE = 14  # activations kept per VAE encoder stage, in units of channels x pixels (2 res blocks)
 
 
+MAX_LAYERS = 1024
+
+
 def _gemma_config(spec: str):
-    from transformers import AutoConfig
+    from transformers import AutoConfig, Gemma3Config
 
     if spec == "tiny" or Path(spec).is_dir():
-        return AutoConfig.from_pretrained(resolve_gemma(spec))
+        try:
+            config = AutoConfig.from_pretrained(resolve_gemma(spec))
+        except load_errors() as e:
+            raise UserError(f"model.gemma: cannot load {spec!r}: {one_line(e)}") from None
+        if not isinstance(config, Gemma3Config):
+            raise UserError(f"model.gemma: {spec!r} holds a {type(config).__name__}, not a Gemma 3 config")
+        for part in ("text_config", "vision_config"):  # the estimate builds every layer (on `meta`)
+            layers = getattr(getattr(config, part), "num_hidden_layers", 0)
+            if layers > MAX_LAYERS:
+                raise UserError(
+                    f"model.gemma: {spec!r} has {layers} layers in its {part}, more than any model this estimates "
+                    f"({MAX_LAYERS})"
+                )
+        return config
     try:
         return AutoConfig.from_pretrained(spec, local_files_only=True)
     except (OSError, ValueError):
