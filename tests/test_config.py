@@ -341,3 +341,21 @@ def test_a_hand_broken_model_config_is_one_line_for_the_memory_plan_and_the_load
     if "hidden_size" in edit:  # what every command that loads the model raises, before any weight is read
         with pytest.raises(UserError, match="model.gemma: cannot load .*expected int, got str"):
             load_gemma(folder)
+
+
+@pytest.mark.parametrize(
+    "text,words",
+    [
+        ('{"z_dim": "x"}', "cannot build"),
+        ('{"base_dim": -3}', "negative dimension"),
+        ("[1]", "holding a JSON list"),
+        ("x{", "not a valid JSON file"),
+    ],
+)
+def test_a_hand_broken_vae_config_is_one_line_for_the_memory_plan(tmp_path, capsys, text, words):
+    from train.memory import main
+
+    (tmp_path / "config.json").write_text(text)
+    assert main(["--config", "configs/stage1.yaml", "--set", f"model.vae={tmp_path}"]) == 2
+    line = _only_line(capsys)
+    assert line.startswith("error: model.vae: ") and words in line, line

@@ -85,16 +85,21 @@ def _vae_config(spec: str) -> dict:
     if spec != "tiny" and not Path(spec).is_dir() and spec in KNOWN_VAE:
         try:
             return AutoencoderKLWan.load_config(spec, subfolder="vae", local_files_only=True)
-        except (OSError, ValueError):
+        except load_errors():
             return _wan_defaults()
     path, subfolder = resolve_vae(spec)
     try:
-        return AutoencoderKLWan.load_config(path, subfolder=subfolder, local_files_only=True)
-    except (OSError, ValueError):
+        config = AutoencoderKLWan.load_config(path, subfolder=subfolder, local_files_only=True)
+    except load_errors() as e:
+        if Path(path).is_dir():  # the user's folder: say what is wrong with it
+            raise UserError(f"model.vae: cannot load {spec!r}: {one_line(e, 300)}") from None
         raise UserError(
             f"model.vae: no config for {spec!r} offline (known architectures: {', '.join(KNOWN_VAE)}); "
             "give a local folder"
         ) from None
+    if not isinstance(config, dict):
+        raise UserError(f"model.vae: {spec!r} has a config.json holding a JSON {type(config).__name__}, not a config")
+    return config
 
 
 def _wan_defaults() -> dict:
@@ -102,6 +107,14 @@ def _wan_defaults() -> dict:
 
     with torch.device("meta"):
         return dict(AutoencoderKLWan(**REAL["vae"]).config)
+
+
+def _build(key: str, spec: str, make):
+    """A model from its config, or one line naming the config that cannot make one (a negative or mistyped size)."""
+    try:
+        return make()
+    except (*load_errors(), RuntimeError) as e:
+        raise UserError(f"{key}: cannot build {spec!r} from its config.json: {one_line(e, 300)}") from None
 
 
 def build_world(cfg: TrainConfig, device: str = "meta") -> TheWorld:
@@ -114,8 +127,8 @@ def build_world(cfg: TrainConfig, device: str = "meta") -> TheWorld:
     gemma_cfg, vae_cfg = _gemma_config(cfg.model.gemma), _vae_config(cfg.model.vae)
     dtype = DTYPES[cfg.model.dtype]
     with torch.device(device):
-        gemma = Gemma3ForConditionalGeneration(gemma_cfg).to(dtype)
-        vae = AutoencoderKLWan.from_config(vae_cfg).to(dtype)
+        gemma = _build("model.gemma", cfg.model.gemma, lambda: Gemma3ForConditionalGeneration(gemma_cfg).to(dtype))
+        vae = _build("model.vae", cfg.model.vae, lambda: AutoencoderKLWan.from_config(vae_cfg).to(dtype))
         model = TheWorld.from_modules(gemma, vae, cfg.world, cfg.freeze, seed=cfg.seed, lora=cfg.lora)
     model.cast_trainable_to_fp32()
     return model
