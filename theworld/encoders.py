@@ -29,6 +29,11 @@ def load_errors() -> tuple[type[BaseException], ...]:
     return OSError, ValueError, KeyError, TypeError, StrictDataclassError
 
 
+def cannot_load(key: str, spec: str, e: BaseException) -> UserError:
+    """The one line for a model folder or hub id that `load_errors` refused."""
+    return UserError(f"{key}: cannot load {spec!r}: {one_line(e, 300)}")
+
+
 def _quiet_hf() -> None:
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as hf_logging
@@ -105,24 +110,23 @@ def load_gemma(spec: str, dtype: str = "bfloat16"):
         model = Gemma3ForConditionalGeneration.from_pretrained(path, dtype=DTYPES[dtype])
         processor = AutoProcessor.from_pretrained(path)
     except load_errors() as e:
-        raise UserError(f"model.gemma: cannot load {spec!r}: {one_line(e, 300)}") from None
+        raise cannot_load("model.gemma", spec, e) from None
     return model.eval(), processor
 
 
 def load_vae(spec: str, dtype: str = "bfloat16"):
     from diffusers import AutoencoderKLWan
+    from diffusers.utils import logging as diffusers_logging
 
     _quiet_hf()
     check_available(spec, "model.vae", "vae/config.json")  # a hub id is the pipeline repo, the VAE in vae/
     path, subfolder = resolve_vae(spec)
-    from diffusers.utils import logging as diffusers_logging
-
     level = diffusers_logging.get_verbosity()
     diffusers_logging.set_verbosity(diffusers_logging.CRITICAL)  # it logs each failed try: our one line says it
     try:
         vae = AutoencoderKLWan.from_pretrained(path, subfolder=subfolder, torch_dtype=DTYPES[dtype])
     except load_errors() as e:
-        raise UserError(f"model.vae: cannot load {spec!r}: {one_line(e, 300)}") from None
+        raise cannot_load("model.vae", spec, e) from None
     finally:
         diffusers_logging.set_verbosity(level)
     return vae.eval()

@@ -29,7 +29,7 @@ from theworld.arch import (
     latent_side,
 )
 from theworld.config import cli_parser, load_config, shown, to_yaml, trains
-from theworld.encoders import DTYPES, _quiet_hf, load_errors, resolve_gemma, resolve_vae
+from theworld.encoders import DTYPES, _quiet_hf, cannot_load, load_errors, resolve_gemma, resolve_vae
 from theworld.errors import UserError, cli_entry, one_line
 from theworld.model import TheWorld
 from train import sharding
@@ -56,7 +56,7 @@ def _gemma_config(spec: str):
         try:
             config = AutoConfig.from_pretrained(resolve_gemma(spec))
         except load_errors() as e:
-            raise UserError(f"model.gemma: cannot load {spec!r}: {one_line(e)}") from None
+            raise cannot_load("model.gemma", spec, e) from None
         if not isinstance(config, Gemma3Config):
             raise UserError(f"model.gemma: {spec!r} holds a {type(config).__name__}, not a Gemma 3 config")
         for part in ("text_config", "vision_config"):  # the estimate builds every layer (on `meta`)
@@ -92,7 +92,7 @@ def _vae_config(spec: str) -> dict:
         config = AutoencoderKLWan.load_config(path, subfolder=subfolder, local_files_only=True)
     except load_errors() as e:
         if Path(path).is_dir():  # the user's folder: say what is wrong with it
-            raise UserError(f"model.vae: cannot load {spec!r}: {one_line(e, 300)}") from None
+            raise cannot_load("model.vae", spec, e) from None
         raise UserError(
             f"model.vae: no config for {spec!r} offline (known architectures: {', '.join(KNOWN_VAE)}); "
             "give a local folder"
