@@ -4,25 +4,41 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
-LMMS_EVAL_SPEC ?= lmms-eval==0.7.3
+LMMS_EVAL_SPEC ?= lmms-eval>=0.7,<0.8
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install lmms-eval demo lint test test-fast bench clean-demo
+.PHONY: install lmms-eval demo lint test test-fast test-latest lock bench clean-demo
 
-$(VENV)/.installed: pyproject.toml
+# The tested set: every package at its version in requirements/lock.txt (CI ran the suite on it), the project on top.
+$(VENV)/.installed: pyproject.toml requirements/lock.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev]"
-	$(PY) -c "import lmms_eval" 2>/dev/null || $(MAKE) --no-print-directory lmms-eval
+	$(PY) -m pip install -q --no-deps -r requirements/lock.txt
+	$(PY) -m pip install -q --no-deps -e .
+	$(PY) scripts/lock.py check
 	touch $@
 
-# lmms-eval (the `eval` extra) requires torchvision. With a torch that has its torchvision, pip installs it as usual;
-# with a CPU torch (PyPI's torchvision needs PyPI's CUDA torch and would replace it) it is installed without torchvision.
+# lmms-eval (the `eval` extra) at its newest allowed version, without the requirements scripts/lock.py's LEFT_UNMET
+# names (torchvision would replace a CPU torch with PyPI's CUDA build; its exact wandb pin would hold our tracker back).
 lmms-eval:
-	if $(PY) -c "import torchvision" 2>/dev/null; then $(PY) -m pip install -q "$(LMMS_EVAL_SPEC)"; else \
-	  $(PY) -m pip install -q --no-deps "$(LMMS_EVAL_SPEC)" && \
-	  $(PY) scripts/lmms_eval_requirements.py > $(VENV)/lmms-eval-requirements.txt && \
-	  $(PY) -m pip install -q -r $(VENV)/lmms-eval-requirements.txt; fi
+	$(PY) -m pip install -q --no-deps "$(LMMS_EVAL_SPEC)"
+	$(PY) scripts/lmms_eval_requirements.py > $(VENV)/lmms-eval-requirements.txt
+	$(PY) -m pip install -q -r $(VENV)/lmms-eval-requirements.txt
+
+# The newest versions pyproject.toml allows, in a venv of their own, and the suite on them: how a breaking release
+# shows up (here, not in a user's install). `make lock` then writes that venv's versions into requirements/lock.txt.
+LATEST := .venv-latest
+test-latest:
+	rm -rf $(LATEST) && $(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(LATEST)/bin/python -m pip install -q -e ".[dev]"
+	$(MAKE) --no-print-directory lmms-eval PY=$(LATEST)/bin/python VENV=$(LATEST)
+	$(LATEST)/bin/python scripts/lock.py diff
+	$(LATEST)/bin/python -m pytest -q --deselect tests/test_lock.py::test_the_environment_holds_the_lock
+
+lock:
+	test -x $(LATEST)/bin/python || $(MAKE) --no-print-directory test-latest
+	$(LATEST)/bin/python scripts/lock.py write > requirements/lock.txt
 
 install: $(VENV)/.installed
 

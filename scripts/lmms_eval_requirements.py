@@ -1,20 +1,24 @@
-"""Print lmms-eval's requirements without torchvision (and timm, which requires it), one per line.
+"""Print lmms-eval's requirements without those scripts/lock.py leaves unmet (torchvision, timm, wandb), one per line.
 
-`make install` on a machine whose torch has no matching torchvision (a CPU torch: PyPI's torchvision builds need PyPI's
-CUDA torch, and installing them would replace the CPU torch) installs lmms-eval with `--no-deps` and then these.
-TheWorld's lmms-eval adapter and the tasks it is tested on use neither package.
+`make test-latest` installs lmms-eval with `--no-deps` and then these: PyPI's torchvision builds need PyPI's CUDA
+torch (installing them would replace a CPU torch), timm requires torchvision, and lmms-eval's exact wandb pin (for its
+own logger) would hold the W&B tracker to an old release. TheWorld's lmms-eval adapter and the tasks it is tested on
+use none of them. `make install` takes the same set from requirements/lock.txt.
 """
 
 from __future__ import annotations
 
+import sys
 from importlib.metadata import requires
+from pathlib import Path
 
 from packaging.requirements import Requirement
 
-LEFT_OUT = {"torchvision", "timm"}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lock import LEFT_UNMET  # noqa: E402
 
 if __name__ == "__main__":
     for line in requires("lmms-eval") or []:
         req = Requirement(line)
-        if req.name.lower() not in LEFT_OUT and req.marker is None:
+        if req.name.lower() not in LEFT_UNMET["lmms-eval"] and req.marker is None:
             print(str(req))

@@ -100,6 +100,38 @@ def test_fsdp_kill_9_and_resume_gives_bitwise_equal_weights(cache, tmp_path, cap
     assert "written by 2 process(es), resumed by 1" in capsys.readouterr().err
 
 
+# What a shipped sharded config reaches at its first evaluation (step 0, before any training forward): the caption
+# samples run the model's parts (embeddings, the world block, generation) before the eval loss runs its root forward,
+# with the full stage-3 model, and with LoRA adapters under host offload.
+STEP0_EVAL = {"train.eval_every": 2, "train.samples": 2, "train.sample_tokens": 4, "train.eval_samples": 8}
+LORA_OFFLOAD = {"freeze.vision": "false", "lora.r": 4, "lora.alpha": 8, "lora.dropout": 0.0}
+LORA_OFFLOAD["train.cpu_offload"] = "true"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "extra",
+    [STAGE3, LORA_OFFLOAD],
+    ids=["stage3", "lora_offload"],
+)
+def test_fsdp_two_processes_evaluate_with_samples_at_step_0_as_one_process(cache, tmp_path, extra):
+    sets = {**extra, **STEP0_EVAL, "train.sharding": "fsdp"}
+    assert train_inproc(base_args(cache, tmp_path / "one", steps=2, **sets)) == 0
+    two = run2(base_args(cache, tmp_path / "two", steps=2, **sets))
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "sharding fsdp (FSDP2 fully_shard" in two.stderr
+    evals = [[m for m in metrics(tmp_path / d) if "eval_loss" in m] for d in ("one", "two")]
+    assert [m["step"] for m in evals[1]] == [0, 2] == [m["step"] for m in evals[0]]
+    for e1, e2 in zip(*evals):
+        assert e1["eval_loss"] == pytest.approx(e2["eval_loss"], rel=1e-5)
+        assert e1["eval_loss_shuffled_world"] == pytest.approx(e2["eval_loss_shuffled_world"], rel=1e-5)
+    samples = [[m["samples"] for m in metrics(tmp_path / d) if "samples" in m] for d in ("one", "two")]
+    assert len(samples[1]) == 2 and samples[0] == samples[1]  # the same greedy captions at steps 0 and 2
+    w1, w2 = weights(tmp_path / "one"), weights(tmp_path / "two")
+    for k in [k for k in w1 if not k.endswith("k_proj.bias")]:  # (softmax ignores key biases: rounding noise)
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.slow
 def test_fsdp_stage_chain_1_2_4(cache, tmp_path, capsys):
     """Stage 1 sharded over two processes, stage 2 in one, stage 4 sharded again: init_from reads whole tensors by

@@ -214,6 +214,16 @@ def samples_markdown(rows: list[dict]) -> str:
     return "\n".join([head] + ["| " + " | ".join(cell(r[c]) for c in SAMPLE_COLUMNS) + " |" for r in rows])
 
 
+def new_wandb_run_id(length: int = 8) -> str:
+    """A fresh W&B run id: `length` random base-36 digits, W&B's own id alphabet. Made here because W&B offers no
+    public function for it (`wandb.util.generate_id` is internal and gone in wandb 0.31); `wandb.init(id=...)` takes
+    any such string."""
+    import secrets
+    import string
+
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(length))
+
+
 def wandb_init(wandb_cfg, run_id: str, output_dir: str | Path) -> tuple[str, dict]:
     """(project, Accelerator.init_trackers init_kwargs): the run id is the checkpointed one, so a resumed run continues
     the same W&B run; its files go under output_dir."""

@@ -115,6 +115,10 @@ def shard(model: nn.Module, device: torch.device, world_size: int, mixed_precisi
     for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
+    # FSDP2 makes whichever unit runs forward first the root of the tree. An eval at step 0 runs the caption samples'
+    # generation (the model's parts: a vision layer before the root's own forward), which would make that layer its
+    # own root and the eval loss's root forward fail; settle the tree now, before anything runs.
+    model._get_fsdp_state()._lazy_init()
     return len(blocks) + 1
 
 

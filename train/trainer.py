@@ -21,7 +21,16 @@ from train.benchmarks import lines as benchmark_lines
 from train.components import Components, Launch, build, build_model, resolve_launch
 from train.config import run_hash, to_yaml
 from train.hub_upload import HubUploader
-from train.metrics import Metrics, ProfileWindow, StepWindow, check_metrics_file, check_trackers, summary, wandb_init
+from train.metrics import (
+    Metrics,
+    ProfileWindow,
+    StepWindow,
+    check_metrics_file,
+    check_trackers,
+    new_wandb_run_id,
+    summary,
+    wandb_init,
+)
 from train.preempt import EvalCut, Preemption, cut_message
 from train.samples import CaptionSamples
 from train.step import LoopState, evaluate
@@ -98,9 +107,7 @@ class Trainer:
         cache = checkpoint.cache_identity(checked.reader)
         state = checkpoint.restore(c, resume_from, cache)
         if "wandb" in cfg.trackers and state.wandb_run_id is None:
-            import wandb
-
-            state.wandb_run_id = wandb.util.generate_id()  # kept in the checkpoints: a resumed run continues it
+            state.wandb_run_id = new_wandb_run_id()  # kept in the checkpoints: a resumed run continues it
         rank, world_size = accelerator.process_index, accelerator.num_processes
         eval_loader = data.build_eval_loader(cfg, ctx, rank, world_size) if len(ctx.eval_indices) else None
         samples = CaptionSamples(cfg, ctx, cfg.train.samples) if cfg.train.samples and len(ctx.eval_indices) else None

@@ -1,0 +1,121 @@
+"""The lock of exact versions that `make install` installs (requirements/lock.txt): written from a virtual environment
+that passed the suite, and checked against the one it was installed into.
+
+    python scripts/lock.py write > requirements/lock.txt  # every distribution in this environment, as name==version
+    python scripts/lock.py check   # this environment holds the lock's versions, and they meet every requirement
+    python scripts/lock.py diff    # what this environment (e.g. make test-latest's) holds that differs from the lock
+
+torch is left out of the lock (with the packages of its CUDA builds): users install the build for their machine
+first, and `make` keeps it. Requirements that the installs deliberately leave unmet are listed in LEFT_UNMET.
+"""
+
+from __future__ import annotations
+
+import sys
+from importlib.metadata import Distribution, distributions
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+LOCK = Path(__file__).resolve().parent.parent / "requirements" / "lock.txt"
+PROJECT = "theworld-train"
+EXTRAS = ("dev", "eval")  # what `make install` (and so CI) installs
+NOT_LOCKED = {"pip", PROJECT}  # the installer, and the project itself (installed editable from the checkout)
+TORCH_BUILD = ("torch", "torchvision", "torchaudio", "triton", "nvidia-", "cuda-")  # the user's torch build
+
+# lmms-eval is installed without these (see the Makefile's lmms-eval target): torchvision (and timm, which needs it)
+# would replace a CPU torch with PyPI's CUDA build, and its exact wandb pin (for its own logger, which the adapter does
+# not use) would hold our W&B tracker to an old release.
+LEFT_UNMET = {"lmms-eval": {"torchvision", "timm", "wandb"}}
+
+
+def _name(dist: Distribution) -> str:
+    return canonicalize_name(dist.metadata["Name"])
+
+
+def locked_name(name: str) -> bool:
+    return name not in NOT_LOCKED and not name.startswith(TORCH_BUILD)
+
+
+def installed() -> dict[str, Distribution]:
+    return {_name(d): d for d in distributions()}
+
+
+def read_lock(path: Path | None = None) -> dict[str, str]:
+    path = path or LOCK
+    pins = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        req = Requirement(line)
+        spec = list(req.specifier)
+        if len(spec) != 1 or spec[0].operator != "==" or req.marker or req.extras:
+            raise SystemExit(f"{path}:{n}: '{line}' is not an exact pin (name==version)")
+        name = canonicalize_name(req.name)
+        if name in pins:
+            raise SystemExit(f"{path}:{n}: {name} is pinned twice")
+        pins[name] = spec[0].version
+    return pins
+
+
+def unmet(dists: dict[str, Distribution]) -> list[str]:
+    """Requirements of the project (with EXTRAS) and of everything installed that the installed versions do not meet."""
+    problems = []
+    for name, dist in sorted(dists.items()):
+        extras = EXTRAS if name == PROJECT else ()
+        for line in dist.requires or []:
+            req = Requirement(line)
+            dep = canonicalize_name(req.name)
+            env_ok = req.marker is None or any(req.marker.evaluate({"extra": e}) for e in ("", *extras))
+            if not env_ok or dep in LEFT_UNMET.get(name, set()) or dep.startswith(TORCH_BUILD[1:]):
+                continue
+            if dep not in dists:
+                problems.append(f"{name} requires {req}: not installed")
+            elif not req.specifier.contains(Version(dists[dep].version), prereleases=True):
+                problems.append(f"{name} requires {req}: {dists[dep].version} is installed")
+    return problems
+
+
+def write() -> None:
+    print("# Exact versions of everything `make install` installs, but torch (install your build first; see README).")
+    print("# CI ran the suite on these. Refresh: make lock (make test-latest, then its venv's versions written here).")
+    print(f"# Written on Python {sys.version_info.major}.{sys.version_info.minor}.")
+    for name, dist in sorted(installed().items()):
+        if locked_name(name):
+            print(f"{name}=={dist.version}")
+
+
+def check() -> int:
+    dists, pins = installed(), read_lock()
+    wrong = [
+        f"{n}=={v}: {'not installed' if n not in dists else dists[n].version + ' is installed'}"
+        for n, v in pins.items()
+        if n not in dists or dists[n].version != v
+    ]
+    extra = [n for n in dists if locked_name(n) and n not in pins]
+    problems = wrong + [f"{n} is installed but not in the lock" for n in extra] + unmet(dists)
+    for p in problems:
+        print(f"lock: {p}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def diff() -> int:
+    dists, pins = installed(), read_lock()
+    names = sorted({n for n in dists if locked_name(n)} | set(pins))
+    changed = [(n, pins.get(n, "-"), dists[n].version if n in dists else "-") for n in names]
+    changed = [c for c in changed if c[1] != c[2]]
+    for n, old, new in changed:
+        print(f"{n:40} {old:>16} -> {new}")
+    print(f"{len(changed)} of {len(names)} differ from {LOCK.name}")
+    return 0
+
+
+if __name__ == "__main__":
+    commands = {"write": write, "check": check, "diff": diff}
+    if len(sys.argv) != 2 or sys.argv[1] not in commands:
+        print(f"usage: python scripts/lock.py {{{','.join(commands)}}}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(commands[sys.argv[1]]() or 0)
