@@ -104,14 +104,13 @@ def test_fsdp_kill_9_and_resume_gives_bitwise_equal_weights(cache, tmp_path, cap
 # samples run the model's parts (embeddings, the world block, generation) before the eval loss runs its root forward,
 # with the full stage-3 model, and with LoRA adapters under host offload.
 STEP0_EVAL = {"train.eval_every": 2, "train.samples": 2, "train.sample_tokens": 4, "train.eval_samples": 8}
-LORA_OFFLOAD = {"freeze.vision": "false", "lora.r": 4, "lora.alpha": 8, "lora.dropout": 0.0}
-LORA_OFFLOAD["train.cpu_offload"] = "true"
+LORA = {"freeze.vision": "false", "lora.r": 4, "lora.alpha": 8, "lora.dropout": 0.0}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "extra",
-    [STAGE3, LORA_OFFLOAD],
+    [STAGE3, {**LORA, "train.cpu_offload": "true"}],
     ids=["stage3", "lora_offload"],
 )
 def test_fsdp_two_processes_evaluate_with_samples_at_step_0_as_one_process(cache, tmp_path, extra):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 import zlib
 from pathlib import Path
 from types import SimpleNamespace
@@ -128,14 +129,24 @@ def test_a_run_logs_captions_and_the_gap_and_stops_on_plateau_for_good(trained_r
 # W&B (the real package, offline)
 
 
-def wandb_records(run_dir: Path) -> dict[str, list]:
-    """The records of an offline run's transaction log (`run-<id>.wandb`), by kind. The file is W&B's documented
-    LevelDB-style log (a 7-byte header, 32 KiB blocks of crc32-checked chunks holding `Record` protobufs); it is read
-    here rather than through wandb's internal reader, which moves between releases."""
+def wandb_records(run_dir: Path, timeout: float = 60.0) -> dict[str, list]:
+    """The records of an offline run's transaction log (`run-<id>.wandb`), by kind, once it holds the run's `exit`
+    record (W&B's service writes the log on its own thread, after `finish()` may have returned)."""
+    deadline = time.monotonic() + timeout
+    while "exit" not in (records := _wandb_log(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return records
+
+
+def _wandb_log(run_dir: Path) -> dict[str, list]:
+    """W&B's documented LevelDB-style log (a 7-byte header, 32 KiB blocks of crc32-checked chunks holding `Record`
+    protobufs), read here rather than through wandb's internal reader, which moves between releases."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     (path,) = run_dir.glob("run-*.wandb")
     data, block, head = path.read_bytes(), 32768, 7
+    if not data:
+        return {}
     assert data[:4] == b":W&B", f"{path} is not a W&B transaction log"
     out: dict[str, list] = {}
     pos, chunks = head, b""
@@ -145,6 +156,8 @@ def wandb_records(run_dir: Path) -> dict[str, list]:
             continue
         crc, length, kind = struct.unpack("<IHB", data[pos : pos + head])
         body = data[pos + head : pos + head + length]
+        if len(body) < length:  # the service is still writing
+            break
         assert zlib.crc32(bytes([kind]) + body) == crc, f"{path}: a corrupt chunk at byte {pos}"
         pos, chunks = pos + head + length, chunks + body
         if kind in (1, 4):  # FULL or LAST: a whole record
