@@ -1,12 +1,16 @@
 """The Hub: hub repo ids load offline from a Hugging Face cache in huggingface_hub's own layout (from_pretrained,
 describe, evaluate, init_from), a one-line error naming an id that is not there; uploads run in the background (the
-file list, a slow or failing endpoint never stops or slows training, a failure is retried at the next save).
+file list, a slow or failing endpoint never stops or slows training, a failure is retried at the next save); a run
+against a local stand-in of the Hub's write API commits once per save with `hub.strategy: every_save`, final/ only
+with `end`.
 
-Not testable here (no hub on these machines): a real upload and a real download."""
+Not testable here (no hub on these machines): an upload to and a download from huggingface.co itself."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import http.server
 import json
 import shutil
 import subprocess
@@ -163,6 +167,65 @@ class FakeHub:
         return self
 
 
+class LocalHub(http.server.ThreadingHTTPServer):
+    """The Hub's write API as huggingface_hub's HfApi calls it for small files, on 127.0.0.1: create_repo, then
+    upload_folder's preupload (every file a regular upload), a README.md's metadata check, and commit (an NDJSON header
+    and base64 files). Each commit is recorded as (message, {path: bytes})."""
+
+    def __init__(self):
+        self.commits: list[tuple[str, dict[str, bytes]]] = []
+        self.repos: list[dict] = []
+        super().__init__(("127.0.0.1", 0), LocalHubHandler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.server_port}"
+
+
+class LocalHubHandler(http.server.BaseHTTPRequestHandler):
+    server: LocalHub
+
+    def _reply(self, obj: dict, code: int = 200) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.path == "/api/repos/create":
+            repo = json.loads(body)
+            self.server.repos.append(repo)
+            return self._reply({"url": f"{self.server.endpoint}/{repo['organization']}/{repo['name']}"})
+        if self.path == "/api/validate-yaml":  # a README.md's metadata
+            return self._reply({"warnings": []})
+        if "/preupload/" in self.path:
+            files = json.loads(body)["files"]
+            return self._reply(
+                {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]}
+            )
+        if "/commit/" in self.path:
+            lines = [json.loads(ln) for ln in body.splitlines() if ln.strip()]
+            message = next(ln["value"]["summary"] for ln in lines if ln["key"] == "header")
+            files = {
+                ln["value"]["path"]: base64.b64decode(ln["value"]["content"]) for ln in lines if ln["key"] == "file"
+            }
+            self.server.commits.append((message, files))
+            oid = hashlib.sha1(body).hexdigest()
+            repo = self.path.split("/api/models/", 1)[1].split("/commit/", 1)[0]
+            return self._reply({"commitUrl": f"{self.server.endpoint}/{repo}/commit/{oid}", "commitOid": oid})
+        self._reply({"error": "not found"}, 404)
+
+    def do_GET(self):
+        self._reply({"error": "not found"}, 404)
+
+    def log_message(self, *a):
+        pass
+
+
 def checkpoint_like(folder: Path) -> Path:
     folder.mkdir(parents=True)
     for name in ("trainable.safetensors", "config.yaml", "optimizer.pt", "rng.safetensors", "state.json"):
@@ -243,3 +306,34 @@ def test_a_run_with_a_slow_failing_hub_endpoint_trains_on_and_says_so(cached_sta
     )
     assert (out / "final" / "trainable.safetensors").is_file()
     assert time.perf_counter() - t < 120
+
+
+@pytest.mark.parametrize(
+    "strategy,expected", [("every_save", ["checkpoint-2", "checkpoint-4", "final"]), ("end", ["final"])]
+)
+def test_every_save_uploads_each_checkpoint_and_end_only_final(trained_run, tmp_path, monkeypatch, strategy, expected):
+    """A run against a local Hub: one commit per save (steps 2 and 4) and one for final/, each holding that folder's
+    model files as they were saved."""
+    import huggingface_hub.constants as constants
+
+    from train.hub_upload import MODEL_FILES
+    from train.loop import main
+
+    server = LocalHub()
+    monkeypatch.setattr(constants, "ENDPOINT", server.endpoint)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_TOKEN", "hf_fake_token_for_the_test")
+    out = tmp_path / "run"
+    sets = {"train.global_batch_size": 8, "train.eval_samples": 8, "train.save_every": 2, "train.samples": 0}
+    sets |= {"hub.model_id": "someone/run", "hub.strategy": strategy, "hub.private": "true"}
+    try:
+        assert main(base_args(trained_run["cache"], out, steps=4, **sets)) == 0
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert server.repos == [{"name": "run", "organization": "someone", "visibility": "private"}]
+    assert [message for message, _ in server.commits] == expected
+    for message, files in server.commits:
+        folder = out / message
+        assert set(files) == {p.name for p in folder.iterdir() if p.name in MODEL_FILES} >= {"trainable.safetensors"}
+        assert all(files[name] == (folder / name).read_bytes() for name in files), message

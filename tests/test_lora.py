@@ -1,6 +1,6 @@
 """LoRA stages (config `lora`, theworld/lora.py, theworld/export.py): what trains and what is saved, peft reading the
 adapter folder, the merged export read by plain transformers and by TheWorld without peft, init_from merging into a
-full fine-tune, FSDP over two processes equal to one, kill -9 + resume bitwise, and every refusal."""
+full fine-tune, DDP and FSDP over two processes equal to one, kill -9 + resume bitwise, and every refusal."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, base_args, fixed_inputs, launch2, run2, train_inproc, weights
+from conftest import ROOT, base_args, fixed_inputs, launch2, metrics, run2, train_inproc, weights
 from safetensors.torch import load_file
 
 # stage 3 as configs/real/stage3_lora.yaml runs it: the vision tower trains whole, the language model through LoRA
@@ -214,6 +214,24 @@ def test_lora_fsdp_two_processes_give_the_weights_of_one(cache, tmp_path):
         load_file(str(tmp_path / "two" / "final" / "adapter_model.safetensors")).keys()
         == load_file(str(tmp_path / "one" / "final" / "adapter_model.safetensors")).keys()
     )
+
+
+@pytest.mark.slow
+def test_lora_ddp_two_processes_give_the_weights_losses_and_ema_of_one(cache, tmp_path):
+    """As configs/real/stage3_lora.yaml trains (DDP, gradient checkpointing); dropout off: its masks are per process."""
+    extra = {**LORA3, "lora.dropout": 0.0, "train.sharding": "ddp", "train.gradient_checkpointing": "true"}
+    extra |= {"train.ema": 0.9}
+    assert train_inproc(base_args(cache, tmp_path / "one", steps=3, **extra)) == 0
+    two = run2(base_args(cache, tmp_path / "two", steps=3, **extra))
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "sharding ddp (replicated)" in two.stderr and "2 process(es)" in two.stderr
+    for name in ("trainable.safetensors", "ema.safetensors"):
+        a, b = (load_file(str(tmp_path / d / "final" / name)) for d in ("one", "two"))
+        assert a.keys() == b.keys() and any(".lora_B." in k for k in a), name
+        for k in [k for k in a if not k.endswith("k_proj.bias")]:  # (softmax ignores key biases: rounding noise)
+            torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-5, msg=f"{name}: {k}")
+    l1, l2 = ([m["loss"] for m in metrics(tmp_path / d) if "loss" in m] for d in ("one", "two"))
+    assert len(l1) == 3 and l2 == pytest.approx(l1, rel=1e-5)
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ known values, each baseline against a hand computation, captions against pycocoe
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -295,9 +296,14 @@ def test_the_cli_json_out_and_model_card_on_a_trained_run(trained_run, tmp_path,
     assert len(lines) == 6 and {"item", "answer", "pred", "outputs"} <= lines[0].keys()
     assert set(lines[0]["outputs"]) == {"model", *baselines.BASELINES} and len(lines[0]["outputs"]["model"]) == 4
     assert sum(r["pred"] == r["answer"] for r in lines) / 6 == res["accuracy"]
-    assert main(argv[:4] + ["--protocol", "generate", "--json", "--max-new-tokens", "3"]) == 0
+    gen_out = tmp_path / "generate.out.jsonl"
+    assert main(argv[:4] + ["--protocol", "generate", "--json", "--max-new-tokens", "3", "--out", str(gen_out)]) == 0
     gen = json.loads(capsys.readouterr().out)
-    assert gen["protocol"] == "generate" and 0 <= gen["unparsed"] <= 6
+    answers = [json.loads(x) for x in gen_out.read_text().splitlines()]
+    # the 4-step tiny model answers "" or "." runs, never a letter: every answer is unparsed, and so wrong
+    assert all(re.fullmatch(r"[.\s]*", a) for r in answers for a in r["outputs"].values()), answers
+    assert [(r["pred"], r["pred_shuffled_world"]) for r in answers] == [(None, None)] * 6
+    assert (gen["protocol"], gen["unparsed"], gen["unparsed_shuffled_world"], gen["accuracy"]) == ("generate", 6, 6, 0)
     card = (trained_run["run"] / "final" / "README.md").read_text()
     table = card[card.index("## Evaluation results") :].splitlines()
     rows = [r for r in table if r.startswith("| items.jsonl")]

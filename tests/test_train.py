@@ -747,3 +747,22 @@ def test_train_epochs_sets_the_run_length_and_the_start_line_counts_parameters(c
     assert [m["step"] for m in metrics(out) if "loss" in m] == [1, 2, 3]
     assert "train.epochs 0.5: 3 steps of 5 per epoch" in printed.out + printed.err
     assert "parameters trainable / total: projector " in printed.out + printed.err
+
+
+def test_the_trained_ema_follows_the_warmup_ramp(cache, tmp_path):
+    """A checkpoint after every step holds the weights w_s and the EMA e_s of steps 1..5. With train.ema 0.9 ramped
+    over 3 steps the decays after steps 1..5 are 0, 0.3, 0.6, 0.9, 0.9: e_1 = w_1, then e_s = d_s e_(s-1) +
+    (1 - d_s) w_s. Without the ramp e_1 would keep 90% of the initial weights."""
+    out = tmp_path / "run"
+    sets = {"train.ema": 0.9, "train.ema_warmup_steps": 3, "train.save_every": 1, "train.keep_last": 5}
+    assert train_inproc(base_args(cache, out, steps=5, **sets, **{"train.warmup_steps": 0})) == 0
+    saved = {s: out / f"checkpoint-{s}" for s in range(1, 6)}
+    w = {s: load_file(str(d / "trainable.safetensors")) for s, d in saved.items()}
+    e = {s: load_file(str(d / "ema.safetensors")) for s, d in saved.items()}
+    assert w[1].keys() == e[1].keys() and any(not torch.equal(w[1][k], w[2][k]) for k in w[1])  # the weights move
+    expected = {}
+    for s, decay in zip(range(1, 6), [0.0, 0.3, 0.6, 0.9, 0.9]):
+        expected = {k: decay * expected.get(k, 0.0) + (1 - decay) * v for k, v in w[s].items()}
+        for k in expected:
+            torch.testing.assert_close(e[s][k], expected[k], rtol=1e-5, atol=1e-6, msg=f"step {s}: {k}")
+    assert any(not torch.allclose(e[5][k], w[5][k]) for k in w[5])  # an average, not the last weights

@@ -180,7 +180,15 @@ def test_wandb_offline_holds_config_scalars_and_captions_and_a_resumed_run_conti
     monkeypatch.setenv("WANDB_SILENT", "true")
     out = tmp_path / "run"
     args = run_args(
-        trained_run["cache"], out, **{"trackers": "[wandb]", "wandb.run_name": "stage1-test", "wandb.tags": "[demo]"}
+        trained_run["cache"],
+        out,
+        **{
+            "trackers": "[wandb]",
+            "wandb.project": "theworld-test",
+            "wandb.entity": "someone",
+            "wandb.run_name": "stage1-test",
+            "wandb.tags": "[demo]",
+        },
     )
     real_step = train.loop.optimization_step
 
@@ -200,6 +208,7 @@ def test_wandb_offline_holds_config_scalars_and_captions_and_a_resumed_run_conti
     first, resumed = (wandb_records(r) for r in runs)
     assert first["run"][0].run_id == resumed["run"][0].run_id == run_id
     assert first["run"][0].display_name == "stage1-test" and list(first["run"][0].tags) == ["demo"]
+    assert [(r["run"][0].project, r["run"][0].entity) for r in (first, resumed)] == [("theworld-test", "someone")] * 2
     config = {i.key: json.loads(i.value_json) for c in first["config"] for i in c.update}
     assert config["model.gemma"] == "tiny" and config["train.samples"] == 2
     steps = {}
