@@ -332,7 +332,6 @@ SIZE_LIMITS: dict[str, tuple[int, str]] = {
     "profile.top": (10_000, "the operations printed (default 15)"),
     "shard_size": (1 << 20, "samples per cache shard (default 512)"),
     "batch_size": (1 << 16, "images per VAE forward (default 32)"),
-    "source.num_samples": (1 << 40, "the number of samples to cache"),
 }
 
 
