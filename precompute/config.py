@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 from theworld import images, paths, run_lock
-from theworld.config import ImageConfig, ModelConfig, check_workers, load_config, require_path
+from theworld.config import ImageConfig, ModelConfig, check_sizes, check_workers, load_config, require_path
 from theworld.errors import UserError
 from theworld.text import DEFAULT_PROMPT
 
@@ -71,6 +71,7 @@ class PrecomputeConfig:
                 raise UserError(f"config key '{key}': must be positive, got {getattr(self, key)}")
         if self.num_workers < 0:
             raise UserError(f"config key 'num_workers': must be >= 0, got {self.num_workers}")
+        check_sizes(self)
         check_workers("num_workers", self.num_workers)
         if self.source.type == "synthetic" and self.source.num_samples is None:
             self.source.num_samples = 4096

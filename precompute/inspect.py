@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import sys
 import tarfile
@@ -26,7 +27,7 @@ import torch
 from precompute import fonts
 from precompute.config import PrecomputeConfig
 from theworld import cache_format as cf
-from theworld import encoders, images
+from theworld import encoders, images, paths
 from theworld.config import ArgParser, add_config_args, load_config
 from theworld.errors import CacheDamaged, UserError, cli_entry, one_line
 
@@ -414,7 +415,14 @@ def decode(cache: Path, args) -> tuple[dict, int, str]:
     reader.close()
     header = _decode_header(cfg)
     labels = [f"{p['key']}\n{' '.join(p['caption'].split())}" for p in per_sample]
-    _sheet(pairs, labels, header).save(out_path)
+    tmp = Path(out_path).with_name(paths.partial_name(Path(out_path).name))
+    try:
+        from PIL import Image
+
+        _sheet(pairs, labels, header).save(tmp, format=Image.registered_extensions()[out_path.suffix.lower()])
+        os.replace(tmp, out_path)
+    finally:
+        tmp.unlink(missing_ok=True)
     report = {"cache": str(cache), "n": len(pairs), "out": str(out_path), "samples": per_sample, "header": header}
     return report, 0, (f"decode {cache}: {len(pairs)} samples -> {out_path} (" + header.replace("\n", "; ") + ")")
 
@@ -465,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     if tol is not None and not 0 <= tol < float("inf"):  # a NaN tolerance would pass any difference
         raise UserError(f"precompute.inspect: --tol must be a finite number >= 0, got {tol}")
     cache = Path(args.cache)
+    if args.command == "decode":
+        paths.check_not_input(args.out, {"the cache": cache})
     try:
         report, code, text = COMMANDS[args.command](cache, args)
     except (OSError, CacheDamaged) as e:  # most often a shard missing or cut short: verify reports every problem,

@@ -188,3 +188,55 @@ def test_generate_until_gives_the_text_theworld_generates(tmp_path, monkeypatch)
     logged = {s["doc_id"]: _text(s["filtered_resps"]) for s in out["samples"]["theworld_local_generate"]}
     assert [logged[k] for k in range(len(docs))] == answers
     assert out["results"]["theworld_local_generate"]["accuracy,none"] == pytest.approx(accuracy)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model_args, words",
+    [("pretrained=MISSING", ["MISSING", "not a folder"]), ("pretrained=RUN,temperature=0", ["unknown model_args"])],
+)
+def test_lmms_eval_with_a_model_it_cannot_build_is_one_line_and_exit_2(trained_run, tmp_path, model_args, words):
+    """lmms-eval prints any Exception of a model's constructor as a traceback and exits 0, having evaluated nothing;
+    the adapter's own refusal gets through it as one line and exit code 2."""
+    from theworld.infer import benchmarks
+
+    tasks = _task_folder(tmp_path, benchmarks.read(trained_run["mc"])[:1])
+    missing = tmp_path / "no-run"
+    model_args = model_args.replace("MISSING", str(missing)).replace("RUN", str(trained_run["run"]))
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "HF_DATASETS_CACHE": str(tmp_path / "hf_datasets"),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(_entry_point(tmp_path))]),
+    }
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lmms_eval",
+            "--model",
+            "theworld",
+            "--model_args",
+            model_args,
+            "--tasks",
+            "theworld_local_loglik",
+            "--include_path",
+            str(tasks),
+            "--batch_size",
+            "1",
+            "--output_path",
+            str(tmp_path / "out"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    errors = [ln for ln in run.stderr.splitlines() if ln.startswith("error: theworld:")]
+    assert run.returncode == 2 and len(errors) == 1, run.stderr[-4000:]
+    assert all(w.replace("MISSING", str(missing)) in errors[0] for w in words), errors
+    assert "Traceback" not in run.stderr

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +41,7 @@ from theworld.config import (
     from_dict,
 )
 from theworld.errors import UserError
+from theworld.paths import REGULAR, path_kind
 from theworld.text import DEFAULT_PROMPT
 
 WEIGHTS = "trainable.safetensors"
@@ -99,36 +101,101 @@ def state_digest(state: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
+# In the header of every trainable.safetensors written since stage folders carry sha256 records: the folder's own
+# statement that it has them, so a deleted, emptied or replaced record is refused rather than taken for an older folder
+RECORDS_KEY, RECORDS_VERSION = "theworld.sha256_records", "1"
+_noted: set[Path] = set()
+
+
+def save_weights(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """A stage folder's trainable.safetensors, its header saying the folder records its files' sha256."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata={"format": "pt", RECORDS_KEY: RECORDS_VERSION})
+
+
+def sums(folder: Path, *but: str) -> dict[str, str]:
+    """sha256 of every file in `folder` but those named (the record being written, final/'s model card)."""
+    from theworld.cache_format import sha256_file
+
+    return {f.name: sha256_file(f) for f in sorted(folder.iterdir()) if f.name not in but}
+
+
+def write_sums(folder: Path) -> None:
+    """final/'s (or an export's) sha256.json: every other file's sha256 but the card's."""
+    (folder / SUMS).write_text(json.dumps(sums(folder, SUMS, CARD), indent=1))
+
+
+def _says_recorded(weights: Path) -> bool:
+    """Whether the weights' header says its folder was written with sha256 records."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(weights), "pt") as f:
+            return (f.metadata() or {}).get(RECORDS_KEY) is not None
+    except Exception:  # noqa: BLE001  unreadable or not safetensors: loading it says so in its own line
+        return False
+
+
+def _read_record(path: Path) -> object:
+    kind = path_kind(path)
+    if kind != REGULAR:  # never opened: a FIFO blocks, /dev/zero never ends
+        raise UserError(f"{path} is {kind}, not the file of the folder's sha256 records (replaced or damaged)")
+    try:
+        return json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: cannot read it ({type(e).__name__}: {str(e)[:200]})") from None
+
+
 def recorded_sha256(folder: Path) -> dict[str, str] | None:
     """The sha256 a stage folder recorded of its files (a checkpoint's state.json, final/'s sha256.json), or None for
-    a folder written before such records existed (taken as it is)."""
-    for name, key in ((STATE, "sha256"), (SUMS, None)):
-        if (folder / name).is_file():
-            try:
-                data = json.loads((folder / name).read_bytes())
-            except (OSError, ValueError) as e:
-                raise UserError(f"{folder / name}: cannot read it ({type(e).__name__}: {str(e)[:200]})") from None
-            record = (data.get(key) if isinstance(data, dict) else None) if key else data
-            if record is not None and not (
-                isinstance(record, dict) and all(isinstance(v, str) for v in record.values())
-            ):
-                raise UserError(f"{folder / name}: not a sha256 record (hand-edited or damaged)")
-            return record
-    return None
+    a folder written before such records existed. A folder that says it was written with them (a checkpoint's
+    format_version 2, the header of its weights) must have them: missing, empty, null or not a file is refused."""
+    state, record_file = folder / STATE, folder / SUMS
+    if path_kind(state) is not None:
+        data = _read_record(state)
+        record = data.get("sha256") if isinstance(data, dict) else None
+        required = not isinstance(data, dict) or data.get("format_version", 1) != 1
+        where = f"{state} (its sha256 of the other files)"
+    elif path_kind(record_file) is not None:
+        record, required, where = _read_record(record_file), True, str(record_file)
+    else:
+        record, required, where = None, False, f"{record_file} (or a checkpoint's {STATE})"
+    required = required or _says_recorded(folder / WEIGHTS)
+    if record is None and not required:
+        return None
+    if not (isinstance(record, dict) and record and all(isinstance(v, str) for v in record.values())):
+        raise UserError(
+            f"{where}: not a sha256 record (missing, empty or hand-edited), though {folder} was written "
+            "with one; its files cannot be checked: restore the record, or use the run's other folder"
+        )
+    if WEIGHTS not in record and (folder / WEIGHTS).exists():
+        raise UserError(f"{where}: records no sha256 of {WEIGHTS} (hand-edited); its weights cannot be checked")
+    return record
 
 
 def verify(folder: Path, names: list[str] | None = None) -> None:
-    """The files of a stage folder are the ones it recorded (all of them, or `names`); a damaged, truncated or
-    missing one is a one-line error naming it."""
+    """The files of a stage folder are the ones it recorded (all of them, or `names`); a damaged, truncated, missing
+    or unreadable one is a one-line error naming it. A folder from before the records: a one-line note."""
     from theworld.cache_format import sha256_file
 
     record = recorded_sha256(folder)
+    if record is None and folder.resolve() not in _noted:
+        _noted.add(folder.resolve())
+        print(
+            f"note: {folder} has no sha256 records (written before they existed): its files are used unverified",
+            file=sys.stderr,
+        )
     for name, digest in (record or {}).items():
         if names is not None and name not in names:
             continue
         f = folder / name
-        if not f.is_file() or sha256_file(f) != digest:
-            where = STATE if (folder / STATE).is_file() else SUMS
+        where = STATE if (folder / STATE).exists() else SUMS
+        try:
+            ok = path_kind(f) == REGULAR and sha256_file(f) == digest
+        except OSError as e:
+            raise UserError(f"{f}: cannot read it ({e.strerror})") from None
+        if not ok:
             raise UserError(
                 f"{f} is {'damaged' if f.is_file() else 'missing'} (its sha256 is not the one {where} recorded)"
             )
@@ -182,5 +249,8 @@ def trained_prompt(folder: Path) -> str:
     """The prompt the stage was trained with (final/prompt.txt), or DEFAULT_PROMPT for a folder without one (a
     checkpoint-N/, or a run from before the file existed)."""
     path = folder / PROMPT
-    text = path.read_text(encoding="utf-8").strip("\n") if path.is_file() else ""
+    try:
+        text = path.read_text(encoding="utf-8").strip("\n") if path_kind(path) == REGULAR else ""
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: cannot read the stage's prompt ({getattr(e, 'strerror', None) or e})") from None
     return text or DEFAULT_PROMPT

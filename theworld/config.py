@@ -105,6 +105,7 @@ class LoraConfig:
             )
         if self.r <= 0:
             raise UserError(f"config key 'lora.r': must be positive, got {self.r}")
+        check_sizes(self, "lora")
         if not self.alpha > 0:
             raise UserError(f"config key 'lora.alpha': must be positive, got {self.alpha}")
         if not 0.0 <= self.dropout < 1.0:
@@ -312,6 +313,36 @@ def yaml_load(text: str, where: str) -> Any:
 def usable_cores() -> int:
     """CPU cores this process may run on (its affinity mask, which a scheduler's allocation narrows)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+# Upper bounds of the size-like keys: each sizes an allocation or a loop, so a mistyped value (a few zeros too many)
+# would exhaust memory or never end instead of failing. Each bound is far above any real use; the hint says what is.
+SIZE_LIMITS: dict[str, tuple[int, str]] = {
+    "lora.r": (4096, "LoRA ranks are 4-256 (default 16)"),
+    "train.sample_tokens": (4096, "a caption is tens of tokens (default 32)"),
+    "train.samples": (4096, "a few held-out samples are captioned at each eval (default 8)"),
+    "train.eval_samples": (10_000_000, "a few hundred held-out samples are enough (default 256)"),
+    "train.global_batch_size": (1 << 20, "global batches are tens to thousands (default 32)"),
+    "train.max_micro_batch_size": (1 << 16, "what one forward fits in memory (default 32)"),
+    "train.micro_batch_size": (1 << 16, "what one forward fits in memory, or auto"),
+    "train.eval_batch_size": (1 << 16, "what one forward fits in memory (0: micro_batch_size)"),
+    "train.max_length": (1 << 20, "Gemma 3 reads at most 131072 tokens (0: no cap)"),
+    "train.plateau.window_evals": (1 << 20, "a few evals (0: the last 5,000 steps)"),
+    "profile.steps": (1000, "a few steps make a readable trace (default 5)"),
+    "profile.top": (10_000, "the operations printed (default 15)"),
+    "shard_size": (1 << 20, "samples per cache shard (default 512)"),
+    "batch_size": (1 << 16, "images per VAE forward (default 32)"),
+}
+
+
+def check_sizes(section: object, prefix: str = "") -> None:
+    """SIZE_LIMITS for the keys of one config section (`prefix`: its dotted name, "" at the top level): a one-line
+    error with what a real value is."""
+    for key, (limit, hint) in SIZE_LIMITS.items():
+        head, _, name = key.rpartition(".")
+        value = getattr(section, name, None) if head == prefix.rstrip(".") else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > limit:
+            raise UserError(f"config key '{key}': {shown(value)} is too large (at most {limit:,}; {hint})")
 
 
 WORKERS_PER_CORE = 8  # loader workers mostly wait on I/O and decoding: a few per core help, thousands only thrash

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import re
 import shutil
+import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
@@ -38,11 +40,15 @@ def out_of_space(e: BaseException, folder: str | Path | None = None) -> bool:
         return False
 
 
-def no_space_message(what: str | Path) -> str:
-    return (
-        f"no space left on device while writing {what}: free some space and rerun the same command (it continues "
-        "from the last complete save)"
-    )
+def no_space_message(what: str | Path, resumes: bool = True) -> str:
+    """The line for a full disk; `resumes`: the command continues from its last complete save (training,
+    precompute), which a command that writes one file (evaluate's --out, an export) does not have."""
+    if resumes:
+        return (
+            f"no space left on device while writing {what}: free some space and rerun the same command (it "
+            "continues from the last complete save)"
+        )
+    return f"no space left on device while writing {what}: the disk holding it is full; free space there and rerun"
 
 
 class CacheDamaged(UserError):
@@ -81,7 +87,26 @@ def cli_entry(main: Callable[[list[str] | None], int | None]) -> Callable[[list[
         except OSError as e:
             if not out_of_space(e):
                 raise
-            print(f"error: {no_space_message(e.filename or 'a file')}", file=sys.stderr)
+            print(f"error: {no_space_message(e.filename or 'a file', resumes=False)}", file=sys.stderr)
             return 2
 
     return wrapper
+
+
+def _exit_143(*_) -> None:
+    sys.exit(128 + signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def sigterm_as_exit() -> Iterator[None]:
+    """While the block runs, SIGTERM (`kill PID`, a scheduler's stop) raises SystemExit in the main thread, so the
+    block's `finally` removes what it was writing; the previous handler is restored after."""
+    try:
+        old = signal.signal(signal.SIGTERM, _exit_143)
+    except ValueError:  # not the main thread: signals cannot be handled here
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)

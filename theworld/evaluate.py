@@ -12,13 +12,16 @@ result into its model card (final/README.md).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
+from theworld import paths
 from theworld.config import ArgParser, DefaultsHelp
-from theworld.errors import UserError, cli_entry
+from theworld.errors import UserError, cli_entry, out_of_space, sigterm_as_exit
 from theworld.infer import baselines, benchmarks
 from theworld.infer.scoring import PROTOCOLS
 
@@ -57,8 +60,8 @@ def parse(argv: list[str] | None):
     )
     p.add_argument(
         "--split",
-        default="val",
-        help="which split's files of a BLINK folder to read; a cache's held-out samples are val",
+        default=None,
+        help="which split's files of a BLINK folder to read (default val); a cache's held-out samples are val",
     )
     p.add_argument("--out", help="write one JSON line per item (outputs of every condition) to this file")
     p.add_argument("--no-shared-prefix", action="store_true", help="score every choice from the full sequence")
@@ -87,8 +90,32 @@ def parse(argv: list[str] | None):
         )
     if not args.model and not args.make_synthetic:
         raise UserError("theworld.evaluate: --model is required (unless only writing a set with --make-synthetic)")
+    if args.task == "caption" and (args.protocol or args.baselines):
+        flag = "--protocol" if args.protocol else "--baselines"
+        raise UserError(
+            f"theworld.evaluate: {flag} is for multiple choice (--task mc); captions are always generated and "
+            "scored against the shuffled world"
+        )
     args.baselines = baselines.parse(args.baselines)
+    _check_split(args)
     return args
+
+
+def _check_split(args) -> None:
+    """--split chooses files of a BLINK folder (or a cache's held-out samples): given for one file that has no
+    splits (JSONL) or another split, it would be ignored."""
+    data = Path(args.data)
+    if args.split is None or args.make_synthetic or data.is_dir():
+        args.split = args.split or "val"
+        return
+    if data.suffix == ".parquet" and benchmarks.split_of(data) == args.split:
+        return
+    raise UserError(
+        f"theworld.evaluate: --split {args.split} chooses the files of a BLINK parquet folder, but --data {data} is "
+        f"one {'parquet' if data.suffix == '.parquet' else 'JSONL'} file"
+        + (f" of split {benchmarks.split_of(data)!r}" if data.suffix == ".parquet" else " (it has no splits)")
+        + "; leave --split out"
+    )
 
 
 def _readable(items: list, skipped: list[dict]) -> list:
@@ -98,19 +125,56 @@ def _readable(items: list, skipped: list[dict]) -> list:
     return [it for it in items if it.name not in bad]
 
 
-def _open_out(path: str | None):
-    if path is None:
-        return None
-    try:
-        return open(path, "w", encoding="utf-8")
-    except OSError as e:
-        raise UserError(f"--out {path}: cannot write ({e.strerror})") from None
+class _Out:
+    """--out: every record written as it comes to `.tmp-NAME-PID` beside it, renamed over it when the evaluation
+    ends (removed when it fails; one left by a killed run is removed by the next). A path that exists and is not a
+    regular file (/dev/null, a FIFO) is written directly: nothing can be renamed over it."""
+
+    def __init__(self, path: str):
+        self.path = Path(path)
+        kind = paths.path_kind(self.path)
+        self.direct = kind is not None and kind != paths.REGULAR and not kind.startswith("a dangling")
+        self.tmp = self.path if self.direct else self.path.with_name(paths.partial_name(self.path.name))
+        for stale in [] if self.direct else paths.remove_stale_partials(self.path.parent, self.path.name):
+            print(f"removed {stale} (the unfinished --out of a killed run)", file=sys.stderr)
+        try:
+            self.file = open(self.tmp, "w", encoding="utf-8")
+        except OSError as e:
+            raise UserError(f"--out {path}: cannot write ({e.strerror})") from None
+
+    def write(self, records: list[dict]) -> None:
+        try:
+            for r in records:
+                self.file.write(json.dumps(r, ensure_ascii=False) + "\n")
+            self.file.flush()
+        except OSError as e:
+            self.close(ok=False)
+            if out_of_space(e, self.tmp.parent):
+                raise UserError(
+                    f"--out {self.path}: no space left on device (the file system holding {self.path.parent} is "
+                    f"full); free space there or give --out another disk; {self.path} was not changed"
+                ) from None
+            raise UserError(f"--out {self.path}: cannot write ({e.strerror}); {self.path} was not changed") from None
+
+    def close(self, ok: bool) -> None:
+        with contextlib.suppress(OSError):
+            self.file.close()
+        if self.direct:
+            return
+        if ok:
+            os.replace(self.tmp, self.path)
+        else:
+            self.tmp.unlink(missing_ok=True)
 
 
 @cli_entry
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.make_synthetic:
+        if args.model:  # the set is written: never over the model's own files
+            from theworld import checkpoint_layout as layout
+
+            paths.check_not_input(args.data, {"the model folder": layout.resolve(args.model)}, flag="--data")
         benchmarks.make_synthetic(args.data, args.make_synthetic, seed=args.synthetic_seed)
         print(f"wrote {args.make_synthetic} items to {args.data}", file=sys.stderr)
         if not args.model:
@@ -134,16 +198,21 @@ def main(argv: list[str] | None = None) -> int:
     from theworld.model import TheWorld
 
     folder = layout.resolve(args.model)  # before the slow load: a wrong folder is one line at once
-    out = _open_out(args.out)
+    if args.out:
+        paths.check_not_input(args.out, {"--data": args.data, "the model folder": folder})
+    out = _Out(args.out) if args.out else None
     t = time.time()
     model, processor = TheWorld.from_pretrained(folder, ema=args.ema)
     print(f"loaded {args.model} in {time.time() - t:.1f} s; evaluating {len(items)} items", file=sys.stderr)
     init = baselines.InitProjector.for_stage(model, folder) if "init_projector" in args.baselines else None
+    ok = False
     try:
-        summary = _run(args, model, processor, items, init, out, layout.trained_prompt(folder))
+        with sigterm_as_exit():  # a kill removes --out's temporary file
+            summary = _run(args, model, processor, items, init, out, layout.trained_prompt(folder))
+        ok = True
     finally:
         if out is not None:
-            out.close()
+            out.close(ok)
     if args.json:
         print(json.dumps({"model": args.model, "data": args.data, **summary}))
     else:
@@ -151,9 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     if folder.name == layout.FINAL:
         from theworld.infer import card
 
-        card.update(
-            folder / layout.CARD, card.row(summary, args.data, args.task, sys.argv[1:] if argv is None else argv)
-        )
+        argv = sys.argv[1:] if argv is None else argv
+        card.update(folder / layout.CARD, card.row(summary, args.data, args.task, argv, args.split, args.limit))
     return 0
 
 
@@ -165,10 +233,8 @@ def _run(args, model, processor, items: list, init, out, prompt: str) -> dict:
 
     def progress(records: list[dict]) -> None:
         bar.update(len(records))
-        for r in records if out is not None else ():
-            out.write(json.dumps(r, ensure_ascii=False) + "\n")
         if out is not None:
-            out.flush()
+            out.write(records)
 
     try:
         if args.task == "caption":

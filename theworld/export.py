@@ -16,12 +16,11 @@ import sys
 from pathlib import Path
 
 import yaml
-from safetensors.torch import save_file
 
 from theworld import checkpoint_layout as layout
-from theworld import lora
+from theworld import lora, paths
 from theworld.config import ArgParser
-from theworld.errors import UserError, cli_entry
+from theworld.errors import UserError, cli_entry, out_of_space, sigterm_as_exit
 
 HERE = "."  # model.gemma of an exported folder: the folder itself (checkpoint_layout.read_config resolves it)
 
@@ -39,9 +38,15 @@ def parse(argv: list[str] | None):
             "already a peft adapter folder: the run's final/"
         )
     out = Path(args.out)
+    if out.is_symlink():  # renaming the finished folder over it would fail after the whole export
+        raise UserError(
+            f"theworld.export: --out {out} is a symlink (to {os.readlink(out)}); give the folder it names, or a new "
+            "path; nothing was written"
+        )
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"theworld.export: --out {out} exists and is not an empty folder; nothing was written")
-    layout.resolve(args.model)  # before the model loads
+    folder = layout.resolve(args.model)  # before the model loads
+    paths.check_not_input(out, {"the model folder": folder})
     return args
 
 
@@ -57,31 +62,57 @@ def exported_config(folder: Path) -> dict:
 
 
 def export(model_dir: str | Path, out: str | Path, ema: bool = False) -> Path:
+    """Write the merged export of `model_dir` into `.tmp-NAME-PID` beside `out`, then rename it to `out`: a failed,
+    full or killed export leaves no partial folder at `out` (its temporary one is removed at once, or for kill -9 by
+    the next export to the same place)."""
     from theworld.model import TheWorld
 
     folder = layout.resolve(model_dir)
+    out = Path(out)
+    for stale in paths.remove_stale_partials(out.parent, out.name):
+        print(f"removed {stale} (the unfinished folder of a killed export)", file=sys.stderr)
     model, processor = TheWorld.from_pretrained(folder, ema=ema, device="cpu")
     merged = lora.merge(model.gemma)
-    out = Path(out)
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.gemma.save_pretrained(tmp)
-    processor.save_pretrained(tmp)
+    tmp = out.parent / paths.partial_name(out.name)
     params = dict(model.named_parameters())
     rest = {n: params[n].detach().cpu().contiguous() for n in _trained_outside_gemma(folder)}
-    save_file(rest, str(tmp / layout.WEIGHTS))
-    (tmp / layout.CONFIG).write_text(yaml.safe_dump(exported_config(folder), sort_keys=False))
-    if (folder / layout.PROMPT).is_file():  # the prompt the stage trained with stays describe's default
-        shutil.copyfile(folder / layout.PROMPT, tmp / layout.PROMPT)
-    if out.exists():
-        out.rmdir()  # empty (checked by parse)
-    os.replace(tmp, out)
+    try:
+        with sigterm_as_exit():
+            _write(tmp, folder, model, processor, rest)
+            if out.exists():
+                out.rmdir()  # empty (checked by parse)
+            os.replace(tmp, out)
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if out_of_space(e, out.parent):
+            raise UserError(
+                f"theworld.export: no space left on device writing {tmp} (the file system holding "
+                f"{out.parent} is full); free space there or export elsewhere; nothing was left at --out"
+            ) from None
+        if isinstance(e, OSError):
+            where = e.filename or tmp
+            raise UserError(f"theworld.export: cannot write {where} ({e.strerror}); --out was not created") from None
+        raise
+    except BaseException:  # SystemExit of a SIGTERM, KeyboardInterrupt
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     print(
         f"exported {folder} to {out}: {merged} LoRA layers merged; {len(rest)} TheWorld tensors ({layout.WEIGHTS})",
         file=sys.stderr,
     )
     return out
+
+
+def _write(tmp: Path, folder: Path, model, processor, rest: dict) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.gemma.save_pretrained(tmp)
+    processor.save_pretrained(tmp)
+    layout.save_weights(rest, tmp / layout.WEIGHTS)
+    (tmp / layout.CONFIG).write_text(yaml.safe_dump(exported_config(folder), sort_keys=False))
+    if (folder / layout.PROMPT).is_file():  # the prompt the stage trained with stays describe's default
+        shutil.copyfile(folder / layout.PROMPT, tmp / layout.PROMPT)
+    layout.write_sums(tmp)
 
 
 def _trained_outside_gemma(folder: Path) -> list[str]:

@@ -4,7 +4,8 @@ Installed with the `eval` extra (`pip install .[eval]`); lmms-eval finds the mod
 entry point in pyproject.toml (`manifest` below). `pretrained` is what `TheWorld.from_pretrained` takes (a final/ or
 checkpoint-N/ folder or a run's output_dir); other model_args: `device`, `ema` (true: the EMA weights),
 `max_new_tokens` (the default for generate_until, 16). `batch_size` (lmms-eval always passes it) is accepted and
-unused: requests run one document at a time.
+unused: requests run one document at a time. A missing or unreadable model or an unknown model_arg is one line and
+exit code 2 (lmms-eval itself would print a traceback and exit 0).
 
 A request's images are the task's `doc_to_visual(doc)`: every image gets its image tokens before the text, in order,
 and the world latents come from the first one, as in theworld.evaluate. The text goes into the user turn of the chat
@@ -22,12 +23,15 @@ template the model was trained with.
 
 from __future__ import annotations
 
+import sys
 from itertools import groupby
+from typing import NoReturn
 
 import torch
 from lmms_eval.api.model import lmms
 
 from theworld import images as imagelib
+from theworld.errors import UserError, one_line
 from theworld.infer import generate as gen
 from theworld.infer import prefix_scoring
 from theworld.text import IGNORE, Encoded, collate_text
@@ -54,6 +58,16 @@ def _as_response(pair: tuple[float, bool]):
     return instance.GenerationResult(text=pair)
 
 
+KNOWN_ARGS = "pretrained, device, ema, max_new_tokens, batch_size"
+
+
+def _refuse(message: str) -> NoReturn:
+    """A model that cannot be built: one line and exit code 2. lmms-eval catches any Exception from here, prints
+    its traceback and exits 0 having evaluated nothing; a SystemExit passes through it."""
+    print(f"error: theworld: {one_line(message)}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def _flag(value) -> bool:
     return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
 
@@ -62,20 +76,33 @@ class TheWorldLMM(lmms):
     is_simple = True
 
     def __init__(
-        self, pretrained: str, device: str | None = None, ema=False, max_new_tokens: int = 16, batch_size=1, **kwargs
+        self,
+        pretrained: str | None = None,
+        device: str | None = None,
+        ema=False,
+        max_new_tokens: int = 16,
+        batch_size=1,
+        **kwargs,
     ) -> None:
         super().__init__()
         if kwargs:
-            raise ValueError(
-                f"theworld: unknown model_args {sorted(kwargs)} (known: pretrained, device, ema, "
-                "max_new_tokens, batch_size)"
-            )
+            _refuse(f"unknown model_args {', '.join(sorted(kwargs))} (known: {KNOWN_ARGS})")
+        if not pretrained:
+            _refuse("model_args needs pretrained=RUN (a final/ or checkpoint-N/ folder, or a run's output_dir)")
+        try:
+            self.max_new_tokens = int(max_new_tokens)
+        except ValueError:
+            self.max_new_tokens = 0
+        if self.max_new_tokens < 1:
+            _refuse(f"model_args max_new_tokens={max_new_tokens}: must be a whole number >= 1")
         from theworld.model import TheWorld
 
-        self.model, self.processor = TheWorld.from_pretrained(pretrained, ema=_flag(ema), device=device)
+        try:
+            self.model, self.processor = TheWorld.from_pretrained(pretrained, ema=_flag(ema), device=device)
+        except UserError as e:
+            _refuse(str(e))
         self.formatter = self.model.formatter
         self.device = next(self.model.parameters()).device
-        self.max_new_tokens = int(max_new_tokens)
 
     def _visuals(self, doc_to_visual, doc_id, task, split) -> list:
         visuals = doc_to_visual(self.task_dict[task][split][doc_id])

@@ -393,6 +393,8 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
         raise UserError(f"no weights file at {path}")
     try:
         tensors = load_file(str(path))
+    except OSError as e:  # another user's file (0600), an I/O error
+        raise UserError(f"{path}: cannot read it ({e.strerror or e})") from None
     except Exception as e:  # a .bin, a torn copy: name the file rather than show safetensors' internals
         raise UserError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e})") from e
     layout.check_finite(tensors, path)

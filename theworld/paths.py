@@ -4,6 +4,7 @@ never ends."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -38,3 +39,83 @@ def path_kind(path: str | bytes | os.PathLike) -> str | None:
         if e.errno == errno.ELOOP:
             return "a path through a symlink loop"
         return None if e.errno == errno.ENOENT else f"unreadable ({e.strerror})"
+
+
+def _file_ids(path: str | os.PathLike, limit: int = 100_000) -> set[tuple[int, int]]:
+    """(device, inode) of `path` and, for a folder, of every file under it (at most `limit`): what a hardlink or a
+    symlink to one of them shares."""
+    ids = set()
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ids
+    ids.add((st.st_dev, st.st_ino))
+    if stat.S_ISDIR(st.st_mode):
+        for root, dirs, files in os.walk(path):
+            for name in dirs + files:
+                try:
+                    s = os.stat(os.path.join(root, name))
+                except OSError:
+                    continue
+                ids.add((s.st_dev, s.st_ino))
+                if len(ids) >= limit:
+                    return ids
+    return ids
+
+
+def check_not_input(out: str | os.PathLike, inputs: dict[str, str | os.PathLike | None], flag: str = "--out") -> None:
+    """An output never overwrites an input: `out` may not be any of `inputs` ({what: path}, a file or a folder) nor a
+    file inside an input folder, by its name, a symlink or a hardlink (the same file). Raises a one-line UserError
+    naming both."""
+    from theworld.errors import UserError
+
+    real = os.path.realpath(out)
+    out_ids = _file_ids(out) if os.path.exists(out) else set()
+    for what, path in inputs.items():
+        if path is None or not os.path.lexists(path):
+            continue
+        if real == os.path.realpath(path) or out_ids & _file_ids(path):
+            raise UserError(
+                f"{flag} {os.fspath(out)} is {what} {os.fspath(path)} or a file in it (the same file, by its name, a "
+                f"symlink or a hardlink): writing there would destroy the input; give {flag} another path"
+            )
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, another user's
+        return True
+    return True
+
+
+def partial_name(name: str) -> str:
+    """The temporary name beside `name` that a write goes to before its rename (`.tmp-NAME-PID`)."""
+    return f".tmp-{name}-{os.getpid()}"
+
+
+def remove_stale_partials(folder: str | os.PathLike, name: str) -> list[str]:
+    """Delete `.tmp-NAME-PID` files or folders in `folder` left by a writer that was killed (its pid no longer runs):
+    a killed export leaves a whole model there. Returns the paths removed (for a line saying so)."""
+    import re
+    import shutil
+
+    pattern = re.compile(rf"^\.tmp-{re.escape(name)}-(\d+)$")
+    removed = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for e in entries:
+        m = pattern.match(e.name)
+        if not m or int(m.group(1)) == os.getpid() or pid_alive(int(m.group(1))):
+            continue
+        if e.is_dir(follow_symlinks=False):
+            shutil.rmtree(e.path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(e.path)
+        removed.append(e.path)
+    return removed

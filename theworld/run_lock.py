@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from theworld.errors import UserError
+from theworld.paths import REGULAR, path_kind
 
 LOCK_FILE = ".run.lock"
 
@@ -51,11 +52,21 @@ def acquire(folder: Path | str, key: str = "output_dir") -> int | None:
     UserError naming the holder."""
     folder = Path(folder)
     check_folder(folder, key)
+    lock = folder / LOCK_FILE
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as e:
         raise UserError(f"config key '{key}': cannot write {folder} ({e.strerror})") from None
+    kind = path_kind(lock)
+    if kind not in (None, REGULAR):  # never opened: a FIFO would block, a directory cannot hold the lock
+        raise UserError(
+            f"config key '{key}': {lock}, the run lock of {folder}, is {kind}, not a file; remove it (no run "
+            "holds it) and rerun"
+        )
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise UserError(f"config key '{key}': cannot open the run lock {lock} ({e.strerror})") from None
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except (BlockingIOError, PermissionError):  # EAGAIN / EACCES: another process holds it

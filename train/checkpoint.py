@@ -24,7 +24,6 @@ from safetensors.torch import load_file, save_file
 
 from theworld import hub, lora
 from theworld.arch import FREEZABLE
-from theworld.cache_format import sha256_file
 from theworld.checkpoint_layout import (
     CARD,
     CHECKPOINT_RE,
@@ -39,12 +38,16 @@ from theworld.checkpoint_layout import (
     WEIGHTS,
     check_finite,
     read_config,
+    save_weights,
     state_digest,
+    sums,
     verify,
+    write_sums,
 )
 from theworld.config import to_yaml
 from theworld.errors import OutOfSpace, UserError, no_space_message, out_of_space
 from theworld.model import LoadReport, local_like, read_weights
+from theworld.paths import REGULAR, path_kind
 from theworld.text import DEFAULT_PROMPT as DESCRIBE_PROMPT
 from train import checkpoint_migrations, sharding
 from train.config import run_hash
@@ -71,10 +74,30 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def _check_states(output_dir: str | Path, newest: Path | None) -> None:
+    """A checkpoint newer than `newest` (the newest complete one) whose state.json is there but no regular file (a
+    FIFO, a directory, a device) is named, not passed over for an older one: reading it could block or never end."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return
+    least = int(CHECKPOINT_RE.match(newest.name).group(1)) if newest is not None else -1
+    for p in out.iterdir():
+        m = CHECKPOINT_RE.match(p.name)
+        if not m or int(m.group(1)) <= least:
+            continue
+        kind = path_kind(p / STATE)
+        if kind not in (None, REGULAR):
+            raise UserError(
+                f"resume: {p / STATE} is {kind}, not a checkpoint's state file; move {p} out of output_dir and "
+                "resume: auto takes the one before it"
+            )
+
+
 def resolve_resume(cfg: TrainConfig) -> Path | None:
     """The checkpoint to continue, or None for a fresh start. A run never writes into an output_dir that holds
     checkpoints it does not continue: they would interleave with its own, and keep_last would delete some."""
     ckpts = list_checkpoints(cfg.output_dir)
+    _check_states(cfg.output_dir, ckpts[-1] if ckpts else None)
     if cfg.resume == "auto":
         return ckpts[-1] if ckpts else None
     if cfg.resume is None:
@@ -86,8 +109,9 @@ def resolve_resume(cfg: TrainConfig) -> Path | None:
             )
         return None
     p = Path(cfg.resume)
-    if not (p / STATE).is_file():
-        raise UserError(f"config key 'resume': {p} is not a checkpoint (no {STATE})")
+    if (kind := path_kind(p / STATE)) != REGULAR:
+        what = f"no {STATE}" if kind is None else f"its {STATE} is {kind}"
+        raise UserError(f"config key 'resume': {p} is not a checkpoint ({what})")
     if ckpts and p.resolve() != ckpts[-1].resolve():
         raise UserError(
             f"config key 'resume': {p} is not the newest checkpoint of output_dir {cfg.output_dir} "
@@ -96,10 +120,10 @@ def resolve_resume(cfg: TrainConfig) -> Path | None:
     return p
 
 
-def check_resumable(path: Path, max_steps: int) -> dict:
+def check_resumable(path: Path, max_steps: int, epochs: float = 0.0) -> dict:
     """Before any model loads: the checkpoint's files are the ones it recorded (sha256 in state.json, which also
     records its own digest; see train/checkpoint_migrations.py for older checkpoints), its step is the folder's and
-    not past train.max_steps. Returns state.json."""
+    not past train.max_steps (set from `epochs` where > 0). Returns state.json."""
     advice = f"move {path} out of output_dir and resume: auto takes the one before it"
     state = _read(path / STATE, lambda p: json.loads(p.read_text()))
     if not isinstance(state, dict):
@@ -122,6 +146,12 @@ def check_resumable(path: Path, max_steps: int) -> dict:
             f"{folder.group(1) if folder else 'a step >= 0'}; {advice}"
         )
     if step > max_steps:
+        if epochs:  # max_steps was set from train.epochs: the run is past that many epochs
+            raise UserError(
+                f"config key 'train.epochs': {epochs:g} epochs are {max_steps} steps, but {path} is already at step "
+                f"{step}: the run in this output_dir is past that point (its final/ holds those later weights); "
+                "use another output_dir, or as many epochs or more"
+            )
         raise UserError(
             f"config key 'train.max_steps': {max_steps} is below step {step} of {path}, which would "
             "export weights trained past it; raise train.max_steps, or use another output_dir"
@@ -136,7 +166,7 @@ def resume_point(cfg: TrainConfig, accelerator: Accelerator) -> tuple[list[Path]
     accelerator.wait_for_everyone()  # resume: a folder a killed save had moved aside may come back
     resume_from = resolve_resume(cfg)
     if resume_from is not None:
-        check_resumable(resume_from, cfg.train.max_steps)
+        check_resumable(resume_from, cfg.train.max_steps, cfg.train.epochs)
     return removed, resume_from
 
 
@@ -346,7 +376,7 @@ def save(
     out = Path(output_dir)
     whole = whole or gather(components)
     files = {
-        WEIGHTS: lambda p: save_file(whole.weights, str(p)),
+        WEIGHTS: lambda p: save_weights(whole.weights, p),
         OPTIMIZER: lambda p: torch.save(whole.optimizer, p),
         RNG: lambda p: save_file({"torch_cpu": torch.get_rng_state()}, str(p)),
         CONFIG: lambda p: p.write_text(to_yaml(components.cfg)),
@@ -356,18 +386,13 @@ def save(
     # last, so it can record every other file's sha256 (checked by check_resumable)
     files[STATE] = lambda p: p.write_text(
         json.dumps(
-            _sealed({**state.to_json(), **extra_state, "time": time.time(), "sha256": _sums(p.parent, STATE)}), indent=1
+            _sealed({**state.to_json(), **extra_state, "time": time.time(), "sha256": sums(p.parent, STATE)}), indent=1
         )
     )
     final = _publish(out, f"checkpoint-{state.step}", files)
     for old in list_checkpoints(out)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def _sums(folder: Path, *but: str) -> dict[str, str]:
-    """sha256 of every file in `folder` but those named (the record being written, final/'s model card)."""
-    return {f.name: sha256_file(f) for f in sorted(folder.iterdir()) if f.name not in but}
 
 
 def _sealed(state: dict) -> dict:
@@ -458,7 +483,7 @@ def export_final(
     whole = whole or gather(components)
     out = Path(output_dir)
     files = {
-        WEIGHTS: lambda p: save_file(whole.weights, str(p)),
+        WEIGHTS: lambda p: save_weights(whole.weights, p),
         CONFIG: lambda p: p.write_text(cfg_yaml),
         CARD: lambda p: p.write_text(_card(components, state, out, prompt)),
         PROMPT: lambda p: p.write_text(prompt + "\n", encoding="utf-8"),
@@ -468,7 +493,7 @@ def export_final(
     if cfg.lora is not None:  # final/ is also a peft adapter folder for the base Gemma
         files.update(lora.adapter_files(cfg.lora, cfg.model.gemma, whole.weights))
     # last: it covers the rest but the card, which evaluate adds its results to
-    files[SUMS] = lambda p: p.write_text(json.dumps(_sums(p.parent, SUMS, CARD), indent=1))
+    files[SUMS] = lambda p: write_sums(p.parent)
     return _publish(out, FINAL, files)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -17,6 +18,7 @@ from theworld.config import (
     ModelConfig,
     WorldConfig,
     check_lora,
+    check_sizes,
     check_threads,
     check_workers,
     cli_parser,
@@ -75,6 +77,7 @@ class PlateauConfig:
     def __post_init__(self) -> None:
         if self.window_evals < 0:
             raise UserError(f"config key 'train.plateau.window_evals': must be >= 0, got {self.window_evals}")
+        check_sizes(self, "train.plateau")
         if not (math.isfinite(self.min_improvement) and self.min_improvement >= 0):
             raise UserError(
                 f"config key 'train.plateau.min_improvement': must be a finite number >= 0, got {self.min_improvement}"
@@ -141,6 +144,7 @@ class TrainSection:
         ):
             if getattr(self, name) != "auto" and getattr(self, name) <= 0:
                 raise UserError(f"config key 'train.{name}': must be positive, got {getattr(self, name)}")
+        check_sizes(self, "train")
         if not (math.isfinite(self.epochs) and self.epochs >= 0):
             raise UserError(f"config key 'train.epochs': must be a finite number >= 0, got {self.epochs}")
         for name in (
@@ -203,6 +207,27 @@ class ProfileConfig:
     steps: int = 5
     top: int = 15  # operations printed
 
+    def __post_init__(self) -> None:
+        for name, least in (("start_step", 0), ("steps", 1), ("top", 1)):
+            if getattr(self, name) < least:
+                raise UserError(f"config key 'profile.{name}': must be >= {least}, got {getattr(self, name)}")
+        check_sizes(self, "profile")
+
+    def check_window(self, max_steps: int) -> None:
+        """The profiled steps lie within the run (`max_steps`, resolved from train.epochs where set): a window past
+        its end would profile nothing, and one that runs over it would never write its trace."""
+        if self.enabled and self.start_step + self.steps > max_steps:
+            raise UserError(
+                f"config key 'profile.start_step': steps {self.start_step}-{self.start_step + self.steps - 1} "
+                f"(profile.steps {self.steps}) are not all within the run's {max_steps} steps, so no trace would "
+                f"be written; use profile.start_step <= {max(max_steps - self.steps, 0)}"
+                + (" or fewer profile.steps" if self.steps > max_steps else "")
+            )
+
+
+WANDB_FORBIDDEN = "/\\#?%:\n\r\t\0"  # characters W&B refuses in a project or entity name
+WANDB_MAX_NAME = 128
+
 
 @dataclass
 class WandbConfig:
@@ -212,6 +237,26 @@ class WandbConfig:
     run_name: str | None = None
     entity: str | None = None
     tags: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for name in ("project", "entity"):  # W&B refuses these only once the run starts; the project also names a
+            value = getattr(self, name)  # folder of TensorBoard's logs under output_dir
+            if value is None and name == "entity":
+                continue
+            bad = sorted(set(WANDB_FORBIDDEN) & set(value))
+            if not value.strip() or bad or len(value) > WANDB_MAX_NAME:
+                raise UserError(
+                    f"config key 'wandb.{name}': {value!r} is not a W&B {name} name ("
+                    + (
+                        f"it holds {' '.join(bad)}"
+                        if bad
+                        else "empty"
+                        if not value.strip()
+                        else f"over {WANDB_MAX_NAME} characters"
+                    )
+                    + f"); use letters, digits, '-', '_' and '.', at most {WANDB_MAX_NAME} characters"
+                    + ("; the entity (team or user) has a key of its own: wandb.entity" if "/" in value else "")
+                )
 
 
 @dataclass
@@ -257,15 +302,43 @@ class TrainConfig:
             raise UserError(
                 "config keys 'cache_dir' and 'data' are both set: use cache_dir for one cache, data for a mixture"
             )
-        dirs = [str(e.cache) for e in self.data]
-        if len(set(dirs)) < len(dirs):
-            raise UserError(f"config key 'data': a cache is listed twice ({', '.join(dirs)}); give it one weight")
+        check_mixture(self.data)
+        for cache, _ in self.caches():  # a run deletes unfinished writes (.tmp-*) in its output_dir
+            if os.path.realpath(cache) == os.path.realpath(self.output_dir):
+                raise UserError(
+                    f"config key 'output_dir': {self.output_dir} is the cache {cache} trained on; the run's "
+                    "checkpoints and clean-up would mix with the cache's files: use another output_dir"
+                )
         check_lora(self.freeze, self.lora)
         for t in self.trackers:
             if t not in TRACKERS:
                 raise UserError(f"config key 'trackers': unknown tracker {t!r} (known: {', '.join(TRACKERS)})")
         if self.resume == "":
             self.resume = None
+
+
+MAX_WEIGHT_RATIO = 1e6  # data weights further apart give a cache no sample of an epoch, or lose the others in rounding
+
+
+def check_mixture(data: list[MixtureEntry]) -> None:
+    """A mixture names each cache once (by its real path: a symlink or another spelling is the same cache, which would
+    be drawn twice per epoch) and its weights are within MAX_WEIGHT_RATIO of each other."""
+    seen: dict[str, str] = {}
+    for e in data:
+        real = os.path.realpath(e.cache)
+        if real in seen:
+            same = "" if seen[real] == e.cache else f" and {seen[real]} (the same folder, {real})"
+            raise UserError(
+                f"config key 'data': cache {e.cache}{same} is listed twice; list it once with the sum of its weights"
+            )
+        seen[real] = e.cache
+    weights = [e.weight for e in data]
+    if weights and max(weights) / min(weights) > MAX_WEIGHT_RATIO:
+        raise UserError(
+            f"config key 'data': weights {min(weights):g} and {max(weights):g} are more than {MAX_WEIGHT_RATIO:g} "
+            "times apart: the smaller would get no sample of an epoch; use weights within that ratio (a share, "
+            "e.g. 1 and 3), or leave the cache out"
+        )
 
 
 def _largest_divisor(n: int, at_most: int) -> int:

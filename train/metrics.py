@@ -35,17 +35,28 @@ def _step_of(line: bytes) -> int:
         return -1
 
 
-def check_metrics_file(output_dir: str | Path) -> None:
-    """Before any model loads: output_dir's metrics.jsonl, if there, is a file the run can rewrite."""
+def check_output_paths(cfg) -> None:
+    """Before any model loads: what the run writes in output_dir is absent or of the kind it writes there: its
+    metrics log a file; the trackers' folders (TensorBoard's <output_dir>/<project>/, W&B's <output_dir>/wandb/) and
+    the profiler's profile/ folders."""
     from theworld.errors import UserError
 
-    path = Path(output_dir) / METRICS
-    what = paths.path_kind(path)
-    if what not in (None, paths.REGULAR):
-        raise UserError(
-            f"output_dir {output_dir}: {path} is {what}, where the run writes its metrics log; move it "
-            "away or use another output_dir"
-        )
+    out = Path(cfg.output_dir)
+    wanted = {out / METRICS: (paths.REGULAR, "its metrics log")}
+    if cfg.trackers:
+        project = cfg.wandb.project if "wandb" in cfg.trackers else "theworld"
+        wanted[out / project] = ("a directory", "the trackers' logs")
+    if "wandb" in cfg.trackers:
+        wanted[out / "wandb"] = ("a directory", "W&B's run files")
+    if cfg.profile.enabled:
+        wanted[out / "profile"] = ("a directory", "the profiler's traces")
+    for path, (kind, what) in wanted.items():
+        found = paths.path_kind(path)
+        if found not in (None, kind):
+            raise UserError(
+                f"output_dir {cfg.output_dir}: {path} is {found}, where the run writes {what}; move it away or use "
+                "another output_dir"
+            )
 
 
 def check_trackers(trackers: list[str]) -> None:

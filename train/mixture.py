@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from theworld import cache_format as cf
+from theworld.errors import UserError
 from train.order import seed_of
 
 
@@ -117,6 +118,13 @@ class Draw:
         cache = reader.cache_of[train_indices]
         sizes = np.bincount(cache, minlength=len(reader.readers))
         cache_quotas = largest_remainder(np.asarray(weights), len(train_indices))
+        for c in np.flatnonzero(cache_quotas == 0):  # a weight too small against the others' to draw one sample
+            least = float(np.sum(weights)) / len(train_indices)
+            raise UserError(
+                f"config key 'data': cache {reader.readers[c].cache_dir}'s weight {weights[c]:g} gives it none of "
+                f"the {len(train_indices)} samples of an epoch (its share {weights[c] / np.sum(weights):.2g}); "
+                f"give it a weight of at least {least:.3g} against the others, or leave it out"
+            )
         groups, quotas, group_cache = [], [], []
         for c in range(len(reader.readers)):
             mine = train_indices[cache == c]

@@ -5,14 +5,15 @@ what the shares suggest. Times are host-side (CPU) time; on a GPU the top kernel
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections import defaultdict
 from pathlib import Path
 
+from theworld.config import ArgParser
 from theworld.errors import UserError, cli_entry
 from theworld.model import PROFILE_LABELS
+from theworld.paths import REGULAR, path_kind
 
 CATEGORIES = {
     "world_encoder": "world encoder (VAE)",
@@ -150,7 +151,10 @@ def advice(shares: dict[str, float]) -> list[str]:
 
 def report(run_dir: str | Path, top: int = 15, rank: int = 0) -> str:
     path = Path(run_dir) / "profile" / f"trace-rank{rank}.json"
-    if not path.is_file():
+    kind = path_kind(path)
+    if kind is not None and kind != REGULAR:  # never opened: a FIFO would block
+        raise UserError(f"{path} is {kind}, not a trace file (a run writes it as a regular file)")
+    if kind is None:
         raise UserError(
             f"{run_dir}: no {path.relative_to(run_dir)} (run with profile.enabled: true, and at least "
             "profile.start_step + profile.steps steps)"
@@ -189,7 +193,7 @@ def report(run_dir: str | Path, top: int = 15, rank: int = 0) -> str:
 
 @cli_entry
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    p = ArgParser(
         prog="python -m train.profile_report",
         description="Markdown report of a run's profiler trace (profile: in the config).",
     )
@@ -197,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=15, help="operations listed (default 15)")
     p.add_argument("--rank", type=int, default=0, help="the process whose trace to read (default 0)")
     args = p.parse_args(argv)
+    if args.top < 1 or args.rank < 0:
+        raise UserError(f"train.profile_report: --top must be >= 1 and --rank >= 0, got {args.top} and {args.rank}")
     print(report(args.run_dir, args.top, args.rank), end="")
     return 0
 

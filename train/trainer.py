@@ -25,7 +25,7 @@ from train.metrics import (
     Metrics,
     ProfileWindow,
     StepWindow,
-    check_metrics_file,
+    check_output_paths,
     check_trackers,
     new_wandb_run_id,
     summary,
@@ -60,7 +60,7 @@ class Checked:
     def of(cls, cfg: TrainConfig) -> Checked:
         launch = resolve_launch(cfg)
         check_trackers(cfg.trackers)
-        check_metrics_file(cfg.output_dir)
+        check_output_paths(cfg)
         reader, inputs = data.open_cache(cfg)
         if cfg.init_from:
             checkpoint.resolve_weights(cfg.init_from)
@@ -70,6 +70,7 @@ class Checked:
         split = data.split_data(cfg, reader)
         per_epoch = order.check_sizes(cfg, reader, split[0], launch.processes, data.mixture_draw(cfg, reader, split[0]))
         cfg.train.max_steps = order.total_steps(cfg.train, per_epoch)
+        cfg.profile.check_window(cfg.train.max_steps)
         return cls(cfg, launch, reader, inputs, split, per_epoch, bench)
 
 

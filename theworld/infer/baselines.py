@@ -53,7 +53,12 @@ def parse(spec: str | list[str] | None) -> list[str]:
     if not spec:
         return []
     names = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
-    if names == ["all"]:
+    if "all" in names:
+        if len(set(names)) > 1:
+            raise UserError(
+                f"--baselines: all already names every baseline ({', '.join(BASELINES)}); give all alone, or "
+                f"the names without it (got {','.join(names)})"
+            )
         return list(BASELINES)
     unknown = [n for n in names if n not in BASELINES]
     if unknown:

@@ -1,20 +1,57 @@
-"""The results table of a stage's model card (final/README.md): one row per benchmark, task and protocol, written or
-updated by `theworld.evaluate` whenever it evaluates a local run's final/ folder."""
+"""The results table of a stage's model card (final/README.md): one row per evaluated set, written or updated by
+`theworld.evaluate` whenever it evaluates a local run's final/ folder.
+
+A row is keyed by what it measured: the set's content (`set sha256`, not its file name, which another set may share),
+the split, `--limit`, the task and the protocol. A new result replaces only the row of the same key: another set of the
+same name, or a run on part of the set, gets a row of its own."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 import shlex
 from pathlib import Path
 
+from theworld import paths
+from theworld.errors import UserError
+
 HEADING = "## Evaluation results"
-COLUMNS = ["benchmark", "task", "protocol", "n", "model", "shuffled world", "baselines", "command"]
+COLUMNS = [
+    "benchmark",
+    "set sha256",
+    "split",
+    "limit",
+    "task",
+    "protocol",
+    "n",
+    "model",
+    "shuffled world",
+    "baselines",
+    "command",
+]
+KEY = ("set sha256", "split", "limit", "task", "protocol")
 
 
 def _cells(line: str) -> list[str]:
     return [c.strip() for c in line.strip().strip("|").split("|")]
 
 
-def row(summary: dict, data: str, task: str, argv: list[str]) -> list[str]:
+def fingerprint(data: str | Path) -> str:
+    """sha256 (16 hex digits) of a set's content: a file's bytes, or a folder's files (names and bytes; a latent
+    cache: its manifest, which records every shard's checksum)."""
+    from theworld.cache_format import MANIFEST, sha256_file
+
+    p = Path(data)
+    if not p.is_dir():
+        return sha256_file(p)[:16]
+    files = [p / MANIFEST] if (p / MANIFEST).is_file() else sorted(f for f in p.rglob("*") if f.is_file())
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{f.relative_to(p)}\0{sha256_file(f)}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def row(summary: dict, data: str, task: str, argv: list[str], split: str = "val", limit: int = 0) -> list[str]:
     """A table row for an evaluation's summary (multiple choice: accuracies; caption: BLEU-4 / ROUGE-L / CIDEr)."""
     if task == "caption":
         model = " / ".join(f"{summary[k]:.4f}" for k in ("bleu4", "rouge_l", "cider"))
@@ -25,8 +62,12 @@ def row(summary: dict, data: str, task: str, argv: list[str]) -> list[str]:
         protocol = summary.get("protocol", "loglik")
     base = ", ".join(f"{b} {s['accuracy']:.4f} (p {s['p_value']:.2g})" for b, s in summary.get("baselines", {}).items())
     command = "python -m theworld.evaluate " + " ".join(shlex.quote(a) for a in argv)
+    one_file = not Path(data).is_dir() and Path(data).suffix != ".parquet"  # JSONL: no splits
     return [
-        Path(data).name,
+        Path(data).name.replace("|", "%7C"),
+        fingerprint(data),
+        "-" if one_file else split,
+        f"first {limit}" if limit else "all",
         task,
         protocol,
         str(summary["n"]),
@@ -37,25 +78,51 @@ def row(summary: dict, data: str, task: str, argv: list[str]) -> list[str]:
     ]
 
 
+def _read(card: Path) -> str:
+    kind = paths.path_kind(card)
+    if kind is None:
+        return ""
+    if kind != paths.REGULAR:
+        raise UserError(
+            f"{card} (the model card the results go into) is {kind}, not a file: move it away and rerun (the "
+            "evaluation's numbers are printed above)"
+        )
+    try:
+        return card.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{card}: cannot read the model card ({getattr(e, 'strerror', None) or e})") from None
+
+
+def _table_rows(rest: str) -> tuple[list[dict[str, str]], str]:
+    """The rows of the table after the heading, as {column: cell} by the table's own header (a card written with
+    other columns keeps its rows), and the text after the table."""
+    lines = rest.splitlines(keepends=True)
+    k, table = 1, []  # line 0: the heading line's end
+    while k < len(lines) and (not lines[k].strip() or lines[k].startswith("|")):
+        if lines[k].startswith("|"):
+            table.append(_cells(lines[k]))
+        k += 1
+    header, body = (table[0], table[2:]) if table else ([], [])
+    return [dict(zip(header, r)) for r in body], "".join(lines[k:])
+
+
 def update(card: Path, new: list[str]) -> None:
-    """Put `new` into the card's results table, replacing a row for the same benchmark, task and protocol."""
-    text = card.read_text() if card.is_file() else ""
+    """Put `new` into the card's results table, replacing only a row of the same KEY (set content, split, limit,
+    task, protocol)."""
+    text = _read(card)
     head, found, rest = text.partition(HEADING)
-    rows, tail = [], ""
-    if found:
-        lines = rest.splitlines(keepends=True)
-        k = 1  # the heading line's end
-        while k < len(lines) and (not lines[k].strip() or lines[k].startswith("|")):
-            if lines[k].startswith("|"):
-                rows.append(_cells(lines[k]))
-            k += 1
-        tail = "".join(lines[k:])
-        rows = rows[2:]  # the header and the rule
-    rows = [r for r in rows if r[:3] != new[:3]] + [new]
+    rows, tail = _table_rows(rest) if found else ([], "")
+    fresh = dict(zip(COLUMNS, new))
+    rows = [r for r in rows if [r.get(k) for k in KEY] != [fresh[k] for k in KEY]] + [fresh]
     table = ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)] + [
-        "| " + " | ".join(r) + " |" for r in rows
+        "| " + " | ".join(r.get(c, "-") for c in COLUMNS) + " |" for r in rows
     ]
     section = f"{HEADING}\n\n" + "\n".join(table) + "\n" + ("\n" + tail if tail else "")
-    tmp = card.with_name(card.name + ".tmp")
-    tmp.write_text(head.rstrip("\n") + "\n\n" + section if head.strip() else section)
-    tmp.replace(card)
+    tmp = card.with_name(paths.partial_name(card.name))
+    paths.remove_stale_partials(card.parent, card.name)  # one a killed evaluation left
+    try:
+        tmp.write_text(head.rstrip("\n") + "\n\n" + section if head.strip() else section, encoding="utf-8")
+        os.replace(tmp, card)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"{card}: cannot write the model card ({e.strerror}); the numbers are printed above") from None
