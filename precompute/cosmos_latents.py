@@ -32,7 +32,7 @@ from theworld import encoders, images, run_lock
 from theworld.arch import latent_side
 from theworld.config import cli_parser, to_dict, to_yaml
 from theworld.errors import UserError, cli_entry
-from theworld.launch import process_group
+from theworld.launch import process_group, shared_folder_check
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The run
@@ -322,6 +322,7 @@ def _build(cfg: PrecomputeConfig, state, out: Path) -> dict:
     if rank == 0:
         identity.claim_output(out, run_id)
     state.wait_for_everyone()
+    shared_folder_check(state, out, (out / cf.RUN_FILE).is_file(), "output_dir")  # every process writes shards there
     pending = [
         i for i in range(rank, n_shards, world) if not (cf.error_path(out, i).is_file() and cf.shard_is_done(out, i))
     ]
