@@ -266,6 +266,8 @@ def run(cfg: PrecomputeConfig) -> dict:
     # taking the lock creates the folder, or says why it cannot be written
     fresh = not out.exists()
     with run_lock.hold(out, state):
+        # every process writes its shards there: a node with a folder of its own is refused before any model loads
+        shared_folder_check(state, out, (out / run_lock.LOCK_FILE).is_file(), "output_dir")
         try:
             return _build(cfg, state, out)
         except UserError:
@@ -322,7 +324,6 @@ def _build(cfg: PrecomputeConfig, state, out: Path) -> dict:
     if rank == 0:
         identity.claim_output(out, run_id)
     state.wait_for_everyone()
-    shared_folder_check(state, out, (out / cf.RUN_FILE).is_file(), "output_dir")  # every process writes shards there
     pending = [
         i for i in range(rank, n_shards, world) if not (cf.error_path(out, i).is_file() and cf.shard_is_done(out, i))
     ]
