@@ -285,6 +285,12 @@ def test_a_nodes_place_in_the_slurm_job_comes_from_its_environment():
         slurm.from_env(_job(SLURM_STEP_TASKS_PER_NODE="2(x4)"))
     with pytest.raises(UserError, match="run one per node"):
         slurm.from_env(_job(SLURM_LOCALID="1"))
+    with pytest.raises(UserError, match="SLURM_NODEID 0 is outside the job's 0 node"):
+        slurm.from_env(_job(SLURM_NNODES="0", SLURM_NODEID="0"))
+    with pytest.raises(UserError, match="SLURM_NNODES='two' is not a number"):
+        slurm.from_env(_job(SLURM_NNODES="two"))
+    with pytest.raises(UserError, match="MASTER_PORT=70000 is not a port"):
+        slurm.from_env(_job(MASTER_PORT="70000"))
 
 
 def _launched(monkeypatch, argv: list[str], env: dict) -> tuple[int, object]:

@@ -108,7 +108,8 @@ def from_env(env: dict | None = None) -> SlurmNode | None:
     """This node's place in the SLURM job step it runs in, or None outside SLURM (no SLURM_NODEID / node count).
     MASTER_ADDR / MASTER_PORT, when set, override the first host of the node list and the port from the job id."""
     env = os.environ if env is None else env
-    nodes = _int(env, "SLURM_NNODES") or _int(env, "SLURM_JOB_NUM_NODES")
+    nodes = _int(env, "SLURM_NNODES")
+    nodes = _int(env, "SLURM_JOB_NUM_NODES") if nodes is None else nodes
     node = _int(env, "SLURM_NODEID")
     if nodes is None or node is None:
         return None
@@ -125,6 +126,8 @@ def from_env(env: dict | None = None) -> SlurmNode | None:
             raise UserError("SLURM_JOB_NODELIST is not set: set MASTER_ADDR to the host of node 0")
         host = first_host(nodelist)
     port = _int(env, "MASTER_PORT") or PORT_BASE + (int(job) if job.isdigit() else 0) % PORT_SPAN
+    if not 0 < port < 65536:
+        raise UserError(f"MASTER_PORT={port} is not a port (1 to 65535)")
     return SlurmNode(nodes, node, host, port, _per_node(env), job)
 
 
