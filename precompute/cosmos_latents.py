@@ -32,7 +32,7 @@ from theworld import encoders, images, run_lock
 from theworld.arch import latent_side
 from theworld.config import cli_parser, to_dict, to_yaml
 from theworld.errors import UserError, cli_entry
-from theworld.launch import process_group
+from theworld.launch import process_group, shared_folder_check
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The run
@@ -266,6 +266,8 @@ def run(cfg: PrecomputeConfig) -> dict:
     # taking the lock creates the folder, or says why it cannot be written
     fresh = not out.exists()
     with run_lock.hold(out, state):
+        # every process writes its shards there: a node with a folder of its own is refused before any model loads
+        shared_folder_check(state, out, (out / run_lock.LOCK_FILE).is_file(), "output_dir")
         try:
             return _build(cfg, state, out)
         except UserError:

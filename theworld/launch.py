@@ -84,3 +84,24 @@ def process_group():
     state = PartialState(cpu=use_cpu())
     check_group(state.num_processes)
     return state
+
+
+def gather_ints(state, value: int) -> list[int]:
+    """`value` from every process of `state` (an Accelerator or PartialState), in rank order: a collective."""
+    from accelerate.utils import gather
+
+    return gather(torch.tensor([value], dtype=torch.int64, device=state.device)).tolist()
+
+
+def shared_folder_check(state, folder, sees: bool, key: str) -> None:
+    """Every process, after process 0 wrote into `folder`: `sees` says whether this process finds what it wrote. A
+    node whose `folder` is a local folder of its own would write its part where nobody reads it: refused on every
+    process, naming the first that does not see it."""
+    if state.num_processes < 2:
+        return
+    seen = gather_ints(state, int(sees))
+    if not all(seen):
+        raise UserError(
+            f"config key '{key}': process {seen.index(0)} does not see what process 0 wrote in {folder}: every node "
+            f"must use the same {key} (a shared file system)"
+        )

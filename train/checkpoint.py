@@ -46,6 +46,7 @@ from theworld.checkpoint_layout import (
 )
 from theworld.config import to_yaml
 from theworld.errors import OutOfSpace, UserError, no_space_message, out_of_space
+from theworld.launch import gather_ints
 from theworld.model import LoadReport, local_like, read_weights
 from theworld.paths import REGULAR, path_kind
 from theworld.text import DEFAULT_PROMPT as DESCRIBE_PROMPT
@@ -165,9 +166,26 @@ def resume_point(cfg: TrainConfig, accelerator: Accelerator) -> tuple[list[Path]
     removed = remove_partial(cfg.output_dir) if accelerator.is_main_process else []  # before choosing where to
     accelerator.wait_for_everyone()  # resume: a folder a killed save had moved aside may come back
     resume_from = resolve_resume(cfg)
-    if resume_from is not None:
-        check_resumable(resume_from, cfg.train.max_steps, cfg.train.epochs)
+    step = -1 if resume_from is None else check_resumable(resume_from, cfg.train.max_steps, cfg.train.epochs)["step"]
+    if accelerator.num_processes > 1:
+        same_start(accelerator, cfg.output_dir, step)
     return removed, resume_from
+
+
+def same_start(accelerator: Accelerator, output_dir: str | Path, step: int) -> None:
+    """Every process continues the same checkpoint (`step`, -1 for none). Only the main process writes output_dir,
+    so a node whose output_dir is its own local folder sees none of the checkpoints there: it would start afresh
+    beside the others' resumed run, in silence. Refused on every process, naming the first that differs."""
+    steps = gather_ints(accelerator, step)
+    other = next((r for r, s in enumerate(steps) if s != steps[0]), None)
+    if other is None:
+        return
+    seen = lambda s: "no checkpoint" if s < 0 else f"checkpoint-{s}"
+    raise UserError(
+        f"output_dir {output_dir}: process 0 sees {seen(steps[0])} there but process {other} sees "
+        f"{seen(steps[other])}: every node must see the same output_dir (a shared file system), since only "
+        "process 0 writes it"
+    )
 
 
 def restore(components: Components, resume_from: Path | None, cache: dict | None = None) -> LoopState:

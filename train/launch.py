@@ -15,6 +15,11 @@ path raises `CalledProcessError`, and does not pass a SIGTERM on at all. Here:
 torch elastic waits 30 s after passing a signal on before it kills the processes; writing a large model's checkpoint
 can take longer, so this launcher waits 120 s unless TORCH_ELASTIC_SHUTDOWN_TIMEOUT says otherwise (a scheduler
 enforces its own limit anyway).
+
+Several nodes: each node runs this launcher with the same arguments plus its own node rank (`--num_machines N
+--machine_rank R --main_process_ip HOST`); a rank outside 0..N-1 is refused here, where torch elastic would wait
+forever for a rendezvous that cannot complete. Inside a SLURM job step the node's arguments come from SLURM's
+environment (train/slurm.py) for whatever the command line leaves out.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ import sys
 import psutil
 
 from theworld.config import ArgParser
-from theworld.errors import cli_entry
+from theworld.errors import UserError, cli_entry
+from train import slurm
 
 GRACE_S = "120"
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
@@ -58,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.prog = "python -m train.launch"
     parser.error = ArgParser.error.__get__(parser)  # a usage mistake is one line (exit 2), as in every command here
     args = parser.parse_args(argv)
+    nodes(args)
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", GRACE_S)
     for sig in FORWARDED:  # torch elastic installs its own handlers when it starts several processes
         signal.signal(sig, _pass_on)
@@ -71,6 +78,38 @@ def main(argv: list[str] | None = None) -> int:
     except subprocess.CalledProcessError as e:
         return _ended(_code(e.returncode), "the process")
     return 0
+
+
+def nodes(args) -> None:
+    """Fill in the multi-node arguments a SLURM job step implies (the command line's own win), then check that
+    this node's rank is one of the job's nodes and the process count splits over them."""
+    node = slurm.from_env()
+    if node is not None:
+        given = args.num_processes is not None
+        args.num_machines = args.num_machines if args.num_machines is not None else node.nodes
+        args.machine_rank = args.machine_rank if args.machine_rank is not None else node.node
+        args.main_process_ip = args.main_process_ip or node.host
+        args.main_process_port = args.main_process_port or node.port
+        if not given:
+            args.num_processes = node.per_node * args.num_machines
+        several = args.num_processes > 1
+        if several and not (args.multi_gpu or args.use_fsdp or args.use_deepspeed or args.cpu or args.tpu):
+            args.multi_gpu = True  # torch elastic's launcher, the one that spans nodes
+    machines, rank = args.num_machines, args.machine_rank
+    if machines is not None and machines < 1:
+        raise UserError(f"--num_machines {machines}: a run needs at least one node")
+    if machines is not None and rank is not None and not 0 <= rank < machines:
+        raise UserError(
+            f"--machine_rank {rank} is outside the job's {machines} node(s): give each node a rank from 0 to "
+            f"{machines - 1}"
+        )
+    if machines and args.num_processes is not None and args.num_processes % machines:
+        raise UserError(
+            f"--num_processes {args.num_processes} (the total over all nodes) does not split evenly over "
+            f"--num_machines {machines}"
+        )
+    if node is not None:
+        print(node.describe(), file=sys.stderr, flush=True)
 
 
 def _ended(code: int, who: str) -> int:
