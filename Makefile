@@ -5,15 +5,18 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 LMMS_EVAL_SPEC ?= lmms-eval==0.7.3
+IMG2DATASET_SPEC ?= img2dataset==1.47.0
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install lmms-eval demo lint test test-fast bench clean-demo
+.PHONY: install lmms-eval img2dataset demo lint test test-fast bench clean-demo
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]"
 	$(PY) -c "import lmms_eval" 2>/dev/null || $(MAKE) --no-print-directory lmms-eval
+	$(PY) -c "import importlib.metadata as m; m.version('img2dataset')" 2>/dev/null || \
+	  $(MAKE) --no-print-directory img2dataset
 	touch $@
 
 # lmms-eval (the `eval` extra) requires torchvision. With a torch that has its torchvision, pip installs it as usual;
@@ -23,6 +26,13 @@ lmms-eval:
 	  $(PY) -m pip install -q --no-deps "$(LMMS_EVAL_SPEC)" && \
 	  $(PY) scripts/lmms_eval_requirements.py > $(VENV)/lmms-eval-requirements.txt && \
 	  $(PY) -m pip install -q -r $(VENV)/lmms-eval-requirements.txt; fi
+
+# img2dataset (source.type: urls) pins webdataset<0.3 and pandas<3, which pip cannot install beside this project's
+# webdataset>=1.0: it goes in without its dependencies, then its requirements less those pins.
+img2dataset:
+	$(PY) -m pip install -q --no-deps "$(IMG2DATASET_SPEC)" && \
+	  $(PY) scripts/img2dataset_requirements.py > $(VENV)/img2dataset-requirements.txt && \
+	  $(PY) -m pip install -q -r $(VENV)/img2dataset-requirements.txt
 
 install: $(VENV)/.installed
 
