@@ -224,3 +224,26 @@ def test_url_options_belong_to_the_urls_source(tmp_path):
         make_cfg(tmp_path, "source.type=folder", "source.url_column=URL")
     with pytest.raises(UserError, match="source.img2dataset.timeout.*positive"):
         make_cfg(tmp_path, "source.type=urls", "source.img2dataset.timeout=0")
+
+
+@pytest.mark.slow
+def test_plan_downloads_a_sample_of_rows_and_extrapolates_to_a_table_of_given_size(tmp_path, server, capsys):
+    from precompute import sizing
+
+    table = tmp_path / "datacomp.jsonl"
+    rows = [{"uid": u, "url": f"{server}/{r}?{tmp_path.name}", "text": c} for u, r, c in DATACOMP]
+    table.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    n = 1_400_000_000
+    argv = ["--plan", "--set", f"output_dir={tmp_path / 'cache'}", "--set", "shard_size=1024"]
+    for o in _fast(f"source.path={table}", f"source.num_samples={n}", "source.img2dataset.min_image_size=16"):
+        argv += ["--set", o]
+    assert cosmos_latents.main(argv) == 0
+    text = capsys.readouterr().out
+    usable = round(n * 3 / 7)  # 3 of the 7 sampled rows download and decode
+    shards = -(-n // 1024)
+    assert f"{n} rows (extrapolated from a table of 7), 42.9% usable = {usable} samples" in text
+    assert f"objects: {3 * shards + 3} ({shards} shards x 3" in text
+    gpu_hours = usable / sizing.IMAGES_PER_S_PER_GPU / 3600
+    assert f"encode time: {round(gpu_hours, 1):g} GPU-hours = {round(gpu_hours / 8, 1):g} node-hours" in text
+    assert not (tmp_path / "cache").exists()  # a plan writes nothing
+    assert _requests(f"/jpg/0?{tmp_path.name}") == 1

@@ -108,6 +108,13 @@ class Table:
                 f"config key 'source.path': column {name!r} of {self.path} cannot be read ({one_line(e, 300)})"
             ) from None
 
+    def take(self, rows: list[int], columns: list[str]):
+        """Some rows' `columns` as a pyarrow Table."""
+        import pyarrow.parquet as pq
+
+        table = self._rows if self._rows is not None else pq.read_table(self.path, columns=columns)
+        return table.select(columns).take(rows)
+
     def head(self, n: int, columns: list[str], out: Path) -> None:
         """The first `n` rows' `columns` as a parquet file (a table cut by source.num_samples)."""
         import pyarrow.parquet as pq
@@ -375,3 +382,41 @@ def _cut(rows: list[int], n: int | None) -> list[int]:
         out.append(min(r, n))
         n -= out[-1]
     return out
+
+
+def plan_sample(source, work: Path, k: int) -> tuple[UrlsListing, dict]:
+    """For --plan: up to `k` rows spread evenly over the rows a run would use, downloaded into `work` as a run would
+    download them. Returns their listing and {rows: rows planned for (source.num_samples, beyond the table's rows:
+    extrapolated), table_rows, staging_bytes: what img2dataset staged for the sampled rows}."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    files = table_files(source.path)
+    tables = [Table(f) for f in files]
+    cols = [resolve_columns(t, source.url_column, source.caption_column, source.id_column) for t in tables][0]
+    total = sum(t.num_rows for t in tables)
+    if not total:
+        raise UserError(f"config key 'source.path': no rows in {source.path}")
+    rows = source.num_samples or total
+    used = min(rows, total)
+    picks = sorted({i * used // min(used, k) for i in range(min(used, k))}) if used else []
+    starts = [0] + np.cumsum([t.num_rows for t in tables]).tolist()
+    wanted = [c for c in dict.fromkeys((cols["url"], cols["caption"], cols["id"])) if c]
+    parts = []
+    for j, t in enumerate(tables):
+        local = [p - starts[j] for p in picks if starts[j] <= p < starts[j + 1]]
+        if local:
+            parts.append(t.take(local, wanted))
+    sample = work / "plan-sample.parquet"
+    work.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.concat_tables(parts, promote_options="permissive") if parts else pa.table({}), sample)
+    listing = UrlsListing(
+        str(sample),
+        source.prompt,
+        work / "index",
+        work / "staging",
+        {"url": cols["url"], "caption": cols["caption"], "id_": cols["id"]},
+        source.img2dataset,
+    )
+    staged_bytes = sum(f.stat().st_size for f in (work / "staging").rglob("*") if f.is_file())
+    return listing, {"rows": rows, "table_rows": total, "staging_bytes": staged_bytes}
