@@ -54,22 +54,28 @@ class SourceConfig:
     num_samples: int | None = None
     prompt: str = DEFAULT_PROMPT  # used when a sample carries no prompt of its own
     image_root: str | None = None  # llava: the folder image paths are relative to (default: the JSON's folder)
-    image_column: str | None = None  # parquet: {bytes, path} struct or bytes (default: image)
+    image_column: str | None = None  # parquet, hf: {bytes, path} struct or bytes (default: image)
     # parquet, hf (default: the first of caption, text that exists); urls (default: the first of text, TEXT,
     # caption: DataComp's and LAION's names)
     caption_column: str | None = None
-    prompt_column: str | None = None  # parquet (optional; default: `prompt` above)
+    prompt_column: str | None = None  # parquet, hf (optional; default: `prompt` above)
     url_column: str | None = None  # urls (default: the first of url, URL)
     id_column: str | None = None  # urls (default: the first of uid, key, id, SAMPLE_ID; none: "<file stem>-<row>")
     staging_dir: str | None = None  # urls: where img2dataset's shards go (default: <output_dir>/staging)
+    name: str | None = None  # hf: a Hub dataset id (user/dataset), read through datasets.load_dataset
+    split: str | None = None  # hf (default: train)
+    streaming: bool | None = None  # hf: read through datasets' streaming iterator (default: false)
     img2dataset: Img2datasetOptions = field(default_factory=Img2datasetOptions)  # urls: download options
 
     def __post_init__(self) -> None:
         only = {
             "image_root": ("llava",),
-            "image_column": ("parquet",),
-            "caption_column": ("parquet", "urls"),
-            "prompt_column": ("parquet",),
+            "image_column": ("parquet", "hf"),
+            "caption_column": ("parquet", "urls", "hf"),
+            "prompt_column": ("parquet", "hf"),
+            "name": ("hf",),
+            "split": ("hf",),
+            "streaming": ("hf",),
             "url_column": ("urls",),
             "id_column": ("urls",),
             "staging_dir": ("urls",),
@@ -127,6 +133,13 @@ class PrecomputeConfig:
         """Checks that touch the filesystem (kept out of __post_init__ so configs can be built anywhere)."""
         run_lock.check_folder(self.output_dir)
         if self.source.type == "synthetic":
+            return
+        if self.source.type == "hf":
+            if not self.source.name or self.source.path:
+                raise UserError(
+                    "config key 'source.name': source.type=hf reads a Hub dataset id (source.name: user/dataset), "
+                    + ("not source.path" if self.source.path else "and none is set")
+                )
             return
         if not self.source.path:
             raise UserError(f"config key 'source.path': required for source.type={self.source.type}")

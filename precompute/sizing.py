@@ -192,7 +192,7 @@ def estimate(cfg: PrecomputeConfig) -> dict:
             "staging_bytes": round(urls_plan["staging_bytes"] / got["sampled"] * n),
         }
     return {
-        "source": {"type": cfg.source.type, "path": cfg.source.path},
+        "source": {"type": cfg.source.type, "path": cfg.source.path or cfg.source.name},
         "entries": n,
         "shards": shards,
         "shard_size": cfg.shard_size,

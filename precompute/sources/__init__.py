@@ -18,6 +18,7 @@ from pathlib import Path
 from precompute.config import SourceConfig
 from precompute.sources.content import SourceError
 from precompute.sources.folder import IMAGE_SUFFIXES, folder_listing, image_paths, walk_images
+from precompute.sources.hf import hf_listing
 from precompute.sources.listing import Entry, Listing, Loaded, Truncated
 from precompute.sources.llava import LlavaListing
 from precompute.sources.parquet import ParquetListing
@@ -76,6 +77,22 @@ def open_listing(
 def open_source(source: SourceConfig, seed: int, resolution: int, staging: Path | None = None, **collective) -> Listing:
     """`open_listing` for a config's `source` section (`collective`: index_dir, rank, world, barrier). A urls source
     is staged into `staging` (default: source.staging_dir, else a `staging` folder beside index_dir)."""
+    columns = {"image": source.image_column, "caption": source.caption_column, "prompt": source.prompt_column}
+    if source.type == "hf":
+        index_dir = Path(collective["index_dir"])
+        rank, barrier = collective.get("rank", 0), collective.get("barrier", lambda: None)
+        listing = hf_listing(
+            source.name,
+            source.split or "train",
+            bool(source.streaming),
+            source.num_samples,
+            source.prompt,
+            index_dir,
+            columns,
+            rank,
+            barrier,
+        )
+        return Truncated(listing, source.num_samples, index_dir, rank, barrier) if source.num_samples else listing
     if source.type == "urls":
         index_dir = Path(collective["index_dir"])
         return UrlsListing(
@@ -89,7 +106,6 @@ def open_source(source: SourceConfig, seed: int, resolution: int, staging: Path 
             rank=collective.get("rank", 0),
             barrier=collective.get("barrier", lambda: None),
         )
-    columns = {"image": source.image_column, "caption": source.caption_column, "prompt": source.prompt_column}
     return open_listing(
         source.type,
         source.path,
