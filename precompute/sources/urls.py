@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -50,6 +51,7 @@ ID_COLUMNS = ("uid", "key", "id", "SAMPLE_ID")
 INDEX_VERSION = 1
 OOM_SHARD_COUNT = 5  # img2dataset's default: staged shard names are NNNNN (more digits past 99999)
 RECORD = "urls-staging.json"  # in the staging folder: the tables and shard size it was staged with
+WAIT_S = 5  # how often processes other than rank 0 look for the staged shards
 
 
 def _first(names: list[str], wanted: tuple[str, ...]) -> str | None:
@@ -247,6 +249,9 @@ class UrlsListing(Listing):
             _check_record(self.staging, {"tables": idents, "number_sample_per_shard": self.per_shard})
             for j, t in enumerate(tables):
                 self._stage(j, t, options)
+        else:  # a download outlasts any collective's timeout: wait on the files (the launcher ends us if rank 0 fails)
+            while not all(staged(self.folder(j), n, self.per_shard) for j, n in enumerate(self.rows) if n):
+                time.sleep(WAIT_S)
         barrier()
         self._tables = {j: t for j, t in enumerate(tables) if t.format == "jsonl"}  # parsed already
         self._ids: dict[int, object] = {}
