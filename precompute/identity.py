@@ -22,6 +22,8 @@ def layout_identity(cfg: PrecomputeConfig) -> dict:
         src["staging_dir"] = None
         for key in ("processes_count", "thread_count"):
             src["img2dataset"].pop(key)
+    else:  # other sources do not download: their caches' records (older ones too) have no such section
+        src.pop("img2dataset")
     if cfg.source.type == "llava":  # the rule that turns items into samples: an older cache kept one turn only
         src["conversations"] = LLAVA_CONVERSATIONS
     return {"source": src, "shard_size": cfg.shard_size, "cache": to_dict(cfg.cache)}

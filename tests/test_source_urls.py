@@ -247,3 +247,27 @@ def test_plan_downloads_a_sample_of_rows_and_extrapolates_to_a_table_of_given_si
     assert f"encode time: {round(gpu_hours, 1):g} GPU-hours = {round(gpu_hours / 8, 1):g} node-hours" in text
     assert not (tmp_path / "cache").exists()  # a plan writes nothing
     assert _requests(f"/jpg/0?{tmp_path.name}") == 1
+
+
+def test_a_staging_dir_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    table = _table(tmp_path, uid=["x"], url=["http://127.0.0.1:9/a.jpg"], text=["c"])
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    argv = ["--set", f"output_dir={tmp_path / 'cache'}", "--set", "source.type=urls", "--set", f"source.path={table}"]
+    argv += ["--set", f"source.staging_dir={blocker / 'staging'}"]
+    assert cosmos_latents.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "source.staging_dir" in err and str(blocker) in err, err
+
+
+def test_download_speed_and_place_do_not_change_what_a_rerun_must_match(tmp_path):
+    from precompute.identity import layout_identity
+
+    base = ("source.type=urls", "source.path=t.parquet")
+    one = layout_identity(make_cfg(tmp_path, *base, "source.img2dataset.thread_count=3"))
+    assert one == layout_identity(
+        make_cfg(tmp_path, *base, "source.img2dataset.processes_count=9", f"source.staging_dir={tmp_path}")
+    )
+    assert one != layout_identity(make_cfg(tmp_path, *base, "source.img2dataset.resize_mode=keep_ratio"))
+    # caches of other sources, written before urls existed, recorded no img2dataset section: still resumable
+    assert "img2dataset" not in layout_identity(make_cfg(tmp_path))["source"]

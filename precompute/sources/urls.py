@@ -43,7 +43,7 @@ from precompute.sources.listing import (
 from precompute.sources.webdataset import index_tar, load_sample, shard_files, tar_entries
 from theworld import cache_format as cf
 from theworld.cache_format import safe_key
-from theworld.errors import UserError, one_line
+from theworld.errors import UserError, one_line, out_of_space
 
 URL_COLUMNS = ("url", "URL")
 CAPTION_COLUMNS = ("text", "TEXT", "caption")
@@ -203,8 +203,16 @@ def _check_record(staging: Path, record: dict) -> None:
     """A staging folder is for one set of tables and one staged shard size: refuse to mix."""
     old = read_json(staging / RECORD)
     if old is None:
-        staging.mkdir(parents=True, exist_ok=True)
-        cf.atomic_write_json(staging / RECORD, record)
+        try:
+            staging.mkdir(parents=True, exist_ok=True)
+            cf.atomic_write_json(staging / RECORD, record)
+        except OSError as e:
+            if out_of_space(e):
+                raise
+            raise UserError(
+                f"config key 'source.staging_dir': cannot write {staging} ({e.strerror or one_line(e)}): set "
+                "source.staging_dir to a folder this user can write"
+            ) from None
         return
     if old.get("number_sample_per_shard") != record["number_sample_per_shard"]:
         raise UserError(
