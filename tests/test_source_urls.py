@@ -154,14 +154,22 @@ def test_a_laion_jsonl_table_without_ids_keys_rows_by_position_and_num_samples_c
     table = tmp_path / "laion.jsonl"
     rows = [{"URL": f"{server}/jpg/{i}?{tmp_path.name}", "TEXT": f"picture {i}", "WIDTH": 40} for i in range(5)]
     table.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = tmp_path / "cache"
-    cfg = make_cfg(out, *_fast(f"source.path={table}"), n=3, shard=2)
+    staging = f"source.staging_dir={tmp_path / 'staging'}"
+    per_shard = "source.img2dataset.number_sample_per_shard=2"
+    cfg = make_cfg(tmp_path / "three", *_fast(f"source.path={table}", staging, per_shard), n=3, shard=2)
     result = cosmos_latents.run(cfg)
     assert result["num_samples"] == 3 and result["num_errors"] == 0
-    cache = read_cache_plain(out)
+    cache = read_cache_plain(tmp_path / "three")
     assert list(cache) == ["laion-000000000", "laion-000000001", "laion-000000002"]
     assert [cache[k]["txt"] for k in cache] == [b"picture 0", b"picture 1", b"picture 2"]
-    assert _requests(f"/jpg/3?{tmp_path.name}") == 0 and _requests(f"/jpg/4?{tmp_path.name}") == 0
+    fetched = [_requests(f"/jpg/{i}?{tmp_path.name}") for i in range(5)]
+    assert fetched == [1, 1, 1, 0, 0]  # rows past num_samples are not downloaded
+
+    # all rows, from the same staging folder: the staged shard cut short (row 2 alone) is downloaded again with row 3
+    cfg = make_cfg(tmp_path / "all", *_fast(f"source.path={table}", staging, per_shard), n=5, shard=2)
+    assert cosmos_latents.run(cfg)["num_samples"] == 5
+    assert list(read_cache_plain(tmp_path / "all"))[3:] == ["laion-000000003", "laion-000000004"]
+    assert [_requests(f"/jpg/{i}?{tmp_path.name}") for i in range(5)] == [1, 1, 2, 1, 1]
 
 
 def _table(tmp_path: Path, **columns) -> Path:

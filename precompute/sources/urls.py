@@ -200,7 +200,8 @@ def download(table: str, fmt: str, folder: Path, cols: dict, options) -> None:
 
 
 def _check_record(staging: Path, record: dict) -> None:
-    """A staging folder is for one set of tables and one staged shard size: refuse to mix."""
+    """A staging folder is for one set of tables and one staged shard size: refuse to mix. More rows of them than
+    were staged (a larger source.num_samples) get their last, short, staged shard downloaded again."""
     old = read_json(staging / RECORD)
     if old is None:
         try:
@@ -221,6 +222,11 @@ def _check_record(staging: Path, record: dict) -> None:
             "back, or use another source.staging_dir"
         )
     check_unchanged(old.get("tables"), record["tables"], staging, "rows")
+    for j, (before, now) in enumerate(zip(old.get("tables") or [], record["tables"])):
+        shard, cut = divmod(before[-1], record["number_sample_per_shard"])
+        if now[-1] > before[-1] and cut:  # staged for fewer rows (source.num_samples): its last shard is short
+            (staging / f"table-{j:05d}" / f"{_staged_name(shard)}_stats.json").unlink(missing_ok=True)
+    cf.atomic_write_json(staging / RECORD, record)
 
 
 class UrlsListing(Listing):
