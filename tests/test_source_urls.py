@@ -141,6 +141,15 @@ def test_a_datacomp_table_downloads_encodes_records_failures_and_reruns_without_
     assert errors["a1"]["source"] == "datacomp.parquet:1"
     staged = sorted(p.name for p in (out / "staging" / "table-00000").iterdir())
     assert staged == [f"0000{s}{x}" for s in (0, 1) for x in (".parquet", ".tar", "_stats.json")]
+    # the objects --plan counts: what the cache holds besides the staging folder, the source's listing and the lock
+    from precompute import sizing
+
+    objects = [
+        p
+        for p in out.rglob("*")
+        if p.is_file() and not {"staging", cf.INDEX_DIR} & set(p.relative_to(out).parts) and p.name != ".run.lock"
+    ]
+    assert len(objects) == sizing.OBJECTS_PER_SHARD * len(result["shards"]) + sizing.OBJECTS_PER_CACHE, objects
 
     fetched = _requests("/")
     again = cosmos_latents.run(cfg)
