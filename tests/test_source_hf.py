@@ -62,6 +62,13 @@ def test_a_hub_dataset_id_is_read_through_datasets_offline(hub_cache, tmp_path, 
     assert [e["key"] for e in cf.read_errors(out)] == ["s2"]
 
 
+def test_a_split_that_selects_rows_is_read_as_selected(hub_cache, tmp_path, fake_vae):
+    out = tmp_path / "cache"
+    cfg = make_cfg(out, "source.type=hf", "source.name=someone/tiny-scenes", "source.split=train[1:4]", shard=2)
+    result = cosmos_latents.run(cfg)
+    assert list(read_cache_plain(out)) == ["s1", "s3"] and result["num_errors"] == 1
+
+
 def test_streaming_reads_only_the_first_rows(hub_cache, tmp_path, fake_vae):
     out = tmp_path / "cache"
     cfg = make_cfg(out, "source.type=hf", "source.name=someone/tiny-scenes", "source.streaming=true", n=2, shard=2)

@@ -41,7 +41,7 @@ def _load(name: str, split: str, streaming: bool):
 def _arrow_files(ds) -> list[str] | None:
     """The cache files holding exactly the split's rows in order, or None (a selection or an in-memory table)."""
     files = [c["filename"] for c in ds.cache_files]
-    if not files or ds._indices is not None:
+    if not files:
         return None
     import pyarrow as pa
 
