@@ -221,7 +221,7 @@ def _table(tmp_path: Path, **columns) -> Path:
             ["source.path", "not a readable jsonl table"],
         ),
         (lambda p: p / "nothing.parquet", [], ["source.path", "table not found"]),
-        (lambda p: p, [], ["source.path", "no .parquet files"]),
+        (lambda p: p, [], ["source.path", "no .parquet or .jsonl tables"]),
     ],
 )
 def test_a_bad_table_is_one_line_naming_the_cause(tmp_path, make, overrides, words, capsys):

@@ -69,6 +69,8 @@ def table_files(pattern: str) -> list[str]:
         try:
             return shard_files(pattern, ".jsonl")
         except UserError:
+            if "no .parquet files match" in str(first):
+                raise UserError(f"config key 'source.path': no .parquet or .jsonl tables match {pattern!r}") from None
             raise first from None
 
 
