@@ -138,6 +138,7 @@ def test_a_datacomp_table_downloads_encodes_records_failures_and_reruns_without_
     for key, reason in REASONS.items():
         assert errors[key]["reason"].startswith(reason), errors[key]
     assert "timed out" in errors["a4"]["reason"]
+    assert errors["a1"]["reason"].endswith(f"(url {server}/missing/1?{tmp_path.name})")
     assert errors["a1"]["source"] == "datacomp.parquet:1"
     staged = sorted(p.name for p in (out / "staging" / "table-00000").iterdir())
     assert staged == [f"0000{s}{x}" for s in (0, 1) for x in (".parquet", ".tar", "_stats.json")]

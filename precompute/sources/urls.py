@@ -342,10 +342,8 @@ class UrlsListing(Listing):
         compute_key = _img2dataset().downloader.compute_key  # the key img2dataset gives row i of shard s
 
         folder, name = self.folder(j), _staged_name(s)
-        statuses = {
-            r["key"]: r
-            for r in pq.read_table(folder / f"{name}.parquet", columns=["key", "status", "error_message"]).to_pylist()
-        }
+        recorded = pq.read_table(folder / f"{name}.parquet", columns=["key", "status", "error_message", "url"])
+        statuses = {r["key"]: r for r in recorded.to_pylist()}
         tar = str(folder / f"{name}.tar")
         samples = {e.key: e for e in tar_entries(tar, index_tar(tar, self.index_dir / f"urls-{j:05d}-{name}.json"), "")}
         lo = s * self.per_shard
@@ -360,7 +358,8 @@ class UrlsListing(Listing):
             if status is None:
                 e.error = "img2dataset recorded nothing for this row (its log says why)"
             elif status["status"] != "success":
-                e.error = f"img2dataset {status['status']}: {one_line(status['error_message'] or 'no message', 300)}"
+                message = one_line(status["error_message"] or "no message", 300)
+                e.error = f"img2dataset {status['status']}: {message} (url {one_line(status['url'], 300)})"
             elif sample is None or sample.error is not None:
                 e.error = "staged sample missing from " + tar + (f" ({sample.error})" if sample else "")
             else:
