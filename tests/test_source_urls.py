@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import threading
 import time
 from collections import Counter
@@ -222,6 +223,7 @@ def _table(tmp_path: Path, **columns) -> Path:
             ["source.path", "not a readable jsonl table"],
         ),
         (lambda p: p / "nothing.parquet", [], ["source.path", "table not found"]),
+        (lambda p: os.mkfifo(p / "t.parquet") or p / "t.parquet", [], ["source.path", "a FIFO"]),
         (lambda p: p, [], ["source.path", "no .parquet or .jsonl tables"]),
     ],
 )

@@ -44,6 +44,7 @@ from precompute.sources.webdataset import index_tar, load_sample, shard_files, t
 from theworld import cache_format as cf
 from theworld.cache_format import safe_key
 from theworld.errors import UserError, one_line, out_of_space
+from theworld.paths import REGULAR, path_kind
 
 URL_COLUMNS = ("url", "URL")
 CAPTION_COLUMNS = ("text", "TEXT", "caption")
@@ -60,18 +61,22 @@ def _first(names: list[str], wanted: tuple[str, ...]) -> str | None:
 
 def table_files(pattern: str) -> list[str]:
     """The tables `source.path` names: as a parquet source's files, a folder meaning its *.parquet, else its *.jsonl."""
-    parts = pattern.split("::")
-    if len(parts) == 1 and not any(c in pattern for c in "*?[{") and not os.path.exists(pattern):
-        raise UserError(f"config key 'source.path': table not found: {pattern}")
+    if "::" not in pattern and not any(c in pattern for c in "*?[{"):
+        kind = path_kind(pattern)
+        if kind is None:
+            raise UserError(f"config key 'source.path': table not found: {pattern}")
+        if kind not in (REGULAR, "a directory"):  # never opened: reading a FIFO waits forever
+            raise UserError(f"config key 'source.path': {pattern} is {kind}, not a table file or a folder of them")
     try:
-        return shard_files(pattern, ".parquet")
+        files = shard_files(pattern, ".parquet")
     except UserError as first:
         try:
-            return shard_files(pattern, ".jsonl")
+            files = shard_files(pattern, ".jsonl")
         except UserError:
             if "no .parquet files match" in str(first):
                 raise UserError(f"config key 'source.path': no .parquet or .jsonl tables match {pattern!r}") from None
             raise first from None
+    return files
 
 
 def table_format(path: str) -> str:
