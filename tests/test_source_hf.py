@@ -95,3 +95,21 @@ def test_hf_needs_a_name_and_no_path(tmp_path):
         make_cfg(tmp_path / "c", "source.type=hf", "source.name=a/b", f"source.path={tmp_path}").validate_paths()
     with pytest.raises(UserError, match="source.split.*only used by source.type=hf"):
         make_cfg(tmp_path / "c", "source.split=train")
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["source.split=validation"], ["source.name", "someone/tiny-scenes", "validation"]),
+        (["source.image_column=picture"], ["source.image_column", "'picture'", "id, image, text"]),
+    ],
+)
+def test_a_split_or_column_the_dataset_lacks_is_one_line(hub_cache, tmp_path, overrides, words, capsys):
+    argv = ["--set", f"output_dir={tmp_path / 'c'}", "--set", "source.type=hf"]
+    for o in ["source.name=someone/tiny-scenes", *overrides]:
+        argv += ["--set", o]
+    assert cosmos_latents.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    for w in words:
+        assert w in err, err
