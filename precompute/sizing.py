@@ -157,7 +157,7 @@ def estimate(cfg: PrecomputeConfig) -> dict:
         else:
             listing = sources.open_source(cfg.source, cfg.seed, cfg.image.resolution, index_dir=Path(tmp))
         if not len(listing):
-            raise UserError(f"config key 'source.path': no samples found in {cfg.source.path}")
+            raise UserError(f"config key 'source.path': no samples found in {cfg.source.path or cfg.source.name}")
         got = _measure(cfg, listing)
     n = urls_plan["rows"] if urls_plan else len(listing)
     if not got["hw"]:
