@@ -14,31 +14,77 @@ from theworld.text import DEFAULT_PROMPT
 
 
 @dataclass
+class Img2datasetOptions:
+    """source.type=urls: img2dataset's own download options, by its names (img2dataset.download); the rest it is
+    called with is set by the source (input and output format, columns, staging folder, incremental mode)."""
+
+    processes_count: int = 1  # download processes (each with thread_count threads)
+    thread_count: int = 64
+    timeout: int = 10  # seconds per request
+    retries: int = 0
+    number_sample_per_shard: int = 10000  # rows per staged shard (and per img2dataset task)
+    min_image_size: int = 0  # smaller images (shorter side, px) are refused: "failed_to_resize: image too small"
+    # "no": the image as served (its bytes kept when they are encode_format already); the others make img2dataset
+    # resize to image_size first (smaller staging folder, one more resize)
+    resize_mode: Literal["no", "keep_ratio", "keep_ratio_largest", "center_crop", "border"] = "no"
+    image_size: int = 512
+    encode_format: Literal["jpg", "png", "webp"] = "jpg"  # images not already in it are re-encoded to it
+    user_agent_token: str | None = None  # added to the User-Agent (sites' X-Robots-Tag opt-outs are honoured)
+
+    def __post_init__(self) -> None:
+        for key in ("processes_count", "thread_count", "timeout", "number_sample_per_shard", "image_size"):
+            if getattr(self, key) <= 0:
+                raise UserError(f"config key 'source.img2dataset.{key}': must be positive, got {getattr(self, key)}")
+        for key in ("retries", "min_image_size"):
+            if getattr(self, key) < 0:
+                raise UserError(f"config key 'source.img2dataset.{key}': must be >= 0, got {getattr(self, key)}")
+
+
+@dataclass
 class SourceConfig:
-    type: Literal["synthetic", "folder", "webdataset", "llava", "parquet"] = "synthetic"
+    type: Literal["synthetic", "folder", "webdataset", "llava", "parquet", "urls", "hf"] = "synthetic"
     # folder: a directory of images (+ captions.jsonl or same-stem .txt); webdataset: shard files such as
     # /data/datacomp/{00000..00099}.tar or a folder of tars; parquet: files, a glob or a folder (brace expansion and
-    # globs allowed, several patterns separated by "::"); llava: the JSON list (chat.json).
+    # globs allowed, several patterns separated by "::"); llava: the JSON list (chat.json); urls: url + caption
+    # tables, .parquet or .jsonl (a file, a glob or a folder, as parquet).
     path: str | None = None
-    # synthetic: the number of scenes (default 4096); other sources: the first N entries the listing finds usable,
-    # in source order (default: all)
+    # synthetic: the number of scenes (default 4096); urls: the first N rows of the table (whether a row is usable
+    # is known only once downloaded; with --plan, a number over the table's rows extrapolates the plan to a table of
+    # that size); other sources: the first N entries the listing finds usable, in source order (default: all)
     num_samples: int | None = None
     prompt: str = DEFAULT_PROMPT  # used when a sample carries no prompt of its own
     image_root: str | None = None  # llava: the folder image paths are relative to (default: the JSON's folder)
-    image_column: str | None = None  # parquet: {bytes, path} struct or bytes (default: image)
-    caption_column: str | None = None  # parquet (default: the first of caption, text that exists)
-    prompt_column: str | None = None  # parquet (optional; default: `prompt` above)
+    image_column: str | None = None  # parquet, hf: {bytes, path} struct or bytes (default: image)
+    # parquet, hf (default: the first of caption, text that exists); urls (default: the first of text, TEXT,
+    # caption: DataComp's and LAION's names)
+    caption_column: str | None = None
+    prompt_column: str | None = None  # parquet, hf (optional; default: `prompt` above)
+    url_column: str | None = None  # urls (default: the first of url, URL)
+    id_column: str | None = None  # urls (default: the first of uid, key, id, SAMPLE_ID; none: "<file stem>-<row>")
+    staging_dir: str | None = None  # urls: where img2dataset's shards go (default: <output_dir>/staging)
+    name: str | None = None  # hf: a Hub dataset id (user/dataset), read through datasets.load_dataset
+    split: str | None = None  # hf (default: train)
+    streaming: bool | None = None  # hf: read through datasets' streaming iterator (default: false)
+    img2dataset: Img2datasetOptions = field(default_factory=Img2datasetOptions)  # urls: download options
 
     def __post_init__(self) -> None:
         only = {
-            "image_root": "llava",
-            "image_column": "parquet",
-            "caption_column": "parquet",
-            "prompt_column": "parquet",
+            "image_root": ("llava",),
+            "image_column": ("parquet", "hf"),
+            "caption_column": ("parquet", "urls", "hf"),
+            "prompt_column": ("parquet", "hf"),
+            "name": ("hf",),
+            "split": ("hf",),
+            "streaming": ("hf",),
+            "url_column": ("urls",),
+            "id_column": ("urls",),
+            "staging_dir": ("urls",),
         }
-        for key, kind in only.items():
-            if getattr(self, key) is not None and self.type != kind:
-                raise UserError(f"config key 'source.{key}': only used by source.type={kind} (this is {self.type})")
+        for key, kinds in only.items():
+            if getattr(self, key) is not None and self.type not in kinds:
+                raise UserError(
+                    f"config key 'source.{key}': only used by source.type={'|'.join(kinds)} (this is {self.type})"
+                )
 
 
 @dataclass
@@ -89,12 +135,21 @@ class PrecomputeConfig:
         run_lock.check_folder(self.output_dir)
         if self.source.type == "synthetic":
             return
+        if self.source.type == "hf":
+            if not self.source.name or self.source.path:
+                raise UserError(
+                    "config key 'source.name': source.type=hf reads a Hub dataset id (source.name: user/dataset), "
+                    + ("not source.path" if self.source.path else "and none is set")
+                )
+            return
         if not self.source.path:
             raise UserError(f"config key 'source.path': required for source.type={self.source.type}")
         if self.source.type == "folder":
             _check_path("source.path", self.source.path, folder=True)
         if self.source.type == "llava":
             _check_path("source.path", self.source.path, folder=False)
+        if self.source.staging_dir is not None:
+            require_path("source.staging_dir", self.source.staging_dir)
         if self.source.image_root is not None:
             _check_path("source.image_root", self.source.image_root, folder=True)
 

@@ -313,7 +313,7 @@ def _build(cfg: PrecomputeConfig, state, out: Path) -> dict:
         barrier=state.wait_for_everyone,
     )
     if not len(listing):
-        raise UserError(f"config key 'source.path': no samples found in {cfg.source.path}")
+        raise UserError(f"config key 'source.path': no samples found in {cfg.source.path or cfg.source.name}")
     encoder, gemma, processor, fingerprint = _load_models(cfg, state.device)
     encoder.optimize_for_inference(channels_last=state.device.type == "cuda", compile=cfg.compile)
     if state.device.type == "cuda":

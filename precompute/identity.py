@@ -18,6 +18,12 @@ def layout_identity(cfg: PrecomputeConfig) -> dict:
     src = to_dict(cfg.source)
     if cfg.source.type == "synthetic":
         src.update(path=None, prompt=None, seed=cfg.seed)
+    if cfg.source.type == "urls":  # how fast and where it downloads changes no byte of the cache
+        src["staging_dir"] = None
+        for key in ("processes_count", "thread_count"):
+            src["img2dataset"].pop(key)
+    else:  # other sources do not download: their caches' records (older ones too) have no such section
+        src.pop("img2dataset")
     if cfg.source.type == "llava":  # the rule that turns items into samples: an older cache kept one turn only
         src["conversations"] = LLAVA_CONVERSATIONS
     return {"source": src, "shard_size": cfg.shard_size, "cache": to_dict(cfg.cache)}

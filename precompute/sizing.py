@@ -22,12 +22,20 @@ from safetensors.torch import save as st_save
 
 from precompute import sources
 from precompute.config import PrecomputeConfig
+from precompute.sources import urls
 from theworld import cache_format as cf
 from theworld import encoders
 from theworld.arch import KNOWN_GEMMA, KNOWN_VAE, latent_side
 from theworld.errors import UserError, one_line
 
 PLAN_SAMPLES = 64
+# The encode rate the plan's time line uses: precompute end to end at 512 px through the real Wan 2.1 VAE on one
+# H100 (bf16, batch 32, compile: true, 8 decode workers), docs/performance.md, "Precompute" table, case real512,
+# commit 5171566. Another resolution, model or GPU runs at another rate.
+IMAGES_PER_S_PER_GPU = 252.1
+GPUS_PER_NODE = 8
+OBJECTS_PER_SHARD = 3  # shards/shard-N.tar, its sidecar shards/shard-N.json, errors/shard-N.jsonl
+OBJECTS_PER_CACHE = 3  # manifest.json, errors.jsonl, precompute.json
 
 
 def _local_config(key: str, path: str, subfolder: str | None = None) -> dict | None:
@@ -142,14 +150,16 @@ def _measure(cfg: PrecomputeConfig, listing: sources.Listing) -> dict:
 def estimate(cfg: PrecomputeConfig) -> dict:
     """Entries, shards and bytes per sample by member, and totals for the whole source."""
     cfg.validate_paths()
-    with (
-        tempfile.TemporaryDirectory() as tmp
-    ):  # indexed sources (webdataset, parquet, llava) list into a scratch folder
-        listing = sources.open_source(cfg.source, cfg.seed, cfg.image.resolution, index_dir=Path(tmp))
+    urls_plan = None
+    with tempfile.TemporaryDirectory() as tmp:  # indexed sources list (and a urls source downloads) into scratch
+        if cfg.source.type == "urls":  # a sample of rows downloaded, not the table
+            listing, urls_plan = urls.plan_sample(cfg.source, Path(tmp), PLAN_SAMPLES)
+        else:
+            listing = sources.open_source(cfg.source, cfg.seed, cfg.image.resolution, index_dir=Path(tmp))
         if not len(listing):
-            raise UserError(f"config key 'source.path': no samples found in {cfg.source.path}")
+            raise UserError(f"config key 'source.path': no samples found in {cfg.source.path or cfg.source.name}")
         got = _measure(cfg, listing)
-    n = len(listing)
+    n = urls_plan["rows"] if urls_plan else len(listing)
     if not got["hw"]:
         reasons = "; ".join(f"{k} x{n}" if n > 1 else k for k, n in got["reasons"].most_common(3))
         more = f"; and {len(got['reasons']) - 3} other reasons" if len(got["reasons"]) > 3 else ""
@@ -171,8 +181,18 @@ def estimate(cfg: PrecomputeConfig) -> dict:
     per_sample = sum(members.values())
     shards = -(-n // cfg.shard_size)  # integers: a float quotient is wrong beyond 2**53 entries
     end = 2 * tarfile.BLOCKSIZE + tarfile.RECORDSIZE / 2  # end-of-archive blocks, then padding to a record (mean)
+    # a urls source's failed downloads are rows without a sample: its totals count the usable share of the sample
+    usable = round(n * (1 - got["errors"] / got["sampled"])) if urls_plan else n
+    gpu_hours = usable / IMAGES_PER_S_PER_GPU / 3600
+    extra = {}
+    if urls_plan:
+        extra["urls"] = {
+            "table_rows": urls_plan["table_rows"],
+            "usable_share": round(1 - got["errors"] / got["sampled"], 4),
+            "staging_bytes": round(urls_plan["staging_bytes"] / got["sampled"] * n),
+        }
     return {
-        "source": {"type": cfg.source.type, "path": cfg.source.path},
+        "source": {"type": cfg.source.type, "path": cfg.source.path or cfg.source.name},
         "entries": n,
         "shards": shards,
         "shard_size": cfg.shard_size,
@@ -183,7 +203,12 @@ def estimate(cfg: PrecomputeConfig) -> dict:
         "dtype": cfg.cache.dtype,
         "bytes_per_sample": {k: round(v) for k, v in members.items()},
         "bytes_per_sample_total": round(per_sample),
-        "bytes_total": round(per_sample) * n + round(end) * shards,
+        "bytes_total": round(per_sample) * usable + round(end) * shards,
+        "samples": usable,
+        "objects": OBJECTS_PER_SHARD * shards + OBJECTS_PER_CACHE,
+        "gpu_hours": round(gpu_hours, 1),
+        "node_hours": round(gpu_hours / GPUS_PER_NODE, 1),
+        **extra,
     }
 
 
@@ -208,7 +233,24 @@ def report(p: dict) -> str:
     ]
     for name, b in p["bytes_per_sample"].items():
         if b:
-            lines.append(f"  {name:<12} {_human(b):>10}   x {p['entries']} = {_human(b * p['entries'])}")
+            lines.append(f"  {name:<12} {_human(b):>10}   x {p['samples']} = {_human(b * p['samples'])}")
     lines.append(f"  {'total':<12} {_human(p['bytes_per_sample_total']):>10}")
     lines.append(f"total for the whole source: {_human(p['bytes_total'])} ({p['bytes_total']} bytes)")
+    if "urls" in p:
+        u = p["urls"]
+        rows = f"{p['entries']} rows" + (
+            f" (extrapolated from a table of {u['table_rows']})" if p["entries"] > u["table_rows"] else ""
+        )
+        lines.append(
+            f"download (img2dataset, measured on {p['sampled']} rows): {rows}, {u['usable_share']:.1%} usable = "
+            f"{p['samples']} samples; staging folder {_human(u['staging_bytes'])}"
+        )
+    lines.append(
+        f"objects: {p['objects']} ({p['shards']} shards x {OBJECTS_PER_SHARD}: tar, sidecar, error file; plus "
+        f"manifest.json, errors.jsonl, precompute.json)"
+    )
+    lines.append(
+        f"encode time: {p['gpu_hours']:g} GPU-hours = {p['node_hours']:g} node-hours on {GPUS_PER_NODE}-GPU nodes at "
+        f"{IMAGES_PER_S_PER_GPU} images/s per GPU (measured: H100, 512 px, real Wan 2.1 VAE; docs/performance.md)"
+    )
     return "\n".join(lines)

@@ -25,10 +25,16 @@ EXTRAS = ("dev", "eval")  # what `make install` (and so CI) installs
 NOT_LOCKED = {"pip", PROJECT}  # the installer, and the project itself (installed editable from the checkout)
 TORCH_BUILD = ("torch", "torchvision", "torchaudio", "triton", "nvidia-", "cuda-")  # the user's torch build
 
-# lmms-eval is installed without these (see the Makefile's lmms-eval target): torchvision (and timm, which needs it)
-# would replace a CPU torch with PyPI's CUDA build, and its exact wandb pin (for its own logger, which the adapter does
-# not use) would hold our W&B tracker to an old release.
-LEFT_UNMET = {"lmms-eval": {"torchvision", "timm", "wandb"}}
+# Requirements left unmet on purpose (the Makefile's lmms-eval and img2dataset targets install these packages without
+# them). lmms-eval: torchvision (and timm, which needs it) would replace a CPU torch with PyPI's CUDA build, and its
+# exact wandb pin (for its own logger, which the adapter does not use) would hold our W&B tracker to an old release.
+LEFT_UNMET = {
+    "lmms-eval": {"torchvision", "timm", "wandb"},
+    # img2dataset 1.47.0 pins webdataset<0.3 and pandas<3 (this project needs webdataset 1.x), caps opencv below 5
+    # (which lmms-eval needs) and lists the dataclasses backport (Python 3.6); its download path runs on the locked
+    # versions (tests/test_source_urls.py)
+    "img2dataset": {"webdataset", "pandas", "opencv-python-headless", "dataclasses"},
+}
 
 
 def _name(dist: Distribution) -> str:

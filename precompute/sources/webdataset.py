@@ -135,7 +135,7 @@ def index_tar(path: str, index_file: Path) -> dict:
     return listing
 
 
-def _tar_entries(path: str, listing: dict, default_prompt: str) -> list[Entry]:
+def tar_entries(path: str, listing: dict, default_prompt: str) -> list[Entry]:
     """One tar's entries in tar order (plus a final error entry if the tar is broken part-way)."""
     name = Path(path).name
     entries = []
@@ -156,6 +156,15 @@ def _tar_entries(path: str, listing: dict, default_prompt: str) -> list[Entry]:
     if listing["broken"]:
         entries.append(Entry(key=safe_key(f"{name}-broken"), source=name, error=listing["broken"]))
     return entries
+
+
+def load_sample(entry: Entry) -> Loaded:
+    """A tar sample listed by `tar_entries`: image, caption (txt) and provenance (json) read at their offsets."""
+    path = entry.loc[0]
+    caption = content.decode_text(content.read_span(path, *entry.extra["txt"]))
+    json_loc = entry.extra["json"]
+    meta = content.provenance(content.read_span(path, *json_loc) if json_loc else None)
+    return Loaded(content.read_image_span(*entry.loc), caption, entry.prompt, meta)
 
 
 class WebdatasetListing(Listing):
@@ -219,7 +228,7 @@ class WebdatasetListing(Listing):
         path, keys_file = self.files[j], self.index_dir / f"tar-{j:06d}.keys.json"
         cached = read_json(keys_file)
         if cached is None or cached.get("identity") != _tar_identity(path):
-            entries = _tar_entries(path, index_tar(path, self._index_file(j)), "")
+            entries = tar_entries(path, index_tar(path, self._index_file(j)), "")
             pos = [p for p, e in enumerate(entries) if e.error is None]
             hashes = [key_hash(entries[p].key) for p in pos]
             cached = {
@@ -238,7 +247,7 @@ class WebdatasetListing(Listing):
         if j not in self._cache:
             if len(self._cache) >= 2:  # consecutive shards of one process usually fall in the same tar
                 self._cache.pop(next(iter(self._cache)))
-            self._cache[j] = _tar_entries(self.files[j], index_tar(self.files[j], self._index_file(j)), self.prompt)
+            self._cache[j] = tar_entries(self.files[j], index_tar(self.files[j], self._index_file(j)), self.prompt)
         return self._cache[j]
 
     def __len__(self) -> int:
@@ -256,11 +265,7 @@ class WebdatasetListing(Listing):
         return out
 
     def _load(self, entry: Entry) -> Loaded:
-        path = entry.loc[0]
-        caption = content.decode_text(content.read_span(path, *entry.extra["txt"]))
-        json_loc = entry.extra["json"]
-        meta = content.provenance(content.read_span(path, *json_loc) if json_loc else None)
-        return Loaded(content.read_image_span(*entry.loc), caption, entry.prompt, meta)
+        return load_sample(entry)
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_cache": {}}  # DataLoader workers start with an empty cache
