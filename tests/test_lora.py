@@ -218,9 +218,10 @@ def test_lora_fsdp_two_processes_give_the_weights_of_one(cache, tmp_path):
 
 @pytest.mark.slow
 def test_lora_ddp_two_processes_give_the_weights_losses_and_ema_of_one(cache, tmp_path):
-    """As configs/real/stage3_lora.yaml trains (DDP, gradient checkpointing); dropout off: its masks are per process."""
+    """As configs/real/stage3_lora.yaml trains (DDP, gradient checkpointing, an eval with caption samples before the
+    first step and at the end); dropout off: its masks are per process."""
     extra = {**LORA3, "lora.dropout": 0.0, "train.sharding": "ddp", "train.gradient_checkpointing": "true"}
-    extra |= {"train.ema": 0.9}
+    extra |= {"train.ema": 0.9, "train.eval_every": 3, "train.samples": 2, "train.sample_tokens": 4}
     assert train_inproc(base_args(cache, tmp_path / "one", steps=3, **extra)) == 0
     two = run2(base_args(cache, tmp_path / "two", steps=3, **extra))
     assert two.returncode == 0, two.stderr[-3000:]
@@ -232,6 +233,10 @@ def test_lora_ddp_two_processes_give_the_weights_losses_and_ema_of_one(cache, tm
             torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-5, msg=f"{name}: {k}")
     l1, l2 = ([m["loss"] for m in metrics(tmp_path / d) if "loss" in m] for d in ("one", "two"))
     assert len(l1) == 3 and l2 == pytest.approx(l1, rel=1e-5)
+    e1, e2 = ([(m["step"], m["eval_loss"]) for m in metrics(tmp_path / d) if "eval_loss" in m] for d in ("one", "two"))
+    assert [s for s, _ in e1] == [s for s, _ in e2] == [0, 3]
+    assert [loss for _, loss in e2] == pytest.approx([loss for _, loss in e1], rel=1e-5)
+    assert [m["step"] for m in metrics(tmp_path / "two") if "samples" in m] == [0, 3]
 
 
 @pytest.mark.slow
