@@ -201,6 +201,8 @@ def _shard_file(cache: Path, index: int, entry: dict) -> tuple[Path, str | None]
         return cache / entry["path"], None
     try:
         return remote.stage(index, entry["bytes"], entry["sha256"]), None
+    except cf.storage.ShardCacheFull:
+        raise
     except UserError as e:
         return cache / entry["path"], str(e)
 

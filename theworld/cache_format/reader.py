@@ -393,10 +393,14 @@ class CacheReader:
                 return os.open(tar_path(self.cache_dir, shard), os.O_RDONLY)
             except OSError as e:
                 raise self.damaged(index, f"cannot open the tar ({e.strerror})") from None
+        entry = self.manifest["shards"][shard]
+        fd = self.remote.open_tar(shard, entry["bytes"], entry["sha256"])
+        # shards evicted from the shard cache (by this or another process) give their space back once closed
+        for other in [i for i, f in self._files.items() if os.fstat(f).st_nlink == 0]:
+            os.close(self._files.pop(other))
         while len(self._files) >= self.REMOTE_OPEN:  # the oldest first (dicts keep insertion order)
             os.close(self._files.pop(next(iter(self._files))))
-        entry = self.manifest["shards"][shard]
-        return self.remote.open_tar(shard, entry["bytes"], entry["sha256"])
+        return fd
 
     def sample(self, index: int, tensors: bool = True) -> Sample:
         """`decode_sample` of `raw(index)`; bytes that do not decode raise CacheDamaged naming shard and key."""

@@ -41,6 +41,10 @@ BACKOFF_S = 0.5  # first wait; doubled after each failure
 _URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://(.*)$")
 
 
+class ShardCacheFull(UserError):
+    """The local shard cache cannot hold a shard: a problem of this node's disk, not of the cache."""
+
+
 def is_url(location: object) -> bool:
     return isinstance(location, str) and _URL.match(location) is not None
 
@@ -304,8 +308,8 @@ class RemoteCache:
                 p.unlink(missing_ok=True)  # a reader that has it open keeps reading it
                 used -= s
 
-    def _full(self, what: str) -> UserError:
-        return UserError(
+    def _full(self, what: str) -> ShardCacheFull:
+        return ShardCacheFull(
             f"{self.url}: the local shard cache {self.shard_dir} is full ({what}): raise cache_local_max_gb, free "
             "space there or point cache_local_dir at a larger disk, then rerun the same command"
         )
