@@ -12,7 +12,10 @@ export HF_HUB_OFFLINE ?= 1
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev]"
+	# s3fs first (its aiobotocore pins botocore; datasets beside it, as it caps fsspec, s3fs's twin), then the rest
+	# with boto3 (moto's) held to that botocore: pip backtracks through hundreds of boto3 releases otherwise
+	$(PY) -m pip install -q "s3fs>=2024.2" "datasets>=2.14"
+	$(PY) -m pip install -q -e ".[dev]" "boto3==$$($(PY) -c 'import botocore; print(botocore.__version__)')"
 	$(PY) -c "import lmms_eval" 2>/dev/null || $(MAKE) --no-print-directory lmms-eval
 	touch $@
 

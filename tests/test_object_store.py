@@ -21,6 +21,7 @@ from _precompute_helpers import cli_args, make_cfg
 from conftest import ENV, ROOT, base_args, free_port, metrics, train_inproc
 
 from theworld import cache_format as cf
+from theworld.errors import UserError
 
 BUCKET = "theworld-test"
 
@@ -30,7 +31,7 @@ class Proxy:
     request's forwarding (the client sees no answer) until `release()`."""
 
     def __init__(self, port: int):
-        self.port, self.log, self.rule = port, [], None
+        self.port, self.log, self.rule, self.fail = port, [], None, None
         self.held, self.released = threading.Event(), threading.Event()
         proxy = self
 
@@ -43,6 +44,13 @@ class Proxy:
             def forward(self):
                 body = self._body()
                 proxy.log.append((self.command, self.path.split("?")[0], self.path))
+                if proxy.fail and proxy.fail[0] == self.command and re.search(proxy.fail[1], self.path):
+                    if proxy.fail[2] > 0:
+                        proxy.fail = (*proxy.fail[:2], proxy.fail[2] - 1)
+                        self.send_response(500)
+                        self.send_header("Content-Length", "0")
+                        self.end_headers()
+                        return
                 if proxy.rule and proxy.rule[0] == self.command and re.search(proxy.rule[1], self.path):
                     proxy.rule = None
                     proxy.held.set()
@@ -93,6 +101,10 @@ class Proxy:
     def hold(self, method: str, pattern: str) -> None:
         self.held.clear(), self.released.clear()
         self.rule = (method, pattern)
+
+    def fail_next(self, method: str, pattern: str, times: int) -> None:
+        """Answer the next `times` matching requests with a 500 (a server in trouble)."""
+        self.fail = (method, pattern, times)
 
     def release(self) -> None:
         self.released.set()
@@ -241,10 +253,7 @@ def _train_args(s3, cache: str, out: Path, steps: int, shard_cache: str, **extra
 @pytest.fixture(scope="module")
 def s3_train_cache(s3, cache):
     """The shared training cache (96 samples, 3 shards) copied into s3 object by object."""
-    for p in sorted(cache.rglob("*")):
-        if p.is_file() and not p.name.startswith("."):
-            s3.fs.put_file(str(p), f"{BUCKET}/train/{p.relative_to(cache)}")
-    return url("train")
+    return _put_tree(s3, cache, "train")
 
 
 @pytest.mark.slow
@@ -349,3 +358,77 @@ def test_storage_options_secrets_are_not_shown_or_saved():
     assert cfg.storage_options == {"secret": "s3cr3t", "anon": False, "client_kwargs": {"region_name": "x"}}
     text = to_yaml(cfg)
     assert "s3cr3t" not in text and "<redacted>" in text and "region_name: x" in text
+
+
+def _put_tree(s3, folder: Path, prefix: str) -> str:
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and not p.name.startswith("."):
+            s3.fs.put_file(str(p), f"{BUCKET}/{prefix}/{p.relative_to(folder)}")
+    return url(prefix)
+
+
+@pytest.mark.slow
+def test_caption_evaluation_reads_the_held_out_split_of_an_s3_cache(s3, trained_run, tmp_path, capsys, monkeypatch):
+    from theworld.evaluate import main
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # the default cache_local_dir is under it
+    remote = _put_tree(s3, trained_run["cache"], "eval")
+    records = {}
+    for name, data in (("local", str(trained_run["cache"])), ("s3", remote)):
+        out = tmp_path / f"{name}.jsonl"
+        argv = ["--model", str(trained_run["run"]), "--data", data, "--task", "caption", "--json"]
+        assert main([*argv, "--max-new-tokens", "4", "--out", str(out)]) == 0
+        assert json.loads(capsys.readouterr().out)["n"] == 8
+        records[name] = [json.loads(x) for x in out.read_text().splitlines()]
+        for r in records[name]:
+            assert r.pop("item").startswith(f"{data}:")
+    assert records["s3"] == records["local"]
+    assert list((tmp_path / ".cache" / "theworld" / "object-store" / "shards").glob("*.tar"))
+
+
+def test_a_cache_served_over_http_reads_and_verifies_and_is_not_written(s3_cache, tmp_path, capsys):
+    """https:// and http:// are read-only: a plain http.server on 127.0.0.1 serving a cache folder."""
+    import functools
+    from http.server import SimpleHTTPRequestHandler
+
+    from precompute.cosmos_latents import main as precompute
+    from precompute.inspect import main as inspect
+
+    local = s3_cache[0]
+    handler = functools.partial(SimpleHTTPRequestHandler, directory=str(local))
+    handler.log_message = lambda *a: None
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        remote = f"http://127.0.0.1:{server.server_address[1]}"
+        reader = cf.CacheReader(remote, settings=cf.Settings(cache_local_dir=str(tmp_path / "l")))
+        reader.check_consistency()
+        assert members_by_key(reader) == members_by_key(cf.CacheReader(local))
+        assert inspect(["verify", remote, "--set", f"cache_local_dir={tmp_path / 'l'}"]) == 0
+        assert f"verify {remote}: OK" in capsys.readouterr().out
+        assert precompute(cli_args(f"{remote}/new", f"cache_local_dir={tmp_path / 'w'}")) == 2  # type: ignore[arg-type]
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"{remote}/new" in err and "read-only" in err, err
+    finally:
+        server.shutdown()
+
+
+def test_network_errors_are_retried_then_one_line_naming_the_object(s3, s3_train_cache, tmp_path, capsys):
+    # botocore's own retries off, so the attempts counted are ours
+    settings = cf.Settings(
+        storage_options={"config_kwargs": {"retries": {"max_attempts": 1}}},
+        cache_local_dir=str(tmp_path / "l"),
+    )
+    reader = cf.CacheReader(s3_train_cache, settings=settings)
+    s3.fail_next("GET", r"/train/shards/shard-000000\.tar$", 2)
+    assert reader.sample(0).caption  # a later attempt gets it (s3fs retries some errors itself)
+    err = capsys.readouterr().err
+    assert f"warning: {s3_train_cache}/shards/shard-000000.tar: OSError" in err and "retry in 0.5 s" in err
+    s3.fail_next("GET", r"/train/shards/shard-000001\.tar$", 100)
+    index = int(reader.samples_in([1])[0])
+    with pytest.raises(UserError) as e:
+        reader.raw(index)
+    s3.fail = None
+    text = str(e.value)
+    assert len(text.splitlines()) == 1 and f"{s3_train_cache}/shards/shard-000001.tar" in text, text
+    assert "failed 5 times" in text

@@ -293,7 +293,8 @@ class CacheReader:
     def _tar_sizes(self) -> dict[str, int]:
         """{tar name: bytes} of the shards folder (of the remote cache's, for a URL)."""
         if self.remote is not None:
-            found = self.remote.listing(SHARDS)
+            names = [f"{shard_stem(i)}.tar" for i in range(len(self.manifest["shards"]))]
+            found = self.remote.sizes(SHARDS, names)
             return {n: size for n, size in found.items() if n.startswith("shard-") and n.endswith(".tar")}
         out = {}
         for p in (self.cache_dir / SHARDS).glob("shard-*.tar"):

@@ -178,8 +178,27 @@ class RemoteCache:
         found = self._call(
             self.object_url(folder), lambda: self.fs.ls(self.path(folder), detail=True, refresh=True), missing_ok=True
         )
-        files = (e for e in found or [] if e["type"] == "file")
-        return {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0) for e in files}
+        out = {}
+        for e in (e for e in found or [] if e["type"] == "file"):
+            size = e.get("size")  # an HTTP folder listing names links without their sizes: a HEAD each
+            if size is None:
+                size = self._call(self.object_url(e["name"]), lambda e=e: self.fs.size(e["name"]), missing_ok=True)
+            out[e["name"].rstrip("/").rsplit("/", 1)[-1]] = int(size or 0)
+        return out
+
+    def sizes(self, folder: str, names: list[str]) -> dict[str, int]:
+        """{name: size} of the objects under `folder`: its listing, or (a server that lists nothing, e.g. plain
+        HTTP without folder pages) each of `names` asked for alone."""
+        if found := self.listing(folder):
+            return found
+        out = {}
+        for n in names:
+            size = self._call(
+                self.object_url(f"{folder}/{n}"), lambda n=n: self.fs.size(self.path(f"{folder}/{n}")), True
+            )
+            if size is not None:
+                out[n] = int(size)
+        return out
 
     def put(self, local: Path, name: str) -> None:
         """One object from a finished local file; a put is all or nothing, so a killed upload leaves no object."""
