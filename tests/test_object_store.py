@@ -257,19 +257,23 @@ def s3_train_cache(s3, cache):
 
 
 @pytest.mark.slow
-def test_training_from_s3_logs_the_same_losses_and_the_second_epoch_comes_from_the_shard_cache(
+def test_training_from_s3_logs_the_same_losses_resumes_exactly_and_reads_each_shard_once(
     s3, cache, s3_train_cache, tmp_path
 ):
-    """80 training samples, 16 per step: step 6 is in the second epoch. Every shard's tar is fetched from the server
-    once (counted on the server side), and the losses equal those of training from the local copy at every step."""
-    steps = 6
-    assert train_inproc(base_args(cache, tmp_path / "local", steps)) == 0
+    """48 training samples (48 of 96 held out), 16 per step: step 4 is in the second epoch. Trained from s3 in two
+    runs (2 steps, then resumed to 4), the losses equal those of training from the local copy at every step, and
+    each shard's tar is fetched from the server once in all (counted on the server side): the second run and the
+    second epoch read the shard cache."""
+    held = {"train.eval_samples": 48}
+    assert train_inproc(base_args(cache, tmp_path / "local", 4, **held)) == 0
     start = len(s3.log)
     shard_cache = str(tmp_path / "shards")
-    assert train_inproc(_train_args(s3, s3_train_cache, tmp_path / "s3", steps, shard_cache)) == 0
-    local_losses = [(m["step"], m["loss"]) for m in metrics(tmp_path / "local") if "loss" in m]
-    s3_losses = [(m["step"], m["loss"]) for m in metrics(tmp_path / "s3") if "loss" in m]
-    assert len(local_losses) == steps and s3_losses == local_losses
+    for steps in (2, 4):
+        args = _train_args(s3, s3_train_cache, tmp_path / "s3", steps, shard_cache, **held, **{"train.save_every": 2})
+        assert train_inproc(args) == 0
+    local_losses = {m["step"]: m["loss"] for m in metrics(tmp_path / "local") if "loss" in m}
+    s3_losses = {m["step"]: m["loss"] for m in metrics(tmp_path / "s3") if "loss" in m}
+    assert sorted(local_losses) == [1, 2, 3, 4] and s3_losses == local_losses
     tar_gets = [p for m, p, _ in s3.log[start:] if m == "GET" and re.search(r"/train/shards/shard-\d+\.tar$", p)]
     assert sorted(tar_gets) == [f"/{BUCKET}/train/shards/shard-{i:06d}.tar" for i in range(3)]
 
@@ -432,3 +436,26 @@ def test_network_errors_are_retried_then_one_line_naming_the_object(s3, s3_train
     text = str(e.value)
     assert len(text.splitlines()) == 1 and f"{s3_train_cache}/shards/shard-000001.tar" in text, text
     assert "failed 5 times" in text
+
+
+class _Captions:
+    def __init__(self, reader: cf.CacheReader):
+        self.reader = reader
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def __getitem__(self, i: int) -> str:
+        return self.reader.sample(i, tensors=False).caption
+
+
+def test_forked_loader_workers_read_an_s3_cache_the_parent_opened(s3, s3_train_cache, tmp_path):
+    from torch.utils.data import DataLoader
+
+    reader = cf.CacheReader(s3_train_cache, settings=cf.Settings(cache_local_dir=str(tmp_path / "l")))
+    want = [reader.sample(i, tensors=False).caption for i in range(len(reader))]  # the parent's filesystem in use
+    reader.close()
+    for p in (tmp_path / "l" / "shards").glob("*.tar"):
+        p.unlink()  # the workers fetch the shards again
+    loader = DataLoader(_Captions(reader), batch_size=None, num_workers=2, multiprocessing_context="fork")
+    assert list(loader) == want

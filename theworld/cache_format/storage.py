@@ -90,7 +90,7 @@ class RemoteCache:
         self.scheme = scheme.lower()
         self.local = settings.local_dir / "caches" / self.scheme / _safe_path(rest)
         self.shard_dir = settings.local_dir / "shards"
-        self._fs = None
+        self._fs, self._pid = None, 0
         self._root = ""
 
     def __getstate__(self) -> dict:
@@ -98,8 +98,11 @@ class RemoteCache:
 
     @property
     def fs(self):
-        if self._fs is None:
+        # made again in a forked process (a DataLoader worker): fsspec's async filesystems are not fork-safe
+        if self._fs is None or self._pid != os.getpid():
             import fsspec
+
+            self._pid = os.getpid()
 
             try:
                 self._fs, self._root = fsspec.core.url_to_fs(self.url, **self.settings.storage_options)
@@ -182,7 +185,8 @@ class RemoteCache:
         for e in (e for e in found or [] if e["type"] == "file"):
             size = e.get("size")  # an HTTP folder listing names links without their sizes: a HEAD each
             if size is None:
-                size = self._call(self.object_url(e["name"]), lambda e=e: self.fs.size(e["name"]), missing_ok=True)
+                where = e["name"] if is_url(e["name"]) else self.object_url(e["name"])
+                size = self._call(where, lambda e=e: self.fs.size(e["name"]), missing_ok=True)
             out[e["name"].rstrip("/").rsplit("/", 1)[-1]] = int(size or 0)
         return out
 
@@ -227,9 +231,11 @@ class RemoteCache:
         for name in (MANIFEST, ERRORS, RUN_FILE):
             self._mirror(name)
         manifest = self.local / MANIFEST
-        if not manifest.is_file():
+        if not manifest.is_file():  # load_manifest tells a half-written cache (shards, no manifest) from none
+            for p in (self.local / SHARDS).glob("*"):
+                p.unlink(missing_ok=True)
             if not self.listing(SHARDS):
-                (self.local / SHARDS).rmdir() if not any((self.local / SHARDS).iterdir()) else None
+                (self.local / SHARDS).rmdir()
             return self.local
         try:
             shards = json.loads(manifest.read_bytes()).get("shards") or []
@@ -398,14 +404,16 @@ class RemoteWriter:
         r = self.remote
         r.check_access()
         self.out.mkdir(parents=True, exist_ok=True)
+        before = _read(self.out / RUN_FILE)
         if r._mirror(RUN_FILE):
-            return
-        if any(n.endswith(".tar") for n in r.listing(SHARDS)):
+            if _read(self.out / RUN_FILE) == before:
+                return  # the stand-in's shards belong to the cache in the bucket
+        elif any(n.endswith(".tar") for n in r.listing(SHARDS)):
             raise UserError(
                 f"output_dir {r.url} holds shards but no {RUN_FILE}, so what built them is unknown: use another "
                 "output_dir or delete it"
             )
-        for folder in (SHARDS, ERRORS_DIR):  # finished work of a cache deleted from the bucket since
+        for folder in (SHARDS, ERRORS_DIR):  # work of another cache once at this URL (deleted from the bucket since)
             for p in (self.out / folder).glob("*"):
                 p.unlink(missing_ok=True)
         (self.out / MANIFEST).unlink(missing_ok=True)
@@ -438,12 +446,15 @@ class RemoteWriter:
     def fetch_records(self, n_shards: int) -> None:
         """Rank 0, once every process is through: every shard's sidecar and error file from the bucket (other nodes
         wrote some), each tar's size checked against its sidecar."""
-        sizes = self.remote.listing(SHARDS)
+        sizes, errors = self.remote.listing(SHARDS), self.remote.listing(ERRORS_DIR)
         for i in range(n_shards):
             side, errs = sidecar_path(self.out, i), error_path(self.out, i)
-            for name in (f"{SHARDS}/{side.name}", f"{ERRORS_DIR}/{errs.name}"):
-                if not self.remote._mirror(name):
-                    raise RuntimeError(f"{self.remote.object_url(name)} is missing after all processes finished")
+            for local, name, listed in ((side, SHARDS, sizes), (errs, ERRORS_DIR, errors)):
+                # a file this node put is the object (the same run identity writes the same bytes): kept
+                if local.name not in listed or not (local.is_file() or self.remote._mirror(f"{name}/{local.name}")):
+                    raise RuntimeError(
+                        f"{self.remote.object_url(f'{name}/{local.name}')} is missing after all processes finished"
+                    )
             got = sizes.get(tar_path(self.out, i).name)
             if got != _json_field(side, "bytes"):
                 raise RuntimeError(f"shard {i}'s tar is {got} bytes in the bucket, its sidecar says otherwise")
@@ -456,6 +467,13 @@ class RemoteWriter:
     def incomplete(self) -> None:
         """A shard is to be (re)done: the cache is not complete any more."""
         self.remote.delete(MANIFEST)
+
+
+def _read(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
 
 
 def _json_field(path: Path, key: str) -> Any:
