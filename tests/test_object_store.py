@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from _precompute_helpers import cli_args, make_cfg
-from conftest import ENV, ROOT, base_args, free_port, metrics, train_inproc
+from conftest import ENV, ROOT, base_args, free_port, metrics, run2, train_inproc
 
 from theworld import cache_format as cf
 from theworld.errors import UserError
@@ -263,7 +263,7 @@ def test_training_from_s3_logs_the_same_losses_resumes_exactly_and_reads_each_sh
     """48 training samples (48 of 96 held out), 16 per step: step 4 is in the second epoch. Trained from s3 in two
     runs (2 steps, then resumed to 4), the losses equal those of training from the local copy at every step, and
     each shard's tar is fetched from the server once in all (counted on the server side): the second run and the
-    second epoch read the shard cache."""
+    second epoch read the shard cache. Two processes from s3 give the same losses (within float rounding)."""
     held = {"train.eval_samples": 48}
     assert train_inproc(base_args(cache, tmp_path / "local", 4, **held)) == 0
     start = len(s3.log)
@@ -274,6 +274,15 @@ def test_training_from_s3_logs_the_same_losses_resumes_exactly_and_reads_each_sh
     local_losses = {m["step"]: m["loss"] for m in metrics(tmp_path / "local") if "loss" in m}
     s3_losses = {m["step"]: m["loss"] for m in metrics(tmp_path / "s3") if "loss" in m}
     assert sorted(local_losses) == [1, 2, 3, 4] and s3_losses == local_losses
+    tar_gets = [p for m, p, _ in s3.log[start:] if m == "GET" and re.search(r"/train/shards/shard-\d+\.tar$", p)]
+    assert sorted(tar_gets) == [f"/{BUCKET}/train/shards/shard-{i:06d}.tar" for i in range(3)]
+    # two processes on this node (one shard cache, fetched by whichever gets there first) train as one
+    start = len(s3.log)
+    two = run2(_train_args(s3, s3_train_cache, tmp_path / "two", 4, str(tmp_path / "shards2"), **held), s3.env)
+    assert two.returncode == 0, two.stderr[-3000:]
+    two_losses = {m["step"]: m["loss"] for m in metrics(tmp_path / "two") if "loss" in m}
+    assert sorted(two_losses) == [1, 2, 3, 4]
+    assert [two_losses[k] for k in range(1, 5)] == pytest.approx([local_losses[k] for k in range(1, 5)], rel=1e-5)
     tar_gets = [p for m, p, _ in s3.log[start:] if m == "GET" and re.search(r"/train/shards/shard-\d+\.tar$", p)]
     assert sorted(tar_gets) == [f"/{BUCKET}/train/shards/shard-{i:06d}.tar" for i in range(3)]
 
