@@ -468,3 +468,24 @@ def test_forked_loader_workers_read_an_s3_cache_the_parent_opened(s3, s3_train_c
         p.unlink()  # the workers fetch the shards again
     loader = DataLoader(_Captions(reader), batch_size=None, num_workers=2, multiprocessing_context="fork")
     assert list(loader) == want
+
+
+@pytest.mark.slow
+def test_two_processes_precompute_to_s3_the_shards_of_one(s3, s3_cache, tmp_path):
+    """Shard i goes to rank i % 2 on one node (one stand-in folder); rank 0 writes the manifest from both ranks'
+    shards: the same shards and samples as one process's (bytes may differ in the last bits: these processes run
+    with OMP_NUM_THREADS=1)."""
+    target = url("two")
+    done = run2(cli_args(target, f"cache_local_dir={tmp_path / 'local'}"), s3.env, module="precompute.cosmos_latents")  # type: ignore[arg-type]
+    assert done.returncode == 0, done.stderr[-3000:]
+    two = json.loads(s3.fs.cat_file(f"{BUCKET}/two/manifest.json"))
+    one = json.loads(s3.fs.cat_file(f"{BUCKET}/pre/manifest.json"))
+    assert [(s["path"], s["num_samples"]) for s in two["shards"]] == [
+        (s["path"], s["num_samples"]) for s in one["shards"]
+    ]
+    a = cf.CacheReader(target, settings=cf.Settings(cache_local_dir=str(tmp_path / "read")))
+    a.check_consistency()
+    b = cf.CacheReader(s3_cache[0])
+    assert [(a.key(i), a.sample(i).caption) for i in range(len(a))] == [
+        (b.key(i), b.sample(i).caption) for i in range(len(b))
+    ]
