@@ -325,6 +325,8 @@ def test_bad_inputs_are_one_line_naming_the_url(s3, s3_cache, s3_train_cache, tm
         "s3://no-such-bucket/c",
         "bucket no-such-bucket does not exist",
     )
+    # a scheme fsspec does not know
+    one_line(inspect(["summary", "foo://b/c", *sets]), "foo://b/c", "Protocol not known", "check the URL")
     # a half-written prefix (shards, no manifest) and an empty one
     s3.fs.put_file(str(next(Path(s3_cache[0]).glob("shards/*.tar"))), f"{BUCKET}/half/shards/shard-000000.tar")
     one_line(inspect(["verify", url("half"), *sets]), url("half"), "incomplete", "rerun the precompute command")

@@ -109,7 +109,7 @@ class RemoteCache:
             except ImportError as e:  # fsspec names the package to install (s3fs, gcsfs)
                 raise UserError(f"{self.url}: {one_line(e)}") from None
             except (ValueError, TypeError) as e:
-                raise UserError(f"{self.url}: cannot open it with storage_options ({one_line(e, 200)})") from None
+                raise UserError(f"{self.url}: {one_line(e, 200)}; check the URL and storage_options") from None
         return self._fs
 
     def path(self, name: str) -> str:
@@ -165,7 +165,12 @@ class RemoteCache:
         first shard."""
         bucket = self.path("").split("/")[0]
         if self.scheme in ("s3", "s3a", "gs", "gcs"):
-            found = self._call(f"{self.url}", lambda: self.fs.info(bucket), missing_ok=True)
+            try:
+                found = self._call(f"{self.url}", lambda: self.fs.info(bucket), missing_ok=True)
+            except UserError as e:
+                if "access denied" in str(e):  # a policy may grant the prefix but not the bucket's own metadata
+                    return
+                raise
             if found is None:
                 raise UserError(
                     f"{self.url}: bucket {bucket} does not exist; create it (e.g. aws s3 mb {self.scheme}://{bucket}) "
