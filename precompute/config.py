@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 from theworld import images, paths, run_lock
+from theworld.cache_format import storage
 from theworld.config import ImageConfig, ModelConfig, check_sizes, check_workers, load_config, require_path
 from theworld.errors import UserError
 from theworld.text import DEFAULT_PROMPT
@@ -109,9 +110,14 @@ class PrecomputeConfig:
     num_workers: int = 2
     compile: bool = False  # torch.compile the VAE encoder (GPU; its speed-up and compile time: docs/performance.md)
     cache: CacheOptions = field(default_factory=CacheOptions)
+    # an output_dir that is a URL (docs/cache-format.md, "Object storage")
+    storage_options: dict = field(default_factory=dict)
+    cache_local_dir: str = storage.DEFAULT_LOCAL_DIR
+    cache_local_max_gb: float = storage.DEFAULT_MAX_GB
 
     def __post_init__(self) -> None:
         require_path("output_dir", self.output_dir)
+        storage.Settings.of(self).check()
         for key in ("shard_size", "batch_size"):
             if getattr(self, key) <= 0:
                 raise UserError(f"config key '{key}': must be positive, got {getattr(self, key)}")
@@ -132,7 +138,8 @@ class PrecomputeConfig:
 
     def validate_paths(self) -> None:
         """Checks that touch the filesystem (kept out of __post_init__ so configs can be built anywhere)."""
-        run_lock.check_folder(self.output_dir)
+        if not storage.is_url(self.output_dir):  # a URL's bucket is checked when the run starts
+            run_lock.check_folder(self.output_dir)
         if self.source.type == "synthetic":
             return
         if self.source.type == "hf":

@@ -30,8 +30,9 @@ from precompute.shard_writer import ShardWriter
 from theworld import cache_format as cf
 from theworld import encoders, images, run_lock
 from theworld.arch import latent_side
+from theworld.cache_format import storage
 from theworld.config import cli_parser, to_dict, to_yaml
-from theworld.errors import UserError, cli_entry
+from theworld.errors import UserError, as_shown, cli_entry
 from theworld.launch import process_group, shared_folder_check
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -131,6 +132,7 @@ def _process_shards(
     processor,
     device,
     show: bool,
+    publish: Callable[[int], None] | None = None,
 ) -> tuple[int, int, dict]:
     """Encode and write the `pending` shards; returns how many images were encoded, how many of them were smaller
     than the resolution (upscaled: their crop box is under it on a side), and where the main loop's time
@@ -152,7 +154,7 @@ def _process_shards(
         persistent_workers=False,
         pin_memory=device.type == "cuda",
     )
-    writer = ShardWriter(out, cfg.cache.dtype)
+    writer = ShardWriter(out, cfg.cache.dtype, publish)
     batcher = BucketBatcher(encoder, cfg)
     buffers: dict[int, dict] = {}
     encoded = upscaled = 0
@@ -206,8 +208,12 @@ def _finish(
     run_id: dict,
     latent_shape: list[int],
     hint: Callable[[], str] = lambda: "",
+    remote: storage.RemoteWriter | None = None,
 ) -> dict:
-    """Rank 0, after everyone is done: errors.jsonl and the manifest, both from the per-shard files."""
+    """Rank 0, after everyone is done: errors.jsonl and the manifest, both from the per-shard files (for a remote
+    output_dir, fetched from it first; both put back, the manifest last)."""
+    if remote is not None:
+        remote.fetch_records(n_shards)
     sidecars = []
     for i in range(n_shards):
         side = cf.read_sidecar(out, i)
@@ -222,7 +228,7 @@ def _finish(
             f"no usable sample in {cfg.source.type} source: all {run_id['num_entries']} inputs failed "
             f"({_reasons(out)}; each in {out / cf.ERRORS})" + (f"; {h}" if (h := hint()) else "")
         )
-    return cf.write_manifest(
+    manifest = cf.write_manifest(
         out,
         sidecars,
         fingerprint=run_id["fingerprint"],
@@ -242,6 +248,9 @@ def _finish(
             "config": to_dict(cfg),
         },
     )
+    if remote is not None:
+        remote.finish()
+    return manifest
 
 
 def _compile_encoder(encoder, cfg: PrecomputeConfig, device: torch.device) -> float:
@@ -258,7 +267,12 @@ def run(cfg: PrecomputeConfig) -> dict:
     """Build (or finish) the cache at cfg.output_dir; returns the manifest plus a "summary" of this run."""
     cfg.validate_paths()
     state = process_group()
-    out = Path(cfg.output_dir)
+    remote = storage.for_writing(cfg.output_dir, storage.Settings.of(cfg)) if storage.is_url(cfg.output_dir) else None
+    out = remote.out if remote else Path(cfg.output_dir)
+    if remote is not None:  # the run record (or nothing) in the stand-in folder, before it is checked
+        if state.is_local_main_process:
+            remote.prepare()
+        state.wait_for_everyone()
     # before listing the source or loading a model: output_dir holds nothing built by another config (a webdataset
     # listing would otherwise be written into another cache's folder)
     identity.check_identity(out, identity.layout_identity(cfg))
@@ -267,9 +281,11 @@ def run(cfg: PrecomputeConfig) -> dict:
     fresh = not out.exists()
     with run_lock.hold(out, state):
         # every process writes its shards there: a node with a folder of its own is refused before any model loads
-        shared_folder_check(state, out, (out / run_lock.LOCK_FILE).is_file(), "output_dir")
+        # (a URL's stand-in folder is per node by design: every node puts its shards into the same object store)
+        if remote is None:
+            shared_folder_check(state, out, (out / run_lock.LOCK_FILE).is_file(), "output_dir")
         try:
-            return _build(cfg, state, out)
+            return _build(cfg, state, out, remote)
         except UserError:
             if fresh and state.is_main_process:
                 _forget_listing(out)
@@ -296,8 +312,8 @@ def _forget_listing(out: Path) -> None:
     (out / cf.RUN_FILE).unlink(missing_ok=True)
 
 
-def _build(cfg: PrecomputeConfig, state, out: Path) -> dict:
-    """run() with output_dir held."""
+def _build(cfg: PrecomputeConfig, state, out: Path, remote: storage.RemoteWriter | None) -> dict:
+    """run() with output_dir held (for a remote output_dir, its stand-in folder)."""
     from accelerate.utils import gather_object
 
     rank, world = state.process_index, state.num_processes
@@ -323,16 +339,29 @@ def _build(cfg: PrecomputeConfig, state, out: Path) -> dict:
     n_shards = -(-len(listing) // cfg.shard_size)
     if rank == 0:
         identity.claim_output(out, run_id)
+        if remote is not None:
+            remote.claimed()
     state.wait_for_everyone()
-    pending = [
-        i for i in range(rank, n_shards, world) if not (cf.error_path(out, i).is_file() and cf.shard_is_done(out, i))
-    ]
+    pending = _pending(out, range(rank, n_shards, world), remote)
     if pending and (out / cf.MANIFEST).exists():
         (out / cf.MANIFEST).unlink(missing_ok=True)  # a shard went missing: the cache is not complete any more
+    if pending and remote is not None:
+        remote.incomplete()
     compile_s = _compile_encoder(encoder, cfg, state.device) if cfg.compile and pending else 0.0
     t_enc = time.time()
     encoded, upscaled, seconds = (
-        _process_shards(cfg, listing, pending, out, encoder, gemma, processor, state.device, show=state.is_main_process)
+        _process_shards(
+            cfg,
+            listing,
+            pending,
+            out,
+            encoder,
+            gemma,
+            processor,
+            state.device,
+            show=state.is_main_process,
+            publish=remote.publish if remote else None,
+        )
         if pending
         else (0, 0, {})
     )
@@ -344,7 +373,7 @@ def _build(cfg: PrecomputeConfig, state, out: Path) -> dict:
     empty = None
     if rank == 0:
         try:
-            _finish(cfg, out, n_shards, run_id, latent_shape, listing.failure_hint)
+            _finish(cfg, out, n_shards, run_id, latent_shape, listing.failure_hint, remote)
         except UserError as e:
             empty = e
     if world > 1:  # every process stops on rank 0's verdict, with its line
@@ -374,6 +403,22 @@ def _build(cfg: PrecomputeConfig, state, out: Path) -> dict:
     return {**manifest, "summary": summary}
 
 
+def _pending(out: Path, mine: range, remote: storage.RemoteWriter | None) -> list[int]:
+    """This process's shards that are not done. For a remote output_dir, done means up in the bucket; a shard
+    finished here but not put (a run killed during its upload) is put now, not encoded again."""
+    local_done = lambda i: cf.error_path(out, i).is_file() and cf.shard_is_done(out, i)
+    if remote is None:
+        return [i for i in mine if not local_done(i)]
+    up = remote.done()
+    pending = []
+    for i in (i for i in mine if i not in up):
+        if local_done(i):
+            remote.publish(i)
+        else:
+            pending.append(i)
+    return pending
+
+
 def images_per_s(n: int, seconds: float) -> float:
     """Three significant digits, so a slow run shows its rate (0.0333), not 0.0."""
     return float(f"{n / seconds:.3g}") if seconds > 0 and n else 0.0
@@ -386,7 +431,7 @@ def _print_summary(s: dict, out: Path) -> None:
         f"shards ({s['bytes'] / max(1, s['samples']) / 1e3:.1f} kB/sample); this run encoded {s['encoded_this_run']} "
         f"images in {s['encode_seconds']:.1f} s = {s['images_per_s']:g} images/s on {s['processes']} process(es)"
         + (f" ({s['upscaled_this_run']} smaller than {s['resolution']} px, upscaled)" if s["upscaled_this_run"] else "")
-        + f" -> {out}"
+        + f" -> {as_shown(str(out))}"
         + (f"; errors: {reasons}" if reasons else "")
         + (f" (after {s['compile_seconds']:.1f} s compiling the encoder)" if s["compile_seconds"] else ""),
         flush=True,

@@ -28,8 +28,9 @@ from precompute import fonts
 from precompute.config import PrecomputeConfig
 from theworld import cache_format as cf
 from theworld import encoders, images, paths
+from theworld.cache_format import storage
 from theworld.config import ArgParser, add_config_args, load_config
-from theworld.errors import CacheDamaged, UserError, cli_entry, one_line
+from theworld.errors import CacheDamaged, UserError, as_shown, cli_entry, one_line
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Models and fingerprints
@@ -194,6 +195,27 @@ def _check_sidecar(side: dict, manifest: dict, samples: dict[str, dict[str, byte
         return [f"sidecar is malformed ({type(e).__name__}: {one_line(e)})"]
 
 
+def _shard_file(cache: Path, index: int, entry: dict) -> tuple[Path, str | None]:
+    """(shard `index`'s tar, None), or (a path, why it is not there) for a remote cache's shard that does not stage
+    (missing, or not the object the manifest lists)."""
+    remote = cf.storage.remote_of(cache)
+    if remote is None:
+        return cache / entry["path"], None
+    try:
+        return remote.stage(index, entry["bytes"], entry["sha256"]), None
+    except cf.storage.ShardCacheFull:
+        raise
+    except UserError as e:
+        return cache / entry["path"], str(e)
+
+
+def _settings(args) -> cf.Settings:
+    """Object storage settings: the --config/--set precompute config's, or the defaults."""
+    if not args.config and not args.overrides:
+        return cf.Settings()
+    return cf.Settings.of(load_config(PrecomputeConfig, args.config, list(args.overrides)))
+
+
 def verify(cache: Path, args) -> tuple[dict, int, str]:
     try:
         manifest = cf.load_manifest(cache)
@@ -203,10 +225,10 @@ def verify(cache: Path, args) -> tuple[dict, int, str]:
     seen: dict[str, str] = {}
     shards, total = [], 0
     for i, entry in enumerate(manifest["shards"]):
-        path = cache / entry["path"]
+        path, staged = _shard_file(cache, i, entry)
         problems: list[str] = []
-        if not path.is_file():
-            shards.append({"path": entry["path"], "ok": False, "problems": ["missing"]})
+        if staged is not None or not path.is_file():
+            shards.append({"path": entry["path"], "ok": False, "problems": [staged or "missing"]})
             continue
         size, digest = path.stat().st_size, cf.sha256_file(path)
         if size != entry["bytes"]:
@@ -472,9 +494,9 @@ def main(argv: list[str] | None = None) -> int:
     tol = getattr(args, "tol", None)
     if tol is not None and not 0 <= tol < float("inf"):  # a NaN tolerance would pass any difference
         raise UserError(f"precompute.inspect: --tol must be a finite number >= 0, got {tol}")
-    cache = Path(args.cache)
-    if args.command == "decode":
-        paths.check_not_input(args.out, {"the cache": cache})
+    if args.command == "decode" and not storage.is_url(args.cache):
+        paths.check_not_input(args.out, {"the cache": Path(args.cache)})
+    cache, _ = cf.open_cache(args.cache, _settings(args))  # a URL: its stand-in folder, shards staged
     try:
         report, code, text = COMMANDS[args.command](cache, args)
     except (OSError, CacheDamaged) as e:  # most often a shard missing or cut short: verify reports every problem,
@@ -483,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.command} {cache}: {e} (if the cache is damaged, python -m precompute.inspect verify "
             f"{cache} checks every shard)"
         ) from None
-    print(json.dumps(report, indent=1) if args.json else text)
+    print(as_shown(json.dumps(report, indent=1) if args.json else text))  # a URL, not its stand-in folder
     return code
 
 

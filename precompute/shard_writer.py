@@ -7,6 +7,7 @@ import json
 import queue
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from theworld import cache_format as cf
@@ -15,8 +16,9 @@ from theworld import cache_format as cf
 class ShardWriter:
     """Writes finished shards on a background thread; errors surface in the main thread at the next call."""
 
-    def __init__(self, cache_dir: Path, dtype: str):
+    def __init__(self, cache_dir: Path, dtype: str, publish: Callable[[int], None] | None = None):
         self.cache_dir, self.dtype = cache_dir, dtype
+        self.publish = publish  # a remote output_dir: puts each finished shard (storage.RemoteWriter.publish)
         self.queue: queue.Queue = queue.Queue(maxsize=2)
         self.failure: BaseException | None = None
         self.bytes_written = 0
@@ -53,6 +55,8 @@ class ShardWriter:
                     tmp.unlink(missing_ok=True)
             raise OSError(errno.ENOSPC, "No space left on device", str(tar)) from None
         self.bytes_written += side["bytes"]
+        if self.publish is not None:
+            self.publish(index)
 
     def put(self, index: int, samples: list[cf.Sample], errors: list[dict]) -> None:
         self._check()

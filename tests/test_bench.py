@@ -37,7 +37,7 @@ def test_train_bench_smoke(tmp_path):
         [
             "train.bench",
             "--cases",
-            "tiny",
+            "tiny,tiny_s3",
             "--steps",
             "2",
             "--warmup",
@@ -51,7 +51,10 @@ def test_train_bench_smoke(tmp_path):
         ],
         tmp_path,
     )["rows"]
-    (row,) = rows
+    row, s3 = rows
+    # the same cache read from an S3 server on 127.0.0.1 (one cache built: tiny_s3 reads tiny's)
+    assert s3["case"] == "tiny_s3" and s3["data_overhead"] > 0 and s3["loader_samples_per_s"] > 0
+    assert sorted(p.name for p in (tmp_path / "caches").iterdir()) == ["tiny-64px-176"]
     _positive(
         row,
         "step_ms_staged",

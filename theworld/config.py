@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 import reprlib
 import sys
 import types
@@ -192,6 +193,10 @@ def _check_value(value: Any, tp: Any, key: str) -> Any:
             except UserError as e:
                 errors.append(str(e))
         raise UserError(errors[0] if len(errors) == 1 else f"config key '{key}': {shown(value)} has the wrong type")
+    if tp is dict:  # a mapping passed on as it is (storage_options: the keys are the library's)
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise UserError(f"config key '{key}': expected a mapping with text keys, got {shown(value)}")
+        return _plain(value)
     if origin is list:
         if not isinstance(value, list):
             raise UserError(f"config key '{key}': expected a list, got {type(value).__name__}")
@@ -214,6 +219,17 @@ def _check_value(value: Any, tp: Any, key: str) -> Any:
             raise UserError(f"config key '{key}': {value:g} does not fit float32 (at most {FLOAT32_MAX:.4g})")
         return _check_int(value, key) if tp is int else value
     raise TypeError(f"unsupported config type {tp} for {key}")
+
+
+def _plain(value: Any) -> Any:
+    """A free-form config value with `--set` values as YAML read them."""
+    if isinstance(value, _Text):
+        return value.parsed
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
 
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -433,8 +449,15 @@ def resolve_config_path(path: str | Path) -> Path:
     raise UserError(f"config file {p} is {what}, not a regular file")
 
 
+_SECRET = re.compile(r"secret|token|password|passwd|credential|key", re.IGNORECASE)
+
+
 def to_dict(cfg: Any) -> dict:
-    return dataclasses.asdict(cfg)
+    """The config as plain data, as it is shown and saved: secrets in `storage_options` left out."""
+    d = dataclasses.asdict(cfg)
+    if isinstance(d.get("storage_options"), dict):
+        d["storage_options"] = {k: "<redacted>" if _SECRET.search(k) else v for k, v in d["storage_options"].items()}
+    return d
 
 
 def to_yaml(cfg: Any) -> str:

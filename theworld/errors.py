@@ -55,6 +55,22 @@ class CacheDamaged(UserError):
     """A cache file that does not hold what its sidecar or manifest says (truncated, swapped, bit rot, malformed)."""
 
 
+_SHOWN_AS: dict[str, str] = {}  # local stand-in folder -> the URL it stands for (theworld.storage)
+
+
+def show_as(local: str | Path, url: str) -> None:
+    """Messages name `url` where they would name the local folder `local` (a remote cache's stand-in)."""
+    _SHOWN_AS[str(local)] = url
+    _SHOWN_AS[str(Path(local).absolute())] = url
+
+
+def as_shown(text: str) -> str:
+    """`text` with every registered stand-in folder replaced by its URL (longest first)."""
+    for local in sorted(_SHOWN_AS, key=len, reverse=True):
+        text = text.replace(local, _SHOWN_AS[local])
+    return text
+
+
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 _BREAKS = re.compile(r"\s*[\r\n]+\s*")
 
@@ -74,7 +90,7 @@ def cli_entry(main: Callable[[list[str] | None], int | None]) -> Callable[[list[
         try:
             return int(main(argv) or 0)
         except UserError as e:
-            msg = str(e)
+            msg = as_shown(str(e))
             if "Original Traceback" in msg:  # raised in a DataLoader worker: its last line is the error itself
                 msg = msg.strip().splitlines()[-1].split(": ", 1)[-1]
             # the same mistake gives the same line: no object addresses from a library's repr (the known sources

@@ -184,8 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         from theworld import checkpoint_layout as layout
         from theworld.infer import captions
 
-        if (Path(args.data) / cf.MANIFEST).is_file():  # a latent cache: the run's held-out samples
-            items = captions.read_cache(Path(args.data), args.split, layout.resolve(args.model))
+        if cf.is_url(args.data) or (Path(args.data) / cf.MANIFEST).is_file():  # a latent cache (a URL: one in
+            # object storage): the run's held-out samples
+            items = captions.read_cache(args.data, args.split, layout.resolve(args.model))
         else:
             items = captions.read(args.data)
         items = items[: args.limit or None]

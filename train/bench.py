@@ -14,6 +14,9 @@ Per case, all measured side by side in one run, on the same batches:
                         for two epochs: it must not grow with the number of samples read.
   padding_fraction      padding positions / positions the model computes (world + text) over an epoch: the
                         most that length-aware batching could save.
+The tiny_s3 case is the tiny one reading the same cache from an S3 server (moto's, started on 127.0.0.1 in this
+process: `--cases tiny,tiny_s3` puts the two side by side), its shards staged into an empty shard cache as they are
+first read.
 The tiny_buckets case is the tiny one on an aspect-ratio bucketed cache (image.resize: bucket at 96 px: latent grids
 8x16, 12x12, 16x8; synthetic scenes stretched to 2:1, 1:1, 1:2 and 4:3), so the world-token count changes from batch
 to batch. Caches are built once with the precompute CLI (train/ does not import precompute/) under cache/bench/.
@@ -22,13 +25,17 @@ to batch. Caches are built once with the precompute CLI (train/ does not import 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +44,7 @@ import torch
 
 from theworld import cache_format as cf
 from theworld import synthetic, tiny
+from theworld.cache_format.storage import DEFAULT_LOCAL_DIR
 from theworld.config import load_config
 from train import components, data, order
 from train.config import TrainConfig
@@ -59,8 +67,10 @@ CASES = {
     "tiny": ("tiny", 64, 5120, 32, 32, 1, 150),  # 64 world tokens, the embedded demo's model
     "heavy": ("heavy", 128, 768, 16, 16, 1, 40),  # 256 world tokens, 4 layers of hidden 256
     "tiny_buckets": ("tiny", 96, 5120, 32, 32, 1, 150),  # 128-144 world tokens, three latent shapes
+    "tiny_s3": ("tiny", 64, 5120, 32, 32, 1, 150),  # the tiny case's cache read from an S3 server on 127.0.0.1
 }
 BUCKETED = {"tiny_buckets"}
+REMOTE = {"tiny_s3": "tiny"}  # case -> the case whose cache it reads from object storage
 
 
 def _gemma_path(name: str) -> str:
@@ -119,6 +129,44 @@ def _ensure_cache(root: Path, case: str, gemma: str, resolution: int, samples: i
         cmd = [sys.executable, "-m", "precompute.cosmos_latents", *(a for kv in sets for a in ("--set", kv))]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return out
+
+
+@contextlib.contextmanager
+def _s3_copy(cache: Path) -> Iterator[tuple[str, str]]:
+    """(URL, an empty shard cache folder) of `cache` copied into an S3 server (moto's, the dev extra) started on
+    127.0.0.1 in this process for the case, reached through the standard AWS environment as a user's would be."""
+    import fsspec
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # the server's line per request
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "bench",
+        "AWS_SECRET_ACCESS_KEY": "bench",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        fs = fsspec.filesystem("s3", skip_instance_cache=True)
+        fs.mkdir("bench")
+        for p in sorted(cache.rglob("*")):
+            if p.is_file() and not p.name.startswith("."):
+                fs.put_file(str(p), f"bench/cache/{p.relative_to(cache)}")
+        with tempfile.TemporaryDirectory() as shard_cache:
+            yield "s3://bench/cache", shard_cache
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _rss_mb() -> float:
@@ -180,8 +228,9 @@ def bench_case(
     rounds = rounds or default_rounds
     workers = default_workers if workers is None else workers
     gemma = _gemma_path(gemma_name)
-    cache = _ensure_cache(root, case, gemma, res, samples or default_samples)
-    with tempfile.TemporaryDirectory() as out:
+    cache = _ensure_cache(root, REMOTE.get(case, case), gemma, res, samples or default_samples)
+    remote = _s3_copy(cache) if case in REMOTE else contextlib.nullcontext((str(cache), DEFAULT_LOCAL_DIR))
+    with tempfile.TemporaryDirectory() as out, remote as (cache_url, shard_cache):
         cfg = load_config(
             TrainConfig,
             None,
@@ -191,7 +240,8 @@ def bench_case(
                 "model.dtype=float32",
                 f"image.resolution={res}",
                 f"image.resize={'bucket' if case in BUCKETED else 'crop'}",
-                f"cache_dir={cache}",
+                f"cache_dir={cache_url}",
+                f"cache_local_dir={shard_cache}",
                 f"output_dir={out}",
                 "trackers=[]",
                 "resume=null",
@@ -235,7 +285,7 @@ def bench_case(
         ratios = [f / s for f, s in zip(round_fed, round_staged)]
         # live path, same model and samples: frozen VAE and SigLIP run inside every step
         live_plan = data.InputSources(cached_latents=False, cached_siglip=False, flip=False, members=(cf.IMAGE,))
-        live_reader = cf.CacheReader(cfg.cache_dir, members=live_plan.members)
+        live_reader = cf.CacheReader(cfg.cache_dir, members=live_plan.members, settings=cf.Settings.of(cfg))
         live_ctx = data.DataContext(
             live_reader, live_plan, ctx.formatter, ctx.image_processor, ctx.train_indices, ctx.eval_indices, ctx.buckets
         )

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from theworld import hub
+from theworld.cache_format import storage
 from theworld.config import (
     FLOAT32_MAX,
     FreezeConfig,
@@ -291,6 +292,10 @@ class TrainConfig:
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])  # tensorboard, wandb; [] for none
     wandb: WandbConfig = field(default_factory=WandbConfig)
     hub: HubConfig = field(default_factory=HubConfig)
+    # a cache_dir or data[].cache that is a URL (docs/cache-format.md, "Object storage")
+    storage_options: dict = field(default_factory=dict)
+    cache_local_dir: str = storage.DEFAULT_LOCAL_DIR
+    cache_local_max_gb: float = storage.DEFAULT_MAX_GB
 
     def caches(self) -> list[tuple[str, float]]:
         """(cache folder, weight) of each cache trained on: cache_dir with weight 1, or the `data` mixture."""
@@ -310,6 +315,7 @@ class TrainConfig:
                     "checkpoints and clean-up would mix with the cache's files: use another output_dir"
                 )
         check_lora(self.freeze, self.lora)
+        storage.Settings.of(self).check()
         for t in self.trackers:
             if t not in TRACKERS:
                 raise UserError(f"config key 'trackers': unknown tracker {t!r} (known: {', '.join(TRACKERS)})")
@@ -400,6 +406,9 @@ RESUME_NEUTRAL = (
     "hub",
     "train.micro_batch_size",
     "train.sharding",
+    "storage_options",
+    "cache_local_dir",
+    "cache_local_max_gb",
 )
 
 

@@ -18,6 +18,7 @@ docs/cache-format.md describes the same for readers without this code; keep the 
 
 from safetensors.torch import load as st_load  # the batch collate decodes members with it
 
+from theworld.cache_format import storage
 from theworld.cache_format.fingerprint import (
     check_fingerprint,
     fingerprint_diff,
@@ -65,5 +66,6 @@ from theworld.cache_format.names import (
     TURNS,
 )
 from theworld.cache_format.reader import CacheReader, decode_sample, load_stacked
+from theworld.cache_format.storage import RemoteCache, Settings, is_url, open_cache
 from theworld.cache_format.writer import encode_sample, latent_blob, latent_shape_of, write_shard
 from theworld.encoders import DTYPES  # the cache dtypes: `cache.dtype` names a key of it

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from safetensors.torch import load as st_load
 
-from theworld.cache_format import migrations
+from theworld.cache_format import migrations, storage
 from theworld.cache_format.layout import (
     REBUILD_MANIFEST,
     Sample,
@@ -153,10 +153,14 @@ class CacheReader:
     objects: ~100 bytes per sample, and forked DataLoader workers share it without copying (no refcounts to touch).
     Picklable (file descriptors are opened lazily per process). `members` limits what is read, e.g. skip the image
     bytes when every latent comes from the cache; the caption and json are always read.
+
+    `cache_dir` may be a URL (storage.py): the index is read from its local stand-in folder (which `cache_dir` then
+    is) and each shard's tar from the per-node shard cache, by the same preads.
     """
 
     cache_dir: Path
     members: tuple[str, ...] | None = None
+    settings: storage.Settings | None = None  # for a URL: storage_options and the shard cache
     manifest: dict = field(init=False)
     _names: list[str] = field(init=False, repr=False)  # member names, the columns of _spans
     _keys: np.ndarray = field(init=False, repr=False)  # (N,) bytes
@@ -167,12 +171,16 @@ class CacheReader:
     _sides: list = field(init=False, repr=False)  # per shard: the sidecar's (count, bytes, sha256)
     text_rules: list = field(init=False, repr=False)  # per shard: the sidecar's "text_rule" (None: not recorded)
     _files: dict = field(init=False, repr=False, default_factory=dict)
+    remote: storage.RemoteCache | None = field(init=False, repr=False, default=None)
     # Members closer than this are read with one pread, tar headers and skipped members included: a system call
     # costs more than copying a few kB (docs/performance.md)
     READ_GAP = 16 << 10
 
+    # A remote cache keeps this many shards open per process, so evicted ones give their space back
+    REMOTE_OPEN = 4
+
     def __post_init__(self) -> None:
-        self.cache_dir = Path(self.cache_dir)
+        self.cache_dir, self.remote = storage.open_cache(self.cache_dir, self.settings)
         self.manifest = load_manifest(self.cache_dir)
         self._names, keys, shards, spans, crcs, hw, self._sides = [], [], [], [], [], [], []
         self.text_rules = []
@@ -240,7 +248,8 @@ class CacheReader:
         d = self.cache_dir
         entries = self.manifest["shards"]
         listed = {f"{shard_stem(i)}.tar" for i in range(len(entries))}
-        found = {p.name for p in (d / SHARDS).glob("shard-*.tar")}
+        on_disk = self._tar_sizes()
+        found = set(on_disk)
         if extra := sorted(found - listed):
             raise CacheDamaged(
                 f"cache {d}: {MANIFEST} lists {len(entries)} shards but {SHARDS}/ also holds "
@@ -255,9 +264,9 @@ class CacheReader:
                     f"cache {d}: {MANIFEST} shards[{i}] is {e['path']!r}, expected "
                     f"'{SHARDS}/{tar.name}'; {REBUILD_MANIFEST}"
                 )
-            if not tar.is_file():
+            if tar.name not in on_disk:
                 raise CacheDamaged(f"{where} is missing; {repair_hint(d, i)}")
-            size = tar.stat().st_size
+            size = on_disk[tar.name]
             if side != (e["num_samples"], e["bytes"], e["sha256"]):
                 raise CacheDamaged(f"{where}: {_sidecar_mismatch(self._sides, entries, i)}; {repair_hint(d, i)}")
             if counts[i] != e["num_samples"] or size != e["bytes"]:
@@ -280,6 +289,21 @@ class CacheReader:
                 f"sidecar places a member outside the tar; {repair_hint(d, int(self._shard[j]))}"
             )
         self._check_unique_keys()
+
+    def _tar_sizes(self) -> dict[str, int]:
+        """{tar name: bytes} of the shards folder (of the remote cache's, for a URL)."""
+        if self.remote is not None:
+            names = [f"{shard_stem(i)}.tar" for i in range(len(self.manifest["shards"]))]
+            found = self.remote.sizes(SHARDS, names)
+            return {n: size for n, size in found.items() if n.startswith("shard-") and n.endswith(".tar")}
+        out = {}
+        for p in (self.cache_dir / SHARDS).glob("shard-*.tar"):
+            try:
+                if p.is_file():
+                    out[p.name] = p.stat().st_size
+            except OSError:
+                continue
+        return out
 
     def _check_unique_keys(self) -> None:
         order = np.argsort(self._keys, kind="stable")
@@ -337,10 +361,7 @@ class CacheReader:
         shard = int(self._shard[index])
         fd = self._files.get(shard)
         if fd is None:
-            try:
-                fd = self._files[shard] = os.open(tar_path(self.cache_dir, shard), os.O_RDONLY)
-            except OSError as e:
-                raise self.damaged(index, f"cannot open the tar ({e.strerror})") from None
+            fd = self._files[shard] = self._open(index, shard)
         spans = self._spans[index].tolist()
         crcs = self._crc[index].tolist()
         wanted = sorted(
@@ -365,6 +386,22 @@ class CacheReader:
                         index, f"member {name} fails its crc32 check (the tar changed after it was written)"
                     )
         return out
+
+    def _open(self, index: int, shard: int) -> int:
+        """A descriptor of shard `shard`'s tar: the local file, or the remote one staged in the shard cache."""
+        if self.remote is None:
+            try:
+                return os.open(tar_path(self.cache_dir, shard), os.O_RDONLY)
+            except OSError as e:
+                raise self.damaged(index, f"cannot open the tar ({e.strerror})") from None
+        entry = self.manifest["shards"][shard]
+        fd = self.remote.open_tar(shard, entry["bytes"], entry["sha256"])
+        # shards evicted from the shard cache (by this or another process) give their space back once closed
+        for other in [i for i, f in self._files.items() if os.fstat(f).st_nlink == 0]:
+            os.close(self._files.pop(other))
+        while len(self._files) >= self.REMOTE_OPEN:  # the oldest first (dicts keep insertion order)
+            os.close(self._files.pop(next(iter(self._files))))
+        return fd
 
     def sample(self, index: int, tensors: bool = True) -> Sample:
         """`decode_sample` of `raw(index)`; bytes that do not decode raise CacheDamaged naming shard and key."""

@@ -64,8 +64,8 @@ def read(path: str | Path) -> list[Item]:
     return items
 
 
-def read_cache(path: Path, split: str, stage: Path) -> list[Item]:
-    """The held-out samples of the cache at `path` for the run whose stage folder is `stage`."""
+def read_cache(path: str | Path, split: str, stage: Path) -> list[Item]:
+    """The held-out samples of the cache at `path` (a folder or a URL) for the run whose stage folder is `stage`."""
     from theworld import cache_format as cf
     from theworld import checkpoint_layout as layout
     from theworld.cache_format.held_out import split as held_out  # the trainer's own split
