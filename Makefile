@@ -28,11 +28,15 @@ lmms-eval:
 
 # The newest versions pyproject.toml allows, in a venv of their own, and the suite on them: how a breaking release
 # shows up (here, not in a user's install). `make lock` then writes that venv's versions into requirements/lock.txt.
+# s3fs goes first (its aiobotocore pins botocore; datasets beside it, as it caps fsspec, s3fs's twin), then the rest
+# with boto3 (moto's) held to that botocore: pip backtracks through hundreds of boto3 releases otherwise.
 LATEST := .venv-latest
 test-latest:
 	rm -rf $(LATEST) && $(PYTHON) -m venv $(LATEST)
 	$(LATEST)/bin/python -m pip install -q "$(TORCH_SPEC)"
-	$(LATEST)/bin/python -m pip install -q -e ".[dev]"
+	$(LATEST)/bin/python -m pip install -q "s3fs>=2024.2" "datasets>=2.14"
+	$(LATEST)/bin/python -m pip install -q -e ".[dev]" \
+	  "boto3==$$($(LATEST)/bin/python -c 'import botocore; print(botocore.__version__)')"
 	$(MAKE) --no-print-directory lmms-eval img2dataset PY=$(LATEST)/bin/python VENV=$(LATEST)
 	$(LATEST)/bin/python scripts/lock.py diff
 	$(LATEST)/bin/python -m pytest -q --deselect tests/test_lock.py::test_the_environment_holds_the_lock
