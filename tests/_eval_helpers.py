@@ -11,7 +11,9 @@ import torch.nn.functional as F
 
 from theworld import images, synthetic
 from theworld.infer import benchmarks
-from theworld.text import IGNORE, ChatFormatter, collate_text
+from theworld.inputs import text_batch
+from theworld.objective import IGNORE
+from theworld.text import ChatFormatter
 
 
 def write_items(root: Path, records: list[dict], n_images: int = 3) -> Path:
@@ -45,9 +47,9 @@ def hand_scores(model, processor, item: benchmarks.Item, world_image) -> list[fl
     out = []
     for choice in item.choices:
         enc = fmt.encode(item.question, choice, images=len(item.images))
-        batch = collate_text([enc], fmt.pad_id)
+        batch = text_batch([enc], fmt.pad_id, images=world, pixel_values=pv)
         with torch.no_grad():
-            logits = model(**batch, images=world, pixel_values=pv, return_logits=True).logits[0]
+            logits = model(batch, return_logits=True).logits[0]
         n_world = logits.shape[0] - len(enc.input_ids)
         labels = torch.tensor(enc.labels[:1] + [IGNORE] * n_world + enc.labels[1:])
         logp = F.log_softmax(logits[:-1].double(), -1)

@@ -99,14 +99,17 @@ def fixed_inputs(model, processor, n: int = 2):
     import torch
 
     from theworld import images, synthetic
-    from theworld.text import ChatFormatter, collate_text
+    from theworld.inputs import text_batch
+    from theworld.text import ChatFormatter
 
     fmt = ChatFormatter(processor)
     scenes = [synthetic.scene(3, i) for i in range(n)]
-    batch = collate_text([fmt.encode(synthetic.PROMPT, cap) for _, cap in scenes], fmt.pad_id)
-    batch["images"] = torch.stack([images.to_uint8_tensor(img) for img, _ in scenes])
-    batch["pixel_values"] = torch.stack([images.siglip_pixels(processor.image_processor, img) for img, _ in scenes])
-    return batch
+    return text_batch(
+        [fmt.encode(synthetic.PROMPT, cap) for _, cap in scenes],
+        fmt.pad_id,
+        images=torch.stack([images.to_uint8_tensor(img) for img, _ in scenes]),
+        pixel_values=torch.stack([images.siglip_pixels(processor.image_processor, img) for img, _ in scenes]),
+    )
 
 
 @pytest.fixture(scope="session")
@@ -136,7 +139,7 @@ def trained_run(tmp_path_factory):
     def export_and_record(c, state, cfg_yaml, output_dir, *whole):
         with torch.no_grad():
             c.raw.eval()
-            recorded["logits"] = c.raw(**fixed_inputs(c.raw, c.processor), return_logits=True).logits
+            recorded["logits"] = c.raw(fixed_inputs(c.raw, c.processor), return_logits=True).logits
         return original(c, state, cfg_yaml, output_dir, *whole)
 
     sets = {

@@ -47,7 +47,7 @@ def model(request, tmp_path_factory):
 def token_ids(model, images, prompts, n: int = 24, use_cache: bool = True, stop=()) -> list[list[int]]:
     inputs = gen.prepare(model, images, prompts)
     with torch.no_grad():
-        fused = gen.left_align(model.embed_inputs(**inputs))
+        fused = gen.left_align(model.embed_inputs(inputs))
     return gen.decode(model, fused, n, gen.Sampler(False, 1.0, 1.0, None, "cpu"), list(stop), 0, use_cache)
 
 
@@ -120,7 +120,7 @@ def test_from_pretrained_gives_the_logits_of_the_model_as_training_ended(trained
     model, processor = TheWorld.from_pretrained(trained_run["run"])  # the output_dir: its final/
     assert not model.training and not any(p.requires_grad for p in model.parameters())
     with torch.no_grad():
-        logits = model(**fixed_inputs(model, processor), return_logits=True).logits
+        logits = model(fixed_inputs(model, processor), return_logits=True).logits
     torch.testing.assert_close(logits, trained_run["logits"], rtol=0, atol=1e-6)
 
 

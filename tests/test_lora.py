@@ -28,7 +28,7 @@ def lm_logits(gemma, ids=TEXT_IDS) -> torch.Tensor:
 
 def world_logits(model, processor) -> torch.Tensor:
     with torch.no_grad():
-        return model.eval()(**fixed_inputs(model, processor), return_logits=True).logits
+        return model.eval()(fixed_inputs(model, processor), return_logits=True).logits
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,10 @@ import torch.nn.functional as F
 
 from theworld import images, synthetic
 from theworld.config import FreezeConfig, ModelConfig, WorldConfig
+from theworld.inputs import text_batch
 from theworld.model import TheWorld, compile_language_layers
-from theworld.text import IGNORE, ChatFormatter, collate_text
+from theworld.objective import IGNORE
+from theworld.text import ChatFormatter
 
 CAPTIONS = [
     "top left red circle .",
@@ -31,7 +33,7 @@ def tiny():
 
 def batch_for(model, processor, captions=CAPTIONS, seed=0):
     fmt = ChatFormatter(processor)
-    batch = collate_text([fmt.encode(synthetic.PROMPT, c) for c in captions], fmt.pad_id)
+    batch = text_batch([fmt.encode(synthetic.PROMPT, c) for c in captions], fmt.pad_id)
     pixels = torch.stack([images.to_uint8_tensor(synthetic.scene(seed, i)[0]) for i in range(len(captions))])
     with torch.no_grad():
         mean, logvar = model.world_encoder(pixels)
@@ -42,9 +44,9 @@ def batch_for(model, processor, captions=CAPTIONS, seed=0):
 
 
 def per_row_loss(model, batch, mean, logvar, siglip):
-    out = model(**batch, latent_mean=mean, latent_logvar=logvar, siglip=siglip, return_logits=True)
-    n_world = out.logits.shape[1] - batch["input_ids"].shape[1]
-    labels = torch.cat([batch["labels"][:, :1], torch.full((len(mean), n_world), IGNORE), batch["labels"][:, 1:]], 1)
+    out = model(batch.with_inputs(latent_mean=mean, latent_logvar=logvar, siglip=siglip), return_logits=True)
+    n_world = out.logits.shape[1] - batch.input_ids.shape[1]
+    labels = torch.cat([batch.labels[:, :1], torch.full((len(mean), n_world), IGNORE), batch.labels[:, 1:]], 1)
     ce = F.cross_entropy(out.logits[:, :-1].transpose(1, 2), labels[:, 1:], reduction="none", ignore_index=IGNORE)
     return out, ce.sum(1) / (labels[:, 1:] != IGNORE).sum(1)
 
@@ -54,10 +56,10 @@ def test_labels_cover_exactly_the_answer(tiny):
     fmt = ChatFormatter(processor)
     tok = processor.tokenizer
     enc = [fmt.encode(synthetic.PROMPT, c) for c in CAPTIONS]
-    batch = collate_text(enc, fmt.pad_id)
+    batch = text_batch(enc, fmt.pad_id)
     assert len({len(e.input_ids) for e in enc}) == 3  # rows really differ in length
     for row, caption in enumerate(CAPTIONS):
-        ids, labels, mask = batch["input_ids"][row], batch["labels"][row], batch["attention_mask"][row]
+        ids, labels, mask = batch.input_ids[row], batch.labels[row], batch.attention_mask[row]
         answer = labels[labels != IGNORE].tolist()
         assert tok.decode(answer[:-1]).strip() == caption
         assert answer[-1] == tok.convert_tokens_to_ids("<end_of_turn>")
@@ -75,22 +77,22 @@ def test_fused_sequence_layout(tiny):
     model, processor = tiny
     batch, _, mean, logvar, siglip = batch_for(model, processor)
     world = model.projector(mean, logvar)
-    fused = model.fuse(batch["input_ids"], batch["attention_mask"], world, siglip)
+    fused = model.fuse(batch.input_ids, batch.attention_mask, world, siglip)
     n_world = world.shape[1]
     assert n_world == 8 * 8 + 2  # 64 px -> 8x8 latent -> 64 tokens, plus start/end of world
     emb = model.gemma.get_input_embeddings()
-    text = emb(batch["input_ids"])
+    text = emb(batch.input_ids)
     e = fused["inputs_embeds"]
     assert torch.equal(e[:, 0], text[:, 0])  # BOS first
     assert torch.allclose(e[:, 1 : 1 + n_world], world)  # then SOW, W1..WN, EOW
     assert torch.allclose(e[:, 1], model.projector.sow * model.projector.embed_scale)
     assert torch.allclose(e[:, n_world], model.projector.eow * model.projector.embed_scale)
     # the rest is the text, with the SigLIP features scattered into the image-token positions
-    rest, is_image = e[:, 1 + n_world :], batch["input_ids"][:, 1:] == model.image_token_id
+    rest, is_image = e[:, 1 + n_world :], batch.input_ids[:, 1:] == model.image_token_id
     assert torch.allclose(rest[~is_image], text[:, 1:][~is_image])
     assert torch.allclose(rest[is_image].view(3, 4, -1), siglip)
     # per-row positions: 0..len-1 over real tokens, mask and token types aligned
-    lengths = batch["attention_mask"].sum(1) + n_world
+    lengths = batch.attention_mask.sum(1) + n_world
     for row in range(3):
         n = int(lengths[row])
         assert fused["attention_mask"][row, :n].all() and not fused["attention_mask"][row, n:].any()
@@ -114,7 +116,7 @@ def test_world_latents_reach_the_loss(tiny):
     assert ((rows.detach() - shuffled).abs() > 1e-4).all()
     # loss normalisation: the summed CE over answer tokens divided by the (caller's) global count
     assert torch.allclose(out.loss, out.loss_sum / out.num_tokens)
-    half = model(**batch, latent_mean=mean, latent_logvar=logvar, siglip=siglip, num_items=2 * out.num_tokens)
+    half = model(batch.with_inputs(latent_mean=mean, latent_logvar=logvar, siglip=siglip), num_items=2 * out.num_tokens)
     assert torch.allclose(half.loss, out.loss / 2)
 
 
@@ -122,8 +124,8 @@ def test_live_vae_and_cached_latents_give_the_same_loss(tiny):
     model, processor = tiny
     batch, pixels, mean, logvar, siglip = batch_for(model, processor)
     with torch.no_grad():
-        cached = model(**batch, latent_mean=mean, latent_logvar=logvar, siglip=siglip).loss
-        live = model(**batch, images=pixels, siglip=siglip).loss
+        cached = model(batch.with_inputs(latent_mean=mean, latent_logvar=logvar, siglip=siglip)).loss
+        live = model(batch.with_inputs(images=pixels, siglip=siglip)).loss
     assert torch.equal(cached, live)
 
 
@@ -166,7 +168,7 @@ def test_projector_output_sits_at_the_text_embedding_scale(tiny):
     batch, _, mean, logvar, _ = batch_for(model, processor)
     with torch.no_grad():
         world = model.projector(mean, logvar)[:, 1:-1]
-        text = model.gemma.get_input_embeddings()(batch["input_ids"])
+        text = model.gemma.get_input_embeddings()(batch.input_ids)
     ratio = world.pow(2).mean().sqrt() / text.pow(2).mean().sqrt()
     assert 0.2 < float(ratio) < 5.0
 
@@ -199,7 +201,7 @@ def test_the_parameters_that_stay_frozen_are_exactly_those_the_loss_never_reache
     model.requires_grad_(True)
     batch, pixels, _, _, _ = batch_for(model, processor)
     pixel_values = processor.image_processor(images=list(pixels), return_tensors="pt")["pixel_values"]
-    model(**batch, images=pixels, pixel_values=pixel_values).loss.backward()
+    model(batch.with_inputs(images=pixels, pixel_values=pixel_values)).loss.backward()
     assert {n for n, p in model.named_parameters() if p.grad is None} == off_path
     assert any(n.startswith("world_encoder.vae.encoder.") and "time_conv" in n for n in off_path)
 
@@ -282,7 +284,7 @@ def test_bf16_base_models_with_fp32_projector():
     assert model.gemma.dtype == torch.bfloat16 and model.world_encoder.dtype == torch.bfloat16
     assert all(p.dtype == torch.float32 for p in model.projector.parameters())
     batch, pixels, mean, logvar, siglip = batch_for(model, processor)
-    out = model(**batch, images=pixels, siglip=siglip.bfloat16())
+    out = model(batch.with_inputs(images=pixels, siglip=siglip.bfloat16()))
     out.loss.backward()
     assert torch.isfinite(out.loss) and model.projector.net[0].weight.grad.dtype == torch.float32
     # unfreezing a part gives it fp32 master weights; frozen parts stay bf16
@@ -300,7 +302,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     for enable in (False, True):
         model.zero_grad()
         model.gradient_checkpointing(enable)
-        model(**batch, latent_mean=mean, latent_logvar=logvar, siglip=siglip).loss.backward()
+        model(batch.with_inputs(latent_mean=mean, latent_logvar=logvar, siglip=siglip)).loss.backward()
         grads.append(model.projector.net[0].weight.grad.clone())
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
 
@@ -324,7 +326,7 @@ def test_compiled_language_layers_give_the_same_loss_and_gradients(checkpointing
                 model.gemma.model.language_model.layers
             )
         model.zero_grad()
-        loss = model(**batch, latent_mean=mean, latent_logvar=logvar, siglip=siglip).loss
+        loss = model(batch.with_inputs(latent_mean=mean, latent_logvar=logvar, siglip=siglip)).loss
         loss.backward()
         results.append((loss.detach(), model.projector.net[0].weight.grad.clone()))
     assert torch.allclose(results[0][0], results[1][0], atol=1e-6)

@@ -17,8 +17,10 @@ from theworld import images, synthetic
 from theworld.config import ImageConfig, ModelConfig, WorldConfig
 from theworld.evaluate import main
 from theworld.infer import baselines, benchmarks, captions, letters, scoring, stats
+from theworld.inputs import text_batch
 from theworld.model import TheWorld
-from theworld.text import IGNORE, ChatFormatter, collate_text
+from theworld.objective import IGNORE
+from theworld.text import ChatFormatter
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -143,13 +145,13 @@ def gemma_alone(model, processor, item) -> list[float]:
     out = []
     for choice in item.choices:
         enc = fmt.encode(item.question, choice, images=len(item.images))
-        batch = collate_text([enc], fmt.pad_id)
+        batch = text_batch([enc], fmt.pad_id)
         with torch.no_grad():
             logits = model.gemma(
-                input_ids=batch["input_ids"],
-                attention_mask=batch["attention_mask"],
+                input_ids=batch.input_ids,
+                attention_mask=batch.attention_mask,
                 pixel_values=pv,
-                token_type_ids=(batch["input_ids"] == model.image_token_id).long(),
+                token_type_ids=(batch.input_ids == model.image_token_id).long(),
             ).logits[0]
         out.append(loglik(logits, enc, 0))
     return out
@@ -164,13 +166,10 @@ def with_latents(model, processor, item, mean: torch.Tensor) -> list[float]:
     for choice in item.choices:
         enc = fmt.encode(item.question, choice, images=len(item.images))
         with torch.no_grad():
-            logits = model(
-                **collate_text([enc], fmt.pad_id),
-                latent_mean=mean,
-                latent_logvar=torch.zeros_like(mean),
-                pixel_values=pv,
-                return_logits=True,
-            ).logits[0]
+            batch = text_batch(
+                [enc], fmt.pad_id, latent_mean=mean, latent_logvar=torch.zeros_like(mean), pixel_values=pv
+            )
+            logits = model(batch, return_logits=True).logits[0]
         out.append(loglik(logits, enc, logits.shape[0] - len(enc.input_ids)))
     return out
 

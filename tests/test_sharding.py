@@ -409,7 +409,7 @@ def steps(cfg, sizes, n):
     opt = optim.build_optimizer(cfg, model)
     x = batch(sizes, cfg.train.micro_batch_size, torch.device("cpu"))
     for _ in range(n):
-        model(**x).loss.backward()
+        model(x).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 

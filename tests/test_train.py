@@ -459,9 +459,11 @@ def test_nonfinite_loss_is_skipped_and_counted(cache, tmp_path):
     ctx = data.DataContext.build(cfg, reader, plan, c.processor)
     it = iter(data.build_train_loader(cfg, ctx, 0, 1, epoch=0, start=0))
     good = [next(it), next(it)]
-    tensors = {k: v.clone() for k, v in good[0].to("cpu").items()}
-    tensors["latent_mean"][0, 0, 0, 0, 0] = float("nan")
-    bad = [batches.Batch(tensors, good[0].num_tokens), good[1]]
+    inputs = good[0].to("cpu")
+    mean = inputs.latent_mean.clone()
+    mean[0, 0, 0, 0, 0] = float("nan")
+    bad = [batches.Batch.of(inputs.with_inputs(latent_mean=mean)), good[1]]
+    assert bad[0].num_tokens == good[0].num_tokens
     state = LoopState()
     before = {k: v.clone() for k, v in c.raw.trainable_state_dict().items()}
     out = optimization_step(c, state, bad)
@@ -501,7 +503,7 @@ def test_packed_batch_round_trips_every_tensor_through_a_loader_worker(private_a
     loader = DataLoader([0], batch_size=None, num_workers=1, collate_fn=lambda _: batches.Batch(tensors, 11))
     (received,) = list(loader)
     for b in (batch, received):
-        out = b.to("cpu")
+        out = b.tensors("cpu")
         assert out.keys() == tensors.keys() and b.num_tokens == 11
         for k, t in tensors.items():
             assert out[k].dtype == t.dtype and out[k].shape == t.shape and torch.equal(out[k], t)
@@ -529,11 +531,11 @@ def test_flipped_samples_get_the_flipped_latents_and_swapped_text(cache, tmp_pat
     for row, (index, flipped) in enumerate(zip(ds.indices, flips)):
         s = reader[index]
         mean, logvar = (s.flip_mean, s.flip_logvar) if flipped else (s.mean, s.logvar)
-        assert torch.equal(batch["latent_mean"][row], mean) and torch.equal(batch["latent_logvar"][row], logvar)
+        assert torch.equal(batch.latent_mean[row], mean) and torch.equal(batch.latent_logvar[row], logvar)
         caption = data.swap_left_right(s.caption) if flipped else s.caption
         prompt = data.swap_left_right(s.prompt) if flipped else s.prompt
         expected = ctx.formatter.encode(prompt, caption).input_ids
-        assert batch["input_ids"][row, : len(expected)].tolist() == expected
+        assert batch.input_ids[row, : len(expected)].tolist() == expected
 
 
 def test_train_attention_sets_the_language_models_kernel_only():
@@ -678,7 +680,7 @@ def test_bucketed_micro_batches_hold_one_shape_and_live_encoding_matches_the_cac
     steps = order.check_sizes(cfg, reader, ctx.train_indices, 1)
     shapes = []
     for batch in data.build_train_loader(cfg, ctx, 0, 1, epoch=1):
-        mean = batch.to("cpu")["latent_mean"]
+        mean = batch.to("cpu").latent_mean
         shapes.append(tuple(mean.shape[-2:]))
     assert len(shapes) == 2 * steps and len(set(shapes)) == 5  # every shape met, one per micro-batch (or no stack)
     # stage 4's live VAE input has the bucket's size: the first step's loss equals the cached one

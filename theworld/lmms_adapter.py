@@ -30,7 +30,7 @@ from lmms_eval.api.model import lmms
 from theworld import images as imagelib
 from theworld.infer import generate as gen
 from theworld.infer import prefix_scoring
-from theworld.text import IGNORE, Encoded, collate_text
+from theworld.inputs import prompt_only
 
 MODEL_ID = "theworld"
 
@@ -125,9 +125,8 @@ class TheWorldLMM(lmms):
         for context, gen_kwargs, doc_to_visual, doc_id, task, split in (r.args for r in requests):
             visuals = self._visuals(doc_to_visual, doc_id, task, split)
             ids = self.formatter.prefix(context, images=len(visuals))
-            text = collate_text([Encoded(ids, [IGNORE] * len(ids))], self.formatter.pad_id)
-            text = {k: text[k].to(self.device) for k in ("input_ids", "attention_mask")}
-            fused = gen.left_align(self.model.embed_inputs(**text, **self._inputs(visuals)))
+            prompt = prompt_only([ids], self.formatter.pad_id).to(self.device).with_inputs(**self._inputs(visuals))
+            fused = gen.left_align(self.model.embed_inputs(prompt))
             n = int(gen_kwargs.get("max_new_tokens", self.max_new_tokens))
             new = gen.decode(self.model, fused, n, sampler, stop, tok.pad_token_id)[0]
             answer = gen.decode_text(tok, new)  # as TheWorld.generate decodes it

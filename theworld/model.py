@@ -12,21 +12,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.profiler import record_function
 
 from theworld import checkpoint_layout as layout
-from theworld import encoders
+from theworld import encoders, objective
 from theworld import lora as lora_adapters
 from theworld.arch import FREEZABLE, PARTS
 from theworld.config import FreezeConfig, ImageConfig, LoraConfig, ModelConfig, WorldConfig
 from theworld.encoders import WorldEncoder
 from theworld.errors import UserError
 from theworld.infer import generate as generation
+from theworld.inputs import ModelInputs
 from theworld.projector import WorldProjector
-from theworld.text import IGNORE, ChatFormatter
+from theworld.text import ChatFormatter
 
 # record_function labels of a step's parts in the profiler's trace (train.profile_report groups time by them)
 PROFILE_LABELS = {
@@ -229,86 +229,48 @@ class TheWorld(nn.Module):
         return {"inputs_embeds": embeds, "attention_mask": mask, "token_type_ids": types, "position_ids": positions}
 
     def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        labels: torch.Tensor,
-        *,
-        latent_mean: torch.Tensor | None = None,
-        latent_logvar: torch.Tensor | None = None,
-        images: torch.Tensor | None = None,
-        pixel_values: torch.Tensor | None = None,
-        siglip: torch.Tensor | None = None,
-        num_items: int | torch.Tensor | None = None,
-        noise_seeds: list[int] | None = None,
-        return_logits: bool = False,
+        self, inputs: ModelInputs, *, num_items: int | torch.Tensor | None = None, return_logits: bool = False
     ) -> Output:
-        fused = self.embed_inputs(
-            input_ids,
-            attention_mask,
-            latent_mean=latent_mean,
-            latent_logvar=latent_logvar,
-            images=images,
-            pixel_values=pixel_values,
-            siglip=siglip,
-            noise_seeds=noise_seeds,
-        )
-        with record_function(PROFILE_LABELS["language_model"]):
-            hidden = self.gemma.model(**fused, use_cache=False).last_hidden_state
-        targets, keep = self._answer_targets(labels, hidden.shape[1] - labels.shape[1])
-        # Only answer positions go through lm_head: with a 262k vocabulary the full logits would dominate memory.
-        logits = self.logits(hidden[:, :-1][keep])
-        loss_sum = F.cross_entropy(logits.float(), targets[keep], reduction="sum")
-        n = int(keep.sum())
-        denom = num_items if num_items is not None else max(n, 1)
+        """The answer-only loss of `inputs` (theworld/objective.py), normalised by `num_items` (the global batch's
+        answer-token count) when given, else by this batch's."""
+        hidden = self._hidden(inputs)
+        loss_sum, n = objective.answer_loss(hidden[:, :-1], self._targets(inputs, hidden), self.logits)
         full = self.logits(hidden) if return_logits else None
-        return Output(loss=loss_sum / denom, loss_sum=loss_sum, num_tokens=n, logits=full)
+        loss = loss_sum / num_items if num_items is not None else objective.per_token(loss_sum, n)
+        return Output(loss=loss, loss_sum=loss_sum, num_tokens=n, logits=full)
 
-    def embed_inputs(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        *,
-        latent_mean: torch.Tensor | None = None,
-        latent_logvar: torch.Tensor | None = None,
-        images: torch.Tensor | None = None,
-        pixel_values: torch.Tensor | None = None,
-        siglip: torch.Tensor | None = None,
-        noise_seeds: list[int] | None = None,
-        world: bool = True,
-    ) -> dict:
-        """The fused language-model inputs (see `fuse`) from token ids, world inputs and image inputs.
-        `world=False`: no world block at all (no SOW, world or EOW tokens), Gemma 3 as its users know it."""
+    def embed_inputs(self, inputs: ModelInputs) -> dict:
+        """The fused language-model inputs (see `fuse`) from token ids, world inputs and image inputs; with
+        `inputs.use_world` False, no world block at all (no SOW, world or EOW tokens), Gemma 3 as its users know it."""
         # labels for the profiler's trace (python -m train.profile_report groups its time by them)
         with record_function(PROFILE_LABELS["vision_tower"]):
-            feats = self.image_features(pixel_values, siglip)
-        if not world:
-            none = feats.new_zeros(input_ids.shape[0], 0, self.gemma.config.get_text_config().hidden_size)
-            return self.fuse(input_ids, attention_mask, none, feats)
+            feats = self.image_features(inputs.pixel_values, inputs.siglip)
+        if not inputs.use_world:
+            none = feats.new_zeros(inputs.size, 0, self.gemma.config.get_text_config().hidden_size)
+            return self.fuse(inputs.input_ids, inputs.attention_mask, none, feats)
         with record_function(PROFILE_LABELS["world_encoder"]):
-            mean, logvar = self.world_latents(images, latent_mean, latent_logvar)
+            mean, logvar = self.world_latents(inputs.images, inputs.latent_mean, inputs.latent_logvar)
         with record_function(PROFILE_LABELS["projector"]):
-            tokens = self.projector(mean, logvar, self.latent_mode, noise_seeds)
-        return self.fuse(input_ids, attention_mask, tokens, feats)
+            tokens = self.projector(mean, logvar, self.latent_mode, inputs.noise_seeds)
+        return self.fuse(inputs.input_ids, inputs.attention_mask, tokens, feats)
+
+    def _hidden(self, inputs: ModelInputs) -> torch.Tensor:
+        fused = self.embed_inputs(inputs)
+        with record_function(PROFILE_LABELS["language_model"]):
+            return self.gemma.model(**fused, use_cache=False).last_hidden_state
 
     @staticmethod
-    def _answer_targets(labels: torch.Tensor, n_world: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(next-token targets on the fused sequence, where they are answer tokens)."""
-        world_labels = labels.new_full((labels.shape[0], n_world), IGNORE)
-        targets = torch.cat([labels[:, :1], world_labels, labels[:, 1:]], dim=1)[:, 1:]
-        return targets, targets != IGNORE
+    def _targets(inputs: ModelInputs, hidden: torch.Tensor) -> torch.Tensor:
+        """The next-token targets of the fused sequence `hidden` holds (its world block after BOS)."""
+        if inputs.labels is None:
+            raise ValueError("the loss and answer log-probabilities need labels (a prompt-only batch has none)")
+        return objective.shifted_targets(inputs.labels, hidden.shape[1] - inputs.labels.shape[1])[0]
 
-    def answer_logprobs(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor, **inputs
-    ) -> torch.Tensor:
-        """(B,) float32: each row's summed log-probability of its answer tokens (labels != IGNORE); `inputs` as for
-        `forward`. Multiple-choice scoring (theworld.evaluate) compares these across a question's choices."""
-        fused = self.embed_inputs(input_ids, attention_mask, **inputs)
-        hidden = self.gemma.model(**fused, use_cache=False).last_hidden_state
-        targets, keep = self._answer_targets(labels, hidden.shape[1] - labels.shape[1])
-        nll = F.cross_entropy(self.logits(hidden[:, :-1][keep]).float(), targets[keep], reduction="none")
-        rows = keep.nonzero()[:, 0]
-        return torch.zeros(len(labels), dtype=torch.float32, device=nll.device).index_add_(0, rows, -nll)
+    def answer_logprobs(self, inputs: ModelInputs) -> torch.Tensor:
+        """(B,) float32: each row's summed log-probability of its answer tokens (objective.answer_logprobs).
+        Multiple-choice scoring (theworld.evaluate) compares these across a question's choices."""
+        hidden = self._hidden(inputs)
+        return objective.answer_logprobs(hidden[:, :-1], self._targets(inputs, hidden), self.logits)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head with Gemma's final soft-capping."""

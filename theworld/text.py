@@ -1,9 +1,9 @@
 """The processor side: (prompt, caption) -> token ids with labels on the answer only (a conversation of several
-turns: on every answer, `ChatFormatter.encode_turns`), and right-padded batches.
+turns: on every answer, `ChatFormatter.encode_turns`); theworld/inputs.py pads them into batches.
 
 Labels are built from token ids: the prompt is rendered with the chat template up to the model turn, the full
-conversation is rendered, and the prompt's ids must be a prefix of the full ids; everything after the prefix up to and
-including the model turn's <end_of_turn> is the answer. A text-only re-render would miss the expanded image tokens.
+conversation is rendered, and the prompt's ids must be a prefix of the full ids; what is the answer after that prefix
+is the supervision rule's (theworld/objective.py). A text-only re-render would miss the expanded image tokens.
 """
 
 from __future__ import annotations
@@ -11,12 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-import torch
-
+from theworld import objective
 from theworld.control_text import check_text
+from theworld.objective import IGNORE  # noqa: F401 - its users long imported it from here
 
-IGNORE = -100
 DEFAULT_PROMPT = "Describe the image."  # for samples that carry no prompt of their own (precompute, describe)
 
 
@@ -178,23 +176,16 @@ class ChatFormatter:
         return [self._label(prompt, full) for (prompt, _), full in zip(pairs, self.conversation_ids(pairs))]
 
     def _label(self, prompt: str, full: list[int], images: int = 1) -> Encoded:
-        """Labels on the answer: everything after the prompt's ids up to the model turn's last <end_of_turn>."""
+        """Labels on the answer after the prompt's ids (objective.answer_stop), cut to max_length."""
         prefix = self.prefix(prompt, images)
         if full[: len(prefix)] != prefix:
             raise ValueError("the chat template's prompt is not a token prefix of the full conversation")
-        answer = full[len(prefix) :]
-        ends = [i for i, t in enumerate(answer) if t == self.end_of_turn_id]
-        if not ends:
-            raise ValueError("no <end_of_turn> after the answer")
-        n_answer = ends[-1] + 1
-        labels = [IGNORE] * len(prefix) + answer[:n_answer] + [IGNORE] * (len(answer) - n_answer)
+        stop = objective.answer_stop(full, len(prefix), len(full), self.end_of_turn_id)
+        labels = objective.answer_labels(full, [(len(prefix), stop)])
         if self.max_length is not None and len(full) > self.max_length:
-            # Keep the end-of-turn as the last supervised token so a truncated answer still teaches when to stop.
-            keep = self.max_length
-            if keep <= len(prefix):
+            if self.max_length <= len(prefix):
                 raise PromptTooLong(f"prompt alone is {len(prefix)} tokens, over max_length {self.max_length}")
-            full, labels = full[:keep], labels[:keep]
-            full[-1] = labels[-1] = self.end_of_turn_id
+            full, labels = objective.truncated(full, labels, self.max_length, self.end_of_turn_id)
         return Encoded(full, labels)
 
     # ------------------------------------------------------------------------------------------------------------------
@@ -227,19 +218,14 @@ class ChatFormatter:
             closed = self._ids(self._render(self._turn_messages(turns[:k]), False))
             if full[: len(closed)] != closed or closed[: len(opened)] != opened:
                 raise ValueError("the chat template's earlier turns are not a token prefix of the conversation")
-            stops = [i for i in range(len(opened), len(closed)) if closed[i] == self.end_of_turn_id]
-            if not stops:
-                raise ValueError(f"no <end_of_turn> after answer {k}")
-            spans.append((len(opened), stops[-1] + 1))
+            stop = objective.answer_stop(closed, len(opened), len(closed), self.end_of_turn_id, f"answer {k}")
+            spans.append((len(opened), stop))
             ends.append(len(closed))
         kept = len(turns) if self.max_length is None else sum(1 for e in ends if e <= self.max_length)
         if kept == 0:
             return self.encode_many([tuple(turns[0])])[0], 1
         full = full[: ends[kept - 1]]
-        labels = [IGNORE] * len(full)
-        for start, stop in spans[:kept]:
-            labels[start:stop] = full[start:stop]
-        return Encoded(full, labels), kept
+        return Encoded(full, objective.answer_labels(full, spans[:kept])), kept
 
     def encode_conversations(self, conversations: Sequence[Sequence[tuple[str, str]]]) -> list[Encoded]:
         """encode_turns for each conversation; the single-turn ones a batch at a time through encode_many."""
@@ -251,19 +237,3 @@ class ChatFormatter:
             if out[i] is None:
                 out[i] = self.encode_turns(c)[0]
         return out
-
-
-def collate_text(items: list[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest row: input_ids, attention_mask, labels (padding is IGNORE)."""
-    n = max(len(e.input_ids) for e in items)
-    # numpy fills a row from a Python list several times faster than torch.tensor builds one
-    ids = np.full((len(items), n), pad_id, dtype=np.int64)
-    labels = np.full((len(items), n), IGNORE, dtype=np.int64)
-    mask = np.zeros((len(items), n), dtype=np.int64)
-    for i, e in enumerate(items):
-        k = len(e.input_ids)
-        ids[i, :k] = e.input_ids
-        labels[i, :k] = e.labels
-        mask[i, :k] = 1
-    ids, mask, labels = torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(labels)
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}

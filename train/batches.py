@@ -1,5 +1,6 @@
-"""Batch assembly (in loader workers): tokenised text, cached tensors decoded together and stacked pixels, packed
-into one buffer (`Batch`) that the main process receives and copies to the device in one piece."""
+"""Batch assembly (in loader workers): tokenised text, cached tensors decoded together and stacked pixels, a
+`ModelInputs` (theworld/inputs.py) packed into one buffer (`Batch`) that the main process receives and copies to the
+device in one piece."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ from collections import Counter
 import torch
 
 from theworld import cache_format as cf
+from theworld import objective
 from theworld.control_text import ControlText
 from theworld.errors import UserError
-from theworld.text import IGNORE, ChatFormatter, PromptTooLong, collate_text
-
-PARTNER = "partner:"  # prefix of an eval item's (and batch's) partner-world keys
+from theworld.inputs import PARTNER, ModelInputs, text_batch
+from theworld.text import ChatFormatter, PromptTooLong
 
 
 class Batch:
@@ -29,8 +30,9 @@ class Batch:
     ALIGN = 64  # bytes: every tensor starts on a boundary its dtype (and vector loads) can view
 
     def __init__(self, tensors: dict[str, torch.Tensor], num_tokens: int):
+        """`tensors`: `ModelInputs.to_tensors()`; `num_tokens`: its answer tokens (objective.token_count)."""
         self.num_tokens = num_tokens
-        self.size = len(tensors["input_ids"])  # samples
+        self.size = len(next(iter(tensors.values())))  # samples: the first tensor is the rows' input_ids
         self.layout: list[tuple[str, torch.dtype, int, tuple[int, ...]]] = []  # name, dtype, byte offset, shape
         nbytes = 0
         for name, t in tensors.items():
@@ -48,9 +50,17 @@ class Batch:
         self.buffer = self.buffer.pin_memory()
         return self
 
-    def to(self, device: torch.device | str) -> dict[str, torch.Tensor]:
+    @classmethod
+    def of(cls, inputs: ModelInputs) -> Batch:
+        return cls(inputs.to_tensors(), objective.token_count(inputs.labels))
+
+    def tensors(self, device: torch.device | str) -> dict[str, torch.Tensor]:
+        """The named tensors, views of the buffer copied to `device`."""
         buffer = self.buffer.to(device, non_blocking=True)
         return {name: self._view(buffer, dtype, offset, shape) for name, dtype, offset, shape in self.layout}
+
+    def to(self, device: torch.device | str) -> ModelInputs:
+        return ModelInputs.from_tensors(self.tensors(device))
 
 
 def _byte_buffer(nbytes: int) -> torch.Tensor:
@@ -68,7 +78,7 @@ class Collate:
     """List of samples -> one packed Batch: tokenised and padded text, the cached tensors decoded together, stacked
     pixels, the answer-token count."""
 
-    # cache member -> {tensor name in the member: batch key}
+    # cache member -> {tensor name in the member: ModelInputs field}
     CACHED = {cf.LATENT: {"mean": "latent_mean", "logvar": "latent_logvar"}, cf.SIGLIP: {"features": "siglip"}}
     OPTIONAL = {"logvar"}  # a mean-only cache (cache.latents: mean)
 
@@ -76,7 +86,8 @@ class Collate:
         self.formatter = formatter
 
     def __call__(self, items: list[dict]) -> Batch:
-        batch = collate_text(encode_texts(self.formatter, [it["text"] for it in items]), self.formatter.pad_id)
+        batch = text_batch(encode_texts(self.formatter, [it["text"] for it in items]), self.formatter.pad_id)
+        batch = batch.to_tensors()
         for k in items[0]:
             prefix, member = (PARTNER, k.removeprefix(PARTNER)) if k.startswith(PARTNER) else ("", k)
             if member in self.CACHED:
@@ -88,7 +99,7 @@ class Collate:
                 )
             elif k not in ("text", "origin", PARTNER + "origin"):
                 batch[k] = torch.stack([it[k] for it in items])
-        return Batch(batch, num_tokens=int((batch["labels"][:, 1:] != IGNORE).sum()))
+        return Batch.of(ModelInputs.from_tensors(batch))
 
 
 def _load_stacked(member: str, items: list[dict], names, optional=frozenset()) -> dict[str, torch.Tensor]:
@@ -119,10 +130,6 @@ def _load_stacked(member: str, items: list[dict], names, optional=frozenset()) -
         if odd is None:
             raise
         raise odd[0].damaged(odd[1], f"member {member} holds tensors unlike the batch's others") from None
-
-
-# batch keys that carry a sample's world (eval's shuffled-world loss swaps them for their PARTNER versions)
-WORLD_KEYS = (*Collate.CACHED[cf.LATENT].values(), "images")
 
 
 def encode_texts(formatter: ChatFormatter, conversations: list[tuple[tuple[str, str], ...]]) -> list:

@@ -284,11 +284,11 @@ def _loader_and_memory(cfg, ctx, projector) -> dict:
             if i in (1, last):
                 rss.append(_rss_mb())
             if epoch == 0:
-                tensors = batch.to("cpu")
-                mask = tensors["attention_mask"]
+                inputs = batch.to("cpu")
+                mask = inputs.attention_mask
                 pad += int(mask.numel() - mask.sum())
                 # positions the model computes for the world: its tokens and the two markers around them
-                computed += mask.numel() + len(mask) * projector.num_tokens(*tensors["latent_mean"].shape[-2:])
+                computed += mask.numel() + len(mask) * projector.num_tokens(*inputs.latent_mean.shape[-2:])
         t_total += time.perf_counter() - t
         del it, loader
     return {

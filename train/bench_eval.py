@@ -25,7 +25,9 @@ import torch
 
 from theworld.arch import TINY
 from theworld.infer import prefix_scoring
-from theworld.text import IGNORE, Encoded, collate_text
+from theworld.inputs import ModelInputs, text_batch
+from theworld.objective import IGNORE
+from theworld.text import Encoded
 from train.bench_real import _sync, batch, build, build_gemma
 
 CHOICES = 4
@@ -113,19 +115,19 @@ def demo_case(n_items: int, batch_size: int, repeats: int, device: torch.device)
     return _row("demo", n_items, t_shared, t_whole, diff, prefix_tokens=len(prefix) + model.projector.num_tokens(8, 8))
 
 
-def _items(sizes: dict, n: int, device: torch.device) -> tuple[list[list[int]], list[Encoded], dict]:
+def _items(sizes: dict, n: int, device: torch.device) -> tuple[list[list[int]], list[Encoded], ModelInputs]:
     """`n` prefixes of the benchmark token layout (one image block) and CHOICES answers of 3..6 tokens each, with
     cached world and image inputs per prefix."""
     x = batch(sizes, n, device)
     g = torch.Generator().manual_seed(1)
-    prefixes = [row.tolist() for row in x["input_ids"][:, :-8]]  # the question part of the layout, no answer
+    prefixes = [row.tolist() for row in x.input_ids[:, :-8]]  # the question part of the layout, no answer
     end = sizes["text"]["vocab_size"] - 4  # a text id standing for <end_of_turn>
     rows = []
     for p in prefixes:
         for k in range(CHOICES):
             answer = torch.randint(0, end, (2 + k,), generator=g).tolist() + [end]
             rows.append(Encoded(p + answer, [IGNORE] * len(p) + answer))
-    return prefixes, rows, {k: x[k] for k in ("latent_mean", "latent_logvar", "siglip")}
+    return prefixes, rows, x
 
 
 @torch.no_grad()
@@ -144,8 +146,8 @@ def real_shaped_case(sizes: dict, n_items: int, batch_size: int, repeats: int, d
         for lo in range(0, n_items, batch_size):
             idx = list(range(lo, min(lo + batch_size, n_items)))
             for worlds in (idx, [shuffled[j] for j in idx]):  # own world, then item i-1's
-                mean, logvar = world["latent_mean"][worlds], world["latent_logvar"][worlds]
-                siglip = world["siglip"][idx]
+                mean, logvar = world.latent_mean[worlds], world.latent_logvar[worlds]
+                siglip = world.siglip[idx]
                 sel = [r for r, o in enumerate(owner) if o in idx]
                 with autocast:
                     if shared:
@@ -160,10 +162,12 @@ def real_shaped_case(sizes: dict, n_items: int, batch_size: int, repeats: int, d
                             latent_logvar=logvar,
                         )
                     else:
-                        text = {k: v.to(device) for k, v in collate_text([rows[r] for r in sel], 0).items()}
+                        text = text_batch([rows[r] for r in sel], 0).to(device)
                         rep = torch.tensor([idx.index(owner[r]) for r in sel], device=device)
                         s = model.answer_logprobs(
-                            **text, latent_mean=mean[rep], latent_logvar=logvar[rep], siglip=siglip[rep].flatten(0, 1)
+                            text.with_inputs(
+                                latent_mean=mean[rep], latent_logvar=logvar[rep], siglip=siglip[rep].flatten(0, 1)
+                            )
                         )
                 out += s.tolist()
         return out

@@ -71,7 +71,7 @@ def tiny_fused(batch_size: int):
     model.eval()
     images = [synthetic.scene(7, i)[0] for i in range(batch_size)]
     with torch.no_grad():
-        fused = gen.left_align(model.embed_inputs(**gen.prepare(model, images, [synthetic.PROMPT] * batch_size)))
+        fused = gen.left_align(model.embed_inputs(gen.prepare(model, images, [synthetic.PROMPT] * batch_size)))
     return model, fused
 
 
@@ -93,7 +93,7 @@ def real_rows(
     gemma = build_gemma(sizes, device)
     model = build(sizes, gemma, pool, device).eval()
     x = batch(sizes, batch_size, device)
-    ids = x["input_ids"].masked_fill(x["input_ids"] >= sizes["text"]["vocab_size"] - 3, 0)  # text only
+    ids = x.input_ids.masked_fill(x.input_ids >= sizes["text"]["vocab_size"] - 3, 0)  # text only
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         ours = _timed(lambda: _decode(model, text_only(model, ids), new_tokens, True), repeats, device)
         theirs = _timed(
@@ -107,7 +107,7 @@ def real_rows(
             repeats,
             device,
         )
-        fused = gen.left_align(model.embed_inputs(**{k: v for k, v in x.items() if k != "labels"}))
+        fused = gen.left_align(model.embed_inputs(x))
         full = _timed(lambda: _decode(model, fused, new_tokens, True), repeats, device)
     tps = lambda s: round(batch_size * new_tokens / s, 1)
     return [

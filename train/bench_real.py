@@ -28,7 +28,9 @@ import torch.nn.functional as F
 from theworld import gemma3
 from theworld.arch import ANSWER_TOKENS, REAL, TEXT_TOKENS, TINY, gemma_config, latent_side
 from theworld.encoders import WorldEncoder, _quiet_hf
+from theworld.inputs import ModelInputs
 from theworld.model import TheWorld, compile_language_layers
+from theworld.objective import IGNORE
 from theworld.projector import WorldProjector
 from train.components import set_language_attention
 
@@ -59,17 +61,17 @@ def build(sizes: dict, gemma, pool: int, device: torch.device) -> TheWorld:
     return model
 
 
-def text_inputs(b: int, mm: int, boi: int, image: int, eoi: int, g: torch.Generator) -> dict:
+def text_inputs(b: int, mm: int, boi: int, image: int, eoi: int, g: torch.Generator) -> ModelInputs:
     """Token ids, mask and labels of `b` samples: TEXT_TOKENS of text with one image block (boi, `mm` image tokens,
     eoi) after the first 8, the last ANSWER_TOKENS labelled; text ids below every special id."""
     ids = torch.randint(0, min(boi, image, eoi), (b, TEXT_TOKENS + mm + 2), generator=g)
     ids[:, 8], ids[:, 9 : 9 + mm], ids[:, 9 + mm] = boi, image, eoi
-    labels = torch.full_like(ids, -100)
+    labels = torch.full_like(ids, IGNORE)
     labels[:, -ANSWER_TOKENS:] = ids[:, -ANSWER_TOKENS:]
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    return ModelInputs(ids, torch.ones_like(ids), labels)
 
 
-def batch(sizes: dict, b: int, device: torch.device, live: bool = False) -> dict:
+def batch(sizes: dict, b: int, device: torch.device, live: bool = False) -> ModelInputs:
     """A stage-1 micro-batch: cached world inputs (latents, SigLIP features) or, `live`, the pixels they come from
     (uint8 images for the VAE as the loader gives them, normalised pixel_values for SigLIP)."""
     vocab, h = sizes["text"]["vocab_size"], sizes["text"]["hidden_size"]
@@ -78,13 +80,13 @@ def batch(sizes: dict, b: int, device: torch.device, live: bool = False) -> dict
     out = text_inputs(b, mm, vocab - 3, vocab - 1, vocab - 2, g)  # gemma_config's boi, image and eoi ids
     if live:
         side = sizes["vision"]["image_size"]
-        out["images"] = torch.randint(0, 256, (b, 3, res, res), dtype=torch.uint8, generator=g)
-        out["pixel_values"] = torch.rand(b, 3, side, side, generator=g) * 2 - 1
+        images = torch.randint(0, 256, (b, 3, res, res), dtype=torch.uint8, generator=g)
+        out = out.with_inputs(images=images, pixel_values=torch.rand(b, 3, side, side, generator=g) * 2 - 1)
     else:
-        out["latent_mean"] = torch.randn(b, 16, 1, lat, lat, generator=g)
-        out["latent_logvar"] = torch.randn(b, 16, 1, lat, lat, generator=g) - 4
-        out["siglip"] = torch.randn(b, mm, h, generator=g)
-    return {k: v.to(device) for k, v in out.items()}
+        mean = torch.randn(b, 16, 1, lat, lat, generator=g)
+        logvar = torch.randn(b, 16, 1, lat, lat, generator=g) - 4
+        out = out.with_inputs(latent_mean=mean, latent_logvar=logvar, siglip=torch.randn(b, mm, h, generator=g))
+    return out.to(device)
 
 
 def lm_flops(sizes: dict, seq: int) -> float:
@@ -134,7 +136,7 @@ def step_row(
         _sync(device)
         t = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            out = model(**x)
+            out = model(x)
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -142,7 +144,7 @@ def step_row(
         times.append(time.perf_counter() - t)
     step_s = sum(times[2:]) / steps
     world = model.projector.num_tokens(latent_side(sizes["resolution"]), latent_side(sizes["resolution"]))
-    seq = x["input_ids"].shape[1] + world
+    seq = x.input_ids.shape[1] + world
     flops = 2 * lm_flops(sizes, seq) * micro
     row = {
         "case": "stage1_step",

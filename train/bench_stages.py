@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from theworld.arch import ANSWER_TOKENS, latent_side
+from theworld.arch import latent_side
 from train.bench_real import text_inputs
 
 MODES = {"plain": [], "offload": ["train.sharding=fsdp", "train.cpu_offload=true"]}
@@ -44,17 +44,17 @@ def micro_batch(model, cfg, b: int):
     x = text_inputs(b, mm, gc.boi_token_index, gc.image_token_index, gc.eoi_token_index, g)
     r = cfg.image.resolution
     if not cfg.freeze.vae:
-        x["images"] = torch.randint(0, 256, (b, 3, r, r), dtype=torch.uint8, generator=g)
+        x = x.with_inputs(images=torch.randint(0, 256, (b, 3, r, r), dtype=torch.uint8, generator=g))
     else:
         z = model.world_encoder.vae.config.z_dim
-        x["latent_mean"] = torch.randn(b, z, 1, latent_side(r), latent_side(r), generator=g)
-        x["latent_logvar"] = torch.randn(b, z, 1, latent_side(r), latent_side(r), generator=g) - 4
+        mean = torch.randn(b, z, 1, latent_side(r), latent_side(r), generator=g)
+        x = x.with_inputs(latent_mean=mean, latent_logvar=torch.randn(mean.shape, generator=g) - 4)
     if not cfg.freeze.vision:
         side = gc.vision_config.image_size
-        x["pixel_values"] = torch.rand(b, 3, side, side, generator=g) * 2 - 1
+        x = x.with_inputs(pixel_values=torch.rand(b, 3, side, side, generator=g) * 2 - 1)
     else:
-        x["siglip"] = torch.randn(b, mm, gc.get_text_config().hidden_size, generator=g)
-    return Batch(x, num_tokens=b * ANSWER_TOKENS)
+        x = x.with_inputs(siglip=torch.randn(b, mm, gc.get_text_config().hidden_size, generator=g))
+    return Batch.of(x)  # b * ANSWER_TOKENS answer tokens
 
 
 def _host_peak() -> int | None:

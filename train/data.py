@@ -22,8 +22,9 @@ from theworld.config import trains
 from theworld.control_text import TEXT_RULE, control_problem
 from theworld.errors import UserError
 from theworld.images import decode, load_for_vae, siglip_pixels
+from theworld.inputs import PARTNER
 from theworld.text import DEFAULT_PROMPT, ChatFormatter
-from train.batches import PARTNER, Collate, encode_texts
+from train.batches import Collate, encode_texts
 from train.mixture import Draw, MixedReader, partner_groups
 from train.order import bucket_ids, eval_partners, flip_of, rank_indices
 from train.preempt import ignore_in_workers

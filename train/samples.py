@@ -12,15 +12,13 @@ import numpy as np
 import torch
 
 from theworld.infer.generate import Sampler, decode, left_align, stop_ids
-from theworld.text import IGNORE, Encoded, collate_text
-from train.batches import PARTNER, WORLD_KEYS, Collate
+from theworld.inputs import ModelInputs, prompt_only
+from train.batches import Collate
 from train.sharding import root_gathered
 
 if TYPE_CHECKING:
     from train.components import Components
     from train.data import DataContext
-
-TEXT_KEYS = ("input_ids", "attention_mask", "labels")
 
 
 @dataclass
@@ -29,7 +27,7 @@ class Group:
 
     positions: list[int]  # in the held-out split
     batch: object  # train.batches.Batch of (prompt, caption) rows with their partners' worlds
-    prompt: dict[str, torch.Tensor]  # right-padded prompt-only ids and mask
+    prompt: ModelInputs  # the rows' prompts alone (prompt_only)
 
 
 class CaptionSamples:
@@ -52,8 +50,7 @@ class CaptionSamples:
         self.groups = []
         for shape in dict.fromkeys(shapes.tolist()):
             pos = [i for i in range(n) if shapes[i] == shape]
-            prompts = [ctx.formatter.prefix(first_turns[i][0]) for i in pos]
-            prompt = collate_text([Encoded(ids, [IGNORE] * len(ids)) for ids in prompts], ctx.formatter.pad_id)
+            prompt = prompt_only([ctx.formatter.prefix(first_turns[i][0]) for i in pos], ctx.formatter.pad_id)
             self.groups.append(Group(pos, Collate(ctx.formatter)([items[i] for i in pos]), prompt))
 
     @torch.no_grad()
@@ -70,25 +67,18 @@ class CaptionSamples:
         try:
             with root_gathered(model):  # generation calls the model's parts, not its forward
                 for g in self.groups:
-                    tensors = g.batch.to(acc.device)
-                    inputs = {
-                        k: v
-                        for k, v in tensors.items()
-                        if k not in TEXT_KEYS and k != "paired" and not k.startswith(PARTNER)
-                    }
-                    shuffled = {**inputs, **{k: tensors[PARTNER + k] for k in WORLD_KEYS if PARTNER + k in tensors}}
-                    for name, world in (("own_world", inputs), ("shuffled_world", shuffled)):
-                        for i, text in zip(g.positions, self._generate(model, acc, g.prompt, world)):
+                    batch, prompt = g.batch.to(acc.device), g.prompt.to(acc.device)
+                    for name, world in (("own_world", batch.own_world()), ("shuffled_world", batch.partner_world())):
+                        for i, text in zip(g.positions, self._generate(model, acc, world.behind(prompt))):
                             rows[i][name] = text
         finally:
             model.latent_mode = mode
             model.train(was_training)
         return [{"caption": c, **r} for c, r in zip(self.captions, rows)]
 
-    def _generate(self, model, acc, prompt: dict, world: dict) -> list[str]:
-        ids, mask = prompt["input_ids"].to(acc.device), prompt["attention_mask"].to(acc.device)
+    def _generate(self, model, acc, inputs: ModelInputs) -> list[str]:
         with acc.autocast():
-            fused = left_align(model.embed_inputs(ids, mask, **world))
+            fused = left_align(model.embed_inputs(inputs))
             tok = model.processor.tokenizer
             out = decode(
                 model,

@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch.profiler import record_function
 
+from theworld import objective
 from theworld.model import PROFILE_LABELS
 from train import preempt, sharding
-from train.batches import PARTNER, WORLD_KEYS, Batch
+from train.batches import Batch
 from train.order import noise_seeds, rank_offset, seed_of
 
 if TYPE_CHECKING:
@@ -65,7 +66,7 @@ def optimization_step(components: Components, state: LoopState, micro_batches: l
     n_global = torch.tensor([local], dtype=torch.long, device=device)
     if components.world_size > 1:
         n_global = accelerator.reduce(n_global, reduction="sum")
-    n = max(int(n_global.item()), 1)
+    n = max(int(n_global.item()), 1)  # the loss per answer token of the global batch (objective.per_token)
     lr = cfg.train.lr * components.lr_fn(state.step)
     for g in components.optimizer.param_groups:
         g["lr"] = lr * g.get("lr_multiplier", 1.0)  # train.lr_multipliers of the group's part
@@ -75,20 +76,20 @@ def optimization_step(components: Components, state: LoopState, micro_batches: l
         torch.manual_seed(seed_of("lora-dropout", cfg.seed, state.step, components.rank))
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     for i, mb in enumerate(micro_batches):
-        inputs = mb.to(device)
         seeds = noise_seeds(cfg.seed, state.step, first, mb.size) if components.raw.latent_mode == "sample" else None
+        inputs = mb.to(device).with_inputs(noise_seeds=seeds)
         first += mb.size
         # FSDP reduce-scatters after every micro-batch: skipping it would keep whole unsharded gradients around
         sync = i == len(micro_batches) - 1 or components.sharded
         with contextlib.nullcontext() if sync else accelerator.no_sync(components.model):
-            out = components.model(**inputs, num_items=n, noise_seeds=seeds)
+            out = components.model(inputs, num_items=n)
             # DDP and FSDP average gradients over processes; each process's share is loss_sum_r / n: undo the mean.
             with record_function(PROFILE_LABELS["backward"]):
                 accelerator.backward(out.loss * components.world_size)
         loss_sum += out.loss_sum.detach().float()
     if components.world_size > 1:
         loss_sum = accelerator.reduce(loss_sum, reduction="sum")
-    loss = float(loss_sum) / n
+    loss = objective.per_token(float(loss_sum), n)
     max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
     grad_norm = (
         sharding.clip_grad_norm_(components.params, max_norm)
@@ -144,16 +145,15 @@ def evaluate(components: Components, loader: DataLoader) -> dict:
     sums = torch.zeros(4, dtype=torch.float64, device=accelerator.device)  # loss, tokens, shuffled loss, its tokens
     # agreed before the first forward: under FSDP every forward is a collective, so all processes run as many
     extra = sharding.missing_forwards(components.sharded, len(loader), accelerator.device)
-    batch = None
+    inputs = None
     try:
         for batch in loader:
             preempt.poll()  # every process polls len(loader) + extra times: as often as the longest share
-            batch = batch.to(accelerator.device)
-            paired = bool(batch.pop("paired").all())  # a batch holds one latent shape: all paired, or its only one
-            partner = {k: batch.pop(PARTNER + k) for k in WORLD_KEYS if PARTNER + k in batch}
+            inputs = batch.to(accelerator.device)
+            paired = bool(inputs.paired.all())  # a batch holds one latent shape: all paired, or its only one
             with accelerator.autocast():
-                a = model(**batch)
-                b = model(**{**batch, **partner})  # also when unpaired: every process makes two forwards per batch
+                a = model(inputs.own_world())
+                b = model(inputs.partner_world())  # also when unpaired: every process makes two forwards per batch
             sums[:2] += torch.tensor([float(a.loss_sum), a.num_tokens], dtype=torch.float64, device=accelerator.device)
             if paired:
                 sums[2:] += torch.tensor(
@@ -161,14 +161,14 @@ def evaluate(components: Components, loader: DataLoader) -> dict:
                 )
         for _ in range(extra):
             preempt.poll()
-            model(**batch)  # results unused: only the collectives count
-            model(**batch)
+            model(inputs.own_world())  # results unused: only the collectives count
+            model(inputs.own_world())
     finally:
         model.latent_mode = mode
         model.train(was_training)
     if components.world_size > 1:
         sums = accelerator.reduce(sums, reduction="sum")
-    loss, shuffled = float(sums[0]) / max(float(sums[1]), 1.0), float(sums[2]) / max(float(sums[3]), 1.0)
+    loss, shuffled = (objective.per_token(float(sums[k]), float(sums[k + 1])) for k in (0, 2))
     return {
         "eval_loss": loss,
         "eval_loss_shuffled_world": shuffled,

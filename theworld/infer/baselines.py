@@ -69,10 +69,10 @@ def conditions(baselines: list[str]) -> list[Condition]:
 def world_inputs(
     model, cond: Condition, mean: torch.Tensor, logvar: torch.Tensor, own: torch.Tensor, previous: torch.Tensor
 ) -> dict:
-    """`embed_inputs` keyword arguments giving each row its world under `cond`; `mean`/`logvar` hold the latents of
-    the worlds in play, `own`/`previous` index them per row."""
+    """The world inputs (`ModelInputs.with_inputs` keyword arguments) giving each row its world under `cond`;
+    `mean`/`logvar` hold the latents of the worlds in play, `own`/`previous` index them per row."""
     if cond.world == "none":
-        return {"world": False}
+        return {"use_world": False}
     if cond.world == "constant":
         channels = model.projector.latents_mean.reshape(1, -1, *[1] * (mean.dim() - 2)).to(mean.dtype)
         constant = mean[own] * 0 + channels

@@ -15,10 +15,10 @@ import torch
 
 from theworld import images as imagelib
 from theworld.errors import UserError
-from theworld.text import IGNORE, Encoded, collate_text
+from theworld.inputs import ModelInputs, prompt_only
 
 
-def prepare(model, images: list, prompts: list[str], world_images: list | None = None) -> dict[str, torch.Tensor]:
+def prepare(model, images: list, prompts: list[str], world_images: list | None = None) -> ModelInputs:
     """Model inputs (right-padded prompt ids, VAE pixels, SigLIP pixel values) for one image per prompt."""
     if model.processor is None:
         raise ValueError("generate needs the model's processor: build it with from_config or from_pretrained")
@@ -33,16 +33,11 @@ def prepare(model, images: list, prompts: list[str], world_images: list | None =
             raise UserError(f"{what}: {e}") from None
 
     loaded = [load(im, f"image {_name(im, i)}") for i, im in enumerate(images)]
-    text = collate_text([Encoded(ids, [IGNORE] * len(ids)) for ids in map(formatter.prefix, prompts)], formatter.pad_id)
+    prefixes = [formatter.prefix(p) for p in prompts]
     pixels = torch.stack([px for px, _ in loaded])
     if world_images is not None:
         pixels = torch.stack([load(im, f"world image {_name(im, i)}")[0] for i, im in enumerate(world_images)])
-    return {
-        "input_ids": text["input_ids"],
-        "attention_mask": text["attention_mask"],
-        "images": pixels,
-        "pixel_values": torch.stack([pv for _, pv in loaded]),
-    }
+    return prompt_only(prefixes, formatter.pad_id, images=pixels, pixel_values=torch.stack([pv for _, pv in loaded]))
 
 
 def _shape_groups(model, images: list, world_images: list | None) -> list[list[int]]:
@@ -199,12 +194,12 @@ def generate(
                 out[i] = text
         return out
     device = next(model.parameters()).device
-    inputs = {k: v.to(device) for k, v in prepare(model, images, prompts, world_images).items()}
+    inputs = prepare(model, images, prompts, world_images).to(device)
     mode = model.latent_mode
     model.latent_mode = "mean"  # inference reads the posterior mean, as eval does
     try:
         with torch.no_grad():
-            fused = left_align(model.embed_inputs(**inputs))
+            fused = left_align(model.embed_inputs(inputs))
     finally:
         model.latent_mode = mode
     sampler = Sampler(do_sample, temperature, top_p, seed, device)

@@ -12,10 +12,12 @@ appended after it, right-padded, with positions continuing each row's prefix.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from theworld import objective
 from theworld.infer.generate import left_align
-from theworld.text import IGNORE, Encoded, collate_text
+from theworld.inputs import prompt_only, text_batch
+from theworld.objective import IGNORE
+from theworld.text import Encoded
 
 
 def answer_logprobs(
@@ -27,39 +29,29 @@ def answer_logprobs(
     greedy: bool = False,
     **world,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """(len(rows),) float32: each row's summed log-probability of its answer tokens (labels != IGNORE), as
+    """(len(rows),) float32: each row's summed log-probability of its answer tokens (objective.answer_logprobs), as
     `TheWorld.answer_logprobs` gives it for the whole row. Row r continues prefix `owner[r]`, and its token ids must
     start with that prefix's ids. `siglip`: the image features of every prefix, concatenated in prefix order;
-    `world`: `TheWorld.embed_inputs`' world inputs (latent_mean, latent_logvar, ...), one row per prefix.
+    `world`: `ModelInputs`' world inputs (latent_mean, latent_logvar, ...), one row per prefix.
     `greedy`: also return, per row, whether every answer token is the most likely one there (lmms-eval's is_greedy)."""
     device = siglip.device
-    tail = collate_text([_after(rows[r], prefixes[o]) for r, o in enumerate(owner)], 0)
-    text = collate_text([Encoded(p, [IGNORE] * len(p)) for p in prefixes], 0)  # padding is masked out
-    text = {k: v.to(device) for k, v in text.items() if k != "labels"}
-    fused = left_align(model.embed_inputs(**text, siglip=siglip, **world))
+    tail = text_batch([_after(rows[r], prefixes[o]) for r, o in enumerate(owner)], 0).to(device)
+    prompts = prompt_only(prefixes, 0, siglip=siglip, **world).to(device)  # padding is masked out
+    fused = left_align(model.embed_inputs(prompts))
     cache = _new_cache(model)
     lm = model.gemma.model
     last = lm(**fused, past_key_values=cache, use_cache=True).last_hidden_state[:, -1]
     owner_t = torch.tensor(owner, device=device)
     cache.batch_select_indices(owner_t)  # one copy of its prefix's keys and values per choice
-    ids, labels = tail["input_ids"].to(device), tail["labels"].to(device)
-    mask = torch.cat([fused["attention_mask"][owner_t], tail["attention_mask"].to(device)], dim=1)
-    pos = fused["position_ids"][owner_t, -1:] + 1 + torch.arange(ids.shape[1], device=device)
-    embeds = model.gemma.get_input_embeddings()(ids).to(fused["inputs_embeds"].dtype)
+    mask = torch.cat([fused["attention_mask"][owner_t], tail.attention_mask], dim=1)
+    pos = fused["position_ids"][owner_t, -1:] + 1 + torch.arange(tail.input_ids.shape[1], device=device)
+    embeds = model.gemma.get_input_embeddings()(tail.input_ids).to(fused["inputs_embeds"].dtype)
     hidden = lm(
         inputs_embeds=embeds, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True
     ).last_hidden_state
     # token j of a choice is predicted by the hidden state before it: the prefix's last one for j = 0
     before = torch.cat([last[owner_t, None], hidden[:, :-1]], dim=1)
-    keep = labels != IGNORE
-    logits = model.logits(before[keep]).float()
-    nll = F.cross_entropy(logits, labels[keep], reduction="none")
-    at = keep.nonzero()[:, 0]
-    scores = torch.zeros(len(rows), dtype=torch.float32, device=device).index_add_(0, at, -nll)
-    if not greedy:
-        return scores
-    misses = torch.zeros(len(rows), device=device).index_add_(0, at, (logits.argmax(-1) != labels[keep]).float())
-    return scores, misses == 0
+    return objective.answer_logprobs(before, tail.labels, model.logits, greedy)
 
 
 def _new_cache(model):

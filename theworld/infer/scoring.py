@@ -29,7 +29,8 @@ from theworld.infer.baselines import (
 )
 from theworld.infer.generate import Sampler, decode, decode_text, left_align, stop_ids
 from theworld.infer.stats import wilson
-from theworld.text import IGNORE, ChatFormatter, Encoded, collate_text
+from theworld.inputs import prompt_only, text_batch
+from theworld.text import ChatFormatter
 
 PROTOCOLS = ("generate", "loglik")
 NO_CATEGORY = "(no category)"
@@ -124,7 +125,7 @@ class Scorer:
             siglip = torch.cat([feats[i] for i in indices])
             own, previous = self._rows(indices, at)
         else:  # every choice's whole sequence
-            text = {k: v.to(self.device) for k, v in collate_text(enc, self.formatter.pad_id).items()}
+            text = text_batch(enc, self.formatter.pad_id).to(self.device)
             siglip = torch.cat([feats[i] for i in row_item])
             own, previous = self._rows(row_item, at)
         per_cond = {}
@@ -134,7 +135,7 @@ class Scorer:
                 scores = (
                     prefix_scoring.answer_logprobs(self.model, prefixes, enc, owner, siglip, **world)
                     if self.shared_prefix
-                    else self.model.answer_logprobs(**text, siglip=siglip, **world)
+                    else self.model.answer_logprobs(text.with_inputs(**world, siglip=siglip))
                 )
                 per_cond[cond.name] = scores.tolist()
         out, lo = [], 0
@@ -155,21 +156,16 @@ class Scorer:
         feats = self._features(indices)
         prompts = [letters.mc_prompt(items[i].question, items[i].choices, items[i].prompt) for i in indices]
         ids = [self.formatter.prefix(p, images=len(items[i].images)) for p, i in zip(prompts, indices)]
-        text = {
-            k: v.to(self.device)
-            for k, v in collate_text([Encoded(x, [IGNORE] * len(x)) for x in ids], self.formatter.pad_id).items()
-        }
-        text.pop("labels")
         siglip = torch.cat([feats[i] for i in indices])
+        text = prompt_only(ids, self.formatter.pad_id).to(self.device)
         own, previous = self._rows(indices, at)
         tok, stop = self.processor.tokenizer, stop_ids(model)
         sampler = Sampler(False, 1.0, 1.0, None, self.device)
         per_cond = {}
         for cond in conds:
             with applied(model, cond, self.init):
-                fused = left_align(
-                    model.embed_inputs(**text, siglip=siglip, **world_inputs(model, cond, mean, logvar, own, previous))
-                )
+                world = world_inputs(model, cond, mean, logvar, own, previous)
+                fused = left_align(model.embed_inputs(text.with_inputs(**world, siglip=siglip)))
                 new = decode(model, fused, self.max_new_tokens, sampler, stop, tok.pad_token_id)
             per_cond[cond.name] = [decode_text(tok, r) for r in new]
         return [{c: texts[k] for c, texts in per_cond.items()} for k in range(len(indices))]
