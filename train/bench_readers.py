@@ -161,7 +161,7 @@ def _rows(results: dict[str, list[dict]], n: int, n_shards: int, rounds: int) ->
                 "epoch1_samples_per_s": round(statistics.median(n / m["epoch1_s"] for m in ms), 1),
                 "epoch2_samples_per_s": round(statistics.median(n / m["epoch2_s"] for m in ms), 1),
                 "exact_resume": RESUME[name],
-                "keys_digest": hashlib.sha256("\n".join(ours["keys"]).encode()).hexdigest()[:16],
+                "keys_digest": hashlib.sha256("\n".join(ms[0]["keys"]).encode()).hexdigest()[:16],
                 "latents_digest": ms[0]["digest"],
             }
         )
