@@ -160,6 +160,8 @@ def _rows(results: dict[str, list[dict]], n: int, n_shards: int, rounds: int) ->
                 "reader": name,
                 "epoch1_samples_per_s": round(statistics.median(n / m["epoch1_s"] for m in ms), 1),
                 "epoch2_samples_per_s": round(statistics.median(n / m["epoch2_s"] for m in ms), 1),
+                "epoch1_rounds": [round(n / m["epoch1_s"], 1) for m in ms],  # the spread on a loaded machine
+                "epoch2_rounds": [round(n / m["epoch2_s"], 1) for m in ms],
                 "exact_resume": RESUME[name],
                 "keys_digest": hashlib.sha256("\n".join(ms[0]["keys"]).encode()).hexdigest()[:16],
                 "latents_digest": ms[0]["digest"],
