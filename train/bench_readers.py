@@ -127,7 +127,7 @@ def run(cache: Path, rounds: int) -> dict:
     """All readers, a warm-up round then `rounds` rounds taken in turn, on one S3 server holding the cache."""
     manifest = cf.load_manifest(cache)
     n_shards = len(manifest["shards"])
-    with _s3_copy(cache) as (url, _), _env("S3_ENDPOINT_URL", os.environ["AWS_ENDPOINT_URL"]):
+    with _scratch(), _s3_copy(cache) as (url, _), _env("S3_ENDPOINT_URL", os.environ["AWS_ENDPOINT_URL"]):
         # presigned: plain http GETs that curl can make without the AWS signature
         fs = fsspec.filesystem("s3", skip_instance_cache=True)
         http_urls = [fs.sign(f"bench/cache/{e['path']}", expiration=24 * 3600) for e in manifest["shards"]]
@@ -168,6 +168,18 @@ def _rows(results: dict[str, list[dict]], n: int, n_shards: int, rounds: int) ->
             }
         )
     return {"samples": n, "shards": n_shards, "rounds": rounds, "rows": rows}
+
+
+@contextlib.contextmanager
+def _scratch() -> Iterator[None]:
+    """Python's temporary folder in one of its own for the run: Streaming leaves file locks in it per dataset."""
+    saved = tempfile.tempdir
+    with tempfile.TemporaryDirectory(prefix="bench-readers-") as tmp:
+        tempfile.tempdir = tmp
+        try:
+            yield
+        finally:
+            tempfile.tempdir = saved
 
 
 @contextlib.contextmanager
