@@ -61,7 +61,7 @@ def theworld(url: str, tmp: Path) -> Epoch:
 def webdataset(http_urls: list[str], tmp: Path) -> Epoch:
     import webdataset as wds
 
-    ds = wds.WebDataset(http_urls, shardshuffle=False, cache_dir=str(tmp), empty_check=False)
+    ds = wds.WebDataset(http_urls, shardshuffle=False, cache_dir=str(tmp))
     return lambda: (_same_decode(s["__key__"], s) for s in ds)
 
 
@@ -76,7 +76,10 @@ def _streaming_base() -> types.ModuleType:
     if "streaming" not in sys.modules:
         spec = importlib.util.find_spec("streaming")
         if spec is None:
-            raise SystemExit("train.bench_readers: mosaicml-streaming is not installed; pip install -e '.[bench]'")
+            raise SystemExit(
+                "train.bench_readers: mosaicml-streaming is not installed; pip install --no-deps the packages of "
+                "pyproject.toml's bench extra"
+            )
         package = types.ModuleType("streaming")
         package.__path__ = list(spec.submodule_search_locations)
         sys.modules["streaming"] = package
