@@ -8,7 +8,7 @@ LMMS_EVAL_SPEC ?= lmms-eval>=0.7,<0.8
 IMG2DATASET_SPEC ?= img2dataset==1.47.0
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install lmms-eval img2dataset demo lint test test-fast test-latest lock bench clean-demo
+.PHONY: install lmms-eval img2dataset streaming demo lint test test-fast test-latest lock bench clean-demo
 
 # The tested set: every package at its version in requirements/lock.txt (CI ran the suite on it), the project on top.
 $(VENV)/.installed: pyproject.toml requirements/lock.txt
@@ -37,7 +37,7 @@ test-latest:
 	$(LATEST)/bin/python -m pip install -q "s3fs>=2024.2" "datasets>=2.14"
 	$(LATEST)/bin/python -m pip install -q -e ".[dev]" \
 	  "boto3==$$($(LATEST)/bin/python -c 'import botocore; print(botocore.__version__)')"
-	$(MAKE) --no-print-directory lmms-eval img2dataset PY=$(LATEST)/bin/python VENV=$(LATEST)
+	$(MAKE) --no-print-directory lmms-eval img2dataset streaming PY=$(LATEST)/bin/python VENV=$(LATEST)
 	$(LATEST)/bin/python scripts/lock.py diff
 	$(LATEST)/bin/python -m pytest -q --deselect tests/test_lock.py::test_the_environment_holds_the_lock
 
@@ -52,6 +52,14 @@ img2dataset:
 	$(PY) -m pip install -q --no-deps "$(IMG2DATASET_SPEC)"
 	$(PY) scripts/img2dataset_requirements.py > $(VENV)/img2dataset-requirements.txt
 	$(PY) -m pip install -q -r $(VENV)/img2dataset-requirements.txt
+
+# python -m train.bench_readers compares our reader with MosaicML Streaming, whose own requirements (numpy<2.2,
+# transformers<5, torchvision) would downgrade numpy and transformers and pull PyPI's CUDA torch: it goes in without
+# them, with the few modules its import and S3 path need (it is imported without streaming/__init__, which needs
+# torchvision).
+STREAMING_SPEC ?= mosaicml-streaming==0.13.0 brotli python-snappy cramjam zstd catalogue
+streaming:
+	$(PY) -m pip install -q --no-deps $(STREAMING_SPEC)
 
 install: $(VENV)/.installed
 
