@@ -84,8 +84,12 @@ def test_out_is_written_whole_and_a_killed_runs_partial_file_is_removed(run, tra
     assert _evaluate("--model", run, "--data", trained_run["mc"], "--limit", "2", "--out", out) == 0
     err = capsys.readouterr().err
     assert f"removed {stale}" in err and not stale.exists()
-    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    text = out.read_text()
+    lines = [json.loads(x) for x in text.splitlines()]
     assert len(lines) == 2 and {"item", "pred", "answer"} <= lines[0].keys()
+    assert _evaluate("--model", run, "--data", trained_run["mc"], "--ema", "--out", out) == 2  # fails once it opened
+    _one_line(capsys, "ema.safetensors")
+    assert out.read_text() == text  # a failed evaluation leaves --out as it was
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")] == []
 
 

@@ -111,7 +111,9 @@ def save_weights(tensors: dict[str, torch.Tensor], path: Path) -> None:
     """A stage folder's trainable.safetensors, its header saying the folder records its files' sha256."""
     from safetensors.torch import save_file
 
-    save_file(tensors, str(path), metadata={"format": "pt", RECORDS_KEY: RECORDS_VERSION})
+    # one key only: safetensors writes its metadata map in hash order, and two keys would make the bytes of the same
+    # weights differ from one process to the next
+    save_file(tensors, str(path), metadata={RECORDS_KEY: RECORDS_VERSION})
 
 
 def sums(folder: Path, *but: str) -> dict[str, str]:
