@@ -14,6 +14,9 @@
                                                           sha256.json: the sha256 of every other file but the
                                                           card (README.md, which evaluate adds its results to)
 
+Every trainable.safetensors written now says in its header (RECORDS_KEY) that its folder has these sha256 records, so
+a folder missing them is refused (`recorded_sha256`); one from before them loads with a note.
+
 A stage folder (final/ or checkpoint-N/) holds the trained tensors and the run's resolved config; the base models come
 from where that config names them (`tiny`, a local folder or a hub id).
 """
