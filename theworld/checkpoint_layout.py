@@ -14,6 +14,9 @@
                                                           sha256.json: the sha256 of every other file but the
                                                           card (README.md, which evaluate adds its results to)
 
+Every trainable.safetensors written now says in its header (RECORDS_KEY) that its folder has these sha256 records, so
+a folder missing them is refused (`recorded_sha256`); one from before them loads with a note.
+
 A stage folder (final/ or checkpoint-N/) holds the trained tensors and the run's resolved config; the base models come
 from where that config names them (`tiny`, a local folder or a hub id).
 """
@@ -111,7 +114,9 @@ def save_weights(tensors: dict[str, torch.Tensor], path: Path) -> None:
     """A stage folder's trainable.safetensors, its header saying the folder records its files' sha256."""
     from safetensors.torch import save_file
 
-    save_file(tensors, str(path), metadata={"format": "pt", RECORDS_KEY: RECORDS_VERSION})
+    # one key only: safetensors writes its metadata map in hash order, and two keys would make the bytes of the same
+    # weights differ from one process to the next
+    save_file(tensors, str(path), metadata={RECORDS_KEY: RECORDS_VERSION})
 
 
 def sums(folder: Path, *but: str) -> dict[str, str]:

@@ -201,14 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     folder = layout.resolve(args.model)  # before the slow load: a wrong folder is one line at once
     if args.out:
         paths.check_not_input(args.out, {"--data": args.data, "the model folder": folder})
-    out = _Out(args.out) if args.out else None
-    t = time.time()
-    model, processor = TheWorld.from_pretrained(folder, ema=args.ema)
-    print(f"loaded {args.model} in {time.time() - t:.1f} s; evaluating {len(items)} items", file=sys.stderr)
-    init = baselines.InitProjector.for_stage(model, folder) if "init_projector" in args.baselines else None
+    out = _Out(args.out) if args.out else None  # before the slow load: an unwritable --out is one line at once
     ok = False
     try:
         with sigterm_as_exit():  # a kill removes --out's temporary file
+            t = time.time()
+            model, processor = TheWorld.from_pretrained(folder, ema=args.ema)
+            print(f"loaded {args.model} in {time.time() - t:.1f} s; evaluating {len(items)} items", file=sys.stderr)
+            init = baselines.InitProjector.for_stage(model, folder) if "init_projector" in args.baselines else None
             summary = _run(args, model, processor, items, init, out, layout.trained_prompt(folder))
         ok = True
     finally:
