@@ -185,7 +185,8 @@ def verify(folder: Path, names: list[str] | None = None) -> None:
     from theworld.cache_format import sha256_file
 
     record = recorded_sha256(folder)
-    if record is None and folder.resolve() not in _noted:
+    # the note is for a stage folder (a loose weights file, e.g. init_from's, never had records)
+    if record is None and (folder / CONFIG).is_file() and folder.resolve() not in _noted:
         _noted.add(folder.resolve())
         print(
             f"note: {folder} has no sha256 records (written before they existed): its files are used unverified",
