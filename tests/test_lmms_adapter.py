@@ -90,14 +90,8 @@ def _text(resps) -> str:
     return resps[0] if isinstance(resps, list) else resps
 
 
-@pytest.mark.slow
-def test_python_m_lmms_eval_runs_the_adapter_and_agrees_with_theworld(trained_run, tmp_path):
-    from theworld.infer import benchmarks
-    from theworld.infer.scoring import evaluate
-    from theworld.model import TheWorld
-
-    items = benchmarks.read(trained_run["mc"])
-    tasks = _task_folder(tmp_path, items)
+def lmms_eval_cli(tmp_path, tasks, model_args: str, task_names: str, *extra: str) -> subprocess.CompletedProcess:
+    """`python -m lmms_eval --model theworld` on the local tasks, offline, the adapter found through its entry point."""
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
@@ -106,31 +100,32 @@ def test_python_m_lmms_eval_runs_the_adapter_and_agrees_with_theworld(trained_ru
         "HF_DATASETS_CACHE": str(tmp_path / "hf_datasets"),
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(_entry_point(tmp_path))]),
     }
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lmms_eval",
-            "--model",
-            "theworld",
-            "--model_args",
-            f"pretrained={trained_run['run']},device=cpu",
-            "--tasks",
-            "theworld_local_generate,theworld_local_loglik",
-            "--include_path",
-            str(tasks),
-            "--batch_size",
-            "1",
-            "--output_path",
-            str(tmp_path / "out"),
-            "--log_samples",
-        ],
+    args = ["--model", "theworld", "--model_args", model_args, "--tasks", task_names, "--include_path", str(tasks)]
+    return subprocess.run(
+        [sys.executable, "-m", "lmms_eval", *args, "--batch_size", "1", "--output_path", str(tmp_path / "out"), *extra],
         cwd=tmp_path,
         env=env,
         capture_output=True,
         text=True,
         timeout=900,
         check=False,
+    )
+
+
+@pytest.mark.slow
+def test_python_m_lmms_eval_runs_the_adapter_and_agrees_with_theworld(trained_run, tmp_path):
+    from theworld.infer import benchmarks
+    from theworld.infer.scoring import evaluate
+    from theworld.model import TheWorld
+
+    items = benchmarks.read(trained_run["mc"])
+    tasks = _task_folder(tmp_path, items)
+    run = lmms_eval_cli(
+        tmp_path,
+        tasks,
+        f"pretrained={trained_run['run']},device=cpu",
+        "theworld_local_generate,theworld_local_loglik",
+        "--log_samples",
     )
     results = list((tmp_path / "out").rglob("*_results.json"))  # lmms-eval exits 0 after an error too
     assert run.returncode == 0 and len(results) == 1, run.stderr[-4000:]
@@ -203,39 +198,7 @@ def test_lmms_eval_with_a_model_it_cannot_build_is_one_line_and_exit_2(trained_r
     tasks = _task_folder(tmp_path, benchmarks.read(trained_run["mc"])[:1])
     missing = tmp_path / "no-run"
     model_args = model_args.replace("MISSING", str(missing)).replace("RUN", str(trained_run["run"]))
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "OMP_NUM_THREADS": "1",
-        "HF_DATASETS_CACHE": str(tmp_path / "hf_datasets"),
-        "PYTHONPATH": os.pathsep.join([str(ROOT), str(_entry_point(tmp_path))]),
-    }
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lmms_eval",
-            "--model",
-            "theworld",
-            "--model_args",
-            model_args,
-            "--tasks",
-            "theworld_local_loglik",
-            "--include_path",
-            str(tasks),
-            "--batch_size",
-            "1",
-            "--output_path",
-            str(tmp_path / "out"),
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    run = lmms_eval_cli(tmp_path, tasks, model_args, "theworld_local_loglik")
     errors = [ln for ln in run.stderr.splitlines() if ln.startswith("error: theworld:")]
     assert run.returncode == 2 and len(errors) == 1, run.stderr[-4000:]
     assert all(w.replace("MISSING", str(missing)) in errors[0] for w in words), errors
