@@ -106,7 +106,7 @@ def _bucket_source(out: Path, resolution: int, samples: int) -> Path:
     return out
 
 
-def _ensure_cache(root: Path, case: str, gemma: str, resolution: int, samples: int) -> Path:
+def ensure_cache(root: Path, case: str, gemma: str, resolution: int, samples: int) -> Path:
     out = Path(root) / f"{case}-{resolution}px-{samples}"
     if not (out / cf.MANIFEST).is_file():
         if case in BUCKETED:
@@ -132,7 +132,7 @@ def _ensure_cache(root: Path, case: str, gemma: str, resolution: int, samples: i
 
 
 @contextlib.contextmanager
-def _s3_copy(cache: Path) -> Iterator[tuple[str, str]]:
+def s3_copy(cache: Path) -> Iterator[tuple[str, str]]:
     """(URL, an empty shard cache folder) of `cache` copied into an S3 server (moto's, the dev extra) started on
     127.0.0.1 in this process for the case, reached through the standard AWS environment as a user's would be."""
     import fsspec
@@ -228,8 +228,8 @@ def bench_case(
     rounds = rounds or default_rounds
     workers = default_workers if workers is None else workers
     gemma = _gemma_path(gemma_name)
-    cache = _ensure_cache(root, REMOTE.get(case, case), gemma, res, samples or default_samples)
-    remote = _s3_copy(cache) if case in REMOTE else contextlib.nullcontext((str(cache), DEFAULT_LOCAL_DIR))
+    cache = ensure_cache(root, REMOTE.get(case, case), gemma, res, samples or default_samples)
+    remote = s3_copy(cache) if case in REMOTE else contextlib.nullcontext((str(cache), DEFAULT_LOCAL_DIR))
     with tempfile.TemporaryDirectory() as out, remote as (cache_url, shard_cache):
         cfg = load_config(
             TrainConfig,

@@ -38,7 +38,7 @@ import fsspec
 
 from theworld import cache_format as cf
 from theworld.cache_format.names import CAPTION, LATENT, META
-from train.bench import BENCH_ROOT, _ensure_cache, _s3_copy
+from train.bench import BENCH_ROOT, ensure_cache, s3_copy
 
 RESUME = {"theworld": True, "webdataset": False, "streaming": True}
 Epoch = Callable[[], Iterable[cf.Sample]]
@@ -130,7 +130,7 @@ def run(cache: Path, rounds: int) -> dict:
     """All readers, a warm-up round then `rounds` rounds taken in turn, on one S3 server holding the cache."""
     manifest = cf.load_manifest(cache)
     n_shards = len(manifest["shards"])
-    with _scratch(), _s3_copy(cache) as (url, _), _env("S3_ENDPOINT_URL", os.environ["AWS_ENDPOINT_URL"]):
+    with _scratch(), s3_copy(cache) as (url, _), _env("S3_ENDPOINT_URL", os.environ["AWS_ENDPOINT_URL"]):
         # presigned: plain http GETs that curl can make without the AWS signature
         fs = fsspec.filesystem("s3", skip_instance_cache=True)
         http_urls = [fs.sign(f"bench/cache/{e['path']}", expiration=24 * 3600) for e in manifest["shards"]]
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         if not (cache / cf.MANIFEST).is_file():
             p.error(f"--cache {cache}: no {cf.MANIFEST} there; give a complete local cache")
     else:
-        cache = _ensure_cache(Path(args.root), "tiny", "tiny", 64, args.samples)
+        cache = ensure_cache(Path(args.root), "tiny", "tiny", 64, args.samples)
     report = run(cache, args.rounds)
     print(json.dumps(report, indent=1) if args.json else _table(report))
     return 0
