@@ -51,6 +51,13 @@ def fingerprint(data: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
+def _local(data: str | Path) -> Path:
+    """A set's local path: a cache in object storage is read through its stand-in folder, which holds its manifest."""
+    from theworld.cache_format import storage
+
+    return storage.open_cache(data)[0] if storage.is_url(str(data)) else Path(data)
+
+
 def row(summary: dict, data: str, task: str, argv: list[str], split: str = "val", limit: int = 0) -> list[str]:
     """A table row for an evaluation's summary (multiple choice: accuracies; caption: BLEU-4 / ROUGE-L / CIDEr)."""
     if task == "caption":
@@ -62,10 +69,11 @@ def row(summary: dict, data: str, task: str, argv: list[str], split: str = "val"
         protocol = summary.get("protocol", "loglik")
     base = ", ".join(f"{b} {s['accuracy']:.4f} (p {s['p_value']:.2g})" for b, s in summary.get("baselines", {}).items())
     command = "python -m theworld.evaluate " + " ".join(shlex.quote(a) for a in argv)
-    one_file = not Path(data).is_dir() and Path(data).suffix != ".parquet"  # JSONL: no splits
+    local = _local(data)
+    one_file = not local.is_dir() and local.suffix != ".parquet"  # JSONL: no splits
     return [
-        Path(data).name.replace("|", "%7C"),
-        fingerprint(data),
+        str(data).rstrip("/").rsplit("/", 1)[-1].replace("|", "%7C"),
+        fingerprint(local),
         "-" if one_file else split,
         f"first {limit}" if limit else "all",
         task,
