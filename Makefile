@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml requirements/lock.txt
 # names (torchvision would replace a CPU torch with PyPI's CUDA build; its exact wandb pin would hold our tracker back).
 lmms-eval:
 	$(PY) -m pip install -q --no-deps "$(LMMS_EVAL_SPEC)"
-	$(PY) scripts/lmms_eval_requirements.py > $(VENV)/lmms-eval-requirements.txt
+	$(PY) scripts/lock.py requirements lmms-eval > $(VENV)/lmms-eval-requirements.txt
 	$(PY) -m pip install -q -r $(VENV)/lmms-eval-requirements.txt
 
 # The newest versions pyproject.toml allows, in a venv of their own, and the suite on them: how a breaking release
@@ -50,7 +50,7 @@ lock:
 # LEFT_UNMET).
 img2dataset:
 	$(PY) -m pip install -q --no-deps "$(IMG2DATASET_SPEC)"
-	$(PY) scripts/img2dataset_requirements.py > $(VENV)/img2dataset-requirements.txt
+	$(PY) scripts/lock.py requirements img2dataset > $(VENV)/img2dataset-requirements.txt
 	$(PY) -m pip install -q -r $(VENV)/img2dataset-requirements.txt
 
 # python -m train.bench_readers compares our reader with MosaicML Streaming, whose own requirements (numpy<2.2,

@@ -4,6 +4,8 @@ that passed the suite, and checked against the one it was installed into.
     python scripts/lock.py write > requirements/lock.txt  # every distribution in this environment, as name==version
     python scripts/lock.py check   # this environment holds the lock's versions, and they meet every requirement
     python scripts/lock.py diff    # what this environment (e.g. make test-latest's) holds that differs from the lock
+    python scripts/lock.py requirements PACKAGE  # its requirements less LEFT_UNMET: what goes in beside it when the
+                                                 # Makefile installs it with --no-deps
 
 torch is left out of the lock (with the packages of its CUDA builds): users install the build for their machine
 first, and `make` keeps it. Requirements that the installs deliberately leave unmet are listed in LEFT_UNMET.
@@ -38,6 +40,8 @@ LEFT_UNMET = {
     # a peer in train.bench_readers, read through streaming.base alone (see the Makefile's streaming target)
     "mosaicml-streaming": ALL,
 }
+# Of LEFT_UNMET, the requirements installed all the same, without their upper bound.
+LOWER_BOUND_ONLY = {"img2dataset": {"opencv-python-headless"}}
 
 
 def _name(dist: Distribution) -> str:
@@ -123,9 +127,29 @@ def diff() -> int:
     return 0
 
 
+def requirements(package: str) -> int:
+    """Print `package`'s unconditional requirements, one per line, less those LEFT_UNMET names (kept without their
+    upper bound where LOWER_BOUND_ONLY says so)."""
+    from importlib.metadata import requires
+
+    name = canonicalize_name(package)
+    for line in requires(package) or []:
+        req = Requirement(line)
+        dep = canonicalize_name(req.name)
+        if req.marker is not None:
+            continue
+        if dep in LOWER_BOUND_ONLY.get(name, set()):
+            req.specifier = type(req.specifier)(",".join(str(s) for s in req.specifier if s.operator.startswith(">")))
+        elif dep in LEFT_UNMET.get(name, set()):
+            continue
+        print(str(req))
+    return 0
+
+
 if __name__ == "__main__":
-    commands = {"write": write, "check": check, "diff": diff}
-    if len(sys.argv) != 2 or sys.argv[1] not in commands:
-        print(f"usage: python scripts/lock.py {{{','.join(commands)}}}", file=sys.stderr)
+    commands = {"write": write, "check": check, "diff": diff, "requirements": requirements}
+    args = sys.argv[2:]
+    if len(sys.argv) < 2 or sys.argv[1] not in commands or len(args) != (sys.argv[1] == "requirements"):
+        print(f"usage: python scripts/lock.py {{{','.join(commands)}}} [PACKAGE]", file=sys.stderr)
         sys.exit(2)
-    sys.exit(commands[sys.argv[1]]() or 0)
+    sys.exit(commands[sys.argv[1]](*args) or 0)

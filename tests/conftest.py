@@ -215,6 +215,20 @@ def base_args(cache: Path, out: Path, steps: int = 4, **extra) -> list[str]:
     return [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
 
 
+def bench_json(args: list[str], tmp_path) -> dict:
+    """`python -m MODULE ARGS --json` (a benchmark) from tmp_path, required to succeed: its figures."""
+    out = subprocess.run(
+        [sys.executable, "-m", *args, "--json"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)  # --json: stdout is the figures alone, nothing before or after them
+
+
 def train_cli(args: list[str], **kw) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "train.loop", *args],

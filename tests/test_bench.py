@@ -5,25 +5,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
-from conftest import ROOT
-
-
-def _run(args: list[str], tmp_path) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", *args, "--json"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout)  # --json: stdout is the figures alone, nothing before or after them
+from conftest import ROOT, bench_json
 
 
 def _positive(row: dict, *keys: str) -> None:
@@ -33,7 +17,7 @@ def _positive(row: dict, *keys: str) -> None:
 
 @pytest.mark.slow
 def test_train_bench_smoke(tmp_path):
-    rows = _run(
+    rows = bench_json(
         [
             "train.bench",
             "--cases",
@@ -90,7 +74,7 @@ def test_data_overhead_interval_brackets_the_true_ratio():
 
 @pytest.mark.slow
 def test_precompute_bench_smoke(tmp_path):
-    rows = {r["case"]: r for r in _run(["precompute.bench", "--n", "128"], tmp_path)["rows"]}
+    rows = {r["case"]: r for r in bench_json(["precompute.bench", "--n", "128"], tmp_path)["rows"]}
     assert set(rows) == {"tiny", "jpeg256", "jpeg_draft_decode", "real_size_format", "real_size_format_no_images"}
     for case in ("tiny", "jpeg256"):
         _positive(
@@ -114,7 +98,7 @@ def test_real_size_bench_code_path_at_toy_sizes(tmp_path):
     from theworld.arch import TINY
     from train.bench_real import lm_flops
 
-    out = _run(
+    out = bench_json(
         [
             "train.bench_real",
             "--sizes",
@@ -146,7 +130,7 @@ def test_real_size_bench_code_path_at_toy_sizes(tmp_path):
 
 @pytest.mark.slow
 def test_train_bench_bucketed_smoke(tmp_path):
-    rows = _run(
+    rows = bench_json(
         [
             "train.bench",
             "--cases",
@@ -182,7 +166,7 @@ def test_train_bench_bucketed_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_generate_bench_smoke(tmp_path):
-    out = _run(["train.bench_generate", "--new-tokens", "4", "--repeats", "1"], tmp_path)
+    out = bench_json(["train.bench_generate", "--new-tokens", "4", "--repeats", "1"], tmp_path)
     rows = {r["case"]: r for r in out["rows"]}
     assert set(rows) == {"cache", "no_cache"}
     for r in rows.values():
@@ -194,7 +178,9 @@ def test_generate_bench_smoke(tmp_path):
 @pytest.mark.slow
 def test_generate_bench_real_path_at_toy_sizes(tmp_path):
     """The GPU comparison (our loop vs Gemma's generate, text-only; our loop on the fused prefix) runs on CPU."""
-    out = _run(["train.bench_generate", "--real", "--sizes", "tiny", "--new-tokens", "3", "--repeats", "1"], tmp_path)
+    out = bench_json(
+        ["train.bench_generate", "--real", "--sizes", "tiny", "--new-tokens", "3", "--repeats", "1"], tmp_path
+    )
     rows = {r["case"]: r for r in out["rows"]}
     _positive(rows["text_only"], "ours_tokens_per_s", "gemma_generate_tokens_per_s", "ours_over_gemma")
     _positive(rows["fused_prefix"], "ours_tokens_per_s")
@@ -206,7 +192,7 @@ def test_stage_bench_rows_at_tiny_sizes(tmp_path):
     """The one-GPU stage 3/4 benchmark's code path (the trainer's own step, plain and FSDP-offloaded, one process per
     row) on the tiny stage-3 config; a row that cannot run is recorded with its reason instead of ending the run."""
     stage3 = str(ROOT / "configs" / "stage3.yaml")
-    rows = _run(
+    rows = bench_json(
         [
             "train.bench_stages",
             "--configs",

@@ -5,14 +5,10 @@ a local CacheReader reads (the comparison is fair). Figures are checked for sani
 from __future__ import annotations
 
 import hashlib
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
-from conftest import ROOT
+from conftest import bench_json
 
 from theworld import cache_format as cf
 from train import bench_readers
@@ -31,16 +27,7 @@ def _local_digest(cache) -> tuple[str, str]:
 
 @pytest.mark.slow
 def test_bench_readers_rows_have_positive_rates_and_every_reader_reads_the_same_samples(cache, tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "train.bench_readers", "--cache", str(cache), "--rounds", "1", "--json"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    report = json.loads(out.stdout)
+    report = bench_json(["train.bench_readers", "--cache", str(cache), "--rounds", "1"], tmp_path)
     assert (report["samples"], report["shards"], report["rounds"]) == (96, 3, 1)
     rows = {r["reader"]: r for r in report["rows"]}
     assert list(rows) == ["theworld", "webdataset", "streaming"]

@@ -20,7 +20,7 @@ from precompute import cosmos_latents
 from theworld import cache_format as cf
 from theworld.errors import UserError
 
-pytest.importorskip("img2dataset")  # installed by `make install` (scripts/img2dataset_requirements.py)
+pytest.importorskip("img2dataset")  # installed by `make install` (scripts/lock.py requirements img2dataset)
 
 SLOW_S = 3  # the slow route answers after this; the runs below time out after 1 s
 

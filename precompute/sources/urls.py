@@ -178,7 +178,7 @@ def _img2dataset():
     except ImportError:
         raise UserError(
             "source.type=urls needs img2dataset: `make install`, or pip install --no-deps img2dataset==1.47.0 and "
-            "the requirements scripts/img2dataset_requirements.py prints"
+            "the requirements `python scripts/lock.py requirements img2dataset` prints"
         ) from None
     return img2dataset
 
