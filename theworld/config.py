@@ -73,11 +73,47 @@ class ImageConfig:
             )
 
 
+ROLLOUT_PROMPT = "The scene continues naturally from this moment, filmed by a steady camera."
+
+
+@dataclass
+class RolloutConfig:
+    """How Cosmos-Predict2's Video2World pipeline (diffusers' `Cosmos2VideoToWorldPipeline`) imagines the frames after
+    an image; the defaults are the pipeline's own. The prompt is fixed for the run: a sample's caption would leak the
+    answer into its world tokens."""
+
+    inference_steps: int = 35
+    guidance_scale: float = 7.0
+    prompt: str = ROLLOUT_PROMPT
+    negative_prompt: str | None = None  # None: the pipeline's DEFAULT_NEGATIVE_PROMPT
+    fps: int = 16
+
+
+MAX_WORLD_STEPS = 256  # (the limit of world.max_world_steps) each step is a latent frame the transformer denoises
+
+
+def check_world_steps(num_world_steps: int, max_world_steps: int) -> None:
+    """`world.num_world_steps` predicted frames fit the learned temporal table of `world.max_world_steps` rows."""
+    if not 1 <= max_world_steps <= MAX_WORLD_STEPS:
+        raise UserError(f"config key 'world.max_world_steps': must be in [1, {MAX_WORLD_STEPS}], got {max_world_steps}")
+    if not 0 <= num_world_steps <= max_world_steps:
+        raise UserError(
+            f"config key 'world.num_world_steps': must be in [0, world.max_world_steps = {max_world_steps}] "
+            f"(0: the observed frame only), got {num_world_steps}"
+        )
+
+
 @dataclass
 class WorldConfig:
     latent: Literal["mean", "sample"] = "mean"
     pool: Literal[1, 2, 4] = 1
     projector: Literal["mlp", "linear"] = "mlp"
+    num_world_steps: int = 0  # frames the world model predicts after each image (0: the observed frame only)
+    max_world_steps: int = 16  # rows of the learned temporal embedding (row 0: the observed frame)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+    def __post_init__(self) -> None:
+        check_world_steps(self.num_world_steps, self.max_world_steps)
 
 
 @dataclass
@@ -505,6 +541,8 @@ __all__ = [
     "ModelConfig",
     "ImageConfig",
     "WorldConfig",
+    "RolloutConfig",
+    "check_world_steps",
     "FreezeConfig",
     "LoraConfig",
     "check_lora",

@@ -216,6 +216,12 @@ def latents_stored(manifest: dict) -> str:
 REBUILD_MANIFEST = "rerun the precompute command that built this cache: it rewrites the manifest from the shards"
 
 
+def world_steps(manifest: dict) -> int:
+    """How many predicted frames follow the observed one in each sample's latents (`contents.world_steps`; a cache
+    written before rollouts has none: 0). The latents are then (C, 1 + steps, h, w)."""
+    return int((manifest.get("contents") or {}).get("world_steps", 0))
+
+
 def _is_int(x: Any) -> bool:
     return type(x) is int and x >= 0
 
