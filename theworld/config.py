@@ -109,7 +109,7 @@ class WorldConfig:
     pool: Literal[1, 2, 4] = 1
     projector: Literal["mlp", "linear"] = "mlp"
     num_world_steps: int = 0  # frames the world model predicts after each image (0: the observed frame only)
-    max_world_steps: int = 16  # rows of the learned temporal embedding (row 0: the observed frame)
+    max_world_steps: int = 16  # the learned temporal table: row 0 the observed frame, row k the k-th predicted one
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
     def __post_init__(self) -> None:
