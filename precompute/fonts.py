@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 from pathlib import Path
+
+from theworld import log
+
+_log = log.get(__name__)
 
 FONT_DIRS = (
     "/usr/share/fonts",
@@ -85,8 +88,7 @@ def for_text(texts: list[str]):
 def say_missing(lacks: set[str]) -> None:
     if lacks:
         shown = ", ".join(repr(c) for c in sorted(lacks)[:8]) + (" ..." if len(lacks) > 8 else "")
-        print(
+        _log.info(
             f"inspect decode: no installed font has glyphs for {len(lacks)} character(s) of the captions "
-            f"({shown}): they are drawn as boxes",
-            file=sys.stderr,
+            f"({shown}): they are drawn as boxes"
         )

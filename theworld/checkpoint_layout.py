@@ -26,14 +26,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import yaml
 
-from theworld import hub
+from theworld import hub, log
 from theworld.config import (
     FreezeConfig,
     ImageConfig,
@@ -46,6 +45,8 @@ from theworld.config import (
 from theworld.errors import UserError
 from theworld.paths import REGULAR, path_kind
 from theworld.text import DEFAULT_PROMPT
+
+_log = log.get(__name__)
 
 WEIGHTS = "trainable.safetensors"
 EMA = "ema.safetensors"
@@ -188,10 +189,7 @@ def verify(folder: Path, names: list[str] | None = None) -> None:
     # the note is for a stage folder (a loose weights file, e.g. init_from's, never had records)
     if record is None and (folder / CONFIG).is_file() and folder.resolve() not in _noted:
         _noted.add(folder.resolve())
-        print(
-            f"note: {folder} has no sha256 records (written before they existed): its files are used unverified",
-            file=sys.stderr,
-        )
+        _log.info(f"note: {folder} has no sha256 records (written before they existed): its files are used unverified")
     for name, digest in (record or {}).items():
         if names is not None and name not in names:
             continue

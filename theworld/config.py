@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import math
 import os
 import re
 import reprlib
-import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -24,11 +24,12 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 import yaml
 
-from theworld import paths
+from theworld import log, paths
 from theworld.arch import LORA_MODULES, VAE_FACTOR
 from theworld.errors import UserError, one_line
 
 T = TypeVar("T")
+_log = log.get(__name__)
 
 LINE = 200  # the most of a value an error line echoes
 _SHOWN = reprlib.Repr()
@@ -477,7 +478,7 @@ def resolve_config_path(path: str | Path) -> Path:
                 found = folder / p.name
                 rel = found.relative_to(Path.cwd()) if found.is_relative_to(Path.cwd()) else found
                 if int(os.environ.get("RANK", "0")) == 0:  # once under a launcher
-                    print(f"config: {p} is not a file in {Path.cwd()}; using {rel}", file=sys.stderr)
+                    _log.info(f"config: {p} is not a file in {Path.cwd()}; using {rel}")
                 return found
     what = paths.path_kind(p)
     if what is None:
@@ -500,8 +501,25 @@ def to_yaml(cfg: Any) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
+class _LogLevel(argparse.Action):
+    """--quiet / --verbose: the level applies as the flag is parsed, before the command says anything."""
+
+    def __init__(self, option_strings, dest, const, help):
+        super().__init__(option_strings, dest, nargs=0, const=const, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        log.set_level(self.const)
+
+
 class ArgParser(argparse.ArgumentParser):
-    """argparse whose usage errors are a `UserError`: one line naming the command, exit 2 (through `cli_entry`)."""
+    """argparse whose usage errors are a `UserError`: one line naming the command, exit 2 (through `cli_entry`).
+    Every command gets --quiet and --verbose (theworld/log.py)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        levels = self.add_mutually_exclusive_group()
+        levels.add_argument("--quiet", action=_LogLevel, const=logging.WARNING, help="only warnings and errors")
+        levels.add_argument("--verbose", action=_LogLevel, const=logging.DEBUG, help="also debugging lines")
 
     def error(self, message: str) -> typing.NoReturn:
         raise UserError(f"{self.prog}: {message}")

@@ -12,11 +12,13 @@ import sys
 import time
 
 from theworld import checkpoint_layout as layout
-from theworld import images
+from theworld import images, log
 from theworld.config import ArgParser, DefaultsHelp
 from theworld.control_text import text_problem
 from theworld.errors import UserError, cli_entry
 from theworld.text import DEFAULT_PROMPT
+
+_log = log.get(__name__)
 
 
 def escape(text: str) -> str:
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     prompt = args.prompt if args.prompt is not None else layout.trained_prompt(folder)
     t = time.time()
     model, _ = TheWorld.from_pretrained(folder, ema=args.ema)
-    print(f"loaded {args.model} in {time.time() - t:.1f} s", file=sys.stderr)
+    _log.info(f"loaded {args.model} in {time.time() - t:.1f} s")
     paths = args.image
     world = paths[-1:] + paths[:-1] if args.shuffle_world else None
     for lo in range(0, len(paths), args.batch_size):

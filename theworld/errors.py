@@ -12,6 +12,10 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from theworld import log
+
+_log = log.get(__name__)
+
 
 class UserError(Exception):
     """A mistake the user can fix (bad config, bad argument, missing file): one line, exit 2."""
@@ -87,6 +91,7 @@ def cli_entry(main: Callable[[list[str] | None], int | None]) -> Callable[[list[
 
     @functools.wraps(main)
     def wrapper(argv: list[str] | None = None) -> int:
+        log.configure()
         try:
             return int(main(argv) or 0)
         except UserError as e:
@@ -95,15 +100,15 @@ def cli_entry(main: Callable[[list[str] | None], int | None]) -> Callable[[list[
                 msg = msg.strip().splitlines()[-1].split(": ", 1)[-1]
             # the same mistake gives the same line: no object addresses from a library's repr (the known sources
             # are fixed where they arise, e.g. theworld.images._ImageBytes)
-            print(f"error: {one_line(_ADDRESS.sub('', msg))}", file=sys.stderr)
+            _log.error(one_line(_ADDRESS.sub("", msg)))
             return 2
         except KeyboardInterrupt:
-            print("interrupted", file=sys.stderr)
+            _log.info("interrupted")
             return 130
         except OSError as e:
             if not out_of_space(e):
                 raise
-            print(f"error: {no_space_message(e.filename or 'a file', resumes=False)}", file=sys.stderr)
+            _log.error(no_space_message(e.filename or "a file", resumes=False))
             return 2
 
     return wrapper

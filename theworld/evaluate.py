@@ -19,11 +19,13 @@ import sys
 import time
 from pathlib import Path
 
-from theworld import paths
+from theworld import log, paths
 from theworld.config import ArgParser, DefaultsHelp
 from theworld.errors import UserError, cli_entry, out_of_space, sigterm_as_exit
 from theworld.infer import baselines, benchmarks
 from theworld.infer.scoring import PROTOCOLS
+
+_log = log.get(__name__)
 
 
 def parse(argv: list[str] | None):
@@ -120,7 +122,7 @@ def _check_split(args) -> None:
 
 def _readable(items: list, skipped: list[dict]) -> list:
     for s in skipped:
-        print(f"skipped {s['item']}: {s['field']}: {s['reason']}", file=sys.stderr)
+        _log.info(f"skipped {s['item']}: {s['field']}: {s['reason']}")
     bad = {s["item"] for s in skipped}
     return [it for it in items if it.name not in bad]
 
@@ -136,7 +138,7 @@ class _Out:
         self.direct = kind is not None and kind != paths.REGULAR and not kind.startswith("a dangling")
         self.tmp = self.path if self.direct else self.path.with_name(paths.partial_name(self.path.name))
         for stale in [] if self.direct else paths.remove_stale_partials(self.path.parent, self.path.name):
-            print(f"removed {stale} (the unfinished --out of a killed run)", file=sys.stderr)
+            _log.info(f"removed {stale} (the unfinished --out of a killed run)")
         try:
             self.file = open(self.tmp, "w", encoding="utf-8")
         except OSError as e:
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
 
             paths.check_not_input(args.data, {"the model folder": layout.resolve(args.model)}, flag="--data")
         benchmarks.make_synthetic(args.data, args.make_synthetic, seed=args.synthetic_seed)
-        print(f"wrote {args.make_synthetic} items to {args.data}", file=sys.stderr)
+        _log.info(f"wrote {args.make_synthetic} items to {args.data}")
         if not args.model:
             return 0
     if args.task == "caption":
@@ -207,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         with sigterm_as_exit():  # a kill removes --out's temporary file
             t = time.time()
             model, processor = TheWorld.from_pretrained(folder, ema=args.ema)
-            print(f"loaded {args.model} in {time.time() - t:.1f} s; evaluating {len(items)} items", file=sys.stderr)
+            _log.info(f"loaded {args.model} in {time.time() - t:.1f} s; evaluating {len(items)} items")
             init = baselines.InitProjector.for_stage(model, folder) if "init_projector" in args.baselines else None
             summary = _run(args, model, processor, items, init, out, layout.trained_prompt(folder))
         ok = True

@@ -18,9 +18,11 @@ from pathlib import Path
 import yaml
 
 from theworld import checkpoint_layout as layout
-from theworld import lora, paths
+from theworld import log, lora, paths
 from theworld.config import ArgParser
 from theworld.errors import UserError, cli_entry, out_of_space, sigterm_as_exit
+
+_log = log.get(__name__)
 
 HERE = "."  # model.gemma of an exported folder: the folder itself (checkpoint_layout.read_config resolves it)
 
@@ -70,7 +72,7 @@ def export(model_dir: str | Path, out: str | Path, ema: bool = False) -> Path:
     folder = layout.resolve(model_dir)
     out = Path(out)
     for stale in paths.remove_stale_partials(out.parent, out.name):
-        print(f"removed {stale} (the unfinished folder of a killed export)", file=sys.stderr)
+        _log.info(f"removed {stale} (the unfinished folder of a killed export)")
     model, processor = TheWorld.from_pretrained(folder, ema=ema, device="cpu")
     merged = lora.merge(model.gemma)
     tmp = out.parent / paths.partial_name(out.name)
@@ -96,9 +98,8 @@ def export(model_dir: str | Path, out: str | Path, ema: bool = False) -> Path:
     except BaseException:  # SystemExit of a SIGTERM, KeyboardInterrupt
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    print(
-        f"exported {folder} to {out}: {merged} LoRA layers merged; {len(rest)} TheWorld tensors ({layout.WEIGHTS})",
-        file=sys.stderr,
+    _log.info(
+        f"exported {folder} to {out}: {merged} LoRA layers merged; {len(rest)} TheWorld tensors ({layout.WEIGHTS})"
     )
     return out
 

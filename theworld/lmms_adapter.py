@@ -23,7 +23,6 @@ template the model was trained with.
 
 from __future__ import annotations
 
-import sys
 from itertools import groupby
 from typing import NoReturn
 
@@ -31,10 +30,13 @@ import torch
 from lmms_eval.api.model import lmms
 
 from theworld import images as imagelib
+from theworld import log
 from theworld.errors import UserError, one_line
 from theworld.infer import generate as gen
 from theworld.infer import prefix_scoring
 from theworld.inputs import prompt_only
+
+_log = log.get(__name__)
 
 MODEL_ID = "theworld"
 
@@ -64,7 +66,8 @@ KNOWN_ARGS = "pretrained, device, ema, max_new_tokens, batch_size"
 def _refuse(message: str) -> NoReturn:
     """A model that cannot be built: one line and exit code 2. lmms-eval catches any Exception from here, prints
     its traceback and exits 0 having evaluated nothing; a SystemExit passes through it."""
-    print(f"error: theworld: {one_line(message)}", file=sys.stderr)
+    log.configure()  # lmms-eval's process: no command of ours set the handler up
+    _log.error(f"theworld: {one_line(message)}")
     raise SystemExit(2)
 
 

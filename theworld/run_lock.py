@@ -15,13 +15,15 @@ import contextlib
 import fcntl
 import os
 import socket
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from theworld import log
 from theworld.errors import UserError
 from theworld.paths import REGULAR, path_kind
+
+_log = log.get(__name__)
 
 LOCK_FILE = ".run.lock"
 
@@ -75,10 +77,7 @@ def acquire(folder: Path | str, key: str = "output_dir") -> int | None:
         raise _in_use(folder, holder, key) from None
     except OSError as e:  # ENOLCK, EOPNOTSUPP: e.g. a network file system mounted without locking
         os.close(fd)
-        print(
-            f"warning: cannot lock {folder / LOCK_FILE} ({e.strerror}): make sure no other run uses {key} {folder}",
-            file=sys.stderr,
-        )
+        _log.warning(f"cannot lock {folder / LOCK_FILE} ({e.strerror}): make sure no other run uses {key} {folder}")
         return None
     if not _still_linked(fd, folder / LOCK_FILE):  # a refused run removed the file we opened: lock the new one
         os.close(fd)

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file, save_file
 
-from theworld import hub, lora
+from theworld import hub, log, lora
 from theworld.arch import FREEZABLE
 from theworld.checkpoint_layout import (
     CARD,
@@ -62,6 +61,8 @@ if TYPE_CHECKING:
     from train.config import TrainConfig
 
 PARTIAL_RE = re.compile(r"^\.(tmp|old)-(.+)-\d+$")  # .tmp-<name>-<pid>: being written; .old-<name>-<pid>: replaced
+
+_log = log.get(__name__)
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -198,22 +199,20 @@ def restore(components: Components, resume_from: Path | None, cache: dict | None
     state.history.append(str(resume_from))
     if components.accelerator.is_main_process:
         if saved.get("config_hash") != run_hash(components.cfg):
-            print(f"warning: {resume_from} was written under a different config", file=sys.stderr)
+            _log.warning(f"{resume_from} was written under a different config")
         was = saved.get("cache")
         if cache and was and was != cache:  # rebuilt or extended: the same step indices name other samples
-            print(
-                f"warning: {'the data mixture' if components.cfg.data else 'the cache ' + components.cfg.cache_dir} "
+            _log.warning(
+                f"{'the data mixture' if components.cfg.data else 'the cache ' + components.cfg.cache_dir} "
                 f"holds other samples than when {resume_from} was "
                 f"written ({was['samples']} then, {cache['samples']} now): the data order from here on is not the "
-                "interrupted run's",
-                file=sys.stderr,
+                "interrupted run's"
             )
         # allowed: the data order does not depend on it
         if saved.get("num_processes", components.world_size) != components.world_size:
-            print(
+            _log.info(
                 f"note: {resume_from} was written by {saved['num_processes']} process(es), resumed by "
-                f"{components.world_size}: same samples per step, numbers equal up to rounding",
-                file=sys.stderr,
+                f"{components.world_size}: same samples per step, numbers equal up to rounding"
             )
     return state
 
@@ -475,6 +474,7 @@ Load it and describe an image (the base models are read from where `config.yaml`
 
 ```python
 from theworld.model import TheWorld
+
 model, processor = TheWorld.from_pretrained("{out}")
 print(model.generate(["image.png"], {prompt})[0])
 ```

@@ -417,6 +417,9 @@ def run_hash(cfg: TrainConfig) -> str:
     d = to_dict(cfg)
     if d.get("lora") is None:  # runs without LoRA keep the hash they had before the section existed
         d.pop("lora", None)
+    if not d["world"].get("num_world_steps"):  # nor do runs without rollouts, whose other world keys do nothing then
+        for key in ("num_world_steps", "max_world_steps", "rollout"):
+            d["world"].pop(key, None)
     for key in RESUME_NEUTRAL:
         *parents, last = key.split(".")
         node = d

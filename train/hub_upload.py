@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from theworld import log
 from theworld.checkpoint_layout import CARD, CONFIG, EMA, PROMPT, WEIGHTS
+
+_log = log.get(__name__)
 
 MODEL_FILES = (WEIGHTS, EMA, CONFIG, CARD, PROMPT)  # a checkpoint's optimizer, RNG and state.json stay local
 
@@ -101,9 +103,9 @@ def finish(uploader: HubUploader | None, final: Path) -> None:
     if uploader is None:
         return
     uploader.submit(final, "final")
-    print(f"uploading {final} to the hub as {uploader.model_id} ...", file=sys.stderr, flush=True)
+    _log.info(f"uploading {final} to the hub as {uploader.model_id} ...")
     uploader.wait()
     if "final" in uploader.uploaded:
-        print(f"uploaded: https://huggingface.co/{uploader.model_id}", file=sys.stderr)
+        _log.info(f"uploaded: https://huggingface.co/{uploader.model_id}")
     else:
-        print(f"upload it by hand: huggingface-cli upload {uploader.model_id} {final} .", file=sys.stderr)
+        _log.info(f"upload it by hand: huggingface-cli upload {uploader.model_id} {final} .")

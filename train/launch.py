@@ -31,9 +31,12 @@ import sys
 
 import psutil
 
+from theworld import log
 from theworld.config import ArgParser
 from theworld.errors import UserError, cli_entry
 from train import slurm
+
+_log = log.get(__name__)
 
 GRACE_S = "120"
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
@@ -109,16 +112,16 @@ def nodes(args) -> None:
             f"--num_machines {machines}"
         )
     if node is not None:
-        print(node.describe(), file=sys.stderr, flush=True)
+        _log.info(node.describe())
 
 
 def _ended(code: int, who: str) -> int:
     """The launcher's one line for a run that did not end with 0, and its exit code."""
     stops = {128 + s: s.name for s in FORWARDED}
     if code in stops:
-        print(f"launch: {who} stopped by {stops[code]}; rerun the same command to resume", file=sys.stderr)
+        _log.info(f"launch: {who} stopped by {stops[code]}; rerun the same command to resume")
     else:
-        print(f"launch: {who} exited with code {code} (its own lines above say why)", file=sys.stderr)
+        _log.info(f"launch: {who} exited with code {code} (its own lines above say why)")
     return code or 1
 
 

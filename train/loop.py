@@ -12,7 +12,7 @@ import time
 
 from torch.profiler import record_function
 
-from theworld import run_lock
+from theworld import log, run_lock
 from theworld.errors import cli_entry
 from theworld.model import PROFILE_LABELS
 from train import plateau
@@ -21,6 +21,8 @@ from train.config import load, to_yaml
 from train.preempt import EXIT_CODES, Preemption
 from train.step import NonFiniteError, optimization_step
 from train.trainer import Checked, Trainer
+
+_log = log.get(__name__)
 
 
 @cli_entry
@@ -98,7 +100,7 @@ def train(t: Trainer) -> int:
         return t.finish(stop)
     except NonFiniteError as e:
         m.close()
-        print(f"error: {e}", file=sys.stderr)
+        _log.error(str(e))
         return 3
     except BaseException:
         m.close()  # the progress bar ends its line before the error is printed

@@ -10,10 +10,12 @@ from pathlib import Path
 
 import torch
 
-from theworld import paths
+from theworld import log, paths
 from train.plateau import next_step
 
 METRICS = "metrics.jsonl"
+
+_log = log.get(__name__)
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -135,10 +137,7 @@ class Metrics:
 
     def message(self, text: str) -> None:
         if self.main:
-            if self.bar is not None:
-                self.bar.write(text, file=sys.stderr)
-            else:
-                print(text, file=sys.stderr)
+            _log.info(text)  # through tqdm.write: the progress bar keeps its line
 
     def log_samples(self, step: int, rows: list[dict], images: list) -> None:
         """Captions generated at an eval (train/samples.py): metrics.jsonl, TensorBoard (a table as text, each image
@@ -292,8 +291,8 @@ class ProfileWindow:
             self.prof.export_chrome_trace(str(trace))
             if self.rank == 0:
                 sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-                print(self.prof.key_averages().table(sort_by=sort, row_limit=self.cfg.top), file=sys.stderr)
-                print(f"profile trace: {trace}", file=sys.stderr)
+                _log.info(self.prof.key_averages().table(sort_by=sort, row_limit=self.cfg.top))
+                _log.info(f"profile trace: {trace}")
             self.prof = None
 
 

@@ -15,12 +15,15 @@ of an eval (its batches are counted to the longest share), so the check can be a
 from __future__ import annotations
 
 import signal
-import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+
+from theworld import log
+
+_log = log.get(__name__)
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -74,11 +77,9 @@ class Preemption:
             raise KeyboardInterrupt
         self._received = time.monotonic()
         self.signum = self.signum or signum
-        print(
-            f"\n{signal.Signals(signum).name} received: finishing this step, then saving a checkpoint "
-            "(send it again to stop at once)",
-            file=sys.stderr,
-            flush=True,
+        _log.info(
+            f"{signal.Signals(signum).name} received: finishing this step, then saving a checkpoint "
+            "(send it again to stop at once)"
         )
 
     def requested(self) -> bool:

@@ -4,7 +4,6 @@ after a killed run to the final weights (components, data, loop state, metrics, 
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from theworld import log
 from theworld.config import to_dict
 from theworld.errors import UserError
 from train import checkpoint, data, hub_upload, order, params, plateau
@@ -34,6 +34,8 @@ from train.metrics import (
 from train.preempt import EvalCut, Preemption, cut_message
 from train.samples import CaptionSamples
 from train.step import LoopState, evaluate
+
+_log = log.get(__name__)
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -261,11 +263,10 @@ class Trainer:
             done = self.run_eval()
         except Exception as e:
             self.metrics.close()  # the progress bar ends its line before the error is printed
-            print(
-                f"error: the eval after the last step failed ({type(e).__name__}: {str(e)[:300]}); checkpoint-"
+            _log.error(
+                f"the eval after the last step failed ({type(e).__name__}: {str(e)[:300]}); checkpoint-"
                 f"{self.state.step} and final/ are saved, without it; rerunning the same command repeats only the "
-                "eval",
-                file=sys.stderr,
+                "eval"
             )
             if isinstance(e, UserError):
                 return 2

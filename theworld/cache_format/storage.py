@@ -21,16 +21,18 @@ import hashlib
 import json
 import os
 import re
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from theworld import log
 from theworld.cache_format.layout import atomic_write_bytes, error_path, sidecar_path, tar_path
 from theworld.cache_format.names import ERRORS, ERRORS_DIR, MANIFEST, RUN_FILE, SHARDS
 from theworld.errors import UserError, one_line, show_as
+
+_log = log.get(__name__)
 
 T = TypeVar("T")
 DEFAULT_LOCAL_DIR = "~/.cache/theworld/object-store"
@@ -141,7 +143,7 @@ class RemoteCache:
                         f"{what}: failed {RETRIES} times ({type(e).__name__}: {one_line(e, 200)}); check the "
                         "network and the server, then rerun the same command (finished work is kept)"
                     ) from None
-                print(f"warning: {what}: {type(e).__name__}: {one_line(e, 120)}; retry in {wait:g} s", file=sys.stderr)
+                _log.warning(f"{what}: {type(e).__name__}: {one_line(e, 120)}; retry in {wait:g} s")
                 time.sleep(wait)
                 wait *= 2
         raise AssertionError("unreachable")
