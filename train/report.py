@@ -56,6 +56,7 @@ class Run:
     folder: Path
     stages: list[Stage] = field(default_factory=list)
     unreadable: int = 0  # lines of metrics.jsonl that are not a record (a killed run's half line, damage)
+    why: str = ""  # why it has no metrics, when it has none
 
 
 def _number(v: object) -> bool:
@@ -73,7 +74,8 @@ def read_records(path: Path) -> tuple[list[dict], int]:
         except ValueError:  # UnicodeDecodeError is a ValueError
             bad += 1
             continue
-        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] >= 0:
+        step = rec.get("step") if isinstance(rec, dict) else None
+        if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
             records.append(rec)
         else:
             bad += 1
@@ -144,11 +146,14 @@ def load_run(arg: str) -> Run:
         folder = folder.parent
     run = Run(arg.rstrip("/") or arg, folder)
     log = folder / METRICS
-    if paths.path_kind(log) != paths.REGULAR:  # never opened otherwise: a FIFO would block
+    kind = paths.path_kind(log)
+    if kind != paths.REGULAR:  # never opened otherwise: a FIFO would block
+        run.why = f"no {METRICS}" if kind is None else f"its {METRICS} is {kind}"
         return run
     try:
         records, run.unreadable = read_records(log)
-    except OSError:
+    except OSError as e:
+        run.why = f"{METRICS} unreadable ({e.strerror})"
         return run
     parts = split_stages(records)
     for i, part in enumerate(parts):
@@ -202,9 +207,9 @@ def place(runs: list[Run]) -> None:
         s.offset = offset(s)
 
 
-def figure(name: str, stages: list[Stage]) -> bytes | None:
-    """The PNG of one curve for every stage that logged it (None when none did): one colour per stage, the same in
-    every figure; a dotted line where a stage that continues another starts."""
+def draw(name: str, stages: list[Stage]):
+    """The matplotlib Figure of one curve for every stage that logged it (None when none did): one colour per stage,
+    the same in every figure; a dotted line where a stage that continues another starts."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
@@ -233,6 +238,14 @@ def figure(name: str, stages: list[Stage]) -> bytes | None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
+    return fig
+
+
+def figure(name: str, stages: list[Stage]) -> bytes | None:
+    """`draw`'s figure as PNG bytes."""
+    fig = draw(name, stages)
+    if fig is None:
+        return None
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     return buf.getvalue()
@@ -252,10 +265,17 @@ def read_eval(path: str) -> dict:
         lines = [json.loads(x) for x in Path(path).read_text(encoding="utf-8").splitlines() if x.strip()]
     except (OSError, ValueError) as e:
         raise UserError(f"--eval {path}: not theworld.evaluate's --json or --out output ({one_line(e, 200)})") from None
+    summary = None
     if len(lines) == 1 and isinstance(lines[0], dict) and "n" in lines[0] and "item" not in lines[0]:
-        return lines[0]
-    if lines and all(isinstance(r, dict) and "item" in r and isinstance(r.get("outputs"), dict) for r in lines):
-        return _summarize(path, lines)
+        summary = lines[0]
+    elif lines and all(isinstance(r, dict) and "item" in r and isinstance(r.get("outputs"), dict) for r in lines):
+        summary = _summarize(path, lines)
+    if summary is not None:
+        try:
+            eval_text(summary)
+            return summary
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise UserError(f"--eval {path}: a summary without evaluate's figures ({type(e).__name__}: {e})") from None
     raise UserError(
         f"--eval {path}: not theworld.evaluate's --json or --out output (neither one summary object nor "
         "one JSON line per item)"
@@ -486,14 +506,20 @@ def check_out(out: Path, runs: list[str], evals: list[str]) -> Path:
 def build(run_args: list[str], out: Path, eval_args: list[str] = ()) -> tuple[list[Run], list[str]]:
     """Write the page and its figures' PNGs; (the runs, the runs without metrics). No run with metrics: UserError."""
     files = check_out(out, run_args, list(eval_args))
-    runs = [load_run(a) for a in run_args]
+    runs, seen = [], set()
+    for a in run_args:  # a run named twice (by another path to it) is reported once
+        run = load_run(a)
+        if os.path.realpath(run.folder) not in seen:
+            seen.add(os.path.realpath(run.folder))
+            runs.append(run)
     evals = {e: read_eval(e) for e in eval_args}
     for r in runs:
         if not has_metrics(r):
+            r.why = r.why or "no loss or eval lines"
             r.stages = []
-    missing = [r.arg for r in runs if not r.stages]
+    missing = [f"{r.arg} ({r.why})" for r in runs if not r.stages]
     if len(missing) == len(runs):
-        raise UserError(f"train.report: no metrics in {', '.join(missing)} (no {METRICS} with loss or eval lines)")
+        raise UserError(f"train.report: no metrics in {', '.join(missing)}: nothing to draw")
     place(runs)
     stages = [s for r in runs for s in r.stages]
     figures = {name: png for name in CURVES if (png := figure(name, stages)) is not None}
@@ -522,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     runs, missing = build(args.runs, out, args.eval)
     if missing:
-        print(f"train.report: no metrics in {', '.join(missing)} (left out; the rest are drawn)", file=sys.stderr)
+        print(f"train.report: no metrics in {', '.join(missing)}: left out, the rest drawn", file=sys.stderr)
     drawn = ", ".join(r.arg for r in runs if r.stages)
     print(f"wrote {out} (runs {drawn}; the figures' PNGs in {out.with_name(out.stem + '_files')}/)", file=sys.stderr)
     return 0
