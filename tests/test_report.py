@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import metrics
+from conftest import ROOT, metrics
 from PIL import Image
 
 from train import report
@@ -218,6 +218,21 @@ def test_bad_input_is_one_line_and_exit_2(runs, tmp_path, capsys):
         assert len(err.splitlines()) == 1 and words in err and "Traceback" not in err, (argv, err)
     assert not (tmp_path / "r.html").exists()
     assert (runs["s1"] / "metrics.jsonl").read_text().count("\n") == len(S1)
+
+
+def test_a_stage_folder_stands_for_its_run_and_a_file_where_pictures_go_is_refused(runs, tmp_path, capsys):
+    from train.loop import main as train
+
+    (runs["s1"] / "final").mkdir()
+    assert report.load_run(str(runs["s1"] / "final")).folder == runs["s1"]
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "samples").write_text("mine")
+    argv = ["--config", str(ROOT / "configs" / "stage1.yaml"), "--set", f"output_dir={out}"]
+    assert train([*argv, "--set", f"cache_dir={tmp_path / 'no-cache'}"]) == 2
+    err = capsys.readouterr().err
+    assert "samples is a regular file, where the run writes the caption samples' pictures" in err
+    assert (out / "samples").read_text() == "mine"
 
 
 def chromium() -> str:

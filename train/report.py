@@ -442,7 +442,7 @@ def samples_section(run: Run) -> str:
             png = picture(run.folder, row.get("image"))
             cells.append(
                 [_img(png, row.get("caption", "")) if png else "(no picture logged)"]
-                + [_e(row.get(k, "")) for k in ("caption", "own_world", "shuffled_world")]
+                + [_e(row.get(k, "")) or "<i>(nothing)</i>" for k in ("caption", "own_world", "shuffled_world")]
             )
         parts.append(f"<h3>{_e(s.label)}, step {step} (its last eval)</h3>")
         parts.append(_table(["picture", "true caption", "own world", "shuffled world"], cells))
