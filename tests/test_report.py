@@ -147,6 +147,10 @@ def test_the_page_is_one_file_with_inline_pngs_and_the_figures_hold_the_metrics(
     report.place(loaded)
     stages = [s for r in loaded for s in r.stages]
     assert [s.offset for s in stages] == [0, 4] and stages[1].after == str(runs["s1"])
+    (runs["s2"] / "final" / "config.yaml").write_text(yaml.safe_dump({"init_from": str(runs["s1"] / "checkpoint-2")}))
+    branched = [report.load_run(str(runs[k])) for k in ("s1", "s2")]
+    report.place(branched)
+    assert [r.stages[0].offset for r in branched] == [0, 2]  # from stage 1's step-2 checkpoint
     for name in report.CURVES:
         ax = report.draw(name, stages).axes[0]
         lines = {ln.get_label(): ln for ln in ax.lines if not ln.get_label().startswith("_")}

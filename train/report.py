@@ -19,12 +19,16 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from theworld import checkpoint_layout as layout
 from theworld import paths
 from theworld.config import ArgParser
 from theworld.errors import UserError, cli_entry, one_line
 from train.metrics import METRICS
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 # curve name: (figure title, y axis label, PNG file name)
 CURVES = {
@@ -44,6 +48,7 @@ class Stage:
     records: list[dict]
     offset: int = 0  # where its step 0 lies on the shared x axis
     after: str | None = None  # the stage it continues, drawn before it
+    branch: int | None = None  # the step of `after` it starts from (init_from a checkpoint); None: its last step
 
     @property
     def last_step(self) -> int:
@@ -196,18 +201,20 @@ def place(runs: list[Run]) -> None:
             parent = by_folder.get(target) or by_folder.get(os.path.dirname(target))
             if parent is not None and parent is not r:
                 r.stages[0].after = parent.stages[-1].label
+                m = layout.CHECKPOINT_RE.match(os.path.basename(target))
+                r.stages[0].branch = int(m.group(1)) if m else None
 
     def offset(s: Stage, seen: frozenset = frozenset()) -> int:
         if s.after is None or s.after in seen or s.after not in stages:  # a cycle of init_from: drawn from 0
             return 0
         before = stages[s.after]
-        return offset(before, seen | {s.label}) + before.last_step
+        return offset(before, seen | {s.label}) + (before.last_step if s.branch is None else s.branch)
 
     for s in stages.values():
         s.offset = offset(s)
 
 
-def draw(name: str, stages: list[Stage]):
+def draw(name: str, stages: list[Stage]) -> Figure | None:
     """The matplotlib Figure of one curve for every stage that logged it (None when none did): one colour per stage,
     the same in every figure; a dotted line where a stage that continues another starts."""
     from matplotlib.figure import Figure
