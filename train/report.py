@@ -512,6 +512,10 @@ def check_out(out: Path, runs: list[str], evals: list[str]) -> Path:
 
 def build(run_args: list[str], out: Path, eval_args: list[str] = ()) -> tuple[list[Run], list[str]]:
     """Write the page and its figures' PNGs; (the runs, the runs without metrics). No run with metrics: UserError."""
+    try:
+        import matplotlib  # noqa: F401  (a dependency; an install from before it lacks it)
+    except ImportError:
+        raise UserError("train.report draws with matplotlib, which is not installed: pip install matplotlib") from None
     files = check_out(out, run_args, list(eval_args))
     runs, seen = [], set()
     for a in run_args:  # a run named twice (by another path to it) is reported once
