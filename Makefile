@@ -8,7 +8,7 @@ LMMS_EVAL_SPEC ?= lmms-eval>=0.7,<0.8
 IMG2DATASET_SPEC ?= img2dataset==1.47.0
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install lmms-eval img2dataset streaming demo lint test test-fast test-latest lock bench clean-demo
+.PHONY: install lmms-eval img2dataset streaming chromium demo lint test test-fast test-latest lock bench clean-demo
 
 # The tested set: every package at its version in requirements/lock.txt (CI ran the suite on it), the project on top.
 $(VENV)/.installed: pyproject.toml requirements/lock.txt
@@ -31,7 +31,7 @@ lmms-eval:
 # s3fs goes first (its aiobotocore pins botocore; datasets beside it, as it caps fsspec, s3fs's twin), then the rest
 # with boto3 (moto's) held to that botocore: pip backtracks through hundreds of boto3 releases otherwise.
 LATEST := .venv-latest
-test-latest:
+test-latest: chromium
 	rm -rf $(LATEST) && $(PYTHON) -m venv $(LATEST)
 	$(LATEST)/bin/python -m pip install -q "$(TORCH_SPEC)"
 	$(LATEST)/bin/python -m pip install -q "s3fs>=2024.2" "datasets>=2.14"
@@ -81,7 +81,18 @@ lint: install
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-test: lint
+# tests/test_report.py renders train.report's page in headless Chromium: Debian's package, installed with apt-get
+# (as root, else through sudo) only when no chromium is on PATH. Only the test targets need it.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+chromium:
+	@if command -v chromium >/dev/null 2>&1; then \
+	  echo "chromium: $$(command -v chromium)"; \
+	else \
+	  echo "no chromium on PATH: installing Debian's package (apt-get install -y --no-install-recommends chromium)"; \
+	  $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q --no-install-recommends chromium; \
+	fi
+
+test: lint chromium
 	$(PY) -m pytest -q
 
 # The inner loop: everything but the tests that start whole runs in subprocesses (marked `slow`).

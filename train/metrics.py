@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -14,6 +15,7 @@ from theworld import log, paths
 from train.plateau import next_step
 
 METRICS = "metrics.jsonl"
+SAMPLES_DIR = "samples"  # the caption samples' pictures, beside METRICS
 
 _log = log.get(__name__)
 
@@ -52,6 +54,8 @@ def check_output_paths(cfg) -> None:
         wanted[out / "wandb"] = ("a directory", "W&B's run files")
     if cfg.profile.enabled:
         wanted[out / "profile"] = ("a directory", "the profiler's traces")
+    if cfg.train.samples:
+        wanted[out / SAMPLES_DIR] = ("a directory", "the caption samples' pictures")
     for path, (kind, what) in wanted.items():
         found = paths.path_kind(path)
         if found not in (None, kind):
@@ -94,6 +98,7 @@ class Metrics:
         self.path = Path(output_dir) / METRICS
         self.bar = None
         self.smoothed = SmoothedLoss()
+        self.pictures_saved = False
         if not self.main:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -140,12 +145,15 @@ class Metrics:
             _log.info(text)  # through tqdm.write: the progress bar keeps its line
 
     def log_samples(self, step: int, rows: list[dict], images: list) -> None:
-        """Captions generated at an eval (train/samples.py): metrics.jsonl, TensorBoard (a table as text, each image
-        with its captions), W&B (a table), and the first one on the console."""
+        """Captions generated at an eval (train/samples.py): metrics.jsonl (with each picture's file, saved once under
+        <output_dir>/samples/ for train.report), TensorBoard (a table as text, each image with its captions), W&B (a
+        table), and the first one on the console."""
         if not self.main or not rows:
             return
+        files = self._save_pictures(images)
+        logged = [{**row, "image": name} if name else row for row, name in zip(rows, files)]
         with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, "samples": rows}) + "\n")
+            f.write(json.dumps({"step": step, "samples": logged}) + "\n")
         first = rows[0]
         self.message(
             f"sample at step {step}: true {first['caption']!r}; own world {first['own_world']!r}; "
@@ -172,6 +180,25 @@ class Metrics:
                     for row, img in zip(rows, images)
                 ]
                 t.log_table("samples", columns=["image", *SAMPLE_COLUMNS], data=data, step=step)
+
+    def _save_pictures(self, images: list) -> list[str | None]:
+        """Each sample's picture as <output_dir>/samples/<i>.png, written at this process's first eval (the samples
+        are the same at every eval): its name relative to output_dir, None for a sample without one."""
+        names = [f"{SAMPLES_DIR}/{i}.png" if img is not None else None for i, img in enumerate(images)]
+        if self.pictures_saved:
+            return names
+        from PIL import Image
+
+        folder = self.path.parent / SAMPLES_DIR
+        folder.mkdir(exist_ok=True)
+        for name, img in zip(names, images):
+            if name is not None:
+                target = self.path.parent / name
+                tmp = target.with_name(paths.partial_name(target.name))
+                Image.fromarray(img).save(tmp, format="PNG")
+                os.replace(tmp, target)
+        self.pictures_saved = True
+        return names
 
     def advance(
         self,

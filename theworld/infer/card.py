@@ -114,6 +114,12 @@ def _table_rows(rest: str) -> tuple[list[dict[str, str]], str]:
     return [dict(zip(header, r)) for r in body], "".join(lines[k:])
 
 
+def results(card: Path) -> list[dict[str, str]]:
+    """The card's results rows as {column: cell} (none when it has no results table): what train.report shows."""
+    _, found, rest = _read(card).partition(HEADING)
+    return _table_rows(rest)[0] if found else []
+
+
 def update(card: Path, new: list[str]) -> None:
     """Put `new` into the card's results table, replacing only a row of the same KEY (set content, split, limit,
     task, protocol)."""

@@ -1,0 +1,569 @@
+"""`python -m train.report RUN [RUN ...] --out report.html [--eval FILE ...]`: one self-contained HTML page (pictures
+inline as data: URIs, nothing fetched) to look at runs side by side: the training loss, eval loss, shuffled-world
+eval loss and world gap of every run on shared axes, a summary per run, the evaluation tables (each run's
+final/README.md results, the benchmarks logged during training, and `theworld.evaluate --json` / `--out` files), and
+the caption samples of each run's last eval with their pictures. Each figure is also written as a PNG in
+<out stem>_files/ beside the page, for slides.
+
+A run whose config's `init_from` is another reported run's folder (that run, its final/ or a checkpoint) is drawn
+after that run's last step, so stage 1 -> 2 -> 3 read left to right; other runs start at their own step 0."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from theworld import checkpoint_layout as layout
+from theworld import paths
+from theworld.config import ArgParser
+from theworld.errors import UserError, cli_entry, one_line
+from train.metrics import METRICS
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+# curve name: (figure title, y axis label, PNG file name)
+CURVES = {
+    "loss": ("training loss", "loss (nats/token)", "loss.png"),
+    "eval_loss": ("eval loss (own world)", "loss (nats/token)", "eval_loss.png"),
+    "eval_loss_shuffled_world": ("eval loss, world shuffled", "loss (nats/token)", "eval_loss_shuffled_world.png"),
+    "gap": ("world gap: eval loss shuffled minus own world", "nats/token", "gap.png"),
+}
+THUMB = 256  # a caption sample's picture is shown at most this many pixels wide or high
+
+
+@dataclass
+class Stage:
+    """One stage's records of a run folder (a folder whose log restarts at step 0 holds several)."""
+
+    label: str
+    records: list[dict]
+    offset: int = 0  # where its step 0 lies on the shared x axis
+    after: str | None = None  # the stage it continues, drawn before it
+    branch: int | None = None  # the step of `after` it starts from (init_from a checkpoint); None: its last step
+
+    @property
+    def last_step(self) -> int:
+        return max(r["step"] for r in self.records)
+
+
+@dataclass
+class Run:
+    arg: str  # as given on the command line
+    folder: Path
+    stages: list[Stage] = field(default_factory=list)
+    unreadable: int = 0  # lines of metrics.jsonl that are not a record (a killed run's half line, damage)
+    why: str = ""  # why it has no metrics, when it has none
+
+
+def _number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def read_records(path: Path) -> tuple[list[dict], int]:
+    """metrics.jsonl's records in file order (objects with an integer step), and how many lines were not one."""
+    records, bad = [], 0
+    for line in path.read_bytes().split(b"\n"):  # newlines only: JSON text may hold U+2028 and the like
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line.decode("utf-8"))
+        except ValueError:  # UnicodeDecodeError is a ValueError
+            bad += 1
+            continue
+        step = rec.get("step") if isinstance(rec, dict) else None
+        if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+            records.append(rec)
+        else:
+            bad += 1
+    return records, bad
+
+
+def split_stages(records: list[dict]) -> list[list[dict]]:
+    """A log's records per stage: a new stage starts where the steps go back to 0 (a resume continues from its
+    checkpoint's step, never from 0, so its repeated steps stay in the stage they belong to)."""
+    stages: list[list[dict]] = []
+    top = -1
+    for r in records:
+        if not stages or (r["step"] == 0 and top > 0):
+            stages.append([])
+            top = -1
+        stages[-1].append(r)
+        top = max(top, r["step"])
+    return stages
+
+
+def series(records: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
+    """Each curve's (steps, values) in step order; a step logged more than once (lines a resumed run repeats) keeps
+    its last record. gap: eval_loss_shuffled_world - eval_loss of the same eval line."""
+    by_step: dict[str, dict[int, float]] = {name: {} for name in CURVES}
+    for r in records:
+        for name in ("loss", "eval_loss", "eval_loss_shuffled_world"):
+            if _number(r.get(name)):
+                by_step[name][r["step"]] = float(r[name])
+        if _number(r.get("eval_loss")) and _number(r.get("eval_loss_shuffled_world")):
+            by_step["gap"][r["step"]] = float(r["eval_loss_shuffled_world"]) - float(r["eval_loss"])
+    return {name: (sorted(d), [d[s] for s in sorted(d)]) for name, d in by_step.items()}
+
+
+def last_samples(records: list[dict]) -> tuple[int, list[dict]] | None:
+    """(step, rows) of the last caption samples record, rows with string caption / own_world / shuffled_world."""
+    for r in reversed(records):
+        rows = r.get("samples")
+        if isinstance(rows, list) and rows and all(isinstance(x, dict) for x in rows):
+            return r["step"], rows
+    return None
+
+
+def last_benchmarks(records: list[dict]) -> tuple[int, dict[str, dict[str, float]]] | None:
+    """(step, {benchmark: {n, accuracy, accuracy_shuffled_world}}) of the last eval that logged train.benchmarks."""
+    for r in reversed(records):
+        found: dict[str, dict[str, float]] = {}
+        for k, v in r.items():
+            if k.startswith("bench/") and k.count("/") >= 2 and _number(v):
+                name, metric = k[len("bench/") :].rsplit("/", 1)
+                found.setdefault(name, {})[metric] = v
+        if found:
+            return r["step"], found
+    return None
+
+
+def load_run(arg: str) -> Run:
+    """The run folder `arg` (a stage folder, final/ or checkpoint-N/, stands for its run) with its stages; a run
+    without metrics has none. Not a folder: UserError."""
+    folder = Path(arg)
+    kind = paths.path_kind(folder)
+    if kind != "a directory":
+        raise UserError(
+            f"train.report: RUN {arg} is {kind or 'not there'}: give a run's output_dir (the folder holding {METRICS})"
+        )
+    if paths.path_kind(folder / METRICS) is None and (
+        folder.name == layout.FINAL or layout.CHECKPOINT_RE.match(folder.name)
+    ):
+        folder = folder.parent
+    run = Run(arg.rstrip("/") or arg, folder)
+    log = folder / METRICS
+    kind = paths.path_kind(log)
+    if kind != paths.REGULAR:  # never opened otherwise: a FIFO would block
+        run.why = f"no {METRICS}" if kind is None else f"its {METRICS} is {kind}"
+        return run
+    try:
+        records, run.unreadable = read_records(log)
+    except OSError as e:
+        run.why = f"{METRICS} unreadable ({e.strerror})"
+        return run
+    parts = split_stages(records)
+    for i, part in enumerate(parts):
+        label = run.arg if len(parts) == 1 else f"{run.arg} (stage {i + 1} of its log)"
+        run.stages.append(Stage(label, part, after=run.stages[-1].label if run.stages else None))
+    return run
+
+
+def has_metrics(run: Run) -> bool:
+    """Whether any stage of the run logged a point of any curve."""
+    return any(steps for s in run.stages for steps, _ in series(s.records).values())
+
+
+def _config(folder: Path) -> dict:
+    """The run's resolved config (final/config.yaml, else its newest checkpoint's); {} when none is readable."""
+    import yaml
+
+    ckpts = sorted(
+        (int(m.group(1)), p) for p in folder.glob("checkpoint-*") if (m := layout.CHECKPOINT_RE.match(p.name))
+    )
+    for cand in [folder / layout.FINAL / layout.CONFIG] + [p / layout.CONFIG for _, p in reversed(ckpts)]:
+        if paths.path_kind(cand) == paths.REGULAR:
+            try:
+                cfg = yaml.safe_load(cand.read_text(encoding="utf-8"))
+            except (OSError, ValueError, yaml.YAMLError):
+                continue
+            return cfg if isinstance(cfg, dict) else {}
+    return {}
+
+
+def place(runs: list[Run]) -> None:
+    """Each stage's offset on the shared step axis: after the stage it continues (the previous stage of the same log,
+    or the reported run its config's init_from names), else 0."""
+    by_folder = {os.path.realpath(r.folder): r for r in runs if r.stages}
+    stages = {s.label: s for r in runs for s in r.stages}
+    for r in runs:
+        init = _config(r.folder).get("init_from") if r.stages else None
+        if isinstance(init, str) and init:
+            target = os.path.realpath(init)
+            parent = by_folder.get(target) or by_folder.get(os.path.dirname(target))
+            if parent is not None and parent is not r:
+                r.stages[0].after = parent.stages[-1].label
+                m = layout.CHECKPOINT_RE.match(os.path.basename(target))
+                r.stages[0].branch = int(m.group(1)) if m else None
+
+    def offset(s: Stage, seen: frozenset = frozenset()) -> int:
+        if s.after is None or s.after in seen or s.after not in stages:  # a cycle of init_from: drawn from 0
+            return 0
+        before = stages[s.after]
+        return offset(before, seen | {s.label}) + (before.last_step if s.branch is None else s.branch)
+
+    for s in stages.values():
+        s.offset = offset(s)
+
+
+def draw(name: str, stages: list[Stage]) -> Figure | None:
+    """The matplotlib Figure of one curve for every stage that logged it (None when none did): one colour per stage,
+    the same in every figure; a dotted line where a stage that continues another starts."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    title, ylabel, _ = CURVES[name]
+    fig = Figure(figsize=(6.4, 3.6), dpi=100, layout="constrained")
+    ax = fig.subplots()
+    drawn = False
+    for i, s in enumerate(stages):
+        steps, values = series(s.records)[name]
+        if not steps:
+            continue
+        colour = f"C{i % 10}"
+        x = [step + s.offset for step in steps]
+        ax.plot(x, values, label=s.label, color=colour, marker="o" if len(x) <= 50 else None, markersize=3)
+        if s.after is not None:
+            ax.axvline(s.offset, color=colour, linestyle=":", linewidth=1)
+        drawn = True
+    if not drawn:
+        return None
+    if name == "gap":
+        ax.axhline(0.0, color="0.5", linewidth=0.8)
+    chained = any(s.after is not None for s in stages)
+    ax.set_title(title)
+    ax.set_xlabel("step" + (" (a stage that continues another is drawn after it)" if chained else ""))
+    ax.set_ylabel(ylabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    return fig
+
+
+def figure(name: str, stages: list[Stage]) -> bytes | None:
+    """`draw`'s figure as PNG bytes."""
+    fig = draw(name, stages)
+    if fig is None:
+        return None
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Evaluation files
+
+
+def read_eval(path: str) -> dict:
+    """The summary of a `theworld.evaluate` output file: its `--json` object (stdout saved to a file) as it is, or its
+    `--out` records (one JSON line per item) summarised as evaluate summarises them."""
+    kind = paths.path_kind(path)
+    if kind != paths.REGULAR:
+        raise UserError(f"--eval {path} is {kind or 'not there'}: give a file theworld.evaluate --json or --out wrote")
+    try:
+        lines = [json.loads(x) for x in Path(path).read_text(encoding="utf-8").splitlines() if x.strip()]
+    except (OSError, ValueError) as e:
+        raise UserError(f"--eval {path}: not theworld.evaluate's --json or --out output ({one_line(e, 200)})") from None
+    summary = None
+    if len(lines) == 1 and isinstance(lines[0], dict) and "n" in lines[0] and "item" not in lines[0]:
+        summary = lines[0]
+    elif lines and all(isinstance(r, dict) and "item" in r and isinstance(r.get("outputs"), dict) for r in lines):
+        summary = _summarize(path, lines)
+    if summary is not None:
+        try:
+            eval_text(summary)
+            return summary
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise UserError(f"--eval {path}: a summary without evaluate's figures ({type(e).__name__}: {e})") from None
+    raise UserError(
+        f"--eval {path}: not theworld.evaluate's --json or --out output (neither one summary object nor "
+        "one JSON line per item)"
+    )
+
+
+def _summarize(path: str, records: list[dict]) -> dict:
+    try:
+        if all("references" in r for r in records):
+            from theworld.infer import captions
+
+            return captions.summarize(records)
+        from theworld.infer import scoring
+
+        generated = any(isinstance(v, str) for r in records for v in r["outputs"].values())
+        conds = {c for r in records for c in r.get("preds", {})} - {"model", "shuffled_world"}
+        return scoring.summarize(records, sorted(conds), "generate" if generated else "loglik")
+    except ImportError as e:
+        raise UserError(f"--eval {path}: caption scores need {e.name} (pip install -e '.[eval]')") from None
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+        raise UserError(f"--eval {path}: a record lacks what evaluate writes ({type(e).__name__}: {e})") from None
+
+
+def eval_text(summary: dict) -> str:
+    """The summary as `theworld.evaluate` prints it."""
+    if summary.get("task") == "caption":
+        from theworld.infer.captions import format_report
+    else:
+        from theworld.infer.scoring import format_report
+    return format_report(summary)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The page
+
+STYLE = """
+body { font-family: sans-serif; margin: 2em; color: #222; max-width: 1400px; }
+table { border-collapse: collapse; margin: 0.5em 0 1.5em; }
+th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; vertical-align: top; }
+th { background: #f0f0f0; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+.warn { color: #a00; }
+figure { display: inline-block; margin: 0 1em 1em 0; }
+pre { background: #f6f6f6; padding: 0.6em; }
+"""
+
+
+def _e(x: object) -> str:
+    return html.escape(str(x), quote=True)
+
+
+def _img(png: bytes, alt: str) -> str:
+    return f'<img alt="{_e(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else ("nan" if math.isnan(v) else f"{v:.4f}")
+
+
+def _table(header: list[str], rows: list[list[str]], numeric: set[int] = frozenset()) -> str:
+    """A table of cells already escaped."""
+    head = "".join(f"<th>{_e(h)}</th>" for h in header)
+    body = "".join(
+        "<tr>"
+        + "".join(f'<td class="num">{c}</td>' if i in numeric else f"<td>{c}</td>" for i, c in enumerate(r))
+        + "</tr>"
+        for r in rows
+    )
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _stage_row(s: Stage, unreadable: int) -> list[str]:
+    c = series(s.records)
+    last = {name: values[-1] if values else None for name, (_, values) in c.items()}
+    finite = [(v, step) for step, v in zip(*c["eval_loss"]) if math.isfinite(v)]
+    best = min(finite, default=None)
+    return [
+        _e(s.label),
+        _e(s.after or "-"),
+        str(s.last_step),
+        *(_fmt(last[name]) for name in CURVES),
+        "-" if best is None else f"{_fmt(best[0])} (step {best[1]})",
+        str(unreadable),
+    ]
+
+
+def summary_table(runs: list[Run]) -> str:
+    """One row per stage: its last figures, its best eval loss, the log's unreadable lines."""
+    header = ["run", "continues", "last step", "training loss", "eval loss", "shuffled world", "gap"]
+    header += ["best eval loss", "unreadable lines"]
+    rows = [_stage_row(s, r.unreadable) for r in runs for s in r.stages]
+    return _table(header, rows, numeric={2, 3, 4, 5, 6, 8})
+
+
+def results_section(run: Run) -> str:
+    """The run's final/README.md results table and the benchmarks its last eval logged."""
+    from theworld.infer import card
+
+    parts = [f"<h3>{_e(run.arg)}</h3>"]
+    path = run.folder / layout.FINAL / layout.CARD
+    try:
+        rows = card.results(path) if paths.path_kind(path) is not None else []
+    except UserError as e:
+        rows, parts = [], parts + [f'<p class="warn">{_e(e)}</p>']
+    if rows:
+        cols = [c for c in card.COLUMNS if any(c in row for row in rows)]
+        cells = [[_e(row.get(c, "-")).replace("`", "") for c in cols] for row in rows]
+        parts.append(f"<p>{_e(path)}:</p>" + _table(cols, cells))
+    else:
+        parts.append(
+            f"<p>No results in {_e(path)} (<code>python -m theworld.evaluate --model {_e(run.arg)} --data FILE</code> "
+            "adds them).</p>"
+        )
+    for s in run.stages:
+        bench = last_benchmarks(s.records)
+        if bench:
+            step, found = bench
+            cells = [
+                [_e(n), str(int(m.get("n", 0))), _fmt(m.get("accuracy")), _fmt(m.get("accuracy_shuffled_world"))]
+                for n, m in sorted(found.items())
+            ]
+            parts.append(f"<p>train.benchmarks at step {step} of {_e(s.label)}:</p>")
+            parts.append(_table(["benchmark", "n", "accuracy", "shuffled world"], cells, numeric={1, 2, 3}))
+    return "\n".join(parts)
+
+
+def eval_section(path: str, summary: dict) -> str:
+    about = ", ".join(f"{k} {_e(summary[k])}" for k in ("model", "data") if isinstance(summary.get(k), str))
+    return f"<h3>{_e(path)}</h3>" + (f"<p>{about}</p>" if about else "") + f"<pre>{_e(eval_text(summary))}</pre>"
+
+
+def picture(folder: Path, name: object) -> bytes | None:
+    """A caption sample's logged picture (a file inside the run folder) as a PNG thumbnail; None when there is none
+    or it does not decode."""
+    if not isinstance(name, str) or not name:
+        return None
+    path = os.path.realpath(folder / name)
+    if os.path.commonpath([path, os.path.realpath(folder)]) != os.path.realpath(folder):
+        return None  # a log that names a file outside its run folder: not read
+    if paths.path_kind(path) != paths.REGULAR:
+        return None
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as im:
+            im = im.convert("RGB")
+            im.thumbnail((THUMB, THUMB))
+            buf = io.BytesIO()
+            im.save(buf, format="PNG")
+            return buf.getvalue()
+    except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError):
+        return None
+
+
+def samples_section(run: Run) -> str:
+    parts = []
+    for s in run.stages:
+        found = last_samples(s.records)
+        if found is None:
+            continue
+        step, rows = found
+        cells = []
+        for row in rows:
+            png = picture(run.folder, row.get("image"))
+            cells.append(
+                [_img(png, row.get("caption", "")) if png else "(no picture logged)"]
+                + [_e(row.get(k, "")) or "<i>(nothing)</i>" for k in ("caption", "own_world", "shuffled_world")]
+            )
+        parts.append(f"<h3>{_e(s.label)}, step {step} (its last eval)</h3>")
+        parts.append(_table(["picture", "true caption", "own world", "shuffled world"], cells))
+    return "\n".join(parts)
+
+
+def page(runs: list[Run], missing: list[str], figures: dict[str, bytes], files_dir: str, evals: dict) -> str:
+    drawn = [r for r in runs if r.stages]
+    body = ["<h1>TheWorld run report</h1>", f"<p>Runs: {_e(', '.join(r.arg for r in drawn))}.</p>"]
+    if missing:
+        body.append(f'<p class="warn">No metrics in: {_e(", ".join(missing))}.</p>')
+    body += ["<h2>Summary</h2>", summary_table(drawn), "<h2>Curves</h2>"]
+    for name, png in figures.items():
+        title, _, file = CURVES[name]
+        body.append(f"<figure>{_img(png, title)}<figcaption>{_e(files_dir)}/{_e(file)}</figcaption></figure>")
+    absent = [CURVES[n][0] for n in CURVES if n not in figures]
+    if absent:
+        body.append(f"<p>No run logged: {_e(', '.join(absent))}.</p>")
+    body.append("<h2>Evaluation results</h2>")
+    body += [results_section(r) for r in drawn]
+    body += [eval_section(path, summary) for path, summary in evals.items()]
+    body += ["<h2>Caption samples</h2>", *(samples_section(r) for r in drawn)]
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>TheWorld run report</title>'
+        f"<style>{STYLE}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The command
+
+
+def _write(path: Path, data: bytes) -> None:
+    """Through a temporary file beside it, renamed over it: a reader never sees half a file."""
+    tmp = path.with_name(paths.partial_name(path.name))
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"--out: cannot write {path} ({e.strerror})") from None
+
+
+def check_out(out: Path, runs: list[str], evals: list[str]) -> Path:
+    """--out is a file path, never an input; its figures' folder (<stem>_files/) is a folder or absent. Returns the
+    figures' folder."""
+    kind = paths.path_kind(out)
+    if kind not in (None, paths.REGULAR):
+        raise UserError(f"--out {out} is {kind}: give the path of the HTML file to write")
+    files = out.with_name(out.stem + "_files")
+    inputs = {**{f"the run {r}": r for r in runs}, **{f"the --eval file {e}": e for e in evals}}
+    paths.check_not_input(out, inputs)
+    paths.check_not_input(files, inputs)
+    if paths.path_kind(files) not in (None, "a directory"):
+        raise UserError(f"--out {out}: {files} (where the figures' PNGs go) is {paths.path_kind(files)}; move it away")
+    if paths.path_kind(out.parent) != "a directory":
+        raise UserError(f"--out {out}: its folder {out.parent} is {paths.path_kind(out.parent) or 'not there'}")
+    return files
+
+
+def build(run_args: list[str], out: Path, eval_args: list[str] = ()) -> tuple[list[Run], list[str]]:
+    """Write the page and its figures' PNGs; (the runs, the runs without metrics). No run with metrics: UserError."""
+    try:
+        import matplotlib  # noqa: F401  (a dependency; an install from before it lacks it)
+    except ImportError:
+        raise UserError("train.report draws with matplotlib, which is not installed: pip install matplotlib") from None
+    files = check_out(out, run_args, list(eval_args))
+    runs, seen = [], set()
+    for a in run_args:  # a run named twice (by another path to it) is reported once
+        run = load_run(a)
+        if os.path.realpath(run.folder) not in seen:
+            seen.add(os.path.realpath(run.folder))
+            runs.append(run)
+    evals = {e: read_eval(e) for e in eval_args}
+    for r in runs:
+        if not has_metrics(r):
+            r.why = r.why or "no loss or eval lines"
+            r.stages = []
+    missing = [f"{r.arg} ({r.why})" for r in runs if not r.stages]
+    if len(missing) == len(runs):
+        raise UserError(f"train.report: no metrics in {', '.join(missing)}: nothing to draw")
+    place(runs)
+    stages = [s for r in runs for s in r.stages]
+    figures = {name: png for name in CURVES if (png := figure(name, stages)) is not None}
+    try:
+        files.mkdir(exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot make {files} ({e.strerror})") from None
+    for name, png in figures.items():
+        _write(files / CURVES[name][2], png)
+    _write(out, page(runs, missing, figures, files.name, evals).encode("utf-8"))
+    return runs, missing
+
+
+@cli_entry
+def main(argv: list[str] | None = None) -> int:
+    p = ArgParser(
+        prog="python -m train.report",
+        description="One self-contained HTML page of runs' curves, evaluation tables and caption samples.",
+    )
+    p.add_argument("runs", nargs="+", metavar="RUN", help="a run's output_dir (holding metrics.jsonl)")
+    p.add_argument("--out", required=True, help="the HTML file to write; the figures' PNGs go to <stem>_files/")
+    p.add_argument(
+        "--eval", nargs="+", default=[], metavar="FILE", help="theworld.evaluate --json or --out files to show"
+    )
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    runs, missing = build(args.runs, out, args.eval)
+    if missing:
+        print(f"train.report: no metrics in {', '.join(missing)}: left out, the rest drawn", file=sys.stderr)
+    drawn = ", ".join(r.arg for r in runs if r.stages)
+    print(f"wrote {out} (runs {drawn}; the figures' PNGs in {out.with_name(out.stem + '_files')}/)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
