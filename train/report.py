@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from theworld import checkpoint_layout as layout
-from theworld import paths
+from theworld import log, paths
 from theworld.config import ArgParser
 from theworld.errors import UserError, cli_entry, one_line
 from train.metrics import METRICS
@@ -38,6 +38,8 @@ CURVES = {
     "gap": ("world gap: eval loss shuffled minus own world", "nats/token", "gap.png"),
 }
 THUMB = 256  # a caption sample's picture is shown at most this many pixels wide or high
+
+_log = log.get(__name__)
 
 
 @dataclass
@@ -559,9 +561,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     runs, missing = build(args.runs, out, args.eval)
     if missing:
-        print(f"train.report: no metrics in {', '.join(missing)}: left out, the rest drawn", file=sys.stderr)
+        _log.warning(f"train.report: no metrics in {', '.join(missing)}: left out, the rest drawn")
     drawn = ", ".join(r.arg for r in runs if r.stages)
-    print(f"wrote {out} (runs {drawn}; the figures' PNGs in {out.with_name(out.stem + '_files')}/)", file=sys.stderr)
+    _log.info(f"wrote {out} (runs {drawn}; the figures' PNGs in {out.with_name(out.stem + '_files')}/)")
     return 0
 
 
