@@ -53,7 +53,7 @@ img2dataset:
 	$(PY) scripts/lock.py requirements img2dataset > $(VENV)/img2dataset-requirements.txt
 	$(PY) -m pip install -q -r $(VENV)/img2dataset-requirements.txt
 
-# python -m train.bench_readers compares our reader with MosaicML Streaming, whose own requirements (numpy<2.2,
+# python -m tools.speed_readers compares our reader with MosaicML Streaming, whose own requirements (numpy<2.2,
 # transformers<5, torchvision) would downgrade numpy and transformers and pull PyPI's CUDA torch: it goes in without
 # them, with the few modules its import and S3 path need (it is imported without streaming/__init__, which needs
 # torchvision).
@@ -100,10 +100,10 @@ test-fast: install
 	$(PY) -m pytest -q -m "not slow"
 
 bench: install
-	$(PY) -m precompute.bench
-	$(PY) -m train.bench
-	$(PY) -m train.bench_generate
-	$(PY) -m train.bench_eval
+	$(PY) -m tools.speed_precompute
+	$(PY) -m tools.speed_train
+	$(PY) -m tools.speed_generate
+	$(PY) -m tools.speed_eval
 
 clean-demo:
 	rm -rf cache/latents runs

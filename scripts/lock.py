@@ -37,7 +37,7 @@ LEFT_UNMET = {
     # (which lmms-eval needs) and lists the dataclasses backport (Python 3.6); its download path runs on the locked
     # versions (tests/test_source_urls.py)
     "img2dataset": {"webdataset", "pandas", "opencv-python-headless", "dataclasses"},
-    # a peer in train.bench_readers, read through streaming.base alone (see the Makefile's streaming target)
+    # a peer in tools.speed_readers, read through streaming.base alone (see the Makefile's streaming target)
     "mosaicml-streaming": ALL,
 }
 # Of LEFT_UNMET, the requirements installed all the same, without their upper bound.

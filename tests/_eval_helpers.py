@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from theworld import images, synthetic
-from theworld.infer import benchmarks
+from theworld.infer import benchmark_items
 from theworld.inputs import text_batch
 from theworld.objective import IGNORE
 from theworld.text import ChatFormatter
@@ -37,7 +37,7 @@ TWO_ITEMS = [
 ]
 
 
-def hand_scores(model, processor, item: benchmarks.Item, world_image) -> list[float]:
+def hand_scores(model, processor, item: benchmark_items.Item, world_image) -> list[float]:
     """Each choice on its own: full logits of the sequence, log-softmax, summed over the answer tokens."""
     fmt = ChatFormatter(processor)
     world = images.to_uint8_tensor(images.resize(images.decode(Path(world_image).read_bytes()), 64)[0])[None]

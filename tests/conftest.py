@@ -120,7 +120,7 @@ def trained_run(tmp_path_factory):
 
     from precompute.config import load as load_pre
     from precompute.cosmos_latents import run
-    from theworld.infer import benchmarks
+    from theworld.infer import benchmark_items
     from train import checkpoint
     from train.loop import main
 
@@ -132,7 +132,7 @@ def trained_run(tmp_path_factory):
             [f"output_dir={cache}", "source.num_samples=48", "shard_size=24", "batch_size=24", "num_workers=0"],
         )
     )
-    benchmarks.make_synthetic(mc, 6)
+    benchmark_items.make_synthetic(mc, 6)
     recorded = {}
     original = checkpoint.export_final
 

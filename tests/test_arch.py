@@ -45,8 +45,8 @@ def test_every_parameter_has_a_part_and_freeze_flags_act_on_their_part():
     trainable (less the ones no forward reaches, TheWorld.OFF_PATH), the projector always trains."""
     from theworld.config import load_config
     from theworld.model import TheWorld
+    from tools.memory_plan import build_world
     from train.config import TrainConfig
-    from train.memory import build_world
 
     for off in arch.FREEZABLE:
         cfg = load_config(TrainConfig, None, [f"freeze.{off}=false"])

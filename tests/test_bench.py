@@ -19,7 +19,7 @@ def _positive(row: dict, *keys: str) -> None:
 def test_train_bench_smoke(tmp_path):
     rows = bench_json(
         [
-            "train.bench",
+            "tools.speed_train",
             "--cases",
             "tiny,tiny_s3",
             "--steps",
@@ -61,7 +61,7 @@ def test_train_bench_smoke(tmp_path):
 def test_data_overhead_interval_brackets_the_true_ratio():
     import numpy as np
 
-    from train.bench import _ratio_ci95
+    from tools.speed_train import _ratio_ci95
 
     staged = list(np.linspace(0.1, 0.2, 50))
     assert _ratio_ci95([1.1 * t for t in staged], staged) == [1.1, 1.1]  # no noise: no width
@@ -74,7 +74,7 @@ def test_data_overhead_interval_brackets_the_true_ratio():
 
 @pytest.mark.slow
 def test_precompute_bench_smoke(tmp_path):
-    rows = {r["case"]: r for r in bench_json(["precompute.bench", "--n", "128"], tmp_path)["rows"]}
+    rows = {r["case"]: r for r in bench_json(["tools.speed_precompute", "--n", "128"], tmp_path)["rows"]}
     assert set(rows) == {"tiny", "jpeg256", "jpeg_draft_decode", "real_size_format", "real_size_format_no_images"}
     for case in ("tiny", "jpeg256"):
         _positive(
@@ -96,11 +96,11 @@ def test_precompute_bench_smoke(tmp_path):
 def test_real_size_bench_code_path_at_toy_sizes(tmp_path):
     """The GPU benchmark's code (model at given sizes, FLOP count, VAE rate) runs end to end at toy sizes on CPU."""
     from theworld.arch import TINY
-    from train.bench_real import lm_flops
+    from tools.speed_real import lm_flops
 
     out = bench_json(
         [
-            "train.bench_real",
+            "tools.speed_real",
             "--sizes",
             "tiny",
             "--steps",
@@ -132,7 +132,7 @@ def test_real_size_bench_code_path_at_toy_sizes(tmp_path):
 def test_train_bench_bucketed_smoke(tmp_path):
     rows = bench_json(
         [
-            "train.bench",
+            "tools.speed_train",
             "--cases",
             "tiny_buckets",
             "--steps",
@@ -166,7 +166,7 @@ def test_train_bench_bucketed_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_generate_bench_smoke(tmp_path):
-    out = bench_json(["train.bench_generate", "--new-tokens", "4", "--repeats", "1"], tmp_path)
+    out = bench_json(["tools.speed_generate", "--new-tokens", "4", "--repeats", "1"], tmp_path)
     rows = {r["case"]: r for r in out["rows"]}
     assert set(rows) == {"cache", "no_cache"}
     for r in rows.values():
@@ -179,7 +179,7 @@ def test_generate_bench_smoke(tmp_path):
 def test_generate_bench_real_path_at_toy_sizes(tmp_path):
     """The GPU comparison (our loop vs Gemma's generate, text-only; our loop on the fused prefix) runs on CPU."""
     out = bench_json(
-        ["train.bench_generate", "--real", "--sizes", "tiny", "--new-tokens", "3", "--repeats", "1"], tmp_path
+        ["tools.speed_generate", "--real", "--sizes", "tiny", "--new-tokens", "3", "--repeats", "1"], tmp_path
     )
     rows = {r["case"]: r for r in out["rows"]}
     _positive(rows["text_only"], "ours_tokens_per_s", "gemma_generate_tokens_per_s", "ours_over_gemma")
@@ -194,7 +194,7 @@ def test_stage_bench_rows_at_tiny_sizes(tmp_path):
     stage3 = str(ROOT / "configs" / "stage3.yaml")
     rows = bench_json(
         [
-            "train.bench_stages",
+            "tools.speed_stages",
             "--configs",
             f"{stage3},{tmp_path / 'missing.yaml'}",
             "--steps",
@@ -218,8 +218,8 @@ def test_stage_bench_rows_at_tiny_sizes(tmp_path):
 
 
 def test_eval_bench_smoke(capsys):
-    """train.bench_eval at toy sizes, in process: both cases score the same items both ways and agree."""
-    from train.bench_eval import main
+    """tools.speed_eval at toy sizes, in process: both cases score the same items both ways and agree."""
+    from tools.speed_eval import main
 
     assert main(["--json", "--sizes", "tiny", "--items", "2", "--batch", "2", "--repeats", "1"]) == 0
     cases = json.loads(capsys.readouterr().out)["cases"]

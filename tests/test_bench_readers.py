@@ -1,4 +1,4 @@
-"""Smoke run of train.bench_readers at tiny size: every reader (ours, webdataset's URL pipeline, MosaicML Streaming)
+"""Smoke run of tools.speed_readers at tiny size: every reader (ours, webdataset's URL pipeline, MosaicML Streaming)
 reads the test cache from an S3 server the benchmark starts on 127.0.0.1, and all of them yield exactly the samples
 a local CacheReader reads (the comparison is fair). Figures are checked for sanity, not speed."""
 
@@ -11,7 +11,7 @@ import pytest
 from conftest import bench_json
 
 from theworld import cache_format as cf
-from train import bench_readers
+from tools import speed_readers as bench_readers
 
 
 def _local_digest(cache) -> tuple[str, str]:
@@ -27,7 +27,7 @@ def _local_digest(cache) -> tuple[str, str]:
 
 @pytest.mark.slow
 def test_bench_readers_rows_have_positive_rates_and_every_reader_reads_the_same_samples(cache, tmp_path):
-    report = bench_json(["train.bench_readers", "--cache", str(cache), "--rounds", "1"], tmp_path)
+    report = bench_json(["tools.speed_readers", "--cache", str(cache), "--rounds", "1"], tmp_path)
     assert (report["samples"], report["shards"], report["rounds"]) == (96, 3, 1)
     rows = {r["reader"]: r for r in report["rows"]}
     assert list(rows) == ["theworld", "webdataset", "streaming"]

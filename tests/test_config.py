@@ -298,7 +298,7 @@ def test_a_config_path_that_is_no_file_says_what_it_is_without_reading_it(tmp_pa
 
 
 def test_memory_plan_refuses_infinite_or_absurd_sizes_in_one_line(capsys):
-    from train.memory import main
+    from tools.memory_plan import main
 
     for args in (
         ["--gpu-memory-gib", "inf"],
@@ -333,7 +333,7 @@ def _tiny_gemma_with(tmp_path, **text_config) -> str:
 def test_a_hand_broken_model_config_is_one_line_for_the_memory_plan_and_the_loader(tmp_path, capsys, edit, words):
     from theworld.encoders import load_gemma
     from theworld.errors import UserError
-    from train.memory import main
+    from tools.memory_plan import main
 
     folder = _tiny_gemma_with(tmp_path, **edit)
     assert main(["--config", "configs/stage1.yaml", "--set", f"model.gemma={folder}"]) == 2
@@ -353,7 +353,7 @@ def test_a_hand_broken_model_config_is_one_line_for_the_memory_plan_and_the_load
     ],
 )
 def test_a_hand_broken_vae_config_is_one_line_for_the_memory_plan(tmp_path, capsys, text, words):
-    from train.memory import main
+    from tools.memory_plan import main
 
     (tmp_path / "config.json").write_text(text)
     assert main(["--config", "configs/stage1.yaml", "--set", f"model.vae={tmp_path}"]) == 2

@@ -109,7 +109,7 @@ def test_real_configs_build_on_the_meta_device_with_the_real_shapes(stage):
     at Gemma 3 4B's hidden size."""
     import torch
 
-    from train.memory import build_world
+    from tools.memory_plan import build_world
 
     cfg = load_config(TrainConfig, CONFIGS / "real" / f"stage{stage}.yaml")
     model = build_world(cfg, device="meta")

@@ -11,7 +11,7 @@ from _eval_helpers import TWO_ITEMS, blink_folder, hand_scores, write_items
 from theworld import images, synthetic
 from theworld.config import ImageConfig, ModelConfig, WorldConfig
 from theworld.evaluate import main
-from theworld.infer import benchmarks
+from theworld.infer import benchmark_items
 from theworld.infer.scoring import Scorer, evaluate, summarize, wilson
 from theworld.model import TheWorld
 
@@ -24,7 +24,7 @@ def tiny():
 
 def test_the_scorer_agrees_with_a_hand_computation_on_a_two_item_file(tiny, tmp_path):
     model, processor = tiny
-    items = benchmarks.read(write_items(tmp_path, TWO_ITEMS))
+    items = benchmark_items.read(write_items(tmp_path, TWO_ITEMS))
     assert [it.answer for it in items] == [1, 0] and len(items[1].images) == 2
     scores = Scorer(model, processor, ImageConfig(), items).score([0, 1])
     for i, s in enumerate(scores):
@@ -119,7 +119,7 @@ def test_a_raw_line_separator_inside_a_json_string_is_part_of_the_line(tmp_path)
     item = {"image": "0.png", "question": "one\u2028two\x85three", "choices": ["a\u2029", "b"], "answer": 0}
     path = write_items(tmp_path, [json.dumps(item, ensure_ascii=False)] * 2)
     assert "\u2028" in path.read_text()
-    items = benchmarks.read(path)
+    items = benchmark_items.read(path)
     assert [it.name for it in items] == [f"{path}:1", f"{path}:2"] and items[0].question == item["question"]
 
 
@@ -149,12 +149,12 @@ def test_bad_arguments_and_missing_data_exit_2(tmp_path, capsys):
 def test_an_unreadable_image_is_skipped_and_recorded(tmp_path):
     path = write_items(tmp_path, TWO_ITEMS)
     (tmp_path / "2.png").write_bytes(b"not a png")
-    bad = benchmarks.unreadable(benchmarks.read(path))
+    bad = benchmark_items.unreadable(benchmark_items.read(path))
     assert bad == [{"item": f"{path}:2", "field": "image 2", "reason": bad[0]["reason"]}] and bad[0]["reason"]
 
 
 def test_blinks_parquet_layout_is_read(tmp_path, tiny):
-    items = benchmarks.read(blink_folder(tmp_path / "blink"))
+    items = benchmark_items.read(blink_folder(tmp_path / "blink"))
     assert [(it.answer, it.category, len(it.images), it.choices) for it in items] == [
         (2, "Counting", 1, ["1", "2", "3"]),
         (1, "Jigsaw", 2, ["(A)", "(B)"]),
@@ -175,15 +175,15 @@ def test_bad_blink_rows_name_the_row_and_field(tmp_path, capsys, answer, image_1
 
 def test_the_synthetic_set_holds_the_true_caption_among_one_word_edits(tmp_path):
     path = tmp_path / "mc" / "items.jsonl"
-    records = benchmarks.make_synthetic(path, 30, seed=1)
+    records = benchmark_items.make_synthetic(path, 30, seed=1)
     assert {r["category"] for r in records} == {"colour", "shape", "position"}
-    for i, (r, item) in enumerate(zip(records, benchmarks.read(path))):
+    for i, (r, item) in enumerate(zip(records, benchmark_items.read(path))):
         caption = synthetic.scene(1, i)[1]
         assert item.choices[item.answer] == caption and len(set(item.choices)) == len(item.choices) >= 2
         for j, c in enumerate(item.choices):
             if j != item.answer:
                 diff = [(a, b) for a, b in zip(c.split(), caption.split()) if a != b]
-                assert len(diff) == 1 and diff[0][1] in benchmarks.EDITS[r["category"]]
+                assert len(diff) == 1 and diff[0][1] in benchmark_items.EDITS[r["category"]]
         assert item.images[0].read_bytes() == images.to_bytes(synthetic.scene(1, i)[0])
 
 
@@ -208,7 +208,7 @@ def test_two_processes_split_the_benchmark_and_agree_with_one(trained_run, tmp_p
     from conftest import run2
 
     mc = tmp_path / "mc7" / "items.jsonl"
-    benchmarks.make_synthetic(mc, 7, seed=2)
+    benchmark_items.make_synthetic(mc, 7, seed=2)
     sets = {
         "cache_dir": trained_run["cache"],
         "output_dir": tmp_path / "two",
@@ -229,7 +229,7 @@ def test_two_processes_split_the_benchmark_and_agree_with_one(trained_run, tmp_p
     first = next(x for x in lines if "bench/items/n" in x)
     assert first["step"] == 0 and first["bench/items/n"] == 7
     model, processor = TheWorld.from_config(ModelConfig(dtype="float32"), WorldConfig(), seed=0)
-    s = summarize(evaluate(model.eval(), processor, ImageConfig(), benchmarks.read(mc)))
+    s = summarize(evaluate(model.eval(), processor, ImageConfig(), benchmark_items.read(mc)))
     assert first["bench/items/accuracy"] == pytest.approx(s["accuracy"])
     assert first["bench/items/accuracy_shuffled_world"] == pytest.approx(s["accuracy_shuffled_world"])
 

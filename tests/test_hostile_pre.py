@@ -291,12 +291,12 @@ def test_a_bucketed_model_describes_images_of_any_aspect_ratio_as_it_would_one_b
 
 
 def test_a_bucketed_model_scores_items_of_any_aspect_ratio_batched_as_one_by_one(tmp_path, bucketed):
-    from theworld.infer import benchmarks
+    from theworld.infer import benchmark_items
     from theworld.infer.scoring import Scorer
 
     model, processor, image = bucketed
     paths = _scenes_of_two_aspect_ratios(tmp_path)
-    items = [benchmarks.Item(f"item {i}", [p], "which?", ["red", "green"], i) for i, p in enumerate(paths)]
+    items = [benchmark_items.Item(f"item {i}", [p], "which?", ["red", "green"], i) for i, p in enumerate(paths)]
     scorer = Scorer(model, processor, image, items)
     batched = scorer.score([0, 1])
     alone = [scorer.score([i])[0] for i in range(2)]

@@ -94,10 +94,10 @@ def test_out_is_written_whole_and_a_killed_runs_partial_file_is_removed(run, tra
 
 
 def test_card_rows_are_keyed_by_the_sets_content_split_and_limit(run, trained_run, tmp_path, capsys):
-    from theworld.infer import benchmarks
+    from theworld.infer import benchmark_items
 
     other = tmp_path / "other" / "items.jsonl"  # another set with the same file name
-    benchmarks.make_synthetic(other, 4, seed=7)
+    benchmark_items.make_synthetic(other, 4, seed=7)
     card = run / "final" / "README.md"
     assert _evaluate("--model", run, "--data", trained_run["mc"]) == 0
     assert _evaluate("--model", run, "--data", other) == 0
@@ -214,7 +214,7 @@ def test_profile_window_and_report_arguments_are_checked(tmp_path, trained_run, 
     _one_line(capsys, "profile.start_step", "3 steps", "<= 0")
     assert not (tmp_path / "out" / "final").exists()
 
-    from train import profile_report
+    from tools import profile_report
 
     assert profile_report.main([str(tmp_path), "--top", "-3"]) == 2
     _one_line(capsys, "--top must be >= 1")

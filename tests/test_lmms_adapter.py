@@ -114,11 +114,11 @@ def lmms_eval_cli(tmp_path, tasks, model_args: str, task_names: str, *extra: str
 
 @pytest.mark.slow
 def test_python_m_lmms_eval_runs_the_adapter_and_agrees_with_theworld(trained_run, tmp_path):
-    from theworld.infer import benchmarks
+    from theworld.infer import benchmark_items
     from theworld.infer.scoring import evaluate
     from theworld.model import TheWorld
 
-    items = benchmarks.read(trained_run["mc"])
+    items = benchmark_items.read(trained_run["mc"])
     tasks = _task_folder(tmp_path, items)
     run = lmms_eval_cli(
         tmp_path,
@@ -159,7 +159,7 @@ def test_generate_until_gives_the_text_theworld_generates(tmp_path, monkeypatch)
     from lmms_eval.tasks import TaskManager
 
     from theworld.config import ModelConfig, WorldConfig
-    from theworld.infer import benchmarks
+    from theworld.infer import benchmark_items
     from theworld.lmms_adapter import TheWorldLMM
     from theworld.model import TheWorld
 
@@ -168,8 +168,8 @@ def test_generate_until_gives_the_text_theworld_generates(tmp_path, monkeypatch)
     model.gemma.lm_head.weight = torch.nn.Parameter(torch.randn(head.shape, generator=torch.Generator().manual_seed(0)))
     model.eval()
     monkeypatch.setattr(TheWorld, "from_pretrained", classmethod(lambda cls, path, **kw: (model, processor)))
-    benchmarks.make_synthetic(tmp_path / "mc" / "items.jsonl", 4)
-    tasks = _task_folder(tmp_path, benchmarks.read(tmp_path / "mc" / "items.jsonl"))
+    benchmark_items.make_synthetic(tmp_path / "mc" / "items.jsonl", 4)
+    tasks = _task_folder(tmp_path, benchmark_items.read(tmp_path / "mc" / "items.jsonl"))
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
     out = simple_evaluate(
         model=TheWorldLMM("unused"),
@@ -193,9 +193,9 @@ def test_generate_until_gives_the_text_theworld_generates(tmp_path, monkeypatch)
 def test_lmms_eval_with_a_model_it_cannot_build_is_one_line_and_exit_2(trained_run, tmp_path, model_args, words):
     """lmms-eval prints any Exception of a model's constructor as a traceback and exits 0, having evaluated nothing;
     the adapter's own refusal gets through it as one line and exit code 2."""
-    from theworld.infer import benchmarks
+    from theworld.infer import benchmark_items
 
-    tasks = _task_folder(tmp_path, benchmarks.read(trained_run["mc"])[:1])
+    tasks = _task_folder(tmp_path, benchmark_items.read(trained_run["mc"])[:1])
     missing = tmp_path / "no-run"
     model_args = model_args.replace("MISSING", str(missing)).replace("RUN", str(trained_run["run"]))
     run = lmms_eval_cli(tmp_path, tasks, model_args, "theworld_local_loglik")

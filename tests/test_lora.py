@@ -119,10 +119,10 @@ def test_init_from_a_lora_stage_into_a_full_fine_tune_merges_first(lora_run):
 
 def test_evaluate_reads_a_lora_stage(lora_run, tmp_path, capsys):
     from theworld import evaluate
-    from theworld.infer import benchmarks
+    from theworld.infer import benchmark_items
 
     items = tmp_path / "mc.jsonl"
-    benchmarks.make_synthetic(items, 4)
+    benchmark_items.make_synthetic(items, 4)
     assert evaluate.main(["--model", str(lora_run), "--data", str(items), "--json"]) == 0
     assert '"n": 4' in capsys.readouterr().out
 

@@ -10,7 +10,7 @@ import torch
 
 from theworld import synthetic
 from theworld.config import ImageConfig, ModelConfig, WorldConfig
-from theworld.infer import benchmarks
+from theworld.infer import benchmark_items
 from theworld.infer.baselines import BASELINES, MODEL, SHUFFLED
 from theworld.infer.scoring import Scorer, evaluate
 from theworld.model import TheWorld
@@ -34,12 +34,12 @@ ITEMS = [
 
 
 @pytest.fixture(scope="module")
-def items(tmp_path_factory) -> list[benchmarks.Item]:
+def items(tmp_path_factory) -> list[benchmark_items.Item]:
     root = tmp_path_factory.mktemp("items")
     for i in range(3):
         synthetic.scene(11, i)[0].save(root / f"{i}.png")
     (root / "items.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ITEMS))
-    return benchmarks.read(root / "items.jsonl")
+    return benchmark_items.read(root / "items.jsonl")
 
 
 @pytest.fixture(scope="module", params=["one_global_layer", "sliding_and_global"])

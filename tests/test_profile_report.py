@@ -1,4 +1,4 @@
-"""python -m train.profile_report: self times and parts from a Chrome trace (exact on a hand-made one), and the report
+"""python -m tools.profile_report: self times and parts from a Chrome trace (exact on a hand-made one), and the report
 of a real trace written by `profile:` in a tiny run."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from train import profile_report
+from tools import profile_report
 
 
 def ev(name: str, ts: float, dur: float, cat: str = "cpu_op", tid: int = 1) -> dict:

@@ -17,7 +17,7 @@ from _eval_helpers import TWO_ITEMS, blink_folder, hand_scores, write_items
 from theworld import images, synthetic
 from theworld.config import ImageConfig, ModelConfig, WorldConfig
 from theworld.evaluate import main
-from theworld.infer import baselines, benchmarks, captions, letters, scoring, stats
+from theworld.infer import baselines, benchmark_items, captions, letters, scoring, stats
 from theworld.inputs import text_batch
 from theworld.model import TheWorld
 from theworld.objective import IGNORE
@@ -109,7 +109,7 @@ def test_paired_difference_and_summary_of_baselines():
 
 
 def test_unparsed_answers_are_wrong_and_counted_and_uncategorised_items_get_their_own_row(tmp_path):
-    items = benchmarks.read(write_items(tmp_path, TWO_ITEMS))
+    items = benchmark_items.read(write_items(tmp_path, TWO_ITEMS))
     recs = scoring.tally(
         items,
         [0, 1],
@@ -177,7 +177,7 @@ def with_latents(model, processor, item, mean: torch.Tensor) -> list[float]:
 
 def test_each_baseline_agrees_with_a_hand_computation_on_a_two_item_file(tiny, tmp_path):
     model, processor = tiny
-    items = benchmarks.read(write_items(tmp_path, TWO_ITEMS))
+    items = benchmark_items.read(write_items(tmp_path, TWO_ITEMS))
     init = baselines.InitProjector(model, WorldConfig(), seed=0)  # the tiny fixture is itself seed 0's start
     trained = {k: v.clone() for k, v in model.projector.state_dict().items()}
     with torch.no_grad():  # "train" the projector: the model now differs from its initialisation
@@ -211,7 +211,7 @@ def test_each_baseline_agrees_with_a_hand_computation_on_a_two_item_file(tiny, t
 
 def test_the_generate_protocol_answers_as_model_generate_and_gemma_generate_do(tiny, tmp_path):
     model, processor = tiny
-    items = benchmarks.read(write_items(tmp_path, [{**TWO_ITEMS[0], "image": f"{i}.png"} for i in range(3)]))
+    items = benchmark_items.read(write_items(tmp_path, [{**TWO_ITEMS[0], "image": f"{i}.png"} for i in range(3)]))
     conds = baselines.conditions(["no_world"])
     out = scoring.Scorer(model, processor, ImageConfig(), items, max_new_tokens=6).answer([0, 1, 2], conds)
     prompts = [letters.mc_prompt(it.question, it.choices) for it in items]
@@ -371,7 +371,7 @@ def test_a_blink_folder_with_val_and_test_files_is_read_by_split(tmp_path, capsy
     folder = blink_folder(tmp_path / "blink")
     val = folder / "Counting" / "val-00000-of-00001.parquet"
     shutil.copy(val, folder / "Counting" / "test-00000-of-00001.parquet")
-    assert len(benchmarks.read(folder)) == 2 and len(benchmarks.read(folder, "test")) == 2
+    assert len(benchmark_items.read(folder)) == 2 and len(benchmark_items.read(folder, "test")) == 2
     assert main(["--model", str(tmp_path), "--data", str(folder), "--split", "train"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "'train'" in err and "test, val" in err
@@ -405,7 +405,7 @@ def test_train_benchmarks_run_under_every_shipped_config(config, tiny, tmp_path)
     from train.config import TrainConfig, load_config, resolve_micro_batch
 
     mc = tmp_path / "mc" / "items.jsonl"
-    benchmarks.make_synthetic(mc, 3)
+    benchmark_items.make_synthetic(mc, 3)
     cfg = load_config(TrainConfig, config, [f"train.benchmarks=[{{path: {mc}, baselines: [no_world]}}]"])
     bench = BenchmarkEval.load(cfg)  # before the micro batch is resolved, as train.loop does
     resolve_micro_batch(cfg, 1)
@@ -447,8 +447,8 @@ def test_generated_text_never_ends_in_a_broken_character(tiny):
 
 
 def test_the_synthetic_set_writes_its_captions_beside_it(tmp_path):
-    records = benchmarks.make_synthetic(tmp_path / "items.jsonl", 4)
-    items = captions.read(tmp_path / benchmarks.CAPTIONS)
+    records = benchmark_items.make_synthetic(tmp_path / "items.jsonl", 4)
+    items = captions.read(tmp_path / benchmark_items.CAPTIONS)
     assert [it.captions for it in items] == [[r["choices"][r["answer"]]] for r in records]
     assert [it.images[0].name for it in items] == [Path(r["image"]).name for r in records]
 

@@ -127,8 +127,8 @@ def test_the_page_is_one_file_with_inline_pngs_and_the_figures_hold_the_metrics(
     assert main([*args, "--out", str(out)]) == 0
     named = [line for line in capsys.readouterr().err.splitlines() if "no metrics" in line]
     assert named == [
-        f"warning: train.report: no metrics in {runs['empty']} (no metrics.jsonl), {runs['samples_only']} (no loss or eval "
-        "lines): left out, the rest drawn"
+        f"warning: train.report: no metrics in {runs['empty']} (no metrics.jsonl), {runs['samples_only']} "
+        "(no loss or eval lines): left out, the rest drawn"
     ]
     assert sorted(p.name for p in out.parent.iterdir()) == ["report.html", "report_files"]  # no temporary file left
     page = out.read_text()

@@ -1,5 +1,5 @@
 """Sharded training (train.sharding: fsdp, FSDP2 on gloo with two real CPU processes), train.lr_multipliers and the
-memory plan (train.memory): FSDP equals one process, kill -9 + resume under FSDP is bitwise exact, the stage chain
+memory plan (tools.memory_plan): FSDP equals one process, kill -9 + resume under FSDP is bitwise exact, the stage chain
 crosses shardings, multipliers reach their parameter groups, the plan's counts are exact and its estimate matches a
 measured peak."""
 
@@ -187,8 +187,8 @@ def test_fsdp_stage_chain_1_2_4(cache, tmp_path, capsys):
     assert any(k.startswith("gemma.model.language_model.") for k in w4)
     # whole tensors under the model's own names: exactly the trainable set of an unsharded stage-4 model
     from theworld.config import load_config
+    from tools.memory_plan import build_world
     from train.config import TrainConfig
-    from train.memory import build_world
 
     cfg = load_config(TrainConfig, str(cfgs / "stage4.yaml"), ["model.dtype=float32"])
     expected = {n: p.shape for n, p in build_world(cfg).named_parameters() if p.requires_grad}
@@ -392,10 +392,10 @@ def test_memory_plan_counts_parameters_exactly(stage):
 
 
 def test_memory_cli_real_configs_offline(capsys):
-    """The real configs resolve offline to the architectures train.bench_real builds: Gemma 3 4B (4,300,079,472
+    """The real configs resolve offline to the architectures tools.speed_real builds: Gemma 3 4B (4,300,079,472
     parameters, as published for google/gemma-3-4b-it) + the Wan 2.1 VAE + the projector."""
     from theworld.arch import REAL
-    from train import memory
+    from tools import memory_plan as memory
 
     assert memory.main(["--config", str(ROOT / "configs" / "real" / "stage3.yaml"), "--gpus", "8", "--json"]) == 0
     p = json.loads(capsys.readouterr().out)
@@ -428,8 +428,9 @@ MEASURE = """
 import gc, json, sys, torch
 torch.set_num_threads(1)
 from theworld.config import load_config
-from train import memory, optim
-from train.bench_real import batch
+from tools import memory_plan as memory
+from train import optim
+from tools.speed_real import batch
 from train.config import TrainConfig
 
 def status(key):
@@ -460,7 +461,7 @@ def test_memory_estimate_matches_peak_rss_of_a_small_model(tmp_path):
     model training, about 25 M trainable parameters on the CPU): within 15%."""
     from theworld.arch import TINY, gemma_config
     from theworld.config import load_config
-    from train import memory
+    from tools import memory_plan as memory
     from train.config import TrainConfig
 
     text = dict(

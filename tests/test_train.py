@@ -542,7 +542,7 @@ def test_train_attention_sets_the_language_models_kernel_only():
     from theworld.arch import TINY
     from theworld.config import load_config
     from theworld.errors import UserError
-    from train.bench_real import build_gemma
+    from tools.speed_real import build_gemma
     from train.components import set_language_attention
     from train.config import TrainConfig
 

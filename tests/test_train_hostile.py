@@ -441,7 +441,7 @@ def test_final_is_hashed_and_damaged_or_non_finite_weights_are_refused_by_every_
 
     from theworld import describe, evaluate
     from theworld.errors import UserError
-    from theworld.infer import benchmarks
+    from theworld.infer import benchmark_items
     from theworld.model import TheWorld
 
     out = tmp_path / "run"
@@ -454,7 +454,7 @@ def test_final_is_hashed_and_damaged_or_non_finite_weights_are_refused_by_every_
     good = weights.read_bytes()
     first = sorted(load_file(str(weights)))[0]
     data = tmp_path / "mc.jsonl"
-    benchmarks.make_synthetic(data, 4, seed=1)
+    benchmark_items.make_synthetic(data, 4, seed=1)
     image = tmp_path / "a.png"
     from PIL import Image
 
@@ -650,11 +650,11 @@ def test_the_last_eval_comes_after_the_checkpoint_and_final_so_neither_a_stop_no
 
 @pytest.mark.slow
 def test_sigterm_to_a_two_process_launch_during_a_long_last_eval_ends_well_within_the_grace_period(cache, tmp_path):
-    from theworld.infer import benchmarks
+    from theworld.infer import benchmark_items
 
     data = tmp_path / "bench" / "big.jsonl"
     data.parent.mkdir()
-    benchmarks.make_synthetic(data, 2000, seed=1)  # minutes of scoring on this CPU
+    benchmark_items.make_synthetic(data, 2000, seed=1)  # minutes of scoring on this CPU
     out = tmp_path / "run"
     args = base_args(cache, out, steps=2, **{"train.save_every": 100, "train.benchmarks": f"[{data}]"})
     launcher = launch2(args, via="train.launch", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -101,7 +101,7 @@ TINY = {
 class KnownGemma:
     mm_tokens: int  # image tokens per image
     hidden_size: int  # of the language model
-    sizes: dict | None = None  # the whole architecture, where known (train.memory builds it offline)
+    sizes: dict | None = None  # the whole architecture, where known (tools.memory_plan builds it offline)
 
 
 # Hub ids usable offline when their config is not in the local Hugging Face cache.

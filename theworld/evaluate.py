@@ -3,8 +3,8 @@
 item's own world, with the world shuffled, and against baselines on the same items; `--task caption`: caption scores.
 
 Protocols, conditions and statistics: theworld/infer/scoring.py, baselines.py, letters.py, stats.py; captions:
-theworld/infer/captions.py; data formats: theworld/infer/benchmarks.py. The default protocol is `generate` for items
-that carry the benchmark's own prompt (BLINK) and `loglik` for the others (JSONL, the synthetic set), which have
+theworld/infer/captions.py; data formats: theworld/infer/benchmark_items.py. The default protocol is `generate` for
+items that carry the benchmark's own prompt (BLINK) and `loglik` for the others (JSONL, the synthetic set), which have
 never been asked in a lettered form. `--make-synthetic N` first writes N items from unseen synthetic scenes to
 `--data` (images beside it); without `--model` it stops there. Evaluating a local run's final/ also writes the
 result into its model card (final/README.md).
@@ -22,7 +22,7 @@ from pathlib import Path
 from theworld import log, paths
 from theworld.config import ArgParser, DefaultsHelp
 from theworld.errors import UserError, cli_entry, out_of_space, sigterm_as_exit
-from theworld.infer import baselines, benchmarks
+from theworld.infer import baselines, benchmark_items
 from theworld.infer.scoring import PROTOCOLS
 
 _log = log.get(__name__)
@@ -110,12 +110,12 @@ def _check_split(args) -> None:
     if args.split is None or args.make_synthetic or data.is_dir():
         args.split = args.split or "val"
         return
-    if data.suffix == ".parquet" and benchmarks.split_of(data) == args.split:
+    if data.suffix == ".parquet" and benchmark_items.split_of(data) == args.split:
         return
     raise UserError(
         f"theworld.evaluate: --split {args.split} chooses the files of a BLINK parquet folder, but --data {data} is "
         f"one {'parquet' if data.suffix == '.parquet' else 'JSONL'} file"
-        + (f" of split {benchmarks.split_of(data)!r}" if data.suffix == ".parquet" else " (it has no splits)")
+        + (f" of split {benchmark_items.split_of(data)!r}" if data.suffix == ".parquet" else " (it has no splits)")
         + "; leave --split out"
     )
 
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             from theworld import checkpoint_layout as layout
 
             paths.check_not_input(args.data, {"the model folder": layout.resolve(args.model)}, flag="--data")
-        benchmarks.make_synthetic(args.data, args.make_synthetic, seed=args.synthetic_seed)
+        benchmark_items.make_synthetic(args.data, args.make_synthetic, seed=args.synthetic_seed)
         _log.info(f"wrote {args.make_synthetic} items to {args.data}")
         if not args.model:
             return 0
@@ -193,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
             items = captions.read(args.data)
         items = items[: args.limit or None]
     else:
-        items = benchmarks.read(args.data, args.split)[: args.limit or None]
-    items = _readable(items, benchmarks.unreadable(items))
+        items = benchmark_items.read(args.data, args.split)[: args.limit or None]
+    items = _readable(items, benchmark_items.unreadable(items))
     if not items:
         raise UserError(f"--data {args.data}: no item with readable images")
     from theworld import checkpoint_layout as layout

@@ -28,7 +28,7 @@ from theworld.inputs import ModelInputs
 from theworld.projector import WorldProjector
 from theworld.text import ChatFormatter
 
-# record_function labels of a step's parts in the profiler's trace (train.profile_report groups time by them)
+# record_function labels of a step's parts in the profiler's trace (tools.profile_report groups time by them)
 PROFILE_LABELS = {
     part: f"theworld:{part}"
     for part in ("world_encoder", "projector", "vision_tower", "language_model", "backward", "optimizer", "data")
@@ -119,7 +119,7 @@ class TheWorld(nn.Module):
         seed: int = 0,
         lora: LoraConfig | None = None,
     ):
-        """TheWorld around loaded (or, for train.memory, meta-device) base models, with a fresh fp32 projector."""
+        """TheWorld around loaded (or, for tools.memory_plan, meta-device) base models, with a fresh fp32 projector."""
         encoder = WorldEncoder(vae)
         self = cls(gemma, encoder, cls.new_projector(gemma, encoder, world, seed), world.latent)
         if lora is not None:  # after the projector: its initialisation stays what it was without LoRA
@@ -242,7 +242,7 @@ class TheWorld(nn.Module):
     def embed_inputs(self, inputs: ModelInputs) -> dict:
         """The fused language-model inputs (see `fuse`) from token ids, world inputs and image inputs; with
         `inputs.use_world` False, no world block at all (no SOW, world or EOW tokens), Gemma 3 as its users know it."""
-        # labels for the profiler's trace (python -m train.profile_report groups its time by them)
+        # labels for the profiler's trace (python -m tools.profile_report groups its time by them)
         with record_function(PROFILE_LABELS["vision_tower"]):
             feats = self.image_features(inputs.pixel_values, inputs.siglip)
         if not inputs.use_world:

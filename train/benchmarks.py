@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from theworld.errors import UserError
-from theworld.infer import baselines, benchmarks, stats
+from theworld.infer import baselines, benchmark_items, stats
 from theworld.infer.scoring import Scorer, tally
 from train import preempt
 from train.config import BenchmarkEntry
@@ -36,7 +36,7 @@ def _name(path: str) -> str:
 
 @dataclass
 class BenchmarkSet:
-    items: list[benchmarks.Item]
+    items: list[benchmark_items.Item]
     protocol: str  # generate or loglik
     baselines: list[str]
 
@@ -64,10 +64,10 @@ class BenchmarkEval:
                     "protocol need train.sharding: ddp"
                 )
             try:
-                items = benchmarks.read(entry.path)
+                items = benchmark_items.read(entry.path)
             except UserError as e:
                 raise UserError(f"config key 'train.benchmarks': {e}") from None
-            bad = {s["item"] for s in benchmarks.unreadable(items)}
+            bad = {s["item"] for s in benchmark_items.unreadable(items)}
             if bad:
                 print(f"benchmark {name}: {len(bad)} item(s) with unreadable images left out", file=sys.stderr)
             items = [it for it in items if it.name not in bad]

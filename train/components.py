@@ -124,7 +124,7 @@ def build(
 ) -> Components:
     """Model sharded or DDP-wrapped (train.sharding), optimiser over trainable parameters only, schedule, optional EMA.
     `built`: a model (and processor) made by `build_model` and then given its init_from weights, or made elsewhere
-    (e.g. the real architecture with random weights for train.bench_stages)."""
+    (e.g. the real architecture with random weights for tools.speed_stages)."""
     model, processor = built or build_model(cfg)
     choice = getattr(accelerator, "sharding_choice", None) or sharding.ShardingChoice(
         cfg.train.sharding, "train.sharding"

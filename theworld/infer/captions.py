@@ -19,7 +19,7 @@ from pathlib import Path
 
 from theworld import images as imagelib
 from theworld.errors import UserError
-from theworld.infer.benchmarks import _bad, jsonl_records
+from theworld.infer.benchmark_items import _bad, jsonl_records
 from theworld.text import DEFAULT_PROMPT
 
 KEYS = ("image", "captions")

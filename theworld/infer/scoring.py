@@ -10,7 +10,7 @@ Two protocols (docs/inference.md):
 Every item is evaluated under each condition asked for (theworld/infer/baselines.py): the model with its own world,
 with the shuffled world (item i gets item i-1's world latents, the first gets the last one's), and the baselines.
 Accuracies come with a 95% Wilson interval, overall and per category; each baseline also with the model's paired
-difference to it and an exact McNemar p-value. Data formats: theworld/infer/benchmarks.py.
+difference to it and an exact McNemar p-value. Data formats: theworld/infer/benchmark_items.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from theworld import images as imagelib
-from theworld.infer import benchmarks, letters, prefix_scoring, stats
+from theworld.infer import benchmark_items, letters, prefix_scoring, stats
 from theworld.infer.baselines import (
     MODEL,
     SHUFFLED,
@@ -44,7 +44,7 @@ class Scorer:
         model,
         processor,
         image_cfg,
-        items: list[benchmarks.Item],
+        items: list[benchmark_items.Item],
         init: InitProjector | None = None,
         shared_prefix: bool = True,
         max_new_tokens: int = 16,
@@ -191,7 +191,7 @@ def _argmax(scores: list[float]) -> int:
 
 
 def tally(
-    items: list[benchmarks.Item], indices: list[int], outputs: list[dict], protocol: str = "loglik"
+    items: list[benchmark_items.Item], indices: list[int], outputs: list[dict], protocol: str = "loglik"
 ) -> list[dict]:
     """Per-item records: answer, `preds` (condition -> chosen index, None when no letter could be read), `outputs`
     (condition -> choice scores or generated text); `pred` / `pred_shuffled_world` are the first two conditions'."""
@@ -251,7 +251,7 @@ def evaluate(
     model,
     processor,
     image_cfg,
-    items: list[benchmarks.Item],
+    items: list[benchmark_items.Item],
     batch_size: int = 8,
     progress=None,
     *,

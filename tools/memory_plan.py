@@ -1,0 +1,371 @@
+"""`python -m tools.memory_plan --config FILE [--gpus N] [--gpu-memory-gib 80] [--json]`: a per-GPU memory plan.
+
+Parameter counts are exact: the model is built on the meta device (shapes, no weights) from the configs of the base
+models; a hub id that is not in the local Hugging Face cache falls back to its architecture in theworld/arch.py
+(Gemma 3 4B, the Wan 2.1 VAE). Bytes per GPU under ddp and fsdp are broken into frozen weights, trainable weights,
+gradients, optimizer state, working buffers and activations; the activation figure is an estimate (formula below,
+docs/performance.md). Nothing is loaded onto a GPU and nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from theworld import lora as lora_adapters
+from theworld.arch import (
+    ANSWER_TOKENS,
+    KNOWN_GEMMA,
+    KNOWN_VAE,
+    LORA_MODULES,
+    REAL,
+    TEXT_TOKENS,
+    gemma_config,
+    latent_side,
+)
+from theworld.config import cli_parser, load_config, shown, to_yaml, trains
+from theworld.encoders import DTYPES, _quiet_hf, cannot_load, load_errors, resolve_gemma, resolve_vae
+from theworld.errors import UserError, cli_entry, one_line
+from theworld.model import TheWorld
+from train import sharding
+from train.config import TrainConfig, resolve_micro_batch
+
+# Hub ids whose whole architecture is known offline (theworld.arch): Gemma 3 4B.
+BUILDABLE_GEMMA = {k: v.sizes for k, v in KNOWN_GEMMA.items() if v.sizes is not None}
+HEADROOM = 0.9  # of the card: the CUDA context, NCCL buffers and allocator fragmentation take the rest
+ADAM_STATE = 8  # bytes per trainable parameter: AdamW's two fp32 moments
+ADAM_FOREACH = 4  # and the fp32 temporary of its step: whole-size with foreach (the default on GPUs), else the size
+# of the largest tensor (CPUs step one tensor at a time)
+ACT_PER_TOKEN_LAYER = 17  # elements stored per token per transformer layer per hidden unit (Korthikanti et al.'s
+# 34 s b h bytes in 16 bits, without the attention-score term: sdpa and flex attention keep no scores)
+VAE_TENSORS_PER_STAGE = 14  # activations kept per VAE encoder stage, in units of channels x pixels (2 res blocks)
+
+
+MAX_LAYERS = 1024
+
+
+def _gemma_config(spec: str):
+    from transformers import AutoConfig, Gemma3Config
+
+    if spec == "tiny" or Path(spec).is_dir():
+        try:
+            config = AutoConfig.from_pretrained(resolve_gemma(spec))
+        except load_errors() as e:
+            raise cannot_load("model.gemma", spec, e) from None
+        if not isinstance(config, Gemma3Config):
+            raise UserError(f"model.gemma: {spec!r} holds a {type(config).__name__}, not a Gemma 3 config")
+        for part in ("text_config", "vision_config"):  # the estimate builds every layer (on `meta`)
+            layers = getattr(getattr(config, part), "num_hidden_layers", 0)
+            if layers > MAX_LAYERS:
+                raise UserError(
+                    f"model.gemma: {spec!r} has {layers} layers in its {part}, more than any model this estimates "
+                    f"({MAX_LAYERS})"
+                )
+        return config
+    try:
+        return AutoConfig.from_pretrained(spec, local_files_only=True)
+    except (OSError, ValueError):
+        if spec in BUILDABLE_GEMMA:
+            return gemma_config(BUILDABLE_GEMMA[spec])
+    raise UserError(
+        f"model.gemma: no config for {spec!r} offline (known architectures: {', '.join(BUILDABLE_GEMMA)}); "
+        "give a local folder"
+    )
+
+
+def _vae_config(spec: str) -> dict:
+    from diffusers import AutoencoderKLWan
+
+    warnings.filterwarnings("ignore", message=".*local_dir_use_symlinks.*")  # huggingface_hub, on a cache miss
+    if spec != "tiny" and not Path(spec).is_dir() and spec in KNOWN_VAE:
+        try:
+            return AutoencoderKLWan.load_config(spec, subfolder="vae", local_files_only=True)
+        except load_errors():
+            return _wan_defaults()
+    path, subfolder = resolve_vae(spec)
+    try:
+        config = AutoencoderKLWan.load_config(path, subfolder=subfolder, local_files_only=True)
+    except load_errors() as e:
+        if Path(path).is_dir():  # the user's folder: say what is wrong with it
+            raise cannot_load("model.vae", spec, e) from None
+        raise UserError(
+            f"model.vae: no config for {spec!r} offline (known architectures: {', '.join(KNOWN_VAE)}); "
+            "give a local folder"
+        ) from None
+    if not isinstance(config, dict):
+        raise UserError(f"model.vae: {spec!r} has a config.json holding a JSON {type(config).__name__}, not a config")
+    return config
+
+
+def _wan_defaults() -> dict:
+    from diffusers import AutoencoderKLWan
+
+    with torch.device("meta"):
+        return dict(AutoencoderKLWan(**REAL["vae"]).config)
+
+
+def _build(key: str, spec: str, make):
+    """A model from its config, or one line naming the config that cannot make one (a negative or mistyped size)."""
+    try:
+        return make()
+    except (*load_errors(), RuntimeError) as e:
+        raise UserError(f"{key}: cannot build {spec!r} from its config.json: {one_line(e, 300)}") from None
+
+
+def build_world(cfg: TrainConfig, device: str = "meta") -> TheWorld:
+    """TheWorld as train.loop builds it (freeze flags, frozen weights in model.dtype, trainable in fp32), from the
+    base models' configs alone: on `meta` it holds shapes only; elsewhere random weights."""
+    from diffusers import AutoencoderKLWan
+    from transformers import Gemma3ForConditionalGeneration
+
+    _quiet_hf()
+    gemma_cfg, vae_cfg = _gemma_config(cfg.model.gemma), _vae_config(cfg.model.vae)
+    dtype = DTYPES[cfg.model.dtype]
+    with torch.device(device):
+        gemma = _build("model.gemma", cfg.model.gemma, lambda: Gemma3ForConditionalGeneration(gemma_cfg).to(dtype))
+        vae = _build("model.vae", cfg.model.vae, lambda: AutoencoderKLWan.from_config(vae_cfg).to(dtype))
+        model = TheWorld.from_modules(gemma, vae, cfg.world, cfg.freeze, seed=cfg.seed, lora=cfg.lora)
+    model.cast_trainable_to_fp32()
+    return model
+
+
+@dataclass
+class Counts:
+    total: int
+    trainable: int
+    frozen_bytes: int  # frozen weights in their load dtype
+    largest_unit: int  # parameters of the largest FSDP unit below the root
+    largest_unit_trainable: int
+    root: int  # parameters left in the root FSDP unit
+    largest_trainable: int  # elements of the largest trainable tensor
+
+
+def count(model: TheWorld) -> Counts:
+    params = dict(model.named_parameters())  # tied weights once, as the optimiser sees them
+    trainable = sum(p.numel() for p in params.values() if p.requires_grad)
+    frozen_bytes = sum(p.numel() * p.element_size() for p in params.values() if not p.requires_grad)
+    units = [list(u.parameters()) for u in sharding.units(model)]
+    sizes = [sum(p.numel() for p in u) for u in units] or [0]
+    biggest = max(range(len(units)), key=lambda i: sizes[i]) if units else None
+    big_train = sum(p.numel() for p in units[biggest] if p.requires_grad) if units else 0
+    total = sum(p.numel() for p in params.values())
+    largest = max((p.numel() for p in params.values() if p.requires_grad), default=0)
+    return Counts(total, trainable, frozen_bytes, max(sizes), big_train, total - sum(sizes), largest)
+
+
+def activation_bytes(cfg: TrainConfig, model: TheWorld, micro: int) -> int:
+    """Estimated activation memory of one micro-batch (see the module docstring for where the constants come from)."""
+    gc = model.gemma.config
+    text, vision = gc.get_text_config(), gc.vision_config
+    e = 2 if cfg.train.mixed_precision == "bf16" else DTYPES[cfg.model.dtype].itemsize
+    side = latent_side(cfg.image.resolution)
+    world = model.projector.num_tokens(side, side)
+    seq = TEXT_TOKENS + gc.mm_tokens_per_image + 2 + world
+    per_sample = _stack(seq, text.hidden_size, text.num_hidden_layers, e, cfg.train.gradient_checkpointing)
+    per_sample += ANSWER_TOKENS * text.vocab_size * (3 * 4 + e)  # answer logits: compute dtype, fp32 loss + grad
+    per_sample += lora_dropout_bytes(cfg, text, "language", seq, e)
+    if trains(cfg.freeze, cfg.lora, "vision"):
+        patches = (vision.image_size // vision.patch_size) ** 2
+        per_sample += _stack(patches, vision.hidden_size, vision.num_hidden_layers, e, cfg.train.gradient_checkpointing)
+        per_sample += lora_dropout_bytes(cfg, vision, "vision", patches, e)
+    if not cfg.freeze.vae and model.world_encoder is not None:
+        vc = model.world_encoder.vae.config
+        r = cfg.image.resolution
+        per_sample += sum(
+            VAE_TENSORS_PER_STAGE * vc.base_dim * m * (r >> i) ** 2 * e for i, m in enumerate(vc.dim_mult)
+        )
+    return micro * per_sample
+
+
+def lora_dropout_bytes(cfg: TrainConfig, part_cfg, part: str, seq: int, e: int) -> int:
+    """With lora.dropout > 0 every adapted layer keeps its own dropped-out copy of its input (and a one-byte mask)
+    for the backward of lora_A: per layer (or one layer, with checkpointing) of the part's stack."""
+    lora = cfg.lora
+    if lora is None or lora.dropout == 0 or part not in lora.parts:
+        return 0
+    heads = getattr(part_cfg, "num_attention_heads", 1) * getattr(part_cfg, "head_dim", part_cfg.hidden_size)
+    widths = {"o_proj": heads, "down_proj": part_cfg.intermediate_size, "fc2": part_cfg.intermediate_size}
+    per_layer = sum(
+        seq * widths.get(m, part_cfg.hidden_size) * (e + 1) for m in lora.target_modules if m in LORA_MODULES[part]
+    )
+    return per_layer * (1 if cfg.train.gradient_checkpointing else part_cfg.num_hidden_layers)
+
+
+def _stack(seq: int, hidden: int, layers: int, e: int, checkpointing: bool) -> int:
+    """Activations of a stack of transformer layers for one sequence; with checkpointing, each layer's input plus one
+    layer recomputed at a time."""
+    layer = ACT_PER_TOKEN_LAYER * seq * hidden * e
+    return layers * seq * hidden * e + layer if checkpointing else layers * layer
+
+
+def per_gpu(
+    cfg: TrainConfig, model: TheWorld, c: Counts, gpus: int, micro: int, foreach: bool = True
+) -> dict[str, dict[str, int]]:
+    """Bytes per GPU under ddp, fsdp and fsdp with host offload (train.cpu_offload). With one GPU fsdp runs
+    unsharded (the same as ddp); with offload it shards over a group of one, and only the gathered units stay."""
+    e = 2 if cfg.train.mixed_precision == "bf16" else 4
+    act = activation_bytes(cfg, model, micro)
+    step_tmp = ADAM_FOREACH * (c.trainable if foreach else c.largest_trainable)
+    ddp = {
+        "frozen_weights": c.frozen_bytes,
+        "trainable_weights": 4 * c.trainable,
+        # DDP's reducer keeps a flat bucket copy of every gradient besides the .grad tensors
+        "gradients": 4 * c.trainable * (2 if gpus > 1 else 1),
+        "optimizer_state": ADAM_STATE * c.trainable + step_tmp,
+        # autocast keeps a bf16 copy of each fp32 weight it used for the rest of the forward
+        "working_buffers": 2 * c.trainable if e == 2 else 0,
+        "activations": act,
+    }
+    # the root stays gathered; two units are gathered at a time (current + prefetched), and one unit's whole fp32
+    # gradient exists before its reduce-scatter
+    gathered = e * (c.root + 2 * c.largest_unit) + 4 * c.largest_unit_trainable
+    if gpus == 1:
+        fsdp = dict(ddp)
+    else:
+        fsdp = {
+            "frozen_weights": c.frozen_bytes // gpus,
+            "trainable_weights": 4 * c.trainable // gpus,
+            "gradients": 4 * c.trainable // gpus,
+            "optimizer_state": (ADAM_STATE * c.trainable + step_tmp) // gpus,
+            "working_buffers": gathered,
+            "activations": act,
+        }
+    offload = {
+        "frozen_weights": 0,
+        "trainable_weights": 0,
+        "gradients": 0,
+        "optimizer_state": 0,
+        "working_buffers": gathered,
+        "activations": act,
+    }
+    for d in (ddp, fsdp, offload):
+        d["total"] = sum(d.values())
+    return {"ddp": ddp, "fsdp": fsdp, "fsdp_offload": offload}
+
+
+def host_bytes(c: Counts, gpus: int) -> int:
+    """Host memory each process holds under fsdp with offload: its shard of every weight, gradient and AdamW moment
+    (the optimizer steps on the CPU, one tensor at a time)."""
+    return (c.frozen_bytes + (4 + 4 + ADAM_STATE) * c.trainable + ADAM_FOREACH * c.largest_trainable) // gpus
+
+
+def estimate(cfg: TrainConfig, gpus: int, gpu_memory_gib: float, model: TheWorld | None = None) -> dict:
+    model = model or build_world(cfg)
+    c = count(model)
+    budget = int(gpu_memory_gib * 2**30 * HEADROOM)
+    micro = resolve_micro_batch(cfg, gpus)  # `auto` becomes what a run on `gpus` processes would use
+    per = per_gpu(cfg, model, c, gpus, micro)
+    out = {
+        "config": {
+            "gemma": cfg.model.gemma,
+            "vae": cfg.model.vae,
+            "freeze": vars(cfg.freeze),
+            "mixed_precision": cfg.train.mixed_precision,
+            "gradient_checkpointing": cfg.train.gradient_checkpointing,
+            "micro_batch_size": micro,
+        },
+        "gpus": gpus,
+        "gpu_memory_bytes": int(gpu_memory_gib * 2**30),
+        "budget_bytes": budget,
+        "total_params": c.total,
+        "trainable_params": c.trainable,
+        "frozen_params": c.total - c.trainable,
+        "lora": (
+            {"params": lora_adapters.count(model), "parts": cfg.lora.parts, "r": cfg.lora.r} if cfg.lora else None
+        ),
+        "per_gpu_bytes": per,
+        "fits": {k: v["total"] <= budget for k, v in per.items()},
+        "host_bytes_per_process": {"fsdp_offload": host_bytes(c, gpus)},
+        "suggested_micro_batch_size": {},
+    }
+    per_process = cfg.train.global_batch_size // gpus if cfg.train.global_batch_size % gpus == 0 else 0
+    for mode in per:
+        ok = [
+            m
+            for m in range(1, per_process + 1)
+            if per_process % m == 0 and per_gpu(cfg, model, c, gpus, m)[mode]["total"] <= budget
+        ]
+        out["suggested_micro_batch_size"][mode] = max(ok) if ok else None
+    return out
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:8.2f}"
+
+
+def render(p: dict) -> str:
+    rows = [
+        "frozen_weights",
+        "trainable_weights",
+        "gradients",
+        "optimizer_state",
+        "working_buffers",
+        "activations",
+        "total",
+    ]
+    modes = list(p["per_gpu_bytes"])
+    cell = lambda values: "".join(f"{v:>14s}" for v in values)
+    lines = [
+        f"parameters: {p['total_params']:,} total, {p['trainable_params']:,} trainable, "
+        f"{p['frozen_params']:,} frozen (exact, from the model built on the meta device)"
+        + (
+            f"; LoRA adapters: {p['lora']['params']:,} on {', '.join(p['lora']['parts'])} (r {p['lora']['r']})"
+            if p["lora"]
+            else ""
+        ),
+        f"per GPU, {p['gpus']} GPU(s) of {p['gpu_memory_bytes'] / 2**30:.0f} GiB "
+        f"(budget {HEADROOM:.0%}: {p['budget_bytes'] / 2**30:.1f} GiB), micro_batch_size "
+        f"{p['config']['micro_batch_size']}; GiB:",
+        f"{'':20s}{cell(modes)}",
+    ]
+    for r in rows:
+        lines.append(f"{r:20s}{cell(_gib(p['per_gpu_bytes'][m][r]).strip() for m in modes)}")
+    lines.append(f"{'fits':20s}{cell(str(p['fits'][m]) for m in modes)}")
+    s = p["suggested_micro_batch_size"]
+    lines.append(
+        f"{'micro_batch_size':20s}{cell(str(s[m] or '-') for m in modes)}"
+        "  (largest that fits and divides the per-process batch; - : none)"
+    )
+    lines.append(
+        f"fsdp_offload (train.cpu_offload) keeps weights, gradients and optimizer state in host memory: "
+        f"{p['host_bytes_per_process']['fsdp_offload'] / 2**30:.1f} GiB per process"
+    )
+    lines.append("activations and working buffers are estimates (docs/performance.md); the rest is exact")
+    return "\n".join(lines)
+
+
+MAX_GPUS, MAX_GPU_GIB = 2**20, 2**20  # beyond any machine; keeps the byte counts finite integers
+
+
+@cli_entry
+def main(argv: list[str] | None = None) -> int:
+    ap = cli_parser("tools.memory_plan", __doc__.splitlines()[0])
+    ap.add_argument("--gpus", type=int, default=1)
+    ap.add_argument("--gpu-memory-gib", type=float, default=80.0)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if args.config is None:
+        raise UserError("tools.memory_plan: --config is required")
+    if not 1 <= args.gpus <= MAX_GPUS:
+        raise UserError(f"tools.memory_plan: --gpus must be between 1 and {MAX_GPUS}, got {shown(args.gpus)}")
+    if not 0 < args.gpu_memory_gib <= MAX_GPU_GIB:  # also refuses inf and nan
+        raise UserError(
+            f"tools.memory_plan: --gpu-memory-gib must be a positive number of GiB up to {MAX_GPU_GIB}, got "
+            f"{args.gpu_memory_gib}"
+        )
+    cfg = load_config(TrainConfig, args.config, args.overrides)
+    if args.print_config:
+        print(to_yaml(cfg), end="")
+        return 0
+    p = estimate(cfg, args.gpus, args.gpu_memory_gib)
+    print(json.dumps(p, indent=1) if args.json else render(p))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

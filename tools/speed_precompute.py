@@ -1,0 +1,274 @@
+"""Precompute benchmark: how close the full pipeline gets to the encoder alone, and what the cache format costs.
+
+    python -m tools.speed_precompute [--json] [--n N] [--cases tiny,jpeg256]
+    python -m tools.speed_precompute --cases real512 --n 1024    # GPU: the real-size Wan VAE (random weights) in bf16
+
+For each case, measured side by side in one run on the same images:
+  pipeline_efficiency   encode-only time on pre-decoded uint8 tensors / full `run()` time (decode, resize, encode,
+                        serialise, write; model loading excluded). 1.0 means the encoder is the only cost.
+  host_ms_per_image     one worker's decode+resize, and the serialisation of a sample (latents to safetensors + tar
+                        member bytes), per image.
+  bytes_overhead        bytes per cached sample / bytes of its payload (latent tensors, image, caption, json) - 1.
+A last row writes real-size samples (512 px: latents 16x1x64x64 in bfloat16, a 512 px JPEG) to measure the format's
+overhead at the size it is used at, without needing the real VAE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from PIL import Image, ImageFilter
+
+from precompute.config import PrecomputeConfig, SourceConfig
+from precompute.cosmos_latents import encode_latents, run
+from precompute.entry_dataset import EntryDataset
+from precompute.sources import open_listing
+from theworld import cache_format as cf
+from theworld import encoders, images, synthetic
+from theworld.config import ImageConfig, ModelConfig
+
+
+def _jpeg_folder(root: Path, n: int, size: tuple[int, int] = (1024, 768)) -> None:
+    """n photo-sized JPEGs (synthetic scenes blown up, blurred and noised so they compress like photos)."""
+    root.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i in range(n):
+        img, caption = synthetic.scene(1, i, size=256)
+        img = img.resize(size, Image.BICUBIC).filter(ImageFilter.GaussianBlur(2))
+        noise = Image.effect_noise(size, 24).convert("RGB")
+        img = Image.blend(img, noise, 0.15)
+        img.save(root / f"{i:05d}.jpg", quality=90)
+        lines.append(json.dumps({"image": f"{i:05d}.jpg", "caption": caption}))
+    (root / "captions.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def _real_vae(path: Path) -> str:
+    """The real Wan 2.1 VAE architecture (`AutoencoderKLWan()`, 127M params) with random weights, saved like a
+    downloaded one so the pipeline loads it through the same from_pretrained path."""
+    from diffusers import AutoencoderKLWan
+
+    if not (path / "config.json").is_file():
+        torch.manual_seed(0)
+        AutoencoderKLWan().to(torch.bfloat16).save_pretrained(path)
+    return str(path)
+
+
+def _config(case: str, work: Path, n: int, workers: int = 0) -> PrecomputeConfig:
+    common = dict(model=ModelConfig(gemma="tiny", vae="tiny", dtype="float32"), shard_size=128, num_workers=1)
+    if case == "real512":
+        if not torch.cuda.is_available():
+            raise SystemExit("error: case real512 needs a CUDA GPU")
+        _jpeg_folder(work / "jpegs512", n)
+        workers = workers or min(8, os.cpu_count() or 1)
+        return PrecomputeConfig(
+            model=ModelConfig(gemma="tiny", vae=_real_vae(work / "vae-real"), dtype="bfloat16"),
+            image=ImageConfig(resolution=512),
+            output_dir=str(work / "cache-real512"),
+            source=SourceConfig(type="folder", path=str(work / "jpegs512")),
+            shard_size=256,
+            batch_size=32,
+            num_workers=workers,
+            compile=True,
+        )
+    if case == "tiny":
+        return PrecomputeConfig(
+            **common,
+            image=ImageConfig(resolution=64),
+            output_dir=str(work / "cache-tiny"),
+            source=SourceConfig(type="synthetic", num_samples=n),
+            batch_size=64,
+        )
+    if case == "jpeg256":
+        _jpeg_folder(work / "jpegs", n)
+        return PrecomputeConfig(
+            **common,
+            image=ImageConfig(resolution=256),
+            output_dir=str(work / "cache-jpeg"),
+            source=SourceConfig(type="folder", path=str(work / "jpegs")),
+            batch_size=16,
+        )
+    raise SystemExit(f"unknown case {case!r} (tiny, jpeg256, real512)")
+
+
+def _timed(fn, *args) -> tuple[float, object]:
+    t = time.perf_counter()
+    out = fn(*args)
+    return time.perf_counter() - t, out
+
+
+def bench_case(case: str, work: Path, n: int, workers: int = 0) -> dict:
+    cfg = _config(case, work, n, workers)
+    listing = open_listing(
+        cfg.source.type,
+        cfg.source.path,
+        cfg.source.num_samples,
+        cfg.seed,
+        cfg.source.prompt,
+        index_dir=Path(cfg.output_dir) / cf.INDEX_DIR,
+        resolution=cfg.image.resolution,
+    )
+    entries = listing.entries(0, len(listing))
+    dataset = EntryDataset(listing, cfg)
+    # Host work of one worker: decode + resize, in this process, image by image.
+    t_prep, items = _timed(lambda: [dataset[i] for i in range(len(entries))])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    encoder = encoders.WorldEncoder(encoders.load_vae(cfg.model.vae, cfg.model.dtype)).to(device).eval()
+    encoder.optimize_for_inference(channels_last=device.type == "cuda", compile=cfg.compile)  # as run() does
+    # Encode-only: the pixels already sit on the device, so this is the encoder's own speed.
+    pixels = torch.stack([it["pixels"] for it in items]).to(device)
+    encode_latents(encoder, pixels[: cfg.batch_size], cfg)  # warm-up (allocations, compilation); waits for the device
+    t_enc, latents = _timed(
+        lambda: [
+            encode_latents(encoder, pixels[a : a + cfg.batch_size], cfg) for a in range(0, len(pixels), cfg.batch_size)
+        ]
+    )
+    encoder = pixels = None  # drop the references: the device memory is free for what follows
+    mean = torch.cat([m for m, _ in latents])
+    logvar = torch.cat([v for _, v in latents])
+    samples = [
+        cf.Sample(
+            key=e.key,
+            caption=it["caption"],
+            meta=it["meta"],
+            mean=mean[i],
+            logvar=logvar[i],
+            image=it.get("image"),
+        )
+        for i, (e, it) in enumerate(zip(entries, items))
+    ]
+    t_ser, encoded = _timed(lambda: [cf.encode_sample(s, cfg.cache.dtype) for s in samples])
+    # The full pipeline on the same images (model loading is outside its timer). Its summary lines go to stderr:
+    # stdout is this benchmark's figures alone, so `--json` output parses as it is.
+    with contextlib.redirect_stdout(sys.stderr):
+        summary = run(cfg)["summary"]
+    manifest = cf.load_manifest(cfg.output_dir)
+    payload = sum(len(v) for members in encoded for v in members.values()) / len(encoded)
+    per_sample = sum(s["bytes"] for s in manifest["shards"]) / manifest["num_samples"]
+    return {
+        "case": case,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "images": n,
+        "resolution": cfg.image.resolution,
+        "batch_size": cfg.batch_size,
+        "num_workers": cfg.num_workers,
+        "threads": torch.get_num_threads(),
+        "encode_only_images_per_s": round(n / t_enc, 1),
+        "pipeline_images_per_s": summary["images_per_s"],
+        "pipeline_efficiency": round((t_enc / n) / (summary["encode_seconds"] / n), 3),
+        "pipeline_seconds": {"total": summary["encode_seconds"], **summary["seconds_rank0"]},
+        "host_ms_per_image_decode_resize": round(1000 * t_prep / n, 3),
+        "host_ms_per_image_serialise": round(1000 * t_ser / n, 3),
+        "bytes_per_sample": round(per_sample),
+        "payload_bytes_per_sample": round(payload),
+        "bytes_overhead": round(per_sample / payload - 1, 4),
+    }
+
+
+def bench_draft_decode(n: int = 16) -> dict:
+    """JPEG draft-mode decoding vs a full decode of a 1024x768 photo, both to a 256 px input."""
+    with tempfile.TemporaryDirectory() as tmp:
+        _jpeg_folder(Path(tmp), n)
+        blobs = [p.read_bytes() for p in sorted(Path(tmp).glob("*.jpg"))]
+    t_full, _ = _timed(lambda: [images.resize(images.decode(b), 256)[0] for b in blobs])
+    t_draft, _ = _timed(lambda: [images.resize(images.decode(b, draft_size=256), 256)[0] for b in blobs])
+    return {
+        "case": "jpeg_draft_decode",
+        "full_ms": round(1000 * t_full / n, 2),
+        "draft_ms": round(1000 * t_draft / n, 2),
+        "speedup": round(t_full / t_draft, 2),
+    }
+
+
+def bench_real_size_format(work: Path, n: int = 32) -> dict:
+    """Format overhead at real size: 512 px -> latents (16, 1, 64, 64) in bfloat16, plus a 512 px JPEG."""
+    img, caption = synthetic.scene(2, 0, size=512)
+    buf = io.BytesIO()
+    img.filter(ImageFilter.GaussianBlur(1)).save(buf, "JPEG", quality=90)
+    jpeg = buf.getvalue()
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for keep_image in (True, False):
+        samples = [
+            (
+                f"s{i:05d}",
+                cf.encode_sample(
+                    cf.Sample(
+                        key=f"s{i:05d}",
+                        caption=caption,
+                        meta={
+                            "prompt": synthetic.PROMPT,
+                            "original_size": [512, 512],
+                            "crop_box": [0, 0, 512, 512],
+                            "flip": False,
+                        },
+                        mean=torch.randn(16, 1, 64, 64, generator=g),
+                        logvar=torch.randn(16, 1, 64, 64, generator=g),
+                        image=jpeg if keep_image else None,
+                    ),
+                    "bfloat16",
+                ),
+            )
+            for i in range(n)
+        ]
+        side = cf.write_shard(work / f"real-{keep_image}", 0, samples)
+        payload = sum(len(v) for _, m in samples for v in m.values()) / n
+        raw = 2 * 16 * 64 * 64 * 2  # the two tensors' bytes alone
+        rows.append(
+            {
+                "case": f"real_size_format{'' if keep_image else '_no_images'}",
+                "bytes_per_sample": round(side["bytes"] / n),
+                "payload_bytes_per_sample": round(payload),
+                "raw_tensor_bytes": raw,
+                "bytes_overhead": round(side["bytes"] / n / payload - 1, 4),
+            }
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="tools.speed_precompute", description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--n", type=int, default=1024, help="images per case (jpeg256 uses n/16: its encoder is 60x slower)")
+    p.add_argument("--cases", default="tiny,jpeg256")
+    p.add_argument("--workers", type=int, default=0, help="decode workers of real512 (0: min(8, CPU count))")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads for the encoder (0: torch's default). On a small CPU the decode workers share "
+        "the cores with the encoder; --threads 1 with one worker gives each its own core",
+    )
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    encoders._quiet_hf()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for case in args.cases.split(","):
+            rows.append(
+                bench_case(case, work, args.n if case in ("tiny", "real512") else max(8, args.n // 16), args.workers)
+            )
+            if not args.json:
+                print(json.dumps(rows[-1]), flush=True)
+        rows.append(bench_draft_decode())
+        rows += bench_real_size_format(work)
+    if args.json:
+        print(json.dumps({"rows": rows}, indent=1))
+    else:
+        for r in rows[len(args.cases.split(",")) :]:
+            print(json.dumps(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
