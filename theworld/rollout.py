@@ -86,11 +86,11 @@ def resolve(spec: str) -> tuple[str, str]:
     encoders.check_available(spec, "model.vae", "transformer/config.json")
     p = Path(spec)
     if p.is_dir() and not (p / "transformer" / "config.json").is_file():
-        raise _no_transformer(spec, "no transformer/config.json")
+        raise no_transformer(spec, "no transformer/config.json")
     return spec, ""
 
 
-def _no_transformer(spec: str, why: str) -> UserError:
+def no_transformer(spec: str, why: str) -> UserError:
     return UserError(
         f"model.vae: {spec!r} has no Video2World transformer ({why}), which world.num_world_steps > 0 needs: "
         "give the pipeline's folder or hub id (nvidia/Cosmos-Predict2-2B-Video2World), or world.num_world_steps: 0"
@@ -135,7 +135,7 @@ def _load_parts(spec: str, dtype: torch.dtype) -> dict:
     try:
         config = CosmosTransformer3DModel.load_config(path, subfolder=prefix + "transformer")
         if config.get("_class_name") not in (None, TRANSFORMER_CLASS):
-            raise _no_transformer(spec, f"its transformer is a {config.get('_class_name')}")
+            raise no_transformer(spec, f"its transformer is a {config.get('_class_name')}")
         parts = {
             "transformer": CosmosTransformer3DModel.from_pretrained(
                 path, subfolder=prefix + "transformer", torch_dtype=dtype
