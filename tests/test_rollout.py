@@ -248,3 +248,14 @@ def test_the_plan_counts_rollout_bytes_and_time(tmp_path):
     assert plan["rollout"]["latent_frames"] == 3 and plan["rollout"]["transformer_passes_per_sample"] == 70
     assert plan["rollout"]["seconds_per_sample"] > 0.1
     assert "rollouts: 70 transformer passes" in sizing.report(plan)
+
+
+@pytest.mark.slow
+def test_the_rollout_benchmark_measures_both_steps():
+    """precompute.bench --cases rollout at 2 denoising steps: figures present and sane (speed is not tested)."""
+    from precompute import bench
+
+    row = bench.bench_rollout(4, repeats=1, inference_steps=2)
+    assert row["rollouts_per_s"] > 0 and row["world_steps"] == STEPS and row["inference_steps"] == 2
+    assert 0 < row["step_ratio_cached_to_live"] < 1  # a live step rolls out: it is the slower one
+    assert row["live_step_ms"] > row["cached_step_ms"] > 0
