@@ -142,6 +142,12 @@ def test_live_rollouts_equal_the_cached_ones_and_frame_0_keeps_its_gradient(cach
     torch.testing.assert_close(a[1], b[0], rtol=0, atol=1e-4)
     with pytest.raises(ValueError, match="one seed per image"):
         model.rollout(px[:2], [1])
+    # built without the pipeline (cached latents only): live latents are refused, not silently one frame
+    model.rollout = None
+    with pytest.raises(ValueError, match="rollout pipeline"):
+        model.world_latents(px[:1], None, None)
+    given = torch.zeros(1, 16, 1 + STEPS, 4, 4)
+    assert model.world_latents(px[:1], given, None)[0] is given  # cached latents still pass through
 
 
 @pytest.mark.slow

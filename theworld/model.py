@@ -74,6 +74,7 @@ class TheWorld(nn.Module):
         self.projector = projector
         self.latent_mode = latent_mode
         self.rollout: Rollout | None = None  # the Video2World pipeline of live rollouts (from_config, N > 0)
+        self.rollout_steps = 0  # world.num_world_steps: with the pipeline not loaded, live latents are refused
         self.image_token_id = gemma.config.image_token_id
         self.softcap = getattr(gemma.config.get_text_config(), "final_logit_softcapping", None)
         # what `generate` needs to prepare raw images and prompts (set by from_config / from_pretrained)
@@ -111,6 +112,7 @@ class TheWorld(nn.Module):
         gemma, processor = encoders.load_gemma(model.gemma, model.dtype)
         vae = encoders.load_vae(model.vae, model.dtype)
         self = cls.from_modules(gemma, vae, world, freeze, seed, lora)
+        self.rollout_steps = world.num_world_steps
         if rollout and world.num_world_steps:
             self.rollout = Rollout.load(model.vae, model.dtype, vae, world.num_world_steps, world.rollout)
         self.processor, self.image_config = processor, image or ImageConfig()
@@ -233,6 +235,11 @@ class TheWorld(nn.Module):
             return mean, logvar
         if images is None or self.world_encoder is None:
             raise ValueError("need cached latents (mean, logvar) or images plus a loaded VAE")
+        if self.rollout_steps and self.rollout is None:
+            raise ValueError(
+                f"world.num_world_steps {self.rollout_steps}: live world latents need the rollout pipeline, which "
+                "this model was built without (from_config/from_pretrained with rollout=False): give cached latents"
+            )
         mean, logvar = self.world_encoder(images)
         if self.rollout is None:
             return mean, logvar
