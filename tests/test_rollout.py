@@ -21,6 +21,16 @@ ROLL = [f"world.num_world_steps={STEPS}", "world.rollout.inference_steps=2"]
 N, SHARD = 6, 4
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The tiny pipeline's tensors are too small to gain from threads, and on a busy machine OpenMP's spinning threads
+    make it many times slower: this module runs on one, as launched processes (OMP_NUM_THREADS=1) do."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _single_threaded(cfg):
     """Two launched processes run one thread each; the thread count moves numbers by ~1e-7, so the reference too."""
     threads = torch.get_num_threads()
