@@ -20,6 +20,7 @@ decoded to video here, so its video check has nothing to check.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -154,15 +155,26 @@ def _load_parts(spec: str, dtype: torch.dtype) -> dict:
     return parts
 
 
+def _encode_on(pipe, device: torch.device, prompt: str, negative: str | None, guidance: bool):
+    """The pipeline's encode_prompt with its text encoder moved to `device` for the call (and back)."""
+    text = pipe.text_encoder
+    text.to(device)
+    try:
+        return pipe.encode_prompt(prompt, negative, do_classifier_free_guidance=guidance, device=device)
+    finally:
+        text.to("cpu")
+
+
 class Rollout(nn.Module):
     """The frozen Video2World pipeline of one run: `forward(pixels, seeds)` -> each image's N predicted latent frames,
     (B, C, N, h, w) float32 in the VAE's raw latent space. The transformer is a submodule (it moves with the model);
     the VAE is the caller's, shared; the prompt embeddings are buffers, computed once, and the text encoder is let go
     after computing them."""
 
-    def __init__(self, pipe, prompt_embeds, negative_embeds, num_world_steps: int, settings):
+    def __init__(self, pipe, prompt_embeds, negative_embeds, num_world_steps: int, settings, text_identity: dict):
         super().__init__()
         self.pipe = pipe
+        self.text_identity = text_identity
         self.transformer = pipe.transformer.requires_grad_(False).eval()
         self.register_buffer("prompt_embeds", prompt_embeds, persistent=False)
         self.register_buffer("negative_embeds", negative_embeds, persistent=False)
@@ -177,21 +189,31 @@ class Rollout(nn.Module):
         """The pipeline for `model.vae` spec `spec` in `dtype` around the loaded `vae`, its prompt (and, with
         guidance, negative prompt) encoded once."""
         from diffusers import Cosmos2VideoToWorldPipeline
+        from diffusers.pipelines.cosmos.pipeline_cosmos2_video2world import DEFAULT_NEGATIVE_PROMPT
 
         check_settings(num_world_steps, settings)
         encoders._quiet_hf()
         parts = _load_parts(spec, encoders.DTYPES[dtype])
         guidance = settings.guidance_scale > 1.0
-        negative = settings.negative_prompt if settings.negative_prompt is not None else None
+        negative = settings.negative_prompt
         guard = _guardrail(spec, [settings.prompt] + ([negative] if guidance and negative else []))
         pipe = Cosmos2VideoToWorldPipeline(vae=vae, safety_checker=guard, **parts)
         pipe.set_progress_bar_config(disable=True)
+        text = parts["text_encoder"]
+        # the text side's identity from its weights and the prompts' token ids, not from the embeddings: those differ
+        # in the last bits between devices, and a cache built on a GPU must check out on a CPU
+        texts = [settings.prompt] + ([DEFAULT_NEGATIVE_PROMPT if negative is None else negative] if guidance else [])
+        text_identity = {
+            "config": encoders.config_digest(text.config.to_dict()),
+            "weights": encoders.weights_hash(text),
+            "tokens": hashlib.sha256(json.dumps(parts["tokenizer"](texts)["input_ids"]).encode()).hexdigest(),
+        }
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # T5-XXL on a CPU takes minutes
         with torch.no_grad():
-            prompt, negative_embeds = pipe.encode_prompt(
-                settings.prompt, negative, do_classifier_free_guidance=guidance, device=torch.device("cpu")
-            )
+            prompt, negative_embeds = _encode_on(pipe, device, settings.prompt, negative, guidance)
         pipe.text_encoder = None  # the embeddings are all a run needs of it (T5-XXL: ~9 GB in bf16)
-        return cls(pipe, prompt, negative_embeds, num_world_steps, settings)
+        negative_embeds = negative_embeds.cpu() if negative_embeds is not None else None
+        return cls(pipe, prompt.cpu(), negative_embeds, num_world_steps, settings, text_identity)
 
     @property
     def num_frames(self) -> int:
@@ -200,17 +222,15 @@ class Rollout(nn.Module):
 
     def identity(self) -> dict:
         """What of the loaded pipeline changes the predicted frames, for the cache fingerprint: the transformer's
-        config and weights, the scheduler's config, and the prompt embeddings (text encoder, tokenizer and prompts)."""
-        embeds = {"prompt": self.prompt_embeds}
-        if self.negative_embeds is not None:
-            embeds["negative"] = self.negative_embeds
+        config and weights, the scheduler's config, the text encoder's config and weights and the prompts' token
+        ids."""
         return {
             "transformer": {
                 "config": encoders.config_digest(dict(self.transformer.config)),
                 "weights": encoders.weights_hash(self.transformer),
             },
             "scheduler": encoders.config_digest(dict(self.pipe.scheduler.config)),
-            "text_embeddings": encoders.weights_hash(nn.ParameterDict(embeds)),
+            "text_encoder": self.text_identity,
         }
 
     @torch.no_grad()

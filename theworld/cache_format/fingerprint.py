@@ -46,8 +46,9 @@ def fingerprint_for(
     `world` (a config section with num_world_steps and rollout): with N > 0 predicted frames, a `world` field with N
     and every rollout setting (absent for N = 0, as in caches written before rollouts); with the loaded `rollout`
     (theworld.rollout.Rollout) also its transformer's config digest and weight hash, the scheduler's config and the
-    prompt embeddings' hash; `seed`: the precompute seed the rollout noise came from (recorded, so the live path can
-    reproduce it; a training config has no such seed, so a check without it leaves it out).
+    text encoder's config digest, weight hash and the prompts' token ids; `seed`: the precompute seed the rollout
+    noise came from (recorded, so the live path can reproduce it; a training config has no such seed, so a check
+    without it leaves it out).
     """
     fp = {
         "format_version": FORMAT_VERSION,
