@@ -228,6 +228,19 @@ def test_bad_rollout_input_is_one_line_exit_2(tmp_path, capsys):
     shutil.copytree(tiny.ensure(tiny.TINY_VAE_DIR), vae_only)
     _one_line_exit_2(capsys, cli_args(out, *ROLL, f"model.vae={vae_only}"), "no Video2World transformer")
     _one_line_exit_2(capsys, [*cli_args(out, *ROLL, f"model.vae={vae_only}"), "--plan"], "no Video2World transformer")
+    # a pipeline folder whose transformer is another kind (a Wan text-to-video pipeline): refused before any weights
+    other = tmp_path / "wan-pipeline"
+    shutil.copytree(tiny.ensure(tiny.TINY_ROLLOUT_DIR), other)
+    shutil.copytree(tiny.ensure(tiny.TINY_VAE_DIR), other / "vae")
+    config = json.loads((other / "transformer" / "config.json").read_text())
+    (other / "transformer" / "config.json").write_text(json.dumps({**config, "_class_name": "WanTransformer3DModel"}))
+    _one_line_exit_2(capsys, cli_args(out, *ROLL, f"model.vae={other}"), "no Video2World transformer", "Wan")
+    from diffusers.utils import is_torchvision_available
+
+    if not is_torchvision_available():  # the real transformer's padding mask goes through torchvision
+        config["concat_padding_mask"] = True
+        (other / "transformer" / "config.json").write_text(json.dumps(config))
+        _one_line_exit_2(capsys, cli_args(out, *ROLL, f"model.vae={other}"), "pip install torchvision")
     assert not (out / "shards").exists()
 
 

@@ -128,15 +128,28 @@ def _guardrail(spec: str, prompts: list[str]):
     return checker
 
 
-def _load_parts(spec: str, dtype: torch.dtype) -> dict:
+def _check_transformer(spec: str, path: str, prefix: str) -> None:
+    """The transformer's config, before anything heavy loads: a Video2World transformer this install can run."""
+    from diffusers import CosmosTransformer3DModel
+    from diffusers.utils import is_torchvision_available
+
+    try:
+        config = CosmosTransformer3DModel.load_config(path, subfolder=prefix + "transformer")
+    except encoders.load_errors() as e:
+        raise encoders.cannot_load("model.vae", spec, e) from None
+    if config.get("_class_name") not in (None, TRANSFORMER_CLASS):
+        raise no_transformer(spec, f"its transformer is a {config.get('_class_name')}")
+    if config.get("concat_padding_mask", True) and not is_torchvision_available():
+        # the transformer resizes its padding mask with torchvision
+        raise UserError(f"model.vae: {spec!r}'s Video2World transformer needs torchvision: pip install torchvision")
+
+
+def _load_parts(spec: str, path: str, prefix: str, dtype: torch.dtype) -> dict:
+    """The pipeline's parts but the VAE from `resolve(spec)`'s (path, prefix)."""
     from diffusers import CosmosTransformer3DModel, FlowMatchEulerDiscreteScheduler
     from transformers import AutoTokenizer, T5EncoderModel
 
-    path, prefix = resolve(spec)
     try:
-        config = CosmosTransformer3DModel.load_config(path, subfolder=prefix + "transformer")
-        if config.get("_class_name") not in (None, TRANSFORMER_CLASS):
-            raise no_transformer(spec, f"its transformer is a {config.get('_class_name')}")
         parts = {
             "transformer": CosmosTransformer3DModel.from_pretrained(
                 path, subfolder=prefix + "transformer", torch_dtype=dtype
@@ -147,11 +160,6 @@ def _load_parts(spec: str, dtype: torch.dtype) -> dict:
         }
     except encoders.load_errors() as e:
         raise encoders.cannot_load("model.vae", spec, e) from None
-    if parts["transformer"].config.concat_padding_mask:
-        from diffusers.utils import is_torchvision_available
-
-        if not is_torchvision_available():  # the transformer resizes its padding mask with torchvision
-            raise UserError(f"model.vae: {spec!r}'s Video2World transformer needs torchvision: pip install torchvision")
     return parts
 
 
@@ -193,10 +201,12 @@ class Rollout(nn.Module):
 
         check_settings(num_world_steps, settings)
         encoders._quiet_hf()
-        parts = _load_parts(spec, encoders.DTYPES[dtype])
+        path, prefix = resolve(spec)
+        _check_transformer(spec, path, prefix)
         guidance = settings.guidance_scale > 1.0
         negative = settings.negative_prompt
-        guard = _guardrail(spec, [settings.prompt] + ([negative] if guidance and negative else []))
+        guard = _guardrail(spec, [settings.prompt] + ([negative] if guidance and negative else []))  # before 15 GB
+        parts = _load_parts(spec, path, prefix, encoders.DTYPES[dtype])
         pipe = Cosmos2VideoToWorldPipeline(vae=vae, safety_checker=guard, **parts)
         pipe.set_progress_bar_config(disable=True)
         text = parts["text_encoder"]
