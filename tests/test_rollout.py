@@ -288,3 +288,14 @@ def test_the_rollout_benchmark_measures_both_steps():
     assert row["rollouts_per_s"] > 0 and row["world_steps"] == STEPS and row["inference_steps"] == 2
     assert 0 < row["step_ratio_cached_to_live"] < 1  # a live step rolls out: it is the slower one
     assert row["live_step_ms"] > row["cached_step_ms"] > 0
+
+
+def test_a_mean_only_rollout_cache_keeps_every_frames_mean_and_no_logvar(caches, tmp_path):
+    out = tmp_path / "mean"
+    m = cosmos_latents.run(make_cfg(out, *ROLL, "cache.latents=mean", n=2, shard=SHARD))
+    assert m["contents"]["latents"] == "mean" and m["contents"]["world_steps"] == STEPS
+    full = latents(caches["rolled"])
+    for key, members in read_cache_plain(out).items():
+        t = st_load(members["latent.safetensors"])
+        assert set(t) == {"mean"} and t["mean"].shape == (16, 1 + STEPS, 4, 4)
+        torch.testing.assert_close(t["mean"], full[key], rtol=0, atol=1e-5)

@@ -3,6 +3,7 @@ refuses a cache built otherwise."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -17,7 +18,11 @@ if TYPE_CHECKING:
     from theworld.config import ImageConfig, ModelConfig
 
 
-ROLLOUT_KEYS = ("inference_steps", "guidance_scale", "prompt", "negative_prompt", "fps")  # world.rollout's settings
+def rollout_keys() -> list[str]:
+    """world.rollout's settings, every one of them (RolloutConfig's fields)."""
+    from theworld.config import RolloutConfig
+
+    return [f.name for f in dataclasses.fields(RolloutConfig)]
 
 
 def fingerprint_for(
@@ -58,7 +63,7 @@ def fingerprint_for(
     }
     steps = world.num_world_steps if world is not None else 0
     if steps:
-        fp["world"] = {"num_world_steps": steps, **{k: getattr(world.rollout, k) for k in ROLLOUT_KEYS}}
+        fp["world"] = {"num_world_steps": steps, **{k: getattr(world.rollout, k) for k in rollout_keys()}}
         if seed is not None:
             fp["world"]["seed"] = seed
         if rollout is not None:
@@ -110,7 +115,7 @@ def fingerprint_overrides(fp: dict) -> list[str]:
     if world:  # strings as JSON, which is YAML: a prompt with a colon stays one string
         out.append(f"world.num_world_steps={world['num_world_steps']}")
         out.append(f"world.max_world_steps={max(16, world['num_world_steps'])}")
-        out += [f"world.rollout.{k}={json.dumps(world[k])}" for k in ROLLOUT_KEYS if k in world]
+        out += [f"world.rollout.{k}={json.dumps(world[k])}" for k in rollout_keys() if k in world]
         if "seed" in world:
             out.append(f"seed={world['seed']}")
     return out
