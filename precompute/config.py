@@ -9,7 +9,16 @@ from typing import Literal
 
 from theworld import images, paths, run_lock
 from theworld.cache_format import storage
-from theworld.config import ImageConfig, ModelConfig, check_sizes, check_workers, load_config, require_path
+from theworld.config import (
+    ImageConfig,
+    ModelConfig,
+    RolloutConfig,
+    check_sizes,
+    check_workers,
+    check_world_steps,
+    load_config,
+    require_path,
+)
 from theworld.errors import UserError
 from theworld.text import DEFAULT_PROMPT
 
@@ -99,6 +108,19 @@ class CacheOptions:
 
 
 @dataclass
+class WorldRollouts:
+    """The `world:` section of a precompute config: how many frames the Video2World pipeline predicts after each
+    image (theworld/rollout.py) and with which settings; the training config's world section has the same keys."""
+
+    num_world_steps: int = 0  # 0: the observed frame only (latents (C, 1, h, w)); N: (C, 1 + N, h, w)
+    max_world_steps: int = 16
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+    def __post_init__(self) -> None:
+        check_world_steps(self.num_world_steps, self.max_world_steps)  # the rollout settings: PrecomputeConfig's
+
+
+@dataclass
 class PrecomputeConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     image: ImageConfig = field(default_factory=ImageConfig)
@@ -110,6 +132,7 @@ class PrecomputeConfig:
     num_workers: int = 2
     compile: bool = False  # torch.compile the VAE encoder (GPU; its speed-up and compile time: docs/performance.md)
     cache: CacheOptions = field(default_factory=CacheOptions)
+    world: WorldRollouts = field(default_factory=WorldRollouts)  # rollouts: seeded by (seed, sample key)
     # an output_dir that is a URL (docs/cache-format.md, "Object storage")
     storage_options: dict = field(default_factory=dict)
     cache_local_dir: str = storage.DEFAULT_LOCAL_DIR
@@ -125,6 +148,14 @@ class PrecomputeConfig:
             raise UserError(f"config key 'num_workers': must be >= 0, got {self.num_workers}")
         check_sizes(self)
         check_workers("num_workers", self.num_workers)
+        from theworld.rollout import check_settings  # (imports torch: not at this module's top)
+
+        check_settings(self.world.num_world_steps, self.world.rollout, self.image.resolution)
+        if self.world.num_world_steps and self.cache.flip:
+            raise UserError(
+                "config key 'cache.flip': not with world.num_world_steps > 0 (a flipped image's rollout is not "
+                "cached): set cache.flip: false or world.num_world_steps: 0"
+            )
         if self.source.type == "synthetic" and self.source.num_samples is None:
             self.source.num_samples = 4096
         if self.source.num_samples is not None and self.source.num_samples <= 0:

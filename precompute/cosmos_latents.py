@@ -34,28 +34,44 @@ from theworld.cache_format import storage
 from theworld.config import cli_parser, to_dict, to_yaml
 from theworld.errors import UserError, as_shown, cli_entry
 from theworld.launch import process_group, shared_folder_check
+from theworld.rollout import Rollout, sample_seeds, with_predicted
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The run
 
 
 def load_frozen(cfg: PrecomputeConfig) -> tuple:
-    """(VAE, Gemma, processor, fingerprint): the models this config's cache is made with (Gemma and its processor None
-    without cache.siglip) and the fingerprint they give it."""
+    """(VAE, Gemma, processor, fingerprint, rollout): the models this config's cache is made with (Gemma and its
+    processor None without cache.siglip, the Video2World pipeline None without world.num_world_steps) and the
+    fingerprint they give it."""
     vae = encoders.load_vae(cfg.model.vae, cfg.model.dtype)
-    gemma = processor = None
+    gemma = processor = rollout = None
+    if cfg.world.num_world_steps:
+        rollout = Rollout.load(cfg.model.vae, cfg.model.dtype, vae, cfg.world.num_world_steps, cfg.world.rollout)
     if cfg.cache.siglip:
         gemma, processor = encoders.load_gemma(cfg.model.gemma, cfg.model.dtype)
-    fp = cf.fingerprint_for(cfg.model, cfg.image, siglip=cfg.cache.siglip, vae=vae, gemma=gemma, processor=processor)
-    return vae, gemma, processor, fp
+    fp = cf.fingerprint_for(
+        cfg.model,
+        cfg.image,
+        siglip=cfg.cache.siglip,
+        vae=vae,
+        gemma=gemma,
+        processor=processor,
+        world=cfg.world,
+        rollout=rollout,
+        seed=cfg.seed,
+    )
+    return vae, gemma, processor, fp, rollout
 
 
 def _load_models(cfg: PrecomputeConfig, device: torch.device):
-    vae, gemma, processor, fp = load_frozen(cfg)
+    vae, gemma, processor, fp, rollout = load_frozen(cfg)
     encoder = encoders.WorldEncoder(vae).to(device).eval()
     if gemma is not None:
         gemma = gemma.to(device).eval()
-    return encoder, gemma, processor, fp
+    if rollout is not None:
+        rollout = rollout.to(device)
+    return encoder, gemma, processor, fp, rollout
 
 
 @torch.no_grad()
@@ -76,8 +92,8 @@ class BucketBatcher:
     compiled encoder also sees fewer short, padded batches), and a sample's batch-mates are a function of its shard
     alone, whatever the process or worker count. Pixels wait on the device, at most batch_size - 1 per shape."""
 
-    def __init__(self, encoder, cfg: PrecomputeConfig):
-        self.encoder, self.cfg = encoder, cfg
+    def __init__(self, encoder, cfg: PrecomputeConfig, rollout: Rollout | None = None):
+        self.encoder, self.cfg, self.rollout = encoder, cfg, rollout
         self.groups: dict[tuple, list[tuple[cf.Sample, torch.Tensor]]] = {}  # (shard, shape) -> waiting samples
 
     def add(self, shard: int, samples: list[cf.Sample], pixels: torch.Tensor) -> None:
@@ -100,6 +116,9 @@ class BucketBatcher:
             return
         pixels = torch.stack([p for _, p in group])
         mean, logvar = encode_latents(self.encoder, pixels, self.cfg)
+        if self.rollout is not None:  # each sample's noise from (seed, key): its batch-mates do not matter
+            seeds = sample_seeds(self.cfg.seed, [s.key for s, _ in group])
+            mean, logvar = with_predicted(mean, logvar, self.rollout(pixels, seeds).cpu())
         flip = encode_latents(self.encoder, pixels.flip(-1), self.cfg) if self.cfg.cache.flip else None
         keep_logvar = self.cfg.cache.latents != "mean"
         for j, (s, _) in enumerate(group):
@@ -133,6 +152,7 @@ def _process_shards(
     device,
     show: bool,
     publish: Callable[[int], None] | None = None,
+    rollout: Rollout | None = None,
 ) -> tuple[int, int, dict]:
     """Encode and write the `pending` shards; returns how many images were encoded, how many of them were smaller
     than the resolution (upscaled: their crop box is under it on a side), and where the main loop's time
@@ -155,7 +175,7 @@ def _process_shards(
         pin_memory=device.type == "cuda",
     )
     writer = ShardWriter(out, cfg.cache.dtype, publish)
-    batcher = BucketBatcher(encoder, cfg)
+    batcher = BucketBatcher(encoder, cfg, rollout)
     buffers: dict[int, dict] = {}
     encoded = upscaled = 0
     seconds = dict.fromkeys(("wait_for_batches", "encode", "wait_for_writer"), 0.0)
@@ -239,8 +259,9 @@ def _finish(
             "images": cfg.cache.images,
             "siglip": cfg.cache.siglip,
             "flip": cfg.cache.flip,
-            **({"latents": "mean"} if cfg.cache.latents == "mean" else {}),
-        },  # absent: the posterior
+            **({"latents": "mean"} if cfg.cache.latents == "mean" else {}),  # absent: the posterior
+            **({"world_steps": cfg.world.num_world_steps} if cfg.world.num_world_steps else {}),  # absent: 0
+        },
         extra={
             "source": run_id["source"],
             "shard_size": cfg.shard_size,
@@ -330,7 +351,7 @@ def _build(cfg: PrecomputeConfig, state, out: Path, remote: storage.RemoteWriter
     )
     if not len(listing):
         raise UserError(f"config key 'source.path': no samples found in {cfg.source.path or cfg.source.name}")
-    encoder, gemma, processor, fingerprint = _load_models(cfg, state.device)
+    encoder, gemma, processor, fingerprint, rollout = _load_models(cfg, state.device)
     encoder.optimize_for_inference(channels_last=state.device.type == "cuda", compile=cfg.compile)
     if state.device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # every batch has the same shape: pick the fastest conv kernels once
@@ -361,6 +382,7 @@ def _build(cfg: PrecomputeConfig, state, out: Path, remote: storage.RemoteWriter
             state.device,
             show=state.is_main_process,
             publish=remote.publish if remote else None,
+            rollout=rollout,
         )
         if pending
         else (0, 0, {})
@@ -369,7 +391,8 @@ def _build(cfg: PrecomputeConfig, state, out: Path, remote: storage.RemoteWriter
     upscaled = sum(gather_object([upscaled])) if world > 1 else upscaled
     state.wait_for_everyone()
     elapsed = time.time() - t_enc
-    latent_shape = [encoder.vae.config.z_dim, 1, latent_side(cfg.image.resolution), latent_side(cfg.image.resolution)]
+    side, frames = latent_side(cfg.image.resolution), 1 + cfg.world.num_world_steps
+    latent_shape = [encoder.vae.config.z_dim, frames, side, side]
     empty = None
     if rank == 0:
         try:

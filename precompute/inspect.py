@@ -8,7 +8,9 @@
 Exit codes: 0 fine, 1 verify/compare found a problem, 2 a user mistake (no cache, fingerprint mismatch, bad args).
 compare-live and decode need the VAE: by default the one named in the cache's fingerprint (model id and dtype);
 --config/--set override it, and a VAE that would not reproduce the cache is refused, naming the differing field.
-With --config, summary and verify check the fingerprint too.
+With --config, summary and verify check the fingerprint too. On a rollout cache (contents.world_steps N > 0),
+compare-live reruns each sample's rollout with the cache's seed and settings (theworld/rollout.py), and decode shows
+each sample's rollout as a filmstrip: the original, then the decoded observed frame and the N predicted ones.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ from precompute.config import PrecomputeConfig
 from theworld import cache_format as cf
 from theworld import encoders, images, paths
 from theworld.cache_format import storage
+from theworld.cache_format.layout import world_steps
 from theworld.config import ArgParser, add_config_args, load_config
 from theworld.errors import CacheDamaged, UserError, as_shown, cli_entry, one_line
+from theworld.rollout import Rollout, observed_and_predicted, sample_seeds
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Models and fingerprints
@@ -43,13 +47,20 @@ def _config_for(manifest: dict, args) -> PrecomputeConfig:
     return load_config(PrecomputeConfig, args.config, overrides)
 
 
-def _load_checked_vae(cache: Path, manifest: dict, args):
-    """(VAE, config) after checking that this VAE + image settings reproduce the cache's numbers."""
+def _load_checked_vae(cache: Path, manifest: dict, args, rollout: bool = False):
+    """(VAE, config, rollout) after checking that this VAE + image settings (and with `rollout`, on a rollout cache,
+    the Video2World pipeline and its settings: None otherwise) reproduce the cache's numbers."""
     cfg = _config_for(manifest, args)
     vae = encoders.load_vae(cfg.model.vae, cfg.model.dtype)
-    expected = cf.fingerprint_for(cfg.model, cfg.image, vae=vae)
-    cf.check_fingerprint(manifest["fingerprint"], expected, cache, fields=["format_version", "vae", "image"])
-    return vae.eval(), cfg
+    fields = ["format_version", "vae", "image"]
+    pipeline = None
+    if rollout and (world_steps(manifest) or cfg.world.num_world_steps):
+        fields.append("world")
+        if cfg.world.num_world_steps:
+            pipeline = Rollout.load(cfg.model.vae, cfg.model.dtype, vae, cfg.world.num_world_steps, cfg.world.rollout)
+    expected = cf.fingerprint_for(cfg.model, cfg.image, vae=vae, world=cfg.world, rollout=pipeline, seed=cfg.seed)
+    cf.check_fingerprint(manifest["fingerprint"], expected, cache, fields=fields)
+    return vae.eval(), cfg, pipeline
 
 
 def _check_full_fingerprint(cache: Path, manifest: dict, args) -> None:
@@ -101,6 +112,8 @@ def summary(cache: Path, args) -> tuple[dict, int, str]:
         "latent_shapes": manifest.get("latent_shapes"),
         "latent_dtype": manifest["latent_dtype"],
         "latents": cf.latents_stored(manifest),
+        "world_steps": world_steps(manifest),
+        "latent_frames": 1 + world_steps(manifest),
         "contents": manifest.get("contents", {}),
         **stats,
         "error_reasons": dict(reasons),
@@ -110,6 +123,7 @@ def summary(cache: Path, args) -> tuple[dict, int, str]:
     lines = [
         f"cache {cache}: {report['num_samples']} samples, {report['num_errors']} errors, "
         f"{report['num_shards']} shards, {total_bytes / 1e6:.2f} MB ({report['bytes_per_sample']} B/sample)",
+        f"latent frames {report['latent_frames']} (the observed one + {report['world_steps']} world steps), "
         f"latent {_shapes_text(manifest)} {report['latent_dtype']} ({report['latents']}), contents "
         f"{report['contents']}, vae {report['vae']} at {report['resolution']} px",
     ]
@@ -295,7 +309,7 @@ def _stored_pixels(sample: cf.Sample, cfg: PrecomputeConfig) -> torch.Tensor:
 
 def compare_live(cache: Path, args) -> tuple[dict, int, str]:
     manifest = cf.load_manifest(cache)
-    vae, cfg = _load_checked_vae(cache, manifest, args)
+    vae, cfg, rollout = _load_checked_vae(cache, manifest, args, rollout=True)
     encoder = encoders.WorldEncoder(vae)
     reader = cf.CacheReader(cache)
     picked = _pick(len(reader), args.n, args.seed)
@@ -308,7 +322,11 @@ def compare_live(cache: Path, args) -> tuple[dict, int, str]:
             samples = [reader[i] for i in picked[start : start + args.batch_size]]
             for group in _same_shape(pixels := [_stored_pixels(s, cfg) for s in samples]):
                 batch = torch.stack([pixels[j] for j in group])
-                live = dict(zip(("mean", "logvar"), encoder(batch)))
+                if rollout is None:
+                    live = dict(zip(("mean", "logvar"), encoder(batch)))
+                else:  # the cache's seed and each sample's key: the same noise as precompute drew
+                    seeds = sample_seeds(cfg.seed, [samples[j].key for j in group])
+                    live = dict(zip(("mean", "logvar"), observed_and_predicted(encoder, rollout, batch, seeds)))
                 if flip:
                     live.update(zip(("flip_mean", "flip_logvar"), encoder(batch.flip(-1))))
                 for row, j in enumerate(group):
@@ -326,6 +344,7 @@ def compare_live(cache: Path, args) -> tuple[dict, int, str]:
         "cache": str(cache),
         "n": len(picked),
         "latent_dtype": manifest["latent_dtype"],
+        "world_steps": world_steps(manifest),
         "max_abs_diff": max_diff,
         **{f"max_abs_diff_{k}": v for k, v in worst.items()},
         "tol": args.tol,
@@ -333,7 +352,9 @@ def compare_live(cache: Path, args) -> tuple[dict, int, str]:
         "samples": per_sample,
     }
     text = (
-        f"compare-live {cache}: {len(picked)} samples re-encoded from their stored images; max abs difference "
+        f"compare-live {cache}: {len(picked)} samples re-encoded from their stored images"
+        + (f" and rolled out {world_steps(manifest)} steps" if rollout is not None else "")
+        + "; max abs difference "
         + ", ".join(f"{k} {v:.3g}" for k, v in worst.items())
         + f" (cache dtype {manifest['latent_dtype']})"
         + (f": exceeds --tol {args.tol}" if fail else "")
@@ -352,20 +373,20 @@ def _same_shape(tensors: list[torch.Tensor]) -> list[list[int]]:
 LINE = 14  # px per text line of the label font (fonts.SIZE)
 
 
-def _sheet(
-    pairs: list[tuple[torch.Tensor, torch.Tensor]], labels: list[str], header: str, min_tile: int = 128, gap: int = 4
-):
-    """A grid of (original | decoded) pairs on square tiles, each picture upscaled (nearest) by the same whole factor
-    so that the largest side is at least `min_tile` px and centred on its tile; `header` on top, each pair's label
-    (key, caption) under it, cut to the pair's width."""
+def _sheet(pairs: list[tuple[torch.Tensor, ...]], labels: list[str], header: str, min_tile: int = 128, gap: int = 4):
+    """A grid of (original | decoded ...) strips on square tiles (a pair, or with rollouts a filmstrip: original,
+    observed frame, predicted frames), each picture upscaled (nearest) by the same whole factor so that the largest
+    side is at least `min_tile` px and centred on its tile; `header` on top, each strip's label (key, caption) under
+    it, cut to the strip's width."""
     from PIL import Image, ImageDraw
 
-    res = max(max(r.shape[-2:]) for _, r in pairs)
+    res = max(max(t.shape[-2:]) for strip in pairs for t in strip)
     scale = max(1, math.ceil(min_tile / res))
     tile = res * scale
-    cols = min(4, len(pairs))
+    per_strip = max(len(strip) for strip in pairs)
+    cols = max(1, min(4, len(pairs), 8 // per_strip))
     rows = math.ceil(len(pairs) / cols)
-    pair_w = 2 * tile + gap
+    pair_w = per_strip * tile + (per_strip - 1) * gap
     font, lacks = fonts.for_text([header, *labels])
     fonts.say_missing(lacks)
     top = 2 * gap + LINE * len(header.splitlines())
@@ -373,10 +394,10 @@ def _sheet(
     sheet = Image.new("RGB", (cols * pair_w + (cols + 1) * gap * 2, top + rows * cell_h + 2 * gap), (32, 32, 32))
     draw = ImageDraw.Draw(sheet)
     draw.multiline_text((2 * gap, gap), header, fill=(255, 255, 255), spacing=LINE - fonts.SIZE, font=font)
-    for n, ((orig, recon), label) in enumerate(zip(pairs, labels)):
+    for n, (strip, label) in enumerate(zip(pairs, labels)):
         x = 2 * gap + (n % cols) * (pair_w + 2 * gap)
         y = top + (n // cols) * cell_h
-        for k, t in enumerate((orig, recon)):
+        for k, t in enumerate(strip):
             h, w = t.shape[-2:]
             img = Image.fromarray(t.permute(1, 2, 0).numpy()).resize((w * scale, h * scale), Image.NEAREST)
             sheet.paste(img, (x + k * (tile + gap) + (tile - w * scale) // 2, y + (tile - h * scale) // 2))
@@ -388,13 +409,28 @@ def _sheet(
     return sheet
 
 
-def _decode_header(cfg: PrecomputeConfig) -> str:
+def _decode_header(cfg: PrecomputeConfig, steps: int = 0) -> str:
     note = (
         "\nVAE: tiny (random weights): decodes are noise by design; a trained VAE decodes to the picture"
         if cfg.model.vae == "tiny"
         else f"\nVAE: {cfg.model.vae}"
     )
+    if steps:
+        return (
+            f"each filmstrip: original | decoded observed frame | {steps} predicted frames (the video frame "
+            "ending each latent frame)" + note
+        )
     return "each pair: original | decoded" + note
+
+
+def _decoded_frames(vae, z: torch.Tensor) -> list[torch.Tensor]:
+    """uint8 (B, 3, H, W) pictures of latents z (B, C, 1 + N, h, w), un-normalised: the first frame and, for each
+    predicted latent frame, the last video frame it decodes to (the VAE decodes latent frame k >= 1 to `temporal`
+    video frames)."""
+    video = vae.decode(z).sample.float().clamp(-1, 1)  # (B, 3, 1 + N * temporal, H, W) in [-1, 1]
+    temporal = (video.shape[2] - 1) // max(1, z.shape[2] - 1)
+    picks = [0] + [k * temporal for k in range(1, z.shape[2])]
+    return [((video[:, :, t] + 1) * 127.5).round().to(torch.uint8) for t in picks]
 
 
 def _writable_image_path(path: str) -> Path:
@@ -414,7 +450,7 @@ def _writable_image_path(path: str) -> Path:
 def decode(cache: Path, args) -> tuple[dict, int, str]:
     out_path = _writable_image_path(args.out)
     manifest = cf.load_manifest(cache)
-    vae, cfg = _load_checked_vae(cache, manifest, args)
+    vae, cfg, _ = _load_checked_vae(cache, manifest, args)
     dtype = next(vae.parameters()).dtype
     reader = cf.CacheReader(cache)
     picked = _pick(len(reader), args.n, args.seed)
@@ -424,18 +460,19 @@ def decode(cache: Path, args) -> tuple[dict, int, str]:
             samples = [reader[i] for i in picked[start : start + args.batch_size]]
             recon = [None] * len(samples)
             for group in _same_shape([s.mean for s in samples]):
-                z = torch.stack([samples[j].mean for j in group]).to(dtype)  # (B, 16, 1, h, w), un-normalised
-                out = vae.decode(z).sample[:, :, 0].float().clamp(-1, 1)  # (B, 3, H, W) in [-1, 1]
-                for j, r in zip(group, ((out + 1) * 127.5).round().to(torch.uint8)):
-                    recon[j] = r
-            for s, r in zip(samples, recon):
+                z = torch.stack([samples[j].mean for j in group]).to(dtype)  # (B, 16, 1 + N, h, w), un-normalised
+                frames = _decoded_frames(vae, z)
+                for row, j in enumerate(group):
+                    recon[j] = [f[row] for f in frames]
+            for s, film in zip(samples, recon):
+                r = film[0]
                 orig = _stored_pixels(s, cfg) if s.image is not None else torch.full_like(r, 128)
                 mse = ((orig.float() - r.float()) / 127.5).pow(2).mean().item() if s.image is not None else None
                 psnr = 10 * math.log10(4.0 / mse) if mse else None  # signal range [-1, 1] has peak-to-peak 2
-                pairs.append((orig, r))
+                pairs.append((orig, *film))
                 per_sample.append({"key": s.key, "caption": s.caption, "psnr_db": psnr and round(psnr, 2)})
     reader.close()
-    header = _decode_header(cfg)
+    header = _decode_header(cfg, world_steps(manifest))
     labels = [f"{p['key']}\n{' '.join(p['caption'].split())}" for p in per_sample]
     tmp = Path(out_path).with_name(paths.partial_name(Path(out_path).name))
     try:

@@ -33,6 +33,28 @@ PLAN_SAMPLES = 64
 # H100 (bf16, batch 32, compile: true, 8 decode workers), docs/performance.md, "Precompute" table, case real512,
 # commit 5171566. Another resolution, model or GPU runs at another rate.
 IMAGES_PER_S_PER_GPU = 252.1
+# Rollouts (world.num_world_steps > 0) are timed by the transformer's arithmetic, not a measurement: no GPU run of the
+# real Video2World pipeline exists here. FLOPs per denoising pass from the transformer's sizes (below), at an ASSUMED
+# sustained rate: 40 % of an H100's dense bf16 peak (989 TFLOP/s). `python -m tools.speed_precompute --cases rollout` on
+# the target GPU measures the real rate.
+ASSUMED_GPU_FLOPS = 0.4 * 989e12
+# The Video2World transformers' sizes (CosmosTransformer3DModel config: heads, head_dim, layers, mlp_ratio), for the
+# public checkpoints when their config is not in the local Hugging Face cache.
+KNOWN_TRANSFORMERS = {
+    "nvidia/Cosmos-Predict2-2B-Video2World": {
+        "num_attention_heads": 16,
+        "attention_head_dim": 128,
+        "num_layers": 28,
+        "mlp_ratio": 4.0,
+    },
+    "nvidia/Cosmos-Predict2-14B-Video2World": {
+        "num_attention_heads": 40,
+        "attention_head_dim": 128,
+        "num_layers": 36,
+        "mlp_ratio": 4.0,
+    },
+}
+TEXT_TOKENS = 512  # the pipeline's max_sequence_length: every pass cross-attends to this many prompt tokens
 GPUS_PER_NODE = 8
 OBJECTS_PER_SHARD = 3  # shards/shard-N.tar, its sidecar shards/shard-N.json, errors/shard-N.jsonl
 OBJECTS_PER_CACHE = 3  # manifest.json, errors.jsonl, precompute.json
@@ -119,8 +141,39 @@ def _zeros(shape: tuple[int, ...], key: str, what: str, dtype: torch.dtype = tor
 
 
 def _latent_bytes(channels: int, hw: tuple[int, int], cfg: PrecomputeConfig) -> int:
-    t = _zeros((channels, 1, *hw), "model.vae", "latent")
+    t = _zeros((channels, 1 + cfg.world.num_world_steps, *hw), "model.vae", "latent")
     return len(cf.latent_blob(t, None if cfg.cache.latents == "mean" else t.clone(), cf.DTYPES[cfg.cache.dtype]))
+
+
+def transformer_sizes(spec: str) -> dict:
+    """The Video2World transformer's config for model.vae `spec` (a local or cached config, else the table above),
+    refused in one line when the spec has no Video2World transformer."""
+    from theworld import rollout
+
+    if spec in KNOWN_TRANSFORMERS and not Path(spec).exists():
+        return KNOWN_TRANSFORMERS[spec]
+    path = str(encoders.tiny.ensure(encoders.tiny.TINY_ROLLOUT_DIR)) if spec == "tiny" else spec
+    config = _local_config("model.vae", path, "transformer")
+    if config is None:
+        if Path(spec).is_dir() or spec in KNOWN_VAE:  # a VAE alone, or a pipeline of another kind
+            raise rollout.no_transformer(spec, "no transformer/config.json")
+        raise UserError(
+            f"model.vae: no Video2World transformer config for {spec!r} offline (a local folder, the Hugging Face "
+            f"cache, or one of {', '.join(KNOWN_TRANSFORMERS)})"
+        )
+    if config.get("_class_name", rollout.TRANSFORMER_CLASS) != rollout.TRANSFORMER_CLASS:
+        raise rollout.no_transformer(spec, f"its transformer is a {config.get('_class_name')}")
+    return {k: config.get(k, v) for k, v in KNOWN_TRANSFORMERS["nvidia/Cosmos-Predict2-2B-Video2World"].items()}
+
+
+def rollout_flops(sizes: dict, frames: int, hw: tuple[int, int], inference_steps: int, guidance: bool) -> float:
+    """FLOPs of one sample's rollout: passes x layers x tokens x (projections and MLP: 2 x (4 + 2 + 2 x mlp_ratio)
+    h^2 per token; self-attention 4 T h; cross-attention 4 x TEXT_TOKENS x h), tokens T = frames x (h/2) x (w/2)."""
+    h = sizes["num_attention_heads"] * sizes["attention_head_dim"]
+    tokens = frames * (hw[0] // 2) * (hw[1] // 2)
+    per_token = 2 * (6 + 2 * sizes["mlp_ratio"]) * h * h + 4 * tokens * h + 4 * TEXT_TOKENS * h
+    passes = inference_steps * (2 if guidance else 1)
+    return passes * sizes["num_layers"] * tokens * per_token
 
 
 def _measure(cfg: PrecomputeConfig, listing: sources.Listing) -> dict:
@@ -185,6 +238,25 @@ def estimate(cfg: PrecomputeConfig) -> dict:
     usable = round(n * (1 - got["errors"] / got["sampled"])) if urls_plan else n
     gpu_hours = usable / IMAGES_PER_S_PER_GPU / 3600
     extra = {}
+    steps = cfg.world.num_world_steps
+    if steps:
+        r = cfg.world.rollout
+        hw = max(got["hw"], key=lambda g: g[0] * g[1])
+        flops = rollout_flops(
+            transformer_sizes(cfg.model.vae), 1 + steps, hw, r.inference_steps, r.guidance_scale > 1.0
+        )
+        # plus the pipeline's VAE pass over the conditioning video (the image repeated to 1 + 4N frames)
+        seconds = flops / ASSUMED_GPU_FLOPS + (1 + 4 * steps) / IMAGES_PER_S_PER_GPU
+        rollout_hours = usable * seconds / 3600
+        extra["rollout"] = {
+            "world_steps": steps,
+            "latent_frames": 1 + steps,
+            "transformer_passes_per_sample": r.inference_steps * (2 if r.guidance_scale > 1.0 else 1),
+            "tflops_per_sample": round(flops / 1e12, 1),
+            "seconds_per_sample": round(seconds, 3),
+            "gpu_hours": round(rollout_hours, 1),
+        }
+        gpu_hours += rollout_hours
     if urls_plan:
         extra["urls"] = {
             "table_rows": urls_plan["table_rows"],
@@ -228,7 +300,12 @@ def report(p: dict) -> str:
         f"entries: {p['entries']} in {p['shards']} shards of {p['shard_size']} (sampled {p['sampled']}, "
         f"{p['sampled_unusable']} unusable; unusable entries take no space)",
         f"latent grids (h x w) met: {', '.join(f'{h}x{w}' for h, w in p['latent_grids'])}; cache dtype "
-        f"{p['dtype']}, latents {p['latents']}",
+        f"{p['dtype']}, latents {p['latents']}"
+        + (
+            f", {p['rollout']['latent_frames']} latent frames (world steps {p['rollout']['world_steps']})"
+            if "rollout" in p
+            else ""
+        ),
         "bytes per sample (tar member with header):",
     ]
     for name, b in p["bytes_per_sample"].items():
@@ -249,6 +326,14 @@ def report(p: dict) -> str:
         f"objects: {p['objects']} ({p['shards']} shards x {OBJECTS_PER_SHARD}: tar, sidecar, error file; plus "
         f"manifest.json, errors.jsonl, precompute.json)"
     )
+    if "rollout" in p:
+        r = p["rollout"]
+        lines.append(
+            f"rollouts: {r['transformer_passes_per_sample']} transformer passes per sample, {r['tflops_per_sample']:g} "
+            f"TFLOP = {r['seconds_per_sample']:g} s per sample, {r['gpu_hours']:g} GPU-hours (an ESTIMATE at an "
+            f"assumed {ASSUMED_GPU_FLOPS / 1e12:.0f} TFLOP/s, 40 % of an H100's bf16 peak; "
+            "python -m tools.speed_precompute --cases rollout measures it; included in the time below)"
+        )
     lines.append(
         f"encode time: {p['gpu_hours']:g} GPU-hours = {p['node_hours']:g} node-hours on {GPUS_PER_NODE}-GPU nodes at "
         f"{IMAGES_PER_S_PER_GPU} images/s per GPU (measured: H100, 512 px, real Wan 2.1 VAE; docs/performance.md)"

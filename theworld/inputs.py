@@ -42,6 +42,8 @@ class ModelInputs:
     pixel_values: torch.Tensor | None = None
     siglip: torch.Tensor | None = None
     noise_seeds: list[int] | None = None  # one per row: latent mode "sample" draws each row's noise from its seed
+    # one per row: a live rollout's noise (TheWorld.world_latents; rollout.sample_seeds(seed, keys) reproduces a cache)
+    rollout_seeds: list[int] | None = None
     # held-out batches: each row's partner's world inputs (WORLD names), and whether the row has a partner
     partner: dict[str, torch.Tensor] | None = None
     paired: torch.Tensor | None = None
@@ -85,7 +87,7 @@ class ModelInputs:
 
     def with_inputs(self, **inputs) -> ModelInputs:
         """These rows (their text) with other world inputs, image inputs or noise seeds."""
-        if odd := [k for k in inputs if k not in (*WORLD, *IMAGE, "use_world", "noise_seeds")]:
+        if odd := [k for k in inputs if k not in (*WORLD, *IMAGE, "use_world", "noise_seeds", "rollout_seeds")]:
             raise ValueError(f"{odd[0]!r} is no world or image input")
         return dataclasses.replace(self, **inputs)
 

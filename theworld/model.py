@@ -26,6 +26,7 @@ from theworld.errors import UserError
 from theworld.infer import generate as generation
 from theworld.inputs import ModelInputs
 from theworld.projector import WorldProjector
+from theworld.rollout import Rollout, pixel_seeds, with_predicted
 from theworld.text import ChatFormatter
 
 # record_function labels of a step's parts in the profiler's trace (tools.profile_report groups time by them)
@@ -72,6 +73,8 @@ class TheWorld(nn.Module):
         self.world_encoder = world_encoder
         self.projector = projector
         self.latent_mode = latent_mode
+        self.rollout: Rollout | None = None  # the Video2World pipeline of live rollouts (from_config, N > 0)
+        self.rollout_steps = 0  # world.num_world_steps: with the pipeline not loaded, live latents are refused
         self.image_token_id = gemma.config.image_token_id
         self.softcap = getattr(gemma.config.get_text_config(), "final_logit_softcapping", None)
         # what `generate` needs to prepare raw images and prompts (set by from_config / from_pretrained)
@@ -99,13 +102,19 @@ class TheWorld(nn.Module):
         seed: int = 0,
         image: ImageConfig | None = None,
         lora: LoraConfig | None = None,
+        *,
+        rollout: bool = True,
     ):
         """(TheWorld, processor), base models loaded with `from_pretrained` in `model.dtype`, projector in fp32.
         `image`: the preprocessing `generate` applies to raw images (the cache's resolution and resize). `lora`:
-        adapters on the named parts (theworld/lora.py)."""
+        adapters on the named parts (theworld/lora.py). `rollout` (with world.num_world_steps > 0): load the
+        Video2World pipeline for live rollouts (`world_latents`); False when every batch brings cached latents."""
         gemma, processor = encoders.load_gemma(model.gemma, model.dtype)
         vae = encoders.load_vae(model.vae, model.dtype)
         self = cls.from_modules(gemma, vae, world, freeze, seed, lora)
+        self.rollout_steps = world.num_world_steps
+        if rollout and world.num_world_steps:
+            self.rollout = Rollout.load(model.vae, model.dtype, vae, world.num_world_steps, world.rollout)
         self.processor, self.image_config = processor, image or ImageConfig()
         return self, processor
 
@@ -143,17 +152,22 @@ class TheWorld(nn.Module):
         )
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, *, ema: bool = False, device: str | torch.device | None = None):
+    def from_pretrained(
+        cls, path: str | Path, *, ema: bool = False, device: str | torch.device | None = None, rollout: bool = True
+    ):
         """(TheWorld, processor) of a trained stage, ready for inference: `path` is a final/ or checkpoint-N/ folder,
         or a run's output_dir (its final/): trained tensors loaded (or their EMA), eval mode, base models in the
-        config's model.dtype, world latents from the posterior mean, on `device` (default: cuda when available).
+        config's model.dtype, world latents from the posterior mean, on `device` (default: cuda when available);
+        `rollout`: as from_config (a stage with world.num_world_steps > 0 rolls out live unless False).
         Folder layout: theworld/checkpoint_layout.py."""
         folder = layout.resolve(path)
         cfg = layout.read_config(folder)
         weights = folder / (layout.EMA if ema else layout.WEIGHTS)
         if ema and not weights.is_file():
             raise UserError(f"model {folder}: no {layout.EMA} (the run had train.ema: 0)")
-        model, processor = cls.from_config(cfg.model, cfg.world, cfg.freeze, image=cfg.image, lora=cfg.lora)
+        model, processor = cls.from_config(
+            cfg.model, cfg.world, cfg.freeze, image=cfg.image, lora=cfg.lora, rollout=rollout
+        )
         model.load_trainable(weights, strict=True)  # the run's freeze flags define the set it must hold exactly
         model.requires_grad_(False)
         model.latent_mode = "mean"
@@ -205,12 +219,32 @@ class TheWorld(nn.Module):
             raise ValueError("need pixel_values or cached siglip features for the image tokens")
         return self.gemma.model.get_image_features(pixel_values.to(self.gemma.dtype)).pooler_output
 
-    def world_latents(self, images: torch.Tensor | None, mean: torch.Tensor | None, logvar: torch.Tensor | None):
+    def world_latents(
+        self,
+        images: torch.Tensor | None,
+        mean: torch.Tensor | None,
+        logvar: torch.Tensor | None,
+        rollout_seeds: list[int] | None = None,
+    ):
+        """(mean, logvar) of the world block: the cached ones when given, else the VAE's posterior of `images`
+        (B, C, 1, h, w), followed with a loaded rollout pipeline by each image's predicted frames (B, C, 1 + N, h, w;
+        theworld/rollout.py). `rollout_seeds`: one per row, `rollout.sample_seeds(seed, keys)` with the cache's seed
+        and the samples' keys reproduce a rollout cache; None: each row's seed from its pixels. Predicted frames carry
+        no gradient (the transformer is frozen); frame 0 keeps its gradient when the VAE trains."""
         if mean is not None:
             return mean, logvar
         if images is None or self.world_encoder is None:
             raise ValueError("need cached latents (mean, logvar) or images plus a loaded VAE")
-        return self.world_encoder(images)
+        if self.rollout_steps and self.rollout is None:
+            raise ValueError(
+                f"world.num_world_steps {self.rollout_steps}: live world latents need the rollout pipeline, which "
+                "this model was built without (from_config/from_pretrained with rollout=False): give cached latents"
+            )
+        mean, logvar = self.world_encoder(images)
+        if self.rollout is None:
+            return mean, logvar
+        seeds = rollout_seeds if rollout_seeds is not None else pixel_seeds(images)
+        return with_predicted(mean, logvar, self.rollout(images, seeds))
 
     def fuse(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, world: torch.Tensor, image_feats: torch.Tensor

@@ -1,4 +1,5 @@
-"""The embedded default: a tiny seeded Gemma 3 (with a locally built tokenizer and processor) and a tiny Wan VAE.
+"""The embedded default: a tiny seeded Gemma 3 (with a locally built tokenizer and processor), a tiny Wan VAE and,
+for world rollouts only, the tiny rest of a Video2World pipeline (transformer, scheduler, T5 text encoder, tokenizer).
 
 No download is possible on our machines or in CI, so `model.gemma: tiny` / `model.vae: tiny` build these once, save
 them with `save_pretrained` under `cache/models/`, and from then on load them through the same `from_pretrained` code a
@@ -18,6 +19,9 @@ from theworld import gemma3, synthetic
 
 TINY_GEMMA_DIR = "tiny-gemma3"
 TINY_VAE_DIR = "tiny-wan-vae"
+# Built only when a run asks for rollouts (world.num_world_steps > 0), so N = 0 runs (make demo) never build it; laid
+# out as a diffusers pipeline folder without vae/ (the pipeline shares the tiny VAE).
+TINY_ROLLOUT_DIR = "tiny-cosmos-video2world"
 SEED = 1234
 # Large enough that the tied output embedding does not cap the logits: with the default 0.02 the logit length is
 # capped near 0.02 * hidden, which caps what any projector can achieve at hidden 128.
@@ -171,8 +175,76 @@ def build_tiny_vae(out_dir: Path) -> None:
     vae.save_pretrained(out_dir)
 
 
+def _build_t5_tokenizer():
+    """A byte-level BPE tokenizer (any text round-trips) with T5's special tokens, trained on the words the tiny
+    model meets: the rollout prompts and the synthetic captions."""
+    from diffusers.pipelines.cosmos.pipeline_cosmos2_video2world import DEFAULT_NEGATIVE_PROMPT
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from theworld.config import ROLLOUT_PROMPT
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [ROLLOUT_PROMPT, DEFAULT_NEGATIVE_PROMPT, *synthetic.VOCABULARY, *(f" {w}" for w in synthetic.VOCABULARY)]
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=["<pad>", "</s>", "<unk>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(corpus * 20, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>", padding_side="right"
+    )
+
+
+def build_tiny_rollout(out_dir: Path) -> None:
+    """A seeded random Cosmos-Predict2 transformer (17 input channels: the VAE's 16 and the condition mask), the
+    pipeline's scheduler and a tiny T5 encoder + tokenizer, saved as pipeline subfolders."""
+    from diffusers import CosmosTransformer3DModel, FlowMatchEulerDiscreteScheduler
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(SEED)
+    tokenizer = _build_t5_tokenizer()
+    text = T5Config(
+        vocab_size=len(tokenizer),
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=1,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+    )
+    # concat_padding_mask: False (the real model's True resizes the mask with torchvision, which we do not install;
+    # the pipeline's padding mask is all zeros for an unpadded image)
+    transformer = CosmosTransformer3DModel(
+        in_channels=17,
+        out_channels=16,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        num_layers=2,
+        mlp_ratio=2.0,
+        text_embed_dim=text.d_model,
+        adaln_lora_dim=4,
+        max_size=(32, 64, 64),
+        patch_size=(1, 2, 2),
+        rope_scale=(2.0, 1.0, 1.0),
+        concat_padding_mask=False,
+        extra_pos_embed_type="learnable",
+    ).eval()
+    T5EncoderModel(text).eval().save_pretrained(out_dir / "text_encoder")
+    tokenizer.save_pretrained(out_dir / "tokenizer")
+    transformer.save_pretrained(out_dir / "transformer")
+    FlowMatchEulerDiscreteScheduler(use_karras_sigmas=True, shift=1.0).save_pretrained(out_dir / "scheduler")
+
+
 def ensure(name: str) -> Path:
-    """Path of tiny model `name` (TINY_GEMMA_DIR or TINY_VAE_DIR), building it first if absent.
+    """Path of tiny model `name` (TINY_GEMMA_DIR, TINY_VAE_DIR or TINY_ROLLOUT_DIR), building it first if absent.
 
     Built into a temporary folder and renamed into place, so concurrent processes (accelerate launch) and a killed
     build never leave a half-written model behind.
@@ -180,7 +252,8 @@ def ensure(name: str) -> Path:
     target = models_root() / name
     if target.exists():
         return target
-    builder = {TINY_GEMMA_DIR: build_tiny_gemma, TINY_VAE_DIR: build_tiny_vae}[name]
+    builders = {TINY_GEMMA_DIR: build_tiny_gemma, TINY_VAE_DIR: build_tiny_vae, TINY_ROLLOUT_DIR: build_tiny_rollout}
+    builder = builders[name]
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
     try:

@@ -2,6 +2,7 @@
 
     python -m tools.speed_precompute [--json] [--n N] [--cases tiny,jpeg256]
     python -m tools.speed_precompute --cases real512 --n 1024    # GPU: the real-size Wan VAE (random weights) in bf16
+    python -m tools.speed_precompute --cases rollout --n 16       # world rollouts of the tiny Video2World pipeline
 
 For each case, measured side by side in one run on the same images:
   pipeline_efficiency   encode-only time on pre-decoded uint8 tensors / full `run()` time (decode, resize, encode,
@@ -9,6 +10,10 @@ For each case, measured side by side in one run on the same images:
   host_ms_per_image     one worker's decode+resize, and the serialisation of a sample (latents to safetensors + tar
                         member bytes), per image.
   bytes_overhead        bytes per cached sample / bytes of its payload (latent tensors, image, caption, json) - 1.
+Case rollout (theworld/rollout.py, the tiny default at 64 px, 2 world steps, the pipeline's default 35 denoising
+steps with guidance): rollouts_per_s, and step_ratio_cached_to_live = the time of a stage-1 training step (forward
+and backward, projector trainable) on cached rollout latents / the time of the same step rolling out live from the
+images, both measured in this run on the same batch: what the cache buys.
 A last row writes real-size samples (512 px: latents 16x1x64x64 in bfloat16, a 512 px JPEG) to measure the format's
 overhead at the size it is used at, without needing the real VAE.
 """
@@ -173,6 +178,61 @@ def bench_case(case: str, work: Path, n: int, workers: int = 0) -> dict:
     }
 
 
+def bench_rollout(n: int, steps: int = 2, batch: int = 4, repeats: int = 3, inference_steps: int = 35) -> dict:
+    """Rollouts per second, and a cached training step's time over a live-rollout one's (see the module doc)."""
+    from theworld.config import RolloutConfig, WorldConfig
+    from theworld.inputs import text_batch
+    from theworld.model import TheWorld
+    from theworld.rollout import observed_and_predicted, sample_seeds
+
+    world = WorldConfig(num_world_steps=steps, rollout=RolloutConfig(inference_steps=inference_steps))
+    model, processor = TheWorld.from_config(ModelConfig(dtype="float32"), world)
+    scenes = [synthetic.scene(4, i) for i in range(max(n, batch))]
+    pixels = torch.stack([images.to_uint8_tensor(img) for img, _ in scenes])
+    seeds = sample_seeds(0, [f"bench-{i}" for i in range(len(pixels))])
+    with torch.no_grad():
+        observed_and_predicted(model.world_encoder, model.rollout, pixels[:1], seeds[:1])  # warm-up
+        t_roll, rolled = _timed(
+            lambda: [
+                observed_and_predicted(model.world_encoder, model.rollout, pixels[a : a + batch], seeds[a : a + batch])
+                for a in range(0, n, batch)
+            ]
+        )
+    fmt = model.formatter
+    text = text_batch([fmt.encode(synthetic.PROMPT, cap) for _, cap in scenes[:batch]], fmt.pad_id)
+    pv = torch.stack([images.siglip_pixels(processor.image_processor, img) for img, _ in scenes[:batch]])
+    mean, logvar = rolled[0]
+    cached = text.with_inputs(latent_mean=mean, latent_logvar=logvar, pixel_values=pv)
+    live = text.with_inputs(images=pixels[:batch], pixel_values=pv, rollout_seeds=seeds[:batch])
+
+    def step(inputs) -> None:
+        model.zero_grad(set_to_none=True)
+        model(inputs).loss.backward()
+
+    times = {"cached": [], "live": []}
+    step(cached), step(live)  # warm-up
+    for _ in range(repeats):  # interleaved, so a change in the machine's load hits both alike
+        for name, inputs in (("cached", cached), ("live", live)):
+            times[name].append(_timed(step, inputs)[0])
+    cached_s, live_s = (sorted(times[k])[len(times[k]) // 2] for k in ("cached", "live"))
+    r = world.rollout
+    return {
+        "case": "rollout",
+        "device": "cpu",
+        "threads": torch.get_num_threads(),
+        "rollouts": n,
+        "resolution": pixels.shape[-1],
+        "world_steps": steps,
+        "inference_steps": r.inference_steps,
+        "guidance_scale": r.guidance_scale,
+        "batch_size": batch,
+        "rollouts_per_s": round(n / t_roll, 3),
+        "cached_step_ms": round(1000 * cached_s, 1),
+        "live_step_ms": round(1000 * live_s, 1),
+        "step_ratio_cached_to_live": round(cached_s / live_s, 4),
+    }
+
+
 def bench_draft_decode(n: int = 16) -> dict:
     """JPEG draft-mode decoding vs a full decode of a 1024x768 photo, both to a 256 px input."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -255,9 +315,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for case in args.cases.split(","):
-            rows.append(
-                bench_case(case, work, args.n if case in ("tiny", "real512") else max(8, args.n // 16), args.workers)
-            )
+            if case == "rollout":  # a rollout is ~1000x an encode: n/64 of them
+                rows.append(bench_rollout(max(4, args.n // 64)))
+            else:
+                n = args.n if case in ("tiny", "real512") else max(8, args.n // 16)
+                rows.append(bench_case(case, work, n, args.workers))
             if not args.json:
                 print(json.dumps(rows[-1]), flush=True)
         rows.append(bench_draft_decode())

@@ -3,6 +3,8 @@ refuses a cache built otherwise."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,8 +18,24 @@ if TYPE_CHECKING:
     from theworld.config import ImageConfig, ModelConfig
 
 
+def rollout_keys() -> list[str]:
+    """world.rollout's settings, every one of them (RolloutConfig's fields)."""
+    from theworld.config import RolloutConfig
+
+    return [f.name for f in dataclasses.fields(RolloutConfig)]
+
+
 def fingerprint_for(
-    model: ModelConfig, image: ImageConfig, *, siglip: bool = False, vae=None, gemma=None, processor=None
+    model: ModelConfig,
+    image: ImageConfig,
+    *,
+    siglip: bool = False,
+    vae=None,
+    gemma=None,
+    processor=None,
+    world=None,
+    rollout=None,
+    seed: int | None = None,
 ) -> dict:
     """The fingerprint of a cache built with these `model` and `image` config sections (`siglip`: with SigLIP
     features): the one rule the precompute that writes a cache and every check against one use.
@@ -29,6 +47,13 @@ def fingerprint_for(
     `siglip`, also `gemma` (Gemma3ForConditionalGeneration) and its `processor` are needed, for the vision tower's
     config digest, weight hash and dtype and the image processor's settings (size, mean/std, resampling decide what
     the tower sees). Weights are hashed, so a changed checkpoint is caught even under the same name.
+
+    `world` (a config section with num_world_steps and rollout): with N > 0 predicted frames, a `world` field with N
+    and every rollout setting (absent for N = 0, as in caches written before rollouts); with the loaded `rollout`
+    (theworld.rollout.Rollout) also its transformer's config digest and weight hash, the scheduler's config and the
+    text encoder's config digest, weight hash and the prompts' token ids; `seed`: the precompute seed the rollout
+    noise came from (recorded, so the live path can reproduce it; a training config has no such seed, so a check
+    without it leaves it out).
     """
     fp = {
         "format_version": FORMAT_VERSION,
@@ -36,6 +61,13 @@ def fingerprint_for(
         "image": {"resolution": image.resolution, "resize": image.resize},
         "siglip": {"model": model.gemma} if siglip else None,
     }
+    steps = world.num_world_steps if world is not None else 0
+    if steps:
+        fp["world"] = {"num_world_steps": steps, **{k: getattr(world.rollout, k) for k in rollout_keys()}}
+        if seed is not None:
+            fp["world"]["seed"] = seed
+        if rollout is not None:
+            fp["world"].update(rollout.identity())
     if vae is None:
         return fp
     from theworld.encoders import config_digest, weights_hash
@@ -79,6 +111,13 @@ def fingerprint_overrides(fp: dict) -> list[str]:
     ]
     if fp.get("siglip"):
         out.append(f"model.gemma={fp['siglip']['model']}")
+    world = fp.get("world") or {}
+    if world:  # strings as JSON, which is YAML: a prompt with a colon stays one string
+        out.append(f"world.num_world_steps={world['num_world_steps']}")
+        out.append(f"world.max_world_steps={max(16, world['num_world_steps'])}")
+        out += [f"world.rollout.{k}={json.dumps(world[k])}" for k in rollout_keys() if k in world]
+        if "seed" in world:
+            out.append(f"seed={world['seed']}")
     return out
 
 
