@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from _rollout_helpers import live_rollout_stand_in, predicted_frames, rollout_cache
+from _rollout_helpers import live_rollout_stand_in, rollout_cache
 from conftest import ROOT, weights
 
 from theworld.config import ModelConfig, WorldConfig, load_config
@@ -182,6 +182,25 @@ def test_no_rollout_is_a_baseline_of_rollout_stages_only():
     assert [c.name for c in baselines.conditions(baselines.parse("all", 2))][-1] == "no_rollout"
 
 
+def test_train_benchmarks_ask_for_no_rollout_on_rollout_stages_only(tmp_path):
+    from theworld.infer import benchmarks
+    from train.benchmarks import BenchmarkEval
+    from train.config import TrainConfig
+
+    mc = tmp_path / "mc" / "items.jsonl"
+    benchmarks.make_synthetic(mc, 2)
+
+    def bench(baselines_: str, *sets: str):
+        sets = [f"train.benchmarks=[{{path: {mc}, baselines: {baselines_}}}]", *sets]
+        return BenchmarkEval.load(load_config(TrainConfig, ROOT / "configs" / "stage1.yaml", sets)).sets["items"]
+
+    assert bench("[all]", "world.num_world_steps=2").baselines[-1] == "no_rollout"
+    assert "no_rollout" not in bench("[all]").baselines
+    assert bench("[no_rollout]", "world.num_world_steps=1").baselines == ["no_rollout"]
+    with pytest.raises(UserError, match="config key 'train.benchmarks': no_rollout .*world.num_world_steps 0"):
+        bench("[no_rollout]")
+
+
 def test_the_rollout_configs_load():
     from precompute.config import PrecomputeConfig
     from train.config import TrainConfig
@@ -254,6 +273,7 @@ def rollout_caches(trained_run, tmp_path_factory):
 
 
 def test_a_cache_with_fewer_world_steps_is_refused_in_one_line(rollout_caches, tmp_path, capsys):
+    from train.config import DEFAULT_CACHE
     from train.loop import main
 
     assert main(_train_args(rollout_caches[1], tmp_path / "run")) == 2
@@ -262,6 +282,11 @@ def test_a_cache_with_fewer_world_steps_is_refused_in_one_line(rollout_caches, t
     assert "world.num_world_steps" in err[0] and "uses 2 predicted frame(s)" in err[0] and "holds 1" in err[0]
     assert "--set world.num_world_steps=2" in err[0]
     assert not (tmp_path / "run" / "final").exists()
+    # a mixture's latents are stacked into one batch: its caches hold the same number of world steps
+    mixture = f"data=[{{cache: {rollout_caches[2]}, weight: 1}}, {{cache: {rollout_caches[3]}, weight: 1}}]"
+    assert main(_train_args(DEFAULT_CACHE, tmp_path / "run") + ["--set", mixture]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "world steps 2 vs 3" in err[0], err
 
 
 @pytest.fixture(scope="module")
@@ -358,9 +383,7 @@ def test_the_lmms_eval_adapter_answers_a_rollout_stage_as_generate_does(rollout_
     image = str(sorted((trained_run["mc"].parent / "images").iterdir())[0])
     with live_rollout_stand_in():
         lmm = TheWorldLMM(str(rollout_run), device="cpu")
-        world = lmm._inputs([image])
-        mean = world["latent_mean"]
-        assert mean.shape[2] == 3 and torch.equal(mean[:, :, 1:], predicted_frames(mean[:, :, :1], 2))
+        assert lmm._inputs([image])["latent_mean"].shape[2] == 3  # the observed frame and the 2 predicted ones
         lmm.task_dict = {"task": {"val": [{"image": image}]}}
         visuals = lambda doc: [doc["image"]]  # noqa: E731
         request = SimpleNamespace(args=("What is it?", {"max_new_tokens": 3}, visuals, 0, "task", "val"))
