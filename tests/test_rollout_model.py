@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -282,6 +283,19 @@ def test_a_cache_with_fewer_world_steps_is_refused_in_one_line(rollout_caches, t
     assert "world.num_world_steps" in err[0] and "uses 2 predicted frame(s)" in err[0] and "holds 1" in err[0]
     assert "--set world.num_world_steps=2" in err[0]
     assert not (tmp_path / "run" / "final").exists()
+    # a manifest whose world steps are no count, or disagree with its latents' frames, is a damaged cache
+    manifest = rollout_caches[2] / "manifest.json"
+    good = manifest.read_text()
+    try:
+        for steps, words in (("two", "'contents.world_steps' is not a count"), (3, "world_steps 3 .* have 3 frame")):
+            m = json.loads(good)
+            m["contents"]["world_steps"] = steps
+            manifest.write_text(json.dumps(m))
+            assert main(_train_args(rollout_caches[2], tmp_path / "run")) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and re.search(words, err[0]), err
+    finally:
+        manifest.write_text(good)
     # a mixture's latents are stacked into one batch: its caches hold the same number of world steps
     mixture = f"data=[{{cache: {rollout_caches[2]}, weight: 1}}, {{cache: {rollout_caches[3]}, weight: 1}}]"
     assert main(_train_args(DEFAULT_CACHE, tmp_path / "run") + ["--set", mixture]) == 2

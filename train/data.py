@@ -21,7 +21,7 @@ from theworld.cache_format.held_out import split
 from theworld.cache_format.layout import world_steps
 from theworld.config import trains
 from theworld.control_text import TEXT_RULE, control_problem
-from theworld.errors import UserError
+from theworld.errors import CacheDamaged, UserError
 from theworld.images import decode, load_for_vae, siglip_pixels
 from theworld.inputs import PARTNER
 from theworld.text import DEFAULT_PROMPT, ChatFormatter
@@ -128,8 +128,17 @@ def world_steps_note(cfg, reader: cf.CacheReader | MixedReader, inputs: InputSou
     """Cached latents hold the observed frame and `contents.world_steps` predicted ones: refuse a cache with fewer
     than world.num_world_steps; one with more is used through its first ones, which the returned start line says
     ('' otherwise). Live latents (an unfrozen VAE) do not read the cache's."""
+    if not inputs.cached_latents:
+        return ""
     have, want = world_steps(reader.manifest), cfg.world.num_world_steps
-    if not inputs.cached_latents or have == want:
+    frames = {s["shape"][1] for s in reader.manifest.get("latent_shapes") or [] if len(s.get("shape") or ()) == 4}
+    if frames - {1 + have}:  # the manifest's own shapes (from the shards' sidecars) disagree with its world steps
+        raise CacheDamaged(
+            f"cache {reader.cache_dir}: its manifest says contents.world_steps {have} (latents of {1 + have} "
+            f"frame(s)), but its samples' latents have {', '.join(map(str, sorted(frames)))} frame(s); "
+            f"{cf.REBUILD_MANIFEST}"
+        )
+    if have == want:
         return ""
     if have < want:
         raise UserError(
