@@ -127,13 +127,20 @@ def tiny():
     return model.eval(), ChatFormatter(processor)
 
 
+@pytest.fixture(scope="module")
+def rollout():
+    """The tiny model of a rollout stage: world latents of the observed frame and 2 predicted ones."""
+    model, _ = TheWorld.from_config(ModelConfig(dtype="float32"), WorldConfig(num_world_steps=2), seed=0)
+    return model.eval()
+
+
 def _inputs(model, rows: list[Encoded], pad: int, images: int = 1, frames: int = 1) -> ModelInputs:
-    """Rows with random cached inputs: `images` SigLIP blocks per row, a world of `frames` latent frames whose
-    grid is `frames` times as wide (the world block a rollout of that many frames gives)."""
+    """Rows with random cached inputs: `images` SigLIP blocks per row, world latents of `frames` 8 x 8 frames (a
+    rollout's: the observed frame, then frames - 1 predicted ones)."""
     g = torch.Generator().manual_seed(len(rows) + images + frames)
     z, hidden = model.world_encoder.vae.config.z_dim, model.gemma.config.text_config.hidden_size
     mm = model.gemma.config.mm_tokens_per_image
-    mean = model.projector.latents_mean[..., None] + torch.randn(len(rows), z, frames, 8, 8 * frames, generator=g)
+    mean = model.projector.latents_mean[..., None] + torch.randn(len(rows), z, frames, 8, 8, generator=g)
     siglip = torch.randn(len(rows) * images, mm, hidden, generator=g)
     return text_batch(rows, pad, latent_mean=mean, latent_logvar=torch.zeros_like(mean), siglip=siglip)
 
@@ -148,15 +155,20 @@ def _cases(fmt: ChatFormatter) -> dict[str, tuple[list[Encoded], int, int]]:
     }
 
 
-@pytest.mark.parametrize("case", ["multi_turn", "multi_image", "rollout_shaped"])
-def test_every_place_that_counts_answer_tokens_agrees(tiny, case):
+@pytest.mark.parametrize("case", ["multi_turn", "multi_image", "rollout_shaped", "no_rollout"])
+def test_every_place_that_counts_answer_tokens_agrees(tiny, rollout, case):
     """The labels the formatter writes, the batch's token count that normalises the loss (train/batches.py), the
-    tokens the model's loss sums over and the log-probabilities it scores are one rule: equal on every batch shape."""
+    tokens the model's loss sums over and the log-probabilities it scores are one rule: equal on every batch shape
+    (a rollout stage's world block of 3 frames, and of its observed frame alone: the no_rollout baseline)."""
     from train.batches import Batch
 
     model, fmt = tiny
-    rows, images, frames = _cases(fmt)[case]
+    rows, images, frames = _cases(fmt)[case if case != "no_rollout" else "rollout_shaped"]
+    if frames > 1:
+        model = rollout
     inputs = _inputs(model, rows, fmt.pad_id, images, frames)
+    if case == "no_rollout":
+        inputs, frames = inputs.with_inputs(use_rollout=False), 1
     labelled = sum(lab != IGNORE for e in rows for lab in e.labels)
     eot = fmt.end_of_turn_id
     assert all([lab for lab in e.labels if lab != IGNORE][-1] == eot for e in rows)  # answers end in <end_of_turn>
@@ -166,7 +178,7 @@ def test_every_place_that_counts_answer_tokens_agrees(tiny, case):
         out = model(inputs, return_logits=True)
         scores = model.answer_logprobs(inputs)
     n_world = out.logits.shape[1] - inputs.input_ids.shape[1]
-    assert n_world == frames * 64 + 2  # the world block really has the frames' length
+    assert n_world == frames * 64 + 2 == model.projector.num_tokens(8, 8, frames)  # the world block: the frames
     assert Batch.of(inputs).num_tokens == objective.token_count(inputs.labels) == out.num_tokens == labelled
     # the loss and the scores are the same sum, and both are the full logits' log-softmax at the answer tokens
     assert torch.allclose(-scores.sum(), out.loss_sum, rtol=1e-5)
@@ -178,11 +190,13 @@ def test_every_place_that_counts_answer_tokens_agrees(tiny, case):
 
 
 @pytest.mark.parametrize("case", ["multi_image", "rollout_shaped"])
-def test_the_prefix_cached_scorer_scores_the_same_answer_tokens(tiny, case):
+def test_the_prefix_cached_scorer_scores_the_same_answer_tokens(tiny, rollout, case):
     from theworld.infer import prefix_scoring
 
     model, fmt = tiny
     rows, images, frames = _cases(fmt)[case]
+    if frames > 1:
+        model = rollout
     inputs = _inputs(model, rows, fmt.pad_id, images, frames)
     question = {"multi_image": "Which is left ?", "rollout_shaped": None}[case]
     if question is None:  # one prefix per row: the row's ids before its first label

@@ -58,7 +58,8 @@ def parse(argv: list[str] | None):
         "--baselines",
         default="",
         metavar="all|NAME,...",
-        help=f"baselines on the same items: {', '.join(baselines.BASELINES)}",
+        help=f"baselines on the same items: {', '.join(baselines.KNOWN)} (no_rollout: stages trained with world "
+        "rollouts only; all includes it for them)",
     )
     p.add_argument(
         "--split",
@@ -98,7 +99,8 @@ def parse(argv: list[str] | None):
             f"theworld.evaluate: {flag} is for multiple choice (--task mc); captions are always generated and "
             "scored against the shuffled world"
         )
-    args.baselines = baselines.parse(args.baselines)
+    args.baselines_spec, args.baselines = args.baselines, baselines.parse(args.baselines)  # names checked at once;
+    # which ones `all` means, and whether a rollout baseline applies, once the stage's config is read (main)
     _check_split(args)
     return args
 
@@ -201,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     from theworld.model import TheWorld
 
     folder = layout.resolve(args.model)  # before the slow load: a wrong folder is one line at once
+    args.baselines = baselines.parse(args.baselines_spec, layout.read_config(folder).world.num_world_steps)
     if args.out:
         paths.check_not_input(args.out, {"--data": args.data, "the model folder": folder})
     out = _Out(args.out) if args.out else None  # before the slow load: an unwritable --out is one line at once

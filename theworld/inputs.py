@@ -29,8 +29,9 @@ IMAGE = ("pixel_values", "siglip")  # what its image tokens are made from
 @dataclass
 class ModelInputs:
     """A batch of B right-padded rows. World inputs: cached VAE posteriors (latent_mean, latent_logvar:
-    (B, C, frames, h, w)) or uint8 pixels the loaded VAE encodes (images: (B, 3, H, W)). Image inputs: cached SigLIP
-    features (siglip: one (tokens, hidden) block per image, all images in row order) or SigLIP pixel values."""
+    (B, C, frames, h, w): the observed frame, then world.num_world_steps predicted ones) or uint8 pixels the loaded
+    VAE encodes (images: (B, 3, H, W)). Image inputs: cached SigLIP features (siglip: one (tokens, hidden) block per
+    image, all images in row order) or SigLIP pixel values."""
 
     input_ids: torch.Tensor  # (B, L)
     attention_mask: torch.Tensor  # (B, L): 1 on real tokens
@@ -39,6 +40,7 @@ class ModelInputs:
     latent_logvar: torch.Tensor | None = None
     images: torch.Tensor | None = None
     use_world: bool = True  # False: no world block at all (no SOW, world or EOW tokens: the no_world baseline)
+    use_rollout: bool = True  # False: the observed frame's tokens alone, without the predicted frames (no_rollout)
     pixel_values: torch.Tensor | None = None
     siglip: torch.Tensor | None = None
     noise_seeds: list[int] | None = None  # one per row: latent mode "sample" draws each row's noise from its seed
@@ -87,7 +89,9 @@ class ModelInputs:
 
     def with_inputs(self, **inputs) -> ModelInputs:
         """These rows (their text) with other world inputs, image inputs or noise seeds."""
-        if odd := [k for k in inputs if k not in (*WORLD, *IMAGE, "use_world", "noise_seeds", "rollout_seeds")]:
+        if odd := [
+            k for k in inputs if k not in (*WORLD, *IMAGE, "use_world", "use_rollout", "noise_seeds", "rollout_seeds")
+        ]:
             raise ValueError(f"{odd[0]!r} is no world or image input")
         return dataclasses.replace(self, **inputs)
 

@@ -149,6 +149,8 @@ class TheWorld(nn.Module):
             pool=world.pool,
             arch=world.projector,
             embed_std=text_cfg.initializer_range,
+            num_world_steps=world.num_world_steps,
+            max_world_steps=world.max_world_steps,
         )
 
     @classmethod
@@ -275,7 +277,8 @@ class TheWorld(nn.Module):
 
     def embed_inputs(self, inputs: ModelInputs) -> dict:
         """The fused language-model inputs (see `fuse`) from token ids, world inputs and image inputs; with
-        `inputs.use_world` False, no world block at all (no SOW, world or EOW tokens), Gemma 3 as its users know it."""
+        `inputs.use_world` False, no world block at all (no SOW, world or EOW tokens), Gemma 3 as its users know it;
+        with `inputs.use_rollout` False, the world block of the observed frame alone (temporal row 0)."""
         # labels for the profiler's trace (python -m tools.profile_report groups its time by them)
         with record_function(PROFILE_LABELS["vision_tower"]):
             feats = self.image_features(inputs.pixel_values, inputs.siglip)
@@ -283,9 +286,12 @@ class TheWorld(nn.Module):
             none = feats.new_zeros(inputs.size, 0, self.gemma.config.get_text_config().hidden_size)
             return self.fuse(inputs.input_ids, inputs.attention_mask, none, feats)
         with record_function(PROFILE_LABELS["world_encoder"]):
-            mean, logvar = self.world_latents(inputs.images, inputs.latent_mean, inputs.latent_logvar)
+            mean, logvar = self.world_latents(
+                inputs.images, inputs.latent_mean, inputs.latent_logvar, inputs.rollout_seeds
+            )
         with record_function(PROFILE_LABELS["projector"]):
-            tokens = self.projector(mean, logvar, self.latent_mode, inputs.noise_seeds)
+            frames = None if inputs.use_rollout else 1  # the no_rollout baseline: the observed frame alone
+            tokens = self.projector(mean, logvar, self.latent_mode, inputs.noise_seeds, frames)
         return self.fuse(inputs.input_ids, inputs.attention_mask, tokens, feats)
 
     def _hidden(self, inputs: ModelInputs) -> torch.Tensor:

@@ -56,7 +56,8 @@ class BenchmarkEval:
             name = _name(entry.path)
             if name in sets:
                 raise UserError(f"config key 'train.benchmarks': two benchmarks named {name!r}; rename one file")
-            if cfg.train.sharding == "fsdp" and ("init_projector" in entry.baselines or entry.protocol == "generate"):
+            names = entry.names(cfg.world.num_world_steps)
+            if cfg.train.sharding == "fsdp" and ("init_projector" in names or entry.protocol == "generate"):
                 # the baseline swaps weights FSDP shards; generation stops when every row is done, which differs
                 # between processes, and FSDP's collectives need every process in every forward
                 raise UserError(
@@ -80,7 +81,7 @@ class BenchmarkEval:
                 if all(it.prompt for it in items) and cfg.train.sharding != "fsdp"
                 else "loglik"
             )
-            sets[name] = BenchmarkSet(items, protocol, entry.baselines)
+            sets[name] = BenchmarkSet(items, protocol, names)
         return cls(sets, cfg.train.eval_batch_size)
 
     def run(self, components: Components) -> dict:

@@ -59,10 +59,15 @@ class BenchmarkEntry:
     baselines: list[str] = field(default_factory=list)  # names of theworld/infer/baselines.py, or [all]
 
     def __post_init__(self) -> None:
+        self.names()  # checked as the config loads
+
+    def names(self, world_steps: int | None = None) -> list[str]:
+        """The baselines this entry asks for on a stage with `world_steps` (world.num_world_steps): `all` includes
+        the rollout baselines when it is > 0 (theworld/infer/baselines.py, `parse`)."""
         from theworld.infer.baselines import parse
 
         try:
-            self.baselines = parse(self.baselines)
+            return parse(self.baselines, world_steps)
         except UserError as e:
             raise UserError(f"config key 'train.benchmarks': {e}".replace("--baselines: ", "")) from None
 
@@ -97,7 +102,7 @@ class TrainSection:
     lr: float = 1e-2
     warmup_steps: int = 50
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    weight_decay: float = 0.0  # never applied to biases, norms and the world markers
+    weight_decay: float = 0.0  # never applied to biases, norms, the world markers and the temporal table
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     grad_clip: float = 1.0  # 0: no clipping (the norm is still computed and logged)
     grad_norm_warn: float = 100.0  # warn when the pre-clip gradient norm exceeds this (0: never)
@@ -417,8 +422,8 @@ def run_hash(cfg: TrainConfig) -> str:
     d = to_dict(cfg)
     if d.get("lora") is None:  # runs without LoRA keep the hash they had before the section existed
         d.pop("lora", None)
-    if not d["world"].get("num_world_steps"):  # nor do runs without rollouts, whose other world keys do nothing then
-        for key in ("num_world_steps", "max_world_steps", "rollout"):
+    if not cfg.world.num_world_steps:  # without rollouts the other world-step keys change nothing, and runs keep
+        for key in ("num_world_steps", "max_world_steps", "rollout"):  # the hash they had before the keys existed
             d["world"].pop(key, None)
     for key in RESUME_NEUTRAL:
         *parents, last = key.split(".")

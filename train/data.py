@@ -18,9 +18,10 @@ from torch.utils.data import DataLoader, Dataset
 
 from theworld import cache_format as cf
 from theworld.cache_format.held_out import split
+from theworld.cache_format.layout import world_steps
 from theworld.config import trains
 from theworld.control_text import TEXT_RULE, control_problem
-from theworld.errors import UserError
+from theworld.errors import CacheDamaged, UserError
 from theworld.images import decode, load_for_vae, siglip_pixels
 from theworld.inputs import PARTNER
 from theworld.text import DEFAULT_PROMPT, ChatFormatter
@@ -99,6 +100,7 @@ def open_cache(cfg) -> tuple[cf.CacheReader | MixedReader, InputSources]:
             check_same_layout(readers[0], reader)
         check_texts(reader)
         inputs = input_sources(cfg, reader)
+        world_steps_note(cfg, reader, inputs)  # a cache with fewer world steps than the model uses: refused here
         if found and inputs != found[0]:
             raise UserError(
                 f"config key 'data': caches {readers[0].cache_dir} and {reader.cache_dir} give different "
@@ -122,8 +124,38 @@ def _inputs_text(inputs: InputSources) -> str:
     return "members " + ", ".join(inputs.members)
 
 
+def world_steps_note(cfg, reader: cf.CacheReader | MixedReader, inputs: InputSources) -> str:
+    """Cached latents hold the observed frame and `contents.world_steps` predicted ones: refuse a cache with fewer
+    than world.num_world_steps; one with more is used through its first ones, which the returned start line says
+    ('' otherwise). Live latents (an unfrozen VAE) do not read the cache's."""
+    if not inputs.cached_latents:
+        return ""
+    have, want = world_steps(reader.manifest), cfg.world.num_world_steps
+    frames = {s["shape"][1] for s in reader.manifest.get("latent_shapes") or [] if len(s.get("shape") or ()) == 4}
+    if frames - {1 + have}:  # the manifest's own shapes (from the shards' sidecars) disagree with its world steps
+        raise CacheDamaged(
+            f"cache {reader.cache_dir}: its manifest says contents.world_steps {have} (latents of {1 + have} "
+            f"frame(s)), but its samples' latents have {', '.join(map(str, sorted(frames)))} frame(s); "
+            f"{cf.REBUILD_MANIFEST}"
+        )
+    if have == want:
+        return ""
+    if have < want:
+        raise UserError(
+            f"config key 'world.num_world_steps': the model uses {want} predicted frame(s) per sample, but cache "
+            f"{reader.cache_dir} holds {have} (its contents.world_steps): build a cache with "
+            f"world.num_world_steps: {want} (python -m precompute.cosmos_latents --set world.num_world_steps={want}), "
+            f"or train with world.num_world_steps <= {have}"
+        )
+    return (
+        f"note: cache {reader.cache_dir} holds {have} predicted frame(s) per sample after the observed one; "
+        f"training uses the first {want} (world.num_world_steps {want})"
+    )
+
+
 def check_same_layout(first: cf.CacheReader, other: cf.CacheReader) -> None:
-    """Refuse to mix caches whose world inputs differ in layout (image resolution and resize, latents kept)."""
+    """Refuse to mix caches whose world inputs differ in layout (image resolution and resize, latents kept, world
+    steps: a batch's latents are stacked)."""
 
     def layout(r: cf.CacheReader) -> dict:
         image = (r.manifest.get("fingerprint") or {}).get("image") or {}
@@ -131,6 +163,7 @@ def check_same_layout(first: cf.CacheReader, other: cf.CacheReader) -> None:
             "image.resolution": image.get("resolution"),
             "image.resize": image.get("resize"),
             "cache.latents": cf.latents_stored(r.manifest),
+            "world steps": world_steps(r.manifest),
         }
 
     a, b = layout(first), layout(other)

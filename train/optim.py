@@ -13,12 +13,13 @@ from theworld.arch import PARTS, part_of
 if TYPE_CHECKING:
     from train.config import TrainConfig
 
-# Parameter names that never get weight decay besides biases and norm weights (all 1-D tensors).
-NO_DECAY_NAMES = ("projector.sow", "projector.eow")
+# Parameter names that never get weight decay besides biases and norm weights (all 1-D tensors): the world markers and
+# the temporal table (embeddings, like position embeddings; the rows of frames a run does not use stay as initialised)
+NO_DECAY_NAMES = ("projector.sow", "projector.eow", "projector.temporal")
 
 
 def decays(name: str, p: torch.Tensor) -> bool:
-    """Whether weight decay applies: not to biases, norm weights (all 1-D) and the world markers."""
+    """Whether weight decay applies: not to biases, norm weights (all 1-D), the world markers and the temporal table."""
     return not (p.ndim < 2 or name in NO_DECAY_NAMES or "norm" in name.lower())
 
 

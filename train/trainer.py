@@ -201,6 +201,8 @@ class Trainer:
                 "(written before they existed): "
                 "damaged latents would go unnoticed; rebuild it to add them"
             )
+        if rollout := data.world_steps_note(cfg, self.checked.reader, inputs):
+            lines.append(rollout)
         for r in self.reports:
             lines.append(checkpoint.describe_init(cfg.init_from, r))
         lines.append(

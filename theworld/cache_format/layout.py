@@ -251,6 +251,8 @@ def _manifest_problem(m: dict) -> str | None:
         return "'latent_shape' / 'latent_dtype' missing or not a shape and a dtype name"
     if not isinstance(m.get("fingerprint"), dict) or not isinstance(m.get("contents", {}), dict):
         return "'fingerprint' / 'contents' is not an object"
+    if not _is_int(m.get("contents", {}).get("world_steps", 0)):
+        return "'contents.world_steps' is not a count of predicted frames"
     return None
 
 

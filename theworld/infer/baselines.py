@@ -13,6 +13,9 @@ and the baselines it is compared with.
 - `init_projector`: the projector as the run initialised it (its seed in the stage's config.yaml), the rest of the
   stage's weights unchanged: what training the projector bought. For a later stage (init_from a previous one) this
   is still the seed's fresh projector, not the previous stage's.
+- `no_rollout` (stages trained with world rollouts, world.num_world_steps > 0): the world block of the observed frame
+  alone, with its temporal embedding (row 0), without the predicted frames: does imagining the future help? It is
+  part of `all` only for such stages; asking for it on a stage without rollouts is an error.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class Condition:
     name: str
     world: str  # "own", "previous", "constant" or "none"
     init_projector: bool = False
+    rollout: bool = True  # False: the observed frame alone (its world block without the predicted frames)
 
 
 MODEL = Condition("model", "own")
@@ -46,29 +50,39 @@ BASELINES = {
         Condition("init_projector", "own", init_projector=True),
     )
 }
+# baselines of stages trained with world rollouts (world.num_world_steps > 0) only
+ROLLOUT_BASELINES = {c.name: c for c in (Condition("no_rollout", "own", rollout=False),)}
+KNOWN = {**BASELINES, **ROLLOUT_BASELINES}
 
 
-def parse(spec: str | list[str] | None) -> list[str]:
-    """`all`, or comma-separated names (a list: already split) -> baseline names in BASELINES' order."""
+def parse(spec: str | list[str] | None, world_steps: int | None = None) -> list[str]:
+    """`all`, or comma-separated names (a list: already split) -> baseline names in KNOWN's order. `world_steps`: the
+    stage's world.num_world_steps: `all` adds the rollout baselines when it is > 0, and naming one when it is 0 is an
+    error; None (the stage is not known yet): every name is accepted, `all` is BASELINES."""
     if not spec:
         return []
     names = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
     if "all" in names:
         if len(set(names)) > 1:
             raise UserError(
-                f"--baselines: all already names every baseline ({', '.join(BASELINES)}); give all alone, or "
+                f"--baselines: all already names every baseline ({', '.join(KNOWN)}); give all alone, or "
                 f"the names without it (got {','.join(names)})"
             )
-        return list(BASELINES)
-    unknown = [n for n in names if n not in BASELINES]
+        return list(KNOWN if world_steps else BASELINES)
+    unknown = [n for n in names if n not in KNOWN]
     if unknown:
-        raise UserError(f"--baselines: unknown baseline {unknown[0]!r} (known: all, {', '.join(BASELINES)})")
-    return [n for n in BASELINES if n in names]
+        raise UserError(f"--baselines: unknown baseline {unknown[0]!r} (known: all, {', '.join(KNOWN)})")
+    if world_steps == 0 and (rollout := [n for n in names if n in ROLLOUT_BASELINES]):
+        raise UserError(
+            f"--baselines: {rollout[0]} compares a stage's world rollouts with the observed frame alone, but this "
+            "stage has none (world.num_world_steps 0); leave it out"
+        )
+    return [n for n in KNOWN if n in names]
 
 
 def conditions(baselines: list[str]) -> list[Condition]:
     """The model, the shuffled world (always reported), then the other baselines asked for."""
-    return [MODEL, SHUFFLED] + [BASELINES[n] for n in baselines if n != SHUFFLED.name]
+    return [MODEL, SHUFFLED] + [KNOWN[n] for n in baselines if n != SHUFFLED.name]
 
 
 def world_inputs(
@@ -78,12 +92,13 @@ def world_inputs(
     `mean`/`logvar` hold the latents of the worlds in play, `own`/`previous` index them per row."""
     if cond.world == "none":
         return {"use_world": False}
+    frames = {} if cond.rollout else {"use_rollout": False}
     if cond.world == "constant":
         channels = model.projector.latents_mean.reshape(1, -1, *[1] * (mean.dim() - 2)).to(mean.dtype)
         constant = mean[own] * 0 + channels
-        return {"latent_mean": constant, "latent_logvar": torch.zeros_like(constant)}
+        return {"latent_mean": constant, "latent_logvar": torch.zeros_like(constant), **frames}
     at = own if cond.world == "own" else previous
-    return {"latent_mean": mean[at], "latent_logvar": logvar[at]}
+    return {"latent_mean": mean[at], "latent_logvar": logvar[at], **frames}
 
 
 class InitProjector:
