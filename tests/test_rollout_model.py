@@ -184,12 +184,12 @@ def test_no_rollout_is_a_baseline_of_rollout_stages_only():
 
 
 def test_train_benchmarks_ask_for_no_rollout_on_rollout_stages_only(tmp_path):
-    from theworld.infer import benchmarks
+    from theworld.infer import benchmark_items
     from train.benchmarks import BenchmarkEval
     from train.config import TrainConfig
 
     mc = tmp_path / "mc" / "items.jsonl"
-    benchmarks.make_synthetic(mc, 2)
+    benchmark_items.make_synthetic(mc, 2)
 
     def bench(baselines_: str, *sets: str):
         sets = [f"train.benchmarks=[{{path: {mc}, baselines: {baselines_}}}]", *sets]
@@ -232,8 +232,8 @@ def test_world_steps_change_the_run_hash_only_with_rollouts():
 
 
 def test_train_memory_counts_the_rollout_world_tokens():
+    from tools.memory_plan import activation_bytes, build_world
     from train.config import TrainConfig
-    from train.memory import activation_bytes, build_world
 
     plain = load_config(TrainConfig, ROOT / "configs" / "real" / "stage1.yaml")
     rollout = load_config(TrainConfig, ROOT / "configs" / "real" / "stage1_rollout.yaml")

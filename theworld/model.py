@@ -114,7 +114,10 @@ class TheWorld(nn.Module):
         self = cls.from_modules(gemma, vae, world, freeze, seed, lora)
         self.rollout_steps = world.num_world_steps
         if rollout and world.num_world_steps:
-            self.rollout = Rollout.load(model.vae, model.dtype, vae, world.num_world_steps, world.rollout)
+            # outside the module tree: frozen, it is no part a trainer counts, optimises, wraps or shards
+            object.__setattr__(
+                self, "rollout", Rollout.load(model.vae, model.dtype, vae, world.num_world_steps, world.rollout)
+            )
         self.processor, self.image_config = processor, image or ImageConfig()
         return self, processor
 

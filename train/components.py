@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from theworld.config import trains
 from theworld.errors import UserError
 from theworld.launch import check_group, launched_processes, use_cpu
 from theworld.model import TheWorld, compile_language_layers
@@ -65,7 +66,12 @@ def make_accelerator(cfg: TrainConfig, launch: Launch | None = None) -> Accelera
 
 def build_model(cfg: TrainConfig) -> tuple[TheWorld, Gemma3Processor]:
     """TheWorld in train mode, freeze flags applied, trainable weights in fp32, checkpointing as configured."""
-    model, processor = TheWorld.from_config(cfg.model, cfg.world, cfg.freeze, seed=cfg.seed, lora=cfg.lora)
+    # the Video2World pipeline (world.num_world_steps > 0) only where world latents are computed live: a VAE that
+    # trains, or benchmark items' images; a frozen VAE reads the cache's rollouts
+    live = trains(cfg.freeze, cfg.lora, "vae") or bool(cfg.train.benchmarks)
+    model, processor = TheWorld.from_config(
+        cfg.model, cfg.world, cfg.freeze, seed=cfg.seed, lora=cfg.lora, rollout=live
+    )
     return ready_for_training(model, cfg), processor
 
 
