@@ -1,0 +1,272 @@
+"""Memory levers for real sizes (issue 33 item 2): activation checkpointing (none | full | selective, every_n, parts)
+of the language model, the vision tower and the VAE encoder gives the gradients it gives without, and really
+recomputes; big-model dispatch (`TheWorld.from_pretrained(device_map=...)`) gives the logits of a plain load."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from theworld import device_map, encoders, gemma3, images, synthetic
+from theworld.arch import CHECKPOINT_PARTS
+from theworld.config import FreezeConfig, WorldConfig, from_dict, load_config, to_dict, to_yaml
+from theworld.errors import UserError
+from theworld.inputs import text_batch
+from theworld.model import TheWorld
+from theworld.text import ChatFormatter
+from train.config import TrainConfig, run_hash
+
+CAPTIONS = ["top left red circle .", "top right blue square . bottom left green cross ."]
+LAYERS = 3  # per stack: every_n 2 then wraps layers 0 and 2 and leaves 1 alone
+
+
+@pytest.fixture(scope="module")
+def parts():
+    """The tiny Gemma 3 with LAYERS decoder and SigLIP layers (seeded), its processor and the tiny VAE, in fp32."""
+    from transformers import Gemma3ForConditionalGeneration
+
+    base, processor = encoders.load_gemma("tiny", "float32")
+    config = copy.deepcopy(base.config)
+    config.text_config.num_hidden_layers = config.vision_config.num_hidden_layers = LAYERS
+    config.text_config.layer_types = gemma3.layer_types(LAYERS)
+    torch.manual_seed(0)
+    gemma = Gemma3ForConditionalGeneration(config).float()
+    with torch.no_grad():  # zero-initialised in a random model: the image tokens would carry nothing back
+        gemma.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.05)
+    return gemma, processor, encoders.load_vae("tiny", "float32")
+
+
+def world(parts, freeze: FreezeConfig) -> TheWorld:
+    gemma, processor, vae = parts
+    model = TheWorld.from_modules(copy.deepcopy(gemma), copy.deepcopy(vae), WorldConfig(), freeze, seed=0)
+    model.processor = processor
+    model.cast_trainable_to_fp32()
+    return model.train()
+
+
+def batch(model: TheWorld):
+    """Captions with live inputs: the VAE encodes the pictures, SigLIP reads their pixels."""
+    fmt = ChatFormatter(model.processor)
+    scenes = [synthetic.scene(0, i)[0] for i in range(len(CAPTIONS))]
+    return text_batch([fmt.encode(synthetic.PROMPT, c) for c in CAPTIONS], fmt.pad_id).with_inputs(
+        images=torch.stack([images.to_uint8_tensor(s) for s in scenes]),
+        pixel_values=torch.stack([images.siglip_pixels(model.processor.image_processor, s) for s in scenes]),
+    )
+
+
+class OpCounts(TorchDispatchMode):
+    """Counts the aten ops that run (forward, recomputation and backward): an op selective checkpointing keeps is
+    not run again, one it recomputes is."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def step(model: TheWorld, inputs) -> tuple[dict[str, torch.Tensor], Counter]:
+    """One training step's gradients of every trainable parameter, and the ops it ran."""
+    model.zero_grad(set_to_none=True)
+    with OpCounts() as ops:
+        model(inputs).loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+    return grads, ops.counts
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+UNFROZEN = FreezeConfig(vision=False, language=False, vae=False)  # stage 4: every part trains
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpointing_every_part_gives_the_same_gradients_and_recomputes(parts, mode):
+    model = world(parts, UNFROZEN)
+    inputs = batch(model)
+    base, ops_off = step(model, inputs)
+    assert {n.split(".")[0] for n in base} == {"gemma", "world_encoder", "projector"}
+    assert all(g.abs().sum() > 0 for n, g in base.items() if ".layers.0." in n or "down_blocks.0." in n)
+    wrapped = model.activation_checkpointing(mode, 1, ["language", "vision", "vae"])
+    vae_blocks = len(model.world_encoder.vae.encoder.down_blocks) + 1  # and the mid block
+    assert wrapped == {"language": LAYERS, "vision": LAYERS, "vae": vae_blocks}
+    grads, ops_on = step(model, inputs)
+    assert_same(base, grads)
+    # the cheap ops (norms, activations) run again in the backward either way; matmuls and convolutions only in full
+    assert ops_on["rsqrt"] > ops_off["rsqrt"] and ops_on["gelu"] > ops_off["gelu"]
+    recomputed = lambda op: ops_on[op] - ops_off[op]  # noqa: E731
+    if mode == "full":
+        assert recomputed("convolution") > 0 and recomputed("mm") + recomputed("addmm") > 0
+    else:
+        assert recomputed("convolution") == 0 and recomputed("mm") == recomputed("addmm") == recomputed("bmm") == 0
+    model.activation_checkpointing("none")
+    grads, ops_none = step(model, inputs)
+    assert_same(base, grads)
+    assert ops_none == ops_off  # none: nothing recomputed any more
+
+
+def test_every_n_and_parts_wrap_only_what_they_name(parts):
+    model = world(parts, UNFROZEN)
+    inputs = batch(model)
+    base, _ = step(model, inputs)
+    calls = Counter()
+    hooks = [
+        layer.mlp.register_forward_hook(lambda m, i, o, k=f"language{idx}": calls.update([k]))
+        for idx, layer in enumerate(model.gemma.model.language_model.layers)
+    ]
+    hooks += [
+        layer.mlp.register_forward_hook(lambda m, i, o, k=f"vision{idx}": calls.update([k]))
+        for idx, layer in enumerate(model.gemma.model.vision_tower.encoder.layers)
+    ]
+    assert model.activation_checkpointing("full", 2, ["language"]) == {"language": 2, "vision": 0, "vae": 0}
+    grads, _ = step(model, inputs)
+    for h in hooks:
+        h.remove()
+    assert_same(base, grads)
+    # layers 0 and 2 of the language model ran twice (forward, recomputation), layer 1 and every vision layer once
+    assert calls == {"language0": 2, "language1": 1, "language2": 2, "vision0": 1, "vision1": 1, "vision2": 1}
+
+
+def test_the_earlier_switch_wraps_both_gemma_stacks_fully(parts):
+    model = world(parts, FreezeConfig(language=False))
+    inputs = batch(model)
+    base, ops_off = step(model, inputs)
+    model.gradient_checkpointing(True)
+    assert [layer.gradient_checkpointing for layer in model.gemma.model.language_model.layers] == [True] * LAYERS
+    assert [layer.gradient_checkpointing for layer in model.gemma.model.vision_tower.encoder.layers] == [True] * LAYERS
+    grads, ops_on = step(model, inputs)
+    assert_same(base, grads)
+    assert ops_on["mm"] + ops_on["addmm"] > ops_off["mm"] + ops_off["addmm"]
+    model.gradient_checkpointing(False)
+    assert not any(layer.gradient_checkpointing for layer in model.gemma.model.language_model.layers)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# train.activation_checkpointing: the config
+
+
+def _train(*sets: str) -> TrainConfig:
+    return load_config(TrainConfig, None, list(sets))
+
+
+def test_config_reads_the_earlier_switch_and_refuses_disagreement():
+    assert vars(_train().train.activation_checkpointing) == {
+        "mode": "none",
+        "every_n": 1,
+        "parts": list(CHECKPOINT_PARTS),
+    }
+    legacy = _train("train.gradient_checkpointing=true").train
+    assert vars(legacy.activation_checkpointing) == {"mode": "full", "every_n": 1, "parts": ["language", "vision"]}
+    assert legacy.gradient_checkpointing is None  # said once: the saved config reloads
+    assert _train("train.gradient_checkpointing=false").train.activation_checkpointing.mode == "none"
+    both = _train("train.gradient_checkpointing=true", "train.activation_checkpointing.mode=full")
+    assert both.train.activation_checkpointing.parts == list(CHECKPOINT_PARTS)
+    for sets, words in (
+        (["train.gradient_checkpointing=true", "train.activation_checkpointing.mode=selective"], "disagree"),
+        (["train.gradient_checkpointing=false", "train.activation_checkpointing.mode=full"], "disagree"),
+        (["train.activation_checkpointing.mode=some"], "train.activation_checkpointing.mode"),
+        (["train.activation_checkpointing.every_n=0"], "train.activation_checkpointing.every_n"),
+        (["train.activation_checkpointing.parts=[language, projector]"], "train.activation_checkpointing.parts"),
+        (["train.activation_checkpointing.parts=[vae, vae]"], "train.activation_checkpointing.parts"),
+        (["train.activation_checkpointing.speed=1"], "train.activation_checkpointing.speed"),
+    ):
+        with pytest.raises(UserError) as e:
+            _train(*sets)
+        assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_saved_configs_of_either_form_reload_and_the_setting_is_resume_neutral(tmp_path):
+    old = _train("train.gradient_checkpointing=true")
+    new = _train("train.activation_checkpointing.mode=selective", "train.activation_checkpointing.every_n=2")
+    for cfg in (old, new):  # what a checkpoint's config.yaml holds, read back
+        (tmp_path / "c.yaml").write_text(to_yaml(cfg))
+        again = load_config(TrainConfig, tmp_path / "c.yaml")
+        assert again.train.activation_checkpointing == cfg.train.activation_checkpointing
+    # the math does not change: resuming under another setting is the same run, and a run of before keeps its hash
+    assert run_hash(old) == run_hash(new) == run_hash(_train())
+    legacy_false = to_dict(_train())
+    legacy_false["train"]["gradient_checkpointing"] = False
+    del legacy_false["train"]["activation_checkpointing"]
+    assert run_hash(_train("train.gradient_checkpointing=false")) == run_hash(from_dict(TrainConfig, legacy_false))
+
+
+def test_training_builds_the_model_with_the_configured_checkpointing(parts):
+    from train.components import ready_for_training
+
+    cfg = _train("train.activation_checkpointing.mode=selective", "train.activation_checkpointing.every_n=2")
+    model = ready_for_training(world(parts, UNFROZEN), cfg)
+    flags = [layer.gradient_checkpointing for layer in model.gemma.model.language_model.layers]
+    assert flags == [True, False, True]
+    vae_wrapped = ["forward" in vars(b) for b in [*model.world_encoder.vae.encoder.down_blocks]]
+    assert vae_wrapped[:3] == [True, False, True]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# device_map
+
+
+def test_disk_offload_gives_the_logits_of_a_normal_load(trained_run, tmp_path):
+    from conftest import fixed_inputs
+
+    plain, processor = TheWorld.from_pretrained(trained_run["run"], device="cpu")
+    inputs = fixed_inputs(plain, processor)
+    with torch.no_grad():
+        expected = plain(inputs, return_logits=True).logits
+    for mapping in ("disk", {"gemma.model.language_model": "disk", "": "cpu"}):
+        model, _ = TheWorld.from_pretrained(trained_run["run"], device_map=mapping, offload_folder=tmp_path / "off")
+        offloaded = model.gemma.model.language_model.layers[0].mlp.up_proj.weight
+        assert offloaded.device.type == "meta"  # its weights are read from the offload folder at each forward
+        assert any((tmp_path / "off").iterdir()) and model.input_device == torch.device("cpu")
+        with torch.no_grad():
+            logits = model(inputs, return_logits=True).logits
+        torch.testing.assert_close(logits, expected, rtol=0, atol=1e-6)
+        assert model.generate([synthetic.scene(3, 0)[0]], synthetic.PROMPT, max_new_tokens=3) == plain.generate(
+            [synthetic.scene(3, 0)[0]], synthetic.PROMPT, max_new_tokens=3
+        )
+    with pytest.raises(UserError, match="'gemma.nope' is not a module of TheWorld"):
+        device_map.resolve(plain, {"gemma.nope": "cpu"})
+
+
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        ("cuda:3", "device 'cuda:3' is not on this machine"),
+        ("xpu", "device 'xpu' is not on this machine"),
+        (5, "device '5' is not on this machine"),
+        ({"gemma": "cuda:1", "": "cpu"}, "device_map['gemma']: device 'cuda:1' is not on this machine"),
+        ({"gemma": "mps"}, "device 'mps'"),
+        ({"gemma": True}, "not a device"),
+        ("disk", "needs an offload_folder"),
+        ({}, "empty"),
+        (["cpu"], "a mapping of module names"),
+    ],
+)
+def test_a_device_that_is_not_there_is_one_line_before_loading(bad, words, tmp_path):
+    if torch.cuda.device_count() > 3:
+        pytest.skip("this machine has the GPUs these names refer to")
+    with pytest.raises(UserError) as e:
+        TheWorld.from_pretrained(tmp_path / "no-such-stage", device_map=bad)  # refused before the folder is read
+    assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_describe_and_evaluate_take_a_device_map(tmp_path, capsys):
+    from theworld import describe, evaluate
+
+    image = tmp_path / "a.png"
+    synthetic.scene(0, 0)[0].save(image)
+    assert describe.main(["--model", str(tmp_path), "--image", str(image), "--device-map", "cuda:7"]) == 2
+    assert "device 'cuda:7' is not on this machine" in capsys.readouterr().err
+    assert describe.main(["--model", str(tmp_path), "--image", str(image), "--device-map", '{"gemma": 1']) == 2
+    assert "--device-map: not a JSON object" in capsys.readouterr().err
+    argv = ["--model", str(tmp_path), "--data", str(tmp_path / "x.jsonl"), "--offload-folder", str(tmp_path)]
+    assert evaluate.main(argv) == 2
+    assert "--offload-folder needs --device-map" in capsys.readouterr().err
