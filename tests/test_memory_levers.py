@@ -5,7 +5,9 @@ recomputes; big-model dispatch (`TheWorld.from_pretrained(device_map=...)`) give
 from __future__ import annotations
 
 import copy
+import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from theworld.text import ChatFormatter
 from train.config import TrainConfig, run_hash
 
 CAPTIONS = ["top left red circle .", "top right blue square . bottom left green cross ."]
+ROOT = Path(__file__).resolve().parents[1]
 LAYERS = 3  # per stack: every_n 2 then wraps layers 0 and 2 and leaves 1 alone
 
 
@@ -270,3 +273,85 @@ def test_describe_and_evaluate_take_a_device_map(tmp_path, capsys):
     argv = ["--model", str(tmp_path), "--data", str(tmp_path / "x.jsonl"), "--offload-folder", str(tmp_path)]
     assert evaluate.main(argv) == 2
     assert "--offload-folder needs --device-map" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# train.memory's columns
+
+
+def _plan(capsys, *args: str) -> dict:
+    from train import memory
+
+    assert memory.main([*args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_memory_reports_each_lever_and_keeps_the_configured_estimate(capsys):
+    from theworld.arch import REAL
+
+    plan = _plan(capsys, "--config", str(ROOT / "configs" / "real" / "stage4.yaml"), "--gpus", "1")
+    # the configured plan (gradient_checkpointing: true, the earlier switch) is the one the docs quote
+    assert round(plan["per_gpu_bytes"]["ddp"]["total"] / 2**30, 2) == 105.57
+    assert plan["config"]["activation_checkpointing"] == {"mode": "full", "every_n": 1, "parts": ["language", "vision"]}
+    ac = plan["levers"]["activation_checkpointing"]
+    assert list(ac) == ["none", "full", "full_every_2", "selective", "selective_every_2"]
+    act = {k: v["activations"] for k, v in ac.items()}
+    assert act["full"] < act["full_every_2"] < act["none"] and act["full"] < act["selective"] < act["none"]
+    assert act["selective"] < act["selective_every_2"] < act["none"]
+    # only activations move: every total differs from none's by the activation difference alone
+    for k, v in ac.items():
+        for mode in ("ddp", "fsdp", "fsdp_offload"):
+            assert ac["none"]["total"][mode] - v["total"][mode] == act["none"] - act[k]
+    # full on a stack of L layers keeps L inputs and one layer: the earlier formula, now with the VAE's blocks
+    vae = plan["levers"]["vae_block_checkpointing"]
+    assert vae["trains"] and vae["activations"]["full"] < vae["activations"]["selective"] < vae["activations"]["none"]
+    configured = plan["per_gpu_bytes"]["ddp"]["activations"]  # language + vision full, the VAE not
+    assert act["full"] == configured - (vae["activations"]["none"] - vae["activations"]["full"])
+    assert not ac["none"]["fits"]["fsdp_offload"] and ac["full"]["fits"]["fsdp_offload"]
+    w = plan["levers"]["weights_only_checkpoint"]
+    assert w["saved_bytes"] == 8 * plan["trainable_params"] == w["checkpoint_bytes"] - w["weights_only_bytes"]
+    # selective keeps each layer's input, q k v, attention, o_proj and the gated MLP's three matmuls
+    t = REAL["text"]
+    width = 3 * t["hidden_size"] + 2 * 8 * 256 + 2 * 4 * 256 + 2 * t["intermediate_size"]
+    from train.memory import selective_width
+
+    assert selective_width(_text_config(), "language") == width
+
+
+def _text_config():
+    from transformers import Gemma3TextConfig
+
+    from theworld.arch import REAL
+
+    return Gemma3TextConfig(**REAL["text"])
+
+
+def test_memory_follows_the_configured_checkpointing(capsys):
+    stage3 = ["--config", str(ROOT / "configs" / "real" / "stage3.yaml"), "--gpus", "2"]
+    sel = _plan(
+        capsys,
+        *stage3,
+        "--set",
+        "train.gradient_checkpointing=null",
+        "--set",
+        "train.activation_checkpointing.mode=selective",
+    )
+    assert (
+        sel["per_gpu_bytes"]["ddp"]["activations"]
+        == sel["levers"]["activation_checkpointing"]["selective"]["activations"]
+    )
+    every = _plan(
+        capsys,
+        *stage3,
+        "--set",
+        "train.gradient_checkpointing=null",
+        "--set",
+        "train.activation_checkpointing.mode=full",
+        "--set",
+        "train.activation_checkpointing.every_n=2",
+    )
+    assert (
+        every["per_gpu_bytes"]["fsdp"]["activations"]
+        == every["levers"]["activation_checkpointing"]["full_every_2"]["activations"]
+    )
+    assert not every["levers"]["vae_block_checkpointing"]["trains"]  # stage 3: the VAE is frozen
