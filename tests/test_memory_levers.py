@@ -173,6 +173,13 @@ def test_config_reads_the_earlier_switch_and_refuses_disagreement():
     assert _train("train.gradient_checkpointing=false").train.activation_checkpointing.mode == "none"
     both = _train("train.gradient_checkpointing=true", "train.activation_checkpointing.mode=full")
     assert both.train.activation_checkpointing.parts == list(CHECKPOINT_PARTS)
+    # a mode alone; a section without a mode is on (full)
+    assert (
+        vars(_train("train.activation_checkpointing=selective").train.activation_checkpointing)["mode"] == "selective"
+    )
+    every = _train("train.activation_checkpointing={every_n: 2}").train.activation_checkpointing
+    assert (every.mode, every.every_n) == ("full", 2)
+    assert _train("train.activation_checkpointing.parts=[vae]").train.activation_checkpointing.mode == "full"
     for sets, words in (
         (["train.gradient_checkpointing=true", "train.activation_checkpointing.mode=selective"], "disagree"),
         (["train.gradient_checkpointing=false", "train.activation_checkpointing.mode=full"], "disagree"),
@@ -181,6 +188,9 @@ def test_config_reads_the_earlier_switch_and_refuses_disagreement():
         (["train.activation_checkpointing.parts=[language, projector]"], "train.activation_checkpointing.parts"),
         (["train.activation_checkpointing.parts=[vae, vae]"], "train.activation_checkpointing.parts"),
         (["train.activation_checkpointing.speed=1"], "train.activation_checkpointing.speed"),
+        (["train.activation_checkpointing=fast"], "'fast' is not a mode (none, full, selective)"),
+        (["train.activation_checkpointing={mode: none, every_n: 2}"], "with mode none checkpoints nothing"),
+        (["train.activation_checkpointing=full", "train.gradient_checkpointing=false"], "disagree"),
     ):
         with pytest.raises(UserError) as e:
             _train(*sets)
@@ -355,3 +365,27 @@ def test_memory_follows_the_configured_checkpointing(capsys):
         == every["levers"]["activation_checkpointing"]["full_every_2"]["activations"]
     )
     assert not every["levers"]["vae_block_checkpointing"]["trains"]  # stage 3: the VAE is frozen
+
+
+@pytest.mark.slow
+def test_training_runs_with_each_lever_reach_the_same_weights(cache, tmp_path):
+    """Stage 4 (every part trains, the VAE encodes live) through train.loop: two optimizer steps with selective
+    checkpointing on every part, and with full every 2nd layer, end where the run without checkpointing ends."""
+    from conftest import base_args, metrics, train_inproc, weights
+
+    stage4 = {"freeze.vision": "false", "freeze.language": "false", "freeze.vae": "false", "train.lr": "1e-3"}
+    runs = {}
+    for name, sets in (
+        ("none", {}),
+        ("selective", {"train.activation_checkpointing": "selective"}),
+        ("full_every_2", {"train.activation_checkpointing": "{mode: full, every_n: 2}"}),
+    ):
+        out = tmp_path / name
+        assert train_inproc(base_args(cache, out, steps=2, **stage4, **sets)) == 0
+        runs[name] = (weights(out), [m["loss"] for m in metrics(out) if "loss" in m])
+    base, losses = runs.pop("none")
+    assert any(n.startswith("world_encoder.") for n in base) and any(".language_model." in n for n in base)
+    for name, (w, lo) in runs.items():
+        assert lo == pytest.approx(losses, rel=1e-5), name
+        for n, t in base.items():
+            torch.testing.assert_close(w[n], t, rtol=1e-4, atol=1e-6, msg=f"{name}: {n}")

@@ -96,11 +96,18 @@ class ActivationCheckpointing:
     N, 2N, ... of each part's stack (the others keep all their activations). `parts`: Gemma's decoder layers,
     SigLIP's encoder layers and the VAE encoder's blocks (a part that does not train keeps no activations anyway)."""
 
-    mode: Literal["none", "full", "selective"] = "none"
+    mode: Literal["none", "full", "selective"] | None = None  # None: full (the section given means it is on)
     every_n: int = 1
     parts: list[str] = field(default_factory=lambda: list(CHECKPOINT_PARTS))
 
     def __post_init__(self) -> None:
+        if self.mode is None:
+            self.mode = "full"
+        if self.mode == "none" and self.every_n != 1:
+            raise UserError(
+                f"config key 'train.activation_checkpointing.every_n': {shown(self.every_n)} with mode none "
+                "checkpoints nothing; use mode full or selective"
+            )
         if not 1 <= self.every_n <= MAX_EVERY_N:
             raise UserError(
                 f"config key 'train.activation_checkpointing.every_n': must be in [1, {MAX_EVERY_N}] (1: every "
@@ -116,18 +123,27 @@ class ActivationCheckpointing:
         return self.mode != "none" and part in self.parts
 
 
+CHECKPOINT_MODES = ("none", "full", "selective")
 MAX_EVERY_N = 1024  # beyond any stack's depth (train.memory's MAX_LAYERS)
 # What the earlier switch train.gradient_checkpointing: true did: every layer of Gemma's two stacks, the VAE never.
 LEGACY_FULL = ActivationCheckpointing(mode="full", parts=["language", "vision"])
 
 
-def resolve_checkpointing(legacy: bool | None, given: ActivationCheckpointing | None) -> ActivationCheckpointing:
-    """train.activation_checkpointing from it and the earlier train.gradient_checkpointing (true: LEGACY_FULL, false:
-    none); both given must agree (true with mode full, false with none)."""
+def resolve_checkpointing(legacy: bool | None, given: ActivationCheckpointing | str | None) -> ActivationCheckpointing:
+    """train.activation_checkpointing (a section, or a mode alone) from it and the earlier
+    train.gradient_checkpointing (true: LEGACY_FULL, false: none); both given must agree (true with mode full, false
+    with none)."""
+    if isinstance(given, str):
+        if given not in CHECKPOINT_MODES:
+            raise UserError(
+                f"config key 'train.activation_checkpointing': {shown(given)} is not a mode "
+                f"({', '.join(CHECKPOINT_MODES)}) or a section {{mode, every_n, parts}}"
+            )
+        given = ActivationCheckpointing(mode=given)
     if legacy is None:
-        return given or ActivationCheckpointing()
+        return given or ActivationCheckpointing(mode="none")
     if given is None:
-        return copy.deepcopy(LEGACY_FULL) if legacy else ActivationCheckpointing()
+        return copy.deepcopy(LEGACY_FULL) if legacy else ActivationCheckpointing(mode="none")
     if given.mode != ("full" if legacy else "none"):
         raise UserError(
             f"config keys 'train.gradient_checkpointing' ({str(legacy).lower()}) and "
@@ -165,7 +181,8 @@ class TrainSection:
     # the earlier switch, still read: true is activation_checkpointing {mode: full, parts: [language, vision]}, false
     # none; once resolved it is null and activation_checkpointing says what runs
     gradient_checkpointing: bool | None = None
-    activation_checkpointing: ActivationCheckpointing | None = None  # null: none (or what gradient_checkpointing says)
+    # a section, or a mode alone (selective: {mode: selective}); null: none (or what gradient_checkpointing says)
+    activation_checkpointing: ActivationCheckpointing | str | None = None
     compile: bool = False  # torch.compile the language model's decoder layers (GPU; see docs/performance.md)
     attention: Literal["sdpa", "flex_attention", "eager"] = "sdpa"  # the language model's attention kernel;
     # flex_attention (GPU) skips the masked blocks outside Gemma's 1024-token sliding window (docs/performance.md)
