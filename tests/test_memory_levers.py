@@ -221,6 +221,9 @@ def test_training_builds_the_model_with_the_configured_checkpointing(parts):
     assert flags == [True, False, True]
     vae_wrapped = ["forward" in vars(b) for b in [*model.world_encoder.vae.encoder.down_blocks]]
     assert vae_wrapped[:3] == [True, False, True]
+    twin = copy.deepcopy(model)  # a copy's wrapped blocks run the copy's weights
+    block = twin.world_encoder.vae.encoder.down_blocks[0]
+    assert block.forward.__self__ is block
 
 
 # ----------------------------------------------------------------------------------------------------------------------

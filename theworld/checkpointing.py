@@ -15,11 +15,13 @@ those without checkpointing and the setting is resume-neutral.
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from theworld.arch import CHECKPOINT_PARTS
 
@@ -86,8 +88,6 @@ def apply(model: nn.Module, mode: str, every_n: int = 1, parts: Iterable[str] = 
 
 
 def _set(layer: nn.Module, fn: Callable | None) -> None:
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
     if isinstance(layer, GradientCheckpointingLayer):
         # a transformers GradientCheckpointingLayer: its own wrapper checkpoints `forward` (module hooks, FSDP2's
         # among them, stay outside) in training mode with gradients on, and drops a KV cache it would write twice
@@ -96,16 +96,16 @@ def _set(layer: nn.Module, fn: Callable | None) -> None:
         return
     layer.__dict__.pop("forward", None)  # back to the class's forward
     if fn is not None:
-        layer.forward = _checkpointed(layer, type(layer).forward, fn)
+        layer._checkpoint_fn = fn
+        # bound to the layer (not a closure over it): a deepcopy of the model gets a forward bound to the copy
+        layer.forward = types.MethodType(_checkpointed_forward, layer)
 
 
-def _checkpointed(layer: nn.Module, forward: Callable, fn: Callable) -> Callable:
-    """`layer.forward` run through `fn` when training with gradients on; a call with a temporal feature cache (a
-    multi-frame VAE encode, which mutates the cache) runs as it is, since the recomputation would update it twice."""
-
-    def run(x, *args, **kwargs):
-        if kwargs.get("feat_cache") is not None or not (layer.training and torch.is_grad_enabled()):
-            return forward(layer, x, *args, **kwargs)
-        return fn(functools.partial(forward, layer, **kwargs), x, *args)
-
-    return run
+def _checkpointed_forward(self: nn.Module, x, *args, **kwargs):
+    """The class's forward run through `self._checkpoint_fn` when training with gradients on; a call with a temporal
+    feature cache (a multi-frame VAE encode, which mutates the cache) runs as it is, since the recomputation would
+    update it twice."""
+    forward = type(self).forward  # also under FSDP2, whose per-module subclass inherits it
+    if kwargs.get("feat_cache") is not None or not (self.training and torch.is_grad_enabled()):
+        return forward(self, x, *args, **kwargs)
+    return self._checkpoint_fn(functools.partial(forward, self, **kwargs), x, *args)
