@@ -392,3 +392,65 @@ def test_training_runs_with_each_lever_reach_the_same_weights(cache, tmp_path):
         assert lo == pytest.approx(losses, rel=1e-5), name
         for n, t in base.items():
             torch.testing.assert_close(w[n], t, rtol=1e-4, atol=1e-6, msg=f"{name}: {n}")
+
+
+def per_layer_kept(text_sizes: dict, seq: int = 64) -> dict[str, float]:
+    """Elements per token per hidden unit one Gemma 3 decoder layer keeps for the backward (bf16, SDPA), counted:
+    without checkpointing, the tensors autograd saves (weights aside); selectively checkpointed, its input and the
+    outputs of theworld.checkpointing.SAVE_OPS (what create_selective_checkpoint_contexts caches)."""
+    from transformers import Gemma3TextConfig
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3DecoderLayer, Gemma3RotaryEmbedding
+
+    from theworld.checkpointing import SAVE_OPS
+
+    config = Gemma3TextConfig(**{**text_sizes, "num_hidden_layers": 1}, layer_types=["sliding_attention"])
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    layer = Gemma3DecoderLayer(config, 0).to(torch.bfloat16)
+    h = config.hidden_size
+    x = torch.randn(1, seq, h, dtype=torch.bfloat16, requires_grad=True)
+    positions = torch.arange(seq)[None]
+    rope = Gemma3RotaryEmbedding(config)(x, positions, layer_type="sliding_attention")
+    weights = {p.data_ptr() for p in layer.parameters()}
+    saved = {}
+
+    def pack(t):
+        if t.data_ptr() not in weights:
+            saved[t.data_ptr()] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x, position_embeddings=rope, attention_mask=None, position_ids=positions)
+
+    class Kept(TorchDispatchMode):
+        size = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in SAVE_OPS:
+                outs = out if isinstance(out, (tuple, list)) else [out]
+                self.size += sum(t.numel() * t.element_size() for t in outs if isinstance(t, torch.Tensor))
+            return out
+
+    with Kept() as kept:
+        layer(x, position_embeddings=rope, attention_mask=None, position_ids=positions)
+    unit = seq * h * 2
+    return {"none": sum(saved.values()) / unit, "selective": 1 + kept.size / unit}
+
+
+def test_selective_width_counts_what_a_gemma_layer_keeps():
+    """The plan's selective figure per layer against what a Gemma 3 decoder layer with Gemma 3 4B's proportions keeps
+    (hidden / 4); and the constant for a layer without checkpointing is a lower bound (docs/training.md, "Memory
+    levers": python -m pytest tests/test_memory_levers.py -k gemma_layer -s prints the counts)."""
+    from transformers import Gemma3TextConfig
+
+    from theworld.arch import REAL
+    from train.memory import ACT_PER_TOKEN_LAYER, selective_width
+
+    real = REAL["text"]
+    sizes = {**real, "hidden_size": 640, "intermediate_size": 2560, "head_dim": 64, "query_pre_attn_scalar": 64}
+    kept = per_layer_kept(sizes)
+    print(f"per token per hidden unit: none {kept['none']:.1f}, selective {kept['selective']:.1f}")
+    width = selective_width(Gemma3TextConfig(**sizes), "language") / sizes["hidden_size"]
+    assert width == pytest.approx(kept["selective"], rel=0.05)
+    assert kept["none"] > ACT_PER_TOKEN_LAYER and kept["selective"] < kept["none"] / 2
