@@ -70,7 +70,9 @@ def _another_value(value):
         return str(value + 0.5)
     if isinstance(value, list):
         return "[]" if value else "[x.jsonl]"
-    return {"auto": "4", "ddp": "fsdp", "fsdp": "ddp"}.get(value, "x")
+    if value is None:  # train.gradient_checkpointing once read: the earlier switch (true agrees with mode full)
+        return "true"
+    return {"auto": "4", "ddp": "fsdp", "fsdp": "ddp", "none": "full"}.get(value, "x")
 
 
 def test_run_hash_ignores_resume_neutral_keys_and_sees_the_rest(tmp_path):

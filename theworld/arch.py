@@ -25,6 +25,9 @@ LORA_MODULES = {
     "language": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
     "vision": ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
 }
+# The stacks activation checkpointing wraps (train.activation_checkpointing.parts, theworld/checkpointing.py): Gemma's
+# decoder layers, SigLIP's encoder layers, the VAE encoder's down blocks and mid block.
+CHECKPOINT_PARTS = ("language", "vision", "vae")
 
 
 def part_of(param_name: str) -> str:

@@ -228,6 +228,8 @@ def _check_value(value: Any, tp: Any, key: str) -> Any:
             try:
                 return _check_value(value, arg, key)
             except UserError as e:
+                if dataclasses.is_dataclass(arg) and isinstance(value, dict):  # a section's own keys: its own error
+                    raise
                 errors.append(str(e))
         raise UserError(errors[0] if len(errors) == 1 else f"config key '{key}': {shown(value)} has the wrong type")
     if tp is dict:  # a mapping passed on as it is (storage_options: the keys are the library's)

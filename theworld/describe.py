@@ -12,6 +12,7 @@ import sys
 import time
 
 from theworld import checkpoint_layout as layout
+from theworld import device_map as dispatching
 from theworld import images, log
 from theworld.config import ArgParser, DefaultsHelp
 from theworld.control_text import text_problem
@@ -43,7 +44,9 @@ def parse(argv: list[str] | None):
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence at every step")
     p.add_argument("--shuffle-world", action="store_true", help="give image i the world latents of image i-1")
     p.add_argument("--ema", action="store_true", help="use the EMA weights (ema.safetensors)")
+    dispatching.add_args(p)
     args = p.parse_args(argv)
+    args.load = dispatching.load_kwargs(args)  # before the slow load: a missing device is one line
     if args.max_new_tokens < 1 or args.batch_size < 1:
         raise UserError("theworld.describe: --max-new-tokens and --batch-size must be >= 1")
     args.prompt = getattr(args, "prompt", None)
@@ -69,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     folder = layout.resolve(args.model)
     prompt = args.prompt if args.prompt is not None else layout.trained_prompt(folder)
     t = time.time()
-    model, _ = TheWorld.from_pretrained(folder, ema=args.ema)
+    model, _ = TheWorld.from_pretrained(folder, ema=args.ema, **args.load)
     _log.info(f"loaded {args.model} in {time.time() - t:.1f} s")
     paths = args.image
     world = paths[-1:] + paths[:-1] if args.shuffle_world else None

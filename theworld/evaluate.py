@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from theworld import device_map as dispatching
 from theworld import log, paths
 from theworld.config import ArgParser, DefaultsHelp
 from theworld.errors import UserError, cli_entry, out_of_space, sigterm_as_exit
@@ -86,7 +87,9 @@ def parse(argv: list[str] | None):
         help="first write N items from unseen synthetic scenes to --data (images in images/ beside it)",
     )
     p.add_argument("--synthetic-seed", type=int, default=1, help="scene seed of --make-synthetic (training uses 0)")
+    dispatching.add_args(p)
     args = p.parse_args(argv)
+    args.load = dispatching.load_kwargs(args)  # before the slow load: a missing device is one line
     if args.limit < 0 or args.batch_size < 1 or args.make_synthetic < 0 or (args.max_new_tokens or 1) < 1:
         raise UserError(
             "theworld.evaluate: --limit and --make-synthetic must be >= 0, --batch-size and --max-new-tokens >= 1"
@@ -211,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with sigterm_as_exit():  # a kill removes --out's temporary file
             t = time.time()
-            model, processor = TheWorld.from_pretrained(folder, ema=args.ema)
+            model, processor = TheWorld.from_pretrained(folder, ema=args.ema, **args.load)
             _log.info(f"loaded {args.model} in {time.time() - t:.1f} s; evaluating {len(items)} items")
             init = baselines.InitProjector.for_stage(model, folder) if "init_projector" in args.baselines else None
             summary = _run(args, model, processor, items, init, out, layout.trained_prompt(folder))

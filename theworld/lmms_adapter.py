@@ -105,7 +105,7 @@ class TheWorldLMM(lmms):
         except UserError as e:
             _refuse(str(e))
         self.formatter = self.model.formatter
-        self.device = next(self.model.parameters()).device
+        self.device = self.model.input_device
 
     def _visuals(self, doc_to_visual, doc_id, task, split) -> list:
         visuals = doc_to_visual(self.task_dict[task][split][doc_id])

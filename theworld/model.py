@@ -8,6 +8,7 @@ number of them and rows are right-padded, so inserting them is one concatenation
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,9 +18,10 @@ from torch import nn
 from torch.profiler import record_function
 
 from theworld import checkpoint_layout as layout
-from theworld import encoders, objective
+from theworld import checkpointing, encoders, objective
+from theworld import device_map as dispatching
 from theworld import lora as lora_adapters
-from theworld.arch import FREEZABLE, PARTS
+from theworld.arch import CHECKPOINT_PARTS, FREEZABLE, PARTS
 from theworld.config import FreezeConfig, ImageConfig, LoraConfig, ModelConfig, WorldConfig
 from theworld.encoders import WorldEncoder
 from theworld.errors import UserError
@@ -158,13 +160,26 @@ class TheWorld(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, *, ema: bool = False, device: str | torch.device | None = None, rollout: bool = True
+        cls,
+        path: str | Path,
+        *,
+        ema: bool = False,
+        device: str | torch.device | None = None,
+        device_map: str | dict | None = None,
+        offload_folder: str | Path | None = None,
+        rollout: bool = True,
     ):
         """(TheWorld, processor) of a trained stage, ready for inference: `path` is a final/ or checkpoint-N/ folder,
         or a run's output_dir (its final/): trained tensors loaded (or their EMA), eval mode, base models in the
-        config's model.dtype, world latents from the posterior mean, on `device` (default: cuda when available);
-        `rollout`: as from_config (a stage with world.num_world_steps > 0 rolls out live unless False).
+        config's model.dtype, world latents from the posterior mean, on `device` (default: cuda when available).
+        `device_map` instead: Accelerate's big-model dispatch over GPUs, the CPU and disk ("auto", "cpu", "disk" or
+        {module name: device}; disk weights live in `offload_folder`), theworld/device_map.py. `rollout`: as
+        from_config (a stage with world.num_world_steps > 0 rolls out live unless False).
         Folder layout: theworld/checkpoint_layout.py."""
+        if device_map is not None:
+            if device is not None:
+                raise UserError("from_pretrained: give device or device_map, not both")
+            dispatching.check(device_map, offload_folder)
         folder = layout.resolve(path)
         cfg = layout.read_config(folder)
         weights = folder / (layout.EMA if ema else layout.WEIGHTS)
@@ -176,8 +191,16 @@ class TheWorld(nn.Module):
         model.load_trainable(weights, strict=True)  # the run's freeze flags define the set it must hold exactly
         model.requires_grad_(False)
         model.latent_mode = "mean"
+        if device_map is not None:
+            dispatching.dispatch(model.eval(), device_map, offload_folder)
+            return model, processor
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         return model.to(device).eval(), processor
+
+    @property
+    def input_device(self) -> torch.device:
+        """Where inputs go: the device of the weights, or a dispatched model's first device (device_map)."""
+        return dispatching.input_device(self)
 
     # Parameters of an unfrozen part that a one-image forward never reaches: the vision tower's pooling head (Gemma
     # uses the patch tokens), the VAE's decoder side, and the encoder's temporal downsampling (a one-frame video skips
@@ -208,12 +231,16 @@ class TheWorld(nn.Module):
             if p.requires_grad and p.dtype != torch.float32:
                 p.data = p.data.float()
 
+    def activation_checkpointing(
+        self, mode: str = "full", every_n: int = 1, parts: Iterable[str] = CHECKPOINT_PARTS
+    ) -> dict[str, int]:
+        """Recompute the activations of `parts`' layers in the backward (`mode` full or selective, every `every_n`-th
+        layer; none: off): theworld/checkpointing.py. Returns the layers wrapped per part."""
+        return checkpointing.apply(self, mode, every_n, parts)
+
     def gradient_checkpointing(self, enable: bool) -> None:
-        # Non-reentrant: with a frozen language model the only inputs needing grad are the world-token embeddings.
-        if enable:
-            self.gemma.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            self.gemma.activation_checkpointing_disable()
+        """The earlier switch: every layer of Gemma's two stacks, fully (train.gradient_checkpointing: true)."""
+        self.activation_checkpointing("full" if enable else "none", parts=("language", "vision"))
 
     # ------------------------------------------------------------------------------------------------ forward
 
@@ -259,9 +286,10 @@ class TheWorld(nn.Module):
         is_image = input_ids == self.image_token_id
         safe_ids = input_ids.masked_fill(is_image & (input_ids >= embed.num_embeddings), 0)
         text = embed(safe_ids)
-        text = text.masked_scatter(is_image.unsqueeze(-1), image_feats.to(text.dtype))
+        # .to(text.device): under a device_map the vision tower and the projector may sit on other devices
+        text = text.masked_scatter(is_image.unsqueeze(-1), image_feats.to(text.device, text.dtype))
         b, n = world.shape[:2]
-        embeds = torch.cat([text[:, :1], world.to(text.dtype), text[:, 1:]], dim=1)
+        embeds = torch.cat([text[:, :1], world.to(text.device, text.dtype), text[:, 1:]], dim=1)
         mask = torch.cat([attention_mask[:, :1], attention_mask.new_ones(b, n), attention_mask[:, 1:]], dim=1)
         types = torch.cat([attention_mask.new_zeros(b, 1 + n), is_image[:, 1:].long()], dim=1)  # BOS, world: text
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -307,7 +335,8 @@ class TheWorld(nn.Module):
         """The next-token targets of the fused sequence `hidden` holds (its world block after BOS)."""
         if inputs.labels is None:
             raise ValueError("the loss and answer log-probabilities need labels (a prompt-only batch has none)")
-        return objective.shifted_targets(inputs.labels, hidden.shape[1] - inputs.labels.shape[1])[0]
+        n_world = hidden.shape[1] - inputs.labels.shape[1]
+        return objective.shifted_targets(inputs.labels.to(hidden.device), n_world)[0]
 
     def answer_logprobs(self, inputs: ModelInputs) -> torch.Tensor:
         """(B,) float32: each row's summed log-probability of its answer tokens (objective.answer_logprobs).
@@ -317,7 +346,7 @@ class TheWorld(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head with Gemma's final soft-capping."""
-        logits = self.gemma.lm_head(hidden)
+        logits = self.gemma.lm_head(hidden).to(hidden.device)  # a device_map may put lm_head elsewhere
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

@@ -33,7 +33,7 @@ from theworld.encoders import DTYPES, _quiet_hf, cannot_load, load_errors, resol
 from theworld.errors import UserError, cli_entry, one_line
 from theworld.model import TheWorld
 from train import sharding
-from train.config import TrainConfig, resolve_micro_batch
+from train.config import ActivationCheckpointing, TrainConfig, resolve_micro_batch
 
 # Hub ids whose whole architecture is known offline (theworld.arch): Gemma 3 4B.
 BUILDABLE_GEMMA = {k: v.sizes for k, v in KNOWN_GEMMA.items() if v.sizes is not None}
@@ -158,34 +158,39 @@ def count(model: TheWorld) -> Counts:
     return Counts(total, trainable, frozen_bytes, max(sizes), big_train, total - sum(sizes), largest)
 
 
-def activation_bytes(cfg: TrainConfig, model: TheWorld, micro: int) -> int:
-    """Estimated activation memory of one micro-batch (see the module docstring for where the constants come from)."""
+def activation_bytes(cfg: TrainConfig, model: TheWorld, micro: int, ac: ActivationCheckpointing | None = None) -> int:
+    """Estimated activation memory of one micro-batch (see the module docstring for where the constants come from),
+    with the configured activation checkpointing or `ac`."""
+    ac = ac or cfg.train.activation_checkpointing
     gc = model.gemma.config
     text, vision = gc.get_text_config(), gc.vision_config
     e = 2 if cfg.train.mixed_precision == "bf16" else DTYPES[cfg.model.dtype].itemsize
     side = latent_side(cfg.image.resolution)
     world = model.projector.num_tokens(side, side)
     seq = TEXT_TOKENS + gc.mm_tokens_per_image + 2 + world
-    per_sample = _stack(seq, text.hidden_size, text.num_hidden_layers, e, cfg.train.gradient_checkpointing)
+    per_sample = _stack(seq, text, e, ac, "language")
     per_sample += ANSWER_TOKENS * text.vocab_size * (3 * 4 + e)  # answer logits: compute dtype, fp32 loss + grad
-    per_sample += lora_dropout_bytes(cfg, text, "language", seq, e)
+    per_sample += lora_dropout_bytes(cfg, text, "language", seq, e, ac)
     if trains(cfg.freeze, cfg.lora, "vision"):
         patches = (vision.image_size // vision.patch_size) ** 2
-        per_sample += _stack(patches, vision.hidden_size, vision.num_hidden_layers, e, cfg.train.gradient_checkpointing)
-        per_sample += lora_dropout_bytes(cfg, vision, "vision", patches, e)
+        per_sample += _stack(patches, vision, e, ac, "vision")
+        per_sample += lora_dropout_bytes(cfg, vision, "vision", patches, e, ac)
     if not cfg.freeze.vae and model.world_encoder is not None:
-        vc = model.world_encoder.vae.config
-        r = cfg.image.resolution
-        per_sample += sum(
-            VAE_TENSORS_PER_STAGE * vc.base_dim * m * (r >> i) ** 2 * e for i, m in enumerate(vc.dim_mult)
-        )
+        per_sample += vae_bytes(model.world_encoder.vae.config, cfg.image.resolution, e, ac)
     return micro * per_sample
 
 
-def lora_dropout_bytes(cfg: TrainConfig, part_cfg, part: str, seq: int, e: int) -> int:
+def _wrapped(layers: int, ac: ActivationCheckpointing, part: str) -> int:
+    """Layers of a stack of `layers` that `ac` checkpoints (0, N, 2N, ...: theworld/checkpointing.py)."""
+    return -(-layers // ac.every_n) if ac.wraps(part) else 0
+
+
+def lora_dropout_bytes(
+    cfg: TrainConfig, part_cfg, part: str, seq: int, e: int, ac: ActivationCheckpointing | None = None
+) -> int:
     """With lora.dropout > 0 every adapted layer keeps its own dropped-out copy of its input (and a one-byte mask)
-    for the backward of lora_A: per layer (or one layer, with checkpointing) of the part's stack."""
-    lora = cfg.lora
+    for the backward of lora_A: per layer of the part's stack that is not checkpointed (plus the one recomputed)."""
+    lora, ac = cfg.lora, ac or cfg.train.activation_checkpointing
     if lora is None or lora.dropout == 0 or part not in lora.parts:
         return 0
     heads = getattr(part_cfg, "num_attention_heads", 1) * getattr(part_cfg, "head_dim", part_cfg.hidden_size)
@@ -193,23 +198,67 @@ def lora_dropout_bytes(cfg: TrainConfig, part_cfg, part: str, seq: int, e: int) 
     per_layer = sum(
         seq * widths.get(m, part_cfg.hidden_size) * (e + 1) for m in lora.target_modules if m in LORA_MODULES[part]
     )
-    return per_layer * (1 if cfg.train.gradient_checkpointing else part_cfg.num_hidden_layers)
+    layers, wrapped = part_cfg.num_hidden_layers, _wrapped(part_cfg.num_hidden_layers, ac, part)
+    return per_layer * (layers - wrapped + (1 if wrapped else 0))
 
 
-def _stack(seq: int, hidden: int, layers: int, e: int, checkpointing: bool) -> int:
-    """Activations of a stack of transformer layers for one sequence; with checkpointing, each layer's input plus one
-    layer recomputed at a time."""
+def selective_width(part_cfg, part: str) -> int:
+    """Elements per token a selectively checkpointed layer keeps: its input and the outputs of the ops it saves
+    (theworld.checkpointing.SAVE_OPS): q, k and v, attention, the output projection and the MLP's matmuls (Gemma's
+    gated MLP has two input projections); never more than a layer keeps without checkpointing."""
+    h, heads = part_cfg.hidden_size, part_cfg.num_attention_heads
+    head_dim = getattr(part_cfg, "head_dim", None) or h // heads
+    kv = getattr(part_cfg, "num_key_value_heads", None) or heads
+    mlp = part_cfg.intermediate_size * (2 if part == "language" else 1)
+    width = h + 2 * heads * head_dim + 2 * kv * head_dim + h + mlp + h
+    return min(width, ACT_PER_TOKEN_LAYER * h)
+
+
+def _stack(seq: int, part_cfg, e: int, ac: ActivationCheckpointing, part: str) -> int:
+    """Activations of a stack of transformer layers for one sequence: a full-checkpointed layer keeps its input, a
+    selective one its input and its matmul and attention outputs, the others everything; plus one layer recomputed
+    at a time in the backward."""
+    hidden, layers = part_cfg.hidden_size, part_cfg.num_hidden_layers
     layer = ACT_PER_TOKEN_LAYER * seq * hidden * e
-    return layers * seq * hidden * e + layer if checkpointing else layers * layer
+    wrapped = _wrapped(layers, ac, part)
+    if not wrapped:
+        return layers * layer
+    kept = seq * e * (hidden if ac.mode == "full" else selective_width(part_cfg, part))
+    return wrapped * kept + (layers - wrapped) * layer + layer
+
+
+VAE_KEPT = {"full": 1, "selective": 3}  # tensors a checkpointed residual block keeps: its input (and its two convs')
+
+
+def vae_bytes(vc, resolution: int, e: int, ac: ActivationCheckpointing) -> int:
+    """Activations of the training VAE encoder for one image: VAE_TENSORS_PER_STAGE tensors of channels x pixels per
+    stage, shared by its residual blocks; a checkpointed block (theworld.checkpointing: down blocks, then the mid
+    block, every_n over that list) keeps VAE_KEPT of its own, plus the largest block recomputed at a time."""
+    blocks, total, index, largest = vc.num_res_blocks, 0, 0, 0
+    for i, m in enumerate(vc.dim_mult):
+        size = vc.base_dim * m * (resolution >> i) ** 2 * e
+        wrapped = sum(ac.wraps("vae") and (index + j) % ac.every_n == 0 for j in range(blocks))
+        total += (blocks - wrapped) * VAE_TENSORS_PER_STAGE * size // blocks
+        total += wrapped * VAE_KEPT.get(ac.mode, 0) * size
+        if wrapped:
+            largest = max(largest, VAE_TENSORS_PER_STAGE * size // blocks)
+        index += blocks + (i < len(vc.dim_mult) - 1)  # and the stage's downsampling block
+    return total + largest
 
 
 def per_gpu(
-    cfg: TrainConfig, model: TheWorld, c: Counts, gpus: int, micro: int, foreach: bool = True
+    cfg: TrainConfig,
+    model: TheWorld,
+    c: Counts,
+    gpus: int,
+    micro: int,
+    foreach: bool = True,
+    ac: ActivationCheckpointing | None = None,
 ) -> dict[str, dict[str, int]]:
     """Bytes per GPU under ddp, fsdp and fsdp with host offload (train.cpu_offload). With one GPU fsdp runs
     unsharded (the same as ddp); with offload it shards over a group of one, and only the gathered units stay."""
     e = 2 if cfg.train.mixed_precision == "bf16" else 4
-    act = activation_bytes(cfg, model, micro)
+    act = activation_bytes(cfg, model, micro, ac)
     step_tmp = ADAM_FOREACH * (c.trainable if foreach else c.largest_trainable)
     ddp = {
         "frozen_weights": c.frozen_bytes,
@@ -248,6 +297,53 @@ def per_gpu(
     return {"ddp": ddp, "fsdp": fsdp, "fsdp_offload": offload}
 
 
+# The activation checkpointing settings train.memory compares, on every part that trains (docs/training.md)
+LEVERS = {
+    "none": ("none", 1),
+    "full": ("full", 1),
+    "full_every_2": ("full", 2),
+    "selective": ("selective", 1),
+    "selective_every_2": ("selective", 2),
+}
+
+
+def levers(cfg: TrainConfig, model: TheWorld, c: Counts, gpus: int, micro: int, budget: int) -> dict:
+    """What each memory lever gives at this micro-batch: per-GPU activations and totals with each activation
+    checkpointing setting (LEVERS, on the language model, the vision tower and the VAE where they train), the VAE
+    encoder's own activations with and without block checkpointing, and what a weights-only checkpoint
+    (train.save_optimizer: false) leaves out of each checkpoint folder."""
+    e = 2 if cfg.train.mixed_precision == "bf16" else DTYPES[cfg.model.dtype].itemsize
+    checkpointing = {}
+    for name, (mode, every_n) in LEVERS.items():
+        ac = ActivationCheckpointing(mode=mode, every_n=every_n)
+        per = per_gpu(cfg, model, c, gpus, micro, ac=ac)
+        checkpointing[name] = {
+            "activations": per["ddp"]["activations"],
+            "total": {k: v["total"] for k, v in per.items()},
+            "fits": {k: v["total"] <= budget for k, v in per.items()},
+        }
+    vae_trains = not cfg.freeze.vae and model.world_encoder is not None
+    vae = (
+        {
+            mode: micro
+            * vae_bytes(model.world_encoder.vae.config, cfg.image.resolution, e, ActivationCheckpointing(mode))
+            for mode in ("none", "full", "selective")
+        }
+        if model.world_encoder is not None
+        else {}
+    )
+    ema = 4 * c.trainable if cfg.train.ema else 0
+    return {
+        "activation_checkpointing": checkpointing,
+        "vae_block_checkpointing": {"trains": vae_trains, "activations": vae},
+        "weights_only_checkpoint": {
+            "checkpoint_bytes": 4 * c.trainable + ema + ADAM_STATE * c.trainable,  # weights, EMA, AdamW's moments
+            "weights_only_bytes": 4 * c.trainable + ema,
+            "saved_bytes": ADAM_STATE * c.trainable,
+        },
+    }
+
+
 def host_bytes(c: Counts, gpus: int) -> int:
     """Host memory each process holds under fsdp with offload: its shard of every weight, gradient and AdamW moment
     (the optimizer steps on the CPU, one tensor at a time)."""
@@ -266,7 +362,8 @@ def estimate(cfg: TrainConfig, gpus: int, gpu_memory_gib: float, model: TheWorld
             "vae": cfg.model.vae,
             "freeze": vars(cfg.freeze),
             "mixed_precision": cfg.train.mixed_precision,
-            "gradient_checkpointing": cfg.train.gradient_checkpointing,
+            "gradient_checkpointing": cfg.train.activation_checkpointing.mode != "none",
+            "activation_checkpointing": vars(cfg.train.activation_checkpointing),
             "micro_batch_size": micro,
         },
         "gpus": gpus,
@@ -283,6 +380,7 @@ def estimate(cfg: TrainConfig, gpus: int, gpu_memory_gib: float, model: TheWorld
         "host_bytes_per_process": {"fsdp_offload": host_bytes(c, gpus)},
         "suggested_micro_batch_size": {},
     }
+    out["levers"] = levers(cfg, model, c, gpus, micro, budget)
     per_process = cfg.train.global_batch_size // gpus if cfg.train.global_batch_size % gpus == 0 else 0
     for mode in per:
         ok = [
@@ -335,8 +433,34 @@ def render(p: dict) -> str:
         f"fsdp_offload (train.cpu_offload) keeps weights, gradients and optimizer state in host memory: "
         f"{p['host_bytes_per_process']['fsdp_offload'] / 2**30:.1f} GiB per process"
     )
+    lines += render_levers(p["levers"], modes, cell)
     lines.append("activations and working buffers are estimates (docs/performance.md); the rest is exact")
     return "\n".join(lines)
+
+
+def render_levers(lv: dict, modes: list[str], cell) -> list[str]:
+    ac = lv["activation_checkpointing"]
+    lines = [
+        "levers: train.activation_checkpointing on every part that trains (configured above: "
+        "per_gpu_bytes); activations and totals, GiB:",
+        f"{'':20s}{cell(['activations', *modes])}",
+    ]
+    for name, row in ac.items():
+        values = [_gib(row["activations"]).strip()]
+        values += [_gib(row["total"][m]).strip() + ("" if row["fits"][m] else " (no)") for m in modes]
+        lines.append(f"{name:20s}{cell(values)}")
+    vae = lv["vae_block_checkpointing"]
+    if vae["trains"]:
+        lines.append(
+            "VAE encoder activations (parts: vae), GiB: "
+            + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in vae["activations"].items())
+        )
+    w = lv["weights_only_checkpoint"]
+    lines.append(
+        f"each checkpoint folder: {w['checkpoint_bytes'] / 2**30:.1f} GiB, weights only (train.save_optimizer: "
+        f"false) {w['weights_only_bytes'] / 2**30:.1f} GiB"
+    )
+    return lines
 
 
 MAX_GPUS, MAX_GPU_GIB = 2**20, 2**20  # beyond any machine; keeps the byte counts finite integers

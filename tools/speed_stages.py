@@ -87,7 +87,8 @@ def row(config: str, mode: str, steps: int, micro: int | None) -> dict:
         "mode": mode,
         "micro_batch": micro,
         "mixed_precision": cfg.train.mixed_precision,
-        "gradient_checkpointing": cfg.train.gradient_checkpointing,
+        "gradient_checkpointing": cfg.train.activation_checkpointing.mode != "none",
+        "activation_checkpointing": vars(cfg.train.activation_checkpointing),
     }
     plan = memory.estimate(cfg, 1, 80.0)
     out["estimate_gpu_gib"] = round(plan["per_gpu_bytes"][MEMORY_MODE[mode]]["total"] / 2**30, 2)

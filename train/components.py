@@ -78,7 +78,8 @@ def build_model(cfg: TrainConfig) -> tuple[TheWorld, Gemma3Processor]:
 def ready_for_training(model: TheWorld, cfg: TrainConfig) -> TheWorld:
     """The train.* settings that act on the model itself, in place."""
     model.cast_trainable_to_fp32()
-    model.gradient_checkpointing(cfg.train.gradient_checkpointing)
+    ac = cfg.train.activation_checkpointing
+    model.activation_checkpointing(ac.mode, ac.every_n, ac.parts)
     set_language_attention(model.gemma, cfg.train.attention)
     if cfg.train.compile:
         compile_language_layers(model.gemma)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from theworld import hub
+from theworld.arch import CHECKPOINT_PARTS
 from theworld.cache_format import storage
 from theworld.config import (
     FLOAT32_MAX,
@@ -25,6 +27,7 @@ from theworld.config import (
     cli_parser,
     load_config,
     require_path,
+    shown,
     to_dict,
     to_yaml,
 )
@@ -91,6 +94,71 @@ class PlateauConfig:
 
 
 @dataclass
+class ActivationCheckpointing:
+    """Recompute activations in the backward instead of keeping them (theworld/checkpointing.py, docs/training.md):
+    `full` keeps only each wrapped layer's input; `selective` keeps the outputs of matmuls, attention and
+    convolutions and recomputes the rest (torchtitan's op-level selective checkpointing). `every_n`: wrap layers 0,
+    N, 2N, ... of each part's stack (the others keep all their activations). `parts`: Gemma's decoder layers,
+    SigLIP's encoder layers and the VAE encoder's blocks (a part that does not train keeps no activations anyway)."""
+
+    mode: Literal["none", "full", "selective"] | None = None  # None: full (the section given means it is on)
+    every_n: int = 1
+    parts: list[str] = field(default_factory=lambda: list(CHECKPOINT_PARTS))
+
+    def __post_init__(self) -> None:
+        if self.mode is None:
+            self.mode = "full"
+        if self.mode == "none" and self.every_n != 1:
+            raise UserError(
+                f"config key 'train.activation_checkpointing.every_n': {shown(self.every_n)} with mode none "
+                "checkpoints nothing; use mode full or selective"
+            )
+        if not 1 <= self.every_n <= MAX_EVERY_N:
+            raise UserError(
+                f"config key 'train.activation_checkpointing.every_n': must be in [1, {MAX_EVERY_N}] (1: every "
+                f"layer), got {shown(self.every_n)}"
+            )
+        if len(set(self.parts)) != len(self.parts) or set(self.parts) - set(CHECKPOINT_PARTS):
+            raise UserError(
+                f"config key 'train.activation_checkpointing.parts': each of {list(CHECKPOINT_PARTS)} at most once, "
+                f"got {shown(self.parts)}"
+            )
+
+    def wraps(self, part: str) -> bool:
+        return self.mode != "none" and part in self.parts
+
+
+CHECKPOINT_MODES = ("none", "full", "selective")
+MAX_EVERY_N = 1024  # beyond any stack's depth (train.memory's MAX_LAYERS)
+# What the earlier switch train.gradient_checkpointing: true did: every layer of Gemma's two stacks, the VAE never.
+LEGACY_FULL = ActivationCheckpointing(mode="full", parts=["language", "vision"])
+
+
+def resolve_checkpointing(legacy: bool | None, given: ActivationCheckpointing | str | None) -> ActivationCheckpointing:
+    """train.activation_checkpointing (a section, or a mode alone) from it and the earlier
+    train.gradient_checkpointing (true: LEGACY_FULL, false: none); both given must agree (true with mode full, false
+    with none)."""
+    if isinstance(given, str):
+        if given not in CHECKPOINT_MODES:
+            raise UserError(
+                f"config key 'train.activation_checkpointing': {shown(given)} is not a mode "
+                f"({', '.join(CHECKPOINT_MODES)}) or a section {{mode, every_n, parts}}"
+            )
+        given = ActivationCheckpointing(mode=given)
+    if legacy is None:
+        return given or ActivationCheckpointing(mode="none")
+    if given is None:
+        return copy.deepcopy(LEGACY_FULL) if legacy else ActivationCheckpointing(mode="none")
+    if given.mode != ("full" if legacy else "none"):
+        raise UserError(
+            f"config keys 'train.gradient_checkpointing' ({str(legacy).lower()}) and "
+            f"'train.activation_checkpointing.mode' ({given.mode}) disagree; drop train.gradient_checkpointing "
+            "(true means mode full, false mode none)"
+        )
+    return given
+
+
+@dataclass
 class TrainSection:
     max_steps: int = 1000
     epochs: float = 0.0  # > 0: train this many epochs of the data (0.5 allowed) instead of max_steps, which it sets
@@ -115,7 +183,11 @@ class TrainSection:
     eval_batch_size: int = 0  # 0: micro_batch_size (at least 2, so world latents can be permuted)
     num_workers: int = 2
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"  # fp16 is refused with its reason (below)
-    gradient_checkpointing: bool = False
+    # the earlier switch, still read: true is activation_checkpointing {mode: full, parts: [language, vision]}, false
+    # none; once resolved it is null and activation_checkpointing says what runs
+    gradient_checkpointing: bool | None = None
+    # a section, or a mode alone (selective: {mode: selective}); null: none (or what gradient_checkpointing says)
+    activation_checkpointing: ActivationCheckpointing | str | None = None
     compile: bool = False  # torch.compile the language model's decoder layers (GPU; see docs/performance.md)
     attention: Literal["sdpa", "flex_attention", "eager"] = "sdpa"  # the language model's attention kernel;
     # flex_attention (GPU) skips the masked blocks outside Gemma's 1024-token sliding window (docs/performance.md)
@@ -191,6 +263,10 @@ class TrainSection:
             )
         if self.max_nonfinite < 1:
             raise UserError(f"config key 'train.max_nonfinite': must be >= 1, got {self.max_nonfinite}")
+        self.activation_checkpointing = resolve_checkpointing(
+            self.gradient_checkpointing, self.activation_checkpointing
+        )
+        self.gradient_checkpointing = None  # said once: a saved config reloads without the two disagreeing
 
 
 @dataclass
@@ -411,6 +487,8 @@ RESUME_NEUTRAL = (
     "hub",
     "train.micro_batch_size",
     "train.sharding",
+    "train.gradient_checkpointing",  # recomputing activations changes neither the math nor the data order
+    "train.activation_checkpointing",
     "storage_options",
     "cache_local_dir",
     "cache_local_max_gb",
@@ -431,6 +509,7 @@ def run_hash(cfg: TrainConfig) -> str:
         for p in parents:
             node = node[p]
         node.pop(last, None)
+    d["train"]["gradient_checkpointing"] = False  # the hash runs had before it was neutral (false, its default)
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -443,6 +522,7 @@ def load(argv: list[str] | None = None) -> tuple[TrainConfig, object]:
 __all__ = [
     "TrainConfig",
     "TrainSection",
+    "ActivationCheckpointing",
     "PlateauConfig",
     "WandbConfig",
     "HubConfig",

@@ -193,7 +193,7 @@ def generate(
             for i, text in zip(g, texts):
                 out[i] = text
         return out
-    device = next(model.parameters()).device
+    device = model.input_device
     inputs = prepare(model, images, prompts, world_images).to(device)
     mode = model.latent_mode
     model.latent_mode = "mean"  # inference reads the posterior mean, as eval does

@@ -51,7 +51,7 @@ class Scorer:
     ):
         self.model, self.items, self.image_cfg, self.init = model, items, image_cfg, init
         self.processor, self.formatter = processor, ChatFormatter(processor)
-        self.device = next(model.parameters()).device
+        self.device = model.input_device
         self.shared_prefix, self.max_new_tokens = shared_prefix, max_new_tokens
 
     def _load(self, image) -> tuple[torch.Tensor, torch.Tensor]:
