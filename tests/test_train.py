@@ -161,78 +161,6 @@ def test_kill_9_and_resume_gives_bitwise_equal_weights(cache, tmp_path):
     assert not list(out.glob(".tmp-*"))
 
 
-def test_resuming_on_a_cache_that_holds_other_samples_says_so(cache, tmp_path, capsys):
-    """A checkpoint records which samples its data order indexes; a rebuilt or extended cache gets a warning on
-    resume (the step's indices name other samples now), the same cache none."""
-    from precompute.config import load as load_pre
-    from precompute.cosmos_latents import run
-
-    other = tmp_path / "cache88"
-    run(
-        load_pre(
-            str(ROOT / "configs" / "precompute.yaml"),
-            [
-                f"output_dir={other}",
-                "source.num_samples=88",
-                "shard_size=32",
-                "batch_size=32",
-                "num_workers=0",
-                "cache.flip=true",
-                "cache.siglip=false",
-            ],
-        )
-    )
-    out = tmp_path / "run"
-    assert train_inproc(base_args(cache, out, steps=3, **{"train.save_every": 2})) == 0
-    state = json.loads((out / "checkpoint-2" / "state.json").read_text())
-    assert state["cache"]["samples"] == 96 and len(state["cache"]["keys_sha256"]) == 16
-    for cache_dir, warned in ((cache, False), (other, True)):
-        shutil.rmtree(out / "final")
-        shutil.rmtree(out / "checkpoint-3")
-        capsys.readouterr()
-        assert train_inproc(base_args(cache_dir, out, steps=3, **{"train.save_every": 2})) == 0
-        err = capsys.readouterr().err
-        assert "resumed from" in err
-        assert ("holds other samples than when" in err and "(96 then, 88 now)" in err) == warned, err
-
-
-@pytest.mark.slow  # five in-process runs
-def test_an_output_dir_holding_another_run_is_protected_and_a_killed_save_is_cleaned_up(cache, tmp_path, capsys):
-    out = tmp_path / "run"
-    args = lambda steps, **kw: base_args(cache, out, steps=steps, **{"train.save_every": 1, "train.keep_last": 5, **kw})
-    assert train_inproc(args(2)) == 0
-    capsys.readouterr()
-    # a fresh start, or an older checkpoint, in this output_dir would interleave two runs' checkpoints
-    assert train_inproc(args(2, resume="null")) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "'resume'" in err[0] and "checkpoint-2" in err[0], err
-    assert train_inproc(args(4, resume=out / "checkpoint-1")) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "not the newest checkpoint" in err[0] and "checkpoint-2" in err[0], err
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
-    # any folder holding a checkpoint can be continued into an empty output_dir (a branch)
-    branch = tmp_path / "renamed-checkpoint"
-    shutil.copytree(out / "checkpoint-1", branch)
-    assert train_inproc(base_args(cache, tmp_path / "branch", steps=2, resume=branch)) == 0
-    assert "resumed from" in capsys.readouterr().err
-    # killed while saving: an unfinished checkpoint and a half-written log line
-    (out / ".tmp-checkpoint-3-999").mkdir()
-    (out / ".tmp-checkpoint-3-999" / "trainable.safetensors").write_bytes(b"partial")
-    with open(out / "metrics.jsonl", "a") as f:
-        f.write('{"step": 3, "lo')
-    assert train_inproc(args(3, **{"train.eval_every": 2})) == 0
-    assert "removed" in capsys.readouterr().err
-    assert not list(out.glob(".tmp-*")) and (out / "final").is_dir()
-    assert [m["step"] for m in metrics(out) if "loss" in m] == [1, 2, 3]
-    # rerunning a finished run rewrites no checkpoint and logs no second eval
-    written = (out / "checkpoint-3" / "state.json").stat().st_mtime_ns
-    evals = [m["step"] for m in metrics(out) if "eval_loss" in m]
-    assert evals[-1] == 3
-    assert train_inproc(args(3, **{"train.eval_every": 2})) == 0
-    assert (out / "checkpoint-3" / "state.json").stat().st_mtime_ns == written
-    assert [m["step"] for m in metrics(out) if "eval_loss" in m] == evals
-
-
 @pytest.mark.slow
 def test_a_second_run_into_a_busy_output_dir_is_refused_and_deletes_nothing(cache, tmp_path):
     from theworld import run_lock
@@ -250,20 +178,6 @@ def test_a_second_run_into_a_busy_output_dir_is_refused_and_deletes_nothing(cach
         os.close(fd)
     assert train_inproc(base_args(cache, out)) == 0  # the holder gone, that folder is a killed run's leftover
     assert not (out / ".tmp-checkpoint-3-999").exists() and (out / "final").is_dir()
-
-
-def test_remove_partial_restores_a_folder_moved_aside_and_deletes_unfinished_writes(tmp_path):
-    from train.checkpoint import remove_partial
-
-    for name in (".old-final-17", ".tmp-final-17", ".tmp-checkpoint-4-18", ".old-checkpoint-2-19", "checkpoint-2"):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "marker").write_text(name)
-    removed = remove_partial(tmp_path)
-    # final/ never arrived: the old one goes back; checkpoint-2 did arrive: the old copy goes
-    assert (tmp_path / "final" / "marker").read_text() == ".old-final-17"
-    assert (tmp_path / "checkpoint-2" / "marker").read_text() == "checkpoint-2"
-    assert sorted(p.name for p in removed) == [".old-checkpoint-2-19", ".tmp-checkpoint-4-18", ".tmp-final-17"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "final"]
 
 
 def test_damaged_weights_and_a_too_short_max_length_are_one_line_errors(cache, tmp_path, capsys):
