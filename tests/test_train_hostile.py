@@ -265,73 +265,8 @@ def test_the_shuffled_world_eval_is_the_same_on_one_and_two_processes(cache, tmp
         assert a["eval_loss_shuffled_world"] != pytest.approx(a["eval_loss"], rel=1e-4)  # worlds really swapped
 
 
-def test_eval_items_carry_the_world_of_the_next_held_out_sample(cache):
-    import torch
-
-    from theworld import cache_format as cf
-    from theworld.cache_format import held_out
-    from theworld.config import load_config
-    from train import batches, data
-    from train.config import TrainConfig
-
-    cfg = load_config(
-        TrainConfig,
-        None,
-        [
-            f"cache_dir={cache}",
-            "model.dtype=float32",
-            "train.eval_samples=5",
-            "train.micro_batch_size=2",
-            "train.global_batch_size=16",
-        ],
-    )
-    reader, plan = data.open_cache(cfg)
-    _, held = held_out.split(reader, 5)
-
-    class Fmt:  # the dataset only keeps it for Collate
-        pass
-
-    pixels = lambda images, return_tensors: {"pixel_values": torch.zeros(1, 3, 4, 4)}
-    ds = data.CacheDataset(reader, held, Fmt(), plan, 64, "crop", pixels, flip=False, partner=True)
-    for pos in range(5):
-        item = ds[pos]
-        nxt = held[(pos + 1) % 5]
-        assert item[batches.PARTNER + cf.LATENT] == reader.raw(nxt)[cf.LATENT] != item[cf.LATENT]
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Flip augmentation's caption rule
-
-
-@pytest.mark.parametrize(
-    "text,flipped",
-    [
-        ("top left red circle . bottom right blue square .", "top right red circle . bottom left blue square ."),
-        ("a cat on the left and a dog on the right", "a cat on the right and a dog on the left"),
-        ("Left of the tree, to the Right of the car", "Right of the tree, to the Left of the car"),
-        ("THE LEFT SIDE", "THE RIGHT SIDE"),
-        ("upper-right corner", "upper-left corner"),
-        ("the left-hand page", "the right-hand page"),
-        ("the leftmost cup", "the rightmost cup"),
-        ("from left to right", "from right to left"),
-        ("left and right halves", "right and left halves"),
-        ("a bird facing left", "a bird facing right"),
-        ("in the right half", "in the left half"),
-        ("all right", "all right"),
-        ("right now", "right now"),
-        ("you're right", "you're right"),
-        ("left over", "left over"),
-        ("he left the room", "he left the room"),
-        ("the right answer", "the right answer"),
-        ("bright lights, leftovers", "bright lights, leftovers"),
-        ("Turn right. Left alone", "Turn left. Left alone"),
-    ],
-)
-def test_flip_swaps_left_and_right_only_where_they_name_a_side(text, flipped):
-    from train.data import swap_left_right
-
-    assert swap_left_right(text) == flipped
-    assert swap_left_right(flipped) == text  # mirroring twice gives the caption back
 
 
 # ----------------------------------------------------------------------------------------------------------------------

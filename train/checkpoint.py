@@ -16,6 +16,7 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -318,7 +319,7 @@ def _write_state(record: dict):
     )
 
 
-def writer(part: Stateful, given: dict):
+def writer(part: Stateful, given: dict) -> Callable[[Path], None]:
     """How `part`'s state is written to its file, by the file's format (train/states.py)."""
     suffix = Path(part.file).suffix
     if suffix == ".safetensors":
@@ -336,7 +337,7 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _reader(name: str):
+def _reader(name: str) -> Callable[[Path], object]:
     """How a checkpoint file is read back, by its format (the inverse of `writer`)."""
     suffix = Path(name).suffix
     if suffix == ".safetensors":
@@ -383,7 +384,8 @@ def seal(state: dict) -> dict:
 
 def load(path: Path, parts: list[Stateful]) -> dict:
     """Every part of `parts` but those saved only (config.yaml) loads its state from its file of the checkpoint at
-    `path`, in their order; returns state.json (read as the current format by check_resumable before)."""
+    `path`, in their order (state.json's records each from the whole object); returns state.json as written (checked
+    and read as the current format by check_resumable before any model loaded)."""
     state = _read(path / STATE, lambda p: json.loads(p.read_text()))
     for part in parts:
         if getattr(part, "saved_only", False):

@@ -227,19 +227,19 @@ def run_states(
     optimizer: bool = True,
     source: Path | None = None,
 ) -> list[Stateful]:
-    """Every part of a training run's state, in the order they are saved and restored (the RNG after the tensors
-    that loading could draw from; state.json's records in the order of its keys). `optimizer`: False for a
+    """Every part of a training run's state, in the order they are saved and restored (the RNG after the tensors,
+    as before the parts were separate; state.json's records in the order of its keys). `optimizer`: False for a
     weights-only checkpoint (train.save_optimizer: false), or to resume from one. `source`: the checkpoint they are
     restored from (named in messages)."""
     c = components
     parts: list[Stateful] = [Trainables(c, str(source / WEIGHTS)) if source else Trainables(c)]
     if optimizer:
         parts.append(Optimizer(c))
-    parts.append(Rng())
-    parts.append(RunConfig(c.cfg))
     if c.ema is not None:
         parts.append(Ema(c))
     parts += [
+        Rng(),
+        RunConfig(c.cfg),
         LoopFields(state, SCHEDULE),
         LoopFields(state, PROGRESS),
         LoopFields(state, PLATEAU),
