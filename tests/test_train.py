@@ -1,5 +1,6 @@
 """Training loop tests (CPU): exact resume after kill -9, 1 vs 2 processes vs accumulation, stage chaining with live
-VAE encoding, live == cached first-step loss, non-finite steps, fingerprint and config errors, data order."""
+VAE encoding, live == cached first-step loss, fingerprint and config errors, data order. The modules' own tests:
+tests/test_checkpoint.py, test_data.py, test_step.py, test_trainer.py, test_batches.py."""
 
 from __future__ import annotations
 
@@ -337,7 +338,7 @@ def test_stage_chain_1_2_4(cache, tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Non-finite steps
+# The loader and the attention kernel (non-finite steps: tests/test_step.py)
 
 
 def test_a_slow_loader_shows_as_data_wait(cache, tmp_path, monkeypatch, capsys):
