@@ -121,7 +121,7 @@ def trained_run(tmp_path_factory):
     from precompute.config import load as load_pre
     from precompute.cosmos_latents import run
     from theworld.infer import benchmark_items
-    from train import checkpoint
+    from train import final
     from train.loop import main
 
     root = tmp_path_factory.mktemp("trained")
@@ -134,7 +134,7 @@ def trained_run(tmp_path_factory):
     )
     benchmark_items.make_synthetic(mc, 6)
     recorded = {}
-    original = checkpoint.export_final
+    original = final.export_final
 
     def export_and_record(c, state, cfg_yaml, output_dir, *whole):
         with torch.no_grad():
@@ -158,11 +158,11 @@ def trained_run(tmp_path_factory):
         "train.benchmarks": f"[{mc}]",
     }
     argv = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
-    checkpoint.export_final = export_and_record
+    final.export_final = export_and_record
     try:
         assert main(argv) == 0
     finally:
-        checkpoint.export_final = original
+        final.export_final = original
     return {"run": out, "logits": recorded["logits"], "mc": mc, "cache": cache}
 
 

@@ -22,8 +22,9 @@ def _ckpt(tmp_path, state: dict):
 
 def test_new_checkpoints_record_the_current_version():
     from train.config import TrainConfig
+    from train.states import RunRecord
 
-    assert checkpoint.run_state(TrainConfig(), 3, 5, 1, None)["format_version"] == checkpoint_migrations.FORMAT_VERSION
+    assert RunRecord(TrainConfig(), 1).state_dict()["format_version"] == checkpoint_migrations.FORMAT_VERSION
 
 
 def test_a_version_1_checkpoint_without_digests_is_taken_as_it_is(tmp_path):

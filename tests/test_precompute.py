@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -570,3 +571,32 @@ def test_a_slow_run_shows_its_rate_and_small_images_are_counted_as_upscaled(tmp_
     m = cosmos_latents.run(make_cfg(tmp_path / "c", "source.type=folder", f"source.path={src}"))
     assert m["summary"]["upscaled_this_run"] == 2  # tiny, and narrow (its 20 px side is cropped to 20 x 20)
     assert "(2 smaller than 32 px, upscaled)" in capsys.readouterr().out
+
+
+# A full disk (moved from tests/test_sources.py)
+
+
+def test_a_full_disk_is_one_line_and_the_rerun_is_bit_exact(tmp_path, fake_vae, monkeypatch, capsys):
+    from precompute import shard_writer
+
+    reference = cosmos_latents.run(make_cfg(tmp_path / "ref", n=12, shard=4))
+    out = tmp_path / "c"
+    write_shard = cf.write_shard
+
+    def full_disk(cache_dir, index, samples):
+        if index == 1:
+            tmp = cf.tar_path(cache_dir, index)
+            (tmp.parent / f".{tmp.name}.tmp{os.getpid()}").write_bytes(b"partial")  # what a real write leaves
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_shard(cache_dir, index, samples)
+
+    monkeypatch.setattr(shard_writer.cf, "write_shard", full_disk)
+    assert cosmos_latents.main(cli_args(out, n=12, shard=4)) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if "space" in line or "Error" in line]
+    assert len(lines) == 1 and lines[0].startswith("error: no space left on device writing "), lines
+    assert str(cf.tar_path(out, 1)) in lines[0]
+    assert not (out / "manifest.json").exists() and not cf.shard_is_done(out, 1)
+    assert not list((out / "shards").glob(".*tmp*"))
+    monkeypatch.setattr(shard_writer.cf, "write_shard", write_shard)
+    assert cosmos_latents.main(cli_args(out, n=12, shard=4)) == 0
+    assert [s["sha256"] for s in cf.load_manifest(out)["shards"]] == [s["sha256"] for s in reference["shards"]]

@@ -1,5 +1,6 @@
 """Training loop tests (CPU): exact resume after kill -9, 1 vs 2 processes vs accumulation, stage chaining with live
-VAE encoding, live == cached first-step loss, non-finite steps, fingerprint and config errors, data order."""
+VAE encoding, live == cached first-step loss, fingerprint and config errors, data order. The modules' own tests:
+tests/test_checkpoint.py, test_data.py, test_step.py, test_trainer.py, test_batches.py."""
 
 from __future__ import annotations
 
@@ -161,78 +162,6 @@ def test_kill_9_and_resume_gives_bitwise_equal_weights(cache, tmp_path):
     assert not list(out.glob(".tmp-*"))
 
 
-def test_resuming_on_a_cache_that_holds_other_samples_says_so(cache, tmp_path, capsys):
-    """A checkpoint records which samples its data order indexes; a rebuilt or extended cache gets a warning on
-    resume (the step's indices name other samples now), the same cache none."""
-    from precompute.config import load as load_pre
-    from precompute.cosmos_latents import run
-
-    other = tmp_path / "cache88"
-    run(
-        load_pre(
-            str(ROOT / "configs" / "precompute.yaml"),
-            [
-                f"output_dir={other}",
-                "source.num_samples=88",
-                "shard_size=32",
-                "batch_size=32",
-                "num_workers=0",
-                "cache.flip=true",
-                "cache.siglip=false",
-            ],
-        )
-    )
-    out = tmp_path / "run"
-    assert train_inproc(base_args(cache, out, steps=3, **{"train.save_every": 2})) == 0
-    state = json.loads((out / "checkpoint-2" / "state.json").read_text())
-    assert state["cache"]["samples"] == 96 and len(state["cache"]["keys_sha256"]) == 16
-    for cache_dir, warned in ((cache, False), (other, True)):
-        shutil.rmtree(out / "final")
-        shutil.rmtree(out / "checkpoint-3")
-        capsys.readouterr()
-        assert train_inproc(base_args(cache_dir, out, steps=3, **{"train.save_every": 2})) == 0
-        err = capsys.readouterr().err
-        assert "resumed from" in err
-        assert ("holds other samples than when" in err and "(96 then, 88 now)" in err) == warned, err
-
-
-@pytest.mark.slow  # five in-process runs
-def test_an_output_dir_holding_another_run_is_protected_and_a_killed_save_is_cleaned_up(cache, tmp_path, capsys):
-    out = tmp_path / "run"
-    args = lambda steps, **kw: base_args(cache, out, steps=steps, **{"train.save_every": 1, "train.keep_last": 5, **kw})
-    assert train_inproc(args(2)) == 0
-    capsys.readouterr()
-    # a fresh start, or an older checkpoint, in this output_dir would interleave two runs' checkpoints
-    assert train_inproc(args(2, resume="null")) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "'resume'" in err[0] and "checkpoint-2" in err[0], err
-    assert train_inproc(args(4, resume=out / "checkpoint-1")) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "not the newest checkpoint" in err[0] and "checkpoint-2" in err[0], err
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
-    # any folder holding a checkpoint can be continued into an empty output_dir (a branch)
-    branch = tmp_path / "renamed-checkpoint"
-    shutil.copytree(out / "checkpoint-1", branch)
-    assert train_inproc(base_args(cache, tmp_path / "branch", steps=2, resume=branch)) == 0
-    assert "resumed from" in capsys.readouterr().err
-    # killed while saving: an unfinished checkpoint and a half-written log line
-    (out / ".tmp-checkpoint-3-999").mkdir()
-    (out / ".tmp-checkpoint-3-999" / "trainable.safetensors").write_bytes(b"partial")
-    with open(out / "metrics.jsonl", "a") as f:
-        f.write('{"step": 3, "lo')
-    assert train_inproc(args(3, **{"train.eval_every": 2})) == 0
-    assert "removed" in capsys.readouterr().err
-    assert not list(out.glob(".tmp-*")) and (out / "final").is_dir()
-    assert [m["step"] for m in metrics(out) if "loss" in m] == [1, 2, 3]
-    # rerunning a finished run rewrites no checkpoint and logs no second eval
-    written = (out / "checkpoint-3" / "state.json").stat().st_mtime_ns
-    evals = [m["step"] for m in metrics(out) if "eval_loss" in m]
-    assert evals[-1] == 3
-    assert train_inproc(args(3, **{"train.eval_every": 2})) == 0
-    assert (out / "checkpoint-3" / "state.json").stat().st_mtime_ns == written
-    assert [m["step"] for m in metrics(out) if "eval_loss" in m] == evals
-
-
 @pytest.mark.slow
 def test_a_second_run_into_a_busy_output_dir_is_refused_and_deletes_nothing(cache, tmp_path):
     from theworld import run_lock
@@ -250,20 +179,6 @@ def test_a_second_run_into_a_busy_output_dir_is_refused_and_deletes_nothing(cach
         os.close(fd)
     assert train_inproc(base_args(cache, out)) == 0  # the holder gone, that folder is a killed run's leftover
     assert not (out / ".tmp-checkpoint-3-999").exists() and (out / "final").is_dir()
-
-
-def test_remove_partial_restores_a_folder_moved_aside_and_deletes_unfinished_writes(tmp_path):
-    from train.checkpoint import remove_partial
-
-    for name in (".old-final-17", ".tmp-final-17", ".tmp-checkpoint-4-18", ".old-checkpoint-2-19", "checkpoint-2"):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "marker").write_text(name)
-    removed = remove_partial(tmp_path)
-    # final/ never arrived: the old one goes back; checkpoint-2 did arrive: the old copy goes
-    assert (tmp_path / "final" / "marker").read_text() == ".old-final-17"
-    assert (tmp_path / "checkpoint-2" / "marker").read_text() == "checkpoint-2"
-    assert sorted(p.name for p in removed) == [".old-checkpoint-2-19", ".tmp-checkpoint-4-18", ".tmp-final-17"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "final"]
 
 
 def test_damaged_weights_and_a_too_short_max_length_are_one_line_errors(cache, tmp_path, capsys):
@@ -423,7 +338,7 @@ def test_stage_chain_1_2_4(cache, tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Non-finite steps
+# The loader and the attention kernel (non-finite steps: tests/test_step.py)
 
 
 def test_a_slow_loader_shows_as_data_wait(cache, tmp_path, monkeypatch, capsys):
@@ -442,100 +357,6 @@ def test_a_slow_loader_shows_as_data_wait(cache, tmp_path, monkeypatch, capsys):
     # 16 samples x 50 ms a step: sleeping never takes less, however loaded the machine (no upper bound on a shared one)
     line = next(ln for ln in capsys.readouterr().out.splitlines() if "waiting for data" in ln)
     assert float(line.split("waiting for data ")[1].split(" ms/step")[0]) >= 800, line
-
-
-def test_nonfinite_loss_is_skipped_and_counted(cache, tmp_path):
-    from theworld.config import load_config
-    from train import batches, components, data
-    from train.config import TrainConfig
-    from train.step import LoopState, NonFiniteError, optimization_step
-
-    cfg = load_config(
-        TrainConfig, None, [a for a in base_args(cache, tmp_path / "run") if a != "--set"] + ["train.max_nonfinite=2"]
-    )
-    reader, plan = data.open_cache(cfg)
-    acc = components.make_accelerator(cfg)
-    c = components.build(cfg, acc, 2)
-    ctx = data.DataContext.build(cfg, reader, plan, c.processor)
-    it = iter(data.build_train_loader(cfg, ctx, 0, 1, epoch=0, start=0))
-    good = [next(it), next(it)]
-    inputs = good[0].to("cpu")
-    mean = inputs.latent_mean.clone()
-    mean[0, 0, 0, 0, 0] = float("nan")
-    bad = [batches.Batch.of(inputs.with_inputs(latent_mean=mean)), good[1]]
-    assert bad[0].num_tokens == good[0].num_tokens
-    state = LoopState()
-    before = {k: v.clone() for k, v in c.raw.trainable_state_dict().items()}
-    out = optimization_step(c, state, bad)
-    assert out["skipped"] and state.nonfinite_steps == 1 and state.step == 1
-    assert all(torch.equal(before[k], v) for k, v in c.raw.trainable_state_dict().items())
-    out = optimization_step(c, state, good)  # a good step resets the run of non-finite ones
-    assert not out["skipped"] and state.nonfinite_in_a_row == 0 and state.nonfinite_steps == 1
-    assert not all(torch.equal(before[k], v) for k, v in c.raw.trainable_state_dict().items())
-    optimization_step(c, state, bad)
-    with pytest.raises(NonFiniteError, match="2 non-finite steps in a row"):
-        optimization_step(c, state, bad)
-    assert state.nonfinite_steps == 3
-
-
-@pytest.mark.parametrize("private_api", [True, False])
-def test_packed_batch_round_trips_every_tensor_through_a_loader_worker(private_api, monkeypatch):
-    from torch.utils.data import DataLoader
-
-    from train import batches
-
-    if not private_api:  # the shared-memory allocation must not depend on torch's private helper
-        monkeypatch.setattr(torch.UntypedStorage, "_new_shared", None, raising=False)
-
-    g = torch.Generator().manual_seed(0)
-    tensors = {
-        "input_ids": torch.randint(0, 100, (3, 7), generator=g),
-        "labels": torch.randint(0, 100, (3, 7), generator=g),
-        "latent_mean": torch.randn(3, 16, 1, 8, 8, generator=g),
-        "siglip": torch.randn(3, 4, 8).bfloat16(),
-        "odd": torch.randint(0, 255, (3, 5), dtype=torch.uint8),  # 15 bytes: what follows must be realigned
-        "latent_logvar": torch.randn(3, 16, 1, 8, 8, generator=g),
-        "images": torch.randint(0, 255, (3, 3, 8, 8), dtype=torch.uint8),
-    }
-    batch = batches.Batch(tensors, num_tokens=11)
-    assert batch.buffer.dtype == torch.uint8 and batch.buffer.dim() == 1  # one block crosses per batch
-    assert all(offset % batches.Batch.ALIGN == 0 for _, _, offset, _ in batch.layout)
-    loader = DataLoader([0], batch_size=None, num_workers=1, collate_fn=lambda _: batches.Batch(tensors, 11))
-    (received,) = list(loader)
-    for b in (batch, received):
-        out = b.tensors("cpu")
-        assert out.keys() == tensors.keys() and b.num_tokens == 11
-        for k, t in tensors.items():
-            assert out[k].dtype == t.dtype and out[k].shape == t.shape and torch.equal(out[k], t)
-
-
-def test_flipped_samples_get_the_flipped_latents_and_swapped_text(cache, tmp_path):
-    """A batch mixing flipped and unflipped samples: each row holds the cache's latents for its own flip decision."""
-    from theworld.config import load_config
-    from train import batches, components, data, order
-    from train.config import TrainConfig
-
-    cfg = load_config(
-        TrainConfig,
-        None,
-        [a for a in base_args(cache, tmp_path / "run") if a != "--set"]
-        + ["train.flip=true", "train.micro_batch_size=16"],
-    )
-    reader, plan = data.open_cache(cfg)
-    c = components.build(cfg, components.make_accelerator(cfg), 1)
-    ctx = data.DataContext.build(cfg, reader, plan, c.processor)
-    ds = ctx.dataset(cfg, ctx.train_indices[:16], epoch=3)
-    batch = batches.Collate(ctx.formatter)([ds[i] for i in range(16)]).to("cpu")
-    flips = [order.flip_of(cfg.seed, 3, i) for i in ds.indices]
-    assert any(flips) and not all(flips)
-    for row, (index, flipped) in enumerate(zip(ds.indices, flips)):
-        s = reader[index]
-        mean, logvar = (s.flip_mean, s.flip_logvar) if flipped else (s.mean, s.logvar)
-        assert torch.equal(batch.latent_mean[row], mean) and torch.equal(batch.latent_logvar[row], logvar)
-        caption = data.swap_left_right(s.caption) if flipped else s.caption
-        prompt = data.swap_left_right(s.prompt) if flipped else s.prompt
-        expected = ctx.formatter.encode(prompt, caption).input_ids
-        assert batch.input_ids[row, : len(expected)].tolist() == expected
 
 
 def test_train_attention_sets_the_language_models_kernel_only():
@@ -734,37 +555,3 @@ def test_a_mean_only_cache_trains_with_the_mean_and_refuses_sampling(tmp_path, c
         "'world.latent'",
         "cache.latents: mean",
     )
-
-
-def test_train_epochs_sets_the_run_length_and_the_start_line_counts_parameters(cache, tmp_path, capsys):
-    out = tmp_path / "half"
-    # 80 training samples in global batches of 16: 5 steps per epoch, half an epoch rounded up is 3
-    assert (
-        train_inproc(
-            base_args(cache, out, steps=50, **{"train.epochs": 0.5, "train.ema": 0.9, "train.ema_warmup_steps": 2})
-        )
-        == 0
-    )
-    printed = capsys.readouterr()
-    assert [m["step"] for m in metrics(out) if "loss" in m] == [1, 2, 3]
-    assert "train.epochs 0.5: 3 steps of 5 per epoch" in printed.out + printed.err
-    assert "parameters trainable / total: projector " in printed.out + printed.err
-
-
-def test_the_trained_ema_follows_the_warmup_ramp(cache, tmp_path):
-    """A checkpoint after every step holds the weights w_s and the EMA e_s of steps 1..5. With train.ema 0.9 ramped
-    over 3 steps the decays after steps 1..5 are 0, 0.3, 0.6, 0.9, 0.9: e_1 = w_1, then e_s = d_s e_(s-1) +
-    (1 - d_s) w_s. Without the ramp e_1 would keep 90% of the initial weights."""
-    out = tmp_path / "run"
-    sets = {"train.ema": 0.9, "train.ema_warmup_steps": 3, "train.save_every": 1, "train.keep_last": 5}
-    assert train_inproc(base_args(cache, out, steps=5, **sets, **{"train.warmup_steps": 0})) == 0
-    saved = {s: out / f"checkpoint-{s}" for s in range(1, 6)}
-    w = {s: load_file(str(d / "trainable.safetensors")) for s, d in saved.items()}
-    e = {s: load_file(str(d / "ema.safetensors")) for s, d in saved.items()}
-    assert w[1].keys() == e[1].keys() and any(not torch.equal(w[1][k], w[2][k]) for k in w[1])  # the weights move
-    expected = {}
-    for s, decay in zip(range(1, 6), [0.0, 0.3, 0.6, 0.9, 0.9]):
-        expected = {k: decay * expected.get(k, 0.0) + (1 - decay) * v for k, v in w[s].items()}
-        for k in expected:
-            torch.testing.assert_close(e[s][k], expected[k], rtol=1e-5, atol=1e-6, msg=f"step {s}: {k}")
-    assert any(not torch.allclose(e[5][k], w[5][k]) for k in w[5])  # an average, not the last weights

@@ -1,4 +1,4 @@
-"""train.epochs, train.ema_warmup_steps and the per-part parameter counts of the start line."""
+"""train.epochs and the per-part parameter counts of the start line (train.ema_warmup_steps: tests/test_step.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from theworld.config import load_config
 from theworld.errors import UserError
 from train.config import TrainConfig
 from train.order import total_steps
-from train.step import ema_decay
 
 
 def train_section(**sets):
@@ -27,13 +26,6 @@ def test_epochs_set_the_number_of_steps_and_win_over_max_steps():
 def test_bad_epochs_are_refused_naming_the_key(value):
     with pytest.raises(UserError, match="train.epochs"):
         train_section(epochs=value)
-
-
-def test_ema_warmup_ramps_the_decay_up_from_zero():
-    assert [ema_decay(0.9, 4, s) for s in range(6)] == pytest.approx([0, 0.225, 0.45, 0.675, 0.9, 0.9])
-    assert ema_decay(0.9, 0, 0) == 0.9
-    with pytest.raises(UserError, match="train.ema_warmup_steps"):
-        train_section(ema_warmup_steps=-1)
 
 
 def test_parameter_counts_per_part_with_an_adapter_hook():

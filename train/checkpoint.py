@@ -1,10 +1,11 @@
-"""Checkpoints: where a run resumes from, what it restores, and what a save writes:
-written to a temporary folder and renamed; old ones deleted only afterwards. The folders' layout (file names and what
-each holds) is theworld/checkpoint_layout.py.
+"""Checkpoints: where a run resumes from, and the checkpointer: it saves the states it is given (each part of the run
+state says how it saves and loads itself: train/states.py) into a temporary folder, seals it (state.json last, with
+every other file's sha256 and its own digest) and renames it into place; old ones are deleted only afterwards. A
+resume loads each part back from its file. The folders' layout (file names and what each holds) is
+theworld/checkpoint_layout.py; final/ and its model card are train/final.py and train/model_card.py.
 
-The learning-rate schedule is a pure function of the step and the data cursor a pure function of (seed, step), so
-nothing else needs saving. Under FSDP (train.sharding: fsdp) every file holds whole tensors, gathered to the main
-process (`gather`), with the same names and layout as a one-process run: see docs/training.md, "Sharding".
+Under FSDP (train.sharding: fsdp) every file holds whole tensors, gathered to the main process by the parts'
+state_dict(), with the same names and layout as a one-process run: see docs/training.md, "Sharding".
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 import re
 import shutil
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,36 +23,25 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from theworld import hub, log, lora
-from theworld.arch import FREEZABLE
 from theworld.checkpoint_layout import (
-    CARD,
     CHECKPOINT_RE,
     CONFIG,
-    EMA,
-    FINAL,
     OPTIMIZER,
-    PROMPT,
-    RNG,
     STATE,
-    SUMS,
     WEIGHTS,
     check_finite,
     read_config,
-    save_weights,
     state_digest,
     sums,
     verify,
-    write_sums,
 )
-from theworld.config import to_yaml
 from theworld.errors import OutOfSpace, UserError, no_space_message, out_of_space
 from theworld.launch import gather_ints
-from theworld.model import LoadReport, local_like, read_weights
+from theworld.model import LoadReport, read_weights
 from theworld.paths import REGULAR, path_kind
-from theworld.text import DEFAULT_PROMPT as DESCRIBE_PROMPT
-from train import checkpoint_migrations, sharding
+from train import checkpoint_migrations
 from train.config import run_hash
-from train.plateau import next_step
+from train.states import Stateful, run_states
 from train.step import LoopState
 
 if TYPE_CHECKING:
@@ -190,14 +180,21 @@ def same_start(accelerator: Accelerator, output_dir: str | Path, step: int) -> N
 
 
 def restore(components: Components, resume_from: Path | None, cache: dict | None = None) -> LoopState:
-    """A fresh LoopState, or the checkpoint's (weights, optimiser, EMA and RNG restored into `components`). `cache`:
-    what `cache_identity` says of the cache now, compared with what the checkpoint recorded."""
+    """A fresh LoopState, or the checkpoint's (every part of `states.run_states` restored into `components`).
+    `cache`: what `cache_identity` says of the cache now, compared with what the checkpoint recorded. A weights-only
+    checkpoint (train.save_optimizer: false) resumes with a fresh optimiser, said in one line."""
     if resume_from is None:
         return LoopState(parent=components.cfg.init_from)
-    saved = load(components, resume_from)
-    state = LoopState.from_json(saved)
+    state = LoopState()
+    with_optimizer = path_kind(resume_from / OPTIMIZER) is not None
+    saved = load(resume_from, run_states(components, state, 1, cache, with_optimizer, source=resume_from))
     state.history.append(str(resume_from))
     if components.accelerator.is_main_process:
+        if not with_optimizer:
+            _log.info(
+                f"note: {resume_from} holds no optimizer state (written with train.save_optimizer: false): the "
+                "optimizer starts fresh, so the run continues but not exactly as an uninterrupted one would"
+            )
         if saved.get("config_hash") != run_hash(components.cfg):
             _log.warning(f"{resume_from} was written under a different config")
         was = saved.get("cache")
@@ -222,36 +219,17 @@ def cache_identity(reader) -> dict:
     return {"samples": len(reader), "keys_sha256": reader.keys_digest()}
 
 
-def run_state(cfg: TrainConfig, step: int, steps_per_epoch: int, num_processes: int, cache: dict | None) -> dict:
-    """What a checkpoint's state.json records besides the LoopState: where the data order is (a pure function of
-    (seed, step)), the samples it orders, and the config and process count it was written under (compared on resume
-    by `restore`)."""
-    epoch, cursor = divmod(step, steps_per_epoch)
-    return {
-        "epoch": epoch,
-        "data_cursor": {"epoch": epoch, "batch_in_epoch": cursor},
-        "cache": cache,
-        "config_hash": run_hash(cfg),
-        "num_processes": num_processes,
-        "format_version": checkpoint_migrations.FORMAT_VERSION,
-    }
-
-
 def save_run(components: Components, state: LoopState, steps_per_epoch: int, cache: dict | None = None) -> None:
-    """Every process: gather the weights (a collective under FSDP), save a checkpoint from the main process, and wait
-    for it there. `cache`: `cache_identity` of the cache trained on."""
-    components.accelerator.wait_for_everyone()
-    whole = gather(components)  # every process: under FSDP the shards are gathered to the main one
-    if components.accelerator.is_main_process:
-        save(
-            components,
-            state,
-            components.cfg.output_dir,
-            components.cfg.train.keep_last,
-            run_state(components.cfg, state.step, steps_per_epoch, components.accelerator.num_processes, cache),
-            whole,
-        )
-    components.accelerator.wait_for_everyone()
+    """Every process: each part of the run state gives its state (under FSDP a collective: the shards are gathered
+    to the main process), the main process saves the checkpoint, and every process waits for it there. `cache`:
+    `cache_identity` of the cache trained on."""
+    c = components
+    c.accelerator.wait_for_everyone()
+    parts = run_states(c, state, steps_per_epoch, cache, c.cfg.train.save_optimizer)
+    given = [part.state_dict() for part in parts]
+    if c.accelerator.is_main_process:
+        save(c.cfg.output_dir, f"checkpoint-{state.step}", parts, given, c.cfg.train.keep_last)
+    c.accelerator.wait_for_everyone()
 
 
 def remove_partial(output_dir: str | Path) -> list[Path]:
@@ -332,43 +310,42 @@ def _write_dir(tmp: Path, files: dict) -> None:
         raise
 
 
-def _trainable_names(components: Components) -> list[str]:
-    """Names of the trainable parameters, in the order of `components.params` and `components.ema`."""
-    return [n for n, p in components.raw.named_parameters() if p.requires_grad]
+def _write_state(record: dict):
+    """state.json, written last so it can record every other file's sha256 (checked by check_resumable)."""
+    return lambda p: p.write_text(
+        json.dumps(seal({**record, "time": time.time(), "sha256": sums(p.parent, STATE)}), indent=1)
+    )
 
 
-@dataclass
-class Whole:
-    """What a checkpoint holds, as whole CPU tensors by name (the optimiser's state dict in torch's own layout)."""
-
-    weights: dict[str, torch.Tensor]
-    optimizer: dict
-    ema: dict[str, torch.Tensor] | None
-
-
-def gather(components: Components) -> Whole | None:
-    """Every process calls this before a save: under FSDP it gathers the shards (a collective, one tensor at a time,
-    so no process holds more than one extra whole tensor on its device). The main process gets the whole tensors,
-    the others None."""
-    keep = components.accelerator.is_main_process
-    if not components.sharded and not keep:
-        return None
-    names = _trainable_names(components)
-    weights = {n: sharding.whole(p, keep) for n, p in zip(names, components.params)}
-    opt = components.optimizer.state_dict()
-    opt["state"] = {
-        i: {k: sharding.whole(v, keep) if torch.is_tensor(v) else v for k, v in st.items()}
-        for i, st in sorted(opt["state"].items())
-    }
-    ema = {n: sharding.whole(t, keep) for n, t in zip(names, components.ema)} if components.ema is not None else None
-    return Whole(weights, opt, ema) if keep else None
+def writer(part: Stateful, given: dict) -> Callable[[Path], None]:
+    """How `part`'s state is written to its file, by the file's format (train/states.py)."""
+    suffix = Path(part.file).suffix
+    if suffix == ".safetensors":
+        return lambda p: save_file(given, str(p), metadata=getattr(part, "metadata", None))
+    if suffix == ".pt":
+        return lambda p: torch.save(given, p)
+    if suffix == ".yaml":
+        return lambda p: p.write_text(given["text"])
+    raise ValueError(f"no format for a checkpoint file named {part.file}")
 
 
-def _ema_writer(whole: Whole):
-    return lambda p: save_file(whole.ema, str(p))
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    tensors = load_file(str(path))
+    check_finite(tensors, path)
+    return tensors
 
 
-def _publish(out: Path, name: str, files: dict) -> Path:
+def _reader(name: str) -> Callable[[Path], object]:
+    """How a checkpoint file is read back, by its format (the inverse of `writer`)."""
+    suffix = Path(name).suffix
+    if suffix == ".safetensors":
+        return _tensors
+    if suffix == ".pt":
+        return lambda p: torch.load(p, weights_only=True, map_location="cpu")
+    return lambda p: p.read_text()
+
+
+def publish(out: Path, name: str, files: dict) -> Path:
     """Write `files` into a temporary folder, fsync them, then rename it to out/name: it appears only complete."""
     final, tmp, old = out / name, out / f".tmp-{name}-{os.getpid()}", out / f".old-{name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -380,191 +357,55 @@ def _publish(out: Path, name: str, files: dict) -> Path:
     return final
 
 
-def save(
-    components: Components,
-    state: LoopState,
-    output_dir: str | Path,
-    keep_last: int,
-    extra_state: dict,
-    whole: Whole | None = None,
-) -> Path:
-    """Main process only, with what `gather` returned there (required under FSDP). Returns the checkpoint folder;
-    deletes the oldest beyond keep_last after the rename."""
+def save(output_dir: str | Path, name: str, parts: list[Stateful], given: list, keep_last: int) -> Path:
+    """Main process only: the checkpoint output_dir/name of the states `parts` gave (`given`, in their order; the
+    records of state.json merged into one object), sealed (state.json last, with every other file's sha256 and its
+    own digest) and renamed into place. Deletes the oldest beyond keep_last after the rename."""
     out = Path(output_dir)
-    whole = whole or gather(components)
-    files = {
-        WEIGHTS: lambda p: save_weights(whole.weights, p),
-        OPTIMIZER: lambda p: torch.save(whole.optimizer, p),
-        RNG: lambda p: save_file({"torch_cpu": torch.get_rng_state()}, str(p)),
-        CONFIG: lambda p: p.write_text(to_yaml(components.cfg)),
-    }
-    if components.ema is not None:
-        files[EMA] = _ema_writer(whole)
-    # last, so it can record every other file's sha256 (checked by check_resumable)
-    files[STATE] = lambda p: p.write_text(
-        json.dumps(
-            _sealed({**state.to_json(), **extra_state, "time": time.time(), "sha256": sums(p.parent, STATE)}), indent=1
-        )
-    )
-    final = _publish(out, f"checkpoint-{state.step}", files)
+    files, record = {}, {}
+    for part, state in zip(parts, given):
+        if part.file == STATE:
+            record.update(state)
+        else:
+            files[part.file] = writer(part, state)
+    files[STATE] = _write_state(record)
+    final = publish(out, name, files)
     for old in list_checkpoints(out)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def _sealed(state: dict) -> dict:
+def seal(state: dict) -> dict:
+    """state.json's content with the digest of itself it records."""
     return {**state, "state_sha256": state_digest(state)}
 
 
-def load(components: Components, path: Path) -> dict:
-    """Restore weights, optimiser, EMA and RNG from a checkpoint; returns its state.json."""
+def load(path: Path, parts: list[Stateful]) -> dict:
+    """Every part of `parts` but those saved only (config.yaml) loads its state from its file of the checkpoint at
+    `path`, in their order (state.json's records each from the whole object); returns state.json as written (checked
+    and read as the current format by check_resumable before any model loaded)."""
     state = _read(path / STATE, lambda p: json.loads(p.read_text()))
-    components.raw.load_trainable(path / WEIGHTS, strict=True)
-    _read(path / OPTIMIZER, lambda p: _load_optimizer(components, torch.load(p, weights_only=True, map_location="cpu")))
-    if components.ema is not None:
-        if not (path / EMA).is_file():
-            raise UserError(f"resume: {path} has no {EMA} but train.ema is on")
-        ema = _read(path / EMA, lambda p: load_file(str(p)))
-        check_finite(ema, path / EMA)
-        for t, n in zip(components.ema, _trainable_names(components)):
-            t.copy_(local_like(t, ema[n]))
-    torch.set_rng_state(_read(path / RNG, lambda p: load_file(str(p)))["torch_cpu"])
+    for part in parts:
+        if getattr(part, "saved_only", False):
+            continue
+        if part.file == STATE:
+            part.load_state_dict(state)
+            continue
+        f = path / part.file
+        if path_kind(f) is None:
+            raise UserError(f"resume: {path} has no {part.file}{getattr(part, 'missing', '')}")
+        read = _reader(part.file)
+        _read(f, lambda p, part=part, read=read: part.load_state_dict(read(p)))
     return state
-
-
-def _load_optimizer(components: Components, saved: dict) -> None:
-    """Whole-tensor state (any sharding, any process count) into this run's optimiser: each process keeps its slice.
-    The learning-rate multipliers are the config's, not the checkpoint's."""
-    params = [p for g in components.optimizer.param_groups for p in g["params"]]
-    saved = checkpoint_migrations.optimizer(components, saved)
-    saved["state"] = {
-        i: {
-            k: local_like(params[i], v) if torch.is_tensor(v) and v.shape == params[i].shape else v
-            for k, v in st.items()
-        }
-        for i, st in saved["state"].items()
-    }
-    components.optimizer.load_state_dict(saved)
-    for g in components.optimizer.param_groups:
-        if "part" in g:
-            g["lr_multiplier"] = getattr(components.cfg.train.lr_multipliers, g["part"])
 
 
 def _read(path: Path, reader):
     try:
         return reader(path)
+    except UserError:  # already one line naming the file (a non-finite tensor, weights of another trainable set)
+        raise
     except Exception as e:  # a damaged checkpoint is a one-line error that says which file and what to do
         raise UserError(
             f"resume: cannot read {path} ({type(e).__name__}: {str(e)[:200]}); move this checkpoint "
             "out of output_dir and resume: auto takes the one before it"
         ) from e
-
-
-MODEL_CARD = """# TheWorld: {name}
-
-Trainable weights of a TheWorld stage (Gemma 3 + Cosmos VAE world encoder + world projector).
-
-- base Gemma 3: `{gemma}`; VAE: `{vae}`; image resolution {resolution} px
-- trained: {trained}
-- steps: {step} (global batch {batch}, {samples} samples), lr {lr} ({schedule})
-- started from: {parent}
-- final eval loss {eval_loss}, with world latents shuffled {eval_shuffled} (gap {gap})
-
-Load it and describe an image (the base models are read from where `config.yaml` names them):
-
-```python
-from theworld.model import TheWorld
-
-model, processor = TheWorld.from_pretrained("{out}")
-print(model.generate(["image.png"], {prompt})[0])
-```
-
-or `python -m theworld.describe --model {out} --image image.png`, and score it on a multiple-choice set with
-`python -m theworld.evaluate --model {out} --data FILE` (docs/inference.md).
-
-`trainable.safetensors` holds only the trained tensors, by their names in `theworld.model.TheWorld`
-(`ema.safetensors`, when present, their EMA: `from_pretrained(..., ema=True)`); start the next stage from them with
-`init_from: {out}`. `config.yaml` is the resolved training config.
-"""
-
-
-def export_final(
-    components: Components,
-    state: LoopState,
-    cfg_yaml: str,
-    output_dir: str | Path,
-    whole: Whole | None = None,
-    prompt: str = DESCRIBE_PROMPT,
-) -> Path:
-    """Main process only, with what `gather` returned there (required under FSDP)."""
-    cfg = components.cfg
-    whole = whole or gather(components)
-    out = Path(output_dir)
-    files = {
-        WEIGHTS: lambda p: save_weights(whole.weights, p),
-        CONFIG: lambda p: p.write_text(cfg_yaml),
-        CARD: lambda p: p.write_text(_card(components, state, out, prompt)),
-        PROMPT: lambda p: p.write_text(prompt + "\n", encoding="utf-8"),
-    }
-    if components.ema is not None:
-        files[EMA] = _ema_writer(whole)
-    if cfg.lora is not None:  # final/ is also a peft adapter folder for the base Gemma
-        files.update(lora.adapter_files(cfg.lora, cfg.model.gemma, whole.weights))
-    # last: it covers the rest but the card, which evaluate adds its results to
-    files[SUMS] = lambda p: write_sums(p.parent)
-    return _publish(out, FINAL, files)
-
-
-def _replace_file(path: Path, text: str) -> None:
-    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def record_eval(components: Components, state: LoopState, output_dir: str | Path) -> None:
-    """Main process, after the last eval (which runs once checkpoint-<step> and final/ are saved): the checkpoint's
-    state.json (resealed) and final/'s model card take its numbers, each file replaced whole."""
-    out = Path(output_dir)
-    ckpt = out / f"checkpoint-{state.step}"
-    if (ckpt / STATE).is_file():
-        saved = json.loads((ckpt / STATE).read_text())
-        _replace_file(ckpt / STATE, json.dumps(_sealed({**saved, "last_eval": state.last_eval}), indent=1))
-    final = out / FINAL
-    prompt = (final / PROMPT).read_text(encoding="utf-8").removesuffix("\n")
-    _replace_file(final / CARD, _card(components, state, out, prompt))
-
-
-def _card(components: Components, state: LoopState, out: Path, prompt: str) -> str:
-    cfg = components.cfg
-    ev = state.last_eval or {}
-    fmt = lambda x: "n/a" if x is None else f"{x:.4f}"
-    gap = (ev["eval_loss_shuffled_world"] - ev["eval_loss"]) if ev else None
-    trained = ["world projector"] + [n for n in FREEZABLE if not getattr(cfg.freeze, n)]
-    trained += [f"{n} (LoRA r {cfg.lora.r})" for n in (cfg.lora.parts if cfg.lora else ())]
-    card = MODEL_CARD.format(
-        name=out.name,
-        gemma=cfg.model.gemma,
-        vae=cfg.model.vae,
-        resolution=cfg.image.resolution,
-        trained=", ".join(trained),
-        step=state.step,
-        batch=cfg.train.global_batch_size,
-        samples=state.samples_seen,
-        lr=cfg.train.lr,
-        schedule=cfg.train.schedule,
-        parent=state.parent or "the base models",
-        eval_loss=fmt(ev.get("eval_loss")),
-        eval_shuffled=fmt(ev.get("eval_loss_shuffled_world")),
-        gap=fmt(gap),
-        out=out / FINAL,
-        prompt=json.dumps(prompt),
-    )  # a Python string literal
-    if state.eval_history:
-        card += (
-            "\n"
-            + next_step(
-                state.plateau_step, str(out / FINAL), cfg.train.stop_on_plateau and state.plateau_step is not None
-            )
-            + "\n"
-        )
-    return card

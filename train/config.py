@@ -179,6 +179,8 @@ class TrainSection:
     save_every: int = 500
     eval_every: int = 500  # 0: only at the end
     keep_last: int = 2
+    save_optimizer: bool = True  # false: weights-only checkpoints, a resume from one starts the optimizer fresh (not
+    # an exact resume; docs/training.md)
     eval_samples: int = 256  # held out by key hash, never trained on
     eval_batch_size: int = 0  # 0: micro_batch_size (at least 2, so world latents can be permuted)
     num_workers: int = 2
@@ -475,6 +477,7 @@ RESUME_NEUTRAL = (
     "train.log_every",
     "train.save_every",
     "train.keep_last",
+    "train.save_optimizer",
     "train.eval_every",
     "train.benchmarks",
     "train.max_micro_batch_size",

@@ -15,7 +15,7 @@ import torch
 from theworld import log
 from theworld.config import to_dict
 from theworld.errors import UserError
-from train import checkpoint, data, hub_upload, order, params, plateau
+from train import checkpoint, data, final, hub_upload, order, params, plateau
 from train.benchmarks import BenchmarkEval
 from train.benchmarks import lines as benchmark_lines
 from train.components import Components, Launch, build, build_model, resolve_launch
@@ -236,9 +236,9 @@ class Trainer:
         # (a finished run's rerun has its checkpoint)
         if self.window.steps_run and state.step % self.cfg.train.save_every:
             self.save()
-        whole = checkpoint.gather(self.c)
+        whole = final.gather(self.c)
         if accelerator.is_main_process:
-            final = checkpoint.export_final(
+            folder = final.export_final(
                 self.c,
                 state,
                 to_yaml(self.cfg),
@@ -253,10 +253,10 @@ class Trainer:
         self.metrics.close()
         if accelerator.is_main_process:
             print(
-                f"final weights: {final}\n"
-                + summary(state, time.time() - self.t_start, self.window, self.cfg.train.stop_on_plateau, final)
+                f"final weights: {folder}\n"
+                + summary(state, time.time() - self.t_start, self.window, self.cfg.train.stop_on_plateau, folder)
             )
-            hub_upload.finish(self.hub, final)
+            hub_upload.finish(self.hub, folder)
         return 0
 
     def _last_eval(self, stop: Preemption) -> int:
@@ -277,5 +277,5 @@ class Trainer:
             self.metrics.close()
             return stop.exit_code
         if self.c.accelerator.is_main_process:
-            checkpoint.record_eval(self.c, self.state, self.cfg.output_dir)
+            final.record_eval(self.c, self.state, self.cfg.output_dir)
         return 0
