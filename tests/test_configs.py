@@ -9,7 +9,7 @@ import pytest
 
 from precompute.config import PrecomputeConfig
 from theworld.config import load_config
-from train.config import RESUME_NEUTRAL, TrainConfig, run_hash
+from train.config import RESUME_NEUTRAL, TrainConfig, neutral, neutral_keys, run_hash
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TRAIN_CONFIGS = sorted(CONFIGS.glob("stage[0-9].yaml")) + sorted((CONFIGS / "real").glob("stage[0-9].yaml"))
@@ -122,3 +122,21 @@ def test_real_configs_build_on_the_meta_device_with_the_real_shapes(stage):
         model.projector.pool = pool
         assert tuple(model.projector(latent, latent, "mean", None).shape) == (1, block, 2560), pool
     assert cfg.world.pool == 2
+
+
+@dataclasses.dataclass
+class _Section:
+    often: int = neutral(1)
+    lr: float = 0.1
+
+
+@dataclasses.dataclass
+class _Config:
+    section: _Section = dataclasses.field(default_factory=_Section)
+    out: str = neutral("runs")
+    seed: int = 0
+
+
+def test_resume_neutral_keys_are_declared_on_the_fields():
+    assert neutral_keys(_Config) == ("section.often", "out")
+    assert "train.log_every" in RESUME_NEUTRAL and "train.lr" not in RESUME_NEUTRAL

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import math
 import os
+import typing
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from theworld import hub
 from theworld.arch import CHECKPOINT_PARTS
@@ -32,6 +34,20 @@ from theworld.config import (
     to_yaml,
 )
 from theworld.errors import UserError
+
+# A key declared `neutral` may change between a run and its resumption without changing its numbers: where files go,
+# what is logged and when, how the same global batch is split over processes and micro-batches, where the AdamW step
+# runs (train.cpu_offload: like a change of process count, equal numbers up to rounding), whether activations are
+# recomputed. `run_hash` leaves these keys out.
+NEUTRAL_KEY = "resume_neutral"
+NEUTRAL = {NEUTRAL_KEY: True}
+
+
+def neutral(default: Any) -> Any:
+    """A field with `default` whose key is resume-neutral (a mutable default: `field(default_factory=...,
+    metadata=NEUTRAL)`)."""
+    return field(default=default, metadata=NEUTRAL)
+
 
 TRACKERS = ("tensorboard", "wandb")
 DEFAULT_CACHE = "cache/latents"
@@ -165,8 +181,8 @@ class TrainSection:
     global_batch_size: int = 32  # the optimiser's batch, whatever the number of processes
     # per process per forward; accumulation = global / (micro * processes). auto: the largest divisor of
     # global / processes that is at most max_micro_batch_size
-    micro_batch_size: int | Literal["auto"] = "auto"
-    max_micro_batch_size: int = 32  # what one forward fits in memory (used by micro_batch_size: auto)
+    micro_batch_size: int | Literal["auto"] = neutral("auto")
+    max_micro_batch_size: int = neutral(32)  # what one forward fits in memory (used by micro_batch_size: auto)
     lr: float = 1e-2
     warmup_steps: int = 50
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
@@ -175,21 +191,22 @@ class TrainSection:
     grad_clip: float = 1.0  # 0: no clipping (the norm is still computed and logged)
     grad_norm_warn: float = 100.0  # warn when the pre-clip gradient norm exceeds this (0: never)
     max_nonfinite: int = 5  # this many non-finite steps in a row stop the run
-    log_every: int = 50
-    save_every: int = 500
-    eval_every: int = 500  # 0: only at the end
-    keep_last: int = 2
-    save_optimizer: bool = True  # false: weights-only checkpoints, a resume from one starts the optimizer fresh (not
-    # an exact resume; docs/training.md)
+    log_every: int = neutral(50)
+    save_every: int = neutral(500)
+    eval_every: int = neutral(500)  # 0: only at the end
+    keep_last: int = neutral(2)
+    # false: weights-only checkpoints, a resume from one starts the optimizer fresh (not an exact resume;
+    # docs/training.md)
+    save_optimizer: bool = neutral(True)
     eval_samples: int = 256  # held out by key hash, never trained on
     eval_batch_size: int = 0  # 0: micro_batch_size (at least 2, so world latents can be permuted)
-    num_workers: int = 2
+    num_workers: int = neutral(2)
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"  # fp16 is refused with its reason (below)
     # the earlier switch, still read: true is activation_checkpointing {mode: full, parts: [language, vision]}, false
     # none; once resolved it is null and activation_checkpointing says what runs
-    gradient_checkpointing: bool | None = None
+    gradient_checkpointing: bool | None = neutral(None)
     # a section, or a mode alone (selective: {mode: selective}); null: none (or what gradient_checkpointing says)
-    activation_checkpointing: ActivationCheckpointing | str | None = None
+    activation_checkpointing: ActivationCheckpointing | str | None = neutral(None)
     compile: bool = False  # torch.compile the language model's decoder layers (GPU; see docs/performance.md)
     attention: Literal["sdpa", "flex_attention", "eager"] = "sdpa"  # the language model's attention kernel;
     # flex_attention (GPU) skips the masked blocks outside Gemma's 1024-token sliding window (docs/performance.md)
@@ -198,19 +215,25 @@ class TrainSection:
     flip: bool = False  # horizontal flip augmentation with left/right caption swap (needs flipped latents cached)
     cached_siglip: bool = True  # use cached SigLIP features when present and the vision tower is frozen
     max_length: int = 0  # token cap per sample (0: none)
-    sharding: Literal["ddp", "fsdp"] = "ddp"  # fsdp: FSDP2 fully_shard of weights, gradients and optimizer state
-    # across processes (train/sharding.py, docs/training.md); an accelerate launch config asking for FSDP selects it too
-    cpu_offload: bool = False  # fsdp only: keep parameters, gradients and optimizer state in host memory (FSDP2
-    # CPUOffloadPolicy; the optimizer steps on the CPU); also with one process, which then shards over a group of one
+    # fsdp: FSDP2 fully_shard of weights, gradients and optimizer state across processes (train/sharding.py,
+    # docs/training.md); an accelerate launch config asking for FSDP selects it too
+    sharding: Literal["ddp", "fsdp"] = neutral("ddp")
+    # fsdp only: keep parameters, gradients and optimizer state in host memory (FSDP2 CPUOffloadPolicy; the optimizer
+    # steps on the CPU); also with one process, which then shards over a group of one
+    cpu_offload: bool = neutral(False)
     lr_multipliers: LrMultipliers = field(default_factory=LrMultipliers)
-    benchmarks: list[str | BenchmarkEntry] = field(default_factory=list)  # multiple-choice sets scored at every eval
-    # (JSONL, or a BLINK parquet folder; docs/inference.md): bench/<name>/accuracy, .../accuracy_shuffled_world
-    plateau: PlateauConfig = field(default_factory=PlateauConfig)
-    stop_on_plateau: bool = False  # checkpoint, final weights and summary at the first eval that finds a plateau
-    samples: int = 8  # held-out samples captioned at every eval (own world, shuffled world, true caption); 0: none
-    sample_tokens: int = 32  # new tokens per generated caption
-    cpu_threads: int = 0  # torch intra-op threads of each training process (0: torch's default); on a small CPU
-    # box 1 avoids OpenMP threads fighting the loader workers (several times faster for the tiny demo on 2 cores)
+    # multiple-choice sets scored at every eval (JSONL, or a BLINK parquet folder; docs/inference.md):
+    # bench/<name>/accuracy, .../accuracy_shuffled_world
+    benchmarks: list[str | BenchmarkEntry] = field(default_factory=list, metadata=NEUTRAL)
+    plateau: PlateauConfig = field(default_factory=PlateauConfig, metadata=NEUTRAL)
+    # checkpoint, final weights and summary at the first eval that finds a plateau
+    stop_on_plateau: bool = neutral(False)
+    # held-out samples captioned at every eval (own world, shuffled world, true caption); 0: none
+    samples: int = neutral(8)
+    sample_tokens: int = neutral(32)  # new tokens per generated caption
+    # torch intra-op threads of each training process (0: torch's default); on a small CPU box 1 avoids OpenMP threads
+    # fighting the loader workers (several times faster for the tiny demo on 2 cores)
+    cpu_threads: int = neutral(0)
 
     def __post_init__(self) -> None:
         for name in (
@@ -365,20 +388,22 @@ class TrainConfig:
     freeze: FreezeConfig = field(default_factory=FreezeConfig)
     lora: LoraConfig | None = None  # LoRA adapters on frozen parts (theworld/lora.py, docs/training.md)
     train: TrainSection = field(default_factory=TrainSection)
-    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig, metadata=NEUTRAL)
     cache_dir: str = DEFAULT_CACHE  # the one cache trained on; or `data`, leaving this at its default
     data: list[MixtureEntry] = field(default_factory=list)  # a weighted mixture of caches (train/mixture.py)
-    output_dir: str = "runs/stage1"
+    output_dir: str = neutral("runs/stage1")
     seed: int = 0
-    resume: str | None = "auto"  # auto: the newest complete checkpoint in output_dir, if any; a path; null: fresh
+    # auto: the newest complete checkpoint in output_dir, if any; a path; null: fresh
+    resume: str | None = neutral("auto")
     init_from: str | None = None  # a previous stage's final/ (or checkpoint dir, or .safetensors file)
-    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])  # tensorboard, wandb; [] for none
-    wandb: WandbConfig = field(default_factory=WandbConfig)
-    hub: HubConfig = field(default_factory=HubConfig)
+    # tensorboard, wandb; [] for none
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"], metadata=NEUTRAL)
+    wandb: WandbConfig = field(default_factory=WandbConfig, metadata=NEUTRAL)
+    hub: HubConfig = field(default_factory=HubConfig, metadata=NEUTRAL)
     # a cache_dir or data[].cache that is a URL (docs/cache-format.md, "Object storage")
-    storage_options: dict = field(default_factory=dict)
-    cache_local_dir: str = storage.DEFAULT_LOCAL_DIR
-    cache_local_max_gb: float = storage.DEFAULT_MAX_GB
+    storage_options: dict = field(default_factory=dict, metadata=NEUTRAL)
+    cache_local_dir: str = neutral(storage.DEFAULT_LOCAL_DIR)
+    cache_local_max_gb: float = neutral(storage.DEFAULT_MAX_GB)
 
     def caches(self) -> list[tuple[str, float]]:
         """(cache folder, weight) of each cache trained on: cache_dir with weight 1, or the `data` mixture."""
@@ -463,39 +488,19 @@ def accumulation_steps(cfg: TrainConfig, world_size: int) -> int:
     return cfg.train.global_batch_size // (m * world_size)
 
 
-# Keys that may change between a run and its resumption without changing its numbers.
-# train.cpu_offload moves the AdamW step to the host: like a change of process count, equal numbers up to rounding.
-# So do the values resolved from the launch: micro_batch_size (auto: a divisor of the per-process batch) and sharding
-# (the launcher's FSDP request), which split the same global batch differently.
-RESUME_NEUTRAL = (
-    "resume",
-    "output_dir",
-    "trackers",
-    "profile",
-    "train.num_workers",
-    "train.cpu_threads",
-    "train.log_every",
-    "train.save_every",
-    "train.keep_last",
-    "train.save_optimizer",
-    "train.eval_every",
-    "train.benchmarks",
-    "train.max_micro_batch_size",
-    "train.cpu_offload",
-    "train.plateau",
-    "train.stop_on_plateau",
-    "train.samples",
-    "train.sample_tokens",
-    "wandb",
-    "hub",
-    "train.micro_batch_size",
-    "train.sharding",
-    "train.gradient_checkpointing",  # recomputing activations changes neither the math nor the data order
-    "train.activation_checkpointing",
-    "storage_options",
-    "cache_local_dir",
-    "cache_local_max_gb",
-)
+def neutral_keys(cls: type, prefix: str = "") -> tuple[str, ...]:
+    """The dotted keys of `cls`'s fields declared with `neutral`, through its sections."""
+    hints = typing.get_type_hints(cls)
+    keys: list[str] = []
+    for f in dataclasses.fields(cls):
+        if f.metadata.get(NEUTRAL_KEY):
+            keys.append(prefix + f.name)
+        elif dataclasses.is_dataclass(hints[f.name]):
+            keys += neutral_keys(hints[f.name], f"{prefix}{f.name}.")
+    return tuple(keys)
+
+
+RESUME_NEUTRAL = neutral_keys(TrainConfig)
 
 
 def run_hash(cfg: TrainConfig) -> str:
