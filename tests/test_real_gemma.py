@@ -118,8 +118,8 @@ def test_stage1_on_the_real_model_lowers_the_loss_with_healthy_gradient_norms(re
 
 
 @slow
-def test_describe_answers_in_the_real_vocabulary(real_run, capsys):
-    from transformers import AutoTokenizer
+def test_describe_answers_in_the_real_vocabulary(real_gemma, real_run, capsys):
+    from tokenizers import Tokenizer
 
     from theworld import describe, synthetic
 
@@ -128,7 +128,7 @@ def test_describe_answers_in_the_real_vocabulary(real_run, capsys):
     assert describe.main(["--model", str(real_run), "--image", str(image), "--max-new-tokens", "12"]) == 0
     text = capsys.readouterr().out.strip()
     print(f"describe: {text!r}")
-    vocab = AutoTokenizer.from_pretrained(real_run / "final").get_vocab()
+    vocab = Tokenizer.from_file(str(real_gemma / "tokenizer.json")).get_vocab()
     words = [w for w in re.findall(r"[A-Za-z]{3,}", text) if f"\u2581{w}" in vocab or w in vocab]
     assert words, text
 
