@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     out = Path(args.out)
     if out.is_symlink() or (out.exists() and not out.is_dir()):
-        raise UserError(f"theworld.models: {out} is {paths.path_kind(out) or 'a symlink'}, not a folder to create")
+        kind = f"a symlink (to {os.readlink(out)})" if out.is_symlink() else paths.path_kind(out)
+        raise UserError(f"theworld.models: {out} is {kind}: give a new or empty folder")
     if out.is_dir() and any(out.iterdir()):
         if built(out) == identity(args.model, args.dtype):
             print(f"{out} already holds {args.model} ({args.dtype}); nothing to do", file=sys.stderr)
@@ -270,10 +271,12 @@ def main(argv: list[str] | None = None) -> int:
             f"theworld.models: {out} exists and holds something else (not this build of {args.model}); give a new "
             "or empty folder"
         )
-    if not out.parent.is_dir():
-        raise UserError(f"theworld.models: {out.parent} (where {out.name} goes) is not a folder")
     # the GGUF reader, and the package shipping the file unless one is given
     _require(("gguf",) if args.gguf else ("gguf", MODELS[args.model].package))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"theworld.models: cannot create {out.parent}, where {out.name} goes ({e.strerror})") from None
     build(args.model, out, args.gguf, args.dtype)
     print(f"built {args.model} in {out}: model.gemma: {out}", file=sys.stderr)
     return 0
