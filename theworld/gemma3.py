@@ -1,4 +1,5 @@
-"""Facts about the Gemma 3 architecture that the tiny models, the benchmarks and the memory plan share."""
+"""Facts about Gemma 3 that the tiny and real small models, the benchmarks and the memory plan share: the attention
+pattern, and gemma-3-4b-it's vocabulary layout and chat template."""
 
 from __future__ import annotations
 
@@ -15,3 +16,57 @@ def layer_types(num_layers: int) -> list[str]:
     if num_layers and "full_attention" not in types:
         types[-1] = "full_attention"
     return types
+
+
+# gemma-3-4b-it's vocabulary: its tokenizer's 262144 pieces, then <image_soft_token> (the placeholder each image's
+# soft tokens are scattered into), and an embedding padded to 262208 rows. Token ids are the released tokenizer's.
+VOCAB_SIZE = 262208
+BOS_ID, START_OF_TURN_ID, END_OF_TURN_ID = 2, 105, 106
+IMAGE_TOKENS = {  # the tokenizer's extra special tokens (as the released processor names them) and their ids
+    "boi_token": ("<start_of_image>", 255999),
+    "eoi_token": ("<end_of_image>", 256000),
+    "image_token": ("<image_soft_token>", 262144),
+}
+# The chat template of gemma-3-4b-it (its chat_template.json, verbatim): a system message becomes a prefix of the first
+# user turn, "assistant" is written "model", each image is one <start_of_image> (the processor expands it).
+CHAT_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
