@@ -17,8 +17,10 @@ PARTS: dict[str, tuple[str, ...]] = {
     "vision": ("gemma.model.vision_tower", "gemma.model.multi_modal_projector"),  # SigLIP tower + multimodal projector
     "language": ("gemma.model.language_model", "gemma.lm_head"),
     "vae": ("world_encoder",),
+    # the Video2World transformer of live rollouts (world.num_world_steps > 0): counted, never trained
+    "rollout": ("rollout",),
 }
-FREEZABLE = ("vision", "language", "vae")  # the projector always trains
+FREEZABLE = ("vision", "language", "vae")  # the projector always trains, the rollout never
 # The parts that may carry LoRA adapters (config section lora) and the names of their linear layers: Gemma 3's
 # decoder layers, SigLIP's encoder layers.
 LORA_MODULES = {

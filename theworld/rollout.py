@@ -49,6 +49,16 @@ def sample_seeds(seed: int, keys: Sequence[str]) -> list[int]:
     return [sample_seed(seed, k) for k in keys]
 
 
+def cache_seed(manifest: dict) -> int:
+    """The seed a cache's rollouts were drawn with (its fingerprint's `world.seed`), or for a cache without them the
+    seed its precompute run had (its recorded config's), which a rollout cache of the same run would have used: with
+    the samples' keys, what reproduces (or would have produced) the cache's rollouts live."""
+    world = (manifest.get("fingerprint") or {}).get("world") or {}
+    if "seed" in world:
+        return int(world["seed"])
+    return int((manifest.get("config") or {}).get("seed", 0))
+
+
 def pixel_seeds(pixels: torch.Tensor, seed: int = 0) -> list[int]:
     """Seeds for rows without a sample key (an image given to describe or generate): each from its pixels' bytes."""
     rows = pixels.detach().to("cpu", torch.uint8 if pixels.dtype == torch.uint8 else torch.float32).contiguous()
