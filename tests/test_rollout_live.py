@@ -102,8 +102,8 @@ def rolled(tmp_path_factory):
     """32 synthetic samples rolled out 2 steps by the tiny pipeline (the documented command, seed 7: not the default,
     so the live path has to read the cache's seed rather than assume it)."""
     cache = tmp_path_factory.mktemp("rolled") / "cache"
-    sets = _sets(f"output_dir={cache}", "source.num_samples=32", "shard_size=16", "batch_size=16", "seed=7", *FAST)
-    _run("precompute.cosmos_latents", "--config", str(ROOT / "configs" / "precompute.yaml"), *sets, "num_workers=0")
+    sets = [f"output_dir={cache}", "source.num_samples=32", "shard_size=16", "batch_size=16", "num_workers=0", "seed=7"]
+    _run("precompute.cosmos_latents", "--config", str(ROOT / "configs" / "precompute.yaml"), *_sets(*sets, *FAST))
     return cache
 
 
