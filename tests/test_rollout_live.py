@@ -54,6 +54,13 @@ def test_rollout_seeds_cross_a_batch_and_a_partner_brings_its_own():
         ModelInputs.from_tensors({**inputs.to_tensors(), PARTNER + "noise_seeds": mate})
 
 
+def test_a_caches_rollout_seed_is_its_fingerprints_else_its_precompute_runs():
+    config = {"config": {"seed": 3}}  # what precompute records of its run
+    assert rollout.cache_seed({"fingerprint": {"world": {"seed": 5, "num_world_steps": 2}}, **config}) == 5
+    assert rollout.cache_seed({"fingerprint": {"vae": {}}, **config}) == 3  # no rollouts: the run's seed
+    assert rollout.cache_seed({"fingerprint": {}}) == 0  # the precompute default
+
+
 def test_no_rollout_on_live_images_encodes_without_rolling_out():
     """The no_rollout baseline given images: the observed frame's encoding alone (no transformer call), the same
     world block as before this change (the full rollout's frame 0)."""
@@ -161,22 +168,34 @@ def _order(cfg, ctx):
 
 
 @pytest.mark.slow
-def test_precompute_inspect_train_evaluate_and_live_equals_cached(rolled, trained_run, tmp_path):
-    summary = json.loads(_run("precompute.inspect", "summary", str(rolled), "--json").stdout)
+def test_precompute_inspect_train_evaluate_and_live_equals_cached(rolled, tmp_path, capsys):
+    """The commands in process (their main(argv)), but the precompute, which the fixture ran as a command."""
+    from precompute import inspect
+    from theworld import evaluate
+    from theworld.infer import benchmark_items
+    from train.loop import main as train
+
+    assert inspect.main(["summary", str(rolled), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
     assert summary["world_steps"] == STEPS and summary["latent_frames"] == 1 + STEPS
-    live = json.loads(_run("precompute.inspect", "compare-live", str(rolled), "--n", "4", "--json").stdout)
+    assert inspect.main(["compare-live", str(rolled), "--n", "4", "--json"]) == 0
+    live = json.loads(capsys.readouterr().out)
     assert live["n"] == 4 and live["world_steps"] == STEPS
     # a rollout stage on the cached rollouts, evaluated with the shuffled-world gap
     cached = tmp_path / "cached"
-    _run("train.loop", *_stage(rolled, cached))
+    assert train(_stage(rolled, cached)) == 0
     ev = [m for m in metrics(cached) if "eval_loss" in m]
     assert ev and all(math.isfinite(m["eval_loss"]) and math.isfinite(m["eval_loss_shuffled_world"]) for m in ev)
     # does imagining the future help? no_rollout with its paired test
-    argv = ["--model", str(cached), "--data", str(trained_run["mc"]), "--baselines", "all", "--json"]
-    b = json.loads(_run("theworld.evaluate", *argv).stdout)["baselines"]["no_rollout"]
+    mc = tmp_path / "mc" / "items.jsonl"
+    benchmark_items.make_synthetic(mc, 6)
+    capsys.readouterr()
+    assert evaluate.main(["--model", str(cached), "--data", str(mc), "--baselines", "all", "--json"]) == 0
+    b = json.loads(capsys.readouterr().out)["baselines"]["no_rollout"]
     assert 0 <= b["p_value"] <= 1 and "accuracy" in b
-    # the VAE trains (stage 4): every batch rolls out live, with the cache's seeds: the same first-step loss
+    # the VAE trains (stage 4): every batch rolls out live, with the cache's seeds: the same first-step loss (with
+    # each row's seed from its pixels instead, it differed by 0.0087)
     stage4 = tmp_path / "live"
-    _run("train.loop", *_stage(rolled, stage4, "freeze.vae=false", "train.max_steps=1", "train.eval_every=0"))
+    assert train(_stage(rolled, stage4, "freeze.vae=false", "train.max_steps=1", "train.eval_every=0")) == 0
     first = {run: next(m["loss"] for m in metrics(run) if "loss" in m) for run in (cached, stage4)}
     assert abs(first[cached] - first[stage4]) <= 1e-3, first
