@@ -61,7 +61,7 @@ class ModelInputs:
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> ModelInputs:
-        """From a batch's named tensors (field names; the partner's world under PARTNER + its WORLD name)."""
+        """From a batch's named tensors (field names; the partner's world under PARTNER + its PARTNER_FIELDS name)."""
         partner = {k.removeprefix(PARTNER): v for k, v in tensors.items() if k.startswith(PARTNER)}
         own = {k: v for k, v in tensors.items() if not k.startswith(PARTNER)}
         odd = [k for k in own if k not in TENSOR_FIELDS] + [PARTNER + k for k in partner if k not in PARTNER_FIELDS]
