@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ from conftest import ENV, ROOT, metrics
 from theworld import rollout
 from theworld.config import ModelConfig, RolloutConfig, WorldConfig
 from theworld.inputs import PARTNER, ModelInputs
+from train import params
 from train.batches import Batch
 
 STEPS = 2
@@ -69,6 +71,8 @@ def test_no_rollout_on_live_images_encodes_without_rolling_out():
     world = WorldConfig(num_world_steps=STEPS, rollout=RolloutConfig(inference_steps=2))
     model, processor = TheWorld.from_config(ModelConfig(dtype="float32"), world)
     model.eval()
+    # the start line's counts take the rollout transformer too, never trainable (it once stopped such a run there)
+    assert re.search(r", rollout 0 / [0-9.]+ [kM]$", params.describe(model)), params.describe(model)
     calls = []
     handle = model.rollout.transformer.register_forward_pre_hook(lambda *_: calls.append(1))
     gen = torch.Generator().manual_seed(0)
