@@ -187,7 +187,11 @@ def test_precompute_inspect_train_evaluate_and_live_equals_cached(rolled, tmp_pa
     assert live["n"] == 4 and live["world_steps"] == STEPS
     # a rollout stage on the cached rollouts, evaluated with the shuffled-world gap
     cached = tmp_path / "cached"
+    capsys.readouterr()
     assert train(_stage(rolled, cached)) == 0
+    printed = capsys.readouterr()
+    assert "parameters trainable / total: projector" in printed.err + printed.out
+    assert ", rollout " not in printed.err + printed.out  # every batch cached: the pipeline is not even loaded
     ev = [m for m in metrics(cached) if "eval_loss" in m]
     assert ev and all(math.isfinite(m["eval_loss"]) and math.isfinite(m["eval_loss_shuffled_world"]) for m in ev)
     # does imagining the future help? no_rollout with its paired test
@@ -201,5 +205,7 @@ def test_precompute_inspect_train_evaluate_and_live_equals_cached(rolled, tmp_pa
     # each row's seed from its pixels instead, it differed by 0.0087)
     stage4 = tmp_path / "live"
     assert train(_stage(rolled, stage4, "freeze.vae=false", "train.max_steps=1", "train.eval_every=0")) == 0
+    printed = capsys.readouterr()
+    assert re.search(r", rollout 0 / [0-9.]+ [kM]", printed.err + printed.out)  # loaded, frozen
     first = {run: next(m["loss"] for m in metrics(run) if "loss" in m) for run in (cached, stage4)}
     assert abs(first[cached] - first[stage4]) <= 1e-3, first

@@ -64,8 +64,13 @@ def make_accelerator(cfg: TrainConfig, launch: Launch | None = None) -> Accelera
 
 
 def build_model(cfg: TrainConfig) -> tuple[TheWorld, Gemma3Processor]:
-    """TheWorld in train mode, freeze flags applied, trainable weights in fp32, checkpointing as configured."""
-    model, processor = TheWorld.from_config(cfg.model, cfg.world, cfg.freeze, seed=cfg.seed, lora=cfg.lora)
+    """TheWorld in train mode, freeze flags applied, trainable weights in fp32, checkpointing as configured. The
+    rollout pipeline loads only for what rolls out live: an unfrozen VAE's batches, or train.benchmarks' images (with a
+    frozen VAE every batch brings the cache's latents, and the Video2World transformer would only take memory)."""
+    live = not cfg.freeze.vae or bool(cfg.train.benchmarks)
+    model, processor = TheWorld.from_config(
+        cfg.model, cfg.world, cfg.freeze, seed=cfg.seed, lora=cfg.lora, rollout=live
+    )
     return ready_for_training(model, cfg), processor
 
 
