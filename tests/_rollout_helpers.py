@@ -1,10 +1,9 @@
-"""Rollout-shaped inputs made by hand, so the model side of world rollouts is tested without the rollout pipeline:
-caches whose latents hold the observed frame and N predicted ones (`contents.world_steps: N`), and a stand-in for the
-live rollout of `TheWorld.world_latents`."""
+"""Rollout-shaped caches made by hand, so the model side's shape and order tests need no rollout precompute: latents
+that hold the observed frame and N predicted ones (`contents.world_steps: N`), each a deterministic function of it.
+What rolls out live, or must equal a real rollout, uses the tiny Video2World pipeline (tests/test_rollout_e2e.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 
@@ -57,27 +56,3 @@ def rollout_cache(src: Path, dst: Path, steps: int) -> Path:
     )
     assert json.loads((dst / cf.MANIFEST).read_text())["contents"]["world_steps"] == steps
     return dst
-
-
-@contextlib.contextmanager
-def live_rollout_stand_in():
-    """Until the live rollout (issue 36's rollout pipeline in `TheWorld.world_latents`) is merged: live world latents
-    of images are the VAE's frame followed by `predicted_frames` of it, as many as the model's projector uses; cached
-    latents pass through. The lead drops this when merging the live path."""
-    from theworld.model import TheWorld
-
-    original = TheWorld.world_latents
-
-    def world_latents(self, images, mean, logvar):
-        mean, logvar = original(self, images, mean, logvar)
-        steps = self.projector.frames - 1
-        if images is None or mean.shape[2] > 1 or not steps:
-            return mean, logvar
-        future = predicted_frames(mean.float(), steps).to(mean.dtype)
-        return torch.cat([mean, future], 2), torch.cat([logvar, torch.full_like(future, PREDICTED_LOGVAR)], 2)
-
-    TheWorld.world_latents = world_latents
-    try:
-        yield
-    finally:
-        TheWorld.world_latents = original

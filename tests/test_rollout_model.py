@@ -1,7 +1,9 @@
 """The model side of world rollouts (issue 36): world latents of 1 + N frames (the observed one, then N predicted) ->
 world tokens in time order with a learned temporal embedding per frame, one SOW/EOW around them; N = 0 exactly as
 before; the `no_rollout` baseline; caches with fewer / more world steps; a rollout stage trained, evaluated and used.
-Rollout caches are made by hand (tests/_rollout_helpers.py), not by the rollout pipeline."""
+Rollout caches are made by hand (tests/_rollout_helpers.py) for these shape and order tests; what reads images
+(evaluate, describe, the lmms-eval adapter) rolls out live through the tiny Video2World pipeline, and
+tests/test_rollout_e2e.py trains on a cache the pipeline precomputed."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from _rollout_helpers import live_rollout_stand_in, rollout_cache
+from _rollout_helpers import rollout_cache
 from conftest import ROOT, weights
 
 from theworld.config import ModelConfig, WorldConfig, load_config
@@ -259,6 +261,7 @@ def _train_args(cache, out, **extra) -> list[str]:
         "train.samples": 2,
         "train.sample_tokens": 4,
         "trackers": "[]",
+        "world.rollout.inference_steps": 2,  # the saved stage's live rollouts (evaluate, describe): two denoising steps
         **extra,
     }
     return ["--config", str(ROOT / "configs" / "stage1_rollout.yaml")] + [
@@ -362,25 +365,24 @@ def test_evaluate_and_describe_on_a_rollout_stage(rollout_run, rollout_caches, t
     data = trained_run["mc"]
     out = tmp_path / "out.jsonl"
     argv = ["--model", str(rollout_run), "--data", str(data), "--json", "--baselines", "all", "--out", str(out)]
-    with live_rollout_stand_in():
-        assert main(argv) == 0
-        res = json.loads(capsys.readouterr().out)
-        assert list(res["baselines"]) == [*baselines.BASELINES, "no_rollout"]
-        b = res["baselines"]["no_rollout"]
-        assert {"accuracy", "difference", "p_value"} <= b.keys() and 0 <= b["p_value"] <= 1
-        records = [json.loads(x) for x in out.read_text().splitlines()]
-        assert all(r["outputs"]["no_rollout"] != r["outputs"]["model"] for r in records)  # the future counts
-        generate = ["--protocol", "generate", "--max-new-tokens", "2"]
-        assert main(argv[:4] + ["--json", "--baselines", "no_rollout", *generate]) == 0
-        gen = json.loads(capsys.readouterr().out)
-        assert gen["protocol"] == "generate" and list(gen["baselines"]) == ["no_rollout"]
-        caption = ["--model", str(rollout_run), "--data", str(rollout_caches[2]), "--task", "caption", "--json"]
-        assert main(caption) == 0
-        assert json.loads(capsys.readouterr().out)["task"] == "caption"
-        image = sorted((data.parent / "images").iterdir())[:2]
-        argv = ["--model", str(rollout_run), "--image", *map(str, image), "--max-new-tokens", "3"]
-        assert describe.main(argv + ["--shuffle-world"]) == 0
-        assert len(capsys.readouterr().out.splitlines()) == 2
+    assert main(argv) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert list(res["baselines"]) == [*baselines.BASELINES, "no_rollout"]
+    b = res["baselines"]["no_rollout"]
+    assert {"accuracy", "difference", "p_value"} <= b.keys() and 0 <= b["p_value"] <= 1
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    assert all(r["outputs"]["no_rollout"] != r["outputs"]["model"] for r in records)  # the future counts
+    generate = ["--protocol", "generate", "--max-new-tokens", "2"]
+    assert main(argv[:4] + ["--json", "--baselines", "no_rollout", *generate]) == 0
+    gen = json.loads(capsys.readouterr().out)
+    assert gen["protocol"] == "generate" and list(gen["baselines"]) == ["no_rollout"]
+    caption = ["--model", str(rollout_run), "--data", str(rollout_caches[2]), "--task", "caption", "--json"]
+    assert main(caption) == 0
+    assert json.loads(capsys.readouterr().out)["task"] == "caption"
+    image = sorted((data.parent / "images").iterdir())[:2]
+    argv = ["--model", str(rollout_run), "--image", *map(str, image), "--max-new-tokens", "3"]
+    assert describe.main(argv + ["--shuffle-world"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2
     # a stage without rollouts: no_rollout is not part of all, and asking for it is one line, exit 2
     assert main(["--model", str(trained_run["run"]), "--data", str(data), "--baselines", "no_rollout"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -395,11 +397,10 @@ def test_the_lmms_eval_adapter_answers_a_rollout_stage_as_generate_does(rollout_
     from theworld.lmms_adapter import TheWorldLMM
 
     image = str(sorted((trained_run["mc"].parent / "images").iterdir())[0])
-    with live_rollout_stand_in():
-        lmm = TheWorldLMM(str(rollout_run), device="cpu")
-        assert lmm._inputs([image])["latent_mean"].shape[2] == 3  # the observed frame and the 2 predicted ones
-        lmm.task_dict = {"task": {"val": [{"image": image}]}}
-        visuals = lambda doc: [doc["image"]]  # noqa: E731
-        request = SimpleNamespace(args=("What is it?", {"max_new_tokens": 3}, visuals, 0, "task", "val"))
-        answer = lmm.generate_until([request])
-        assert answer == [a.strip() for a in lmm.model.generate([image], "What is it?", max_new_tokens=3)]
+    lmm = TheWorldLMM(str(rollout_run), device="cpu")
+    assert lmm._inputs([image])["latent_mean"].shape[2] == 3  # the observed frame and the 2 predicted ones
+    lmm.task_dict = {"task": {"val": [{"image": image}]}}
+    visuals = lambda doc: [doc["image"]]  # noqa: E731
+    request = SimpleNamespace(args=("What is it?", {"max_new_tokens": 3}, visuals, 0, "task", "val"))
+    answer = lmm.generate_until([request])
+    assert answer == [a.strip() for a in lmm.model.generate([image], "What is it?", max_new_tokens=3)]

@@ -19,6 +19,9 @@ PARTS: dict[str, tuple[str, ...]] = {
     "vae": ("world_encoder",),
 }
 FREEZABLE = ("vision", "language", "vae")  # the projector always trains
+# Modules of TheWorld that are no such part: the Video2World transformer of live rollouts (world.num_world_steps > 0),
+# frozen always; counted with the parts, in no optimiser group.
+NEVER_TRAINED: dict[str, tuple[str, ...]] = {"rollout": ("rollout",)}
 # The parts that may carry LoRA adapters (config section lora) and the names of their linear layers: Gemma 3's
 # decoder layers, SigLIP's encoder layers.
 LORA_MODULES = {
@@ -32,7 +35,7 @@ CHECKPOINT_PARTS = ("language", "vision", "vae")
 
 def part_of(param_name: str) -> str:
     """The part a parameter of TheWorld (a `named_parameters` name) belongs to."""
-    for part, paths in PARTS.items():
+    for part, paths in (PARTS | NEVER_TRAINED).items():
         if any(param_name == p or param_name.startswith(p + ".") for p in paths):
             return part
     raise ValueError(f"parameter {param_name} belongs to no part of TheWorld")

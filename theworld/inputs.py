@@ -23,6 +23,8 @@ from theworld.text import Encoded
 PARTNER = "partner:"  # prefix of a held-out batch's partner-world keys (train/data.py, the shuffled-world loss)
 TEXT = ("input_ids", "attention_mask", "labels")
 WORLD = ("latent_mean", "latent_logvar", "images")  # what a row's world tokens are made from
+# a live rollout's noise seeds travel with the pixels they roll out (a partner's world brings its own)
+PARTNER_FIELDS = (*WORLD, "rollout_seeds")
 IMAGE = ("pixel_values", "siglip")  # what its image tokens are made from
 
 
@@ -44,9 +46,10 @@ class ModelInputs:
     pixel_values: torch.Tensor | None = None
     siglip: torch.Tensor | None = None
     noise_seeds: list[int] | None = None  # one per row: latent mode "sample" draws each row's noise from its seed
-    # one per row: a live rollout's noise (TheWorld.world_latents; rollout.sample_seeds(seed, keys) reproduces a cache)
-    rollout_seeds: list[int] | None = None
-    # held-out batches: each row's partner's world inputs (WORLD names), and whether the row has a partner
+    # (B,) int64, one per row: a live rollout's noise (TheWorld.world_latents; rollout.sample_seed(seed, key) with
+    # the cache's seed and the sample's key reproduces a cache); a tensor, so that it crosses from a worker in a Batch
+    rollout_seeds: torch.Tensor | None = None
+    # held-out batches: each row's partner's world inputs (PARTNER_FIELDS names), and whether the row has a partner
     partner: dict[str, torch.Tensor] | None = None
     paired: torch.Tensor | None = None
 
@@ -58,10 +61,11 @@ class ModelInputs:
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> ModelInputs:
-        """From a batch's named tensors (field names; the partner's world under PARTNER + its WORLD name)."""
+        """From a batch's named tensors (field names; the partner's world under PARTNER + its PARTNER_FIELDS name)."""
         partner = {k.removeprefix(PARTNER): v for k, v in tensors.items() if k.startswith(PARTNER)}
         own = {k: v for k, v in tensors.items() if not k.startswith(PARTNER)}
-        if odd := [k for k in own if k not in TENSOR_FIELDS] + [PARTNER + k for k in partner if k not in WORLD]:
+        odd = [k for k in own if k not in TENSOR_FIELDS] + [PARTNER + k for k in partner if k not in PARTNER_FIELDS]
+        if odd:
             raise ValueError(f"batch key {odd[0]!r} is no model input ({', '.join(sorted(TENSOR_FIELDS))})")
         return cls(**own, partner=partner or None)
 
@@ -102,7 +106,7 @@ class ModelInputs:
         )
 
 
-TENSOR_FIELDS = frozenset((*TEXT, *WORLD, *IMAGE, "paired"))
+TENSOR_FIELDS = frozenset((*TEXT, *WORLD, *IMAGE, "rollout_seeds", "paired"))
 
 
 def text_batch(items: Sequence[Encoded], pad_id: int, **inputs) -> ModelInputs:

@@ -8,7 +8,7 @@ number of them and rows are right-padded, so inserting them is one concatenation
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,10 +116,7 @@ class TheWorld(nn.Module):
         self = cls.from_modules(gemma, vae, world, freeze, seed, lora)
         self.rollout_steps = world.num_world_steps
         if rollout and world.num_world_steps:
-            # outside the module tree: frozen, it is no part a trainer counts, optimises, wraps or shards
-            object.__setattr__(
-                self, "rollout", Rollout.load(model.vae, model.dtype, vae, world.num_world_steps, world.rollout)
-            )
+            self.rollout = Rollout.load(model.vae, model.dtype, vae, world.num_world_steps, world.rollout)
         self.processor, self.image_config = processor, image or ImageConfig()
         return self, processor
 
@@ -256,25 +253,29 @@ class TheWorld(nn.Module):
         images: torch.Tensor | None,
         mean: torch.Tensor | None,
         logvar: torch.Tensor | None,
-        rollout_seeds: list[int] | None = None,
+        rollout_seeds: Sequence[int] | torch.Tensor | None = None,
+        predict: bool = True,
     ):
         """(mean, logvar) of the world block: the cached ones when given, else the VAE's posterior of `images`
         (B, C, 1, h, w), followed with a loaded rollout pipeline by each image's predicted frames (B, C, 1 + N, h, w;
-        theworld/rollout.py). `rollout_seeds`: one per row, `rollout.sample_seeds(seed, keys)` with the cache's seed
-        and the samples' keys reproduce a rollout cache; None: each row's seed from its pixels. Predicted frames carry
-        no gradient (the transformer is frozen); frame 0 keeps its gradient when the VAE trains."""
+        theworld/rollout.py). `rollout_seeds`: one per row (a list or a (B,) tensor), `rollout.sample_seeds(seed,
+        keys)` with the cache's seed and the samples' keys reproduce a rollout cache; None: each row's seed from its
+        pixels. `predict` False: the observed frame alone, without rolling out (what no_rollout uses of them). Predicted
+        frames carry no gradient (the transformer is frozen); frame 0 keeps its gradient when the VAE trains."""
         if mean is not None:
             return mean, logvar
         if images is None or self.world_encoder is None:
             raise ValueError("need cached latents (mean, logvar) or images plus a loaded VAE")
-        if self.rollout_steps and self.rollout is None:
+        if self.rollout_steps and self.rollout is None and predict:
             raise ValueError(
                 f"world.num_world_steps {self.rollout_steps}: live world latents need the rollout pipeline, which "
                 "this model was built without (from_config/from_pretrained with rollout=False): give cached latents"
             )
         mean, logvar = self.world_encoder(images)
-        if self.rollout is None:
+        if self.rollout is None or not predict:
             return mean, logvar
+        if isinstance(rollout_seeds, torch.Tensor):
+            rollout_seeds = rollout_seeds.tolist()
         seeds = rollout_seeds if rollout_seeds is not None else pixel_seeds(images)
         return with_predicted(mean, logvar, self.rollout(images, seeds))
 
@@ -317,8 +318,9 @@ class TheWorld(nn.Module):
             none = feats.new_zeros(inputs.size, 0, self.gemma.config.get_text_config().hidden_size)
             return self.fuse(inputs.input_ids, inputs.attention_mask, none, feats)
         with record_function(PROFILE_LABELS["world_encoder"]):
+            # no_rollout given live images: the observed frame's encoding alone, no rollout computed for it
             mean, logvar = self.world_latents(
-                inputs.images, inputs.latent_mean, inputs.latent_logvar, inputs.rollout_seeds
+                inputs.images, inputs.latent_mean, inputs.latent_logvar, inputs.rollout_seeds, inputs.use_rollout
             )
         with record_function(PROFILE_LABELS["projector"]):
             frames = None if inputs.use_rollout else 1  # the no_rollout baseline: the observed frame alone

@@ -49,6 +49,16 @@ def sample_seeds(seed: int, keys: Sequence[str]) -> list[int]:
     return [sample_seed(seed, k) for k in keys]
 
 
+def cache_seed(manifest: dict) -> int:
+    """The seed a cache's rollouts were drawn with (its fingerprint's `world.seed`), or for a cache without them the
+    seed its precompute run had (its recorded config's), which a rollout cache of the same run would have used: with
+    the samples' keys, what reproduces (or would have produced) the cache's rollouts live."""
+    world = (manifest.get("fingerprint") or {}).get("world") or {}
+    if "seed" in world:
+        return int(world["seed"])
+    return int((manifest.get("config") or {}).get("seed", 0))
+
+
 def pixel_seeds(pixels: torch.Tensor, seed: int = 0) -> list[int]:
     """Seeds for rows without a sample key (an image given to describe or generate): each from its pixels' bytes."""
     rows = pixels.detach().to("cpu", torch.uint8 if pixels.dtype == torch.uint8 else torch.float32).contiguous()
@@ -175,9 +185,9 @@ def _encode_on(pipe, device: torch.device, prompt: str, negative: str | None, gu
 
 class Rollout(nn.Module):
     """The frozen Video2World pipeline of one run: `forward(pixels, seeds)` -> each image's N predicted latent frames,
-    (B, C, N, h, w) float32 in the VAE's raw latent space. TheWorld holds it outside its module tree (frozen, no part
-    of a trainer's) and it moves to its input's device; the VAE is the caller's, shared; the prompt embeddings are
-    buffers, computed once, and the text encoder is let go after computing them."""
+    (B, C, N, h, w) float32 in the VAE's raw latent space. The transformer is a submodule (frozen, counted apart from
+    the trained parts: arch.NEVER_TRAINED) and follows its input's device; the VAE is the caller's, shared; the prompt
+    embeddings are buffers, computed once, and the text encoder is let go after computing them."""
 
     def __init__(self, pipe, prompt_embeds, negative_embeds, num_world_steps: int, settings, text_identity: dict):
         super().__init__()

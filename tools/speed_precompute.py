@@ -203,7 +203,7 @@ def bench_rollout(n: int, steps: int = 2, batch: int = 4, repeats: int = 3, infe
     pv = torch.stack([images.siglip_pixels(processor.image_processor, img) for img, _ in scenes[:batch]])
     mean, logvar = rolled[0]
     cached = text.with_inputs(latent_mean=mean, latent_logvar=logvar, pixel_values=pv)
-    live = text.with_inputs(images=pixels[:batch], pixel_values=pv, rollout_seeds=seeds[:batch])
+    live = text.with_inputs(images=pixels[:batch], pixel_values=pv, rollout_seeds=torch.tensor(seeds[:batch]))
 
     def step(inputs) -> None:
         model.zero_grad(set_to_none=True)

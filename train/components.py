@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from theworld.config import trains
 from theworld.errors import UserError
 from theworld.launch import check_group, launched_processes, use_cpu
 from theworld.model import TheWorld, compile_language_layers
@@ -65,10 +64,10 @@ def make_accelerator(cfg: TrainConfig, launch: Launch | None = None) -> Accelera
 
 
 def build_model(cfg: TrainConfig) -> tuple[TheWorld, Gemma3Processor]:
-    """TheWorld in train mode, freeze flags applied, trainable weights in fp32, checkpointing as configured."""
-    # the Video2World pipeline (world.num_world_steps > 0) only where world latents are computed live: a VAE that
-    # trains, or benchmark items' images; a frozen VAE reads the cache's rollouts
-    live = trains(cfg.freeze, cfg.lora, "vae") or bool(cfg.train.benchmarks)
+    """TheWorld in train mode, freeze flags applied, trainable weights in fp32, checkpointing as configured. The
+    rollout pipeline loads only for what rolls out live: an unfrozen VAE's batches, or train.benchmarks' images (with a
+    frozen VAE every batch brings the cache's latents, and the Video2World transformer would only take memory)."""
+    live = not cfg.freeze.vae or bool(cfg.train.benchmarks)
     model, processor = TheWorld.from_config(
         cfg.model, cfg.world, cfg.freeze, seed=cfg.seed, lora=cfg.lora, rollout=live
     )

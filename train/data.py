@@ -24,6 +24,7 @@ from theworld.control_text import TEXT_RULE, control_problem
 from theworld.errors import CacheDamaged, UserError
 from theworld.images import decode, load_for_vae, siglip_pixels
 from theworld.inputs import PARTNER
+from theworld.rollout import cache_seed, sample_seed
 from theworld.text import DEFAULT_PROMPT, ChatFormatter
 from train.batches import Collate, encode_texts
 from train.mixture import Draw, MixedReader, partner_groups
@@ -334,8 +335,12 @@ class CacheDataset(Dataset):
         epoch: int = 0,
         flip: bool | None = None,
         partner: bool = False,
+        rollouts: bool = False,
     ):
+        """`rollouts`: the model rolls out live (world.num_world_steps > 0 without cached latents): each sample
+        carries its rollout seed (`rollout_seed`)."""
         self.reader, self.indices, self.formatter, self.inputs = reader, indices, formatter, inputs
+        self.rollouts = rollouts
         self.resolution, self.resize, self.image_processor = resolution, resize, image_processor
         self.seed, self.epoch = seed, epoch
         self.flip = inputs.flip if flip is None else flip
@@ -359,6 +364,8 @@ class CacheDataset(Dataset):
         else:
             pixels, _ = load_for_vae(s.image, self.resolution, self.resize)
             item["images"] = pixels.flip(-1).contiguous() if flipped else pixels
+            if self.rollouts:
+                item["rollout_seeds"] = torch.tensor(rollout_seed(self.reader, index))
         if self.partners is not None:
             mate = int(self.partners[pos])
             item.update(self._world(mate))
@@ -380,7 +387,18 @@ class CacheDataset(Dataset):
         if self.inputs.cached_latents:  # (its origin names the right sample if its bytes turn out damaged)
             return {PARTNER + cf.LATENT: self.reader.raw(index)[cf.LATENT], PARTNER + "origin": (self.reader, index)}
         image = self.reader.decode(index, self.reader.raw(index), tensors=False).image
-        return {PARTNER + "images": load_for_vae(image, self.resolution, self.resize)[0]}
+        item = {PARTNER + "images": load_for_vae(image, self.resolution, self.resize)[0]}
+        if self.rollouts:
+            item[PARTNER + "rollout_seeds"] = torch.tensor(rollout_seed(self.reader, index))
+        return item
+
+
+def rollout_seed(reader: cf.CacheReader | MixedReader, index: int) -> int:
+    """The seed of sample `index`'s live rollout: its cache's seed (`rollout.cache_seed`) and its key, the rule the
+    precompute that wrote (or would write) its rollouts used, so a live rollout in training equals the cached one."""
+    if isinstance(reader, MixedReader):  # each cache of a mixture has its own seed
+        reader, index = reader.locate(index)
+    return sample_seed(cache_seed(reader.manifest), reader.key(index))
 
 
 @dataclass
@@ -453,6 +471,7 @@ class DataContext:
             epoch,
             flip,
             partner,
+            rollouts=cfg.world.num_world_steps > 0 and not self.inputs.cached_latents,
         )
 
 

@@ -39,7 +39,8 @@ class MixedReader:
         self.cache_dir = readers[0].cache_dir  # for messages that name "the cache"; each reader names its own
         self.manifest = readers[0].manifest
 
-    def _local(self, index: int) -> tuple[cf.CacheReader, int]:
+    def locate(self, index: int) -> tuple[cf.CacheReader, int]:
+        """The cache that mixture sample `index` comes from, and its index there."""
         c = int(self.cache_of[index])
         return self.readers[c], int(index - self.offsets[c])
 
@@ -60,7 +61,7 @@ class MixedReader:
         return int(self.offsets[-1])
 
     def key(self, index: int) -> str:
-        reader, i = self._local(index)
+        reader, i = self.locate(index)
         return reader.key(i)
 
     def keys_digest(self) -> str:
@@ -68,19 +69,19 @@ class MixedReader:
         return hashlib.sha256("\n".join(r.keys_digest() for r in self.readers).encode()).hexdigest()[:16]
 
     def raw(self, index: int) -> dict[str, bytes]:
-        reader, i = self._local(index)
+        reader, i = self.locate(index)
         return reader.raw(i)
 
     def decode(self, index: int, members: dict[str, bytes], tensors: bool = True) -> cf.Sample:
-        reader, i = self._local(index)
+        reader, i = self.locate(index)
         return reader.decode(i, members, tensors)
 
     def sample(self, index: int, tensors: bool = True) -> cf.Sample:
-        reader, i = self._local(index)
+        reader, i = self.locate(index)
         return reader.sample(i, tensors)
 
     def damaged(self, index: int, what: str):
-        reader, i = self._local(index)
+        reader, i = self.locate(index)
         return reader.damaged(i, what)
 
 

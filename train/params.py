@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from theworld.arch import PARTS, part_of
+from theworld.arch import NEVER_TRAINED, PARTS, part_of
 from theworld.lora import is_adapter  # a part's adapter parameters are counted as "(LoRA n)"
 
 
@@ -17,8 +17,9 @@ def human(n: int) -> str:
 
 
 def part_counts(model: torch.nn.Module) -> dict[str, dict[str, int]]:
-    """{part: {trainable, total, adapter}} in the order of arch.PARTS (whole counts, also for sharded DTensors)."""
-    out = {part: {"trainable": 0, "total": 0, "adapter": 0} for part in PARTS}
+    """{part: {trainable, total, adapter}} in the order of arch.PARTS, then arch.NEVER_TRAINED (whole counts, also for
+    sharded DTensors)."""
+    out = {part: {"trainable": 0, "total": 0, "adapter": 0} for part in (*PARTS, *NEVER_TRAINED)}
     for name, p in model.named_parameters():
         c = out[part_of(name)]
         c["total"] += p.numel()
