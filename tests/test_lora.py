@@ -269,7 +269,8 @@ def test_lora_fsdp_kill_9_and_resume_gives_bitwise_equal_weights(cache, tmp_path
 def test_memory_plan_counts_lora_exactly_and_the_real_lora_stage_fits_one_gpu():
     from theworld import lora
     from theworld.config import load_config
-    from train import components, memory
+    from tools import memory_plan as memory
+    from train import components
     from train.config import TrainConfig
 
     cfg = load_config(TrainConfig, str(ROOT / "configs" / "stage3_lora.yaml"))

@@ -376,7 +376,8 @@ def test_bad_lr_multiplier_or_sharding_is_a_one_line_error(capsys, value, key):
 @pytest.mark.parametrize("stage", ["stage1", "stage3", "stage4"])
 def test_memory_plan_counts_parameters_exactly(stage):
     from theworld.config import load_config
-    from train import components, memory
+    from tools import memory_plan as memory
+    from train import components
     from train.config import TrainConfig
 
     cfg = load_config(TrainConfig, str(ROOT / "configs" / f"{stage}.yaml"))

@@ -67,7 +67,8 @@ def _host_peak() -> int | None:
 def row(config: str, mode: str, steps: int, micro: int | None) -> dict:
     """One (config, mode) row, in this process."""
     from theworld.config import load_config
-    from train import components, memory
+    from tools import memory_plan as memory
+    from train import components
     from train.config import TrainConfig
     from train.step import LoopState, optimization_step
 
