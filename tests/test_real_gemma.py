@@ -136,10 +136,10 @@ def test_describe_answers_in_the_real_vocabulary(real_gemma, real_run, capsys):
 @slow
 def test_the_generate_protocol_reads_letters_from_the_real_models_answers(real_run, capsys):
     from theworld import evaluate
-    from theworld.infer import benchmarks
+    from theworld.infer import benchmark_items
 
     items = real_run.parent / "mc" / "items.jsonl"
-    benchmarks.make_synthetic(items, 8)
+    benchmark_items.make_synthetic(items, 8)
     out = real_run.parent / "mc" / "answers.jsonl"
     argv = ["--model", str(real_run), "--data", str(items), "--protocol", "generate", "--json", "--out", str(out)]
     assert evaluate.main([*argv, "--max-new-tokens", "8"]) == 0

@@ -297,7 +297,7 @@ def per_gpu(
     return {"ddp": ddp, "fsdp": fsdp, "fsdp_offload": offload}
 
 
-# The activation checkpointing settings train.memory compares, on every part that trains (docs/training.md)
+# The activation checkpointing settings tools.memory_plan compares, on every part that trains (docs/training.md)
 LEVERS = {
     "none": ("none", 1),
     "full": ("full", 1),
