@@ -106,7 +106,8 @@ def test_a_run_logs_captions_and_the_gap_and_stops_on_plateau_for_good(trained_r
     assert [e["step"] for e in samples] == [0, 1]
     for e in samples:
         assert len(e["samples"]) == 2
-        assert all(set(r) == {"caption", "own_world", "shuffled_world"} and r["caption"] for r in e["samples"])
+        assert all(set(r) == {"caption", "own_world", "shuffled_world", "image"} and r["caption"] for r in e["samples"])
+        assert all((out / r["image"]).is_file() for r in e["samples"])  # each sample's picture, for train.report
     assert "the eval loss has plateaued" in err and "stopping: train.stop_on_plateau" in err
     assert "plateaued at step 1" in cap.out and "init_from:" in cap.out  # the summary
     assert "plateaued at step 1" in (out / "final" / "README.md").read_text()
