@@ -241,7 +241,7 @@ def train_cache(tmp_path_factory):
 def _train(cache: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
     from conftest import ENV, base_args
 
-    args = base_args(cache, out, steps=2, **{"train.num_workers": 1}) + [a for e in extra for a in ("--set", e)]
+    args = base_args(cache, out, steps=2, **{"train.loader.num_workers": 1}) + [a for e in extra for a in ("--set", e)]
     return subprocess.run(
         [sys.executable, "-m", "train.loop", *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300
     )
@@ -363,7 +363,7 @@ def test_an_old_cache_with_a_control_string_caption_is_refused_before_any_model_
     raw = cf.CacheReader.raw
     monkeypatch.setattr(cf.CacheReader, "raw", lambda self, i: (reads.append(i), raw(self, i))[1])
     monkeypatch.setattr("theworld.model.TheWorld.__init__", lambda *a, **k: pytest.fail("a model was built"))
-    assert main(base_args(cache, tmp_path / "run", **{"train.eval_samples": 2})) == 2
+    assert main(base_args(cache, tmp_path / "run", **{"train.eval.samples": 2})) == 2
     _one_line(
         capsys,
         "1 sample(s)",

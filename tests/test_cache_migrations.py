@@ -174,5 +174,5 @@ def test_a_run_encoding_live_reads_a_format_2_caches_images(tmp_path):
 
     cache = shutil.copytree(FORMAT_2, tmp_path / "c")
     small = {"freeze.vae": "false", "image.resolution": 32, "train.global_batch_size": 4, "train.micro_batch_size": 2}
-    assert main(base_args(cache, tmp_path / "run", steps=2, **small, **{"train.eval_samples": 2})) == 0
+    assert main(base_args(cache, tmp_path / "run", steps=2, **small, **{"train.eval.samples": 2})) == 0
     assert (tmp_path / "run" / "final" / "trainable.safetensors").is_file()

@@ -1,6 +1,6 @@
 """train/checkpoint.py: the checkpointer (each part of the run state saved to its file, the folder sealed and renamed
 into place, loaded back part by part), where a run resumes from, the clean-up after a killed save, format-2
-checkpoints written by hand resuming bitwise, and weights-only checkpoints (train.save_optimizer: false)."""
+checkpoints written by hand resuming bitwise, and weights-only checkpoints (train.checkpoint.save_optimizer: false)."""
 
 from __future__ import annotations
 
@@ -170,7 +170,7 @@ def _format_2_by_hand(ref: Path, dst: Path) -> dict:
 
 @pytest.mark.slow
 def test_a_format_2_checkpoint_written_by_hand_resumes_bitwise(cache, tmp_path, capsys):
-    extra = {"train.save_every": 2, "train.ema": 0.9, "world.latent": "sample"}
+    extra = {"train.checkpoint.every": 2, "train.optimizer.ema": 0.9, "world.latent": "sample"}
     ref, out = tmp_path / "ref", tmp_path / "old"
     assert train_inproc(base_args(cache, ref, steps=4, **extra)) == 0
     state = _format_2_by_hand(ref, out / "checkpoint-2")
@@ -192,7 +192,7 @@ def test_a_format_2_checkpoint_written_by_hand_resumes_bitwise(cache, tmp_path, 
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Weights-only checkpoints (train.save_optimizer: false)
+# Weights-only checkpoints (train.checkpoint.save_optimizer: false)
 
 
 def _size(folder: Path) -> int:
@@ -207,7 +207,9 @@ def test_weights_only_checkpoints_hold_no_optimizer_and_resume_with_a_fresh_one_
 
     full, lean = tmp_path / "full", tmp_path / "lean"
     args = lambda out, save: base_args(
-        cache, out, **{"train.save_every": 2, "train.keep_last": 2, "train.save_optimizer": save}
+        cache,
+        out,
+        **{"train.checkpoint.every": 2, "train.checkpoint.keep_last": 2, "train.checkpoint.save_optimizer": save},
     )
     assert train_inproc(args(full, "true")) == 0
     assert train_inproc(args(lean, "false")) == 0
@@ -229,7 +231,7 @@ def test_weights_only_checkpoints_hold_no_optimizer_and_resume_with_a_fresh_one_
     err = capsys.readouterr().err
     notes = [line for line in err.splitlines() if "optimizer starts fresh" in line]
     assert len(notes) == 1 and str(lean / "checkpoint-2") in notes[0], err
-    assert "train.save_optimizer: false" in notes[0] and "written under a different config" not in err
+    assert "train.checkpoint.save_optimizer: false" in notes[0] and "written under a different config" not in err
     losses = [m["loss"] for m in metrics(lean) if "loss" in m]
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
     assert (lean / "checkpoint-4" / "optimizer.pt").is_file()
@@ -263,14 +265,14 @@ def test_resuming_on_a_cache_that_holds_other_samples_says_so(cache, tmp_path, c
         )
     )
     out = tmp_path / "run"
-    assert train_inproc(base_args(cache, out, steps=3, **{"train.save_every": 2})) == 0
+    assert train_inproc(base_args(cache, out, steps=3, **{"train.checkpoint.every": 2})) == 0
     state = json.loads((out / "checkpoint-2" / "state.json").read_text())
     assert state["cache"]["samples"] == 96 and len(state["cache"]["keys_sha256"]) == 16
     for cache_dir, warned in ((cache, False), (other, True)):
         shutil.rmtree(out / "final")
         shutil.rmtree(out / "checkpoint-3")
         capsys.readouterr()
-        assert train_inproc(base_args(cache_dir, out, steps=3, **{"train.save_every": 2})) == 0
+        assert train_inproc(base_args(cache_dir, out, steps=3, **{"train.checkpoint.every": 2})) == 0
         err = capsys.readouterr().err
         assert "resumed from" in err
         assert ("holds other samples than when" in err and "(96 then, 88 now)" in err) == warned, err
@@ -279,7 +281,9 @@ def test_resuming_on_a_cache_that_holds_other_samples_says_so(cache, tmp_path, c
 @pytest.mark.slow  # five in-process runs
 def test_an_output_dir_holding_another_run_is_protected_and_a_killed_save_is_cleaned_up(cache, tmp_path, capsys):
     out = tmp_path / "run"
-    args = lambda steps, **kw: base_args(cache, out, steps=steps, **{"train.save_every": 1, "train.keep_last": 5, **kw})
+    args = lambda steps, **kw: base_args(
+        cache, out, steps=steps, **{"train.checkpoint.every": 1, "train.checkpoint.keep_last": 5, **kw}
+    )
     assert train_inproc(args(2)) == 0
     capsys.readouterr()
     # a fresh start, or an older checkpoint, in this output_dir would interleave two runs' checkpoints
@@ -300,7 +304,7 @@ def test_an_output_dir_holding_another_run_is_protected_and_a_killed_save_is_cle
     (out / ".tmp-checkpoint-3-999" / "trainable.safetensors").write_bytes(b"partial")
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"step": 3, "lo')
-    assert train_inproc(args(3, **{"train.eval_every": 2})) == 0
+    assert train_inproc(args(3, **{"train.eval.every": 2})) == 0
     assert "removed" in capsys.readouterr().err
     assert not list(out.glob(".tmp-*")) and (out / "final").is_dir()
     assert [m["step"] for m in metrics(out) if "loss" in m] == [1, 2, 3]
@@ -308,7 +312,7 @@ def test_an_output_dir_holding_another_run_is_protected_and_a_killed_save_is_cle
     written = (out / "checkpoint-3" / "state.json").stat().st_mtime_ns
     evals = [m["step"] for m in metrics(out) if "eval_loss" in m]
     assert evals[-1] == 3
-    assert train_inproc(args(3, **{"train.eval_every": 2})) == 0
+    assert train_inproc(args(3, **{"train.eval.every": 2})) == 0
     assert (out / "checkpoint-3" / "state.json").stat().st_mtime_ns == written
     assert [m["step"] for m in metrics(out) if "eval_loss" in m] == evals
 

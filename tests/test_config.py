@@ -99,13 +99,13 @@ def test_yaml_dump_round_trips():
 # Hostile values and files: one line naming the key or file, for both commands (exit 2)
 
 _BOTH = [
-    ("train.loop", "train.lr=.inf", "train.lr"),
-    ("train.loop", "train.weight_decay=.nan", "train.weight_decay"),
-    ("train.loop", "train.grad_clip=.nan", "train.grad_clip"),
-    ("train.loop", "train.lr=1e400", "train.lr"),
-    ("train.loop", "train.ema=.nan", "train.ema"),
-    ("train.loop", "train.betas=[.nan, 0.9]", "train.betas"),
-    ("train.loop", "train.grad_norm_warn=-1", "train.grad_norm_warn"),
+    ("train.loop", "train.optimizer.lr=.inf", "train.optimizer.lr"),
+    ("train.loop", "train.optimizer.weight_decay=.nan", "train.optimizer.weight_decay"),
+    ("train.loop", "train.optimizer.grad_clip=.nan", "train.optimizer.grad_clip"),
+    ("train.loop", "train.optimizer.lr=1e400", "train.optimizer.lr"),
+    ("train.loop", "train.optimizer.ema=.nan", "train.optimizer.ema"),
+    ("train.loop", "train.optimizer.betas=[.nan, 0.9]", "train.optimizer.betas"),
+    ("train.loop", "train.optimizer.grad_norm_warn=-1", "train.optimizer.grad_norm_warn"),
     ("train.loop", f"train.max_steps={10**30}", "train.max_steps"),
     ("train.loop", f"seed={-(10**20)}", "seed"),
     ("train.loop", "image.resolution=1048576", "image.resolution"),
@@ -204,8 +204,8 @@ def test_a_yaml_alias_bomb_in_a_known_key_is_refused_at_once_in_a_file_and_in_se
         line = _only_line(capsys)
         assert "aliases" in line and str(path) in line and len(line) < 300, line
         assert time.time() - t0 < 5
-    assert train(["--set", f"train.benchmarks={_BOMB}", "--print-config"]) == 2
-    assert "--set train.benchmarks" in _only_line(capsys)
+    assert train(["--set", f"train.eval.benchmarks={_BOMB}", "--print-config"]) == 2
+    assert "--set train.eval.benchmarks" in _only_line(capsys)
 
 
 def test_a_recursive_alias_is_refused_not_followed(tmp_path, capsys):
@@ -222,9 +222,9 @@ def test_no_error_line_echoes_a_value_longer_than_a_line(tmp_path, capsys):
 
     huge = "y" * 2_000_000
     cases = [
-        ["--set", f"train.schedule={huge}"],
-        ["--set", f"train.lr={huge}"],
-        ["--set", f"train.betas=[{', '.join(['0.5'] * 50_000)}]"],
+        ["--set", f"train.lr_schedule.decay={huge}"],
+        ["--set", f"train.optimizer.lr={huge}"],
+        ["--set", f"train.optimizer.betas=[{', '.join(['0.5'] * 50_000)}]"],
         ["--set", f"train.max_steps={'9' * 100_000}"],
         ["--set", f"train.{huge}=1"],
     ]
@@ -238,8 +238,8 @@ def test_no_error_line_echoes_a_value_longer_than_a_line(tmp_path, capsys):
 @pytest.mark.parametrize(
     "module,key",
     [
-        ("train.loop", "train.num_workers"),
-        ("train.loop", "train.cpu_threads"),
+        ("train.loop", "train.loader.num_workers"),
+        ("train.loop", "train.hardware.cpu_threads"),
         ("precompute.cosmos_latents", "num_workers"),
     ],
 )
@@ -260,17 +260,17 @@ def test_worker_and_thread_counts_are_bounded_by_the_machine(module, key, capsys
 @pytest.mark.parametrize(
     "override,key",
     [
-        ("train.lr=1e300", "train.lr"),
-        ("train.lr_multipliers.vision=1e308", "train.lr_multipliers.vision"),
-        ("train.grad_norm_warn=1e39", "train.grad_norm_warn"),
+        ("train.optimizer.lr=1e300", "train.optimizer.lr"),
+        ("train.optimizer.lr_multipliers.vision=1e308", "train.optimizer.lr_multipliers.vision"),
+        ("train.optimizer.grad_norm_warn=1e39", "train.optimizer.grad_norm_warn"),
         # each fits; their product, the rate AdamW applies, does not
-        ("train.lr_multipliers.projector=1e30", "train.lr_multipliers.projector"),
+        ("train.optimizer.lr_multipliers.projector=1e30", "train.optimizer.lr_multipliers.projector"),
     ],
 )
 def test_floats_that_do_not_fit_float32_are_refused_before_loading(override, key, capsys):
     from train.loop import main
 
-    args = ["--set", override] + (["--set", "train.lr=1e10"] if override.endswith("=1e30") else [])
+    args = ["--set", override] + (["--set", "train.optimizer.lr=1e10"] if override.endswith("=1e30") else [])
     assert main([*args, "--print-config"]) == 2
     line = _only_line(capsys)
     assert f"'{key}'" in line and "float32" in line, line

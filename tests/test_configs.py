@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,7 @@ def test_lora_stage3_configs_load(path):
     cfg = load_config(TrainConfig, path)
     assert "stage2" in str(cfg.init_from) and cfg.lora.parts == ["language"]
     assert (cfg.freeze.vision, cfg.freeze.language, cfg.freeze.vae) == (False, True, True)
-    assert cfg.train.sharding == "ddp"
+    assert cfg.train.hardware.sharding == "ddp"
 
 
 @pytest.mark.parametrize("path", PRECOMPUTE_CONFIGS, ids=lambda p: str(p.relative_to(CONFIGS)))
@@ -70,7 +71,7 @@ def _another_value(value):
         return str(value + 0.5)
     if isinstance(value, list):
         return "[]" if value else "[x.jsonl]"
-    if value is None:  # train.gradient_checkpointing once read: the earlier switch (true agrees with mode full)
+    if value is None:  # train.hardware.gradient_checkpointing once read: the earlier switch (true: mode full)
         return "true"
     return {"auto": "4", "ddp": "fsdp", "fsdp": "ddp", "none": "full"}.get(value, "x")
 
@@ -80,13 +81,13 @@ def test_run_hash_ignores_resume_neutral_keys_and_sees_the_rest(tmp_path):
     neutral = []
     for k in RESUME_NEUTRAL:
         if k.startswith("train."):
-            value = getattr(base.train, k.split(".")[1])
+            value = operator.attrgetter(k.removeprefix("train."))(base.train)
             leaves = vars(value) if dataclasses.is_dataclass(value) else {"": value}  # a section: each of its keys
             neutral += [f"{k}{'.' + n if n else ''}={_another_value(v)}" for n, v in leaves.items()]
     neutral += ["wandb.project=x", "hub.model_id=someone/x", "hub.strategy=every_save"]
     neutral += [f"output_dir={tmp_path}", "trackers=[]", "resume=null"]
     assert run_hash(load_config(TrainConfig, CONFIGS / "stage1.yaml", neutral)) == run_hash(base)
-    for change in ("train.lr=0.5", "seed=1", "world.pool=2", "train.max_steps=7", "freeze.vae=false"):
+    for change in ("train.optimizer.lr=0.5", "seed=1", "world.pool=2", "train.max_steps=7", "freeze.vae=false"):
         assert run_hash(load_config(TrainConfig, CONFIGS / "stage1.yaml", [change])) != run_hash(base), change
 
 
@@ -139,4 +140,87 @@ class _Config:
 
 def test_resume_neutral_keys_are_declared_on_the_fields():
     assert neutral_keys(_Config) == ("section.often", "out")
-    assert "train.log_every" in RESUME_NEUTRAL and "train.lr" not in RESUME_NEUTRAL
+    assert "train.logging.every" in RESUME_NEUTRAL and "train.optimizer.lr" not in RESUME_NEUTRAL
+
+
+# The run hash of each shipped training config, as the release with a flat `train` section recorded it in its
+# checkpoints' state.json: the sections must not change it, or those checkpoints would no longer resume.
+RECORDED_HASHES = {
+    "stage1.yaml": "8b616204ca2f2a2c",
+    "stage1_rollout.yaml": "515aca59896762ff",
+    "stage2.yaml": "62cf53a9800e16ba",
+    "stage3.yaml": "acf70ff59b1d4b68",
+    "stage3_lora.yaml": "68dca49e5686a654",
+    "stage4.yaml": "58f8886cbd356422",
+    "real/stage1.yaml": "5c52cb59ef17fad8",
+    "real/stage4.yaml": "6bb5b70091c455c4",
+    "real_small/stage1.yaml": "d2e64419277444e3",
+}
+FLAT = Path(__file__).parent / "data" / "stage4_flat.yaml"  # configs/stage4.yaml as the flat release shipped it
+
+
+@pytest.mark.parametrize("name", sorted(RECORDED_HASHES))
+def test_the_sections_keep_the_recorded_run_hashes(name):
+    assert run_hash(load_config(TrainConfig, CONFIGS / name)) == RECORDED_HASHES[name]
+
+
+def test_a_flat_config_of_the_earlier_release_loads_into_the_sections(capsys):
+    from theworld import log
+    from theworld.config import to_dict
+
+    log.configure()
+    old = load_config(TrainConfig, FLAT)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: config: keys of an earlier release"), err
+    assert "train.lr -> train.optimizer.lr" in err[0] and "train.log_every -> train.logging.every" in err[0]
+    assert "train.grad_norm_warn -> train.optimizer.grad_norm_warn" in err[0]
+    new = load_config(TrainConfig, CONFIGS / "stage4.yaml")
+    assert capsys.readouterr().err == ""  # the shipped configs use the sections
+    assert to_dict(old) == to_dict(new)
+    assert (old.train.optimizer.lr, old.train.optimizer.grad_norm_warn, old.train.logging.every) == (5e-4, 1000.0, 10)
+    assert run_hash(old) == run_hash(new) == RECORDED_HASHES["stage4.yaml"]
+
+
+def test_earlier_keys_in_a_set_win_over_the_file_and_errors_name_them_as_given():
+    from theworld.errors import UserError
+
+    cfg = load_config(TrainConfig, CONFIGS / "stage1.yaml", ["train.lr=0.5", "train.lr_multipliers.projector=2"])
+    assert cfg.train.optimizer.lr == 0.5 and cfg.train.optimizer.lr_multipliers.projector == 2.0
+    cfg = load_config(TrainConfig, FLAT, ["train.optimizer.lr=0.25", "train.samples=3"])  # a new key over a flat file
+    assert cfg.train.optimizer.lr == 0.25 and cfg.train.eval.captions == 3
+    with pytest.raises(UserError, match=r"config key 'train\.lr' \(now 'train\.optimizer\.lr'\): must be positive"):
+        load_config(TrainConfig, None, ["train.lr=-1"])
+    with pytest.raises(UserError, match=r"'train\.plateau\.window_evals' \(now 'train\.eval\.plateau\.window_evals'\)"):
+        load_config(TrainConfig, None, ["train.plateau.window_evals=-1"])
+    with pytest.raises(UserError, match=r"'train\.eval\.every': must be >= 0"):  # a new key is named as it is
+        load_config(TrainConfig, None, ["train.eval.every=-1"])
+
+
+def test_one_key_under_both_names_in_a_file_is_refused(tmp_path):
+    from theworld.errors import UserError
+
+    both = tmp_path / "both.yaml"
+    both.write_text("train:\n  lr: 0.1\n  optimizer:\n    lr: 0.2\n")
+    with pytest.raises(UserError, match=r"'train\.lr' and 'train\.optimizer\.lr' are one key .* give only"):
+        load_config(TrainConfig, both)
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("train:\n  optimizer:\n    learning_rate: 0.2\n")
+    with pytest.raises(UserError, match=r"unknown config key 'train\.optimizer\.learning_rate' \(known here: betas"):
+        load_config(TrainConfig, unknown)
+
+
+def test_each_section_builds_alone_with_its_own_checks():
+    """A builder takes its section alone: each is a dataclass whose checks name the full dotted key."""
+    from theworld.errors import UserError
+    from train.config import CheckpointConfig, EvalConfig, HardwareConfig, LrSchedule, OptimizerConfig
+
+    assert OptimizerConfig(lr=0.1).lr == 0.1 and LrSchedule(decay="linear").warmup_steps == 50
+    for build, key in (
+        (lambda: OptimizerConfig(betas=[0.9]), "train.optimizer.betas"),
+        (lambda: LrSchedule(warmup_steps=-1), "train.lr_schedule.warmup_steps"),
+        (lambda: EvalConfig(captions=-1), "train.eval.captions"),
+        (lambda: CheckpointConfig(keep_last=0), "train.checkpoint.keep_last"),
+        (lambda: HardwareConfig(mixed_precision="fp16"), "train.hardware.mixed_precision"),
+    ):
+        with pytest.raises(UserError, match=rf"config key '{key}'"):
+            build()

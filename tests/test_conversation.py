@@ -1,5 +1,5 @@
 """Multi-turn conversations: labels on every model turn (checked against a hand-built sequence) and turn-wise
-truncation to train.max_length."""
+truncation to train.loader.max_length."""
 
 from __future__ import annotations
 
@@ -132,14 +132,14 @@ def test_training_on_conversations_prints_what_max_length_drops(llava_cache, tmp
         "train.max_steps": 1,
         "train.global_batch_size": 8,
         "train.micro_batch_size": 4,
-        "train.eval_samples": 2,
-        "train.num_workers": 0,
+        "train.eval.samples": 2,
+        "train.loader.num_workers": 0,
         "trackers": "[]",
-        "train.max_length": lengths[1],
+        "train.loader.max_length": lengths[1],
     }
     assert main([a for k, v in sets.items() for a in ("--set", f"{k}={v}")]) == 0
     out = capsys.readouterr()
     assert (
-        f"train.max_length {lengths[1]}: " in out.out + out.err
+        f"train.loader.max_length {lengths[1]}: " in out.out + out.err
         and "turn(s) dropped from their ends" in out.out + out.err
     )

@@ -18,7 +18,7 @@ def test_flipped_samples_get_the_flipped_latents_and_swapped_text(cache, tmp_pat
         TrainConfig,
         None,
         [a for a in base_args(cache, tmp_path / "run") if a != "--set"]
-        + ["train.flip=true", "train.micro_batch_size=16"],
+        + ["train.loader.flip=true", "train.micro_batch_size=16"],
     )
     reader, plan = data.open_cache(cfg)
     c = components.build(cfg, components.make_accelerator(cfg), 1)
@@ -52,7 +52,7 @@ def test_eval_items_carry_the_world_of_the_next_held_out_sample(cache):
         [
             f"cache_dir={cache}",
             "model.dtype=float32",
-            "train.eval_samples=5",
+            "train.eval.samples=5",
             "train.micro_batch_size=2",
             "train.global_batch_size=16",
         ],

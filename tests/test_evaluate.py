@@ -1,5 +1,5 @@
 """Multiple-choice evaluation: the scorer against a hand computation, the data formats and every bad input, the
-synthetic set, and train.benchmarks."""
+synthetic set, and train.eval.benchmarks."""
 
 from __future__ import annotations
 
@@ -216,12 +216,12 @@ def test_two_processes_split_the_benchmark_and_agree_with_one(trained_run, tmp_p
         "train.max_steps": 1,
         "train.global_batch_size": 8,
         "train.micro_batch_size": 4,
-        "train.eval_samples": 8,
-        "train.eval_batch_size": 4,
-        "train.num_workers": 0,
+        "train.eval.samples": 8,
+        "train.eval.batch_size": 4,
+        "train.loader.num_workers": 0,
         "trackers": "[]",
-        "train.eval_every": 1,
-        "train.benchmarks": f"[{mc}]",
+        "train.eval.every": 1,
+        "train.eval.benchmarks": f"[{mc}]",
     }
     two = run2([a for k, v in sets.items() for a in ("--set", f"{k}={v}")])
     assert two.returncode == 0, two.stderr[-3000:]

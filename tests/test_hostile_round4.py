@@ -164,7 +164,7 @@ def test_every_size_like_key_has_a_bound_checked_before_any_model_loads(tmp_path
             load_config(cls, None, sets)
         load_config(cls, None, extra.get(key, []) + [f"{key}={limit}"])  # the bound itself is allowed
     # the CLI: one line, exit 2, before the cache or any model is looked at
-    for key in ("lora.r", "train.sample_tokens", "train.samples"):
+    for key in ("lora.r", "train.eval.caption_tokens", "train.eval.captions"):
         args = base_args(tmp_path / "no-cache", tmp_path / "out", **{key: 100_000_000})
         assert train_inproc(args) == 2
         _one_line(capsys, key, "too large")
@@ -294,7 +294,7 @@ def test_a_checkpoint_without_its_seals_or_with_a_fifo_state_is_refused_by_name(
     state = json.loads((ckpt / "state.json").read_text())
     assert state["format_version"] == 2
     args = base_args(trained_run["cache"], run, steps=6) + ["--set", "train.global_batch_size=8"]
-    args += ["--set", "train.micro_batch_size=8", "--set", "train.eval_samples=8"]
+    args += ["--set", "train.micro_batch_size=8", "--set", "train.eval.samples=8"]
     unsealed = {k: v for k, v in state.items() if k not in ("sha256", "state_sha256")}
     (ckpt / "state.json").write_text(json.dumps(unsealed))
     assert train_inproc(args) == 2
@@ -424,7 +424,7 @@ def test_lmms_adapter_refuses_in_one_line_with_a_nonzero_exit(trained_run, args,
 def test_a_finished_epochs_run_rerun_with_fewer_epochs_is_told_it_is_past_that(trained_run, tmp_path, capsys):
     out = tmp_path / "epochs"
     args = base_args(trained_run["cache"], out, steps=1000) + ["--set", "train.global_batch_size=8"]
-    args += ["--set", "train.micro_batch_size=8", "--set", "train.eval_samples=8", "--set", "train.samples=0"]
+    args += ["--set", "train.micro_batch_size=8", "--set", "train.eval.samples=8", "--set", "train.eval.captions=0"]
     assert train_inproc(args + ["--set", "train.epochs=1"]) == 0
     capsys.readouterr()
     assert train_inproc(args + ["--set", "train.epochs=0.5"]) == 2

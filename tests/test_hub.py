@@ -290,7 +290,12 @@ def test_a_run_with_a_slow_failing_hub_endpoint_trains_on_and_says_so(cached_sta
     from train.loop import main
 
     out = tmp_path / "run"
-    sets = {"train.global_batch_size": 8, "train.eval_samples": 8, "train.save_every": 1, "train.samples": 0}
+    sets = {
+        "train.global_batch_size": 8,
+        "train.eval.samples": 8,
+        "train.checkpoint.every": 1,
+        "train.eval.captions": 0,
+    }
     sets |= {"hub.model_id": "someone/run", "hub.strategy": "every_save"}
     t = time.perf_counter()
     try:
@@ -324,7 +329,12 @@ def test_every_save_uploads_each_checkpoint_and_end_only_final(trained_run, tmp_
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setenv("HF_TOKEN", "hf_fake_token_for_the_test")
     out = tmp_path / "run"
-    sets = {"train.global_batch_size": 8, "train.eval_samples": 8, "train.save_every": 2, "train.samples": 0}
+    sets = {
+        "train.global_batch_size": 8,
+        "train.eval.samples": 8,
+        "train.checkpoint.every": 2,
+        "train.eval.captions": 0,
+    }
     sets |= {"hub.model_id": "someone/run", "hub.strategy": strategy, "hub.private": "true"}
     try:
         assert main(base_args(trained_run["cache"], out, steps=4, **sets)) == 0

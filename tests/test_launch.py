@@ -104,7 +104,7 @@ def test_sigterm_to_every_process_of_the_run_saves_and_the_launcher_exits_143(ca
     launcher's process group): the processes have the signal twice, once from the launcher passing it on, and still
     save first. On one process accelerate itself would not pass it on at all."""
     out = tmp_path / "run"
-    args = base_args(cache, out, steps=40, **{"train.save_every": 100})
+    args = base_args(cache, out, steps=40, **{"train.checkpoint.every": 100})
     kw = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "start_new_session": True}
     proc = _one_process(args) if processes == 1 else launch2(args, via="train.launch", **kw)
     try:

@@ -37,11 +37,11 @@ def lora_run(cache, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora") / "run"
     extra = {
         **LORA3,
-        "train.ema": 0.9,
-        "train.lr_multipliers.language": 2.0,
-        "train.gradient_checkpointing": "true",
+        "train.optimizer.ema": 0.9,
+        "train.optimizer.lr_multipliers.language": 2.0,
+        "train.hardware.gradient_checkpointing": "true",
         "lora.dropout": 0.1,
-        "train.save_every": 2,
+        "train.checkpoint.every": 2,
     }
     assert train_inproc(base_args(cache, out, steps=3, **extra)) == 0
     return out
@@ -201,7 +201,7 @@ def test_init_from_lora_adapters_without_their_config_is_refused(lora_run, tmp_p
 @pytest.mark.slow
 def test_lora_fsdp_two_processes_give_the_weights_of_one(cache, tmp_path):
     """Dropout off: its masks are drawn per process, so only without it do 1 and 2 processes draw the same."""
-    extra = {**LORA3, "lora.dropout": 0.0, "train.sharding": "fsdp"}
+    extra = {**LORA3, "lora.dropout": 0.0, "train.hardware.sharding": "fsdp"}
     assert train_inproc(base_args(cache, tmp_path / "one", steps=3, **extra)) == 0
     two = run2(base_args(cache, tmp_path / "two", steps=3, **extra))
     assert two.returncode == 0, two.stderr[-3000:]
@@ -220,8 +220,18 @@ def test_lora_fsdp_two_processes_give_the_weights_of_one(cache, tmp_path):
 def test_lora_ddp_two_processes_give_the_weights_losses_and_ema_of_one(cache, tmp_path):
     """As configs/real/stage3_lora.yaml trains (DDP, gradient checkpointing, an eval with caption samples before the
     first step and at the end); dropout off: its masks are per process."""
-    extra = {**LORA3, "lora.dropout": 0.0, "train.sharding": "ddp", "train.gradient_checkpointing": "true"}
-    extra |= {"train.ema": 0.9, "train.eval_every": 3, "train.samples": 2, "train.sample_tokens": 4}
+    extra = {
+        **LORA3,
+        "lora.dropout": 0.0,
+        "train.hardware.sharding": "ddp",
+        "train.hardware.gradient_checkpointing": "true",
+    }
+    extra |= {
+        "train.optimizer.ema": 0.9,
+        "train.eval.every": 3,
+        "train.eval.captions": 2,
+        "train.eval.caption_tokens": 4,
+    }
     assert train_inproc(base_args(cache, tmp_path / "one", steps=3, **extra)) == 0
     two = run2(base_args(cache, tmp_path / "two", steps=3, **extra))
     assert two.returncode == 0, two.stderr[-3000:]
@@ -242,7 +252,13 @@ def test_lora_ddp_two_processes_give_the_weights_losses_and_ema_of_one(cache, tm
 @pytest.mark.slow
 def test_lora_fsdp_kill_9_and_resume_gives_bitwise_equal_weights(cache, tmp_path):
     """Dropout on: its masks are a function of (seed, step, rank), so the resumed run draws the killed run's."""
-    extra = {**LORA3, "lora.dropout": 0.1, "train.sharding": "fsdp", "train.save_every": 2, "train.ema": 0.9}
+    extra = {
+        **LORA3,
+        "lora.dropout": 0.1,
+        "train.hardware.sharding": "fsdp",
+        "train.checkpoint.every": 2,
+        "train.optimizer.ema": 0.9,
+    }
     ref = run2(base_args(cache, tmp_path / "ref", steps=4, **extra))
     assert ref.returncode == 0, ref.stderr[-3000:]
     out = tmp_path / "killed"

@@ -154,7 +154,7 @@ def test_the_earlier_switch_wraps_both_gemma_stacks_fully(parts):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# train.activation_checkpointing: the config
+# train.hardware.activation_checkpointing: the config
 
 
 def _train(*sets: str) -> TrainConfig:
@@ -162,35 +162,46 @@ def _train(*sets: str) -> TrainConfig:
 
 
 def test_config_reads_the_earlier_switch_and_refuses_disagreement():
-    assert vars(_train().train.activation_checkpointing) == {
+    assert vars(_train().train.hardware.activation_checkpointing) == {
         "mode": "none",
         "every_n": 1,
         "parts": list(CHECKPOINT_PARTS),
     }
-    legacy = _train("train.gradient_checkpointing=true").train
+    legacy = _train("train.hardware.gradient_checkpointing=true").train.hardware
     assert vars(legacy.activation_checkpointing) == {"mode": "full", "every_n": 1, "parts": ["language", "vision"]}
     assert legacy.gradient_checkpointing is None  # said once: the saved config reloads
-    assert _train("train.gradient_checkpointing=false").train.activation_checkpointing.mode == "none"
-    both = _train("train.gradient_checkpointing=true", "train.activation_checkpointing.mode=full")
-    assert both.train.activation_checkpointing.parts == list(CHECKPOINT_PARTS)
+    assert _train("train.hardware.gradient_checkpointing=false").train.hardware.activation_checkpointing.mode == "none"
+    both = _train("train.hardware.gradient_checkpointing=true", "train.hardware.activation_checkpointing.mode=full")
+    assert both.train.hardware.activation_checkpointing.parts == list(CHECKPOINT_PARTS)
     # a mode alone; a section without a mode is on (full)
-    assert (
-        vars(_train("train.activation_checkpointing=selective").train.activation_checkpointing)["mode"] == "selective"
-    )
-    every = _train("train.activation_checkpointing={every_n: 2}").train.activation_checkpointing
+    selective = _train("train.hardware.activation_checkpointing=selective").train.hardware
+    assert selective.activation_checkpointing.mode == "selective"
+    every = _train("train.hardware.activation_checkpointing={every_n: 2}").train.hardware.activation_checkpointing
     assert (every.mode, every.every_n) == ("full", 2)
-    assert _train("train.activation_checkpointing.parts=[vae]").train.activation_checkpointing.mode == "full"
+    assert (
+        _train("train.hardware.activation_checkpointing.parts=[vae]").train.hardware.activation_checkpointing.mode
+        == "full"
+    )
     for sets, words in (
-        (["train.gradient_checkpointing=true", "train.activation_checkpointing.mode=selective"], "disagree"),
-        (["train.gradient_checkpointing=false", "train.activation_checkpointing.mode=full"], "disagree"),
-        (["train.activation_checkpointing.mode=some"], "train.activation_checkpointing.mode"),
-        (["train.activation_checkpointing.every_n=0"], "train.activation_checkpointing.every_n"),
-        (["train.activation_checkpointing.parts=[language, projector]"], "train.activation_checkpointing.parts"),
-        (["train.activation_checkpointing.parts=[vae, vae]"], "train.activation_checkpointing.parts"),
-        (["train.activation_checkpointing.speed=1"], "train.activation_checkpointing.speed"),
-        (["train.activation_checkpointing=fast"], "'fast' is not a mode (none, full, selective)"),
-        (["train.activation_checkpointing={mode: none, every_n: 2}"], "with mode none checkpoints nothing"),
-        (["train.activation_checkpointing=full", "train.gradient_checkpointing=false"], "disagree"),
+        (
+            ["train.hardware.gradient_checkpointing=true", "train.hardware.activation_checkpointing.mode=selective"],
+            "disagree",
+        ),
+        (
+            ["train.hardware.gradient_checkpointing=false", "train.hardware.activation_checkpointing.mode=full"],
+            "disagree",
+        ),
+        (["train.hardware.activation_checkpointing.mode=some"], "train.hardware.activation_checkpointing.mode"),
+        (["train.hardware.activation_checkpointing.every_n=0"], "train.hardware.activation_checkpointing.every_n"),
+        (
+            ["train.hardware.activation_checkpointing.parts=[language, projector]"],
+            "train.hardware.activation_checkpointing.parts",
+        ),
+        (["train.hardware.activation_checkpointing.parts=[vae, vae]"], "train.hardware.activation_checkpointing.parts"),
+        (["train.hardware.activation_checkpointing.speed=1"], "train.hardware.activation_checkpointing.speed"),
+        (["train.hardware.activation_checkpointing=fast"], "'fast' is not a mode (none, full, selective)"),
+        (["train.hardware.activation_checkpointing={mode: none, every_n: 2}"], "with mode none checkpoints nothing"),
+        (["train.hardware.activation_checkpointing=full", "train.hardware.gradient_checkpointing=false"], "disagree"),
     ):
         with pytest.raises(UserError) as e:
             _train(*sets)
@@ -198,24 +209,30 @@ def test_config_reads_the_earlier_switch_and_refuses_disagreement():
 
 
 def test_saved_configs_of_either_form_reload_and_the_setting_is_resume_neutral(tmp_path):
-    old = _train("train.gradient_checkpointing=true")
-    new = _train("train.activation_checkpointing.mode=selective", "train.activation_checkpointing.every_n=2")
+    old = _train("train.hardware.gradient_checkpointing=true")
+    new = _train(
+        "train.hardware.activation_checkpointing.mode=selective", "train.hardware.activation_checkpointing.every_n=2"
+    )
     for cfg in (old, new):  # what a checkpoint's config.yaml holds, read back
         (tmp_path / "c.yaml").write_text(to_yaml(cfg))
         again = load_config(TrainConfig, tmp_path / "c.yaml")
-        assert again.train.activation_checkpointing == cfg.train.activation_checkpointing
+        assert again.train.hardware.activation_checkpointing == cfg.train.hardware.activation_checkpointing
     # the math does not change: resuming under another setting is the same run, and a run of before keeps its hash
     assert run_hash(old) == run_hash(new) == run_hash(_train())
     legacy_false = to_dict(_train())
-    legacy_false["train"]["gradient_checkpointing"] = False
-    del legacy_false["train"]["activation_checkpointing"]
-    assert run_hash(_train("train.gradient_checkpointing=false")) == run_hash(from_dict(TrainConfig, legacy_false))
+    legacy_false["train"]["hardware"]["gradient_checkpointing"] = False
+    del legacy_false["train"]["hardware"]["activation_checkpointing"]
+    assert run_hash(_train("train.hardware.gradient_checkpointing=false")) == run_hash(
+        from_dict(TrainConfig, legacy_false)
+    )
 
 
 def test_training_builds_the_model_with_the_configured_checkpointing(parts):
     from train.components import ready_for_training
 
-    cfg = _train("train.activation_checkpointing.mode=selective", "train.activation_checkpointing.every_n=2")
+    cfg = _train(
+        "train.hardware.activation_checkpointing.mode=selective", "train.hardware.activation_checkpointing.every_n=2"
+    )
     model = ready_for_training(world(parts, UNFROZEN), cfg)
     flags = [layer.gradient_checkpointing for layer in model.gemma.model.language_model.layers]
     assert flags == [True, False, True]
@@ -345,9 +362,9 @@ def test_memory_follows_the_configured_checkpointing(capsys):
         capsys,
         *stage3,
         "--set",
-        "train.gradient_checkpointing=null",
+        "train.hardware.gradient_checkpointing=null",
         "--set",
-        "train.activation_checkpointing.mode=selective",
+        "train.hardware.activation_checkpointing.mode=selective",
     )
     assert (
         sel["per_gpu_bytes"]["ddp"]["activations"]
@@ -357,11 +374,11 @@ def test_memory_follows_the_configured_checkpointing(capsys):
         capsys,
         *stage3,
         "--set",
-        "train.gradient_checkpointing=null",
+        "train.hardware.gradient_checkpointing=null",
         "--set",
-        "train.activation_checkpointing.mode=full",
+        "train.hardware.activation_checkpointing.mode=full",
         "--set",
-        "train.activation_checkpointing.every_n=2",
+        "train.hardware.activation_checkpointing.every_n=2",
     )
     assert (
         every["per_gpu_bytes"]["fsdp"]["activations"]
@@ -376,12 +393,12 @@ def test_training_runs_with_each_lever_reach_the_same_weights(cache, tmp_path):
     checkpointing on every part, and with full every 2nd layer, end where the run without checkpointing ends."""
     from conftest import base_args, metrics, train_inproc, weights
 
-    stage4 = {"freeze.vision": "false", "freeze.language": "false", "freeze.vae": "false", "train.lr": "1e-3"}
+    stage4 = {"freeze.vision": "false", "freeze.language": "false", "freeze.vae": "false", "train.optimizer.lr": "1e-3"}
     runs = {}
     for name, sets in (
         ("none", {}),
-        ("selective", {"train.activation_checkpointing": "selective"}),
-        ("full_every_2", {"train.activation_checkpointing": "{mode: full, every_n: 2}"}),
+        ("selective", {"train.hardware.activation_checkpointing": "selective"}),
+        ("full_every_2", {"train.hardware.activation_checkpointing": "{mode: full, every_n: 2}"}),
     ):
         out = tmp_path / name
         assert train_inproc(base_args(cache, out, steps=2, **stage4, **sets)) == 0

@@ -139,13 +139,13 @@ def mix_args(caches, out: Path, steps: int, **extra) -> list[str]:
         "train.max_steps": steps,
         "train.global_batch_size": 8,
         "train.micro_batch_size": 4,
-        "train.eval_samples": 4,
-        "train.num_workers": 0,
+        "train.eval.samples": 4,
+        "train.loader.num_workers": 0,
         "trackers": "[]",
-        "train.log_every": 1,
-        "train.save_every": 100,
-        "train.eval_every": 0,
-        "train.warmup_steps": 1,
+        "train.logging.every": 1,
+        "train.checkpoint.every": 100,
+        "train.eval.every": 0,
+        "train.lr_schedule.warmup_steps": 1,
         **extra,
     }
     return [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
@@ -165,8 +165,8 @@ def test_a_mixture_trains_prints_its_shares_and_resumes_exactly(caches, tmp_path
     assert f"{caches[0]} 20 samples, share 75.0%, 2.10 epochs" in line
     assert f"{caches[1]} 36 samples, share 25.0%, 0.39 epochs" in line
     assert "7 steps/epoch" in printed.out + printed.err
-    assert main(mix_args(caches, tmp_path / "parts", 2, **{"train.save_every": 2})) == 0
-    assert main(mix_args(caches, tmp_path / "parts", 4, **{"train.save_every": 2})) == 0
+    assert main(mix_args(caches, tmp_path / "parts", 2, **{"train.checkpoint.every": 2})) == 0
+    assert main(mix_args(caches, tmp_path / "parts", 4, **{"train.checkpoint.every": 2})) == 0
     whole, parts = _weights(tmp_path / "whole"), _weights(tmp_path / "parts")
     assert whole.keys() == parts.keys() and all(torch.equal(whole[k], parts[k]) for k in whole)
 

@@ -309,9 +309,9 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_compiled_language_layers_give_the_same_loss_and_gradients(checkpointing):
-    """train.compile: per-layer torch.compile (traced through aot_eager here: the same graph capture and autograd as on
-    a GPU, without a C++ toolchain) changes neither the loss nor the projector's gradients, with or without
-    gradient checkpointing around the compiled layers."""
+    """train.hardware.compile: per-layer torch.compile (traced through aot_eager here: the same graph capture and
+    autograd as on a GPU, without a C++ toolchain) changes neither the loss nor the projector's gradients, with or
+    without gradient checkpointing around the compiled layers."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()

@@ -264,12 +264,14 @@ def test_training_from_s3_logs_the_same_losses_resumes_exactly_and_reads_each_sh
     runs (2 steps, then resumed to 4), the losses equal those of training from the local copy at every step, and
     each shard's tar is fetched from the server once in all (counted on the server side): the second run and the
     second epoch read the shard cache. Two processes from s3 give the same losses (within float rounding)."""
-    held = {"train.eval_samples": 48}
+    held = {"train.eval.samples": 48}
     assert train_inproc(base_args(cache, tmp_path / "local", 4, **held)) == 0
     start = len(s3.log)
     shard_cache = str(tmp_path / "shards")
     for steps in (2, 4):
-        args = _train_args(s3, s3_train_cache, tmp_path / "s3", steps, shard_cache, **held, **{"train.save_every": 2})
+        args = _train_args(
+            s3, s3_train_cache, tmp_path / "s3", steps, shard_cache, **held, **{"train.checkpoint.every": 2}
+        )
         assert train_inproc(args) == 0
     local_losses = {m["step"]: m["loss"] for m in metrics(tmp_path / "local") if "loss" in m}
     s3_losses = {m["step"]: m["loss"] for m in metrics(tmp_path / "s3") if "loss" in m}

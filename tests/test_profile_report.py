@@ -34,7 +34,7 @@ def test_self_times_and_parts_add_up_on_a_hand_made_trace():
 
 def test_advice_names_the_part_that_stands_out():
     said = "\n".join(profile_report.advice({"data": 0.4, "language_model": 0.3, "backward": 0.3}))
-    assert "data wait takes 40%" in said and "train.num_workers" in said and "compute-bound" in said
+    assert "data wait takes 40%" in said and "train.loader.num_workers" in said and "compute-bound" in said
     assert profile_report.advice({"language_model": 0.3, "other": 0.7}) == [
         "- no part stands out: the step is balanced"
     ]
@@ -51,11 +51,11 @@ def test_report_of_a_tiny_runs_trace(trained_run, tmp_path, capsys):
         "train.max_steps": 3,
         "train.global_batch_size": 8,
         "train.micro_batch_size": 8,
-        "train.eval_samples": 8,
-        "train.num_workers": 0,
+        "train.eval.samples": 8,
+        "train.loader.num_workers": 0,
         "trackers": "[]",
-        "train.eval_every": 0,
-        "train.samples": 0,
+        "train.eval.every": 0,
+        "train.eval.captions": 0,
         "profile.enabled": "true",
         "profile.start_step": 1,
         "profile.steps": 2,

@@ -1,6 +1,6 @@
 """Evaluation protocols and baselines: the letter reader against lmms-eval's examples, the exact McNemar test against
 known values, each baseline against a hand computation, captions against pycocoevalcap, the command line's outputs
-(--json, --out, the model card's table) and its bad inputs, and train.benchmarks under every shipped config."""
+(--json, --out, the model card's table) and its bad inputs, and train.eval.benchmarks under every shipped config."""
 
 from __future__ import annotations
 
@@ -406,7 +406,7 @@ def test_train_benchmarks_run_under_every_shipped_config(config, tiny, tmp_path)
 
     mc = tmp_path / "mc" / "items.jsonl"
     benchmark_items.make_synthetic(mc, 3)
-    cfg = load_config(TrainConfig, config, [f"train.benchmarks=[{{path: {mc}, baselines: [no_world]}}]"])
+    cfg = load_config(TrainConfig, config, [f"train.eval.benchmarks=[{{path: {mc}, baselines: [no_world]}}]"])
     bench = BenchmarkEval.load(cfg)  # before the micro batch is resolved, as train.loop does
     resolve_micro_batch(cfg, 1)
     cfg.image = ImageConfig()
@@ -472,7 +472,7 @@ def test_captions_on_a_caches_held_out_split_are_the_trainers_eval_samples(train
         str(out),
     ]
     assert main(argv) == 0
-    assert json.loads(capsys.readouterr().out)["n"] == 8  # the run's train.eval_samples
+    assert json.loads(capsys.readouterr().out)["n"] == 8  # the run's train.eval.samples
     reader = cf.CacheReader(trained_run["cache"])
     held = split(reader, 8)[1]
     recs = [json.loads(x) for x in out.read_text().splitlines()]
@@ -496,4 +496,4 @@ def test_a_bad_benchmark_entry_is_one_line_naming_it(entry, words):
     from train.config import TrainConfig, load_config
 
     with pytest.raises(UserError, match=words):
-        load_config(TrainConfig, ROOT / "configs" / "stage1.yaml", [f"train.benchmarks=[{entry}]"])
+        load_config(TrainConfig, ROOT / "configs" / "stage1.yaml", [f"train.eval.benchmarks=[{entry}]"])

@@ -48,15 +48,15 @@ def real_run(real_gemma, tmp_path_factory) -> Path:
         "cache_dir": root / "cache",
         "output_dir": root / "run",
         "train.max_steps": 4,
-        "train.eval_every": 4,
-        "train.eval_samples": 8,
-        "train.log_every": 1,
-        "train.warmup_steps": 1,
+        "train.eval.every": 4,
+        "train.eval.samples": 8,
+        "train.logging.every": 1,
+        "train.lr_schedule.warmup_steps": 1,
         # a tenth of the demo's 1e-3: its first full-rate Adam steps move the fresh projector's world tokens far off
         # the embedding scale and raise the loss before it falls (configs/real_small/stage1.yaml warms up over 5)
-        "train.lr": "1e-4",
-        "train.samples": 0,
-        "train.num_workers": 0,
+        "train.optimizer.lr": "1e-4",
+        "train.eval.captions": 0,
+        "train.loader.num_workers": 0,
         "trackers": "[]",
     }
     assert (

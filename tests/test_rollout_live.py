@@ -125,13 +125,13 @@ def _stage(cache, out, *extra: str) -> list[str]:
         "train.max_steps=2",
         "train.global_batch_size=8",
         "train.micro_batch_size=8",
-        "train.eval_samples=8",
-        "train.num_workers=0",
-        "train.warmup_steps=1",
-        "train.log_every=1",
-        "train.eval_every=2",
-        "train.samples=2",
-        "train.sample_tokens=2",
+        "train.eval.samples=8",
+        "train.loader.num_workers=0",
+        "train.lr_schedule.warmup_steps=1",
+        "train.logging.every=1",
+        "train.eval.every=2",
+        "train.eval.captions=2",
+        "train.eval.caption_tokens=2",
         "trackers=[]",
         "world.rollout.inference_steps=2",
         *extra,
@@ -204,7 +204,7 @@ def test_precompute_inspect_train_evaluate_and_live_equals_cached(rolled, tmp_pa
     # the VAE trains (stage 4): every batch rolls out live, with the cache's seeds: the same first-step loss (with
     # each row's seed from its pixels instead, it differed by 0.0087)
     stage4 = tmp_path / "live"
-    assert train(_stage(rolled, stage4, "freeze.vae=false", "train.max_steps=1", "train.eval_every=0")) == 0
+    assert train(_stage(rolled, stage4, "freeze.vae=false", "train.max_steps=1", "train.eval.every=0")) == 0
     printed = capsys.readouterr()
     assert re.search(r", rollout 0 / [0-9.]+ [kM]", printed.err + printed.out)  # loaded, frozen
     first = {run: next(m["loss"] for m in metrics(run) if "loss" in m) for run in (cached, stage4)}

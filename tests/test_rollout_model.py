@@ -194,13 +194,13 @@ def test_train_benchmarks_ask_for_no_rollout_on_rollout_stages_only(tmp_path):
     benchmark_items.make_synthetic(mc, 2)
 
     def bench(baselines_: str, *sets: str):
-        sets = [f"train.benchmarks=[{{path: {mc}, baselines: {baselines_}}}]", *sets]
+        sets = [f"train.eval.benchmarks=[{{path: {mc}, baselines: {baselines_}}}]", *sets]
         return BenchmarkEval.load(load_config(TrainConfig, ROOT / "configs" / "stage1.yaml", sets)).sets["items"]
 
     assert bench("[all]", "world.num_world_steps=2").baselines[-1] == "no_rollout"
     assert "no_rollout" not in bench("[all]").baselines
     assert bench("[no_rollout]", "world.num_world_steps=1").baselines == ["no_rollout"]
-    with pytest.raises(UserError, match="config key 'train.benchmarks': no_rollout .*world.num_world_steps 0"):
+    with pytest.raises(UserError, match="config key 'train.eval.benchmarks': no_rollout .*world.num_world_steps 0"):
         bench("[no_rollout]")
 
 
@@ -254,12 +254,12 @@ def _train_args(cache, out, **extra) -> list[str]:
         "train.max_steps": 3,
         "train.global_batch_size": 8,
         "train.micro_batch_size": 8,
-        "train.eval_samples": 8,
-        "train.num_workers": 0,
-        "train.warmup_steps": 1,
-        "train.eval_every": 0,
-        "train.samples": 2,
-        "train.sample_tokens": 4,
+        "train.eval.samples": 8,
+        "train.loader.num_workers": 0,
+        "train.lr_schedule.warmup_steps": 1,
+        "train.eval.every": 0,
+        "train.eval.captions": 2,
+        "train.eval.caption_tokens": 4,
         "trackers": "[]",
         "world.rollout.inference_steps": 2,  # the saved stage's live rollouts (evaluate, describe): two denoising steps
         **extra,

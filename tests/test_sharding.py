@@ -1,7 +1,7 @@
-"""Sharded training (train.sharding: fsdp, FSDP2 on gloo with two real CPU processes), train.lr_multipliers and the
-memory plan (tools.memory_plan): FSDP equals one process, kill -9 + resume under FSDP is bitwise exact, the stage chain
-crosses shardings, multipliers reach their parameter groups, the plan's counts are exact and its estimate matches a
-measured peak."""
+"""Sharded training (train.hardware.sharding: fsdp, FSDP2 on gloo with two real CPU processes),
+train.optimizer.lr_multipliers and the memory plan (tools.memory_plan): FSDP equals one process, kill -9 + resume under
+FSDP is bitwise exact, the stage chain crosses shardings, multipliers reach their parameter groups, the plan's counts
+are exact and its estimate matches a measured peak."""
 
 from __future__ import annotations
 
@@ -33,11 +33,13 @@ def losses(run_dir) -> list[float]:
 @pytest.mark.slow
 def test_fsdp_two_processes_give_the_weights_of_one(cache, tmp_path, capsys):
     """Stage 3 (vision and language train). The 2-process run asks for FSDP with host offload the way an accelerate
-    launch config does (ACCELERATE_USE_FSDP, FSDP_OFFLOAD_PARAMS), the 1-process run through train.sharding (which
-    with one process shards nothing). 19 held-out samples give the two processes 2 and 1 eval batches: every forward
-    is a collective under FSDP."""
-    extra = {**STAGE3, "train.eval_samples": 19}
-    assert train_inproc(base_args(cache, tmp_path / "one", steps=3, **extra, **{"train.sharding": "fsdp"})) == 0
+    launch config does (ACCELERATE_USE_FSDP, FSDP_OFFLOAD_PARAMS), the 1-process run through train.hardware.sharding
+    (which with one process shards nothing). 19 held-out samples give the two processes 2 and 1 eval batches: every
+    forward is a collective under FSDP."""
+    extra = {**STAGE3, "train.eval.samples": 19}
+    assert (
+        train_inproc(base_args(cache, tmp_path / "one", steps=3, **extra, **{"train.hardware.sharding": "fsdp"})) == 0
+    )
     assert "sharding fsdp with 1 process: unsharded" in capsys.readouterr().err
     two = run2(
         base_args(cache, tmp_path / "two", steps=3, **extra),
@@ -59,7 +61,13 @@ def test_fsdp_two_processes_give_the_weights_of_one(cache, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_fsdp_kill_9_and_resume_gives_bitwise_equal_weights(cache, tmp_path, capsys):
-    extra = {**STAGE3, "train.sharding": "fsdp", "train.save_every": 2, "train.ema": 0.9, "world.latent": "sample"}
+    extra = {
+        **STAGE3,
+        "train.hardware.sharding": "fsdp",
+        "train.checkpoint.every": 2,
+        "train.optimizer.ema": 0.9,
+        "world.latent": "sample",
+    }
     ref = run2(base_args(cache, tmp_path / "ref", steps=5, **extra))
     assert ref.returncode == 0, ref.stderr[-3000:]
     out = tmp_path / "killed"
@@ -103,18 +111,18 @@ def test_fsdp_kill_9_and_resume_gives_bitwise_equal_weights(cache, tmp_path, cap
 # What a shipped sharded config reaches at its first evaluation (step 0, before any training forward): the caption
 # samples run the model's parts (embeddings, the world block, generation) before the eval loss runs its root forward,
 # with the full stage-3 model, and with LoRA adapters under host offload.
-STEP0_EVAL = {"train.eval_every": 2, "train.samples": 2, "train.sample_tokens": 4, "train.eval_samples": 8}
+STEP0_EVAL = {"train.eval.every": 2, "train.eval.captions": 2, "train.eval.caption_tokens": 4, "train.eval.samples": 8}
 LORA = {"freeze.vision": "false", "lora.r": 4, "lora.alpha": 8, "lora.dropout": 0.0}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "extra",
-    [STAGE3, {**LORA, "train.cpu_offload": "true"}],
+    [STAGE3, {**LORA, "train.hardware.cpu_offload": "true"}],
     ids=["stage3", "lora_offload"],
 )
 def test_fsdp_two_processes_evaluate_with_samples_at_step_0_as_one_process(cache, tmp_path, extra):
-    sets = {**extra, **STEP0_EVAL, "train.sharding": "fsdp"}
+    sets = {**extra, **STEP0_EVAL, "train.hardware.sharding": "fsdp"}
     assert train_inproc(base_args(cache, tmp_path / "one", steps=2, **sets)) == 0
     two = run2(base_args(cache, tmp_path / "two", steps=2, **sets))
     assert two.returncode == 0, two.stderr[-3000:]
@@ -140,12 +148,12 @@ def test_fsdp_stage_chain_1_2_4(cache, tmp_path, capsys):
         "train.max_steps": 2,
         "train.global_batch_size": 8,
         "train.micro_batch_size": 4,
-        "train.eval_samples": 8,
-        "train.num_workers": 0,
+        "train.eval.samples": 8,
+        "train.loader.num_workers": 0,
         "trackers": "[]",
-        "train.eval_every": 0,
+        "train.eval.every": 0,
         "cache_dir": cache,
-        "train.sharding": "fsdp",
+        "train.hardware.sharding": "fsdp",
     }
     s = lambda d: [a for k, v in d.items() for a in ("--set", f"{k}={v}")]
     s1, s2, s4 = tmp_path / "s1", tmp_path / "s2", tmp_path / "s4"
@@ -170,8 +178,8 @@ def test_fsdp_stage_chain_1_2_4(cache, tmp_path, capsys):
                     **small,
                     "output_dir": s4,
                     "init_from": s2 / "final",
-                    "train.gradient_checkpointing": "true",
-                    "train.mixed_precision": "bf16",
+                    "train.hardware.gradient_checkpointing": "true",
+                    "train.hardware.mixed_precision": "bf16",
                 }
             ),
         ]
@@ -196,7 +204,7 @@ def test_fsdp_stage_chain_1_2_4(cache, tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Host offload (train.cpu_offload)
+# Host offload (train.hardware.cpu_offload)
 
 
 @pytest.mark.slow
@@ -204,8 +212,8 @@ def test_cpu_offload_with_one_process_equals_unsharded_and_resumes_bitwise(cache
     """One process with FSDP2's CPUOffloadPolicy shards over a group of one (the path a single GPU takes for stages 3
     and 4): its weights and EMA equal a plain one-process run's, and a rerun from its step-2 checkpoint ends bitwise
     equal to it."""
-    extra = {**STAGE3, "train.save_every": 2, "train.ema": 0.9}
-    offload = {**extra, "train.sharding": "fsdp", "train.cpu_offload": "true"}
+    extra = {**STAGE3, "train.checkpoint.every": 2, "train.optimizer.ema": 0.9}
+    offload = {**extra, "train.hardware.sharding": "fsdp", "train.hardware.cpu_offload": "true"}
     off = train_cli(base_args(cache, tmp_path / "off", **offload))
     assert off.returncode == 0, off.stderr[-3000:]
     assert "over 1 process(es); parameters, gradients and optimizer state offloaded to host memory" in off.stderr
@@ -248,7 +256,7 @@ def test_launcher_fsdp_and_offload_flags_select_the_plan(monkeypatch, config, en
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     cfg = TrainConfig()
-    cfg.train.sharding = config
+    cfg.train.hardware.sharding = config
     plan = sharding.resolve(cfg)
     assert (plan.mode, plan.offload) == expected
     assert plan.sharded(1) == plan.offload and plan.sharded(2) == (plan.mode == "fsdp")
@@ -278,11 +286,11 @@ def test_lr_multipliers_reach_their_parameter_groups(cache, tmp_path):
             cache,
             tmp_path / "run",
             **STAGE3,
-            **{"train.warmup_steps": 0, "train.lr": "1e-3", "train.weight_decay": 0.1},
+            **{"train.lr_schedule.warmup_steps": 0, "train.optimizer.lr": "1e-3", "train.optimizer.weight_decay": 0.1},
         )
         if a != "--set"
     ]
-    cfg = load_config(TrainConfig, None, sets + [f"train.lr_multipliers.{k}={v}" for k, v in mult.items()])
+    cfg = load_config(TrainConfig, None, sets + [f"train.optimizer.lr_multipliers.{k}={v}" for k, v in mult.items()])
     reader, plan = data.open_cache(cfg)
     c = components.build(cfg, components.make_accelerator(cfg), 2)
     names = {id(p): n for n, p in c.raw.named_parameters()}
@@ -321,7 +329,7 @@ def test_checkpoint_with_one_adamw_group_per_decay_setting_resumes_exactly(cache
     from train import components, optim
     from train.config import TrainConfig
 
-    extra = {**STAGE3, "train.save_every": 2, "train.weight_decay": 0.1}
+    extra = {**STAGE3, "train.checkpoint.every": 2, "train.optimizer.weight_decay": 0.1}
     assert train_inproc(base_args(cache, tmp_path / "ref", **extra)) == 0
     sets = [a for a in base_args(cache, tmp_path / "ref", **extra) if a != "--set"]
     model, _ = components.build_model(load_config(TrainConfig, None, sets))
@@ -354,13 +362,13 @@ def test_checkpoint_with_one_adamw_group_per_decay_setting_resumes_exactly(cache
 @pytest.mark.parametrize(
     "value,key",
     [
-        ("train.lr_multipliers.decoder=2", "train.lr_multipliers.decoder"),
-        ("train.lr_multipliers.projector=0", "train.lr_multipliers.projector"),
-        ("train.lr_multipliers.vision=-1", "train.lr_multipliers.vision"),
-        ("train.lr_multipliers.vae=.nan", "train.lr_multipliers.vae"),
-        ("train.lr_multipliers.language=.inf", "train.lr_multipliers.language"),
-        ("train.sharding=zero3", "train.sharding"),
-        ("train.cpu_offload=true", "train.cpu_offload"),
+        ("train.optimizer.lr_multipliers.decoder=2", "train.optimizer.lr_multipliers.decoder"),
+        ("train.optimizer.lr_multipliers.projector=0", "train.optimizer.lr_multipliers.projector"),
+        ("train.optimizer.lr_multipliers.vision=-1", "train.optimizer.lr_multipliers.vision"),
+        ("train.optimizer.lr_multipliers.vae=.nan", "train.optimizer.lr_multipliers.vae"),
+        ("train.optimizer.lr_multipliers.language=.inf", "train.optimizer.lr_multipliers.language"),
+        ("train.hardware.sharding=zero3", "train.hardware.sharding"),
+        ("train.hardware.cpu_offload=true", "train.hardware.cpu_offload"),
     ],
 )  # offload without fsdp
 def test_bad_lr_multiplier_or_sharding_is_a_one_line_error(capsys, value, key):

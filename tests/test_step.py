@@ -49,12 +49,17 @@ def test_nonfinite_loss_is_skipped_and_counted(cache, tmp_path):
 
 
 def test_the_trained_ema_follows_the_warmup_ramp(cache, tmp_path):
-    """A checkpoint after every step holds the weights w_s and the EMA e_s of steps 1..5. With train.ema 0.9 ramped
-    over 3 steps the decays after steps 1..5 are 0, 0.3, 0.6, 0.9, 0.9: e_1 = w_1, then e_s = d_s e_(s-1) +
-    (1 - d_s) w_s. Without the ramp e_1 would keep 90% of the initial weights."""
+    """A checkpoint after every step holds the weights w_s and the EMA e_s of steps 1..5. With train.optimizer.ema 0.9
+    ramped over 3 steps the decays after steps 1..5 are 0, 0.3, 0.6, 0.9, 0.9: e_1 = w_1, then e_s = d_s e_(s-1) + (1 -
+    d_s) w_s. Without the ramp e_1 would keep 90% of the initial weights."""
     out = tmp_path / "run"
-    sets = {"train.ema": 0.9, "train.ema_warmup_steps": 3, "train.save_every": 1, "train.keep_last": 5}
-    assert train_inproc(base_args(cache, out, steps=5, **sets, **{"train.warmup_steps": 0})) == 0
+    sets = {
+        "train.optimizer.ema": 0.9,
+        "train.optimizer.ema_warmup_steps": 3,
+        "train.checkpoint.every": 1,
+        "train.checkpoint.keep_last": 5,
+    }
+    assert train_inproc(base_args(cache, out, steps=5, **sets, **{"train.lr_schedule.warmup_steps": 0})) == 0
     saved = {s: out / f"checkpoint-{s}" for s in range(1, 6)}
     w = {s: load_file(str(d / "trainable.safetensors")) for s, d in saved.items()}
     e = {s: load_file(str(d / "ema.safetensors")) for s, d in saved.items()}
@@ -70,8 +75,8 @@ def test_the_trained_ema_follows_the_warmup_ramp(cache, tmp_path):
 def test_ema_warmup_ramps_the_decay_up_from_zero():
     assert [ema_decay(0.9, 4, s) for s in range(6)] == pytest.approx([0, 0.225, 0.45, 0.675, 0.9, 0.9])
     assert ema_decay(0.9, 0, 0) == 0.9
-    with pytest.raises(UserError, match="train.ema_warmup_steps"):
-        load_config(TrainConfig, None, ["train.ema_warmup_steps=-1"])
+    with pytest.raises(UserError, match="train.optimizer.ema_warmup_steps"):
+        load_config(TrainConfig, None, ["train.optimizer.ema_warmup_steps=-1"])
 
 
 def test_a_loop_state_read_back_takes_the_fields_it_knows_and_defaults_for_the_rest():

@@ -58,7 +58,10 @@ def test_accumulation_must_be_integral():
 
 @pytest.mark.parametrize(
     "override,key",
-    [("train.learning_rate=1", "train.learning_rate"), ("train.mixed_precision=fp16", "train.mixed_precision")],
+    [
+        ("train.learning_rate=1", "train.learning_rate"),
+        ("train.hardware.mixed_precision=fp16", "train.hardware.mixed_precision"),
+    ],
 )
 def test_bad_config_key_or_value_exits_2(capsys, override, key):
     assert train_inproc(["--config", str(ROOT / "configs" / "stage1.yaml"), "--set", override]) == 2
@@ -119,11 +122,11 @@ def test_weights_fingerprint_checked_after_model_load(cache, tmp_path, capsys, m
 def test_kill_9_and_resume_gives_bitwise_equal_weights(cache, tmp_path):
     extra = dict(
         **{
-            "train.save_every": 2,
-            "train.keep_last": 2,
-            "train.flip": "true",
+            "train.checkpoint.every": 2,
+            "train.checkpoint.keep_last": 2,
+            "train.loader.flip": "true",
             "world.latent": "sample",
-            "train.ema": 0.9,
+            "train.optimizer.ema": 0.9,
         }
     )
     ref = train_cli(base_args(cache, tmp_path / "ref", steps=9, **extra))
@@ -190,9 +193,11 @@ def test_damaged_weights_and_a_too_short_max_length_are_one_line_errors(cache, t
     bad = tmp_path / "weights.safetensors"
     bad.write_bytes(b"\x00" * 64)
     one_line_error(base_args(cache, tmp_path / "a", init_from=bad), str(bad))
-    one_line_error(base_args(cache, tmp_path / "b", **{"train.max_length": 8}), "train.max_length", "prompt alone")
+    one_line_error(
+        base_args(cache, tmp_path / "b", **{"train.loader.max_length": 8}), "train.loader.max_length", "prompt alone"
+    )
     out = tmp_path / "c"
-    assert train_inproc(base_args(cache, out, steps=1, **{"train.save_every": 1})) == 0
+    assert train_inproc(base_args(cache, out, steps=1, **{"train.checkpoint.every": 1})) == 0
     (out / "checkpoint-1" / "optimizer.pt").write_bytes(b"torn")
     capsys.readouterr()
     one_line_error(base_args(cache, out, steps=2), "optimizer.pt", "the one before it")
@@ -219,22 +224,24 @@ def test_a_prompt_too_long_met_inside_a_loader_worker_is_one_line(cache, tmp_pat
 
     monkeypatch.setattr(text.ChatFormatter, "_label", long_prompt)
     monkeypatch.setattr(data.DataContext, "build", build_then_arm)
-    assert train_inproc(base_args(cache, tmp_path / "run", **{"train.num_workers": 1})) == 2
+    assert train_inproc(base_args(cache, tmp_path / "run", **{"train.loader.num_workers": 1})) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == "error: config key 'train.max_length': prompt alone is 999 tokens, over max_length 900", err
+    assert err[-1] == "error: config key 'train.loader.max_length': prompt alone is 999 tokens, over max_length 900", (
+        err
+    )
     assert not any("Traceback" in line for line in err)
 
 
 def test_eval_samples_0_runs_no_eval_and_1_is_refused(cache, tmp_path, capsys):
     assert (
-        train_inproc(base_args(cache, tmp_path / "a", steps=2, **{"train.eval_samples": 0, "train.eval_every": 1})) == 0
+        train_inproc(base_args(cache, tmp_path / "a", steps=2, **{"train.eval.samples": 0, "train.eval.every": 1})) == 0
     )
     assert not [m for m in metrics(tmp_path / "a") if "eval_loss" in m]
     assert "eval_loss" not in capsys.readouterr().out
     assert "final eval loss n/a" in (tmp_path / "a" / "final" / "README.md").read_text()
-    assert train_inproc(base_args(cache, tmp_path / "b", steps=2, **{"train.eval_samples": 1})) == 2
+    assert train_inproc(base_args(cache, tmp_path / "b", steps=2, **{"train.eval.samples": 1})) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "train.eval_samples" in err[0], err
+    assert len(err) == 1 and "train.eval.samples" in err[0], err
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -245,7 +252,7 @@ def test_eval_samples_0_runs_no_eval_and_1_is_refused(cache, tmp_path, capsys):
 def test_one_vs_two_processes_vs_accumulation(cache, tmp_path):
     # the hardest case: sampled latents, and the VAE and vision tower training (DDP fails on a trainable parameter
     # that gets no gradient)
-    extra = {"train.flip": "true", "world.latent": "sample", "freeze.vae": "false", "freeze.vision": "false"}
+    extra = {"train.loader.flip": "true", "world.latent": "sample", "freeze.vae": "false", "freeze.vision": "false"}
     assert train_inproc(base_args(cache, tmp_path / "one", steps=3, **extra)) == 0  # 1 process, 2 micro-batches of 8
     assert train_inproc(base_args(cache, tmp_path / "acc", steps=3, **extra, **{"train.micro_batch_size": 4})) == 0
     two = run2(base_args(cache, tmp_path / "two", steps=3, **extra))
@@ -283,10 +290,10 @@ def test_stage_chain_1_2_4(cache, tmp_path, capsys):
         "train.max_steps": 2,
         "train.global_batch_size": 8,
         "train.micro_batch_size": 4,
-        "train.eval_samples": 8,
-        "train.num_workers": 0,
+        "train.eval.samples": 8,
+        "train.loader.num_workers": 0,
         "trackers": "[]",
-        "train.eval_every": 0,
+        "train.eval.every": 0,
         "cache_dir": cache,
     }
     s = lambda d: [a for k, v in d.items() for a in ("--set", f"{k}={v}")]
@@ -321,7 +328,7 @@ def test_stage_chain_1_2_4(cache, tmp_path, capsys):
             [
                 "--config",
                 str(cfgs / "stage4.yaml"),
-                *s({**small, "output_dir": s4, "init_from": s2 / "final", "train.num_workers": 1}),
+                *s({**small, "output_dir": s4, "init_from": s2 / "final", "train.loader.num_workers": 1}),
             ]
         )
         == 0
@@ -371,20 +378,20 @@ def test_train_attention_sets_the_language_models_kernel_only():
     assert gemma.model.language_model.config._attn_implementation == "eager"
     assert gemma.model.vision_tower.config._attn_implementation == "sdpa"
     if not torch.cuda.is_available():
-        with pytest.raises(UserError, match="train.attention.*CUDA"):
+        with pytest.raises(UserError, match="train.hardware.attention.*CUDA"):
             set_language_attention(gemma, "flex_attention")
-    with pytest.raises(UserError, match="train.attention"):
-        load_config(TrainConfig, None, ["train.attention=flash"])
+    with pytest.raises(UserError, match="train.hardware.attention"):
+        load_config(TrainConfig, None, ["train.hardware.attention=flash"])
 
 
 def test_flex_attention_without_cuda_is_refused_before_any_model_loads(cache, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same refusal on a machine with a GPU
     _refused_before_any_model_loads(
-        base_args(cache, tmp_path / "run", **{"train.attention": "flex_attention"}),
+        base_args(cache, tmp_path / "run", **{"train.hardware.attention": "flex_attention"}),
         tmp_path / "run",
         monkeypatch,
         capsys,
-        "train.attention",
+        "train.hardware.attention",
         "CUDA",
     )
 
@@ -450,8 +457,8 @@ def bucket_args(cache: Path, out: Path, steps: int, **extra) -> list[str]:
             "world.pool": 2,
             "train.global_batch_size": 4,
             "train.micro_batch_size": 2,
-            "train.eval_samples": 8,
-            "train.flip": "true",
+            "train.eval.samples": 8,
+            "train.loader.flip": "true",
             "world.latent": "sample",
             **extra,
         },
@@ -462,13 +469,13 @@ def bucket_args(cache: Path, out: Path, steps: int, **extra) -> list[str]:
 def test_bucketed_cache_resumes_exactly_and_two_processes_match_one(bucket_cache, tmp_path, capsys):
     # 40 train samples in five shapes, G=4: every step's batch has one shape, the world-token count changes between
     # steps. Resume: a finished run with its last checkpoint and final/ removed is continued from checkpoint-2.
-    assert train_inproc(bucket_args(bucket_cache, tmp_path / "ref", 4, **{"train.save_every": 2})) == 0
+    assert train_inproc(bucket_args(bucket_cache, tmp_path / "ref", 4, **{"train.checkpoint.every": 2})) == 0
     assert "latent shapes (train samples): " in capsys.readouterr().err
     resumed = tmp_path / "resumed"
     shutil.copytree(tmp_path / "ref", resumed)
     shutil.rmtree(resumed / "final")
     shutil.rmtree(resumed / "checkpoint-4")
-    assert train_inproc(bucket_args(bucket_cache, resumed, 4, **{"train.save_every": 2})) == 0
+    assert train_inproc(bucket_args(bucket_cache, resumed, 4, **{"train.checkpoint.every": 2})) == 0
     err = capsys.readouterr().err
     assert "resumed from" in err and "checkpoint-2" in err
     a, b = weights(tmp_path / "ref"), weights(resumed)
@@ -476,7 +483,7 @@ def test_bucketed_cache_resumes_exactly_and_two_processes_match_one(bucket_cache
     assert [m["loss"] for m in metrics(resumed) if "loss" in m] == [
         m["loss"] for m in metrics(tmp_path / "ref") if "loss" in m
     ]
-    two = run2(bucket_args(bucket_cache, tmp_path / "two", 4, **{"train.save_every": 2}))
+    two = run2(bucket_args(bucket_cache, tmp_path / "two", 4, **{"train.checkpoint.every": 2}))
     assert two.returncode == 0, two.stderr[-3000:]
     assert "2 process(es) x 1 micro-batches" in two.stderr + two.stdout
     w2 = weights(tmp_path / "two")
@@ -541,7 +548,7 @@ def test_a_mean_only_cache_trains_with_the_mean_and_refuses_sampling(tmp_path, c
                 out,
                 tmp_path / "mean",
                 steps=1,
-                **{"train.global_batch_size": 8, "train.micro_batch_size": 8, "train.eval_samples": 8},
+                **{"train.global_batch_size": 8, "train.micro_batch_size": 8, "train.eval.samples": 8},
             )
         )
         == 0

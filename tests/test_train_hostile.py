@@ -46,7 +46,7 @@ def _final(out: Path) -> bytes:
 
 def test_checkpoint_files_are_hashed_and_a_damaged_one_is_refused_not_exported(cache, tmp_path, capsys):
     out = tmp_path / "run"
-    args = lambda steps=4, **kw: base_args(cache, out, steps=steps, **{"train.save_every": 2, **kw})
+    args = lambda steps=4, **kw: base_args(cache, out, steps=steps, **{"train.checkpoint.every": 2, **kw})
     assert train_inproc(args()) == 0
     exported = _final(out)
     ckpt = out / "checkpoint-4"
@@ -92,7 +92,12 @@ def _interrupt(args: list[str], out: Path, at_step: int, sig: int) -> tuple[int,
 
 @pytest.mark.slow
 def test_sigterm_and_sigint_save_and_the_resumed_run_is_bitwise_equal(cache, tmp_path):
-    extra = {"train.save_every": 100, "world.latent": "sample", "train.ema": 0.9, "train.num_workers": 1}
+    extra = {
+        "train.checkpoint.every": 100,
+        "world.latent": "sample",
+        "train.optimizer.ema": 0.9,
+        "train.loader.num_workers": 1,
+    }
     steps = 24
     ref = subprocess.run(
         [sys.executable, "-m", "train.loop", *base_args(cache, tmp_path / "ref", steps, **extra)],
@@ -137,7 +142,7 @@ def test_a_full_disk_while_saving_or_logging_is_one_line_and_the_rerun_is_bit_ex
     from train import checkpoint
     from train import metrics as metrics_module
 
-    args = lambda out: base_args(cache, out, steps=4, **{"train.save_every": 1})
+    args = lambda out: base_args(cache, out, steps=4, **{"train.checkpoint.every": 1})
     assert train_inproc(args(tmp_path / "ref")) == 0
     capsys.readouterr()
     out = tmp_path / "run"
@@ -250,7 +255,7 @@ def test_torchrun_with_two_processes_trains_on_two(cache, tmp_path):
 @pytest.mark.slow
 def test_the_shuffled_world_eval_is_the_same_on_one_and_two_processes(cache, tmp_path):
     args = lambda out: base_args(
-        cache, out, steps=1, **{"train.eval_every": 1, "train.eval_samples": 14, "train.eval_batch_size": 4}
+        cache, out, steps=1, **{"train.eval.every": 1, "train.eval.samples": 14, "train.eval.batch_size": 4}
     )
     assert train_inproc(args(tmp_path / "one")) == 0
     two = run2(args(tmp_path / "two"))
@@ -283,7 +288,7 @@ def test_the_progress_bar_loss_is_a_smoothed_per_step_value():
 
 
 def test_eval_results_are_printed_as_they_happen(cache, tmp_path, capsys):
-    assert train_inproc(base_args(cache, tmp_path / "run", steps=2, **{"train.eval_every": 1})) == 0
+    assert train_inproc(base_args(cache, tmp_path / "run", steps=2, **{"train.eval.every": 1})) == 0
     err = capsys.readouterr().err
     evals = [m for m in metrics(tmp_path / "run") if "eval_loss" in m]
     for m in evals:
@@ -325,7 +330,7 @@ def _children(pid: int) -> list[int]:
 @pytest.mark.slow
 def test_a_signal_to_one_of_two_processes_stops_both_after_the_same_step_with_a_checkpoint(cache, tmp_path, capsys):
     out = tmp_path / "run"
-    args = base_args(cache, out, steps=40, **{"train.save_every": 100})
+    args = base_args(cache, out, steps=40, **{"train.checkpoint.every": 100})
     launcher = launch2(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_step(out, launcher, 2)
@@ -341,7 +346,9 @@ def test_a_signal_to_one_of_two_processes_stops_both_after_the_same_step_with_a_
     ckpts = sorted(out.glob("checkpoint-*"))
     assert len(ckpts) == 1 and not (out / "final").exists()
     assert (
-        train_inproc(base_args(cache, out, steps=int(ckpts[0].name.split("-")[1]) + 1, **{"train.save_every": 100}))
+        train_inproc(
+            base_args(cache, out, steps=int(ckpts[0].name.split("-")[1]) + 1, **{"train.checkpoint.every": 100})
+        )
         == 0
     )
     assert "resumed from" in capsys.readouterr().err
@@ -421,7 +428,7 @@ def test_final_is_hashed_and_damaged_or_non_finite_weights_are_refused_by_every_
 
 def test_a_hand_edited_state_json_is_refused_naming_it(cache, tmp_path, capsys):
     out = tmp_path / "run"
-    args = lambda steps: base_args(cache, out, steps=steps, **{"train.save_every": 2})  # noqa: E731
+    args = lambda steps: base_args(cache, out, steps=steps, **{"train.checkpoint.every": 2})  # noqa: E731
     assert train_inproc(args(4)) == 0
     ckpt = out / "checkpoint-4"
     original = (ckpt / "state.json").read_text()
@@ -447,7 +454,7 @@ def test_a_hand_edited_state_json_is_refused_naming_it(cache, tmp_path, capsys):
 
 def test_resume_reads_a_metrics_log_with_a_non_utf8_line_and_refuses_one_that_is_a_folder(cache, tmp_path, capsys):
     out = tmp_path / "run"
-    args = lambda steps, d=out: base_args(cache, d, steps=steps, **{"train.save_every": 2})  # noqa: E731
+    args = lambda steps, d=out: base_args(cache, d, steps=steps, **{"train.checkpoint.every": 2})  # noqa: E731
     assert train_inproc(args(2)) == 0
     log = out / "metrics.jsonl"
     log.write_bytes(log.read_bytes() + b'{"step": 1, "note": "caf\xe9"}\n\xff\xfe garbage\n')
@@ -466,14 +473,14 @@ def test_resuming_under_another_resolved_micro_batch_or_sharding_does_not_warn_o
     cache, tmp_path, capsys
 ):
     out = tmp_path / "run"
-    common = {"train.save_every": 2, "train.micro_batch_size": "auto"}
+    common = {"train.checkpoint.every": 2, "train.micro_batch_size": "auto"}
     assert train_inproc(base_args(cache, out, steps=2, **common, **{"train.max_micro_batch_size": 4})) == 0
     capsys.readouterr()
     # auto now resolves to 8 (as it does when a 2-process run resumes on 1), and the launcher asks for no FSDP
     assert train_inproc(base_args(cache, out, steps=2, **common, **{"train.max_micro_batch_size": 8})) == 0
     err = capsys.readouterr().err
     assert "resumed from" in err and "different config" not in err
-    assert train_inproc(base_args(cache, out, steps=2, **common, **{"train.lr": "2e-2"})) == 0
+    assert train_inproc(base_args(cache, out, steps=2, **common, **{"train.optimizer.lr": "2e-2"})) == 0
     assert "written under a different config" in capsys.readouterr().err  # a change of the numbers still warns
 
 
@@ -524,7 +531,7 @@ def _slow_eval_with_signal(monkeypatch, at_step: int, sig=signal.SIGTERM, per_ba
 
 def test_a_stop_during_a_long_eval_cuts_it_and_saves_at_once(cache, tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
-    extra = {"train.eval_every": 2, "train.save_every": 100, "train.eval_samples": 32, "train.eval_batch_size": 2}
+    extra = {"train.eval.every": 2, "train.checkpoint.every": 100, "train.eval.samples": 32, "train.eval.batch_size": 2}
     seen = _slow_eval_with_signal(monkeypatch, at_step=2)  # 16 batches: 8 s of eval
     assert train_inproc(base_args(cache, out, steps=6, **extra)) == 143
     err = capsys.readouterr().err
@@ -548,7 +555,7 @@ def test_the_last_eval_comes_after_the_checkpoint_and_final_so_neither_a_stop_no
     from train import trainer as loop
 
     out = tmp_path / "run"
-    extra = {"train.save_every": 100, "train.eval_samples": 32, "train.eval_batch_size": 2}
+    extra = {"train.checkpoint.every": 100, "train.eval.samples": 32, "train.eval.batch_size": 2}
     _slow_eval_with_signal(monkeypatch, at_step=4)
     assert train_inproc(base_args(cache, out, steps=4, **extra)) == 143
     assert "eval at step 4: eval cut short" in capsys.readouterr().err
@@ -587,7 +594,7 @@ def test_sigterm_to_a_two_process_launch_during_a_long_last_eval_ends_well_withi
     data.parent.mkdir()
     benchmark_items.make_synthetic(data, 2000, seed=1)  # minutes of scoring on this CPU
     out = tmp_path / "run"
-    args = base_args(cache, out, steps=2, **{"train.save_every": 100, "train.benchmarks": f"[{data}]"})
+    args = base_args(cache, out, steps=2, **{"train.checkpoint.every": 100, "train.eval.benchmarks": f"[{data}]"})
     launcher = launch2(args, via="train.launch", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 300

@@ -1,4 +1,5 @@
-"""train.epochs and the per-part parameter counts of the start line (train.ema_warmup_steps: tests/test_step.py)."""
+"""train.epochs and the per-part parameter counts of the start line (train.optimizer.ema_warmup_steps:
+tests/test_step.py)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,12 @@ def test_train_epochs_sets_the_run_length_and_the_start_line_counts_parameters(c
     # 80 training samples in global batches of 16: 5 steps per epoch, half an epoch rounded up is 3
     assert (
         train_inproc(
-            base_args(cache, out, steps=50, **{"train.epochs": 0.5, "train.ema": 0.9, "train.ema_warmup_steps": 2})
+            base_args(
+                cache,
+                out,
+                steps=50,
+                **{"train.epochs": 0.5, "train.optimizer.ema": 0.9, "train.optimizer.ema_warmup_steps": 2},
+            )
         )
         == 0
     )

@@ -19,8 +19,13 @@ from train.config import PlateauConfig
 
 def run_args(cache: Path, out: Path, **extra) -> list[str]:
     """conftest's small run with an eval (and its sampled captions) every step and a checkpoint every second."""
-    watched = {"train.global_batch_size": 8, "train.eval_samples": 8, "train.save_every": 2, "train.eval_every": 1}
-    watched |= {"train.warmup_steps": 1, "train.samples": 2, "train.sample_tokens": 4}
+    watched = {
+        "train.global_batch_size": 8,
+        "train.eval.samples": 8,
+        "train.checkpoint.every": 2,
+        "train.eval.every": 1,
+    }
+    watched |= {"train.lr_schedule.warmup_steps": 1, "train.eval.captions": 2, "train.eval.caption_tokens": 4}
     return base_args(cache, out, steps=4, **watched, **extra)
 
 
@@ -68,9 +73,9 @@ def test_record_keeps_one_entry_per_step_and_the_first_plateau_step():
 def test_plateau_config_is_checked():
     from theworld.errors import UserError
 
-    with pytest.raises(UserError, match="train.plateau.window_evals"):
+    with pytest.raises(UserError, match="train.eval.plateau.window_evals"):
         PlateauConfig(window_evals=-1)
-    with pytest.raises(UserError, match="train.plateau.min_improvement"):
+    with pytest.raises(UserError, match="train.eval.plateau.min_improvement"):
         PlateauConfig(min_improvement=float("nan"))
 
 
@@ -89,9 +94,9 @@ def test_a_run_logs_captions_and_the_gap_and_stops_on_plateau_for_good(trained_r
         trained_run["cache"],
         out,
         **{
-            "train.plateau.window_evals": 1,
-            "train.plateau.min_improvement": 10,
-            "train.stop_on_plateau": "true",
+            "train.eval.plateau.window_evals": 1,
+            "train.eval.plateau.min_improvement": 10,
+            "train.eval.stop_on_plateau": "true",
             "trackers": "[tensorboard]",
         },
     )
@@ -108,7 +113,7 @@ def test_a_run_logs_captions_and_the_gap_and_stops_on_plateau_for_good(trained_r
         assert len(e["samples"]) == 2
         assert all(set(r) == {"caption", "own_world", "shuffled_world", "image"} and r["caption"] for r in e["samples"])
         assert all((out / r["image"]).is_file() for r in e["samples"])  # each sample's picture, for train.report
-    assert "the eval loss has plateaued" in err and "stopping: train.stop_on_plateau" in err
+    assert "the eval loss has plateaued" in err and "stopping: train.eval.stop_on_plateau" in err
     assert "plateaued at step 1" in cap.out and "init_from:" in cap.out  # the summary
     assert "plateaued at step 1" in (out / "final" / "README.md").read_text()
     assert (out / "checkpoint-1").is_dir()
@@ -211,7 +216,7 @@ def test_wandb_offline_holds_config_scalars_and_captions_and_a_resumed_run_conti
     assert first["run"][0].display_name == "stage1-test" and list(first["run"][0].tags) == ["demo"]
     assert [(r["run"][0].project, r["run"][0].entity) for r in (first, resumed)] == [("theworld-test", "someone")] * 2
     config = {i.key: json.loads(i.value_json) for c in first["config"] for i in c.update}
-    assert config["model.gemma"] == "tiny" and config["train.samples"] == 2
+    assert config["model.gemma"] == "tiny" and config["train.eval.captions"] == 2
     steps = {}
     for records in (first, resumed):
         for h in records["history"]:

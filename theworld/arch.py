@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# The parts of TheWorld a config freezes, trains or gives a learning-rate factor (freeze.*, train.lr_multipliers.*),
-# in their optimiser-group order: each is the modules at these paths (attribute paths from TheWorld, which are also
-# the prefixes of their parameter names).
+# The parts of TheWorld a config freezes, trains or gives a learning-rate factor (freeze.*,
+# train.optimizer.lr_multipliers.*), in their optimiser-group order: each is the modules at these paths (attribute paths
+# from TheWorld, which are also the prefixes of their parameter names).
 PARTS: dict[str, tuple[str, ...]] = {
     "projector": ("projector",),
     "vision": ("gemma.model.vision_tower", "gemma.model.multi_modal_projector"),  # SigLIP tower + multimodal projector
@@ -28,8 +28,8 @@ LORA_MODULES = {
     "language": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
     "vision": ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
 }
-# The stacks activation checkpointing wraps (train.activation_checkpointing.parts, theworld/checkpointing.py): Gemma's
-# decoder layers, SigLIP's encoder layers, the VAE encoder's down blocks and mid block.
+# The stacks activation checkpointing wraps (train.hardware.activation_checkpointing.parts, theworld/checkpointing.py):
+# Gemma's decoder layers, SigLIP's encoder layers, the VAE encoder's down blocks and mid block.
 CHECKPOINT_PARTS = ("language", "vision", "vae")
 
 

@@ -7,7 +7,7 @@
                                                           before resuming)
     <output_dir>/checkpoint-<step>/optimizer.pt           AdamW state dict (tensors and numbers: weights_only=True)
     <output_dir>/checkpoint-<step>/rng.safetensors        torch CPU RNG state of the main process
-    <output_dir>/checkpoint-<step>/ema.safetensors        EMA of the trainable weights (when train.ema > 0)
+    <output_dir>/checkpoint-<step>/ema.safetensors        EMA of the trainable weights (when train.optimizer.ema > 0)
     <output_dir>/checkpoint-<step>/config.yaml            the resolved config (defines the model: SECTIONS)
     <output_dir>/final/                                   trainable.safetensors (+ ema), config.yaml, README.md,
                                                           prompt.txt (the prompt the training samples carried),

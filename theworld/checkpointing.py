@@ -1,5 +1,5 @@
-"""Activation checkpointing of TheWorld's layer stacks (train.activation_checkpointing): Gemma's decoder layers,
-SigLIP's encoder layers and the Wan VAE encoder's blocks recompute their activations in the backward.
+"""Activation checkpointing of TheWorld's layer stacks (train.hardware.activation_checkpointing): Gemma's decoder
+layers, SigLIP's encoder layers and the Wan VAE encoder's blocks recompute their activations in the backward.
 
 - `full`: a wrapped layer keeps only its input (torch.utils.checkpoint, non-reentrant).
 - `selective`: torchtitan's op-level selective checkpointing: a wrapped layer also keeps the outputs of the ops in

@@ -374,15 +374,15 @@ def usable_cores() -> int:
 # would exhaust memory or never end instead of failing. Each bound is far above any real use; the hint says what is.
 SIZE_LIMITS: dict[str, tuple[int, str]] = {
     "lora.r": (4096, "LoRA ranks are 4-256 (default 16)"),
-    "train.sample_tokens": (4096, "a caption is tens of tokens (default 32)"),
-    "train.samples": (4096, "a few held-out samples are captioned at each eval (default 8)"),
-    "train.eval_samples": (10_000_000, "a few hundred held-out samples are enough (default 256)"),
+    "train.eval.caption_tokens": (4096, "a caption is tens of tokens (default 32)"),
+    "train.eval.captions": (4096, "a few held-out samples are captioned at each eval (default 8)"),
+    "train.eval.samples": (10_000_000, "a few hundred held-out samples are enough (default 256)"),
     "train.global_batch_size": (1 << 20, "global batches are tens to thousands (default 32)"),
     "train.max_micro_batch_size": (1 << 16, "what one forward fits in memory (default 32)"),
     "train.micro_batch_size": (1 << 16, "what one forward fits in memory, or auto"),
-    "train.eval_batch_size": (1 << 16, "what one forward fits in memory (0: micro_batch_size)"),
-    "train.max_length": (1 << 20, "Gemma 3 reads at most 131072 tokens (0: no cap)"),
-    "train.plateau.window_evals": (1 << 20, "a few evals (0: the last 5,000 steps)"),
+    "train.eval.batch_size": (1 << 16, "what one forward fits in memory (0: train.micro_batch_size)"),
+    "train.loader.max_length": (1 << 20, "Gemma 3 reads at most 131072 tokens (0: no cap)"),
+    "train.eval.plateau.window_evals": (1 << 20, "a few evals (0: the last 5,000 steps)"),
     "profile.steps": (1000, "a few steps make a readable trace (default 5)"),
     "profile.top": (10_000, "the operations printed (default 15)"),
     "shard_size": (1 << 20, "samples per cache shard (default 512)"),
@@ -448,13 +448,27 @@ def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()
             raise UserError(f"config file {p} is not valid YAML: {str(e).splitlines()[0]}") from None
         if not isinstance(data, dict):
             raise UserError(f"config file {p}: top level must be a mapping")
+    moves, renamed = moved_keys(cls), {}
+    data = _move_keys(data, moves, renamed)  # first, so that a --set of either name wins over the file
     for text in overrides:
-        _apply_override(data, *_parse_override(text))
-    return from_dict(cls, data)
+        key, value = _parse_override(text)
+        _apply_override(data, _moved_path(key, moves, renamed), value)
+    return from_dict(cls, data, renamed)
 
 
-def from_dict(cls: type[T], data: dict) -> T:
-    """Validate a mapping strictly into `cls` (what `load_config` does after reading the YAML)."""
+def from_dict(cls: type[T], data: dict, renamed: dict[str, str] | None = None) -> T:
+    """Validate a mapping strictly into `cls` (what `load_config` does after reading the YAML). Keys of earlier
+    releases (`cls.MOVED`) load under their new names, said in one warning line; `renamed`: those already moved."""
+    renamed = {} if renamed is None else renamed
+    data = _move_keys(data, moved_keys(cls), renamed)
+    if renamed:
+        _log.warning(
+            one_line(
+                "config: keys of an earlier release, read under their new names: "
+                + ", ".join(f"{old} -> {new}" for old, new in renamed.items()),
+                4 * LINE,
+            )
+        )
     try:
         return _build(cls, data)
     except TypeError as e:  # a required field missing, etc.
@@ -462,7 +476,52 @@ def from_dict(cls: type[T], data: dict) -> T:
     except RecursionError:
         raise UserError("config: a value is nested too deeply to be a config value") from None
     except UserError as e:  # a check that echoed a huge value (a megabyte string, a long list) still gives one line
-        raise type(e)(one_line(str(e), 4 * LINE)) from None
+        raise type(e)(one_line(_as_given(str(e), renamed), 4 * LINE)) from None
+
+
+def moved_keys(cls: type) -> dict[str, str]:
+    """`cls.MOVED`: each key of an earlier release (dotted) and the key it is now."""
+    return getattr(cls, "MOVED", {})
+
+
+def _moved_path(path: list[str], moves: dict[str, str], renamed: dict[str, str]) -> list[str]:
+    """A --set key, or a key under it, that an earlier release named otherwise, under its new name."""
+    dotted = ".".join(path)
+    for old, new in moves.items():
+        if dotted == old or dotted.startswith(old + "."):
+            renamed[old] = new
+            return (new + dotted[len(old) :]).split(".")
+    return path
+
+
+def _move_keys(data: dict, moves: dict[str, str], renamed: dict[str, str]) -> dict:
+    """`data` with each old key of `moves` put where its new key lives; both given at once is an error."""
+    for old, new in moves.items():
+        *parents, last = old.split(".")
+        node = data
+        for p in parents:
+            node = node.get(p) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or last not in node:
+            continue
+        value = node.pop(last)
+        *parents, last = new.split(".")
+        target = data
+        for i, p in enumerate(parents):
+            target = target.setdefault(p, {})
+            if not isinstance(target, dict):
+                raise UserError(f"config key '{'.'.join(parents[: i + 1])}': expected a mapping, got {shown(target)}")
+        if last in target:
+            raise UserError(f"config keys '{old}' and '{new}' are one key ({old} is its earlier name); give only {new}")
+        target[last] = value
+        renamed[old] = new
+    return data
+
+
+def _as_given(message: str, renamed: dict[str, str]) -> str:
+    """An error about a key the user gave by its earlier name names it as given, and the new name beside it."""
+    for old, new in renamed.items():
+        message = re.sub(rf"'{re.escape(new)}((?:\.[^']*)?)'", rf"'{old}\1' (now '{new}\1')", message)
+    return message
 
 
 CONFIGS_DIR = "configs"  # where the shipped configs live, under the repository root
@@ -545,7 +604,7 @@ def add_config_args(p: argparse.ArgumentParser, config_help: str = "YAML config 
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config key, e.g. --set train.lr=1e-3 (repeatable)",
+        help="override a config key, e.g. --set train.optimizer.lr=1e-3 (repeatable)",
     )
 
 

@@ -181,7 +181,7 @@ class TheWorld(nn.Module):
         cfg = layout.read_config(folder)
         weights = folder / (layout.EMA if ema else layout.WEIGHTS)
         if ema and not weights.is_file():
-            raise UserError(f"model {folder}: no {layout.EMA} (the run had train.ema: 0)")
+            raise UserError(f"model {folder}: no {layout.EMA} (the run had train.optimizer.ema: 0)")
         model, processor = cls.from_config(
             cfg.model, cfg.world, cfg.freeze, image=cfg.image, lora=cfg.lora, rollout=rollout
         )
@@ -236,7 +236,8 @@ class TheWorld(nn.Module):
         return checkpointing.apply(self, mode, every_n, parts)
 
     def gradient_checkpointing(self, enable: bool) -> None:
-        """The earlier switch: every layer of Gemma's two stacks, fully (train.gradient_checkpointing: true)."""
+        """The earlier switch: every layer of Gemma's two stacks, fully (train.hardware.gradient_checkpointing:
+        true)."""
         self.activation_checkpointing("full" if enable else "none", parts=("language", "vision"))
 
     # ------------------------------------------------------------------------------------------------ forward

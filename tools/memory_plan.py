@@ -161,10 +161,10 @@ def count(model: TheWorld) -> Counts:
 def activation_bytes(cfg: TrainConfig, model: TheWorld, micro: int, ac: ActivationCheckpointing | None = None) -> int:
     """Estimated activation memory of one micro-batch (see the module docstring for where the constants come from),
     with the configured activation checkpointing or `ac`."""
-    ac = ac or cfg.train.activation_checkpointing
+    ac = ac or cfg.train.hardware.activation_checkpointing
     gc = model.gemma.config
     text, vision = gc.get_text_config(), gc.vision_config
-    e = 2 if cfg.train.mixed_precision == "bf16" else DTYPES[cfg.model.dtype].itemsize
+    e = 2 if cfg.train.hardware.mixed_precision == "bf16" else DTYPES[cfg.model.dtype].itemsize
     side = latent_side(cfg.image.resolution)
     world = model.projector.num_tokens(side, side)
     seq = TEXT_TOKENS + gc.mm_tokens_per_image + 2 + world
@@ -190,7 +190,7 @@ def lora_dropout_bytes(
 ) -> int:
     """With lora.dropout > 0 every adapted layer keeps its own dropped-out copy of its input (and a one-byte mask)
     for the backward of lora_A: per layer of the part's stack that is not checkpointed (plus the one recomputed)."""
-    lora, ac = cfg.lora, ac or cfg.train.activation_checkpointing
+    lora, ac = cfg.lora, ac or cfg.train.hardware.activation_checkpointing
     if lora is None or lora.dropout == 0 or part not in lora.parts:
         return 0
     heads = getattr(part_cfg, "num_attention_heads", 1) * getattr(part_cfg, "head_dim", part_cfg.hidden_size)
@@ -255,9 +255,9 @@ def per_gpu(
     foreach: bool = True,
     ac: ActivationCheckpointing | None = None,
 ) -> dict[str, dict[str, int]]:
-    """Bytes per GPU under ddp, fsdp and fsdp with host offload (train.cpu_offload). With one GPU fsdp runs
+    """Bytes per GPU under ddp, fsdp and fsdp with host offload (train.hardware.cpu_offload). With one GPU fsdp runs
     unsharded (the same as ddp); with offload it shards over a group of one, and only the gathered units stay."""
-    e = 2 if cfg.train.mixed_precision == "bf16" else 4
+    e = 2 if cfg.train.hardware.mixed_precision == "bf16" else 4
     act = activation_bytes(cfg, model, micro, ac)
     step_tmp = ADAM_FOREACH * (c.trainable if foreach else c.largest_trainable)
     ddp = {
@@ -311,8 +311,8 @@ def levers(cfg: TrainConfig, model: TheWorld, c: Counts, gpus: int, micro: int, 
     """What each memory lever gives at this micro-batch: per-GPU activations and totals with each activation
     checkpointing setting (LEVERS, on the language model, the vision tower and the VAE where they train), the VAE
     encoder's own activations with and without block checkpointing, and what a weights-only checkpoint
-    (train.save_optimizer: false) leaves out of each checkpoint folder."""
-    e = 2 if cfg.train.mixed_precision == "bf16" else DTYPES[cfg.model.dtype].itemsize
+    (train.checkpoint.save_optimizer: false) leaves out of each checkpoint folder."""
+    e = 2 if cfg.train.hardware.mixed_precision == "bf16" else DTYPES[cfg.model.dtype].itemsize
     checkpointing = {}
     for name, (mode, every_n) in LEVERS.items():
         ac = ActivationCheckpointing(mode=mode, every_n=every_n)
@@ -332,7 +332,7 @@ def levers(cfg: TrainConfig, model: TheWorld, c: Counts, gpus: int, micro: int, 
         if model.world_encoder is not None
         else {}
     )
-    ema = 4 * c.trainable if cfg.train.ema else 0
+    ema = 4 * c.trainable if cfg.train.optimizer.ema else 0
     return {
         "activation_checkpointing": checkpointing,
         "vae_block_checkpointing": {"trains": vae_trains, "activations": vae},
@@ -361,9 +361,9 @@ def estimate(cfg: TrainConfig, gpus: int, gpu_memory_gib: float, model: TheWorld
             "gemma": cfg.model.gemma,
             "vae": cfg.model.vae,
             "freeze": vars(cfg.freeze),
-            "mixed_precision": cfg.train.mixed_precision,
-            "gradient_checkpointing": cfg.train.activation_checkpointing.mode != "none",
-            "activation_checkpointing": vars(cfg.train.activation_checkpointing),
+            "mixed_precision": cfg.train.hardware.mixed_precision,
+            "gradient_checkpointing": cfg.train.hardware.activation_checkpointing.mode != "none",
+            "activation_checkpointing": vars(cfg.train.hardware.activation_checkpointing),
             "micro_batch_size": micro,
         },
         "gpus": gpus,
@@ -430,7 +430,7 @@ def render(p: dict) -> str:
         "  (largest that fits and divides the per-process batch; - : none)"
     )
     lines.append(
-        f"fsdp_offload (train.cpu_offload) keeps weights, gradients and optimizer state in host memory: "
+        f"fsdp_offload (train.hardware.cpu_offload) keeps weights, gradients and optimizer state in host memory: "
         f"{p['host_bytes_per_process']['fsdp_offload'] / 2**30:.1f} GiB per process"
     )
     lines += render_levers(p["levers"], modes, cell)
@@ -441,7 +441,7 @@ def render(p: dict) -> str:
 def render_levers(lv: dict, modes: list[str], cell) -> list[str]:
     ac = lv["activation_checkpointing"]
     lines = [
-        "levers: train.activation_checkpointing on every part that trains (configured above: "
+        "levers: train.hardware.activation_checkpointing on every part that trains (configured above: "
         "per_gpu_bytes); activations and totals, GiB:",
         f"{'':20s}{cell(['activations', *modes])}",
     ]
@@ -457,8 +457,8 @@ def render_levers(lv: dict, modes: list[str], cell) -> list[str]:
         )
     w = lv["weights_only_checkpoint"]
     lines.append(
-        f"each checkpoint folder: {w['checkpoint_bytes'] / 2**30:.1f} GiB, weights only (train.save_optimizer: "
-        f"false) {w['weights_only_bytes'] / 2**30:.1f} GiB"
+        f"each checkpoint folder: {w['checkpoint_bytes'] / 2**30:.1f} GiB, weights only "
+        f"(train.checkpoint.save_optimizer: false) {w['weights_only_bytes'] / 2**30:.1f} GiB"
     )
     return lines
 

@@ -44,7 +44,7 @@ ADVICE = [  # (part, share above which it is worth saying, what to try)
     (
         "data",
         0.10,
-        "the loader is behind: raise train.num_workers, and keep latents and SigLIP features cached "
+        "the loader is behind: raise train.loader.num_workers, and keep latents and SigLIP features cached "
         "(precompute with cache.siglip: true)",
     ),
     ("world_encoder", 0.10, "the VAE runs live: train from cached latents (precompute them)"),
@@ -53,12 +53,13 @@ ADVICE = [  # (part, share above which it is worth saying, what to try)
         "communication",
         0.15,
         "communication-bound: fewer, larger steps (raise train.micro_batch_size or accumulate), "
-        "or train.sharding: ddp where the model fits",
+        "or train.hardware.sharding: ddp where the model fits",
     ),
     (
         "optimizer",
         0.15,
-        "the optimizer step is heavy: fewer trainable parts (freeze), or train.sharding: fsdp to shard its state",
+        "the optimizer step is heavy: fewer trainable parts (freeze), or train.hardware.sharding: fsdp to shard its "
+        "state",
     ),
     ("projector", 0.15, "the world projector is a large share: a lighter world.projector or pooling (world.pool)"),
 ]
@@ -143,8 +144,8 @@ def advice(shares: dict[str, float]) -> list[str]:
     if lm >= 0.5:
         said.append(
             f"- the language model's forward and backward take {lm:.0%}: compute-bound where it should be; "
-            "faster steps come from train.mixed_precision: bf16, train.compile, train.attention: "
-            "flex_attention (GPU), and larger micro-batches"
+            "faster steps come from train.hardware.mixed_precision: bf16, train.hardware.compile, "
+            "train.hardware.attention: flex_attention (GPU), and larger micro-batches"
         )
     return said or ["- no part stands out: the step is balanced"]
 

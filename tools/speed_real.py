@@ -5,14 +5,13 @@
                                [--encoding cached|live|both]
 
 Random weights are fine for speed. Rows: stage-1 steps (projector trains; frozen bf16 Gemma) for each pool,
-checkpointing, compile (train.compile) and micro-batch asked for, with the language model's attention kernel
-(train.attention): samples/s, peak memory, and MFU against the language model's forward + activation-backward FLOPs.
-`cached` steps read latents and SigLIP features staged on the GPU (what the cache gives); `live` steps encode 512 px
-images through the frozen VAE and 896 px pixels through the frozen SigLIP tower inside every step (the reference
-run, and the trainer's fallback), and carry `cache_speedup` = live step time / cached step time of the same row.
-The VAE encoder at 512 px in bf16 as precompute runs it (eager, channels-last, compiled): images/s. `--sizes tiny`
-runs the same code at toy sizes (CPU smoke test; no MFU there).
-"""
+checkpointing, compile (train.hardware.compile) and micro-batch asked for, with the language model's attention kernel
+(train.hardware.attention): samples/s, peak memory, and MFU against the language model's forward + activation-backward
+FLOPs. `cached` steps read latents and SigLIP features staged on the GPU (what the cache gives); `live` steps encode 512
+px images through the frozen VAE and 896 px pixels through the frozen SigLIP tower inside every step (the reference run,
+and the trainer's fallback), and carry `cache_speedup` = live step time / cached step time of the same row. The VAE
+encoder at 512 px in bf16 as precompute runs it (eager, channels-last, compiled): images/s. `--sizes tiny` runs the same
+code at toy sizes (CPU smoke test; no MFU there)."""
 
 from __future__ import annotations
 
@@ -261,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         "--compile",
         choices=["no", "yes", "both"],
         default="both",
-        help="torch.compile the decoder layers (train.compile) for the stage-1 rows",
+        help="torch.compile the decoder layers (train.hardware.compile) for the stage-1 rows",
     )
     p.add_argument("--pool", default="1,2", help="comma-separated world.pool values")
     p.add_argument("--checkpointing", choices=["no", "yes", "both"], default="both")
@@ -269,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         "--attn",
         choices=["sdpa", "flex_attention", "eager"],
         default="sdpa",
-        help="the language model's attention kernel (train.attention)",
+        help="the language model's attention kernel (train.hardware.attention)",
     )
     p.add_argument(
         "--encoding",

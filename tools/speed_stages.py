@@ -7,11 +7,10 @@ Each row runs in a process of its own (a clean peak, an out-of-memory that ends 
 optimisation step (`train.step.optimization_step` on `train.components.build`'s components, one process) on the config's
 architecture with random weights (`tools.memory_plan.build_world`: no download), on synthetic micro-batches that carry
 live pixels for each encoder that trains. `plain` is one unsharded process, everything on the GPU; `offload` is
-`train.sharding: fsdp` with `train.cpu_offload: true`. Each row has samples/s over the timed steps (after one
-warm-up step), the peak GPU memory (`max_memory_allocated`; on a CPU, none), the peak host memory of the process,
-and tools.memory_plan's estimate for the same mode next to them. Any config runs: `configs/stage3.yaml` (the tiny
-models) is the CPU smoke test.
-"""
+`train.hardware.sharding: fsdp` with `train.hardware.cpu_offload: true`. Each row has samples/s over the timed steps
+(after one warm-up step), the peak GPU memory (`max_memory_allocated`; on a CPU, none), the peak host memory of the
+process, and tools.memory_plan's estimate for the same mode next to them. Any config runs: `configs/stage3.yaml` (the
+tiny models) is the CPU smoke test."""
 
 from __future__ import annotations
 
@@ -29,7 +28,7 @@ import torch
 from theworld.arch import latent_side
 from tools.speed_real import text_inputs
 
-MODES = {"plain": [], "offload": ["train.sharding=fsdp", "train.cpu_offload=true"]}
+MODES = {"plain": [], "offload": ["train.hardware.sharding=fsdp", "train.hardware.cpu_offload=true"]}
 MEMORY_MODE = {"plain": "ddp", "offload": "fsdp_offload"}  # tools.memory_plan's column for each (one GPU)
 
 
@@ -87,9 +86,9 @@ def row(config: str, mode: str, steps: int, micro: int | None) -> dict:
         "config": config,
         "mode": mode,
         "micro_batch": micro,
-        "mixed_precision": cfg.train.mixed_precision,
-        "gradient_checkpointing": cfg.train.activation_checkpointing.mode != "none",
-        "activation_checkpointing": vars(cfg.train.activation_checkpointing),
+        "mixed_precision": cfg.train.hardware.mixed_precision,
+        "gradient_checkpointing": cfg.train.hardware.activation_checkpointing.mode != "none",
+        "activation_checkpointing": vars(cfg.train.hardware.activation_checkpointing),
     }
     plan = memory.estimate(cfg, 1, 80.0)
     out["estimate_gpu_gib"] = round(plan["per_gpu_bytes"][MEMORY_MODE[mode]]["total"] / 2**30, 2)

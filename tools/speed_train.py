@@ -245,13 +245,13 @@ def bench_case(
                 f"output_dir={out}",
                 "trackers=[]",
                 "resume=null",
-                "train.eval_samples=16",
+                "train.eval.samples=16",
                 f"train.global_batch_size={gbs}",
                 f"train.micro_batch_size={mbs}",
-                f"train.num_workers={workers}",
+                f"train.loader.num_workers={workers}",
                 f"train.max_steps={10 * steps}",
-                "train.warmup_steps=0",
-                "train.lr=1e-4",
+                "train.lr_schedule.warmup_steps=0",
+                "train.optimizer.lr=1e-4",
             ],
         )
         reader, inputs = data.open_cache(cfg)
@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         "--workers",
         type=int,
         default=None,
-        help="loader worker processes (train.num_workers; default: per case, 1; 0 loads in the training "
+        help="loader worker processes (train.loader.num_workers; default: per case, 1; 0 loads in the training "
         "process, between steps)",
     )
     p.add_argument("--root", default=str(BENCH_ROOT), help="where the bench caches are kept")
@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         "--threads",
         type=int,
         default=0,
-        help="torch threads of the training step (train.cpu_threads; 0: torch's default). The loader worker "
+        help="torch threads of the training step (train.hardware.cpu_threads; 0: torch's default). The loader worker "
         "needs a core of its own, as it has next to a GPU: on a 2-core CPU that is --threads 1",
     )
     args = p.parse_args(argv)

@@ -137,6 +137,6 @@ def encode_texts(formatter: ChatFormatter, conversations: list[tuple[tuple[str, 
     try:
         return formatter.encode_conversations(conversations)
     except PromptTooLong as e:  # in a loader worker too: cli_entry prints the error's own line
-        raise UserError(f"config key 'train.max_length': {e}") from None
+        raise UserError(f"config key 'train.loader.max_length': {e}") from None
     except ControlText as e:  # data.check_texts refuses such a cache at start; this is the last guard
         raise UserError(f"cache sample text: {e}") from None

@@ -1,5 +1,5 @@
-"""`train.benchmarks: [FILE or {path, protocol, baselines}, ...]`: multiple-choice benchmarks evaluated at every eval
-(theworld/infer/scoring.py), logged as `bench/<name>/accuracy`, `bench/<name>/accuracy_shuffled_world` (and
+"""`train.eval.benchmarks: [FILE or {path, protocol, baselines}, ...]`: multiple-choice benchmarks evaluated at every
+eval (theworld/infer/scoring.py), logged as `bench/<name>/accuracy`, `bench/<name>/accuracy_shuffled_world` (and
 `unparsed` under the generate protocol; `bench/<name>/<baseline>/accuracy`, `.../difference`, `.../p_value` per
 baseline) and printed with the eval lines (name: the file's stem, or the folder's name).
 
@@ -48,41 +48,41 @@ class BenchmarkEval:
     @classmethod
     def load(cls, cfg: TrainConfig) -> BenchmarkEval | None:
         """Read and check every file before any model loads; items whose images do not decode are left out."""
-        if not cfg.train.benchmarks:
+        if not cfg.train.eval.benchmarks:
             return None
         sets = {}
-        for entry in cfg.train.benchmarks:
+        for entry in cfg.train.eval.benchmarks:
             entry = entry if isinstance(entry, BenchmarkEntry) else BenchmarkEntry(entry)
             name = _name(entry.path)
             if name in sets:
-                raise UserError(f"config key 'train.benchmarks': two benchmarks named {name!r}; rename one file")
+                raise UserError(f"config key 'train.eval.benchmarks': two benchmarks named {name!r}; rename one file")
             names = entry.names(cfg.world.num_world_steps)
-            if cfg.train.sharding == "fsdp" and ("init_projector" in names or entry.protocol == "generate"):
+            if cfg.train.hardware.sharding == "fsdp" and ("init_projector" in names or entry.protocol == "generate"):
                 # the baseline swaps weights FSDP shards; generation stops when every row is done, which differs
                 # between processes, and FSDP's collectives need every process in every forward
                 raise UserError(
-                    "config key 'train.benchmarks': the init_projector baseline and the generate "
-                    "protocol need train.sharding: ddp"
+                    "config key 'train.eval.benchmarks': the init_projector baseline and the generate "
+                    "protocol need train.hardware.sharding: ddp"
                 )
             try:
                 items = benchmark_items.read(entry.path)
             except UserError as e:
-                raise UserError(f"config key 'train.benchmarks': {e}") from None
+                raise UserError(f"config key 'train.eval.benchmarks': {e}") from None
             bad = {s["item"] for s in benchmark_items.unreadable(items)}
             if bad:
                 print(f"benchmark {name}: {len(bad)} item(s) with unreadable images left out", file=sys.stderr)
             items = [it for it in items if it.name not in bad]
             if not items:
-                raise UserError(f"config key 'train.benchmarks': {entry.path} has no item with readable images")
+                raise UserError(f"config key 'train.eval.benchmarks': {entry.path} has no item with readable images")
             protocol = (
                 entry.protocol
                 if entry.protocol != "auto"
                 else "generate"
-                if all(it.prompt for it in items) and cfg.train.sharding != "fsdp"
+                if all(it.prompt for it in items) and cfg.train.hardware.sharding != "fsdp"
                 else "loglik"
             )
             sets[name] = BenchmarkSet(items, protocol, names)
-        return cls(sets, cfg.train.eval_batch_size)
+        return cls(sets, cfg.train.eval.batch_size)
 
     def run(self, components: Components) -> dict:
         model, accelerator = components.raw, components.accelerator

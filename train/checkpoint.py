@@ -4,7 +4,7 @@ every other file's sha256 and its own digest) and renames it into place; old one
 resume loads each part back from its file. The folders' layout (file names and what each holds) is
 theworld/checkpoint_layout.py; final/ and its model card are train/final.py and train/model_card.py.
 
-Under FSDP (train.sharding: fsdp) every file holds whole tensors, gathered to the main process by the parts'
+Under FSDP (train.hardware.sharding: fsdp) every file holds whole tensors, gathered to the main process by the parts'
 state_dict(), with the same names and layout as a one-process run: see docs/training.md, "Sharding".
 """
 
@@ -182,7 +182,7 @@ def same_start(accelerator: Accelerator, output_dir: str | Path, step: int) -> N
 def restore(components: Components, resume_from: Path | None, cache: dict | None = None) -> LoopState:
     """A fresh LoopState, or the checkpoint's (every part of `states.run_states` restored into `components`).
     `cache`: what `cache_identity` says of the cache now, compared with what the checkpoint recorded. A weights-only
-    checkpoint (train.save_optimizer: false) resumes with a fresh optimiser, said in one line."""
+    checkpoint (train.checkpoint.save_optimizer: false) resumes with a fresh optimiser, said in one line."""
     if resume_from is None:
         return LoopState(parent=components.cfg.init_from)
     state = LoopState()
@@ -192,8 +192,8 @@ def restore(components: Components, resume_from: Path | None, cache: dict | None
     if components.accelerator.is_main_process:
         if not with_optimizer:
             _log.info(
-                f"note: {resume_from} holds no optimizer state (written with train.save_optimizer: false): the "
-                "optimizer starts fresh, so the run continues but not exactly as an uninterrupted one would"
+                f"note: {resume_from} holds no optimizer state (written with train.checkpoint.save_optimizer: "
+                "false): the optimizer starts fresh, so the run continues but not exactly as an uninterrupted one would"
             )
         if saved.get("config_hash") != run_hash(components.cfg):
             _log.warning(f"{resume_from} was written under a different config")
@@ -225,10 +225,10 @@ def save_run(components: Components, state: LoopState, steps_per_epoch: int, cac
     `cache_identity` of the cache trained on."""
     c = components
     c.accelerator.wait_for_everyone()
-    parts = run_states(c, state, steps_per_epoch, cache, c.cfg.train.save_optimizer)
+    parts = run_states(c, state, steps_per_epoch, cache, c.cfg.train.checkpoint.save_optimizer)
     given = [part.state_dict() for part in parts]
     if c.accelerator.is_main_process:
-        save(c.cfg.output_dir, f"checkpoint-{state.step}", parts, given, c.cfg.train.keep_last)
+        save(c.cfg.output_dir, f"checkpoint-{state.step}", parts, given, c.cfg.train.checkpoint.keep_last)
     c.accelerator.wait_for_everyone()
 
 

@@ -34,12 +34,15 @@ class Launch:
 
 
 def resolve_launch(cfg: TrainConfig) -> Launch:
-    """The one place the config changes after loading: train.sharding from the config or the launcher's FSDP variables
-    (taken out of the environment, before Accelerator() would act on them itself) and train.micro_batch_size for the
-    launched processes (`auto` resolved), so that every later use (loaders, the checkpoints' config hash) sees them."""
-    check_attention(cfg.train.attention)  # before the accelerator and the models: a refusal should cost nothing
+    """The one place the config changes after loading: train.hardware.sharding from the config or the launcher's FSDP
+    variables (taken out of the environment, before Accelerator() would act on them itself) and train.micro_batch_size
+    for the launched processes (`auto` resolved), so that every later use (loaders, the checkpoints' config hash) sees
+    them."""
+    check_attention(
+        cfg.train.hardware.attention
+    )  # before the accelerator and the models: a refusal should cost nothing
     choice = sharding.resolve(cfg)
-    cfg.train.sharding = choice.mode
+    cfg.train.hardware.sharding = choice.mode
     processes = launched_processes()
     return Launch(choice, processes, accumulation_steps(cfg, processes))
 
@@ -53,7 +56,7 @@ def make_accelerator(cfg: TrainConfig, launch: Launch | None = None) -> Accelera
     backend = sharding.process_group_backend(launch.sharding, use_cpu(), launch.processes)
     accelerator = Accelerator(
         cpu=use_cpu(),
-        mixed_precision=cfg.train.mixed_precision,
+        mixed_precision=cfg.train.hardware.mixed_precision,
         log_with=list(cfg.trackers) or None,
         project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=cfg.output_dir),
         kwargs_handlers=[InitProcessGroupKwargs(backend=backend)] if backend else None,
@@ -64,10 +67,10 @@ def make_accelerator(cfg: TrainConfig, launch: Launch | None = None) -> Accelera
 
 
 def build_model(cfg: TrainConfig) -> tuple[TheWorld, Gemma3Processor]:
-    """TheWorld in train mode, freeze flags applied, trainable weights in fp32, checkpointing as configured. The
-    rollout pipeline loads only for what rolls out live: an unfrozen VAE's batches, or train.benchmarks' images (with a
+    """TheWorld in train mode, freeze flags applied, trainable weights in fp32, checkpointing as configured. The rollout
+    pipeline loads only for what rolls out live: an unfrozen VAE's batches, or train.eval.benchmarks' images (with a
     frozen VAE every batch brings the cache's latents, and the Video2World transformer would only take memory)."""
-    live = not cfg.freeze.vae or bool(cfg.train.benchmarks)
+    live = not cfg.freeze.vae or bool(cfg.train.eval.benchmarks)
     model, processor = TheWorld.from_config(
         cfg.model, cfg.world, cfg.freeze, seed=cfg.seed, lora=cfg.lora, rollout=live
     )
@@ -77,19 +80,19 @@ def build_model(cfg: TrainConfig) -> tuple[TheWorld, Gemma3Processor]:
 def ready_for_training(model: TheWorld, cfg: TrainConfig) -> TheWorld:
     """The train.* settings that act on the model itself, in place."""
     model.cast_trainable_to_fp32()
-    ac = cfg.train.activation_checkpointing
+    ac = cfg.train.hardware.activation_checkpointing
     model.activation_checkpointing(ac.mode, ac.every_n, ac.parts)
-    set_language_attention(model.gemma, cfg.train.attention)
-    if cfg.train.compile:
+    set_language_attention(model.gemma, cfg.train.hardware.attention)
+    if cfg.train.hardware.compile:
         compile_language_layers(model.gemma)
     return model.train()
 
 
 def check_attention(attention: str) -> None:
-    """Whether this machine can run the `train.attention` kernel."""
+    """Whether this machine can run the `train.hardware.attention` kernel."""
     if attention == "flex_attention" and not torch.cuda.is_available():
         raise UserError(
-            "config key 'train.attention': flex_attention needs a CUDA GPU (PyTorch's FlexAttention has "
+            "config key 'train.hardware.attention': flex_attention needs a CUDA GPU (PyTorch's FlexAttention has "
             "no CPU backward); use sdpa"
         )
 
@@ -112,8 +115,9 @@ class Components:
     params: list[torch.nn.Parameter]  # trainable, in a fixed order (DTensors when sharded)
     accum: int
     ema: list[torch.Tensor] | None = None
-    sharded: bool = False  # FSDP2 (train.sharding, train.cpu_offload): parameters, gradients, optimizer state and EMA
-    # are DTensors
+    # FSDP2 (train.hardware.sharding, train.hardware.cpu_offload): parameters, gradients, optimizer state and EMA are
+    # DTensors
+    sharded: bool = False
     sharding: str = "sharding ddp"  # what the run prints about it
 
     @property
@@ -128,17 +132,17 @@ class Components:
 def build(
     cfg: TrainConfig, accelerator: Accelerator, accum: int, built: tuple[TheWorld, Gemma3Processor | None] | None = None
 ) -> Components:
-    """Model sharded or DDP-wrapped (train.sharding), optimiser over trainable parameters only, schedule, optional EMA.
-    `built`: a model (and processor) made by `build_model` and then given its init_from weights, or made elsewhere
-    (e.g. the real architecture with random weights for tools.speed_stages)."""
+    """Model sharded or DDP-wrapped (train.hardware.sharding), optimiser over trainable parameters only, schedule,
+    optional EMA. `built`: a model (and processor) made by `build_model` and then given its init_from weights, or made
+    elsewhere (e.g. the real architecture with random weights for tools.speed_stages)."""
     model, processor = built or build_model(cfg)
     choice = getattr(accelerator, "sharding_choice", None) or sharding.ShardingChoice(
-        cfg.train.sharding, "train.sharding"
+        cfg.train.hardware.sharding, "train.hardware.sharding"
     )
     sharded = choice.sharded(accelerator.num_processes)
     if sharded:  # the optimiser is built over the DTensor parameters fully_shard leaves; the model is not prepared
         n_units = sharding.shard(
-            model, accelerator.device, accelerator.num_processes, cfg.train.mixed_precision, choice.offload
+            model, accelerator.device, accelerator.num_processes, cfg.train.hardware.mixed_precision, choice.offload
         )
         wrapped, optimizer = model, accelerator.prepare(build_optimizer(cfg, model))
     else:
@@ -146,7 +150,7 @@ def build(
         wrapped, optimizer = accelerator.prepare(model, build_optimizer(cfg, model))
     params = [p for p in model.parameters() if p.requires_grad]
     # after prepare, which moves the parameters to the device: the EMA lives next to them (sharded like them)
-    ema = [p.detach().clone().float() for p in params] if cfg.train.ema > 0 else None
+    ema = [p.detach().clone().float() for p in params] if cfg.train.optimizer.ema > 0 else None
     return Components(
         cfg,
         accelerator,

@@ -10,7 +10,7 @@ import math
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from theworld import hub
 from theworld.arch import CHECKPOINT_PARTS
@@ -66,12 +66,14 @@ class LrMultipliers:
     def __post_init__(self) -> None:
         for name, x in vars(self).items():
             if not (math.isfinite(x) and x > 0):
-                raise UserError(f"config key 'train.lr_multipliers.{name}': must be a positive finite number, got {x}")
+                raise UserError(
+                    f"config key 'train.optimizer.lr_multipliers.{name}': must be a positive finite number, got {x}"
+                )
 
 
 @dataclass
 class BenchmarkEntry:
-    """A `train.benchmarks` entry that names more than its file (a plain string entry is {path} with defaults)."""
+    """A `train.eval.benchmarks` entry that names more than its file (a plain string entry is {path} with defaults)."""
 
     path: str
     protocol: Literal["auto", "generate", "loglik"] = "auto"  # auto: generate for items with their own prompt (BLINK)
@@ -88,7 +90,7 @@ class BenchmarkEntry:
         try:
             return parse(self.baselines, world_steps)
         except UserError as e:
-            raise UserError(f"config key 'train.benchmarks': {e}".replace("--baselines: ", "")) from None
+            raise UserError(f"config key 'train.eval.benchmarks': {e}".replace("--baselines: ", "")) from None
 
 
 @dataclass
@@ -101,11 +103,12 @@ class PlateauConfig:
 
     def __post_init__(self) -> None:
         if self.window_evals < 0:
-            raise UserError(f"config key 'train.plateau.window_evals': must be >= 0, got {self.window_evals}")
-        check_sizes(self, "train.plateau")
+            raise UserError(f"config key 'train.eval.plateau.window_evals': must be >= 0, got {self.window_evals}")
+        check_sizes(self, "train.eval.plateau")
         if not (math.isfinite(self.min_improvement) and self.min_improvement >= 0):
             raise UserError(
-                f"config key 'train.plateau.min_improvement': must be a finite number >= 0, got {self.min_improvement}"
+                f"config key 'train.eval.plateau.min_improvement': must be a finite number >= 0, got "
+                f"{self.min_improvement}"
             )
 
 
@@ -126,18 +129,18 @@ class ActivationCheckpointing:
             self.mode = "full"
         if self.mode == "none" and self.every_n != 1:
             raise UserError(
-                f"config key 'train.activation_checkpointing.every_n': {shown(self.every_n)} with mode none "
+                f"config key 'train.hardware.activation_checkpointing.every_n': {shown(self.every_n)} with mode none "
                 "checkpoints nothing; use mode full or selective"
             )
         if not 1 <= self.every_n <= MAX_EVERY_N:
             raise UserError(
-                f"config key 'train.activation_checkpointing.every_n': must be in [1, {MAX_EVERY_N}] (1: every "
-                f"layer), got {shown(self.every_n)}"
+                f"config key 'train.hardware.activation_checkpointing.every_n': must be in [1, {MAX_EVERY_N}] (1: "
+                f"every layer), got {shown(self.every_n)}"
             )
         if len(set(self.parts)) != len(self.parts) or set(self.parts) - set(CHECKPOINT_PARTS):
             raise UserError(
-                f"config key 'train.activation_checkpointing.parts': each of {list(CHECKPOINT_PARTS)} at most once, "
-                f"got {shown(self.parts)}"
+                f"config key 'train.hardware.activation_checkpointing.parts': each of {list(CHECKPOINT_PARTS)} at most "
+                f"once, got {shown(self.parts)}"
             )
 
     def wraps(self, part: str) -> bool:
@@ -151,13 +154,13 @@ LEGACY_FULL = ActivationCheckpointing(mode="full", parts=["language", "vision"])
 
 
 def resolve_checkpointing(legacy: bool | None, given: ActivationCheckpointing | str | None) -> ActivationCheckpointing:
-    """train.activation_checkpointing (a section, or a mode alone) from it and the earlier
-    train.gradient_checkpointing (true: LEGACY_FULL, false: none); both given must agree (true with mode full, false
-    with none)."""
+    """train.hardware.activation_checkpointing (a section, or a mode alone) from it and the earlier
+    train.hardware.gradient_checkpointing (true: LEGACY_FULL, false: none); both given must agree (true with mode full,
+    false with none)."""
     if isinstance(given, str):
         if given not in CHECKPOINT_MODES:
             raise UserError(
-                f"config key 'train.activation_checkpointing': {shown(given)} is not a mode "
+                f"config key 'train.hardware.activation_checkpointing': {shown(given)} is not a mode "
                 f"({', '.join(CHECKPOINT_MODES)}) or a section {{mode, every_n, parts}}"
             )
         given = ActivationCheckpointing(mode=given)
@@ -167,15 +170,157 @@ def resolve_checkpointing(legacy: bool | None, given: ActivationCheckpointing | 
         return copy.deepcopy(LEGACY_FULL) if legacy else ActivationCheckpointing(mode="none")
     if given.mode != ("full" if legacy else "none"):
         raise UserError(
-            f"config keys 'train.gradient_checkpointing' ({str(legacy).lower()}) and "
-            f"'train.activation_checkpointing.mode' ({given.mode}) disagree; drop train.gradient_checkpointing "
-            "(true means mode full, false mode none)"
+            f"config keys 'train.hardware.gradient_checkpointing' ({str(legacy).lower()}) and "
+            f"'train.hardware.activation_checkpointing.mode' ({given.mode}) disagree; drop "
+            "train.hardware.gradient_checkpointing (true means mode full, false mode none)"
         )
     return given
 
 
 @dataclass
+class OptimizerConfig:
+    """`train.optimizer`: AdamW, gradient clipping and the EMA of the trainable weights (train/optim.py, step.py)."""
+
+    lr: float = 1e-2
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    weight_decay: float = 0.0  # never applied to biases, norms, the world markers and the temporal table
+    grad_clip: float = 1.0  # 0: no clipping (the norm is still computed and logged)
+    grad_norm_warn: float = 100.0  # warn when the pre-clip gradient norm exceeds this (0: never)
+    lr_multipliers: LrMultipliers = field(default_factory=LrMultipliers)
+    ema: float = 0.0  # EMA decay of the trainable weights (0: off), e.g. 0.999
+    ema_warmup_steps: int = 0  # the decay ramps up linearly from 0 to `ema` over this many steps (step.ema_decay)
+
+    def __post_init__(self) -> None:
+        at_least(self, "train.optimizer", 0, "weight_decay", "grad_clip", "grad_norm_warn", "ema_warmup_steps")
+        if not self.lr > 0:
+            raise UserError(f"config key 'train.optimizer.lr': must be positive, got {self.lr}")
+        for name, x in vars(self.lr_multipliers).items():  # what AdamW multiplies the update by, in float32
+            if self.lr * x > FLOAT32_MAX:
+                raise UserError(
+                    f"config key 'train.optimizer.lr_multipliers.{name}': {x:g} x train.optimizer.lr {self.lr:g} does "
+                    f"not fit float32 (at most {FLOAT32_MAX:.4g})"
+                )
+        if not 0.0 <= self.ema < 1.0:
+            raise UserError(f"config key 'train.optimizer.ema': decay must be in [0, 1), got {self.ema}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise UserError(f"config key 'train.optimizer.betas': two numbers in [0, 1), got {self.betas}")
+
+
+@dataclass
+class LrSchedule:
+    """`train.lr_schedule`: the learning-rate factor as a pure function of the step (train/optim.py, `lr_factor`)."""
+
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = 50
+
+    def __post_init__(self) -> None:
+        at_least(self, "train.lr_schedule", 0, "warmup_steps")
+
+
+@dataclass
+class LoaderConfig:
+    """`train.loader`: what a sample becomes on its way into a batch (train/data.py)."""
+
+    num_workers: int = neutral(2)
+    flip: bool = False  # horizontal flip augmentation with left/right caption swap (needs flipped latents cached)
+    cached_siglip: bool = True  # use cached SigLIP features when present and the vision tower is frozen
+    max_length: int = 0  # token cap per sample (0: none)
+
+    def __post_init__(self) -> None:
+        at_least(self, "train.loader", 0, "num_workers", "max_length")
+        check_sizes(self, "train.loader")
+        check_workers("train.loader.num_workers", self.num_workers)
+
+
+@dataclass
+class EvalConfig:
+    """`train.eval`: the held-out loss, the benchmarks and the caption samples of every eval (train/trainer.py)."""
+
+    every: int = neutral(500)  # 0: only at the end
+    samples: int = 256  # held out by key hash, never trained on
+    batch_size: int = 0  # 0: train.micro_batch_size (at least 2, so world latents can be permuted)
+    # multiple-choice sets scored at every eval (JSONL, or a BLINK parquet folder; docs/inference.md):
+    # bench/<name>/accuracy, .../accuracy_shuffled_world
+    benchmarks: list[str | BenchmarkEntry] = field(default_factory=list, metadata=NEUTRAL)
+    # held-out samples captioned at every eval (own world, shuffled world, true caption); 0: none
+    captions: int = neutral(8)
+    caption_tokens: int = neutral(32)  # new tokens per generated caption
+    plateau: PlateauConfig = field(default_factory=PlateauConfig, metadata=NEUTRAL)
+    # checkpoint, final weights and summary at the first eval that finds a plateau
+    stop_on_plateau: bool = neutral(False)
+
+    def __post_init__(self) -> None:
+        at_least(self, "train.eval", 0, "every", "samples", "batch_size", "captions", "caption_tokens")
+        check_sizes(self, "train.eval")
+
+
+@dataclass
+class CheckpointConfig:
+    """`train.checkpoint`: when checkpoints are written and how many stay (train/checkpoint.py)."""
+
+    every: int = neutral(500)
+    keep_last: int = neutral(2)
+    # false: weights-only checkpoints, a resume from one starts the optimizer fresh (not an exact resume;
+    # docs/training.md)
+    save_optimizer: bool = neutral(True)
+
+    def __post_init__(self) -> None:
+        at_least(self, "train.checkpoint", 1, "every", "keep_last")
+
+
+@dataclass
+class LoggingConfig:
+    """`train.logging`: how often the step metrics go to the console and the trackers (train/metrics.py)."""
+
+    every: int = neutral(50)
+
+    def __post_init__(self) -> None:
+        at_least(self, "train.logging", 1, "every")
+
+
+@dataclass
+class HardwareConfig:
+    """`train.hardware`: how the run uses the machine: precision, kernels, sharding, threads, recomputation."""
+
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"  # fp16 is refused with its reason (below)
+    compile: bool = False  # torch.compile the language model's decoder layers (GPU; see docs/performance.md)
+    attention: Literal["sdpa", "flex_attention", "eager"] = "sdpa"  # the language model's attention kernel;
+    # flex_attention (GPU) skips the masked blocks outside Gemma's 1024-token sliding window (docs/performance.md)
+    # fsdp: FSDP2 fully_shard of weights, gradients and optimizer state across processes (train/sharding.py,
+    # docs/training.md); an accelerate launch config asking for FSDP selects it too
+    sharding: Literal["ddp", "fsdp"] = neutral("ddp")
+    # fsdp only: keep parameters, gradients and optimizer state in host memory (FSDP2 CPUOffloadPolicy; the optimizer
+    # steps on the CPU); also with one process, which then shards over a group of one
+    cpu_offload: bool = neutral(False)
+    # torch intra-op threads of each training process (0: torch's default); on a small CPU box 1 avoids OpenMP threads
+    # fighting the loader workers (several times faster for the tiny demo on 2 cores)
+    cpu_threads: int = neutral(0)
+    # the earlier switch, still read: true is activation_checkpointing {mode: full, parts: [language, vision]}, false
+    # none; once resolved it is null and activation_checkpointing says what runs
+    gradient_checkpointing: bool | None = neutral(None)
+    # a section, or a mode alone (selective: {mode: selective}); null: none (or what gradient_checkpointing says)
+    activation_checkpointing: ActivationCheckpointing | str | None = neutral(None)
+
+    def __post_init__(self) -> None:
+        at_least(self, "train.hardware", 0, "cpu_threads")
+        check_threads("train.hardware.cpu_threads", self.cpu_threads)
+        if self.mixed_precision == "fp16":
+            # Gemma 3's activations overflow float16, and fp16 needs a loss scaler whose state and skipped steps this
+            # loop does not handle: bf16 has float32's range and needs none.
+            raise UserError(
+                "config key 'train.hardware.mixed_precision': fp16 is not supported (Gemma 3 overflows float16); "
+                "use bf16"
+            )
+        self.activation_checkpointing = resolve_checkpointing(
+            self.gradient_checkpointing, self.activation_checkpointing
+        )
+        self.gradient_checkpointing = None  # said once: a saved config reloads without the two disagreeing
+
+
+@dataclass
 class TrainSection:
+    """`train`: the run's length and batch, and a section for each part of the loop a builder takes alone."""
+
     max_steps: int = 1000
     epochs: float = 0.0  # > 0: train this many epochs of the data (0.5 allowed) instead of max_steps, which it sets
     global_batch_size: int = 32  # the optimiser's batch, whatever the number of processes
@@ -183,115 +328,74 @@ class TrainSection:
     # global / processes that is at most max_micro_batch_size
     micro_batch_size: int | Literal["auto"] = neutral("auto")
     max_micro_batch_size: int = neutral(32)  # what one forward fits in memory (used by micro_batch_size: auto)
-    lr: float = 1e-2
-    warmup_steps: int = 50
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    weight_decay: float = 0.0  # never applied to biases, norms, the world markers and the temporal table
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    grad_clip: float = 1.0  # 0: no clipping (the norm is still computed and logged)
-    grad_norm_warn: float = 100.0  # warn when the pre-clip gradient norm exceeds this (0: never)
     max_nonfinite: int = 5  # this many non-finite steps in a row stop the run
-    log_every: int = neutral(50)
-    save_every: int = neutral(500)
-    eval_every: int = neutral(500)  # 0: only at the end
-    keep_last: int = neutral(2)
-    # false: weights-only checkpoints, a resume from one starts the optimizer fresh (not an exact resume;
-    # docs/training.md)
-    save_optimizer: bool = neutral(True)
-    eval_samples: int = 256  # held out by key hash, never trained on
-    eval_batch_size: int = 0  # 0: micro_batch_size (at least 2, so world latents can be permuted)
-    num_workers: int = neutral(2)
-    mixed_precision: Literal["no", "bf16", "fp16"] = "no"  # fp16 is refused with its reason (below)
-    # the earlier switch, still read: true is activation_checkpointing {mode: full, parts: [language, vision]}, false
-    # none; once resolved it is null and activation_checkpointing says what runs
-    gradient_checkpointing: bool | None = neutral(None)
-    # a section, or a mode alone (selective: {mode: selective}); null: none (or what gradient_checkpointing says)
-    activation_checkpointing: ActivationCheckpointing | str | None = neutral(None)
-    compile: bool = False  # torch.compile the language model's decoder layers (GPU; see docs/performance.md)
-    attention: Literal["sdpa", "flex_attention", "eager"] = "sdpa"  # the language model's attention kernel;
-    # flex_attention (GPU) skips the masked blocks outside Gemma's 1024-token sliding window (docs/performance.md)
-    ema: float = 0.0  # EMA decay of the trainable weights (0: off), e.g. 0.999
-    ema_warmup_steps: int = 0  # the decay ramps up linearly from 0 to train.ema over this many steps (step.ema_decay)
-    flip: bool = False  # horizontal flip augmentation with left/right caption swap (needs flipped latents cached)
-    cached_siglip: bool = True  # use cached SigLIP features when present and the vision tower is frozen
-    max_length: int = 0  # token cap per sample (0: none)
-    # fsdp: FSDP2 fully_shard of weights, gradients and optimizer state across processes (train/sharding.py,
-    # docs/training.md); an accelerate launch config asking for FSDP selects it too
-    sharding: Literal["ddp", "fsdp"] = neutral("ddp")
-    # fsdp only: keep parameters, gradients and optimizer state in host memory (FSDP2 CPUOffloadPolicy; the optimizer
-    # steps on the CPU); also with one process, which then shards over a group of one
-    cpu_offload: bool = neutral(False)
-    lr_multipliers: LrMultipliers = field(default_factory=LrMultipliers)
-    # multiple-choice sets scored at every eval (JSONL, or a BLINK parquet folder; docs/inference.md):
-    # bench/<name>/accuracy, .../accuracy_shuffled_world
-    benchmarks: list[str | BenchmarkEntry] = field(default_factory=list, metadata=NEUTRAL)
-    plateau: PlateauConfig = field(default_factory=PlateauConfig, metadata=NEUTRAL)
-    # checkpoint, final weights and summary at the first eval that finds a plateau
-    stop_on_plateau: bool = neutral(False)
-    # held-out samples captioned at every eval (own world, shuffled world, true caption); 0: none
-    samples: int = neutral(8)
-    sample_tokens: int = neutral(32)  # new tokens per generated caption
-    # torch intra-op threads of each training process (0: torch's default); on a small CPU box 1 avoids OpenMP threads
-    # fighting the loader workers (several times faster for the tiny demo on 2 cores)
-    cpu_threads: int = neutral(0)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_schedule: LrSchedule = field(default_factory=LrSchedule)
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
 
     def __post_init__(self) -> None:
-        for name in (
-            "max_steps",
-            "global_batch_size",
-            "micro_batch_size",
-            "max_micro_batch_size",
-            "log_every",
-            "save_every",
-            "keep_last",
-        ):
-            if getattr(self, name) != "auto" and getattr(self, name) <= 0:
-                raise UserError(f"config key 'train.{name}': must be positive, got {getattr(self, name)}")
+        at_least(self, "train", 1, "max_steps", "global_batch_size", "max_micro_batch_size", "max_nonfinite")
+        if self.micro_batch_size != "auto":
+            at_least(self, "train", 1, "micro_batch_size")
         check_sizes(self, "train")
         if not (math.isfinite(self.epochs) and self.epochs >= 0):
             raise UserError(f"config key 'train.epochs': must be a finite number >= 0, got {self.epochs}")
-        for name in (
-            "samples",
-            "cpu_threads",
-            "warmup_steps",
-            "ema_warmup_steps",
-            "eval_every",
-            "eval_samples",
-            "eval_batch_size",
-            "num_workers",
-            "max_length",
-            "weight_decay",
-            "grad_clip",
-            "grad_norm_warn",
-        ):
-            if getattr(self, name) < 0:
-                raise UserError(f"config key 'train.{name}': must be >= 0, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise UserError(f"config key 'train.lr': must be positive, got {self.lr}")
-        for name, x in vars(self.lr_multipliers).items():  # what AdamW multiplies the update by, in float32
-            if self.lr * x > FLOAT32_MAX:
-                raise UserError(
-                    f"config key 'train.lr_multipliers.{name}': {x:g} x train.lr {self.lr:g} does not fit "
-                    f"float32 (at most {FLOAT32_MAX:.4g})"
-                )
-        check_workers("train.num_workers", self.num_workers)
-        check_threads("train.cpu_threads", self.cpu_threads)
-        if not 0.0 <= self.ema < 1.0:
-            raise UserError(f"config key 'train.ema': decay must be in [0, 1), got {self.ema}")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise UserError(f"config key 'train.betas': two numbers in [0, 1), got {self.betas}")
-        if self.mixed_precision == "fp16":
-            # Gemma 3's activations overflow float16, and fp16 needs a loss scaler whose state and skipped steps this
-            # loop does not handle: bf16 has float32's range and needs none.
-            raise UserError(
-                "config key 'train.mixed_precision': fp16 is not supported (Gemma 3 overflows float16); use bf16"
-            )
-        if self.max_nonfinite < 1:
-            raise UserError(f"config key 'train.max_nonfinite': must be >= 1, got {self.max_nonfinite}")
-        self.activation_checkpointing = resolve_checkpointing(
-            self.gradient_checkpointing, self.activation_checkpointing
-        )
-        self.gradient_checkpointing = None  # said once: a saved config reloads without the two disagreeing
+
+
+def at_least(section: object, prefix: str, least: int, *names: str) -> None:
+    """Each of `names` in `section` (dotted name `prefix`) is >= `least`: the one-line error otherwise."""
+    for name in names:
+        value = getattr(section, name)
+        if value < least:
+            need = "positive" if least == 1 else f">= {least}"
+            raise UserError(f"config key '{prefix}.{name}': must be {need}, got {value}")
+
+
+# Where each key of the flat `train` section of earlier releases lives now. A config (or a --set) with an old key
+# still loads, with one warning line naming the new keys; `run_hash` hashes the old shape, so runs resume as before.
+MOVED_KEYS = {
+    f"train.{old}": f"train.{new}"
+    for old, new in {
+        "lr": "optimizer.lr",
+        "betas": "optimizer.betas",
+        "weight_decay": "optimizer.weight_decay",
+        "grad_clip": "optimizer.grad_clip",
+        "grad_norm_warn": "optimizer.grad_norm_warn",
+        "lr_multipliers": "optimizer.lr_multipliers",
+        "ema": "optimizer.ema",
+        "ema_warmup_steps": "optimizer.ema_warmup_steps",
+        "schedule": "lr_schedule.decay",
+        "warmup_steps": "lr_schedule.warmup_steps",
+        "num_workers": "loader.num_workers",
+        "flip": "loader.flip",
+        "cached_siglip": "loader.cached_siglip",
+        "max_length": "loader.max_length",
+        "eval_every": "eval.every",
+        "eval_samples": "eval.samples",
+        "eval_batch_size": "eval.batch_size",
+        "benchmarks": "eval.benchmarks",
+        "samples": "eval.captions",
+        "sample_tokens": "eval.caption_tokens",
+        "plateau": "eval.plateau",
+        "stop_on_plateau": "eval.stop_on_plateau",
+        "save_every": "checkpoint.every",
+        "keep_last": "checkpoint.keep_last",
+        "save_optimizer": "checkpoint.save_optimizer",
+        "log_every": "logging.every",
+        "mixed_precision": "hardware.mixed_precision",
+        "compile": "hardware.compile",
+        "attention": "hardware.attention",
+        "sharding": "hardware.sharding",
+        "cpu_offload": "hardware.cpu_offload",
+        "cpu_threads": "hardware.cpu_threads",
+        "gradient_checkpointing": "hardware.gradient_checkpointing",
+        "activation_checkpointing": "hardware.activation_checkpointing",
+    }.items()
+}
 
 
 @dataclass
@@ -382,6 +486,8 @@ class HubConfig:
 
 @dataclass
 class TrainConfig:
+    MOVED: ClassVar[dict[str, str]] = MOVED_KEYS  # earlier releases' keys, still read (theworld/config.py)
+
     model: ModelConfig = field(default_factory=ModelConfig)
     image: ImageConfig = field(default_factory=ImageConfig)
     world: WorldConfig = field(default_factory=WorldConfig)
@@ -504,7 +610,8 @@ RESUME_NEUTRAL = neutral_keys(TrainConfig)
 
 
 def run_hash(cfg: TrainConfig) -> str:
-    """Hash of everything that defines the run's numbers (recorded in each checkpoint's state.json)."""
+    """Hash of everything that defines the run's numbers (recorded in each checkpoint's state.json), taken over the
+    flat `train` section of earlier releases (MOVED_KEYS), so that their checkpoints still resume."""
     d = to_dict(cfg)
     if d.get("lora") is None:  # runs without LoRA keep the hash they had before the section existed
         d.pop("lora", None)
@@ -512,13 +619,25 @@ def run_hash(cfg: TrainConfig) -> str:
         for key in ("num_world_steps", "max_world_steps", "rollout"):  # the hash they had before the keys existed
             d["world"].pop(key, None)
     for key in RESUME_NEUTRAL:
-        *parents, last = key.split(".")
-        node = d
-        for p in parents:
-            node = node[p]
-        node.pop(last, None)
+        _pop(d, key)
+    for old, new in MOVED_KEYS.items():
+        value = _pop(d, new)
+        if value is not _MISSING:
+            d["train"][old.split(".")[-1]] = value
+    for section in [k for k, v in d["train"].items() if v == {} and dataclasses.is_dataclass(getattr(cfg.train, k))]:
+        del d["train"][section]  # every key of it moved back, or neutral
     d["train"]["gradient_checkpointing"] = False  # the hash runs had before it was neutral (false, its default)
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+_MISSING = object()
+
+
+def _pop(d: dict, dotted: str) -> Any:
+    *parents, last = dotted.split(".")
+    for p in parents:
+        d = d.get(p, {})
+    return d.pop(last, _MISSING)
 
 
 def load(argv: list[str] | None = None) -> tuple[TrainConfig, object]:
@@ -530,6 +649,13 @@ def load(argv: list[str] | None = None) -> tuple[TrainConfig, object]:
 __all__ = [
     "TrainConfig",
     "TrainSection",
+    "OptimizerConfig",
+    "LrSchedule",
+    "LoaderConfig",
+    "EvalConfig",
+    "CheckpointConfig",
+    "LoggingConfig",
+    "HardwareConfig",
     "ActivationCheckpointing",
     "PlateauConfig",
     "WandbConfig",

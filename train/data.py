@@ -52,8 +52,10 @@ def input_sources(cfg, reader: cf.CacheReader) -> InputSources:
     present = set(reader.member_names())
     has_image = cf.IMAGE in present
     cached_latents = cfg.freeze.vae
-    cached_siglip = not trains(cfg.freeze, cfg.lora, "vision") and cfg.train.cached_siglip and cf.SIGLIP in present
-    flip = cfg.train.flip
+    cached_siglip = (
+        not trains(cfg.freeze, cfg.lora, "vision") and cfg.train.loader.cached_siglip and cf.SIGLIP in present
+    )
+    flip = cfg.train.loader.flip
     if cached_latents and cfg.world.latent == "sample" and cf.latents_stored(reader.manifest) == "mean":
         raise UserError(
             f"config key 'world.latent': 'sample' needs the posterior's logvar, but cache "
@@ -62,13 +64,13 @@ def input_sources(cfg, reader: cf.CacheReader) -> InputSources:
         )
     if flip and cached_latents and cf.LATENT_FLIP not in present:
         raise UserError(
-            f"config key 'train.flip': cache {reader.cache_dir} has no flipped latents "
-            "(build it with cache.flip: true, or set train.flip: false)"
+            f"config key 'train.loader.flip': cache {reader.cache_dir} has no flipped latents "
+            "(build it with cache.flip: true, or set train.loader.flip: false)"
         )
     if flip and cached_siglip:
         raise UserError(
-            "config key 'train.flip': cached SigLIP features are unflipped; set "
-            "train.cached_siglip: false to compute image tokens live, or train.flip: false"
+            "config key 'train.loader.flip': cached SigLIP features are unflipped; set "
+            "train.loader.cached_siglip: false to compute image tokens live, or train.loader.flip: false"
         )
     wanted = {cf.LATENT} if cached_latents else set()
     if flip and cached_latents:
@@ -176,11 +178,11 @@ def check_same_layout(first: cf.CacheReader, other: cf.CacheReader) -> None:
 
 
 def split_data(cfg, reader: cf.CacheReader | MixedReader) -> tuple[np.ndarray, np.ndarray]:
-    """(train, held-out) global indices: order.split of the cache, or of each cache of a mixture (train.eval_samples
+    """(train, held-out) global indices: order.split of the cache, or of each cache of a mixture (train.eval.samples
     held out from each), offset into the mixture's index."""
     if not isinstance(reader, MixedReader):
-        return split(reader, cfg.train.eval_samples)
-    parts = [split(r, cfg.train.eval_samples) for r in reader.readers]
+        return split(reader, cfg.train.eval.samples)
+    parts = [split(r, cfg.train.eval.samples) for r in reader.readers]
     return tuple(np.concatenate([p[k] + off for p, off in zip(parts, reader.offsets)]) for k in (0, 1))
 
 
@@ -413,7 +415,7 @@ class DataContext:
     eval_indices: np.ndarray
     buckets: np.ndarray  # (len(reader),) each sample's bucket (latent shape)
     draw: Draw | None = None  # a mixture's per-epoch draw from its caches
-    truncation: str = ""  # with train.max_length: how many training samples it shortens (start line)
+    truncation: str = ""  # with train.loader.max_length: how many training samples it shortens (start line)
 
     @classmethod
     def build(
@@ -424,9 +426,9 @@ class DataContext:
         processor,
         split_: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> DataContext:
-        """`split_`: split(reader, cfg.train.eval_samples) when the caller has it already."""
-        train, held = split_ if split_ is not None else split(reader, cfg.train.eval_samples)
-        formatter = ChatFormatter(processor, max_length=cfg.train.max_length or None)
+        """`split_`: split(reader, cfg.train.eval.samples) when the caller has it already."""
+        train, held = split_ if split_ is not None else split(reader, cfg.train.eval.samples)
+        formatter = ChatFormatter(processor, max_length=cfg.train.loader.max_length or None)
         first = reader.sample(train[0], tensors=False)
         encode_texts(formatter, [first.turns])  # a prompt over max_length: an error before any worker
         truncation = truncation_report(formatter, reader, train) if formatter.max_length else ""
@@ -476,8 +478,8 @@ class DataContext:
 
 
 def truncation_report(formatter: ChatFormatter, reader: cf.CacheReader, indices: np.ndarray, chunk: int = 1024) -> str:
-    """The start line on what train.max_length does to the samples at `indices`: conversations that lose whole turns
-    from their end, and samples whose (first) answer is cut. Reads and tokenises every sample's text once."""
+    """The start line on what train.loader.max_length does to the samples at `indices`: conversations that lose whole
+    turns from their end, and samples whose (first) answer is cut. Reads and tokenises every sample's text once."""
     members, reader.members = reader.members, ()  # the caption and json alone
     shortened = dropped_turns = cut = 0
     try:
@@ -493,8 +495,9 @@ def truncation_report(formatter: ChatFormatter, reader: cf.CacheReader, indices:
     finally:
         reader.members = members
     return (
-        f"train.max_length {formatter.max_length}: {shortened} conversation(s) shortened ({dropped_turns} turn(s) "
-        f"dropped from their ends), {cut} sample(s) with the first answer cut, of {len(indices)} training samples"
+        f"train.loader.max_length {formatter.max_length}: {shortened} conversation(s) shortened ({dropped_turns} "
+        f"turn(s) dropped from their ends), {cut} sample(s) with the first answer cut, of {len(indices)} training "
+        "samples"
     )
 
 
@@ -506,7 +509,7 @@ def _worker_init(_: int) -> None:
 
 
 def _loader(cfg, ctx: DataContext, dataset, **kw) -> DataLoader:
-    workers = cfg.train.num_workers
+    workers = cfg.train.loader.num_workers
     if workers:
         # The main process then maps a batch's shared memory by name. The default strategy (file descriptors) asks
         # the worker process for each descriptor over a socket when the batch is received: a round trip that waits
@@ -536,7 +539,7 @@ def build_eval_loader(cfg, ctx: DataContext, rank: int, world_size: int) -> Data
     """This process's share (positions rank, rank + W, ... of the held-out split) in batches of one latent shape,
     unflipped, each sample with the world of its partner (`eval_partners`) for the shuffled-world loss."""
     positions = np.arange(rank, len(ctx.eval_indices), world_size)
-    size = cfg.train.eval_batch_size or cfg.train.micro_batch_size
+    size = cfg.train.eval.batch_size or cfg.train.micro_batch_size
     of = ctx.buckets[ctx.eval_indices[positions]]
     batches = []
     for k in np.unique(of):

@@ -52,9 +52,9 @@ def train(t: Trainer) -> int:
     try:
         for line in t.start_lines():
             m.message(line)
-        if state.step == 0 and cfg.train.eval_every and not t.run_eval():
+        if state.step == 0 and cfg.train.eval.every and not t.run_eval():
             return stop.finish(state.step, cfg, t.save, m)
-        while state.step < cfg.train.max_steps and not plateau.stopping(state, cfg.train.stop_on_plateau):
+        while state.step < cfg.train.max_steps and not plateau.stopping(state, cfg.train.eval.stop_on_plateau):
             epoch, start = divmod(state.step, t.per_epoch)
             batches = t.train_batches(epoch, start)
             for _ in range(start, min(t.per_epoch, start + cfg.train.max_steps - state.step)):
@@ -73,12 +73,12 @@ def train(t: Trainer) -> int:
                     step_s=t1 - t_data,
                     samples_per_s=cfg.train.global_batch_size / max(t1 - t_data, 1e-9),
                 )
-                if cfg.train.grad_norm_warn and out["grad_norm"] > cfg.train.grad_norm_warn:
+                if cfg.train.optimizer.grad_norm_warn and out["grad_norm"] > cfg.train.optimizer.grad_norm_warn:
                     m.message(
                         f"warning: step {state.step}: gradient norm {out['grad_norm']:.1f} "
-                        f"> train.grad_norm_warn {cfg.train.grad_norm_warn}"
+                        f"> train.optimizer.grad_norm_warn {cfg.train.optimizer.grad_norm_warn}"
                     )
-                if state.step % cfg.train.log_every == 0 or state.step == cfg.train.max_steps:
+                if state.step % cfg.train.logging.every == 0 or state.step == cfg.train.max_steps:
                     m.log(
                         {
                             "step": state.step,
@@ -89,13 +89,13 @@ def train(t: Trainer) -> int:
                     )
                 # the last step's eval comes after its checkpoint and final/ (Trainer.finish): it cannot lose them
                 last = state.step == cfg.train.max_steps
-                if not last and cfg.train.eval_every and state.step % cfg.train.eval_every == 0:
+                if not last and cfg.train.eval.every and state.step % cfg.train.eval.every == 0:
                     t.run_eval()  # a cut one is followed by the stop below
-                if state.step % cfg.train.save_every == 0:
+                if state.step % cfg.train.checkpoint.every == 0:
                     t.save()
                 if stop.requested():
                     return stop.finish(state.step, cfg, t.save, m)
-                if plateau.stopping(state, cfg.train.stop_on_plateau):
+                if plateau.stopping(state, cfg.train.eval.stop_on_plateau):
                     break  # saved and exported by t.finish
         return t.finish(stop)
     except NonFiniteError as e:

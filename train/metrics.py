@@ -54,7 +54,7 @@ def check_output_paths(cfg) -> None:
         wanted[out / "wandb"] = ("a directory", "W&B's run files")
     if cfg.profile.enabled:
         wanted[out / "profile"] = ("a directory", "the profiler's traces")
-    if cfg.train.samples:
+    if cfg.train.eval.captions:
         wanted[out / SAMPLES_DIR] = ("a directory", "the caption samples' pictures")
     for path, (kind, what) in wanted.items():
         found = paths.path_kind(path)

@@ -58,8 +58,8 @@ def card(cfg: TrainConfig, state: LoopState, out: Path, prompt: str) -> str:
         step=state.step,
         batch=cfg.train.global_batch_size,
         samples=state.samples_seen,
-        lr=cfg.train.lr,
-        schedule=cfg.train.schedule,
+        lr=cfg.train.optimizer.lr,
+        schedule=cfg.train.lr_schedule.decay,
         parent=state.parent or "the base models",
         eval_loss=fmt(ev.get("eval_loss")),
         eval_shuffled=fmt(ev.get("eval_loss_shuffled_world")),
@@ -71,7 +71,7 @@ def card(cfg: TrainConfig, state: LoopState, out: Path, prompt: str) -> str:
         text += (
             "\n"
             + next_step(
-                state.plateau_step, str(out / FINAL), cfg.train.stop_on_plateau and state.plateau_step is not None
+                state.plateau_step, str(out / FINAL), cfg.train.eval.stop_on_plateau and state.plateau_step is not None
             )
             + "\n"
         )

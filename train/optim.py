@@ -1,5 +1,5 @@
-"""The optimiser and its schedule: AdamW over parameter groups by part (train.lr_multipliers) and decay, and the
-learning-rate factor as a pure function of the step."""
+"""The optimiser and its schedule: AdamW over parameter groups by part (train.optimizer.lr_multipliers) and decay, and
+the learning-rate factor as a pure function of the step."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def decays(name: str, p: torch.Tensor) -> bool:
 
 def param_groups(model: torch.nn.Module, weight_decay: float, multipliers=None) -> list[dict]:
     """One AdamW group per (part, decay / no decay), in the order of `PARTS`; each group carries its part's
-    `lr_multiplier` (train.lr_multipliers), applied on top of the scheduled rate at every step."""
+    `lr_multiplier` (train.optimizer.lr_multipliers), applied on top of the scheduled rate at every step."""
     groups: dict[tuple[str, bool], list] = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
@@ -44,9 +44,9 @@ def param_groups(model: torch.nn.Module, weight_decay: float, multipliers=None) 
 
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(
-        param_groups(model, cfg.train.weight_decay, cfg.train.lr_multipliers),
-        lr=cfg.train.lr,
-        betas=tuple(cfg.train.betas),
+        param_groups(model, cfg.train.optimizer.weight_decay, cfg.train.optimizer.lr_multipliers),
+        lr=cfg.train.optimizer.lr,
+        betas=tuple(cfg.train.optimizer.betas),
     )
 
 
@@ -54,7 +54,9 @@ def lr_factor(cfg: TrainConfig) -> Callable[[int], float]:
     """The schedule as a pure function of the step (transformers' own warmup + cosine/linear/constant lambdas)."""
     from transformers import get_scheduler
 
-    name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[cfg.train.schedule]
+    name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[cfg.train.lr_schedule.decay]
     dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    sched = get_scheduler(name, dummy, num_warmup_steps=cfg.train.warmup_steps, num_training_steps=cfg.train.max_steps)
+    sched = get_scheduler(
+        name, dummy, num_warmup_steps=cfg.train.lr_schedule.warmup_steps, num_training_steps=cfg.train.max_steps
+    )
     return sched.lr_lambdas[0]

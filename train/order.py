@@ -4,7 +4,7 @@ noise seeds.
 Everything that decides which sample goes where is a pure function of (seed, epoch, step), so a run's data is the same
 whatever the number of processes, and resuming at step s reads exactly the batches an uninterrupted run reads there:
 
-- eval split: the `train.eval_samples` samples with the smallest sha256(key) are held out (independent of shard layout;
+- eval split: the `train.eval.samples` samples with the smallest sha256(key) are held out (independent of shard layout;
   theworld/cache_format/held_out.py);
 - epoch order: a permutation of the training samples seeded from (seed, epoch), walked in order, each sample going to
   its latent shape's (bucket's) list; each time a list reaches G samples they become the next global batch, and what is
@@ -75,12 +75,12 @@ def epoch_batches(
 def check_sizes(cfg, reader: cf.CacheReader, train_indices: np.ndarray, world_size: int, draw=None) -> int:
     """Steps per epoch from the cache's index alone (before any model loads), or a one-line error naming the key.
     `draw`: a mixture's train.mixture.Draw, whose epochs hold other samples than `train_indices`."""
-    n_eval = cfg.train.eval_samples
+    n_eval = cfg.train.eval.samples
     if draw is None:
         check_held_out(n_eval, len(reader))
     if n_eval == 1 or 0 < n_eval < world_size:  # each process takes a share; a shuffled world is another sample's
         raise UserError(
-            f"config key 'train.eval_samples': {n_eval} is too few for {world_size} process(es) (the "
+            f"config key 'train.eval.samples': {n_eval} is too few for {world_size} process(es) (the "
             f"shuffled-world loss takes each held-out sample's world from another one): use 0 (no eval) "
             f"or at least {max(2, world_size)}"
         )

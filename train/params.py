@@ -1,4 +1,4 @@
-"""Parameter counts per part of TheWorld (train.lr_multipliers' parts), for the run's start line."""
+"""Parameter counts per part of TheWorld (train.optimizer.lr_multipliers' parts), for the run's start line."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 each checkpoint's state.json, so a resumed run judges as an uninterrupted one would).
 
 The multi-stage guide's rule: less than 1% improvement of the validation loss over the last 5,000 steps. With
-`train.plateau.window_evals: 0` the window is the evals covering the last 5,000 steps, or a quarter of the run when
+`train.eval.plateau.window_evals: 0` the window is the evals covering the last 5,000 steps, or a quarter of the run when
 that is shorter (a 1,000-step demo stage would otherwise never be judged).
 """
 
@@ -47,9 +47,9 @@ def next_step(plateau_step: int | None, final_dir: str, stopped: bool) -> str:
             "The eval loss was still improving when the run ended: the guide's next step is to continue this "
             "stage (raise train.max_steps and resume) before moving on."
         )
-    how = "; the run stopped there (train.stop_on_plateau)" if stopped else ""
+    how = "; the run stopped there (train.eval.stop_on_plateau)" if stopped else ""
     return (
-        f"The eval loss plateaued at step {plateau_step} (train.plateau){how}: the guide's next step is the next "
+        f"The eval loss plateaued at step {plateau_step} (train.eval.plateau){how}: the guide's next step is the next "
         f"stage, started from these weights with `init_from: {final_dir}`."
     )
 

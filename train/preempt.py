@@ -102,7 +102,7 @@ class Preemption:
             metrics.message(f"stopped by {name} before the first step: nothing to save")
             metrics.close()
             return self.exit_code
-        if step % cfg.train.save_every:
+        if step % cfg.train.checkpoint.every:
             save()
         metrics.message(
             f"stopped by {name} after step {step}: checkpoint {cfg.output_dir}/checkpoint-{step}; rerun "

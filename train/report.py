@@ -126,7 +126,8 @@ def last_samples(records: list[dict]) -> tuple[int, list[dict]] | None:
 
 
 def last_benchmarks(records: list[dict]) -> tuple[int, dict[str, dict[str, float]]] | None:
-    """(step, {benchmark: {n, accuracy, accuracy_shuffled_world}}) of the last eval that logged train.benchmarks."""
+    """(step, {benchmark: {n, accuracy, accuracy_shuffled_world}}) of the last eval that logged
+    train.eval.benchmarks."""
     for r in reversed(records):
         found: dict[str, dict[str, float]] = {}
         for k, v in r.items():
@@ -406,7 +407,7 @@ def results_section(run: Run) -> str:
                 [_e(n), str(int(m.get("n", 0))), _fmt(m.get("accuracy")), _fmt(m.get("accuracy_shuffled_world"))]
                 for n, m in sorted(found.items())
             ]
-            parts.append(f"<p>train.benchmarks at step {step} of {_e(s.label)}:</p>")
+            parts.append(f"<p>train.eval.benchmarks at step {step} of {_e(s.label)}:</p>")
             parts.append(_table(["benchmark", "n", "accuracy", "shuffled world"], cells, numeric={1, 2, 3}))
     return "\n".join(parts)
 

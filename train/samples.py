@@ -45,7 +45,7 @@ class CaptionSamples:
         first_turns = [it["text"][0] for it in items]  # (prompt, answer); a conversation is judged by its first turn
         self.captions = [answer for _, answer in first_turns]
         self.images = [_picture(ctx.reader, int(ctx.eval_indices[i])) for i in range(n)]
-        self.max_new_tokens = cfg.train.sample_tokens
+        self.max_new_tokens = cfg.train.eval.caption_tokens
         shapes = ctx.buckets[ctx.eval_indices[:n]]
         self.groups = []
         for shape in dict.fromkeys(shapes.tolist()):

@@ -1,12 +1,11 @@
-"""`train.sharding: fsdp`: PyTorch FSDP2 (`fully_shard`) applied the way torchtitan does it, and the few operations
-that differ when parameters are DTensors (gradient clipping, gathering whole tensors for a save, scattering them back
-on resume). See docs/training.md, "Sharding".
+"""`train.hardware.sharding: fsdp`: PyTorch FSDP2 (`fully_shard`) applied the way torchtitan does it, and the few
+operations that differ when parameters are DTensors (gradient clipping, gathering whole tensors for a save, scattering
+them back on resume). See docs/training.md, "Sharding".
 
 Each Gemma decoder layer, each SigLIP encoder layer and the VAE's encoder and decoder are one FSDP unit; the root unit
-holds the rest (embeddings, tied lm_head, norms, the world projector). Under `train.mixed_precision: bf16` units compute
-in bf16 from fp32 master weights and reduce gradients in fp32. With one process nothing is sharded, unless
-`train.cpu_offload` asks for FSDP2's host offload: then the one process shards over a process group of one.
-"""
+holds the rest (embeddings, tied lm_head, norms, the world projector). Under `train.hardware.mixed_precision: bf16`
+units compute in bf16 from fp32 master weights and reduce gradients in fp32. With one process nothing is sharded, unless
+`train.hardware.cpu_offload` asks for FSDP2's host offload: then the one process shards over a process group of one."""
 
 from __future__ import annotations
 
@@ -53,18 +52,18 @@ def resolve(cfg) -> ShardingChoice:
     truthy = ("true", "1")
     from_launcher = os.environ.pop(FSDP_ENV, "false").lower() in truthy
     offload_launcher = os.environ.pop(OFFLOAD_ENV, "false").lower() in truthy
-    if cfg.train.sharding == "fsdp":
-        choice = ShardingChoice("fsdp", "train.sharding")
+    if cfg.train.hardware.sharding == "fsdp":
+        choice = ShardingChoice("fsdp", "train.hardware.sharding")
     elif from_launcher:
         choice = ShardingChoice("fsdp", f"the accelerate launch configuration ({FSDP_ENV})")
     else:
-        choice = ShardingChoice("ddp", "train.sharding")
-    choice.offload = cfg.train.cpu_offload or (offload_launcher and choice.mode == "fsdp")
-    if cfg.train.cpu_offload and choice.mode != "fsdp":
+        choice = ShardingChoice("ddp", "train.hardware.sharding")
+    choice.offload = cfg.train.hardware.cpu_offload or (offload_launcher and choice.mode == "fsdp")
+    if cfg.train.hardware.cpu_offload and choice.mode != "fsdp":
         from theworld.errors import UserError
 
         raise UserError(
-            "config key 'train.cpu_offload': host offload is part of FSDP; set train.sharding: fsdp "
+            "config key 'train.hardware.cpu_offload': host offload is part of FSDP; set train.hardware.sharding: fsdp "
             "(or launch with FSDP)"
         )
     return choice

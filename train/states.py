@@ -102,16 +102,16 @@ class Optimizer:
         c.optimizer.load_state_dict(saved)
         for g in c.optimizer.param_groups:
             if "part" in g:
-                g["lr_multiplier"] = getattr(c.cfg.train.lr_multipliers, g["part"])
+                g["lr_multiplier"] = getattr(c.cfg.train.optimizer.lr_multipliers, g["part"])
 
 
 @dataclass
 class Ema:
-    """The EMA of the trainable weights (train.ema > 0), by the same names."""
+    """The EMA of the trainable weights (train.optimizer.ema > 0), by the same names."""
 
     components: Components
     file: str = EMA
-    missing: ClassVar[str] = " but train.ema is on"
+    missing: ClassVar[str] = " but train.optimizer.ema is on"
 
     def state_dict(self) -> dict[str, torch.Tensor] | None:
         c = self.components
@@ -227,10 +227,10 @@ def run_states(
     optimizer: bool = True,
     source: Path | None = None,
 ) -> list[Stateful]:
-    """Every part of a training run's state, in the order they are saved and restored (the RNG after the tensors,
-    as before the parts were separate; state.json's records in the order of its keys). `optimizer`: False for a
-    weights-only checkpoint (train.save_optimizer: false), or to resume from one. `source`: the checkpoint they are
-    restored from (named in messages)."""
+    """Every part of a training run's state, in the order they are saved and restored (the RNG after the tensors, as
+    before the parts were separate; state.json's records in the order of its keys). `optimizer`: False for a
+    weights-only checkpoint (train.checkpoint.save_optimizer: false), or to resume from one. `source`: the checkpoint
+    they are restored from (named in messages)."""
     c = components
     parts: list[Stateful] = [Trainables(c, str(source / WEIGHTS)) if source else Trainables(c)]
     if optimizer:

@@ -67,9 +67,9 @@ def optimization_step(components: Components, state: LoopState, micro_batches: l
     if components.world_size > 1:
         n_global = accelerator.reduce(n_global, reduction="sum")
     n = max(int(n_global.item()), 1)  # the loss per answer token of the global batch (objective.per_token)
-    lr = cfg.train.lr * components.lr_fn(state.step)
+    lr = cfg.train.optimizer.lr * components.lr_fn(state.step)
     for g in components.optimizer.param_groups:
-        g["lr"] = lr * g.get("lr_multiplier", 1.0)  # train.lr_multipliers of the group's part
+        g["lr"] = lr * g.get("lr_multiplier", 1.0)  # train.optimizer.lr_multipliers of the group's part
     # a sample's position in the global batch
     first = rank_offset(cfg.train.global_batch_size, components.rank, components.world_size)
     if cfg.lora is not None and cfg.lora.dropout > 0:  # masks a pure function of (seed, step, rank): exact resume
@@ -90,7 +90,7 @@ def optimization_step(components: Components, state: LoopState, micro_batches: l
     if components.world_size > 1:
         loss_sum = accelerator.reduce(loss_sum, reduction="sum")
     loss = objective.per_token(float(loss_sum), n)
-    max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
+    max_norm = cfg.train.optimizer.grad_clip if cfg.train.optimizer.grad_clip > 0 else float("inf")
     grad_norm = (
         sharding.clip_grad_norm_(components.params, max_norm)
         if components.sharded
@@ -105,7 +105,7 @@ def optimization_step(components: Components, state: LoopState, micro_batches: l
                 torch._foreach_lerp_(
                     components.ema,
                     [p.detach().float() for p in components.params],
-                    1.0 - ema_decay(cfg.train.ema, cfg.train.ema_warmup_steps, state.step),
+                    1.0 - ema_decay(cfg.train.optimizer.ema, cfg.train.optimizer.ema_warmup_steps, state.step),
                 )
         state.nonfinite_in_a_row = 0
         state.first_loss = loss if state.first_loss is None else state.first_loss
@@ -120,7 +120,7 @@ def optimization_step(components: Components, state: LoopState, micro_batches: l
     if state.nonfinite_in_a_row >= cfg.train.max_nonfinite:
         raise NonFiniteError(
             f"{state.nonfinite_in_a_row} non-finite steps in a row (last at step {state.step}: "
-            f"loss {loss}, grad norm {grad_norm}); lower train.lr or check the data"
+            f"loss {loss}, grad norm {grad_norm}); lower train.optimizer.lr or check the data"
         )
     return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": not finite, "tokens": int(n_global.item())}
 

@@ -67,8 +67,8 @@ class Checked:
         if cfg.init_from:
             checkpoint.resolve_weights(cfg.init_from)
         bench = BenchmarkEval.load(cfg)
-        if cfg.train.cpu_threads:
-            torch.set_num_threads(cfg.train.cpu_threads)
+        if cfg.train.hardware.cpu_threads:
+            torch.set_num_threads(cfg.train.hardware.cpu_threads)
         split = data.split_data(cfg, reader)
         per_epoch = order.check_sizes(cfg, reader, split[0], launch.processes, data.mixture_draw(cfg, reader, split[0]))
         cfg.train.max_steps = order.total_steps(cfg.train, per_epoch)
@@ -113,7 +113,11 @@ class Trainer:
             state.wandb_run_id = new_wandb_run_id()  # kept in the checkpoints: a resumed run continues it
         rank, world_size = accelerator.process_index, accelerator.num_processes
         eval_loader = data.build_eval_loader(cfg, ctx, rank, world_size) if len(ctx.eval_indices) else None
-        samples = CaptionSamples(cfg, ctx, cfg.train.samples) if cfg.train.samples and len(ctx.eval_indices) else None
+        samples = (
+            CaptionSamples(cfg, ctx, cfg.train.eval.captions)
+            if cfg.train.eval.captions and len(ctx.eval_indices)
+            else None
+        )
         # last: what fails above is one error line, with no progress bar drawn before it
         metrics = Metrics(
             accelerator,
@@ -165,15 +169,15 @@ class Trainer:
                 ev = evaluate(self.c, self.eval_loader)
                 was_flat = state.plateau_step is not None
                 flat = plateau.record(
-                    state, cfg.train.plateau, cfg.train.eval_every, cfg.train.max_steps, ev["eval_loss"]
+                    state, cfg.train.eval.plateau, cfg.train.eval.every, cfg.train.max_steps, ev["eval_loss"]
                 )
                 state.last_eval = {"step": state.step, **ev, **flat}
                 self.metrics.log(state.last_eval)
                 if state.plateau_step is not None and not was_flat:
                     self.metrics.message(
                         f"step {state.step}: the eval loss has plateaued (less than "
-                        f"{cfg.train.plateau.min_improvement:.1%} better over the last evals)"
-                        + ("; stopping: train.stop_on_plateau" if cfg.train.stop_on_plateau else "")
+                        f"{cfg.train.eval.plateau.min_improvement:.1%} better over the last evals)"
+                        + ("; stopping: train.eval.stop_on_plateau" if cfg.train.eval.stop_on_plateau else "")
                     )
             if self.checked.bench is not None:
                 results = self.checked.bench.run(self.c)
@@ -234,7 +238,7 @@ class Trainer:
         command repeats only the eval."""
         state, accelerator = self.state, self.c.accelerator
         # (a finished run's rerun has its checkpoint)
-        if self.window.steps_run and state.step % self.cfg.train.save_every:
+        if self.window.steps_run and state.step % self.cfg.train.checkpoint.every:
             self.save()
         whole = final.gather(self.c)
         if accelerator.is_main_process:
@@ -254,7 +258,7 @@ class Trainer:
         if accelerator.is_main_process:
             print(
                 f"final weights: {folder}\n"
-                + summary(state, time.time() - self.t_start, self.window, self.cfg.train.stop_on_plateau, folder)
+                + summary(state, time.time() - self.t_start, self.window, self.cfg.train.eval.stop_on_plateau, folder)
             )
             hub_upload.finish(self.hub, folder)
         return 0

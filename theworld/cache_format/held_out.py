@@ -28,5 +28,5 @@ def split(reader: CacheReader, eval_samples: int) -> tuple[np.ndarray, np.ndarra
 def check_held_out(eval_samples: int, num_samples: int) -> None:
     if eval_samples >= num_samples:
         raise UserError(
-            f"config key 'train.eval_samples': {eval_samples} leaves nothing to train on ({num_samples} samples)"
+            f"config key 'train.eval.samples': {eval_samples} leaves nothing to train on ({num_samples} samples)"
         )

@@ -8,7 +8,7 @@ pycocoevalcap's PTBTokenizer, which needs Java (as METEOR and SPICE do, which ar
 
 JSONL, one item per line: `{"image": path relative to the file, "captions": str or [str, ...]}`; or a latent cache's
 held-out split: the samples the trainer holds out for its eval (theworld/cache_format/held_out.py, with the run's
-`train.eval_samples`), each with its stored image, its caption as the reference and its own prompt.
+`train.eval.samples`), each with its stored image, its caption as the reference and its own prompt.
 """
 
 from __future__ import annotations
@@ -73,9 +73,11 @@ def read_cache(path: str | Path, split: str, stage: Path) -> list[Item]:
     if split != "val":
         raise UserError(f"--split {split}: a cache has one held-out split, val (the trainer's eval samples)")
     train = layout.read_yaml(stage).get("train") or {}
-    eval_samples = train.get("eval_samples", 256)  # TrainSection's default, for a config that leaves it out
+    section = train.get("eval") if isinstance(train.get("eval"), dict) else {}
+    # EvalConfig's default for a config that leaves it out; train.eval.samples in stages of earlier releases
+    eval_samples = section.get("samples", train.get("eval_samples", 256))
     if not isinstance(eval_samples, int) or eval_samples < 1:
-        raise UserError(f"{stage / layout.CONFIG}: train.eval_samples is {eval_samples!r}: the run held nothing out")
+        raise UserError(f"{stage / layout.CONFIG}: train.eval.samples is {eval_samples!r}: the run held nothing out")
     reader = cf.CacheReader(path)
     _, held = held_out(reader, eval_samples)
     items = []
