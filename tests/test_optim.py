@@ -48,19 +48,20 @@ def test_no_decay_for_biases_norms_and_markers_and_none_for_frozen():
     }
 
 
-def _cfg(*overrides: str) -> TrainConfig:
-    return load_config(TrainConfig, None, ["train.max_steps=100", "train.lr_schedule.warmup_steps=10", *overrides])
+def _factor(*overrides: str):
+    cfg = load_config(TrainConfig, None, ["train.max_steps=100", "train.lr_schedule.warmup_steps=10", *overrides])
+    return lr_factor(cfg.train.lr_schedule, cfg.train.max_steps)
 
 
 def test_cosine_schedule_is_a_pure_function_of_the_step():
-    f = lr_factor(_cfg("train.lr_schedule.decay=cosine"))
+    f = _factor("train.lr_schedule.decay=cosine")
     assert [f(s) for s in (0, 5, 10)] == pytest.approx([0.0, 0.5, 1.0])
     assert f(55) == pytest.approx(0.5 * (1 + math.cos(math.pi * 45 / 90)))
     assert f(100) == pytest.approx(0.0, abs=1e-12)
-    assert [f(s) for s in range(100)] == [lr_factor(_cfg("train.lr_schedule.decay=cosine"))(s) for s in range(100)]
+    assert [f(s) for s in range(100)] == [_factor("train.lr_schedule.decay=cosine")(s) for s in range(100)]
 
 
 def test_linear_and_constant_schedules():
-    lin, const = lr_factor(_cfg("train.lr_schedule.decay=linear")), lr_factor(_cfg("train.lr_schedule.decay=constant"))
+    lin, const = _factor("train.lr_schedule.decay=linear"), _factor("train.lr_schedule.decay=constant")
     assert lin(10) == pytest.approx(1.0) and lin(55) == pytest.approx(0.5) and lin(100) == pytest.approx(0.0)
     assert const(5) == pytest.approx(0.5) and const(10) == const(99) == pytest.approx(1.0)

@@ -257,7 +257,7 @@ def test_launcher_fsdp_and_offload_flags_select_the_plan(monkeypatch, config, en
         monkeypatch.setenv(k, v)
     cfg = TrainConfig()
     cfg.train.hardware.sharding = config
-    plan = sharding.resolve(cfg)
+    plan = sharding.resolve(cfg.train.hardware)
     assert (plan.mode, plan.offload) == expected
     assert plan.sharded(1) == plan.offload and plan.sharded(2) == (plan.mode == "fsdp")
     assert not {"ACCELERATE_USE_FSDP", "FSDP_OFFLOAD_PARAMS"} & set(os.environ)  # Accelerator() must not see them
@@ -447,7 +447,7 @@ def status(key):
 
 def steps(cfg, sizes, n):
     model = memory.build_world(cfg, "cpu").train()
-    opt = optim.build_optimizer(cfg, model)
+    opt = optim.build_optimizer(cfg.train.optimizer, model)
     x = batch(sizes, cfg.train.micro_batch_size, torch.device("cpu"))
     for _ in range(n):
         model(x).loss.backward()

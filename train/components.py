@@ -41,7 +41,7 @@ def resolve_launch(cfg: TrainConfig) -> Launch:
     check_attention(
         cfg.train.hardware.attention
     )  # before the accelerator and the models: a refusal should cost nothing
-    choice = sharding.resolve(cfg)
+    choice = sharding.resolve(cfg.train.hardware)
     cfg.train.hardware.sharding = choice.mode
     processes = launched_processes()
     return Launch(choice, processes, accumulation_steps(cfg, processes))
@@ -144,10 +144,10 @@ def build(
         n_units = sharding.shard(
             model, accelerator.device, accelerator.num_processes, cfg.train.hardware.mixed_precision, choice.offload
         )
-        wrapped, optimizer = model, accelerator.prepare(build_optimizer(cfg, model))
+        wrapped, optimizer = model, accelerator.prepare(build_optimizer(cfg.train.optimizer, model))
     else:
         n_units = 0
-        wrapped, optimizer = accelerator.prepare(model, build_optimizer(cfg, model))
+        wrapped, optimizer = accelerator.prepare(model, build_optimizer(cfg.train.optimizer, model))
     params = [p for p in model.parameters() if p.requires_grad]
     # after prepare, which moves the parameters to the device: the EMA lives next to them (sharded like them)
     ema = [p.detach().clone().float() for p in params] if cfg.train.optimizer.ema > 0 else None
@@ -158,7 +158,7 @@ def build(
         model,
         processor,
         optimizer,
-        lr_factor(cfg),
+        lr_factor(cfg.train.lr_schedule, cfg.train.max_steps),
         params,
         accum,
         ema,

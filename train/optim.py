@@ -11,7 +11,7 @@ import torch
 from theworld.arch import PARTS, part_of
 
 if TYPE_CHECKING:
-    from train.config import TrainConfig
+    from train.config import LrSchedule, OptimizerConfig
 
 # Parameter names that never get weight decay besides biases and norm weights (all 1-D tensors): the world markers and
 # the temporal table (embeddings, like position embeddings; the rows of frames a run does not use stay as initialised)
@@ -42,21 +42,19 @@ def param_groups(model: torch.nn.Module, weight_decay: float, multipliers=None) 
     ]
 
 
-def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+def build_optimizer(opt: OptimizerConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """AdamW over `model`'s trainable parameters as `train.optimizer` says."""
     return torch.optim.AdamW(
-        param_groups(model, cfg.train.optimizer.weight_decay, cfg.train.optimizer.lr_multipliers),
-        lr=cfg.train.optimizer.lr,
-        betas=tuple(cfg.train.optimizer.betas),
+        param_groups(model, opt.weight_decay, opt.lr_multipliers), lr=opt.lr, betas=tuple(opt.betas)
     )
 
 
-def lr_factor(cfg: TrainConfig) -> Callable[[int], float]:
-    """The schedule as a pure function of the step (transformers' own warmup + cosine/linear/constant lambdas)."""
+def lr_factor(schedule: LrSchedule, max_steps: int) -> Callable[[int], float]:
+    """`train.lr_schedule` over a run of `max_steps` as a pure function of the step (transformers' own warmup +
+    cosine/linear/constant lambdas)."""
     from transformers import get_scheduler
 
-    name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[cfg.train.lr_schedule.decay]
+    name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[schedule.decay]
     dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    sched = get_scheduler(
-        name, dummy, num_warmup_steps=cfg.train.lr_schedule.warmup_steps, num_training_steps=cfg.train.max_steps
-    )
+    sched = get_scheduler(name, dummy, num_warmup_steps=schedule.warmup_steps, num_training_steps=max_steps)
     return sched.lr_lambdas[0]

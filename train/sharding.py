@@ -13,9 +13,13 @@ import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from train.config import HardwareConfig
 
 FSDP_ENV = "ACCELERATE_USE_FSDP"  # what `accelerate launch --use_fsdp` and an accelerate config with FSDP export
 OFFLOAD_ENV = "FSDP_OFFLOAD_PARAMS"  # and `--fsdp_offload_params true` / `fsdp_offload_params: true`
@@ -44,7 +48,7 @@ class ShardingChoice:
         return "sharding ddp" + (" (replicated)" if world_size > 1 else " (1 process)")
 
 
-def resolve(cfg) -> ShardingChoice:
+def resolve(hardware: HardwareConfig) -> ShardingChoice:
     """fsdp when the config or the accelerate launch configuration asks for it, with host offload when either asks for
     that. The accelerate variables are taken out of the environment: Accelerator must not also wrap the model (its own
     FSDP path is CUDA-only and applies its own wrapping policy); train.loop shards it here instead, the same way on
@@ -52,14 +56,14 @@ def resolve(cfg) -> ShardingChoice:
     truthy = ("true", "1")
     from_launcher = os.environ.pop(FSDP_ENV, "false").lower() in truthy
     offload_launcher = os.environ.pop(OFFLOAD_ENV, "false").lower() in truthy
-    if cfg.train.hardware.sharding == "fsdp":
+    if hardware.sharding == "fsdp":
         choice = ShardingChoice("fsdp", "train.hardware.sharding")
     elif from_launcher:
         choice = ShardingChoice("fsdp", f"the accelerate launch configuration ({FSDP_ENV})")
     else:
         choice = ShardingChoice("ddp", "train.hardware.sharding")
-    choice.offload = cfg.train.hardware.cpu_offload or (offload_launcher and choice.mode == "fsdp")
-    if cfg.train.hardware.cpu_offload and choice.mode != "fsdp":
+    choice.offload = hardware.cpu_offload or (offload_launcher and choice.mode == "fsdp")
+    if hardware.cpu_offload and choice.mode != "fsdp":
         from theworld.errors import UserError
 
         raise UserError(
