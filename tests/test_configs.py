@@ -224,3 +224,28 @@ def test_each_section_builds_alone_with_its_own_checks():
     ):
         with pytest.raises(UserError, match=rf"config key '{key}'"):
             build()
+
+
+def test_earlier_keys_in_the_wrong_shape_are_one_line_errors(tmp_path):
+    from theworld.errors import UserError
+
+    bad = tmp_path / "bad.yaml"
+    for text, sets, words in (
+        ("train: {optimizer: 5, lr: 0.1}\n", [], "config key 'train.optimizer': expected a mapping, got 5"),
+        (
+            None,
+            ["train.lr.foo=1"],
+            "config key 'train.lr' (now 'train.optimizer.lr'): expected float, got dict {'foo': 1}",
+        ),
+        (
+            "train:\n  schedule: {decay: cosine}\n",
+            [],
+            "'train.schedule' (now 'train.lr_schedule.decay'): must be one of",
+        ),
+        (None, ["train.lr_multipliers=3"], "'train.lr_multipliers' (now 'train.optimizer.lr_multipliers'): expected a"),
+    ):
+        if text is not None:
+            bad.write_text(text)
+        with pytest.raises(UserError) as e:
+            load_config(TrainConfig, bad if text is not None else None, sets)
+        assert words in str(e.value) and "\n" not in str(e.value), str(e.value)

@@ -196,6 +196,9 @@ class _Text:
     def __init__(self, raw: str, parsed: Any):
         self.raw, self.parsed = raw, parsed
 
+    def __repr__(self) -> str:  # inside a mapping an error line shows
+        return repr(self.parsed)
+
 
 def _takes_text(tp: Any) -> bool:
     origin = typing.get_origin(tp)
