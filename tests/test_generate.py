@@ -236,3 +236,16 @@ def test_describe_refuses_a_prompt_holding_a_control_string_before_the_model_loa
 def test_escape_keeps_one_line_per_answer():
     assert escape("a\nb\\n\r") == "a\\nb\\\\n\\r"
     assert "\n" not in escape("x\n\ny")
+
+
+def test_generation_and_prefix_scoring_use_the_cache_keyword_of_the_installed_transformers(model):
+    """No deprecated keyword: transformers 5.24 warns that `past_key_values` goes in 5.40, which would break both."""
+    import warnings
+
+    from theworld.gemma3 import kv_cache
+
+    lm = model.gemma.model
+    assert list(kv_cache(lm, None)) == ["cache"]  # the lock's transformers (5.24) takes `cache`
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        assert token_ids(model, scenes(2), PROMPTS[:2], n=4) == token_ids(model, scenes(2), PROMPTS[:2], 4, False)

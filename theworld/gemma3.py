@@ -3,6 +3,10 @@ pattern, and gemma-3-4b-it's vocabulary layout and chat template."""
 
 from __future__ import annotations
 
+import functools
+import inspect
+from typing import Any
+
 SLIDING_PATTERN = 6  # every 6th decoder layer attends globally, the other five within the sliding window
 
 
@@ -70,3 +74,14 @@ CHAT_TEMPLATE = """{{ bos_token }}
     {{'<start_of_turn>model\n'}}
 {%- endif -%}
 """
+
+
+@functools.cache
+def _cache_keyword(forward: Any) -> str:
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+def kv_cache(model: Any, cache: Any) -> dict[str, Any]:
+    """The KV cache as the keyword `model`'s forward takes it: `cache` since transformers 5.24 deprecated
+    `past_key_values` (to be removed in 5.40), `past_key_values` in the releases before (the project allows >= 5.0)."""
+    return {_cache_keyword(type(model).forward): cache}

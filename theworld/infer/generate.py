@@ -15,6 +15,7 @@ import torch
 
 from theworld import images as imagelib
 from theworld.errors import UserError
+from theworld.gemma3 import kv_cache
 from theworld.inputs import ModelInputs, prompt_only
 
 
@@ -125,7 +126,7 @@ def decode(
     generated = torch.zeros(b, 0, dtype=torch.long, device=device)
     step = {"inputs_embeds": embeds, "position_ids": pos, "token_type_ids": types}
     for _ in range(max_new_tokens):
-        hidden = lm(**step, attention_mask=mask, past_key_values=cache, use_cache=use_cache).last_hidden_state
+        hidden = lm(**step, attention_mask=mask, **kv_cache(lm, cache), use_cache=use_cache).last_hidden_state
         token = sampler(generated, model.logits(hidden[:, -1]).float())
         token = torch.where(done, torch.full_like(token, pad_id), token)
         generated = torch.cat([generated, token[:, None]], dim=1)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from theworld import objective
+from theworld.gemma3 import kv_cache
 from theworld.infer.generate import left_align
 from theworld.inputs import prompt_only, text_batch
 from theworld.objective import IGNORE
@@ -40,14 +41,14 @@ def answer_logprobs(
     fused = left_align(model.embed_inputs(prompts))
     cache = _new_cache(model)
     lm = model.gemma.model
-    last = lm(**fused, past_key_values=cache, use_cache=True).last_hidden_state[:, -1]
+    last = lm(**fused, **kv_cache(lm, cache), use_cache=True).last_hidden_state[:, -1]
     owner_t = torch.tensor(owner, device=device)
     cache.batch_select_indices(owner_t)  # one copy of its prefix's keys and values per choice
     mask = torch.cat([fused["attention_mask"][owner_t], tail.attention_mask], dim=1)
     pos = fused["position_ids"][owner_t, -1:] + 1 + torch.arange(tail.input_ids.shape[1], device=device)
     embeds = model.gemma.get_input_embeddings()(tail.input_ids).to(fused["inputs_embeds"].dtype)
     hidden = lm(
-        inputs_embeds=embeds, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True
+        inputs_embeds=embeds, attention_mask=mask, position_ids=pos, **kv_cache(lm, cache), use_cache=True
     ).last_hidden_state
     # token j of a choice is predicted by the hidden state before it: the prefix's last one for j = 0
     before = torch.cat([last[owner_t, None], hidden[:, :-1]], dim=1)
