@@ -228,3 +228,18 @@ def test_eval_bench_smoke(capsys):
         _positive(row, "items_per_s_shared", "items_per_s_unshared", "speedup", "speedup_cpu_time")
         assert row["items"] == 2 and row["choices"] == 4 and row["max_abs_score_diff"] < 1e-4
     assert cases["real_shaped"]["world_tokens"] == 18 and cases["real_shaped"]["image_tokens"] == 4
+
+
+@pytest.mark.parametrize("tool", ["speed_precompute", "speed_train", "speed_eval", "speed_generate"])
+@pytest.mark.parametrize("threads", ["-1", "two"])
+def test_a_bad_thread_count_is_one_line_exit_2(tool, threads, capsys):
+    """Every speed tool's --threads is tools/threads.py's: a count below 0 is refused before anything runs (torch
+    raised a traceback from set_num_threads(-1) before)."""
+    import importlib
+
+    main = importlib.import_module(f"tools.{tool}").main
+    with pytest.raises(SystemExit) as e:
+        main(["--threads", threads])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err[-1].startswith(f"tools.{tool}: error: argument --threads"), err
+    assert "whole number >= 0" in err[-1] or "invalid" in err[-1]

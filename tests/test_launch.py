@@ -11,7 +11,7 @@ import time
 
 import psutil
 import pytest
-from conftest import ENV, ROOT, base_args, launch2, wait_for_step
+from conftest import ENV, ROOT, base_args, free_port, launch2, wait_for_step
 
 from train import launch, preempt
 
@@ -126,3 +126,55 @@ def test_a_usage_mistake_is_one_line_and_exit_2(capsys):
     assert launch.main(["--num_processes", "two", "-m", "train.loop"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--num_processes" in err and "'two'" in err, err
+
+
+_REFUSE_AFTER_A_GATHER = """
+import atexit, sys
+import torch.distributed as dist
+from theworld.errors import UserError, cli_entry
+from theworld.launch import gather_ints, process_group
+
+@cli_entry
+def main(argv=None):
+    state = process_group()
+    seen = gather_ints(state, 1)
+    atexit.register(lambda: print(f"group alive at exit: {dist.is_initialized()}", flush=True))
+    raise UserError(f"process {state.process_index} refuses after a gather of {seen}")
+
+sys.exit(main())
+"""
+
+
+def test_a_refusal_on_every_process_after_a_collective_ends_the_group_and_exits_2(tmp_path):
+    """Two gloo processes on 127.0.0.1 (started by hand, not by a launcher, whose agent would stop the second after
+    the first exits and report one code): a UserError after a collective is each one's line and exit 2, with the
+    group destroyed before interpreter exit (cli_entry): a gloo group alive there aborted a node with 134 now and
+    then, a race a test cannot force, so the test checks the group is gone."""
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _REFUSE_AFTER_A_GATHER],
+            cwd=tmp_path,
+            env={
+                **ENV,
+                "ACCELERATE_USE_CPU": "true",
+                **{"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
+                **{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    try:
+        done = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for r, (out, err) in enumerate(done):
+        code = procs[r].returncode
+        errors = [ln for ln in err.splitlines() if ln.startswith("error")]
+        assert code == 2 and errors == [f"error: process {r} refuses after a gather of [1, 1]"], (code, err[-3000:])
+        assert out.strip() == "group alive at exit: False", out

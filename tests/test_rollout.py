@@ -125,6 +125,17 @@ def test_a_samples_rollout_depends_on_its_seed_and_key_not_on_its_batch(caches, 
     assert rollout.sample_seed(0, "a") == rollout.sample_seed(0, "a") != rollout.sample_seed(0, "b")
 
 
+def test_a_rollout_stays_where_its_holder_put_it():
+    """Whoever holds the pipeline places it (TheWorld's .to or device map, precompute's _load_models): an input on
+    another device does not move it there (a device map's placement would be undone). Pixels on `meta` fail in the
+    pipeline; the weights and prompt embeddings stay on the CPU."""
+    vae = encoders.load_vae("tiny", "float32")
+    pipe = rollout.Rollout.load("tiny", "float32", vae, STEPS, RolloutConfig(2))
+    with pytest.raises(RuntimeError, match="meta"):
+        pipe(torch.zeros(1, 3, 32, 32, dtype=torch.uint8, device="meta"), [0])
+    assert {t.device.type for t in [*pipe.parameters(), *pipe.buffers()]} == {"cpu"}
+
+
 def test_live_rollouts_equal_the_cached_ones_and_frame_0_keeps_its_gradient(caches):
     from theworld.model import TheWorld
 

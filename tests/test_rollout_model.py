@@ -306,6 +306,47 @@ def test_a_cache_with_fewer_world_steps_is_refused_in_one_line(rollout_caches, t
     assert len(err) == 1 and "world steps 2 vs 3" in err[0], err
 
 
+def test_a_cache_rolled_out_with_other_settings_is_refused_by_key_with_both_values(rollout_caches, tmp_path, capsys):
+    """The run's world.rollout is what it rolls out live and what its saved stage rolls out with later: a cache
+    rolled out otherwise is refused, naming each differing key with both values, whether the run rolls out live (an
+    unfrozen VAE) or reads cached latents only. The seed is the cache's in every live rollout: never compared."""
+    import dataclasses
+    import shutil
+
+    from theworld.config import RolloutConfig
+    from train import data
+    from train.config import TrainConfig
+    from train.loop import main
+
+    cache = tmp_path / "cache"
+    shutil.copytree(rollout_caches[2], cache)
+    manifest = cache / "manifest.json"
+    m = json.loads(manifest.read_text())
+    ours = dataclasses.asdict(RolloutConfig(inference_steps=2))  # what _train_args sets
+    m["fingerprint"]["world"] = {"num_world_steps": 2, **ours, "seed": 5}  # as precompute records it
+    manifest.write_text(json.dumps(m))
+    config = str(ROOT / "configs" / "stage1_rollout.yaml")
+    for sets in ({}, {"freeze.vae": "false"}, {"world.num_world_steps": 0}):  # the same settings; no rollouts
+        data.open_cache(load_config(TrainConfig, config, _train_args(cache, tmp_path / "run", **sets)[3::2]))
+
+    m["fingerprint"]["world"].update(inference_steps=35, prompt="a ball rolls: on", seed=9)
+    manifest.write_text(json.dumps(m))
+    for sets in ({}, {"freeze.vae": "false"}):
+        assert main(_train_args(cache, tmp_path / "run", **sets)) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "config key 'world.rollout'" in err[0], err
+        words = [
+            'was rolled out with inference_steps 35, prompt "a ball rolls: on", but this run gives inference_steps 2, '
+            f"prompt {json.dumps(ours['prompt'])}",
+            '--set world.rollout.inference_steps=35 --set world.rollout.prompt="a ball rolls: on"',
+        ]
+        assert all(w in err[0] for w in words) and "seed" not in err[0] and "fps" not in err[0], err
+        assert not (tmp_path / "run").exists()
+    m["fingerprint"]["world"].update(inference_steps=2, prompt=ours["prompt"])  # only the seed differs: trains
+    manifest.write_text(json.dumps(m))
+    data.open_cache(load_config(TrainConfig, config, _train_args(cache, tmp_path / "run")[3::2]))
+
+
 @pytest.fixture(scope="module")
 def rollout_run(rollout_caches, tmp_path_factory):
     from train.loop import main

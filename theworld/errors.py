@@ -101,6 +101,7 @@ def cli_entry(main: Callable[[list[str] | None], int | None]) -> Callable[[list[
             # the same mistake gives the same line: no object addresses from a library's repr (the known sources
             # are fixed where they arise, e.g. theworld.images._ImageBytes)
             _log.error(one_line(_ADDRESS.sub("", msg)))
+            end_process_group()
             return 2
         except KeyboardInterrupt:
             _log.info("interrupted")
@@ -109,9 +110,24 @@ def cli_entry(main: Callable[[list[str] | None], int | None]) -> Callable[[list[
             if not out_of_space(e):
                 raise
             _log.error(no_space_message(e.filename or "a file", resumes=False))
+            end_process_group()
             return 2
 
     return wrapper
+
+
+def end_process_group() -> None:
+    """Destroy this process's torch.distributed group, if it has one, before a refusal's exit 2: a gloo group still
+    alive at interpreter exit can abort the process in teardown ("terminate called without an active exception",
+    exit 134 instead of 2), and a refusal raised on every process after a collective finds none of them in one.
+    Called after the error line is out, so a peer stuck elsewhere cannot hide it."""
+    dist = sys.modules.get("torch.distributed")  # not imported: no group (and no torch import for a usage error)
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    try:
+        dist.destroy_process_group()
+    except RuntimeError as e:  # a broken group: the exit it was going to have anyway
+        _log.debug(f"destroying the process group: {one_line(e)}")
 
 
 def _exit_143(*_) -> None:

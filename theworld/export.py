@@ -20,7 +20,7 @@ import yaml
 from theworld import checkpoint_layout as layout
 from theworld import log, lora, paths
 from theworld.config import ArgParser
-from theworld.errors import UserError, cli_entry, out_of_space, sigterm_as_exit
+from theworld.errors import UserError, cli_entry, sigterm_as_exit
 
 _log = log.get(__name__)
 
@@ -75,29 +75,17 @@ def export(model_dir: str | Path, out: str | Path, ema: bool = False) -> Path:
         _log.info(f"removed {stale} (the unfinished folder of a killed export)")
     model, processor = TheWorld.from_pretrained(folder, ema=ema, device="cpu")
     merged = lora.merge(model.gemma)
-    tmp = out.parent / paths.partial_name(out.name)
     params = dict(model.named_parameters())
     rest = {n: params[n].detach().cpu().contiguous() for n in _trained_outside_gemma(folder)}
-    try:
-        with sigterm_as_exit():
-            _write(tmp, folder, model, processor, rest)
-            if out.exists():
-                out.rmdir()  # empty (checked by parse)
-            os.replace(tmp, out)
-    except Exception as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if out_of_space(e, out.parent):
-            raise UserError(
-                f"theworld.export: no space left on device writing {tmp} (the file system holding "
-                f"{out.parent} is full); free space there or export elsewhere; nothing was left at --out"
-            ) from None
-        if isinstance(e, OSError):
-            where = e.filename or tmp
-            raise UserError(f"theworld.export: cannot write {where} ({e.strerror}); --out was not created") from None
-        raise
-    except BaseException:  # SystemExit of a SIGTERM, KeyboardInterrupt
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    full = lambda tmp: (
+        f"theworld.export: no space left on device writing {tmp} (the file system holding {out.parent} "
+        "is full); free space there or export elsewhere; nothing was left at --out"
+    )
+    unwritable = lambda e, tmp: (
+        f"theworld.export: cannot write {e.filename or tmp} ({e.strerror}); --out was not created"
+    )
+    with sigterm_as_exit(), paths.published_folder(out, full, unwritable) as tmp:
+        _write(tmp, folder, model, processor, rest)
     _log.info(
         f"exported {folder} to {out}: {merged} LoRA layers merged; {len(rest)} TheWorld tensors ({layout.WEIGHTS})"
     )
@@ -105,8 +93,6 @@ def export(model_dir: str | Path, out: str | Path, ema: bool = False) -> Path:
 
 
 def _write(tmp: Path, folder: Path, model, processor, rest: dict) -> None:
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     model.gemma.save_pretrained(tmp)
     processor.save_pretrained(tmp)
     layout.save_weights(rest, tmp / layout.WEIGHTS)

@@ -100,10 +100,7 @@ def shared_folder_check(state, folder, sees: bool, key: str) -> None:
     if state.num_processes < 2:
         return
     seen = gather_ints(state, int(sees))
-    if not all(seen):
-        # every process knows it after the gather and none is in a collective: the group goes now, or a gloo group
-        # alive at interpreter exit can abort the process ("terminate called without an active exception")
-        getattr(state, "state", state).destroy_process_group()
+    if not all(seen):  # every process refuses here: cli_entry ends the group before exit 2
         raise UserError(
             f"config key '{key}': process {seen.index(0)} does not see what process 0 wrote in {folder}: every node "
             f"must use the same {key} (a shared file system)"

@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ import torch
 
 from theworld import gemma3, paths
 from theworld.config import ArgParser, DefaultsHelp
-from theworld.errors import UserError, cli_entry, one_line, out_of_space, sigterm_as_exit
+from theworld.errors import UserError, cli_entry, one_line, sigterm_as_exit
 
 BUILD_FILE = "theworld_build.json"  # what built the folder: a rerun with the same build leaves it as it is
 BUILD_VERSION = 1  # bump when the same inputs would give a different folder
@@ -216,30 +215,20 @@ def build(name: str, out: str | Path, gguf: str | None = None, dtype: str = "flo
     spec, out = MODELS[name], Path(out)
     for stale in paths.remove_stale_partials(out.parent, out.name):
         print(f"removed {stale} (the unfinished folder of a killed build)", file=sys.stderr)
-    tmp = out.parent / paths.partial_name(out.name)
+    full = lambda tmp: f"theworld.models: no space left on device writing {tmp}; OUT was not created"
     _quiet_hf()
-    try:
-        with sigterm_as_exit(), tempfile.TemporaryDirectory(prefix=".gguf-", dir=out.parent) as scratch:
-            path = gguf_file(name, spec, gguf, Path(scratch))
-            tokenizer = _tokenizer(path)
-            text, weights = _language_model(path)
-            model = _model(_gemma_config(text, tokenizer, spec), weights, DTYPES[dtype])
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            model.save_pretrained(tmp)
-            _processor(tokenizer, spec).save_pretrained(tmp)
-            (tmp / BUILD_FILE).write_text(json.dumps(identity(name, dtype), indent=1) + "\n")
-            if out.is_dir():
-                out.rmdir()  # empty (checked by main)
-            os.replace(tmp, out)
-    except Exception as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if out_of_space(e, out.parent):
-            raise UserError(f"theworld.models: no space left on device writing {tmp}; OUT was not created") from None
-        raise
-    except BaseException:  # SystemExit of a SIGTERM, KeyboardInterrupt
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with (
+        sigterm_as_exit(),
+        paths.published_folder(out, full) as tmp,
+        tempfile.TemporaryDirectory(prefix=".gguf-", dir=out.parent) as scratch,
+    ):
+        path = gguf_file(name, spec, gguf, Path(scratch))
+        tokenizer = _tokenizer(path)
+        text, weights = _language_model(path)
+        model = _model(_gemma_config(text, tokenizer, spec), weights, DTYPES[dtype])
+        model.save_pretrained(tmp)
+        _processor(tokenizer, spec).save_pretrained(tmp)
+        (tmp / BUILD_FILE).write_text(json.dumps(identity(name, dtype), indent=1) + "\n")
     return out
 
 

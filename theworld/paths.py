@@ -7,7 +7,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import stat
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 REGULAR = "a regular file"
 _KINDS = (
@@ -100,7 +103,6 @@ def remove_stale_partials(folder: str | os.PathLike, name: str) -> list[str]:
     """Delete `.tmp-NAME-PID` files or folders in `folder` left by a writer that was killed (its pid no longer runs):
     a killed export leaves a whole model there. Returns the paths removed (for a line saying so)."""
     import re
-    import shutil
 
     pattern = re.compile(rf"^\.tmp-{re.escape(name)}-(\d+)$")
     removed = []
@@ -119,3 +121,34 @@ def remove_stale_partials(folder: str | os.PathLike, name: str) -> list[str]:
                 os.unlink(e.path)
         removed.append(e.path)
     return removed
+
+
+@contextlib.contextmanager
+def published_folder(
+    out: str | os.PathLike,
+    full: Callable[[Path], str],
+    unwritable: Callable[[OSError, Path], str] | None = None,
+) -> Iterator[Path]:
+    """A new empty folder beside `out` (its `partial_name`) for the block to fill; when the block ends it is renamed
+    to `out` (an empty folder there removed first: the callers refuse a full one). A block that fails, fills the
+    disk or is stopped (SystemExit of a SIGTERM, KeyboardInterrupt) leaves nothing at `out` and its temporary folder
+    is removed at once (after kill -9, by the next writer's `remove_stale_partials`). A full disk or quota raises a
+    UserError of `full(TEMP)`; any other OSError, with `unwritable`, one of `unwritable(ERROR, TEMP)`."""
+    from theworld.errors import UserError, out_of_space
+
+    out = Path(out)
+    tmp = out.parent / partial_name(out.name)
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        yield tmp
+        if out.is_dir():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, Exception) and out_of_space(e, out.parent):
+            raise UserError(full(tmp)) from None
+        if isinstance(e, OSError) and unwritable is not None:
+            raise UserError(unwritable(e, tmp)) from None
+        raise

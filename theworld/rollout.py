@@ -186,8 +186,10 @@ def _encode_on(pipe, device: torch.device, prompt: str, negative: str | None, gu
 class Rollout(nn.Module):
     """The frozen Video2World pipeline of one run: `forward(pixels, seeds)` -> each image's N predicted latent frames,
     (B, C, N, h, w) float32 in the VAE's raw latent space. The transformer is a submodule (frozen, counted apart from
-    the trained parts: arch.NEVER_TRAINED) and follows its input's device; the VAE is the caller's, shared; the prompt
-    embeddings are buffers, computed once, and the text encoder is let go after computing them."""
+    the trained parts: arch.NEVER_TRAINED); whoever holds the Rollout places it (TheWorld's `.to` or device map,
+    precompute's `_load_models`), it never moves itself to its input, which would undo a device map; the VAE is the
+    caller's, shared; the prompt embeddings are buffers, computed once, and the text encoder is let go after computing
+    them."""
 
     def __init__(self, pipe, prompt_embeds, negative_embeds, num_world_steps: int, settings, text_identity: dict):
         super().__init__()
@@ -259,8 +261,6 @@ class Rollout(nn.Module):
         row's noise from a generator seeded with its entry of `seeds`."""
         if len(seeds) != len(pixels):
             raise ValueError(f"rollouts need one seed per image: {len(seeds)} seeds for {len(pixels)} images")
-        if self.prompt_embeds.device != pixels.device:  # held outside the model's module tree: it follows its input
-            self.to(pixels.device)
         b, _, height, width = pixels.shape
         image = pixels.float() / 255.0 if pixels.dtype == torch.uint8 else (pixels.float() + 1) / 2
         # CPU generators: a sample's noise is the same on every device; one per sample (the pipeline then draws each

@@ -29,6 +29,7 @@ from theworld.inputs import ModelInputs, text_batch
 from theworld.objective import IGNORE
 from theworld.text import Encoded
 from tools.speed_real import _sync, batch, build, build_gemma
+from tools.threads import add_threads, apply_threads
 
 CHOICES = 4
 SMALL = {
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--items", type=int, default=8)
     p.add_argument("--batch", type=int, default=4, help="items per scoring call")
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    add_threads(p)
     args = p.parse_args(argv)
     cases = args.cases.split(",")
     if not set(cases) <= {"demo", "real_shaped"} or args.items < 2 or args.batch < 1 or args.repeats < 1:
@@ -206,8 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
     for case in cases:

@@ -24,6 +24,7 @@ import torch
 from theworld.arch import REAL, TINY
 from theworld.infer import generate as gen
 from tools.speed_real import _sync, batch, build, build_gemma
+from tools.threads import add_threads, apply_threads
 
 
 def _timed(fn, repeats: int, device: torch.device) -> float:
@@ -135,14 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    add_threads(p)
     p.add_argument("--real", action="store_true", help="real-size random Gemma 3 4B: ours vs Gemma's generate")
     p.add_argument("--sizes", choices=("real", "tiny"), default="real", help="with --real")
     p.add_argument("--pool", type=int, default=1, help="with --real: world-token pooling")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.real:
         rows = real_rows(

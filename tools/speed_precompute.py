@@ -40,6 +40,7 @@ from precompute.sources import open_listing
 from theworld import cache_format as cf
 from theworld import encoders, images, synthetic
 from theworld.config import ImageConfig, ModelConfig
+from tools.threads import add_threads, apply_threads
 
 
 def _jpeg_folder(root: Path, n: int, size: tuple[int, int] = (1024, 768)) -> None:
@@ -300,16 +301,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=1024, help="images per case (jpeg256 uses n/16: its encoder is 60x slower)")
     p.add_argument("--cases", default="tiny,jpeg256")
     p.add_argument("--workers", type=int, default=0, help="decode workers of real512 (0: min(8, CPU count))")
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=0,
-        help="torch threads for the encoder (0: torch's default). On a small CPU the decode workers share "
-        "the cores with the encoder; --threads 1 with one worker gives each its own core",
+    add_threads(
+        p,
+        "torch threads for the encoder (0: torch's default). On a small CPU the decode workers share the cores with "
+        "the encoder; --threads 1 with one worker gives each its own core",
     )
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     encoders._quiet_hf()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -46,6 +46,7 @@ from theworld import cache_format as cf
 from theworld import synthetic, tiny
 from theworld.cache_format.storage import DEFAULT_LOCAL_DIR
 from theworld.config import load_config
+from tools.threads import add_threads, apply_threads
 from train import components, data, order
 from train.config import TrainConfig
 from train.step import LoopState, optimization_step
@@ -373,16 +374,13 @@ def main(argv: list[str] | None = None) -> int:
         "process, between steps)",
     )
     p.add_argument("--root", default=str(BENCH_ROOT), help="where the bench caches are kept")
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=0,
-        help="torch threads of the training step (train.hardware.cpu_threads; 0: torch's default). The loader worker "
-        "needs a core of its own, as it has next to a GPU: on a 2-core CPU that is --threads 1",
+    add_threads(
+        p,
+        "torch threads of the training step (train.hardware.cpu_threads; 0: torch's default). The loader worker needs "
+        "a core of its own, as it has next to a GPU: on a 2-core CPU that is --threads 1",
     )
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     rows = []
     for case in args.cases.split(","):

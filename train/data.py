@@ -7,6 +7,7 @@ inside DataLoader workers; the main process receives collated batches packed int
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections import Counter
@@ -17,11 +18,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from theworld import cache_format as cf
+from theworld.cache_format.fingerprint import rollout_keys
 from theworld.cache_format.held_out import split
 from theworld.cache_format.layout import world_steps
 from theworld.config import trains
 from theworld.control_text import TEXT_RULE, control_problem
-from theworld.errors import CacheDamaged, UserError
+from theworld.errors import CacheDamaged, CacheMismatch, UserError
 from theworld.images import decode, load_for_vae, siglip_pixels
 from theworld.inputs import PARTNER
 from theworld.rollout import cache_seed, sample_seed
@@ -104,6 +106,7 @@ def open_cache(cfg) -> tuple[cf.CacheReader | MixedReader, InputSources]:
         check_texts(reader)
         inputs = input_sources(cfg, reader)
         world_steps_note(cfg, reader, inputs)  # a cache with fewer world steps than the model uses: refused here
+        check_rollout_settings(cfg, reader)
         if found and inputs != found[0]:
             raise UserError(
                 f"config key 'data': caches {readers[0].cache_dir} and {reader.cache_dir} give different "
@@ -154,6 +157,31 @@ def world_steps_note(cfg, reader: cf.CacheReader | MixedReader, inputs: InputSou
         f"note: cache {reader.cache_dir} holds {have} predicted frame(s) per sample after the observed one; "
         f"training uses the first {want} (world.num_world_steps {want})"
     )
+
+
+def check_rollout_settings(cfg, reader: cf.CacheReader) -> None:
+    """With world.num_world_steps > 0 the run's world.rollout is what rolls out live (an unfrozen VAE's batches,
+    train.eval.benchmarks' images) and, saved with the model, what evaluate and describe roll out with later; a cache's
+    rollouts were made with its fingerprint's `world` settings. Where they differ the model would meet predicted
+    frames of one kind in its cache and another live: refused, naming each differing key with both values, also for
+    a run that reads only cached latents (its saved settings would still be the wrong ones). The seed is the
+    cache's in every live rollout (rollout.cache_seed), never the run's; a cache without rollouts has no settings."""
+    world = (reader.manifest.get("fingerprint") or {}).get("world") or {}
+    if not cfg.world.num_world_steps or not world:
+        return
+    run = cfg.world.rollout
+    diff = [k for k in rollout_keys() if k in world and world[k] != getattr(run, k)]
+    if diff:
+
+        def values(get) -> str:
+            return ", ".join(f"{k} {json.dumps(get(k))}" for k in diff)
+
+        raise CacheMismatch(
+            f"config key 'world.rollout': cache {reader.cache_dir} was rolled out with {values(world.get)}, but "
+            f"this run gives {values(lambda k: getattr(run, k))}: set the cache's "
+            f"({' '.join(f'--set world.rollout.{k}={json.dumps(world[k])}' for k in diff)}) or build a cache with "
+            "the run's"
+        )
 
 
 def check_same_layout(first: cf.CacheReader, other: cf.CacheReader) -> None:
