@@ -82,6 +82,15 @@ def run2(args: list[str], env: dict | None = None, module: str = "train.loop") -
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _command_logging():
+    """In-process calls print what the commands print: every command installs the one stderr handler of
+    theworld/log.py, so a test must not depend on whether an earlier test happened to run a command first."""
+    from theworld import log
+
+    log.configure()
+
+
 @pytest.fixture
 def fake_vae(monkeypatch):
     """Make every `theworld.encoders.load_vae` call return a FakeWanVAE (fast, deterministic)."""
