@@ -3,8 +3,9 @@
 Parameter counts are exact: the model is built on the meta device (shapes, no weights) from the configs of the base
 models; a hub id that is not in the local Hugging Face cache falls back to its architecture in theworld/arch.py
 (Gemma 3 4B, the Wan 2.1 VAE). Bytes per GPU under ddp and fsdp are broken into frozen weights, trainable weights,
-gradients, optimizer state, working buffers and activations; the activation figure is an estimate (formula below,
-docs/performance.md). Nothing is loaded onto a GPU and nothing is downloaded.
+gradients, optimizer state, working buffers and activations; the activation figure is an estimate: per layer, what
+the layer keeps for the backward, counted from its shapes (gemma_layer_bytes, siglip_layer_bytes; docs/training.md,
+"Memory levers"). Nothing is loaded onto a GPU and nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -157,8 +158,8 @@ def count(model: TheWorld) -> Counts:
 
 
 def activation_bytes(cfg: TrainConfig, model: TheWorld, micro: int, ac: ActivationCheckpointing | None = None) -> int:
-    """Estimated activation memory of one micro-batch (see the module docstring for where the constants come from),
-    with the configured activation checkpointing or `ac`."""
+    """Estimated activation memory of one micro-batch (the layers' widths: LAYER_BYTES, as layer_run says train.loop
+    runs them), with the configured activation checkpointing or `ac`."""
     ac = ac or cfg.train.hardware.activation_checkpointing
     gc = model.gemma.config
     text, vision = gc.get_text_config(), gc.vision_config
