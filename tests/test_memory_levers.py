@@ -605,3 +605,47 @@ def test_the_plan_counts_what_a_siglip_layer_keeps(shape, how):
     if how == "trains":
         width = p.stream * h + p.compute * (selective_width(config, "vision", p) - h)
         assert width == pytest.approx(kept["selective"], rel=0.05)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="measures CUDA memory")
+@pytest.mark.parametrize(
+    "train, attention, compiled, rel",
+    [(False, "sdpa", False, 0.02), (True, "sdpa", False, 0.06), (False, "flex_attention", True, 0.1)],
+)
+def test_the_plan_matches_a_real_size_gemma_layer_on_a_gpu(train, attention, compiled, rel):
+    """One Gemma 3 4B-size decoder layer on 2 x 1348 tokens under bf16 autocast, as stage 1 (frozen, compiled, flex
+    attention) and stage 3 (trained) run it: the growth of allocated memory over a forward, less its output and
+    autocast's bf16 weight copies, against the plan (docs/training.md, "Memory levers": -s prints both)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+    from theworld.arch import REAL
+    from tools.memory_plan import LayerRun, gemma_layer_bytes
+
+    b, seq, cuda = 2, 1348, torch.device("cuda")
+    layer, config = _layer("language", {**REAL["text"], "vocab_size": 64}, attention)
+    dtype = torch.float32 if train else torch.bfloat16
+    layer = layer.to(cuda, dtype).requires_grad_(train)
+    x = torch.randn(b, seq, config.hidden_size, device=cuda, dtype=dtype, requires_grad=True)
+    positions = torch.arange(seq, device=cuda)[None].expand(b, seq)
+    rope = Gemma3RotaryEmbedding(config).to(cuda)(x, positions, layer_type="sliding_attention")
+    if attention == "flex_attention":
+        mask = create_block_mask(lambda _b, _h, q, k: (q >= k) & (q - k < 1024), b, None, seq, seq, device=cuda)
+    else:
+        mask = torch.ones(seq, seq, dtype=torch.bool, device=cuda).tril()[None, None].expand(b, 1, seq, seq)
+    forward = torch.compile(layer) if compiled else layer
+    casts = sum(w.numel() * 2 for w in layer.parameters() if w.dim() == 2) if train else 0
+    for first in (True, False):  # the first call compiles and warms the allocator
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", torch.bfloat16):
+            out = forward(x, position_embeddings=rope, attention_mask=mask, position_ids=positions)
+        torch.cuda.synchronize()
+        kept = (torch.cuda.memory_allocated() - before - out.numel() * out.element_size() - casts) / (b * seq)
+        if first:
+            out.float().sum().backward()
+        del out
+    run = LayerRun(stream=4 if train else 2, train=train, attention=attention, compiled=compiled)
+    plan = gemma_layer_bytes(config, run, seq)
+    print(f"{attention} compiled={compiled} train={train}: kept {kept:.0f} bytes per token, plan {plan}")
+    assert plan == pytest.approx(kept, rel=rel)
