@@ -321,7 +321,7 @@ def test_memory_reports_each_lever_and_keeps_the_configured_estimate(capsys):
 
     plan = _plan(capsys, "--config", str(ROOT / "configs" / "real" / "stage4.yaml"), "--gpus", "1")
     # the configured plan (gradient_checkpointing: true, the earlier switch) is the one the docs quote
-    assert round(plan["per_gpu_bytes"]["ddp"]["total"] / 2**30, 2) == 105.57
+    assert round(plan["per_gpu_bytes"]["ddp"]["total"] / 2**30, 2) == 110.86
     assert plan["config"]["activation_checkpointing"] == {"mode": "full", "every_n": 1, "parts": ["language", "vision"]}
     ac = plan["levers"]["activation_checkpointing"]
     assert list(ac) == ["none", "full", "full_every_2", "selective", "selective_every_2"]
@@ -411,33 +411,94 @@ def test_training_runs_with_each_lever_reach_the_same_weights(cache, tmp_path):
             torch.testing.assert_close(w[n], t, rtol=1e-4, atol=1e-6, msg=f"{name}: {n}")
 
 
-def per_layer_kept(text_sizes: dict, seq: int = 64) -> dict[str, float]:
-    """Elements per token per hidden unit one Gemma 3 decoder layer keeps for the backward (bf16, SDPA), counted:
-    without checkpointing, the tensors autograd saves (weights aside); selectively checkpointed, its input and the
-    outputs of theworld.checkpointing.SAVE_OPS (what create_selective_checkpoint_contexts caches)."""
-    from transformers import Gemma3TextConfig
-    from transformers.models.gemma3.modeling_gemma3 import Gemma3DecoderLayer, Gemma3RotaryEmbedding
+def _layer(part: str, sizes: dict, attention: str = "sdpa"):
+    """One transformers layer of `part` (a Gemma 3 decoder layer, a SigLIP encoder layer) and its config."""
+    from transformers import Gemma3TextConfig, SiglipVisionConfig
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3DecoderLayer
+    from transformers.models.siglip.modeling_siglip import SiglipEncoderLayer
+
+    if part == "language":
+        config = Gemma3TextConfig(**{**sizes, "num_hidden_layers": 1}, layer_types=["sliding_attention"])
+    else:
+        config = SiglipVisionConfig(**sizes)
+    config._attn_implementation = attention
+    torch.manual_seed(0)
+    return (Gemma3DecoderLayer(config, 0) if part == "language" else SiglipEncoderLayer(config)), config
+
+
+def _compiled_saves(seq: int, x: torch.Tensor) -> tuple:
+    """A torch.compile backend with inductor's decompositions and partition that records the bytes of the tensors
+    its backward reads from the forward (not tangents; of the forward's inputs only the layer's own, `x`)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    saved = []
+
+    def backward(gm, example_inputs):
+        for node in gm.graph.find_nodes(op="placeholder"):
+            v = node.meta.get("val")
+            own_input = not node.name.startswith("primals") or (v.shape == x.shape and v.dtype == x.dtype)
+            if isinstance(v, torch.Tensor) and seq in v.shape and not node.name.startswith("tangents") and own_input:
+                saved.append(v.numel() * v.element_size())
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(
+        fw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+        bw_compiler=backward,
+        partition_fn=min_cut_rematerialization_partition,
+        decompositions=select_decomp_table(),
+    )
+    return backend, saved
+
+
+def per_layer_kept(part: str, sizes: dict, p=None, seq: int = 48) -> dict[str, float]:
+    """Bytes per token one layer keeps for the backward, counted, as train.loop runs it (tools.memory_plan.LayerRun
+    `p`): weights in fp32 where they train (else in the stream's dtype), the input in the stream's dtype, autocast to
+    bf16 where the compute dtype is bf16, a boolean mask for Gemma. `none`: the tensors autograd saves that hold a
+    row per token (not weights or their autocast copies; not rotary cos/sin or the mask, which every layer shares),
+    or under p.compiled those the compiled backward reads; `selective`: the input and the outputs of
+    theworld.checkpointing.SAVE_OPS (what create_selective_checkpoint_contexts caches). `seq` is no size of the
+    layer's, so a token row tells activations from weights."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
 
     from theworld.checkpointing import SAVE_OPS
+    from tools.memory_plan import LayerRun
 
-    config = Gemma3TextConfig(**{**text_sizes, "num_hidden_layers": 1}, layer_types=["sliding_attention"])
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    layer = Gemma3DecoderLayer(config, 0).to(torch.bfloat16)
-    h = config.hidden_size
-    x = torch.randn(1, seq, h, dtype=torch.bfloat16, requires_grad=True)
-    positions = torch.arange(seq)[None]
-    rope = Gemma3RotaryEmbedding(config)(x, positions, layer_type="sliding_attention")
-    weights = {p.data_ptr() for p in layer.parameters()}
+    p = p or LayerRun()
+    layer, config = _layer(part, sizes, p.attention)
+    dtypes = {2: torch.bfloat16, 4: torch.float32}
+    layer.to(torch.float32 if p.train else dtypes[p.stream]).requires_grad_(p.train)
+    if p.adapted:  # adapters' gradients need the inputs of the linear layers they sit on, not the norms' outputs
+        for m in layer.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.requires_grad_(True)
+    x = torch.randn(1, seq, config.hidden_size, dtype=dtypes[p.stream], requires_grad=True)
+    kwargs, shared = {"attention_mask": None}, set()
+    if part == "language":
+        positions = torch.arange(seq)[None]
+        rope = Gemma3RotaryEmbedding(config)(x, positions, layer_type="sliding_attention")
+        mask = torch.ones(seq, seq, dtype=torch.bool).tril()[None, None]  # training passes one (padding, images)
+        kwargs = {"position_embeddings": rope, "attention_mask": mask, "position_ids": positions}
+        shared |= {t.untyped_storage().data_ptr() for t in (*rope, mask)}
+    shared |= {w.untyped_storage().data_ptr() for w in layer.parameters()}
+    autocast = torch.autocast("cpu", torch.bfloat16, enabled=p.compute == 2)
+    if p.compiled:
+        backend, compiled = _compiled_saves(seq, x)
+        with autocast:
+            out = torch.compile(layer, backend=backend)(x, **kwargs)
+        out.float().sum().backward()  # the backward compiles here
+        return {"none": sum(compiled) / seq}
     saved = {}
 
     def pack(t):
-        if t.data_ptr() not in weights:
-            saved[t.data_ptr()] = t.numel() * t.element_size()
+        if seq in t.shape and t.untyped_storage().data_ptr() not in shared:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x, position_embeddings=rope, attention_mask=None, position_ids=positions)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        layer(x, **kwargs)
 
     class Kept(TorchDispatchMode):
         size = 0
@@ -449,25 +510,142 @@ def per_layer_kept(text_sizes: dict, seq: int = 64) -> dict[str, float]:
                 self.size += sum(t.numel() * t.element_size() for t in outs if isinstance(t, torch.Tensor))
             return out
 
-    with Kept() as kept:
-        layer(x, position_embeddings=rope, attention_mask=None, position_ids=positions)
-    unit = seq * h * 2
-    return {"none": sum(saved.values()) / unit, "selective": 1 + kept.size / unit}
+    with Kept() as kept, autocast:
+        layer(x, **kwargs)
+    return {"none": sum(saved.values()) / seq, "selective": config.hidden_size * p.stream + kept.size / seq}
 
 
-def test_selective_width_counts_what_a_gemma_layer_keeps():
-    """The plan's selective figure per layer against what a Gemma 3 decoder layer with Gemma 3 4B's proportions keeps
-    (hidden / 4); and the constant for a layer without checkpointing is a lower bound (docs/training.md, "Memory
-    levers": python -m pytest tests/test_memory_levers.py -k gemma_layer -s prints the counts)."""
+GEMMA_SHAPES = {  # Gemma 3 4B's proportions (hidden / 4); a wide MLP with one kv head; no GQA, a narrow MLP
+    "4b": {"hidden_size": 640, "intermediate_size": 2560, "num_attention_heads": 8, "num_key_value_heads": 4},
+    "mqa": {"hidden_size": 512, "intermediate_size": 3072, "num_attention_heads": 4, "num_key_value_heads": 1},
+    "mha": {"hidden_size": 384, "intermediate_size": 768, "num_attention_heads": 6, "num_key_value_heads": 6},
+}
+HEAD_DIMS = {"4b": 64, "mqa": 128, "mha": 32}
+SIGLIP_SHAPES = {  # SigLIP So400m's proportions (hidden / 4); narrower heads, a wider MLP
+    "so400m": {"hidden_size": 288, "intermediate_size": 1076, "num_attention_heads": 4},
+    "wide": {"hidden_size": 256, "intermediate_size": 1536, "num_attention_heads": 8},
+}
+
+
+def _gemma_sizes(name: str) -> dict:
+    d = HEAD_DIMS[name]
+    return {**GEMMA_SHAPES[name], "head_dim": d, "query_pre_attn_scalar": d, "vocab_size": 64}
+
+
+def _precisions():
+    from tools.memory_plan import LayerRun
+
+    return {  # stage 3/4 (bf16 autocast, fp32 weights and stream), stage 1/2 (frozen bf16), LoRA, all fp32
+        "trains": LayerRun(),
+        "frozen": LayerRun(stream=2, train=False),
+        "lora": LayerRun(stream=2, train=False, adapted=True),
+        "fp32": LayerRun(compute=4, stream=4),
+    }
+
+
+@pytest.mark.parametrize("shape", list(GEMMA_SHAPES))
+@pytest.mark.parametrize("how", ["trains", "frozen", "lora", "fp32"])
+def test_the_plan_counts_what_a_gemma_layer_keeps(shape, how):
+    """The plan's bytes per token of a Gemma 3 decoder layer without checkpointing, and selectively checkpointed,
+    against what one keeps (docs/training.md, "Memory levers": -s prints the counts)."""
     from transformers import Gemma3TextConfig
 
-    from theworld.arch import REAL
-    from tools.memory_plan import ACT_PER_TOKEN_LAYER, selective_width
+    from tools.memory_plan import gemma_layer_bytes, selective_width
 
-    real = REAL["text"]
-    sizes = {**real, "hidden_size": 640, "intermediate_size": 2560, "head_dim": 64, "query_pre_attn_scalar": 64}
-    kept = per_layer_kept(sizes)
-    print(f"per token per hidden unit: none {kept['none']:.1f}, selective {kept['selective']:.1f}")
-    width = selective_width(Gemma3TextConfig(**sizes), "language") / sizes["hidden_size"]
-    assert width == pytest.approx(kept["selective"], rel=0.05)
-    assert kept["none"] > ACT_PER_TOKEN_LAYER and kept["selective"] < kept["none"] / 2
+    p, sizes = _precisions()[how], _gemma_sizes(shape)
+    kept = per_layer_kept("language", sizes, p)
+    config = Gemma3TextConfig(**sizes)
+    h = sizes["hidden_size"]
+    print(f"{shape} {how}: {kept['none'] / h:.1f} bytes per token per hidden unit")
+    assert gemma_layer_bytes(config, p, seq=48) == pytest.approx(kept["none"], rel=0.01)
+    if how == "trains":
+        width = p.stream * h + p.compute * (selective_width(config, "language", p) - h)
+        assert width == pytest.approx(kept["selective"], rel=0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "shape, how, attention, compiled",
+    [
+        ("4b", "trains", "sdpa", True),
+        ("mqa", "frozen", "sdpa", True),
+        ("mha", "trains", "sdpa", True),
+        ("4b", "trains", "eager", False),
+        ("mqa", "frozen", "eager", False),
+    ],
+)
+def test_the_plan_counts_what_a_compiled_or_eager_attention_gemma_layer_keeps(shape, how, attention, compiled):
+    """train.hardware.compile (the partition torch.compile's inductor makes: it recomputes norms and activations)
+    and train.hardware.attention: eager (it keeps the softmax)."""
+    import dataclasses
+
+    from transformers import Gemma3TextConfig
+
+    from tools.memory_plan import gemma_layer_bytes
+
+    p = dataclasses.replace(_precisions()[how], attention=attention, compiled=compiled)
+    kept = per_layer_kept("language", _gemma_sizes(shape), p)
+    assert gemma_layer_bytes(Gemma3TextConfig(**_gemma_sizes(shape)), p, seq=48) == pytest.approx(
+        kept["none"], rel=0.035
+    )
+
+
+@pytest.mark.parametrize("shape", list(SIGLIP_SHAPES))
+@pytest.mark.parametrize("how", ["trains", "lora", "fp32"])
+def test_the_plan_counts_what_a_siglip_layer_keeps(shape, how):
+    from transformers import SiglipVisionConfig
+
+    from tools.memory_plan import selective_width, siglip_layer_bytes
+
+    p, sizes = _precisions()[how], SIGLIP_SHAPES[shape]
+    kept = per_layer_kept("vision", sizes, p)
+    config = SiglipVisionConfig(**sizes)
+    h = sizes["hidden_size"]
+    assert siglip_layer_bytes(config, p) == pytest.approx(kept["none"], rel=0.01)
+    if how == "trains":
+        width = p.stream * h + p.compute * (selective_width(config, "vision", p) - h)
+        assert width == pytest.approx(kept["selective"], rel=0.05)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="measures CUDA memory")
+@pytest.mark.parametrize(
+    "train, attention, compiled, rel",
+    [(False, "sdpa", False, 0.02), (True, "sdpa", False, 0.06), (False, "flex_attention", True, 0.1)],
+)
+def test_the_plan_matches_a_real_size_gemma_layer_on_a_gpu(train, attention, compiled, rel):
+    """One Gemma 3 4B-size decoder layer on 2 x 1348 tokens under bf16 autocast, as stage 1 (frozen, compiled, flex
+    attention) and stage 3 (trained) run it: the growth of allocated memory over a forward, less its output and
+    autocast's bf16 weight copies, against the plan (docs/training.md, "Memory levers": -s prints both)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+    from theworld.arch import REAL
+    from tools.memory_plan import LayerRun, gemma_layer_bytes
+
+    b, seq, cuda = 2, 1348, torch.device("cuda")
+    layer, config = _layer("language", {**REAL["text"], "vocab_size": 64}, attention)
+    dtype = torch.float32 if train else torch.bfloat16
+    layer = layer.to(cuda, dtype).requires_grad_(train)
+    x = torch.randn(b, seq, config.hidden_size, device=cuda, dtype=dtype, requires_grad=True)
+    positions = torch.arange(seq, device=cuda)[None].expand(b, seq)
+    rope = Gemma3RotaryEmbedding(config).to(cuda)(x, positions, layer_type="sliding_attention")
+    if attention == "flex_attention":
+        mask = create_block_mask(lambda _b, _h, q, k: (q >= k) & (q - k < 1024), b, None, seq, seq, device=cuda)
+    else:
+        mask = torch.ones(seq, seq, dtype=torch.bool, device=cuda).tril()[None, None].expand(b, 1, seq, seq)
+    forward = torch.compile(layer) if compiled else layer
+    casts = sum(w.numel() * 2 for w in layer.parameters() if w.dim() == 2) if train else 0
+    for first in (True, False):  # the first call compiles and warms the allocator
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", torch.bfloat16):
+            out = forward(x, position_embeddings=rope, attention_mask=mask, position_ids=positions)
+        torch.cuda.synchronize()
+        kept = (torch.cuda.memory_allocated() - before - out.numel() * out.element_size() - casts) / (b * seq)
+        if first:
+            out.float().sum().backward()
+        del out
+    run = LayerRun(stream=4 if train else 2, train=train, attention=attention, compiled=compiled)
+    plan = gemma_layer_bytes(config, run, seq)
+    print(f"{attention} compiled={compiled} train={train}: kept {kept:.0f} bytes per token, plan {plan}")
+    assert plan == pytest.approx(kept, rel=rel)

@@ -3,8 +3,9 @@
 Parameter counts are exact: the model is built on the meta device (shapes, no weights) from the configs of the base
 models; a hub id that is not in the local Hugging Face cache falls back to its architecture in theworld/arch.py
 (Gemma 3 4B, the Wan 2.1 VAE). Bytes per GPU under ddp and fsdp are broken into frozen weights, trainable weights,
-gradients, optimizer state, working buffers and activations; the activation figure is an estimate (formula below,
-docs/performance.md). Nothing is loaded onto a GPU and nothing is downloaded.
+gradients, optimizer state, working buffers and activations; the activation figure is an estimate: per layer, what
+the layer keeps for the backward, counted from its shapes (gemma_layer_bytes, siglip_layer_bytes; docs/training.md,
+"Memory levers"). Nothing is loaded onto a GPU and nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -41,8 +42,6 @@ HEADROOM = 0.9  # of the card: the CUDA context, NCCL buffers and allocator frag
 ADAM_STATE = 8  # bytes per trainable parameter: AdamW's two fp32 moments
 ADAM_FOREACH = 4  # and the fp32 temporary of its step: whole-size with foreach (the default on GPUs), else the size
 # of the largest tensor (CPUs step one tensor at a time)
-ACT_PER_TOKEN_LAYER = 17  # elements stored per token per transformer layer per hidden unit (Korthikanti et al.'s
-# 34 s b h bytes in 16 bits, without the attention-score term: sdpa and flex attention keep no scores)
 VAE_TENSORS_PER_STAGE = 14  # activations kept per VAE encoder stage, in units of channels x pixels (2 res blocks)
 
 
@@ -159,8 +158,8 @@ def count(model: TheWorld) -> Counts:
 
 
 def activation_bytes(cfg: TrainConfig, model: TheWorld, micro: int, ac: ActivationCheckpointing | None = None) -> int:
-    """Estimated activation memory of one micro-batch (see the module docstring for where the constants come from),
-    with the configured activation checkpointing or `ac`."""
+    """Estimated activation memory of one micro-batch (the layers' widths: LAYER_BYTES, as layer_run says train.loop
+    runs them), with the configured activation checkpointing or `ac`."""
     ac = ac or cfg.train.hardware.activation_checkpointing
     gc = model.gemma.config
     text, vision = gc.get_text_config(), gc.vision_config
@@ -168,12 +167,12 @@ def activation_bytes(cfg: TrainConfig, model: TheWorld, micro: int, ac: Activati
     side = latent_side(cfg.image.resolution)
     world = model.projector.num_tokens(side, side)
     seq = TEXT_TOKENS + gc.mm_tokens_per_image + 2 + world
-    per_sample = _stack(seq, text, e, ac, "language")
+    per_sample = _stack(seq, text, layer_run(cfg, "language"), ac, "language")
     per_sample += ANSWER_TOKENS * text.vocab_size * (3 * 4 + e)  # answer logits: compute dtype, fp32 loss + grad
     per_sample += lora_dropout_bytes(cfg, text, "language", seq, e, ac)
     if trains(cfg.freeze, cfg.lora, "vision"):
         patches = (vision.image_size // vision.patch_size) ** 2
-        per_sample += _stack(patches, vision, e, ac, "vision")
+        per_sample += _stack(patches, vision, layer_run(cfg, "vision"), ac, "vision")
         per_sample += lora_dropout_bytes(cfg, vision, "vision", patches, e, ac)
     if not cfg.freeze.vae and model.world_encoder is not None:
         per_sample += vae_bytes(model.world_encoder.vae.config, cfg.image.resolution, e, ac)
@@ -202,28 +201,130 @@ def lora_dropout_bytes(
     return per_layer * (layers - wrapped + (1 if wrapped else 0))
 
 
-def selective_width(part_cfg, part: str) -> int:
+@dataclass(frozen=True)
+class LayerRun:
+    """How train.loop runs a stack's layers, which decides what they keep for the backward: `compute` bytes per
+    element of their matmuls and attention (2 under bf16 autocast), `stream` bytes per element of the residual stream
+    (a part that trains in full holds fp32 weights, its embeddings too, so its stream is fp32 even under autocast; a
+    frozen part's follows model.dtype), whether the layers' own weights train, whether LoRA adapters sit on their
+    linear layers, and (language only: train.hardware) the attention kernel and torch.compile."""
+
+    compute: int = 2
+    stream: int = 4
+    train: bool = True
+    adapted: bool = False
+    attention: str = "sdpa"
+    compiled: bool = False
+
+    @property
+    def keeps_matmul_inputs(self) -> bool:  # a matmul keeps its input only for its weight's (or adapter's) gradient
+        return self.train or self.adapted
+
+    @property
+    def shares_inputs(self) -> bool:
+        """Whether the projections reading one normalised input keep it once: autocast casts an fp32 activation anew
+        for each matmul (it caches only the casts of weights), so from an fp32 stream q, k and v keep a copy each."""
+        return self.stream == self.compute or self.compiled  # a compiled layer casts once
+
+
+def layer_run(cfg: TrainConfig, part: str) -> LayerRun:
+    """The LayerRun of `part`'s layers as train.loop runs them."""
+    train = not getattr(cfg.freeze, part)
+    stream = 4 if train else DTYPES[cfg.model.dtype].itemsize
+    hw = cfg.train.hardware
+    compute = 2 if hw.mixed_precision == "bf16" else stream  # without autocast: the weights' dtype
+    adapted = cfg.lora is not None and part in cfg.lora.parts
+    if part != "language":  # train.hardware.attention and compile act on the language model's layers
+        return LayerRun(compute, stream, train, adapted)
+    return LayerRun(compute, stream, train, adapted, hw.attention, hw.compile)
+
+
+def _attention_bytes(heads: int, kv_heads: int, q: int, kv: int, p: LayerRun, seq: int) -> int:
+    """What a Gemma layer's attention keeps per token. sdpa: q (normed, rotated), k and v repeated to every head
+    (transformers' sdpa path repeats them whenever a mask is passed, and training always passes one; one kv head
+    repeats as a view, no copy, unless autocast casts it: k rotated by fp32 cos/sin from an fp32 stream), its output,
+    fp32 logsumexp per head, and the boolean mask as a bias of the compute dtype (a row of seq). flex_attention:
+    k and v once (it reads kv heads itself), no bias (the block mask is shared). eager: the fp32 softmax and its
+    compute-dtype copy (a row of seq per head), and the matmuls' operands."""
+    v = q if 1 < kv_heads < heads else kv
+    k = q if kv_heads < heads and (kv_heads > 1 or not p.shares_inputs) else kv
+    if p.attention == "flex_attention":
+        return p.compute * (2 * q + 2 * kv) + 4 * heads
+    if p.attention == "eager":
+        return p.compute * (2 * q + k + v) + (4 + p.compute) * heads * seq
+    return p.compute * (2 * q + k + v + seq) + 4 * heads
+
+
+def gemma_layer_bytes(tc, p: LayerRun, seq: int = 0) -> int:
+    """Bytes per token one Gemma 3 decoder layer keeps for the backward without checkpointing, as train.loop runs it
+    (`p`; a boolean mask), counted from what autograd saves (tests/test_memory_levers.py, per_layer_kept: exact for
+    eager layers, within 3% of torch.compile's partition); `seq` sizes the attention's rows. Rotary cos/sin are
+    computed once per forward and shared by every layer."""
+    h, i, heads, kv_heads = tc.hidden_size, tc.intermediate_size, tc.num_attention_heads, tc.num_key_value_heads
+    q, kv = heads * tc.head_dim, kv_heads * tc.head_dim
+    rows = 4 * (4 + heads + kv_heads)  # one fp32 rsqrt per row of each RMSNorm (q and k are normed per head)
+    attention = _attention_bytes(heads, kv_heads, q, kv, p, seq)
+    if p.compiled:
+        # torch.compile's partition keeps the matmuls' outputs and recomputes the norms and activations from them:
+        # the layer input, the inputs of the q and k norms (q_proj, k_proj), of the post-attention and post-feedforward
+        # norms (o_proj, down_proj) and of the gated activation (gate, up); for weights' gradients also the
+        # normalised inputs of q/k/v and gate/up (cast once), o_proj's input and the gated product down_proj reads
+        kept = p.stream * h + p.compute * (q + kv + 2 * h + 2 * i)
+        return rows + attention + kept + (p.compute * (2 * h + q + i) if p.keeps_matmul_inputs else 0)
+    # six RMSNorms (input, post-attention, pre- and post-feedforward over h; q and k per head): each computes in fp32
+    # and keeps its input in fp32 (a copy of a bf16 input; under fp32 the input itself), and, when its weight
+    # trains, the normalised fp32 tensor that weight multiplies
+    norms = 4 * (4 * h + q + kv) * (2 if p.train else 1)
+    # the normalised inputs of q/k/v and gate/up (cast to the compute dtype: once, or once per projection when the
+    # stream is fp32 under autocast) and the gated product down_proj reads; o_proj reads attention's kept output
+    copies = (2 if p.shares_inputs else 5) * h
+    matmuls = p.compute * (copies + i) if p.keeps_matmul_inputs else 0
+    mlp = p.compute * 3 * i  # gated MLP: gelu's input (gate), its output and up (the product's two factors)
+    return rows + norms + matmuls + attention + mlp
+
+
+def siglip_layer_bytes(vc, p: LayerRun, seq: int = 0) -> int:
+    """Bytes per token one SigLIP encoder layer keeps for the backward without checkpointing (sdpa, no mask), counted
+    as gemma_layer_bytes' are; `seq` is unused (no mask)."""
+    h, i, heads = vc.hidden_size, vc.intermediate_size, vc.num_attention_heads
+    # two LayerNorms: each keeps its input (the residual stream) and fp32 mean and rstd per row
+    norms = 2 * (p.stream * h + 8)
+    # the normalised inputs of q/k/v and fc1 (cast per projection when the stream is fp32 under autocast) and fc2's
+    # input (gelu's output); out_proj reads attention's kept output
+    copies = (2 if p.shares_inputs else 4) * h
+    matmuls = p.compute * (copies + i) if p.keeps_matmul_inputs else 0
+    attention = p.compute * 4 * h + 4 * heads  # sdpa: q, k, v, its output, fp32 logsumexp per head
+    return norms + matmuls + attention + p.compute * i  # and gelu's input (fc1's output)
+
+
+LAYER_BYTES = {"language": gemma_layer_bytes, "vision": siglip_layer_bytes}  # one per architecture a stack holds
+
+
+def selective_width(part_cfg, part: str, p: LayerRun | None = None) -> int:
     """Elements per token a selectively checkpointed layer keeps: its input and the outputs of the ops it saves
     (theworld.checkpointing.SAVE_OPS): q, k and v, attention, the output projection and the MLP's matmuls (Gemma's
-    gated MLP has two input projections); never more than a layer keeps without checkpointing."""
+    gated MLP has two input projections); never more than a layer keeps without checkpointing (precision `p`)."""
+    p = p or LayerRun()
     h, heads = part_cfg.hidden_size, part_cfg.num_attention_heads
     head_dim = getattr(part_cfg, "head_dim", None) or h // heads
     kv = getattr(part_cfg, "num_key_value_heads", None) or heads
     mlp = part_cfg.intermediate_size * (2 if part == "language" else 1)
     width = h + 2 * heads * head_dim + 2 * kv * head_dim + h + mlp + h
-    return min(width, ACT_PER_TOKEN_LAYER * h)
+    return min(width, LAYER_BYTES[part](part_cfg, p) // p.compute)
 
 
-def _stack(seq: int, part_cfg, e: int, ac: ActivationCheckpointing, part: str) -> int:
-    """Activations of a stack of transformer layers for one sequence: a full-checkpointed layer keeps its input, a
-    selective one its input and its matmul and attention outputs, the others everything; plus one layer recomputed
-    at a time in the backward."""
+def _stack(seq: int, part_cfg, p: LayerRun, ac: ActivationCheckpointing, part: str) -> int:
+    """Activations of a stack of transformer layers for one sequence: a full-checkpointed layer keeps its input (in
+    the stream's dtype), a selective one its input and its matmul and attention outputs, the others everything
+    (LAYER_BYTES); plus one layer recomputed at a time in the backward."""
     hidden, layers = part_cfg.hidden_size, part_cfg.num_hidden_layers
-    layer = ACT_PER_TOKEN_LAYER * seq * hidden * e
+    layer = seq * LAYER_BYTES[part](part_cfg, p, seq)
     wrapped = _wrapped(layers, ac, part)
     if not wrapped:
         return layers * layer
-    kept = seq * e * (hidden if ac.mode == "full" else selective_width(part_cfg, part))
+    kept = seq * hidden * p.stream
+    if ac.mode == "selective":
+        kept += seq * p.compute * (selective_width(part_cfg, part, p) - hidden)
     return wrapped * kept + (layers - wrapped) * layer + layer
 
 
