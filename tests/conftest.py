@@ -34,6 +34,17 @@ def one_thread_per_worker():
         torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def pil_strict_after():
+    """lmms_eval.api.task sets PIL's ImageFile.LOAD_TRUNCATED_IMAGES = True when imported (tests/test_lmms_adapter.py,
+    test_protocols.py's lmms_eval.tasks import): PIL's default (False) again after every test, so whatever order an
+    xdist worker runs the files in, later tests still see truncated images refused."""
+    yield
+    from PIL import ImageFile
+
+    ImageFile.LOAD_TRUNCATED_IMAGES = False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
