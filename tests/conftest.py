@@ -23,6 +23,28 @@ sys.path.insert(0, str(Path(__file__).parent))
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # what every subprocess a test starts gets
 
 
+@pytest.fixture(autouse=True)
+def one_thread_per_worker():
+    """Under pytest-xdist (pyproject.toml's addopts: two workers) each worker computes on one thread: two workers of
+    two OpenMP threads each on a 2-core machine spin against each other. Per test, as an in-process run's
+    train.cpu_threads sets the count for the rest of the process."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def pil_strict_after():
+    """lmms_eval.api.task sets PIL's ImageFile.LOAD_TRUNCATED_IMAGES = True when imported (tests/test_lmms_adapter.py,
+    test_protocols.py's lmms_eval.tasks import): PIL's default (False) again after every test, so whatever order an
+    xdist worker runs the files in, later tests still see truncated images refused."""
+    yield
+    from PIL import ImageFile
+
+    ImageFile.LOAD_TRUNCATED_IMAGES = False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -179,10 +201,11 @@ def trained_run(tmp_path_factory):
 # Training runs on a small synthetic cache
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cache(tmp_path_factory):
     """96 synthetic samples at 64 px, float32, flipped latents and images kept (3 shards of 32); no SigLIP features,
-    since flip augmentation needs image tokens computed live from the flipped picture."""
+    since flip augmentation needs image tokens computed live from the flipped picture. Built once per session (per
+    xdist worker) for the many modules that train on it: tests only read it, which its teardown checks."""
     from precompute.config import load as load_pre
     from precompute.cosmos_latents import run
 
@@ -200,7 +223,9 @@ def cache(tmp_path_factory):
         ],
     )
     run(cfg)
-    return out
+    files = {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(out.rglob("*"))}
+    yield out
+    assert {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(out.rglob("*"))} == files, "a test changed it"
 
 
 def base_args(cache: Path, out: Path, steps: int = 4, **extra) -> list[str]:

@@ -16,15 +16,6 @@ from conftest import ROOT
 pytest.importorskip("lmms_eval", reason="the eval extra (pip install .[eval]) is not installed")
 
 
-@pytest.fixture(autouse=True)
-def _pil_strict_after(monkeypatch):
-    """lmms_eval.api.task sets PIL's ImageFile.LOAD_TRUNCATED_IMAGES = True when imported; put it back after each
-    test here, so later tests in the session still see truncated images refused."""
-    from PIL import ImageFile
-
-    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", ImageFile.LOAD_TRUNCATED_IMAGES)
-
-
 ENTRY_POINT = "theworld.lmms_adapter:manifest"
 
 
