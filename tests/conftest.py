@@ -201,6 +201,17 @@ def trained_run(tmp_path_factory):
 # Training runs on a small synthetic cache
 
 
+@pytest.fixture
+def run_copy(trained_run, tmp_path) -> Path:
+    """A copy of the session's trained run for a test that writes into it (evaluate adds its rows to final/README.md's
+    card): the session's run stays as it was, whatever order or worker the tests run in."""
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(trained_run["run"], out, symlinks=True)
+    return out
+
+
 @pytest.fixture(scope="session")
 def cache(tmp_path_factory):
     """96 synthetic samples at 64 px, float32, flipped latents and images kept (3 shards of 32); no SigLIP features,

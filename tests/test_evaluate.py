@@ -187,10 +187,8 @@ def test_the_synthetic_set_holds_the_true_caption_among_one_word_edits(tmp_path)
         assert item.images[0].read_bytes() == images.to_bytes(synthetic.scene(1, i)[0])
 
 
-def test_the_cli_on_a_trained_run_and_train_benchmarks_agree(trained_run, capsys):
-    assert (
-        main(["--model", str(trained_run["run"]), "--data", str(trained_run["mc"]), "--json", "--batch-size", "4"]) == 0
-    )
+def test_the_cli_on_a_trained_run_and_train_benchmarks_agree(trained_run, run_copy, capsys):
+    assert main(["--model", str(run_copy), "--data", str(trained_run["mc"]), "--json", "--batch-size", "4"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["n"] == 6 and {"accuracy", "accuracy_shuffled_world", "categories"} <= out.keys()
     lines = [json.loads(x) for x in (trained_run["run"] / "metrics.jsonl").read_text().splitlines()]

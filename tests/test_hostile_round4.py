@@ -26,11 +26,9 @@ def _one_line(capsys, *words: str) -> str:
 
 
 @pytest.fixture
-def run(trained_run, tmp_path) -> Path:
+def run(run_copy) -> Path:
     """A copy of the trained run's folder this test may damage (the session's run stays as it was)."""
-    out = tmp_path / "run"
-    shutil.copytree(trained_run["run"], out, symlinks=True)
-    return out
+    return run_copy
 
 
 def _evaluate(*argv: str) -> int:

@@ -385,7 +385,9 @@ def _put_tree(s3, folder: Path, prefix: str) -> str:
 
 
 @pytest.mark.slow
-def test_caption_evaluation_reads_the_held_out_split_of_an_s3_cache(s3, trained_run, tmp_path, capsys, monkeypatch):
+def test_caption_evaluation_reads_the_held_out_split_of_an_s3_cache(
+    s3, trained_run, run_copy, tmp_path, capsys, monkeypatch
+):
     from theworld.evaluate import main
 
     monkeypatch.setenv("HOME", str(tmp_path))  # the default cache_local_dir is under it
@@ -393,7 +395,7 @@ def test_caption_evaluation_reads_the_held_out_split_of_an_s3_cache(s3, trained_
     records = {}
     for name, data in (("local", str(trained_run["cache"])), ("s3", remote)):
         out = tmp_path / f"{name}.jsonl"
-        argv = ["--model", str(trained_run["run"]), "--data", data, "--task", "caption", "--json"]
+        argv = ["--model", str(run_copy), "--data", data, "--task", "caption", "--json"]
         assert main([*argv, "--max-new-tokens", "4", "--out", str(out)]) == 0
         assert json.loads(capsys.readouterr().out)["n"] == 8
         records[name] = [json.loads(x) for x in out.read_text().splitlines()]

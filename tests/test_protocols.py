@@ -272,11 +272,11 @@ def caption_file(root: Path, n: int = 3) -> Path:
 # ---------------------------------------------------------------------------------------------------------- the CLI
 
 
-def test_the_cli_json_out_and_model_card_on_a_trained_run(trained_run, tmp_path, capsys):
+def test_the_cli_json_out_and_model_card_on_a_trained_run(trained_run, run_copy, tmp_path, capsys):
     out = tmp_path / "items.out.jsonl"
     argv = [
         "--model",
-        str(trained_run["run"]),
+        str(run_copy),
         "--data",
         str(trained_run["mc"]),
         "--json",
@@ -303,25 +303,25 @@ def test_the_cli_json_out_and_model_card_on_a_trained_run(trained_run, tmp_path,
     assert all(re.fullmatch(r"[.\s]*", a) for r in answers for a in r["outputs"].values()), answers
     assert [(r["pred"], r["pred_shuffled_world"]) for r in answers] == [(None, None)] * 6
     assert (gen["protocol"], gen["unparsed"], gen["unparsed_shuffled_world"], gen["accuracy"]) == ("generate", 6, 6, 0)
-    card = (trained_run["run"] / "final" / "README.md").read_text()
+    card = (run_copy / "final" / "README.md").read_text()
     table = card[card.index("## Evaluation results") :].splitlines()
     rows = [r for r in table if r.startswith("| items.jsonl")]
     assert len(rows) == 2 and "| loglik | 6 |" in rows[0] and "| generate | 6 |" in rows[1]
     assert f"{res['accuracy']:.4f}" in rows[0] and "no_world" in rows[0] and "--baselines all" in rows[0]
     assert main(argv[:4] + ["--json"]) == 0  # the same benchmark and protocol again: its row is replaced
     capsys.readouterr()
-    again = (trained_run["run"] / "final" / "README.md").read_text()
+    again = (run_copy / "final" / "README.md").read_text()
     assert len([r for r in again.splitlines() if r.startswith("| items.jsonl")]) == 2
     assert again.startswith(card[: card.index("## Evaluation results")])  # the card above the table is kept
 
 
-def test_the_caption_task_on_a_trained_run(trained_run, tmp_path, capsys):
+def test_the_caption_task_on_a_trained_run(trained_run, run_copy, tmp_path, capsys):
     data = caption_file(tmp_path)
     assert (
         main(
             [
                 "--model",
-                str(trained_run["run"]),
+                str(run_copy),
                 "--data",
                 str(data),
                 "--task",
@@ -453,14 +453,14 @@ def test_the_synthetic_set_writes_its_captions_beside_it(tmp_path):
     assert [it.images[0].name for it in items] == [Path(r["image"]).name for r in records]
 
 
-def test_captions_on_a_caches_held_out_split_are_the_trainers_eval_samples(trained_run, tmp_path, capsys):
+def test_captions_on_a_caches_held_out_split_are_the_trainers_eval_samples(trained_run, run_copy, tmp_path, capsys):
     from theworld import cache_format as cf
     from theworld.cache_format.held_out import split
 
     out = tmp_path / "c.jsonl"
     argv = [
         "--model",
-        str(trained_run["run"]),
+        str(run_copy),
         "--data",
         str(trained_run["cache"]),
         "--task",
