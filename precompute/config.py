@@ -13,6 +13,7 @@ from theworld.config import (
     ImageConfig,
     ModelConfig,
     RolloutConfig,
+    at_least,
     check_sizes,
     check_workers,
     check_world_steps,
@@ -42,12 +43,9 @@ class Img2datasetOptions:
     user_agent_token: str | None = None  # added to the User-Agent (sites' X-Robots-Tag opt-outs are honoured)
 
     def __post_init__(self) -> None:
-        for key in ("processes_count", "thread_count", "timeout", "number_sample_per_shard", "image_size"):
-            if getattr(self, key) <= 0:
-                raise UserError(f"config key 'source.img2dataset.{key}': must be positive, got {getattr(self, key)}")
-        for key in ("retries", "min_image_size"):
-            if getattr(self, key) < 0:
-                raise UserError(f"config key 'source.img2dataset.{key}': must be >= 0, got {getattr(self, key)}")
+        keys = ("processes_count", "thread_count", "timeout", "number_sample_per_shard", "image_size")
+        at_least(self, "source.img2dataset", 1, *keys)
+        at_least(self, "source.img2dataset", 0, "retries", "min_image_size")
 
 
 @dataclass

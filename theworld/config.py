@@ -403,6 +403,15 @@ def check_sizes(section: object, prefix: str = "") -> None:
             raise UserError(f"config key '{key}': {shown(value)} is too large (at most {limit:,}; {hint})")
 
 
+def at_least(section: object, prefix: str, least: int, *names: str) -> None:
+    """Each of `names` in `section` (dotted name `prefix`) is >= `least`: the one-line error otherwise."""
+    for name in names:
+        value = getattr(section, name)
+        if value < least:
+            need = "positive" if least == 1 else f">= {least}"
+            raise UserError(f"config key '{prefix}.{name}': must be {need}, got {value}")
+
+
 WORKERS_PER_CORE = 8  # loader workers mostly wait on I/O and decoding: a few per core help, thousands only thrash
 
 
@@ -620,6 +629,7 @@ def cli_parser(prog: str, description: str) -> argparse.ArgumentParser:
 
 
 __all__ = [
+    "at_least",
     "ModelConfig",
     "ImageConfig",
     "WorldConfig",

@@ -22,6 +22,7 @@ from theworld.config import (
     LoraConfig,
     ModelConfig,
     WorldConfig,
+    at_least,
     check_lora,
     check_sizes,
     check_threads,
@@ -102,8 +103,7 @@ class PlateauConfig:
     min_improvement: float = 0.01
 
     def __post_init__(self) -> None:
-        if self.window_evals < 0:
-            raise UserError(f"config key 'train.eval.plateau.window_evals': must be >= 0, got {self.window_evals}")
+        at_least(self, "train.eval.plateau", 0, "window_evals")
         check_sizes(self, "train.eval.plateau")
         if not (math.isfinite(self.min_improvement) and self.min_improvement >= 0):
             raise UserError(
@@ -344,15 +344,6 @@ class TrainSection:
         check_sizes(self, "train")
         if not (math.isfinite(self.epochs) and self.epochs >= 0):
             raise UserError(f"config key 'train.epochs': must be a finite number >= 0, got {self.epochs}")
-
-
-def at_least(section: object, prefix: str, least: int, *names: str) -> None:
-    """Each of `names` in `section` (dotted name `prefix`) is >= `least`: the one-line error otherwise."""
-    for name in names:
-        value = getattr(section, name)
-        if value < least:
-            need = "positive" if least == 1 else f">= {least}"
-            raise UserError(f"config key '{prefix}.{name}': must be {need}, got {value}")
 
 
 # Where each key of the flat `train` section of earlier releases lives now. A config (or a --set) with an old key
