@@ -39,7 +39,7 @@ test-latest: chromium
 	  "boto3==$$($(LATEST)/bin/python -c 'import botocore; print(botocore.__version__)')"
 	$(MAKE) --no-print-directory lmms-eval img2dataset streaming PY=$(LATEST)/bin/python VENV=$(LATEST)
 	$(LATEST)/bin/python scripts/lock.py diff
-	$(LATEST)/bin/python -m pytest -q --deselect tests/test_lock.py::test_the_environment_holds_the_lock
+	$(LATEST)/bin/python -m pytest -q --deselect tests/scripts/test_lock.py::test_the_environment_holds_the_lock
 
 lock:
 	test -x $(LATEST)/bin/python || $(MAKE) --no-print-directory test-latest
@@ -92,7 +92,7 @@ lint: install
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-# tests/test_report.py renders train.report's page in headless Chromium: Debian's package, installed with apt-get
+# tests/train/test_report.py renders train.report's page in headless Chromium: Debian's package, installed with apt-get
 # (as root, else through sudo) only when no chromium is on PATH. Only the test targets need it.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 chromium:

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from theworld import images, paths, run_lock
 from theworld.cache_format import storage
-from theworld.config import (
+from theworld.core import paths, run_lock
+from theworld.core.config import (
     ImageConfig,
     ModelConfig,
     RolloutConfig,
@@ -20,8 +20,9 @@ from theworld.config import (
     load_config,
     require_path,
 )
-from theworld.errors import UserError
-from theworld.text import DEFAULT_PROMPT
+from theworld.core.errors import UserError
+from theworld.model import images
+from theworld.model.text import DEFAULT_PROMPT
 
 
 @dataclass
@@ -108,7 +109,7 @@ class CacheOptions:
 @dataclass
 class WorldRollouts:
     """The `world:` section of a precompute config: how many frames the Video2World pipeline predicts after each
-    image (theworld/rollout.py) and with which settings; the training config's world section has the same keys."""
+    image (theworld/model/rollout.py) and with which settings; the training config's world section has the same keys."""
 
     num_world_steps: int = 0  # 0: the observed frame only (latents (C, 1, h, w)); N: (C, 1 + N, h, w)
     max_world_steps: int = 16
@@ -146,7 +147,7 @@ class PrecomputeConfig:
             raise UserError(f"config key 'num_workers': must be >= 0, got {self.num_workers}")
         check_sizes(self)
         check_workers("num_workers", self.num_workers)
-        from theworld.rollout import check_settings  # (imports torch: not at this module's top)
+        from theworld.model.rollout import check_settings  # (imports torch: not at this module's top)
 
         check_settings(self.world.num_world_steps, self.world.rollout, self.image.resolution)
         if self.world.num_world_steps and self.cache.flip:

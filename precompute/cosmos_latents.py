@@ -28,13 +28,14 @@ from precompute.config import PrecomputeConfig, load
 from precompute.entry_dataset import EntryDataset, collate
 from precompute.shard_writer import ShardWriter
 from theworld import cache_format as cf
-from theworld import encoders, images, run_lock
-from theworld.arch import latent_side
 from theworld.cache_format import storage
-from theworld.config import cli_parser, to_dict, to_yaml
-from theworld.errors import UserError, as_shown, cli_entry
-from theworld.launch import process_group, shared_folder_check
-from theworld.rollout import Rollout, sample_seeds, with_predicted
+from theworld.core import run_lock
+from theworld.core.config import cli_parser, to_dict, to_yaml
+from theworld.core.errors import UserError, as_shown, cli_entry
+from theworld.core.process_group import process_group, shared_folder_check
+from theworld.model import encoders, images
+from theworld.model.arch import latent_side
+from theworld.model.rollout import Rollout, sample_seeds, with_predicted
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The run

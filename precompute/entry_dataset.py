@@ -12,8 +12,8 @@ from torch.utils.data import Dataset
 from precompute import sources
 from precompute.config import PrecomputeConfig
 from theworld import cache_format as cf
-from theworld import images
-from theworld.errors import one_line
+from theworld.core.errors import one_line
+from theworld.model import images
 
 
 class EntryDataset(Dataset):

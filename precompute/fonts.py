@@ -11,7 +11,7 @@ import functools
 import os
 from pathlib import Path
 
-from theworld import log
+from theworld.core import log
 
 _log = log.get(__name__)
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from precompute.config import PrecomputeConfig
 from theworld import cache_format as cf
-from theworld.config import to_dict
-from theworld.errors import UserError
+from theworld.core.config import to_dict
+from theworld.core.errors import UserError
 
 LLAVA_CONVERSATIONS = "multi-turn"  # llava items of several human/gpt pairs are samples (cache_format.TURNS)
 

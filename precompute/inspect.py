@@ -9,7 +9,8 @@ Exit codes: 0 fine, 1 verify/compare found a problem, 2 a user mistake (no cache
 compare-live and decode need the VAE: by default the one named in the cache's fingerprint (model id and dtype);
 --config/--set override it, and a VAE that would not reproduce the cache is refused, naming the differing field.
 With --config, summary and verify check the fingerprint too. On a rollout cache (contents.world_steps N > 0),
-compare-live reruns each sample's rollout with the cache's seed and settings (theworld/rollout.py), and decode shows
+compare-live reruns each sample's rollout with the cache's seed and settings (theworld/model/rollout.py), and decode
+shows
 each sample's rollout as a filmstrip: the original, then the decoded observed frame and the N predicted ones.
 """
 
@@ -29,12 +30,13 @@ import torch
 from precompute import fonts
 from precompute.config import PrecomputeConfig
 from theworld import cache_format as cf
-from theworld import encoders, images, paths
 from theworld.cache_format import storage
 from theworld.cache_format.layout import world_steps
-from theworld.config import ArgParser, add_config_args, load_config
-from theworld.errors import CacheDamaged, UserError, as_shown, cli_entry, one_line
-from theworld.rollout import Rollout, observed_and_predicted, sample_seeds
+from theworld.core import paths
+from theworld.core.config import ArgParser, add_config_args, load_config
+from theworld.core.errors import CacheDamaged, UserError, as_shown, cli_entry, one_line
+from theworld.model import encoders, images
+from theworld.model.rollout import Rollout, observed_and_predicted, sample_seeds
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Models and fingerprints

@@ -3,7 +3,7 @@
 No model weights are loaded. Tensor members are sized from the config alone: latent channels from the VAE's config,
 image-token features (mm_tokens x hidden) from Gemma's config, each serialised empty to get its exact safetensors
 size. Configs come from the saved tiny models, a local folder, the local Hugging Face cache (offline), or, for the
-public checkpoints the project targets, the table in theworld/arch.py. The latent grid and the variable members
+public checkpoints the project targets, the table in theworld/model/arch.py. The latent grid and the variable members
 (image bytes, caption, json) are measured on up to PLAN_SAMPLES source entries spread evenly over the source,
 prepared exactly as the run prepares them (decode, resize or bucket, PNG for formats kept as PNG).
 """
@@ -24,9 +24,9 @@ from precompute import sources
 from precompute.config import PrecomputeConfig
 from precompute.sources import urls
 from theworld import cache_format as cf
-from theworld import encoders
-from theworld.arch import KNOWN_GEMMA, KNOWN_VAE, latent_side
-from theworld.errors import UserError, one_line
+from theworld.core.errors import UserError, one_line
+from theworld.model import encoders
+from theworld.model.arch import KNOWN_GEMMA, KNOWN_VAE, latent_side
 
 PLAN_SAMPLES = 64
 # The encode rate the plan's time line uses: precompute end to end at 512 px through the real Wan 2.1 VAE on one
@@ -148,7 +148,7 @@ def _latent_bytes(channels: int, hw: tuple[int, int], cfg: PrecomputeConfig) -> 
 def transformer_sizes(spec: str) -> dict:
     """The Video2World transformer's config for model.vae `spec` (a local or cached config, else the table above),
     refused in one line when the spec has no Video2World transformer."""
-    from theworld import rollout
+    from theworld.model import rollout
 
     if spec in KNOWN_TRANSFORMERS and not Path(spec).exists():
         return KNOWN_TRANSFORMERS[spec]

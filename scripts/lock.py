@@ -35,7 +35,7 @@ LEFT_UNMET = {
     "lmms-eval": {"torchvision", "timm", "wandb"},
     # img2dataset 1.47.0 pins webdataset<0.3 and pandas<3 (this project needs webdataset 1.x), caps opencv below 5
     # (which lmms-eval needs) and lists the dataclasses backport (Python 3.6); its download path runs on the locked
-    # versions (tests/test_source_urls.py)
+    # versions (tests/precompute/sources/test_urls.py)
     "img2dataset": {"webdataset", "pandas", "opencv-python-headless", "dataclasses"},
     # a peer in tools.speed_readers, read through streaming.base alone (see the Makefile's streaming target)
     "mosaicml-streaming": ALL,

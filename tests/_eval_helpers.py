@@ -1,4 +1,5 @@
-"""Multiple-choice fixtures shared by tests/test_evaluate.py and tests/test_protocols.py: item files, a BLINK-layout
+"""Multiple-choice fixtures shared by tests/theworld/test_evaluate.py and tests/theworld/infer/test_scoring.py: item
+files, a BLINK-layout
 folder, and the scores computed by hand (each choice alone, full logits)."""
 
 from __future__ import annotations
@@ -9,11 +10,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from theworld import images, synthetic
+from theworld.embedded import synthetic
 from theworld.infer import benchmark_items
-from theworld.inputs import text_batch
-from theworld.objective import IGNORE
-from theworld.text import ChatFormatter
+from theworld.model import images
+from theworld.model.inputs import text_batch
+from theworld.model.objective import IGNORE
+from theworld.model.text import ChatFormatter
 
 
 def write_items(root: Path, records: list[dict], n_images: int = 3) -> Path:

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from precompute.config import PrecomputeConfig
-from theworld.config import load_config
+from theworld.core.config import load_config
 
 
 def make_cfg(out: Path, *overrides: str, n: int = 20, res: int = 32, shard: int = 8) -> PrecomputeConfig:

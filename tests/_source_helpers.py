@@ -7,9 +7,8 @@ import json
 import tarfile
 from pathlib import Path
 
-from _precompute_helpers import gradient, png_bytes
-
 from precompute import sources
+from tests._precompute_helpers import gradient, png_bytes
 
 
 def listing_of(kind: str, path, tmp_path: Path, **kw) -> sources.Listing:

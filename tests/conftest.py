@@ -19,7 +19,6 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("THEWORLD_MODELS", str(ROOT / "cache" / "models"))  # built once, reused by every test
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).parent))
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # what every subprocess a test starts gets
 
 
@@ -36,8 +35,9 @@ def one_thread_per_worker():
 
 @pytest.fixture(autouse=True)
 def pil_strict_after():
-    """lmms_eval.api.task sets PIL's ImageFile.LOAD_TRUNCATED_IMAGES = True when imported (tests/test_lmms_adapter.py,
-    test_protocols.py's lmms_eval.tasks import): PIL's default (False) again after every test, so whatever order an
+    """lmms_eval.api.task sets PIL's ImageFile.LOAD_TRUNCATED_IMAGES = True when imported
+    (tests/theworld/test_lmms_adapter.py,
+    test_scoring.py's lmms_eval.tasks import): PIL's default (False) again after every test, so whatever order an
     xdist worker runs the files in, later tests still see truncated images refused."""
     yield
     from PIL import ImageFile
@@ -107,18 +107,17 @@ def run2(args: list[str], env: dict | None = None, module: str = "train.loop") -
 @pytest.fixture(autouse=True, scope="session")
 def _command_logging():
     """In-process calls print what the commands print: every command installs the one stderr handler of
-    theworld/log.py, so a test must not depend on whether an earlier test happened to run a command first."""
-    from theworld import log
+    theworld/core/log.py, so a test must not depend on whether an earlier test happened to run a command first."""
+    from theworld.core import log
 
     log.configure()
 
 
 @pytest.fixture
 def fake_vae(monkeypatch):
-    """Make every `theworld.encoders.load_vae` call return a FakeWanVAE (fast, deterministic)."""
-    from fake_vae import FakeWanVAE
-
-    from theworld import encoders
+    """Make every `theworld.model.encoders.load_vae` call return a FakeWanVAE (fast, deterministic)."""
+    from tests.fake_vae import FakeWanVAE
+    from theworld.model import encoders
 
     vae = FakeWanVAE()
     monkeypatch.setattr(encoders, "load_vae", lambda spec, dtype="float32": vae)
@@ -129,9 +128,10 @@ def fixed_inputs(model, processor, n: int = 2):
     """Prompt + caption batch of synthetic scenes with live world and image inputs (for comparing logits)."""
     import torch
 
-    from theworld import images, synthetic
-    from theworld.inputs import text_batch
-    from theworld.text import ChatFormatter
+    from theworld.embedded import synthetic
+    from theworld.model import images
+    from theworld.model.inputs import text_batch
+    from theworld.model.text import ChatFormatter
 
     fmt = ChatFormatter(processor)
     scenes = [synthetic.scene(3, i) for i in range(n)]
@@ -152,8 +152,8 @@ def trained_run(tmp_path_factory):
     from precompute.config import load as load_pre
     from precompute.cosmos_latents import run
     from theworld.infer import benchmark_items
-    from train import final
     from train.loop import main
+    from train.state import final
 
     root = tmp_path_factory.mktemp("trained")
     cache, out, mc = root / "cache", root / "run", root / "mc" / "items.jsonl"

@@ -11,13 +11,14 @@ import argparse
 import sys
 import time
 
-from theworld import checkpoint_layout as layout
-from theworld import device_map as dispatching
-from theworld import images, log
-from theworld.config import ArgParser, DefaultsHelp
-from theworld.control_text import text_problem
-from theworld.errors import UserError, cli_entry
-from theworld.text import DEFAULT_PROMPT
+from theworld.core import log
+from theworld.core.config import ArgParser, DefaultsHelp
+from theworld.core.errors import UserError, cli_entry
+from theworld.model import device_map as dispatching
+from theworld.model import images
+from theworld.model import stage_layout as layout
+from theworld.model.control_text import text_problem
+from theworld.model.text import DEFAULT_PROMPT
 
 _log = log.get(__name__)
 
@@ -67,7 +68,7 @@ def parse(argv: list[str] | None):
 @cli_entry
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    from theworld.model import TheWorld
+    from theworld.model.world import TheWorld
 
     folder = layout.resolve(args.model)
     prompt = args.prompt if args.prompt is not None else layout.trained_prompt(folder)

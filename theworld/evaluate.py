@@ -19,12 +19,12 @@ import sys
 import time
 from pathlib import Path
 
-from theworld import device_map as dispatching
-from theworld import log, paths
-from theworld.config import ArgParser, DefaultsHelp
-from theworld.errors import UserError, cli_entry, out_of_space, sigterm_as_exit
+from theworld.core import log, paths
+from theworld.core.config import ArgParser, DefaultsHelp
+from theworld.core.errors import UserError, cli_entry, out_of_space, sigterm_as_exit
 from theworld.infer import baselines, benchmark_items
 from theworld.infer.scoring import PROTOCOLS
+from theworld.model import device_map as dispatching
 
 _log = log.get(__name__)
 
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.make_synthetic:
         if args.model:  # the set is written: never over the model's own files
-            from theworld import checkpoint_layout as layout
+            from theworld.model import stage_layout as layout
 
             paths.check_not_input(args.data, {"the model folder": layout.resolve(args.model)}, flag="--data")
         benchmark_items.make_synthetic(args.data, args.make_synthetic, seed=args.synthetic_seed)
@@ -188,8 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     if args.task == "caption":
         from theworld import cache_format as cf
-        from theworld import checkpoint_layout as layout
         from theworld.infer import captions
+        from theworld.model import stage_layout as layout
 
         if cf.is_url(args.data) or (Path(args.data) / cf.MANIFEST).is_file():  # a latent cache (a URL: one in
             # object storage): the run's held-out samples
@@ -202,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     items = _readable(items, benchmark_items.unreadable(items))
     if not items:
         raise UserError(f"--data {args.data}: no item with readable images")
-    from theworld import checkpoint_layout as layout
-    from theworld.model import TheWorld
+    from theworld.model import stage_layout as layout
+    from theworld.model.world import TheWorld
 
     folder = layout.resolve(args.model)  # before the slow load: a wrong folder is one line at once
     args.baselines = baselines.parse(args.baselines_spec, layout.read_config(folder).world.num_world_steps)

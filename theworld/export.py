@@ -17,10 +17,11 @@ from pathlib import Path
 
 import yaml
 
-from theworld import checkpoint_layout as layout
-from theworld import log, lora, paths
-from theworld.config import ArgParser
-from theworld.errors import UserError, cli_entry, sigterm_as_exit
+from theworld.core import log, paths
+from theworld.core.config import ArgParser
+from theworld.core.errors import UserError, cli_entry, sigterm_as_exit
+from theworld.model import lora
+from theworld.model import stage_layout as layout
 
 _log = log.get(__name__)
 
@@ -67,7 +68,7 @@ def export(model_dir: str | Path, out: str | Path, ema: bool = False) -> Path:
     """Write the merged export of `model_dir` into `.tmp-NAME-PID` beside `out`, then rename it to `out`: a failed,
     full or killed export leaves no partial folder at `out` (its temporary one is removed at once, or for kill -9 by
     the next export to the same place)."""
-    from theworld.model import TheWorld
+    from theworld.model.world import TheWorld
 
     folder = layout.resolve(model_dir)
     out = Path(out)

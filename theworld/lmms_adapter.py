@@ -29,12 +29,12 @@ from typing import NoReturn
 import torch
 from lmms_eval.api.model import lmms
 
-from theworld import images as imagelib
-from theworld import log
-from theworld.errors import UserError, one_line
+from theworld.core import log
+from theworld.core.errors import UserError, one_line
 from theworld.infer import generate as gen
 from theworld.infer import prefix_scoring
-from theworld.inputs import prompt_only
+from theworld.model import images as imagelib
+from theworld.model.inputs import prompt_only
 
 _log = log.get(__name__)
 
@@ -98,7 +98,7 @@ class TheWorldLMM(lmms):
             self.max_new_tokens = 0
         if self.max_new_tokens < 1:
             _refuse(f"model_args max_new_tokens={max_new_tokens}: must be a whole number >= 1")
-        from theworld.model import TheWorld
+        from theworld.model.world import TheWorld
 
         try:
             self.model, self.processor = TheWorld.from_pretrained(pretrained, ema=_flag(ema), device=device)

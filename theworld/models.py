@@ -24,9 +24,10 @@ from pathlib import Path
 
 import torch
 
-from theworld import gemma3, paths
-from theworld.config import ArgParser, DefaultsHelp
-from theworld.errors import UserError, cli_entry, one_line, sigterm_as_exit
+from theworld.core import paths
+from theworld.core.config import ArgParser, DefaultsHelp
+from theworld.core.errors import UserError, cli_entry, one_line, sigterm_as_exit
+from theworld.model import gemma3
 
 BUILD_FILE = "theworld_build.json"  # what built the folder: a rerun with the same build leaves it as it is
 BUILD_VERSION = 1  # bump when the same inputs would give a different folder
@@ -210,7 +211,7 @@ def built(out: Path) -> dict | None:
 
 def build(name: str, out: str | Path, gguf: str | None = None, dtype: str = "float32") -> Path:
     """Write model `name` to `out` (through a temporary folder beside it, renamed into place)."""
-    from theworld.encoders import DTYPES, _quiet_hf
+    from theworld.model.encoders import DTYPES, _quiet_hf
 
     spec, out = MODELS[name], Path(out)
     for stale in paths.remove_stale_partials(out.parent, out.name):

@@ -1,7 +1,7 @@
 """`python -m tools.memory_plan --config FILE [--gpus N] [--gpu-memory-gib 80] [--json]`: a per-GPU memory plan.
 
 Parameter counts are exact: the model is built on the meta device (shapes, no weights) from the configs of the base
-models; a hub id that is not in the local Hugging Face cache falls back to its architecture in theworld/arch.py
+models; a hub id that is not in the local Hugging Face cache falls back to its architecture in theworld/model/arch.py
 (Gemma 3 4B, the Wan 2.1 VAE). Bytes per GPU under ddp and fsdp are broken into frozen weights, trainable weights,
 gradients, optimizer state, working buffers and activations; the activation figure is an estimate: per layer, what
 the layer keeps for the backward, counted from its shapes (gemma_layer_bytes, siglip_layer_bytes; docs/training.md,
@@ -18,8 +18,10 @@ from pathlib import Path
 
 import torch
 
-from theworld import lora as lora_adapters
-from theworld.arch import (
+from theworld.core.config import cli_parser, load_config, shown, to_yaml, trains
+from theworld.core.errors import UserError, cli_entry, one_line
+from theworld.model import lora as lora_adapters
+from theworld.model.arch import (
     ANSWER_TOKENS,
     KNOWN_GEMMA,
     KNOWN_VAE,
@@ -29,14 +31,12 @@ from theworld.arch import (
     gemma_config,
     latent_side,
 )
-from theworld.config import cli_parser, load_config, shown, to_yaml, trains
-from theworld.encoders import DTYPES, _quiet_hf, cannot_load, load_errors, resolve_gemma, resolve_vae
-from theworld.errors import UserError, cli_entry, one_line
-from theworld.model import TheWorld
+from theworld.model.encoders import DTYPES, _quiet_hf, cannot_load, load_errors, resolve_gemma, resolve_vae
+from theworld.model.world import TheWorld
 from train import sharding
 from train.config import ActivationCheckpointing, TrainConfig, resolve_micro_batch
 
-# Hub ids whose whole architecture is known offline (theworld.arch): Gemma 3 4B.
+# Hub ids whose whole architecture is known offline (theworld.model.arch): Gemma 3 4B.
 BUILDABLE_GEMMA = {k: v.sizes for k, v in KNOWN_GEMMA.items() if v.sizes is not None}
 HEADROOM = 0.9  # of the card: the CUDA context, NCCL buffers and allocator fragmentation take the rest
 ADAM_STATE = 8  # bytes per trainable parameter: AdamW's two fp32 moments
@@ -180,7 +180,7 @@ def activation_bytes(cfg: TrainConfig, model: TheWorld, micro: int, ac: Activati
 
 
 def _wrapped(layers: int, ac: ActivationCheckpointing, part: str) -> int:
-    """Layers of a stack of `layers` that `ac` checkpoints (0, N, 2N, ...: theworld/checkpointing.py)."""
+    """Layers of a stack of `layers` that `ac` checkpoints (0, N, 2N, ...: theworld/model/recompute.py)."""
     return -(-layers // ac.every_n) if ac.wraps(part) else 0
 
 
@@ -257,7 +257,7 @@ def _attention_bytes(heads: int, kv_heads: int, q: int, kv: int, p: LayerRun, se
 
 def gemma_layer_bytes(tc, p: LayerRun, seq: int = 0) -> int:
     """Bytes per token one Gemma 3 decoder layer keeps for the backward without checkpointing, as train.loop runs it
-    (`p`; a boolean mask), counted from what autograd saves (tests/test_memory_levers.py, per_layer_kept: exact for
+    (`p`; a boolean mask), counted from what autograd saves (tests/tools/test_memory_plan.py, per_layer_kept: exact for
     eager layers, within 3% of torch.compile's partition); `seq` sizes the attention's rows. Rotary cos/sin are
     computed once per forward and shared by every layer."""
     h, i, heads, kv_heads = tc.hidden_size, tc.intermediate_size, tc.num_attention_heads, tc.num_key_value_heads
@@ -302,7 +302,7 @@ LAYER_BYTES = {"language": gemma_layer_bytes, "vision": siglip_layer_bytes}  # o
 
 def selective_width(part_cfg, part: str, p: LayerRun | None = None) -> int:
     """Elements per token a selectively checkpointed layer keeps: its input and the outputs of the ops it saves
-    (theworld.checkpointing.SAVE_OPS): q, k and v, attention, the output projection and the MLP's matmuls (Gemma's
+    (theworld.model.recompute.SAVE_OPS): q, k and v, attention, the output projection and the MLP's matmuls (Gemma's
     gated MLP has two input projections); never more than a layer keeps without checkpointing (precision `p`)."""
     p = p or LayerRun()
     h, heads = part_cfg.hidden_size, part_cfg.num_attention_heads
@@ -333,7 +333,7 @@ VAE_KEPT = {"full": 1, "selective": 3}  # tensors a checkpointed residual block 
 
 def vae_bytes(vc, resolution: int, e: int, ac: ActivationCheckpointing) -> int:
     """Activations of the training VAE encoder for one image: VAE_TENSORS_PER_STAGE tensors of channels x pixels per
-    stage, shared by its residual blocks; a checkpointed block (theworld.checkpointing: down blocks, then the mid
+    stage, shared by its residual blocks; a checkpointed block (theworld.model.recompute: down blocks, then the mid
     block, every_n over that list) keeps VAE_KEPT of its own, plus the largest block recomputed at a time."""
     blocks, total, index, largest = vc.num_res_blocks, 0, 0, 0
     for i, m in enumerate(vc.dim_mult):

@@ -1,6 +1,7 @@
 """`python -m tools.profile_report RUN_DIR [--top N] [--rank R]`: a markdown report of the trace `profile:` wrote
 (RUN_DIR/profile/trace-rank<R>.json, torch.profiler's Chrome trace): the top operations by self time, the time of
-each part of a step (the `theworld:` labels of theworld.model.PROFILE_LABELS, communication by operation name), and
+each part of a step (the `theworld:` labels of theworld.model.world.PROFILE_LABELS, communication by operation name),
+and
 what the shares suggest. Times are host-side (CPU) time; on a GPU the top kernels by device time follow."""
 
 from __future__ import annotations
@@ -10,10 +11,10 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from theworld.config import ArgParser
-from theworld.errors import UserError, cli_entry
-from theworld.model import PROFILE_LABELS
-from theworld.paths import REGULAR, path_kind
+from theworld.core.config import ArgParser
+from theworld.core.errors import UserError, cli_entry
+from theworld.core.paths import REGULAR, path_kind
+from theworld.model.world import PROFILE_LABELS
 
 CATEGORIES = {
     "world_encoder": "world encoder (VAE)",

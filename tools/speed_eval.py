@@ -23,11 +23,11 @@ import time
 
 import torch
 
-from theworld.arch import TINY
 from theworld.infer import prefix_scoring
-from theworld.inputs import ModelInputs, text_batch
-from theworld.objective import IGNORE
-from theworld.text import Encoded
+from theworld.model.arch import TINY
+from theworld.model.inputs import ModelInputs, text_batch
+from theworld.model.objective import IGNORE
+from theworld.model.text import Encoded
 from tools.speed_real import _sync, batch, build, build_gemma
 from tools.threads import add_threads, apply_threads
 
@@ -90,10 +90,10 @@ def _row(name: str, n_items: int, t_shared: dict, t_whole: dict, diff: float, **
 
 
 def demo_case(n_items: int, batch_size: int, repeats: int, device: torch.device) -> dict:
-    from theworld.config import ModelConfig, WorldConfig
+    from theworld.core.config import ModelConfig, WorldConfig
     from theworld.infer import benchmark_items
     from theworld.infer.scoring import Scorer
-    from theworld.model import TheWorld
+    from theworld.model.world import TheWorld
 
     model, processor = TheWorld.from_config(ModelConfig(dtype="float32"), WorldConfig())
     model = model.to(device).eval()

@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from theworld.arch import REAL, TINY
 from theworld.infer import generate as gen
+from theworld.model.arch import REAL, TINY
 from tools.speed_real import _sync, batch, build, build_gemma
 from tools.threads import add_threads, apply_threads
 
@@ -64,9 +64,9 @@ def cache_rows(model, fused: dict, new_tokens: int, repeats: int, device: torch.
 
 
 def tiny_fused(batch_size: int):
-    from theworld import synthetic
-    from theworld.config import ModelConfig, WorldConfig
-    from theworld.model import TheWorld
+    from theworld.core.config import ModelConfig, WorldConfig
+    from theworld.embedded import synthetic
+    from theworld.model.world import TheWorld
 
     model, _ = TheWorld.from_config(ModelConfig(dtype="float32"), WorldConfig())
     model.eval()

@@ -10,7 +10,7 @@ For each case, measured side by side in one run on the same images:
   host_ms_per_image     one worker's decode+resize, and the serialisation of a sample (latents to safetensors + tar
                         member bytes), per image.
   bytes_overhead        bytes per cached sample / bytes of its payload (latent tensors, image, caption, json) - 1.
-Case rollout (theworld/rollout.py, the tiny default at 64 px, 2 world steps, the pipeline's default 35 denoising
+Case rollout (theworld/model/rollout.py, the tiny default at 64 px, 2 world steps, the pipeline's default 35 denoising
 steps with guidance): rollouts_per_s, and step_ratio_cached_to_live = the time of a stage-1 training step (forward
 and backward, projector trainable) on cached rollout latents / the time of the same step rolling out live from the
 images, both measured in this run on the same batch: what the cache buys.
@@ -38,8 +38,9 @@ from precompute.cosmos_latents import encode_latents, run
 from precompute.entry_dataset import EntryDataset
 from precompute.sources import open_listing
 from theworld import cache_format as cf
-from theworld import encoders, images, synthetic
-from theworld.config import ImageConfig, ModelConfig
+from theworld.core.config import ImageConfig, ModelConfig
+from theworld.embedded import synthetic
+from theworld.model import encoders, images
 from tools.threads import add_threads, apply_threads
 
 
@@ -181,10 +182,10 @@ def bench_case(case: str, work: Path, n: int, workers: int = 0) -> dict:
 
 def bench_rollout(n: int, steps: int = 2, batch: int = 4, repeats: int = 3, inference_steps: int = 35) -> dict:
     """Rollouts per second, and a cached training step's time over a live-rollout one's (see the module doc)."""
-    from theworld.config import RolloutConfig, WorldConfig
-    from theworld.inputs import text_batch
-    from theworld.model import TheWorld
-    from theworld.rollout import observed_and_predicted, sample_seeds
+    from theworld.core.config import RolloutConfig, WorldConfig
+    from theworld.model.inputs import text_batch
+    from theworld.model.rollout import observed_and_predicted, sample_seeds
+    from theworld.model.world import TheWorld
 
     world = WorldConfig(num_world_steps=steps, rollout=RolloutConfig(inference_steps=inference_steps))
     model, processor = TheWorld.from_config(ModelConfig(dtype="float32"), world)

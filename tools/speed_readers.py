@@ -13,7 +13,8 @@ Readers, each decoding every sample the same way (`decode_sample`: caption, json
 Per round each reader starts from empty local folders: epoch 1 (setup included: index fetches, downloads) and epoch 2
 (served from its local copies) are timed; a warm-up round is not counted; figures are medians over rounds. Every
 reader must yield the same keys in the same order and the same latents, or the run fails (the comparison is fair).
-"Exact resume": whether a run resumed mid-epoch reads exactly what an uninterrupted one reads (ours: train/order.py's
+"Exact resume": whether a run resumed mid-epoch reads exactly what an uninterrupted one reads (ours:
+train/data/order.py's
 order is a function of seed, epoch and step; Streaming: its state_dict); webdataset's pipeline has no such state.
 The cache is built once with the precompute CLI under --root (as tools.speed_train does), or given with --cache.
 """

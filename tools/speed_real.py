@@ -24,13 +24,13 @@ import time
 import torch
 import torch.nn.functional as F
 
-from theworld import gemma3
-from theworld.arch import ANSWER_TOKENS, REAL, TEXT_TOKENS, TINY, gemma_config, latent_side
-from theworld.encoders import WorldEncoder, _quiet_hf
-from theworld.inputs import ModelInputs
-from theworld.model import TheWorld, compile_language_layers
-from theworld.objective import IGNORE
-from theworld.projector import WorldProjector
+from theworld.model import gemma3
+from theworld.model.arch import ANSWER_TOKENS, REAL, TEXT_TOKENS, TINY, gemma_config, latent_side
+from theworld.model.encoders import WorldEncoder, _quiet_hf
+from theworld.model.inputs import ModelInputs
+from theworld.model.objective import IGNORE
+from theworld.model.projector import WorldProjector
+from theworld.model.world import TheWorld, compile_language_layers
 from train.components import set_language_attention
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from theworld.arch import latent_side
+from theworld.model.arch import latent_side
 from tools.speed_real import text_inputs
 
 MODES = {"plain": [], "offload": ["train.hardware.sharding=fsdp", "train.hardware.cpu_offload=true"]}
@@ -35,7 +35,7 @@ MEMORY_MODE = {"plain": "ddp", "offload": "fsdp_offload"}  # tools.memory_plan's
 def micro_batch(model, cfg, b: int):
     """A micro-batch of the shapes a training run feeds: cached latents and SigLIP features for frozen encoders,
     live uint8 images (VAE) and normalised pixels (SigLIP) for the ones that train."""
-    from train.batches import Batch
+    from train.data.batches import Batch
 
     gc = model.gemma.config
     mm = gc.mm_tokens_per_image
@@ -65,7 +65,7 @@ def _host_peak() -> int | None:
 
 def row(config: str, mode: str, steps: int, micro: int | None) -> dict:
     """One (config, mode) row, in this process."""
-    from theworld.config import load_config
+    from theworld.core.config import load_config
     from tools import memory_plan as memory
     from train import components
     from train.config import TrainConfig

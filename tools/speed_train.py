@@ -43,12 +43,15 @@ import psutil
 import torch
 
 from theworld import cache_format as cf
-from theworld import synthetic, tiny
 from theworld.cache_format.storage import DEFAULT_LOCAL_DIR
-from theworld.config import load_config
+from theworld.core.config import load_config
+from theworld.embedded import synthetic, tiny
 from tools.threads import add_threads, apply_threads
-from train import components, data, order
+from train import components
 from train.config import TrainConfig
+from train.data import cache as data
+from train.data import loader as data_loader
+from train.data import order
 from train.step import LoopState, optimization_step
 
 BENCH_ROOT = Path("cache/bench")
@@ -260,7 +263,7 @@ def bench_case(
         acc = components.make_accelerator(cfg, launch)
         accum = launch.accum
         c = components.build(cfg, acc, accum)
-        ctx = data.DataContext.build(cfg, reader, inputs, c.processor)
+        ctx = data_loader.DataContext.build(cfg, reader, inputs, c.processor)
         state = LoopState()
         n = warmup + rounds * steps
         per_epoch = order.steps_per_epoch(np.bincount(ctx.buckets[ctx.train_indices]), gbs)
@@ -269,11 +272,11 @@ def bench_case(
                 f"error: {n} steps (warm-up + rounds x steps) do not fit in one epoch of {per_epoch}: "
                 "use more --samples or fewer --rounds"
             )
-        staged = list(data.build_train_loader(cfg, ctx, 0, 1, epoch=0))[: n * accum]
+        staged = list(data_loader.build_train_loader(cfg, ctx, 0, 1, epoch=0))[: n * accum]
         # cached path: short staged and loader-fed blocks over the same batches, alternated so that the drift and
         # bursts of a shared machine land on both sides alike. One loader serves every fed block: its worker runs
         # while fed steps run and is idle (its prefetch queue full) while staged steps run, as in a real epoch.
-        it = iter(data.build_train_loader(cfg, ctx, 0, 1, epoch=0))
+        it = iter(data_loader.build_train_loader(cfg, ctx, 0, 1, epoch=0))
         _fed_steps(c, state, it, warmup, accum)  # worker start, allocator and kernel caches: not steady state
         _steps(c, state, staged[: warmup * accum], accum)
         round_staged, round_fed = [], []  # mean step seconds of each round's two blocks (all of `steps` steps)
@@ -287,10 +290,10 @@ def bench_case(
         # live path, same model and samples: frozen VAE and SigLIP run inside every step
         live_plan = data.InputSources(cached_latents=False, cached_siglip=False, flip=False, members=(cf.IMAGE,))
         live_reader = cf.CacheReader(cfg.cache_dir, members=live_plan.members, settings=cf.Settings.of(cfg))
-        live_ctx = data.DataContext(
+        live_ctx = data_loader.DataContext(
             live_reader, live_plan, ctx.formatter, ctx.image_processor, ctx.train_indices, ctx.eval_indices, ctx.buckets
         )
-        live = list(data.build_train_loader(cfg, live_ctx, 0, 1, epoch=0))[: (warmup + steps) * accum]
+        live = list(data_loader.build_train_loader(cfg, live_ctx, 0, 1, epoch=0))[: (warmup + steps) * accum]
         t_live = _steps(c, state, live, accum)[warmup:]
         loader = _loader_and_memory(cfg, ctx, c.raw.projector)
         # world tokens per training sample (one figure for a square cache, the mean over samples with buckets)
@@ -325,7 +328,7 @@ def _loader_and_memory(cfg, ctx, projector) -> dict:
     the positions the model computes that are padding (the most length-aware batching could save)."""
     rss, seen, t_total, pad, computed = [], 0, 0.0, 0, 0
     for epoch in range(2):
-        loader = data.build_train_loader(cfg, ctx, 0, 1, epoch=epoch)
+        loader = data_loader.build_train_loader(cfg, ctx, 0, 1, epoch=epoch)
         it = iter(loader)
         next(it)  # worker start-up is not throughput
         last = len(loader) - 2  # index of the final batch in the loop below: workers still alive

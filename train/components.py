@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from theworld.errors import UserError
-from theworld.launch import check_group, launched_processes, use_cpu
-from theworld.model import TheWorld, compile_language_layers
+from theworld.core.errors import UserError
+from theworld.core.process_group import check_group, launched_processes, use_cpu
+from theworld.model.world import TheWorld, compile_language_layers
 from train import sharding
 from train.config import accumulation_steps
 from train.optim import build_optimizer, lr_factor

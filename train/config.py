@@ -12,10 +12,9 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from theworld import hub
-from theworld.arch import CHECKPOINT_PARTS
 from theworld.cache_format import storage
-from theworld.config import (
+from theworld.core import hub
+from theworld.core.config import (
     FLOAT32_MAX,
     FreezeConfig,
     ImageConfig,
@@ -34,7 +33,8 @@ from theworld.config import (
     to_dict,
     to_yaml,
 )
-from theworld.errors import UserError
+from theworld.core.errors import UserError
+from theworld.model.arch import CHECKPOINT_PARTS
 
 # A key declared `neutral` may change between a run and its resumption without changing its numbers: where files go,
 # what is logged and when, how the same global batch is split over processes and micro-batches, where the AdamW step
@@ -96,7 +96,7 @@ class BenchmarkEntry:
 
 @dataclass
 class PlateauConfig:
-    """When the eval loss counts as plateaued (train/plateau.py): less than `min_improvement` (relative) over the
+    """When the eval loss counts as plateaued (train/eval/plateau.py): less than `min_improvement` (relative) over the
     last `window_evals` evals; 0: the evals covering the last 5,000 steps, or the run's last quarter if shorter."""
 
     window_evals: int = 0
@@ -114,7 +114,7 @@ class PlateauConfig:
 
 @dataclass
 class ActivationCheckpointing:
-    """Recompute activations in the backward instead of keeping them (theworld/checkpointing.py, docs/training.md):
+    """Recompute activations in the backward instead of keeping them (theworld/model/recompute.py, docs/training.md):
     `full` keeps only each wrapped layer's input; `selective` keeps the outputs of matmuls, attention and
     convolutions and recomputes the rest (torchtitan's op-level selective checkpointing). `every_n`: wrap layers 0,
     N, 2N, ... of each part's stack (the others keep all their activations). `parts`: Gemma's decoder layers,
@@ -148,7 +148,7 @@ class ActivationCheckpointing:
 
 
 CHECKPOINT_MODES = ("none", "full", "selective")
-MAX_EVERY_N = 1024  # beyond any stack's depth (train.memory's MAX_LAYERS)
+MAX_EVERY_N = 1024  # beyond any stack's depth (tools.memory_plan's MAX_LAYERS)
 # What the earlier switch train.gradient_checkpointing: true did: every layer of Gemma's two stacks, the VAE never.
 LEGACY_FULL = ActivationCheckpointing(mode="full", parts=["language", "vision"])
 
@@ -219,7 +219,7 @@ class LrSchedule:
 
 @dataclass
 class LoaderConfig:
-    """`train.loader`: what a sample becomes on its way into a batch (train/data.py)."""
+    """`train.loader`: what a sample becomes on its way into a batch (train/data/cache.py)."""
 
     num_workers: int = neutral(2)
     flip: bool = False  # horizontal flip augmentation with left/right caption swap (needs flipped latents cached)
@@ -256,7 +256,7 @@ class EvalConfig:
 
 @dataclass
 class CheckpointConfig:
-    """`train.checkpoint`: when checkpoints are written and how many stay (train/checkpoint.py)."""
+    """`train.checkpoint`: when checkpoints are written and how many stay (train/state/checkpoint.py)."""
 
     every: int = neutral(500)
     keep_last: int = neutral(2)
@@ -463,7 +463,8 @@ class WandbConfig:
 
 @dataclass
 class HubConfig:
-    """Upload to the Hugging Face Hub (train/hub_upload.py), in the background: `end`: final/; `every_save`: also each
+    """Upload to the Hugging Face Hub (train/state/hub_upload.py), in the background: `end`: final/; `every_save`: also
+    each
     checkpoint's model files. The token is huggingface_hub's own (its login, or HF_TOKEN)."""
 
     model_id: str | None = None  # user/name; null: no upload
@@ -477,17 +478,17 @@ class HubConfig:
 
 @dataclass
 class TrainConfig:
-    MOVED: ClassVar[dict[str, str]] = MOVED_KEYS  # earlier releases' keys, still read (theworld/config.py)
+    MOVED: ClassVar[dict[str, str]] = MOVED_KEYS  # earlier releases' keys, still read (theworld/core/config.py)
 
     model: ModelConfig = field(default_factory=ModelConfig)
     image: ImageConfig = field(default_factory=ImageConfig)
     world: WorldConfig = field(default_factory=WorldConfig)
     freeze: FreezeConfig = field(default_factory=FreezeConfig)
-    lora: LoraConfig | None = None  # LoRA adapters on frozen parts (theworld/lora.py, docs/training.md)
+    lora: LoraConfig | None = None  # LoRA adapters on frozen parts (theworld/model/lora.py, docs/training.md)
     train: TrainSection = field(default_factory=TrainSection)
     profile: ProfileConfig = field(default_factory=ProfileConfig, metadata=NEUTRAL)
     cache_dir: str = DEFAULT_CACHE  # the one cache trained on; or `data`, leaving this at its default
-    data: list[MixtureEntry] = field(default_factory=list)  # a weighted mixture of caches (train/mixture.py)
+    data: list[MixtureEntry] = field(default_factory=list)  # a weighted mixture of caches (train/data/mixture.py)
     output_dir: str = neutral("runs/stage1")
     seed: int = 0
     # auto: the newest complete checkpoint in output_dir, if any; a path; null: fresh

@@ -31,9 +31,9 @@ import sys
 
 import psutil
 
-from theworld import log
-from theworld.config import ArgParser
-from theworld.errors import UserError, cli_entry
+from theworld.core import log
+from theworld.core.config import ArgParser
+from theworld.core.errors import UserError, cli_entry
 from train import slurm
 
 _log = log.get(__name__)

@@ -1,7 +1,8 @@
 """`accelerate launch -m train.loop --config configs/stage1.yaml` (or `python -m train.loop ...`): train from the cache.
 
 Thin on purpose: parse the config, check everything checkable without a model (train/trainer.py's `Checked`, the
-config resolved there once), build the run (`Trainer.start`: train/components.py, train/data.py, train/checkpoint.py,
+config resolved there once), build the run (`Trainer.start`: train/components.py, train/data/cache.py,
+train/state/checkpoint.py,
 train/metrics.py), run the loop below. See docs/training.md.
 """
 
@@ -12,12 +13,12 @@ import time
 
 from torch.profiler import record_function
 
-from theworld import log, run_lock
-from theworld.errors import cli_entry
-from theworld.model import PROFILE_LABELS
-from train import plateau
+from theworld.core import log, run_lock
+from theworld.core.errors import cli_entry
+from theworld.model.world import PROFILE_LABELS
 from train.components import make_accelerator
 from train.config import load, to_yaml
+from train.eval import plateau
 from train.preempt import EXIT_CODES, Preemption
 from train.step import NonFiniteError, optimization_step
 from train.trainer import Checked, Trainer

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from theworld import log, paths
-from train.plateau import next_step
+from theworld.core import log, paths
+from train.eval.plateau import next_step
 
 METRICS = "metrics.jsonl"
 SAMPLES_DIR = "samples"  # the caption samples' pictures, beside METRICS
@@ -43,7 +43,7 @@ def check_output_paths(cfg) -> None:
     """Before any model loads: what the run writes in output_dir is absent or of the kind it writes there: its
     metrics log a file; the trackers' folders (TensorBoard's <output_dir>/<project>/, W&B's <output_dir>/wandb/) and
     the profiler's profile/ folders."""
-    from theworld.errors import UserError
+    from theworld.core.errors import UserError
 
     out = Path(cfg.output_dir)
     wanted = {out / METRICS: (paths.REGULAR, "its metrics log")}
@@ -69,7 +69,7 @@ def check_trackers(trackers: list[str]) -> None:
     """Every tracker asked for is installed: Accelerate would only warn and train for days without it."""
     from accelerate.utils import is_tensorboard_available, is_wandb_available
 
-    from theworld.errors import UserError
+    from theworld.core.errors import UserError
 
     available = {"tensorboard": is_tensorboard_available, "wandb": is_wandb_available}
     for t in trackers:
@@ -145,7 +145,8 @@ class Metrics:
             _log.info(text)  # through tqdm.write: the progress bar keeps its line
 
     def log_samples(self, step: int, rows: list[dict], images: list) -> None:
-        """Captions generated at an eval (train/samples.py): metrics.jsonl (with each picture's file, saved once under
+        """Captions generated at an eval (train/eval/samples.py): metrics.jsonl (with each picture's file, saved once
+        under
         <output_dir>/samples/ for train.report), TensorBoard (a table as text, each image with its captions), W&B (a
         table), and the first one on the console."""
         if not self.main or not rows:

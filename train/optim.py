@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from theworld.arch import PARTS, part_of
+from theworld.model.arch import PARTS, part_of
 
 if TYPE_CHECKING:
     from train.config import LrSchedule, OptimizerConfig

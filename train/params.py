@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from theworld.arch import NEVER_TRAINED, PARTS, part_of
-from theworld.lora import is_adapter  # a part's adapter parameters are counted as "(LoRA n)"
+from theworld.model.arch import NEVER_TRAINED, PARTS, part_of
+from theworld.model.lora import is_adapter  # a part's adapter parameters are counted as "(LoRA n)"
 
 
 def human(n: int) -> str:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from theworld import log
+from theworld.core import log
 
 _log = log.get(__name__)
 

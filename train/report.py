@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from theworld import checkpoint_layout as layout
-from theworld import log, paths
-from theworld.config import ArgParser
-from theworld.errors import UserError, cli_entry, one_line
+from theworld.core import log, paths
+from theworld.core.config import ArgParser
+from theworld.core.errors import UserError, cli_entry, one_line
+from theworld.model import stage_layout as layout
 from train.metrics import METRICS
 
 if TYPE_CHECKING:

@@ -64,7 +64,7 @@ def resolve(hardware: HardwareConfig) -> ShardingChoice:
         choice = ShardingChoice("ddp", "train.hardware.sharding")
     choice.offload = hardware.cpu_offload or (offload_launcher and choice.mode == "fsdp")
     if hardware.cpu_offload and choice.mode != "fsdp":
-        from theworld.errors import UserError
+        from theworld.core.errors import UserError
 
         raise UserError(
             "config key 'train.hardware.cpu_offload': host offload is part of FSDP; set train.hardware.sharding: fsdp "

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from theworld.errors import UserError
+from theworld.core.errors import UserError
 
 PORT_BASE, PORT_SPAN = 20000, 20000  # the default port: from the job id, so two jobs sharing a node differ
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch.profiler import record_function
 
-from theworld import objective
-from theworld.model import PROFILE_LABELS
+from theworld.model import objective
+from theworld.model.world import PROFILE_LABELS
 from train import preempt, sharding
-from train.batches import Batch
-from train.order import noise_seeds, rank_offset, seed_of
+from train.data.batches import Batch
+from train.data.order import noise_seeds, rank_offset, seed_of
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
@@ -44,7 +44,7 @@ class LoopState:
     last_eval: dict | None = None
     parent: str | None = None  # init_from of this run
     history: list = field(default_factory=list)  # checkpoints this run resumed from
-    eval_history: list = field(default_factory=list)  # [step, eval_loss] of every eval (train/plateau.py)
+    eval_history: list = field(default_factory=list)  # [step, eval_loss] of every eval (train/eval/plateau.py)
     plateau_step: int | None = None  # the first eval that found the eval loss plateaued
     wandb_run_id: str | None = None  # the W&B run this run logs to (a resumed run continues it)
 

@@ -12,15 +12,18 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from theworld import log
-from theworld.config import to_dict
-from theworld.errors import UserError
-from train import checkpoint, data, final, hub_upload, order, params, plateau
-from train.benchmarks import BenchmarkEval
-from train.benchmarks import lines as benchmark_lines
+from theworld.core import log
+from theworld.core.config import to_dict
+from theworld.core.errors import UserError
+from train import params
 from train.components import Components, Launch, build, build_model, resolve_launch
 from train.config import run_hash, to_yaml
-from train.hub_upload import HubUploader
+from train.data import cache as data
+from train.data import loader, order
+from train.eval import plateau
+from train.eval.benchmarks import BenchmarkEval
+from train.eval.benchmarks import lines as benchmark_lines
+from train.eval.samples import CaptionSamples
 from train.metrics import (
     Metrics,
     ProfileWindow,
@@ -32,7 +35,8 @@ from train.metrics import (
     wandb_init,
 )
 from train.preempt import EvalCut, Preemption, cut_message
-from train.samples import CaptionSamples
+from train.state import checkpoint, final, hub_upload
+from train.state.hub_upload import HubUploader
 from train.step import LoopState, evaluate
 
 _log = log.get(__name__)
@@ -42,7 +46,7 @@ if TYPE_CHECKING:
     from torch.utils.data import DataLoader
 
     from theworld.cache_format import CacheReader
-    from theworld.model import LoadReport
+    from theworld.model.world import LoadReport
     from train.config import TrainConfig
 
 
@@ -82,7 +86,7 @@ class Trainer:
 
     checked: Checked
     c: Components
-    ctx: data.DataContext
+    ctx: loader.DataContext
     state: LoopState
     metrics: Metrics
     eval_loader: DataLoader | None
@@ -106,13 +110,13 @@ class Trainer:
         reports = [checkpoint.init_from(model, cfg.init_from)] if cfg.init_from else []
         data.verify_fingerprint(cfg, model, processor, checked.reader, checked.inputs)
         c = build(cfg, accelerator, checked.launch.accum, built=(model, processor))
-        ctx = data.DataContext.build(cfg, checked.reader, checked.inputs, c.processor, checked.split)
+        ctx = loader.DataContext.build(cfg, checked.reader, checked.inputs, c.processor, checked.split)
         cache = checkpoint.cache_identity(checked.reader)
         state = checkpoint.restore(c, resume_from, cache)
         if "wandb" in cfg.trackers and state.wandb_run_id is None:
             state.wandb_run_id = new_wandb_run_id()  # kept in the checkpoints: a resumed run continues it
         rank, world_size = accelerator.process_index, accelerator.num_processes
-        eval_loader = data.build_eval_loader(cfg, ctx, rank, world_size) if len(ctx.eval_indices) else None
+        eval_loader = loader.build_eval_loader(cfg, ctx, rank, world_size) if len(ctx.eval_indices) else None
         samples = (
             CaptionSamples(cfg, ctx, cfg.train.eval.captions)
             if cfg.train.eval.captions and len(ctx.eval_indices)
@@ -155,7 +159,7 @@ class Trainer:
 
     def train_batches(self, epoch: int, start: int):
         """This process's micro-batches of `epoch` from global batch `start` on."""
-        return iter(data.build_train_loader(self.cfg, self.ctx, self.c.rank, self.c.world_size, epoch, start))
+        return iter(loader.build_train_loader(self.cfg, self.ctx, self.c.rank, self.c.world_size, epoch, start))
 
     def run_eval(self) -> bool:
         """The held-out captions and loss (when samples are held out) and the benchmarks (when configured), logged;

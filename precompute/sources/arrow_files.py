@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from theworld.errors import UserError
+from theworld.core.errors import UserError
 
 STATE = "state.json"  # a datasets.Dataset.save_to_disk folder
 DATASET_DICT = "dataset_dict.json"  # a datasets.DatasetDict.save_to_disk folder: one such folder per split

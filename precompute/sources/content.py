@@ -7,8 +7,8 @@ import json
 import os
 import stat
 
-from theworld.control_text import MAX_TEXT_CHARS, text_problem  # noqa: F401 - MAX_TEXT_CHARS: the rule precompute follows
-from theworld.paths import file_kind
+from theworld.core.paths import file_kind
+from theworld.model.control_text import MAX_TEXT_CHARS, text_problem  # noqa: F401 - MAX_TEXT_CHARS: the rule precompute follows
 
 # Larger image files are refused before they are read: PIL's own pixel limit (images.MAX_PIXELS, 89 M pixels) is
 # about 270 MB as an uncompressed 8-bit RGB file, so nothing usable is bigger than this.

@@ -19,9 +19,9 @@ from precompute.sources import content
 from precompute.sources.content import SourceError
 from precompute.sources.listing import Entry, Listing, Loaded, find_duplicates, read_json
 from theworld import cache_format as cf
-from theworld import paths
 from theworld.cache_format import safe_key
-from theworld.errors import UserError
+from theworld.core import paths
+from theworld.core.errors import UserError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 _IMAGE_SUFFIXES_B = tuple(x.encode() for x in IMAGE_SUFFIXES)

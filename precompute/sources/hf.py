@@ -19,7 +19,7 @@ from pathlib import Path
 from precompute.sources.listing import read_json
 from precompute.sources.parquet import ParquetListing
 from theworld import cache_format as cf
-from theworld.errors import UserError, one_line
+from theworld.core.errors import UserError, one_line
 
 PART_ROWS = 10000  # rows per parquet part of a streamed split
 

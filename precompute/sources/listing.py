@@ -15,9 +15,9 @@ from typing import NamedTuple
 import numpy as np
 
 from precompute.sources import content
-from theworld import images
 from theworld.cache_format import atomic_write_json
-from theworld.errors import UserError
+from theworld.core.errors import UserError
+from theworld.model import images
 
 
 @dataclass

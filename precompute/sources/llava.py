@@ -25,7 +25,7 @@ from precompute.sources.folder import JsonlListing, check_image_path
 from precompute.sources.listing import Entry, Loaded, read_json
 from theworld import cache_format as cf
 from theworld.cache_format import safe_key
-from theworld.errors import UserError
+from theworld.core.errors import UserError
 
 IMAGE_TOKEN = "<image>"
 

@@ -40,7 +40,7 @@ from precompute.sources.listing import (
 from precompute.sources.webdataset import shard_files
 from theworld import cache_format as cf
 from theworld.cache_format import safe_key
-from theworld.errors import UserError, one_line
+from theworld.core.errors import UserError, one_line
 
 KEY_COLUMNS = ("key", "uid", "id")
 CAPTION_COLUMNS = ("caption", "text")

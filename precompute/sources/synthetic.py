@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 
 from precompute.sources.listing import Entry, Listing, Loaded
-from theworld import synthetic
+from theworld.embedded import synthetic
 
 
 class SyntheticListing(Listing):

@@ -43,8 +43,8 @@ from precompute.sources.listing import (
 from precompute.sources.webdataset import index_tar, load_sample, shard_files, tar_entries
 from theworld import cache_format as cf
 from theworld.cache_format import safe_key
-from theworld.errors import UserError, one_line, out_of_space
-from theworld.paths import REGULAR, path_kind
+from theworld.core.errors import UserError, one_line, out_of_space
+from theworld.core.paths import REGULAR, path_kind
 
 URL_COLUMNS = ("url", "URL")
 CAPTION_COLUMNS = ("text", "TEXT", "caption")

@@ -32,7 +32,7 @@ from precompute.sources.listing import (
 )
 from theworld import cache_format as cf
 from theworld.cache_format import safe_key
-from theworld.errors import UserError, one_line
+from theworld.core.errors import UserError, one_line
 
 WDS_IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp", cf.IMAGE)  # the last: a cache of ours as a source
 INDEX_VERSION = 3  # bump when the per-tar listing's content changes, so old listings are rebuilt

@@ -1,6 +1,6 @@
 """A local lmms-eval task over a JSONL multiple-choice file (`image`: absolute path, `question`, `choices`, `answer`:
 index), asked as a lettered prompt (generate) or scored choice by choice (loglikelihood). Used by
-tests/test_lmms_adapter.py. The prompt and the letter rule are theworld.evaluate's generate protocol
+tests/theworld/test_lmms_adapter.py. The prompt and the letter rule are theworld.evaluate's generate protocol
 (theworld/infer/letters.py, lmms-eval's BLINK rule), so the two accuracies are comparable item for item."""
 
 from PIL import Image

@@ -68,4 +68,4 @@ from theworld.cache_format.names import (
 from theworld.cache_format.reader import CacheReader, decode_sample, load_stacked
 from theworld.cache_format.storage import RemoteCache, Settings, is_url, open_cache
 from theworld.cache_format.writer import encode_sample, latent_blob, latent_shape_of, write_shard
-from theworld.encoders import DTYPES  # the cache dtypes: `cache.dtype` names a key of it
+from theworld.model.encoders import DTYPES  # the cache dtypes: `cache.dtype` names a key of it

@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from theworld.cache_format.migrations import FORMAT_VERSION
-from theworld.errors import CacheMismatch
+from theworld.core.errors import CacheMismatch
 
 if TYPE_CHECKING:
-    from theworld.config import ImageConfig, ModelConfig
+    from theworld.core.config import ImageConfig, ModelConfig
 
 
 def rollout_keys() -> list[str]:
     """world.rollout's settings, every one of them (RolloutConfig's fields)."""
-    from theworld.config import RolloutConfig
+    from theworld.core.config import RolloutConfig
 
     return [f.name for f in dataclasses.fields(RolloutConfig)]
 
@@ -50,7 +50,8 @@ def fingerprint_for(
 
     `world` (a config section with num_world_steps and rollout): with N > 0 predicted frames, a `world` field with N
     and every rollout setting (absent for N = 0, as in caches written before rollouts); with the loaded `rollout`
-    (theworld.rollout.Rollout) also its transformer's config digest and weight hash, the scheduler's config and the
+    (theworld.model.rollout.Rollout) also its transformer's config digest and weight hash, the scheduler's config and
+    the
     text encoder's config digest, weight hash and the prompts' token ids; `seed`: the precompute seed the rollout
     noise came from (recorded, so the live path can reproduce it; a training config has no such seed, so a check
     without it leaves it out).
@@ -70,14 +71,14 @@ def fingerprint_for(
             fp["world"].update(rollout.identity())
     if vae is None:
         return fp
-    from theworld.encoders import config_digest, weights_hash
+    from theworld.model.encoders import config_digest, weights_hash
 
     fp["vae"].update(config=config_digest(dict(vae.config)), weights=weights_hash(vae))
     fp["image"]["normalisation"] = "[-1,1]"
     if (
         image.resize == "bucket"
     ):  # the set is a function of the resolution in this code; a cache records the one it used
-        from theworld.images import buckets
+        from theworld.model.images import buckets
 
         fp["image"]["buckets"] = [list(b) for b in buckets(image.resolution)]
     if siglip:

@@ -10,7 +10,7 @@ import hashlib
 import numpy as np
 
 from theworld.cache_format.reader import CacheReader
-from theworld.errors import UserError
+from theworld.core.errors import UserError
 
 
 def split(reader: CacheReader, eval_samples: int) -> tuple[np.ndarray, np.ndarray]:

@@ -23,7 +23,7 @@ from theworld.cache_format.names import (
     SHARDS,
     TURNS,
 )
-from theworld.errors import CacheDamaged, UserError
+from theworld.core.errors import CacheDamaged, UserError
 
 
 def shard_stem(index: int) -> str:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from theworld.cache_format.names import IMAGE
-from theworld.errors import UserError
+from theworld.core.errors import UserError
 
 FORMAT_VERSION = 3
 READABLE = (1, 2, 3)

@@ -28,7 +28,7 @@ from theworld.cache_format.layout import (
 )
 from theworld.cache_format.migrations import CHECKSUMS
 from theworld.cache_format.names import CAPTION, IMAGE, LATENT, LATENT_FLIP, MANIFEST, META, SHARDS, SIGLIP
-from theworld.errors import CacheDamaged, UserError
+from theworld.core.errors import CacheDamaged, UserError
 
 # ----------------------------------------------------------------------------------------------------------------------
 # One sample

@@ -8,7 +8,8 @@ stay remote. A reader stages whole shards into a bounded per-node shard cache (`
 `cache_local_max_gb`, least recently used evicted first), so an epoch that fits is downloaded once. A writer finishes
 each shard locally and puts it as one object (tar, then sidecar: the sidecar marks it done), the manifest last.
 
-Messages name the URL, not the stand-in: `theworld.errors.show_as` maps one to the other. docs/cache-format.md, "Object
+Messages name the URL, not the stand-in: `theworld.core.errors.show_as` maps one to the other. docs/cache-format.md,
+"Object
 storage".
 """
 
@@ -27,10 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from theworld import log
 from theworld.cache_format.layout import atomic_write_bytes, error_path, sidecar_path, tar_path
 from theworld.cache_format.names import ERRORS, ERRORS_DIR, MANIFEST, RUN_FILE, SHARDS
-from theworld.errors import UserError, one_line, show_as
+from theworld.core import log
+from theworld.core.errors import UserError, one_line, show_as
 
 _log = log.get(__name__)
 

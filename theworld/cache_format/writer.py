@@ -24,8 +24,8 @@ from theworld.cache_format.layout import (
 )
 from theworld.cache_format.migrations import CHECKSUMS, FORMAT_VERSION
 from theworld.cache_format.names import CAPTION, IMAGE, LATENT, LATENT_FLIP, META, SIGLIP, TURNS
-from theworld.control_text import TEXT_RULE, find_control_string
-from theworld.encoders import DTYPES
+from theworld.model.control_text import TEXT_RULE, find_control_string
+from theworld.model.encoders import DTYPES
 
 
 def encode_sample(s: Sample, dtype: str) -> dict[str, bytes]:

@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from theworld import checkpoint_layout as layout
-from theworld.errors import UserError
+from theworld.core.errors import UserError
+from theworld.model import stage_layout as layout
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from theworld import images as imagelib
-from theworld import synthetic
-from theworld.control_text import text_problem
-from theworld.errors import UserError
+from theworld.core.errors import UserError
+from theworld.embedded import synthetic
+from theworld.model import images as imagelib
+from theworld.model.control_text import text_problem
 
 LETTER = re.compile(r"^\(?([A-Za-z])\)?$")
 BLINK_IMAGES = ("image_1", "image_2", "image_3", "image_4")

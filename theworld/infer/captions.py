@@ -17,10 +17,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from theworld import images as imagelib
-from theworld.errors import UserError
+from theworld.core.errors import UserError
 from theworld.infer.benchmark_items import _bad, jsonl_records
-from theworld.text import DEFAULT_PROMPT
+from theworld.model import images as imagelib
+from theworld.model.text import DEFAULT_PROMPT
 
 KEYS = ("image", "captions")
 METRICS = ("bleu4", "rouge_l", "cider")
@@ -67,8 +67,8 @@ def read(path: str | Path) -> list[Item]:
 def read_cache(path: str | Path, split: str, stage: Path) -> list[Item]:
     """The held-out samples of the cache at `path` (a folder or a URL) for the run whose stage folder is `stage`."""
     from theworld import cache_format as cf
-    from theworld import checkpoint_layout as layout
     from theworld.cache_format.held_out import split as held_out  # the trainer's own split
+    from theworld.model import stage_layout as layout
 
     if split != "val":
         raise UserError(f"--split {split}: a cache has one held-out split, val (the trainer's eval samples)")

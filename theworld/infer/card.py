@@ -12,8 +12,8 @@ import os
 import shlex
 from pathlib import Path
 
-from theworld import paths
-from theworld.errors import UserError
+from theworld.core import paths
+from theworld.core.errors import UserError
 
 HEADING = "## Evaluation results"
 COLUMNS = [

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from theworld import images as imagelib
-from theworld.errors import UserError
-from theworld.gemma3 import kv_cache
-from theworld.inputs import ModelInputs, prompt_only
+from theworld.core.errors import UserError
+from theworld.model import images as imagelib
+from theworld.model.gemma3 import kv_cache
+from theworld.model.inputs import ModelInputs, prompt_only
 
 
 def prepare(model, images: list, prompts: list[str], world_images: list | None = None) -> ModelInputs:

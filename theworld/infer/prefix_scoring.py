@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from theworld import objective
-from theworld.gemma3 import kv_cache
 from theworld.infer.generate import left_align
-from theworld.inputs import prompt_only, text_batch
-from theworld.objective import IGNORE
-from theworld.text import Encoded
+from theworld.model import objective
+from theworld.model.gemma3 import kv_cache
+from theworld.model.inputs import prompt_only, text_batch
+from theworld.model.objective import IGNORE
+from theworld.model.text import Encoded
 
 
 def answer_logprobs(

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from theworld import images as imagelib
 from theworld.infer import benchmark_items, letters, prefix_scoring, stats
 from theworld.infer.baselines import (
     MODEL,
@@ -29,8 +28,9 @@ from theworld.infer.baselines import (
 )
 from theworld.infer.generate import Sampler, decode, decode_text, left_align, stop_ids
 from theworld.infer.stats import wilson
-from theworld.inputs import prompt_only, text_batch
-from theworld.text import ChatFormatter
+from theworld.model import images as imagelib
+from theworld.model.inputs import prompt_only, text_batch
+from theworld.model.text import ChatFormatter
 
 PROTOCOLS = ("generate", "loglik")
 NO_CATEGORY = "(no category)"

@@ -1,0 +1,497 @@
+"""Caches in object storage (theworld/cache_format/storage.py): a real S3 server (moto's server mode) on 127.0.0.1,
+reached by the real s3fs/botocore client through the standard AWS environment, behind a small HTTP proxy of the test's
+own that logs every request (the server-side evidence of what was read and written) and can hold one request (to
+kill a precompute in the middle of an upload)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from tests._precompute_helpers import cli_args, make_cfg
+from tests.conftest import ENV, ROOT, base_args, free_port, metrics, run2, train_inproc
+from theworld import cache_format as cf
+from theworld.core.errors import UserError
+
+BUCKET = "theworld-test"
+
+
+class Proxy:
+    """Forwards HTTP to `port`, logging (method, path) of each request; `hold(regex)` stops the first matching
+    request's forwarding (the client sees no answer) until `release()`."""
+
+    def __init__(self, port: int):
+        self.port, self.log, self.rule, self.fail = port, [], None, None
+        self.held, self.released = threading.Event(), threading.Event()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def forward(self):
+                body = self._body()
+                proxy.log.append((self.command, self.path.split("?")[0], self.path))
+                if proxy.fail and proxy.fail[0] == self.command and re.search(proxy.fail[1], self.path):
+                    if proxy.fail[2] > 0:
+                        proxy.fail = (*proxy.fail[:2], proxy.fail[2] - 1)
+                        self.send_response(500)
+                        self.send_header("Content-Length", "0")
+                        self.end_headers()
+                        return
+                if proxy.rule and proxy.rule[0] == self.command and re.search(proxy.rule[1], self.path):
+                    proxy.rule = None
+                    proxy.held.set()
+                    proxy.released.wait(120)
+                    self.close_connection = True
+                    return
+                headers = {
+                    k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding", "connection")
+                }
+                if body is not None:
+                    headers["Content-Length"] = str(len(body))
+                conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=60)
+                conn.request(self.command, self.path, body, headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                length = resp.getheader("Content-Length") if self.command == "HEAD" else str(len(data))
+                self.send_header("Content-Length", length or "0")
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+
+            def _body(self) -> bytes | None:
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    out = b""
+                    while (n := int(self.rfile.readline().split(b";")[0], 16)) > 0:
+                        out += self.rfile.read(n)
+                        self.rfile.readline()
+                    self.rfile.readline()
+                    return out
+                n = int(self.headers.get("Content-Length") or 0)
+                return self.rfile.read(n) if n else None
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = forward
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def hold(self, method: str, pattern: str) -> None:
+        self.held.clear(), self.released.clear()
+        self.rule = (method, pattern)
+
+    def fail_next(self, method: str, pattern: str, times: int) -> None:
+        """Answer the next `times` matching requests with a 500 (a server in trouble)."""
+        self.fail = (method, pattern, times)
+
+    def release(self) -> None:
+        self.released.set()
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """The S3 server for the session, the AWS environment pointing at it (through the proxy), one bucket."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    proxy = Proxy(port)
+    env = {
+        "AWS_ENDPOINT_URL": proxy.url,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import fsspec
+
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    fs.mkdir(BUCKET)
+    proxy.env, proxy.fs = env, fs
+    proxy.local_dir = tmp_path_factory.mktemp("object-store")
+    yield proxy
+    server.stop()
+    proxy.server.shutdown()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def url(prefix: str) -> str:
+    return f"s3://{BUCKET}/{prefix}"
+
+
+def local_dir(s3, name: str) -> str:
+    return str(s3.local_dir / name)
+
+
+def members_by_key(reader: cf.CacheReader) -> dict[str, dict[str, bytes]]:
+    return {reader.key(i): reader.raw(i) for i in range(len(reader))}
+
+
+@pytest.fixture(scope="session")
+def s3_cache(s3, tmp_path_factory):
+    """The same small precompute into a local folder and into s3 (20 samples, 3 shards), with the requests of the
+    s3 one."""
+    from precompute.cosmos_latents import run
+
+    local = tmp_path_factory.mktemp("pre") / "cache"
+    run(make_cfg(local))
+    start = len(s3.log)
+    run(make_cfg(url("pre"), f"cache_local_dir={local_dir(s3, 'pre')}"))  # type: ignore[arg-type]
+    return local, url("pre"), s3.log[start:]
+
+
+def test_precompute_to_s3_puts_each_shard_once_manifest_last_and_equals_a_local_precompute(s3, s3_cache):
+    local, remote, log = s3_cache
+    puts = [p for m, p, _ in log if m == "PUT" and p.startswith(f"/{BUCKET}/pre/")]
+    names = [p.split("/pre/", 1)[1] for p in puts]
+    assert names[-1] == "manifest.json"  # last: its presence means complete
+    for i in range(3):
+        stem = f"shard-{i:06d}"
+        assert names.count(f"shards/{stem}.tar") == 1 and names.count(f"shards/{stem}.json") == 1
+        assert names.index(f"shards/{stem}.tar") < names.index(f"shards/{stem}.json")  # the sidecar marks it done
+    manifest = json.loads(s3.fs.cat_file(f"{BUCKET}/pre/manifest.json"))
+    assert manifest["shards"] == cf.load_manifest(local)["shards"]  # byte-identical tars
+    a = members_by_key(cf.CacheReader(local))
+    b = members_by_key(cf.CacheReader(remote, settings=cf.Settings(cache_local_dir=local_dir(s3, "read"))))
+    assert len(a) == 20 and a == b
+
+
+def test_inspect_summary_and_verify_read_an_s3_cache(s3, s3_cache, capsys):
+    from precompute.inspect import main
+
+    _, remote, _ = s3_cache
+    sets = ["--set", f"cache_local_dir={local_dir(s3, 'inspect')}"]
+    assert main(["verify", remote, *sets]) == 0
+    assert f"verify {remote}: OK: 20 samples in 3 shards checked" in capsys.readouterr().out
+    assert main(["summary", remote, "--json", *sets]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["cache"] == remote and report["num_samples"] == 20
+
+
+@pytest.mark.slow
+def test_kill_9_during_an_upload_then_rerun_loses_and_duplicates_no_shard(s3, s3_cache, tmp_path):
+    """The proxy holds the PUT of shard 1's tar (the client waits for an answer that never comes) while the process
+    is killed; the rerun puts the shard finished locally without encoding it again and completes the cache."""
+    local, _, _ = s3_cache
+    target = url("killed")
+    args = cli_args(target, f"cache_local_dir={tmp_path / 'local'}")  # type: ignore[arg-type]
+    s3.hold("PUT", r"/killed/shards/shard-000001\.tar")
+    p = subprocess.Popen(
+        [sys.executable, "-m", "precompute.cosmos_latents", *args],
+        cwd=ROOT,
+        env={**ENV, **s3.env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert s3.held.wait(240), "the upload of shard 1 never started"
+        p.send_signal(signal.SIGKILL)
+        p.wait(30)
+    finally:
+        s3.release()
+        if p.poll() is None:
+            p.kill()
+    objects = s3.fs.find(f"{BUCKET}/killed")
+    assert f"{BUCKET}/killed/shards/shard-000001.tar" not in objects
+    assert f"{BUCKET}/killed/manifest.json" not in objects
+    start = len(s3.log)
+    done = subprocess.run(
+        [sys.executable, "-m", "precompute.cosmos_latents", *args],
+        cwd=ROOT,
+        env={**ENV, **s3.env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    encoded = int(re.search(r"this run encoded (\d+) images", done.stdout).group(1))
+    assert encoded == 4  # shard 2 only: shard 0 was up, shard 1 finished here and is put, not encoded again
+    rerun_puts = [p for m, p, _ in s3.log[start:] if m == "PUT" and "/killed/shards/" in p]
+    assert not [p for p in rerun_puts if "shard-000000" in p]
+    reader = cf.CacheReader(target, settings=cf.Settings(cache_local_dir=str(tmp_path / "read")))
+    reader.check_consistency()  # every shard listed once, keys unique, sizes as the sidecars say
+    # the same samples as the in-process precompute (their bytes may differ in the last bits: this one ran with
+    # OMP_NUM_THREADS=1), each decoding, shard by shard in order
+    got = [(reader.key(i), reader.sample(i).caption) for i in range(len(reader))]
+    want = cf.CacheReader(local)
+    assert got == [(want.key(i), want.sample(i).caption) for i in range(len(want))]
+
+
+def _train_args(s3, cache: str, out: Path, steps: int, shard_cache: str, **extra) -> list[str]:
+    return base_args(cache, out, steps, **{"cache_local_dir": shard_cache, **extra})  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def s3_train_cache(s3, cache):
+    """The shared training cache (96 samples, 3 shards) copied into s3 object by object."""
+    return _put_tree(s3, cache, "train")
+
+
+@pytest.mark.slow
+def test_training_from_s3_logs_the_same_losses_resumes_exactly_and_reads_each_shard_once(
+    s3, cache, s3_train_cache, tmp_path
+):
+    """48 training samples (48 of 96 held out), 16 per step: step 4 is in the second epoch. Trained from s3 in two
+    runs (2 steps, then resumed to 4), the losses equal those of training from the local copy at every step, and
+    each shard's tar is fetched from the server once in all (counted on the server side): the second run and the
+    second epoch read the shard cache. Two processes from s3 give the same losses (within float rounding)."""
+    held = {"train.eval.samples": 48}
+    assert train_inproc(base_args(cache, tmp_path / "local", 4, **held)) == 0
+    start = len(s3.log)
+    shard_cache = str(tmp_path / "shards")
+    for steps in (2, 4):
+        args = _train_args(
+            s3, s3_train_cache, tmp_path / "s3", steps, shard_cache, **held, **{"train.checkpoint.every": 2}
+        )
+        assert train_inproc(args) == 0
+    local_losses = {m["step"]: m["loss"] for m in metrics(tmp_path / "local") if "loss" in m}
+    s3_losses = {m["step"]: m["loss"] for m in metrics(tmp_path / "s3") if "loss" in m}
+    assert sorted(local_losses) == [1, 2, 3, 4] and s3_losses == local_losses
+    tar_gets = [p for m, p, _ in s3.log[start:] if m == "GET" and re.search(r"/train/shards/shard-\d+\.tar$", p)]
+    assert sorted(tar_gets) == [f"/{BUCKET}/train/shards/shard-{i:06d}.tar" for i in range(3)]
+    # two processes on this node (one shard cache, fetched by whichever gets there first) train as one
+    start = len(s3.log)
+    two = run2(_train_args(s3, s3_train_cache, tmp_path / "two", 4, str(tmp_path / "shards2"), **held), s3.env)
+    assert two.returncode == 0, two.stderr[-3000:]
+    two_losses = {m["step"]: m["loss"] for m in metrics(tmp_path / "two") if "loss" in m}
+    assert sorted(two_losses) == [1, 2, 3, 4]
+    assert [two_losses[k] for k in range(1, 5)] == pytest.approx([local_losses[k] for k in range(1, 5)], rel=1e-5)
+    tar_gets = [p for m, p, _ in s3.log[start:] if m == "GET" and re.search(r"/train/shards/shard-\d+\.tar$", p)]
+    assert sorted(tar_gets) == [f"/{BUCKET}/train/shards/shard-{i:06d}.tar" for i in range(3)]
+
+
+def test_a_shard_cache_smaller_than_the_data_evicts_the_least_recently_used_and_stays_bounded(
+    s3, s3_train_cache, tmp_path
+):
+    manifest = json.loads(s3.fs.cat_file(f"{BUCKET}/train/manifest.json"))
+    size = max(s["bytes"] for s in manifest["shards"])
+    budget_gb = 1.5 * size / 1e9  # one shard fits, two do not
+    settings = cf.Settings(cache_local_dir=str(tmp_path / "local"), cache_local_max_gb=budget_gb)
+    reader = cf.CacheReader(s3_train_cache, settings=settings)
+    start = len(s3.log)
+    for _ in range(2):
+        for i in range(len(reader)):
+            reader.raw(i)
+            staged = list((tmp_path / "local" / "shards").glob("*.tar"))
+            assert sum(p.stat().st_size for p in staged) <= budget_gb * 1e9
+    gets = [p for m, p, _ in s3.log[start:] if m == "GET" and p.endswith(".tar")]
+    assert len(gets) == 6  # every shard once per pass: none fits beside another
+
+
+def test_bad_inputs_are_one_line_naming_the_url(s3, s3_cache, s3_train_cache, tmp_path, capsys, monkeypatch):
+    from precompute.cosmos_latents import main as precompute
+    from precompute.inspect import main as inspect
+
+    sets = ["--set", f"cache_local_dir={tmp_path / 'local'}"]
+
+    def one_line(code: int, *words: str) -> str:
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+        for w in words:
+            assert w in err, err
+        return err
+
+    # a bucket that does not exist: reading and writing
+    one_line(inspect(["summary", "s3://no-such-bucket/c", *sets]), "s3://no-such-bucket/c", "does not exist")
+    one_line(
+        precompute(cli_args("s3://no-such-bucket/c", f"cache_local_dir={tmp_path / 'w'}")),  # type: ignore[arg-type]
+        "s3://no-such-bucket/c",
+        "bucket no-such-bucket does not exist",
+    )
+    # a scheme fsspec does not know
+    one_line(inspect(["summary", "foo://b/c", *sets]), "foo://b/c", "Protocol not known", "check the URL")
+    # a half-written prefix (shards, no manifest) and an empty one
+    s3.fs.put_file(str(next(Path(s3_cache[0]).glob("shards/*.tar"))), f"{BUCKET}/half/shards/shard-000000.tar")
+    one_line(inspect(["verify", url("half"), *sets]), url("half"), "incomplete", "rerun the precompute command")
+    one_line(inspect(["summary", url("empty"), *sets]), f"no cache at {url('empty')}")
+    # a prefix holding another cache: precompute with another config, training with another image size
+    one_line(
+        precompute(cli_args(url("pre"), f"cache_local_dir={tmp_path / 'w2'}", n=24)),  # type: ignore[arg-type]
+        f"output_dir {url('pre')} holds a cache built with a different",
+    )
+    one_line(
+        train_inproc(
+            _train_args(s3, s3_train_cache, tmp_path / "run", 1, str(tmp_path / "sc"), **{"image.resolution": 32})
+        ),
+        s3_train_cache,
+        "image.resolution",
+    )
+    # a local shard cache too small for one shard
+    one_line(
+        inspect(["verify", s3_train_cache, *sets, "--set", "cache_local_max_gb=0.000001"]),
+        s3_train_cache,
+        "local shard cache",
+        "is full",
+        "cache_local_max_gb",
+    )
+    # no credentials
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    fresh = ["--set", "storage_options.skip_instance_cache=true"]
+    one_line(inspect(["summary", s3_train_cache, *sets, *fresh]), s3_train_cache, "no credentials", "AWS_ACCESS_KEY_ID")
+
+
+def test_storage_options_secrets_are_not_shown_or_saved():
+    from precompute.config import PrecomputeConfig
+    from theworld.core.config import load_config, to_yaml
+
+    cfg = load_config(
+        PrecomputeConfig,
+        None,
+        ["storage_options.secret=s3cr3t", "storage_options.anon=false", "storage_options.client_kwargs.region_name=x"],
+    )
+    assert cfg.storage_options == {"secret": "s3cr3t", "anon": False, "client_kwargs": {"region_name": "x"}}
+    text = to_yaml(cfg)
+    assert "s3cr3t" not in text and "<redacted>" in text and "region_name: x" in text
+
+
+def _put_tree(s3, folder: Path, prefix: str) -> str:
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and not p.name.startswith("."):
+            s3.fs.put_file(str(p), f"{BUCKET}/{prefix}/{p.relative_to(folder)}")
+    return url(prefix)
+
+
+@pytest.mark.slow
+def test_caption_evaluation_reads_the_held_out_split_of_an_s3_cache(
+    s3, trained_run, run_copy, tmp_path, capsys, monkeypatch
+):
+    from theworld.evaluate import main
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # the default cache_local_dir is under it
+    remote = _put_tree(s3, trained_run["cache"], "eval")
+    records = {}
+    for name, data in (("local", str(trained_run["cache"])), ("s3", remote)):
+        out = tmp_path / f"{name}.jsonl"
+        argv = ["--model", str(run_copy), "--data", data, "--task", "caption", "--json"]
+        assert main([*argv, "--max-new-tokens", "4", "--out", str(out)]) == 0
+        assert json.loads(capsys.readouterr().out)["n"] == 8
+        records[name] = [json.loads(x) for x in out.read_text().splitlines()]
+        for r in records[name]:
+            assert r.pop("item").startswith(f"{data}:")
+    assert records["s3"] == records["local"]
+    assert list((tmp_path / ".cache" / "theworld" / "object-store" / "shards").glob("*.tar"))
+
+
+def test_a_cache_served_over_http_reads_and_verifies_and_is_not_written(s3_cache, tmp_path, capsys):
+    """https:// and http:// are read-only: a plain http.server on 127.0.0.1 serving a cache folder."""
+    import functools
+    from http.server import SimpleHTTPRequestHandler
+
+    from precompute.cosmos_latents import main as precompute
+    from precompute.inspect import main as inspect
+
+    local = s3_cache[0]
+    handler = functools.partial(SimpleHTTPRequestHandler, directory=str(local))
+    handler.log_message = lambda *a: None
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        remote = f"http://127.0.0.1:{server.server_address[1]}"
+        reader = cf.CacheReader(remote, settings=cf.Settings(cache_local_dir=str(tmp_path / "l")))
+        reader.check_consistency()
+        assert members_by_key(reader) == members_by_key(cf.CacheReader(local))
+        assert inspect(["verify", remote, "--set", f"cache_local_dir={tmp_path / 'l'}"]) == 0
+        assert f"verify {remote}: OK" in capsys.readouterr().out
+        assert precompute(cli_args(f"{remote}/new", f"cache_local_dir={tmp_path / 'w'}")) == 2  # type: ignore[arg-type]
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"{remote}/new" in err and "read-only" in err, err
+    finally:
+        server.shutdown()
+
+
+def test_network_errors_are_retried_then_one_line_naming_the_object(s3, s3_train_cache, tmp_path, capsys):
+    # botocore's own retries off, so the attempts counted are ours
+    settings = cf.Settings(
+        storage_options={"config_kwargs": {"retries": {"max_attempts": 1}}},
+        cache_local_dir=str(tmp_path / "l"),
+    )
+    reader = cf.CacheReader(s3_train_cache, settings=settings)
+    s3.fail_next("GET", r"/train/shards/shard-000000\.tar$", 2)
+    assert reader.sample(0).caption  # a later attempt gets it (s3fs retries some errors itself)
+    err = capsys.readouterr().err
+    assert f"warning: {s3_train_cache}/shards/shard-000000.tar: OSError" in err and "retry in 0.5 s" in err
+    s3.fail_next("GET", r"/train/shards/shard-000001\.tar$", 100)
+    index = int(reader.samples_in([1])[0])
+    with pytest.raises(UserError) as e:
+        reader.raw(index)
+    s3.fail = None
+    text = str(e.value)
+    assert len(text.splitlines()) == 1 and f"{s3_train_cache}/shards/shard-000001.tar" in text, text
+    assert "failed 5 times" in text
+
+
+class _Captions:
+    def __init__(self, reader: cf.CacheReader):
+        self.reader = reader
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def __getitem__(self, i: int) -> str:
+        return self.reader.sample(i, tensors=False).caption
+
+
+def test_forked_loader_workers_read_an_s3_cache_the_parent_opened(s3, s3_train_cache, tmp_path):
+    from torch.utils.data import DataLoader
+
+    reader = cf.CacheReader(s3_train_cache, settings=cf.Settings(cache_local_dir=str(tmp_path / "l")))
+    want = [reader.sample(i, tensors=False).caption for i in range(len(reader))]  # the parent's filesystem in use
+    reader.close()
+    for p in (tmp_path / "l" / "shards").glob("*.tar"):
+        p.unlink()  # the workers fetch the shards again
+    loader = DataLoader(_Captions(reader), batch_size=None, num_workers=2, multiprocessing_context="fork")
+    assert list(loader) == want
+
+
+@pytest.mark.slow
+def test_two_processes_precompute_to_s3_the_shards_of_one(s3, s3_cache, tmp_path):
+    """Shard i goes to rank i % 2 on one node (one stand-in folder); rank 0 writes the manifest from both ranks'
+    shards: the same shards and samples as one process's (bytes may differ in the last bits: these processes run
+    with OMP_NUM_THREADS=1)."""
+    target = url("two")
+    done = run2(cli_args(target, f"cache_local_dir={tmp_path / 'local'}"), s3.env, module="precompute.cosmos_latents")  # type: ignore[arg-type]
+    assert done.returncode == 0, done.stderr[-3000:]
+    two = json.loads(s3.fs.cat_file(f"{BUCKET}/two/manifest.json"))
+    one = json.loads(s3.fs.cat_file(f"{BUCKET}/pre/manifest.json"))
+    assert [(s["path"], s["num_samples"]) for s in two["shards"]] == [
+        (s["path"], s["num_samples"]) for s in one["shards"]
+    ]
+    a = cf.CacheReader(target, settings=cf.Settings(cache_local_dir=str(tmp_path / "read")))
+    a.check_consistency()
+    b = cf.CacheReader(s3_cache[0])
+    assert [(a.key(i), a.sample(i).caption) for i in range(len(a))] == [
+        (b.key(i), b.sample(i).caption) for i in range(len(b))
+    ]

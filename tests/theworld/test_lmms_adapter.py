@@ -1,0 +1,197 @@
+"""The lmms-eval adapter: `python -m lmms_eval --model theworld` on a local task (tests/lmms_task, data in a temporary
+folder, no hub) gives what theworld's own scoring and generation give on the same items."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytest.importorskip("lmms_eval", reason="the eval extra (pip install .[eval]) is not installed")
+
+
+ENTRY_POINT = "theworld.lmms_adapter:manifest"
+
+
+def test_the_entry_point_lmms_eval_reads_is_declared():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["entry-points"]["lmms_eval.models"] == {"theworld": ENTRY_POINT}
+    assert any(d.startswith(("lmms-eval", "lmms_eval")) for d in project["optional-dependencies"]["eval"])
+
+
+def _task_folder(root: Path, items) -> Path:
+    """The local task with its data file: one JSON line per item, the image as an absolute path."""
+    tasks = root / "tasks"
+    shutil.copytree(ROOT / "tests" / "lmms_task", tasks)
+    data = root / "items.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "image": str(Path(it.images[0]).resolve()),
+                    "question": it.question,
+                    "choices": it.choices,
+                    "answer": it.answer,
+                }
+            )
+            + "\n"
+            for it in items
+        )
+    )
+    for name in ("gen.yaml", "loglik.yaml"):
+        (tasks / name).write_text((tasks / name).read_text().replace("DATA_FILE", str(data)))
+    return tasks
+
+
+def _entry_point(root: Path) -> Path:
+    """What `pip install .[eval]` registers, without installing: a distribution's metadata on the path."""
+    meta = root / "ep" / "theworld_lmms_check-0.dist-info"
+    meta.mkdir(parents=True)
+    (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: theworld-lmms-check\nVersion: 0\n")
+    (meta / "entry_points.txt").write_text(f"[lmms_eval.models]\ntheworld = {ENTRY_POINT}\n")
+    return meta.parent
+
+
+def _task_module():
+    sys.path.insert(0, str(ROOT / "tests" / "lmms_task"))
+    try:
+        import utils
+    finally:
+        sys.path.pop(0)
+    return utils
+
+
+def _reference_generate(model, docs: list[dict]) -> tuple[list[str], float]:
+    """Each doc's answer from TheWorld.generate with the task's prompt, and the accuracy of the task's letter rule."""
+    task = _task_module()
+    answers = model.generate([d["image"] for d in docs], [task.doc_to_text(d) for d in docs], max_new_tokens=16)
+    right = [task.read_letter(a, len(d["choices"])) == d["answer"] for a, d in zip(answers, docs)]
+    return answers, sum(right) / len(docs)
+
+
+def _text(resps) -> str:
+    """A logged response: the text itself (the samples file) or in a one-element list (in process)."""
+    return resps[0] if isinstance(resps, list) else resps
+
+
+def lmms_eval_cli(tmp_path, tasks, model_args: str, task_names: str, *extra: str) -> subprocess.CompletedProcess:
+    """`python -m lmms_eval --model theworld` on the local tasks, offline, the adapter found through its entry point."""
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "HF_DATASETS_CACHE": str(tmp_path / "hf_datasets"),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(_entry_point(tmp_path))]),
+    }
+    args = ["--model", "theworld", "--model_args", model_args, "--tasks", task_names, "--include_path", str(tasks)]
+    return subprocess.run(
+        [sys.executable, "-m", "lmms_eval", *args, "--batch_size", "1", "--output_path", str(tmp_path / "out"), *extra],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+
+
+@pytest.mark.slow
+def test_python_m_lmms_eval_runs_the_adapter_and_agrees_with_theworld(trained_run, tmp_path):
+    from theworld.infer import benchmark_items
+    from theworld.infer.scoring import evaluate
+    from theworld.model.world import TheWorld
+
+    items = benchmark_items.read(trained_run["mc"])
+    tasks = _task_folder(tmp_path, items)
+    run = lmms_eval_cli(
+        tmp_path,
+        tasks,
+        f"pretrained={trained_run['run']},device=cpu",
+        "theworld_local_generate,theworld_local_loglik",
+        "--log_samples",
+    )
+    results = list((tmp_path / "out").rglob("*_results.json"))  # lmms-eval exits 0 after an error too
+    assert run.returncode == 0 and len(results) == 1, run.stderr[-4000:]
+    # and it logs an error it survives (a failed import of one of its own parts, a task it skipped) as a line only
+    logged = [ln for ln in run.stderr.splitlines() if "| ERROR" in ln or "Traceback" in ln or "Error:" in ln]
+    assert not logged, "\n".join(logged)[-4000:]
+    got = json.loads(results[0].read_text())["results"]
+
+    model, processor = TheWorld.from_pretrained(trained_run["run"], device="cpu")
+    records = evaluate(model, processor, model.image_config, items)
+    assert got["theworld_local_loglik"]["acc,none"] == pytest.approx(
+        sum(r["pred"] == r["answer"] for r in records) / len(records)
+    )
+    docs = [json.loads(x) for x in (tmp_path / "items.jsonl").read_text().splitlines()]
+    answers, accuracy = _reference_generate(model, docs)
+    assert got["theworld_local_generate"]["accuracy,none"] == pytest.approx(accuracy)
+    # and theworld.evaluate's generate protocol (same prompt, greedy, 16 new tokens, same letter rule) on the items
+    protocol = evaluate(model, processor, model.image_config, items, protocol="generate")
+    assert accuracy == pytest.approx(sum(r["pred"] == r["answer"] for r in protocol) / len(protocol))
+    (samples,) = (tmp_path / "out").rglob("*_samples_theworld_local_generate.jsonl")
+    logged = {s["doc_id"]: _text(s["filtered_resps"]) for s in map(json.loads, samples.read_text().splitlines())}
+    assert [logged[k] for k in range(len(docs))] == answers
+
+
+@pytest.mark.slow
+def test_generate_until_gives_the_text_theworld_generates(tmp_path, monkeypatch):
+    """The trained tiny run answers every prompt with an empty string; a tiny model with a random, untied output
+    layer says something different for each item, so this compares text that can differ."""
+    import torch
+    from lmms_eval.evaluator import simple_evaluate
+    from lmms_eval.tasks import TaskManager
+
+    from theworld.core.config import ModelConfig, WorldConfig
+    from theworld.infer import benchmark_items
+    from theworld.lmms_adapter import TheWorldLMM
+    from theworld.model.world import TheWorld
+
+    model, processor = TheWorld.from_config(ModelConfig(dtype="float32"), WorldConfig())
+    head = model.gemma.lm_head.weight
+    model.gemma.lm_head.weight = torch.nn.Parameter(torch.randn(head.shape, generator=torch.Generator().manual_seed(0)))
+    model.eval()
+    monkeypatch.setattr(TheWorld, "from_pretrained", classmethod(lambda cls, path, **kw: (model, processor)))
+    benchmark_items.make_synthetic(tmp_path / "mc" / "items.jsonl", 4)
+    tasks = _task_folder(tmp_path, benchmark_items.read(tmp_path / "mc" / "items.jsonl"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
+    out = simple_evaluate(
+        model=TheWorldLMM("unused"),
+        tasks=["theworld_local_generate"],
+        log_samples=True,
+        task_manager=TaskManager(include_path=str(tasks)),
+    )
+    docs = [json.loads(x) for x in (tmp_path / "items.jsonl").read_text().splitlines()]
+    answers, accuracy = _reference_generate(model, docs)
+    assert len(set(answers)) > 1 and all(answers)  # text worth comparing
+    logged = {s["doc_id"]: _text(s["filtered_resps"]) for s in out["samples"]["theworld_local_generate"]}
+    assert [logged[k] for k in range(len(docs))] == answers
+    assert out["results"]["theworld_local_generate"]["accuracy,none"] == pytest.approx(accuracy)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model_args, words",
+    [("pretrained=MISSING", ["MISSING", "not a folder"]), ("pretrained=RUN,temperature=0", ["unknown model_args"])],
+)
+def test_lmms_eval_with_a_model_it_cannot_build_is_one_line_and_exit_2(trained_run, tmp_path, model_args, words):
+    """lmms-eval prints any Exception of a model's constructor as a traceback and exits 0, having evaluated nothing;
+    the adapter's own refusal gets through it as one line and exit code 2."""
+    from theworld.infer import benchmark_items
+
+    tasks = _task_folder(tmp_path, benchmark_items.read(trained_run["mc"])[:1])
+    missing = tmp_path / "no-run"
+    model_args = model_args.replace("MISSING", str(missing)).replace("RUN", str(trained_run["run"]))
+    run = lmms_eval_cli(tmp_path, tasks, model_args, "theworld_local_loglik")
+    errors = [ln for ln in run.stderr.splitlines() if ln.startswith("error: theworld:")]
+    assert run.returncode == 2 and len(errors) == 1, run.stderr[-4000:]
+    assert all(w.replace("MISSING", str(missing)) in errors[0] for w in words), errors
+    assert "Traceback" not in run.stderr

@@ -1,0 +1,204 @@
+"""Weighted mixtures of caches (`data: [{cache, weight}]`): the per-epoch draw (deterministic, by weight, repeats and
+subsamples), refusals, and training on a mixture (start line, exact resume, 1 process == 2 processes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import ROOT, run2
+from theworld.core.config import load_config
+from theworld.core.errors import UserError
+from train.config import TrainConfig
+from train.data.mixture import Draw, largest_remainder
+from train.data.order import epoch_batches
+
+
+def fake_mixture(sizes: list[int]) -> tuple[SimpleNamespace, np.ndarray]:
+    """What Draw.build reads of a MixedReader (cache_of, readers), and every sample as a training sample."""
+    cache_of = np.repeat(np.arange(len(sizes)), sizes).astype(np.int32)
+    return SimpleNamespace(cache_of=cache_of, readers=[None] * len(sizes)), np.arange(len(cache_of))
+
+
+def test_largest_remainder_is_proportional_and_adds_up():
+    assert largest_remainder(np.array([3.0, 1.0]), 80).tolist() == [60, 20]
+    assert largest_remainder(np.array([1.0, 1.0, 1.0]), 10).tolist() == [4, 3, 3]
+    assert largest_remainder(np.array([5, 3]), 0).tolist() == [0, 0]
+
+
+def test_the_draw_follows_the_weights_repeats_a_small_cache_and_subsamples_a_large_one():
+    reader, train = fake_mixture([30, 50])  # cache 0: samples 0-29, cache 1: 30-79
+    draw = Draw.build(reader, train, [3.0, 1.0], np.zeros(80, dtype=np.int32))
+    assert draw.cache_quotas.tolist() == [60, 20]
+    for epoch in range(3):
+        got = draw.epoch(7, epoch)
+        assert len(got) == 80 and np.array_equal(got, draw.epoch(7, epoch))  # deterministic
+        counts = np.bincount(got, minlength=80)
+        assert (counts[:30] == 2).all()  # 60 of 30: each sample twice
+        assert counts[30:].sum() == 20 and counts[30:].max() == 1  # 20 of 50, no sample twice
+    assert not np.array_equal(draw.epoch(7, 0), draw.epoch(7, 1))
+    assert not np.array_equal(draw.epoch(7, 0), draw.epoch(8, 0))
+    # over many epochs the subsample reaches every sample of the large cache
+    seen = np.unique(np.concatenate([draw.epoch(7, e) for e in range(20)]))
+    assert np.array_equal(seen, np.arange(80))
+
+
+def test_the_draw_keeps_each_caches_shapes_in_proportion_and_the_same_every_epoch():
+    reader, train = fake_mixture([40, 40])
+    buckets = np.array([0] * 30 + [1] * 10 + [0] * 20 + [1] * 20, dtype=np.int32)
+    draw = Draw.build(reader, train, [1.0, 3.0], buckets)
+    assert draw.cache_quotas.tolist() == [20, 60]
+    assert draw.bucket_sizes(buckets).tolist() == [15 + 30, 5 + 30]
+    for epoch in range(3):
+        samples = draw.epoch(0, epoch)
+        assert np.bincount(buckets[samples]).tolist() == [45, 35]
+        batches = epoch_batches(samples, 0, epoch, 8, buckets[samples])
+        assert len(batches) == 45 // 8 + 35 // 8 and all(len(set(buckets[b])) == 1 for b in batches)
+
+
+def test_the_mixtures_batches_mix_the_caches_by_weight_within_sampling_error():
+    """Global batches of 16 drawn 3:1 from two caches: each cache's fraction of the samples over the first batches
+    of an epoch is near its share (binomial sampling error), and a process's slice does not change it."""
+    from train.data.order import rank_indices
+
+    reader, train = fake_mixture([400, 400])
+    draw = Draw.build(reader, train, [3.0, 1.0], np.zeros(800, dtype=np.int32))
+    samples = draw.epoch(0, 0)
+    first = rank_indices(samples, 0, 0, 16, 0, 1)[:320]  # 20 global batches
+    share = float(np.mean(reader.cache_of[first] == 0))
+    assert abs(share - 0.75) < 4 * np.sqrt(0.75 * 0.25 / 320)
+    two = np.concatenate([rank_indices(samples, 0, 0, 16, r, 2).reshape(-1, 8) for r in range(2)], axis=1)
+    assert np.array_equal(two.reshape(-1), rank_indices(samples, 0, 0, 16, 0, 1))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Config refusals
+
+
+@pytest.mark.parametrize(
+    "sets,words",
+    [
+        (["cache_dir=a", "data=[{cache: b}]"], ["'cache_dir' and 'data' are both set"]),
+        (["data=[{cache: b, weight: 0}]"], ["data[].weight", "must be positive"]),
+        (["data=[{cache: b}, {cache: b, weight: 2}]"], ["listed twice"]),
+        (["data=[{cache: b, weights: 2}]"], ["unknown config key 'data[0].weights'"]),
+    ],
+)
+def test_bad_data_entries_are_refused_naming_the_key(sets, words):
+    with pytest.raises(UserError) as e:
+        load_config(TrainConfig, None, sets)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Training on a mixture
+
+
+def _cache(root: Path, name: str, n: int, *extra: str) -> Path:
+    from precompute.config import load as load_pre
+    from precompute.cosmos_latents import run
+
+    out = root / name
+    run(
+        load_pre(
+            str(ROOT / "configs" / "precompute.yaml"),
+            [
+                f"output_dir={out}",
+                f"source.num_samples={n}",
+                f"shard_size={n}",
+                "batch_size=16",
+                "num_workers=0",
+                "cache.siglip=false",
+                "image.resolution=32",
+                *extra,
+            ],
+        )
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mix")
+    return _cache(root, "a", 24, "seed=1"), _cache(root, "b", 40, "seed=2")
+
+
+def mix_args(caches, out: Path, steps: int, **extra) -> list[str]:
+    a, b = caches
+    sets = {
+        "data": f"[{{cache: {a}, weight: 3}}, {{cache: {b}, weight: 1}}]",
+        "output_dir": out,
+        "model.dtype": "float32",
+        "image.resolution": 32,
+        "train.max_steps": steps,
+        "train.global_batch_size": 8,
+        "train.micro_batch_size": 4,
+        "train.eval.samples": 4,
+        "train.loader.num_workers": 0,
+        "trackers": "[]",
+        "train.logging.every": 1,
+        "train.checkpoint.every": 100,
+        "train.eval.every": 0,
+        "train.lr_schedule.warmup_steps": 1,
+        **extra,
+    }
+    return [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "final" / "trainable.safetensors"))
+
+
+def test_a_mixture_trains_prints_its_shares_and_resumes_exactly(caches, tmp_path, capsys):
+    from train.loop import main
+
+    assert main(mix_args(caches, tmp_path / "whole", 4)) == 0
+    printed = capsys.readouterr()
+    # 20 + 36 training samples (4 held out from each), 56 per epoch: 42 from a (3/4), 14 from b
+    line = next(x for x in (printed.out + printed.err).splitlines() if x.startswith("mixture per epoch"))
+    assert f"{caches[0]} 20 samples, share 75.0%, 2.10 epochs" in line
+    assert f"{caches[1]} 36 samples, share 25.0%, 0.39 epochs" in line
+    assert "7 steps/epoch" in printed.out + printed.err
+    assert main(mix_args(caches, tmp_path / "parts", 2, **{"train.checkpoint.every": 2})) == 0
+    assert main(mix_args(caches, tmp_path / "parts", 4, **{"train.checkpoint.every": 2})) == 0
+    whole, parts = _weights(tmp_path / "whole"), _weights(tmp_path / "parts")
+    assert whole.keys() == parts.keys() and all(torch.equal(whole[k], parts[k]) for k in whole)
+
+
+def test_caches_of_different_world_layouts_or_inputs_are_refused_naming_both(caches, tmp_path, capsys):
+    from train.loop import main
+
+    for name, setting, words in (
+        ("mean", "cache.latents=mean", "cache.latents posterior vs mean"),
+        ("large", "image.resolution=64", "image.resolution 32 vs 64"),
+        ("siglip", "cache.siglip=true", "give different inputs"),
+    ):
+        other = _cache(tmp_path, name, 12, setting)
+        capsys.readouterr()
+        assert main(mix_args((caches[0], other), tmp_path / "run", 1)) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and str(caches[0]) in err[0] and str(other) in err[0] and words in err[0], err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_a_mixture_on_two_processes_equals_one(caches, tmp_path):
+    from train.loop import main
+
+    assert main(mix_args(caches, tmp_path / "one", 3)) == 0
+    two = run2(mix_args(caches, tmp_path / "two", 3))
+    assert two.returncode == 0, two.stderr[-3000:]
+    w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "two")
+    for k in [k for k in w1 if not k.endswith("k_proj.bias")]:  # see test_train's 1 vs 2 processes
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-5)
+    losses = [
+        [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+        for run in (tmp_path / "one", tmp_path / "two")
+    ]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)

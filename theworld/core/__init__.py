@@ -1,0 +1,1 @@
+"""Shared infrastructure: the config engine, errors, logs, paths, locks, process groups, the Hub."""

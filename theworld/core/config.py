@@ -1,0 +1,650 @@
+"""Strict YAML -> dataclass configs.
+
+Every command loads its config through `load_config`, before any model is touched: an unknown key, a wrong type or a
+value outside its choices is a `UserError` naming the dotted key, so a typo costs a second, not a model load.
+Shared sections live here; each command's top-level dataclass lives with the command (precompute/config.py,
+train/config.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import math
+import os
+import re
+import reprlib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import numpy as np
+import yaml
+
+from theworld.core import log, paths
+from theworld.core.errors import UserError, one_line
+from theworld.model.arch import LORA_MODULES, VAE_FACTOR
+
+T = TypeVar("T")
+_log = log.get(__name__)
+
+LINE = 200  # the most of a value an error line echoes
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong, _SHOWN.maxlist, _SHOWN.maxdict, _SHOWN.maxlevel = 60, 60, 40, 6, 6, 3
+
+
+def shown(value: Any) -> str:
+    """`repr(value)` cut to a line, with an ellipsis where it was cut (a value may be megabytes of text or a
+    deeply nested list), so an error line stays one readable line."""
+    return _SHOWN.repr(value)
+
+
+@dataclass
+class ModelConfig:
+    gemma: str = "tiny"  # "tiny", a local folder, or a hub id such as google/gemma-3-4b-it
+    vae: str = "tiny"  # "tiny", a local folder (the VAE or a pipeline with vae/), or a hub id (subfolder vae)
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # frozen base models; the projector stays fp32
+
+
+@dataclass
+class ImageConfig:
+    resolution: int = 64
+    # crop: short side to `resolution`, then center crop; squash: whole picture to R x R; bucket: the aspect-ratio
+    # bucket of ~R^2 pixels nearest the picture's shape (theworld.model.images.buckets), then center crop
+    resize: Literal["crop", "squash", "bucket"] = "crop"
+    MAX_RESOLUTION = 16384  # (a class constant, not a key) one R x R x 3 float image is then 3 GB
+
+    def __post_init__(self) -> None:
+        if self.resolution <= 0 or self.resolution % VAE_FACTOR:
+            raise UserError(
+                f"image.resolution: must be a positive multiple of {VAE_FACTOR} (the VAE downsamples "
+                f"{VAE_FACTOR}x), got {self.resolution}"
+            )
+        if self.resolution > self.MAX_RESOLUTION:
+            raise UserError(f"config key 'image.resolution': at most {self.MAX_RESOLUTION}, got {self.resolution}")
+        from theworld.model.images import BUCKET_STEP
+
+        if self.resize == "bucket" and self.resolution % BUCKET_STEP:
+            raise UserError(
+                f"image.resolution: must be a multiple of {BUCKET_STEP} with image.resize: bucket (bucket "
+                f"sides are multiples of 8 x the largest world.pool 4), got {self.resolution}"
+            )
+
+
+ROLLOUT_PROMPT = "The scene continues naturally from this moment, filmed by a steady camera."
+
+
+@dataclass
+class RolloutConfig:
+    """How Cosmos-Predict2's Video2World pipeline (diffusers' `Cosmos2VideoToWorldPipeline`) imagines the frames after
+    an image; the defaults are the pipeline's own. The prompt is fixed for the run: a sample's caption would leak the
+    answer into its world tokens."""
+
+    inference_steps: int = 35
+    guidance_scale: float = 7.0
+    prompt: str = ROLLOUT_PROMPT
+    negative_prompt: str | None = None  # None: the pipeline's DEFAULT_NEGATIVE_PROMPT
+    fps: int = 16
+
+
+MAX_WORLD_STEPS = 256  # (the limit of world.max_world_steps) each step is a latent frame the transformer denoises
+
+
+def check_world_steps(num_world_steps: int, max_world_steps: int) -> None:
+    """`world.num_world_steps` predicted frames fit the learned temporal table of `world.max_world_steps` rows."""
+    if not 1 <= max_world_steps <= MAX_WORLD_STEPS:
+        raise UserError(f"config key 'world.max_world_steps': must be in [1, {MAX_WORLD_STEPS}], got {max_world_steps}")
+    if not 0 <= num_world_steps <= max_world_steps:
+        raise UserError(
+            f"config key 'world.num_world_steps': must be in [0, world.max_world_steps = {max_world_steps}] "
+            f"(0: the observed frame only), got {num_world_steps}"
+        )
+
+
+@dataclass
+class WorldConfig:
+    latent: Literal["mean", "sample"] = "mean"
+    pool: Literal[1, 2, 4] = 1
+    projector: Literal["mlp", "linear"] = "mlp"
+    num_world_steps: int = 0  # frames the world model predicts after each image (0: the observed frame only)
+    max_world_steps: int = 16  # the learned temporal table: row 0 the observed frame, row k the k-th predicted one
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+    def __post_init__(self) -> None:
+        check_world_steps(self.num_world_steps, self.max_world_steps)
+
+
+@dataclass
+class FreezeConfig:
+    vision: bool = True  # SigLIP tower + multimodal projector
+    language: bool = True  # language model + lm_head
+    vae: bool = True
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters on a part's linear layers (through peft): the part's base weights stay frozen. Defaults follow
+    common practice for Gemma 3 (docs/training.md, "LoRA")."""
+
+    parts: list[str] = field(default_factory=lambda: ["language"])
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.05
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_MODULES["language"]))
+    quantize: Literal["none", "4bit"] = "none"  # 4bit: QLoRA bases through bitsandbytes (CUDA only; refused here)
+
+    def __post_init__(self) -> None:
+        if not self.parts or len(set(self.parts)) != len(self.parts) or set(self.parts) - set(LORA_MODULES):
+            raise UserError(
+                f"config key 'lora.parts': one or more of {list(LORA_MODULES)}, each once, got {self.parts}"
+            )
+        if self.r <= 0:
+            raise UserError(f"config key 'lora.r': must be positive, got {self.r}")
+        check_sizes(self, "lora")
+        if not self.alpha > 0:
+            raise UserError(f"config key 'lora.alpha': must be positive, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"config key 'lora.dropout': must be in [0, 1), got {self.dropout}")
+        known = sorted({m for part in self.parts for m in LORA_MODULES[part]})
+        if not self.target_modules or set(self.target_modules) - set(known):
+            raise UserError(
+                f"config key 'lora.target_modules': names of linear layers of lora.parts {self.parts}, "
+                f"among {known}; got {self.target_modules}"
+            )
+        if self.quantize == "4bit":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise UserError(
+                    "config key 'lora.quantize': 4bit (QLoRA) needs a CUDA GPU (bitsandbytes' 4-bit "
+                    "kernels); this machine has none: use quantize: none"
+                )
+            raise UserError(
+                "config key 'lora.quantize': 4bit (QLoRA through bitsandbytes) is not supported yet; "
+                "use quantize: none (bf16 base weights)"
+            )
+
+
+def trains(freeze: FreezeConfig, lora: LoraConfig | None, part: str) -> bool:
+    """Whether any weight of `part` trains: unfrozen, or carrying LoRA adapters (its inputs must then be computed
+    live, never read from a cache of its outputs)."""
+    return not getattr(freeze, part) or (lora is not None and part in lora.parts)
+
+
+def check_lora(freeze: FreezeConfig, lora: LoraConfig | None) -> None:
+    """A LoRA part keeps its base weights frozen: fully training it too would be two answers to one question."""
+    for part in lora.parts if lora else ():
+        if not getattr(freeze, part):
+            raise UserError(
+                f"config key 'freeze.{part}': false trains the whole {part} model, and lora.parts lists "
+                f"{part} (adapters on frozen base weights); choose one: freeze.{part}: true for LoRA, "
+                f"or remove {part} from lora.parts for a full fine-tune"
+            )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Loading
+
+
+class _Text:
+    """A `--set` value YAML reads as a number or a bool. A key that takes text gets it as typed (output_dir=007,
+    mixed_precision=no); any other key gets the YAML value."""
+
+    def __init__(self, raw: str, parsed: Any):
+        self.raw, self.parsed = raw, parsed
+
+    def __repr__(self) -> str:  # inside a mapping an error line shows
+        return repr(self.parsed)
+
+
+def _takes_text(tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return all(isinstance(c, str) for c in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return any(_takes_text(a) for a in typing.get_args(tp))
+    return tp is str
+
+
+def _check_value(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if isinstance(value, _Text) and origin not in (typing.Union, types.UnionType):  # a union asks each member
+        value = value.raw if _takes_text(tp) else value.parsed
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise UserError(f"config key '{key}': expected a mapping, got {type(value).__name__}")
+        return _build(tp, value, key + ".")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices or type(value) is not type(choices[0]):
+            raise UserError(f"config key '{key}': must be one of {list(choices)}, got {shown(value)}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _check_value(value, arg, key)
+            except UserError as e:
+                if dataclasses.is_dataclass(arg) and isinstance(value, dict):  # a section's own keys: its own error
+                    raise
+                errors.append(str(e))
+        raise UserError(errors[0] if len(errors) == 1 else f"config key '{key}': {shown(value)} has the wrong type")
+    if tp is dict:  # a mapping passed on as it is (storage_options: the keys are the library's)
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise UserError(f"config key '{key}': expected a mapping with text keys, got {shown(value)}")
+        return _plain(value)
+    if origin is list:
+        if not isinstance(value, list):
+            raise UserError(f"config key '{key}': expected a list, got {type(value).__name__}")
+        (item,) = typing.get_args(tp)
+        return [_check_value(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        value = _check_int(value, key)
+        return float(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if tp in (int, float, str, bool):
+        if type(value) is not tp:
+            raise UserError(f"config key '{key}': expected {tp.__name__}, got {type(value).__name__} {shown(value)}")
+        if tp is float and not math.isfinite(value):  # .inf / .nan would train to NaN or disable a check silently
+            raise UserError(f"config key '{key}': must be a finite number, got {shown(value)}")
+        if tp is float and abs(value) > FLOAT32_MAX:  # the tensors it multiplies are float32 (or narrower): inf
+            raise UserError(f"config key '{key}': {value:g} does not fit float32 (at most {FLOAT32_MAX:.4g})")
+        return _check_int(value, key) if tp is int else value
+    raise TypeError(f"unsupported config type {tp} for {key}")
+
+
+def _plain(value: Any) -> Any:
+    """A free-form config value with `--set` values as YAML read them."""
+    if isinstance(value, _Text):
+        return value.parsed
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+INT_LIMIT = 2**63 - 1  # what numpy, torch and the C libraries under them hold; any key's own limit is lower
+
+
+def _check_int(value: int, key: str) -> int:
+    if abs(value) > INT_LIMIT:
+        raise UserError(f"config key '{key}': {shown(value)} is too large (at most {INT_LIMIT})")
+    return value
+
+
+def _build(cls: type[T], data: dict, prefix: str = "") -> T:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for k in data:
+        if k not in names:
+            raise UserError(f"unknown config key {shown(prefix + str(k))} (known here: {', '.join(sorted(names))})")
+    kwargs = {k: _check_value(v, hints[k], prefix + k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise UserError(f"--set expects key=value, got {shown(text)}")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml_load(raw, f"--set {key.strip()}") if raw != "" else ""
+    except RecursionError:
+        raise UserError(f"--set {key.strip()}: value nested too deeply to be a config value") from None
+    except yaml.YAMLError as e:
+        raise UserError(
+            f"--set {key.strip()}: value {shown(raw)} is not valid YAML ({str(e).splitlines()[0]}); quote it"
+        ) from None
+    return key.strip().split("."), _Text(raw, value) if isinstance(value, (bool, int, float)) else value
+
+
+def _apply_override(data: dict, path: list[str], value: Any) -> None:
+    node = data
+    for part in path[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise UserError(f"--set {'.'.join(path)}: '{part}' is not a section")
+    node[path[-1]] = value
+
+
+MAX_YAML_VALUES = 100_000  # scalars, lists and mappings of a config once its aliases are expanded (a config has
+# a few hundred; an alias bomb of a few hundred bytes has billions)
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int], open_: set[int], where: str) -> int:
+    """How many nodes `node` stands for once every alias is expanded, memoised by node (an alias is the same node
+    object), so the count costs one visit per distinct node however far the aliases would expand."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in open_:
+        raise UserError(f"{where}: a YAML alias refers to its own anchor (an endless value)")
+    open_.add(key)
+    if isinstance(node, yaml.MappingNode):
+        children = [n for pair in node.value for n in pair]
+    elif isinstance(node, yaml.SequenceNode):
+        children = node.value
+    else:
+        children = []
+    total = 1
+    for child in children:
+        total += _expanded_size(child, sizes, open_, where)
+        if total > MAX_YAML_VALUES:
+            break
+    open_.discard(key)
+    sizes[key] = total
+    return total
+
+
+def yaml_load(text: str, where: str) -> Any:
+    """`yaml.safe_load`, refusing a document whose aliases expand beyond MAX_YAML_VALUES values (checked on the
+    composed node graph, before anything is built). `where` names the source in the error line."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        if _expanded_size(node, {}, set(), where) > MAX_YAML_VALUES:
+            raise UserError(
+                f"{where}: more than {MAX_YAML_VALUES:,} values once its YAML aliases are expanded; a "
+                "config has a few hundred (an alias bomb?)"
+            )
+        try:
+            return loader.construct_document(node)
+        except ValueError as e:  # an integer of thousands of digits (Python's int-from-text limit)
+            raise UserError(f"{where}: a value YAML cannot build ({one_line(str(e), LINE)})") from None
+    finally:
+        loader.dispose()
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, which a scheduler's allocation narrows)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+# Upper bounds of the size-like keys: each sizes an allocation or a loop, so a mistyped value (a few zeros too many)
+# would exhaust memory or never end instead of failing. Each bound is far above any real use; the hint says what is.
+SIZE_LIMITS: dict[str, tuple[int, str]] = {
+    "lora.r": (4096, "LoRA ranks are 4-256 (default 16)"),
+    "train.eval.caption_tokens": (4096, "a caption is tens of tokens (default 32)"),
+    "train.eval.captions": (4096, "a few held-out samples are captioned at each eval (default 8)"),
+    "train.eval.samples": (10_000_000, "a few hundred held-out samples are enough (default 256)"),
+    "train.global_batch_size": (1 << 20, "global batches are tens to thousands (default 32)"),
+    "train.max_micro_batch_size": (1 << 16, "what one forward fits in memory (default 32)"),
+    "train.micro_batch_size": (1 << 16, "what one forward fits in memory, or auto"),
+    "train.eval.batch_size": (1 << 16, "what one forward fits in memory (0: train.micro_batch_size)"),
+    "train.loader.max_length": (1 << 20, "Gemma 3 reads at most 131072 tokens (0: no cap)"),
+    "train.eval.plateau.window_evals": (1 << 20, "a few evals (0: the last 5,000 steps)"),
+    "profile.steps": (1000, "a few steps make a readable trace (default 5)"),
+    "profile.top": (10_000, "the operations printed (default 15)"),
+    "shard_size": (1 << 20, "samples per cache shard (default 512)"),
+    "batch_size": (1 << 16, "images per VAE forward (default 32)"),
+}
+
+
+def check_sizes(section: object, prefix: str = "") -> None:
+    """SIZE_LIMITS for the keys of one config section (`prefix`: its dotted name, "" at the top level): a one-line
+    error with what a real value is."""
+    for key, (limit, hint) in SIZE_LIMITS.items():
+        head, _, name = key.rpartition(".")
+        value = getattr(section, name, None) if head == prefix.rstrip(".") else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > limit:
+            raise UserError(f"config key '{key}': {shown(value)} is too large (at most {limit:,}; {hint})")
+
+
+def at_least(section: object, prefix: str, least: int, *names: str) -> None:
+    """Each of `names` in `section` (dotted name `prefix`) is >= `least`: the one-line error otherwise."""
+    for name in names:
+        value = getattr(section, name)
+        if value < least:
+            need = "positive" if least == 1 else f">= {least}"
+            raise UserError(f"config key '{prefix}.{name}': must be {need}, got {value}")
+
+
+WORKERS_PER_CORE = 8  # loader workers mostly wait on I/O and decoding: a few per core help, thousands only thrash
+
+
+def check_workers(key: str, value: int) -> None:
+    """A count of worker processes the machine can hold: every one is a process with its own memory."""
+    limit = WORKERS_PER_CORE * usable_cores()
+    if value > limit:
+        raise UserError(
+            f"config key '{key}': {shown(value)} worker processes on a machine with {usable_cores()} "
+            f"usable CPU cores; at most {limit} ({WORKERS_PER_CORE} per core)"
+        )
+
+
+def check_threads(key: str, value: int) -> None:
+    """A thread count: more threads than cores only makes them wait for each other."""
+    if value > usable_cores():
+        raise UserError(
+            f"config key '{key}': {shown(value)} threads on a machine with {usable_cores()} usable CPU "
+            f"cores; at most {usable_cores()}"
+        )
+
+
+def require_path(key: str, value: str) -> None:
+    """A folder a run writes or reads: a blank value would mean the current directory, where a cache's or a run's files
+    would land among the user's own."""
+    if not value.strip():
+        raise UserError(f"config key '{key}': empty; give a folder path")
+
+
+def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()) -> T:
+    """Read YAML at `path` (or nothing), apply `key.sub=value` overrides, validate strictly into `cls`."""
+    data: dict = {}
+    if path is not None:
+        p = resolve_config_path(path)
+        try:
+            data = yaml_load(p.read_bytes().decode("utf-8"), f"config file {p}") or {}
+        except UnicodeDecodeError as e:
+            raise UserError(
+                f"config file {p} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})"
+            ) from None
+        except OSError as e:
+            raise UserError(f"config file {p}: cannot read it ({e.strerror})") from None
+        except RecursionError:
+            raise UserError(f"config file {p} is nested too deeply to be a config") from None
+        except yaml.YAMLError as e:
+            raise UserError(f"config file {p} is not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(data, dict):
+            raise UserError(f"config file {p}: top level must be a mapping")
+    moves, renamed = moved_keys(cls), {}
+    data = _move_keys(data, moves, renamed)  # first, so that a --set of either name wins over the file
+    for text in overrides:
+        key, value = _parse_override(text)
+        _apply_override(data, _moved_path(key, moves, renamed), value)
+    return from_dict(cls, data, renamed)
+
+
+def from_dict(cls: type[T], data: dict, renamed: dict[str, str] | None = None) -> T:
+    """Validate a mapping strictly into `cls` (what `load_config` does after reading the YAML). Keys of earlier
+    releases (`cls.MOVED`) load under their new names, said in one warning line; `renamed`: those already moved."""
+    renamed = {} if renamed is None else renamed
+    data = _move_keys(data, moved_keys(cls), renamed)
+    if renamed:
+        _log.warning(
+            one_line(
+                "config: keys of an earlier release, read under their new names: "
+                + ", ".join(f"{old} -> {new}" for old, new in renamed.items()),
+                4 * LINE,
+            )
+        )
+    try:
+        return _build(cls, data)
+    except TypeError as e:  # a required field missing, etc.
+        raise UserError(one_line(f"config: {e}", 4 * LINE)) from None
+    except RecursionError:
+        raise UserError("config: a value is nested too deeply to be a config value") from None
+    except UserError as e:  # a check that echoed a huge value (a megabyte string, a long list) still gives one line
+        raise type(e)(one_line(_as_given(str(e), renamed), 4 * LINE)) from None
+
+
+def moved_keys(cls: type) -> dict[str, str]:
+    """`cls.MOVED`: each key of an earlier release (dotted) and the key it is now."""
+    return getattr(cls, "MOVED", {})
+
+
+def _moved_path(path: list[str], moves: dict[str, str], renamed: dict[str, str]) -> list[str]:
+    """A --set key, or a key under it, that an earlier release named otherwise, under its new name."""
+    dotted = ".".join(path)
+    for old, new in moves.items():
+        if dotted == old or dotted.startswith(old + "."):
+            renamed[old] = new
+            return (new + dotted[len(old) :]).split(".")
+    return path
+
+
+def _move_keys(data: dict, moves: dict[str, str], renamed: dict[str, str]) -> dict:
+    """`data` with each old key of `moves` put where its new key lives; both given at once is an error."""
+    for old, new in moves.items():
+        *parents, last = old.split(".")
+        node = data
+        for p in parents:
+            node = node.get(p) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or last not in node:
+            continue
+        value = node.pop(last)
+        *parents, last = new.split(".")
+        target = data
+        for i, p in enumerate(parents):
+            target = target.setdefault(p, {})
+            if not isinstance(target, dict):
+                raise UserError(f"config key '{'.'.join(parents[: i + 1])}': expected a mapping, got {shown(target)}")
+        if last in target:
+            raise UserError(f"config keys '{old}' and '{new}' are one key ({old} is its earlier name); give only {new}")
+        target[last] = value
+        renamed[old] = new
+    return data
+
+
+def _as_given(message: str, renamed: dict[str, str]) -> str:
+    """An error about a key the user gave by its earlier name names it as given, and the new name beside it."""
+    for old, new in renamed.items():
+        message = re.sub(rf"'{re.escape(new)}((?:\.[^']*)?)'", rf"'{old}\1' (now '{new}\1')", message)
+    return message
+
+
+CONFIGS_DIR = "configs"  # where the shipped configs live, under the repository root
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """`path` itself when it is a file; a bare name that is not (e.g. `stage1.yaml`, the design's own command) is
+    looked up in ./configs/ and then in this checkout's configs/, and the run says which file it used."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    if p.parent == Path(".") and p.name:
+        for folder in (Path.cwd() / CONFIGS_DIR, Path(__file__).resolve().parents[2] / CONFIGS_DIR):
+            if (folder / p.name).is_file():
+                found = folder / p.name
+                rel = found.relative_to(Path.cwd()) if found.is_relative_to(Path.cwd()) else found
+                if int(os.environ.get("RANK", "0")) == 0:  # once under a launcher
+                    _log.info(f"config: {p} is not a file in {Path.cwd()}; using {rel}")
+                return found
+    what = paths.path_kind(p)
+    if what is None:
+        raise UserError(f"config file not found: {p}")
+    raise UserError(f"config file {p} is {what}, not a regular file")
+
+
+_SECRET = re.compile(r"secret|token|password|passwd|credential|key", re.IGNORECASE)
+
+
+def to_dict(cfg: Any) -> dict:
+    """The config as plain data, as it is shown and saved: secrets in `storage_options` left out."""
+    d = dataclasses.asdict(cfg)
+    if isinstance(d.get("storage_options"), dict):
+        d["storage_options"] = {k: "<redacted>" if _SECRET.search(k) else v for k, v in d["storage_options"].items()}
+    return d
+
+
+def to_yaml(cfg: Any) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+class _LogLevel(argparse.Action):
+    """--quiet / --verbose: the level applies as the flag is parsed, before the command says anything."""
+
+    def __init__(self, option_strings, dest, const, help):
+        super().__init__(option_strings, dest, nargs=0, const=const, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        log.set_level(self.const)
+
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse whose usage errors are a `UserError`: one line naming the command, exit 2 (through `cli_entry`).
+    Every command gets --quiet and --verbose (theworld/core/log.py)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        levels = self.add_mutually_exclusive_group()
+        levels.add_argument("--quiet", action=_LogLevel, const=logging.WARNING, help="only warnings and errors")
+        levels.add_argument("--verbose", action=_LogLevel, const=logging.DEBUG, help="also debugging lines")
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise UserError(f"{self.prog}: {message}")
+
+
+class DefaultsHelp(argparse.HelpFormatter):
+    """--help shows each option's default, where it has one worth showing (not a flag's False, not None)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, False, "", argparse.SUPPRESS) or "%(default)" in text or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
+def add_config_args(p: argparse.ArgumentParser, config_help: str = "YAML config file") -> None:
+    p.add_argument("--config", help=config_help)
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set train.optimizer.lr=1e-3 (repeatable)",
+    )
+
+
+def cli_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The `--config CFG [--set key=value ...]` front every command shares."""
+    p = ArgParser(prog=prog, description=description)
+    add_config_args(p)
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    return p
+
+
+__all__ = [
+    "at_least",
+    "ModelConfig",
+    "ImageConfig",
+    "WorldConfig",
+    "RolloutConfig",
+    "check_world_steps",
+    "FreezeConfig",
+    "LoraConfig",
+    "check_lora",
+    "trains",
+    "load_config",
+    "from_dict",
+    "to_dict",
+    "to_yaml",
+    "ArgParser",
+    "add_config_args",
+    "cli_parser",
+    "field",
+]

@@ -1,0 +1,1 @@
+"""The embedded default: tiny seeded models and the synthetic scenes."""

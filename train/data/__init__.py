@@ -1,0 +1,1 @@
+"""Data: the cache and its checks, the sample order, batches, mixtures and the loaders."""

@@ -1,0 +1,254 @@
+"""The dataset and the DataLoaders: tokenisation (a batch at a time), image decoding and the Gemma image processor
+run inside DataLoader workers; the main process receives collated batches packed into one buffer (`Batch`)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from theworld import cache_format as cf
+from theworld.cache_format.held_out import split
+from theworld.model.images import decode, load_for_vae, siglip_pixels
+from theworld.model.inputs import PARTNER
+from theworld.model.rollout import cache_seed, sample_seed
+from theworld.model.text import ChatFormatter
+from train.data.batches import Collate, encode_texts
+from train.data.cache import InputSources, mixture_draw
+from train.data.flip import swap_left_right
+from train.data.mixture import Draw, MixedReader, partner_groups
+from train.data.order import bucket_ids, eval_partners, flip_of, rank_indices
+from train.preempt import ignore_in_workers
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Dataset and collation (run in workers)
+
+
+class CacheDataset(Dataset):
+    """Position i -> one model-ready sample (token ids, labels, latents or image, SigLIP features or pixels)."""
+
+    def __init__(
+        self,
+        reader: cf.CacheReader,
+        indices: np.ndarray,
+        formatter: ChatFormatter,
+        inputs: InputSources,
+        resolution: int,
+        resize: str,
+        image_processor=None,
+        seed: int = 0,
+        epoch: int = 0,
+        flip: bool | None = None,
+        partner: bool = False,
+        rollouts: bool = False,
+    ):
+        """`rollouts`: the model rolls out live (world.num_world_steps > 0 without cached latents): each sample
+        carries its rollout seed (`rollout_seed`)."""
+        self.reader, self.indices, self.formatter, self.inputs = reader, indices, formatter, inputs
+        self.rollouts = rollouts
+        self.resolution, self.resize, self.image_processor = resolution, resize, image_processor
+        self.seed, self.epoch = seed, epoch
+        self.flip = inputs.flip if flip is None else flip
+        # eval: each item also carries its partner's world (eval_partners) for the shuffled-world loss; a rule over
+        # the whole split, so the figure does not depend on the process count
+        self.partners = eval_partners(partner_groups(reader, indices)) if partner else None
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, pos: int) -> dict:
+        index = int(self.indices[pos])
+        raw = self.reader.raw(index)
+        s = self.reader.decode(index, raw, tensors=False)
+        flipped = self.flip and flip_of(self.seed, self.epoch, index)
+        turns = tuple((swap_left_right(u), swap_left_right(m)) if flipped else (u, m) for u, m in s.turns)
+        # text is tokenised and cached tensors are decoded a batch at a time, by Collate
+        item: dict = {"text": turns, "origin": (self.reader, index)}
+        if self.inputs.cached_latents:
+            item[cf.LATENT] = raw[cf.LATENT_FLIP if flipped else cf.LATENT]
+        else:
+            pixels, _ = load_for_vae(s.image, self.resolution, self.resize)
+            item["images"] = pixels.flip(-1).contiguous() if flipped else pixels
+            if self.rollouts:
+                item["rollout_seeds"] = torch.tensor(rollout_seed(self.reader, index))
+        if self.partners is not None:
+            mate = int(self.partners[pos])
+            item.update(self._world(mate))
+            item["paired"] = torch.tensor(mate != pos)
+        if self.inputs.cached_siglip:
+            item[cf.SIGLIP] = raw[cf.SIGLIP]
+        else:
+            img = decode(s.image)
+            if flipped:
+                from PIL import ImageOps
+
+                img = ImageOps.mirror(img)
+            item["pixel_values"] = siglip_pixels(self.image_processor, img)
+        return item
+
+    def _world(self, pos: int) -> dict:
+        """The unflipped world input of the sample at `pos`, under PARTNER names."""
+        index = int(self.indices[pos])
+        if self.inputs.cached_latents:  # (its origin names the right sample if its bytes turn out damaged)
+            return {PARTNER + cf.LATENT: self.reader.raw(index)[cf.LATENT], PARTNER + "origin": (self.reader, index)}
+        image = self.reader.decode(index, self.reader.raw(index), tensors=False).image
+        item = {PARTNER + "images": load_for_vae(image, self.resolution, self.resize)[0]}
+        if self.rollouts:
+            item[PARTNER + "rollout_seeds"] = torch.tensor(rollout_seed(self.reader, index))
+        return item
+
+
+def rollout_seed(reader: cf.CacheReader | MixedReader, index: int) -> int:
+    """The seed of sample `index`'s live rollout: its cache's seed (`rollout.cache_seed`) and its key, the rule the
+    precompute that wrote (or would write) its rollouts used, so a live rollout in training equals the cached one."""
+    if isinstance(reader, MixedReader):  # each cache of a mixture has its own seed
+        reader, index = reader.locate(index)
+    return sample_seed(cache_seed(reader.manifest), reader.key(index))
+
+
+@dataclass
+class DataContext:
+    """Everything a loader needs besides (rank, world_size, epoch, start): built once per run."""
+
+    reader: cf.CacheReader
+    inputs: InputSources
+    formatter: ChatFormatter
+    image_processor: object
+    train_indices: np.ndarray
+    eval_indices: np.ndarray
+    buckets: np.ndarray  # (len(reader),) each sample's bucket (latent shape)
+    draw: Draw | None = None  # a mixture's per-epoch draw from its caches
+    truncation: str = ""  # with train.loader.max_length: how many training samples it shortens (start line)
+
+    @classmethod
+    def build(
+        cls,
+        cfg,
+        reader: cf.CacheReader,
+        inputs: InputSources,
+        processor,
+        split_: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> DataContext:
+        """`split_`: split(reader, cfg.train.eval.samples) when the caller has it already."""
+        train, held = split_ if split_ is not None else split(reader, cfg.train.eval.samples)
+        formatter = ChatFormatter(processor, max_length=cfg.train.loader.max_length or None)
+        first = reader.sample(train[0], tensors=False)
+        encode_texts(formatter, [first.turns])  # a prompt over max_length: an error before any worker
+        truncation = truncation_report(formatter, reader, train) if formatter.max_length else ""
+        return cls(
+            reader,
+            inputs,
+            formatter,
+            processor.image_processor,
+            train,
+            held,
+            bucket_ids(reader),
+            mixture_draw(cfg, reader, train),
+            truncation,
+        )
+
+    def epoch_samples(self, seed: int, epoch: int) -> np.ndarray:
+        """The training samples epoch `epoch` orders: all of them, or a mixture's draw."""
+        return self.train_indices if self.draw is None else self.draw.epoch(seed, epoch)
+
+    def describe_mixture(self, cfg) -> str:
+        return "" if self.draw is None else self.draw.describe(self.reader, [w for _, w in cfg.caches()])
+
+    def describe_buckets(self) -> str:
+        """'' for one latent shape, else each shape (h x w) with its training samples."""
+        shapes, counts = np.unique(self.reader.latent_hw[self.epoch_samples(0, 0)], axis=0, return_counts=True)
+        if len(shapes) < 2:
+            return ""
+        return "latent shapes (train samples): " + ", ".join(f"{h}x{w} ({n})" for (h, w), n in zip(shapes, counts))
+
+    def dataset(
+        self, cfg, indices: np.ndarray, epoch: int, flip: bool | None = None, partner: bool = False
+    ) -> CacheDataset:
+        return CacheDataset(
+            self.reader,
+            indices,
+            self.formatter,
+            self.inputs,
+            cfg.image.resolution,
+            cfg.image.resize,
+            self.image_processor,
+            cfg.seed,
+            epoch,
+            flip,
+            partner,
+            rollouts=cfg.world.num_world_steps > 0 and not self.inputs.cached_latents,
+        )
+
+
+def truncation_report(formatter: ChatFormatter, reader: cf.CacheReader, indices: np.ndarray, chunk: int = 1024) -> str:
+    """The start line on what train.loader.max_length does to the samples at `indices`: conversations that lose whole
+    turns from their end, and samples whose (first) answer is cut. Reads and tokenises every sample's text once."""
+    members, reader.members = reader.members, ()  # the caption and json alone
+    shortened = dropped_turns = cut = 0
+    try:
+        for lo in range(0, len(indices), chunk):
+            convs = [reader.sample(int(i), tensors=False).turns for i in indices[lo : lo + chunk]]
+            for c in (c for c in convs if len(c) > 1):
+                kept = formatter.encode_turns(c)[1]
+                shortened += kept < len(c)
+                dropped_turns += len(c) - kept
+            # a first turn over max_length, alone or all that is left of a conversation: its answer is cut
+            firsts = formatter.conversation_ids([c[0] for c in convs])
+            cut += sum(len(ids) > formatter.max_length for ids in firsts)
+    finally:
+        reader.members = members
+    return (
+        f"train.loader.max_length {formatter.max_length}: {shortened} conversation(s) shortened ({dropped_turns} "
+        f"turn(s) dropped from their ends), {cut} sample(s) with the first answer cut, of {len(indices)} training "
+        "samples"
+    )
+
+
+def _worker_init(_: int) -> None:
+    # workers decode and tokenise; intra-op or tokenizer threads would only fight the training step
+    torch.set_num_threads(1)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    ignore_in_workers()
+
+
+def _loader(cfg, ctx: DataContext, dataset, **kw) -> DataLoader:
+    workers = cfg.train.loader.num_workers
+    if workers:
+        # The main process then maps a batch's shared memory by name. The default strategy (file descriptors) asks
+        # the worker process for each descriptor over a socket when the batch is received: a round trip that waits
+        # for the worker to be scheduled, on the training step's time (docs/performance.md).
+        torch.multiprocessing.set_sharing_strategy("file_system")
+    return DataLoader(
+        dataset,
+        num_workers=workers,
+        pin_memory=torch.cuda.is_available(),
+        collate_fn=Collate(ctx.formatter),
+        prefetch_factor=4 if workers else None,
+        worker_init_fn=_worker_init if workers else None,
+        **kw,
+    )
+
+
+def build_train_loader(cfg, ctx: DataContext, rank: int, world_size: int, epoch: int, start: int = 0) -> DataLoader:
+    """Micro-batches of this process for `epoch` from global batch `start` on: accumulation_steps of them per step."""
+    samples = ctx.epoch_samples(cfg.seed, epoch)
+    idx = rank_indices(
+        samples, cfg.seed, epoch, cfg.train.global_batch_size, rank, world_size, start, ctx.buckets[samples]
+    )
+    return _loader(cfg, ctx, ctx.dataset(cfg, idx, epoch), batch_size=cfg.train.micro_batch_size, shuffle=False)
+
+
+def build_eval_loader(cfg, ctx: DataContext, rank: int, world_size: int) -> DataLoader:
+    """This process's share (positions rank, rank + W, ... of the held-out split) in batches of one latent shape,
+    unflipped, each sample with the world of its partner (`eval_partners`) for the shuffled-world loss."""
+    positions = np.arange(rank, len(ctx.eval_indices), world_size)
+    size = cfg.train.eval.batch_size or cfg.train.micro_batch_size
+    of = ctx.buckets[ctx.eval_indices[positions]]
+    batches = []
+    for k in np.unique(of):
+        mine = positions[of == k].tolist()
+        batches += [mine[i : i + size] for i in range(0, len(mine), size)]
+    return _loader(cfg, ctx, ctx.dataset(cfg, ctx.eval_indices, 0, flip=False, partner=True), batch_sampler=batches)

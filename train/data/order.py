@@ -1,0 +1,152 @@
+"""Sample order: each epoch's global batches, each process's slice, and the per-sample flip and
+noise seeds.
+
+Everything that decides which sample goes where is a pure function of (seed, epoch, step), so a run's data is the same
+whatever the number of processes, and resuming at step s reads exactly the batches an uninterrupted run reads there:
+
+- eval split: the `train.eval.samples` samples with the smallest sha256(key) are held out (independent of shard layout;
+  theworld/cache_format/held_out.py);
+- epoch order: a permutation of the training samples seeded from (seed, epoch), walked in order, each sample going to
+  its latent shape's (bucket's) list; each time a list reaches G samples they become the next global batch, and what is
+  left in the lists at the end is dropped. With one shape (a square cache) global batch b is order[b*G:(b+1)*G].
+  Step s is global batch s % steps_per_epoch of epoch s // steps_per_epoch;
+- process r of W takes the r-th contiguous slice (G/W samples) of each global batch, in micro-batches of M, so every
+  micro-batch holds one latent shape.
+
+Sample indices live in numpy arrays (8 bytes a sample), shared by forked loader workers without copying.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import numpy as np
+import torch
+
+from theworld import cache_format as cf
+from theworld.cache_format.held_out import check_held_out
+from theworld.core.errors import UserError
+
+
+def seed_of(*parts) -> int:
+    """A 63-bit seed that is a pure function of `parts` (e.g. a purpose name, the run seed, an epoch, an index)."""
+    return int.from_bytes(hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest(), "little") >> 1
+
+
+def bucket_ids(reader: cf.CacheReader) -> np.ndarray:
+    """(N,) int32: each sample's bucket, numbered in (h, w) order of the cache's latent shapes."""
+    hw = reader.latent_hw
+    if not len(hw) or (hw == hw[0]).all():  # one shape (every square cache): no sort over the whole index
+        return np.zeros(len(hw), dtype=np.int32)
+    return np.unique(hw, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int32)
+
+
+def _permutation(n: int, seed: int, epoch: int) -> np.ndarray:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed_of("order", seed, epoch))).numpy()
+
+
+def epoch_order(train_indices: np.ndarray, seed: int, epoch: int) -> np.ndarray:
+    return np.asarray(train_indices, dtype=np.int64)[_permutation(len(train_indices), seed, epoch)]
+
+
+def epoch_batches(
+    train_indices: np.ndarray, seed: int, epoch: int, global_batch: int, buckets: np.ndarray | None = None
+) -> np.ndarray:
+    """(steps_per_epoch, G) global batches of `epoch`, each of one bucket (`buckets[i]` is train_indices[i]'s).
+
+    The epoch's permutation is walked in order and each sample appended to its bucket's list; whenever a list holds G
+    samples they form the next batch. So batches are ordered by where their last sample falls in the permutation (each
+    bucket's batches spread over the epoch), a bucket's leftover (< G samples) is dropped for this epoch, and with one
+    bucket batch b is order[b*G:(b+1)*G].
+    """
+    perm = _permutation(len(train_indices), seed, epoch)
+    order = np.asarray(train_indices, dtype=np.int64)[perm]
+    of = np.zeros(len(order), dtype=np.int32) if buckets is None else np.asarray(buckets)[perm]
+    rows, ends = [np.zeros((0, global_batch), dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
+    for k in np.unique(of):
+        pos = np.flatnonzero(of == k)
+        full = len(pos) // global_batch * global_batch
+        rows.append(order[pos[:full]].reshape(-1, global_batch))
+        ends.append(pos[global_batch - 1 : full : global_batch])
+    return np.concatenate(rows)[np.argsort(np.concatenate(ends), kind="stable")]
+
+
+def check_sizes(cfg, reader: cf.CacheReader, train_indices: np.ndarray, world_size: int, draw=None) -> int:
+    """Steps per epoch from the cache's index alone (before any model loads), or a one-line error naming the key.
+    `draw`: a mixture's train.mixture.Draw, whose epochs hold other samples than `train_indices`."""
+    n_eval = cfg.train.eval.samples
+    if draw is None:
+        check_held_out(n_eval, len(reader))
+    if n_eval == 1 or 0 < n_eval < world_size:  # each process takes a share; a shuffled world is another sample's
+        raise UserError(
+            f"config key 'train.eval.samples': {n_eval} is too few for {world_size} process(es) (the "
+            f"shuffled-world loss takes each held-out sample's world from another one): use 0 (no eval) "
+            f"or at least {max(2, world_size)}"
+        )
+    sizes = np.bincount(bucket_ids(reader)[train_indices]) if draw is None else draw.bucket_sizes(bucket_ids(reader))
+    return steps_per_epoch(sizes, cfg.train.global_batch_size)
+
+
+def steps_per_epoch(bucket_sizes: np.ndarray | int, global_batch: int) -> int:
+    """Whole global batches per epoch from the training samples of each bucket (an int: one bucket)."""
+    sizes = np.atleast_1d(bucket_sizes)
+    steps = int((sizes // global_batch).sum())
+    if not steps:
+        where = (
+            f"the {int(sizes.sum())} training samples"
+            if len(sizes) == 1
+            else f"the training samples of every latent shape (largest: {int(sizes.max())})"
+        )
+        raise UserError(f"config key 'train.global_batch_size': {global_batch} is more than {where}")
+    return steps
+
+
+def total_steps(train, per_epoch: int) -> int:
+    """The run's length: train.max_steps, or with train.epochs > 0 (which wins) that many epochs of `per_epoch`
+    steps, rounded up to a whole step (0.5 epochs of 5 steps: 3)."""
+    if not train.epochs:
+        return train.max_steps
+    return max(1, math.ceil(round(train.epochs * per_epoch, 6)))  # round: 0.1 * 30 is 3.0000000000000004
+
+
+def rank_offset(global_batch: int, rank: int, world_size: int) -> int:
+    """Where process `rank`'s contiguous slice of a global batch starts."""
+    return rank * (global_batch // world_size)
+
+
+def rank_indices(
+    train_indices: np.ndarray,
+    seed: int,
+    epoch: int,
+    global_batch: int,
+    rank: int,
+    world_size: int,
+    start_batch: int = 0,
+    buckets: np.ndarray | None = None,
+) -> np.ndarray:
+    """This process's samples for global batches [start_batch, end of epoch) of `epoch`, in consumption order."""
+    batches = epoch_batches(train_indices, seed, epoch, global_batch, buckets)
+    lo = rank_offset(global_batch, rank, world_size)
+    return batches[start_batch:, lo : lo + global_batch // world_size].reshape(-1)
+
+
+def flip_of(seed: int, epoch: int, index: int) -> bool:
+    return seed_of("flip", seed, epoch, index) & 1 == 1
+
+
+def noise_seeds(seed: int, step: int, first: int, n: int) -> list[int]:
+    """Latent-sampling seeds of the samples at positions [first, first + n) of a step's global batch: a pure function
+    of (seed, step, position), so neither resuming nor the process count or accumulation changes a sample's noise."""
+    return [seed_of("noise", seed, step, i) for i in range(first, first + n)]
+
+
+def eval_partners(latent_hw: np.ndarray) -> np.ndarray:
+    """For held-out samples in key order with latent shapes (n, 2): each one's partner, the next sample of the same
+    shape (cyclically), whose world it takes for the shuffled-world loss; itself when it is its shape's only one."""
+    partners = np.arange(len(latent_hw))
+    shapes = np.unique(latent_hw, axis=0, return_inverse=True)[1].reshape(-1) if len(latent_hw) else partners
+    for k in np.unique(shapes):
+        pos = np.flatnonzero(shapes == k)
+        partners[pos] = np.roll(pos, -1)
+    return partners

@@ -1,0 +1,76 @@
+"""A run's final/ folder: the last trainable weights (+ their EMA), the resolved config, the model card
+(train/state/model_card.py), the prompt the run trained with and sha256.json, published like a checkpoint (temporary
+folder,
+then renamed); and, after the last eval, its figures recorded into the last checkpoint and the card. Not to be
+confused with `python -m theworld.export`, which turns a finished stage into one self-contained folder."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from theworld.model import lora
+from theworld.model.stage_layout import CARD, CONFIG, FINAL, PROMPT, STATE, SUMS, WEIGHTS, write_sums
+from theworld.model.text import DEFAULT_PROMPT as DESCRIBE_PROMPT
+from train.state.checkpoint import publish, seal, writer
+from train.state.model_card import card
+from train.state.states import Ema, Stateful, Trainables
+
+if TYPE_CHECKING:
+    from train.components import Components
+    from train.step import LoopState
+
+Whole = list[tuple[Stateful, dict]]  # the weights' parts and the whole tensors they gave
+
+
+def gather(components: Components) -> Whole | None:
+    """Every process calls this before `export_final`: under FSDP the parts' state_dict() gathers the shards (a
+    collective). The main process gets the whole tensors, the others None."""
+    parts = [Trainables(components)] + ([Ema(components)] if components.ema is not None else [])
+    given = [(part, part.state_dict()) for part in parts]
+    return given if components.accelerator.is_main_process else None
+
+
+def export_final(
+    components: Components,
+    state: LoopState,
+    cfg_yaml: str,
+    output_dir: str | Path,
+    whole: Whole | None = None,
+    prompt: str = DESCRIBE_PROMPT,
+) -> Path:
+    """Main process only, with what `gather` returned there (required under FSDP)."""
+    cfg = components.cfg
+    whole = whole or gather(components)
+    out = Path(output_dir)
+    files = {part.file: writer(part, given) for part, given in whole}
+    files[CONFIG] = lambda p: p.write_text(cfg_yaml)
+    files[CARD] = lambda p: p.write_text(card(cfg, state, out, prompt))
+    files[PROMPT] = lambda p: p.write_text(prompt + "\n", encoding="utf-8")
+    if cfg.lora is not None:  # final/ is also a peft adapter folder for the base Gemma
+        weights = next(given for part, given in whole if part.file == WEIGHTS)
+        files.update(lora.adapter_files(cfg.lora, cfg.model.gemma, weights))
+    # last: it covers the rest but the card, which evaluate adds its results to
+    files[SUMS] = lambda p: write_sums(p.parent)
+    return publish(out, FINAL, files)
+
+
+def _replace_file(path: Path, text: str) -> None:
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def record_eval(components: Components, state: LoopState, output_dir: str | Path) -> None:
+    """Main process, after the last eval (which runs once checkpoint-<step> and final/ are saved): the checkpoint's
+    state.json (resealed) and final/'s model card take its numbers, each file replaced whole."""
+    out = Path(output_dir)
+    ckpt = out / f"checkpoint-{state.step}"
+    if (ckpt / STATE).is_file():
+        saved = json.loads((ckpt / STATE).read_text())
+        _replace_file(ckpt / STATE, json.dumps(seal({**saved, "last_eval": state.last_eval}), indent=1))
+    final = out / FINAL
+    prompt = (final / PROMPT).read_text(encoding="utf-8").removesuffix("\n")
+    _replace_file(final / CARD, card(components.cfg, state, out, prompt))
