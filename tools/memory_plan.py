@@ -12,125 +12,28 @@ from __future__ import annotations
 
 import json
 import sys
-import warnings
 from dataclasses import dataclass
-from pathlib import Path
-
-import torch
 
 from theworld.core.config import cli_parser, load_config, shown, to_yaml, trains
-from theworld.core.errors import UserError, cli_entry, one_line
+from theworld.core.errors import UserError, cli_entry
 from theworld.model import lora as lora_adapters
 from theworld.model.arch import (
     ANSWER_TOKENS,
-    KNOWN_GEMMA,
-    KNOWN_VAE,
     LORA_MODULES,
-    REAL,
     TEXT_TOKENS,
-    gemma_config,
     latent_side,
 )
-from theworld.model.encoders import DTYPES, _quiet_hf, cannot_load, load_errors, resolve_gemma, resolve_vae
+from theworld.model.encoders import DTYPES
 from theworld.model.world import TheWorld
 from train import sharding
 from train.config import ActivationCheckpointing, TrainConfig, resolve_micro_batch
+from train.meta_model import build_world
 
-# Hub ids whose whole architecture is known offline (theworld.model.arch): Gemma 3 4B.
-BUILDABLE_GEMMA = {k: v.sizes for k, v in KNOWN_GEMMA.items() if v.sizes is not None}
 HEADROOM = 0.9  # of the card: the CUDA context, NCCL buffers and allocator fragmentation take the rest
 ADAM_STATE = 8  # bytes per trainable parameter: AdamW's two fp32 moments
 ADAM_FOREACH = 4  # and the fp32 temporary of its step: whole-size with foreach (the default on GPUs), else the size
 # of the largest tensor (CPUs step one tensor at a time)
 VAE_TENSORS_PER_STAGE = 14  # activations kept per VAE encoder stage, in units of channels x pixels (2 res blocks)
-
-
-MAX_LAYERS = 1024
-
-
-def _gemma_config(spec: str):
-    from transformers import AutoConfig, Gemma3Config
-
-    if spec == "tiny" or Path(spec).is_dir():
-        try:
-            config = AutoConfig.from_pretrained(resolve_gemma(spec))
-        except load_errors() as e:
-            raise cannot_load("model.gemma", spec, e) from None
-        if not isinstance(config, Gemma3Config):
-            raise UserError(f"model.gemma: {spec!r} holds a {type(config).__name__}, not a Gemma 3 config")
-        for part in ("text_config", "vision_config"):  # the estimate builds every layer (on `meta`)
-            layers = getattr(getattr(config, part), "num_hidden_layers", 0)
-            if layers > MAX_LAYERS:
-                raise UserError(
-                    f"model.gemma: {spec!r} has {layers} layers in its {part}, more than any model this estimates "
-                    f"({MAX_LAYERS})"
-                )
-        return config
-    try:
-        return AutoConfig.from_pretrained(spec, local_files_only=True)
-    except (OSError, ValueError):
-        if spec in BUILDABLE_GEMMA:
-            return gemma_config(BUILDABLE_GEMMA[spec])
-    raise UserError(
-        f"model.gemma: no config for {spec!r} offline (known architectures: {', '.join(BUILDABLE_GEMMA)}); "
-        "give a local folder"
-    )
-
-
-def _vae_config(spec: str) -> dict:
-    from diffusers import AutoencoderKLWan
-
-    warnings.filterwarnings("ignore", message=".*local_dir_use_symlinks.*")  # huggingface_hub, on a cache miss
-    if spec != "tiny" and not Path(spec).is_dir() and spec in KNOWN_VAE:
-        try:
-            return AutoencoderKLWan.load_config(spec, subfolder="vae", local_files_only=True)
-        except load_errors():
-            return _wan_defaults()
-    path, subfolder = resolve_vae(spec)
-    try:
-        config = AutoencoderKLWan.load_config(path, subfolder=subfolder, local_files_only=True)
-    except load_errors() as e:
-        if Path(path).is_dir():  # the user's folder: say what is wrong with it
-            raise cannot_load("model.vae", spec, e) from None
-        raise UserError(
-            f"model.vae: no config for {spec!r} offline (known architectures: {', '.join(KNOWN_VAE)}); "
-            "give a local folder"
-        ) from None
-    if not isinstance(config, dict):
-        raise UserError(f"model.vae: {spec!r} has a config.json holding a JSON {type(config).__name__}, not a config")
-    return config
-
-
-def _wan_defaults() -> dict:
-    from diffusers import AutoencoderKLWan
-
-    with torch.device("meta"):
-        return dict(AutoencoderKLWan(**REAL["vae"]).config)
-
-
-def _build(key: str, spec: str, make):
-    """A model from its config, or one line naming the config that cannot make one (a negative or mistyped size)."""
-    try:
-        return make()
-    except (*load_errors(), RuntimeError) as e:
-        raise UserError(f"{key}: cannot build {spec!r} from its config.json: {one_line(e, 300)}") from None
-
-
-def build_world(cfg: TrainConfig, device: str = "meta") -> TheWorld:
-    """TheWorld as train.loop builds it (freeze flags, frozen weights in model.dtype, trainable in fp32), from the
-    base models' configs alone: on `meta` it holds shapes only; elsewhere random weights."""
-    from diffusers import AutoencoderKLWan
-    from transformers import Gemma3ForConditionalGeneration
-
-    _quiet_hf()
-    gemma_cfg, vae_cfg = _gemma_config(cfg.model.gemma), _vae_config(cfg.model.vae)
-    dtype = DTYPES[cfg.model.dtype]
-    with torch.device(device):
-        gemma = _build("model.gemma", cfg.model.gemma, lambda: Gemma3ForConditionalGeneration(gemma_cfg).to(dtype))
-        vae = _build("model.vae", cfg.model.vae, lambda: AutoencoderKLWan.from_config(vae_cfg).to(dtype))
-        model = TheWorld.from_modules(gemma, vae, cfg.world, cfg.freeze, seed=cfg.seed, lora=cfg.lora)
-    model.cast_trainable_to_fp32()
-    return model
 
 
 @dataclass

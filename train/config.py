@@ -148,7 +148,7 @@ class ActivationCheckpointing:
 
 
 CHECKPOINT_MODES = ("none", "full", "selective")
-MAX_EVERY_N = 1024  # beyond any stack's depth (tools.memory_plan's MAX_LAYERS)
+MAX_EVERY_N = 1024  # beyond any stack's depth (train.meta_model's MAX_LAYERS)
 # What the earlier switch train.gradient_checkpointing: true did: every layer of Gemma's two stacks, the VAE never.
 LEGACY_FULL = ActivationCheckpointing(mode="full", parts=["language", "vision"])
 
@@ -634,6 +634,15 @@ def _pop(d: dict, dotted: str) -> Any:
 
 def load(argv: list[str] | None = None) -> tuple[TrainConfig, object]:
     parser = cli_parser("train.loop", "Train TheWorld from a latent cache (one process, or under accelerate launch).")
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the run's steps, tokens, trainable parameters and time (no weights loaded; train/plan.py), exit",
+    )
+    parser.add_argument(
+        "--samples", type=int, default=None, help="with --plan: the cache's samples (default: its manifest's count)"
+    )
+    parser.add_argument("--gpus", type=int, default=8, help="with --plan: GPUs the time is given for (default 8)")
     args = parser.parse_args(argv)
     return load_config(TrainConfig, args.config, args.overrides), args
 

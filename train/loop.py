@@ -33,6 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
+    if args.plan:
+        from train import plan  # builds the model on the meta device: nothing of the run starts
+
+        print(plan.render(plan.plan(cfg, args.samples, args.gpus)), end="")
+        return 0
     checked = Checked.of(cfg)  # everything checkable without a model is checked before loading one
     accelerator = make_accelerator(cfg, checked.launch)
     # one run per output_dir: a second one would take this run's unfinished saves for a killed run's and delete them
