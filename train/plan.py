@@ -15,8 +15,8 @@ import torch
 from theworld.cache_format.layout import load_manifest
 from theworld.cache_format.storage import is_url
 from theworld.core.errors import UserError
-from theworld.model.encoders import DTYPES
 from theworld.model.arch import ANSWER_TOKENS, TEXT_TOKENS, latent_side
+from theworld.model.encoders import DTYPES
 from train import params
 from train.config import TrainConfig
 from train.data.order import steps_per_epoch, total_steps
@@ -59,12 +59,12 @@ def measured_rate(cfg: TrainConfig) -> float | None:
 
 def plan(cfg: TrainConfig, samples: int | None = None, gpus: int = GPUS) -> dict:
     """The run's figures: samples, steps, epochs, tokens, saves, trainable parameters, time (None: no rate)."""
+    if gpus < 1:
+        raise UserError(f"train.loop --plan: --gpus must be >= 1, got {gpus}")
     if samples is None:
         samples = count_samples(cfg)
     if samples < 1:
         raise UserError(f"train.loop --plan: --samples must be >= 1, got {samples}")
-    if gpus < 1:
-        raise UserError(f"train.loop --plan: --gpus must be >= 1, got {gpus}")
     t = cfg.train
     held_out = t.eval.samples
     if samples <= held_out:

@@ -1,0 +1,46 @@
+"""train.loop --plan (train/plan.py): the run's steps, tokens and trainable parameters before anything loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import base_args
+from train.loop import main
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def test_plan_counts_the_cache_it_would_train_on(cache, tmp_path, capsys):
+    """96 samples, 16 held out: 80 / 16 = 5 steps per epoch, 2 epochs; the tiny stage 1's projector share."""
+    args = base_args(cache, tmp_path / "run") + ["--set", "train.epochs=2", "--plan"]
+    assert main(["--config", str(CONFIGS / "stage1.yaml"), *args]) == 0
+    out = capsys.readouterr().out
+    assert "samples: 96 (16 held out for eval, 80 trained on)" in out
+    assert "optimizer steps: 10 (5 per epoch of 16 samples, 2.00 epochs, 160 samples seen)" in out
+    assert "trainable: 18.9k trainable (2.05%) of 925.0k" in out
+    assert not (tmp_path / "run").exists()  # a plan starts nothing
+
+
+def test_plan_reports_the_trainable_share_as_the_plan_does(capsys):
+    """configs/real/stage1.yaml: the world projector alone, 6.6M of Gemma 3 4B + the Wan VAE (4.43B), 0.15%."""
+    assert main(["--config", str(CONFIGS / "real" / "stage1.yaml"), "--plan", "--samples", "100000"]) == 0
+    out = capsys.readouterr().out
+    assert "trainable: 6.6M trainable (0.15%) of 4.43B" in out
+    assert "optimizer steps: 20,000" in out
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--samples", "0"], "--samples must be >= 1"),
+        (["--gpus", "0"], "--gpus must be >= 1"),
+        ([], "no finished cache at"),
+    ],
+)
+def test_plan_refuses_in_one_line(tmp_path, capsys, extra, message):
+    args = ["--set", f"cache_dir={tmp_path / 'none'}", "--plan", *extra]
+    assert main(["--config", str(CONFIGS / "stage1.yaml"), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
