@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from theworld.cache_format import storage
+from theworld.cache_format.fingerprint import ROLLOUT_DEFAULTS
 from theworld.core import hub
 from theworld.core.config import (
     FLOAT32_MAX,
@@ -610,6 +611,10 @@ def run_hash(cfg: TrainConfig) -> str:
     if not cfg.world.num_world_steps:  # without rollouts the other world-step keys change nothing, and runs keep
         for key in ("num_world_steps", "max_world_steps", "rollout"):  # the hash they had before the keys existed
             d["world"].pop(key, None)
+    else:  # a setting at its default leaves the hash runs had before it existed
+        for key, default in ROLLOUT_DEFAULTS.items():
+            if d["world"]["rollout"].get(key) == default:
+                del d["world"]["rollout"][key]
     for key in RESUME_NEUTRAL:
         _pop(d, key)
     for old, new in MOVED_KEYS.items():

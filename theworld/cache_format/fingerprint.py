@@ -25,6 +25,25 @@ def rollout_keys() -> list[str]:
     return [f.name for f in dataclasses.fields(RolloutConfig)]
 
 
+# Settings a fingerprint (and a run hash) records only away from their default, so that caches and runs made before
+# the setting existed keep theirs: world.rollout.condition (fixed: the one prompt of earlier releases).
+ROLLOUT_DEFAULTS = {"condition": "fixed"}
+
+
+def rollout_settings(rollout) -> dict:
+    """world.rollout's settings as a cache records them (ROLLOUT_DEFAULTS left out at their default)."""
+    return {
+        k: getattr(rollout, k)
+        for k in rollout_keys()
+        if k not in ROLLOUT_DEFAULTS or getattr(rollout, k) != ROLLOUT_DEFAULTS[k]
+    }
+
+
+def recorded(world: dict, key: str):
+    """A rollout setting of a cache's fingerprint `world` section (ROLLOUT_DEFAULTS where it records none)."""
+    return world.get(key, ROLLOUT_DEFAULTS.get(key))
+
+
 def fingerprint_for(
     model: ModelConfig,
     image: ImageConfig,
@@ -64,7 +83,7 @@ def fingerprint_for(
     }
     steps = world.num_world_steps if world is not None else 0
     if steps:
-        fp["world"] = {"num_world_steps": steps, **{k: getattr(world.rollout, k) for k in rollout_keys()}}
+        fp["world"] = {"num_world_steps": steps, **rollout_settings(world.rollout)}
         if seed is not None:
             fp["world"]["seed"] = seed
         if rollout is not None:

@@ -80,14 +80,17 @@ ROLLOUT_PROMPT = "The scene continues naturally from this moment, filmed by a st
 @dataclass
 class RolloutConfig:
     """How Cosmos-Predict2's Video2World pipeline (diffusers' `Cosmos2VideoToWorldPipeline`) imagines the frames after
-    an image; the defaults are the pipeline's own. The prompt is fixed for the run: a sample's caption would leak the
-    answer into its world tokens."""
+    an image; the defaults are the pipeline's own. `condition: fixed`: one prompt for the run; `question`: each
+    sample's question (the text of its turns before the first answer), as the original code did. Never the caption:
+    that would leak the answer into the world tokens."""
 
     inference_steps: int = 35
     guidance_scale: float = 7.0
     prompt: str = ROLLOUT_PROMPT
     negative_prompt: str | None = None  # None: the pipeline's DEFAULT_NEGATIVE_PROMPT
     fps: int = 16
+    # fixed: `prompt` for every sample; question: each sample's own question (`prompt` unused), cached per sample
+    condition: Literal["fixed", "question"] = "fixed"
 
 
 MAX_WORLD_STEPS = 256  # (the limit of world.max_world_steps) each step is a latent frame the transformer denoises

@@ -2,13 +2,17 @@
 
 With `world.num_world_steps: N > 0`, diffusers' `Cosmos2VideoToWorldPipeline` (its transformer, scheduler, T5 text
 encoder and tokenizer from the same spec as `model.vae`; the VAE already loaded is shared) denoises a video of
-1 + N * (the VAE's temporal factor) frames conditioned on the image and the run's fixed rollout prompt, never a
-sample's caption (that would leak the answer into the world tokens), and stops at its latents (`output_type="latent"`).
-The prompt is encoded once per run. A sample's latents are then (C, 1 + N, h, w): frame 0 the observed frame's VAE
-posterior exactly as without rollouts, frames 1..N the predicted ones, un-normalised into that same raw VAE space.
+1 + N * (the VAE's temporal factor) frames conditioned on the image and a text, never a sample's caption (that would
+leak the answer into the world tokens), and stops at its latents (`output_type="latent"`). The text is
+`world.rollout.condition`'s: `fixed`, the run's one rollout prompt, encoded once per run; `question`, each sample's
+question (`question_of`: the text of its turns before the first answer), encoded per sample, as the original code
+conditioned its rollouts on the user's question. A sample's latents are then (C, 1 + N, h, w): frame 0 the observed
+frame's VAE posterior exactly as without rollouts, frames 1..N the predicted ones, un-normalised into that same raw
+VAE space.
 
 Each sample's noise (the pipeline's draw of the conditioning latent and of the initial noise) comes from a generator
-seeded with `sample_seed(seed, key)`, so a rerun, another process count, another batch and the live path of
+seeded with `sample_seed(seed, key)` (with `question`: `sample_seed(seed, key, question)`, so the seed covers the
+question too), so a rerun, another process count, another batch and the live path of
 `TheWorld.world_latents` reproduce it. Precompute and `inspect compare-live` use the cache's `seed` (precompute's).
 
 The guardrail: NVIDIA's Open Model License asks for its `cosmos_guardrail` safety checker, so every spec but the
@@ -40,14 +44,45 @@ TRANSFORMER_CLASS = "CosmosTransformer3DModel"
 SPATIAL_MULTIPLE = 16  # the pipeline's height/width rule (the transformer's 2x2 patches of 8x latents)
 
 
-def sample_seed(seed: int, key: str) -> int:
-    """The 63-bit seed of sample `key`'s rollout noise in a run seeded `seed`: a pure function of the two."""
-    digest = hashlib.blake2b(f"rollout:{seed}:{key}".encode(), digest_size=8).digest()
+CONDITIONS = ("fixed", "question")  # world.rollout.condition
+
+
+def sample_seed(seed: int, key: str, question: str | None = None) -> int:
+    """The 63-bit seed of sample `key`'s rollout noise in a run seeded `seed`: a pure function of the two (and, for
+    rollouts conditioned on questions, of the sample's `question`)."""
+    text = f"rollout:{seed}:{key}" if question is None else f"rollout:{seed}:{key}:question:{question}"
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
 
-def sample_seeds(seed: int, keys: Sequence[str]) -> list[int]:
-    return [sample_seed(seed, k) for k in keys]
+def sample_seeds(seed: int, keys: Sequence[str], questions: Sequence[str] | None = None) -> list[int]:
+    if questions is None:
+        return [sample_seed(seed, k) for k in keys]
+    return [sample_seed(seed, k, q) for k, q in zip(keys, questions, strict=True)]
+
+
+def question_of(sample) -> str:
+    """A sample's rollout prompt under world.rollout.condition: question: the text of its turns before the first
+    answer, which is its first user turn (its prompt); no answer, and no later turn, enters it."""
+    return sample.turns[0][0]
+
+
+def cache_condition(manifest: dict) -> str:
+    """The rule a cache's rollouts were conditioned with (caches that record none: fixed)."""
+    from theworld.cache_format.fingerprint import recorded
+
+    return recorded((manifest.get("fingerprint") or {}).get("world") or {}, "condition")
+
+
+def questions_tensor(questions: Sequence[str]) -> torch.Tensor:
+    """Questions as one (B, L) uint8 tensor of their UTF-8 bytes, zero-padded: how they travel in a batch."""
+    rows = [torch.tensor(list(q.encode()), dtype=torch.uint8) for q in questions]
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True) if rows else torch.zeros(0, 0, dtype=torch.uint8)
+
+
+def questions_of(t: torch.Tensor) -> list[str]:
+    """The inverse of `questions_tensor`."""
+    return [bytes(r[r != 0].tolist()).decode() for r in t.cpu()]
 
 
 def cache_seed(manifest: dict) -> int:
@@ -60,17 +95,19 @@ def cache_seed(manifest: dict) -> int:
     return int((manifest.get("config") or {}).get("seed", 0))
 
 
-def pixel_seeds(pixels: torch.Tensor, seed: int = 0) -> list[int]:
-    """Seeds for rows without a sample key (an image given to describe or generate): each from its pixels' bytes."""
+def pixel_seeds(pixels: torch.Tensor, seed: int = 0, questions: Sequence[str] | None = None) -> list[int]:
+    """Seeds for rows without a sample key (an image given to describe or generate): each from its pixels' bytes
+    (and its question, for rollouts conditioned on questions)."""
     rows = pixels.detach().to("cpu", torch.uint8 if pixels.dtype == torch.uint8 else torch.float32).contiguous()
-    return [sample_seed(seed, hashlib.sha256(r.numpy().tobytes()).hexdigest()) for r in rows]
+    keys = [hashlib.sha256(r.numpy().tobytes()).hexdigest() for r in rows]
+    return sample_seeds(seed, keys, questions)
 
 
 def check_settings(num_world_steps: int, rollout, resolution: int | None = None) -> None:
     """The rollout settings a run with `num_world_steps` predicted frames needs (nothing to check for 0)."""
     if not num_world_steps:
         return
-    if not isinstance(rollout.prompt, str) or not rollout.prompt.strip():
+    if rollout.condition == "fixed" and (not isinstance(rollout.prompt, str) or not rollout.prompt.strip()):
         raise UserError(
             "config key 'world.rollout.prompt': empty, but the Video2World pipeline conditions every rollout on it "
             "(world.num_world_steps > 0): give a caption-free description of how scenes continue"
@@ -190,12 +227,25 @@ class Rollout(nn.Module):
     the trained parts: arch.NEVER_TRAINED); whoever holds the Rollout places it (TheWorld's `.to` or device map,
     precompute's `_load_models`), it never moves itself to its input, which would undo a device map; the VAE is the
     caller's, shared; the prompt embeddings are buffers, computed once, and the text encoder is let go after computing
-    them."""
+    them. With `condition: question` the text encoder stays, a submodule placed with the rest, and encodes each
+    sample's question (one at a time: a row's embedding does not depend on its batch-mates)."""
 
-    def __init__(self, pipe, prompt_embeds, negative_embeds, num_world_steps: int, settings, text_identity: dict):
+    def __init__(
+        self,
+        pipe,
+        prompt_embeds,
+        negative_embeds,
+        num_world_steps: int,
+        settings,
+        text_identity: dict,
+        text_encoder: nn.Module | None = None,
+        guard=None,
+    ):
         super().__init__()
         self.pipe = pipe
         self.text_identity = text_identity
+        self.text_encoder = text_encoder.requires_grad_(False).eval() if text_encoder is not None else None
+        self.guard = guard
         self.transformer = pipe.transformer.requires_grad_(False).eval()
         self.register_buffer("prompt_embeds", prompt_embeds, persistent=False)
         self.register_buffer("negative_embeds", negative_embeds, persistent=False)
@@ -218,24 +268,28 @@ class Rollout(nn.Module):
         _check_transformer(spec, path, prefix)
         guidance = settings.guidance_scale > 1.0
         negative = settings.negative_prompt
-        guard = _guardrail(spec, [settings.prompt] + ([negative] if guidance and negative else []))  # before 15 GB
+        fixed = [] if settings.condition == "question" else [settings.prompt]  # questions: checked as they come
+        guard = _guardrail(spec, fixed + ([negative] if guidance and negative else []))  # before 15 GB
         parts = _load_parts(spec, path, prefix, encoders.DTYPES[dtype])
         pipe = Cosmos2VideoToWorldPipeline(vae=vae, safety_checker=guard, **parts)
         pipe.set_progress_bar_config(disable=True)
         text = parts["text_encoder"]
         # the text side's identity from its weights and the prompts' token ids, not from the embeddings: those differ
         # in the last bits between devices, and a cache built on a GPU must check out on a CPU
-        texts = [settings.prompt] + ([DEFAULT_NEGATIVE_PROMPT if negative is None else negative] if guidance else [])
+        texts = fixed + ([DEFAULT_NEGATIVE_PROMPT if negative is None else negative] if guidance else [])
+        ids = parts["tokenizer"](texts)["input_ids"] if texts else []
         text_identity = {
             "config": encoders.config_digest(text.config.to_dict()),
             "weights": encoders.weights_hash(text),
-            "tokens": hashlib.sha256(json.dumps(parts["tokenizer"](texts)["input_ids"]).encode()).hexdigest(),
+            "tokens": hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
         }
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # T5-XXL on a CPU takes minutes
         with torch.no_grad():
             prompt, negative_embeds = _encode_on(pipe, device, settings.prompt, negative, guidance)
-        pipe.text_encoder = None  # the embeddings are all a run needs of it (T5-XXL: ~9 GB in bf16)
         negative_embeds = negative_embeds.cpu() if negative_embeds is not None else None
+        if settings.condition == "question":  # each sample's question is encoded as it comes
+            return cls(pipe, None, negative_embeds, num_world_steps, settings, text_identity, text, guard)
+        pipe.text_encoder = None  # the embeddings are all a run needs of it (T5-XXL: ~9 GB in bf16)
         return cls(pipe, prompt.cpu(), negative_embeds, num_world_steps, settings, text_identity)
 
     @property
@@ -256,12 +310,33 @@ class Rollout(nn.Module):
             "text_encoder": self.text_identity,
         }
 
+    @property
+    def condition(self) -> str:
+        return self.settings.condition
+
+    def _question_embeds(self, questions: Sequence[str]) -> torch.Tensor:
+        """(B, L, D) prompt embeddings of each row's question, each encoded alone."""
+        device = next(self.text_encoder.parameters()).device
+        rows = []
+        for q in questions:
+            if not self.guard.check_text_safety(q):
+                raise UserError(
+                    f"world.rollout.condition question: the Cosmos guardrail refuses the question {q[:80]!r}"
+                )
+            rows.append(self.pipe.encode_prompt(q, None, do_classifier_free_guidance=False, device=device)[0])
+        return torch.cat(rows)
+
     @torch.no_grad()
-    def forward(self, pixels: torch.Tensor, seeds: Sequence[int]) -> torch.Tensor:
+    def forward(
+        self, pixels: torch.Tensor, seeds: Sequence[int], questions: Sequence[str] | None = None
+    ) -> torch.Tensor:
         """(B, C, N, h, w) float32 predicted latent frames of (B, 3, H, W) images (uint8, or float in [-1, 1]), each
-        row's noise from a generator seeded with its entry of `seeds`."""
+        row's noise from a generator seeded with its entry of `seeds`; with `condition: question`, each row
+        conditioned on its entry of `questions`."""
         if len(seeds) != len(pixels):
             raise ValueError(f"rollouts need one seed per image: {len(seeds)} seeds for {len(pixels)} images")
+        if self.condition == "question" and (questions is None or len(questions) != len(pixels)):
+            raise ValueError("world.rollout.condition question: rollouts need one question per image")
         b, _, height, width = pixels.shape
         image = pixels.float() / 255.0 if pixels.dtype == torch.uint8 else (pixels.float() + 1) / 2
         # CPU generators: a sample's noise is the same on every device; one per sample (the pipeline then draws each
@@ -271,7 +346,11 @@ class Rollout(nn.Module):
         s = self.settings
         latents = self.pipe(
             image=image,
-            prompt_embeds=self.prompt_embeds.expand(b, -1, -1),
+            prompt_embeds=(
+                self._question_embeds(questions)
+                if self.condition == "question"
+                else self.prompt_embeds.expand(b, -1, -1)
+            ),
             negative_prompt_embeds=negative,
             height=height,
             width=width,
@@ -301,8 +380,12 @@ def with_predicted(
 
 
 def observed_and_predicted(
-    encoder: nn.Module, rollout: Rollout, pixels: torch.Tensor, seeds: Sequence[int]
+    encoder: nn.Module,
+    rollout: Rollout,
+    pixels: torch.Tensor,
+    seeds: Sequence[int],
+    questions: Sequence[str] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean, logvar), each (B, C, 1 + N, h, w): the world encoder's posterior of each image, then its rollout."""
     mean, logvar = encoder(pixels)
-    return with_predicted(mean, logvar, rollout(pixels, seeds))
+    return with_predicted(mean, logvar, rollout(pixels, seeds, questions))

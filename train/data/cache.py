@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from theworld import cache_format as cf
-from theworld.cache_format.fingerprint import rollout_keys
+from theworld.cache_format.fingerprint import recorded, rollout_keys
 from theworld.cache_format.held_out import split
 from theworld.cache_format.layout import world_steps
 from theworld.core.config import trains
@@ -161,16 +161,19 @@ def check_rollout_settings(cfg, reader: cf.CacheReader) -> None:
     if not cfg.world.num_world_steps or not world:
         return
     run = cfg.world.rollout
-    diff = [k for k in rollout_keys() if k in world and world[k] != getattr(run, k)]
+    had = lambda k: recorded(world, k)  # noqa: E731
+    diff = [k for k in rollout_keys() if had(k) is not None and had(k) != getattr(run, k)]
+    if "condition" in diff:  # the rule first: the prompt does not matter where the questions condition
+        diff = ["condition"]
     if diff:
 
         def values(get) -> str:
             return ", ".join(f"{k} {json.dumps(get(k))}" for k in diff)
 
         raise CacheMismatch(
-            f"config key 'world.rollout': cache {reader.cache_dir} was rolled out with {values(world.get)}, but "
+            f"config key 'world.rollout': cache {reader.cache_dir} was rolled out with {values(had)}, but "
             f"this run gives {values(lambda k: getattr(run, k))}: set the cache's "
-            f"({' '.join(f'--set world.rollout.{k}={json.dumps(world[k])}' for k in diff)}) or build a cache with "
+            f"({' '.join(f'--set world.rollout.{k}={json.dumps(had(k))}' for k in diff)}) or build a cache with "
             "the run's"
         )
 
