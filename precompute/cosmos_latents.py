@@ -35,7 +35,7 @@ from theworld.core.errors import UserError, as_shown, cli_entry
 from theworld.core.process_group import process_group, shared_folder_check
 from theworld.model import encoders, images
 from theworld.model.arch import latent_side
-from theworld.model.rollout import Rollout, sample_seeds, with_predicted
+from theworld.model.rollout import Rollout, sample_inputs, with_predicted
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The run
@@ -118,8 +118,8 @@ class BucketBatcher:
         pixels = torch.stack([p for _, p in group])
         mean, logvar = encode_latents(self.encoder, pixels, self.cfg)
         if self.rollout is not None:  # each sample's noise from (seed, key): its batch-mates do not matter
-            seeds = sample_seeds(self.cfg.seed, [s.key for s, _ in group])
-            mean, logvar = with_predicted(mean, logvar, self.rollout(pixels, seeds).cpu())
+            seeds, questions = sample_inputs(self.rollout.condition, self.cfg.seed, [s for s, _ in group])
+            mean, logvar = with_predicted(mean, logvar, self.rollout(pixels, seeds, questions).cpu())
         flip = encode_latents(self.encoder, pixels.flip(-1), self.cfg) if self.cfg.cache.flip else None
         keep_logvar = self.cfg.cache.latents != "mean"
         for j, (s, _) in enumerate(group):

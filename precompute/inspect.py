@@ -36,7 +36,7 @@ from theworld.core import paths
 from theworld.core.config import ArgParser, add_config_args, load_config
 from theworld.core.errors import CacheDamaged, UserError, as_shown, cli_entry, one_line
 from theworld.model import encoders, images
-from theworld.model.rollout import Rollout, observed_and_predicted, sample_seeds
+from theworld.model.rollout import Rollout, observed_and_predicted, sample_inputs
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Models and fingerprints
@@ -327,8 +327,8 @@ def compare_live(cache: Path, args) -> tuple[dict, int, str]:
                 if rollout is None:
                     live = dict(zip(("mean", "logvar"), encoder(batch)))
                 else:  # the cache's seed and each sample's key: the same noise as precompute drew
-                    seeds = sample_seeds(cfg.seed, [samples[j].key for j in group])
-                    live = dict(zip(("mean", "logvar"), observed_and_predicted(encoder, rollout, batch, seeds)))
+                    seeds, qs = sample_inputs(rollout.condition, cfg.seed, [samples[j] for j in group])
+                    live = dict(zip(("mean", "logvar"), observed_and_predicted(encoder, rollout, batch, seeds, qs)))
                 if flip:
                     live.update(zip(("flip_mean", "flip_logvar"), encoder(batch.flip(-1))))
                 for row, j in enumerate(group):

@@ -24,7 +24,7 @@ PARTNER = "partner:"  # prefix of a held-out batch's partner-world keys (train/d
 TEXT = ("input_ids", "attention_mask", "labels")
 WORLD = ("latent_mean", "latent_logvar", "images")  # what a row's world tokens are made from
 # a live rollout's noise seeds travel with the pixels they roll out (a partner's world brings its own)
-PARTNER_FIELDS = (*WORLD, "rollout_seeds")
+PARTNER_FIELDS = (*WORLD, "rollout_seeds", "rollout_questions")
 IMAGE = ("pixel_values", "siglip")  # what its image tokens are made from
 
 
@@ -51,6 +51,9 @@ class ModelInputs:
     # (B,) int64, one per row: a live rollout's noise (TheWorld.world_latents; rollout.sample_seed(seed, key) with
     # the cache's seed and the sample's key reproduces a cache); a tensor, so that it crosses from a worker in a Batch
     rollout_seeds: torch.Tensor | None = None
+    # (B, L) uint8: each row's question as zero-padded UTF-8 bytes (rollout.questions_tensor), for a live rollout
+    # under world.rollout.condition: question
+    rollout_questions: torch.Tensor | None = None
     # held-out batches: each row's partner's world inputs (PARTNER_FIELDS names), and whether the row has a partner
     partner: dict[str, torch.Tensor] | None = None
     paired: torch.Tensor | None = None
@@ -96,7 +99,10 @@ class ModelInputs:
     def with_inputs(self, **inputs) -> ModelInputs:
         """These rows (their text) with other world inputs, image inputs or noise seeds."""
         if odd := [
-            k for k in inputs if k not in (*WORLD, *IMAGE, "use_world", "use_rollout", "noise_seeds", "rollout_seeds")
+            k
+            for k in inputs
+            if k
+            not in (*WORLD, *IMAGE, "use_world", "use_rollout", "noise_seeds", "rollout_seeds", "rollout_questions")
         ]:
             raise ValueError(f"{odd[0]!r} is no world or image input")
         return dataclasses.replace(self, **inputs)
@@ -108,7 +114,7 @@ class ModelInputs:
         )
 
 
-TENSOR_FIELDS = frozenset((*TEXT, *WORLD, *IMAGE, "rollout_seeds", "paired"))
+TENSOR_FIELDS = frozenset((*TEXT, *WORLD, *IMAGE, "rollout_seeds", "rollout_questions", "paired"))
 
 
 def text_batch(items: Sequence[Encoded], pad_id: int, **inputs) -> ModelInputs:

@@ -67,6 +67,13 @@ def question_of(sample) -> str:
     return sample.turns[0][0]
 
 
+def sample_inputs(condition: str, seed: int, samples: Sequence) -> tuple[list[int], list[str] | None]:
+    """Each sample's rollout seed and, with `condition` question, its question: the one rule precompute, `inspect
+    compare-live` and training's live rollouts share (samples with `key` and `turns`)."""
+    questions = [question_of(s) for s in samples] if condition == "question" else None
+    return sample_seeds(seed, [s.key for s in samples], questions), questions
+
+
 def cache_condition(manifest: dict) -> str:
     """The rule a cache's rollouts were conditioned with (caches that record none: fixed)."""
     from theworld.cache_format.fingerprint import recorded
@@ -284,11 +291,13 @@ class Rollout(nn.Module):
             "tokens": hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
         }
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # T5-XXL on a CPU takes minutes
+        if settings.condition == "question":  # each sample's question is encoded as it comes; the negative now
+            with torch.no_grad():
+                negative_embeds = _encode_on(pipe, device, texts[0], None, False)[0].cpu() if guidance else None
+            return cls(pipe, None, negative_embeds, num_world_steps, settings, text_identity, text, guard)
         with torch.no_grad():
             prompt, negative_embeds = _encode_on(pipe, device, settings.prompt, negative, guidance)
         negative_embeds = negative_embeds.cpu() if negative_embeds is not None else None
-        if settings.condition == "question":  # each sample's question is encoded as it comes
-            return cls(pipe, None, negative_embeds, num_world_steps, settings, text_identity, text, guard)
         pipe.text_encoder = None  # the embeddings are all a run needs of it (T5-XXL: ~9 GB in bf16)
         return cls(pipe, prompt.cpu(), negative_embeds, num_world_steps, settings, text_identity)
 

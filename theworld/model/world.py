@@ -29,7 +29,7 @@ from theworld.model.arch import CHECKPOINT_PARTS, FREEZABLE, PARTS
 from theworld.model.encoders import WorldEncoder
 from theworld.model.inputs import ModelInputs
 from theworld.model.projector import WorldProjector
-from theworld.model.rollout import Rollout, pixel_seeds, with_predicted
+from theworld.model.rollout import Rollout, pixel_seeds, questions_of, with_predicted
 from theworld.model.text import ChatFormatter
 
 # record_function labels of a step's parts in the profiler's trace (tools.profile_report groups time by them)
@@ -257,13 +257,16 @@ class TheWorld(nn.Module):
         logvar: torch.Tensor | None,
         rollout_seeds: Sequence[int] | torch.Tensor | None = None,
         predict: bool = True,
+        rollout_questions: Sequence[str] | torch.Tensor | None = None,
     ):
         """(mean, logvar) of the world block: the cached ones when given, else the VAE's posterior of `images`
         (B, C, 1, h, w), followed with a loaded rollout pipeline by each image's predicted frames (B, C, 1 + N, h, w;
         theworld/model/rollout.py). `rollout_seeds`: one per row (a list or a (B,) tensor), `rollout.sample_seeds(seed,
         keys)` with the cache's seed and the samples' keys reproduce a rollout cache; None: each row's seed from its
         pixels. `predict` False: the observed frame alone, without rolling out (what no_rollout uses of them). Predicted
-        frames carry no gradient (the transformer is frozen); frame 0 keeps its gradient when the VAE trains."""
+        frames carry no gradient (the transformer is frozen); frame 0 keeps its gradient when the VAE trains.
+        `rollout_questions` (world.rollout.condition: question): each row's question (strings, or
+        `rollout.questions_tensor`'s bytes), which also enter the seeds drawn from pixels."""
         if mean is not None:
             return mean, logvar
         if images is None or self.world_encoder is None:
@@ -278,8 +281,15 @@ class TheWorld(nn.Module):
             return mean, logvar
         if isinstance(rollout_seeds, torch.Tensor):
             rollout_seeds = rollout_seeds.tolist()
-        seeds = rollout_seeds if rollout_seeds is not None else pixel_seeds(images)
-        return with_predicted(mean, logvar, self.rollout(images, seeds))
+        questions = None
+        if self.rollout.condition == "question":
+            if rollout_questions is None:
+                raise ValueError("world.rollout.condition question: live rollouts need each row's question")
+            questions = (
+                questions_of(rollout_questions) if isinstance(rollout_questions, torch.Tensor) else rollout_questions
+            )
+        seeds = rollout_seeds if rollout_seeds is not None else pixel_seeds(images, questions=questions)
+        return with_predicted(mean, logvar, self.rollout(images, seeds, questions))
 
     def fuse(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, world: torch.Tensor, image_feats: torch.Tensor
@@ -322,7 +332,12 @@ class TheWorld(nn.Module):
         with record_function(PROFILE_LABELS["world_encoder"]):
             # no_rollout given live images: the observed frame's encoding alone, no rollout computed for it
             mean, logvar = self.world_latents(
-                inputs.images, inputs.latent_mean, inputs.latent_logvar, inputs.rollout_seeds, inputs.use_rollout
+                inputs.images,
+                inputs.latent_mean,
+                inputs.latent_logvar,
+                inputs.rollout_seeds,
+                inputs.use_rollout,
+                inputs.rollout_questions,
             )
         with record_function(PROFILE_LABELS["projector"]):
             frames = None if inputs.use_rollout else 1  # the no_rollout baseline: the observed frame alone

@@ -98,6 +98,8 @@ class Collate:
                 batch.update(
                     {prefix + key: stacked[name] for name, key in self.CACHED[member].items() if name in stacked}
                 )
+            elif member == "rollout_questions":  # UTF-8 bytes of different lengths, zero-padded
+                batch[k] = torch.nn.utils.rnn.pad_sequence([it[k] for it in items], batch_first=True)
             elif k not in ("text", "origin", PARTNER + "origin"):
                 batch[k] = torch.stack([it[k] for it in items])
         return Batch.of(ModelInputs.from_tensors(batch))

@@ -14,7 +14,7 @@ from theworld import cache_format as cf
 from theworld.cache_format.held_out import split
 from theworld.model.images import decode, load_for_vae, siglip_pixels
 from theworld.model.inputs import PARTNER
-from theworld.model.rollout import cache_seed, sample_seed
+from theworld.model.rollout import cache_condition, cache_seed, questions_tensor, sample_inputs
 from theworld.model.text import ChatFormatter
 from train.data.batches import Collate, encode_texts
 from train.data.cache import InputSources, mixture_draw
@@ -73,7 +73,7 @@ class CacheDataset(Dataset):
             pixels, _ = load_for_vae(s.image, self.resolution, self.resize)
             item["images"] = pixels.flip(-1).contiguous() if flipped else pixels
             if self.rollouts:
-                item["rollout_seeds"] = torch.tensor(rollout_seed(self.reader, index))
+                item.update(rollout_item(self.reader, index, s))
         if self.partners is not None:
             mate = int(self.partners[pos])
             item.update(self._world(mate))
@@ -94,19 +94,24 @@ class CacheDataset(Dataset):
         index = int(self.indices[pos])
         if self.inputs.cached_latents:  # (its origin names the right sample if its bytes turn out damaged)
             return {PARTNER + cf.LATENT: self.reader.raw(index)[cf.LATENT], PARTNER + "origin": (self.reader, index)}
-        image = self.reader.decode(index, self.reader.raw(index), tensors=False).image
-        item = {PARTNER + "images": load_for_vae(image, self.resolution, self.resize)[0]}
+        s = self.reader.decode(index, self.reader.raw(index), tensors=False)
+        item = {PARTNER + "images": load_for_vae(s.image, self.resolution, self.resize)[0]}
         if self.rollouts:
-            item[PARTNER + "rollout_seeds"] = torch.tensor(rollout_seed(self.reader, index))
+            item.update({PARTNER + k: v for k, v in rollout_item(self.reader, index, s).items()})
         return item
 
 
-def rollout_seed(reader: cf.CacheReader | MixedReader, index: int) -> int:
-    """The seed of sample `index`'s live rollout: its cache's seed (`rollout.cache_seed`) and its key, the rule the
-    precompute that wrote (or would write) its rollouts used, so a live rollout in training equals the cached one."""
+def rollout_item(reader: cf.CacheReader | MixedReader, index: int, sample) -> dict:
+    """What sample `index`'s live rollout needs: its seed from its cache's seed (`rollout.cache_seed`) and its key
+    (and question), the rule the precompute that wrote (or would write) its rollouts used, so a live rollout in
+    training equals the cached one; with the cache's condition question, the question itself (as bytes)."""
     if isinstance(reader, MixedReader):  # each cache of a mixture has its own seed
         reader, index = reader.locate(index)
-    return sample_seed(cache_seed(reader.manifest), reader.key(index))
+    (seed,), questions = sample_inputs(cache_condition(reader.manifest), cache_seed(reader.manifest), [sample])
+    item = {"rollout_seeds": torch.tensor(seed)}
+    if questions is not None:
+        item["rollout_questions"] = questions_tensor(questions)[0]
+    return item
 
 
 @dataclass
