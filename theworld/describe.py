@@ -45,6 +45,13 @@ def parse(argv: list[str] | None):
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence at every step")
     p.add_argument("--shuffle-world", action="store_true", help="give image i the world latents of image i-1")
     p.add_argument("--ema", action="store_true", help="use the EMA weights (ema.safetensors)")
+    p.add_argument(
+        "--world-steps",
+        type=int,
+        default=None,
+        help="roll out this many predicted latent frames (1 + 4N video frames) instead of the trained number, up to "
+        "the stage's world.max_world_steps (stages trained with rollouts)",
+    )
     dispatching.add_args(p)
     args = p.parse_args(argv)
     args.load = dispatching.load_kwargs(args)  # before the slow load: a missing device is one line
@@ -68,13 +75,16 @@ def parse(argv: list[str] | None):
 @cli_entry
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    from theworld.model.rollout import steps_line
     from theworld.model.world import TheWorld
 
     folder = layout.resolve(args.model)
     prompt = args.prompt if args.prompt is not None else layout.trained_prompt(folder)
     t = time.time()
-    model, _ = TheWorld.from_pretrained(folder, ema=args.ema, **args.load)
+    model, _ = TheWorld.from_pretrained(folder, ema=args.ema, world_steps=args.world_steps, **args.load)
     _log.info(f"loaded {args.model} in {time.time() - t:.1f} s")
+    if model.rollout is not None:  # the unit, beside the count the plan and the original code give it
+        _log.info(steps_line(model.rollout.num_world_steps, model.rollout.pipe.vae_scale_factor_temporal))
     paths = args.image
     world = paths[-1:] + paths[:-1] if args.shuffle_world else None
     for lo in range(0, len(paths), args.batch_size):

@@ -80,6 +80,13 @@ def parse(argv: list[str] | None):
     )
     p.add_argument("--ema", action="store_true", help="use the EMA weights (ema.safetensors)")
     p.add_argument(
+        "--world-steps",
+        type=int,
+        default=None,
+        help="roll out this many predicted latent frames (1 + 4N video frames) instead of the trained number, up to "
+        "the stage's world.max_world_steps (stages trained with rollouts)",
+    )
+    p.add_argument(
         "--make-synthetic",
         type=int,
         default=0,
@@ -203,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     if not items:
         raise UserError(f"--data {args.data}: no item with readable images")
     from theworld.model import stage_layout as layout
+    from theworld.model.rollout import steps_line
     from theworld.model.world import TheWorld
 
     folder = layout.resolve(args.model)  # before the slow load: a wrong folder is one line at once
@@ -214,8 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with sigterm_as_exit():  # a kill removes --out's temporary file
             t = time.time()
-            model, processor = TheWorld.from_pretrained(folder, ema=args.ema, **args.load)
+            model, processor = TheWorld.from_pretrained(folder, ema=args.ema, world_steps=args.world_steps, **args.load)
             _log.info(f"loaded {args.model} in {time.time() - t:.1f} s; evaluating {len(items)} items")
+            if model.rollout is not None:  # the unit, beside the count the plan and the original code give it
+                _log.info(steps_line(model.rollout.num_world_steps, model.rollout.pipe.vae_scale_factor_temporal))
             init = baselines.InitProjector.for_stage(model, folder) if "init_projector" in args.baselines else None
             summary = _run(args, model, processor, items, init, out, layout.trained_prompt(folder))
         ok = True

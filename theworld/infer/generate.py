@@ -17,6 +17,7 @@ from theworld.core.errors import UserError
 from theworld.model import images as imagelib
 from theworld.model.gemma3 import kv_cache
 from theworld.model.inputs import ModelInputs, prompt_only
+from theworld.model.rollout import questions_tensor
 
 
 def prepare(model, images: list, prompts: list[str], world_images: list | None = None) -> ModelInputs:
@@ -38,7 +39,15 @@ def prepare(model, images: list, prompts: list[str], world_images: list | None =
     pixels = torch.stack([px for px, _ in loaded])
     if world_images is not None:
         pixels = torch.stack([load(im, f"world image {_name(im, i)}")[0] for i, im in enumerate(world_images)])
-    return prompt_only(prefixes, formatter.pad_id, images=pixels, pixel_values=torch.stack([pv for _, pv in loaded]))
+    # world.rollout.condition: question: each image rolls out on its prompt (a world image's too: the row's question)
+    questions = questions_tensor(prompts) if getattr(model.rollout, "condition", "fixed") == "question" else None
+    return prompt_only(
+        prefixes,
+        formatter.pad_id,
+        images=pixels,
+        pixel_values=torch.stack([pv for _, pv in loaded]),
+        rollout_questions=questions,
+    )
 
 
 def _shape_groups(model, images: list, world_images: list | None) -> list[list[int]]:

@@ -66,13 +66,21 @@ class Scorer:
         worlds = sorted(set(indices) | {(i - 1) % n for i in indices})
         loaded = [self._load(self.items[i].images[0])[0] for i in worlds]
         at = {i: k for k, i in enumerate(worlds)}
+        questions = [self.items[i].question for i in worlds]  # each world rolls out on its own item's question
         groups = imagelib.same_shape_groups([tuple(p.shape) for p in loaded])
         if len(groups) == 1:
-            mean, logvar = self.model.world_latents(torch.stack(loaded).to(self.device), None, None)
+            mean, logvar = self.model.world_latents(
+                torch.stack(loaded).to(self.device), None, None, rollout_questions=questions
+            )
             return mean, logvar, at
         means, logvars = [None] * len(worlds), [None] * len(worlds)
         for group in groups:
-            m, lv = self.model.world_latents(torch.stack([loaded[k] for k in group]).to(self.device), None, None)
+            m, lv = self.model.world_latents(
+                torch.stack([loaded[k] for k in group]).to(self.device),
+                None,
+                None,
+                rollout_questions=[questions[k] for k in group],
+            )
             for j, k in enumerate(group):
                 means[k], logvars[k] = m[j], lv[j]
         return _Latents(means), _Latents(logvars), at

@@ -23,6 +23,7 @@ decoded to video here, so its video check has nothing to check.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -150,6 +151,32 @@ def no_transformer(spec: str, why: str) -> UserError:
     return UserError(
         f"model.vae: {spec!r} has no Video2World transformer ({why}), which world.num_world_steps > 0 needs: "
         "give the pipeline's folder or hub id (nvidia/Cosmos-Predict2-2B-Video2World), or world.num_world_steps: 0"
+    )
+
+
+def at_inference(world, steps: int, stage: str):
+    """`world` (a stage's world section) rolling out `steps` predicted latent frames at inference (`--world-steps`):
+    any number the stage's learned temporal table has rows for, refused in one line otherwise."""
+    if not world.num_world_steps:
+        raise UserError(
+            f"--world-steps: {stage} was trained without world rollouts (world.num_world_steps 0), so it has no "
+            "temporal table to place predicted frames with"
+        )
+    if not 1 <= steps <= world.max_world_steps:
+        raise UserError(
+            f"--world-steps: must be in [1, {world.max_world_steps}] (the rows of {stage}'s temporal table, "
+            f"world.max_world_steps), got {steps}; the observed frame alone is --baselines no_rollout"
+        )
+    return dataclasses.replace(world, num_world_steps=steps)
+
+
+def steps_line(steps: int, temporal_factor: int) -> str:
+    """What `steps` world steps are here, with the count the plan and the original code give the same rollout (they
+    count video frames after the image: 1 + N video frames there, 1 + N latent frames here)."""
+    return (
+        f"world steps: {steps} predicted latent frame(s) after the image (the pipeline generates 1 + {temporal_factor}"
+        f" x {steps} = {1 + temporal_factor * steps} video frames; the plan's num_world_steps counts video frames: "
+        f"{temporal_factor * steps} there)"
     )
 
 

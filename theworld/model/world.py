@@ -29,7 +29,7 @@ from theworld.model.arch import CHECKPOINT_PARTS, FREEZABLE, PARTS
 from theworld.model.encoders import WorldEncoder
 from theworld.model.inputs import ModelInputs
 from theworld.model.projector import WorldProjector
-from theworld.model.rollout import Rollout, pixel_seeds, questions_of, with_predicted
+from theworld.model.rollout import Rollout, at_inference, pixel_seeds, questions_of, with_predicted
 from theworld.model.text import ChatFormatter
 
 # record_function labels of a step's parts in the profiler's trace (tools.profile_report groups time by them)
@@ -166,13 +166,15 @@ class TheWorld(nn.Module):
         device_map: str | dict | None = None,
         offload_folder: str | Path | None = None,
         rollout: bool = True,
+        world_steps: int | None = None,
     ):
         """(TheWorld, processor) of a trained stage, ready for inference: `path` is a final/ or checkpoint-N/ folder,
         or a run's output_dir (its final/): trained tensors loaded (or their EMA), eval mode, base models in the
         config's model.dtype, world latents from the posterior mean, on `device` (default: cuda when available).
         `device_map` instead: Accelerate's big-model dispatch over GPUs, the CPU and disk ("auto", "cpu", "disk" or
         {module name: device}; disk weights live in `offload_folder`), theworld/model/device_map.py. `rollout`: as
-        from_config (a stage with world.num_world_steps > 0 rolls out live unless False).
+        from_config (a stage with world.num_world_steps > 0 rolls out live unless False). `world_steps`: roll out this
+        many predicted frames instead of the trained number (up to its temporal table: rollout.at_inference).
         Folder layout: theworld/model/stage_layout.py."""
         if device_map is not None:
             if device is not None:
@@ -180,6 +182,8 @@ class TheWorld(nn.Module):
             dispatching.check(device_map, offload_folder)
         folder = layout.resolve(path)
         cfg = layout.read_config(folder)
+        if world_steps is not None:
+            cfg.world = at_inference(cfg.world, world_steps, str(path))
         weights = folder / (layout.EMA if ema else layout.WEIGHTS)
         if ema and not weights.is_file():
             raise UserError(f"model {folder}: no {layout.EMA} (the run had train.optimizer.ema: 0)")
