@@ -424,6 +424,14 @@ def test_evaluate_and_describe_on_a_rollout_stage(rollout_run, rollout_caches, t
     argv = ["--model", str(rollout_run), "--image", *map(str, image), "--max-new-tokens", "3"]
     assert describe.main(argv + ["--shuffle-world"]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 2
+    # --world-steps: 3 predicted frames where the stage trained on 2 (its temporal table has 16 rows), the unit said
+    assert describe.main(argv + ["--world-steps", "3"]) == 0
+    said = capsys.readouterr()
+    assert len(said.out.splitlines()) == 2
+    assert "world steps: 3 predicted latent frame(s)" in said.err
+    assert "num_world_steps counts video frames: 12" in said.err
+    assert describe.main(argv + ["--world-steps", "17"]) == 2
+    assert "--world-steps: must be in [1, 16]" in capsys.readouterr().err
     # a stage without rollouts: no_rollout is not part of all, and asking for it is one line, exit 2
     assert main(["--model", str(trained_run["run"]), "--data", str(data), "--baselines", "no_rollout"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
