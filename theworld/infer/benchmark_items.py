@@ -7,6 +7,10 @@ any other key is refused (a typo such as `categry` would otherwise drop the cate
 BLINK: a folder of its parquet files (one sub-task folder each, `<split>-*.parquet`, only `split`'s files are read),
 or one file, with `idx, sub_task, question, choices, answer "(A)", prompt` and `image_1`..`image_4` as image structs
 `{bytes, path}`; `sub_task` is the category, `prompt` what the generate protocol asks (theworld/infer/letters.py).
+VSR (Visual Spatial Reasoning, cambridgeltl/visual-spatial-reasoning) as released: a JSONL split (or a JSON list) of
+`{image, caption, label, relation, ...}` records, recognised from those fields: each caption is a statement about the
+image, asked as a two-way choice (True / False, the label 1 / 0), its relation the category. Its images are COCO
+files found beside the split or in an `images/` folder beside it or above it (VSR's `data/images/`).
 
 Items with several images: the world latents come from the first image; every image gets its image tokens, in order,
 before the question.
@@ -220,12 +224,70 @@ def read_blink(path: Path, split: str = "val") -> list[Item]:
     return items
 
 
+VSR_KEYS = ("image", "caption", "label", "relation")  # the fields that make a record VSR's
+VSR_CHOICES = ["True", "False"]
+VSR_QUESTION = 'Is this statement about the image true or false? "{}"'
+VSR_IMAGE_LEVELS = 3  # folders above the split searched for images/ (data/splits/random/test.jsonl -> data/images)
+
+
+def vsr_records(path: Path) -> list[tuple[str, dict]] | None:
+    """(name, record) of a VSR split (JSONL, or a JSON list), or None when the file is not VSR's layout."""
+    if path.suffix == ".json":
+        try:
+            data = json.loads(path.read_text(encoding="utf-8-sig"))
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+            return None
+        if not isinstance(data, list):
+            return None
+        records = [(f"{path}:{k}", r) for k, r in enumerate(data)]
+    else:
+        records = list(jsonl_records(path))
+    if not records or not all(isinstance(r, dict) and all(k in r for k in VSR_KEYS) for _, r in records[:1]):
+        return None
+    return records if "question" not in records[0][1] else None
+
+
+def _vsr_image(path: Path, image: str) -> Path:
+    """A VSR record's image: beside the split, or in an images/ folder beside it or up to VSR_IMAGE_LEVELS above."""
+    here = path.resolve().parent
+    places = [here / image] + [d / "images" / image for d in [here, *here.parents][: VSR_IMAGE_LEVELS + 1]]
+    return next((p for p in places if p.is_file()), places[0])
+
+
+def read_vsr(path: Path, records: list[tuple[str, dict]]) -> list[Item]:
+    items = []
+    for name, rec in records:
+        if not isinstance(rec, dict):
+            raise UserError(f"{name}: not a JSON object")
+        caption, label, relation, image = (rec.get(k) for k in ("caption", "label", "relation", "image"))
+        if not isinstance(caption, str) or not caption.strip():
+            raise _bad(name, "caption", "missing or not a non-empty string")
+        if isinstance(label, bool) or label not in (0, 1):
+            raise _bad(name, "label", f"{label!r} is neither 1 (true) nor 0 (false)")
+        if not isinstance(image, str) or not image:
+            raise _bad(name, "image", "missing or not a file name")
+        if problem := text_problem(caption, "caption"):
+            raise _bad(name, "caption", problem.removeprefix("caption "))
+        file = _vsr_image(path, image)
+        if problem := imagelib.path_problem(file):
+            raise _bad(name, "image", f"{image}: {problem} (looked beside the split and in images/ folders above it)")
+        category = relation if isinstance(relation, str) and relation else None
+        items.append(Item(name, [file], VSR_QUESTION.format(caption.strip()), VSR_CHOICES, 0 if label else 1, category))
+    return items
+
+
 def read(path: str | Path, split: str = "val") -> list[Item]:
-    """Items of a JSONL file, or of BLINK's parquet layout (a folder of parquet files, only `split`'s, or one)."""
+    """Items of a JSONL file, of BLINK's parquet layout (a folder of parquet files, only `split`'s, or one) or of a
+    VSR split (recognised from its fields)."""
     p = Path(path)
     if not p.is_dir() and (problem := imagelib.path_problem(p)):  # never opened: a FIFO would block
         raise UserError(f"{p}: {problem.replace('not an image file', 'not a data file')}")
-    items = read_blink(p, split) if p.is_dir() or p.suffix == ".parquet" else read_jsonl(p)
+    if p.is_dir() or p.suffix == ".parquet":
+        items = read_blink(p, split)
+    elif (vsr := vsr_records(p)) is not None:
+        items = read_vsr(p, vsr)
+    else:
+        items = read_jsonl(p)
     if not items:
         raise UserError(f"{p}: no items")
     return items
