@@ -195,3 +195,40 @@ def test_describe_refuses_world_steps_on_a_stage_without_rollouts_in_one_line(tr
     assert describe.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "trained without world rollouts" in err[0]
+
+
+@pytest.mark.slow
+def test_a_stage_with_live_question_rollouts_trains_from_a_question_cache(tmp_path, capsys):
+    """freeze.vae: false encodes and rolls out live: each sample's question travels with its pixels through the
+    loader's batch (as bytes) to the pipeline; a run under the other rule is refused before a step."""
+    from pathlib import Path
+
+    from train.loop import main
+
+    rows = [(f"s{k}.png", f"Question number {k}?" + " and more" * k, f"answer {k}") for k in range(4)]
+    cache, _ = _build(tmp_path, "q4", rows, *QUESTION)
+    config = Path(__file__).resolve().parents[3] / "configs" / "stage1_rollout.yaml"
+    sets = {
+        "cache_dir": cache,
+        "output_dir": tmp_path / "run",
+        "image.resolution": 32,
+        "world.rollout.inference_steps": 2,
+        "world.rollout.condition": "question",
+        "freeze.vae": "false",
+        "train.max_steps": 1,
+        "train.global_batch_size": 4,
+        "train.micro_batch_size": 4,
+        "train.eval.samples": 0,
+        "train.eval.every": 0,
+        "train.loader.num_workers": 0,
+        "trackers": "[]",
+    }
+    argv = ["--config", str(config)] + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    assert main(argv) == 0
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any("loss" in x and x["loss"] == x["loss"] for x in lines)
+    capsys.readouterr()
+    fixed = argv + ["--set", "world.rollout.condition=fixed", "--set", f"output_dir={tmp_path / 'run2'}"]
+    assert main(fixed) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and 'condition "question"' in err[0]
