@@ -23,7 +23,8 @@ BUILDABLE_GEMMA = {k: v.sizes for k, v in KNOWN_GEMMA.items() if v.sizes is not 
 MAX_LAYERS = 1024
 
 
-def _gemma_config(spec: str):
+def base_gemma_config(spec: str):
+    """The Gemma 3 config of `model.gemma` spec `spec`, offline: tiny, a local folder, the local HF cache, or arch.py."""
     from transformers import AutoConfig, Gemma3Config
 
     if spec == "tiny" or Path(spec).is_dir():
@@ -52,7 +53,8 @@ def _gemma_config(spec: str):
     )
 
 
-def _vae_config(spec: str) -> dict:
+def base_vae_config(spec: str) -> dict:
+    """The VAE config of `model.vae` spec `spec`, offline (the Wan 2.1 defaults for a known hub id not cached)."""
     from diffusers import AutoencoderKLWan
 
     warnings.filterwarnings("ignore", message=".*local_dir_use_symlinks.*")  # huggingface_hub, on a cache miss
@@ -98,7 +100,7 @@ def build_world(cfg: TrainConfig, device: str = "meta") -> TheWorld:
     from transformers import Gemma3ForConditionalGeneration
 
     _quiet_hf()
-    gemma_cfg, vae_cfg = _gemma_config(cfg.model.gemma), _vae_config(cfg.model.vae)
+    gemma_cfg, vae_cfg = base_gemma_config(cfg.model.gemma), base_vae_config(cfg.model.vae)
     dtype = DTYPES[cfg.model.dtype]
     with torch.device(device):
         gemma = _build("model.gemma", cfg.model.gemma, lambda: Gemma3ForConditionalGeneration(gemma_cfg).to(dtype))

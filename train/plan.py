@@ -20,7 +20,7 @@ from theworld.model.encoders import DTYPES
 from train import params
 from train.config import TrainConfig
 from train.data.order import steps_per_epoch, total_steps
-from train.meta_model import _gemma_config, build_world
+from train.meta_model import base_gemma_config, build_world
 
 # Stage-1 samples/s per H100 (only the projector trains, cached latents and SigLIP features, compiled decoder layers,
 # flex attention, no activation checkpointing), Gemma 3 4B at 512 px by world.pool: docs/performance.md, "Real size on
@@ -74,7 +74,7 @@ def plan(cfg: TrainConfig, samples: int | None = None, gpus: int = GPUS) -> dict
     steps = total_steps(t, per_epoch)
     frames = 1 + cfg.world.num_world_steps
     world = frames * (latent_side(cfg.image.resolution) // cfg.world.pool) ** 2 + 2  # + start/end markers
-    gemma = _gemma_config(cfg.model.gemma)
+    gemma = base_gemma_config(cfg.model.gemma)
     image = gemma.mm_tokens_per_image
     side = latent_side(cfg.image.resolution)
     elem = torch.finfo(DTYPES[cfg.model.dtype]).bits // 8  # precompute's cache.dtype, the model's by default
