@@ -24,7 +24,7 @@ MAX_LAYERS = 1024
 
 
 def base_gemma_config(spec: str):
-    """The Gemma 3 config of `model.gemma` spec `spec`, offline: tiny, a local folder, the local HF cache, or arch.py."""
+    """The Gemma 3 config of `model.gemma` spec `spec`, offline: tiny, a local folder, the HF cache or arch.py."""
     from transformers import AutoConfig, Gemma3Config
 
     if spec == "tiny" or Path(spec).is_dir():
