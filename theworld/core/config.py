@@ -89,6 +89,9 @@ class RolloutConfig:
     negative_prompt: str | None = None  # None: the pipeline's DEFAULT_NEGATIVE_PROMPT
     fps: int = 16
 
+    def __post_init__(self) -> None:
+        check_sizes(self, "world.rollout")
+
 
 MAX_WORLD_STEPS = 256  # (the limit of world.max_world_steps) each step is a latent frame the transformer denoises
 
@@ -386,6 +389,7 @@ SIZE_LIMITS: dict[str, tuple[int, str]] = {
     "train.eval.batch_size": (1 << 16, "what one forward fits in memory (0: train.micro_batch_size)"),
     "train.loader.max_length": (1 << 20, "Gemma 3 reads at most 131072 tokens (0: no cap)"),
     "train.eval.plateau.window_evals": (1 << 20, "a few evals (0: the last 5,000 steps)"),
+    "world.rollout.inference_steps": (1000, "the Video2World sampler takes tens of denoising steps (default 35)"),
     "profile.steps": (1000, "a few steps make a readable trace (default 5)"),
     "profile.top": (10_000, "the operations printed (default 15)"),
     "shard_size": (1 << 20, "samples per cache shard (default 512)"),
