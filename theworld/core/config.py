@@ -466,10 +466,25 @@ def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()
             raise UserError(f"config file {p}: top level must be a mapping")
     moves, renamed = moved_keys(cls), {}
     data = _move_keys(data, moves, renamed)  # first, so that a --set of either name wins over the file
+    given: dict[str, str] = {}  # old key -> the name a --set gave it by
     for text in overrides:
         key, value = _parse_override(text)
+        _one_name(key, moves, given)
         _apply_override(data, _moved_path(key, moves, renamed), value)
     return from_dict(cls, data, renamed)
+
+
+def _one_name(path: list[str], moves: dict[str, str], given: dict[str, str]) -> None:
+    """Two --set of one key under its old and its new name are refused as a file with both is: which one wins would
+    depend on their order."""
+    dotted = ".".join(path)
+    for old, new in moves.items():
+        name = next((n for n in (old, new) if dotted == n or dotted.startswith(n + ".")), None)
+        if name is None:
+            continue
+        if given.setdefault(old, name) != name:
+            raise UserError(f"config keys '{old}' and '{new}' are one key ({old} is its earlier name); give only {new}")
+        return
 
 
 def from_dict(cls: type[T], data: dict, renamed: dict[str, str] | None = None) -> T:
