@@ -77,7 +77,12 @@ def check_resume(cfg: TrainConfig, checkpoint: Path, step: int) -> None:
         )
     if step < cfg.train.max_steps:
         return  # the run goes on: what changed is the warning's
-    other = [c for c in changes if c[0].split(".")[0] in IDENTITY]
+    idle = not cfg.world.num_world_steps  # without rollouts the other world-step keys change nothing (run_hash)
+    other = [
+        c
+        for c in changes
+        if c[0].split(".")[0] in IDENTITY and not (idle and c[0].startswith(("world.max_world_steps", "world.rollout")))
+    ]
     if other:
         out = Path(cfg.output_dir)
         final = f", {out / FINAL}" if (out / FINAL).is_dir() else ""

@@ -50,3 +50,13 @@ def test_the_changes_are_named_by_todays_keys_with_both_values_and_neutral_keys_
     assert changes.describe(got).startswith("train.max_steps 10 -> 12") or "train.optimizer.lr 0.02 -> 0.05" in (
         changes.describe(got)
     )
+
+
+def test_a_finished_run_refuses_another_cache_but_not_keys_that_change_nothing(tmp_path):
+    ckpt = _checkpoint(tmp_path, _cfg(tmp_path, "cache_dir=cache/a", "train.max_steps=4"))
+    with pytest.raises(UserError, match=r"holds a finished run \(step 4\) trained with other settings: cache_dir"):
+        changes.check_resume(_cfg(tmp_path, "cache_dir=cache/b", "train.max_steps=4"), ckpt, 4)
+    # rollout settings without rollouts, an eval setting, a moved output_dir: the same weights, not refused
+    same = _cfg(tmp_path, "cache_dir=cache/a", "train.max_steps=4", "world.rollout.inference_steps=9")
+    changes.check_resume(same, ckpt, 4)
+    changes.check_resume(_cfg(tmp_path, "cache_dir=cache/b", "train.max_steps=6"), ckpt, 4)  # extended: goes on
