@@ -38,6 +38,9 @@ IMAGES_PER_S_PER_GPU = 252.1
 # sustained rate: 40 % of an H100's dense bf16 peak (989 TFLOP/s). `python -m tools.speed_precompute --cases rollout` on
 # the target GPU measures the real rate.
 ASSUMED_GPU_FLOPS = 0.4 * 989e12
+# A rollout this small (the tiny pipeline) is timed on one sample on this machine's device instead; on a CPU, a larger
+# one is priced at the rate this CPU does float32 matrix products (measured), an upper bound of the transformer's.
+MEASURE_BELOW_FLOPS = 1e11
 # The Video2World transformers' sizes (CosmosTransformer3DModel config: heads, head_dim, layers, mlp_ratio), for the
 # public checkpoints when their config is not in the local Hugging Face cache.
 KNOWN_TRANSFORMERS = {
@@ -176,6 +179,72 @@ def rollout_flops(sizes: dict, frames: int, hw: tuple[int, int], inference_steps
     return passes * sizes["num_layers"] * tokens * per_token
 
 
+def _timed_rollout(cfg: PrecomputeConfig, hw: tuple[int, int], device: str) -> float:
+    """Seconds per sample of rollouts at latent grid `hw` on `device`, in a batch of the run's batch_size as
+    precompute rolls them out (after a warm-up one of one sample)."""
+    import time
+
+    from theworld.model.arch import VAE_FACTOR
+    from theworld.model.rollout import Rollout
+
+    vae = encoders.load_vae(cfg.model.vae, cfg.model.dtype)
+    rollout = Rollout.load(cfg.model.vae, cfg.model.dtype, vae, cfg.world.num_world_steps, cfg.world.rollout)
+    rollout = rollout.to(device)
+    batch = min(cfg.batch_size, 32)
+    pixels = torch.zeros(batch, 3, hw[0] * VAE_FACTOR, hw[1] * VAE_FACTOR, dtype=torch.uint8, device=device)
+    rollout(pixels[:1], [0])
+    t = time.perf_counter()
+    rollout(pixels, list(range(batch)))
+    return (time.perf_counter() - t) / batch
+
+
+def _cpu_flops() -> float:
+    """This CPU's float32 matrix-product rate (FLOP/s), on the threads torch uses."""
+    import time
+
+    a = torch.randn(512, 512)
+    a @ a
+    t, n = time.perf_counter(), 8
+    for _ in range(n):
+        a @ a
+    return n * 2 * 512**3 / (time.perf_counter() - t)
+
+
+def rollout_seconds(cfg: PrecomputeConfig, flops: float, hw: tuple[int, int]) -> tuple[float, str, str]:
+    """(seconds per sample, "GPU" or "CPU", what the figure rests on) for rollouts on the device precompute uses
+    here: a GPU when torch sees one, else the CPU. Never an H100's rate for a CPU's work."""
+    gpu = torch.cuda.is_available()
+    device = "GPU" if gpu else "CPU"
+    if flops < MEASURE_BELOW_FLOPS:
+        seconds = _timed_rollout(cfg, hw, "cuda" if gpu else "cpu")
+        return seconds, device, f"measured: a batch of rollouts timed on this machine's {device}"
+    if gpu:
+        # plus the pipeline's VAE pass over the conditioning video (the image repeated to 1 + 4N frames)
+        seconds = flops / ASSUMED_GPU_FLOPS + (1 + 4 * cfg.world.num_world_steps) / IMAGES_PER_S_PER_GPU
+        return (
+            seconds,
+            device,
+            (
+                f"an ESTIMATE at an assumed {ASSUMED_GPU_FLOPS / 1e12:.0f} TFLOP/s, 40 % of an H100's bf16 peak; "
+                "python -m tools.speed_precompute --cases rollout measures it"
+            ),
+        )
+    rate = _cpu_flops()
+    return (
+        flops / rate,
+        device,
+        (
+            f"an ESTIMATE, no GPU here: at this CPU's measured {rate / 1e9:.0f} GFLOP/s of float32 matrix products, a "
+            "lower bound; on a GPU the figure is far smaller"
+        ),
+    )
+
+
+def _sig(x: float) -> float:
+    """Three significant digits: a small figure stays a figure, never a rounded 0."""
+    return float(f"{x:.3g}")
+
+
 def _measure(cfg: PrecomputeConfig, listing: sources.Listing) -> dict:
     """Mean tar bytes of the variable members over up to PLAN_SAMPLES usable entries spread over the source, and the
     latent grids (h, w) met."""
@@ -245,18 +314,20 @@ def estimate(cfg: PrecomputeConfig) -> dict:
         flops = rollout_flops(
             transformer_sizes(cfg.model.vae), 1 + steps, hw, r.inference_steps, r.guidance_scale > 1.0
         )
-        # plus the pipeline's VAE pass over the conditioning video (the image repeated to 1 + 4N frames)
-        seconds = flops / ASSUMED_GPU_FLOPS + (1 + 4 * steps) / IMAGES_PER_S_PER_GPU
+        seconds, device, basis = rollout_seconds(cfg, flops, hw)
         rollout_hours = usable * seconds / 3600
         extra["rollout"] = {
             "world_steps": steps,
             "latent_frames": 1 + steps,
             "transformer_passes_per_sample": r.inference_steps * (2 if r.guidance_scale > 1.0 else 1),
-            "tflops_per_sample": round(flops / 1e12, 1),
-            "seconds_per_sample": round(seconds, 3),
-            "gpu_hours": round(rollout_hours, 1),
+            "tflops_per_sample": _sig(flops / 1e12),
+            "seconds_per_sample": _sig(seconds),
+            "device": device,
+            "hours": _sig(rollout_hours),
+            "basis": basis,
         }
-        gpu_hours += rollout_hours
+        if device == "GPU":
+            gpu_hours += rollout_hours
     if urls_plan:
         extra["urls"] = {
             "table_rows": urls_plan["table_rows"],
@@ -290,6 +361,10 @@ def _human(b: float) -> str:
             return f"{b:.1f} {unit}" if unit != "B" else f"{b:.0f} B"
         b /= 1000
     return ""
+
+
+def _hours(h: float) -> str:
+    return f"{h:g}" if h >= 0.1 or h == 0 else f"{h:.2g}"  # a small figure keeps its digits: never "0"
 
 
 def report(p: dict) -> str:
@@ -328,11 +403,11 @@ def report(p: dict) -> str:
     )
     if "rollout" in p:
         r = p["rollout"]
+        where = "included in the GPU time below" if r["device"] == "GPU" else "not in the GPU time below"
         lines.append(
             f"rollouts: {r['transformer_passes_per_sample']} transformer passes per sample, {r['tflops_per_sample']:g} "
-            f"TFLOP = {r['seconds_per_sample']:g} s per sample, {r['gpu_hours']:g} GPU-hours (an ESTIMATE at an "
-            f"assumed {ASSUMED_GPU_FLOPS / 1e12:.0f} TFLOP/s, 40 % of an H100's bf16 peak; "
-            "python -m tools.speed_precompute --cases rollout measures it; included in the time below)"
+            f"TFLOP = {r['seconds_per_sample']:g} s per sample on a {r['device']}, {_hours(r['hours'])} "
+            f"{r['device']}-hours for {p['samples']} samples ({r['basis']}; {where})"
         )
     lines.append(
         f"encode time: {p['gpu_hours']:g} GPU-hours = {p['node_hours']:g} node-hours on {GPUS_PER_NODE}-GPU nodes at "

@@ -144,6 +144,12 @@ class ActivationCheckpointing:
                 f"once, got {shown(self.parts)}"
             )
 
+        if self.mode != "none" and not self.parts:
+            raise UserError(
+                f"config key 'train.hardware.activation_checkpointing.parts': [] with mode {self.mode} checkpoints "
+                f"nothing; name the stacks to recompute (of {list(CHECKPOINT_PARTS)}), or use mode none"
+            )
+
     def wraps(self, part: str) -> bool:
         return self.mode != "none" and part in self.parts
 

@@ -98,6 +98,9 @@ def nodes(args) -> None:
         several = args.num_processes > 1
         if several and not (args.multi_gpu or args.use_fsdp or args.use_deepspeed or args.cpu or args.tpu):
             args.multi_gpu = True  # torch elastic's launcher, the one that spans nodes
+    if args.main_process_port is not None:
+        slurm.check_port(args.main_process_port, f"--main_process_port {args.main_process_port}")
+    slurm.env_port()  # the processes' rendezvous reads it too: a bad one is refused here, not waited on
     machines, rank = args.num_machines, args.machine_rank
     if machines is not None and machines < 1:
         raise UserError(f"--num_machines {machines}: a run needs at least one node")

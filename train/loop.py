@@ -19,7 +19,7 @@ from theworld.model.world import PROFILE_LABELS
 from train.components import make_accelerator
 from train.config import load, to_yaml
 from train.eval import plateau
-from train.preempt import EXIT_CODES, Preemption
+from train.preempt import EXIT_CODES, Preemption, worker_killed_by
 from train.step import NonFiniteError, optimization_step
 from train.trainer import Checked, Trainer
 
@@ -65,8 +65,13 @@ def train(t: Trainer) -> int:
             batches = t.train_batches(epoch, start)
             for _ in range(start, min(t.per_epoch, start + cfg.train.max_steps - state.step)):
                 t_data = time.perf_counter()
-                with record_function(PROFILE_LABELS["data"]):
-                    micro = [next(batches) for _ in range(t.c.accum)]
+                try:
+                    with record_function(PROFILE_LABELS["data"]):
+                        micro = [next(batches) for _ in range(t.c.accum)]
+                except RuntimeError as e:
+                    if not worker_killed_by(e, stop):
+                        raise
+                    return stop.finish(state.step, cfg, t.save, m)  # nothing of this step was taken: it saves as is
                 t.prof.before(state.step)
                 t0 = time.perf_counter()
                 out = optimization_step(t.c, state, micro)

@@ -51,7 +51,7 @@ def check_output_paths(cfg) -> None:
         project = cfg.wandb.project if "wandb" in cfg.trackers else "theworld"
         wanted[out / project] = ("a directory", "the trackers' logs")
     if "wandb" in cfg.trackers:
-        wanted[out / "wandb"] = ("a directory", "W&B's run files")
+        wanted[wandb_dir(out) / "wandb"] = ("a directory", "W&B's run files")
     if cfg.profile.enabled:
         wanted[out / "profile"] = ("a directory", "the profiler's traces")
     if cfg.train.eval.captions:
@@ -262,13 +262,19 @@ def new_wandb_run_id(length: int = 8) -> str:
     return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(length))
 
 
+def wandb_dir(output_dir: str | Path) -> Path:
+    """Where W&B puts its wandb/ folder: WANDB_DIR when the user set it (a scratch or home folder of their choice),
+    else output_dir, beside the run's other logs."""
+    return Path(os.environ.get("WANDB_DIR") or output_dir)
+
+
 def wandb_init(wandb_cfg, run_id: str, output_dir: str | Path) -> tuple[str, dict]:
     """(project, Accelerator.init_trackers init_kwargs): the run id is the checkpointed one, so a resumed run continues
-    the same W&B run; its files go under output_dir."""
+    the same W&B run; its files go under `wandb_dir`."""
     kwargs = {
         "id": run_id,
         "resume": "allow",
-        "dir": str(output_dir),
+        "dir": str(wandb_dir(output_dir)),
         "name": wandb_cfg.run_name,
         "entity": wandb_cfg.entity,
         "tags": list(wandb_cfg.tags) or None,

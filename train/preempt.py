@@ -14,7 +14,9 @@ of an eval (its batches are counted to the longest share), so the check can be a
 
 from __future__ import annotations
 
+import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -123,6 +125,25 @@ def cut_message(step: int) -> str:
 
 
 def ignore_in_workers() -> None:
-    """In a DataLoader worker: Ctrl-C reaches the whole process group, and a worker that dies of it mid-batch would
-    turn the graceful stop into a loader error; the main process decides when to stop, then shuts the workers down."""
+    """In a DataLoader worker: a stop signal to the whole process group (Ctrl-C; SLURM signals every process of a job
+    step) reaches the workers too, and a worker that dies of it turns the graceful stop into a loader error with no
+    checkpoint. The main process decides when to stop, then shuts the workers down; so SIGINT is ignored, and a
+    SIGTERM ends the worker only when its parent sent it (the DataLoader's own shutdown, as torch's handler does)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Python's handlers cannot see who sent a signal: it stays blocked in every thread and one thread takes it with
+    # its sender (threads started later inherit the mask, so none of them gets it either)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    threading.Thread(target=_take_sigterm, args=(os.getppid(),), name="sigterm", daemon=True).start()
+
+
+def _take_sigterm(parent: int) -> None:
+    while True:
+        info = signal.sigwaitinfo({signal.SIGTERM})
+        if info.si_pid == parent or os.getppid() != parent:  # the loader's shutdown, or the main process is gone
+            os._exit(0)
+
+
+def worker_killed_by(error: BaseException, stop: Preemption) -> bool:
+    """Whether `error` is the loader's report of a worker that died of the stop signal this process got as well
+    (one started just then, before it could take the signal over): the stop, not a failure."""
+    return stop.signum is not None and isinstance(error, RuntimeError) and "killed by signal" in str(error)

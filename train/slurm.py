@@ -104,6 +104,31 @@ def _int(env: dict, name: str) -> int | None:
     return int(m.group(1))
 
 
+def check_port(port: int, label: str) -> int:
+    """A main process port every node can be told: 0 ("any free port") would be a different port on each node, so
+    the rendezvous would wait forever."""
+    if port == 0:
+        raise UserError(
+            f"{label} is not a fixed port: give every node the same port from 1 to 65535 (0 picks a free port on "
+            "each node separately, and the rendezvous waits forever)"
+        )
+    if not 0 < port < 65536:
+        raise UserError(f"{label} is not a port (1 to 65535)")
+    return port
+
+
+def env_port(env: dict | None = None) -> int | None:
+    """MASTER_PORT from the environment, whole digits only (a number with anything after it is a typo, not a port),
+    or None when unset."""
+    env = os.environ if env is None else env
+    value = env.get("MASTER_PORT", "").strip()
+    if not value:
+        return None
+    if not value.isdigit():
+        raise UserError(f"MASTER_PORT={value!r} is not a port: give a whole number from 1 to 65535")
+    return check_port(int(value), f"MASTER_PORT={value}")
+
+
 def from_env(env: dict | None = None) -> SlurmNode | None:
     """This node's place in the SLURM job step it runs in, or None outside SLURM (no SLURM_NODEID / node count).
     MASTER_ADDR / MASTER_PORT, when set, override the first host of the node list and the port from the job id."""
@@ -125,9 +150,8 @@ def from_env(env: dict | None = None) -> SlurmNode | None:
         if not nodelist:
             raise UserError("SLURM_JOB_NODELIST is not set: set MASTER_ADDR to the host of node 0")
         host = first_host(nodelist)
-    port = _int(env, "MASTER_PORT") or PORT_BASE + (int(job) if job.isdigit() else 0) % PORT_SPAN
-    if not 0 < port < 65536:
-        raise UserError(f"MASTER_PORT={port} is not a port (1 to 65535)")
+    port = env_port(env)
+    port = PORT_BASE + (int(job) if job.isdigit() else 0) % PORT_SPAN if port is None else port
     return SlurmNode(nodes, node, host, port, _per_node(env), job)
 
 

@@ -213,6 +213,20 @@ def test_one_key_under_both_names_in_a_file_is_refused(tmp_path):
         load_config(TrainConfig, unknown)
 
 
+def test_one_key_under_both_names_in_two_sets_is_refused_as_in_a_file():
+    from theworld.core.errors import UserError
+
+    for sets in (
+        ["train.warmup_steps=3", "train.lr_schedule.warmup_steps=7"],
+        ["train.eval.plateau.window_evals=2", "train.plateau.window_evals=9"],  # a key under a moved section
+    ):
+        with pytest.raises(UserError, match=r"are one key .* give only"):
+            load_config(TrainConfig, CONFIGS / "stage1.yaml", sets)
+    # one name given twice: the last wins, as before; the old name over a file with the new one still wins
+    cfg = load_config(TrainConfig, None, ["train.lr_schedule.warmup_steps=3", "train.lr_schedule.warmup_steps=7"])
+    assert cfg.train.lr_schedule.warmup_steps == 7
+
+
 def test_each_section_builds_alone_with_its_own_checks():
     """A builder takes its section alone: each is a dataclass whose checks name the full dotted key."""
     from theworld.core.errors import UserError

@@ -178,3 +178,29 @@ def test_a_refusal_on_every_process_after_a_collective_ends_the_group_and_exits_
         errors = [ln for ln in err.splitlines() if ln.startswith("error")]
         assert code == 2 and errors == [f"error: process {r} refuses after a gather of [1, 1]"], (code, err[-3000:])
         assert out.strip() == "group alive at exit: False", out
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "words"),
+    [
+        (["--main_process_port", "0"], None, "--main_process_port 0 is not a fixed port"),
+        (["--num_machines", "2", "--machine_rank", "0", "--main_process_port", "0"], None, "rendezvous waits"),
+        ([], "0", "MASTER_PORT=0 is not a fixed port"),
+        ([], "41000x", "MASTER_PORT='41000x' is not a port"),
+        ([], "4e4", "MASTER_PORT='4e4' is not a port"),
+        ([], "65536", "MASTER_PORT=65536 is not a port"),
+    ],
+)
+def test_a_port_the_nodes_cannot_meet_on_is_one_line_and_exit_2_before_anything_starts(
+    monkeypatch, capsys, argv, env, words
+):
+    import accelerate.commands.launch as accelerate_launch
+
+    started = []
+    monkeypatch.setattr(accelerate_launch, "launch_command", started.append)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    if env is not None:
+        monkeypatch.setenv("MASTER_PORT", env)
+    assert launch.main([*argv, "-m", "train.loop"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and words in err and not started, err

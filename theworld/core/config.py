@@ -92,6 +92,9 @@ class RolloutConfig:
     # fixed: `prompt` for every sample; question: each sample's own question (`prompt` unused), cached per sample
     condition: Literal["fixed", "question"] = "fixed"
 
+    def __post_init__(self) -> None:
+        check_sizes(self, "world.rollout")
+
 
 MAX_WORLD_STEPS = 256  # (the limit of world.max_world_steps) each step is a latent frame the transformer denoises
 
@@ -389,6 +392,7 @@ SIZE_LIMITS: dict[str, tuple[int, str]] = {
     "train.eval.batch_size": (1 << 16, "what one forward fits in memory (0: train.micro_batch_size)"),
     "train.loader.max_length": (1 << 20, "Gemma 3 reads at most 131072 tokens (0: no cap)"),
     "train.eval.plateau.window_evals": (1 << 20, "a few evals (0: the last 5,000 steps)"),
+    "world.rollout.inference_steps": (1000, "the Video2World sampler takes tens of denoising steps (default 35)"),
     "profile.steps": (1000, "a few steps make a readable trace (default 5)"),
     "profile.top": (10_000, "the operations printed (default 15)"),
     "shard_size": (1 << 20, "samples per cache shard (default 512)"),
@@ -465,10 +469,25 @@ def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()
             raise UserError(f"config file {p}: top level must be a mapping")
     moves, renamed = moved_keys(cls), {}
     data = _move_keys(data, moves, renamed)  # first, so that a --set of either name wins over the file
+    given: dict[str, str] = {}  # old key -> the name a --set gave it by
     for text in overrides:
         key, value = _parse_override(text)
+        _one_name(key, moves, given)
         _apply_override(data, _moved_path(key, moves, renamed), value)
     return from_dict(cls, data, renamed)
+
+
+def _one_name(path: list[str], moves: dict[str, str], given: dict[str, str]) -> None:
+    """Two --set of one key under its old and its new name are refused as a file with both is: which one wins would
+    depend on their order."""
+    dotted = ".".join(path)
+    for old, new in moves.items():
+        name = next((n for n in (old, new) if dotted == n or dotted.startswith(n + ".")), None)
+        if name is None:
+            continue
+        if given.setdefault(old, name) != name:
+            raise UserError(f"config keys '{old}' and '{new}' are one key ({old} is its earlier name); give only {new}")
+        return
 
 
 def from_dict(cls: type[T], data: dict, renamed: dict[str, str] | None = None) -> T:

@@ -1,6 +1,11 @@
 """The results table of a stage's model card (final/README.md): one row per evaluated set, written or updated by
 `theworld.evaluate` whenever it evaluates a local run's final/ folder.
 
+The rows live in a record beside the card (final/results.jsonl, one JSON object of {column: cell} per row, with the
+sha256 of the weights it measured), and the card's table is rendered from it: a rerun of the training that rewrites
+final/ carries the record over and renders the same rows again (`carried`, `section`). A card written before the
+record existed gives its table's rows instead.
+
 A row is keyed by what it measured: the set's content (`set sha256`, not its file name, which another set may share),
 the split, `--limit`, the task and the protocol. A new result replaces only the row of the same key: another set of the
 same name, or a run on part of the set, gets a row of its own."""
@@ -8,12 +13,14 @@ same name, or a run on part of the set, gets a row of its own."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shlex
 from pathlib import Path
 
 from theworld.core import paths
 from theworld.core.errors import UserError
+from theworld.model.stage_layout import RESULTS
 
 HEADING = "## Evaluation results"
 COLUMNS = [
@@ -30,6 +37,9 @@ COLUMNS = [
     "command",
 ]
 KEY = ("set sha256", "split", "limit", "task", "protocol")
+RECORD = RESULTS  # beside the card; like the card, not in final/'s sha256.json (evaluate adds to it)
+WEIGHTS_KEY = "weights sha256"  # in the record: which weights a row measured (a run extended later has others)
+EARLIER = " (earlier weights)"  # after the benchmark name of a row that measured weights final/ no longer holds
 
 
 def _cells(line: str) -> list[str]:
@@ -116,27 +126,86 @@ def _table_rows(rest: str) -> tuple[list[dict[str, str]], str]:
 
 def results(card: Path) -> list[dict[str, str]]:
     """The card's results rows as {column: cell} (none when it has no results table): what train.report shows."""
-    _, found, rest = _read(card).partition(HEADING)
-    return _table_rows(rest)[0] if found else []
+    return rows(card.parent, card.name)
+
+
+def rows(folder: Path, card_name: str = "README.md") -> list[dict[str, str]]:
+    """The results rows of stage folder `folder`: its record, or the table of a card written before records."""
+    record = folder / RECORD
+    kind = paths.path_kind(record)
+    if kind is None:
+        _, found, rest = _read(folder / card_name).partition(HEADING)
+        return _table_rows(rest)[0] if found else []
+    if kind != paths.REGULAR:
+        raise UserError(f"{record} (the record of the model card's results) is {kind}, not a file: move it away")
+    try:
+        lines = record.read_text(encoding="utf-8").splitlines()
+        got = [json.loads(line) for line in lines if line.strip()]
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UserError(f"{record}: cannot read the results record ({getattr(e, 'strerror', None) or e})") from None
+    if not all(isinstance(r, dict) for r in got):
+        raise UserError(f"{record}: a line is not a results row (a JSON object of the table's columns)")
+    return got
+
+
+def section(got: list[dict[str, str]], weights: str | None = None) -> str:
+    """The card's results section for `got` (empty without rows); `weights`: the sha256 of the weights the folder
+    holds now, against which each row's own is shown."""
+    if not got:
+        return ""
+    table = ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
+    for r in got:
+        cells = [r.get(c, "-") for c in COLUMNS]
+        if weights and r.get(WEIGHTS_KEY, weights) != weights:
+            cells[0] += EARLIER
+        table.append("| " + " | ".join(cells) + " |")
+    return f"{HEADING}\n\n" + "\n".join(table) + "\n"
+
+
+def render(text: str, got: list[dict[str, str]], weights: str | None = None) -> str:
+    """A card's text (`text`: the card above its results) with the results section of `got`."""
+    head, found, rest = text.partition(HEADING)
+    tail = _table_rows(rest)[1] if found else ""  # what a hand wrote after the table stays after it
+    table = section(got, weights)
+    if not table:
+        return head + tail
+    table += "\n" + tail if tail else ""
+    return head.rstrip("\n") + "\n\n" + table if head.strip() else table
+
+
+def record_text(got: list[dict[str, str]]) -> str:
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in got)
+
+
+def weights_digest(folder: Path) -> str | None:
+    """The sha256 final/ records for its trainable weights (None when it records none)."""
+    from theworld.model.stage_layout import SUMS, WEIGHTS
+
+    try:
+        return json.loads((folder / SUMS).read_text()).get(WEIGHTS)
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def update(card: Path, new: list[str]) -> None:
-    """Put `new` into the card's results table, replacing only a row of the same KEY (set content, split, limit,
-    task, protocol)."""
-    text = _read(card)
-    head, found, rest = text.partition(HEADING)
-    rows, tail = _table_rows(rest) if found else ([], "")
-    fresh = dict(zip(COLUMNS, new))
-    rows = [r for r in rows if [r.get(k) for k in KEY] != [fresh[k] for k in KEY]] + [fresh]
-    table = ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)] + [
-        "| " + " | ".join(r.get(c, "-") for c in COLUMNS) + " |" for r in rows
-    ]
-    section = f"{HEADING}\n\n" + "\n".join(table) + "\n" + ("\n" + tail if tail else "")
-    tmp = card.with_name(paths.partial_name(card.name))
-    paths.remove_stale_partials(card.parent, card.name)  # one a killed evaluation left
+    """Put `new` into the card's results record and table, replacing only a row of the same KEY (set content, split,
+    limit, task, protocol)."""
+    folder = card.parent
+    got = rows(folder, card.name)
+    weights = weights_digest(folder)
+    fresh = dict(zip(COLUMNS, new), **({WEIGHTS_KEY: weights} if weights else {}))
+    got = [r for r in got if [r.get(k) for k in KEY] != [fresh[k] for k in KEY]] + [fresh]
+    # the record first: a kill between the two leaves a card that the next write renders again from it
+    _write(folder / RECORD, record_text(got), "the results record")
+    _write(card, render(_read(card), got, weights), "the model card")
+
+
+def _write(path: Path, text: str, what: str) -> None:
+    tmp = path.with_name(paths.partial_name(path.name))
+    paths.remove_stale_partials(path.parent, path.name)  # one a killed evaluation left
     try:
-        tmp.write_text(head.rstrip("\n") + "\n\n" + section if head.strip() else section, encoding="utf-8")
-        os.replace(tmp, card)
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise UserError(f"{card}: cannot write the model card ({e.strerror}); the numbers are printed above") from None
+        raise UserError(f"{path}: cannot write {what} ({e.strerror}); the numbers are printed above") from None

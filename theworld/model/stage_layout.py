@@ -55,6 +55,7 @@ STATE = "state.json"
 OPTIMIZER = "optimizer.pt"
 RNG = "rng.safetensors"
 CARD = "README.md"
+RESULTS = "results.jsonl"  # final/: the card's evaluation rows, which the card's table is rendered from
 SUMS = "sha256.json"  # final/'s record of its files' sha256 but the card's (a checkpoint's is in its state.json)
 PROMPT = "prompt.txt"  # final/: the prompt the run trained with, the default of describe and caption evaluation
 FINAL = "final"
@@ -128,8 +129,9 @@ def sums(folder: Path, *but: str) -> dict[str, str]:
 
 
 def write_sums(folder: Path) -> None:
-    """final/'s (or an export's) sha256.json: every other file's sha256 but the card's."""
-    (folder / SUMS).write_text(json.dumps(sums(folder, SUMS, CARD), indent=1))
+    """final/'s (or an export's) sha256.json: every other file's sha256 but the card's and its results record's
+    (evaluate adds rows to both)."""
+    (folder / SUMS).write_text(json.dumps(sums(folder, SUMS, CARD, RESULTS), indent=1))
 
 
 def _says_recorded(weights: Path) -> bool:

@@ -42,6 +42,7 @@ from theworld.model.stage_layout import (
 )
 from theworld.model.world import LoadReport, read_weights
 from train.config import run_hash
+from train.state import changes
 from train.state import migrations as checkpoint_migrations
 from train.state.states import Stateful, run_states
 from train.step import LoopState
@@ -160,6 +161,8 @@ def resume_point(cfg: TrainConfig, accelerator: Accelerator) -> tuple[list[Path]
     accelerator.wait_for_everyone()  # resume: a folder a killed save had moved aside may come back
     resume_from = resolve_resume(cfg)
     step = -1 if resume_from is None else check_resumable(resume_from, cfg.train.max_steps, cfg.train.epochs)["step"]
+    if resume_from is not None:
+        changes.check_resume(cfg, resume_from, step)
     if accelerator.num_processes > 1:
         same_start(accelerator, cfg.output_dir, step)
     return removed, resume_from
@@ -198,7 +201,12 @@ def restore(components: Components, resume_from: Path | None, cache: dict | None
                 "false): the optimizer starts fresh, so the run continues but not exactly as an uninterrupted one would"
             )
         if saved.get("config_hash") != run_hash(components.cfg):
-            _log.warning(f"{resume_from} was written under a different config")
+            then = changes.saved_config(resume_from)
+            changed = changes.config_changes(then, components.cfg) if then is not None else []
+            _log.warning(
+                f"{resume_from} was written under a different config"
+                + (f": {changes.describe(changed)}" if changed else "")
+            )
         was = saved.get("cache")
         if cache and was and was != cache:  # rebuilt or extended: the same step indices name other samples
             _log.warning(

@@ -11,12 +11,13 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from theworld.infer import card as results
 from theworld.model import lora
-from theworld.model.stage_layout import CARD, CONFIG, FINAL, PROMPT, STATE, SUMS, WEIGHTS, write_sums
+from theworld.model.stage_layout import CARD, CONFIG, FINAL, PROMPT, RESULTS, STATE, SUMS, WEIGHTS, write_sums
 from theworld.model.text import DEFAULT_PROMPT as DESCRIBE_PROMPT
 from train.state.checkpoint import publish, seal, writer
 from train.state.model_card import card
-from train.state.states import Ema, Stateful, Trainables
+from train.state.states import PLATEAU, Ema, Stateful, Trainables
 
 if TYPE_CHECKING:
     from train.components import Components
@@ -47,13 +48,17 @@ def export_final(
     out = Path(output_dir)
     files = {part.file: writer(part, given) for part, given in whole}
     files[CONFIG] = lambda p: p.write_text(cfg_yaml)
-    files[CARD] = lambda p: p.write_text(card(cfg, state, out, prompt))
+    kept = results.rows(out / FINAL) if (out / FINAL).is_dir() else []  # a rerun keeps what evaluate wrote
+    if kept:
+        files[RESULTS] = lambda p: p.write_text(results.record_text(kept), encoding="utf-8")
+    # rendered once sha256.json exists, so the rows see which of them measured these weights
+    files[CARD] = lambda p: p.write_text(_card(card(cfg, state, out, prompt), kept, p.parent), encoding="utf-8")
     files[PROMPT] = lambda p: p.write_text(prompt + "\n", encoding="utf-8")
     if cfg.lora is not None:  # final/ is also a peft adapter folder for the base Gemma
         weights = next(given for part, given in whole if part.file == WEIGHTS)
         files.update(lora.adapter_files(cfg.lora, cfg.model.gemma, weights))
-    # last: it covers the rest but the card, which evaluate adds its results to
-    files[SUMS] = lambda p: write_sums(p.parent)
+    # it covers the rest but the card and its results, which evaluate adds to
+    files = {**{k: v for k, v in files.items() if k != CARD}, SUMS: lambda p: write_sums(p.parent), CARD: files[CARD]}
     return publish(out, FINAL, files)
 
 
@@ -70,7 +75,14 @@ def record_eval(components: Components, state: LoopState, output_dir: str | Path
     ckpt = out / f"checkpoint-{state.step}"
     if (ckpt / STATE).is_file():
         saved = json.loads((ckpt / STATE).read_text())
-        _replace_file(ckpt / STATE, json.dumps(seal({**saved, "last_eval": state.last_eval}), indent=1))
+        # with the plateau record the eval extended, so that a rerun's card gives the same advice as this one
+        evals = {k: getattr(state, k) for k in ("last_eval", *PLATEAU)}
+        _replace_file(ckpt / STATE, json.dumps(seal({**saved, **evals}), indent=1))
     final = out / FINAL
     prompt = (final / PROMPT).read_text(encoding="utf-8").removesuffix("\n")
-    _replace_file(final / CARD, card(components.cfg, state, out, prompt))
+    _replace_file(final / CARD, _card(card(components.cfg, state, out, prompt), results.rows(final), final))
+
+
+def _card(text: str, kept: list[dict], folder: Path) -> str:
+    """The card's text with the results rows `kept` rendered below it."""
+    return results.render(text, kept, results.weights_digest(folder))
