@@ -7,6 +7,7 @@ from pathlib import Path
 
 from precompute.config import PrecomputeConfig
 from theworld import cache_format as cf
+from theworld.core import atomic
 from theworld.core.config import to_dict
 from theworld.core.errors import UserError
 
@@ -66,7 +67,6 @@ def claim_output(out: Path, identity: dict) -> None:
     (out / cf.SHARDS).mkdir(parents=True, exist_ok=True)
     (out / cf.ERRORS_DIR).mkdir(parents=True, exist_ok=True)
     for folder in (out, out / cf.SHARDS, out / cf.ERRORS_DIR, out / cf.INDEX_DIR):
-        for tmp in folder.glob(".*.tmp*"):
-            tmp.unlink(missing_ok=True)  # nobody is writing: the listing is over, encoding not started
+        atomic.remove_stale(folder, only_dead=False)  # nobody is writing: the listing is over, encoding not started
     if not (out / cf.RUN_FILE).is_file():
         cf.atomic_write_json(out / cf.RUN_FILE, identity)

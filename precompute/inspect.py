@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import sys
 import tarfile
@@ -32,7 +31,7 @@ from precompute.config import PrecomputeConfig
 from theworld import cache_format as cf
 from theworld.cache_format import storage
 from theworld.cache_format.layout import world_steps
-from theworld.core import paths
+from theworld.core import atomic, paths
 from theworld.core.config import ArgParser, add_config_args, load_config
 from theworld.core.errors import CacheDamaged, UserError, as_shown, cli_entry, one_line
 from theworld.model import encoders, images
@@ -476,14 +475,10 @@ def decode(cache: Path, args) -> tuple[dict, int, str]:
     reader.close()
     header = _decode_header(cfg, world_steps(manifest))
     labels = [f"{p['key']}\n{' '.join(p['caption'].split())}" for p in per_sample]
-    tmp = Path(out_path).with_name(paths.partial_name(Path(out_path).name))
-    try:
-        from PIL import Image
+    from PIL import Image
 
+    with atomic.file(out_path, fsync=False) as tmp:
         _sheet(pairs, labels, header).save(tmp, format=Image.registered_extensions()[out_path.suffix.lower()])
-        os.replace(tmp, out_path)
-    finally:
-        tmp.unlink(missing_ok=True)
     report = {"cache": str(cache), "n": len(pairs), "out": str(out_path), "samples": per_sample, "header": header}
     return report, 0, (f"decode {cache}: {len(pairs)} samples -> {out_path} (" + header.replace("\n", "; ") + ")")
 

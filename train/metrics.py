@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from theworld.core import log, paths
+from theworld.core import atomic, log, paths
 from train.eval.plateau import next_step
 
 METRICS = "metrics.jsonl"
@@ -195,9 +194,8 @@ class Metrics:
         for name, img in zip(names, images):
             if name is not None:
                 target = self.path.parent / name
-                tmp = target.with_name(paths.partial_name(target.name))
-                Image.fromarray(img).save(tmp, format="PNG")
-                os.replace(tmp, target)
+                with atomic.file(target, fsync=False) as tmp:
+                    Image.fromarray(img).save(tmp, format="PNG")
         self.pictures_saved = True
         return names
 

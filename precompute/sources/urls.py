@@ -43,6 +43,7 @@ from precompute.sources.listing import (
 from precompute.sources.webdataset import index_tar, load_sample, shard_files, tar_entries
 from theworld import cache_format as cf
 from theworld.cache_format import safe_key
+from theworld.core import atomic
 from theworld.core.errors import UserError, one_line, out_of_space
 from theworld.core.paths import REGULAR, path_kind
 
@@ -130,9 +131,8 @@ class Table:
 
         table = self._rows if self._rows is not None else pq.read_table(self.path, columns=columns)
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp")
-        pq.write_table(table.select(columns).slice(0, n), tmp)
-        os.replace(tmp, out)
+        with atomic.file(out) as tmp:
+            pq.write_table(table.select(columns).slice(0, n), tmp)
 
 
 def resolve_columns(table: Table, url: str | None, caption: str | None, id_: str | None) -> dict:

@@ -8,11 +8,10 @@ same name, or a run on part of the set, gets a row of its own."""
 from __future__ import annotations
 
 import hashlib
-import os
 import shlex
 from pathlib import Path
 
-from theworld.core import paths
+from theworld.core import atomic, paths
 from theworld.core.errors import UserError
 
 HEADING = "## Evaluation results"
@@ -132,11 +131,8 @@ def update(card: Path, new: list[str]) -> None:
         "| " + " | ".join(r.get(c, "-") for c in COLUMNS) + " |" for r in rows
     ]
     section = f"{HEADING}\n\n" + "\n".join(table) + "\n" + ("\n" + tail if tail else "")
-    tmp = card.with_name(paths.partial_name(card.name))
-    paths.remove_stale_partials(card.parent, card.name)  # one a killed evaluation left
+    atomic.remove_stale(card.parent, card.name)  # one a killed evaluation left
     try:
-        tmp.write_text(head.rstrip("\n") + "\n\n" + section if head.strip() else section, encoding="utf-8")
-        os.replace(tmp, card)
+        atomic.write_text(card, head.rstrip("\n") + "\n\n" + section if head.strip() else section)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise UserError(f"{card}: cannot write the model card ({e.strerror}); the numbers are printed above") from None

@@ -7,10 +7,10 @@ confused with `python -m theworld.export`, which turns a finished stage into one
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from theworld.core import atomic
 from theworld.model import lora
 from theworld.model.stage_layout import CARD, CONFIG, FINAL, PROMPT, STATE, SUMS, WEIGHTS, write_sums
 from theworld.model.text import DEFAULT_PROMPT as DESCRIBE_PROMPT
@@ -57,12 +57,6 @@ def export_final(
     return publish(out, FINAL, files)
 
 
-def _replace_file(path: Path, text: str) -> None:
-    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def record_eval(components: Components, state: LoopState, output_dir: str | Path) -> None:
     """Main process, after the last eval (which runs once checkpoint-<step> and final/ are saved): the checkpoint's
     state.json (resealed) and final/'s model card take its numbers, each file replaced whole."""
@@ -70,7 +64,7 @@ def record_eval(components: Components, state: LoopState, output_dir: str | Path
     ckpt = out / f"checkpoint-{state.step}"
     if (ckpt / STATE).is_file():
         saved = json.loads((ckpt / STATE).read_text())
-        _replace_file(ckpt / STATE, json.dumps(seal({**saved, "last_eval": state.last_eval}), indent=1))
+        atomic.write_text(ckpt / STATE, json.dumps(seal({**saved, "last_eval": state.last_eval}), indent=1))
     final = out / FINAL
     prompt = (final / PROMPT).read_text(encoding="utf-8").removesuffix("\n")
-    _replace_file(final / CARD, card(components.cfg, state, out, prompt))
+    atomic.write_text(final / CARD, card(components.cfg, state, out, prompt))

@@ -1,4 +1,4 @@
-"""theworld.core.paths.published_folder: the one way a whole folder (a built Gemma, an export) is put in place."""
+"""theworld.core.atomic.folder: the one way a whole folder (a built Gemma, an export) is put in place."""
 
 import os
 import signal
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from theworld.core import paths
+from theworld.core import atomic
 from theworld.core.errors import UserError
 
 
@@ -24,7 +24,7 @@ def _temps(folder: Path) -> list[str]:
 def test_the_filled_folder_replaces_an_empty_out(tmp_path):
     out = tmp_path / "out"
     out.mkdir()  # empty: the callers refuse a full one
-    with paths.published_folder(out, _full) as tmp:
+    with atomic.folder(out, _full) as tmp:
         assert tmp.parent == tmp_path and tmp.name == f".tmp-out-{os.getpid()}" and tmp.is_dir()
         assert not any(tmp.iterdir())
         (tmp / "weights").write_text("w")
@@ -33,7 +33,7 @@ def test_the_filled_folder_replaces_an_empty_out(tmp_path):
 
 
 def test_a_failed_block_leaves_nothing(tmp_path):
-    with pytest.raises(ValueError, match="broken"), paths.published_folder(tmp_path / "out", _full) as tmp:
+    with pytest.raises(ValueError, match="broken"), atomic.folder(tmp_path / "out", _full) as tmp:
         (tmp / "half").write_text("x")
         raise ValueError("broken")
     assert not (tmp_path / "out").exists() and _temps(tmp_path) == []
@@ -45,17 +45,17 @@ def test_a_full_disk_is_the_callers_one_line_and_other_os_errors_its_other(tmp_p
         with open("/dev/full", "w") as f:  # a real ENOSPC from the kernel
             f.write("x")
 
-    with pytest.raises(UserError) as e, paths.published_folder(tmp_path / "out", _full) as tmp:
+    with pytest.raises(UserError) as e, atomic.folder(tmp_path / "out", _full) as tmp:
         fill(tmp)
     assert str(e.value) == f"full writing {tmp}" and not (tmp_path / "out").exists() and _temps(tmp_path) == []
 
     def unwritable(err: OSError, tmp: Path) -> str:
         return f"cannot write {err.filename} ({err.strerror})"
 
-    with pytest.raises(UserError) as e, paths.published_folder(tmp_path / "out", _full, unwritable) as tmp:
+    with pytest.raises(UserError) as e, atomic.folder(tmp_path / "out", _full, unwritable) as tmp:
         (tmp / "no" / "such").write_text("x")
     assert str(e.value) == f"cannot write {tmp / 'no' / 'such'} (No such file or directory)"
-    with pytest.raises(FileNotFoundError), paths.published_folder(tmp_path / "out", _full) as tmp:
+    with pytest.raises(FileNotFoundError), atomic.folder(tmp_path / "out", _full) as tmp:
         (tmp / "no" / "such").write_text("x")  # without `unwritable` the error goes on as it is
     assert not (tmp_path / "out").exists() and _temps(tmp_path) == []
 
@@ -64,9 +64,9 @@ def test_a_sigterm_removes_the_temporary_folder(tmp_path):
     code = textwrap.dedent(
         """
         import sys, time
-        from theworld.core import paths
+        from theworld.core import atomic
         from theworld.core.errors import sigterm_as_exit
-        with sigterm_as_exit(), paths.published_folder(sys.argv[1], str) as tmp:
+        with sigterm_as_exit(), atomic.folder(sys.argv[1], str) as tmp:
             (tmp / "half").write_text("x")
             print("writing", flush=True)
             time.sleep(60)
