@@ -29,7 +29,7 @@ from precompute.entry_dataset import EntryDataset, collate
 from precompute.shard_writer import ShardWriter
 from theworld import cache_format as cf
 from theworld.cache_format import storage
-from theworld.core import run_lock
+from theworld.core import location, run_lock
 from theworld.core.config import cli_parser, to_dict, to_yaml
 from theworld.core.errors import UserError, as_shown, cli_entry
 from theworld.core.process_group import process_group, shared_folder_check
@@ -289,7 +289,10 @@ def run(cfg: PrecomputeConfig) -> dict:
     """Build (or finish) the cache at cfg.output_dir; returns the manifest plus a "summary" of this run."""
     cfg.validate_paths()
     state = process_group()
-    remote = storage.for_writing(cfg.output_dir, storage.Settings.of(cfg)) if storage.is_url(cfg.output_dir) else None
+    where = location.place(cfg.output_dir, "config key 'output_dir':")
+    remote = (
+        storage.for_writing(cfg.output_dir, storage.Settings.of(cfg)) if isinstance(where, location.Remote) else None
+    )
     out = remote.out if remote else Path(cfg.output_dir)
     if remote is not None:  # the run record (or nothing) in the stand-in folder, before it is checked
         if state.is_local_main_process:

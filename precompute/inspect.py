@@ -29,9 +29,8 @@ import torch
 from precompute import fonts
 from precompute.config import PrecomputeConfig
 from theworld import cache_format as cf
-from theworld.cache_format import storage
 from theworld.cache_format.layout import world_steps
-from theworld.core import atomic, paths
+from theworld.core import atomic, location, paths
 from theworld.core.config import ArgParser, add_config_args, load_config
 from theworld.core.errors import CacheDamaged, UserError, as_shown, cli_entry, one_line
 from theworld.model import encoders, images
@@ -413,7 +412,7 @@ def _sheet(pairs: list[tuple[torch.Tensor, ...]], labels: list[str], header: str
 def _decode_header(cfg: PrecomputeConfig, steps: int = 0) -> str:
     note = (
         "\nVAE: tiny (random weights): decodes are noise by design; a trained VAE decodes to the picture"
-        if cfg.model.vae == "tiny"
+        if location.is_tiny(cfg.model.vae)
         else f"\nVAE: {cfg.model.vae}"
     )
     if steps:
@@ -528,8 +527,9 @@ def main(argv: list[str] | None = None) -> int:
     tol = getattr(args, "tol", None)
     if tol is not None and not 0 <= tol < float("inf"):  # a NaN tolerance would pass any difference
         raise UserError(f"precompute.inspect: --tol must be a finite number >= 0, got {tol}")
-    if args.command == "decode" and not storage.is_url(args.cache):
-        paths.check_not_input(args.out, {"the cache": Path(args.cache)})
+    where = location.place(args.cache, "CACHE_DIR")
+    if args.command == "decode" and isinstance(where, location.Local):
+        paths.check_not_input(args.out, {"the cache": where.path})
     cache, _ = cf.open_cache(args.cache, _settings(args))  # a URL: its stand-in folder, shards staged
     try:
         report, code, text = COMMANDS[args.command](cache, args)

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from theworld.core import atomic, log, paths
+from theworld.core import atomic, location, log, paths
 from theworld.core.config import ArgParser, DefaultsHelp
 from theworld.core.errors import UserError, cli_entry, out_of_space, sigterm_as_exit
 from theworld.infer import baselines, benchmark_items
@@ -191,8 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         from theworld.infer import captions
         from theworld.model import stage_layout as layout
 
-        if cf.is_url(args.data) or (Path(args.data) / cf.MANIFEST).is_file():  # a latent cache (a URL: one in
-            # object storage): the run's held-out samples
+        data = location.place(args.data, "--data")
+        if isinstance(data, location.Remote) or (Path(args.data) / cf.MANIFEST).is_file():  # a latent cache (a
+            # URL: one in object storage): the run's held-out samples
             items = captions.read_cache(args.data, args.split, layout.resolve(args.model))
         else:
             items = captions.read(args.data)

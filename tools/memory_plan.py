@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from theworld.core import location
 from theworld.core.config import cli_parser, load_config, shown, to_yaml, trains
 from theworld.core.errors import UserError, cli_entry, one_line
 from theworld.model import lora as lora_adapters
@@ -48,10 +49,16 @@ VAE_TENSORS_PER_STAGE = 14  # activations kept per VAE encoder stage, in units o
 MAX_LAYERS = 1024
 
 
+def _on_disk(spec: str) -> bool:
+    """`tiny` or a local folder: its config is read from disk, not looked up by hub id."""
+    where = location.model(spec)
+    return isinstance(where, location.Tiny) or (isinstance(where, location.Local) and where.path.is_dir())
+
+
 def _gemma_config(spec: str):
     from transformers import AutoConfig, Gemma3Config
 
-    if spec == "tiny" or Path(spec).is_dir():
+    if _on_disk(spec):
         try:
             config = AutoConfig.from_pretrained(resolve_gemma(spec))
         except load_errors() as e:
@@ -81,7 +88,7 @@ def _vae_config(spec: str) -> dict:
     from diffusers import AutoencoderKLWan
 
     warnings.filterwarnings("ignore", message=".*local_dir_use_symlinks.*")  # huggingface_hub, on a cache miss
-    if spec != "tiny" and not Path(spec).is_dir() and spec in KNOWN_VAE:
+    if not _on_disk(spec) and spec in KNOWN_VAE:
         try:
             return AutoencoderKLWan.load_config(spec, subfolder="vae", local_files_only=True)
         except load_errors():

@@ -54,7 +54,7 @@ def _local(data: str | Path) -> Path:
     """A set's local path: a cache in object storage is read through its stand-in folder, which holds its manifest."""
     from theworld.cache_format import storage
 
-    return storage.open_cache(data)[0] if storage.is_url(str(data)) else Path(data)
+    return storage.open_cache(data)[0]  # a local path as it is
 
 
 def row(summary: dict, data: str, task: str, argv: list[str], split: str = "val", limit: int = 0) -> list[str]:

@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from theworld.core import location
+from theworld.core.device import default_device
 from theworld.core.errors import UserError
 from theworld.embedded import tiny
 from theworld.model import encoders
@@ -93,7 +95,7 @@ def check_settings(num_world_steps: int, rollout, resolution: int | None = None)
 def resolve(spec: str) -> tuple[str, str]:
     """(folder or hub id, subfolder prefix) of the Video2World pipeline behind `model.vae` spec `spec`, refused in
     one line when it has no Video2World transformer."""
-    if spec == "tiny":
+    if location.is_tiny(spec):
         return str(tiny.ensure(tiny.TINY_ROLLOUT_DIR)), ""
     encoders.check_available(spec, "model.vae", "transformer/config.json")
     p = Path(spec)
@@ -121,7 +123,7 @@ class _TinyNoGuardrail:
 
 
 def _guardrail(spec: str, prompts: list[str]):
-    if spec == "tiny":
+    if location.is_tiny(spec):
         return _TinyNoGuardrail()
     from diffusers.utils import is_cosmos_guardrail_available
 
@@ -231,7 +233,7 @@ class Rollout(nn.Module):
             "weights": encoders.weights_hash(text),
             "tokens": hashlib.sha256(json.dumps(parts["tokenizer"](texts)["input_ids"]).encode()).hexdigest(),
         }
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # T5-XXL on a CPU takes minutes
+        device = default_device()  # T5-XXL on a CPU takes minutes
         with torch.no_grad():
             prompt, negative_embeds = _encode_on(pipe, device, settings.prompt, negative, guidance)
         pipe.text_encoder = None  # the embeddings are all a run needs of it (T5-XXL: ~9 GB in bf16)
