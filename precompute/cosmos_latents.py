@@ -234,6 +234,7 @@ def _finish(
     """Rank 0, after everyone is done: errors.jsonl and the manifest, both from the per-shard files (for a remote
     output_dir, fetched from it first; both put back, the manifest last)."""
     if remote is not None:
+        identity.check_remote_claim(remote, out)  # a store without exclusive creates: checked again here
         remote.fetch_records(n_shards)
     sidecars = []
     for i in range(n_shards):
@@ -365,7 +366,7 @@ def _build(cfg: PrecomputeConfig, state, out: Path, remote: storage.RemoteWriter
     if rank == 0:
         identity.claim_output(out, run_id)
         if remote is not None:
-            remote.claimed()
+            identity.claim_remote(remote, out)
     state.wait_for_everyone()
     pending = _pending(out, range(rank, n_shards, world), remote)
     if pending and (out / cf.MANIFEST).exists():

@@ -63,16 +63,21 @@ def _file_ids(path: str | os.PathLike, limit: int = 100_000) -> set[tuple[int, i
 
 
 def check_not_input(out: str | os.PathLike, inputs: dict[str, str | os.PathLike | None], flag: str = "--out") -> None:
-    """An output never overwrites an input: `out` may not be any of `inputs` ({what: path}, a file or a folder) nor a
-    file inside an input folder, by its name, a symlink or a hardlink (the same file). Raises a one-line UserError
-    naming both."""
+    """An output never overwrites an input: `out` may not be any of `inputs` ({what: path}, a file or a folder), a
+    file inside an input folder (by its name, a symlink or a hardlink: the same file), nor a folder holding an
+    input. Raises a one-line UserError naming both."""
     from theworld.core.errors import UserError
 
     real = os.path.realpath(out)
+    given = {what: path for what, path in inputs.items() if path is not None and os.path.lexists(path)}
+    for what, path in given.items():
+        if os.path.isdir(out) and os.path.realpath(path).startswith(real.rstrip(os.sep) + os.sep):
+            raise UserError(
+                f"{flag} {os.fspath(out)} is a folder holding {what} {os.fspath(path)}: {flag} names the file to "
+                f"write; give {flag} a new file path"
+            )
     out_ids = _file_ids(out) if os.path.exists(out) else set()
-    for what, path in inputs.items():
-        if path is None or not os.path.lexists(path):
-            continue
+    for what, path in given.items():
         if real == os.path.realpath(path) or out_ids & _file_ids(path):
             raise UserError(
                 f"{flag} {os.fspath(out)} is {what} {os.fspath(path)} or a file in it (the same file, by its name, a "
