@@ -1,4 +1,4 @@
-"""theworld.core.atomic.folder: the one way a whole folder (a built Gemma, an export) is put in place."""
+"""theworld.core.atomic: the one atomic writer (files and folders), its partial-name rule and its clean-up."""
 
 import os
 import signal
@@ -78,3 +78,59 @@ def test_a_sigterm_removes_the_temporary_folder(tmp_path):
     p.send_signal(signal.SIGTERM)
     assert p.wait(timeout=30) == 128 + signal.SIGTERM
     assert not (tmp_path / "out").exists() and _temps(tmp_path) == []
+
+
+def test_a_kill_9_leaves_one_partial_that_the_next_writer_removes_and_nothing_trusts(tmp_path):
+    from theworld.model import stage_layout
+
+    code = textwrap.dedent(
+        """
+        import sys, time
+        from theworld.core import atomic
+        with atomic.folder(sys.argv[1], str) as tmp:
+            (tmp / "trainable.safetensors").write_text("half")
+            print("writing", flush=True)
+            time.sleep(60)
+        """
+    )
+    p = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "out")], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline() == "writing\n"
+    assert atomic.remove_stale(tmp_path, "out") == []  # its writer still runs: left to it
+    p.kill()
+    p.wait(timeout=30)
+    partial = tmp_path / f".tmp-out-{p.pid}"
+    assert _temps(tmp_path) == [partial.name] and atomic.is_partial(partial.name)
+    with pytest.raises(UserError, match=r"an unfinished write .*give the finished folder"):
+        stage_layout.resolve(partial)
+    (tmp_path / ".tmp-other-1").mkdir()  # another target's partial: not this writer's to remove
+    assert atomic.remove_stale(tmp_path, "out") == [str(partial)]
+    assert _temps(tmp_path) == [".tmp-other-1"]
+
+
+def test_files_are_whole_or_absent_and_a_failed_write_leaves_no_partial(tmp_path):
+    target = tmp_path / "manifest.json"
+    atomic.write_json(target, {"b": 1, "a": [2]})
+    assert target.read_text() == '{\n "a": [\n  2\n ],\n "b": 1\n}\n'
+    atomic.write_text(target, "second")
+    assert target.read_text() == "second" and _temps(tmp_path) == []
+    with pytest.raises(RuntimeError), atomic.file(target) as tmp:
+        assert tmp.name == f".tmp-manifest.json-{os.getpid()}"
+        tmp.write_text("half")
+        raise RuntimeError("stopped")
+    assert target.read_text() == "second" and _temps(tmp_path) == []
+
+
+def test_a_folder_moved_aside_comes_back_when_its_replacement_never_arrived(tmp_path):
+    final = tmp_path / "final"
+    final.mkdir()
+    (final / "card").write_text("old")
+    new = tmp_path / atomic.partial_name("final")
+    new.mkdir()
+    (new / "card").write_text("new")
+    atomic.replace_folder(new, final)
+    assert (final / "card").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+    # killed between moving final/ aside and the rename: the clean-up (under the run lock) puts it back
+    (final).rename(tmp_path / ".old-final-4242")
+    (tmp_path / ".tmp-final-4242").mkdir()
+    removed = atomic.remove_stale(tmp_path, only_dead=False)
+    assert removed == [str(tmp_path / ".tmp-final-4242")] and (final / "card").read_text() == "new"
