@@ -163,7 +163,7 @@ class RemoteCache:
         """The bucket (or repository, or server) answers: a missing bucket or credentials is one line now, not at the
         first shard."""
         bucket = self.path("").split("/")[0]
-        if self.scheme in ("s3", "s3a", "gs", "gcs"):
+        if self.scheme in location.BUCKET_STORES:
             try:
                 found = self._call(f"{self.url}", lambda: self.fs.info(bucket), missing_ok=True)
             except UserError as e:
