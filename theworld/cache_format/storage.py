@@ -83,10 +83,9 @@ class RemoteCache:
     filesystem is made again in each process (DataLoader workers)."""
 
     def __init__(self, url: str, settings: Settings):
-        self.url = url.rstrip("/")
+        where = location.remote(url)  # no bucket, an empty segment or a bad bucket name: one line here
+        self.url, self.scheme, rest = where.url, where.scheme, where.path
         self.settings = settings
-        where = location.remote(self.url)  # no bucket, an empty segment or a bad bucket name: one line here
-        self.scheme, rest = where.scheme, where.path
         self.local = settings.local_dir / "caches" / self.scheme / _safe_path(rest)
         self.shard_dir = settings.local_dir / "shards"
         self._fs, self._pid = None, 0

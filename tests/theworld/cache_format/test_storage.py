@@ -512,6 +512,7 @@ def test_a_second_precompute_into_one_prefix_at_once_is_refused_before_it_writes
     target, claim_output = url("race"), identity.claim_output
 
     def a_claims_first(out, run_id):
+        monkeypatch.setattr(identity, "claim_output", claim_output)  # run A claims as usual
         cosmos_latents.run(make_cfg(target, "seed=0", f"cache_local_dir={tmp_path / 'a'}", n=8))  # type: ignore[arg-type]
         capsys.readouterr()
         s3.mark = len(s3.log)
