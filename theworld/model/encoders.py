@@ -70,7 +70,8 @@ def resolve_vae(spec: str) -> tuple[str, str | None]:
         if (p / "vae" / "config.json").is_file():
             return spec, "vae"
         raise UserError(f"model.vae: {spec} has neither config.json nor vae/config.json")
-    return spec, "vae"  # a hub id: the pipeline repo (nvidia/Cosmos-Predict2-2B-Video2World) keeps the VAE in vae/
+    where = location.model(spec)  # a hub id: the pipeline repo (nvidia/Cosmos-Predict2-2B-Video2World), VAE in vae/
+    return (where.repo if isinstance(where, location.HubId) else spec), "vae"
 
 
 def _offline() -> bool:
@@ -131,10 +132,11 @@ def load_vae(spec: str, dtype: str = "bfloat16"):
     _quiet_hf()
     check_available(spec, "model.vae", "vae/config.json")  # a hub id is the pipeline repo, the VAE in vae/
     path, subfolder = resolve_vae(spec)
+    revision = pretrained(spec, tiny.TINY_VAE_DIR)[1]
     level = diffusers_logging.get_verbosity()
     diffusers_logging.set_verbosity(diffusers_logging.CRITICAL)  # it logs each failed try: our one line says it
     try:
-        vae = AutoencoderKLWan.from_pretrained(path, subfolder=subfolder, torch_dtype=DTYPES[dtype])
+        vae = AutoencoderKLWan.from_pretrained(path, subfolder=subfolder, torch_dtype=DTYPES[dtype], **revision)
     except load_errors() as e:
         raise cannot_load("model.vae", spec, e) from None
     finally:
