@@ -52,11 +52,14 @@ def _remove(path: str | os.PathLike) -> None:
             os.unlink(path)
 
 
-def remove_stale(folder: str | os.PathLike, name: str | None = None, only_dead: bool = True) -> list[str]:
+def remove_stale(
+    folder: str | os.PathLike, name: str | None = None, only_dead: bool = True, folders_only: bool = False
+) -> list[str]:
     """The one clean-up: delete the partial writes in `folder` (of target `name`, or of every target) left by a
     killed writer. A folder moved aside (`.old-`) whose replacement never arrived is moved back first. With
     `only_dead` a partial of a process that still runs here is left to it; without, the caller holds the folder's
-    lock (a training run's output_dir), so every partial is stale. Returns the paths deleted, for a line saying so."""
+    lock (a training run's output_dir), so every partial is stale. `folders_only`: partial files there are another
+    command's (an evaluation's --out into a run folder). Returns the paths deleted, for a line saying so."""
     try:
         entries = sorted(os.scandir(folder), key=lambda e: e.name)
     except OSError:
@@ -65,6 +68,8 @@ def remove_stale(folder: str | os.PathLike, name: str | None = None, only_dead: 
     for e in entries:
         m = PARTIAL.match(e.name)
         if m is None or (name is not None and m.group(2) != name):
+            continue
+        if folders_only and not e.is_dir(follow_symlinks=False):
             continue
         pid = int(m.group(3))
         if only_dead and (pid == os.getpid() or pid_alive(pid)):

@@ -235,7 +235,7 @@ def remove_partial(output_dir: str | Path) -> list[Path]:
     """Clean up after a run killed while saving (the run lock is held: every partial is stale): a folder it had
     moved aside to replace goes back if its replacement never arrived; unfinished writes (each can be a full
     checkpoint in size) are deleted. Returns what was deleted."""
-    return [Path(p) for p in atomic.remove_stale(output_dir, only_dead=False)]
+    return [Path(p) for p in atomic.remove_stale(output_dir, only_dead=False, folders_only=True)]
 
 
 def resolve_weights(path: str | Path) -> Path:
