@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 from theworld.cache_format import storage
-from theworld.core import paths, run_lock
+from theworld.core import location, paths, run_lock
 from theworld.core.config import (
     ImageConfig,
     ModelConfig,
@@ -168,7 +168,8 @@ class PrecomputeConfig:
 
     def validate_paths(self) -> None:
         """Checks that touch the filesystem (kept out of __post_init__ so configs can be built anywhere)."""
-        if not storage.is_url(self.output_dir):  # a URL's bucket is checked when the run starts
+        out = location.place(self.output_dir, "config key 'output_dir':")  # a URL's bucket: when the run starts
+        if isinstance(out, location.Local):
             run_lock.check_folder(self.output_dir)
         if self.source.type == "synthetic":
             return

@@ -29,7 +29,7 @@ from precompute.entry_dataset import EntryDataset, collate
 from precompute.shard_writer import ShardWriter
 from theworld import cache_format as cf
 from theworld.cache_format import storage
-from theworld.core import run_lock
+from theworld.core import location, run_lock
 from theworld.core.config import cli_parser, to_dict, to_yaml
 from theworld.core.errors import UserError, as_shown, cli_entry
 from theworld.core.process_group import process_group, shared_folder_check
@@ -234,6 +234,7 @@ def _finish(
     """Rank 0, after everyone is done: errors.jsonl and the manifest, both from the per-shard files (for a remote
     output_dir, fetched from it first; both put back, the manifest last)."""
     if remote is not None:
+        identity.check_remote_claim(remote, out)  # a store without exclusive creates: checked again here
         remote.fetch_records(n_shards)
     sidecars = []
     for i in range(n_shards):
@@ -289,7 +290,10 @@ def run(cfg: PrecomputeConfig) -> dict:
     """Build (or finish) the cache at cfg.output_dir; returns the manifest plus a "summary" of this run."""
     cfg.validate_paths()
     state = process_group()
-    remote = storage.for_writing(cfg.output_dir, storage.Settings.of(cfg)) if storage.is_url(cfg.output_dir) else None
+    where = location.place(cfg.output_dir, "config key 'output_dir':")
+    remote = (
+        storage.for_writing(cfg.output_dir, storage.Settings.of(cfg)) if isinstance(where, location.Remote) else None
+    )
     out = remote.out if remote else Path(cfg.output_dir)
     if remote is not None:  # the run record (or nothing) in the stand-in folder, before it is checked
         if state.is_local_main_process:
@@ -362,7 +366,7 @@ def _build(cfg: PrecomputeConfig, state, out: Path, remote: storage.RemoteWriter
     if rank == 0:
         identity.claim_output(out, run_id)
         if remote is not None:
-            remote.claimed()
+            identity.claim_remote(remote, out)
     state.wait_for_everyone()
     pending = _pending(out, range(rank, n_shards, world), remote)
     if pending and (out / cf.MANIFEST).exists():

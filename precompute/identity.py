@@ -7,6 +7,8 @@ from pathlib import Path
 
 from precompute.config import PrecomputeConfig
 from theworld import cache_format as cf
+from theworld.cache_format import storage
+from theworld.core import atomic
 from theworld.core.config import to_dict
 from theworld.core.errors import UserError
 
@@ -66,7 +68,46 @@ def claim_output(out: Path, identity: dict) -> None:
     (out / cf.SHARDS).mkdir(parents=True, exist_ok=True)
     (out / cf.ERRORS_DIR).mkdir(parents=True, exist_ok=True)
     for folder in (out, out / cf.SHARDS, out / cf.ERRORS_DIR, out / cf.INDEX_DIR):
-        for tmp in folder.glob(".*.tmp*"):
-            tmp.unlink(missing_ok=True)  # nobody is writing: the listing is over, encoding not started
+        atomic.remove_stale(folder, only_dead=False)  # nobody is writing: the listing is over, encoding not started
     if not (out / cf.RUN_FILE).is_file():
         cf.atomic_write_json(out / cf.RUN_FILE, identity)
+
+
+def claim_remote(remote: storage.RemoteWriter, out: Path) -> None:
+    """Rank 0, after claim_output, before any shard is put: the run record goes up as an exclusive create (S3's
+    If-None-Match), so of two precomputes started into one prefix at once only one claims it; the other finds a
+    record that is not its own and is refused in one line (`check_remote_claim`)."""
+    r = remote.remote
+
+    data = (out / cf.RUN_FILE).read_bytes()
+
+    def create() -> None:
+        try:
+            r.fs.pipe_file(r.path(cf.RUN_FILE), data, mode="create")
+        except FileExistsError:
+            pass  # a rerun's, or another run's: compared below
+        except (NotImplementedError, TypeError, ValueError):  # a store without exclusive creates: put when absent
+            if not r.fs.exists(r.path(cf.RUN_FILE)):
+                r.fs.pipe_file(r.path(cf.RUN_FILE), data)
+
+    r._call(f"uploading {r.object_url(cf.RUN_FILE)}", create)
+    check_remote_claim(remote, out)
+
+
+def check_remote_claim(remote: storage.RemoteWriter, out: Path) -> None:
+    """The run record in the bucket is this run's (checked after the claim and again before the manifest, for a
+    store without exclusive creates): another run's is one line naming the first field that differs."""
+    r = remote.remote
+    theirs = r.read(cf.RUN_FILE)
+    ours = json.loads((out / cf.RUN_FILE).read_bytes())
+    try:
+        theirs = json.loads(theirs) if theirs is not None else None
+    except ValueError:
+        theirs = {}
+    if theirs == ours:
+        return
+    diff = cf.fingerprint_diff(theirs or {}, ours) or [cf.RUN_FILE]
+    raise UserError(
+        f"output_dir {r.url}: another precompute claimed it while this one ran (its {cf.RUN_FILE} has a different "
+        f"{diff[0]}); two runs must not write one prefix: give this one another output_dir"
+    )

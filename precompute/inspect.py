@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import sys
 import tarfile
@@ -30,9 +29,8 @@ import torch
 from precompute import fonts
 from precompute.config import PrecomputeConfig
 from theworld import cache_format as cf
-from theworld.cache_format import storage
 from theworld.cache_format.layout import world_steps
-from theworld.core import paths
+from theworld.core import atomic, location, paths
 from theworld.core.config import ArgParser, add_config_args, load_config
 from theworld.core.errors import CacheDamaged, UserError, as_shown, cli_entry, one_line
 from theworld.model import encoders, images
@@ -414,7 +412,7 @@ def _sheet(pairs: list[tuple[torch.Tensor, ...]], labels: list[str], header: str
 def _decode_header(cfg: PrecomputeConfig, steps: int = 0) -> str:
     note = (
         "\nVAE: tiny (random weights): decodes are noise by design; a trained VAE decodes to the picture"
-        if cfg.model.vae == "tiny"
+        if location.is_tiny(cfg.model.vae)
         else f"\nVAE: {cfg.model.vae}"
     )
     if steps:
@@ -476,14 +474,10 @@ def decode(cache: Path, args) -> tuple[dict, int, str]:
     reader.close()
     header = _decode_header(cfg, world_steps(manifest))
     labels = [f"{p['key']}\n{' '.join(p['caption'].split())}" for p in per_sample]
-    tmp = Path(out_path).with_name(paths.partial_name(Path(out_path).name))
-    try:
-        from PIL import Image
+    from PIL import Image
 
+    with atomic.file(out_path, fsync=False) as tmp:
         _sheet(pairs, labels, header).save(tmp, format=Image.registered_extensions()[out_path.suffix.lower()])
-        os.replace(tmp, out_path)
-    finally:
-        tmp.unlink(missing_ok=True)
     report = {"cache": str(cache), "n": len(pairs), "out": str(out_path), "samples": per_sample, "header": header}
     return report, 0, (f"decode {cache}: {len(pairs)} samples -> {out_path} (" + header.replace("\n", "; ") + ")")
 
@@ -533,8 +527,9 @@ def main(argv: list[str] | None = None) -> int:
     tol = getattr(args, "tol", None)
     if tol is not None and not 0 <= tol < float("inf"):  # a NaN tolerance would pass any difference
         raise UserError(f"precompute.inspect: --tol must be a finite number >= 0, got {tol}")
-    if args.command == "decode" and not storage.is_url(args.cache):
-        paths.check_not_input(args.out, {"the cache": Path(args.cache)})
+    where = location.place(args.cache, "CACHE_DIR")
+    if args.command == "decode" and isinstance(where, location.Local):
+        paths.check_not_input(args.out, {"the cache": where.path})
     cache, _ = cf.open_cache(args.cache, _settings(args))  # a URL: its stand-in folder, shards staged
     try:
         report, code, text = COMMANDS[args.command](cache, args)

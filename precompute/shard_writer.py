@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from theworld import cache_format as cf
+from theworld.core import atomic
 
 
 class ShardWriter:
@@ -51,8 +52,7 @@ class ShardWriter:
                 raise
             tar = cf.tar_path(self.cache_dir, index)
             for path in (tar, cf.sidecar_path(self.cache_dir, index), cf.error_path(self.cache_dir, index)):
-                for tmp in path.parent.glob(f".{path.name}.tmp*"):
-                    tmp.unlink(missing_ok=True)
+                atomic.remove_stale(path.parent, path.name, only_dead=False)  # the space back: this shard's partials
             raise OSError(errno.ENOSPC, "No space left on device", str(tar)) from None
         self.bytes_written += side["bytes"]
         if self.publish is not None:

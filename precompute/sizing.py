@@ -155,7 +155,7 @@ def transformer_sizes(spec: str) -> dict:
 
     if spec in KNOWN_TRANSFORMERS and not Path(spec).exists():
         return KNOWN_TRANSFORMERS[spec]
-    path = str(encoders.tiny.ensure(encoders.tiny.TINY_ROLLOUT_DIR)) if spec == "tiny" else spec
+    path = encoders.pretrained(spec, encoders.tiny.TINY_ROLLOUT_DIR)[0]
     config = _local_config("model.vae", path, "transformer")
     if config is None:
         if Path(spec).is_dir() or spec in KNOWN_VAE:  # a VAE alone, or a pipeline of another kind

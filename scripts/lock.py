@@ -17,7 +17,7 @@ import sys
 from importlib.metadata import Distribution, distributions
 from pathlib import Path
 
-from packaging.requirements import Requirement
+from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
@@ -63,7 +63,10 @@ def read_lock(path: Path | None = None) -> dict[str, str]:
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
-        req = Requirement(line)
+        try:
+            req = Requirement(line)
+        except InvalidRequirement:  # a stray line (a merge marker, a pasted word): the line, not a traceback
+            raise SystemExit(f"{path}:{n}: '{line}' is not an exact pin (name==version)") from None
         spec = list(req.specifier)
         if len(spec) != 1 or spec[0].operator != "==" or req.marker or req.extras:
             raise SystemExit(f"{path}:{n}: '{line}' is not an exact pin (name==version)")

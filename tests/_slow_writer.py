@@ -5,8 +5,12 @@ python tests/_slow_writer.py DELAY [precompute arguments...]"""
 import os
 import sys
 import time
+from pathlib import Path
 
-from precompute import cosmos_latents
+# run as a script, its folder (tests/, whose test packages are named like the code's) would shadow the code
+sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from precompute import cosmos_latents  # noqa: E402
 
 delay = float(sys.argv[1])
 replace = os.replace

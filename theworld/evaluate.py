@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from theworld.core import log, paths
+from theworld.core import atomic, location, log, paths
 from theworld.core.config import ArgParser, DefaultsHelp
 from theworld.core.errors import UserError, cli_entry, out_of_space, sigterm_as_exit
 from theworld.infer import baselines, benchmark_items
@@ -148,8 +148,8 @@ class _Out:
         self.path = Path(path)
         kind = paths.path_kind(self.path)
         self.direct = kind is not None and kind != paths.REGULAR and not kind.startswith("a dangling")
-        self.tmp = self.path if self.direct else self.path.with_name(paths.partial_name(self.path.name))
-        for stale in [] if self.direct else paths.remove_stale_partials(self.path.parent, self.path.name):
+        self.tmp = self.path if self.direct else atomic.partial_path(self.path)
+        for stale in [] if self.direct else atomic.remove_stale(self.path.parent, self.path.name):
             _log.info(f"removed {stale} (the unfinished --out of a killed run)")
         try:
             self.file = open(self.tmp, "w", encoding="utf-8")
@@ -198,8 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         from theworld.infer import captions
         from theworld.model import stage_layout as layout
 
-        if cf.is_url(args.data) or (Path(args.data) / cf.MANIFEST).is_file():  # a latent cache (a URL: one in
-            # object storage): the run's held-out samples
+        data = location.place(args.data, "--data")
+        if isinstance(data, location.Remote) or (Path(args.data) / cf.MANIFEST).is_file():  # a latent cache (a
+            # URL: one in object storage): the run's held-out samples
             items = captions.read_cache(args.data, args.split, layout.resolve(args.model))
         else:
             items = captions.read(args.data)

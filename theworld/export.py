@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from theworld.core import log, paths
+from theworld.core import atomic, log, paths
 from theworld.core.config import ArgParser
 from theworld.core.errors import UserError, cli_entry, sigterm_as_exit
 from theworld.model import lora
@@ -72,7 +72,7 @@ def export(model_dir: str | Path, out: str | Path, ema: bool = False) -> Path:
 
     folder = layout.resolve(model_dir)
     out = Path(out)
-    for stale in paths.remove_stale_partials(out.parent, out.name):
+    for stale in atomic.remove_stale(out.parent, out.name):
         _log.info(f"removed {stale} (the unfinished folder of a killed export)")
     model, processor = TheWorld.from_pretrained(folder, ema=ema, device="cpu")
     merged = lora.merge(model.gemma)
@@ -85,7 +85,7 @@ def export(model_dir: str | Path, out: str | Path, ema: bool = False) -> Path:
     unwritable = lambda e, tmp: (
         f"theworld.export: cannot write {e.filename or tmp} ({e.strerror}); --out was not created"
     )
-    with sigterm_as_exit(), paths.published_folder(out, full, unwritable) as tmp:
+    with sigterm_as_exit(), atomic.folder(out, full, unwritable) as tmp:
         _write(tmp, folder, model, processor, rest)
     _log.info(
         f"exported {folder} to {out}: {merged} LoRA layers merged; {len(rest)} TheWorld tensors ({layout.WEIGHTS})"

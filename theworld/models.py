@@ -17,14 +17,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from theworld.core import paths
+from theworld.core import atomic, paths
 from theworld.core.config import ArgParser, DefaultsHelp
 from theworld.core.errors import UserError, cli_entry, one_line, sigterm_as_exit
 from theworld.model import gemma3
@@ -214,19 +214,18 @@ def build(name: str, out: str | Path, gguf: str | None = None, dtype: str = "flo
     from theworld.model.encoders import DTYPES, _quiet_hf
 
     spec, out = MODELS[name], Path(out)
-    for stale in paths.remove_stale_partials(out.parent, out.name):
+    for stale in atomic.remove_stale(out.parent, out.name):
         print(f"removed {stale} (the unfinished folder of a killed build)", file=sys.stderr)
     full = lambda tmp: f"theworld.models: no space left on device writing {tmp}; OUT was not created"
     _quiet_hf()
-    with (
-        sigterm_as_exit(),
-        paths.published_folder(out, full) as tmp,
-        tempfile.TemporaryDirectory(prefix=".gguf-", dir=out.parent) as scratch,
-    ):
-        path = gguf_file(name, spec, gguf, Path(scratch))
+    with sigterm_as_exit(), atomic.folder(out, full) as tmp:
+        scratch = tmp / ".gguf"  # inside the partial folder: a killed build leaves one folder, the next run's to clean
+        scratch.mkdir()
+        path = gguf_file(name, spec, gguf, scratch)
         tokenizer = _tokenizer(path)
         text, weights = _language_model(path)
         model = _model(_gemma_config(text, tokenizer, spec), weights, DTYPES[dtype])
+        shutil.rmtree(scratch)
         model.save_pretrained(tmp)
         _processor(tokenizer, spec).save_pretrained(tmp)
         (tmp / BUILD_FILE).write_text(json.dumps(identity(name, dtype), indent=1) + "\n")

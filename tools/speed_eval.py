@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from theworld.core.device import default_device
 from theworld.infer import prefix_scoring
 from theworld.model.arch import TINY
 from theworld.model.inputs import ModelInputs, text_batch
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     apply_threads(args)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = default_device()
     rows = []
     for case in cases:
         row = (

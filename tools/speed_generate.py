@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from theworld.core.device import default_device
 from theworld.infer import generate as gen
 from theworld.model.arch import REAL, TINY
 from tools.speed_real import _sync, batch, build, build_gemma
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     apply_threads(args)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = default_device()
     if args.real:
         rows = real_rows(
             REAL if args.sizes == "real" else TINY, args.pool, args.batch, args.new_tokens, args.repeats, device

@@ -39,6 +39,7 @@ from precompute.entry_dataset import EntryDataset
 from precompute.sources import open_listing
 from theworld import cache_format as cf
 from theworld.core.config import ImageConfig, ModelConfig
+from theworld.core.device import default_device
 from theworld.embedded import synthetic
 from theworld.model import encoders, images
 from tools.threads import add_threads, apply_threads
@@ -127,7 +128,7 @@ def bench_case(case: str, work: Path, n: int, workers: int = 0) -> dict:
     dataset = EntryDataset(listing, cfg)
     # Host work of one worker: decode + resize, in this process, image by image.
     t_prep, items = _timed(lambda: [dataset[i] for i in range(len(entries))])
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = default_device()
     encoder = encoders.WorldEncoder(encoders.load_vae(cfg.model.vae, cfg.model.dtype)).to(device).eval()
     encoder.optimize_for_inference(channels_last=device.type == "cuda", compile=cfg.compile)  # as run() does
     # Encode-only: the pixels already sit on the device, so this is the encoder's own speed.

@@ -24,6 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from theworld.core.device import default_device
 from theworld.model import gemma3
 from theworld.model.arch import ANSWER_TOKENS, REAL, TEXT_TOKENS, TINY, gemma_config, latent_side
 from theworld.model.encoders import WorldEncoder, _quiet_hf
@@ -280,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vae-batch", type=int, default=16, help="batch of the VAE encoder rows")
     p.add_argument("--rows", default="stage1,vae", help="which rows: stage1, vae, or both (comma-separated)")
     args = p.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = default_device()
     if args.sizes == "real" and device.type != "cuda":
         print(
             "error: tools.speed_real at real sizes needs a CUDA GPU (use --sizes tiny for a CPU smoke run)",

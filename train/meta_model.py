@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from theworld.core import location
 from theworld.core.errors import UserError, one_line
 from theworld.model.arch import KNOWN_GEMMA, KNOWN_VAE, REAL, gemma_config
 from theworld.model.encoders import DTYPES, _quiet_hf, cannot_load, load_errors, resolve_gemma, resolve_vae
@@ -23,11 +24,17 @@ BUILDABLE_GEMMA = {k: v.sizes for k, v in KNOWN_GEMMA.items() if v.sizes is not 
 MAX_LAYERS = 1024
 
 
+def _on_disk(spec: str) -> bool:
+    """`tiny` or a local folder: its config is read from disk, not looked up by hub id."""
+    where = location.model(spec)
+    return isinstance(where, location.Tiny) or (isinstance(where, location.Local) and where.path.is_dir())
+
+
 def base_gemma_config(spec: str):
     """The Gemma 3 config of `model.gemma` spec `spec`, offline: tiny, a local folder, the HF cache or arch.py."""
     from transformers import AutoConfig, Gemma3Config
 
-    if spec == "tiny" or Path(spec).is_dir():
+    if _on_disk(spec):
         try:
             config = AutoConfig.from_pretrained(resolve_gemma(spec))
         except load_errors() as e:
@@ -58,7 +65,7 @@ def base_vae_config(spec: str) -> dict:
     from diffusers import AutoencoderKLWan
 
     warnings.filterwarnings("ignore", message=".*local_dir_use_symlinks.*")  # huggingface_hub, on a cache miss
-    if spec != "tiny" and not Path(spec).is_dir() and spec in KNOWN_VAE:
+    if not _on_disk(spec) and spec in KNOWN_VAE:
         try:
             return AutoencoderKLWan.load_config(spec, subfolder="vae", local_files_only=True)
         except load_errors():

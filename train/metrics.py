@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from theworld.core import log, paths
+from theworld.core import atomic, log, paths
 from train.eval.plateau import next_step
 
 METRICS = "metrics.jsonl"
@@ -195,9 +195,8 @@ class Metrics:
         for name, img in zip(names, images):
             if name is not None:
                 target = self.path.parent / name
-                tmp = target.with_name(paths.partial_name(target.name))
-                Image.fromarray(img).save(tmp, format="PNG")
-                os.replace(tmp, target)
+                with atomic.file(target, fsync=False) as tmp:
+                    Image.fromarray(img).save(tmp, format="PNG")
         self.pictures_saved = True
         return names
 

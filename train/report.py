@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from theworld.core import log, paths
+from theworld.core import atomic, log, paths
 from theworld.core.config import ArgParser
 from theworld.core.errors import UserError, cli_entry, one_line
 from theworld.model import stage_layout as layout
@@ -487,12 +487,9 @@ def page(runs: list[Run], missing: list[str], figures: dict[str, bytes], files_d
 
 def _write(path: Path, data: bytes) -> None:
     """Through a temporary file beside it, renamed over it: a reader never sees half a file."""
-    tmp = path.with_name(paths.partial_name(path.name))
     try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+        atomic.write_bytes(path, data)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise UserError(f"--out: cannot write {path} ({e.strerror})") from None
 
 

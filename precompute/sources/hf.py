@@ -12,13 +12,13 @@ The rows are then read as a parquet source reads its files (`source.image_column
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 from precompute.sources.listing import read_json
 from precompute.sources.parquet import ParquetListing
 from theworld import cache_format as cf
+from theworld.core import atomic
 from theworld.core.errors import UserError, one_line
 
 PART_ROWS = 10000  # rows per parquet part of a streamed split
@@ -67,9 +67,8 @@ def _stream(name: str, split: str, n: int | None, folder: Path) -> None:
     part = 0
     try:
         for table in ds.with_format("arrow").iter(batch_size=PART_ROWS):
-            tmp = folder / f".part-{part:06d}.parquet.tmp"
-            pq.write_table(table, tmp)
-            os.replace(tmp, folder / f"part-{part:06d}.parquet")
+            with atomic.file(folder / f"part-{part:06d}.parquet") as tmp:
+                pq.write_table(table, tmp)
             part += 1
     except (ConnectionError, OSError, ValueError) as e:
         raise UserError(
@@ -110,8 +109,8 @@ def hf_listing(
                 out = index_dir / "hf-split.parquet"
                 if not out.is_file():
                     index_dir.mkdir(parents=True, exist_ok=True)
-                    ds.to_parquet(str(index_dir / ".hf-split.parquet.tmp"))
-                    os.replace(index_dir / ".hf-split.parquet.tmp", out)
+                    with atomic.file(out) as tmp:
+                        ds.to_parquet(str(tmp))
                 files = [str(out)]
         index_dir.mkdir(parents=True, exist_ok=True)
         cf.atomic_write_json(record, {"files": files})

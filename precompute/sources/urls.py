@@ -43,6 +43,7 @@ from precompute.sources.listing import (
 from precompute.sources.webdataset import index_tar, load_sample, shard_files, tar_entries
 from theworld import cache_format as cf
 from theworld.cache_format import safe_key
+from theworld.core import atomic, location
 from theworld.core.errors import UserError, one_line, out_of_space
 from theworld.core.paths import REGULAR, path_kind
 
@@ -130,9 +131,8 @@ class Table:
 
         table = self._rows if self._rows is not None else pq.read_table(self.path, columns=columns)
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp")
-        pq.write_table(table.select(columns).slice(0, n), tmp)
-        os.replace(tmp, out)
+        with atomic.file(out) as tmp:
+            pq.write_table(table.select(columns).slice(0, n), tmp)
 
 
 def resolve_columns(table: Table, url: str | None, caption: str | None, id_: str | None) -> dict:
@@ -204,6 +204,21 @@ def download(table: str, fmt: str, folder: Path, cols: dict, options) -> None:
         raise KeyboardInterrupt from None
     finally:
         signal.signal(signal.SIGINT, handler)  # img2dataset.download installs its own
+
+
+def refuse_local_urls(table: Table, column: str, rows: int) -> None:
+    """A url table names images on the web: img2dataset would read a file:// URL from this machine's disk without a
+    word (another machine's disk, in a job on several nodes), so one is refused before anything is downloaded."""
+    import pyarrow.compute as pc
+
+    urls = table.column(column).slice(0, rows)
+    local = pc.match_substring_regex(urls, location.LOCAL_URL)
+    if pc.any(local).as_py():
+        row = pc.index(local, True).as_py()
+        raise UserError(
+            f"config key 'source.path': {table.path} row {row} has a local URL ({one_line(urls[row].as_py(), 200)}): "
+            "a url table is downloaded from the web; put local images in a folder source (source.type: folder)"
+        )
 
 
 def _check_record(staging: Path, record: dict) -> None:
@@ -298,6 +313,7 @@ class UrlsListing(Listing):
             source, fmt = str(self.staging / f"table-{j:05d}-head.parquet"), "parquet"
             wanted = [c for c in dict.fromkeys((self.cols["url"], self.cols["caption"])) if c]
             table.head(rows, wanted, Path(source))
+        refuse_local_urls(table, self.cols["url"], rows)
         download(source, fmt, folder, self.cols, options)
         shards = range(math.ceil(rows / self.per_shard))
         missing = [s for s in shards if not (folder / f"{_staged_name(s)}_stats.json").exists()]

@@ -18,6 +18,7 @@ from safetensors.torch import load as st_load
 from precompute import cosmos_latents
 from tests._precompute_helpers import cli_args, image_zoo, latents, make_cfg, read_cache_plain
 from theworld import cache_format as cf
+from theworld.core import atomic
 from theworld.core.errors import UserError
 from theworld.embedded import synthetic
 from theworld.model import images
@@ -335,7 +336,7 @@ def test_kill_9_and_rerun(tmp_path):
     writing = []  # a shard's tar written under its temporary name, not yet renamed: the kill lands mid-write
     while not writing and time.time() < deadline and proc.poll() is None:
         if len(list((out / "shards").glob("shard-*.json"))) >= 3:
-            writing = list((out / "shards").glob(".shard-*.tar.tmp*"))
+            writing = list((out / "shards").glob(".tmp-shard-*.tar-*"))
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -588,7 +589,7 @@ def test_a_full_disk_is_one_line_and_the_rerun_is_bit_exact(tmp_path, fake_vae, 
     def full_disk(cache_dir, index, samples):
         if index == 1:
             tmp = cf.tar_path(cache_dir, index)
-            (tmp.parent / f".{tmp.name}.tmp{os.getpid()}").write_bytes(b"partial")  # what a real write leaves
+            atomic.partial_path(tmp).write_bytes(b"partial")  # what a real write leaves
             raise OSError(errno.ENOSPC, "No space left on device")
         return write_shard(cache_dir, index, samples)
 

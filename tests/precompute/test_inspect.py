@@ -198,6 +198,7 @@ def test_damaged_cache_and_bad_out_are_one_line_errors(cache, tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
     one_line_error(["decode", str(cache), "--out", str(tmp_path / "afile" / "x.png")], "--out")
     one_line_error(["decode", str(cache), "--out", str(tmp_path / "sheet.pngx")], "unknown image extension")
+    one_line_error(["decode", str(cache), "--out", str(tmp_path)], f"--out {tmp_path} is a folder holding the cache")
     shard = cache / "shards" / "shard-000001.tar"
     shard.write_bytes(shard.read_bytes()[:3000])
     one_line_error(["summary", str(cache)], "truncated", "inspect verify")

@@ -48,7 +48,9 @@ def test_check_names_a_missing_a_wrong_and_an_unmet_pin(tmp_path, monkeypatch):
     assert any(p.startswith("transformers requires safetensors") and "not installed" in p for p in lock.unmet(dists))
 
 
-@pytest.mark.parametrize("line", ["torch>=2.6", "numpy", "pyyaml==6.0.3 ; python_version < '3.8'"])
+@pytest.mark.parametrize(
+    "line", ["torch>=2.6", "numpy", "pyyaml==6.0.3 ; python_version < '3.8'", "<<<<<<< HEAD", "tqdm 4.67.1 !"]
+)
 def test_a_lock_line_that_is_not_an_exact_pin_is_refused(tmp_path, line):
     path = tmp_path / "lock.txt"
     path.write_text(f"tqdm==4.67.1\n{line}\n")

@@ -23,6 +23,8 @@ from theworld.cache_format.names import (
     SHARDS,
     TURNS,
 )
+from theworld.core.atomic import write_bytes as atomic_write_bytes  # noqa: F401 - the one atomic writer
+from theworld.core.atomic import write_json as atomic_write_json
 from theworld.core.errors import CacheDamaged, UserError
 
 
@@ -44,20 +46,6 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temporary name in the same folder, fsync, then rename: readers see all or nothing."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -30,8 +30,9 @@ from typing import Any, TypeVar
 
 from theworld.cache_format.layout import atomic_write_bytes, error_path, sidecar_path, tar_path
 from theworld.cache_format.names import ERRORS, ERRORS_DIR, MANIFEST, RUN_FILE, SHARDS
-from theworld.core import log
+from theworld.core import location, log
 from theworld.core.errors import UserError, one_line, show_as
+from theworld.core.location import is_url
 
 _log = log.get(__name__)
 
@@ -41,15 +42,10 @@ DEFAULT_MAX_GB = 100.0
 READ_ONLY = ("http", "https", "hf")  # fsspec reads these; a cache is not written there
 RETRIES = 5  # attempts of one network operation before its one-line error
 BACKOFF_S = 0.5  # first wait; doubled after each failure
-_URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://(.*)$")
 
 
 class ShardCacheFull(UserError):
     """The local shard cache cannot hold a shard: a problem of this node's disk, not of the cache."""
-
-
-def is_url(location: object) -> bool:
-    return isinstance(location, str) and _URL.match(location) is not None
 
 
 @dataclass
@@ -87,10 +83,9 @@ class RemoteCache:
     filesystem is made again in each process (DataLoader workers)."""
 
     def __init__(self, url: str, settings: Settings):
-        self.url = url.rstrip("/")
+        where = location.remote(url)  # no bucket, an empty segment or a bad bucket name: one line here
+        self.url, self.scheme, rest = where.url, where.scheme, where.path
         self.settings = settings
-        scheme, rest = _URL.match(self.url).groups()
-        self.scheme = scheme.lower()
         self.local = settings.local_dir / "caches" / self.scheme / _safe_path(rest)
         self.shard_dir = settings.local_dir / "shards"
         self._fs, self._pid = None, 0
@@ -167,7 +162,7 @@ class RemoteCache:
         """The bucket (or repository, or server) answers: a missing bucket or credentials is one line now, not at the
         first shard."""
         bucket = self.path("").split("/")[0]
-        if self.scheme in ("s3", "s3a", "gs", "gcs"):
+        if self.scheme in location.BUCKET_STORES:
             try:
                 found = self._call(f"{self.url}", lambda: self.fs.info(bucket), missing_ok=True)
             except UserError as e:

@@ -24,6 +24,7 @@ from theworld.cache_format.layout import (
 )
 from theworld.cache_format.migrations import CHECKSUMS, FORMAT_VERSION
 from theworld.cache_format.names import CAPTION, IMAGE, LATENT, LATENT_FLIP, META, SIGLIP, TURNS
+from theworld.core import atomic
 from theworld.model.control_text import TEXT_RULE, find_control_string
 from theworld.model.encoders import DTYPES
 
@@ -80,36 +81,35 @@ def write_shard(cache_dir: Path, index: int, samples: Iterable[tuple[str, dict[s
     """
     tar = tar_path(cache_dir, index)
     tar.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tar.with_name(f".{tar.name}.tmp{os.getpid()}")
     entries = []
     clean = True
-    with open(tmp, "wb") as f:
-        with tarfile.open(fileobj=f, mode="w") as tf:
-            for key, members in samples:
-                entry = {"key": key, "members": {}, CHECKSUMS: {}}
-                clean = clean and text_passes(members)
-                if LATENT in members:  # the trainer groups samples by shape without reading the tar
-                    entry["latent_shape"] = latent_shape_of(members[LATENT])
-                for name in sorted(members):
-                    data = members[name]
-                    info = tarfile.TarInfo(member_name(key, name))
-                    info.size, info.mode, info.mtime = len(data), 0o444, 0
-                    tf.addfile(info, io.BytesIO(data))
-                    padded = -(-len(data) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
-                    entry["members"][name] = [tf.offset - padded, len(data)]  # data ends the member, then padding
-                    entry[CHECKSUMS][name] = zlib.crc32(data)  # checked on every read (CacheReader.raw)
-                entries.append(entry)
-        f.flush()
-        os.fsync(f.fileno())
-    side = {
-        "format_version": FORMAT_VERSION,
-        "shard": tar.name,
-        "count": len(entries),
-        "bytes": os.path.getsize(tmp),
-        "sha256": sha256_file(tmp),
-        **({"text_rule": TEXT_RULE} if clean else {}),
-        "samples": entries,
-    }
-    os.replace(tmp, tar)
+    with atomic.file(tar, fsync=False) as tmp:  # fsynced here, before its sha256 is taken
+        with open(tmp, "wb") as f:
+            with tarfile.open(fileobj=f, mode="w") as tf:
+                for key, members in samples:
+                    entry = {"key": key, "members": {}, CHECKSUMS: {}}
+                    clean = clean and text_passes(members)
+                    if LATENT in members:  # the trainer groups samples by shape without reading the tar
+                        entry["latent_shape"] = latent_shape_of(members[LATENT])
+                    for name in sorted(members):
+                        data = members[name]
+                        info = tarfile.TarInfo(member_name(key, name))
+                        info.size, info.mode, info.mtime = len(data), 0o444, 0
+                        tf.addfile(info, io.BytesIO(data))
+                        padded = -(-len(data) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+                        entry["members"][name] = [tf.offset - padded, len(data)]  # data ends the member, then padding
+                        entry[CHECKSUMS][name] = zlib.crc32(data)  # checked on every read (CacheReader.raw)
+                    entries.append(entry)
+            f.flush()
+            os.fsync(f.fileno())
+        side = {
+            "format_version": FORMAT_VERSION,
+            "shard": tar.name,
+            "count": len(entries),
+            "bytes": os.path.getsize(tmp),
+            "sha256": sha256_file(tmp),
+            **({"text_rule": TEXT_RULE} if clean else {}),
+            "samples": entries,
+        }
     atomic_write_json(sidecar_path(cache_dir, index), side)
     return side

@@ -24,7 +24,7 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 import yaml
 
-from theworld.core import log, paths
+from theworld.core import location, log, paths
 from theworld.core.errors import UserError, one_line
 from theworld.model.arch import LORA_MODULES, VAE_FACTOR
 
@@ -446,6 +446,7 @@ def require_path(key: str, value: str) -> None:
     would land among the user's own."""
     if not value.strip():
         raise UserError(f"config key '{key}': empty; give a folder path")
+    location.place(value, f"config key '{key}':")  # a URL that names no object: one line now, not at its first use
 
 
 def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()) -> T:

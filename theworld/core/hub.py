@@ -4,24 +4,15 @@ through huggingface_hub's own cache (with HF_HUB_OFFLINE=1, the local cache only
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
+from theworld.core import location
 from theworld.core.errors import UserError
-
-REPO_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
-
-
-def parse(ref: str) -> tuple[str, str | None] | None:
-    """(repo_id, revision) when `ref` reads as a hub repo id, else None."""
-    m = REPO_ID.match(str(ref))
-    if m is None or ".." in m["repo"]:
-        return None
-    return m["repo"], m["revision"]
 
 
 def check_id(key: str, value: str) -> None:
-    if parse(value) is None or "@" in value:
+    parsed = location.hub_id(value)
+    if parsed is None or parsed.revision is not None:
         raise UserError(f"config key '{key}': {value!r} is not a hub repo id (user/name)")
 
 
@@ -32,11 +23,10 @@ def offline() -> bool:
 def resolve(ref: str | Path, what: str = "model") -> Path:
     """`ref` itself when it exists locally; a hub repo id's snapshot folder otherwise (downloaded, or taken from the
     local Hugging Face cache when offline). Anything else is returned unchanged for the caller's own error."""
-    path = Path(ref)
-    parsed = parse(str(ref))
-    if path.exists() or parsed is None:
-        return path
-    repo, revision = parsed
+    parsed = location.model(ref)
+    if not isinstance(parsed, location.HubId):
+        return Path(ref)
+    repo, revision = parsed.repo, parsed.revision
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError

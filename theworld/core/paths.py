@@ -4,13 +4,9 @@ never ends."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
-import shutil
 import stat
-from collections.abc import Callable, Iterator
-from pathlib import Path
 
 REGULAR = "a regular file"
 _KINDS = (
@@ -67,88 +63,23 @@ def _file_ids(path: str | os.PathLike, limit: int = 100_000) -> set[tuple[int, i
 
 
 def check_not_input(out: str | os.PathLike, inputs: dict[str, str | os.PathLike | None], flag: str = "--out") -> None:
-    """An output never overwrites an input: `out` may not be any of `inputs` ({what: path}, a file or a folder) nor a
-    file inside an input folder, by its name, a symlink or a hardlink (the same file). Raises a one-line UserError
-    naming both."""
+    """An output never overwrites an input: `out` may not be any of `inputs` ({what: path}, a file or a folder), a
+    file inside an input folder (by its name, a symlink or a hardlink: the same file), nor a folder holding an
+    input. Raises a one-line UserError naming both."""
     from theworld.core.errors import UserError
 
     real = os.path.realpath(out)
+    given = {what: path for what, path in inputs.items() if path is not None and os.path.lexists(path)}
+    for what, path in given.items():
+        if os.path.isdir(out) and os.path.realpath(path).startswith(real.rstrip(os.sep) + os.sep):
+            raise UserError(
+                f"{flag} {os.fspath(out)} is a folder holding {what} {os.fspath(path)}: {flag} names the file to "
+                f"write; give {flag} a new file path"
+            )
     out_ids = _file_ids(out) if os.path.exists(out) else set()
-    for what, path in inputs.items():
-        if path is None or not os.path.lexists(path):
-            continue
+    for what, path in given.items():
         if real == os.path.realpath(path) or out_ids & _file_ids(path):
             raise UserError(
                 f"{flag} {os.fspath(out)} is {what} {os.fspath(path)} or a file in it (the same file, by its name, a "
                 f"symlink or a hardlink): writing there would destroy the input; give {flag} another path"
             )
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: alive, another user's
-        return True
-    return True
-
-
-def partial_name(name: str) -> str:
-    """The temporary name beside `name` that a write goes to before its rename (`.tmp-NAME-PID`)."""
-    return f".tmp-{name}-{os.getpid()}"
-
-
-def remove_stale_partials(folder: str | os.PathLike, name: str) -> list[str]:
-    """Delete `.tmp-NAME-PID` files or folders in `folder` left by a writer that was killed (its pid no longer runs):
-    a killed export leaves a whole model there. Returns the paths removed (for a line saying so)."""
-    import re
-
-    pattern = re.compile(rf"^\.tmp-{re.escape(name)}-(\d+)$")
-    removed = []
-    try:
-        entries = list(os.scandir(folder))
-    except OSError:
-        return removed
-    for e in entries:
-        m = pattern.match(e.name)
-        if not m or int(m.group(1)) == os.getpid() or pid_alive(int(m.group(1))):
-            continue
-        if e.is_dir(follow_symlinks=False):
-            shutil.rmtree(e.path, ignore_errors=True)
-        else:
-            with contextlib.suppress(OSError):
-                os.unlink(e.path)
-        removed.append(e.path)
-    return removed
-
-
-@contextlib.contextmanager
-def published_folder(
-    out: str | os.PathLike,
-    full: Callable[[Path], str],
-    unwritable: Callable[[OSError, Path], str] | None = None,
-) -> Iterator[Path]:
-    """A new empty folder beside `out` (its `partial_name`) for the block to fill; when the block ends it is renamed
-    to `out` (an empty folder there removed first: the callers refuse a full one). A block that fails, fills the
-    disk or is stopped (SystemExit of a SIGTERM, KeyboardInterrupt) leaves nothing at `out` and its temporary folder
-    is removed at once (after kill -9, by the next writer's `remove_stale_partials`). A full disk or quota raises a
-    UserError of `full(TEMP)`; any other OSError, with `unwritable`, one of `unwritable(ERROR, TEMP)`."""
-    from theworld.core.errors import UserError, out_of_space
-
-    out = Path(out)
-    tmp = out.parent / partial_name(out.name)
-    try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        yield tmp
-        if out.is_dir():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, Exception) and out_of_space(e, out.parent):
-            raise UserError(full(tmp)) from None
-        if isinstance(e, OSError) and unwritable is not None:
-            raise UserError(unwritable(e, tmp)) from None
-        raise

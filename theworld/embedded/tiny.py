@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
+from theworld.core import atomic
 from theworld.embedded import synthetic
 from theworld.model import gemma3
 
@@ -256,8 +256,11 @@ def ensure(name: str) -> Path:
     builders = {TINY_GEMMA_DIR: build_tiny_gemma, TINY_VAE_DIR: build_tiny_vae, TINY_ROLLOUT_DIR: build_tiny_rollout}
     builder = builders[name]
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
+    atomic.remove_stale(target.parent, name)  # a build killed by kill -9
+    tmp = atomic.partial_path(target)
+    shutil.rmtree(tmp, ignore_errors=True)
     try:
+        tmp.mkdir()
         builder(tmp)
         tmp.chmod(0o755)
         os.replace(tmp, target)

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shlex
 from pathlib import Path
 
-from theworld.core import paths
+from theworld.core import atomic, paths
 from theworld.core.errors import UserError
 from theworld.model.stage_layout import RESULTS
 
@@ -65,7 +64,7 @@ def _local(data: str | Path) -> Path:
     """A set's local path: a cache in object storage is read through its stand-in folder, which holds its manifest."""
     from theworld.cache_format import storage
 
-    return storage.open_cache(data)[0] if storage.is_url(str(data)) else Path(data)
+    return storage.open_cache(data)[0]  # a local path as it is
 
 
 def row(summary: dict, data: str, task: str, argv: list[str], split: str = "val", limit: int = 0) -> list[str]:
@@ -201,11 +200,8 @@ def update(card: Path, new: list[str]) -> None:
 
 
 def _write(path: Path, text: str, what: str) -> None:
-    tmp = path.with_name(paths.partial_name(path.name))
-    paths.remove_stale_partials(path.parent, path.name)  # one a killed evaluation left
+    atomic.remove_stale(path.parent, path.name)  # one a killed evaluation left
     try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
+        atomic.write_text(path, text)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise UserError(f"{path}: cannot write {what} ({e.strerror}); the numbers are printed above") from None

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from theworld.core import location
 from theworld.core.errors import UserError, one_line
 from theworld.embedded import tiny
 
@@ -44,12 +45,23 @@ def _quiet_hf() -> None:
 
 
 def resolve_gemma(spec: str) -> str:
-    return str(tiny.ensure(tiny.TINY_GEMMA_DIR)) if spec == "tiny" else spec
+    return pretrained(spec, tiny.TINY_GEMMA_DIR)[0]
+
+
+def pretrained(spec: str, tiny_dir: str) -> tuple[str, dict]:
+    """(what from_pretrained takes, its revision keyword) for a model spec: the tiny model's folder (built once), a
+    hub id's repo and revision (`user/name@rev`), or the spec itself (a local folder)."""
+    where = location.model(spec)
+    if isinstance(where, location.Tiny):
+        return str(tiny.ensure(tiny_dir)), {}
+    if isinstance(where, location.HubId) and where.revision:
+        return where.repo, {"revision": where.revision}
+    return spec, {}
 
 
 def resolve_vae(spec: str) -> tuple[str, str | None]:
     """(path or hub id, subfolder) for a VAE spec: tiny, a VAE folder, a pipeline folder with vae/, or a hub id."""
-    if spec == "tiny":
+    if location.is_tiny(spec):
         return str(tiny.ensure(tiny.TINY_VAE_DIR)), None
     p = Path(spec)
     if p.is_dir():
@@ -58,7 +70,8 @@ def resolve_vae(spec: str) -> tuple[str, str | None]:
         if (p / "vae" / "config.json").is_file():
             return spec, "vae"
         raise UserError(f"model.vae: {spec} has neither config.json nor vae/config.json")
-    return spec, "vae"  # a hub id: the pipeline repo (nvidia/Cosmos-Predict2-2B-Video2World) keeps the VAE in vae/
+    where = location.model(spec)  # a hub id: the pipeline repo (nvidia/Cosmos-Predict2-2B-Video2World), VAE in vae/
+    return (where.repo if isinstance(where, location.HubId) else spec), "vae"
 
 
 def _offline() -> bool:
@@ -71,16 +84,14 @@ def _offline() -> bool:
 def check_available(spec: str, key: str, config_file: str = "config.json") -> None:
     """Before from_pretrained: a spec that is neither a folder here nor (offline) in the Hugging Face cache gets a
     line saying exactly that, not the loader's "does not appear to have a file named config.json"."""
-    if spec == "tiny" or Path(spec).exists():
-        return
-    looks_like_path = spec.startswith(("/", ".", "~")) or spec.count("/") > 1 or spec.endswith("/")
-    if looks_like_path:
+    where = location.model(spec)
+    if isinstance(where, location.Local) and not where.path.exists():
         raise UserError(f"{key}: {spec!r} is not a folder here (nor a hub id of the form org/name)")
-    if not _offline():
+    if not isinstance(where, location.HubId) or not _offline():
         return
     from huggingface_hub import constants, try_to_load_from_cache
 
-    if not isinstance(try_to_load_from_cache(spec, config_file), str):
+    if not isinstance(try_to_load_from_cache(where.repo, config_file, revision=where.revision), str):
         raise UserError(
             f"{key}: {spec!r} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and "
             "HF_HUB_OFFLINE is set, so it cannot be downloaded: download it once where the network is "
@@ -105,10 +116,10 @@ def load_gemma(spec: str, dtype: str = "bfloat16"):
 
     _quiet_hf()
     check_available(spec, "model.gemma")
-    path = resolve_gemma(spec)
+    path, revision = pretrained(spec, tiny.TINY_GEMMA_DIR)
     try:
-        model = Gemma3ForConditionalGeneration.from_pretrained(path, dtype=DTYPES[dtype])
-        processor = AutoProcessor.from_pretrained(path)
+        model = Gemma3ForConditionalGeneration.from_pretrained(path, dtype=DTYPES[dtype], **revision)
+        processor = AutoProcessor.from_pretrained(path, **revision)
     except load_errors() as e:
         raise cannot_load("model.gemma", spec, e) from None
     return model.eval(), processor
@@ -121,10 +132,11 @@ def load_vae(spec: str, dtype: str = "bfloat16"):
     _quiet_hf()
     check_available(spec, "model.vae", "vae/config.json")  # a hub id is the pipeline repo, the VAE in vae/
     path, subfolder = resolve_vae(spec)
+    revision = pretrained(spec, tiny.TINY_VAE_DIR)[1]
     level = diffusers_logging.get_verbosity()
     diffusers_logging.set_verbosity(diffusers_logging.CRITICAL)  # it logs each failed try: our one line says it
     try:
-        vae = AutoencoderKLWan.from_pretrained(path, subfolder=subfolder, torch_dtype=DTYPES[dtype])
+        vae = AutoencoderKLWan.from_pretrained(path, subfolder=subfolder, torch_dtype=DTYPES[dtype], **revision)
     except load_errors() as e:
         raise cannot_load("model.vae", spec, e) from None
     finally:

@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from theworld.core import location
+from theworld.core.device import default_device
 from theworld.core.errors import UserError
 from theworld.embedded import tiny
 from theworld.model import encoders
@@ -138,7 +140,7 @@ def check_settings(num_world_steps: int, rollout, resolution: int | None = None)
 def resolve(spec: str) -> tuple[str, str]:
     """(folder or hub id, subfolder prefix) of the Video2World pipeline behind `model.vae` spec `spec`, refused in
     one line when it has no Video2World transformer."""
-    if spec == "tiny":
+    if location.is_tiny(spec):
         return str(tiny.ensure(tiny.TINY_ROLLOUT_DIR)), ""
     encoders.check_available(spec, "model.vae", "transformer/config.json")
     p = Path(spec)
@@ -192,7 +194,7 @@ class _TinyNoGuardrail:
 
 
 def _guardrail(spec: str, prompts: list[str]):
-    if spec == "tiny":
+    if location.is_tiny(spec):
         return _TinyNoGuardrail()
     from diffusers.utils import is_cosmos_guardrail_available
 
@@ -317,7 +319,7 @@ class Rollout(nn.Module):
             "weights": encoders.weights_hash(text),
             "tokens": hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
         }
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # T5-XXL on a CPU takes minutes
+        device = default_device()  # T5-XXL on a CPU takes minutes
         if settings.condition == "question":  # each sample's question is encoded as it comes; the negative now
             with torch.no_grad():
                 negative_embeds = _encode_on(pipe, device, texts[0], None, False)[0].cpu() if guidance else None

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from theworld.core import hub, log
+from theworld.core import atomic, hub, log
 from theworld.core.config import (
     FreezeConfig,
     ImageConfig,
@@ -79,6 +79,11 @@ def resolve(path: str | Path) -> Path:
     """The folder holding the weights and config: `path` itself, or `path/final` for a run's output_dir; a hub repo id
     (user/name[@revision]) is its snapshot folder (theworld/core/hub.py)."""
     p = hub.resolve(path)
+    if atomic.is_partial(p.resolve().name):  # an export, a build or a checkpoint that never finished: never trusted
+        raise UserError(
+            f"model {p}: an unfinished write (its writer was stopped; the next run to the same place removes it): "
+            "give the finished folder"
+        )
     if not p.is_dir():
         raise UserError(f"model {p}: not a folder (expected a final/ or checkpoint-N/ folder, or a run's output_dir)")
     folder = p if (p / WEIGHTS).is_file() else p / FINAL

@@ -18,6 +18,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from theworld.core.config import FreezeConfig, ImageConfig, LoraConfig, ModelConfig, WorldConfig
+from theworld.core.device import default_device
 from theworld.core.errors import UserError
 from theworld.infer import generate as generation
 from theworld.model import device_map as dispatching
@@ -196,7 +197,7 @@ class TheWorld(nn.Module):
         if device_map is not None:
             dispatching.dispatch(model.eval(), device_map, offload_folder)
             return model, processor
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = device or default_device()
         return model.to(device).eval(), processor
 
     @property

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import time
 from collections.abc import Callable
@@ -23,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file, save_file
 
-from theworld.core import hub, log
+from theworld.core import atomic, hub, log
 from theworld.core.errors import OutOfSpace, UserError, no_space_message, out_of_space
 from theworld.core.paths import REGULAR, path_kind
 from theworld.core.process_group import gather_ints
@@ -52,8 +51,6 @@ if TYPE_CHECKING:
 
     from train.components import Components
     from train.config import TrainConfig
-
-PARTIAL_RE = re.compile(r"^\.(tmp|old)-(.+)-\d+$")  # .tmp-<name>-<pid>: being written; .old-<name>-<pid>: replaced
 
 _log = log.get(__name__)
 
@@ -243,19 +240,10 @@ def save_run(components: Components, state: LoopState, steps_per_epoch: int, cac
 
 
 def remove_partial(output_dir: str | Path) -> list[Path]:
-    """Clean up after a run killed while saving: a folder it had moved aside to replace goes back if its replacement
-    never arrived; unfinished writes (each can be a full checkpoint in size) are deleted. Returns what was deleted."""
-    out = Path(output_dir)
-    if not out.is_dir():
-        return []
-    found = [(p, m) for p in out.iterdir() if (m := PARTIAL_RE.match(p.name)) and p.is_dir()]
-    for p, m in found:
-        if m.group(1) == "old" and not (out / m.group(2)).exists():
-            os.replace(p, out / m.group(2))
-    removed = [p for p, _ in found if p.exists()]
-    for p in removed:
-        shutil.rmtree(p, ignore_errors=True)
-    return removed
+    """Clean up after a run killed while saving (the run lock is held: every partial is stale): a folder it had
+    moved aside to replace goes back if its replacement never arrived; unfinished writes (each can be a full
+    checkpoint in size) are deleted. Returns what was deleted."""
+    return [Path(p) for p in atomic.remove_stale(output_dir, only_dead=False, folders_only=True)]
 
 
 def resolve_weights(path: str | Path) -> Path:
@@ -356,15 +344,13 @@ def _reader(name: str) -> Callable[[Path], object]:
 
 
 def publish(out: Path, name: str, files: dict) -> Path:
-    """Write `files` into a temporary folder, fsync them, then rename it to out/name: it appears only complete."""
-    final, tmp, old = out / name, out / f".tmp-{name}-{os.getpid()}", out / f".old-{name}-{os.getpid()}"
+    """Write `files` into a partial folder, fsync them, then rename it to out/name: it appears only complete (one
+    there before, final/ of a rerun, is moved aside whole first, so a kill loses neither)."""
+    tmp = atomic.partial_path(out / name)
     shutil.rmtree(tmp, ignore_errors=True)
     _write_dir(tmp, files)
-    if final.exists():  # written before (final/ of a rerun): moved aside whole, so a kill here loses neither
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
-    return final
+    atomic.replace_folder(tmp, out / name)
+    return out / name
 
 
 def save(output_dir: str | Path, name: str, parts: list[Stateful], given: list, keep_last: int) -> Path:

@@ -7,10 +7,10 @@ confused with `python -m theworld.export`, which turns a finished stage into one
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from theworld.core import atomic
 from theworld.infer import card as results
 from theworld.model import lora
 from theworld.model.stage_layout import CARD, CONFIG, FINAL, PROMPT, RESULTS, STATE, SUMS, WEIGHTS, write_sums
@@ -62,12 +62,6 @@ def export_final(
     return publish(out, FINAL, files)
 
 
-def _replace_file(path: Path, text: str) -> None:
-    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def record_eval(components: Components, state: LoopState, output_dir: str | Path) -> None:
     """Main process, after the last eval (which runs once checkpoint-<step> and final/ are saved): the checkpoint's
     state.json (resealed) and final/'s model card take its numbers, each file replaced whole."""
@@ -77,10 +71,10 @@ def record_eval(components: Components, state: LoopState, output_dir: str | Path
         saved = json.loads((ckpt / STATE).read_text())
         # with the plateau record the eval extended, so that a rerun's card gives the same advice as this one
         evals = {k: getattr(state, k) for k in ("last_eval", *PLATEAU)}
-        _replace_file(ckpt / STATE, json.dumps(seal({**saved, **evals}), indent=1))
+        atomic.write_text(ckpt / STATE, json.dumps(seal({**saved, **evals}), indent=1))
     final = out / FINAL
     prompt = (final / PROMPT).read_text(encoding="utf-8").removesuffix("\n")
-    _replace_file(final / CARD, _card(card(components.cfg, state, out, prompt), results.rows(final), final))
+    atomic.write_text(final / CARD, _card(card(components.cfg, state, out, prompt), results.rows(final), final))
 
 
 def _card(text: str, kept: list[dict], folder: Path) -> str:

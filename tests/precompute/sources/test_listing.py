@@ -9,6 +9,7 @@ from precompute import cosmos_latents, sources
 from tests._precompute_helpers import cli_args, gradient, jpeg_bytes, make_cfg, read_cache_plain
 from tests._source_helpers import chat_item, txt_folder
 from theworld import cache_format as cf
+from theworld.core import atomic
 
 
 def test_num_samples_keeps_the_first_n_usable_entries_of_any_source(tmp_path):
@@ -86,7 +87,7 @@ def test_llava_and_parquet_listings_split_across_ranks(tmp_path):
         listings, barrier, writes = {}, threading.Barrier(2), []
         real = cf.atomic_write_bytes  # every listing file goes through it (atomic_write_json included)
         recording = lambda p, data: (writes.append((threading.current_thread().name, p.name)), real(p, data))[1]
-        cf.atomic_write_bytes = cf.layout.atomic_write_bytes = recording
+        atomic.write_bytes = cf.atomic_write_bytes = cf.layout.atomic_write_bytes = recording
         try:
 
             def rank(r: int) -> None:
@@ -105,7 +106,7 @@ def test_llava_and_parquet_listings_split_across_ranks(tmp_path):
             threads = [threading.Thread(target=rank, args=(r,), name=f"rank{r}") for r in (0, 1)]
             [t.start() for t in threads], [t.join() for t in threads]
         finally:
-            cf.atomic_write_bytes = cf.layout.atomic_write_bytes = real
+            atomic.write_bytes = cf.atomic_write_bytes = cf.layout.atomic_write_bytes = real
         assert writes and all(name == "rank0" for name, _ in writes)
         assert sum(e.error is not None for e in reference) == 1
         for listing in listings.values():

@@ -223,6 +223,14 @@ def _table(tmp_path: Path, **columns) -> Path:
             ["source.path", "not a readable jsonl table"],
         ),
         (lambda p: p / "nothing.parquet", [], ["source.path", "table not found"]),
+        (  # a picture on this machine's disk, named by a file:// URL among web ones: refused, never read
+            lambda p: (
+                (p / "secret.png").write_bytes(png_bytes(gradient(40, 40)))
+                and _table(p, url=["http://127.0.0.1:9/a", f"FILE://{p / 'secret.png'}"], text=["c", "d"])
+            ),
+            [],
+            ["source.path", "row 1 has a local URL (FILE://", "source.type: folder"],
+        ),
         (lambda p: os.mkfifo(p / "t.parquet") or p / "t.parquet", [], ["source.path", "a FIFO"]),
         (lambda p: p, [], ["source.path", "no .parquet or .jsonl tables"]),
     ],

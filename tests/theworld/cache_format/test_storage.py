@@ -495,3 +495,58 @@ def test_two_processes_precompute_to_s3_the_shards_of_one(s3, s3_cache, tmp_path
     assert [(a.key(i), a.sample(i).caption) for i in range(len(a))] == [
         (b.key(i), b.sample(i).caption) for i in range(len(b))
     ]
+
+
+def _record(s3, prefix: str) -> dict:
+    return json.loads(s3.fs.cat_file(f"{BUCKET}/{prefix}/{cf.RUN_FILE}"))
+
+
+def test_a_second_precompute_into_one_prefix_at_once_is_refused_before_it_writes_a_shard(
+    s3, tmp_path, capsys, monkeypatch
+):
+    """Run B (seed 1) checks the prefix (empty), then run A (seed 0, another node: its own cache_local_dir) claims it
+    and finishes before B claims: B's claim (an exclusive create) finds A's record and B stops in one line naming the
+    setting, having put no shard; the bucket holds A's cache whole."""
+    from precompute import cosmos_latents, identity
+
+    target, claim_output = url("race"), identity.claim_output
+
+    def a_claims_first(out, run_id):
+        monkeypatch.setattr(identity, "claim_output", claim_output)  # run A claims as usual
+        cosmos_latents.run(make_cfg(target, "seed=0", f"cache_local_dir={tmp_path / 'a'}", n=8))  # type: ignore[arg-type]
+        capsys.readouterr()
+        s3.mark = len(s3.log)
+        claim_output(out, run_id)
+
+    monkeypatch.setattr(identity, "claim_output", a_claims_first)
+    assert cosmos_latents.main(cli_args(target, "seed=1", f"cache_local_dir={tmp_path / 'b'}", n=8)) == 2  # type: ignore[arg-type]
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"error: output_dir {target}: another precompute claimed it while this one ran (its {cf.RUN_FILE} has a "
+        "different source.seed); two runs must not write one prefix: give this one another output_dir"
+    ), err
+    puts = [p for m, p, _ in s3.log[s3.mark :] if m == "PUT" and "/race/" in p]
+    assert puts == [f"/{BUCKET}/race/{cf.RUN_FILE}"], puts  # the refused create only: no shard, no manifest
+    assert _record(s3, "race")["source"]["seed"] == 0
+    manifest = json.loads(s3.fs.cat_file(f"{BUCKET}/race/manifest.json"))
+    assert manifest["config"]["seed"] == 0
+
+
+def test_a_run_record_replaced_during_the_run_is_refused_before_the_manifest(s3, tmp_path, capsys, monkeypatch):
+    """A store that ignores exclusive creates lets a second run's record replace this run's after its claim: the
+    check before the manifest refuses in one line, and no manifest.json calls the mixed prefix complete."""
+    from precompute import cosmos_latents, identity
+
+    target, claim_remote = url("replaced"), identity.claim_remote
+
+    def then_another_run_puts_its_record(remote, out):
+        claim_remote(remote, out)
+        other = {**_record(s3, "replaced"), "shard_size": 3}
+        s3.fs.pipe_file(f"{BUCKET}/replaced/{cf.RUN_FILE}", json.dumps(other).encode())
+
+    monkeypatch.setattr(identity, "claim_remote", then_another_run_puts_its_record)
+    assert cosmos_latents.main(cli_args(target, f"cache_local_dir={tmp_path / 'l'}", n=8)) == 2  # type: ignore[arg-type]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: output_dir {target}: another precompute claimed it while this one ran"), err
+    assert "different shard_size" in err[-1]
+    assert not s3.fs.exists(f"{BUCKET}/replaced/manifest.json")

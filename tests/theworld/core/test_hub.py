@@ -67,13 +67,6 @@ def cached_stage(trained_run, tmp_path, monkeypatch):
     return {**trained_run, "hf_cache": cache, "final": final}
 
 
-def test_parse_reads_repo_ids_and_revisions_only():
-    assert hub.parse("user/name") == ("user/name", None)
-    assert hub.parse("user/name@v1.0") == ("user/name", "v1.0")
-    for not_an_id in ("runs/stage1/final", "/abs/path", "name", "./x/y", "../a/b", "a/b c"):
-        assert hub.parse(not_an_id) is None, not_an_id
-
-
 def test_a_local_folder_wins_over_a_hub_id(tmp_path, monkeypatch):
     (tmp_path / "user" / "name").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)

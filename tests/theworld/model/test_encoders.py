@@ -72,6 +72,13 @@ def test_vae_folder_or_pipeline_folder_or_hub_id(tmp_path):
     )
     with pytest.raises(UserError, match="model.vae"):  # offline: a clear one-line error, no traceback
         encoders.load_vae("nobody/no-such-model", "float32")
+    # a revision goes to from_pretrained as its own keyword, never inside the repo id
+    assert encoders.resolve_vae("nvidia/Cosmos-Predict2-2B-Video2World@v1") == (
+        "nvidia/Cosmos-Predict2-2B-Video2World",
+        "vae",
+    )
+    assert encoders.pretrained("user/gemma@refs/pr/1", "unused") == ("user/gemma", {"revision": "refs/pr/1"})
+    assert encoders.pretrained("user/gemma", "unused") == ("user/gemma", {})
 
 
 def test_crop_and_squash():
@@ -156,6 +163,8 @@ def test_offline_with_a_hub_id_not_in_the_local_cache_says_exactly_that(tmp_path
         assert f"({encoders.hub_download_command()} download {spec})" in msg
     with pytest.raises(UserError, match="is not a folder here"):
         encoders.load_vae(str(tmp_path / "no" / "such" / "vae"), "float32")
+    with pytest.raises(UserError, match=r"'gemma3' is not a folder here \(nor a hub id"):  # neither: said at once
+        encoders.load_gemma("gemma3", "float32")
 
 
 def test_the_download_advice_names_the_command_the_installed_huggingface_hub_has(monkeypatch):

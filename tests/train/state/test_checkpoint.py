@@ -324,9 +324,10 @@ def test_remove_partial_restores_a_folder_moved_aside_and_deletes_unfinished_wri
     for name in (".old-final-17", ".tmp-final-17", ".tmp-checkpoint-4-18", ".old-checkpoint-2-19", "checkpoint-2"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "marker").write_text(name)
+    (tmp_path / ".tmp-preds.jsonl-20").write_text("{}")  # another command's partial file: not the run's to remove
     removed = remove_partial(tmp_path)
     # final/ never arrived: the old one goes back; checkpoint-2 did arrive: the old copy goes
     assert (tmp_path / "final" / "marker").read_text() == ".old-final-17"
     assert (tmp_path / "checkpoint-2" / "marker").read_text() == "checkpoint-2"
     assert sorted(p.name for p in removed) == [".old-checkpoint-2-19", ".tmp-checkpoint-4-18", ".tmp-final-17"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "final"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-preds.jsonl-20", "checkpoint-2", "final"]
