@@ -30,7 +30,7 @@ from theworld.core.errors import UserError, cli_entry, one_line, sigterm_as_exit
 from theworld.model import gemma3
 
 BUILD_FILE = "theworld_build.json"  # what built the folder: a rerun with the same build leaves it as it is
-BUILD_VERSION = 2  # bump when the same inputs would give a different folder (2: BUILD_FILE lists the files)
+BUILD_VERSION = 1  # bump when the same inputs would give a different folder
 SEED = 0
 PIP = "pip install '.[real]' in the repository (the tested versions: pip install -c requirements/lock.txt '.[real]')"
 
@@ -219,15 +219,31 @@ def inventory(folder: Path) -> dict[str, dict]:
     }
 
 
+def _weight_files(out: Path) -> list[str]:
+    """The files from_pretrained reads the model from: its config and its safetensors (one file, or an index and the
+    shards it names)."""
+    index = out / "model.safetensors.index.json"
+    try:
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else []
+    except (OSError, ValueError, KeyError, AttributeError):
+        shards = []
+    return ["config.json", *([index.name, *shards] if index.is_file() else ["model.safetensors"])]
+
+
 def damage(out: Path, files: object) -> str | None:
     """What differs between `out` and the files its build recorded (the first difference), or None when every file
-    is there with its size and sha256: a folder whose weights were deleted or changed is not the build."""
+    is there with its size and sha256: a folder whose weights were deleted or changed is not the build. A record
+    written before builds listed their files: the weight files must be there (their contents cannot be checked)."""
+    if files is None:
+        files = {name: None for name in _weight_files(out)}
     if not isinstance(files, dict) or not files:
         return f"{BUILD_FILE} lists no files"
     for name, want in files.items():
         path = out / name
         if paths.path_kind(path) != paths.REGULAR:
             return f"{name} is {paths.path_kind(path) or 'missing'}"
+        if want is None:  # an older record: present is all that can be checked
+            continue
         if not isinstance(want, dict):
             return f"{BUILD_FILE}'s entry for {name} is damaged"
         size = path.stat().st_size
@@ -304,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"theworld.models: {out} holds {args.model} ({args.dtype}) but {why}: delete {out} and rerun to "
                 "build it again"
             )
-        print(f"{out} already holds {args.model} ({args.dtype}), every file as built; nothing to do", file=sys.stderr)
+        checked = "every file as built" if "files" in record else "its weight files are there (an older record)"
+        print(f"{out} already holds {args.model} ({args.dtype}), {checked}; nothing to do", file=sys.stderr)
         return 0
     # the GGUF reader, and the package shipping the file unless one is given
     _require(("gguf",) if args.gguf else ("gguf", MODELS[args.model].package))

@@ -241,11 +241,15 @@ def test_a_built_folder_is_a_no_op_only_while_every_file_is_as_built(tmp_path, c
         assert "nothing to do" not in err
         shutil.rmtree(out)
         _fake_build(out)
-    legacy = json.loads((out / models.BUILD_FILE).read_text())
-    del legacy["files"]  # a record that lists no files: what the build wrote cannot be checked
-    legacy["version"] = 1
-    (out / models.BUILD_FILE).write_text(json.dumps(legacy))
-    assert "holds something else" in _refused(capsys, "gemma3-270m", str(out))
+    older = json.loads((out / models.BUILD_FILE).read_text())
+    del older["files"]  # a folder built before records listed their files: its weight files must be there
+    (out / models.BUILD_FILE).write_text(json.dumps(older))
+    assert models.main(["gemma3-270m", str(out)]) == 0
+    assert "its weight files are there" in capsys.readouterr().err
+    weights.unlink()
+    assert "model.safetensors is missing" in _refused(capsys, "gemma3-270m", str(out))
+    (out / models.BUILD_FILE).write_text(json.dumps({**older, "files": {}}))
+    assert f"{models.BUILD_FILE} lists no files" in _refused(capsys, "gemma3-270m", str(out))
 
 
 @slow  # a subprocess that imports torch and transformers
