@@ -1,19 +1,25 @@
 # Two targets do everything on a fresh machine: `make demo` and `make test` (see README).
-# GPU users: create .venv and install the torch build for your CUDA first; `make` keeps whatever torch it finds.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-TORCH_SPEC ?= torch==2.13.0
+# torch: the version requirements/lock.txt pins, as the build TORCH_BUILD names from PyTorch's own index (PyPI's Linux
+# wheel is the CUDA build). GPU machines: make install TORCH_BUILD=cu128 (a CUDA build PyTorch publishes for that
+# version). A torch of the pinned version, any build, is kept. Where that index cannot be reached, the version as this
+# machine's pip configuration offers it (a local wheel, a mirror; on a PyPI-only Linux machine, the CUDA build).
+TORCH_VERSION := $(shell sed -n 's/^torch==//p' requirements/lock.txt)
+TORCH_BUILD ?= cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/$(TORCH_BUILD)
+TORCH_SPEC ?= torch==$(TORCH_VERSION)+$(TORCH_BUILD)
 LMMS_EVAL_SPEC ?= lmms-eval>=0.7,<0.8
 IMG2DATASET_SPEC ?= img2dataset==1.47.0
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install lmms-eval img2dataset streaming chromium demo demo-real lint test test-fast test-latest lock bench clean-demo
+.PHONY: install torch lmms-eval img2dataset streaming chromium demo demo-real lint test test-fast test-latest lock bench clean-demo
 
 # The tested set: every package at its version in requirements/lock.txt (CI ran the suite on it), the project on top.
 $(VENV)/.installed: pyproject.toml requirements/lock.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(MAKE) --no-print-directory torch PY=$(PY)
 	$(PY) -m pip install -q --no-deps -r requirements/lock.txt
 	$(PY) -m pip install -q --no-deps -e .
 	$(PY) scripts/lock.py check
@@ -33,7 +39,7 @@ lmms-eval:
 LATEST := .venv-latest
 test-latest: chromium
 	rm -rf $(LATEST) && $(PYTHON) -m venv $(LATEST)
-	$(LATEST)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(MAKE) --no-print-directory torch PY=$(LATEST)/bin/python
 	$(LATEST)/bin/python -m pip install -q "s3fs>=2024.2" "datasets>=2.14"
 	$(LATEST)/bin/python -m pip install -q -e ".[dev]" \
 	  "boto3==$$($(LATEST)/bin/python -c 'import botocore; print(botocore.__version__)')"
@@ -61,7 +67,23 @@ STREAMING_SPEC ?= mosaicml-streaming==0.13.0 brotli python-snappy cramjam zstd c
 streaming:
 	$(PY) -m pip install -q --no-deps $(STREAMING_SPEC)
 
+# Every time, not only when the lock changed (about 2 s): a package changed by hand since (pip install -U ...) is put
+# back to the lock's version.
 install: $(VENV)/.installed
+	@$(PY) scripts/lock.py check || { \
+	  echo "$(VENV) no longer holds requirements/lock.txt (above): installing the lock again"; \
+	  rm -f $(VENV)/.installed && $(MAKE) --no-print-directory $(VENV)/.installed; }
+
+# torch $(TORCH_VERSION) unless a build of it is installed (see TORCH_BUILD above); its dependencies are in the lock.
+torch:
+	@v=$$($(PY) -c "import importlib.metadata as m; print(m.version('torch'))" 2>/dev/null); \
+	if [ "$${v%%+*}" = "$(TORCH_VERSION)" ]; then echo "torch $$v kept (the lock pins $(TORCH_VERSION), any build)"; \
+	else \
+	  echo "torch $${v:-not installed}: installing $(TORCH_SPEC) from $(TORCH_INDEX)"; \
+	  $(PY) -m pip install -q --no-deps --retries 1 --timeout 30 --index-url $(TORCH_INDEX) "$(TORCH_SPEC)" || { \
+	    echo "no $(TORCH_SPEC) from $(TORCH_INDEX): torch==$(TORCH_VERSION) as this machine's pip configuration offers it"; \
+	    $(PY) -m pip install -q "torch==$(TORCH_VERSION)"; }; \
+	fi
 
 MC := runs/synthetic-mc
 # The main job on the embedded default: tiny models, synthetic data; precompute, then stage-1 training + summary;

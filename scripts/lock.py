@@ -7,8 +7,10 @@ that passed the suite, and checked against the one it was installed into.
     python scripts/lock.py requirements PACKAGE  # its requirements less LEFT_UNMET: what goes in beside it when the
                                                  # Makefile installs it with --no-deps
 
-torch is left out of the lock (with the packages of its CUDA builds): users install the build for their machine
-first, and `make` keeps it. Requirements that the installs deliberately leave unmet are listed in LEFT_UNMET.
+torch is locked by its version alone: any build of it (2.13.0+cpu, 2.13.0+cu128, PyPI's 2.13.0) holds the lock's
+`torch==2.13.0`, as the build is the machine's choice (the Makefile installs the CPU build unless told another); the
+packages of its CUDA builds are left out. Requirements that the installs deliberately leave unmet are listed in
+LEFT_UNMET.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ LOCK = Path(__file__).resolve().parent.parent / "requirements" / "lock.txt"
 PROJECT = "theworld-train"
 EXTRAS = ("dev", "eval")  # what `make install` (and so CI) installs
 NOT_LOCKED = {"pip", PROJECT}  # the installer, and the project itself (installed editable from the checkout)
-TORCH_BUILD = ("torch", "torchvision", "torchaudio", "triton", "nvidia-", "cuda-")  # the user's torch build
+TORCH = "torch"  # locked by its public version: the build (+cpu, +cu128) is the machine's
+TORCH_BUILD = ("torchvision", "torchaudio", "triton", "nvidia-", "cuda-")  # the packages of a torch build
 
 # Requirements left unmet on purpose (the Makefile's lmms-eval and img2dataset targets install these packages without
 # them). lmms-eval: torchvision (and timm, which needs it) would replace a CPU torch with PyPI's CUDA build, and its
@@ -52,6 +55,11 @@ def locked_name(name: str) -> bool:
     return name not in NOT_LOCKED and not name.startswith(TORCH_BUILD)
 
 
+def locked_version(name: str, dist: Distribution) -> str:
+    """The version the lock records for an installed distribution: torch's without its build (local) label."""
+    return Version(dist.version).public if name == TORCH else dist.version
+
+
 def installed() -> dict[str, Distribution]:
     return {_name(d): d for d in distributions()}
 
@@ -66,7 +74,7 @@ def read_lock(path: Path | None = None) -> dict[str, str]:
         try:
             req = Requirement(line)
         except InvalidRequirement:  # a stray line (a merge marker, a pasted word): the line, not a traceback
-            raise SystemExit(f"{path}:{n}: '{line}' is not an exact pin (name==version)") from None
+            raise SystemExit(f"{path}:{n}: '{line}' is not an exact pin (name==version), nor any requirement") from None
         spec = list(req.specifier)
         if len(spec) != 1 or spec[0].operator != "==" or req.marker or req.extras:
             raise SystemExit(f"{path}:{n}: '{line}' is not an exact pin (name==version)")
@@ -87,7 +95,7 @@ def unmet(dists: dict[str, Distribution]) -> list[str]:
             dep = canonicalize_name(req.name)
             env_ok = req.marker is None or any(req.marker.evaluate({"extra": e}) for e in ("", *extras))
             left = LEFT_UNMET.get(name, set())
-            if not env_ok or dep in left or left is ALL or dep.startswith(TORCH_BUILD[1:]):
+            if not env_ok or dep in left or left is ALL or dep.startswith(TORCH_BUILD):
                 continue
             if dep not in dists:
                 problems.append(f"{name} requires {req}: not installed")
@@ -97,12 +105,12 @@ def unmet(dists: dict[str, Distribution]) -> list[str]:
 
 
 def write() -> None:
-    print("# Exact versions of everything `make install` installs, but torch (install your build first; see README).")
+    print("# Exact versions of everything `make install` installs; torch's holds for any build of it (see README).")
     print("# CI ran the suite on these. Refresh: make lock (make test-latest, then its venv's versions written here).")
     print(f"# Written on Python {sys.version_info.major}.{sys.version_info.minor}.")
     for name, dist in sorted(installed().items()):
         if locked_name(name):
-            print(f"{name}=={dist.version}")
+            print(f"{name}=={locked_version(name, dist)}")
 
 
 def check() -> int:
@@ -110,7 +118,7 @@ def check() -> int:
     wrong = [
         f"{n}=={v}: {'not installed' if n not in dists else dists[n].version + ' is installed'}"
         for n, v in pins.items()
-        if n not in dists or dists[n].version != v
+        if n not in dists or locked_version(n, dists[n]) != v
     ]
     extra = [n for n in dists if locked_name(n) and n not in pins]
     problems = wrong + [f"{n} is installed but not in the lock" for n in extra] + unmet(dists)
@@ -122,7 +130,7 @@ def check() -> int:
 def diff() -> int:
     dists, pins = installed(), read_lock()
     names = sorted({n for n in dists if locked_name(n)} | set(pins))
-    changed = [(n, pins.get(n, "-"), dists[n].version if n in dists else "-") for n in names]
+    changed = [(n, pins.get(n, "-"), locked_version(n, dists[n]) if n in dists else "-") for n in names]
     changed = [c for c in changed if c[1] != c[2]]
     for n, old, new in changed:
         print(f"{n:40} {old:>16} -> {new}")

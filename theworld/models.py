@@ -202,11 +202,60 @@ def identity(name: str, dtype: str) -> dict:
 
 
 def built(out: Path) -> dict | None:
-    """The build identity `out` holds, or None."""
+    """The build record `out` holds (identity and files), or None."""
     try:
-        return json.loads((out / BUILD_FILE).read_text())
+        record = json.loads((out / BUILD_FILE).read_text())
     except (OSError, ValueError):
         return None
+    return record if isinstance(record, dict) else None
+
+
+def inventory(folder: Path) -> dict[str, dict]:
+    """{file name: {bytes, sha256}} of every file a build wrote to `folder` (its record aside)."""
+    return {
+        p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)}
+        for p in sorted(folder.iterdir())
+        if p.is_file() and p.name != BUILD_FILE
+    }
+
+
+def _weight_files(out: Path) -> list[str]:
+    """The files from_pretrained reads the model from: its config and its safetensors (one file, or an index and the
+    shards it names)."""
+    index = out / "model.safetensors.index.json"
+    try:
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else []
+    except (OSError, ValueError, KeyError, AttributeError):
+        shards = []
+    return ["config.json", *([index.name, *shards] if index.is_file() else ["model.safetensors"])]
+
+
+def damage(out: Path, files: object) -> str | None:
+    """What differs between `out` and the files its build recorded (the first difference), or None when every file
+    is there with its size and sha256: a folder whose weights were deleted or changed is not the build. A record
+    written before builds listed their files: the weight files must be there (their contents cannot be checked)."""
+    if files is None:
+        files = {name: None for name in _weight_files(out)}
+    if not isinstance(files, dict) or not files:
+        return f"{BUILD_FILE} lists no files"
+    for name, want in files.items():
+        path = out / name
+        if paths.path_kind(path) != paths.REGULAR:
+            return f"{name} is {paths.path_kind(path) or 'missing'}"
+        if want is None:  # an older record: present is all that can be checked
+            continue
+        if not isinstance(want, dict):
+            return f"{BUILD_FILE}'s entry for {name} is damaged"
+        size = path.stat().st_size
+        if size != want.get("bytes"):
+            return f"{name} has {size} bytes where the build wrote {want.get('bytes')}"
+        try:
+            digest = sha256(path)
+        except OSError as e:
+            return f"{name} is unreadable ({e.strerror})"
+        if digest != want.get("sha256"):
+            return f"{name}'s sha256 is not the one the build wrote (the file changed)"
+    return None
 
 
 def build(name: str, out: str | Path, gguf: str | None = None, dtype: str = "float32") -> Path:
@@ -217,8 +266,12 @@ def build(name: str, out: str | Path, gguf: str | None = None, dtype: str = "flo
     for stale in atomic.remove_stale(out.parent, out.name):
         print(f"removed {stale} (the unfinished folder of a killed build)", file=sys.stderr)
     full = lambda tmp: f"theworld.models: no space left on device writing {tmp}; OUT was not created"
+    unwritable = lambda e, tmp: (
+        f"theworld.models: cannot write in {tmp.parent} ({e.strerror}), where {out.name} goes: give OUT in a folder "
+        "you can write"
+    )
     _quiet_hf()
-    with sigterm_as_exit(), atomic.folder(out, full) as tmp:
+    with sigterm_as_exit(), atomic.folder(out, full, unwritable) as tmp:
         scratch = tmp / ".gguf"  # inside the partial folder: a killed build leaves one folder, the next run's to clean
         scratch.mkdir()
         path = gguf_file(name, spec, gguf, scratch)
@@ -228,7 +281,8 @@ def build(name: str, out: str | Path, gguf: str | None = None, dtype: str = "flo
         shutil.rmtree(scratch)
         model.save_pretrained(tmp)
         _processor(tokenizer, spec).save_pretrained(tmp)
-        (tmp / BUILD_FILE).write_text(json.dumps(identity(name, dtype), indent=1) + "\n")
+        record = {**identity(name, dtype), "files": inventory(tmp)}
+        (tmp / BUILD_FILE).write_text(json.dumps(record, indent=1) + "\n")
     return out
 
 
@@ -253,13 +307,21 @@ def main(argv: list[str] | None = None) -> int:
         kind = f"a symlink (to {os.readlink(out)})" if out.is_symlink() else paths.path_kind(out)
         raise UserError(f"theworld.models: {out} is {kind}: give a new or empty folder")
     if out.is_dir() and any(out.iterdir()):
-        if built(out) == identity(args.model, args.dtype):
-            print(f"{out} already holds {args.model} ({args.dtype}); nothing to do", file=sys.stderr)
-            return 0
-        raise UserError(
-            f"theworld.models: {out} exists and holds something else (not this build of {args.model}); give a new "
-            "or empty folder"
-        )
+        record = built(out) or {}
+        if {k: v for k, v in record.items() if k != "files"} != identity(args.model, args.dtype):
+            raise UserError(
+                f"theworld.models: {out} exists and holds something else (not this build of {args.model}); give a "
+                "new or empty folder"
+            )
+        why = damage(out, record.get("files"))
+        if why is not None:  # ours, but not as the build left it: never "nothing to do"
+            raise UserError(
+                f"theworld.models: {out} holds {args.model} ({args.dtype}) but {why}: delete {out} and rerun to "
+                "build it again"
+            )
+        checked = "every file as built" if "files" in record else "its weight files are there (an older record)"
+        print(f"{out} already holds {args.model} ({args.dtype}), {checked}; nothing to do", file=sys.stderr)
+        return 0
     # the GGUF reader, and the package shipping the file unless one is given
     _require(("gguf",) if args.gguf else ("gguf", MODELS[args.model].package))
     try:

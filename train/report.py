@@ -1,9 +1,11 @@
 """`python -m train.report RUN [RUN ...] --out report.html [--eval FILE ...]`: one self-contained HTML page (pictures
-inline as data: URIs, nothing fetched) to look at runs side by side: the training loss, eval loss, shuffled-world
-eval loss and world gap of every run on shared axes, a summary per run, the evaluation tables (each run's
-final/README.md results, the benchmarks logged during training, and `theworld.evaluate --json` / `--out` files), and
-the caption samples of each run's last eval with their pictures. Each figure is also written as a PNG in
-<out stem>_files/ beside the page, for slides.
+inline as data: URIs, nothing fetched) to look at runs side by side: the training loss, the eval loss with its own
+world and with the world shuffled on one axis (the comparison the project is about), and the world gap of every run
+on shared axes, a summary per run, the evaluation tables (each run's final/README.md results, the benchmarks logged
+during training, and `theworld.evaluate --json` / `--out` files), and the caption samples of each run's last eval with
+their pictures. Each figure is also written as a PNG (1600 x 900) in <out stem>_files/ beside the page, for slides.
+The step-0 eval (before training) is left out of the curves, whose range it would set, and shown in the summary; the
+step axis has its ticks at the eval steps.
 
 A run whose config's `init_from` is another reported run's folder (that run, its final/ or a checkpoint) is drawn
 after that run's last step, so stage 1 -> 2 -> 3 read left to right; other runs start at their own step 0."""
@@ -30,14 +32,33 @@ from train.metrics import METRICS
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-# curve name: (figure title, y axis label, PNG file name)
+# curve name: what it is, in the page's words
 CURVES = {
-    "loss": ("training loss", "loss (nats/token)", "loss.png"),
-    "eval_loss": ("eval loss (own world)", "loss (nats/token)", "eval_loss.png"),
-    "eval_loss_shuffled_world": ("eval loss, world shuffled", "loss (nats/token)", "eval_loss_shuffled_world.png"),
-    "gap": ("world gap: eval loss shuffled minus own world", "nats/token", "gap.png"),
+    "loss": "training loss",
+    "eval_loss": "eval loss (own world)",
+    "eval_loss_shuffled_world": "eval loss (world shuffled)",
+    "gap": "world gap",
 }
-THUMB = 256  # a caption sample's picture is shown at most this many pixels wide or high
+# figure name: (title, y axis label, PNG file name, its curves with their line styles); one colour per stage
+FIGURES = {
+    "loss": (
+        "training loss (each point: the mean over the steps since the previous log line)",
+        "loss (nats/token)",
+        "loss.png",
+        (("loss", "-"),),
+    ),
+    "eval": (
+        "eval loss: own world (solid) vs world shuffled (dashed)",
+        "loss (nats/token)",
+        "eval_loss.png",
+        (("eval_loss", "-"), ("eval_loss_shuffled_world", "--")),
+    ),
+    "gap": ("world gap: eval loss shuffled minus own world", "nats/token", "gap.png", (("gap", "-"),)),
+}
+FIGSIZE, DPI = (16, 9), 100  # 1600 x 900 px: a slide's width
+MAX_TICKS = 16  # eval steps on the step axis; more evals than this: every k-th one
+THUMB = 256  # a caption sample's picture is shown this many pixels on its long side (small ones enlarged)
+MAX_STEP = 2**53  # a step beyond what a float holds exactly (JSON's 1e400 is inf, 10**400 an int): not a record
 
 _log = log.get(__name__)
 
@@ -67,7 +88,14 @@ class Run:
 
 
 def _number(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    """A JSON number that converts to a float (NaN and inf included; an integer too large for a float is not)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        float(v)
+    except OverflowError:
+        return False
+    return True
 
 
 def read_records(path: Path) -> tuple[list[dict], int]:
@@ -82,7 +110,7 @@ def read_records(path: Path) -> tuple[list[dict], int]:
             bad += 1
             continue
         step = rec.get("step") if isinstance(rec, dict) else None
-        if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+        if isinstance(step, int) and not isinstance(step, bool) and 0 <= step <= MAX_STEP:
             records.append(rec)
         else:
             bad += 1
@@ -217,37 +245,68 @@ def place(runs: list[Run]) -> None:
         s.offset = offset(s)
 
 
+def plain(text: str) -> str:
+    """`text` as matplotlib draws it literally: a `$` would start mathtext (a run folder named `$\\frac{$` fails)."""
+    return text.replace("$", r"\$")
+
+
+def after_step_0(steps: list[int], values: list[float]) -> tuple[list[int], list[float]]:
+    """A curve less its step-0 point (the eval before training, far above the rest) when it has later points."""
+    if len(steps) > 1 and steps[0] == 0:
+        return steps[1:], values[1:]
+    return steps, values
+
+
+def tick_steps(stages: list[Stage]) -> list[int]:
+    """The eval steps after step 0 on the shared axis, at most MAX_TICKS of them (every k-th); none when fewer than
+    two (the axis then gets matplotlib's integer ticks)."""
+    xs = sorted({x + s.offset for s in stages for x in series(s.records)["eval_loss"][0] if x > 0})
+    return xs[:: math.ceil(len(xs) / MAX_TICKS)] if len(xs) > 1 else []
+
+
 def draw(name: str, stages: list[Stage]) -> Figure | None:
-    """The matplotlib Figure of one curve for every stage that logged it (None when none did): one colour per stage,
-    the same in every figure; a dotted line where a stage that continues another starts."""
+    """The matplotlib Figure `name` of FIGURES for every stage that logged its curves (None when none did): one colour
+    per stage, the same in every figure, a line style per curve; a dotted line where a stage that continues another
+    starts; ticks at the eval steps."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    title, ylabel, _ = CURVES[name]
-    fig = Figure(figsize=(6.4, 3.6), dpi=100, layout="constrained")
+    title, ylabel, _, curves = FIGURES[name]
+    fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
     ax = fig.subplots()
-    drawn = False
+    drawn = left_out = False
     for i, s in enumerate(stages):
-        steps, values = series(s.records)[name]
-        if not steps:
-            continue
         colour = f"C{i % 10}"
-        x = [step + s.offset for step in steps]
-        ax.plot(x, values, label=s.label, color=colour, marker="o" if len(x) <= 50 else None, markersize=3)
+        for curve, style in curves:
+            steps, values = series(s.records)[curve]
+            shown, values = after_step_0(steps, values)
+            left_out |= len(shown) < len(steps)
+            if not shown:
+                continue
+            x = [step + s.offset for step in shown]
+            label = plain(s.label) + (f" ({CURVES[curve]})" if len(curves) > 1 else "")
+            marker = "o" if len(x) <= 50 else None
+            ax.plot(x, values, label=label, color=colour, linestyle=style, marker=marker, markersize=4)
+            drawn = True
         if s.after is not None:
             ax.axvline(s.offset, color=colour, linestyle=":", linewidth=1)
-        drawn = True
     if not drawn:
         return None
     if name == "gap":
         ax.axhline(0.0, color="0.5", linewidth=0.8)
-    chained = any(s.after is not None for s in stages)
-    ax.set_title(title)
-    ax.set_xlabel("step" + (" (a stage that continues another is drawn after it)" if chained else ""))
-    ax.set_ylabel(ylabel)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    notes = ["a stage that continues another is drawn after it"] if any(s.after is not None for s in stages) else []
+    notes += ["step 0, before training, left out: see the summary"] if left_out else []
+    ax.set_title(title, fontsize="x-large")
+    ax.set_xlabel("step" + (f" ({'; '.join(notes)})" if notes else ""), fontsize="large")
+    ax.set_ylabel(ylabel, fontsize="large")
+    ticks = tick_steps(stages)
+    if ticks:
+        ax.set_xticks(ticks)
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.tick_params(labelsize="large")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="large")
     return fig
 
 
@@ -328,7 +387,8 @@ th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; vertic
 th { background: #f0f0f0; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
 .warn { color: #a00; }
-figure { display: inline-block; margin: 0 1em 1em 0; }
+figure { display: block; margin: 0 0 1.5em 0; }
+figure img { width: 100%; max-width: 1400px; }
 pre { background: #f6f6f6; padding: 0.6em; }
 """
 
@@ -345,6 +405,11 @@ def _fmt(v: float | None) -> str:
     return "-" if v is None else ("nan" if math.isnan(v) else f"{v:.4f}")
 
 
+def _count(v: float | None) -> str:
+    """A logged count (a benchmark's n) as a whole number; NaN or infinite as it is."""
+    return "-" if v is None else (str(int(v)) if math.isfinite(v) else _fmt(v))
+
+
 def _table(header: list[str], rows: list[list[str]], numeric: set[int] = frozenset()) -> str:
     """A table of cells already escaped."""
     head = "".join(f"<th>{_e(h)}</th>" for h in header)
@@ -357,27 +422,43 @@ def _table(header: list[str], rows: list[list[str]], numeric: set[int] = frozens
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
+def _window(steps: list[int]) -> str:
+    """The steps the last logged training loss averages: those since the previous log line."""
+    first = steps[-2] + 1 if len(steps) > 1 else 1
+    return f"step {steps[-1]}" if first >= steps[-1] else f"steps {first}-{steps[-1]}"
+
+
 def _stage_row(s: Stage, unreadable: int) -> list[str]:
     c = series(s.records)
     last = {name: values[-1] if values else None for name, (_, values) in c.items()}
     finite = [(v, step) for step, v in zip(*c["eval_loss"]) if math.isfinite(v)]
     best = min(finite, default=None)
+    at_0 = [v for name in ("eval_loss", "eval_loss_shuffled_world") for step, v in zip(*c[name]) if step == 0]
+    loss_steps = c["loss"][0]
     return [
         _e(s.label),
         _e(s.after or "-"),
         str(s.last_step),
-        *(_fmt(last[name]) for name in CURVES),
+        _fmt(last["loss"]) + (f" ({_window(loss_steps)})" if loss_steps else ""),
+        *(_fmt(last[name]) for name in ("eval_loss", "eval_loss_shuffled_world", "gap")),
         "-" if best is None else f"{_fmt(best[0])} (step {best[1]})",
+        " / ".join(_fmt(v) for v in at_0) if len(at_0) == 2 else "-",
         str(unreadable),
     ]
 
 
 def summary_table(runs: list[Run]) -> str:
-    """One row per stage: its last figures, its best eval loss, the log's unreadable lines."""
-    header = ["run", "continues", "last step", "training loss", "eval loss", "shuffled world", "gap"]
-    header += ["best eval loss", "unreadable lines"]
+    """One row per stage: its last figures, its best eval loss, its step-0 eval, the log's unreadable lines; a note
+    says which window the training loss is."""
+    header = ["run", "continues", "last step", "training loss (mean of the last log window)", "eval loss"]
+    header += ["shuffled world", "gap", "best eval loss", "step-0 eval loss (own / shuffled)", "unreadable lines"]
     rows = [_stage_row(s, r.unreadable) for r in runs for s in r.stages]
-    return _table(header, rows, numeric={2, 3, 4, 5, 6, 8})
+    note = (
+        "<p>Training loss: the last logged value, the mean over the steps since the previous log line "
+        "(<code>train.logging.every</code>; the window in brackets). The training console's <code>last</code> is "
+        "the final step's loss alone, so the two differ.</p>"
+    )
+    return _table(header, rows, numeric={2, 3, 4, 5, 6, 9}) + note
 
 
 def results_section(run: Run) -> str:
@@ -404,7 +485,7 @@ def results_section(run: Run) -> str:
         if bench:
             step, found = bench
             cells = [
-                [_e(n), str(int(m.get("n", 0))), _fmt(m.get("accuracy")), _fmt(m.get("accuracy_shuffled_world"))]
+                [_e(n), _count(m.get("n")), _fmt(m.get("accuracy")), _fmt(m.get("accuracy_shuffled_world"))]
                 for n, m in sorted(found.items())
             ]
             parts.append(f"<p>train.eval.benchmarks at step {step} of {_e(s.label)}:</p>")
@@ -433,6 +514,9 @@ def picture(folder: Path, name: object) -> bytes | None:
         with Image.open(path) as im:
             im = im.convert("RGB")
             im.thumbnail((THUMB, THUMB))
+            if max(im.size) < THUMB:  # a 64 px scene: enlarged whole-pixel, so it is seen and stays sharp
+                k = THUMB // max(im.size)
+                im = im.resize((im.width * k, im.height * k), Image.Resampling.NEAREST)
             buf = io.BytesIO()
             im.save(buf, format="PNG")
             return buf.getvalue()
@@ -466,9 +550,9 @@ def page(runs: list[Run], missing: list[str], figures: dict[str, bytes], files_d
         body.append(f'<p class="warn">No metrics in: {_e(", ".join(missing))}.</p>')
     body += ["<h2>Summary</h2>", summary_table(drawn), "<h2>Curves</h2>"]
     for name, png in figures.items():
-        title, _, file = CURVES[name]
+        title, _, file, _ = FIGURES[name]
         body.append(f"<figure>{_img(png, title)}<figcaption>{_e(files_dir)}/{_e(file)}</figcaption></figure>")
-    absent = [CURVES[n][0] for n in CURVES if n not in figures]
+    absent = [FIGURES[n][0] for n in FIGURES if n not in figures]
     if absent:
         body.append(f"<p>No run logged: {_e(', '.join(absent))}.</p>")
     body.append("<h2>Evaluation results</h2>")
@@ -533,13 +617,13 @@ def build(run_args: list[str], out: Path, eval_args: list[str] = ()) -> tuple[li
         raise UserError(f"train.report: no metrics in {', '.join(missing)}: nothing to draw")
     place(runs)
     stages = [s for r in runs for s in r.stages]
-    figures = {name: png for name in CURVES if (png := figure(name, stages)) is not None}
+    figures = {name: png for name in FIGURES if (png := figure(name, stages)) is not None}
     try:
         files.mkdir(exist_ok=True)
     except OSError as e:
         raise UserError(f"--out {out}: cannot make {files} ({e.strerror})") from None
     for name, png in figures.items():
-        _write(files / CURVES[name][2], png)
+        _write(files / FIGURES[name][2], png)
     _write(out, page(runs, missing, figures, files.name, evals).encode("utf-8"))
     return runs, missing
 

@@ -7,7 +7,10 @@ line without it."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -203,3 +206,76 @@ def test_a_gguf_that_is_truncated_or_corrupted_is_refused_in_one_line(tmp_path, 
 def test_an_unknown_model_name_is_one_line(tmp_path, capsys):
     err = _refused(capsys, "gemma3-1b", str(tmp_path / "out"))
     assert "invalid choice: 'gemma3-1b'" in err and "gemma3-270m" in err
+
+
+def _fake_build(folder: Path, dtype: str = "float32") -> Path:
+    """A folder laid out as a build leaves it (weights, config, tokenizer and its record), with small stand-in files:
+    what the no-op check reads, without a minute of building."""
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(bytes(range(256)) * 64)
+    (folder / "config.json").write_text('{"model_type": "gemma3"}')
+    (folder / "tokenizer.json").write_text('{"version": "1.0"}')
+    record = {**models.identity("gemma3-270m", dtype), "files": models.inventory(folder)}
+    (folder / models.BUILD_FILE).write_text(json.dumps(record))
+    return folder
+
+
+def test_a_built_folder_is_a_no_op_only_while_every_file_is_as_built(tmp_path, capsys):
+    out = _fake_build(tmp_path / "built")
+    assert models.main(["gemma3-270m", str(out)]) == 0
+    assert "every file as built; nothing to do" in capsys.readouterr().err
+    weights = out / "model.safetensors"
+    original = weights.read_bytes()
+    flipped = bytearray(original)
+    flipped[1000] ^= 0x01
+    damages = {  # what is done to the folder: the words its one line must hold
+        lambda: weights.unlink(): "model.safetensors is missing",
+        lambda: weights.write_bytes(original[:100]): "model.safetensors has 100 bytes where the build wrote 16384",
+        lambda: weights.write_bytes(bytes(flipped)): "model.safetensors's sha256 is not the one the build wrote",
+        lambda: (out / "tokenizer.json").unlink(): "tokenizer.json is missing",
+    }
+    for do, words in damages.items():
+        do()
+        err = _refused(capsys, "gemma3-270m", str(out))
+        assert words in err and f"delete {out} and rerun" in err, err
+        assert "nothing to do" not in err
+        shutil.rmtree(out)
+        _fake_build(out)
+    older = json.loads((out / models.BUILD_FILE).read_text())
+    del older["files"]  # a folder built before records listed their files: its weight files must be there
+    (out / models.BUILD_FILE).write_text(json.dumps(older))
+    assert models.main(["gemma3-270m", str(out)]) == 0
+    assert "its weight files are there" in capsys.readouterr().err
+    weights.unlink()
+    assert "model.safetensors is missing" in _refused(capsys, "gemma3-270m", str(out))
+    (out / models.BUILD_FILE).write_text(json.dumps({**older, "files": {}}))
+    assert f"{models.BUILD_FILE} lists no files" in _refused(capsys, "gemma3-270m", str(out))
+
+
+@slow  # a subprocess that imports torch and transformers
+def test_a_destination_that_cannot_be_written_is_one_line(tmp_path):
+    """OUT in a folder mode 0555. Root writes anywhere, so as root the command runs without its capabilities
+    (setpriv), which leaves uid 0 bound by the mode bits; a subprocess for that reason."""
+    parent = tmp_path / "locked"
+    parent.mkdir()
+    prefix = ["setpriv", "--inh-caps=-all", "--bounding-set=-all"] if os.geteuid() == 0 else []
+    assert not prefix or shutil.which("setpriv"), "running as root needs setpriv to drop CAP_DAC_OVERRIDE"
+    parent.chmod(0o555)
+    outs = [parent / "gemma", parent / "deeper" / "gemma"]  # OUT in it, and OUT whose own folder must be made there
+    code = "import sys; from theworld.models import main; sys.exit(10 * main(sys.argv[1:3]) + main(sys.argv[3:]))"
+    try:
+        run = subprocess.run(
+            [*prefix, sys.executable, "-c", code, "gemma3-270m", str(outs[0]), "gemma3-270m", str(outs[1])],
+            env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"},
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        err = run.stderr.strip().splitlines()
+        assert run.returncode == 22 and len(err) == 2, run.stderr
+        for line, out in zip(err, outs):
+            assert "Permission denied" in line and str(out.parent) in line and line.startswith("error: "), line
+        assert list(parent.iterdir()) == []
+    finally:
+        parent.chmod(0o755)

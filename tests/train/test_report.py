@@ -135,12 +135,12 @@ def test_the_page_is_one_file_with_inline_pngs_and_the_figures_hold_the_metrics(
     assert_self_contained(page)
     images = data_images(page)
     figures = sorted((out.parent / "report_files").iterdir())
-    assert [p.name for p in figures] == ["eval_loss.png", "eval_loss_shuffled_world.png", "gap.png", "loss.png"]
+    assert [p.name for p in figures] == ["eval_loss.png", "gap.png", "loss.png"]
     inline = {base64.b64decode(s) for s in re.findall(r"data:image/png;base64,([^\"]+)", page)}
     assert {p.read_bytes() for p in figures} <= inline  # the PNGs beside it are the page's figures
-    assert len(images) == 4 + 1  # the figures and the one logged picture (step 4's samples)
-    sample = [im for im in images if im.size == (32, 24)]
-    assert len(sample) == 1 and sample[0].convert("RGB").getpixel((5, 5)) == (200, 30, 30)
+    assert len(images) == 3 + 1  # the figures and the one logged picture (step 4's samples)
+    sample = [im for im in images if im.size == (256, 192)]  # 32 x 24 enlarged 8 times, whole pixels
+    assert len(sample) == 1 and sample[0].convert("RGB").getpixel((40, 40)) == (200, 30, 30)
     assert "a blue circle" in page and "0.5000" in page  # step 4's samples; the benchmark logged at step 2
 
     loaded = [report.load_run(str(runs[k])) for k in ("s1", "s2")]
@@ -151,13 +151,17 @@ def test_the_page_is_one_file_with_inline_pngs_and_the_figures_hold_the_metrics(
     branched = [report.load_run(str(runs[k])) for k in ("s1", "s2")]
     report.place(branched)
     assert [r.stages[0].offset for r in branched] == [0, 2]  # from stage 1's step-2 checkpoint
-    for name in report.CURVES:
+    for name, (_, _, _, curves) in report.FIGURES.items():
         ax = report.draw(name, stages).axes[0]
         lines = {ln.get_label(): ln for ln in ax.lines if not ln.get_label().startswith("_")}
         for s in stages:
-            steps, values = report.series(s.records)[name]
-            np.testing.assert_array_equal(lines[s.label].get_xdata(), [x + s.offset for x in steps])
-            np.testing.assert_array_equal(lines[s.label].get_ydata(), values)
+            for curve, _ in curves:
+                steps, values = report.series(s.records)[curve]
+                if steps[0] == 0:  # the eval before training: left out of the curve
+                    steps, values = steps[1:], values[1:]
+                label = s.label + (f" ({report.CURVES[curve]})" if len(curves) > 1 else "")
+                np.testing.assert_array_equal(lines[label].get_xdata(), [x + s.offset for x in steps])
+                np.testing.assert_array_equal(lines[label].get_ydata(), values)
 
 
 def test_results_of_the_card_and_evaluate_files_are_tables_of_the_page(runs, tmp_path):
@@ -276,7 +280,7 @@ def test_a_trained_runs_report_renders_in_chromium(trained_run, tmp_path, capsys
     page = out.read_text()
     assert_self_contained(page)
     images = data_images(page)
-    assert len(images) == 4 + len(rows) and sum(im.size == (64, 64) for im in images) == len(rows)
+    assert len(images) == 3 + len(rows) and sum(im.size == (256, 256) for im in images) == len(rows)
     assert "first 2" in re.findall(r"<td[^>]*>([^<]*)</td>", page)  # the card's row evaluate wrote
     assert page.count("n 2") >= 2  # both evaluate files
 
@@ -284,3 +288,68 @@ def test_a_trained_runs_report_renders_in_chromium(trained_run, tmp_path, capsys
     assert shot.std() > 20 and len(np.unique(shot.reshape(-1, 3), axis=0)) > 50  # not blank
     near_c0 = (np.abs(shot - [31, 119, 180]).sum(axis=2) < 30).sum()
     assert near_c0 > 200, near_c0  # the curves are drawn, not only the text
+
+
+def long_run(every_loss: int = 50, every_eval: int = 250, steps: int = 2000) -> list[dict]:
+    """A log as a longer run writes it: loss every 50 steps, evals every 250 from step 0 (its step-0 eval far above)."""
+    records = [{"step": 0, "eval_loss": 12.0, "eval_loss_shuffled_world": 12.5}]
+    for step in range(every_loss, steps + 1, every_loss):
+        records.append({"step": step, "loss": 3.0 - step / steps})
+        if step % every_eval == 0:
+            own, shuffled = 2.9 - step / steps, 3.4 - step / 4e3
+            records.append({"step": step, "eval_loss": own, "eval_loss_shuffled_world": shuffled})
+    return records
+
+
+def test_the_figures_read_as_the_comparison_own_vs_shuffled_on_one_axis_for_a_slide(tmp_path):
+    run = write_run(tmp_path / "long", long_run())
+    out = tmp_path / "r.html"
+    assert main([str(run), "--out", str(out)]) == 0
+    files = out.with_name("r_files")
+    for png in files.iterdir():
+        with Image.open(png) as im:
+            assert im.size == (1600, 900), (png.name, im.size)
+    stages = report.load_run(str(run)).stages
+    ax = report.draw("eval", stages).axes[0]
+    own, shuffled = (ln for ln in ax.lines if not ln.get_label().startswith("_"))  # one axis, both curves
+    assert own.get_linestyle() == "-" and shuffled.get_linestyle() == "--" and own.get_color() == shuffled.get_color()
+    assert list(own.get_xdata()) == list(range(250, 2001, 250)) and max(shuffled.get_ydata()) < 4  # no step-0 12.0
+    assert ax.get_ylim()[1] < 4 and "step 0, before training, left out" in ax.get_xlabel()
+    assert list(ax.get_xticks()) == list(range(250, 2001, 250))  # the eval steps
+    assert list(report.draw("loss", stages).axes[0].get_xticks()) == list(range(250, 2001, 250))
+    page = out.read_text()
+    assert "training loss (mean of the last log window)" in page and "2.0000 (steps 1951-2000)" in page
+    assert "12.0000 / 12.5000" in page  # the step-0 eval the curves leave out, in the summary
+    many = write_run(tmp_path / "many", long_run(every_loss=10, every_eval=20))  # 100 evals: every 7th a tick
+    assert list(report.draw("gap", report.load_run(str(many)).stages).axes[0].get_xticks()) == list(
+        range(20, 2001, 140)
+    )
+
+
+def test_hostile_numbers_and_a_math_looking_folder_name_draw_or_are_one_line(tmp_path, capsys):
+    """A benchmark count that is NaN or infinite, steps and values past a float (JSON 1e400 is inf, 10**400 an int),
+    and a run folder matplotlib would read as math: the page is drawn, the bad lines counted, nothing traces back."""
+    folder = tmp_path / "$\\frac{ run $x"  # mathtext: an unclosed \frac, a parse error
+    folder.mkdir()
+    lines = [json.dumps(r) for r in long_run(steps=500)]
+    lines += [
+        '{"step": 500, "bench/mc/n": NaN, "bench/mc/accuracy": 0.5, "bench/mc/accuracy_shuffled_world": Infinity, '
+        '"bench/big/n": Infinity, "bench/big/accuracy": -Infinity}',
+        '{"step": 1e400, "loss": 1.0}',
+        '{"step": 1' + "0" * 400 + ', "loss": 1.0}',
+        '{"step": 475, "loss": 1' + "0" * 400 + "}",
+    ]
+    (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "r.html"
+    assert main([str(folder), "--out", str(out)]) == 0, capsys.readouterr().err
+    page = out.read_text()
+    cells = re.findall(r"<td[^>]*>([^<]*)</td>", page)
+    assert cells[cells.index("mc") + 1] == "nan" and cells[cells.index("mc") + 3] == "inf"
+    assert cells[cells.index("big") + 1 : cells.index("big") + 3] == ["inf", "-inf"]
+    run = report.load_run(str(folder))
+    assert run.unreadable == 2 and '<td class="num">2</td></tr>' in page  # the two steps past a float: unreadable
+    assert 475 not in report.series(run.stages[0].records)["loss"][0]  # a loss past a float: not a point
+    ax = report.draw("eval", run.stages).axes[0]
+    legend = ax.get_legend().get_texts()[0].get_text()  # the dollars escaped: drawn as written, not as math
+    assert legend == str(folder).replace("$", "\\$") + " (eval loss (own world))"
+    assert len(data_images(page)) == 3

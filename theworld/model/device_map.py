@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from theworld.core import paths
 from theworld.core.errors import UserError
 
 DeviceMap = str | int | dict
@@ -46,6 +47,15 @@ def check(device_map: DeviceMap, offload_folder: str | Path | None) -> None:
     disk = device_map == "disk" or (isinstance(device_map, dict) and "disk" in device_map.values())
     if disk and offload_folder is None:
         raise UserError("device_map: 'disk' needs an offload_folder (--offload-folder) to hold the offloaded weights")
+    if offload_folder is not None:
+        check_offload_folder(offload_folder)
+
+
+def check_offload_folder(folder: str | Path) -> None:
+    """`folder` is a folder or nothing yet (made at dispatch), else a one-line error naming what is there."""
+    kind = paths.path_kind(folder)
+    if kind not in (None, "a directory"):
+        raise UserError(f"offload_folder: {folder} is {kind}; give a folder (made if missing) for offloaded weights")
 
 
 def check_device(device, where: str) -> None:
@@ -102,7 +112,11 @@ def dispatch(model: nn.Module, device_map: DeviceMap, offload_folder: str | Path
     if "disk" in mapping.values() and offload_folder is None:
         raise UserError("device_map: 'auto' puts some weights on disk here; give an offload_folder (--offload-folder)")
     if offload_folder is not None:
-        Path(offload_folder).mkdir(parents=True, exist_ok=True)
+        check_offload_folder(offload_folder)
+        try:
+            Path(offload_folder).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"offload_folder: cannot make {offload_folder} ({e.strerror})") from None
     try:
         dispatch_model(
             model,
