@@ -206,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     from theworld.model.world import TheWorld
 
     folder = layout.resolve(args.model)  # before the slow load: a wrong folder is one line at once
-    args.baselines = baselines.parse(args.baselines_spec, layout.read_config(folder).world.num_world_steps)
+    stage = layout.read_stage(folder)  # the stage's config, read once
+    args.baselines = baselines.parse(args.baselines_spec, stage.sections.world.num_world_steps)
     if args.out:
         paths.check_not_input(args.out, {"--data": args.data, "the model folder": folder})
     out = _Out(args.out) if args.out else None  # before the slow load: an unwritable --out is one line at once
@@ -214,9 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with sigterm_as_exit():  # a kill removes --out's temporary file
             t = time.time()
-            model, processor = TheWorld.from_pretrained(folder, ema=args.ema, **args.load)
+            model, processor = TheWorld.from_pretrained(stage, ema=args.ema, **args.load)
             _log.info(f"loaded {args.model} in {time.time() - t:.1f} s; evaluating {len(items)} items")
-            init = baselines.InitProjector.for_stage(model, folder) if "init_projector" in args.baselines else None
+            init = baselines.InitProjector.for_stage(model, stage) if "init_projector" in args.baselines else None
             summary = _run(args, model, processor, items, init, out, layout.trained_prompt(folder))
         ok = True
     finally:
@@ -261,7 +262,7 @@ def _run(args, model, processor, items: list, init, out, prompt: str) -> dict:
             return captions.summarize(records)
         from theworld.infer import scoring
 
-        protocol = args.protocol or ("generate" if all(it.prompt for it in items) else "loglik")
+        protocol = args.protocol or scoring.default_protocol(items)
         records = scoring.evaluate(
             model,
             processor,

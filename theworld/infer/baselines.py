@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-import yaml
 
 from theworld.core.errors import UserError
 from theworld.model import stage_layout as layout
@@ -112,14 +110,10 @@ class InitProjector:
         self.state = fresh.to(next(model.projector.parameters()).device).state_dict()
 
     @classmethod
-    def for_stage(cls, model, folder: Path) -> InitProjector:
+    def for_stage(cls, model, stage: layout.Stage) -> InitProjector:
         """The initial projector of the run whose stage folder (final/ or checkpoint-N/) this is: its config's
         `world` section and `seed`."""
-        cfg = layout.read_config(folder)
-        seed = (yaml.safe_load((folder / layout.CONFIG).read_text()) or {}).get("seed", 0)
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise UserError(f"{folder / layout.CONFIG}: seed {seed!r} is not an integer")
-        return cls(model, cfg.world, seed)
+        return cls(model, stage.sections.world, stage.seed)
 
     @contextlib.contextmanager
     def active(self, model):

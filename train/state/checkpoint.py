@@ -42,6 +42,7 @@ from theworld.model.stage_layout import (
 )
 from theworld.model.world import LoadReport, read_weights
 from train.config import run_hash
+from train.state import best
 from train.state import migrations as checkpoint_migrations
 from train.state.states import Stateful, run_states
 from train.step import LoopState
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from train.components import Components
-    from train.config import TrainConfig
+    from train.config import KeepBest, TrainConfig
 
 PARTIAL_RE = re.compile(r"^\.(tmp|old)-(.+)-\d+$")  # .tmp-<name>-<pid>: being written; .old-<name>-<pid>: replaced
 
@@ -230,7 +231,8 @@ def save_run(components: Components, state: LoopState, steps_per_epoch: int, cac
     parts = run_states(c, state, steps_per_epoch, cache, c.cfg.train.checkpoint.save_optimizer)
     given = [part.state_dict() for part in parts]
     if c.accelerator.is_main_process:
-        save(c.cfg.output_dir, f"checkpoint-{state.step}", parts, given, c.cfg.train.checkpoint.keep_last)
+        keep = c.cfg.train.checkpoint
+        save(c.cfg.output_dir, f"checkpoint-{state.step}", parts, given, keep.keep_last, keep.keep_best)
     c.accelerator.wait_for_everyone()
 
 
@@ -359,10 +361,18 @@ def publish(out: Path, name: str, files: dict) -> Path:
     return final
 
 
-def save(output_dir: str | Path, name: str, parts: list[Stateful], given: list, keep_last: int) -> Path:
+def save(
+    output_dir: str | Path,
+    name: str,
+    parts: list[Stateful],
+    given: list,
+    keep_last: int,
+    keep_best: KeepBest | None = None,
+) -> Path:
     """Main process only: the checkpoint output_dir/name of the states `parts` gave (`given`, in their order; the
     records of state.json merged into one object), sealed (state.json last, with every other file's sha256 and its
-    own digest) and renamed into place. Deletes the oldest beyond keep_last after the rename."""
+    own digest) and renamed into place. Deletes the oldest beyond keep_last (but the best by keep_best) after the
+    rename."""
     out = Path(output_dir)
     files, record = {}, {}
     for part, state in zip(parts, given):
@@ -372,9 +382,17 @@ def save(output_dir: str | Path, name: str, parts: list[Stateful], given: list, 
             files[part.file] = writer(part, state)
     files[STATE] = _write_state(record)
     final = publish(out, name, files)
-    for old in list_checkpoints(out)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    prune(out, keep_last, keep_best)
     return final
+
+
+def prune(output_dir: str | Path, keep_last: int, keep_best: KeepBest | None = None) -> None:
+    """Deletes the checkpoints older than the last `keep_last`, but the best by `keep_best` (train/state/best.py)."""
+    ckpts = list_checkpoints(output_dir)
+    kept = best.best(output_dir, ckpts, keep_best)
+    for old in ckpts[:-keep_last]:
+        if kept is None or old != kept[0]:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def seal(state: dict) -> dict:
