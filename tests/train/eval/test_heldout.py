@@ -14,7 +14,7 @@ def test_eval_sets_report_apart(cache, tmp_path):
     """A set holding the run's own held-out samples (same cache, same count: the same key-hash split) reports the
     run's own numbers; a set of the whole cache reports its own."""
     out = tmp_path / "run"
-    sets = "[{name: same, cache: %s, samples: 16}, {name: whole, cache: %s}]" % (cache, cache)
+    sets = f"[{{name: same, cache: {cache}, samples: 16}}, {{name: whole, cache: {cache}}}]"
     assert train_inproc(base_args(cache, out, steps=1, **{"train.eval.sets": sets, "train.eval.captions": 0})) == 0
     (line,) = [m for m in metrics(out) if "eval_loss" in m]
     for k in ("eval_loss", "eval_loss_shuffled_world", "eval_gap", "eval_tokens"):
@@ -40,7 +40,7 @@ def test_a_mixtures_caches_are_reported_apart(cache, tmp_path):
     other = tmp_path / "other"
     shutil.copytree(cache, other)
     out = tmp_path / "run"
-    data = "[{cache: %s, weight: 1}, {cache: %s, weight: 1}]" % (cache, other)
+    data = f"[{{cache: {cache}, weight: 1}}, {{cache: {other}, weight: 1}}]"
     assert train_inproc(base_args(cache, out, steps=1, **{"data": data, "train.eval.captions": 0})[2:]) == 0
     (line,) = [m for m in metrics(out) if "eval_loss" in m]
     a, b = (f"data/{cache.name}/", "data/other/")
