@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
             model, processor = TheWorld.from_pretrained(stage, ema=args.ema, **args.load)
             _log.info(f"loaded {args.model} in {time.time() - t:.1f} s; evaluating {len(items)} items")
             init = baselines.InitProjector.for_stage(model, stage) if "init_projector" in args.baselines else None
-            summary = _run(args, model, processor, items, init, out, layout.trained_prompt(folder))
+            base = baselines.BaseGemma(model, stage) if "base_gemma" in args.baselines else None
+            summary = _run(args, model, processor, items, (init, base), out, layout.trained_prompt(folder))
         ok = True
     finally:
         if out is not None:
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run(args, model, processor, items: list, init, out, prompt: str) -> dict:
+def _run(args, model, processor, items: list, swaps: tuple, out, prompt: str) -> dict:
     from tqdm import tqdm
 
     conds = baselines.conditions(args.baselines)
@@ -272,7 +273,8 @@ def _run(args, model, processor, items: list, init, out, prompt: str) -> dict:
             progress,
             protocol=protocol,
             conds=conds,
-            init=init,
+            init=swaps[0],
+            base=swaps[1],
             shared_prefix=not args.no_shared_prefix,
             max_new_tokens=args.max_new_tokens or 16,
         )

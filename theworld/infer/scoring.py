@@ -23,6 +23,7 @@ from theworld.infer import benchmark_items, letters, prefix_scoring, stats
 from theworld.infer.baselines import (
     MODEL,
     SHUFFLED,
+    BaseGemma,
     Condition,
     InitProjector,
     applied,
@@ -50,8 +51,9 @@ class Scorer:
         init: InitProjector | None = None,
         shared_prefix: bool = True,
         max_new_tokens: int = 16,
+        base: BaseGemma | None = None,
     ):
-        self.model, self.items, self.image_cfg, self.init = model, items, image_cfg, init
+        self.model, self.items, self.image_cfg, self.init, self.base = model, items, image_cfg, init, base
         self.processor, self.formatter = processor, ChatFormatter(processor)
         self.device = model.input_device
         self.shared_prefix, self.max_new_tokens = shared_prefix, max_new_tokens
@@ -132,7 +134,7 @@ class Scorer:
             own, previous = self._rows(row_item, at)
         per_cond = {}
         for cond in conds:
-            with applied(self.model, cond, self.init):
+            with applied(self.model, cond, self.init, self.base):
                 world = world_inputs(self.model, cond, mean, logvar, own, previous)
                 scores = (
                     prefix_scoring.answer_logprobs(self.model, prefixes, enc, owner, siglip, **world)
@@ -165,7 +167,7 @@ class Scorer:
         sampler = Sampler(False, 1.0, 1.0, None, self.device)
         per_cond = {}
         for cond in conds:
-            with applied(model, cond, self.init):
+            with applied(model, cond, self.init, self.base):
                 world = world_inputs(model, cond, mean, logvar, own, previous)
                 fused = left_align(model.embed_inputs(text.with_inputs(**world, siglip=siglip)))
                 new = decode(model, fused, self.max_new_tokens, sampler, stop, tok.pad_token_id)
@@ -305,10 +307,11 @@ def evaluate(
     init: InitProjector | None = None,
     shared_prefix: bool = True,
     max_new_tokens: int = 16,
+    base: BaseGemma | None = None,
 ) -> list[dict]:
     """Per-item records (see `tally`) for all items, `batch_size` items per forward; `progress(records)` with each
     batch's records as they are done."""
-    scorer = Scorer(model, processor, image_cfg, items, init, shared_prefix, max_new_tokens)
+    scorer = Scorer(model, processor, image_cfg, items, init, shared_prefix, max_new_tokens, base)
     run = scorer.score if protocol == "loglik" else scorer.answer
     records = []
     for lo in range(0, len(items), batch_size):

@@ -59,6 +59,11 @@ class BenchmarkEval:
             if name in sets:
                 raise UserError(f"config key 'train.eval.benchmarks': two benchmarks named {name!r}; rename one file")
             names = entry.names(cfg.world.num_world_steps)
+            if "base_gemma" in names:
+                raise UserError(
+                    "config key 'train.eval.benchmarks': base_gemma loads the base model once more; score it after "
+                    "training with theworld.evaluate --baselines base_gemma (no_world is the stage's own Gemma)"
+                )
             if cfg.train.hardware.sharding == "fsdp" and ("init_projector" in names or entry.protocol == "generate"):
                 # the baseline swaps weights FSDP shards; generation stops when every row is done, which differs
                 # between processes, and FSDP's collectives need every process in every forward
