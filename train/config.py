@@ -270,6 +270,8 @@ class EvalConfig:
     stop_on_plateau: bool = neutral(False)
     # named caches evaluated apart at every eval: [{name, cache[, samples]}]
     sets: list[EvalSet] = field(default_factory=list, metadata=NEUTRAL)
+    # world tokens against Gemma's embedding table at every eval (align/* metrics, a PCA picture in train.report)
+    alignment: bool = neutral(False)
 
     def __post_init__(self) -> None:
         at_least(self, "train.eval", 0, "every", "samples", "batch_size", "captions", "caption_tokens")

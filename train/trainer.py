@@ -21,6 +21,7 @@ from train.config import run_hash, to_yaml
 from train.data import cache as data
 from train.data import loader, order
 from train.eval import heldout
+from train.eval.alignment import Alignment
 from train.eval.benchmarks import BenchmarkEval
 from train.eval.evaluator import Evaluator, evaluators
 from train.eval.samples import CaptionSamples
@@ -121,8 +122,11 @@ class Trainer:
         held_out = len(ctx.eval_indices) > 0
         evals = evaluators(
             CaptionSamples(cfg, ctx, cfg.train.eval.captions) if cfg.train.eval.captions and held_out else None,
-            heldout.build(cfg, ctx, checked.sets, rank, world_size),
+            held := heldout.build(cfg, ctx, checked.sets, rank, world_size),
             checked.bench,
+            Alignment(held.splits[0].loader, cfg.output_dir, accelerator.is_main_process)
+            if cfg.train.eval.alignment and held is not None
+            else None,
         )
         # last: what fails above is one error line, with no progress bar drawn before it
         metrics = Metrics(
