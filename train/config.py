@@ -511,6 +511,9 @@ class HubConfig:
     model_id: str | None = None  # user/name; null: no upload
     strategy: Literal["end", "every_save"] = "end"
     private: bool = True
+    # every_save: each checkpoint whole (optimizer and state too) in its own checkpoint-N/ folder of the repo, every
+    # one kept (a resume or init_from can start from any); false: the model files at the repo's top, newest only
+    history: bool = False
 
     def __post_init__(self) -> None:
         if self.model_id is not None:

@@ -181,7 +181,8 @@ class Trainer:
         checkpoint.save_run(self.c, self.state, self.per_epoch, self.cache)
         if self.hub is not None and self.cfg.hub.strategy == "every_save":
             step = self.state.step
-            self.hub.submit(Path(self.cfg.output_dir) / f"checkpoint-{step}", f"checkpoint-{step}")
+            name = f"checkpoint-{step}"
+            self.hub.submit(Path(self.cfg.output_dir) / name, name, name if self.cfg.hub.history else None)
 
     def start_lines(self) -> list[str]:
         """What the run prints before its first step: clean-up, cache and init_from notes, where it starts, the data."""
