@@ -29,10 +29,18 @@ def offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
 
 
+# a folder inside a repo: `user/name[@revision]:checkpoint-N` (or `:final`), as `hub.history` uploads them
+IN_REPO = re.compile(r"^(?P<ref>[^:]+):(?P<folder>checkpoint-\d+|final)$")
+
+
 def resolve(ref: str | Path, what: str = "model") -> Path:
     """`ref` itself when it exists locally; a hub repo id's snapshot folder otherwise (downloaded, or taken from the
-    local Hugging Face cache when offline). Anything else is returned unchanged for the caller's own error."""
+    local Hugging Face cache when offline), or the named folder inside it (`user/name:checkpoint-N`). Anything else
+    is returned unchanged for the caller's own error."""
     path = Path(ref)
+    inside = IN_REPO.match(str(ref))
+    if not path.exists() and inside and parse(inside["ref"]) is not None:
+        return resolve(inside["ref"], what) / inside["folder"]
     parsed = parse(str(ref))
     if path.exists() or parsed is None:
         return path

@@ -103,7 +103,7 @@ def resolve_resume(cfg: TrainConfig) -> Path | None:
                 "output_dir"
             )
         return None
-    p = Path(cfg.resume)
+    p = hub.resolve(cfg.resume, "config key 'resume':")  # a local checkpoint, or user/name[@rev]:checkpoint-N
     if (kind := path_kind(p / STATE)) != REGULAR:
         what = f"no {STATE}" if kind is None else f"its {STATE} is {kind}"
         raise UserError(f"config key 'resume': {p} is not a checkpoint ({what})")
