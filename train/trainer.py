@@ -91,7 +91,7 @@ class Trainer:
     ctx: loader.DataContext
     state: LoopState
     metrics: Metrics
-    evaluators: list[Evaluator]  # caption samples, held-out loss, benchmarks: each configured one, in that order
+    evaluators: list[Evaluator]  # caption samples, held-out loss, benchmarks, alignment: each configured one, in order
     prof: ProfileWindow
     t_start: float
     cache: dict  # checkpoint.cache_identity of the cache trained on
