@@ -1,7 +1,7 @@
 """What runs at an eval, one interface: `Trainer.run_eval` calls each evaluator's `run` (every process: under FSDP
 each forward is a collective) and then its `log` (what it writes to metrics.jsonl, the trackers and the console), in
-the order `evaluators` is given them: caption samples, the held-out loss, the benchmarks, the alignment view. Captions come first so an
-eval's loss line stays its last line but for the benchmarks'."""
+the order `evaluators` is given them: caption samples, the held-out loss, the benchmarks, the alignment view.
+Captions come first so an eval's loss line stays its last line but for the benchmarks' (and the alignment's)."""
 
 from __future__ import annotations
 
