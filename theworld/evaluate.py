@@ -215,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     from theworld.model.world import TheWorld
 
     folder = layout.resolve(args.model)  # before the slow load: a wrong folder is one line at once
-    args.baselines = baselines.parse(args.baselines_spec, layout.read_config(folder).world.num_world_steps)
+    stage = layout.read_stage(folder)  # the stage's config, read once
+    args.baselines = baselines.parse(args.baselines_spec, stage.sections.world.num_world_steps)
     if args.out:
         paths.check_not_input(args.out, {"--data": args.data, "the model folder": folder})
     out = _Out(args.out) if args.out else None  # before the slow load: an unwritable --out is one line at once
@@ -223,12 +224,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with sigterm_as_exit():  # a kill removes --out's temporary file
             t = time.time()
-            model, processor = TheWorld.from_pretrained(folder, ema=args.ema, world_steps=args.world_steps, **args.load)
+            model, processor = TheWorld.from_pretrained(stage, ema=args.ema, world_steps=args.world_steps, **args.load)
             _log.info(f"loaded {args.model} in {time.time() - t:.1f} s; evaluating {len(items)} items")
             if model.rollout is not None:  # the unit, beside the count the plan and the original code give it
                 _log.info(steps_line(model.rollout.num_world_steps, model.rollout.pipe.vae_scale_factor_temporal))
-            init = baselines.InitProjector.for_stage(model, folder) if "init_projector" in args.baselines else None
-            summary = _run(args, model, processor, items, init, out, layout.trained_prompt(folder))
+            init = baselines.InitProjector.for_stage(model, stage) if "init_projector" in args.baselines else None
+            base = baselines.BaseGemma(model, stage) if "base_gemma" in args.baselines else None
+            summary = _run(args, model, processor, items, (init, base), out, layout.trained_prompt(folder))
         ok = True
     finally:
         if out is not None:
@@ -245,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run(args, model, processor, items: list, init, out, prompt: str) -> dict:
+def _run(args, model, processor, items: list, swaps: tuple, out, prompt: str) -> dict:
     from tqdm import tqdm
 
     conds = baselines.conditions(args.baselines)
@@ -272,7 +274,7 @@ def _run(args, model, processor, items: list, init, out, prompt: str) -> dict:
             return captions.summarize(records)
         from theworld.infer import scoring
 
-        protocol = args.protocol or ("generate" if all(it.prompt for it in items) else "loglik")
+        protocol = args.protocol or scoring.default_protocol(items)
         records = scoring.evaluate(
             model,
             processor,
@@ -282,7 +284,8 @@ def _run(args, model, processor, items: list, init, out, prompt: str) -> dict:
             progress,
             protocol=protocol,
             conds=conds,
-            init=init,
+            init=swaps[0],
+            base=swaps[1],
             shared_prefix=not args.no_shared_prefix,
             max_new_tokens=args.max_new_tokens or 16,
         )

@@ -102,9 +102,10 @@ class PlateauConfig:
 
     window_evals: int = 0
     min_improvement: float = 0.01
+    min_steps: int = 0  # no plateau is declared (and no stop made) before this step (the plan: 10k stage 1, 5k later)
 
     def __post_init__(self) -> None:
-        at_least(self, "train.eval.plateau", 0, "window_evals")
+        at_least(self, "train.eval.plateau", 0, "window_evals", "min_steps")
         check_sizes(self, "train.eval.plateau")
         if not (math.isfinite(self.min_improvement) and self.min_improvement >= 0):
             raise UserError(
@@ -240,6 +241,25 @@ class LoaderConfig:
 
 
 @dataclass
+class EvalSet:
+    """A `train.eval.sets` entry: a latent cache evaluated apart at every eval, as `<name>/eval_loss`,
+    `<name>/eval_loss_shuffled_world`, `<name>/eval_gap` (train/eval/heldout.py). Every sample of it is held out."""
+
+    name: str
+    cache: str
+    samples: int = 0  # 0: all of the cache; N: N of them, chosen by key hash as the run's own split is
+
+    def __post_init__(self) -> None:
+        at_least(self, "train.eval.sets", 0, "samples")
+        if not self.name or "/" in self.name or self.name in ("data", "bench", "samples"):
+            raise UserError(
+                f"config key 'train.eval.sets': name {self.name!r} must be non-empty, without '/', and not "
+                "data, bench or samples (their metrics' prefixes)"
+            )
+        require_path("train.eval.sets", self.cache)
+
+
+@dataclass
 class EvalConfig:
     """`train.eval`: the held-out loss, the benchmarks and the caption samples of every eval (train/trainer.py)."""
 
@@ -255,10 +275,30 @@ class EvalConfig:
     plateau: PlateauConfig = field(default_factory=PlateauConfig, metadata=NEUTRAL)
     # checkpoint, final weights and summary at the first eval that finds a plateau
     stop_on_plateau: bool = neutral(False)
+    # named caches evaluated apart at every eval: [{name, cache[, samples]}]
+    sets: list[EvalSet] = field(default_factory=list, metadata=NEUTRAL)
+    # world tokens against Gemma's embedding table at every eval (align/* metrics, a PCA picture in train.report)
+    alignment: bool = neutral(False)
 
     def __post_init__(self) -> None:
         at_least(self, "train.eval", 0, "every", "samples", "batch_size", "captions", "caption_tokens")
         check_sizes(self, "train.eval")
+        names = [s.name for s in self.sets]
+        if dup := sorted({n for n in names if names.count(n) > 1}):
+            raise UserError(f"config key 'train.eval.sets': two sets named {dup[0]!r}; name each once")
+
+
+@dataclass
+class KeepBest:
+    """`train.checkpoint.keep_best`: the checkpoint whose step has the best `metric` in metrics.jsonl (an eval line's
+    key, e.g. eval_loss, bench/<name>/accuracy) is kept beside the last ones (train/state/checkpoint.py)."""
+
+    metric: str
+    mode: Literal["min", "max"] = "min"
+
+    def __post_init__(self) -> None:
+        if not self.metric or self.metric == "step":
+            raise UserError("config key 'train.checkpoint.keep_best.metric': name an eval metric, e.g. eval_loss")
 
 
 @dataclass
@@ -270,6 +310,7 @@ class CheckpointConfig:
     # false: weights-only checkpoints, a resume from one starts the optimizer fresh (not an exact resume;
     # docs/training.md)
     save_optimizer: bool = neutral(True)
+    keep_best: KeepBest | None = neutral(None)  # {metric, mode}: the best checkpoint by a metric, kept as well
 
     def __post_init__(self) -> None:
         at_least(self, "train.checkpoint", 1, "every", "keep_last")
@@ -477,6 +518,9 @@ class HubConfig:
     model_id: str | None = None  # user/name; null: no upload
     strategy: Literal["end", "every_save"] = "end"
     private: bool = True
+    # every_save: each checkpoint whole (optimizer and state too) in its own checkpoint-N/ folder of the repo, every
+    # one kept (a resume or init_from can start from any); false: the model files at the repo's top, newest only
+    history: bool = False
 
     def __post_init__(self) -> None:
         if self.model_id is not None:
@@ -670,6 +714,8 @@ __all__ = [
     "HardwareConfig",
     "ActivationCheckpointing",
     "PlateauConfig",
+    "EvalSet",
+    "KeepBest",
     "WandbConfig",
     "HubConfig",
     "LrMultipliers",

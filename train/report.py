@@ -543,6 +543,45 @@ def samples_section(run: Run) -> str:
     return "\n".join(parts)
 
 
+def alignment_section(run: Run) -> str:
+    """The last alignment picture of a run with `train.eval.alignment` (train/eval/alignment.py): world tokens and a
+    sample of Gemma's vocabulary in the plane of their top two principal axes, with the last eval's align/* metrics;
+    '' for a run without one."""
+    import json
+
+    from matplotlib.figure import Figure
+
+    from train.eval.alignment import FOLDER
+
+    found = sorted(
+        (int(p.stem.removeprefix("step-")), p)
+        for p in (run.folder / FOLDER).glob("step-*.json")
+        if p.stem.removeprefix("step-").isdigit()
+    )
+    if not found:
+        return ""
+    step, path = found[-1]
+    try:
+        pic = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return f"<p>{_e(run.arg)}: {_e(path.name)} unreadable</p>"
+    fig = Figure(figsize=(5, 4), dpi=100, layout="constrained")
+    ax = fig.subplots()
+    for key, colour, size in (("vocab", "0.7", 4), ("world", "C3", 8)):
+        if pic.get(key):
+            xs, ys = zip(*pic[key])
+            ax.scatter(xs, ys, s=size, color=colour, label=f"{key} ({len(xs)})")
+    ax.set_title(f"{run.arg}: world tokens vs vocabulary, step {step} (PCA)")
+    ax.legend(fontsize="small")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    last = [r for s in run.stages for r in s.records if r.get("step") == step and "align/world_norm" in r]
+    rows = [[_e(k.removeprefix("align/")), _fmt(v)] for k, v in (last[-1] if last else {}).items() if k != "step"]
+    return _img(buf.getvalue(), f"world tokens vs vocabulary, step {step} (PCA)") + (
+        _table(["metric", "value"], rows, {1}) if rows else ""
+    )
+
+
 def page(runs: list[Run], missing: list[str], figures: dict[str, bytes], files_dir: str, evals: dict) -> str:
     drawn = [r for r in runs if r.stages]
     body = ["<h1>TheWorld run report</h1>", f"<p>Runs: {_e(', '.join(r.arg for r in drawn))}.</p>"]
@@ -559,6 +598,8 @@ def page(runs: list[Run], missing: list[str], figures: dict[str, bytes], files_d
     body += [results_section(r) for r in drawn]
     body += [eval_section(path, summary) for path, summary in evals.items()]
     body += ["<h2>Caption samples</h2>", *(samples_section(r) for r in drawn)]
+    if aligned := [a for r in drawn if (a := alignment_section(r))]:
+        body += ["<h2>World tokens against the vocabulary</h2>", *aligned]
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>TheWorld run report</title>'
         f"<style>{STYLE}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"

@@ -1,4 +1,5 @@
-"""One optimisation step on already-loaded micro-batches, and evaluation. The loop state lives in `LoopState`.
+"""One optimisation step on already-loaded micro-batches (the held-out loss: train/eval/heldout.py). The loop state
+lives in `LoopState`.
 
 The loss is normalised by the number of answer tokens in the whole global batch (all micro-batches, all processes),
 counted and all-reduced before the forward passes, so accumulation and process count leave the gradient unchanged.
@@ -16,13 +17,11 @@ from torch.profiler import record_function
 
 from theworld.model import objective
 from theworld.model.world import PROFILE_LABELS
-from train import preempt, sharding
+from train import sharding
 from train.data.batches import Batch
 from train.data.order import noise_seeds, rank_offset, seed_of
 
 if TYPE_CHECKING:
-    from torch.utils.data import DataLoader
-
     from train.components import Components
 
 
@@ -130,48 +129,3 @@ def ema_decay(decay: float, warmup_steps: int, step: int) -> float:
     first `warmup_steps` steps so that the average is not anchored to the initial weights. A pure function of the step:
     resuming needs nothing saved."""
     return decay * min(1.0, step / warmup_steps) if warmup_steps else decay
-
-
-@torch.no_grad()
-def evaluate(components: Components, loader: DataLoader) -> dict:
-    """eval_loss and eval_loss_shuffled_world (each held-out sample with the world of its partner: the next held-out
-    sample of the same latent shape in key order, `order.eval_partners`; the same pairs whatever the process count),
-    per answer token over the whole held-out split (all processes). World latents use the posterior mean. The only
-    held-out sample of its shape has no partner: it counts towards eval_loss only."""
-    model, accelerator = components.raw, components.accelerator
-    was_training, mode = model.training, model.latent_mode
-    model.eval()
-    model.latent_mode = "mean"
-    sums = torch.zeros(4, dtype=torch.float64, device=accelerator.device)  # loss, tokens, shuffled loss, its tokens
-    # agreed before the first forward: under FSDP every forward is a collective, so all processes run as many
-    extra = sharding.missing_forwards(components.sharded, len(loader), accelerator.device)
-    inputs = None
-    try:
-        for batch in loader:
-            preempt.poll()  # every process polls len(loader) + extra times: as often as the longest share
-            inputs = batch.to(accelerator.device)
-            paired = bool(inputs.paired.all())  # a batch holds one latent shape: all paired, or its only one
-            with accelerator.autocast():
-                a = model(inputs.own_world())
-                b = model(inputs.partner_world())  # also when unpaired: every process makes two forwards per batch
-            sums[:2] += torch.tensor([float(a.loss_sum), a.num_tokens], dtype=torch.float64, device=accelerator.device)
-            if paired:
-                sums[2:] += torch.tensor(
-                    [float(b.loss_sum), b.num_tokens], dtype=torch.float64, device=accelerator.device
-                )
-        for _ in range(extra):
-            preempt.poll()
-            model(inputs.own_world())  # results unused: only the collectives count
-            model(inputs.own_world())
-    finally:
-        model.latent_mode = mode
-        model.train(was_training)
-    if components.world_size > 1:
-        sums = accelerator.reduce(sums, reduction="sum")
-    loss, shuffled = (objective.per_token(float(sums[k]), float(sums[k + 1])) for k in (0, 2))
-    return {
-        "eval_loss": loss,
-        "eval_loss_shuffled_world": shuffled,
-        "eval_gap": shuffled - loss,
-        "eval_tokens": int(sums[1]),
-    }

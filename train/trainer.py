@@ -20,9 +20,10 @@ from train.components import Components, Launch, build, build_model, resolve_lau
 from train.config import run_hash, to_yaml
 from train.data import cache as data
 from train.data import loader, order
-from train.eval import plateau
+from train.eval import heldout
+from train.eval.alignment import Alignment
 from train.eval.benchmarks import BenchmarkEval
-from train.eval.benchmarks import lines as benchmark_lines
+from train.eval.evaluator import Evaluator, evaluators
 from train.eval.samples import CaptionSamples
 from train.metrics import (
     Metrics,
@@ -37,13 +38,12 @@ from train.metrics import (
 from train.preempt import EvalCut, Preemption, cut_message
 from train.state import checkpoint, final, hub_upload
 from train.state.hub_upload import HubUploader
-from train.step import LoopState, evaluate
+from train.step import LoopState
 
 _log = log.get(__name__)
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
-    from torch.utils.data import DataLoader
 
     from theworld.cache_format import CacheReader
     from theworld.model.world import LoadReport
@@ -61,6 +61,7 @@ class Checked:
     split: tuple[np.ndarray, np.ndarray]  # train / held-out sample indices
     per_epoch: int  # optimisation steps per epoch
     bench: BenchmarkEval | None
+    sets: list[heldout.OpenSet] = field(default_factory=list)  # train.eval.sets, opened
 
     @classmethod
     def of(cls, cfg: TrainConfig) -> Checked:
@@ -71,13 +72,14 @@ class Checked:
         if cfg.init_from:
             checkpoint.resolve_weights(cfg.init_from)
         bench = BenchmarkEval.load(cfg)
+        sets = [heldout.OpenSet.of(cfg, entry) for entry in cfg.train.eval.sets]
         if cfg.train.hardware.cpu_threads:
             torch.set_num_threads(cfg.train.hardware.cpu_threads)
         split = data.split_data(cfg, reader)
         per_epoch = order.check_sizes(cfg, reader, split[0], launch.processes, data.mixture_draw(cfg, reader, split[0]))
         cfg.train.max_steps = order.total_steps(cfg.train, per_epoch)
         cfg.profile.check_window(cfg.train.max_steps)
-        return cls(cfg, launch, reader, inputs, split, per_epoch, bench)
+        return cls(cfg, launch, reader, inputs, split, per_epoch, bench, sets)
 
 
 @dataclass
@@ -89,7 +91,7 @@ class Trainer:
     ctx: loader.DataContext
     state: LoopState
     metrics: Metrics
-    eval_loader: DataLoader | None
+    evaluators: list[Evaluator]  # caption samples, held-out loss, benchmarks, alignment: each configured one, in order
     prof: ProfileWindow
     t_start: float
     cache: dict  # checkpoint.cache_identity of the cache trained on
@@ -97,7 +99,6 @@ class Trainer:
     reports: list[LoadReport] = field(default_factory=list)  # what init_from loaded
     resume_from: Path | None = None
     window: StepWindow = field(default_factory=StepWindow)
-    samples: CaptionSamples | None = None  # held-out captions generated at every eval
     hub: HubUploader | None = None  # main process, with hub.model_id
 
     @classmethod
@@ -109,6 +110,8 @@ class Trainer:
         model, processor = build_model(cfg)
         reports = [checkpoint.init_from(model, cfg.init_from)] if cfg.init_from else []
         data.verify_fingerprint(cfg, model, processor, checked.reader, checked.inputs)
+        for s in checked.sets:
+            data.verify_fingerprint(cfg, model, processor, s.reader, s.inputs)
         c = build(cfg, accelerator, checked.launch.accum, built=(model, processor))
         ctx = loader.DataContext.build(cfg, checked.reader, checked.inputs, c.processor, checked.split)
         cache = checkpoint.cache_identity(checked.reader)
@@ -116,11 +119,14 @@ class Trainer:
         if "wandb" in cfg.trackers and state.wandb_run_id is None:
             state.wandb_run_id = new_wandb_run_id()  # kept in the checkpoints: a resumed run continues it
         rank, world_size = accelerator.process_index, accelerator.num_processes
-        eval_loader = loader.build_eval_loader(cfg, ctx, rank, world_size) if len(ctx.eval_indices) else None
-        samples = (
-            CaptionSamples(cfg, ctx, cfg.train.eval.captions)
-            if cfg.train.eval.captions and len(ctx.eval_indices)
-            else None
+        held_out = len(ctx.eval_indices) > 0
+        evals = evaluators(
+            CaptionSamples(cfg, ctx, cfg.train.eval.captions) if cfg.train.eval.captions and held_out else None,
+            held := heldout.build(cfg, ctx, checked.sets, rank, world_size),
+            checked.bench,
+            Alignment(held.splits[0].loader, cfg.output_dir, accelerator.is_main_process)
+            if cfg.train.eval.alignment and held is not None
+            else None,
         )
         # last: what fails above is one error line, with no progress bar drawn before it
         metrics = Metrics(
@@ -138,14 +144,13 @@ class Trainer:
             ctx,
             state,
             metrics,
-            eval_loader,
+            evals,
             ProfileWindow(cfg.profile, cfg.output_dir, rank),
             t_start,
             cache,
             removed,
             reports,
             resume_from,
-            samples=samples,
             hub=hub_upload.for_run(cfg, accelerator, metrics.message),
         )
 
@@ -162,32 +167,11 @@ class Trainer:
         return iter(loader.build_train_loader(self.cfg, self.ctx, self.c.rank, self.c.world_size, epoch, start))
 
     def run_eval(self) -> bool:
-        """The held-out captions and loss (when samples are held out) and the benchmarks (when configured), logged;
-        the captions first, so an eval's loss line stays its last line but for benchmarks. False when a stop request
-        cut it short (train/preempt.py): what it had not logged yet is dropped."""
+        """Every evaluator, run and logged in turn (train/eval/evaluator.py). False when a stop request cut it short
+        (train/preempt.py): what it had not logged yet is dropped."""
         try:
-            cfg, state = self.cfg, self.state
-            if self.samples is not None:
-                self.metrics.log_samples(state.step, self.samples.run(self.c), self.samples.images)
-            if self.eval_loader is not None:
-                ev = evaluate(self.c, self.eval_loader)
-                was_flat = state.plateau_step is not None
-                flat = plateau.record(
-                    state, cfg.train.eval.plateau, cfg.train.eval.every, cfg.train.max_steps, ev["eval_loss"]
-                )
-                state.last_eval = {"step": state.step, **ev, **flat}
-                self.metrics.log(state.last_eval)
-                if state.plateau_step is not None and not was_flat:
-                    self.metrics.message(
-                        f"step {state.step}: the eval loss has plateaued (less than "
-                        f"{cfg.train.eval.plateau.min_improvement:.1%} better over the last evals)"
-                        + ("; stopping: train.eval.stop_on_plateau" if cfg.train.eval.stop_on_plateau else "")
-                    )
-            if self.checked.bench is not None:
-                results = self.checked.bench.run(self.c)
-                self.metrics.log({"step": self.state.step, **results})
-                for line in benchmark_lines(results):  # with the eval line: the figures people wait for
-                    self.metrics.message(line)
+            for e in self.evaluators:
+                e.log(self.metrics, self.state, e.run(self.c))
         except EvalCut:
             self.metrics.message(cut_message(self.state.step))
             return False
@@ -197,7 +181,8 @@ class Trainer:
         checkpoint.save_run(self.c, self.state, self.per_epoch, self.cache)
         if self.hub is not None and self.cfg.hub.strategy == "every_save":
             step = self.state.step
-            self.hub.submit(Path(self.cfg.output_dir) / f"checkpoint-{step}", f"checkpoint-{step}")
+            name = f"checkpoint-{step}"
+            self.hub.submit(Path(self.cfg.output_dir) / name, name, name if self.cfg.hub.history else None)
 
     def start_lines(self) -> list[str]:
         """What the run prints before its first step: clean-up, cache and init_from notes, where it starts, the data."""
@@ -286,4 +271,6 @@ class Trainer:
             return stop.exit_code
         if self.c.accelerator.is_main_process:
             final.record_eval(self.c, self.state, self.cfg.output_dir)
+            keep = self.cfg.train.checkpoint  # the last eval may have found a new best checkpoint
+            checkpoint.prune(self.cfg.output_dir, keep.keep_last, keep.keep_best)
         return 0

@@ -489,14 +489,15 @@ def _slow_eval_with_signal(monkeypatch, at_step: int, sig=signal.SIGTERM, per_ba
     run, when the signal was sent and when the eval gave up (seconds since the epoch)."""
     import threading
 
-    from train import step
     from train import trainer as loop
+    from train.eval import heldout
 
     seen = {}
+    real = heldout.evaluate
 
     def slow(components, loader):
         if loop_state["state"].step != at_step:
-            return step.evaluate(components, loader)
+            return real(components, loader)
 
         def batches():
             for b in loader:
@@ -513,7 +514,7 @@ def _slow_eval_with_signal(monkeypatch, at_step: int, sig=signal.SIGTERM, per_ba
 
         threading.Timer(0.3, lambda: (seen.setdefault("sent", time.time()), os.kill(os.getpid(), sig))).start()
         try:
-            return step.evaluate(components, Slow())
+            return real(components, Slow())
         finally:
             seen["left"] = time.time()
 
@@ -525,7 +526,7 @@ def _slow_eval_with_signal(monkeypatch, at_step: int, sig=signal.SIGTERM, per_ba
         return loop_state["state"]
 
     monkeypatch.setattr(loop.checkpoint, "restore", restore)
-    monkeypatch.setattr(loop, "evaluate", slow)
+    monkeypatch.setattr(heldout, "evaluate", slow)
     return seen
 
 
@@ -551,8 +552,9 @@ def test_the_last_eval_comes_after_the_checkpoint_and_final_so_neither_a_stop_no
     cache, tmp_path, capsys, monkeypatch
 ):
     from theworld.core.errors import UserError
-    from train import step
-    from train import trainer as loop
+    from train.eval import heldout
+
+    real = heldout.evaluate  # before _slow_eval_with_signal wraps it
 
     out = tmp_path / "run"
     extra = {"train.checkpoint.every": 100, "train.eval.samples": 32, "train.eval.batch_size": 2}
@@ -564,14 +566,14 @@ def test_the_last_eval_comes_after_the_checkpoint_and_final_so_neither_a_stop_no
     assert "final eval loss n/a" in (out / "final" / "README.md").read_text()
     # the last eval fails (a benchmark that cannot be scored): one line, exit 2, both saves kept
     ref = tmp_path / "ref"
-    monkeypatch.setattr(loop, "evaluate", lambda *a: (_ for _ in ()).throw(UserError("no memory for item 7")))
+    monkeypatch.setattr(heldout, "evaluate", lambda *a: (_ for _ in ()).throw(UserError("no memory for item 7")))
     assert train_inproc(base_args(cache, ref, steps=4, **extra)) == 2
     _one_line(
         capsys, "the eval after the last step failed", "no memory for item 7", "checkpoint-4 and final/ are saved"
     )
     assert (ref / "checkpoint-4").is_dir() and _final(ref) == weights
     # the rerun repeats only the eval, and the checkpoint and the card record it
-    monkeypatch.setattr(loop, "evaluate", step.evaluate)
+    monkeypatch.setattr(heldout, "evaluate", real)
     assert train_inproc(base_args(cache, out, steps=4, **extra)) == 0
     assert _final(out) == weights
     last = [m for m in metrics(out) if "eval_loss" in m]

@@ -22,7 +22,11 @@ def offline() -> bool:
 
 def resolve(ref: str | Path, what: str = "model") -> Path:
     """`ref` itself when it exists locally; a hub repo id's snapshot folder otherwise (downloaded, or taken from the
-    local Hugging Face cache when offline). Anything else is returned unchanged for the caller's own error."""
+    local Hugging Face cache when offline), or the named folder inside it (`user/name:checkpoint-N`). Anything else
+    is returned unchanged for the caller's own error."""
+    inside = location.hub_folder(ref)
+    if inside is not None:
+        return resolve(str(inside[0]), what) / inside[1]
     parsed = location.model(ref)
     if not isinstance(parsed, location.HubId):
         return Path(ref)

@@ -111,6 +111,19 @@ def hub_id(text: str) -> HubId | None:
     return HubId(m["repo"], m["revision"])
 
 
+# a folder inside a repo: `user/name[@revision]:checkpoint-N` (or `:final`), as `hub.history` uploads them
+_IN_REPO = re.compile(r"^(?P<ref>[^:]+):(?P<folder>checkpoint-\d+|final)$")
+
+
+def hub_folder(text: str | os.PathLike) -> tuple[HubId, str] | None:
+    """(repo, folder) of `user/name[@revision]:checkpoint-N` when no local path of that name exists, else None."""
+    text = os.fspath(text)
+    m = _IN_REPO.match(text)
+    if m is None or os.path.exists(text) or (repo := hub_id(m["ref"])) is None:
+        return None
+    return repo, m["folder"]
+
+
 def model(spec: str | os.PathLike) -> Tiny | Local | HubId:
     """A model spec (`model.gemma`, `model.vae`, `init_from`, `--model`): `tiny`, a local path (one that exists
     always wins, so a folder named like a hub id is the folder), or a hub id; anything else is a Local that is not

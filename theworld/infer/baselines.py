@@ -13,6 +13,10 @@ and the baselines it is compared with.
 - `init_projector`: the projector as the run initialised it (its seed in the stage's config.yaml), the rest of the
   stage's weights unchanged: what training the projector bought. For a later stage (init_from a previous one) this
   is still the seed's fresh projector, not the previous stage's.
+- `base_gemma`: the stage's Gemma before any training (the base model its config.yaml names under `model.gemma`), with
+  no world block: the untouched base model's own score. Equal to `no_world` while every stage froze Gemma; where a
+  stage trained Gemma (or LoRA adapters on it), the trained tensors are swapped for the base model's (adapters
+  switched off) for this column only. Named alone, not part of `all` (it loads the base Gemma's weights once more).
 - `no_rollout` (stages trained with world rollouts, world.num_world_steps > 0): the world block of the observed frame
   alone, with its temporal embedding (row 0), without the predicted frames: does imagining the future help? It is
   part of `all` only for such stages; asking for it on a stage without rollouts is an error.
@@ -22,10 +26,8 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-import yaml
 
 from theworld.core.errors import UserError
 from theworld.model import stage_layout as layout
@@ -36,6 +38,7 @@ class Condition:
     name: str
     world: str  # "own", "previous", "constant" or "none"
     init_projector: bool = False
+    base_gemma: bool = False  # the base model's Gemma weights in place of the stage's (BaseGemma)
     rollout: bool = True  # False: the observed frame alone (its world block without the predicted frames)
 
 
@@ -52,7 +55,8 @@ BASELINES = {
 }
 # baselines of stages trained with world rollouts (world.num_world_steps > 0) only
 ROLLOUT_BASELINES = {c.name: c for c in (Condition("no_rollout", "own", rollout=False),)}
-KNOWN = {**BASELINES, **ROLLOUT_BASELINES}
+BASE_GEMMA = Condition("base_gemma", "none", base_gemma=True)
+KNOWN = {**BASELINES, **ROLLOUT_BASELINES, BASE_GEMMA.name: BASE_GEMMA}
 
 
 def parse(spec: str | list[str] | None, world_steps: int | None = None) -> list[str]:
@@ -68,7 +72,7 @@ def parse(spec: str | list[str] | None, world_steps: int | None = None) -> list[
                 f"--baselines: all already names every baseline ({', '.join(KNOWN)}); give all alone, or "
                 f"the names without it (got {','.join(names)})"
             )
-        return list(KNOWN if world_steps else BASELINES)
+        return list({**BASELINES, **ROLLOUT_BASELINES} if world_steps else BASELINES)
     unknown = [n for n in names if n not in KNOWN]
     if unknown:
         raise UserError(f"--baselines: unknown baseline {unknown[0]!r} (known: all, {', '.join(KNOWN)})")
@@ -112,14 +116,10 @@ class InitProjector:
         self.state = fresh.to(next(model.projector.parameters()).device).state_dict()
 
     @classmethod
-    def for_stage(cls, model, folder: Path) -> InitProjector:
+    def for_stage(cls, model, stage: layout.Stage) -> InitProjector:
         """The initial projector of the run whose stage folder (final/ or checkpoint-N/) this is: its config's
         `world` section and `seed`."""
-        cfg = layout.read_config(folder)
-        seed = (yaml.safe_load((folder / layout.CONFIG).read_text()) or {}).get("seed", 0)
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise UserError(f"{folder / layout.CONFIG}: seed {seed!r} is not an integer")
-        return cls(model, cfg.world, seed)
+        return cls(model, stage.sections.world, stage.seed)
 
     @contextlib.contextmanager
     def active(self, model):
@@ -131,12 +131,58 @@ class InitProjector:
             model.projector.load_state_dict(trained)
 
 
+class BaseGemma:
+    """The base Gemma's values of the tensors a stage trained in its Gemma (read from the model folder its config
+    names), swapped in for the `base_gemma` condition; LoRA adapters are switched off meanwhile."""
+
+    def __init__(self, model, stage: layout.Stage):
+        from safetensors import safe_open
+
+        from theworld.model import encoders
+        from theworld.model import lora as lora_adapters
+
+        with safe_open(str(stage.folder / layout.WEIGHTS), "pt") as f:
+            trained = [k.removeprefix("gemma.") for k in f.keys() if k.startswith("gemma.")]
+        trained = [k for k in trained if not lora_adapters.is_adapter(k)]
+        self.adapters = list(lora_adapters.adapted_layers(model.gemma).values())
+        self.state = {}
+        if trained:
+            base = encoders.load_gemma(stage.sections.model.gemma, stage.sections.model.dtype)[0].state_dict()
+            own = dict(model.gemma.state_dict())
+            for k in trained:
+                name = lora_adapters.adapted_name(k, own)
+                self.state[name] = base[k.replace(".base_layer.", ".")].to(own[name].device, own[name].dtype)
+
+    @contextlib.contextmanager
+    def active(self, model):
+        params = dict(model.gemma.state_dict())
+        trained = {k: params[k].clone() for k in self.state}
+        with torch.no_grad():
+            for k, v in self.state.items():
+                params[k].copy_(v)
+        for layer in self.adapters:
+            layer.enable_adapters(False)
+        try:
+            yield
+        finally:
+            for layer in self.adapters:
+                layer.enable_adapters(True)
+            with torch.no_grad():
+                for k, v in trained.items():
+                    params[k].copy_(v)
+
+
 @contextlib.contextmanager
-def applied(model, cond: Condition, init: InitProjector | None):
+def applied(model, cond: Condition, init: InitProjector | None, base: BaseGemma | None = None):
     if cond.init_projector:
         if init is None:
             raise ValueError("the init_projector condition needs the run's initial projector (InitProjector)")
         with init.active(model):
+            yield
+    elif cond.base_gemma:
+        if base is None:
+            raise ValueError("the base_gemma condition needs the base model's weights (BaseGemma)")
+        with base.active(model):
             yield
     else:
         yield

@@ -205,13 +205,8 @@ def generate(
         return out
     device = model.input_device
     inputs = prepare(model, images, prompts, world_images).to(device)
-    mode = model.latent_mode
-    model.latent_mode = "mean"  # inference reads the posterior mean, as eval does
-    try:
-        with torch.no_grad():
-            fused = left_align(model.embed_inputs(inputs))
-    finally:
-        model.latent_mode = mode
+    with torch.no_grad(), model.evaluating(keep_mode=True):  # inference reads the posterior mean, as eval does
+        fused = left_align(model.embed_inputs(inputs))
     sampler = Sampler(do_sample, temperature, top_p, seed, device)
     tok = model.processor.tokenizer
     ids = decode(model, fused, max_new_tokens, sampler, stop_ids(model), tok.pad_token_id, use_cache)

@@ -15,12 +15,15 @@ difference to it and an exact McNemar p-value. Data formats: theworld/infer/benc
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from theworld.infer import benchmark_items, letters, prefix_scoring, stats
 from theworld.infer.baselines import (
     MODEL,
     SHUFFLED,
+    BaseGemma,
     Condition,
     InitProjector,
     applied,
@@ -48,8 +51,9 @@ class Scorer:
         init: InitProjector | None = None,
         shared_prefix: bool = True,
         max_new_tokens: int = 16,
+        base: BaseGemma | None = None,
     ):
-        self.model, self.items, self.image_cfg, self.init = model, items, image_cfg, init
+        self.model, self.items, self.image_cfg, self.init, self.base = model, items, image_cfg, init, base
         self.processor, self.formatter = processor, ChatFormatter(processor)
         self.device = model.input_device
         self.shared_prefix, self.max_new_tokens = shared_prefix, max_new_tokens
@@ -138,7 +142,7 @@ class Scorer:
             own, previous = self._rows(row_item, at)
         per_cond = {}
         for cond in conds:
-            with applied(self.model, cond, self.init):
+            with applied(self.model, cond, self.init, self.base):
                 world = world_inputs(self.model, cond, mean, logvar, own, previous)
                 scores = (
                     prefix_scoring.answer_logprobs(self.model, prefixes, enc, owner, siglip, **world)
@@ -171,7 +175,7 @@ class Scorer:
         sampler = Sampler(False, 1.0, 1.0, None, self.device)
         per_cond = {}
         for cond in conds:
-            with applied(model, cond, self.init):
+            with applied(model, cond, self.init, self.base):
                 world = world_inputs(model, cond, mean, logvar, own, previous)
                 fused = left_align(model.embed_inputs(text.with_inputs(**world, siglip=siglip)))
                 new = decode(model, fused, self.max_new_tokens, sampler, stop, tok.pad_token_id)
@@ -221,37 +225,80 @@ def tally(
     return records
 
 
-def _stats(rs: list[dict]) -> dict:
-    n = len(rs)
-    k = sum(r["pred"] == r["answer"] for r in rs)
-    ks = sum(r["pred_shuffled_world"] == r["answer"] for r in rs)
-    return {
-        "n": n,
-        "accuracy": k / n if n else 0.0,
-        "accuracy_ci95": wilson(k, n),
-        "accuracy_shuffled_world": ks / n if n else 0.0,
-        "accuracy_shuffled_world_ci95": wilson(ks, n),
-    }
+def default_protocol(items: list[benchmark_items.Item], generate: bool = True) -> str:
+    """`generate` for items that all carry the benchmark's own prompt (BLINK), else `loglik` (JSONL and synthetic
+    items were never asked in a lettered form); `generate=False` where generation cannot run (FSDP in training)."""
+    return "generate" if generate and all(it.prompt for it in items) else "loglik"
+
+
+@dataclass
+class Tally:
+    """What accuracies are computed from, as counts that add up over batches and processes: items, right answers
+    with the own and the shuffled world, unparsed answers (generate), and per baseline (right, right only by the
+    model, right only by the baseline)."""
+
+    n: int = 0
+    right: int = 0
+    right_shuffled: int = 0
+    unparsed: int = 0
+    unparsed_shuffled: int = 0
+    paired: dict[str, list[int]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, records: list[dict], baselines: list[str] = ()) -> Tally:
+        t = cls(paired={b: [0, 0, 0] for b in baselines})
+        for r in records:
+            right = r["pred"] == r["answer"]
+            t.n += 1
+            t.right += right
+            t.right_shuffled += r["pred_shuffled_world"] == r["answer"]
+            t.unparsed += r["pred"] is None
+            t.unparsed_shuffled += r["pred_shuffled_world"] is None
+            for b, c in t.paired.items():
+                other = r["preds"][b] == r["answer"]
+                c[0], c[1], c[2] = c[0] + other, c[1] + (right and not other), c[2] + (other and not right)
+        return t
+
+    def vector(self) -> list[int]:
+        head = [self.n, self.right, self.right_shuffled, self.unparsed, self.unparsed_shuffled]
+        return head + [x for c in self.paired.values() for x in c]
+
+    @classmethod
+    def from_vector(cls, v: list[int], baselines: list[str]) -> Tally:
+        return cls(*v[:5], {b: list(v[5 + 3 * j : 8 + 3 * j]) for j, b in enumerate(baselines)})
+
+    def accuracies(self) -> dict:
+        n = self.n
+        return {
+            "n": n,
+            "accuracy": self.right / n if n else 0.0,
+            "accuracy_ci95": wilson(self.right, n),
+            "accuracy_shuffled_world": self.right_shuffled / n if n else 0.0,
+            "accuracy_shuffled_world_ci95": wilson(self.right_shuffled, n),
+        }
+
+    def baseline(self, name: str) -> dict:
+        """The baseline's accuracy with its interval, and the model's paired difference to it (stats.paired)."""
+        return stats.paired_counts(self.n, *self.paired[name])
 
 
 def summarize(records: list[dict], baselines: list[str] = (), protocol: str | None = None) -> dict:
     """Accuracies overall and per category (items without one under NO_CATEGORY), unparsed answers (generate), and
     each baseline against the model on the same items."""
-    out = _stats(records)
+    t = Tally.of(records, baselines)
+    out = t.accuracies()
     if protocol is not None:
         out["protocol"] = protocol
     if protocol == "generate":
-        out["unparsed"] = sum(r["pred"] is None for r in records)
-        out["unparsed_shuffled_world"] = sum(r["pred_shuffled_world"] is None for r in records)
+        out["unparsed"], out["unparsed_shuffled_world"] = t.unparsed, t.unparsed_shuffled
     cats = sorted({r["category"] for r in records if r["category"] is not None})
     if cats:
         rows = cats + ([NO_CATEGORY] if any(r["category"] is None for r in records) else [])
-        out["categories"] = {c: _stats([r for r in records if (r["category"] or NO_CATEGORY) == c]) for c in rows}
-    if baselines:
-        model_right = [r["pred"] == r["answer"] for r in records]
-        out["baselines"] = {
-            b: stats.paired(model_right, [r["preds"][b] == r["answer"] for r in records]) for b in baselines
+        out["categories"] = {
+            c: Tally.of([r for r in records if (r["category"] or NO_CATEGORY) == c]).accuracies() for c in rows
         }
+    if baselines:
+        out["baselines"] = {b: t.baseline(b) for b in baselines}
     return out
 
 
@@ -268,10 +315,11 @@ def evaluate(
     init: InitProjector | None = None,
     shared_prefix: bool = True,
     max_new_tokens: int = 16,
+    base: BaseGemma | None = None,
 ) -> list[dict]:
     """Per-item records (see `tally`) for all items, `batch_size` items per forward; `progress(records)` with each
     batch's records as they are done."""
-    scorer = Scorer(model, processor, image_cfg, items, init, shared_prefix, max_new_tokens)
+    scorer = Scorer(model, processor, image_cfg, items, init, shared_prefix, max_new_tokens, base)
     run = scorer.score if protocol == "loglik" else scorer.answer
     records = []
     for lo in range(0, len(items), batch_size):

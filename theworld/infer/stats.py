@@ -30,9 +30,13 @@ def paired(model_right: list[bool], other_right: list[bool]) -> dict:
     minus `other`'s: positive when the model does better) with the exact McNemar p-value."""
     if len(model_right) != len(other_right):
         raise ValueError(f"paired results need the same items: {len(model_right)} against {len(other_right)}")
-    n, k = len(other_right), sum(other_right)
     only_model = sum(a and not b for a, b in zip(model_right, other_right))
     only_other = sum(b and not a for a, b in zip(model_right, other_right))
+    return paired_counts(len(other_right), sum(other_right), only_model, only_other)
+
+
+def paired_counts(n: int, k: int, only_model: int, only_other: int) -> dict:
+    """`paired` from its counts: n items, k right by the other, the discordant pairs each way."""
     return {
         "n": n,
         "accuracy": k / n if n else 0.0,

@@ -243,7 +243,16 @@ def read_yaml(folder: Path) -> dict:
     return data
 
 
-def read_config(folder: Path) -> ModelSections:
+@dataclass
+class Stage:
+    """A stage folder with its config read once: the model's sections and the run's seed (the projector's start)."""
+
+    folder: Path
+    sections: ModelSections
+    seed: int = 0
+
+
+def read_stage(folder: Path) -> Stage:
     path = folder / CONFIG
     data = read_yaml(folder)
     try:
@@ -253,7 +262,14 @@ def read_config(folder: Path) -> ModelSections:
     inside = folder / sections.model.gemma  # an exported folder holds its own Gemma (theworld.export)
     if not Path(sections.model.gemma).is_absolute() and (inside / "config.json").is_file():
         sections.model.gemma = str(inside.resolve())
-    return sections
+    seed = data.get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise UserError(f"{path}: seed {seed!r} is not an integer")
+    return Stage(folder, sections, seed)
+
+
+def read_config(folder: Path) -> ModelSections:
+    return read_stage(folder).sections
 
 
 def trained_prompt(folder: Path) -> str:

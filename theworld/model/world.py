@@ -7,6 +7,8 @@ number of them and rows are right-padded, so inserting them is one concatenation
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -160,7 +162,7 @@ class TheWorld(nn.Module):
     @classmethod
     def from_pretrained(
         cls,
-        path: str | Path,
+        path: str | Path | layout.Stage,
         *,
         ema: bool = False,
         device: str | torch.device | None = None,
@@ -170,8 +172,9 @@ class TheWorld(nn.Module):
         world_steps: int | None = None,
     ):
         """(TheWorld, processor) of a trained stage, ready for inference: `path` is a final/ or checkpoint-N/ folder,
-        or a run's output_dir (its final/): trained tensors loaded (or their EMA), eval mode, base models in the
-        config's model.dtype, world latents from the posterior mean, on `device` (default: cuda when available).
+        or a run's output_dir (its final/), or its `layout.Stage` already read: trained tensors loaded (or their EMA),
+        eval mode, base models in the config's model.dtype, world latents from the posterior mean, on `device`
+        (default: cuda when available).
         `device_map` instead: Accelerate's big-model dispatch over GPUs, the CPU and disk ("auto", "cpu", "disk" or
         {module name: device}; disk weights live in `offload_folder`), theworld/model/device_map.py. `rollout`: as
         from_config (a stage with world.num_world_steps > 0 rolls out live unless False). `world_steps`: roll out this
@@ -181,10 +184,10 @@ class TheWorld(nn.Module):
             if device is not None:
                 raise UserError("from_pretrained: give device or device_map, not both")
             dispatching.check(device_map, offload_folder)
-        folder = layout.resolve(path)
-        cfg = layout.read_config(folder)
+        stage = path if isinstance(path, layout.Stage) else layout.read_stage(layout.resolve(path))
+        folder, cfg = stage.folder, stage.sections
         if world_steps is not None:
-            cfg.world = at_inference(cfg.world, world_steps, str(path))
+            cfg = dataclasses.replace(cfg, world=at_inference(cfg.world, world_steps, str(path)))
         weights = folder / (layout.EMA if ema else layout.WEIGHTS)
         if ema and not weights.is_file():
             raise UserError(f"model {folder}: no {layout.EMA} (the run had train.optimizer.ema: 0)")
@@ -199,6 +202,22 @@ class TheWorld(nn.Module):
             return model, processor
         device = device or default_device()
         return model.to(device).eval(), processor
+
+    @contextlib.contextmanager
+    def evaluating(self, keep_mode: bool = False):
+        """Eval mode with world latents from the posterior mean (how every evaluation and inference reads the model),
+        the caller's mode and latent mode restored after. `keep_mode`: leave train/eval mode as it is (generation
+        from a model the caller already holds in eval mode)."""
+        was_training, mode = self.training, self.latent_mode
+        if not keep_mode:
+            self.eval()
+        self.latent_mode = "mean"
+        try:
+            yield self
+        finally:
+            self.latent_mode = mode
+            if not keep_mode:
+                self.train(was_training)
 
     @property
     def input_device(self) -> torch.device:

@@ -19,14 +19,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from theworld.core.errors import UserError
-from theworld.infer import baselines, benchmark_items, stats
-from theworld.infer.scoring import Scorer, tally
+from theworld.infer import baselines, benchmark_items
+from theworld.infer.scoring import Scorer, Tally, default_protocol, tally
 from train import preempt
 from train.config import BenchmarkEntry
 
 if TYPE_CHECKING:
     from train.components import Components
     from train.config import TrainConfig
+    from train.metrics import Metrics
+    from train.step import LoopState
 
 
 def _name(path: str) -> str:
@@ -57,6 +59,11 @@ class BenchmarkEval:
             if name in sets:
                 raise UserError(f"config key 'train.eval.benchmarks': two benchmarks named {name!r}; rename one file")
             names = entry.names(cfg.world.num_world_steps)
+            if "base_gemma" in names:
+                raise UserError(
+                    "config key 'train.eval.benchmarks': base_gemma loads the base model once more; score it after "
+                    "training with theworld.evaluate --baselines base_gemma (no_world is the stage's own Gemma)"
+                )
             if cfg.train.hardware.sharding == "fsdp" and ("init_projector" in names or entry.protocol == "generate"):
                 # the baseline swaps weights FSDP shards; generation stops when every row is done, which differs
                 # between processes, and FSDP's collectives need every process in every forward
@@ -77,22 +84,17 @@ class BenchmarkEval:
             protocol = (
                 entry.protocol
                 if entry.protocol != "auto"
-                else "generate"
-                if all(it.prompt for it in items) and cfg.train.hardware.sharding != "fsdp"
-                else "loglik"
+                else default_protocol(items, generate=cfg.train.hardware.sharding != "fsdp")
             )
             sets[name] = BenchmarkSet(items, protocol, names)
         return cls(sets, cfg.train.eval.batch_size)
 
     def run(self, components: Components) -> dict:
         model, accelerator = components.raw, components.accelerator
-        was_training, mode = model.training, model.latent_mode
-        model.eval()
-        model.latent_mode = "mean"
         # resolved by now (micro_batch_size: auto is a number once the run knows its process count)
         rows = max(2, self.eval_batch_size or int(components.cfg.train.micro_batch_size))
         out = {}
-        try:
+        with model.evaluating():
             for name, bset in self.sets.items():
                 init = (
                     baselines.InitProjector(model, components.cfg.world, components.cfg.seed)
@@ -103,14 +105,15 @@ class BenchmarkEval:
                 if components.world_size > 1:
                     counts = accelerator.reduce(counts, reduction="sum")
                 out.update(_metrics(name, bset, [int(x) for x in counts.tolist()]))
-        finally:
-            model.latent_mode = mode
-            model.train(was_training)
         return out
 
+    def log(self, metrics: Metrics, state: LoopState, results: dict) -> None:
+        metrics.log({"step": state.step, **results})
+        for line in lines(results):  # with the eval line: the figures people wait for
+            metrics.message(line)
+
     def _counts(self, components: Components, bset: BenchmarkSet, rows: int, init) -> torch.Tensor:
-        """This process's share: [items, right, right with the shuffled world, unparsed, then per baseline: right,
-        right only by the model, right only by the baseline]."""
+        """This process's share as `Tally.vector()`."""
         items = bset.items
         conds = baselines.conditions(bset.baselines)
         scorer = Scorer(components.raw, components.processor, components.cfg.image, items, init)
@@ -118,40 +121,33 @@ class BenchmarkEval:
         per_batch = max(1, rows // max(len(it.choices) for it in items)) if bset.protocol == "loglik" else rows
         mine = list(range(components.rank, len(items), components.world_size))
         steps = math.ceil(math.ceil(len(items) / components.world_size) / per_batch)
-        counts = torch.zeros(4 + 3 * len(bset.baselines), dtype=torch.float64, device=components.accelerator.device)
+        counts = torch.zeros(len(Tally(paired={b: [0] * 3 for b in bset.baselines}).vector()), dtype=torch.float64)
+        counts = counts.to(components.accelerator.device)
         for s in range(steps):
             preempt.poll()  # the same `steps` on every process
             idx = mine[s * per_batch : (s + 1) * per_batch]
             with components.accelerator.autocast():
                 outputs = run(idx or [0], conds)
-            for r in tally(items, idx, outputs, bset.protocol):  # no records for the stand-in batch
-                right = r["pred"] == r["answer"]
-                row = [1, right, r["pred_shuffled_world"] == r["answer"], r["pred"] is None]
-                for b in bset.baselines:
-                    other = r["preds"][b] == r["answer"]
-                    row += [other, right and not other, other and not right]
-                counts += torch.tensor(row, dtype=torch.float64, device=counts.device)
+            records = tally(items, idx, outputs, bset.protocol)  # no records for the stand-in batch
+            counts += torch.tensor(
+                Tally.of(records, bset.baselines).vector(), dtype=torch.float64, device=counts.device
+            )
         return counts
 
 
 def _metrics(name: str, bset: BenchmarkSet, counts: list[int]) -> dict:
-    n, k, ks, unparsed = counts[:4]
+    t = Tally.from_vector(counts, bset.baselines)
+    acc = t.accuracies()
     out = {
-        f"bench/{name}/n": n,
-        f"bench/{name}/accuracy": k / max(n, 1),
-        f"bench/{name}/accuracy_shuffled_world": ks / max(n, 1),
+        f"bench/{name}/n": t.n,
+        f"bench/{name}/accuracy": acc["accuracy"],
+        f"bench/{name}/accuracy_shuffled_world": acc["accuracy_shuffled_world"],
     }
     if bset.protocol == "generate":
-        out[f"bench/{name}/unparsed"] = unparsed
-    for j, b in enumerate(bset.baselines):
-        right, only_model, only_base = counts[4 + 3 * j : 7 + 3 * j]
-        out.update(
-            {
-                f"bench/{name}/{b}/accuracy": right / max(n, 1),
-                f"bench/{name}/{b}/difference": (only_model - only_base) / max(n, 1),
-                f"bench/{name}/{b}/p_value": stats.mcnemar_exact(only_model, only_base),
-            }
-        )
+        out[f"bench/{name}/unparsed"] = t.unparsed
+    for b in bset.baselines:
+        paired = t.baseline(b)
+        out.update({f"bench/{name}/{b}/{k}": paired[k] for k in ("accuracy", "difference", "p_value")})
     return out
 
 

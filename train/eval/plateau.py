@@ -3,7 +3,8 @@ each checkpoint's state.json, so a resumed run judges as an uninterrupted one wo
 
 The multi-stage guide's rule: less than 1% improvement of the validation loss over the last 5,000 steps. With
 `train.eval.plateau.window_evals: 0` the window is the evals covering the last 5,000 steps, or a quarter of the run when
-that is shorter (a 1,000-step demo stage would otherwise never be judged).
+that is shorter (a 1,000-step demo stage would otherwise never be judged). `train.eval.plateau.min_steps` holds a
+plateau (and a stop on it) back until that step: the plan's minimum run before a stage may move on.
 """
 
 from __future__ import annotations
@@ -56,12 +57,14 @@ def next_step(plateau_step: int | None, final_dir: str, stopped: bool) -> str:
 
 def record(state, plateau_cfg, eval_every: int, max_steps: int, eval_loss: float) -> dict:
     """Adds this eval to `state.eval_history` (one entry per step) and sets `state.plateau_step` at the first eval
-    that finds a plateau. Returns the eval line's `plateaued` (and `plateau_improvement` once it can be measured)."""
+    that finds a plateau at or after `plateau_cfg.min_steps` (before it, a flat eval line is only reported: a stage
+    may not stop that early). Returns the eval line's `plateaued` (and `plateau_improvement` once it can be
+    measured)."""
     state.eval_history = [e for e in state.eval_history if e[0] != state.step] + [[state.step, eval_loss]]
     window = window_evals(plateau_cfg.window_evals, eval_every, max_steps)
     gain = improvement([loss for _, loss in state.eval_history], window)
     flat = gain is not None and gain < plateau_cfg.min_improvement
-    if flat and state.plateau_step is None:
+    if flat and state.plateau_step is None and state.step >= plateau_cfg.min_steps:
         state.plateau_step = state.step
     return {"plateaued": flat} if gain is None else {"plateaued": flat, "plateau_improvement": gain}
 

@@ -19,6 +19,8 @@ from train.sharding import root_gathered
 if TYPE_CHECKING:
     from train.components import Components
     from train.data.loader import DataContext
+    from train.metrics import Metrics
+    from train.step import LoopState
 
 
 @dataclass
@@ -61,20 +63,16 @@ class CaptionSamples:
             self._read()
         model, acc = components.raw, components.accelerator
         rows: list[dict] = [{} for _ in self.captions]
-        was_training, mode = model.training, model.latent_mode
-        model.eval()
-        model.latent_mode = "mean"
-        try:
-            with root_gathered(model):  # generation calls the model's parts, not its forward
-                for g in self.groups:
-                    batch, prompt = g.batch.to(acc.device), g.prompt.to(acc.device)
-                    for name, world in (("own_world", batch.own_world()), ("shuffled_world", batch.partner_world())):
-                        for i, text in zip(g.positions, self._generate(model, acc, world.behind(prompt))):
-                            rows[i][name] = text
-        finally:
-            model.latent_mode = mode
-            model.train(was_training)
+        with model.evaluating(), root_gathered(model):  # generation calls the model's parts, not its forward
+            for g in self.groups:
+                batch, prompt = g.batch.to(acc.device), g.prompt.to(acc.device)
+                for name, world in (("own_world", batch.own_world()), ("shuffled_world", batch.partner_world())):
+                    for i, text in zip(g.positions, self._generate(model, acc, world.behind(prompt))):
+                        rows[i][name] = text
         return [{"caption": c, **r} for c, r in zip(self.captions, rows)]
+
+    def log(self, metrics: Metrics, state: LoopState, rows: list[dict]) -> None:
+        metrics.log_samples(state.step, rows, self.images)
 
     def _generate(self, model, acc, inputs: ModelInputs) -> list[str]:
         with acc.autocast():

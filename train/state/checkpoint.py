@@ -41,7 +41,7 @@ from theworld.model.stage_layout import (
 )
 from theworld.model.world import LoadReport, read_weights
 from train.config import run_hash
-from train.state import changes
+from train.state import best, changes
 from train.state import migrations as checkpoint_migrations
 from train.state.states import Stateful, run_states
 from train.step import LoopState
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from train.components import Components
-    from train.config import TrainConfig
+    from train.config import KeepBest, TrainConfig
 
 _log = log.get(__name__)
 
@@ -100,7 +100,7 @@ def resolve_resume(cfg: TrainConfig) -> Path | None:
                 "output_dir"
             )
         return None
-    p = Path(cfg.resume)
+    p = hub.resolve(cfg.resume, "config key 'resume':")  # a local checkpoint, or user/name[@rev]:checkpoint-N
     if (kind := path_kind(p / STATE)) != REGULAR:
         what = f"no {STATE}" if kind is None else f"its {STATE} is {kind}"
         raise UserError(f"config key 'resume': {p} is not a checkpoint ({what})")
@@ -235,7 +235,8 @@ def save_run(components: Components, state: LoopState, steps_per_epoch: int, cac
     parts = run_states(c, state, steps_per_epoch, cache, c.cfg.train.checkpoint.save_optimizer)
     given = [part.state_dict() for part in parts]
     if c.accelerator.is_main_process:
-        save(c.cfg.output_dir, f"checkpoint-{state.step}", parts, given, c.cfg.train.checkpoint.keep_last)
+        keep = c.cfg.train.checkpoint
+        save(c.cfg.output_dir, f"checkpoint-{state.step}", parts, given, keep.keep_last, keep.keep_best)
     c.accelerator.wait_for_everyone()
 
 
@@ -353,10 +354,18 @@ def publish(out: Path, name: str, files: dict) -> Path:
     return out / name
 
 
-def save(output_dir: str | Path, name: str, parts: list[Stateful], given: list, keep_last: int) -> Path:
+def save(
+    output_dir: str | Path,
+    name: str,
+    parts: list[Stateful],
+    given: list,
+    keep_last: int,
+    keep_best: KeepBest | None = None,
+) -> Path:
     """Main process only: the checkpoint output_dir/name of the states `parts` gave (`given`, in their order; the
     records of state.json merged into one object), sealed (state.json last, with every other file's sha256 and its
-    own digest) and renamed into place. Deletes the oldest beyond keep_last after the rename."""
+    own digest) and renamed into place. Deletes the oldest beyond keep_last (but the best by keep_best) after the
+    rename."""
     out = Path(output_dir)
     files, record = {}, {}
     for part, state in zip(parts, given):
@@ -366,9 +375,17 @@ def save(output_dir: str | Path, name: str, parts: list[Stateful], given: list, 
             files[part.file] = writer(part, state)
     files[STATE] = _write_state(record)
     final = publish(out, name, files)
-    for old in list_checkpoints(out)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    prune(out, keep_last, keep_best)
     return final
+
+
+def prune(output_dir: str | Path, keep_last: int, keep_best: KeepBest | None = None) -> None:
+    """Deletes the checkpoints older than the last `keep_last`, but the best by `keep_best` (train/state/best.py)."""
+    ckpts = list_checkpoints(output_dir)
+    kept = best.best(output_dir, ckpts, keep_best)
+    for old in ckpts[:-keep_last]:
+        if kept is None or old != kept[0]:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def seal(state: dict) -> dict:

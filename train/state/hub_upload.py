@@ -25,20 +25,26 @@ class HubUploader:
     by keep_last mid-upload is still whole) and returns at once; one upload runs at a time, and only the newest
     waiting folder is kept (it supersedes older ones)."""
 
-    def __init__(self, model_id: str, private: bool, warn: Callable[[str], None]):
-        self.model_id, self.private, self.warn = model_id, private, warn
+    def __init__(self, model_id: str, private: bool, warn: Callable[[str], None], history: bool = False):
+        self.model_id, self.private, self.warn, self.history = model_id, private, warn, history
         self.lock = threading.Lock()
-        self.pending: tuple[Path, str] | None = None  # (staged folder, commit message)
+        # (staged folder, commit message, folder in the repo); with history every save waits its turn, else only
+        # the newest (it supersedes older ones)
+        self.pending: list[tuple[Path, str, str | None]] = []
         self.thread: threading.Thread | None = None
         self.created = False
         self.uploaded: list[str] = []  # commit messages of the uploads that went through
 
-    def submit(self, folder: str | Path, message: str) -> None:
-        staged = _stage(Path(folder))
+    def submit(self, folder: str | Path, message: str, path_in_repo: str | None = None) -> None:
+        """`path_in_repo`: the folder whole (optimizer, RNG and state.json too: resumable) under that folder of the
+        repo, kept beside the earlier ones; None: its model files at the repo's top."""
+        staged = _stage(Path(folder), whole=path_in_repo is not None)
         with self.lock:
-            if self.pending is not None:
-                shutil.rmtree(self.pending[0], ignore_errors=True)
-            self.pending = (staged, message)
+            if not self.history:
+                for old in self.pending:
+                    shutil.rmtree(old[0], ignore_errors=True)
+                self.pending = []
+            self.pending.append((staged, message, path_in_repo))
             if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(target=self._drain, name="hub-upload", daemon=True)
                 self.thread.start()
@@ -54,12 +60,11 @@ class HubUploader:
     def _drain(self) -> None:
         while True:
             with self.lock:
-                job, self.pending = self.pending, None
-                if job is None:
+                if not self.pending:
                     return
-            staged, message = job
+                staged, message, path_in_repo = self.pending.pop(0)
             try:
-                self._upload(staged, message)
+                self._upload(staged, message, path_in_repo)
                 self.uploaded.append(message)
             except Exception as e:  # noqa: BLE001 - any failure (network, auth, hub) is reported, never raised
                 self.warn(
@@ -70,19 +75,20 @@ class HubUploader:
             finally:
                 shutil.rmtree(staged, ignore_errors=True)
 
-    def _upload(self, staged: Path, message: str) -> None:
+    def _upload(self, staged: Path, message: str, path_in_repo: str | None = None) -> None:
         from huggingface_hub import HfApi
 
         api = HfApi()
         if not self.created:
             api.create_repo(self.model_id, private=self.private, exist_ok=True)
             self.created = True
-        api.upload_folder(repo_id=self.model_id, folder_path=str(staged), commit_message=message)
+        where = {"path_in_repo": path_in_repo} if path_in_repo else {}
+        api.upload_folder(repo_id=self.model_id, folder_path=str(staged), commit_message=message, **where)
 
 
-def _stage(folder: Path) -> Path:
+def _stage(folder: Path, whole: bool = False) -> Path:
     staged = Path(tempfile.mkdtemp(prefix=".hub-", dir=folder.parent))
-    for name in MODEL_FILES:
+    for name in sorted(p.name for p in folder.iterdir() if p.is_file()) if whole else MODEL_FILES:
         src = folder / name
         if src.is_file():
             try:
@@ -95,7 +101,7 @@ def _stage(folder: Path) -> Path:
 def for_run(cfg, accelerator, warn: Callable[[str], None]) -> HubUploader | None:
     if cfg.hub.model_id is None or not accelerator.is_main_process:
         return None
-    return HubUploader(cfg.hub.model_id, cfg.hub.private, warn)
+    return HubUploader(cfg.hub.model_id, cfg.hub.private, warn, cfg.hub.history)
 
 
 def finish(uploader: HubUploader | None, final: Path) -> None:

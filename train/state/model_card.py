@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 from theworld.model.arch import FREEZABLE
 from theworld.model.stage_layout import FINAL
 from train.eval.plateau import next_step
+from train.state import best
+from train.state.checkpoint import list_checkpoints
 
 if TYPE_CHECKING:
     from train.config import TrainConfig
@@ -24,7 +26,7 @@ Trainable weights of a TheWorld stage (Gemma 3 + Cosmos VAE world encoder + worl
 - steps: {step} (global batch {batch}, {samples} samples), lr {lr} ({schedule})
 - started from: {parent}
 - final eval loss {eval_loss}, with world latents shuffled {eval_shuffled} (gap {gap})
-
+{best}
 Load it and describe an image (the base models are read from where `config.yaml` names them):
 
 ```python
@@ -64,6 +66,7 @@ def card(cfg: TrainConfig, state: LoopState, out: Path, prompt: str) -> str:
         eval_loss=fmt(ev.get("eval_loss")),
         eval_shuffled=fmt(ev.get("eval_loss_shuffled_world")),
         gap=fmt(gap),
+        best=best.card_line(out, list_checkpoints(out), cfg.train.checkpoint.keep_best),
         out=out / FINAL,
         prompt=json.dumps(prompt),
     )  # a Python string literal

@@ -42,7 +42,7 @@ def hf_cache(root: Path, repo: str, files: dict[str, Path], revision: str = "mai
         blob.write_bytes(data)
         link = folder / "snapshots" / COMMIT / name
         link.parent.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(Path("../..") / "blobs" / blob.name)
+        link.symlink_to(Path(*[".."] * (2 + name.count("/"))) / "blobs" / blob.name)  # a name in a folder: deeper
     (folder / "refs").mkdir(exist_ok=True)
     (folder / "refs" / revision).write_text(COMMIT)
     return folder

@@ -331,3 +331,28 @@ def test_remove_partial_restores_a_folder_moved_aside_and_deletes_unfinished_wri
     assert (tmp_path / "checkpoint-2" / "marker").read_text() == "checkpoint-2"
     assert sorted(p.name for p in removed) == [".old-checkpoint-2-19", ".tmp-checkpoint-4-18", ".tmp-final-17"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-preds.jsonl-20", "checkpoint-2", "final"]
+
+
+def test_a_run_resumed_from_a_hub_checkpoint_continues_bitwise_with_its_optimizer(cache, tmp_path, monkeypatch):
+    """A 4-step run's checkpoint-2, as `hub.history` uploads it (checkpoint-2/ in repo someone/run, read here from a
+    Hugging Face cache in huggingface_hub's own layout, offline), resumed into a fresh output_dir with
+    `resume: someone/run:checkpoint-2`: the final weights equal the uninterrupted run's bit for bit (AdamW's moments
+    and the data cursor come with it)."""
+    import huggingface_hub.constants as constants
+    import torch
+
+    from tests.conftest import base_args, train_inproc, weights
+    from tests.theworld.core.test_hub import hf_cache
+
+    sets = {"train.checkpoint.every": 2, "train.eval.captions": 0}
+    ref = tmp_path / "ref"
+    assert train_inproc(base_args(cache, ref, steps=4, **sets)) == 0
+    ckpt = ref / "checkpoint-2"
+    hf_cache(tmp_path / "hf", "someone/run", {f"checkpoint-2/{p.name}": p for p in ckpt.iterdir()})
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "from-hub"
+    assert train_inproc(base_args(cache, out, steps=4, **sets, resume="someone/run:checkpoint-2")) == 0
+    got, want = weights(out), weights(ref)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert [p.name for p in sorted(out.glob("checkpoint-*"))] == ["checkpoint-4"]  # trained on from step 2
