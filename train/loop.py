@@ -73,6 +73,7 @@ def train(t: Trainer) -> int:
                     lr=out["lr"],
                     step_s=t1 - t_data,
                     samples_per_s=cfg.train.global_batch_size / max(t1 - t_data, 1e-9),
+                    tokens_per_s=out["real_tokens"] / max(t1 - t_data, 1e-9),
                 )
                 if cfg.train.optimizer.grad_norm_warn and out["grad_norm"] > cfg.train.optimizer.grad_norm_warn:
                     m.message(

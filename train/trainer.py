@@ -15,7 +15,7 @@ import torch
 from theworld.core import log
 from theworld.core.config import to_dict
 from theworld.core.errors import UserError
-from train import params
+from train import flops, params
 from train.components import Components, Launch, build, build_model, resolve_launch
 from train.config import run_hash, to_yaml
 from train.data import cache as data
@@ -48,6 +48,13 @@ if TYPE_CHECKING:
     from theworld.cache_format import CacheReader
     from theworld.model.world import LoadReport
     from train.config import TrainConfig
+
+
+def device_peak(device: torch.device, configured: float) -> float | None:
+    """The peak TFLOP/s the logged mfu is measured against: a GPU's (train/flops.py), none on the CPU."""
+    if device.type != "cuda":
+        return None
+    return flops.peak_tflops(torch.cuda.get_device_name(device), configured)
 
 
 @dataclass
@@ -132,6 +139,11 @@ class Trainer:
             cfg.trackers,
             wandb_init(cfg.wandb, state.wandb_run_id, cfg.output_dir) if "wandb" in cfg.trackers else None,
         )
+        window = StepWindow(
+            flops.FlopCounter.of(c.raw, cfg.freeze, cfg.lora, checked.inputs.cached_siglip),
+            device_peak(accelerator.device, cfg.train.hardware.peak_tflops),
+            world_size,
+        )
         return cls(
             checked,
             c,
@@ -145,6 +157,7 @@ class Trainer:
             removed,
             reports,
             resume_from,
+            window=window,
             samples=samples,
             hub=hub_upload.for_run(cfg, accelerator, metrics.message),
         )
@@ -194,7 +207,9 @@ class Trainer:
         return True
 
     def save(self) -> None:
+        t0 = time.perf_counter()
         checkpoint.save_run(self.c, self.state, self.per_epoch, self.cache)
+        self.window.saved(time.perf_counter() - t0)
         if self.hub is not None and self.cfg.hub.strategy == "every_save":
             step = self.state.step
             self.hub.submit(Path(self.cfg.output_dir) / f"checkpoint-{step}", f"checkpoint-{step}")
