@@ -54,7 +54,8 @@ def train(t: Trainer) -> int:
         for line in t.start_lines():
             m.message(line)
         if state.step == 0 and cfg.train.eval.every and not t.run_eval():
-            return stop.finish(state.step, cfg, t.save, m)
+            t.wait_for_saves()
+            return stop.finish(state.step, cfg, t.save_and_wait, m)
         while state.step < cfg.train.max_steps and not plateau.stopping(state, cfg.train.eval.stop_on_plateau):
             epoch, start = divmod(state.step, t.per_epoch)
             batches = t.train_batches(epoch, start)
@@ -96,7 +97,8 @@ def train(t: Trainer) -> int:
                 if state.step % cfg.train.checkpoint.every == 0:
                     t.save()
                 if stop.requested():
-                    return stop.finish(state.step, cfg, t.save, m)
+                    t.wait_for_saves()
+                    return stop.finish(state.step, cfg, t.save_and_wait, m)
                 if plateau.stopping(state, cfg.train.eval.stop_on_plateau):
                     break  # saved and exported by t.finish
         return t.finish(stop)

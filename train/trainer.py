@@ -37,6 +37,7 @@ from train.metrics import (
 from train.preempt import EvalCut, Preemption, cut_message
 from train.state import checkpoint, final, hub_upload
 from train.state.hub_upload import HubUploader
+from train.state.shards import ShardedSaver
 from train.step import LoopState, evaluate
 
 _log = log.get(__name__)
@@ -106,6 +107,7 @@ class Trainer:
     window: StepWindow = field(default_factory=StepWindow)
     samples: CaptionSamples | None = None  # held-out captions generated at every eval
     hub: HubUploader | None = None  # main process, with hub.model_id
+    saver: ShardedSaver | None = None  # sharded checkpoints (checkpoint.saver_for)
 
     @classmethod
     def start(cls, checked: Checked, accelerator: Accelerator, t_start: float) -> Trainer:
@@ -158,6 +160,7 @@ class Trainer:
             reports,
             resume_from,
             window=window,
+            saver=checkpoint.saver_for(c),
             samples=samples,
             hub=hub_upload.for_run(cfg, accelerator, metrics.message),
         )
@@ -208,11 +211,20 @@ class Trainer:
 
     def save(self) -> None:
         t0 = time.perf_counter()
-        checkpoint.save_run(self.c, self.state, self.per_epoch, self.cache)
+        checkpoint.save_run(self.c, self.state, self.per_epoch, self.cache, self.saver)
         self.window.saved(time.perf_counter() - t0)
         if self.hub is not None and self.cfg.hub.strategy == "every_save":
             step = self.state.step
             self.hub.submit(Path(self.cfg.output_dir) / f"checkpoint-{step}", f"checkpoint-{step}")
+
+    def save_and_wait(self) -> None:
+        """A save the run ends with: complete (an asynchronous one written and sealed) on return."""
+        self.save()
+        self.wait_for_saves()
+
+    def wait_for_saves(self) -> None:
+        if self.saver is not None:
+            self.saver.wait()
 
     def start_lines(self) -> list[str]:
         """What the run prints before its first step: clean-up, cache and init_from notes, where it starts, the data."""
@@ -236,6 +248,14 @@ class Trainer:
             f"image tokens {'cached' if inputs.cached_siglip else 'live'}; {self.c.sharding}"
         )
         lines.append(params.describe(self.c.raw))
+        if self.saver is not None:
+            how = "in the background (train.checkpoint.async)" if self.saver.asynchronous else "each by its process"
+            lines.append(f"checkpoints: per-process shards (torch.distributed.checkpoint), written {how}")
+        elif cfg.train.checkpoint.async_:
+            lines.append(
+                "note: train.checkpoint.async applies to sharded checkpoints (FSDP over several processes); this run's "
+                "checkpoints hold whole tensors and are written while the loop waits"
+            )
         if cfg.train.epochs:
             lines.append(
                 f"train.epochs {cfg.train.epochs:g}: {cfg.train.max_steps} steps of {self.per_epoch} per epoch"
@@ -259,6 +279,7 @@ class Trainer:
         # (a finished run's rerun has its checkpoint)
         if self.window.steps_run and state.step % self.cfg.train.checkpoint.every:
             self.save()
+        self.wait_for_saves()  # final/ and the last eval's records follow a sealed checkpoint
         whole = final.gather(self.c)
         if accelerator.is_main_process:
             folder = final.export_final(

@@ -43,6 +43,7 @@ from theworld.model.stage_layout import (
 from theworld.model.world import LoadReport, read_weights
 from train.config import run_hash
 from train.state import migrations as checkpoint_migrations
+from train.state import shards
 from train.state.states import Stateful, run_states
 from train.step import LoopState
 
@@ -188,8 +189,14 @@ def restore(components: Components, resume_from: Path | None, cache: dict | None
     if resume_from is None:
         return LoopState(parent=components.cfg.init_from)
     state = LoopState()
-    with_optimizer = path_kind(resume_from / OPTIMIZER) is not None
-    saved = load(resume_from, run_states(components, state, 1, cache, with_optimizer, source=resume_from))
+    if shards.is_sharded(resume_from):
+        recorded = json.loads((resume_from / STATE).read_text())["shards"]
+        with_optimizer = recorded["optimizer"]
+        saved = load(resume_from, shards.small_parts(run_states(components, state, 1, cache, with_optimizer)))
+        shards.load(components, resume_from, with_optimizer)
+    else:
+        with_optimizer = path_kind(resume_from / OPTIMIZER) is not None
+        saved = load(resume_from, run_states(components, state, 1, cache, with_optimizer, source=resume_from))
     state.history.append(str(resume_from))
     if components.accelerator.is_main_process:
         if not with_optimizer:
@@ -221,12 +228,38 @@ def cache_identity(reader) -> dict:
     return {"samples": len(reader), "keys_sha256": reader.keys_digest()}
 
 
-def save_run(components: Components, state: LoopState, steps_per_epoch: int, cache: dict | None = None) -> None:
+def saver_for(components: Components) -> shards.ShardedSaver | None:
+    """Every process, once per run: the writer of sharded checkpoints where the run is sharded over processes and
+    train.checkpoint.sharded (the default), else None (whole-tensor checkpoints)."""
+    ckpt = components.cfg.train.checkpoint
+    if components.sharded and components.world_size > 1 and ckpt.sharded:
+        return shards.ShardedSaver(ckpt.async_)
+    return None
+
+
+def save_run(
+    components: Components,
+    state: LoopState,
+    steps_per_epoch: int,
+    cache: dict | None = None,
+    saver: shards.ShardedSaver | None = None,
+) -> None:
     """Every process: each part of the run state gives its state (under FSDP a collective: the shards are gathered
     to the main process), the main process saves the checkpoint, and every process waits for it there. `cache`:
-    `cache_identity` of the cache trained on."""
+    `cache_identity` of the cache trained on. With a `saver` (`saver_for`) each process writes its own shard instead
+    (train/state/shards.py), in the background where it is asynchronous."""
     c = components
     c.accelerator.wait_for_everyone()
+    if saver is not None:
+        keep = c.cfg.train.checkpoint.keep_last
+        saver.save(
+            c,
+            state,
+            steps_per_epoch,
+            cache,
+            lambda tmp, name, parts, given: seal_folder(c.cfg.output_dir, tmp, name, parts, given, keep),
+        )
+        return
     parts = run_states(c, state, steps_per_epoch, cache, c.cfg.train.checkpoint.save_optimizer)
     given = [part.state_dict() for part in parts]
     if c.accelerator.is_main_process:
@@ -298,9 +331,10 @@ def describe_init(path: str | Path, report: LoadReport) -> str:
     )
 
 
-def _write_dir(tmp: Path, files: dict) -> None:
+def _write_dir(tmp: Path, files: dict, exists: bool = False) -> None:
+    """`files` written into the folder `tmp` (made here unless it `exists`), then every file in it fsynced."""
     try:
-        tmp.mkdir(parents=True)
+        tmp.mkdir(parents=True, exist_ok=exists)
         for name, writer in files.items():
             writer(tmp / name)
         for f in tmp.iterdir():
@@ -347,11 +381,16 @@ def _reader(name: str) -> Callable[[Path], object]:
     return lambda p: p.read_text()
 
 
-def publish(out: Path, name: str, files: dict) -> Path:
-    """Write `files` into a temporary folder, fsync them, then rename it to out/name: it appears only complete."""
-    final, tmp, old = out / name, out / f".tmp-{name}-{os.getpid()}", out / f".old-{name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    _write_dir(tmp, files)
+def publish(out: Path, name: str, files: dict, tmp: Path | None = None) -> Path:
+    """Write `files` into a temporary folder, fsync them, then rename it to out/name: it appears only complete.
+    `tmp`: the temporary folder, already holding other files (a sharded checkpoint's shards)."""
+    final, old = out / name, out / f".old-{name}-{os.getpid()}"
+    if tmp is None:
+        tmp = out / f".tmp-{name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        _write_dir(tmp, files)
+    else:
+        _write_dir(tmp, files, exists=True)
     if final.exists():  # written before (final/ of a rerun): moved aside whole, so a kill here loses neither
         os.replace(final, old)
     os.replace(tmp, final)
@@ -363,6 +402,14 @@ def save(output_dir: str | Path, name: str, parts: list[Stateful], given: list, 
     """Main process only: the checkpoint output_dir/name of the states `parts` gave (`given`, in their order; the
     records of state.json merged into one object), sealed (state.json last, with every other file's sha256 and its
     own digest) and renamed into place. Deletes the oldest beyond keep_last after the rename."""
+    return seal_folder(output_dir, None, name, parts, given, keep_last)
+
+
+def seal_folder(
+    output_dir: str | Path, tmp: Path | None, name: str, parts: list[Stateful], given: list, keep_last: int
+) -> Path:
+    """`save`'s work, into the temporary folder `tmp` where it already holds a sharded checkpoint's shards; `given`
+    may hold one state.json record more than `parts` (the shards' own, train/state/shards.py)."""
     out = Path(output_dir)
     files, record = {}, {}
     for part, state in zip(parts, given):
@@ -370,8 +417,10 @@ def save(output_dir: str | Path, name: str, parts: list[Stateful], given: list, 
             record.update(state)
         else:
             files[part.file] = writer(part, state)
+    for extra in given[len(parts) :]:
+        record.update(extra)
     files[STATE] = _write_state(record)
-    final = publish(out, name, files)
+    final = publish(out, name, files, tmp)
     for old in list_checkpoints(out)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
