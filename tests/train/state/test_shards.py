@@ -5,14 +5,15 @@ figures are sane."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
-import os
 import shutil
 import signal
 import subprocess
 import time
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -39,6 +40,17 @@ def _wait(until, proc, what: str, timeout: float = 300) -> None:
     while not until() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)
     assert until(), f"{what} (exit {proc.poll()})"
+
+
+def _kill_9(proc: subprocess.Popen) -> None:
+    """kill -9 the launcher and its training processes (torch's launcher starts each in a session of its own, out of
+    reach of a kill of the launcher's process group)."""
+    family = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
+    for p in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGKILL)
+    psutil.wait_procs(family, timeout=60)
+    proc.wait()
 
 
 def _wait_unlocked(out, timeout: float = 60) -> None:
@@ -102,8 +114,7 @@ def test_async_sharded_checkpoints_kill_9_mid_save_and_resume(cache, tmp_path, c
         )
         assert not (out / "checkpoint-4").exists() and list(out.glob(".tmp-checkpoint-4-*"))
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both training processes, at once
-        proc.wait()
+        _kill_9(proc)
     _wait_unlocked(out)  # the killed main process's exit (its run lock) may lag the launcher's
     assert (out / "checkpoint-2" / "state.json").is_file() and not (out / "checkpoint-4").exists()
     resumed = run2(base_args(cache, out, steps=6, **SHARDED))
@@ -123,7 +134,7 @@ def test_async_sharded_checkpoints_kill_9_mid_save_and_resume(cache, tmp_path, c
     capsys.readouterr()
     assert train_inproc(base_args(cache, one, steps=6, **SHARDED)) == 0
     assert "written by 2 process(es), resumed by 1" in capsys.readouterr().err
-    assert losses(one) == pytest.approx(losses(tmp_path / "ref"), rel=1e-5)
+    assert losses(one) == pytest.approx(losses(tmp_path / "ref")[4:], rel=1e-5)  # steps 5 and 6
     w1 = weights(one)
     for k in [k for k in a if not k.endswith("k_proj.bias")]:  # softmax ignores key biases: rounding noise
         torch.testing.assert_close(w1[k], a[k], rtol=1e-5, atol=1e-5)
