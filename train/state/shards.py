@@ -11,6 +11,8 @@ its process count (DCP reshards).
 
 from __future__ import annotations
 
+import os
+import shutil
 import threading
 from concurrent.futures import Future
 from pathlib import Path
@@ -110,14 +112,12 @@ class ShardedSaver:
         self.wait()  # one save in flight
         optimizer = c.cfg.train.checkpoint.save_optimizer
         name = f"checkpoint-{state.step}"
-        pid = gather_ints(c.accelerator, __import__("os").getpid())[0]  # the folder the main process will rename
+        pid = gather_ints(c.accelerator, os.getpid())[0]  # the folder the main process will rename
         tmp = Path(c.cfg.output_dir) / f".tmp-{name}-{pid}"
         main = c.accelerator.is_main_process
         parts = small_parts(run_states(c, state, steps_per_epoch, cache, optimizer))
         given = [part.state_dict() for part in parts] + [record(c, optimizer)] if main else []
         if main:
-            import shutil
-
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         c.accelerator.wait_for_everyone()
@@ -160,11 +160,13 @@ class ShardedSaver:
 def load(c: Components, path: Path, optimizer: bool) -> None:
     """Every process: the shards of the checkpoint at `path` into this run's weights, EMA and AdamW state, in this
     run's layout (resharded by DCP when the process count differs)."""
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     sd = _template(c, optimizer)
+    alone = not dist.is_initialized()  # one process without a group reads every shard (said, not warned about)
     try:
-        dcp.load(sd, checkpoint_id=str(path))
+        dcp.load(sd, checkpoint_id=str(path), no_dist=alone)
     except Exception as e:  # a missing or damaged shard, or another trainable set
         raise UserError(
             f"resume: cannot read the shards of {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); move "
