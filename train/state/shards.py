@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import warnings
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -164,9 +165,11 @@ def load(c: Components, path: Path, optimizer: bool) -> None:
     import torch.distributed.checkpoint as dcp
 
     sd = _template(c, optimizer)
-    alone = not dist.is_initialized()  # one process without a group reads every shard (said, not warned about)
+    alone = not dist.is_initialized()  # one process without a group reads every shard (restore says so)
     try:
-        dcp.load(sd, checkpoint_id=str(path), no_dist=alone)
+        with warnings.catch_warnings():  # DCP warns of it even when told
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(sd, checkpoint_id=str(path), no_dist=alone)
     except Exception as e:  # a missing or damaged shard, or another trainable set
         raise UserError(
             f"resume: cannot read the shards of {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); move "
