@@ -28,6 +28,7 @@ from theworld.core.config import (
     check_threads,
     check_workers,
     cli_parser,
+    config_key,
     load_config,
     require_path,
     shown,
@@ -311,6 +312,12 @@ class CheckpointConfig:
     # docs/training.md)
     save_optimizer: bool = neutral(True)
     keep_best: KeepBest | None = neutral(None)  # {metric, mode}: the best checkpoint by a metric, kept as well
+    # FSDP runs (train.hardware.sharding: fsdp over several processes): each process writes its own shard through
+    # torch.distributed.checkpoint; false: whole tensors gathered to the main process, which writes them alone
+    sharded: bool = neutral(True)
+    # the key `async`: sharded saves are written in the background while training goes on; the checkpoint is sealed
+    # and listed once every shard is on disk (a run that writes no shards saves as it would without it)
+    async_: bool = neutral(False)
 
     def __post_init__(self) -> None:
         at_least(self, "train.checkpoint", 1, "every", "keep_last")
@@ -348,9 +355,16 @@ class HardwareConfig:
     gradient_checkpointing: bool | None = neutral(None)
     # a section, or a mode alone (selective: {mode: selective}); null: none (or what gradient_checkpointing says)
     activation_checkpointing: ActivationCheckpointing | str | None = neutral(None)
+    # the device's dense bf16 peak in TFLOP/s per GPU for the logged mfu; 0: from the table of known GPUs
+    # (train/flops.py), no mfu on a GPU it does not know
+    peak_tflops: float = neutral(0.0)
 
     def __post_init__(self) -> None:
-        at_least(self, "train.hardware", 0, "cpu_threads")
+        at_least(self, "train.hardware", 0, "cpu_threads", "peak_tflops")
+        if not math.isfinite(self.peak_tflops):
+            raise UserError(
+                f"config key 'train.hardware.peak_tflops': must be a finite number >= 0, got {self.peak_tflops}"
+            )
         check_threads("train.hardware.cpu_threads", self.cpu_threads)
         if self.mixed_precision == "fp16":
             # Gemma 3's activations overflow float16, and fp16 needs a loss scaler whose state and skipped steps this
@@ -643,7 +657,7 @@ def neutral_keys(cls: type, prefix: str = "") -> tuple[str, ...]:
     keys: list[str] = []
     for f in dataclasses.fields(cls):
         if f.metadata.get(NEUTRAL_KEY):
-            keys.append(prefix + f.name)
+            keys.append(prefix + config_key(f.name))
         elif dataclasses.is_dataclass(hints[f.name]):
             keys += neutral_keys(hints[f.name], f"{prefix}{f.name}.")
     return tuple(keys)

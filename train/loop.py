@@ -59,7 +59,8 @@ def train(t: Trainer) -> int:
         for line in t.start_lines():
             m.message(line)
         if state.step == 0 and cfg.train.eval.every and not t.run_eval():
-            return stop.finish(state.step, cfg, t.save, m)
+            t.wait_for_saves()
+            return stop.finish(state.step, cfg, t.save_and_wait, m)
         while state.step < cfg.train.max_steps and not plateau.stopping(state, cfg.train.eval.stop_on_plateau):
             epoch, start = divmod(state.step, t.per_epoch)
             batches = t.train_batches(epoch, start)
@@ -83,6 +84,7 @@ def train(t: Trainer) -> int:
                     lr=out["lr"],
                     step_s=t1 - t_data,
                     samples_per_s=cfg.train.global_batch_size / max(t1 - t_data, 1e-9),
+                    tokens_per_s=out["real_tokens"] / max(t1 - t_data, 1e-9),
                 )
                 if cfg.train.optimizer.grad_norm_warn and out["grad_norm"] > cfg.train.optimizer.grad_norm_warn:
                     m.message(
@@ -105,7 +107,8 @@ def train(t: Trainer) -> int:
                 if state.step % cfg.train.checkpoint.every == 0:
                     t.save()
                 if stop.requested():
-                    return stop.finish(state.step, cfg, t.save, m)
+                    t.wait_for_saves()
+                    return stop.finish(state.step, cfg, t.save_and_wait, m)
                 if plateau.stopping(state, cfg.train.eval.stop_on_plateau):
                     break  # saved and exported by t.finish
         return t.finish(stop)

@@ -13,6 +13,7 @@ import torch
 
 from theworld.core import atomic, log, paths
 from train.eval.plateau import next_step
+from train.flops import mfu
 
 METRICS = "metrics.jsonl"
 SAMPLES_DIR = "samples"  # the caption samples' pictures, beside METRICS
@@ -207,6 +208,7 @@ class Metrics:
         lr: float | None = None,
         samples_per_s: float | None = None,
         step_s: float | None = None,
+        tokens_per_s: float | None = None,
     ) -> None:
         """`n` more steps done; the last one's `loss` (shown smoothed), `lr` and throughput on the progress bar."""
         if self.bar is None:
@@ -217,6 +219,8 @@ class Metrics:
             self.postfix["lr"] = f"{lr:.2e}"
         if samples_per_s is not None and self.warm:
             self.postfix["sps"] = f"{samples_per_s:.0f}"
+        if tokens_per_s is not None and self.warm:
+            self.postfix["tps"] = f"{tokens_per_s:.0f}"
         self.bar.set_postfix(self.postfix, refresh=False)
         if self.warm:
             self.bar.update(n)
@@ -330,12 +334,16 @@ class ProfileWindow:
 
 
 class StepWindow:
-    """The steps since the last training log line, and this run's totals (for the summary)."""
+    """The steps since the last training log line, and this run's totals (for the summary). `flops` (set by the
+    trainer): the run's train/flops.py counter; `peak`: the device's peak TFLOP/s, None where there is no mfu (a CPU,
+    an unknown GPU)."""
 
-    def __init__(self):
+    def __init__(self, flops=None, peak: float | None = None, processes: int = 1):
+        self.flops, self.peak, self.processes = flops, peak, processes
         self.outs: list[dict] = []
         self.start = time.perf_counter()
         self.data_s = 0.0  # the window's time waiting for the loader
+        self.save_s = 0.0  # and the time saves held the loop
         self.steps_run, self.train_total_s, self.data_total_s = 0, 0.0, 0.0
 
     def add(self, out: dict, data_s: float, train_s: float) -> None:
@@ -345,20 +353,55 @@ class StepWindow:
         self.train_total_s += train_s
         self.data_total_s += data_s
 
+    def saved(self, seconds: float) -> None:
+        """A save held the loop for `seconds` (logged with the window's line as checkpoint_s)."""
+        self.save_s += seconds
+
     def flush(self, global_batch: int) -> dict:
         """The log line's figures (loss: mean over the window's finite steps), then a new window."""
         ok = [o["loss"] for o in self.outs if not o["skipped"]]
         now, last = time.perf_counter(), self.outs[-1]
+        took = now - self.start
         line = {
             "loss": sum(ok) / len(ok) if ok else float("nan"),
             "lr": last["lr"],
             "grad_norm": last["grad_norm"],
-            "samples_per_s": len(self.outs) * global_batch / (now - self.start),
+            "samples_per_s": len(self.outs) * global_batch / took,
             "skipped": len(self.outs) - len(ok),
-            "data_wait": self.data_s / (now - self.start),
+            "data_wait": self.data_s / took,
+            **throughput(self.outs, took, self.flops, self.peak, self.processes),
+            **peak_memory(),
         }
-        self.outs, self.start, self.data_s = [], now, 0.0
+        if self.save_s:
+            line["checkpoint_s"] = self.save_s
+        self.outs, self.start, self.data_s, self.save_s = [], now, 0.0, 0.0
         return line
+
+
+def throughput(outs: list[dict], seconds: float, flops=None, peak: float | None = None, processes: int = 1) -> dict:
+    """tokens_per_s (real tokens, world blocks included, no padding), padding_share (of all the steps' positions)
+    and, with a FLOP counter and a peak, mfu (train/flops.py) of the steps `outs` (optimization_step's results) done
+    in `seconds`."""
+    real, positions = sum(o["real_tokens"] for o in outs), sum(o["positions"] for o in outs)
+    line = {"tokens_per_s": real / seconds, "padding_share": 1 - real / positions if positions else 0.0}
+    if flops is not None and peak:
+        done = sum(flops.step(o["real_tokens"], o["rows"], o["tokens"], o["images"], o["world_tokens"]) for o in outs)
+        line["mfu"] = mfu(done, seconds, peak, processes)
+    return line
+
+
+def peak_memory() -> dict:
+    """peak_memory_gb: on a GPU the most this process's tensors took (and peak_memory_reserved_gb, what the caching
+    allocator held); on the CPU the process's peak resident memory."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return {
+            "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9,
+            "peak_memory_reserved_gb": torch.cuda.max_memory_reserved() / 1e9,
+        }
+    import resource
+
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    return {"peak_memory_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 1e9}
 
 
 def summary(

@@ -16,6 +16,7 @@ import torch
 from torch.profiler import record_function
 
 from theworld.model import objective
+from theworld.model.arch import latent_side
 from theworld.model.world import PROFILE_LABELS
 from train import sharding
 from train.data.batches import Batch
@@ -74,9 +75,12 @@ def optimization_step(components: Components, state: LoopState, micro_batches: l
     if cfg.lora is not None and cfg.lora.dropout > 0:  # masks a pure function of (seed, step, rank): exact resume
         torch.manual_seed(seed_of("lora-dropout", cfg.seed, state.step, components.rank))
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    counts = torch.zeros(4, dtype=torch.float64, device=device)  # throughput only: see `token_counts`
     for i, mb in enumerate(micro_batches):
         seeds = noise_seeds(cfg.seed, state.step, first, mb.size) if components.raw.latent_mode == "sample" else None
         inputs = mb.to(device).with_inputs(noise_seeds=seeds)
+        counts[:3] += token_counts(components.raw, inputs)
+        counts[3] += 0 if inputs.pixel_values is None else len(inputs.pixel_values)  # images SigLIP encodes live
         first += mb.size
         # FSDP reduce-scatters after every micro-batch: skipping it would keep whole unsharded gradients around
         sync = i == len(micro_batches) - 1 or components.sharded
@@ -88,6 +92,7 @@ def optimization_step(components: Components, state: LoopState, micro_batches: l
         loss_sum += out.loss_sum.detach().float()
     if components.world_size > 1:
         loss_sum = accelerator.reduce(loss_sum, reduction="sum")
+        counts = accelerator.reduce(counts, reduction="sum")
     loss = objective.per_token(float(loss_sum), n)
     max_norm = cfg.train.optimizer.grad_clip if cfg.train.optimizer.grad_clip > 0 else float("inf")
     grad_norm = (
@@ -121,7 +126,35 @@ def optimization_step(components: Components, state: LoopState, micro_batches: l
             f"{state.nonfinite_in_a_row} non-finite steps in a row (last at step {state.step}: "
             f"loss {loss}, grad norm {grad_norm}); lower train.optimizer.lr or check the data"
         )
-    return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": not finite, "tokens": int(n_global.item())}
+    real, positions, world, images = (int(x) for x in counts.tolist())
+    return {
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "skipped": not finite,
+        "tokens": int(n_global.item()),
+        "rows": cfg.train.global_batch_size,
+        "real_tokens": real,  # the global batch's, world blocks included
+        "positions": positions,  # real tokens and padding
+        "world_tokens": world,
+        "images": images,
+    }
+
+
+def token_counts(model, inputs) -> torch.Tensor:
+    """(real tokens, all positions, world tokens) of a micro-batch's fused sequences, as a float64 tensor on its
+    device (summed without a sync): its text tokens by the attention mask, each row's world block in full."""
+    world = 0
+    if inputs.use_world:
+        if inputs.latent_mean is not None:
+            h, w = inputs.latent_mean.shape[-2:]
+        else:
+            h, w = (latent_side(n) for n in inputs.images.shape[-2:])
+        world = model.projector.num_tokens(h, w)
+    rows, length = inputs.input_ids.shape
+    real = inputs.attention_mask.sum(dtype=torch.float64) + rows * world
+    extra = torch.tensor([rows * (length + world), rows * world], dtype=torch.float64, device=real.device)
+    return torch.cat([real.reshape(1), extra])
 
 
 def ema_decay(decay: float, warmup_steps: int, step: int) -> float:

@@ -15,7 +15,7 @@ import torch
 from theworld.core import log
 from theworld.core.config import to_dict
 from theworld.core.errors import UserError
-from train import params
+from train import flops, params
 from train.components import Components, Launch, build, build_model, resolve_launch
 from train.config import run_hash, to_yaml
 from train.data import cache as data
@@ -38,6 +38,7 @@ from train.metrics import (
 from train.preempt import EvalCut, Preemption, cut_message
 from train.state import checkpoint, final, hub_upload
 from train.state.hub_upload import HubUploader
+from train.state.shards import ShardedSaver
 from train.step import LoopState
 
 _log = log.get(__name__)
@@ -48,6 +49,13 @@ if TYPE_CHECKING:
     from theworld.cache_format import CacheReader
     from theworld.model.world import LoadReport
     from train.config import TrainConfig
+
+
+def device_peak(device: torch.device, configured: float) -> float | None:
+    """The peak TFLOP/s the logged mfu is measured against: a GPU's (train/flops.py), none on the CPU."""
+    if device.type != "cuda":
+        return None
+    return flops.peak_tflops(torch.cuda.get_device_name(device), configured)
 
 
 @dataclass
@@ -100,6 +108,7 @@ class Trainer:
     resume_from: Path | None = None
     window: StepWindow = field(default_factory=StepWindow)
     hub: HubUploader | None = None  # main process, with hub.model_id
+    saver: ShardedSaver | None = None  # sharded checkpoints (checkpoint.saver_for)
 
     @classmethod
     def start(cls, checked: Checked, accelerator: Accelerator, t_start: float) -> Trainer:
@@ -138,6 +147,11 @@ class Trainer:
             cfg.trackers,
             wandb_init(cfg.wandb, state.wandb_run_id, cfg.output_dir) if "wandb" in cfg.trackers else None,
         )
+        window = StepWindow(
+            flops.FlopCounter.of(c.raw, cfg.freeze, cfg.lora, checked.inputs.cached_siglip),
+            device_peak(accelerator.device, cfg.train.hardware.peak_tflops),
+            world_size,
+        )
         return cls(
             checked,
             c,
@@ -151,6 +165,8 @@ class Trainer:
             removed,
             reports,
             resume_from,
+            window=window,
+            saver=checkpoint.saver_for(c),
             hub=hub_upload.for_run(cfg, accelerator, metrics.message),
         )
 
@@ -178,11 +194,22 @@ class Trainer:
         return True
 
     def save(self) -> None:
-        checkpoint.save_run(self.c, self.state, self.per_epoch, self.cache)
+        t0 = time.perf_counter()
+        checkpoint.save_run(self.c, self.state, self.per_epoch, self.cache, self.saver)
+        self.window.saved(time.perf_counter() - t0)
         if self.hub is not None and self.cfg.hub.strategy == "every_save":
             step = self.state.step
             name = f"checkpoint-{step}"
             self.hub.submit(Path(self.cfg.output_dir) / name, name, name if self.cfg.hub.history else None)
+
+    def save_and_wait(self) -> None:
+        """A save the run ends with: complete (an asynchronous one written and sealed) on return."""
+        self.save()
+        self.wait_for_saves()
+
+    def wait_for_saves(self) -> None:
+        if self.saver is not None:
+            self.saver.wait()
 
     def start_lines(self) -> list[str]:
         """What the run prints before its first step: clean-up, cache and init_from notes, where it starts, the data."""
@@ -206,6 +233,14 @@ class Trainer:
             f"image tokens {'cached' if inputs.cached_siglip else 'live'}; {self.c.sharding}"
         )
         lines.append(params.describe(self.c.raw))
+        if self.saver is not None:
+            how = "in the background (train.checkpoint.async)" if self.saver.asynchronous else "each by its process"
+            lines.append(f"checkpoints: per-process shards (torch.distributed.checkpoint), written {how}")
+        elif cfg.train.checkpoint.async_:
+            lines.append(
+                "note: train.checkpoint.async applies to sharded checkpoints (FSDP over several processes); this run's "
+                "checkpoints hold whole tensors and are written while the loop waits"
+            )
         if cfg.train.epochs:
             lines.append(
                 f"train.epochs {cfg.train.epochs:g}: {cfg.train.max_steps} steps of {self.per_epoch} per epoch"
@@ -229,6 +264,7 @@ class Trainer:
         # (a finished run's rerun has its checkpoint)
         if self.window.steps_run and state.step % self.cfg.train.checkpoint.every:
             self.save()
+        self.wait_for_saves()  # final/ and the last eval's records follow a sealed checkpoint
         whole = final.gather(self.c)
         if accelerator.is_main_process:
             folder = final.export_final(

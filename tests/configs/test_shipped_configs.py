@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import keyword
 import operator
 from pathlib import Path
 
@@ -88,7 +89,8 @@ def test_run_hash_ignores_resume_neutral_keys_and_sees_the_rest(tmp_path):
     neutral = []
     for k in RESUME_NEUTRAL:
         if k.startswith("train."):
-            value = operator.attrgetter(k.removeprefix("train."))(base.train)
+            attribute = ".".join(p + "_" if keyword.iskeyword(p) else p for p in k.removeprefix("train.").split("."))
+            value = operator.attrgetter(attribute)(base.train)  # a keyword's field: train.checkpoint.async_
             leaves = vars(value) if dataclasses.is_dataclass(value) else {"": value}  # a section: each of its keys
             for n, v in leaves.items():
                 key = f"{k}{'.' + n if n else ''}"

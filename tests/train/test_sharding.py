@@ -62,9 +62,11 @@ def test_fsdp_two_processes_give_the_weights_of_one(cache, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_fsdp_kill_9_and_resume_gives_bitwise_equal_weights(cache, tmp_path, capsys):
+    """The gathered layout (train.checkpoint.sharded: false); the sharded one: tests/train/state/test_shards.py."""
     extra = {
         **STAGE3,
         "train.hardware.sharding": "fsdp",
+        "train.checkpoint.sharded": "false",
         "train.checkpoint.every": 2,
         "train.optimizer.ema": 0.9,
         "world.latent": "sample",

@@ -19,14 +19,15 @@ from typing import Any
 PARTIAL = re.compile(r"^\.(tmp|old)-(.+)-(\d+)$")  # kind, the target's name, the writer's pid
 
 
-def partial_name(name: str, kind: str = "tmp") -> str:
-    """The name beside `name` that this process writes it under before the rename (`.tmp-NAME-PID`)."""
-    return f".{kind}-{name}-{os.getpid()}"
+def partial_name(name: str, kind: str = "tmp", pid: int | None = None) -> str:
+    """The name beside `name` that process `pid` (default: this one) writes it under before the rename
+    (`.tmp-NAME-PID`)."""
+    return f".{kind}-{name}-{os.getpid() if pid is None else pid}"
 
 
-def partial_path(path: str | os.PathLike, kind: str = "tmp") -> Path:
+def partial_path(path: str | os.PathLike, kind: str = "tmp", pid: int | None = None) -> Path:
     path = Path(path)
-    return path.with_name(partial_name(path.name, kind))
+    return path.with_name(partial_name(path.name, kind, pid))
 
 
 def is_partial(name: str) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import keyword
 import logging
 import math
 import os
@@ -290,13 +291,20 @@ def _check_int(value: int, key: str) -> int:
     return value
 
 
+def config_key(name: str) -> str:
+    """The config key of a dataclass field: its name, but a Python keyword's field carries a trailing underscore
+    (`async_` is the key `async`)."""
+    stem = name[:-1]
+    return stem if name.endswith("_") and keyword.iskeyword(stem) else name
+
+
 def _build(cls: type[T], data: dict, prefix: str = "") -> T:
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = {config_key(f.name): f.name for f in dataclasses.fields(cls)}
     for k in data:
         if k not in names:
             raise UserError(f"unknown config key {shown(prefix + str(k))} (known here: {', '.join(sorted(names))})")
-    kwargs = {k: _check_value(v, hints[k], prefix + k) for k, v in data.items()}
+    kwargs = {names[k]: _check_value(v, hints[names[k]], prefix + k) for k, v in data.items()}
     return cls(**kwargs)
 
 
@@ -587,9 +595,18 @@ _SECRET = re.compile(r"secret|token|password|passwd|credential|key", re.IGNORECA
 
 def to_dict(cfg: Any) -> dict:
     """The config as plain data, as it is shown and saved: secrets in `storage_options` left out."""
-    d = dataclasses.asdict(cfg)
+    d = _keyed(dataclasses.asdict(cfg), cfg)
     if isinstance(d.get("storage_options"), dict):
         d["storage_options"] = {k: "<redacted>" if _SECRET.search(k) else v for k, v in d["storage_options"].items()}
+    return d
+
+
+def _keyed(d: Any, obj: Any) -> Any:
+    """`dataclasses.asdict`'s plain data with each field under its config key (`config_key`)."""
+    if dataclasses.is_dataclass(obj):
+        return {config_key(f.name): _keyed(d[f.name], getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, list):
+        return [_keyed(x, o) for x, o in zip(d, obj)]
     return d
 
 

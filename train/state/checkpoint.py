@@ -41,7 +41,7 @@ from theworld.model.stage_layout import (
 )
 from theworld.model.world import LoadReport, read_weights
 from train.config import run_hash
-from train.state import best, changes
+from train.state import best, changes, shards
 from train.state import migrations as checkpoint_migrations
 from train.state.states import Stateful, run_states
 from train.step import LoopState
@@ -188,8 +188,14 @@ def restore(components: Components, resume_from: Path | None, cache: dict | None
     if resume_from is None:
         return LoopState(parent=components.cfg.init_from)
     state = LoopState()
-    with_optimizer = path_kind(resume_from / OPTIMIZER) is not None
-    saved = load(resume_from, run_states(components, state, 1, cache, with_optimizer, source=resume_from))
+    if shards.is_sharded(resume_from):
+        recorded = json.loads((resume_from / STATE).read_text())["shards"]
+        with_optimizer = recorded["optimizer"]
+        saved = load(resume_from, shards.small_parts(run_states(components, state, 1, cache, with_optimizer)))
+        shards.load(components, resume_from, with_optimizer)
+    else:
+        with_optimizer = path_kind(resume_from / OPTIMIZER) is not None
+        saved = load(resume_from, run_states(components, state, 1, cache, with_optimizer, source=resume_from))
     state.history.append(str(resume_from))
     if components.accelerator.is_main_process:
         if not with_optimizer:
@@ -226,12 +232,40 @@ def cache_identity(reader) -> dict:
     return {"samples": len(reader), "keys_sha256": reader.keys_digest()}
 
 
-def save_run(components: Components, state: LoopState, steps_per_epoch: int, cache: dict | None = None) -> None:
+def saver_for(components: Components) -> shards.ShardedSaver | None:
+    """Every process, once per run: the writer of sharded checkpoints where the run is sharded over processes and
+    train.checkpoint.sharded (the default), else None (whole-tensor checkpoints)."""
+    ckpt = components.cfg.train.checkpoint
+    if components.sharded and components.world_size > 1 and ckpt.sharded:
+        return shards.ShardedSaver(ckpt.async_)
+    return None
+
+
+def save_run(
+    components: Components,
+    state: LoopState,
+    steps_per_epoch: int,
+    cache: dict | None = None,
+    saver: shards.ShardedSaver | None = None,
+) -> None:
     """Every process: each part of the run state gives its state (under FSDP a collective: the shards are gathered
     to the main process), the main process saves the checkpoint, and every process waits for it there. `cache`:
-    `cache_identity` of the cache trained on."""
+    `cache_identity` of the cache trained on. With a `saver` (`saver_for`) each process writes its own shard instead
+    (train/state/shards.py), in the background where it is asynchronous."""
     c = components
     c.accelerator.wait_for_everyone()
+    if saver is not None:
+        keep = c.cfg.train.checkpoint
+        saver.save(
+            c,
+            state,
+            steps_per_epoch,
+            cache,
+            lambda tmp, name, parts, given: seal_folder(
+                c.cfg.output_dir, tmp, name, parts, given, keep.keep_last, keep.keep_best
+            ),
+        )
+        return
     parts = run_states(c, state, steps_per_epoch, cache, c.cfg.train.checkpoint.save_optimizer)
     given = [part.state_dict() for part in parts]
     if c.accelerator.is_main_process:
@@ -295,9 +329,10 @@ def describe_init(path: str | Path, report: LoadReport) -> str:
     )
 
 
-def _write_dir(tmp: Path, files: dict) -> None:
+def _write_dir(tmp: Path, files: dict, exists: bool = False) -> None:
+    """`files` written into the folder `tmp` (made here unless it `exists`), then every file in it fsynced."""
     try:
-        tmp.mkdir(parents=True)
+        tmp.mkdir(parents=True, exist_ok=exists)
         for name, writer in files.items():
             writer(tmp / name)
         for f in tmp.iterdir():
@@ -344,12 +379,16 @@ def _reader(name: str) -> Callable[[Path], object]:
     return lambda p: p.read_text()
 
 
-def publish(out: Path, name: str, files: dict) -> Path:
+def publish(out: Path, name: str, files: dict, tmp: Path | None = None) -> Path:
     """Write `files` into a partial folder, fsync them, then rename it to out/name: it appears only complete (one
-    there before, final/ of a rerun, is moved aside whole first, so a kill loses neither)."""
-    tmp = atomic.partial_path(out / name)
-    shutil.rmtree(tmp, ignore_errors=True)
-    _write_dir(tmp, files)
+    there before, final/ of a rerun, is moved aside whole first, so a kill loses neither). `tmp`: the partial folder,
+    already holding other files (a sharded checkpoint's shards)."""
+    if tmp is None:
+        tmp = atomic.partial_path(out / name)
+        shutil.rmtree(tmp, ignore_errors=True)
+        _write_dir(tmp, files)
+    else:
+        _write_dir(tmp, files, exists=True)
     atomic.replace_folder(tmp, out / name)
     return out / name
 
@@ -366,6 +405,20 @@ def save(
     records of state.json merged into one object), sealed (state.json last, with every other file's sha256 and its
     own digest) and renamed into place. Deletes the oldest beyond keep_last (but the best by keep_best) after the
     rename."""
+    return seal_folder(output_dir, None, name, parts, given, keep_last, keep_best)
+
+
+def seal_folder(
+    output_dir: str | Path,
+    tmp: Path | None,
+    name: str,
+    parts: list[Stateful],
+    given: list,
+    keep_last: int,
+    keep_best: KeepBest | None = None,
+) -> Path:
+    """`save`'s work, into the partial folder `tmp` where it already holds a sharded checkpoint's shards; `given`
+    may hold one state.json record more than `parts` (the shards' own, train/state/shards.py)."""
     out = Path(output_dir)
     files, record = {}, {}
     for part, state in zip(parts, given):
@@ -373,8 +426,10 @@ def save(
             record.update(state)
         else:
             files[part.file] = writer(part, state)
+    for extra in given[len(parts) :]:
+        record.update(extra)
     files[STATE] = _write_state(record)
-    final = publish(out, name, files)
+    final = publish(out, name, files, tmp)
     prune(out, keep_last, keep_best)
     return final
 

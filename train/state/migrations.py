@@ -1,10 +1,13 @@
 """Checkpoints of an older format_version, read as the current one: every "written before ..." rule of a checkpoint
 folder's state.json and optimizer.pt lives here, so `train.checkpoint` reads one layout.
 
-- 2 (what this code writes): state.json has `format_version`, the sha256 of every other file, the data position,
-  the cache identity, the config hash and the process count, and `state_sha256`, a digest of its own content (absent
-  in those written before it: taken as they are, the step still checked against the folder's); optimizer.pt has one
-  AdamW group per (part, decay).
+- 3 (what this code writes for a sharded checkpoint, train/state/shards.py): as 2, with `shards` in state.json
+  ({processes, optimizer, ema}) and the trainable weights, their EMA and the AdamW state in torch.distributed.checkpoint
+  files (`.metadata`, `__<rank>_0.distcp`) in place of trainable.safetensors, ema.safetensors and optimizer.pt.
+- 2 (what this code writes for a whole checkpoint): state.json has `format_version`, the sha256 of every other file,
+  the data position, the cache identity, the config hash and the process count, and `state_sha256`, a digest of its
+  own content (absent in those written before it: taken as they are, the step still checked against the folder's);
+  optimizer.pt has one AdamW group per (part, decay).
 - 1 (no `format_version`): any of those may be missing: files without a recorded sha256 are taken as they are;
   without a cache identity, config hash or process count nothing is compared on resume; AdamW state in one group per
   decay setting (decay, then no decay, each in parameter order) is re-keyed by parameter name to the per-part groups.
@@ -23,8 +26,9 @@ from train.optim import decays
 if TYPE_CHECKING:
     from train.components import Components
 
-FORMAT_VERSION = 2
-READABLE = (1, 2)
+FORMAT_VERSION = 2  # a whole checkpoint's
+SHARDED_VERSION = 3  # a sharded one's
+READABLE = (1, 2, 3)
 
 
 def state(saved: dict, path: Path) -> dict:
@@ -34,7 +38,7 @@ def state(saved: dict, path: Path) -> dict:
     if version not in READABLE:
         raise UserError(
             f"resume: {path} has checkpoint format_version {version!r}, this code reads "
-            f"{' and '.join(map(str, READABLE))}; resume it with the code that wrote it"
+            f"{', '.join(map(str, READABLE))}; resume it with the code that wrote it"
         )
     saved.setdefault("sha256", {})
     return saved

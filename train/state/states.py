@@ -95,7 +95,10 @@ class Optimizer:
         saved = checkpoint_migrations.optimizer(c, saved)
         saved["state"] = {
             i: {
-                k: local_like(params[i], v) if torch.is_tensor(v) and v.shape == params[i].shape else v
+                # whole tensors (a whole checkpoint) to this process's slice; a sharded checkpoint's are slices
+                k: local_like(params[i], v)
+                if torch.is_tensor(v) and v.shape == params[i].shape and not sharding.is_sharded(v)
+                else v
                 for k, v in st.items()
             }
             for i, st in saved["state"].items()

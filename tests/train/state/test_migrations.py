@@ -33,9 +33,9 @@ def test_a_version_1_checkpoint_without_digests_is_taken_as_it_is(tmp_path):
     assert state["step"] == 3 and state["sha256"] == {}
 
 
-@pytest.mark.parametrize("version", [3, "2", None])
+@pytest.mark.parametrize("version", [4, "2", None])
 def test_an_unknown_checkpoint_version_is_refused_naming_it(tmp_path, version):
-    with pytest.raises(UserError, match=f"format_version {version!r}, this code reads 1 and 2"):
+    with pytest.raises(UserError, match=f"format_version {version!r}, this code reads 1, 2, 3"):
         checkpoint.check_resumable(_ckpt(tmp_path, {"step": 3, "format_version": version}), max_steps=10)
 
 
