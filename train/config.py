@@ -35,6 +35,7 @@ from theworld.core.config import (
 )
 from theworld.core.errors import UserError
 from theworld.model.arch import CHECKPOINT_PARTS
+from theworld.model.packing import ATTENTION as PACKED_ATTENTION
 
 # A key declared `neutral` may change between a run and its resumption without changing its numbers: where files go,
 # what is logged and when, how the same global batch is split over processes and micro-batches, where the AdamW step
@@ -353,6 +354,11 @@ class TrainSection:
         check_sizes(self, "train")
         if not (math.isfinite(self.epochs) and self.epochs >= 0):
             raise UserError(f"config key 'train.epochs': must be a finite number >= 0, got {self.epochs}")
+        if self.loader.packing and self.hardware.attention not in PACKED_ATTENTION:
+            raise UserError(
+                f"config key 'train.loader.packing': packed rows need train.hardware.attention sdpa or eager (their "
+                f"4D masks), not {self.hardware.attention}"
+            )
 
 
 # Where each key of the flat `train` section of earlier releases lives now. A config (or a --set) with an old key

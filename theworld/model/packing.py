@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
 
 ATTENTION = ("sdpa", "eager")  # the attention implementations a packed batch's 4D masks are built for
 
@@ -90,6 +89,8 @@ class Packed:
     def masks(self, token_types: torch.Tensor, config, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Gemma 3's two 4D masks ({layer type: (rows, 1, width, width)}) for the packed rows, in the format of the
         text config's attention implementation. `token_types`: (B, L) the fused token types (1 on image tokens)."""
+        from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
+
         impl = config._attn_implementation or "eager"
         if impl not in ATTENTION:
             raise ValueError(
