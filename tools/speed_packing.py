@@ -75,9 +75,7 @@ def conversations(n: int, seed: int = 0) -> list[list[tuple[str, str]]]:
         turns = min(8, 1 + rng.poisson(2)) if part == "conversation" else 1
         mean, (q_lo, q_hi) = answer_tokens(part), PARTS[part][2]
         text = lambda k: " ".join(rng.choice(words, size=max(1, int(k))))  # noqa: E731
-        out.append(
-            [(text(rng.integers(q_lo, q_hi + 1)), text(rng.lognormal(np.log(mean), 0.6))) for _ in range(turns)]
-        )
+        out.append([(text(rng.integers(q_lo, q_hi + 1)), text(rng.lognormal(np.log(mean), 0.6))) for _ in range(turns)])
     return out
 
 
@@ -96,7 +94,8 @@ def write_cache(root: Path, n: int, resolution: int) -> Path:
     (root / "chat.json").write_text(json.dumps(items))
     out = root / "cache"
     sets = ["source.type=llava", f"source.path={root / 'chat.json'}", f"source.num_samples={n}", f"output_dir={out}"]
-    sets += [f"image.resolution={resolution}", "shard_size=128", "batch_size=32", "num_workers=0", "model.dtype=float32"]
+    sets += [f"image.resolution={resolution}", "shard_size=128", "batch_size=32", "num_workers=0"]
+    sets += ["model.dtype=float32"]
     run(load_pre(str(Path(__file__).parent.parent / "configs" / "precompute.yaml"), sets))
     return out
 
@@ -204,8 +203,9 @@ def main(argv: list[str] | None = None) -> int:
             "train.loader.pack_length": args.pack_length,
             "trackers": "[]",
         }
+        stage3 = Path(__file__).parent.parent / "configs" / "stage3.yaml"
         config = lambda extra: load_config(  # noqa: E731
-            TrainConfig, Path(__file__).parent.parent / "configs" / "stage3.yaml", [f"{k}={v}" for k, v in {**base, **extra}.items()]
+            TrainConfig, stage3, [f"{k}={v}" for k, v in {**base, **extra}.items()]
         )
         lengths = sample_lengths_summary(cache, config({}))
         rows = {}
