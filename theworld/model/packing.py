@@ -20,11 +20,12 @@ ATTENTION = ("sdpa", "eager")  # the attention implementations a packed batch's 
 
 
 def plan_rows(lengths: Sequence[int], pack_length: int) -> list[int]:
-    """Each sample's row (rows numbered by their first sample). Longest first (ties in sample order), each sample goes
-    into the emptiest row it fits in, a new row when none has room: a sample longer than `pack_length` gets a row of
-    its own. A pure function of the lengths."""
+    """Each sample's row (rows numbered by their first sample). As many rows as the samples that fit a row need
+    (their total over `pack_length`, rounded up), then longest first (ties in sample order) each sample goes into the
+    emptiest row it fits in, a new row when none has room: rows come out about equally full, and a sample longer
+    than `pack_length` gets a row of its own. A pure function of the lengths."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    fills: list[int] = []
+    fills = [0] * -(-sum(n for n in lengths if n <= pack_length) // pack_length)
     row_of = [0] * len(lengths)
     for i in order:
         fits = [r for r, f in enumerate(fills) if f + lengths[i] <= pack_length]
@@ -35,7 +36,7 @@ def plan_rows(lengths: Sequence[int], pack_length: int) -> list[int]:
             fills.append(0)
         fills[r] += lengths[i]
         row_of[i] = r
-    first = {}  # renumber rows by their first sample, so a row's number does not depend on the fill order
+    first: dict[int, int] = {}  # rows by their first sample: a row's number does not depend on the fill order
     for r in row_of:
         first.setdefault(r, len(first))
     return [first[r] for r in row_of]
