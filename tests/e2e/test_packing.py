@@ -42,7 +42,7 @@ def test_a_packed_run_follows_the_plain_run_and_resumes_bitwise(cache, tmp_path)
         for r in (plain, packed)
     ]
     assert len(evals[1]) == 3 and [e[2] for e in evals[0]] == [e[2] for e in evals[1]]
-    assert [e[:2] for e in evals[1]] == pytest.approx([e[:2] for e in evals[0]], abs=1e-4)
+    assert [x for e in evals[1] for x in e[:2]] == pytest.approx([x for e in evals[0] for x in e[:2]], abs=1e-4)
     _resumes_bitwise(cache, tmp_path / "packed", tmp_path, {**STAGE3, **PACKED})
 
 
