@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     from theworld.core.config import load_config
     from train.config import TrainConfig
 
-    p = argparse.ArgumentParser(prog="python -m tools.speed_packing", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="tools.speed_packing", description=__doc__.splitlines()[0])
     p.add_argument("--samples", type=int, default=128, help="conversations in the cache (default 128)")
     p.add_argument("--resolution", type=int, default=64, help="image side in pixels (64: 66 world tokens)")
     p.add_argument("--micro-batch", type=int, default=8, help="samples per forward (default 8)")
