@@ -26,6 +26,7 @@ The texts are words of the tiny tokenizer's vocabulary (one token each), so toke
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -186,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     apply_threads(args)
     torch.manual_seed(0)
-    with tempfile.TemporaryDirectory() as tmp:
+    # --json: stdout holds the figures alone (precompute's and the loader's lines go to stderr)
+    with contextlib.redirect_stdout(sys.stderr), tempfile.TemporaryDirectory() as tmp:
         cache = write_cache(Path(tmp), args.samples, args.resolution)
         base = {
             "cache_dir": cache,
