@@ -37,6 +37,7 @@ from theworld.core.config import (
 )
 from theworld.core.errors import UserError
 from theworld.model.arch import CHECKPOINT_PARTS
+from theworld.model.packing import ATTENTION as PACKED_ATTENTION
 
 # A key declared `neutral` may change between a run and its resumption without changing its numbers: where files go,
 # what is logged and when, how the same global batch is split over processes and micro-batches, where the AdamW step
@@ -234,9 +235,18 @@ class LoaderConfig:
     flip: bool = False  # horizontal flip augmentation with left/right caption swap (needs flipped latents cached)
     cached_siglip: bool = True  # use cached SigLIP features when present and the vision tower is frozen
     max_length: int = 0  # token cap per sample (0: none)
+    # within each window of group_window consecutive global batches, samples of similar token length (and the same
+    # number of images) go together (train/data/order.py)
+    group_by_length: bool = False
+    group_window: int = 16
+    # several samples to a row of at most pack_length tokens (world block included), each attending only within
+    # itself (theworld/model/packing.py): the same samples, losses and gradients, less padding
+    packing: bool = neutral(False)
+    pack_length: int = neutral(2048)
 
     def __post_init__(self) -> None:
         at_least(self, "train.loader", 0, "num_workers", "max_length")
+        at_least(self, "train.loader", 1, "group_window", "pack_length")
         check_sizes(self, "train.loader")
         check_workers("train.loader.num_workers", self.num_workers)
 
@@ -406,6 +416,11 @@ class TrainSection:
         check_sizes(self, "train")
         if not (math.isfinite(self.epochs) and self.epochs >= 0):
             raise UserError(f"config key 'train.epochs': must be a finite number >= 0, got {self.epochs}")
+        if self.loader.packing and self.hardware.attention not in PACKED_ATTENTION:
+            raise UserError(
+                f"config key 'train.loader.packing': packed rows need train.hardware.attention sdpa or eager (their "
+                f"4D masks), not {self.hardware.attention}"
+            )
 
 
 # Where each key of the flat `train` section of earlier releases lives now. A config (or a --set) with an old key
@@ -664,6 +679,7 @@ def neutral_keys(cls: type, prefix: str = "") -> tuple[str, ...]:
 
 
 RESUME_NEUTRAL = neutral_keys(TrainConfig)
+GROUPING_KEYS = ("train.loader.group_by_length", "train.loader.group_window")
 
 
 def run_hash(cfg: TrainConfig) -> str:
@@ -681,6 +697,9 @@ def run_hash(cfg: TrainConfig) -> str:
                 del d["world"]["rollout"][key]
     for key in RESUME_NEUTRAL:
         _pop(d, key)
+    if not cfg.train.loader.group_by_length:  # runs without grouping keep the hash they had before the keys existed
+        for key in GROUPING_KEYS:
+            _pop(d, key)
     for old, new in MOVED_KEYS.items():
         value = _pop(d, new)
         if value is not _MISSING:

@@ -143,7 +143,8 @@ def optimization_step(components: Components, state: LoopState, micro_batches: l
 
 def token_counts(model, inputs) -> torch.Tensor:
     """(real tokens, all positions, world tokens) of a micro-batch's fused sequences, as a float64 tensor on its
-    device (summed without a sync): its text tokens by the attention mask, each row's world block in full."""
+    device: its text tokens by the attention mask, each sample's world block in full; all positions are the padded
+    batch's, or the packed rows' (a sync to size them)."""
     world = 0
     if inputs.use_world:
         if inputs.latent_mean is not None:
@@ -152,9 +153,18 @@ def token_counts(model, inputs) -> torch.Tensor:
             h, w = (latent_side(n) for n in inputs.images.shape[-2:])
         world = model.projector.num_tokens(h, w)
     rows, length = inputs.input_ids.shape
-    real = inputs.attention_mask.sum(dtype=torch.float64) + rows * world
-    extra = torch.tensor([rows * (length + world), rows * world], dtype=torch.float64, device=real.device)
-    return torch.cat([real.reshape(1), extra])
+    lengths = inputs.attention_mask.sum(1, dtype=torch.float64) + world
+    real = lengths.sum()
+    if inputs.pack_rows is None:
+        slots = torch.tensor(rows * (length + world), dtype=torch.float64, device=real.device)
+    else:  # packed (theworld/model/packing.py): the rows it fills, each as wide as the fullest
+        packed = inputs.pack_rows.to(real.device)
+        fills = torch.zeros(int(packed.max()) + 1, dtype=torch.float64, device=real.device).index_add_(
+            0, packed, lengths
+        )
+        slots = len(fills) * fills.max()
+    world_tokens = torch.tensor(rows * world, dtype=torch.float64, device=real.device)
+    return torch.stack([real, slots, world_tokens])
 
 
 def ema_decay(decay: float, warmup_steps: int, step: int) -> float:

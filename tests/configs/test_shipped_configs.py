@@ -11,6 +11,7 @@ import pytest
 
 from precompute.config import PrecomputeConfig
 from theworld.core.config import load_config
+from theworld.core.errors import UserError
 from train.config import RESUME_NEUTRAL, TrainConfig, neutral, neutral_keys, run_hash
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -100,6 +101,20 @@ def test_run_hash_ignores_resume_neutral_keys_and_sees_the_rest(tmp_path):
     assert run_hash(load_config(TrainConfig, CONFIGS / "stage1.yaml", neutral)) == run_hash(base)
     for change in ("train.optimizer.lr=0.5", "seed=1", "world.pool=2", "train.max_steps=7", "freeze.vae=false"):
         assert run_hash(load_config(TrainConfig, CONFIGS / "stage1.yaml", [change])) != run_hash(base), change
+
+
+def test_length_grouping_keys_change_the_run_hash_only_when_grouping_is_on():
+    base = load_config(TrainConfig, CONFIGS / "stage3.yaml")
+    hashed = lambda *sets: run_hash(load_config(TrainConfig, CONFIGS / "stage3.yaml", list(sets)))  # noqa: E731
+    assert hashed("train.loader.group_window=3") == run_hash(base)  # grouping off: the window changes nothing
+    on = hashed("train.loader.group_by_length=true")
+    assert on != run_hash(base) and hashed("train.loader.group_by_length=true", "train.loader.group_window=3") != on
+    # packing changes the layout of a step's samples, not which samples: resume-neutral (rounding aside)
+    assert hashed("train.loader.packing=true", "train.loader.pack_length=512") == run_hash(base)
+    with pytest.raises(UserError, match=r"^config key 'train.loader.packing': .* sdpa or eager .*flex_attention"):
+        hashed("train.loader.packing=true", "train.hardware.attention=flex_attention")
+    with pytest.raises(UserError, match=r"^config key 'train.loader.pack_length': must be positive, got 0"):
+        hashed("train.loader.pack_length=0")
 
 
 def test_layer_types_follow_the_released_gemma3_pattern():

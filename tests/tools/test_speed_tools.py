@@ -231,7 +231,26 @@ def test_eval_bench_smoke(capsys):
     assert cases["real_shaped"]["world_tokens"] == 18 and cases["real_shaped"]["image_tokens"] == 4
 
 
-@pytest.mark.parametrize("tool", ["speed_precompute", "speed_train", "speed_eval", "speed_generate"])
+@pytest.mark.slow
+def test_packing_bench_smoke(capsys):
+    """tools.speed_packing on 32 conversations: plain and packed train on the same samples and tokens, packing leaves
+    less padding than plain, grouping less than plain too; the lengths follow the model of LLaVA-Instruct-150K."""
+    from tools.speed_packing import answer_tokens, main
+
+    assert 150 < answer_tokens("detail") < answer_tokens("complex_reasoning") < 250  # from the files' sizes
+    assert main(["--json", "--samples", "32", "--micro-batch", "4", "--repeats", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows, shape = out["layouts"], out["shape"]
+    assert set(rows) == {"plain", "grouped", "packed", "grouped+packed"} and shape["world_tokens"] == 66
+    for row in rows.values():
+        _positive(row, "tokens_per_s", "tokens_per_cpu_s", "speedup", "speedup_cpu")
+        assert row["samples"] == 32 and row["micro_batches"] == 8
+    assert rows["packed"]["real_tokens"] == rows["plain"]["real_tokens"] == rows["grouped"]["real_tokens"]
+    assert rows["packed"]["padding_share"] < rows["grouped"]["padding_share"] < rows["plain"]["padding_share"]
+    assert shape["text_tokens"]["p10"] < shape["text_tokens"]["p90"] / 2  # a wide spread of lengths
+
+
+@pytest.mark.parametrize("tool", ["speed_precompute", "speed_train", "speed_eval", "speed_generate", "speed_packing"])
 @pytest.mark.parametrize("threads", ["-1", "two"])
 def test_a_bad_thread_count_is_one_line_exit_2(tool, threads, capsys):
     """Every speed tool's --threads is tools/threads.py's: a count below 0 is refused before anything runs (torch

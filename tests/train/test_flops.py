@@ -82,3 +82,24 @@ def test_throughput_line():
     assert with_peak["padding_share"] == 0.0  # a full row has no padding
     assert with_peak["mfu"] == pytest.approx(c.step(400, 4, 8, 0, 40) / 0.5 / (1e9 * 2))
     assert peak_memory()["peak_memory_gb"] > 0  # this process's peak resident memory on a CPU
+
+
+def test_token_counts_of_a_padded_and_a_packed_batch():
+    """train.step.token_counts: real tokens by the attention mask plus each sample's world block; all positions are
+    the padded batch's, or the packed rows' (a row filled to the full width has no padding)."""
+    import torch
+
+    from theworld.model.inputs import ModelInputs
+    from train.step import token_counts
+
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0]])
+    model = SimpleNamespace(projector=SimpleNamespace(num_tokens=lambda h, w: 2))
+    latents = torch.zeros(3, 16, 1, 2, 2)
+
+    def counts(rows):
+        inputs = ModelInputs(input_ids=torch.zeros_like(mask), attention_mask=mask, latent_mean=latents, pack_rows=rows)
+        return token_counts(model, inputs).tolist()
+
+    assert counts(None) == [10 + 6, 3 * (6 + 2), 6]  # padded to the longest: 24 slots for 16 real tokens
+    assert counts(torch.tensor([0, 1, 1])) == [16, 2 * 8, 6]  # rows of 8 and 4 + 4: two full rows, no padding
+    assert counts(torch.tensor([0, 0, 1])) == [16, 2 * 12, 6]  # rows of 12 and 4: the second padded to 12

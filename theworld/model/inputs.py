@@ -57,6 +57,9 @@ class ModelInputs:
     # held-out batches: each row's partner's world inputs (PARTNER_FIELDS names), and whether the row has a partner
     partner: dict[str, torch.Tensor] | None = None
     paired: torch.Tensor | None = None
+    # (B,) int64, one per row: the packed row its fused sequence shares with others (train.loader.packing;
+    # theworld/model/packing.py); None: each sample a row of its own
+    pack_rows: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -110,11 +113,15 @@ class ModelInputs:
     def behind(self, prompt: ModelInputs) -> ModelInputs:
         """This batch's world and image inputs behind `prompt`'s text (a prompt-only batch of the same rows)."""
         return dataclasses.replace(
-            self.own_world(), input_ids=prompt.input_ids, attention_mask=prompt.attention_mask, labels=prompt.labels
+            self.own_world(),
+            input_ids=prompt.input_ids,
+            attention_mask=prompt.attention_mask,
+            labels=prompt.labels,
+            pack_rows=prompt.pack_rows,
         )
 
 
-TENSOR_FIELDS = frozenset((*TEXT, *WORLD, *IMAGE, "rollout_seeds", "rollout_questions", "paired"))
+TENSOR_FIELDS = frozenset((*TEXT, *WORLD, *IMAGE, "rollout_seeds", "rollout_questions", "paired", "pack_rows"))
 
 
 def text_batch(items: Sequence[Encoded], pad_id: int, **inputs) -> ModelInputs:

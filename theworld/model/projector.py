@@ -91,7 +91,7 @@ class WorldProjector(nn.Module):
     def num_tokens(self, h: int, w: int, frames: int | None = None) -> int:
         """The world block's length (markers included) for an h x w latent grid and `frames` frames (default: the
         projector's 1 + num_world_steps)."""
-        return (frames or self.frames) * (h // self.pool) * (w // self.pool) + 2
+        return world_tokens(h, w, self.pool, frames or self.frames)
 
     def first_frames(
         self, mean: torch.Tensor, logvar: torch.Tensor | None, frames: int
@@ -138,3 +138,8 @@ class WorldProjector(nn.Module):
         world = world.reshape(b, -1, world.shape[-1])  # (B, F * n, H): frame 0's tokens, then frame 1's, ...
         sow, eow = self.sow.expand(b, 1, -1), self.eow.expand(b, 1, -1)
         return torch.cat([sow, world, eow], dim=1) * self.embed_scale
+
+
+def world_tokens(h: int, w: int, pool: int, frames: int) -> int:
+    """The world block's length (its two markers included) for `frames` h x w latent frames pooled by `pool`."""
+    return frames * (h // pool) * (w // pool) + 2

@@ -31,6 +31,7 @@ from theworld.model import stage_layout as layout
 from theworld.model.arch import CHECKPOINT_PARTS, FREEZABLE, PARTS
 from theworld.model.encoders import WorldEncoder
 from theworld.model.inputs import ModelInputs
+from theworld.model.packing import Packed
 from theworld.model.projector import WorldProjector
 from theworld.model.rollout import Rollout, at_inference, pixel_seeds, questions_of, with_predicted
 from theworld.model.text import ChatFormatter
@@ -370,8 +371,22 @@ class TheWorld(nn.Module):
 
     def _hidden(self, inputs: ModelInputs) -> torch.Tensor:
         fused = self.embed_inputs(inputs)
+        if inputs.pack_rows is not None:
+            return self._packed_hidden(fused, inputs.pack_rows)
         with record_function(PROFILE_LABELS["language_model"]):
             return self.gemma.model(**fused, use_cache=False).last_hidden_state
+
+    def _packed_hidden(self, fused: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+        """The language model's output on the fused samples laid out several to a row (theworld/model/packing.py),
+        given back in the unpacked layout (zeros on padding)."""
+        embeds = fused["inputs_embeds"]
+        packed = Packed(fused["attention_mask"], rows)
+        masks = packed.masks(fused["token_type_ids"], self.gemma.config.get_text_config(), embeds.dtype)
+        with record_function(PROFILE_LABELS["language_model"]):
+            out = self.gemma.model(
+                inputs_embeds=packed.pack(embeds), attention_mask=masks, position_ids=packed.positions, use_cache=False
+            ).last_hidden_state
+        return packed.unpack(out, embeds)
 
     @staticmethod
     def _targets(inputs: ModelInputs, hidden: torch.Tensor) -> torch.Tensor:

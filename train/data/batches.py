@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
 from theworld import cache_format as cf
 from theworld.core.errors import UserError
 from theworld.model import objective
+from theworld.model.arch import latent_side
 from theworld.model.control_text import ControlText
 from theworld.model.inputs import PARTNER, ModelInputs, text_batch
+from theworld.model.packing import plan_rows
+from theworld.model.projector import world_tokens
 from theworld.model.text import ChatFormatter, PromptTooLong
 
 
@@ -75,16 +79,37 @@ def _byte_buffer(nbytes: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(new_shared(nbytes))
 
 
+@dataclass(frozen=True)
+class Packing:
+    """train.loader.packing: each micro-batch's samples laid out several to a row of at most `pack_length` fused tokens
+    (theworld/model/packing.py). `pool`, `frames`: the world block's pooling and frames (1 + world.num_world_steps)."""
+
+    pack_length: int
+    pool: int
+    frames: int
+
+    def rows(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(B,) each sample's row, planned on its fused length: its text and its world block (one latent shape a
+        micro-batch, from its cached latents or its pixels)."""
+        if "latent_mean" in batch:
+            h, w = batch["latent_mean"].shape[-2:]
+        else:
+            h, w = (latent_side(n) for n in batch["images"].shape[-2:])
+        lengths = batch["attention_mask"].sum(1) + world_tokens(h, w, self.pool, self.frames)
+        return torch.tensor(plan_rows(lengths.tolist(), self.pack_length), dtype=torch.long)
+
+
 class Collate:
     """List of samples -> one packed Batch: tokenised and padded text, the cached tensors decoded together, stacked
-    pixels, the answer-token count."""
+    pixels, the answer-token count; with `packing`, each sample's row."""
 
     # cache member -> {tensor name in the member: ModelInputs field}
     CACHED = {cf.LATENT: {"mean": "latent_mean", "logvar": "latent_logvar"}, cf.SIGLIP: {"features": "siglip"}}
     OPTIONAL = {"logvar"}  # a mean-only cache (cache.latents: mean)
 
-    def __init__(self, formatter: ChatFormatter):
+    def __init__(self, formatter: ChatFormatter, packing: Packing | None = None):
         self.formatter = formatter
+        self.packing = packing
 
     def __call__(self, items: list[dict]) -> Batch:
         batch = text_batch(encode_texts(self.formatter, [it["text"] for it in items]), self.formatter.pad_id)
@@ -102,6 +127,8 @@ class Collate:
                 batch[k] = torch.nn.utils.rnn.pad_sequence([it[k] for it in items], batch_first=True)
             elif k not in ("text", "origin", PARTNER + "origin"):
                 batch[k] = torch.stack([it[k] for it in items])
+        if self.packing is not None:
+            batch["pack_rows"] = self.packing.rows(batch)
         return Batch.of(ModelInputs.from_tensors(batch))
 
 

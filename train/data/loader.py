@@ -16,11 +16,11 @@ from theworld.model.images import decode, load_for_vae, siglip_pixels
 from theworld.model.inputs import PARTNER
 from theworld.model.rollout import cache_condition, cache_seed, questions_tensor, sample_inputs
 from theworld.model.text import ChatFormatter
-from train.data.batches import Collate, encode_texts
+from train.data.batches import Collate, Packing, encode_texts
 from train.data.cache import InputSources, mixture_draw
 from train.data.flip import swap_left_right
 from train.data.mixture import Draw, MixedReader, partner_groups
-from train.data.order import bucket_ids, eval_partners, flip_of, rank_indices
+from train.data.order import LengthGroups, bucket_ids, eval_partners, flip_of, rank_indices
 from train.preempt import ignore_in_workers
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -127,6 +127,7 @@ class DataContext:
     buckets: np.ndarray  # (len(reader),) each sample's bucket (latent shape)
     draw: Draw | None = None  # a mixture's per-epoch draw from its caches
     truncation: str = ""  # with train.loader.max_length: how many training samples it shortens (start line)
+    groups: LengthGroups | None = None  # train.loader.group_by_length: each sample's length and images
 
     @classmethod
     def build(
@@ -143,6 +144,10 @@ class DataContext:
         first = reader.sample(train[0], tensors=False)
         encode_texts(formatter, [first.turns])  # a prompt over max_length: an error before any worker
         truncation = truncation_report(formatter, reader, train) if formatter.max_length else ""
+        loader = cfg.train.loader
+        groups = (
+            LengthGroups(*sample_lengths(formatter, reader), loader.group_window) if loader.group_by_length else None
+        )
         return cls(
             reader,
             inputs,
@@ -153,6 +158,7 @@ class DataContext:
             bucket_ids(reader),
             mixture_draw(cfg, reader, train),
             truncation,
+            groups,
         )
 
     def epoch_samples(self, seed: int, epoch: int) -> np.ndarray:
@@ -212,6 +218,25 @@ def truncation_report(formatter: ChatFormatter, reader: cf.CacheReader, indices:
     )
 
 
+def sample_lengths(
+    formatter: ChatFormatter, reader: cf.CacheReader, chunk: int = 1024
+) -> tuple[np.ndarray, np.ndarray]:
+    """Every sample's token length as the formatter encodes it (train.loader.max_length applied) and its number of
+    images: (N,) int64 arrays over the reader's indices. Reads and tokenises every sample's text once."""
+    members, reader.members = reader.members, ()  # the caption and json alone
+    boi = formatter.tokenizer.convert_tokens_to_ids(formatter.tokenizer.boi_token)
+    lengths, images = np.zeros(len(reader), dtype=np.int64), np.zeros(len(reader), dtype=np.int64)
+    try:
+        for lo in range(0, len(reader), chunk):
+            hi = min(lo + chunk, len(reader))
+            encoded = encode_texts(formatter, [reader.sample(i, tensors=False).turns for i in range(lo, hi)])
+            lengths[lo:hi] = [len(e.input_ids) for e in encoded]
+            images[lo:hi] = [e.input_ids.count(boi) for e in encoded]
+    finally:
+        reader.members = members
+    return lengths, images
+
+
 def _worker_init(_: int) -> None:
     # workers decode and tokenise; intra-op or tokenizer threads would only fight the training step
     torch.set_num_threads(1)
@@ -226,11 +251,16 @@ def _loader(cfg, ctx: DataContext, dataset, **kw) -> DataLoader:
         # the worker process for each descriptor over a socket when the batch is received: a round trip that waits
         # for the worker to be scheduled, on the training step's time (docs/performance.md).
         torch.multiprocessing.set_sharing_strategy("file_system")
+    packing = (
+        Packing(cfg.train.loader.pack_length, cfg.world.pool, 1 + cfg.world.num_world_steps)
+        if cfg.train.loader.packing
+        else None
+    )
     return DataLoader(
         dataset,
         num_workers=workers,
         pin_memory=torch.cuda.is_available(),
-        collate_fn=Collate(ctx.formatter),
+        collate_fn=Collate(ctx.formatter, packing),
         prefetch_factor=4 if workers else None,
         worker_init_fn=_worker_init if workers else None,
         **kw,
@@ -241,7 +271,7 @@ def build_train_loader(cfg, ctx: DataContext, rank: int, world_size: int, epoch:
     """Micro-batches of this process for `epoch` from global batch `start` on: accumulation_steps of them per step."""
     samples = ctx.epoch_samples(cfg.seed, epoch)
     idx = rank_indices(
-        samples, cfg.seed, epoch, cfg.train.global_batch_size, rank, world_size, start, ctx.buckets[samples]
+        samples, cfg.seed, epoch, cfg.train.global_batch_size, rank, world_size, start, ctx.buckets[samples], ctx.groups
     )
     return _loader(cfg, ctx, ctx.dataset(cfg, idx, epoch), batch_size=cfg.train.micro_batch_size, shuffle=False)
 

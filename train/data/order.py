@@ -10,6 +10,10 @@ whatever the number of processes, and resuming at step s reads exactly the batch
   its latent shape's (bucket's) list; each time a list reaches G samples they become the next global batch, and what is
   left in the lists at the end is dropped. With one shape (a square cache) global batch b is order[b*G:(b+1)*G].
   Step s is global batch s % steps_per_epoch of epoch s // steps_per_epoch;
+- with train.loader.group_by_length (`LengthGroups`): each window of `window` consecutive global batches of a bucket
+  keeps its samples but sorts them by (number of images, token length, longest first) before cutting them into
+  batches, whose order within the window is then shuffled (seeded by seed, epoch, bucket, window): samples of similar
+  length and of one modality share a batch, as LLaVA's group_by_modality_length has them;
 - process r of W takes the r-th contiguous slice (G/W samples) of each global batch, in micro-batches of M, so every
   micro-batch holds one latent shape.
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -50,15 +55,41 @@ def epoch_order(train_indices: np.ndarray, seed: int, epoch: int) -> np.ndarray:
     return np.asarray(train_indices, dtype=np.int64)[_permutation(len(train_indices), seed, epoch)]
 
 
+@dataclass(frozen=True)
+class LengthGroups:
+    """What train.loader.group_by_length sorts by: each sample's token length and number of images (arrays over the
+    reader's indices), and the window of consecutive global batches it sorts within."""
+
+    lengths: np.ndarray
+    images: np.ndarray
+    window: int
+
+    def batches(self, samples: np.ndarray, seed: int, epoch: int, bucket: int) -> np.ndarray:
+        """(n, G) global batches of one bucket, their samples regrouped by length within each window."""
+        n, g = samples.shape
+        out = np.empty_like(samples)
+        for lo in range(0, n, self.window):
+            chunk = samples[lo : lo + self.window].reshape(-1)
+            by_length = chunk[np.lexsort((-self.lengths[chunk], self.images[chunk]))].reshape(-1, g)
+            shuffle = _permutation(len(by_length), seed_of("group", seed, bucket, lo), epoch)
+            out[lo : lo + self.window] = by_length[shuffle]
+        return out
+
+
 def epoch_batches(
-    train_indices: np.ndarray, seed: int, epoch: int, global_batch: int, buckets: np.ndarray | None = None
+    train_indices: np.ndarray,
+    seed: int,
+    epoch: int,
+    global_batch: int,
+    buckets: np.ndarray | None = None,
+    groups: LengthGroups | None = None,
 ) -> np.ndarray:
     """(steps_per_epoch, G) global batches of `epoch`, each of one bucket (`buckets[i]` is train_indices[i]'s).
 
     The epoch's permutation is walked in order and each sample appended to its bucket's list; whenever a list holds G
     samples they form the next batch. So batches are ordered by where their last sample falls in the permutation (each
     bucket's batches spread over the epoch), a bucket's leftover (< G samples) is dropped for this epoch, and with one
-    bucket batch b is order[b*G:(b+1)*G].
+    bucket batch b is order[b*G:(b+1)*G]. `groups`: samples regrouped by length within windows of a bucket's batches.
     """
     perm = _permutation(len(train_indices), seed, epoch)
     order = np.asarray(train_indices, dtype=np.int64)[perm]
@@ -67,7 +98,8 @@ def epoch_batches(
     for k in np.unique(of):
         pos = np.flatnonzero(of == k)
         full = len(pos) // global_batch * global_batch
-        rows.append(order[pos[:full]].reshape(-1, global_batch))
+        batches = order[pos[:full]].reshape(-1, global_batch)
+        rows.append(batches if groups is None else groups.batches(batches, seed, epoch, int(k)))
         ends.append(pos[global_batch - 1 : full : global_batch])
     return np.concatenate(rows)[np.argsort(np.concatenate(ends), kind="stable")]
 
@@ -124,9 +156,10 @@ def rank_indices(
     world_size: int,
     start_batch: int = 0,
     buckets: np.ndarray | None = None,
+    groups: LengthGroups | None = None,
 ) -> np.ndarray:
     """This process's samples for global batches [start_batch, end of epoch) of `epoch`, in consumption order."""
-    batches = epoch_batches(train_indices, seed, epoch, global_batch, buckets)
+    batches = epoch_batches(train_indices, seed, epoch, global_batch, buckets, groups)
     lo = rank_offset(global_batch, rank, world_size)
     return batches[start_batch:, lo : lo + global_batch // world_size].reshape(-1)
 
