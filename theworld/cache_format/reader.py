@@ -332,6 +332,11 @@ class CacheReader:
     def shard_of(self, index: int) -> int:
         return int(self._shard[index])
 
+    @property
+    def shards(self) -> np.ndarray:
+        """(N,) int32: each sample's shard."""
+        return self._shard
+
     def samples_in(self, shards: list[int]) -> np.ndarray:
         """Global indices of the samples of these shards, in cache order."""
         return np.flatnonzero(np.isin(self._shard, shards))
@@ -402,6 +407,12 @@ class CacheReader:
         while len(self._files) >= self.REMOTE_OPEN:  # the oldest first (dicts keep insertion order)
             os.close(self._files.pop(next(iter(self._files))))
         return fd
+
+    def stage(self, shard: int) -> None:
+        """Download shard `shard` of a remote cache into the node's shard cache (read-ahead; a local cache: nothing)."""
+        if self.remote is not None:
+            entry = self.manifest["shards"][shard]
+            self.remote.stage(shard, entry["bytes"], entry["sha256"])
 
     def sample(self, index: int, tensors: bool = True) -> Sample:
         """`decode_sample` of `raw(index)`; bytes that do not decode raise CacheDamaged naming shard and key."""
