@@ -10,9 +10,12 @@ import json
 import os
 import re
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -31,7 +34,7 @@ class Proxy:
     request's forwarding (the client sees no answer) until `release()`."""
 
     def __init__(self, port: int):
-        self.port, self.log, self.rule, self.fail = port, [], None, None
+        self.port, self.log, self.rule, self.fail, self.faults = port, [], None, None, []
         self.held, self.released = threading.Event(), threading.Event()
         proxy = self
 
@@ -57,6 +60,14 @@ class Proxy:
                     proxy.released.wait(120)
                     self.close_connection = True
                     return
+                fault = proxy._fault(self.command, self.path)
+                if fault == "500":
+                    self.send_response(500)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                if fault == "slow":
+                    time.sleep(0.3)
                 headers = {
                     k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding", "connection")
                 }
@@ -73,6 +84,14 @@ class Proxy:
                 length = resp.getheader("Content-Length") if self.command == "HEAD" else str(len(data))
                 self.send_header("Content-Length", length or "0")
                 self.end_headers()
+                if fault in ("truncate", "reset") and len(data) > 1:
+                    self.wfile.write(data[: len(data) // 2])  # the answer began, then the body stops short
+                    self.wfile.flush()
+                    if fault == "reset":  # RST instead of FIN
+                        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    self.close_connection = True
+                    conn.close()
+                    return
                 if self.command != "HEAD":
                     self.wfile.write(data)
                 conn.close()
@@ -108,6 +127,18 @@ class Proxy:
 
     def release(self) -> None:
         self.released.set()
+
+    def inject(self, method: str, pattern: str, *faults: str) -> None:
+        """The next matching requests, one fault each in turn: "500", "slow" (0.3 s), "truncate" (half the body,
+        then the connection closes), "reset" (half the body, then a TCP reset)."""
+        self.faults = [(method, pattern, f) for f in faults]
+
+    def _fault(self, method: str, path: str) -> str | None:
+        for i, (m, pattern, fault) in enumerate(self.faults):
+            if m == method and re.search(pattern, path):
+                del self.faults[i]
+                return fault
+        return None
 
 
 @pytest.fixture(scope="session")
