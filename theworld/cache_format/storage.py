@@ -602,23 +602,18 @@ def _locked(path: Path) -> Iterator[None]:
 # Where callers start
 
 
-def open_cache(location: str | Path, settings: Settings | None = None) -> tuple[Path, RemoteCache | None]:
+def open_cache(
+    location: str | Path, settings: Settings | None = None, remote: RemoteCache | None = None
+) -> tuple[Path, RemoteCache | None]:
     """(the folder to read, the remote cache or None): a local path as it is; a URL's stand-in folder, its index
-    fetched first."""
+    fetched first. `remote`: a cache handle opened before (its stand-in folder is `location`), used as it is."""
+    if remote is not None:
+        return remote.local, remote
     if not is_url(str(location)):
-        return Path(location), remote_of(Path(location))  # a stand-in folder opened before is the remote cache
+        return Path(location), None
     remote = RemoteCache(str(location), settings or Settings())
     show_as(remote.local, remote.url)
-    _OPENED[remote.local] = remote
     return remote.fetch_index(), remote
-
-
-_OPENED: dict[Path, RemoteCache] = {}
-
-
-def remote_of(folder: Path) -> RemoteCache | None:
-    """The remote cache whose stand-in `folder` is (opened in this process), or None for a local cache."""
-    return _OPENED.get(Path(folder))
 
 
 def for_writing(location: str, settings: Settings) -> RemoteWriter:

@@ -11,11 +11,13 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from tests.conftest import ROOT
 from tests.theworld.cache_format.test_shard_index import _cache
 from tests.theworld.cache_format.test_storage import BUCKET, _put_tree, s3  # noqa: F401 - fixture
 from theworld import cache_format as cf
+from theworld.core.errors import CacheDamaged
 from train.data.loader import ReadAhead
 from train.data.order import rank_indices
 
@@ -55,6 +57,7 @@ def test_read_ahead_through_faults_loses_and_duplicates_no_sample_and_resumes_ex
 _STAGE = """
 import sys
 from theworld import cache_format as cf
+from theworld.core.errors import CacheDamaged
 reader = cf.CacheReader(sys.argv[1], settings=cf.Settings(cache_local_dir=sys.argv[2]))
 reader.stage(0)
 """
@@ -94,8 +97,16 @@ def test_a_bit_flipped_in_the_shard_cache_is_caught_there_and_the_shard_download
     reader.stage(0)
     (staged,) = (tmp_path / "l" / "shards").glob("*.tar")
     data = bytearray(staged.read_bytes())
-    data[700] ^= 0x10
+    data[cf.read_sidecar(local, 0)["samples"][0]["members"][cf.LATENT][0] + 10] ^= 0x10  # a bit of sample 0
     staged.write_bytes(bytes(data))
+    # this process checked the copy when it staged it: the member's crc32 catches the change, naming the copy
+    with pytest.raises(CacheDamaged) as e:
+        reader.raw(0)
+    text = str(e.value)
+    assert "this node's staged copy" in text and "the object in the bucket is not affected" in text, text
+    assert "sidecar" not in text and "precompute" not in text, text  # no advice to rebuild the bucket's shard
+    assert reader.raw(0) == cf.CacheReader(local).raw(0)  # the copy was dropped: downloaded again
+    staged.write_bytes(bytes(data))  # damaged again, found by the next run's check of the copy
     start = len(s3.log)
     fresh = cf.CacheReader(remote, settings=settings)  # another run on this node
     truth = cf.CacheReader(local)

@@ -463,25 +463,32 @@ def test_a_cache_served_over_http_reads_and_verifies_and_is_not_written(s3_cache
         server.shutdown()
 
 
-def test_network_errors_are_retried_then_one_line_naming_the_object(s3, s3_train_cache, tmp_path, capsys):
-    # botocore's own retries off, so the attempts counted are ours
-    settings = cf.Settings(
-        storage_options={"config_kwargs": {"retries": {"max_attempts": 1}}},
-        cache_local_dir=str(tmp_path / "l"),
-    )
+def test_network_errors_are_retried_by_the_client_then_one_line_naming_the_object(s3, s3_train_cache, tmp_path):
+    """One retry layer: botocore's (RetryPolicy.attempts); an HTTP 500 that outlasts it is one line that says it
+    failed, never "not found" or a size of 0 bytes."""
+    settings = cf.Settings(cache_local_dir=str(tmp_path / "l"))
     reader = cf.CacheReader(s3_train_cache, settings=settings)
-    s3.fail_next("GET", r"/train/shards/shard-000000\.tar$", 2)
-    assert reader.sample(0).caption  # a later attempt gets it (s3fs retries some errors itself)
-    err = capsys.readouterr().err
-    assert f"warning: {s3_train_cache}/shards/shard-000000.tar: OSError" in err and "retry in 0.5 s" in err
+    start = len(s3.log)
+    s3.fail_next("GET", r"/train/shards/shard-000000\.tar$", cf.storage.POLICY.attempts - 1)
+    assert reader.sample(0).caption  # the client's last attempt gets it
+    tries = [p for m, p, _ in s3.log[start:] if m == "GET" and p.endswith("shard-000000.tar")]
+    assert len(tries) == cf.storage.POLICY.attempts
     s3.fail_next("GET", r"/train/shards/shard-000001\.tar$", 100)
     index = int(reader.samples_in([1])[0])
+    start = len(s3.log)
     with pytest.raises(UserError) as e:
         reader.raw(index)
     s3.fail = None
     text = str(e.value)
     assert len(text.splitlines()) == 1 and f"{s3_train_cache}/shards/shard-000001.tar" in text, text
-    assert "failed 5 times" in text
+    assert f"failed after {cf.storage.POLICY.attempts} attempts" in text and "not found" not in text, text
+    tries = [p for m, p, _ in s3.log[start:] if m == "GET" and p.endswith("shard-000001.tar")]
+    assert len(tries) == cf.storage.POLICY.attempts  # no layer retries the client's retries
+    s3.fail_next("GET", r"list-type", 100)  # a listing in trouble
+    with pytest.raises(UserError) as e:
+        reader.check_consistency()
+    s3.fail = None
+    assert "not found" not in str(e.value) and "0 bytes" not in str(e.value), str(e.value)
 
 
 class _Captions:
