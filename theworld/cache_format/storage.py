@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -92,7 +93,8 @@ BODY_ERRORS = (
     "ResponseStreamingError",
     "_ShortRead",
 )
-_retrying_since: list[float] = []  # when this process first retried (the command's bound counts from there)
+_retrying_since: list[float] = []
+_FS_LOCK = threading.Lock()  # when this process first retried (the command's bound counts from there)
 
 
 def is_url(location: object) -> bool:
@@ -149,22 +151,28 @@ class RemoteCache:
 
     @property
     def fs(self):
-        # made again in a forked process (a DataLoader worker): fsspec's async filesystems are not fork-safe
+        # made again in a forked process (a DataLoader worker): fsspec's async filesystems are not fork-safe; under a
+        # lock, and marked as this process's only once made, since a worker's read-ahead thread asks for it too
         if self._fs is None or self._pid != os.getpid():
-            import fsspec
-
-            self._pid = os.getpid()
-
-            options = POLICY.client_options(self.scheme, self.settings.storage_options)
-            try:
-                self._fs, self._root = fsspec.core.url_to_fs(self.url, **options)
-            except ImportError as e:  # fsspec names the package to install (s3fs, gcsfs)
-                raise UserError(f"{self.url}: {one_line(e)}") from None
-            except (ValueError, TypeError) as e:
-                raise UserError(f"{self.url}: {one_line(e, 200)}; check the URL and storage_options") from None
-            if hasattr(self._fs, "retries") and self.scheme in ("s3", "s3a"):
-                self._fs.retries = 1  # s3fs's own loop off: botocore's retries are the one layer (RetryPolicy)
+            with _FS_LOCK:
+                if self._fs is None or self._pid != os.getpid():
+                    self._fs, self._root = self._make_fs()
+                    self._pid = os.getpid()
         return self._fs
+
+    def _make_fs(self):
+        import fsspec
+
+        options = POLICY.client_options(self.scheme, self.settings.storage_options)
+        try:
+            fs, root = fsspec.core.url_to_fs(self.url, **options)
+        except ImportError as e:  # fsspec names the package to install (s3fs, gcsfs)
+            raise UserError(f"{self.url}: {one_line(e)}") from None
+        except (ValueError, TypeError) as e:
+            raise UserError(f"{self.url}: {one_line(e, 200)}; check the URL and storage_options") from None
+        if hasattr(fs, "retries") and self.scheme in ("s3", "s3a"):
+            fs.retries = 1  # s3fs's own loop off: botocore's retries are the one layer (RetryPolicy)
+        return fs, root
 
     def path(self, name: str) -> str:
         self.fs  # noqa: B018 - sets _root
