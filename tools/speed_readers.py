@@ -310,6 +310,11 @@ def latency_proxy(latency_ms: float, bandwidth_mbps: float = 0) -> Iterator[Call
 BATCH = 32
 
 
+def _settings(local: str, **kw) -> cf.Settings:
+    """Object storage settings with a new filesystem: fsspec's cached one would still point at an earlier proxy."""
+    return cf.Settings({"skip_instance_cache": True}, cache_local_dir=local, **kw)
+
+
 class _Ours(Dataset):
     """Our reader as a training loader worker runs it: the windowed order, read-ahead, decoding a sample."""
 
@@ -371,7 +376,7 @@ def latency_run(cache: Path, latencies: list[float], bandwidth_mbps: float) -> d
                 http_urls = [fs.sign(f"bench/cache/{e['path']}", expiration=3600) for e in manifest["shards"]]
 
                 def ours(tmp=tmp):
-                    reader = cf.CacheReader(url, members=(LATENT,), settings=cf.Settings(cache_local_dir=tmp + "/o"))
+                    reader = cf.CacheReader(url, members=(LATENT,), settings=_settings(tmp + "/o"))
                     return _loader(_Ours(reader, _order(reader, window=max(1, shards // 4)), depth=2))
 
                 def wds_stream(urls=http_urls):
@@ -413,7 +418,7 @@ def _budget_bytes(url: str, manifest: dict, counts) -> dict:
     out = {"cache_bytes": total}
     for name, window in (("windowed", max(1, len(manifest["shards"]) // 8)), ("global", 0)):
         with tempfile.TemporaryDirectory() as tmp:
-            settings = cf.Settings(cache_local_dir=tmp, cache_local_max_gb=total / 4 / 1e9)
+            settings = _settings(tmp, cache_local_max_gb=total / 4 / 1e9)
             reader = cf.CacheReader(url, members=(LATENT,), settings=settings)
             c = counts()
             for _ in _loader(_Ours(reader, _order(reader, window), depth=2), workers=0):
@@ -452,7 +457,7 @@ def _synthetic_index(folder: Path, n_shards: int) -> None:
 
 
 def _put(folder: Path, prefix: str) -> str:
-    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)  # through the proxy: the figures do not count it
     with ThreadPool(32) as pool:
         pool.map(
             lambda p: fs.put_file(str(p), f"bench/{prefix}/{p.relative_to(folder)}"),
@@ -468,7 +473,7 @@ def _open_times() -> dict:
             _synthetic_index(Path(tmp) / f"i{n}", n)
             url = _put(Path(tmp) / f"i{n}", f"open{n}")
             t = time.perf_counter()
-            reader = cf.CacheReader(url, settings=cf.Settings(cache_local_dir=f"{tmp}/l{n}"))
+            reader = cf.CacheReader(url, settings=_settings(f"{tmp}/l{n}"))
             out[str(n)] = {"seconds": round(time.perf_counter() - t, 3), "samples": len(reader)}
             index = sum(e["bytes"] for e in reader.manifest["shard_index"])
             out[str(n)]["index_bytes"] = index
@@ -489,7 +494,7 @@ def _fetch_records_time(n: int = 1024) -> float:
             (folder / "shards" / f"shard-{i:06d}.json").write_text(json.dumps({"bytes": 10}))
             (folder / "errors" / f"shard-{i:06d}.jsonl").write_text("")
         url = _put(folder, "records")
-        writer = storage.for_writing(url, storage.Settings(cache_local_dir=f"{tmp}/l"))
+        writer = storage.for_writing(url, _settings(f"{tmp}/l"))
         writer.out.mkdir(parents=True, exist_ok=True)
         t = time.perf_counter()
         writer.fetch_records(n)
