@@ -77,7 +77,7 @@ class RetryPolicy:
         if scheme not in ("s3", "s3a"):
             return dict(options)
         config = {
-            "retries": {"max_attempts": self.attempts, "mode": "standard"},
+            "retries": {"total_max_attempts": self.attempts, "mode": "standard"},
             "connect_timeout": self.connect_s,
             "read_timeout": self.read_s,
         }

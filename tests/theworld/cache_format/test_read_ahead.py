@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from tests.conftest import ROOT
+from tests.theworld.cache_format.conftest import BUCKET
 from tests.theworld.cache_format.test_shard_index import _cache
-from tests.theworld.cache_format.test_storage import BUCKET, _put_tree, s3  # noqa: F401 - fixture
+from tests.theworld.cache_format.test_storage import _put_tree
 from theworld import cache_format as cf
 from theworld.core.errors import CacheDamaged
 from train.data.loader import ReadAhead
@@ -32,7 +33,7 @@ def _read(reader, order: np.ndarray, depth: int) -> list[tuple[str, dict]]:
     return out
 
 
-def test_read_ahead_through_faults_loses_and_duplicates_no_sample_and_resumes_exactly(s3, tmp_path):  # noqa: F811
+def test_read_ahead_through_faults_loses_and_duplicates_no_sample_and_resumes_exactly(s3, tmp_path):
     local = _cache(tmp_path / "c", 8, per_shard=3)
     remote = _put_tree(s3, local, "faults")
     truth = cf.CacheReader(local)
@@ -63,7 +64,7 @@ reader.stage(0)
 """
 
 
-def test_a_download_killed_with_sigkill_leaves_nothing_a_later_run_trusts(s3, tmp_path):  # noqa: F811
+def test_a_download_killed_with_sigkill_leaves_nothing_a_later_run_trusts(s3, tmp_path):
     local = _cache(tmp_path / "c", 2)
     remote = _put_tree(s3, local, "kill9")
     shard_cache = tmp_path / "l"
@@ -85,11 +86,7 @@ def test_a_download_killed_with_sigkill_leaves_nothing_a_later_run_trusts(s3, tm
     assert not [n for n in left if n.endswith(".part")], left  # the dead download's file is gone
 
 
-def test_a_bit_flipped_in_the_shard_cache_is_caught_there_and_the_shard_downloaded_again(
-    s3,  # noqa: F811
-    tmp_path,
-    caplog,
-):
+def test_a_bit_flipped_in_the_shard_cache_is_caught_there_and_the_shard_downloaded_again(s3, tmp_path, caplog):
     local = _cache(tmp_path / "c", 2)
     remote = _put_tree(s3, local, "flip")
     settings = cf.Settings(cache_local_dir=str(tmp_path / "l"))

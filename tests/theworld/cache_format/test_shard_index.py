@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.theworld.cache_format.test_storage import BUCKET, _put_tree, members_by_key, s3  # noqa: F401 - fixture
+from tests.theworld.cache_format.conftest import BUCKET
+from tests.theworld.cache_format.test_storage import _put_tree, members_by_key
 from theworld import cache_format as cf
 from theworld.cache_format import layout, storage
 from theworld.cache_format.names import SHARD_INDEX
@@ -63,7 +64,7 @@ def test_the_index_agrees_with_the_sidecars(tmp_path, monkeypatch):
         layout.read_index_part((folder / entries[1]["path"]).read_bytes(), entries[0])
 
 
-def test_a_remote_cache_opens_with_requests_that_do_not_grow_with_its_shards(s3, tmp_path):  # noqa: F811
+def test_a_remote_cache_opens_with_requests_that_do_not_grow_with_its_shards(s3, tmp_path):
     counts = {}
     for n in (4, 64):
         remote = _put_tree(s3, _cache(tmp_path / f"c{n}", n), f"idx{n}")
@@ -77,7 +78,7 @@ def test_a_remote_cache_opens_with_requests_that_do_not_grow_with_its_shards(s3,
     assert counts[64] == counts[4] <= 10, counts
 
 
-def test_a_missing_or_stale_index_object_is_rebuilt_from_the_sidecars_with_a_note(s3, tmp_path, caplog):  # noqa: F811
+def test_a_missing_or_stale_index_object_is_rebuilt_from_the_sidecars_with_a_note(s3, tmp_path, caplog):
     folder = _cache(tmp_path / "c", 6)
     remote = _put_tree(s3, folder, "stale")
     entry = json.loads((folder / cf.MANIFEST).read_text())["shard_index"][0]
@@ -95,7 +96,7 @@ def test_a_missing_or_stale_index_object_is_rebuilt_from_the_sidecars_with_a_not
     assert members_by_key(reader) == members_by_key(cf.CacheReader(folder))
 
 
-def test_a_cache_written_before_the_index_opens_with_a_note(s3, tmp_path, caplog):  # noqa: F811
+def test_a_cache_written_before_the_index_opens_with_a_note(s3, tmp_path, caplog):
     import logging
 
     caplog.set_level(logging.INFO)
@@ -115,7 +116,7 @@ def test_a_cache_written_before_the_index_opens_with_a_note(s3, tmp_path, caplog
         assert len(cf.CacheReader(old)) > 0
 
 
-def test_an_unreachable_endpoint_is_one_line_within_10_s(s3, tmp_path, monkeypatch):  # noqa: F811
+def test_an_unreachable_endpoint_is_one_line_within_10_s(s3, tmp_path, monkeypatch):
     import socket
 
     with socket.socket() as sock:  # a port nobody listens on
@@ -134,7 +135,7 @@ def test_an_unreachable_endpoint_is_one_line_within_10_s(s3, tmp_path, monkeypat
     assert len(text.splitlines()) == 1 and f"s3://{BUCKET}/x" in text and "AWS_ENDPOINT_URL" in text, text
 
 
-def test_an_endpoint_that_accepts_and_never_answers_does_not_hang(s3, tmp_path, monkeypatch):  # noqa: F811
+def test_an_endpoint_that_accepts_and_never_answers_does_not_hang(s3, tmp_path, monkeypatch):
     import socket
 
     server = socket.socket()
@@ -153,7 +154,7 @@ def test_an_endpoint_that_accepts_and_never_answers_does_not_hang(s3, tmp_path, 
     assert len(str(e.value).splitlines()) == 1 and "failed after 2 attempts" in str(e.value), str(e.value)
 
 
-def test_a_cache_local_dir_that_is_a_file_is_one_line(s3, tmp_path):  # noqa: F811
+def test_a_cache_local_dir_that_is_a_file_is_one_line(s3, tmp_path):
     remote = _put_tree(s3, _cache(tmp_path / "c", 2), "localfile")
     (tmp_path / "file").write_text("x")
     with pytest.raises(UserError) as e:
