@@ -96,9 +96,9 @@ def epoch_batches(
     The epoch's permutation is walked in order and each sample appended to its bucket's list; whenever a list holds G
     samples they form the next batch. So batches are ordered by where their last sample falls in the permutation (each
     bucket's batches spread over the epoch), a bucket's leftover (< G samples) is dropped for this epoch, and with one
-    bucket batch b is order[b*G:(b+1)*G].
+    bucket batch b is order[b*G:(b+1)*G]. `shards` (train_indices[i]'s shard) and `window`: the windowed order.
     """
-    perm = _permutation(len(train_indices), seed, epoch)
+    perm = epoch_permutation(len(train_indices), seed, epoch, shards, window)
     order = np.asarray(train_indices, dtype=np.int64)[perm]
     of = np.zeros(len(order), dtype=np.int32) if buckets is None else np.asarray(buckets)[perm]
     rows, ends = [np.zeros((0, global_batch), dtype=np.int64)], [np.zeros(0, dtype=np.int64)]

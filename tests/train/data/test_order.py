@@ -52,6 +52,9 @@ def test_windowed_order_one_process_equals_n_and_resumes_exactly(window):
     assert np.array_equal(tail, full[5 * 8 :])
     batches = epoch_batches(TRAIN, 7, 2, 16, shards=shards, window=window)
     assert np.array_equal(batches.reshape(-1), one)
+    # the batches walk the windowed order (one latent shape: batch b is order[b*G:(b+1)*G])
+    order = epoch_order(TRAIN, 7, 2, shards, window)
+    assert np.array_equal(one, order[: len(one)])
 
 
 def test_a_window_of_shards_downloads_a_cache_4x_the_shard_budget_about_once():
