@@ -76,3 +76,16 @@ def test_a_window_of_shards_downloads_a_cache_4x_the_shard_budget_about_once():
     shards = SHARDS[TRAIN]
     assert fetches(epoch_order(TRAIN, 1, 0, shards, window=4), 10) == 40
     assert fetches(epoch_order(TRAIN, 1, 0), 10) > 400
+
+
+def test_cache_shuffle_window_is_a_config_key_that_leaves_earlier_runs_hashes_alone():
+    from theworld.core.config import load_config
+    from theworld.core.errors import UserError
+    from train.config import TrainConfig, run_hash
+
+    base = load_config(TrainConfig, None, [])
+    assert run_hash(load_config(TrainConfig, None, ["cache_shuffle_window=0"])) == run_hash(base)
+    assert run_hash(load_config(TrainConfig, None, ["cache_prefetch_shards=5"])) == run_hash(base)  # neutral
+    assert run_hash(load_config(TrainConfig, None, ["cache_shuffle_window=8"])) != run_hash(base)  # other numbers
+    with pytest.raises(UserError, match="config key 'cache_shuffle_window': must be >= 0, got -1"):
+        load_config(TrainConfig, None, ["cache_shuffle_window=-1"])
