@@ -86,7 +86,7 @@ def _pick(n_total: int, n: int, seed: int, flag: str = "--n") -> list[int]:
 def summary(cache: Path, args) -> tuple[dict, int, str]:
     manifest = cf.load_manifest(cache)
     _check_full_fingerprint(cache, manifest, args)
-    reader = cf.CacheReader(cache, members=(cf.LATENT,))
+    reader = cf.CacheReader(cache, members=(cf.LATENT,), remote=args.remote)
     n = len(reader)
     idx = range(n) if n <= args.max_samples else _pick(n, args.max_samples, 0, "--max-samples")
     total_bytes = sum(s["bytes"] for s in manifest["shards"])
@@ -209,10 +209,9 @@ def _check_sidecar(side: dict, manifest: dict, samples: dict[str, dict[str, byte
         return [f"sidecar is malformed ({type(e).__name__}: {one_line(e)})"]
 
 
-def _shard_file(cache: Path, index: int, entry: dict) -> tuple[Path, str | None]:
+def _shard_file(cache: Path, index: int, entry: dict, remote: cf.RemoteCache | None) -> tuple[Path, str | None]:
     """(shard `index`'s tar, None), or (a path, why it is not there) for a remote cache's shard that does not stage
     (missing, or not the object the manifest lists)."""
-    remote = cf.storage.remote_of(cache)
     if remote is None:
         return cache / entry["path"], None
     try:
@@ -239,7 +238,7 @@ def verify(cache: Path, args) -> tuple[dict, int, str]:
     seen: dict[str, str] = {}
     shards, total = [], 0
     for i, entry in enumerate(manifest["shards"]):
-        path, staged = _shard_file(cache, i, entry)
+        path, staged = _shard_file(cache, i, entry, args.remote)
         problems: list[str] = []
         if staged is not None or not path.is_file():
             shards.append({"path": entry["path"], "ok": False, "problems": [staged or "missing"]})
@@ -311,7 +310,7 @@ def compare_live(cache: Path, args) -> tuple[dict, int, str]:
     manifest = cf.load_manifest(cache)
     vae, cfg, rollout = _load_checked_vae(cache, manifest, args, rollout=True)
     encoder = encoders.WorldEncoder(vae)
-    reader = cf.CacheReader(cache)
+    reader = cf.CacheReader(cache, remote=args.remote)
     picked = _pick(len(reader), args.n, args.seed)
     names = ("mean",) if cf.latents_stored(manifest) == "mean" else ("mean", "logvar")
     flip = manifest.get("contents", {}).get("flip")
@@ -452,7 +451,7 @@ def decode(cache: Path, args) -> tuple[dict, int, str]:
     manifest = cf.load_manifest(cache)
     vae, cfg, _ = _load_checked_vae(cache, manifest, args)
     dtype = next(vae.parameters()).dtype
-    reader = cf.CacheReader(cache)
+    reader = cf.CacheReader(cache, remote=args.remote)
     picked = _pick(len(reader), args.n, args.seed)
     pairs, per_sample = [], []
     with torch.no_grad():
@@ -530,7 +529,8 @@ def main(argv: list[str] | None = None) -> int:
     where = location.place(args.cache, "CACHE_DIR")
     if args.command == "decode" and isinstance(where, location.Local):
         paths.check_not_input(args.out, {"the cache": where.path})
-    cache, _ = cf.open_cache(args.cache, _settings(args))  # a URL: its stand-in folder, shards staged
+    # a URL: its stand-in folder and the cache handle every subcommand reads through (args.remote)
+    cache, args.remote = cf.open_cache(args.cache, _settings(args))
     try:
         report, code, text = COMMANDS[args.command](cache, args)
     except (OSError, CacheDamaged) as e:  # most often a shard missing or cut short: verify reports every problem,

@@ -17,6 +17,18 @@ reader must yield the same keys in the same order and the same latents, or the r
 train/data/order.py's
 order is a function of seed, epoch and step; Streaming: its state_dict); webdataset's pipeline has no such state.
 The cache is built once with the precompute CLI under --root (as tools.speed_train does), or given with --cache.
+
+    python -m tools.speed_readers --latency 0,20,80 [--bandwidth-mbps B] [--samples N] [--json]
+
+The latency case puts a proxy, in a process of its own, in front of the S3 server: it holds each request the given
+milliseconds before forwarding it (and can cap each answer's bandwidth), and counts requests and bytes. For each
+latency, through one DataLoader worker in batches of 32: cold (empty local folders) and warm epochs' samples/s, time
+to the first batch and requests per epoch, for our reader (CacheReader with read-ahead, `cache_prefetch_shards` 2,
+in the windowed order of train/data/order.py), webdataset's pipeline streaming the shards (no cache_dir) and
+MosaicML Streaming at its documented settings (batch_size given). Then, at the first non-zero latency: bytes
+downloaded in an epoch by our reader when the shard cache holds a quarter of the cache (windowed order and global
+order); the time to open caches of 16, 1,024 and 16,384 shards (their index alone: manifest and shard index); and
+precompute's final step (`RemoteWriter.fetch_records`) over 1,024 shards.
 """
 
 from __future__ import annotations
@@ -24,8 +36,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import http.client
 import importlib.util
 import json
+import multiprocessing
 import os
 import statistics
 import sys
@@ -33,9 +47,13 @@ import tempfile
 import time
 import types
 from collections.abc import Callable, Iterable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from multiprocessing.pool import ThreadPool
 from pathlib import Path
 
 import fsspec
+import numpy as np
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from theworld import cache_format as cf
 from theworld.cache_format.names import CAPTION, LATENT, META
@@ -214,6 +232,303 @@ def _table(report: dict) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# The latency case: a proxy process that holds each request, in front of the S3 server
+
+
+def _proxy_serve(upstream: int, latency_ms: float, bandwidth: float, port, counts) -> None:
+    """The proxy's process: forwards to 127.0.0.1:`upstream` after `latency_ms`, answers at most `bandwidth` bytes/s
+    each (0: no cap); counts[0] requests, counts[1] body bytes sent."""
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a):
+            pass
+
+        def forward(self):
+            n = int(self.headers.get("Content-Length") or 0)
+            body = self.rfile.read(n) if n else None
+            time.sleep(latency_ms / 1000)
+            conn = http.client.HTTPConnection("127.0.0.1", upstream, timeout=120)
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection",)}
+            conn.request(self.command, self.path, body, headers)
+            resp = conn.getresponse()
+            data = resp.read()
+            with counts.get_lock():
+                counts[0] += 1
+                counts[1] += len(data)
+            self.send_response(resp.status)
+            for k, v in resp.getheaders():
+                if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                    self.send_header(k, v)
+            length = resp.getheader("Content-Length") if self.command == "HEAD" else str(len(data))
+            self.send_header("Content-Length", length or "0")
+            self.end_headers()
+            if self.command != "HEAD":
+                step = 1 << 16
+                for lo in range(0, len(data), step):
+                    self.wfile.write(data[lo : lo + step])
+                    if bandwidth:
+                        time.sleep(min(step, len(data) - lo) / bandwidth)
+            conn.close()
+
+        do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = forward
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    port.value = server.server_address[1]
+    server.serve_forever()
+
+
+@contextlib.contextmanager
+def latency_proxy(latency_ms: float, bandwidth_mbps: float = 0) -> Iterator[Callable[[], tuple[int, int]]]:
+    """AWS_ENDPOINT_URL through a proxy process holding each request `latency_ms`; yields counts() -> (requests,
+    bytes) so far."""
+    upstream = int(os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
+    ctx = multiprocessing.get_context("spawn")  # its own interpreter: not the measured reader's GIL
+    port, counts = ctx.Value("i", 0), ctx.Array("q", 2)
+    proc = ctx.Process(target=_proxy_serve, args=(upstream, latency_ms, bandwidth_mbps * 1e6 / 8, port, counts))
+    proc.daemon = True
+    proc.start()
+    while not port.value:
+        time.sleep(0.05)
+    saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "S3_ENDPOINT_URL")}
+    os.environ["AWS_ENDPOINT_URL"] = os.environ["S3_ENDPOINT_URL"] = f"http://127.0.0.1:{port.value}"
+    try:
+        yield lambda: (counts[0], counts[1])
+    finally:
+        proc.terminate()
+        proc.join(10)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+BATCH = 32
+
+
+def _settings(local: str, **kw) -> cf.Settings:
+    """Object storage settings with a new filesystem: fsspec's cached one would still point at an earlier proxy."""
+    return cf.Settings({"skip_instance_cache": True}, cache_local_dir=local, **kw)
+
+
+class _Ours(Dataset):
+    """Our reader as a training loader worker runs it: the windowed order, read-ahead, decoding a sample."""
+
+    def __init__(self, reader: cf.CacheReader, order: np.ndarray, depth: int):
+        from train.data.loader import ReadAhead
+
+        self.reader, self.order, self.ahead = reader, order, ReadAhead(reader, order, depth)
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __getitem__(self, pos: int) -> cf.Sample:
+        index = int(self.order[pos])
+        self.ahead(pos)
+        return _same_decode(self.reader.key(index), self.reader.raw(index))
+
+
+def _loader(ds, workers: int = 1) -> DataLoader:
+    return DataLoader(ds, batch_size=BATCH, num_workers=workers, collate_fn=list)
+
+
+def _order(reader: cf.CacheReader, window: int, seed: int = 0) -> np.ndarray:
+    from train.data.order import rank_indices
+
+    n = len(reader) // BATCH * BATCH
+    return rank_indices(np.arange(len(reader)), seed, 0, BATCH, 0, 1, shards=reader.shards, window=window)[:n]
+
+
+def _time_epochs(make: Callable[[], Iterable], counts: Callable[[], tuple[int, int]]) -> dict:
+    """Cold then warm epoch of the loader `make()` returns: samples/s, seconds to the first batch, requests."""
+    out = {}
+    t0, c0 = time.perf_counter(), counts()
+    loader = make()
+    for name in ("cold", "warm"):
+        n, first = 0, None
+        t = t0 if name == "cold" else time.perf_counter()
+        c = c0 if name == "cold" else counts()
+        for batch in loader:
+            first = first if first is not None else time.perf_counter() - t
+            n += len(batch)
+        out[name] = {
+            "samples_per_s": round(n / (time.perf_counter() - t), 1),
+            "first_batch_s": round(first or 0.0, 3),
+            "requests": counts()[0] - c[0],
+            "samples": n,
+        }
+    return out
+
+
+def latency_run(cache: Path, latencies: list[float], bandwidth_mbps: float) -> dict:
+    manifest = cf.load_manifest(cache)
+    shards = len(manifest["shards"])
+    report: dict = {"samples": manifest["num_samples"], "shards": shards, "bandwidth_mbps": bandwidth_mbps, "rows": []}
+    with _scratch(), s3_copy(cache) as (url, _), _env("S3_ENDPOINT_URL", os.environ["AWS_ENDPOINT_URL"]):
+        write_mds(cache, "s3://bench/mds")
+        for ms in latencies:
+            with latency_proxy(ms, bandwidth_mbps) as counts, tempfile.TemporaryDirectory() as tmp:
+                fs = fsspec.filesystem("s3", skip_instance_cache=True)
+                http_urls = [fs.sign(f"bench/cache/{e['path']}", expiration=3600) for e in manifest["shards"]]
+
+                def ours(tmp=tmp):
+                    reader = cf.CacheReader(url, members=(LATENT,), settings=_settings(tmp + "/o"))
+                    return _loader(_Ours(reader, _order(reader, window=max(1, shards // 4)), depth=2))
+
+                def wds_stream(urls=http_urls):
+                    import webdataset as wds
+
+                    ds = wds.WebDataset(urls, shardshuffle=False, nodesplitter=wds.split_by_node)
+                    ds = ds.map(lambda s: _same_decode(s["__key__"], s)).batched(BATCH, collation_fn=list)
+                    return DataLoader(ds, batch_size=None, num_workers=1)
+
+                def mosaic(tmp=tmp):
+                    base = _streaming_base()
+                    ds = base.StreamingDataset(
+                        remote="s3://bench/mds", local=tmp + "/m", shuffle=False, batch_size=BATCH
+                    )
+
+                    class Decoded(IterableDataset):
+                        def __iter__(self):
+                            return (_same_decode(s["__key__"], s) for s in ds)
+
+                    return _loader(Decoded())
+
+                row = {"latency_ms": ms}
+                for name, make in (("theworld", ours), ("webdataset", wds_stream), ("streaming", mosaic)):
+                    row[name] = _time_epochs(make, counts)
+                report["rows"].append(row)
+        probe = next((x for x in latencies if x > 0), latencies[-1])
+        with latency_proxy(probe, bandwidth_mbps) as counts:
+            report["budget"] = _budget_bytes(url, manifest, counts)
+            report["open"] = _open_times()
+            report["fetch_records_1024_s"] = _fetch_records_time()
+        report["probe_latency_ms"] = probe
+    report["litdata"] = "not installed" if importlib.util.find_spec("litdata") is None else "installed, not measured"
+    return report
+
+
+def _budget_bytes(url: str, manifest: dict, counts) -> dict:
+    """Bytes one epoch downloads with a shard cache of a quarter of the cache: windowed and global order."""
+    total = sum(e["bytes"] for e in manifest["shards"])
+    out = {"cache_bytes": total}
+    for name, window in (("windowed", max(1, len(manifest["shards"]) // 8)), ("global", 0)):  # 1/8: half the budget
+        with tempfile.TemporaryDirectory() as tmp:
+            settings = _settings(tmp, cache_local_max_gb=total / 4 / 1e9)
+            reader = cf.CacheReader(url, members=(LATENT,), settings=settings)
+            c = counts()
+            # the window and the read-ahead together within the budget (docs/cache-format.md)
+            for _ in _loader(_Ours(reader, _order(reader, window), depth=1 if window else 2), workers=0):
+                pass
+            out[name] = round((counts()[1] - c[1]) / total, 2)
+    return out
+
+
+def _synthetic_index(folder: Path, n_shards: int) -> None:
+    """A cache's index alone (manifest, shard index, errors) for n_shards shards of one sample: what opening reads."""
+    from theworld.cache_format.layout import write_manifest
+
+    folder.mkdir(parents=True)
+    sides = [
+        {
+            "shard": f"shard-{i:06d}.tar",
+            "count": 1,
+            "bytes": 10240,
+            "sha256": hashlib.sha256(str(i).encode()).hexdigest(),
+            "format_version": 3,
+            "samples": [
+                {
+                    "key": f"k{i:07d}",
+                    "members": {CAPTION: [512, 10], META: [1024, 20], LATENT: [2048, 4096]},
+                    "crc32": {CAPTION: 1, META: 2, LATENT: 3},
+                    "latent_shape": [16, 1, 4, 4],
+                }
+            ],
+        }
+        for i in range(n_shards)
+    ]
+    write_manifest(
+        folder, sides, fingerprint={}, latent_shape=[16, 1, 4, 4], latent_dtype="float32", num_errors=0, contents={}
+    )
+    (folder / cf.ERRORS).write_text("")
+
+
+def _put(folder: Path, prefix: str) -> str:
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)  # through the proxy: the figures do not count it
+    with ThreadPool(32) as pool:
+        pool.map(
+            lambda p: fs.put_file(str(p), f"bench/{prefix}/{p.relative_to(folder)}"),
+            [p for p in sorted(folder.rglob("*")) if p.is_file() and not p.name.startswith(".")],
+        )
+    return f"s3://bench/{prefix}"
+
+
+def _open_times() -> dict:
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in (16, 1024, 16384):
+            _synthetic_index(Path(tmp) / f"i{n}", n)
+            url = _put(Path(tmp) / f"i{n}", f"open{n}")
+            t = time.perf_counter()
+            reader = cf.CacheReader(url, settings=_settings(f"{tmp}/l{n}"))
+            out[str(n)] = {"seconds": round(time.perf_counter() - t, 3), "samples": len(reader)}
+            index = sum(e["bytes"] for e in reader.manifest["shard_index"])
+            out[str(n)]["index_bytes"] = index
+            out[str(n)]["manifest_bytes"] = (Path(tmp) / f"i{n}" / cf.MANIFEST).stat().st_size
+    return out
+
+
+def _fetch_records_time(n: int = 1024) -> float:
+    """Precompute's final step (rank 0) over n shards another node wrote: listings, then the files at once."""
+    from theworld.cache_format import storage
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "w"
+        for i in range(n):
+            (folder / "shards").mkdir(parents=True, exist_ok=True)
+            (folder / "errors").mkdir(exist_ok=True)
+            (folder / "shards" / f"shard-{i:06d}.tar").write_bytes(b"x" * 10)
+            (folder / "shards" / f"shard-{i:06d}.json").write_text(json.dumps({"bytes": 10}))
+            (folder / "errors" / f"shard-{i:06d}.jsonl").write_text("")
+        url = _put(folder, "records")
+        writer = storage.for_writing(url, _settings(f"{tmp}/l"))
+        writer.out.mkdir(parents=True, exist_ok=True)
+        t = time.perf_counter()
+        writer.fetch_records(n)
+        return round(time.perf_counter() - t, 3)
+
+
+def _latency_table(r: dict) -> str:
+    lines = [
+        f"{r['samples']} samples in {r['shards']} shards, S3 server behind a proxy process holding each request; "
+        "one loader worker, batches of 32",
+        f"{'latency':>8} {'reader':<11} {'cold/s':>8} {'warm/s':>8} {'1st batch s':>11} {'requests':>9}",
+    ]
+    for row in r["rows"]:
+        for name in ("theworld", "webdataset", "streaming"):
+            c, w = row[name]["cold"], row[name]["warm"]
+            lines.append(
+                f"{row['latency_ms']:>6g}ms {name:<11} {c['samples_per_s']:>8.1f} {w['samples_per_s']:>8.1f} "
+                f"{c['first_batch_s']:>11.3f} {c['requests']:>9}"
+            )
+    b = r["budget"]
+    lines.append(
+        f"shard cache = 1/4 of the cache, {r['probe_latency_ms']:g} ms: one epoch downloads {b['windowed']}x the "
+        f"cache (windowed order), {b['global']}x (global order)"
+    )
+    for n, o in r["open"].items():
+        lines.append(
+            f"open {n:>6} shards at {r['probe_latency_ms']:g} ms: {o['seconds']:.3f} s (shard index "
+            f"{o['index_bytes']} bytes, manifest {o['manifest_bytes']} bytes)"
+        )
+    lines.append(f"precompute's final step, 1024 shards: {r['fetch_records_1024_s']:.3f} s; litdata: {r['litdata']}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.speed_readers", description=__doc__.split("\n\n")[0])
     p.add_argument("--samples", type=int, default=1024, help="samples of the cache built under --root")
@@ -221,6 +536,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--root", default=str(BENCH_ROOT), help="where the benchmark's cache is built once")
     p.add_argument("--cache", help="read this local cache instead of building one")
     p.add_argument("--json", action="store_true", help="print the figures as JSON alone")
+    p.add_argument("--latency", help="the latency case: milliseconds per request, comma-separated (e.g. 0,20,80)")
+    p.add_argument("--bandwidth-mbps", type=float, default=0.0, help="the latency case's cap per answer (0: none)")
     args = p.parse_args(argv)
     if args.samples < 1 or args.rounds < 1:
         p.error("--samples and --rounds must be at least 1")
@@ -230,6 +547,14 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--cache {cache}: no {cf.MANIFEST} there; give a complete local cache")
     else:
         cache = ensure_cache(Path(args.root), "tiny", "tiny", 64, args.samples)
+    if args.latency:
+        try:
+            latencies = [float(x) for x in args.latency.split(",")]
+        except ValueError:
+            p.error(f"--latency {args.latency}: give milliseconds, comma-separated (e.g. 0,20,80)")
+        report = latency_run(cache, latencies, args.bandwidth_mbps)
+        print(json.dumps(report, indent=1) if args.json else _latency_table(report))
+        return 0
     report = run(cache, args.rounds)
     print(json.dumps(report, indent=1) if args.json else _table(report))
     return 0

@@ -582,6 +582,10 @@ class TrainConfig:
     storage_options: dict = field(default_factory=dict, metadata=NEUTRAL)
     cache_local_dir: str = neutral(storage.DEFAULT_LOCAL_DIR)
     cache_local_max_gb: float = neutral(storage.DEFAULT_MAX_GB)
+    # shards per shuffle window (train/data/order.py): 0 is one global order, which suits a cache that fits the
+    # node's shard cache; a larger cache reads W shards at a time and is downloaded about once per epoch
+    cache_shuffle_window: int = 0
+    cache_prefetch_shards: int = neutral(2)  # shards each loader worker downloads ahead of the one it reads
 
     def caches(self) -> list[tuple[str, float]]:
         """(cache folder, weight) of each cache trained on: cache_dir with weight 1, or the `data` mixture."""
@@ -602,6 +606,9 @@ class TrainConfig:
                 )
         check_lora(self.freeze, self.lora)
         storage.Settings.of(self).check()
+        for key in ("cache_shuffle_window", "cache_prefetch_shards"):
+            if getattr(self, key) < 0:
+                raise UserError(f"config key '{key}': must be >= 0, got {getattr(self, key)}")
         for t in self.trackers:
             if t not in TRACKERS:
                 raise UserError(f"config key 'trackers': unknown tracker {t!r} (known: {', '.join(TRACKERS)})")
@@ -695,6 +702,8 @@ def run_hash(cfg: TrainConfig) -> str:
         for key, default in ROLLOUT_DEFAULTS.items():
             if d["world"]["rollout"].get(key) == default:
                 del d["world"]["rollout"][key]
+    if not cfg.cache_shuffle_window:  # the global order: runs keep the hash they had before the key existed
+        d.pop("cache_shuffle_window", None)
     for key in RESUME_NEUTRAL:
         _pop(d, key)
     if not cfg.train.loader.group_by_length:  # runs without grouping keep the hash they had before the keys existed

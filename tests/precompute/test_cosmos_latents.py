@@ -307,7 +307,7 @@ def test_user_errors_exit_2(tmp_path, capsys, fake_vae):
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "source." in err.split("different ")[1].split(" ")[0], err
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        [".run.lock", "errors", "errors.jsonl", "manifest.json", "precompute.json", "shards"]
+        [".run.lock", "errors", "errors.jsonl", "manifest.json", "precompute.json", "shard-index", "shards"]
     )
     # an output_dir that is a file, a --set value that is not YAML
     (tmp_path / "afile").write_text("x")

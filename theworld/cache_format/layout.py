@@ -3,6 +3,8 @@ load, the checks every reader relies on), sidecars, the errors listing and the r
 
 from __future__ import annotations
 
+import functools
+import gzip
 import hashlib
 import json
 import os
@@ -20,6 +22,7 @@ from theworld.cache_format.names import (
     ERRORS_DIR,
     MANIFEST,
     RUN_FILE,
+    SHARD_INDEX,
     SHARDS,
     TURNS,
 )
@@ -93,11 +96,83 @@ def error_path(cache_dir: Path, index: int) -> Path:
 
 
 def read_sidecar(cache_dir: Path, index: int) -> dict | None:
+    """Shard `index`'s sidecar: its own file, or (a remote cache's stand-in folder, which holds a copy of the shard
+    index instead of one file per shard) its record there. A local cache's missing sidecar stays missing: that is
+    how a shard is marked to be redone."""
     try:
         side = json.loads(sidecar_path(cache_dir, index).read_bytes())
+    except FileNotFoundError:
+        side = _indexed_sidecar(Path(cache_dir), index)
     except (OSError, ValueError, RecursionError):
         return None
     return side if isinstance(side, dict) else None
+
+
+# The shard index: the sidecars of SHARDS_PER_INDEX shards in one gzipped JSON object each, named in the manifest
+# (`shard_index`: path, bytes, sha256, shards) and written before it, so a remote reader opens a cache with a few
+# requests instead of one per shard. The sidecar files stay the record precompute and repairs work from.
+SHARDS_PER_INDEX = 4096
+
+
+def index_part_path(cache_dir: Path, part: int) -> Path:
+    return Path(cache_dir) / SHARD_INDEX / f"part-{part:06d}.json.gz"
+
+
+def write_shard_index(cache_dir: Path, sidecars: list[dict]) -> list[dict]:
+    """Write the shard index of these sidecars (shard i's at position i); returns the manifest's entries."""
+    (Path(cache_dir) / SHARD_INDEX).mkdir(exist_ok=True)
+    entries = []
+    for part, lo in enumerate(range(0, len(sidecars), SHARDS_PER_INDEX)):
+        hi = min(lo + SHARDS_PER_INDEX, len(sidecars))
+        text = json.dumps({"first": lo, "sidecars": sidecars[lo:hi]}, sort_keys=True, separators=(",", ":"))
+        data = gzip.compress(text.encode(), compresslevel=6, mtime=0)  # mtime 0: the same bytes on every rerun
+        path = index_part_path(cache_dir, part)
+        atomic_write_bytes(path, data)
+        entries.append(
+            {
+                "path": f"{SHARD_INDEX}/{path.name}",
+                "bytes": len(data),
+                "sha256": hashlib.sha256(data).hexdigest(),
+                "shards": [lo, hi],
+            }
+        )
+    return entries
+
+
+def read_index_part(data: bytes, entry: dict) -> list[dict]:
+    """The sidecars a shard-index object holds, checked against its manifest entry (ValueError: stale or damaged)."""
+    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise ValueError(f"sha256 differs from what {MANIFEST} lists")
+    part = json.loads(gzip.decompress(data))
+    lo, hi = entry["shards"]
+    if part.get("first") != lo or len(part.get("sidecars") or ()) != hi - lo:
+        raise ValueError(f"holds other shards than {MANIFEST} lists")
+    return part["sidecars"]
+
+
+REMOTE_INDEX = ".remote-index"  # a stand-in folder's copy of its remote cache's shard index (storage.py)
+
+
+def _indexed_sidecar(cache_dir: Path, index: int) -> dict | None:
+    path = Path(cache_dir) / REMOTE_INDEX / index_part_path(cache_dir, index // SHARDS_PER_INDEX).name
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    part = _load_part(str(path), st.st_mtime_ns, st.st_size)
+    if part is None:
+        return None
+    first, sides = part
+    return sides[index - first] if 0 <= index - first < len(sides) else None
+
+
+@functools.lru_cache(maxsize=2)  # parts are read in shard order: one parse each
+def _load_part(path: str, mtime_ns: int, size: int) -> tuple[int, list] | None:
+    try:
+        part = json.loads(gzip.decompress(Path(path).read_bytes()))
+        return int(part["first"]), list(part["sidecars"])
+    except (OSError, ValueError, KeyError, TypeError, EOFError, RecursionError):
+        return None
 
 
 def shard_is_done(cache_dir: Path, index: int, expected_count: int | None = None) -> bool:
@@ -152,6 +227,7 @@ def write_manifest(
             for s in sidecars
         ],
         "fingerprint": fingerprint,
+        "shard_index": write_shard_index(cache_dir, sidecars),  # before the manifest, which names it
         **(extra or {}),
     }
     atomic_write_json(Path(cache_dir) / MANIFEST, manifest)

@@ -155,7 +155,8 @@ class CacheReader:
     bytes when every latent comes from the cache; the caption and json are always read.
 
     `cache_dir` may be a URL (storage.py): the index is read from its local stand-in folder (which `cache_dir` then
-    is) and each shard's tar from the per-node shard cache, by the same preads.
+    is) and each shard's tar from the per-node shard cache, by the same preads. `remote`: the handle of a remote cache
+    opened before (`storage.open_cache`), whose stand-in folder `cache_dir` is; not fetched again.
     """
 
     cache_dir: Path
@@ -171,7 +172,7 @@ class CacheReader:
     _sides: list = field(init=False, repr=False)  # per shard: the sidecar's (count, bytes, sha256)
     text_rules: list = field(init=False, repr=False)  # per shard: the sidecar's "text_rule" (None: not recorded)
     _files: dict = field(init=False, repr=False, default_factory=dict)
-    remote: storage.RemoteCache | None = field(init=False, repr=False, default=None)
+    remote: storage.RemoteCache | None = field(repr=False, default=None)
     # Members closer than this are read with one pread, tar headers and skipped members included: a system call
     # costs more than copying a few kB (docs/performance.md)
     READ_GAP = 16 << 10
@@ -180,7 +181,7 @@ class CacheReader:
     REMOTE_OPEN = 4
 
     def __post_init__(self) -> None:
-        self.cache_dir, self.remote = storage.open_cache(self.cache_dir, self.settings)
+        self.cache_dir, self.remote = storage.open_cache(self.cache_dir, self.settings, self.remote)
         self.manifest = load_manifest(self.cache_dir)
         self._names, keys, shards, spans, crcs, hw, self._sides = [], [], [], [], [], [], []
         self.text_rules = []
@@ -329,8 +330,28 @@ class CacheReader:
             f"{self.key(index)}: {what}; {repair_hint(self.cache_dir, shard)}"
         )
 
+    def _staged_copy_damaged(self, index: int, name: str) -> CacheDamaged:
+        """A remote shard's member fails its crc32 in the node's shard cache, where its sha256 was checked: the local
+        copy changed (a disk problem on this node), not the object in the bucket. The copy is dropped."""
+        shard = int(self._shard[index])
+        staged = self.remote.shard_dir / f"{self.manifest['shards'][shard]['sha256']}.tar"
+        staged.unlink(missing_ok=True)
+        if (fd := self._files.pop(shard, None)) is not None:
+            os.close(fd)
+        return CacheDamaged(
+            f"cache {self.cache_dir}: shard {tar_path(self.cache_dir, shard).name}, sample {self.key(index)}: member "
+            f"{name} fails its crc32 check in this node's staged copy {staged} (checked when it was staged, so this "
+            "node's disk changed it; the object in the bucket is not affected): the copy is removed, rerun the same "
+            "command to download it again"
+        )
+
     def shard_of(self, index: int) -> int:
         return int(self._shard[index])
+
+    @property
+    def shards(self) -> np.ndarray:
+        """(N,) int32: each sample's shard."""
+        return self._shard
 
     def samples_in(self, shards: list[int]) -> np.ndarray:
         """Global indices of the samples of these shards, in cache order."""
@@ -382,6 +403,8 @@ class CacheReader:
             for offset, size, name, crc in run:
                 out[name] = data[offset - lo : offset - lo + size]
                 if crc >= 0 and zlib.crc32(out[name]) != crc:
+                    if self.remote is not None:  # its sha256 was checked when staged: this node's copy changed
+                        raise self._staged_copy_damaged(index, name)
                     raise self.damaged(
                         index, f"member {name} fails its crc32 check (the tar changed after it was written)"
                     )
@@ -402,6 +425,12 @@ class CacheReader:
         while len(self._files) >= self.REMOTE_OPEN:  # the oldest first (dicts keep insertion order)
             os.close(self._files.pop(next(iter(self._files))))
         return fd
+
+    def stage(self, shard: int) -> None:
+        """Download shard `shard` of a remote cache into the node's shard cache (read-ahead; a local cache: nothing)."""
+        if self.remote is not None:
+            entry = self.manifest["shards"][shard]
+            self.remote.stage(shard, entry["bytes"], entry["sha256"])
 
     def sample(self, index: int, tensors: bool = True) -> Sample:
         """`decode_sample` of `raw(index)`; bytes that do not decode raise CacheDamaged naming shard and key."""

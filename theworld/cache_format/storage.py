@@ -22,14 +22,24 @@ import hashlib
 import json
 import os
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from theworld.cache_format.layout import atomic_write_bytes, error_path, sidecar_path, tar_path
-from theworld.cache_format.names import ERRORS, ERRORS_DIR, MANIFEST, RUN_FILE, SHARDS
+from theworld.cache_format.layout import (
+    REMOTE_INDEX,
+    atomic_write_bytes,
+    error_path,
+    read_index_part,
+    sha256_file,
+    sidecar_path,
+    tar_path,
+)
+from theworld.cache_format.names import ERRORS, ERRORS_DIR, MANIFEST, RUN_FILE, SHARD_INDEX, SHARDS
 from theworld.core import location, log
 from theworld.core.errors import UserError, one_line, show_as
 from theworld.core.location import is_url
@@ -40,12 +50,51 @@ T = TypeVar("T")
 DEFAULT_LOCAL_DIR = "~/.cache/theworld/object-store"
 DEFAULT_MAX_GB = 100.0
 READ_ONLY = ("http", "https", "hf")  # fsspec reads these; a cache is not written there
-RETRIES = 5  # attempts of one network operation before its one-line error
-BACKOFF_S = 0.5  # first wait; doubled after each failure
+PART_BYTES = 8 << 20  # a shard is downloaded in range requests of this size ...
+PARTS_IN_FLIGHT = 8  # ... this many at once (the bytes one download holds in memory)
+CONNECTIONS = 32  # small objects (sidecars, index objects, error files) requested at once
 
 
 class ShardCacheFull(UserError):
     """The local shard cache cannot hold a shard: a problem of this node's disk, not of the cache."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """The one retry policy of network calls, handed to the client's own retries (botocore's standard mode; s3fs's
+    own retry loop is turned off, so retries do not nest). Each call then has a deadline: attempts x (connect + read
+    timeout + backoff). Only what the client cannot retry (a body cut short after its answer began) is retried here,
+    with the same attempts, and all of a process's retries together stop after `command_s`."""
+
+    attempts: int = 3  # the first try included
+    connect_s: float = 2.0  # an unreachable endpoint: one line within attempts x (connect_s + backoff) < 10 s
+    read_s: float = 20.0  # a server that accepts and never answers: an error after attempts x read_s
+    command_s: float = 300.0  # wall-clock bound on the retries of a whole command (per process)
+    backoff_s: float = 0.2  # first wait of a retry here; doubled after each
+
+    def client_options(self, scheme: str, options: dict) -> dict:
+        """`options` (the config's storage_options, which win) with this policy in the client's own terms."""
+        if scheme not in ("s3", "s3a"):
+            return dict(options)
+        config = {
+            "retries": {"total_max_attempts": self.attempts, "mode": "standard"},
+            "connect_timeout": self.connect_s,
+            "read_timeout": self.read_s,
+        }
+        return {**options, "config_kwargs": {**config, **options.get("config_kwargs", {})}}
+
+
+POLICY = RetryPolicy()
+# Errors of a body cut short after its answer began: what the client's retries (which cover a request) do not see
+BODY_ERRORS = (
+    "ClientPayloadError",
+    "IncompleteRead",
+    "ServerDisconnectedError",
+    "ResponseStreamingError",
+    "_ShortRead",
+)
+_retrying_since: list[float] = []
+_FS_LOCK = threading.Lock()  # when this process first retried (the command's bound counts from there)
 
 
 @dataclass
@@ -90,25 +139,35 @@ class RemoteCache:
         self.shard_dir = settings.local_dir / "shards"
         self._fs, self._pid = None, 0
         self._root = ""
+        self._checked: set[str] = set()  # sha256 of staged shards this process has re-hashed
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_fs": None}
+        return {**self.__dict__, "_fs": None, "_checked": set()}
 
     @property
     def fs(self):
-        # made again in a forked process (a DataLoader worker): fsspec's async filesystems are not fork-safe
+        # made again in a forked process (a DataLoader worker): fsspec's async filesystems are not fork-safe; under a
+        # lock, and marked as this process's only once made, since a worker's read-ahead thread asks for it too
         if self._fs is None or self._pid != os.getpid():
-            import fsspec
-
-            self._pid = os.getpid()
-
-            try:
-                self._fs, self._root = fsspec.core.url_to_fs(self.url, **self.settings.storage_options)
-            except ImportError as e:  # fsspec names the package to install (s3fs, gcsfs)
-                raise UserError(f"{self.url}: {one_line(e)}") from None
-            except (ValueError, TypeError) as e:
-                raise UserError(f"{self.url}: {one_line(e, 200)}; check the URL and storage_options") from None
+            with _FS_LOCK:
+                if self._fs is None or self._pid != os.getpid():
+                    self._fs, self._root = self._make_fs()
+                    self._pid = os.getpid()
         return self._fs
+
+    def _make_fs(self):
+        import fsspec
+
+        options = POLICY.client_options(self.scheme, self.settings.storage_options)
+        try:
+            fs, root = fsspec.core.url_to_fs(self.url, **options)
+        except ImportError as e:  # fsspec names the package to install (s3fs, gcsfs)
+            raise UserError(f"{self.url}: {one_line(e)}") from None
+        except (ValueError, TypeError) as e:
+            raise UserError(f"{self.url}: {one_line(e, 200)}; check the URL and storage_options") from None
+        if hasattr(fs, "retries") and self.scheme in ("s3", "s3a"):
+            fs.retries = 1  # s3fs's own loop off: botocore's retries are the one layer (RetryPolicy)
+        return fs, root
 
     def path(self, name: str) -> str:
         self.fs  # noqa: B018 - sets _root
@@ -120,29 +179,27 @@ class RemoteCache:
     # -- network operations, each retried ----------------------------------------------------------------------------
 
     def _call(self, what: str, fn: Callable[[], T], missing_ok: bool = False) -> T | None:
-        """fn() retried with backoff on errors that may pass; a missing object is None (missing_ok) or an error."""
-        wait = BACKOFF_S
-        for attempt in range(RETRIES):
-            try:
-                return fn()
-            except FileNotFoundError:
-                if missing_ok:
-                    return None
-                raise UserError(f"{what}: not found; rerun the precompute command that built this cache") from None
-            except UserError:
-                raise
-            except Exception as e:  # noqa: BLE001 - sorted below: what no retry mends is one line at once
-                if (line := self._fatal(e)) is not None:
-                    raise UserError(f"{what}: {line}") from None
-                if attempt == RETRIES - 1:
-                    raise UserError(
-                        f"{what}: failed {RETRIES} times ({type(e).__name__}: {one_line(e, 200)}); check the "
-                        "network and the server, then rerun the same command (finished work is kept)"
-                    ) from None
-                _log.warning(f"{what}: {type(e).__name__}: {one_line(e, 120)}; retry in {wait:g} s")
-                time.sleep(wait)
-                wait *= 2
-        raise AssertionError("unreachable")
+        """fn() (the client retries it under POLICY); a missing object is None (missing_ok) or an error, anything
+        else one line naming `what`."""
+        try:
+            return fn()
+        except FileNotFoundError:
+            if missing_ok:
+                return None
+            raise UserError(f"{what}: not found; rerun the precompute command that built this cache") from None
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every failure the client gave up on is one line
+            raise self._failure(what, e) from None
+
+    def _failure(self, what: str, e: BaseException) -> UserError:
+        if (line := self._fatal(e)) is not None:
+            return UserError(f"{what}: {line}")
+        return UserError(
+            f"{what}: failed after {POLICY.attempts} attempts ({type(e).__name__}: {one_line(e, 200)}); check the "
+            "network, the endpoint (AWS_ENDPOINT_URL) and the server, then rerun the same command (finished work "
+            "is kept)"
+        )
 
     def _fatal(self, e: Exception) -> str | None:
         """The one-line cause of an error that retrying does not mend, or None."""
@@ -226,13 +283,15 @@ class RemoteCache:
     # -- the stand-in folder -------------------------------------------------------------------------------------------
 
     def fetch_index(self) -> Path:
-        """Fetch the manifest, sidecars and errors into the stand-in folder (sidecars the folder already holds for
-        the manifest's shards are kept); a missing manifest leaves none there, so `load_manifest` says why."""
+        """Fetch the manifest, errors and run record, then the shard index the manifest names (a few objects, at
+        once) into the stand-in folder. A cache written before the shard index, or one whose index object is missing
+        or stale, has its sidecars fetched instead (at once, with a note of the cost); sidecars the folder already
+        holds for the manifest's shards are kept. A missing manifest leaves none there, so `load_manifest` says
+        why."""
         self.check_access()
-        self.local.mkdir(parents=True, exist_ok=True)
-        (self.local / SHARDS).mkdir(exist_ok=True)
-        for name in (MANIFEST, ERRORS, RUN_FILE):
-            self._mirror(name)
+        make_dir(self.local / SHARDS)
+        for name, data in self.read_many([MANIFEST, ERRORS, RUN_FILE]).items():
+            self._keep(name, data)
         manifest = self.local / MANIFEST
         if not manifest.is_file():  # load_manifest tells a half-written cache (shards, no manifest) from none
             for p in (self.local / SHARDS).glob("*"):
@@ -241,18 +300,68 @@ class RemoteCache:
                 (self.local / SHARDS).rmdir()
             return self.local
         try:
-            shards = json.loads(manifest.read_bytes()).get("shards") or []
+            m = json.loads(manifest.read_bytes())
+            shards, parts = m.get("shards") or [], m.get("shard_index")
         except (ValueError, AttributeError, RecursionError):
             return self.local  # load_manifest says what is wrong with it
+        indexed = self._fetch_shard_index(parts) if isinstance(parts, list) else set()
+        wanted = []
         for i, entry in enumerate(shards):
-            have = _json_field(sidecar_path(self.local, i), "sha256")
+            side = sidecar_path(self.local, i)
+            if i in indexed:
+                side.unlink(missing_ok=True)  # the index's record is the current one
+                continue
+            have = _json_field(side, "sha256") if side.is_file() else None
             if not isinstance(entry, dict) or have is None or have != entry.get("sha256"):
-                self._mirror(f"{SHARDS}/{sidecar_path(self.local, i).name}")
+                wanted.append(f"{SHARDS}/{side.name}")
+        if wanted and not isinstance(parts, list):
+            _log.info(
+                f"{self.url}: written before the shard index, so opening it reads {len(wanted)} sidecar(s), one "
+                "request each (at once); a cache written now opens with a few requests"
+            )
+        for name, data in self.read_many(wanted).items():
+            self._keep(name, data)
         return self.local
 
-    def _mirror(self, name: str) -> bool:
-        """Copy object `name` into the stand-in folder (or remove the stand-in's copy when there is none)."""
-        data = self.read(name)
+    def _fetch_shard_index(self, parts: list) -> set[int]:
+        """The shard-index objects the manifest names, each checked against its entry, into the stand-in's
+        REMOTE_INDEX folder; the shards they cover. A missing or stale one is left out with a note (its shards'
+        sidecars are fetched instead)."""
+        folder = self.local / REMOTE_INDEX
+        make_dir(folder)
+        for p in folder.glob("*"):
+            p.unlink(missing_ok=True)
+        try:
+            names = [str(e["path"]) for e in parts]
+        except (TypeError, KeyError):
+            return set()
+        covered: set[int] = set()
+        for entry, (name, data) in zip(parts, self.read_many(names).items()):
+            try:
+                if data is None:
+                    raise ValueError("missing")
+                read_index_part(data, entry)
+            except (ValueError, KeyError, TypeError, OSError, EOFError) as e:
+                _log.warning(
+                    f"{self.object_url(name)}: shard index object {one_line(e, 120)}; reading the sidecars of its "
+                    "shards instead (rerun the precompute command that built this cache to rewrite it)"
+                )
+                continue
+            atomic_write_bytes(folder / Path(name).name, data)
+            covered.update(range(*entry["shards"]))
+        return covered
+
+    def read_many(self, names: list[str]) -> dict[str, bytes | None]:
+        """{name: bytes, or None when there is no such object} of many small objects, CONNECTIONS requests at a
+        time (each under POLICY, like `read`)."""
+        if len(names) < 2:
+            return {n: self.read(n) for n in names}
+        self.fs  # noqa: B018 - made once here, not in each thread
+        with ThreadPoolExecutor(min(CONNECTIONS, len(names))) as pool:
+            return dict(zip(names, pool.map(self.read, names)))
+
+    def _keep(self, name: str, data: bytes | None) -> bool:
+        """Object `name`'s bytes into the stand-in folder (None: remove the stand-in's copy)."""
         target = self.local / name
         if data is None:
             target.unlink(missing_ok=True)
@@ -260,6 +369,10 @@ class RemoteCache:
         target.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(target, data)
         return True
+
+    def _mirror(self, name: str) -> bool:
+        """Copy object `name` into the stand-in folder (or remove the stand-in's copy when there is none)."""
+        return self._keep(name, self.read(name))
 
     # -- the shard cache -----------------------------------------------------------------------------------------------
 
@@ -271,52 +384,129 @@ class RemoteCache:
                 fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
                 continue
-            os.utime(path)  # the least recently used shard goes first
+            os.utime(fd)  # the least recently used shard goes first (by descriptor: the name may be evicted by now)
             return fd
         raise UserError(f"{self.url}: the shard cache {self.shard_dir} evicts shards as fast as they come")
 
     def stage(self, index: int, size: int, sha256: str) -> Path:
-        """Shard `index` in the shard cache, by content (its sha256), downloaded once per node: a lock per shard keeps
-        two processes from fetching it twice."""
-        path = self.shard_dir / f"{sha256}.tar"
-        if path.is_file() and path.stat().st_size == size:
-            return path
-        self.shard_dir.mkdir(parents=True, exist_ok=True)
-        with _locked(self.shard_dir / f".{sha256}.lock"):
-            if path.is_file() and path.stat().st_size == size:
-                return path
-            self._make_room(size, index)
-            name = f"{SHARDS}/{tar_path(self.local, index).name}"
-            self._call(self.object_url(name), lambda: self._download(name, path, size, sha256))
-        return path
+        """Shard `index` in the shard cache, by content (its sha256), downloaded once per node.
 
-    def _download(self, name: str, path: Path, size: int, sha256: str) -> None:
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        h = hashlib.sha256()
+        The download goes to `.<sha256>.tar.part`, locked (flock) while it is written and renamed into place once its
+        sha256 is checked: the lock keeps two processes from fetching it twice, dies with its process (kill -9
+        included), and leaves no file behind; a `.part` is never read."""
+        path = self.shard_dir / f"{sha256}.tar"
+        if self._trusted(path, size, sha256, index):
+            return path
+        make_dir(self.shard_dir)
+        part = path.with_name(f".{path.name}.part")
+        while True:
+            fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)  # flock, not lockf: held by this descriptor, so threads exclude too
+                if self._trusted(path, size, sha256, index):
+                    return path  # another process staged it while this one waited
+                if not _same_file(fd, part):
+                    continue  # renamed into place or dropped while this one waited: look again
+                self._make_room(size, index)
+                name = f"{SHARDS}/{tar_path(self.local, index).name}"
+                self._download(name, fd, part, path, size, sha256)
+                self._checked.add(sha256)
+                return path
+            finally:
+                os.close(fd)
+
+    def _trusted(self, path: Path, size: int, sha256: str, index: int) -> bool:
+        """Whether the shard cache holds shard `index` intact: the size, and once per process the sha256 (a bit
+        flipped on this node's disk is this node's problem: the copy is dropped and downloaded again)."""
         try:
-            with self.fs.open(self.path(name), "rb", block_size=8 << 20) as src, open(tmp, "wb") as dst:
-                while block := src.read(8 << 20):
-                    h.update(block)
-                    dst.write(block)
-            got = os.path.getsize(tmp)
+            if path.stat().st_size != size:
+                return False
+        except FileNotFoundError:
+            return False
+        if sha256 in self._checked:
+            return True
+        try:
+            got = sha256_file(path)
+        except FileNotFoundError:
+            return False
+        if got != sha256:
+            _log.warning(
+                f"{self.url}: the staged copy {path} of {tar_path(self.local, index).name} is damaged on this node's "
+                f"disk (sha256 {got[:12]}..., the manifest lists {sha256[:12]}...); downloading it again"
+            )
+            path.unlink(missing_ok=True)
+            return False
+        self._checked.add(sha256)
+        return True
+
+    def _download(self, name: str, fd: int, part: Path, path: Path, size: int, sha256: str) -> None:
+        """The object `name` into `fd` (the locked `part`) by range requests, several at once, hashed in order;
+        renamed to `path` once it is the shard the manifest lists."""
+        h = hashlib.sha256()
+        os.ftruncate(fd, 0)
+        try:
+            step = PART_BYTES * PARTS_IN_FLIGHT
+            for lo in range(0, max(size, 1), step):
+                starts = list(range(lo, min(size, lo + step), PART_BYTES)) or [0]
+                ends = [min(x + PART_BYTES, size) for x in starts]
+                ends[-1] += ends[-1] == size  # one byte more at the end: an object longer than listed shows
+                got = 0
+                for start, block in zip(starts, self._ranges(name, starts, ends, size)):
+                    h.update(block[: size - start])
+                    os.pwrite(fd, block, start)
+                    got = start + len(block)
             if got != size or h.hexdigest() != sha256:
                 raise UserError(
                     f"{self.object_url(name)}: the object is not the shard the manifest lists ({got} bytes, sha256 "
                     f"{h.hexdigest()[:12]}... vs {size} and {sha256[:12]}...): the cache changed after it was built; "
                     "rerun the precompute command that built it"
                 )
-            os.replace(tmp, path)
+            os.replace(part, path)
         except OSError as e:
-            tmp.unlink(missing_ok=True)
+            part.unlink(missing_ok=True)
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise self._full(f"no space left on device staging {self.object_url(name)}") from None
             raise
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            part.unlink(missing_ok=True)
             raise
 
+    def _ranges(self, name: str, starts: list[int], ends: list[int], size: int) -> list[bytes]:
+        """The byte ranges [start, end) of object `name`, requested at once; a range whose body was cut short
+        (which the client's retries do not cover) is asked for again under POLICY."""
+        where, out = self.object_url(name), [b""] * len(starts)
+        todo, wait = list(range(len(starts))), POLICY.backoff_s
+        for attempt in range(POLICY.attempts):
+            lo, hi = [starts[i] for i in todo], [ends[i] for i in todo]
+            got = self._call(
+                where, lambda lo=lo, hi=hi: self.fs.cat_ranges([self.path(name)] * len(lo), lo, hi, on_error="return")
+            )
+            failed = []
+            for i, r in zip(todo, got):
+                if isinstance(r, FileNotFoundError):
+                    raise UserError(f"{where}: not found; rerun the precompute command that built this cache")
+                if isinstance(r, BaseException) and type(r).__name__ not in BODY_ERRORS:
+                    raise self._failure(where, r)
+                want = min(ends[i], size) - starts[i]
+                if not isinstance(r, BaseException) and len(r) < want:
+                    r = _ShortRead(len(r), want)  # a truncated body
+                if isinstance(r, BaseException):
+                    failed.append((i, r))
+                else:
+                    out[i] = r
+            if not failed:
+                return out
+            todo = [i for i, _ in failed]
+            if attempt == POLICY.attempts - 1 or not _may_retry():
+                raise self._failure(where, failed[0][1])
+            _log.warning(f"{where}: {type(failed[0][1]).__name__} in {len(todo)} range(s); retry in {wait:g} s")
+            time.sleep(wait)
+            wait *= 2
+        raise AssertionError("unreachable")
+
     def _make_room(self, size: int, index: int) -> None:
-        """Evict the least recently used shards until `size` more bytes fit under cache_local_max_gb."""
+        """Evict the least recently used shards until `size` more bytes fit under cache_local_max_gb; downloads that
+        died with their process (an unlocked `.part`) go too."""
         budget = int(self.settings.cache_local_max_gb * 1e9)
         if size > budget:
             raise self._full(
@@ -324,6 +514,7 @@ class RemoteCache:
                 f"{self.settings.cache_local_max_gb:g}"
             )
         with _locked(self.shard_dir / ".evict.lock"):
+            _drop_dead_parts(self.shard_dir)
             files = []
             for p in self.shard_dir.glob("*.tar"):
                 with contextlib.suppress(FileNotFoundError):
@@ -343,6 +534,57 @@ class RemoteCache:
         )
 
 
+class _ShortRead(OSError):
+    """A range answered with fewer bytes than asked for (a truncated body)."""
+
+    def __init__(self, got: int, want: int):
+        super().__init__(f"{got} of {want} bytes")
+
+
+def _may_retry() -> bool:
+    """Whether this process is still within POLICY.command_s of its first retry."""
+    if not _retrying_since:
+        _retrying_since.append(time.monotonic())
+    return time.monotonic() - _retrying_since[0] < POLICY.command_s
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.fstat(fd).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _drop_dead_parts(folder: Path) -> None:
+    """Remove the `.part` files of downloads whose process died (nobody holds their lock)."""
+    for p in folder.glob(".*.part"):
+        try:
+            fd = os.open(p, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if _same_file(fd, p):
+                p.unlink(missing_ok=True)
+        except OSError:
+            pass  # being written
+        finally:
+            os.close(fd)
+
+
+def make_dir(path: Path) -> None:
+    """`path` as a folder, or one line on cache_local_dir (a file there, a read-only disk)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if not os.access(path, os.W_OK):
+            raise PermissionError(errno.EACCES, "not writable")
+    except OSError as e:
+        raise UserError(
+            f"config key 'cache_local_dir': cannot use {path} as a folder ({e.strerror or e}); point cache_local_dir "
+            "at a writable folder"
+        ) from None
+
+
 def _safe_path(rest: str) -> str:
     """A URL's bucket and prefix as a relative local path (no '..', no empty parts)."""
     parts = [re.sub(r"[^A-Za-z0-9._=-]", "_", p) for p in rest.split("/") if p not in ("", ".", "..")]
@@ -353,7 +595,7 @@ def _safe_path(rest: str) -> str:
 def _locked(path: Path) -> Iterator[None]:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
-        fcntl.lockf(fd, fcntl.LOCK_EX)
+        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)
@@ -363,23 +605,18 @@ def _locked(path: Path) -> Iterator[None]:
 # Where callers start
 
 
-def open_cache(location: str | Path, settings: Settings | None = None) -> tuple[Path, RemoteCache | None]:
+def open_cache(
+    location: str | Path, settings: Settings | None = None, remote: RemoteCache | None = None
+) -> tuple[Path, RemoteCache | None]:
     """(the folder to read, the remote cache or None): a local path as it is; a URL's stand-in folder, its index
-    fetched first."""
+    fetched first. `remote`: a cache handle opened before (its stand-in folder is `location`), used as it is."""
+    if remote is not None:
+        return remote.local, remote
     if not is_url(str(location)):
-        return Path(location), remote_of(Path(location))  # a stand-in folder opened before is the remote cache
+        return Path(location), None
     remote = RemoteCache(str(location), settings or Settings())
     show_as(remote.local, remote.url)
-    _OPENED[remote.local] = remote
     return remote.fetch_index(), remote
-
-
-_OPENED: dict[Path, RemoteCache] = {}
-
-
-def remote_of(folder: Path) -> RemoteCache | None:
-    """The remote cache whose stand-in `folder` is (opened in this process), or None for a local cache."""
-    return _OPENED.get(Path(folder))
 
 
 def for_writing(location: str, settings: Settings) -> RemoteWriter:
@@ -416,7 +653,7 @@ class RemoteWriter:
                 f"output_dir {r.url} holds shards but no {RUN_FILE}, so what built them is unknown: use another "
                 "output_dir or delete it"
             )
-        for folder in (SHARDS, ERRORS_DIR):  # work of another cache once at this URL (deleted from the bucket since)
+        for folder in (SHARDS, ERRORS_DIR, SHARD_INDEX, REMOTE_INDEX):  # another cache's, once at this URL
             for p in (self.out / folder).glob("*"):
                 p.unlink(missing_ok=True)
         (self.out / MANIFEST).unlink(missing_ok=True)
@@ -448,23 +685,35 @@ class RemoteWriter:
 
     def fetch_records(self, n_shards: int) -> None:
         """Rank 0, once every process is through: every shard's sidecar and error file from the bucket (other nodes
-        wrote some), each tar's size checked against its sidecar."""
+        wrote some): two listings, then the files this node lacks, requested at once; each tar's size checked
+        against its sidecar."""
         sizes, errors = self.remote.listing(SHARDS), self.remote.listing(ERRORS_DIR)
+        wanted = []
         for i in range(n_shards):
-            side, errs = sidecar_path(self.out, i), error_path(self.out, i)
-            for local, name, listed in ((side, SHARDS, sizes), (errs, ERRORS_DIR, errors)):
-                # a file this node put is the object (the same run identity writes the same bytes): kept
-                if local.name not in listed or not (local.is_file() or self.remote._mirror(f"{name}/{local.name}")):
+            for local, name, listed in (
+                (sidecar_path(self.out, i), SHARDS, sizes),
+                (error_path(self.out, i), ERRORS_DIR, errors),
+            ):
+                if local.name not in listed:
                     raise RuntimeError(
                         f"{self.remote.object_url(f'{name}/{local.name}')} is missing after all processes finished"
                     )
+                if not local.is_file():  # a file this node put is the object (the same run writes the same bytes)
+                    wanted.append(f"{name}/{local.name}")
+        for name, data in self.remote.read_many(wanted).items():
+            if not self.remote._keep(name, data):
+                raise RuntimeError(f"{self.remote.object_url(name)} is missing after all processes finished")
+        for i in range(n_shards):
             got = sizes.get(tar_path(self.out, i).name)
-            if got != _json_field(side, "bytes"):
+            if got != _json_field(sidecar_path(self.out, i), "bytes"):
                 raise RuntimeError(f"shard {i}'s tar is {got} bytes in the bucket, its sidecar says otherwise")
 
     def finish(self) -> None:
-        """errors.jsonl, then the manifest last: its object's presence means the cache is complete."""
-        self.remote.put(self.out / ERRORS, ERRORS)
+        """The shard index and errors.jsonl, then the manifest last: its object's presence means the cache is
+        complete."""
+        parts = [e["path"] for e in _json_field(self.out / MANIFEST, "shard_index") or []]
+        with ThreadPoolExecutor(min(CONNECTIONS, len(parts) + 1)) as pool:
+            list(pool.map(lambda name: self.remote.put(self.out / name, name), [*parts, ERRORS]))
         self.remote.put(self.out / MANIFEST, MANIFEST)
 
     def incomplete(self) -> None:

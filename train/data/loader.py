@@ -4,6 +4,7 @@ run inside DataLoader workers; the main process receives collated batches packed
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,6 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from theworld import cache_format as cf
 from theworld.cache_format.held_out import split
+from theworld.core import log
 from theworld.model.images import decode, load_for_vae, siglip_pixels
 from theworld.model.inputs import PARTNER
 from theworld.model.rollout import cache_condition, cache_seed, questions_tensor, sample_inputs
@@ -20,11 +22,55 @@ from train.data.batches import Collate, Packing, encode_texts
 from train.data.cache import InputSources, mixture_draw
 from train.data.flip import swap_left_right
 from train.data.mixture import Draw, MixedReader, partner_groups
-from train.data.order import LengthGroups, bucket_ids, eval_partners, flip_of, rank_indices
+from train.data.order import LengthGroups, bucket_ids, eval_partners, flip_of, rank_indices, shard_ids
 from train.preempt import ignore_in_workers
+
+_log = log.get(__name__)
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Dataset and collation (run in workers)
+
+
+class ReadAhead:
+    """Downloads the next `depth` shards of a remote cache in a dataset's order into the node's shard cache while the
+    worker decodes the current one: one download at a time per worker process (its range requests several at once),
+    so the bytes in flight stay within workers x storage.PARTS_IN_FLIGHT x storage.PART_BYTES. A shard is used only
+    once its sha256 is checked (storage.RemoteCache.stage); a failed read-ahead is left to the read that needs it."""
+
+    SCAN = 1 << 14  # positions looked ahead for the next shards
+
+    def __init__(self, reader, indices: np.ndarray, depth: int):
+        self.reader, self.depth = reader, depth
+        self.shards = None
+        if depth and getattr(reader, "remote", None) is not None:  # a mixture's caches are read without it
+            self.shards = shard_ids(reader)[np.asarray(indices, dtype=np.int64)]
+        self._pid, self._pool, self._sent, self._last = 0, None, set(), -1
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_pid": 0, "_pool": None, "_sent": set()}
+
+    def __call__(self, pos: int) -> None:
+        if self.shards is None or int(self.shards[pos]) == self._last:
+            return
+        if self._pid != os.getpid():  # a forked worker: its own thread
+            self._pid, self._pool, self._sent = os.getpid(), ThreadPoolExecutor(1), set()
+        self._last = int(self.shards[pos])
+        self._sent.add(self._last)
+        ahead = []
+        for s in self.shards[pos + 1 : pos + 1 + self.SCAN].tolist():
+            if s not in self._sent and s not in ahead:
+                ahead.append(s)
+                if len(ahead) == self.depth:
+                    break
+        for s in ahead:
+            self._sent.add(s)
+            self._pool.submit(self._stage, s)
+
+    def _stage(self, shard: int) -> None:
+        try:
+            self.reader.stage(shard)
+        except Exception as e:  # noqa: BLE001 - the read of that shard retries it and reports
+            _log.debug(f"read-ahead of shard {shard}: {type(e).__name__}: {e}")
 
 
 class CacheDataset(Dataset):
@@ -44,10 +90,12 @@ class CacheDataset(Dataset):
         flip: bool | None = None,
         partner: bool = False,
         rollouts: bool = False,
+        prefetch: int = 0,
     ):
         """`rollouts`: the model rolls out live (world.num_world_steps > 0 without cached latents): each sample
-        carries its rollout seed (`rollout_seed`)."""
+        carries its rollout seed (`rollout_seed`). `prefetch`: shards read ahead of a remote cache (ReadAhead)."""
         self.reader, self.indices, self.formatter, self.inputs = reader, indices, formatter, inputs
+        self.read_ahead = ReadAhead(reader, indices, prefetch)
         self.rollouts = rollouts
         self.resolution, self.resize, self.image_processor = resolution, resize, image_processor
         self.seed, self.epoch = seed, epoch
@@ -61,6 +109,7 @@ class CacheDataset(Dataset):
 
     def __getitem__(self, pos: int) -> dict:
         index = int(self.indices[pos])
+        self.read_ahead(pos)
         raw = self.reader.raw(index)
         s = self.reader.decode(index, raw, tensors=False)
         flipped = self.flip and flip_of(self.seed, self.epoch, index)
@@ -191,6 +240,7 @@ class DataContext:
             flip,
             partner,
             rollouts=cfg.world.num_world_steps > 0 and not self.inputs.cached_latents,
+            prefetch=cfg.cache_prefetch_shards,
         )
 
 
@@ -270,8 +320,19 @@ def _loader(cfg, ctx: DataContext, dataset, **kw) -> DataLoader:
 def build_train_loader(cfg, ctx: DataContext, rank: int, world_size: int, epoch: int, start: int = 0) -> DataLoader:
     """Micro-batches of this process for `epoch` from global batch `start` on: accumulation_steps of them per step."""
     samples = ctx.epoch_samples(cfg.seed, epoch)
+    window = cfg.cache_shuffle_window
     idx = rank_indices(
-        samples, cfg.seed, epoch, cfg.train.global_batch_size, rank, world_size, start, ctx.buckets[samples], ctx.groups
+        samples,
+        cfg.seed,
+        epoch,
+        cfg.train.global_batch_size,
+        rank,
+        world_size,
+        start,
+        ctx.buckets[samples],
+        ctx.groups,
+        shards=shard_ids(ctx.reader)[samples] if window else None,
+        window=window,
     )
     return _loader(cfg, ctx, ctx.dataset(cfg, idx, epoch), batch_size=cfg.train.micro_batch_size, shuffle=False)
 

@@ -6,7 +6,10 @@ whatever the number of processes, and resuming at step s reads exactly the batch
 
 - eval split: the `train.eval.samples` samples with the smallest sha256(key) are held out (independent of shard layout;
   theworld/cache_format/held_out.py);
-- epoch order: a permutation of the training samples seeded from (seed, epoch), walked in order, each sample going to
+- epoch order: a permutation of the training samples seeded from (seed, epoch) (with `cache_shuffle_window` W > 0: a
+  permutation of the shards, cut into windows of W shards, and the samples of each window shuffled among themselves,
+  so an epoch reads W shards at a time and a cache larger than the node's shard cache is downloaded once), walked in
+  order, each sample going to
   its latent shape's (bucket's) list; each time a list reaches G samples they become the next global batch, and what is
   left in the lists at the end is dropped. With one shape (a square cache) global batch b is order[b*G:(b+1)*G].
   Step s is global batch s % steps_per_epoch of epoch s // steps_per_epoch;
@@ -51,8 +54,37 @@ def _permutation(n: int, seed: int, epoch: int) -> np.ndarray:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed_of("order", seed, epoch))).numpy()
 
 
-def epoch_order(train_indices: np.ndarray, seed: int, epoch: int) -> np.ndarray:
-    return np.asarray(train_indices, dtype=np.int64)[_permutation(len(train_indices), seed, epoch)]
+def shard_ids(reader) -> np.ndarray:
+    """(N,) each sample's shard, numbered across the caches of a mixture (train.data.mixture.MixedReader)."""
+    readers = getattr(reader, "readers", None)
+    if readers is None:
+        return reader.shards
+    firsts = np.cumsum([0] + [len(r.manifest["shards"]) for r in readers])
+    return np.concatenate([r.shards + first for r, first in zip(readers, firsts)])
+
+
+def _windowed(shards: np.ndarray, seed: int, epoch: int, window: int) -> np.ndarray:
+    """A permutation of positions 0..len(shards)-1: the shards in a (seed, epoch) order, cut into windows of `window`
+    shards, each window's samples in a (seed, epoch) shuffle (MosaicML Streaming's block shuffle)."""
+    ids, inverse = np.unique(shards, return_inverse=True)
+    order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(seed_of("shards", seed, epoch)))
+    place = np.empty(len(ids), dtype=np.int64)
+    place[order.numpy()] = np.arange(len(ids))
+    rank = np.empty(len(shards), dtype=np.int64)
+    rank[_permutation(len(shards), seed, epoch)] = np.arange(len(shards))  # the shuffle within a window
+    return np.lexsort((rank, place[inverse.reshape(-1)] // window))
+
+
+def epoch_permutation(n: int, seed: int, epoch: int, shards: np.ndarray | None = None, window: int = 0) -> np.ndarray:
+    """The epoch's order of n training samples (positions): global, or windowed (`shards`: each one's shard)."""
+    return _permutation(n, seed, epoch) if not window else _windowed(np.asarray(shards), seed, epoch, window)
+
+
+def epoch_order(
+    train_indices: np.ndarray, seed: int, epoch: int, shards: np.ndarray | None = None, window: int = 0
+) -> np.ndarray:
+    perm = epoch_permutation(len(train_indices), seed, epoch, shards, window)
+    return np.asarray(train_indices, dtype=np.int64)[perm]
 
 
 @dataclass(frozen=True)
@@ -83,6 +115,8 @@ def epoch_batches(
     global_batch: int,
     buckets: np.ndarray | None = None,
     groups: LengthGroups | None = None,
+    shards: np.ndarray | None = None,
+    window: int = 0,
 ) -> np.ndarray:
     """(steps_per_epoch, G) global batches of `epoch`, each of one bucket (`buckets[i]` is train_indices[i]'s).
 
@@ -90,8 +124,9 @@ def epoch_batches(
     samples they form the next batch. So batches are ordered by where their last sample falls in the permutation (each
     bucket's batches spread over the epoch), a bucket's leftover (< G samples) is dropped for this epoch, and with one
     bucket batch b is order[b*G:(b+1)*G]. `groups`: samples regrouped by length within windows of a bucket's batches.
+    `shards` (train_indices[i]'s shard) and `window`: the windowed order.
     """
-    perm = _permutation(len(train_indices), seed, epoch)
+    perm = epoch_permutation(len(train_indices), seed, epoch, shards, window)
     order = np.asarray(train_indices, dtype=np.int64)[perm]
     of = np.zeros(len(order), dtype=np.int32) if buckets is None else np.asarray(buckets)[perm]
     rows, ends = [np.zeros((0, global_batch), dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
@@ -157,9 +192,11 @@ def rank_indices(
     start_batch: int = 0,
     buckets: np.ndarray | None = None,
     groups: LengthGroups | None = None,
+    shards: np.ndarray | None = None,
+    window: int = 0,
 ) -> np.ndarray:
     """This process's samples for global batches [start_batch, end of epoch) of `epoch`, in consumption order."""
-    batches = epoch_batches(train_indices, seed, epoch, global_batch, buckets, groups)
+    batches = epoch_batches(train_indices, seed, epoch, global_batch, buckets, groups, shards=shards, window=window)
     lo = rank_offset(global_batch, rank, world_size)
     return batches[start_batch:, lo : lo + global_batch // world_size].reshape(-1)
 

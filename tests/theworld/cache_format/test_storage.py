@@ -5,142 +5,22 @@ kill a precompute in the middle of an upload)."""
 
 from __future__ import annotations
 
-import http.client
 import json
-import os
 import re
 import signal
 import subprocess
 import sys
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from tests._precompute_helpers import cli_args, make_cfg
-from tests.conftest import ENV, ROOT, base_args, free_port, metrics, run2, train_inproc
+from tests.conftest import ENV, ROOT, base_args, metrics, run2, train_inproc
+from tests.theworld.cache_format.conftest import BUCKET
 from theworld import cache_format as cf
 from theworld.core.errors import UserError
-
-BUCKET = "theworld-test"
-
-
-class Proxy:
-    """Forwards HTTP to `port`, logging (method, path) of each request; `hold(regex)` stops the first matching
-    request's forwarding (the client sees no answer) until `release()`."""
-
-    def __init__(self, port: int):
-        self.port, self.log, self.rule, self.fail = port, [], None, None
-        self.held, self.released = threading.Event(), threading.Event()
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a):
-                pass
-
-            def forward(self):
-                body = self._body()
-                proxy.log.append((self.command, self.path.split("?")[0], self.path))
-                if proxy.fail and proxy.fail[0] == self.command and re.search(proxy.fail[1], self.path):
-                    if proxy.fail[2] > 0:
-                        proxy.fail = (*proxy.fail[:2], proxy.fail[2] - 1)
-                        self.send_response(500)
-                        self.send_header("Content-Length", "0")
-                        self.end_headers()
-                        return
-                if proxy.rule and proxy.rule[0] == self.command and re.search(proxy.rule[1], self.path):
-                    proxy.rule = None
-                    proxy.held.set()
-                    proxy.released.wait(120)
-                    self.close_connection = True
-                    return
-                headers = {
-                    k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding", "connection")
-                }
-                if body is not None:
-                    headers["Content-Length"] = str(len(body))
-                conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=60)
-                conn.request(self.command, self.path, body, headers)
-                resp = conn.getresponse()
-                data = resp.read()
-                self.send_response(resp.status)
-                for k, v in resp.getheaders():
-                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
-                        self.send_header(k, v)
-                length = resp.getheader("Content-Length") if self.command == "HEAD" else str(len(data))
-                self.send_header("Content-Length", length or "0")
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
-                conn.close()
-
-            def _body(self) -> bytes | None:
-                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-                    out = b""
-                    while (n := int(self.rfile.readline().split(b";")[0], 16)) > 0:
-                        out += self.rfile.read(n)
-                        self.rfile.readline()
-                    self.rfile.readline()
-                    return out
-                n = int(self.headers.get("Content-Length") or 0)
-                return self.rfile.read(n) if n else None
-
-            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = forward
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def hold(self, method: str, pattern: str) -> None:
-        self.held.clear(), self.released.clear()
-        self.rule = (method, pattern)
-
-    def fail_next(self, method: str, pattern: str, times: int) -> None:
-        """Answer the next `times` matching requests with a 500 (a server in trouble)."""
-        self.fail = (method, pattern, times)
-
-    def release(self) -> None:
-        self.released.set()
-
-
-@pytest.fixture(scope="session")
-def s3(tmp_path_factory):
-    """The S3 server for the session, the AWS environment pointing at it (through the proxy), one bucket."""
-    from moto.server import ThreadedMotoServer
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    proxy = Proxy(port)
-    env = {
-        "AWS_ENDPOINT_URL": proxy.url,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    import fsspec
-
-    fs = fsspec.filesystem("s3", skip_instance_cache=True)
-    fs.mkdir(BUCKET)
-    proxy.env, proxy.fs = env, fs
-    proxy.local_dir = tmp_path_factory.mktemp("object-store")
-    yield proxy
-    server.stop()
-    proxy.server.shutdown()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
 
 
 def url(prefix: str) -> str:
@@ -432,25 +312,32 @@ def test_a_cache_served_over_http_reads_and_verifies_and_is_not_written(s3_cache
         server.shutdown()
 
 
-def test_network_errors_are_retried_then_one_line_naming_the_object(s3, s3_train_cache, tmp_path, capsys):
-    # botocore's own retries off, so the attempts counted are ours
-    settings = cf.Settings(
-        storage_options={"config_kwargs": {"retries": {"max_attempts": 1}}},
-        cache_local_dir=str(tmp_path / "l"),
-    )
+def test_network_errors_are_retried_by_the_client_then_one_line_naming_the_object(s3, s3_train_cache, tmp_path):
+    """One retry layer: botocore's (RetryPolicy.attempts); an HTTP 500 that outlasts it is one line that says it
+    failed, never "not found" or a size of 0 bytes."""
+    settings = cf.Settings(cache_local_dir=str(tmp_path / "l"))
     reader = cf.CacheReader(s3_train_cache, settings=settings)
-    s3.fail_next("GET", r"/train/shards/shard-000000\.tar$", 2)
-    assert reader.sample(0).caption  # a later attempt gets it (s3fs retries some errors itself)
-    err = capsys.readouterr().err
-    assert f"warning: {s3_train_cache}/shards/shard-000000.tar: OSError" in err and "retry in 0.5 s" in err
+    start = len(s3.log)
+    s3.fail_next("GET", r"/train/shards/shard-000000\.tar$", cf.storage.POLICY.attempts - 1)
+    assert reader.sample(0).caption  # the client's last attempt gets it
+    tries = [p for m, p, _ in s3.log[start:] if m == "GET" and p.endswith("shard-000000.tar")]
+    assert len(tries) == cf.storage.POLICY.attempts
     s3.fail_next("GET", r"/train/shards/shard-000001\.tar$", 100)
     index = int(reader.samples_in([1])[0])
+    start = len(s3.log)
     with pytest.raises(UserError) as e:
         reader.raw(index)
     s3.fail = None
     text = str(e.value)
     assert len(text.splitlines()) == 1 and f"{s3_train_cache}/shards/shard-000001.tar" in text, text
-    assert "failed 5 times" in text
+    assert f"failed after {cf.storage.POLICY.attempts} attempts" in text and "not found" not in text, text
+    tries = [p for m, p, _ in s3.log[start:] if m == "GET" and p.endswith("shard-000001.tar")]
+    assert len(tries) == cf.storage.POLICY.attempts  # no layer retries the client's retries
+    s3.fail_next("GET", r"list-type", 100)  # a listing in trouble
+    with pytest.raises(UserError) as e:
+        reader.check_consistency()
+    s3.fail = None
+    assert "not found" not in str(e.value) and "0 bytes" not in str(e.value), str(e.value)
 
 
 class _Captions:

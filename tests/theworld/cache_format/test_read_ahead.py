@@ -1,0 +1,114 @@
+"""Read-ahead from a cache in a bucket (train/data/loader.py ReadAhead, storage.RemoteCache.stage) against a
+fault-injecting proxy in front of the real S3 server: slow answers, 500s, bodies cut short or reset lose and
+duplicate no sample; a download killed with SIGKILL leaves nothing a later run trusts; a bit flipped in the node's
+shard cache is caught there, without blaming the bucket's object."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT
+from tests.theworld.cache_format.conftest import BUCKET
+from tests.theworld.cache_format.test_shard_index import _cache
+from tests.theworld.cache_format.test_storage import _put_tree
+from theworld import cache_format as cf
+from theworld.core.errors import CacheDamaged
+from train.data.loader import ReadAhead
+from train.data.order import rank_indices
+
+
+def _read(reader, order: np.ndarray, depth: int) -> list[tuple[str, dict]]:
+    ahead = ReadAhead(reader, order, depth)
+    out = []
+    for pos, index in enumerate(order.tolist()):
+        ahead(pos)
+        out.append((reader.key(index), reader.raw(index)))
+    ahead._pool.shutdown(wait=True)
+    return out
+
+
+def test_read_ahead_through_faults_loses_and_duplicates_no_sample_and_resumes_exactly(s3, tmp_path):
+    local = _cache(tmp_path / "c", 8, per_shard=3)
+    remote = _put_tree(s3, local, "faults")
+    truth = cf.CacheReader(local)
+    train = np.arange(len(truth))
+    order = rank_indices(train, 3, 0, 4, 0, 1, shards=truth.shards, window=2)
+    want = [(truth.key(i), truth.raw(i)) for i in order.tolist()]
+    s3.inject("GET", r"/faults/shards/shard-\d+\.tar$", "500", "truncate", "reset", "slow", "500", "truncate")
+    reader = cf.CacheReader(remote, settings=cf.Settings(cache_local_dir=str(tmp_path / "l")))
+    assert _read(reader, order, depth=2) == want
+    assert not s3.faults  # every fault was met
+    # resumed at global batch 3 (a fresh shard cache: everything downloaded again through more faults)
+    s3.inject("GET", r"/faults/shards/shard-\d+\.tar$", "reset", "truncate", "500")
+    tail = rank_indices(train, 3, 0, 4, 0, 1, start_batch=3, shards=truth.shards, window=2)
+    assert np.array_equal(tail, order[12:])
+    reader = cf.CacheReader(remote, settings=cf.Settings(cache_local_dir=str(tmp_path / "l2")))
+    assert _read(reader, tail, depth=3) == want[12:]
+    staged = os.listdir(tmp_path / "l2" / "shards")
+    # the staged shards and one lock for the folder's eviction: no lock or partial file per shard
+    assert sorted(n for n in staged if not n.endswith(".tar")) == [".evict.lock"], staged
+
+
+_STAGE = """
+import sys
+from theworld import cache_format as cf
+from theworld.core.errors import CacheDamaged
+reader = cf.CacheReader(sys.argv[1], settings=cf.Settings(cache_local_dir=sys.argv[2]))
+reader.stage(0)
+"""
+
+
+def test_a_download_killed_with_sigkill_leaves_nothing_a_later_run_trusts(s3, tmp_path):
+    local = _cache(tmp_path / "c", 2)
+    remote = _put_tree(s3, local, "kill9")
+    shard_cache = tmp_path / "l"
+    s3.hold("GET", r"/kill9/shards/shard-000000\.tar$")
+    env = {**os.environ, **s3.env, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", _STAGE, remote, str(shard_cache)], env=env, cwd=ROOT)
+    try:
+        assert s3.held.wait(120)  # the download has begun
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        s3.release()
+    left = os.listdir(shard_cache / "shards")
+    assert not [n for n in left if n.endswith(".tar")], left  # no staged shard: only the download's .part
+    reader = cf.CacheReader(remote, settings=cf.Settings(cache_local_dir=str(shard_cache)))
+    truth = cf.CacheReader(local)
+    assert [reader.raw(i) for i in range(len(reader))] == [truth.raw(i) for i in range(len(truth))]
+    left = os.listdir(shard_cache / "shards")
+    assert not [n for n in left if n.endswith(".part")], left  # the dead download's file is gone
+
+
+def test_a_bit_flipped_in_the_shard_cache_is_caught_there_and_the_shard_downloaded_again(s3, tmp_path, caplog):
+    local = _cache(tmp_path / "c", 2)
+    remote = _put_tree(s3, local, "flip")
+    settings = cf.Settings(cache_local_dir=str(tmp_path / "l"))
+    reader = cf.CacheReader(remote, settings=settings)
+    reader.stage(0)
+    (staged,) = (tmp_path / "l" / "shards").glob("*.tar")
+    data = bytearray(staged.read_bytes())
+    data[cf.read_sidecar(local, 0)["samples"][0]["members"][cf.LATENT][0] + 10] ^= 0x10  # a bit of sample 0
+    staged.write_bytes(bytes(data))
+    # this process checked the copy when it staged it: the member's crc32 catches the change, naming the copy
+    with pytest.raises(CacheDamaged) as e:
+        reader.raw(0)
+    text = str(e.value)
+    assert "this node's staged copy" in text and "the object in the bucket is not affected" in text, text
+    assert "sidecar" not in text and "precompute" not in text, text  # no advice to rebuild the bucket's shard
+    assert reader.raw(0) == cf.CacheReader(local).raw(0)  # the copy was dropped: downloaded again
+    staged.write_bytes(bytes(data))  # damaged again, found by the next run's check of the copy
+    start = len(s3.log)
+    fresh = cf.CacheReader(remote, settings=settings)  # another run on this node
+    truth = cf.CacheReader(local)
+    assert fresh.raw(0) == truth.raw(0)
+    assert "damaged on this node's disk" in caplog.text and "downloading it again" in caplog.text
+    assert [p for m, p, _ in s3.log[start:] if m == "GET" and p.endswith(".tar")] == [
+        f"/{BUCKET}/flip/shards/shard-000000.tar"
+    ]
