@@ -9,19 +9,10 @@ from typing import Literal
 
 from theworld.cache_format import storage
 from theworld.core import location, paths, run_lock
-from theworld.core.config import (
-    ImageConfig,
-    ModelConfig,
-    RolloutConfig,
-    at_least,
-    check_sizes,
-    check_workers,
-    check_world_steps,
-    load_config,
-    require_path,
-)
+from theworld.core.config import at_least, check_sizes, check_workers, load_config, require_path
 from theworld.core.errors import UserError
 from theworld.model import images
+from theworld.model.config import ImageConfig, ModelConfig, WorldSteps
 from theworld.model.text import DEFAULT_PROMPT
 
 
@@ -107,19 +98,6 @@ class CacheOptions:
 
 
 @dataclass
-class WorldRollouts:
-    """The `world:` section of a precompute config: how many frames the Video2World pipeline predicts after each
-    image (theworld/model/rollout.py) and with which settings; the training config's world section has the same keys."""
-
-    num_world_steps: int = 0  # 0: the observed frame only (latents (C, 1, h, w)); N: (C, 1 + N, h, w)
-    max_world_steps: int = 16
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-
-    def __post_init__(self) -> None:
-        check_world_steps(self.num_world_steps, self.max_world_steps)  # the rollout settings: PrecomputeConfig's
-
-
-@dataclass
 class PrecomputeConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     image: ImageConfig = field(default_factory=ImageConfig)
@@ -131,7 +109,7 @@ class PrecomputeConfig:
     num_workers: int = 2
     compile: bool = False  # torch.compile the VAE encoder (GPU; its speed-up and compile time: docs/performance.md)
     cache: CacheOptions = field(default_factory=CacheOptions)
-    world: WorldRollouts = field(default_factory=WorldRollouts)  # rollouts: seeded by (seed, sample key)
+    world: WorldSteps = field(default_factory=WorldSteps)  # rollouts: seeded by (seed, sample key)
     # an output_dir that is a URL (docs/cache-format.md, "Object storage")
     storage_options: dict = field(default_factory=dict)
     cache_local_dir: str = storage.DEFAULT_LOCAL_DIR

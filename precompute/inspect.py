@@ -86,7 +86,7 @@ def _pick(n_total: int, n: int, seed: int, flag: str = "--n") -> list[int]:
 def summary(cache: Path, args) -> tuple[dict, int, str]:
     manifest = cf.load_manifest(cache)
     _check_full_fingerprint(cache, manifest, args)
-    reader = cf.CacheReader(cache, members=(cf.LATENT,), remote=args.remote)
+    reader = cf.CacheReader(cache, members=(cf.LATENT,), remote=getattr(args, "remote", None))
     n = len(reader)
     idx = range(n) if n <= args.max_samples else _pick(n, args.max_samples, 0, "--max-samples")
     total_bytes = sum(s["bytes"] for s in manifest["shards"])
@@ -238,7 +238,7 @@ def verify(cache: Path, args) -> tuple[dict, int, str]:
     seen: dict[str, str] = {}
     shards, total = [], 0
     for i, entry in enumerate(manifest["shards"]):
-        path, staged = _shard_file(cache, i, entry, args.remote)
+        path, staged = _shard_file(cache, i, entry, getattr(args, "remote", None))
         problems: list[str] = []
         if staged is not None or not path.is_file():
             shards.append({"path": entry["path"], "ok": False, "problems": [staged or "missing"]})
@@ -310,7 +310,7 @@ def compare_live(cache: Path, args) -> tuple[dict, int, str]:
     manifest = cf.load_manifest(cache)
     vae, cfg, rollout = _load_checked_vae(cache, manifest, args, rollout=True)
     encoder = encoders.WorldEncoder(vae)
-    reader = cf.CacheReader(cache, remote=args.remote)
+    reader = cf.CacheReader(cache, remote=getattr(args, "remote", None))
     picked = _pick(len(reader), args.n, args.seed)
     names = ("mean",) if cf.latents_stored(manifest) == "mean" else ("mean", "logvar")
     flip = manifest.get("contents", {}).get("flip")
@@ -451,7 +451,7 @@ def decode(cache: Path, args) -> tuple[dict, int, str]:
     manifest = cf.load_manifest(cache)
     vae, cfg, _ = _load_checked_vae(cache, manifest, args)
     dtype = next(vae.parameters()).dtype
-    reader = cf.CacheReader(cache, remote=args.remote)
+    reader = cf.CacheReader(cache, remote=getattr(args, "remote", None))
     picked = _pick(len(reader), args.n, args.seed)
     pairs, per_sample = [], []
     with torch.no_grad():

@@ -14,7 +14,7 @@ import json
 import sys
 from dataclasses import dataclass
 
-from theworld.core.config import cli_parser, load_config, shown, to_yaml, trains
+from theworld.core.config import cli_parser, load_config, shown, to_yaml
 from theworld.core.errors import UserError, cli_entry
 from theworld.model import lora as lora_adapters
 from theworld.model.arch import (
@@ -23,6 +23,7 @@ from theworld.model.arch import (
     TEXT_TOKENS,
     latent_side,
 )
+from theworld.model.config import trains
 from theworld.model.encoders import DTYPES
 from theworld.model.world import TheWorld
 from train import sharding

@@ -91,9 +91,9 @@ def _row(name: str, n_items: int, t_shared: dict, t_whole: dict, diff: float, **
 
 
 def demo_case(n_items: int, batch_size: int, repeats: int, device: torch.device) -> dict:
-    from theworld.core.config import ModelConfig, WorldConfig
     from theworld.infer import benchmark_items
     from theworld.infer.scoring import Scorer
+    from theworld.model.config import ModelConfig, WorldConfig
     from theworld.model.world import TheWorld
 
     model, processor = TheWorld.from_config(ModelConfig(dtype="float32"), WorldConfig())

@@ -65,8 +65,8 @@ def cache_rows(model, fused: dict, new_tokens: int, repeats: int, device: torch.
 
 
 def tiny_fused(batch_size: int):
-    from theworld.core.config import ModelConfig, WorldConfig
     from theworld.embedded import synthetic
+    from theworld.model.config import ModelConfig, WorldConfig
     from theworld.model.world import TheWorld
 
     model, _ = TheWorld.from_config(ModelConfig(dtype="float32"), WorldConfig())

@@ -38,10 +38,10 @@ from precompute.cosmos_latents import encode_latents, run
 from precompute.entry_dataset import EntryDataset
 from precompute.sources import open_listing
 from theworld import cache_format as cf
-from theworld.core.config import ImageConfig, ModelConfig
 from theworld.core.device import default_device
 from theworld.embedded import synthetic
 from theworld.model import encoders, images
+from theworld.model.config import ImageConfig, ModelConfig
 from tools.threads import add_threads, apply_threads
 
 
@@ -183,7 +183,7 @@ def bench_case(case: str, work: Path, n: int, workers: int = 0) -> dict:
 
 def bench_rollout(n: int, steps: int = 2, batch: int = 4, repeats: int = 3, inference_steps: int = 35) -> dict:
     """Rollouts per second, and a cached training step's time over a live-rollout one's (see the module doc)."""
-    from theworld.core.config import RolloutConfig, WorldConfig
+    from theworld.model.config import RolloutConfig, WorldConfig
     from theworld.model.inputs import text_batch
     from theworld.model.rollout import observed_and_predicted, sample_seeds
     from theworld.model.world import TheWorld

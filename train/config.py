@@ -17,13 +17,7 @@ from theworld.cache_format.fingerprint import ROLLOUT_DEFAULTS
 from theworld.core import hub
 from theworld.core.config import (
     FLOAT32_MAX,
-    FreezeConfig,
-    ImageConfig,
-    LoraConfig,
-    ModelConfig,
-    WorldConfig,
     at_least,
-    check_lora,
     check_sizes,
     check_threads,
     check_workers,
@@ -37,6 +31,7 @@ from theworld.core.config import (
 )
 from theworld.core.errors import UserError
 from theworld.model.arch import CHECKPOINT_PARTS
+from theworld.model.config import FreezeConfig, ImageConfig, LoraConfig, ModelConfig, WorldConfig, check_lora
 from theworld.model.packing import ATTENTION as PACKED_ATTENTION
 
 # A key declared `neutral` may change between a run and its resumption without changing its numbers: where files go,

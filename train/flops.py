@@ -98,7 +98,7 @@ class FlopCounter:
     @classmethod
     def of(cls, model, freeze, lora, cached_siglip: bool) -> FlopCounter:
         """From a TheWorld (`model`), its freeze flags and lora section, and whether image tokens are cached."""
-        from theworld.core.config import trains
+        from theworld.model.config import trains
 
         cfg = model.gemma.config
         proj = sum(p.numel() for n, p in model.projector.named_parameters() if n.endswith("weight") and p.dim() == 2)

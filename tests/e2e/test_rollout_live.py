@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from tests.conftest import ENV, ROOT, metrics
-from theworld.core.config import ModelConfig, RolloutConfig, WorldConfig
 from theworld.model import rollout
+from theworld.model.config import ModelConfig, RolloutConfig, WorldConfig
 from theworld.model.inputs import PARTNER, ModelInputs
 from train import params
 from train.data.batches import Batch

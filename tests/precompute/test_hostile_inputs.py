@@ -257,7 +257,7 @@ def test_a_model_folders_broken_config_yaml_is_one_line_in_describe_and_evaluate
 
 @pytest.fixture(scope="module")
 def bucketed():
-    from theworld.core.config import ImageConfig, ModelConfig, WorldConfig
+    from theworld.model.config import ImageConfig, ModelConfig, WorldConfig
     from theworld.model.world import TheWorld
 
     image = ImageConfig(resolution=96, resize="bucket")

@@ -8,12 +8,12 @@ import json
 import pytest
 
 from tests._eval_helpers import TWO_ITEMS, blink_folder, hand_scores, write_items
-from theworld.core.config import ImageConfig, ModelConfig, WorldConfig
 from theworld.embedded import synthetic
 from theworld.evaluate import main
 from theworld.infer import benchmark_items
 from theworld.infer.scoring import Scorer, evaluate, summarize, wilson
 from theworld.model import images
+from theworld.model.config import ImageConfig, ModelConfig, WorldConfig
 from theworld.model.world import TheWorld
 
 

@@ -150,9 +150,9 @@ def test_generate_until_gives_the_text_theworld_generates(tmp_path, monkeypatch)
     from lmms_eval.evaluator import simple_evaluate
     from lmms_eval.tasks import TaskManager
 
-    from theworld.core.config import ModelConfig, WorldConfig
     from theworld.infer import benchmark_items
     from theworld.lmms_adapter import TheWorldLMM
+    from theworld.model.config import ModelConfig, WorldConfig
     from theworld.model.world import TheWorld
 
     model, processor = TheWorld.from_config(ModelConfig(dtype="float32"), WorldConfig())

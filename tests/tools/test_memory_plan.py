@@ -13,11 +13,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from theworld.core.config import FreezeConfig, WorldConfig, from_dict, load_config, to_dict, to_yaml
+from theworld.core.config import from_dict, load_config, to_dict, to_yaml
 from theworld.core.errors import UserError
 from theworld.embedded import synthetic
 from theworld.model import device_map, encoders, gemma3, images
 from theworld.model.arch import CHECKPOINT_PARTS
+from theworld.model.config import FreezeConfig, WorldConfig
 from theworld.model.inputs import text_batch
 from theworld.model.text import ChatFormatter
 from theworld.model.world import TheWorld

@@ -13,14 +13,15 @@ import torch
 
 from theworld.cache_format.migrations import FORMAT_VERSION
 from theworld.core.errors import CacheMismatch
+from theworld.model.config import DEFAULT_MAX_WORLD_STEPS
 
 if TYPE_CHECKING:
-    from theworld.core.config import ImageConfig, ModelConfig
+    from theworld.model.config import ImageConfig, ModelConfig
 
 
 def rollout_keys() -> list[str]:
     """world.rollout's settings, every one of them (RolloutConfig's fields)."""
-    from theworld.core.config import RolloutConfig
+    from theworld.model.config import RolloutConfig
 
     return [f.name for f in dataclasses.fields(RolloutConfig)]
 
@@ -134,7 +135,7 @@ def fingerprint_overrides(fp: dict) -> list[str]:
     world = fp.get("world") or {}
     if world:  # strings as JSON, which is YAML: a prompt with a colon stays one string
         out.append(f"world.num_world_steps={world['num_world_steps']}")
-        out.append(f"world.max_world_steps={max(16, world['num_world_steps'])}")
+        out.append(f"world.max_world_steps={max(DEFAULT_MAX_WORLD_STEPS, world['num_world_steps'])}")
         out += [f"world.rollout.{k}={json.dumps(world[k])}" for k in rollout_keys() if k in world]
         if "seed" in world:
             out.append(f"seed={world['seed']}")

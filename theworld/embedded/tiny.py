@@ -183,7 +183,7 @@ def _build_t5_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from theworld.core.config import ROLLOUT_PROMPT
+    from theworld.model.config import ROLLOUT_PROMPT
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

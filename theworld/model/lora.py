@@ -14,8 +14,8 @@ import re
 import torch
 from torch import nn
 
-from theworld.core.config import LoraConfig
 from theworld.model.arch import PARTS
+from theworld.model.config import LoraConfig
 
 ADAPTER = "default"  # peft's adapter name inside the model
 ADAPTER_CONFIG = "adapter_config.json"  # peft's adapter folder layout

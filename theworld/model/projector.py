@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from theworld.model.arch import POOLS
+from theworld.model.config import DEFAULT_MAX_WORLD_STEPS
 
 
 class WorldProjector(nn.Module):
@@ -35,7 +36,7 @@ class WorldProjector(nn.Module):
         arch: str = "mlp",
         embed_std: float = 0.02,
         num_world_steps: int = 0,
-        max_world_steps: int = 16,
+        max_world_steps: int = DEFAULT_MAX_WORLD_STEPS,
     ):
         super().__init__()
         if pool not in POOLS:

@@ -33,17 +33,10 @@ import torch
 import yaml
 
 from theworld.core import atomic, hub, log
-from theworld.core.config import (
-    FreezeConfig,
-    ImageConfig,
-    LoraConfig,
-    ModelConfig,
-    WorldConfig,
-    check_lora,
-    from_dict,
-)
+from theworld.core.config import from_dict
 from theworld.core.errors import UserError
 from theworld.core.paths import REGULAR, path_kind
+from theworld.model.config import FreezeConfig, ImageConfig, LoraConfig, ModelConfig, WorldConfig, check_lora
 from theworld.model.text import DEFAULT_PROMPT
 
 _log = log.get(__name__)

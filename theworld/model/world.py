@@ -19,7 +19,6 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.profiler import record_function
 
-from theworld.core.config import FreezeConfig, ImageConfig, LoraConfig, ModelConfig, WorldConfig
 from theworld.core.device import default_device
 from theworld.core.errors import UserError
 from theworld.infer import generate as generation
@@ -29,6 +28,7 @@ from theworld.model import lora as lora_adapters
 from theworld.model import recompute as checkpointing
 from theworld.model import stage_layout as layout
 from theworld.model.arch import CHECKPOINT_PARTS, FREEZABLE, PARTS
+from theworld.model.config import FreezeConfig, ImageConfig, LoraConfig, ModelConfig, WorldConfig
 from theworld.model.encoders import WorldEncoder
 from theworld.model.inputs import ModelInputs
 from theworld.model.packing import Packed

@@ -17,8 +17,8 @@ from theworld import cache_format as cf
 from theworld.cache_format.fingerprint import recorded, rollout_keys
 from theworld.cache_format.held_out import split
 from theworld.cache_format.layout import world_steps
-from theworld.core.config import trains
 from theworld.core.errors import CacheDamaged, CacheMismatch, UserError
+from theworld.model.config import trains
 from theworld.model.control_text import TEXT_RULE, control_problem
 from theworld.model.text import DEFAULT_PROMPT
 from train.data.mixture import Draw, MixedReader

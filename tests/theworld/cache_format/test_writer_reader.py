@@ -113,8 +113,8 @@ def test_reader_returns_each_member_exactly_whatever_reads_are_merged(tmp_path):
 
 
 def test_siglip_fingerprint_covers_the_image_processor_settings():
-    from theworld.core.config import ImageConfig, ModelConfig
     from theworld.model import encoders
+    from theworld.model.config import ImageConfig, ModelConfig
 
     gemma, processor = encoders.load_gemma("tiny", "float32")
     vae = encoders.load_vae("tiny", "float32")
@@ -140,9 +140,10 @@ def test_the_config_fingerprint_is_the_full_one_cut_to_the_config_values(resize,
     """fingerprint_for without models (checked before anything loads) agrees with the full one wherever it has a
     field, and fingerprint_overrides maps a cache's fingerprint back to a config giving the same values."""
     from precompute.config import PrecomputeConfig
-    from theworld.core.config import ImageConfig, ModelConfig, load_config
+    from theworld.core.config import load_config
     from theworld.core.errors import CacheMismatch
     from theworld.model import encoders
+    from theworld.model.config import ImageConfig, ModelConfig
 
     model, image = ModelConfig(gemma="tiny", vae="tiny", dtype="float32"), ImageConfig(resolution=128, resize=resize)
     gemma, processor = encoders.load_gemma("tiny", "float32") if siglip else (None, None)

@@ -8,8 +8,9 @@ from typing import Literal
 
 import pytest
 
-from theworld.core.config import FreezeConfig, ImageConfig, ModelConfig, WorldConfig, load_config, to_yaml
+from theworld.core.config import load_config, to_yaml
 from theworld.core.errors import UserError
+from theworld.model.config import FreezeConfig, ImageConfig, ModelConfig, WorldConfig
 
 
 @dataclass

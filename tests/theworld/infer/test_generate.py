@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from tests.conftest import fixed_inputs
-from theworld.core.config import ModelConfig, WorldConfig
 from theworld.core.errors import UserError
 from theworld.describe import escape
 from theworld.embedded import synthetic
 from theworld.infer import generate as gen
+from theworld.model.config import ModelConfig, WorldConfig
 from theworld.model.world import TheWorld
 
 ROOT = Path(__file__).resolve().parents[3]

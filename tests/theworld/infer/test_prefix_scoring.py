@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from theworld.core.config import ImageConfig, ModelConfig, WorldConfig
 from theworld.embedded import synthetic
 from theworld.infer import benchmark_items
 from theworld.infer.baselines import BASELINES, MODEL, SHUFFLED
 from theworld.infer.scoring import Scorer, evaluate
+from theworld.model.config import ImageConfig, ModelConfig, WorldConfig
 from theworld.model.world import TheWorld
 
 # choices that tokenize to different lengths, items with 3 and 2 choices, one and two images (prefixes of two lengths)

@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from tests._eval_helpers import TWO_ITEMS, blink_folder, hand_scores, write_items
-from theworld.core.config import ImageConfig, ModelConfig, WorldConfig
 from theworld.embedded import synthetic
 from theworld.evaluate import main
 from theworld.infer import baselines, benchmark_items, captions, letters, scoring, stats
 from theworld.model import images
+from theworld.model.config import ImageConfig, ModelConfig, WorldConfig
 from theworld.model.inputs import text_batch
 from theworld.model.objective import IGNORE
 from theworld.model.text import ChatFormatter

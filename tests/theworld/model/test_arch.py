@@ -9,8 +9,8 @@ import typing
 
 import pytest
 
-from theworld.core.config import FreezeConfig, WorldConfig
 from theworld.model import arch
+from theworld.model.config import FreezeConfig, WorldConfig
 from train.config import LrMultipliers
 
 

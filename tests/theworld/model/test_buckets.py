@@ -101,8 +101,8 @@ def test_bucket_follows_exif_rotation_and_squares_are_unchanged():
 
 
 def test_bucket_needs_a_resolution_divisible_by_32():
-    from theworld.core.config import ImageConfig
     from theworld.core.errors import UserError
+    from theworld.model.config import ImageConfig
 
     with pytest.raises(UserError, match="image.resolution.*32"):
         ImageConfig(resolution=72, resize="bucket")

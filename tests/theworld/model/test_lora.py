@@ -104,7 +104,7 @@ def test_merged_export_is_a_plain_gemma_and_a_theworld_folder_without_peft(lora_
 
 
 def test_init_from_a_lora_stage_into_a_full_fine_tune_merges_first(lora_run):
-    from theworld.core.config import FreezeConfig, ModelConfig, WorldConfig
+    from theworld.model.config import FreezeConfig, ModelConfig, WorldConfig
     from theworld.model.world import TheWorld
     from train.state import checkpoint
 
@@ -163,8 +163,8 @@ def test_a_lora_stage_without_peft_installed_says_so(lora_run, tmp_path, monkeyp
 
 
 def test_qlora_without_cuda_says_so(monkeypatch):
-    from theworld.core.config import LoraConfig
     from theworld.core.errors import UserError
+    from theworld.model.config import LoraConfig
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(UserError, match="needs a CUDA GPU"):
@@ -185,8 +185,8 @@ def test_export_refusals(lora_run, tmp_path, capsys):
 
 
 def test_init_from_lora_adapters_without_their_config_is_refused(lora_run, tmp_path):
-    from theworld.core.config import FreezeConfig, ModelConfig, WorldConfig
     from theworld.core.errors import UserError
+    from theworld.model.config import FreezeConfig, ModelConfig, WorldConfig
     from theworld.model.world import TheWorld
     from train.state import checkpoint
 
@@ -311,7 +311,7 @@ def test_memory_plan_counts_lora_exactly_and_the_real_lora_stage_fits_one_gpu():
 
 
 def test_init_from_a_full_fine_tune_into_a_lora_stage_fills_the_frozen_base_layers(tmp_path):
-    from theworld.core.config import FreezeConfig, LoraConfig, ModelConfig, WorldConfig
+    from theworld.model.config import FreezeConfig, LoraConfig, ModelConfig, WorldConfig
     from theworld.model.world import TheWorld
     from train.state import checkpoint
 

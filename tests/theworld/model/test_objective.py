@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from theworld.core.config import ModelConfig, WorldConfig
 from theworld.model import objective
+from theworld.model.config import ModelConfig, WorldConfig
 from theworld.model.inputs import PARTNER, ModelInputs, prompt_only, text_batch
 from theworld.model.objective import IGNORE
 from theworld.model.text import ChatFormatter, Encoded

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from tests.theworld.model.test_objective import _cases, _inputs
-from theworld.core.config import LoraConfig, WorldConfig
 from theworld.embedded.tiny import _gemma_config
 from theworld.model import encoders, packing
+from theworld.model.config import LoraConfig, WorldConfig
 from theworld.model.text import ChatFormatter
 from theworld.model.world import TheWorld
 

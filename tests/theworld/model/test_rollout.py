@@ -13,9 +13,9 @@ from safetensors.torch import load as st_load
 from precompute import cosmos_latents, inspect
 from tests._precompute_helpers import cli_args, latents, make_cfg, read_cache_plain
 from tests.conftest import run2
-from theworld.core.config import ModelConfig, RolloutConfig, WorldConfig
 from theworld.embedded import tiny
 from theworld.model import encoders, images, rollout
+from theworld.model.config import ModelConfig, RolloutConfig, WorldConfig
 
 STEPS = 2  # predicted frames
 ROLL = [f"world.num_world_steps={STEPS}", "world.rollout.inference_steps=2"]

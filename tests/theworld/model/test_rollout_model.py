@@ -18,9 +18,10 @@ import yaml
 
 from tests._rollout_helpers import rollout_cache
 from tests.conftest import ROOT, weights
-from theworld.core.config import ModelConfig, WorldConfig, load_config
+from theworld.core.config import load_config
 from theworld.core.errors import UserError
 from theworld.infer import baselines
+from theworld.model.config import ModelConfig, WorldConfig
 from theworld.model.inputs import text_batch
 from theworld.model.projector import WorldProjector
 from theworld.model.text import ChatFormatter
@@ -313,7 +314,7 @@ def test_a_cache_rolled_out_with_other_settings_is_refused_by_key_with_both_valu
     import dataclasses
     import shutil
 
-    from theworld.core.config import RolloutConfig
+    from theworld.model.config import RolloutConfig
     from train.config import TrainConfig
     from train.data import cache as data
     from train.loop import main

@@ -14,9 +14,10 @@ from precompute import cosmos_latents
 from tests._precompute_helpers import gradient, make_cfg, png_bytes, read_cache_plain
 from theworld import cache_format as cf
 from theworld.cache_format.fingerprint import fingerprint_for
-from theworld.core.config import ImageConfig, ModelConfig, RolloutConfig, WorldConfig, load_config
+from theworld.core.config import load_config
 from theworld.core.errors import CacheMismatch, UserError
 from theworld.model import encoders, images, rollout
+from theworld.model.config import ImageConfig, ModelConfig, RolloutConfig, WorldConfig
 from train.config import TrainConfig, run_hash
 from train.data.cache import check_rollout_settings
 from train.data.loader import rollout_item

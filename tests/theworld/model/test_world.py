@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from theworld.core.config import FreezeConfig, ModelConfig, WorldConfig
 from theworld.embedded import synthetic
 from theworld.model import images
+from theworld.model.config import FreezeConfig, ModelConfig, WorldConfig
 from theworld.model.inputs import text_batch
 from theworld.model.objective import IGNORE
 from theworld.model.text import ChatFormatter

@@ -28,7 +28,7 @@ def test_the_evaluator_loop_logs_the_lines_the_three_branches_logged(trained_run
 
 def test_one_eval_mode_for_every_evaluator():
     """TheWorld.evaluating: eval mode and the posterior mean inside, the caller's modes back after (also on error)."""
-    from theworld.core.config import ModelConfig, WorldConfig
+    from theworld.model.config import ModelConfig, WorldConfig
     from theworld.model.world import TheWorld
 
     model, _ = TheWorld.from_config(ModelConfig(dtype="float32"), WorldConfig())
