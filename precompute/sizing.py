@@ -63,6 +63,12 @@ OBJECTS_PER_SHARD = 3  # shards/shard-N.tar, its sidecar shards/shard-N.json, er
 OBJECTS_PER_CACHE = 3  # manifest.json, errors.jsonl, precompute.json
 
 
+def objects(shards: int) -> int:
+    """The objects a cache of `shards` shards holds: each shard's, the cache's own, and one shard-index part per
+    SHARDS_PER_INDEX shards."""
+    return OBJECTS_PER_SHARD * shards + OBJECTS_PER_CACHE + -(-shards // cf.SHARDS_PER_INDEX)
+
+
 def _local_config(key: str, path: str, subfolder: str | None = None) -> dict | None:
     """config.json of a local folder, or of a hub id already in the local Hugging Face cache (no download); one that
     is not a JSON object is refused naming `key` and the file, as loading the model would be."""
@@ -348,7 +354,7 @@ def estimate(cfg: PrecomputeConfig) -> dict:
         "bytes_per_sample_total": round(per_sample),
         "bytes_total": round(per_sample) * usable + round(end) * shards,
         "samples": usable,
-        "objects": OBJECTS_PER_SHARD * shards + OBJECTS_PER_CACHE,
+        "objects": objects(shards),
         "gpu_hours": round(gpu_hours, 1),
         "node_hours": round(gpu_hours / GPUS_PER_NODE, 1),
         **extra,
@@ -399,7 +405,7 @@ def report(p: dict) -> str:
         )
     lines.append(
         f"objects: {p['objects']} ({p['shards']} shards x {OBJECTS_PER_SHARD}: tar, sidecar, error file; plus "
-        f"manifest.json, errors.jsonl, precompute.json)"
+        f"manifest.json, errors.jsonl, precompute.json and a shard-index part per {cf.SHARDS_PER_INDEX} shards)"
     )
     if "rollout" in p:
         r = p["rollout"]

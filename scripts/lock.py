@@ -16,6 +16,7 @@ LEFT_UNMET.
 from __future__ import annotations
 
 import sys
+import sysconfig
 from importlib.metadata import Distribution, distributions
 from pathlib import Path
 
@@ -61,7 +62,10 @@ def locked_version(name: str, dist: Distribution) -> str:
 
 
 def installed() -> dict[str, Distribution]:
-    return {_name(d): d for d in distributions()}
+    """The distributions installed into this environment's site-packages. Not sys.path's: importing setuptools puts
+    its vendored copies (setuptools/_vendor) on it, and those are setuptools' files, not installed packages."""
+    dirs = sorted({sysconfig.get_paths()[k] for k in ("purelib", "platlib")})
+    return {_name(d): d for d in distributions(path=dirs)}
 
 
 def read_lock(path: Path | None = None) -> dict[str, str]:

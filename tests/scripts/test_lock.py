@@ -144,3 +144,16 @@ def test_make_install_puts_the_cpu_build_of_the_locked_torch_in(tmp_path, index_
         assert calls[3] == "-m pip install -q --no-deps -r requirements/lock.txt"
     else:  # then the version as the machine's pip configuration offers it
         assert calls[3] == "-m pip install -q torch==2.13.0" and "as this machine's pip configuration" in out
+
+
+def test_only_site_packages_counts_as_installed(tmp_path, monkeypatch):
+    """Importing setuptools puts its vendored distributions (setuptools/_vendor) on sys.path; they are not installed."""
+    vendored = tmp_path / "_vendor" / "jaraco_text-9.9.9.dist-info"
+    vendored.mkdir(parents=True)
+    (vendored / "METADATA").write_text("Metadata-Version: 2.1\nName: jaraco.text\nVersion: 9.9.9\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "_vendor"))
+    from importlib.metadata import distributions
+
+    assert "jaraco.text" in {d.metadata["Name"] for d in distributions()}  # sys.path sees it
+    assert "jaraco-text" not in lock.installed()
+    assert "safetensors" in lock.installed()
