@@ -8,6 +8,10 @@ position ids from 0, and builds the attention masks Gemma 3's layers take: block
 window counted in the sample's own positions and its image tokens attending to each other both ways (what
 transformers' own masks do for one sample a row). The language model's output goes back to the unpacked layout, so the
 loss and the log-probabilities are computed exactly as without packing (theworld/model/objective.py).
+
+Under sdpa the attention runs sample by sample (`Segments`): each sample's queries against its own keys, through
+transformers' sdpa function, so a row costs the sum of its samples' squared lengths, not its width squared; the linear
+layers still run on the full rows. Under eager the rows take 4D block-diagonal masks.
 """
 
 from __future__ import annotations
@@ -15,8 +19,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-ATTENTION = ("sdpa", "eager")  # the attention implementations a packed batch's 4D masks are built for
+ATTENTION = ("sdpa", "eager")  # the attention implementations packed batches are built for
+# sdpa that also takes a packed batch's `Segments` in place of a mask; any other mask goes to sdpa itself, and the
+# masks are sdpa's, so an unpacked batch computes exactly what it computes under "sdpa"
+SEGMENTS = "theworld_segments"
 
 
 def plan_rows(lengths: Sequence[int], pack_length: int) -> list[int]:
@@ -70,6 +80,7 @@ class Packed:
         self.src = mask.bool().nonzero(as_tuple=True)  # (sample, token) of every real token
         sample, token = self.src
         self.dst = (rows[sample], offsets[sample] + token)  # (row, column) it moves to
+        self.places = (rows, offsets, lengths)  # each sample's row, first column and length
         width = self.shape[1]
         # padding: one segment of its own per row (it attends to itself, so no row of a mask is empty)
         self.segment = (len(rows) + torch.arange(n_rows, device=device))[:, None].repeat(1, width)
@@ -93,6 +104,8 @@ class Packed:
         from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
 
         impl = config._attn_implementation or "eager"
+        if impl in ("sdpa", SEGMENTS):
+            return self.segments(token_types, config)
         if impl not in ATTENTION:
             raise ValueError(
                 f"packed batches need the attention implementation sdpa or eager (4D masks), not {impl!r}: "
@@ -110,3 +123,73 @@ class Packed:
             zero = torch.zeros((), dtype=dtype, device=self.positions.device)
             return {t: zero.masked_fill(~m, torch.finfo(dtype).min)[:, None] for t, m in out.items()}
         return {t: m[:, None] for t, m in out.items()}
+
+    def segments(self, token_types: torch.Tensor, config) -> dict[str, Segments]:
+        """Per layer type, each sample's place in its row and its own mask (None where plain causal attention is
+        the mask: no image tokens and, in a sliding layer, no longer than the window)."""
+        from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
+
+        blocks = get_block_sequence_ids_for_mask(token_types)
+        window = config.sliding_window if "sliding_attention" in config.layer_types else None
+        out: dict[str, list] = {"full_attention": [], "sliding_attention": []}
+        for b, (row, start, n) in enumerate(zip(*(t.tolist() for t in self.places))):
+            full = _sample_mask(blocks[b, :n], None)
+            out["full_attention"].append((row, start, n, full))
+            out["sliding_attention"].append((row, start, n, _sample_mask(blocks[b, :n], window) if window else full))
+        return {t: Segments(segs, self.shape[1]) for t, segs in out.items()}
+
+
+def _sample_mask(blocks: torch.Tensor, window: int | None) -> torch.Tensor | None:
+    """(1, 1, n, n) bool: one sample's attention (causal, its image tokens both ways, within `window`), or None
+    where that is plain causal attention."""
+    n = len(blocks)
+    image = (blocks[:, None] == blocks[None, :]) & (blocks[:, None] >= 0)
+    if not image.any() and (window is None or n <= window):
+        return None
+    pos = torch.arange(n, device=blocks.device)
+    mask = (pos[None, :] <= pos[:, None]) | image
+    if window is not None:
+        mask &= pos[None, :] > pos[:, None] - window
+    return mask[None, None]
+
+
+class Segments:
+    """Where each sample of a packed batch sits ((row, start, length, its mask or None) each) and the rows' width:
+    what a packed batch gives its attention layers in place of a mask (`segment_attention`)."""
+
+    def __init__(self, segments: list[tuple[int, int, int, torch.Tensor | None]], width: int):
+        self.segments, self.width = segments, width
+
+    def attend(self, module, query, key, value, **kwargs) -> torch.Tensor:
+        """(rows, width, heads, head_dim): each sample's queries attend to its own keys (zeros on padding)."""
+        by_row: dict[int, list[torch.Tensor]] = {}
+        for row, start, n, mask in self.segments:
+            part = slice(start, start + n)
+            q, k, v = (t[row : row + 1, :, part] for t in (query, key, value))
+            by_row.setdefault(row, []).append(sdpa_attention_forward(module, q, k, v, mask, **kwargs)[0])
+        rows = []
+        for row in range(len(by_row)):
+            parts = by_row[row]
+            filled = sum(p.shape[1] for p in parts)
+            if filled < self.width:
+                parts = [*parts, parts[0].new_zeros(1, self.width - filled, *parts[0].shape[2:])]
+            rows.append(torch.cat(parts, 1))
+        return torch.cat(rows)
+
+
+def segment_attention(module, query, key, value, attention_mask, **kwargs) -> tuple[torch.Tensor, None]:
+    """The attention function registered as SEGMENTS: per sample for a packed batch, else sdpa."""
+    if isinstance(attention_mask, Segments):
+        return attention_mask.attend(module, query, key, value, **kwargs), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def use_segments(config) -> None:
+    """Switch a text config's sdpa to SEGMENTS, for good: the switch has to outlive the forward, since activation
+    checkpointing reruns the layers in the backward, and it leaves unpacked batches' numerics as they are."""
+    if config._attn_implementation == "sdpa":
+        config._attn_implementation = SEGMENTS
+
+
+AttentionInterface.register(SEGMENTS, segment_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(SEGMENTS, sdpa_mask)

@@ -31,7 +31,7 @@ from theworld.model.arch import CHECKPOINT_PARTS, FREEZABLE, PARTS
 from theworld.model.config import FreezeConfig, ImageConfig, LoraConfig, ModelConfig, WorldConfig
 from theworld.model.encoders import WorldEncoder
 from theworld.model.inputs import ModelInputs
-from theworld.model.packing import Packed
+from theworld.model.packing import Packed, use_segments
 from theworld.model.projector import WorldProjector
 from theworld.model.rollout import Rollout, at_inference, pixel_seeds, questions_of, with_predicted
 from theworld.model.text import ChatFormatter
@@ -381,7 +381,9 @@ class TheWorld(nn.Module):
         given back in the unpacked layout (zeros on padding)."""
         embeds = fused["inputs_embeds"]
         packed = Packed(fused["attention_mask"], rows)
-        masks = packed.masks(fused["token_type_ids"], self.gemma.config.get_text_config(), embeds.dtype)
+        text_config = self.gemma.config.get_text_config()
+        use_segments(text_config)
+        masks = packed.masks(fused["token_type_ids"], text_config, embeds.dtype)
         with record_function(PROFILE_LABELS["language_model"]):
             out = self.gemma.model(
                 inputs_embeds=packed.pack(embeds), attention_mask=masks, position_ids=packed.positions, use_cache=False
