@@ -1,11 +1,12 @@
 """`python -m train.report RUN [RUN ...] --out report.html [--eval FILE ...]`: one self-contained HTML page (pictures
 inline as data: URIs, nothing fetched) to look at runs side by side: the training loss, the eval loss with its own
-world and with the world shuffled on one axis (the comparison the project is about), and the world gap of every run
-on shared axes, a summary per run, the evaluation tables (each run's final/README.md results, the benchmarks logged
-during training, and `theworld.evaluate --json` / `--out` files), and the caption samples of each run's last eval with
-their pictures. Each figure is also written as a PNG (1600 x 900) in <out stem>_files/ beside the page, for slides.
-The step-0 eval (before training) is left out of the curves, whose range it would set, and shown in the summary; the
-step axis has its ticks at the eval steps.
+world and with the world shuffled on one axis (the comparison the project is about), the world gap and the throughput
+(real tokens/s and the padding share, where the run logged them) of every run on shared axes, a summary per run, the
+evaluation tables (each run's final/README.md results, the benchmarks logged during training, and
+`theworld.evaluate --json` / `--out` files), and the caption samples of each run's last eval with their pictures.
+Each figure is also written as a PNG (1600 x 900) in <out stem>_files/ beside the page, for slides. The step-0 eval
+(before training) is left out of the curves, whose range it would set, and shown in the summary; the step axis has its
+ticks at the eval steps.
 
 A run whose config's `init_from` is another reported run's folder (that run, its final/ or a checkpoint) is drawn
 after that run's last step, so stage 1 -> 2 -> 3 read left to right; other runs start at their own step 0."""
@@ -38,6 +39,8 @@ CURVES = {
     "eval_loss": "eval loss (own world)",
     "eval_loss_shuffled_world": "eval loss (world shuffled)",
     "gap": "world gap",
+    "tokens_per_s": "real tokens/s",
+    "padding_share": "padding share",
 }
 # figure name: (title, y axis label, PNG file name, its curves with their line styles); one colour per stage
 FIGURES = {
@@ -54,6 +57,18 @@ FIGURES = {
         (("eval_loss", "-"), ("eval_loss_shuffled_world", "--")),
     ),
     "gap": ("world gap: eval loss shuffled minus own world", "nats/token", "gap.png", (("gap", "-"),)),
+    "throughput": (
+        "real tokens per second (no padding, world blocks included; each point: the steps since the previous log line)",
+        "tokens/s",
+        "tokens_per_s.png",
+        (("tokens_per_s", "-"),),
+    ),
+    "padding": (
+        "padding share of the steps' token slots",
+        "share of token slots",
+        "padding_share.png",
+        (("padding_share", "-"),),
+    ),
 }
 FIGSIZE, DPI = (16, 9), 100  # 1600 x 900 px: a slide's width
 MAX_TICKS = 16  # eval steps on the step axis; more evals than this: every k-th one
@@ -136,7 +151,7 @@ def series(records: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
     its last record. gap: eval_loss_shuffled_world - eval_loss of the same eval line."""
     by_step: dict[str, dict[int, float]] = {name: {} for name in CURVES}
     for r in records:
-        for name in ("loss", "eval_loss", "eval_loss_shuffled_world"):
+        for name in ("loss", "eval_loss", "eval_loss_shuffled_world", "tokens_per_s", "padding_share"):
             if _number(r.get(name)):
                 by_step[name][r["step"]] = float(r[name])
         if _number(r.get("eval_loss")) and _number(r.get("eval_loss_shuffled_world")):
@@ -294,6 +309,10 @@ def draw(name: str, stages: list[Stage]) -> Figure | None:
         return None
     if name == "gap":
         ax.axhline(0.0, color="0.5", linewidth=0.8)
+    if name == "padding":
+        from matplotlib.ticker import PercentFormatter
+
+        ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     notes = ["a stage that continues another is drawn after it"] if any(s.after is not None for s in stages) else []
     notes += ["step 0, before training, left out: see the summary"] if left_out else []
     ax.set_title(title, fontsize="x-large")

@@ -22,16 +22,17 @@ from tests.conftest import ROOT, metrics
 from train import report
 from train.report import main
 
+TPS = {"tokens_per_s": 400.0, "padding_share": 0.25}  # the throughput the loop logs with each loss line
 S1 = [  # a stage-1 log: evals at 0, 2, 4; step 3 logged twice (the interrupted run's line, then the resumed run's)
     {"step": 0, "eval_loss": 6.0, "eval_loss_shuffled_world": 6.25, "eval_gap": 0.25},
     {"step": 0, "samples": [{"caption": "a red square .", "own_world": "red", "shuffled_world": "blue", "image": ""}]},
-    {"step": 1, "loss": 5.0, "lr": 0.01, "grad_norm": 1.0, "samples_per_s": 10.0},
-    {"step": 2, "loss": 4.0, "lr": 0.01, "grad_norm": 1.0, "samples_per_s": 10.0},
+    {"step": 1, "loss": 5.0, "lr": 0.01, "grad_norm": 1.0, "samples_per_s": 10.0, **TPS},
+    {"step": 2, "loss": 4.0, "lr": 0.01, "grad_norm": 1.0, "samples_per_s": 10.0, **TPS},
     {"step": 2, "eval_loss": 4.5, "eval_loss_shuffled_world": 5.0},
     {"step": 2, "bench/items/n": 6, "bench/items/accuracy": 0.5, "bench/items/accuracy_shuffled_world": 0.25},
-    {"step": 3, "loss": 9.75, "lr": 0.01, "grad_norm": 1.0, "samples_per_s": 10.0},
-    {"step": 3, "loss": 3.5, "lr": 0.01, "grad_norm": 1.0, "samples_per_s": 10.0},
-    {"step": 4, "loss": 3.0, "lr": 0.01, "grad_norm": 1.0, "samples_per_s": 10.0},
+    {"step": 3, "loss": 9.75, "lr": 0.01, "grad_norm": 1.0, "samples_per_s": 10.0, **TPS},
+    {"step": 3, "loss": 3.5, "lr": 0.01, "grad_norm": 1.0, "samples_per_s": 10.0, **TPS},
+    {"step": 4, "loss": 3.0, "lr": 0.01, "grad_norm": 1.0, "samples_per_s": 10.0, **TPS},
     {"step": 4, "eval_loss": 3.25, "eval_loss_shuffled_world": 4.0},
     {
         "step": 4,
@@ -47,9 +48,9 @@ S1 = [  # a stage-1 log: evals at 0, 2, 4; step 3 logged twice (the interrupted 
 ]
 S2 = [
     {"step": 0, "eval_loss": 3.0, "eval_loss_shuffled_world": 4.5},
-    {"step": 1, "loss": 2.5},
-    {"step": 2, "loss": float("nan")},  # every step of the window skipped
-    {"step": 3, "loss": 2.0},
+    {"step": 1, "loss": 2.5, **TPS},
+    {"step": 2, "loss": float("nan"), **TPS},  # every step of the window skipped
+    {"step": 3, "loss": 2.0, **TPS},
     {"step": 3, "eval_loss": 2.25, "eval_loss_shuffled_world": 4.25},
 ]
 
@@ -135,10 +136,16 @@ def test_the_page_is_one_file_with_inline_pngs_and_the_figures_hold_the_metrics(
     assert_self_contained(page)
     images = data_images(page)
     figures = sorted((out.parent / "report_files").iterdir())
-    assert [p.name for p in figures] == ["eval_loss.png", "gap.png", "loss.png"]
+    assert [p.name for p in figures] == [
+        "eval_loss.png",
+        "gap.png",
+        "loss.png",
+        "padding_share.png",
+        "tokens_per_s.png",
+    ]
     inline = {base64.b64decode(s) for s in re.findall(r"data:image/png;base64,([^\"]+)", page)}
     assert {p.read_bytes() for p in figures} <= inline  # the PNGs beside it are the page's figures
-    assert len(images) == 3 + 1  # the figures and the one logged picture (step 4's samples)
+    assert len(images) == 5 + 1  # the figures and the one logged picture (step 4's samples)
     sample = [im for im in images if im.size == (256, 192)]  # 32 x 24 enlarged 8 times, whole pixels
     assert len(sample) == 1 and sample[0].convert("RGB").getpixel((40, 40)) == (200, 30, 30)
     assert "a blue circle" in page and "0.5000" in page  # step 4's samples; the benchmark logged at step 2
@@ -280,7 +287,7 @@ def test_a_trained_runs_report_renders_in_chromium(trained_run, tmp_path, capsys
     page = out.read_text()
     assert_self_contained(page)
     images = data_images(page)
-    assert len(images) == 3 + len(rows) and sum(im.size == (256, 256) for im in images) == len(rows)
+    assert len(images) == len(report.FIGURES) + len(rows) and sum(im.size == (256, 256) for im in images) == len(rows)
     assert "first 2" in re.findall(r"<td[^>]*>([^<]*)</td>", page)  # the card's row evaluate wrote
     assert page.count("n 2") >= 2  # both evaluate files
 
@@ -324,6 +331,34 @@ def test_the_figures_read_as_the_comparison_own_vs_shuffled_on_one_axis_for_a_sl
     assert list(report.draw("gap", report.load_run(str(many)).stages).axes[0].get_xticks()) == list(
         range(20, 2001, 140)
     )
+
+
+def test_throughput_figures_hold_the_logged_tokens_per_s_and_padding_share(tmp_path):
+    """Real tokens/s and the padding share, as the loop logs them with each loss line, are two figures: one line per
+    run, the logged numbers at their steps, the share on a percent axis; a run that logged neither draws no such
+    figure and the page says so."""
+    plain = [{"step": s, "loss": 3.0, "tokens_per_s": 100.0 + s, "padding_share": 0.5} for s in (10, 20, 30)]
+    packed = [{"step": s, "loss": 3.0, "tokens_per_s": 180.0 + s, "padding_share": 0.03} for s in (10, 20, 30)]
+    runs = [write_run(tmp_path / name, records) for name, records in (("plain", plain), ("packed", packed))]
+    out = tmp_path / "r.html"
+    assert main([*map(str, runs), "--out", str(out)]) == 0
+    files = sorted(p.name for p in out.with_name("r_files").iterdir())
+    assert files == ["loss.png", "padding_share.png", "tokens_per_s.png"]
+    assert len(data_images(out.read_text())) == 3
+    stages = [s for r in runs for s in report.load_run(str(r)).stages]
+    tps = report.draw("throughput", stages).axes[0]
+    assert [(ln.get_label(), list(ln.get_xdata()), list(ln.get_ydata())) for ln in tps.lines] == [
+        (str(runs[0]), [10, 20, 30], [110.0, 120.0, 130.0]),
+        (str(runs[1]), [10, 20, 30], [190.0, 200.0, 210.0]),
+    ]
+    pad = report.draw("padding", stages).axes[0]
+    assert [list(ln.get_ydata()) for ln in pad.lines] == [[0.5] * 3, [0.03] * 3]
+    assert pad.yaxis.get_major_formatter().format_pct(0.5, 1.0) == "50%"
+
+    old = write_run(tmp_path / "old", [{"step": 1, "loss": 2.0}])  # a log from before the throughput figures
+    assert main([str(old), "--out", str(out)]) == 0
+    assert report.draw("throughput", report.load_run(str(old)).stages) is None
+    assert "real tokens per second" in out.read_text().split("No run logged:")[1].split("</p>")[0]
 
 
 def test_hostile_numbers_and_a_math_looking_folder_name_draw_or_are_one_line(tmp_path, capsys):
