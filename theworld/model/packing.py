@@ -162,19 +162,22 @@ class Segments:
 
     def attend(self, module, query, key, value, **kwargs) -> torch.Tensor:
         """(rows, width, heads, head_dim): each sample's queries attend to its own keys (zeros on padding)."""
-        by_row: dict[int, list[torch.Tensor]] = {}
-        for row, start, n, mask in self.segments:
-            part = slice(start, start + n)
-            q, k, v = (t[row : row + 1, :, part] for t in (query, key, value))
-            by_row.setdefault(row, []).append(sdpa_attention_forward(module, q, k, v, mask, **kwargs)[0])
-        rows = []
-        for row in range(len(by_row)):
-            parts = by_row[row]
-            filled = sum(p.shape[1] for p in parts)
-            if filled < self.width:
-                parts = [*parts, parts[0].new_zeros(1, self.width - filled, *parts[0].shape[2:])]
-            rows.append(torch.cat(parts, 1))
-        return torch.cat(rows)
+        by_row: dict[int, list] = {}
+        for row, _, n, mask in self.segments:  # a row's samples in column order
+            by_row.setdefault(row, []).append((n, mask))
+        out = []
+        # unbind and split, not indexing: their backward is one stack / cat, an index's a zero tensor per sample
+        for row, (q, k, v) in enumerate(zip(*(t.unbind(0) for t in (query, key, value)))):
+            lengths = [n for n, _ in by_row[row]]
+            pad = self.width - sum(lengths)
+            parts = [
+                sdpa_attention_forward(module, qs[None], ks[None], vs[None], mask, **kwargs)[0]
+                for (_, mask), qs, ks, vs in zip(by_row[row], *(t.split([*lengths, pad], dim=1) for t in (q, k, v)))
+            ]
+            if pad:
+                parts.append(parts[0].new_zeros(1, pad, *parts[0].shape[2:]))
+            out.append(torch.cat(parts, 1))
+        return torch.cat(out)
 
 
 def segment_attention(module, query, key, value, attention_mask, **kwargs) -> tuple[torch.Tensor, None]:

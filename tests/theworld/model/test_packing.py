@@ -127,3 +127,54 @@ def test_the_plan_balances_rows_and_a_full_row_has_no_padding():
     assert packing.plan_rows([30, 4, 4], 10) == [0, 1, 1]  # longer than a row: a row of its own
     assert packing.padding_share([4, 2], None) == 0.25  # unpacked: each row padded to the longest
     assert packing.plan_rows([3, 3, 3], 10) == packing.plan_rows([3, 3, 3], 10)
+
+
+def test_under_sdpa_each_sample_attends_alone_and_unpacked_batches_keep_their_numerics():
+    """sdpa packed rows give their layers each sample's place (row, first column, length) and its own mask (None
+    where plain causal attention is the mask), not a row-wide mask; the switch to SEGMENTS leaves an unpacked batch's
+    logits bitwise as they were."""
+    model, inputs = _batch({"plain": _model(WorldConfig())}, "multi_turn")
+    text = model.gemma.config.get_text_config()
+    with torch.no_grad():
+        before = model(inputs, return_logits=True).logits
+        assert text._attn_implementation == "sdpa"
+        fused = model.embed_inputs(inputs)
+        rows = torch.tensor([0, 0, 1, 1])
+        packed = packing.Packed(fused["attention_mask"], rows)
+        masks = packed.masks(fused["token_type_ids"], text, torch.float32)
+        model(_packed(inputs, rows.tolist()))
+        after = model(inputs, return_logits=True).logits
+    assert text._attn_implementation == packing.SEGMENTS and torch.equal(before, after)
+    lengths = fused["attention_mask"].sum(1).tolist()
+    places = [(r, s, n) for r, s, n, _ in masks["full_attention"].segments]
+    assert places == [(0, 0, lengths[0]), (0, lengths[0], lengths[1]), (1, 0, lengths[2]), (1, lengths[2], lengths[3])]
+    assert masks["full_attention"].width == packed.shape[1] == max(lengths[0] + lengths[1], lengths[2] + lengths[3])
+    for (*_, n, full), (*_, _, sliding) in zip(masks["full_attention"].segments, masks["sliding_attention"].segments):
+        assert full.shape == sliding.shape == (1, 1, n, n)  # image tokens: a mask of the sample's own size
+        assert (
+            full[0, 0].tril().equal(full[0, 0] & torch.ones(n, n, dtype=torch.bool).tril())
+            and full.sum() > n * (n + 1) // 2
+        )
+        assert not sliding[0, 0, n - 1, : n - 12].any() and sliding[0, 0, n - 1, n - 12 :].all()  # the window of 12
+    assert packing._sample_mask(torch.full((5,), -1), None) is None  # no image tokens: plain causal
+    assert (
+        packing._sample_mask(torch.full((5,), -1), 12) is None
+        and packing._sample_mask(torch.full((13,), -1), 12) is not None
+    )
+
+
+def test_packed_gradients_equal_unpacked_under_activation_checkpointing():
+    """Checkpointed layers rerun their attention in the backward, after the forward that switched to SEGMENTS."""
+    from theworld.model import recompute
+
+    lora = LoraConfig(parts=["language"], r=4, alpha=8, dropout=0.0)  # train mode: no dropout to differ by
+    model, inputs = _batch({"lora": _model(WorldConfig(), lora)}, "lora")
+    assert recompute.apply(model.train(), "full", parts=["language"])["language"] == 2
+    grads = []
+    for batch in (_packed(inputs, [0, 1, 1, 0]), inputs):
+        model.zero_grad()
+        model(batch).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and any("lora_A" in n for n in grads[0])
+    for n in grads[0]:
+        assert torch.allclose(grads[0][n], grads[1][n], atol=1e-6), n
