@@ -108,7 +108,7 @@ class Packed:
             return self.segments(token_types, config)
         if impl not in ATTENTION:
             raise ValueError(
-                f"packed batches need the attention implementation sdpa or eager (4D masks), not {impl!r}: "
+                f"packed batches need the attention implementation sdpa or eager, not {impl!r}: "
                 "set train.loader.packing: false"
             )
         blocks = get_block_sequence_ids_for_mask(self.pack(token_types))
