@@ -309,6 +309,8 @@ def draw(name: str, stages: list[Stage]) -> Figure | None:
         return None
     if name == "gap":
         ax.axhline(0.0, color="0.5", linewidth=0.8)
+    if name in ("throughput", "padding"):
+        ax.set_ylim(bottom=0)  # from zero: the layouts' ratio reads off the heights
     if name == "padding":
         from matplotlib.ticker import PercentFormatter
 

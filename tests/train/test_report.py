@@ -354,6 +354,7 @@ def test_throughput_figures_hold_the_logged_tokens_per_s_and_padding_share(tmp_p
     pad = report.draw("padding", stages).axes[0]
     assert [list(ln.get_ydata()) for ln in pad.lines] == [[0.5] * 3, [0.03] * 3]
     assert pad.yaxis.get_major_formatter().format_pct(0.5, 1.0) == "50%"
+    assert tps.get_ylim()[0] == pad.get_ylim()[0] == 0.0 and tps.get_ylim()[1] > 210
 
     old = write_run(tmp_path / "old", [{"step": 1, "loss": 2.0}])  # a log from before the throughput figures
     assert main([str(old), "--out", str(out)]) == 0
