@@ -68,8 +68,8 @@ class ReadAhead:
 
     def _stage(self, shard: int) -> None:
         try:
-            self.reader.stage(shard)
-        except Exception as e:  # noqa: BLE001 - the read of that shard retries it and reports
+            self.reader.stage(shard, ahead=True)
+        except Exception as e:  # noqa: BLE001 - the read of that shard retries it and reports (NoRoomAhead: downloads it)
             _log.debug(f"read-ahead of shard {shard}: {type(e).__name__}: {e}")
 
 
