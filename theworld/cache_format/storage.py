@@ -102,6 +102,7 @@ BODY_ERRORS = (
     "_ShortRead",
 )
 _retrying_since: list[float] = []
+_BOTO_LOADER: list = []  # botocore's data loader (its parsed service models) of this process's first S3 session
 _FS_LOCK = threading.Lock()  # when this process first retried (the command's bound counts from there)
 
 
@@ -167,6 +168,8 @@ class RemoteCache:
         import fsspec
 
         options = POLICY.client_options(self.scheme, self.settings.storage_options)
+        if self.scheme in ("s3", "s3a") and "session" not in options:
+            options["session"] = _s3_session()
         try:
             fs, root = fsspec.core.url_to_fs(self.url, **options)
         except ImportError as e:  # fsspec names the package to install (s3fs, gcsfs)
@@ -556,6 +559,21 @@ class _ShortRead(OSError):
 
     def __init__(self, got: int, want: int):
         super().__init__(f"{got} of {want} bytes")
+
+
+def _s3_session():
+    """An aiobotocore session that shares the parsed service models of this process's first one, which a forked
+    DataLoader worker inherits: the worker's first request then skips re-reading botocore's JSON (about a second of a
+    worker's start on a loaded machine, on the way to the first batch). The session itself is new: its credentials
+    and connections belong to this process."""
+    from aiobotocore.session import AioSession
+
+    session = AioSession()
+    if _BOTO_LOADER:
+        session.register_component("data_loader", _BOTO_LOADER[0])
+    else:
+        _BOTO_LOADER.append(session.get_component("data_loader"))
+    return session
 
 
 def _may_retry() -> bool:

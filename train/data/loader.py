@@ -3,6 +3,7 @@ run inside DataLoader workers; the main process receives collated batches packed
 
 from __future__ import annotations
 
+import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -109,8 +110,8 @@ class CacheDataset(Dataset):
 
     def __getitem__(self, pos: int) -> dict:
         index = int(self.indices[pos])
+        raw = self.reader.raw(index)  # first: a cold shard's download does not share the network with read-ahead
         self.read_ahead(pos)
-        raw = self.reader.raw(index)
         s = self.reader.decode(index, raw, tensors=False)
         flipped = self.flip and flip_of(self.seed, self.epoch, index)
         turns = tuple((swap_left_right(u), swap_left_right(m)) if flipped else (u, m) for u, m in s.turns)
@@ -294,6 +295,14 @@ def _worker_init(_: int) -> None:
     ignore_in_workers()
 
 
+@functools.cache
+def _start_shm_manager() -> None:
+    """Start torch's shared-memory manager (the file_system strategy's) in this process before workers fork: every
+    worker of every epoch and eval then uses it rather than starting one of its own, which took 1-2 s of each worker's
+    first batch on the 2-core CPU VM."""
+    torch.empty(1, dtype=torch.uint8).share_memory_()
+
+
 def _loader(cfg, ctx: DataContext, dataset, **kw) -> DataLoader:
     workers = cfg.train.loader.num_workers
     if workers:
@@ -301,6 +310,7 @@ def _loader(cfg, ctx: DataContext, dataset, **kw) -> DataLoader:
         # the worker process for each descriptor over a socket when the batch is received: a round trip that waits
         # for the worker to be scheduled, on the training step's time (docs/performance.md).
         torch.multiprocessing.set_sharing_strategy("file_system")
+        _start_shm_manager()
     packing = (
         Packing(cfg.train.loader.pack_length, cfg.world.pool, 1 + cfg.world.num_world_steps)
         if cfg.train.loader.packing
