@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from theworld import cache_format as cf
 from theworld.cache_format.held_out import split
+from theworld.cache_format.storage import NoRoomAhead
 from theworld.core import log
 from theworld.model.images import decode, load_for_vae, siglip_pixels
 from theworld.model.inputs import PARTNER
@@ -36,7 +37,9 @@ class ReadAhead:
     """Downloads the next `depth` shards of a remote cache in a dataset's order into the node's shard cache while the
     worker decodes the current one: one download at a time per worker process (its range requests several at once),
     so the bytes in flight stay within workers x storage.PARTS_IN_FLIGHT x storage.PART_BYTES. A shard is used only
-    once its sha256 is checked (storage.RemoteCache.stage); a failed read-ahead is left to the read that needs it."""
+    once its sha256 is checked (storage.RemoteCache.stage); a failed read-ahead is left to the read that needs it.
+    Read-ahead stays within the shard cache's budget: a shard that finds no room without evicting one read ahead and
+    not read yet (storage.NoRoomAhead) is tried again at the next shard."""
 
     SCAN = 1 << 14  # positions looked ahead for the next shards
 
@@ -70,7 +73,9 @@ class ReadAhead:
     def _stage(self, shard: int) -> None:
         try:
             self.reader.stage(shard, ahead=True)
-        except Exception as e:  # noqa: BLE001 - the read of that shard retries it and reports (NoRoomAhead: downloads it)
+        except NoRoomAhead:  # tried again at the next shard, once reading has made room (or read when it comes)
+            self._sent.discard(shard)
+        except Exception as e:  # noqa: BLE001 - the read of that shard retries it and reports
             _log.debug(f"read-ahead of shard {shard}: {type(e).__name__}: {e}")
 
 
