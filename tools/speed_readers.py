@@ -22,13 +22,17 @@ The cache is built once with the precompute CLI under --root (as tools.speed_tra
 
 The latency case puts a proxy, in a process of its own, in front of the S3 server: it holds each request the given
 milliseconds before forwarding it (and can cap each answer's bandwidth), and counts requests and bytes. For each
-latency, through one DataLoader worker in batches of 32: cold (empty local folders) and warm epochs' samples/s, time
-to the first batch and requests per epoch, for our reader (CacheReader with read-ahead, `cache_prefetch_shards` 2,
-in the windowed order of train/data/order.py), webdataset's pipeline streaming the shards (no cache_dir) and
-MosaicML Streaming at its documented settings (batch_size given). Then, at the first non-zero latency: bytes
-downloaded in an epoch by our reader when the shard cache holds a quarter of the cache (windowed order and global
-order); the time to open caches of 16, 1,024 and 16,384 shards (their index alone: manifest and shard index); and
-precompute's final step (`RemoteWriter.fetch_records`) over 1,024 shards.
+latency, through one DataLoader worker in batches of 32: cold (empty local folders, opening included) and warm epochs'
+samples/s, time to the first batch, requests and bytes per epoch, for the project's training loader as train.loop
+builds it (train.data.cache.open_cache, DataContext.build, build_train_loader: its worker, the windowed order with
+`cache_shuffle_window` a quarter of the shards, read-ahead at its default, the tokenising collate, the tiny model's
+processor), webdataset's pipeline streaming the shards (no cache_dir) and MosaicML Streaming at its documented
+settings (batch_size given); the peers decode each sample's caption, json and latents. litdata is not measured: its
+wheel needs another torch than this project's lock. Then, at the first non-zero latency: bytes one epoch of the
+training loader downloads when the shard cache holds a quarter of the cache (windowed and global order); data_overhead
+of training the tiny model for a whole epoch from a cold shard cache (the epoch's wall time, opening included, over
+that of the same steps on batches in memory); the time to open caches of 16, 1,024 and 16,384 shards (their index
+alone: manifest and shard index); and precompute's final step (`RemoteWriter.fetch_records`) over 1,024 shards.
 """
 
 from __future__ import annotations
@@ -441,7 +445,11 @@ def latency_run(cache: Path, latencies: list[float], bandwidth_mbps: float) -> d
             report["open"] = _open_times()
             report["fetch_records_1024_s"] = _fetch_records_time()
         report["probe_latency_ms"] = probe
-    report["litdata"] = "not installed" if importlib.util.find_spec("litdata") is None else "installed, not measured"
+    report["litdata"] = (
+        "not installed (its wheel needs another torch)"
+        if importlib.util.find_spec("litdata") is None
+        else "installed, not measured"
+    )
     return report
 
 
@@ -567,19 +575,24 @@ def _latency_table(r: dict) -> str:
     lines = [
         f"{r['samples']} samples in {r['shards']} shards, S3 server behind a proxy process holding each request; "
         "one loader worker, batches of 32",
-        f"{'latency':>8} {'reader':<11} {'cold/s':>8} {'warm/s':>8} {'1st batch s':>11} {'requests':>9}",
+        f"{'latency':>8} {'reader':<11} {'cold/s':>8} {'warm/s':>8} {'1st batch s':>11} {'requests':>9} {'MB':>7}",
     ]
     for row in r["rows"]:
         for name in ("theworld", "webdataset", "streaming"):
             c, w = row[name]["cold"], row[name]["warm"]
             lines.append(
                 f"{row['latency_ms']:>6g}ms {name:<11} {c['samples_per_s']:>8.1f} {w['samples_per_s']:>8.1f} "
-                f"{c['first_batch_s']:>11.3f} {c['requests']:>9}"
+                f"{c['first_batch_s']:>11.3f} {c['requests']:>9} {c['bytes'] / 1e6:>7.1f}"
             )
     b = r["budget"]
     lines.append(
         f"shard cache = 1/4 of the cache, {r['probe_latency_ms']:g} ms: one epoch downloads {b['windowed']}x the "
         f"cache (windowed order), {b['global']}x (global order)"
+    )
+    o = r["cold_overhead"]
+    lines.append(
+        f"training a whole cold epoch at {r['probe_latency_ms']:g} ms: data_overhead {o['data_overhead']} "
+        f"({o['cold_s']} s vs {o['staged_s']} s for its {o['steps']} steps on batches in memory)"
     )
     for n, o in r["open"].items():
         lines.append(
