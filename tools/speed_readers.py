@@ -22,13 +22,17 @@ The cache is built once with the precompute CLI under --root (as tools.speed_tra
 
 The latency case puts a proxy, in a process of its own, in front of the S3 server: it holds each request the given
 milliseconds before forwarding it (and can cap each answer's bandwidth), and counts requests and bytes. For each
-latency, through one DataLoader worker in batches of 32: cold (empty local folders) and warm epochs' samples/s, time
-to the first batch and requests per epoch, for our reader (CacheReader with read-ahead, `cache_prefetch_shards` 2,
-in the windowed order of train/data/order.py), webdataset's pipeline streaming the shards (no cache_dir) and
-MosaicML Streaming at its documented settings (batch_size given). Then, at the first non-zero latency: bytes
-downloaded in an epoch by our reader when the shard cache holds a quarter of the cache (windowed order and global
-order); the time to open caches of 16, 1,024 and 16,384 shards (their index alone: manifest and shard index); and
-precompute's final step (`RemoteWriter.fetch_records`) over 1,024 shards.
+latency, through one DataLoader worker in batches of 32: cold (empty local folders, opening included) and warm epochs'
+samples/s, time to the first batch, requests and bytes per epoch, for the project's training loader as train.loop
+builds it (train.data.cache.open_cache, DataContext.build, build_train_loader: its worker, the windowed order with
+`cache_shuffle_window` a quarter of the shards, read-ahead at its default, the tokenising collate, the tiny model's
+processor), webdataset's pipeline streaming the shards (no cache_dir) and MosaicML Streaming at its documented
+settings (batch_size given); the peers decode each sample's caption, json and latents. litdata is not measured: its
+wheel needs another torch than this project's lock. Then, at the first non-zero latency: bytes one epoch of the
+training loader downloads when the shard cache holds a quarter of the cache (windowed and global order); data_overhead
+of training the tiny model for a whole epoch from a cold shard cache (the epoch's wall time, opening included, over
+that of the same steps on batches in memory); the time to open caches of 16, 1,024 and 16,384 shards (their index
+alone: manifest and shard index); and precompute's final step (`RemoteWriter.fetch_records`) over 1,024 shards.
 """
 
 from __future__ import annotations
@@ -52,8 +56,7 @@ from multiprocessing.pool import ThreadPool
 from pathlib import Path
 
 import fsspec
-import numpy as np
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset
 
 from theworld import cache_format as cf
 from theworld.cache_format.names import CAPTION, LATENT, META
@@ -315,32 +318,64 @@ def _settings(local: str, **kw) -> cf.Settings:
     return cf.Settings({"skip_instance_cache": True}, cache_local_dir=local, **kw)
 
 
-class _Ours(Dataset):
-    """Our reader as a training loader worker runs it: the windowed order, read-ahead, decoding a sample."""
-
-    def __init__(self, reader: cf.CacheReader, order: np.ndarray, depth: int):
-        from train.data.loader import ReadAhead
-
-        self.reader, self.order, self.ahead = reader, order, ReadAhead(reader, order, depth)
-
-    def __len__(self) -> int:
-        return len(self.order)
-
-    def __getitem__(self, pos: int) -> cf.Sample:
-        index = int(self.order[pos])
-        self.ahead(pos)
-        return _same_decode(self.reader.key(index), self.reader.raw(index))
-
-
 def _loader(ds, workers: int = 1) -> DataLoader:
     return DataLoader(ds, batch_size=BATCH, num_workers=workers, collate_fn=list)
 
 
-def _order(reader: cf.CacheReader, window: int, seed: int = 0) -> np.ndarray:
-    from train.data.order import rank_indices
+def _train_config(url: str, local: str, window: int, workers: int = 1, *sets: str):
+    """The training config of the benchmark's runs: the tiny model, the cache at `url`, the shard cache `local`."""
+    from theworld.core.config import load_config
+    from train.config import TrainConfig
 
-    n = len(reader) // BATCH * BATCH
-    return rank_indices(np.arange(len(reader)), seed, 0, BATCH, 0, 1, shards=reader.shards, window=window)[:n]
+    return load_config(
+        TrainConfig,
+        None,
+        [
+            "model.gemma=tiny",
+            "model.vae=tiny",
+            "model.dtype=float32",
+            "image.resolution=64",
+            f"cache_dir={url}",
+            f"cache_local_dir={local}",
+            "storage_options={skip_instance_cache: true}",  # fsspec's cached filesystem points at an earlier proxy
+            f"output_dir={local}/run",
+            "trackers=[]",
+            "resume=null",
+            "train.eval.samples=16",
+            f"train.global_batch_size={BATCH}",
+            f"train.micro_batch_size={BATCH}",
+            f"train.loader.num_workers={workers}",
+            f"cache_shuffle_window={window}",
+            *sets,
+        ],
+    )
+
+
+def _processor():
+    from transformers import AutoProcessor
+
+    from theworld.embedded import tiny
+    from theworld.model.encoders import pretrained
+
+    return AutoProcessor.from_pretrained(pretrained("tiny", tiny.TINY_GEMMA_DIR)[0])
+
+
+class _Batches:
+    """The project's training loader as train.loop builds it (train.data.cache.open_cache, DataContext.build,
+    build_train_loader: workers, windowed order, read-ahead, tokenising collate), opened when first iterated (the
+    open is part of a cold epoch); yields its batches."""
+
+    def __init__(self, cfg, processor):
+        self.cfg, self.processor, self.ctx = cfg, processor, None
+
+    def __iter__(self) -> Iterator:
+        from train.data import cache as data
+        from train.data.loader import DataContext, build_train_loader
+
+        if self.ctx is None:
+            reader, inputs = data.open_cache(self.cfg)
+            self.ctx = DataContext.build(self.cfg, reader, inputs, self.processor)
+        yield from build_train_loader(self.cfg, self.ctx, 0, 1, epoch=0)
 
 
 def _time_epochs(make: Callable[[], Iterable], counts: Callable[[], tuple[int, int]]) -> dict:
@@ -354,11 +389,12 @@ def _time_epochs(make: Callable[[], Iterable], counts: Callable[[], tuple[int, i
         c = c0 if name == "cold" else counts()
         for batch in loader:
             first = first if first is not None else time.perf_counter() - t
-            n += len(batch)
+            n += batch.size if hasattr(batch, "size") else len(batch)
         out[name] = {
             "samples_per_s": round(n / (time.perf_counter() - t), 1),
             "first_batch_s": round(first or 0.0, 3),
             "requests": counts()[0] - c[0],
+            "bytes": counts()[1] - c[1],
             "samples": n,
         }
     return out
@@ -368,6 +404,7 @@ def latency_run(cache: Path, latencies: list[float], bandwidth_mbps: float) -> d
     manifest = cf.load_manifest(cache)
     shards = len(manifest["shards"])
     report: dict = {"samples": manifest["num_samples"], "shards": shards, "bandwidth_mbps": bandwidth_mbps, "rows": []}
+    processor = _processor()
     with _scratch(), s3_copy(cache) as (url, _), _env("S3_ENDPOINT_URL", os.environ["AWS_ENDPOINT_URL"]):
         write_mds(cache, "s3://bench/mds")
         for ms in latencies:
@@ -376,8 +413,7 @@ def latency_run(cache: Path, latencies: list[float], bandwidth_mbps: float) -> d
                 http_urls = [fs.sign(f"bench/cache/{e['path']}", expiration=3600) for e in manifest["shards"]]
 
                 def ours(tmp=tmp):
-                    reader = cf.CacheReader(url, members=(LATENT,), settings=_settings(tmp + "/o"))
-                    return _loader(_Ours(reader, _order(reader, window=max(1, shards // 4)), depth=2))
+                    return _Batches(_train_config(url, tmp + "/o", window=max(1, shards // 4)), processor)
 
                 def wds_stream(urls=http_urls):
                     import webdataset as wds
@@ -404,28 +440,65 @@ def latency_run(cache: Path, latencies: list[float], bandwidth_mbps: float) -> d
                 report["rows"].append(row)
         probe = next((x for x in latencies if x > 0), latencies[-1])
         with latency_proxy(probe, bandwidth_mbps) as counts:
-            report["budget"] = _budget_bytes(url, manifest, counts)
+            report["budget"] = _budget_bytes(url, manifest, counts, processor)
+            report["cold_overhead"] = _cold_overhead(url, max(1, shards // 4), processor)
             report["open"] = _open_times()
             report["fetch_records_1024_s"] = _fetch_records_time()
         report["probe_latency_ms"] = probe
-    report["litdata"] = "not installed" if importlib.util.find_spec("litdata") is None else "installed, not measured"
+    report["litdata"] = (
+        "not installed (its wheel needs another torch)"
+        if importlib.util.find_spec("litdata") is None
+        else "installed, not measured"
+    )
     return report
 
 
-def _budget_bytes(url: str, manifest: dict, counts) -> dict:
-    """Bytes one epoch downloads with a shard cache of a quarter of the cache: windowed and global order."""
+def _budget_bytes(url: str, manifest: dict, counts, processor) -> dict:
+    """Bytes one epoch of the training loader downloads with a shard cache of a quarter of the cache, in the windowed
+    order (a window of an eighth of the shards, read-ahead at its default) and in the global order."""
     total = sum(e["bytes"] for e in manifest["shards"])
     out = {"cache_bytes": total}
-    for name, window in (("windowed", max(1, len(manifest["shards"]) // 8)), ("global", 0)):  # 1/8: half the budget
+    for name, window in (("windowed", max(1, len(manifest["shards"]) // 8)), ("global", 0)):
         with tempfile.TemporaryDirectory() as tmp:
-            settings = _settings(tmp, cache_local_max_gb=total / 4 / 1e9)
-            reader = cf.CacheReader(url, members=(LATENT,), settings=settings)
+            cfg = _train_config(url, tmp, window, 1, f"cache_local_max_gb={total / 4 / 1e9}")
             c = counts()
-            # the window and the read-ahead together within the budget (docs/cache-format.md)
-            for _ in _loader(_Ours(reader, _order(reader, window), depth=1 if window else 2), workers=0):
+            for _ in _Batches(cfg, processor):
                 pass
             out[name] = round((counts()[1] - c[1]) / total, 2)
     return out
+
+
+def _cold_overhead(url: str, window: int, processor) -> dict:
+    """data_overhead of training the tiny model for one whole epoch from a cold shard cache (its open included):
+    the epoch's wall seconds over those of the same steps on batches already in memory."""
+    from tools.speed_train import _steps
+    from train import components
+    from train.step import LoopState, optimization_step
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = _train_config(url, f"{tmp}/cold", window)
+        launch = components.resolve_launch(cfg)
+        c = components.build(cfg, components.make_accelerator(cfg, launch), launch.accum)
+        state = LoopState()
+        staged = list(_Batches(_train_config(url, f"{tmp}/warm", window), processor))
+        _steps(c, state, staged[:3], 1)  # allocator and kernel caches: not the epoch
+        staged_s = []
+        for cold in (False, True, False):  # the in-memory epoch before and after: a loaded machine drifts
+            t = time.perf_counter()
+            if cold:
+                for batch in _Batches(cfg, processor):
+                    optimization_step(c, state, [batch])
+                cold_s = time.perf_counter() - t
+            else:
+                _steps(c, state, staged, 1)
+                staged_s.append(time.perf_counter() - t)
+        staged_s = statistics.fmean(staged_s)
+    return {
+        "steps": len(staged),
+        "staged_s": round(staged_s, 2),
+        "cold_s": round(cold_s, 2),
+        "data_overhead": round(cold_s / staged_s, 3),
+    }
 
 
 def _synthetic_index(folder: Path, n_shards: int) -> None:
@@ -506,19 +579,24 @@ def _latency_table(r: dict) -> str:
     lines = [
         f"{r['samples']} samples in {r['shards']} shards, S3 server behind a proxy process holding each request; "
         "one loader worker, batches of 32",
-        f"{'latency':>8} {'reader':<11} {'cold/s':>8} {'warm/s':>8} {'1st batch s':>11} {'requests':>9}",
+        f"{'latency':>8} {'reader':<11} {'cold/s':>8} {'warm/s':>8} {'1st batch s':>11} {'requests':>9} {'MB':>7}",
     ]
     for row in r["rows"]:
         for name in ("theworld", "webdataset", "streaming"):
             c, w = row[name]["cold"], row[name]["warm"]
             lines.append(
                 f"{row['latency_ms']:>6g}ms {name:<11} {c['samples_per_s']:>8.1f} {w['samples_per_s']:>8.1f} "
-                f"{c['first_batch_s']:>11.3f} {c['requests']:>9}"
+                f"{c['first_batch_s']:>11.3f} {c['requests']:>9} {c['bytes'] / 1e6:>7.1f}"
             )
     b = r["budget"]
     lines.append(
         f"shard cache = 1/4 of the cache, {r['probe_latency_ms']:g} ms: one epoch downloads {b['windowed']}x the "
         f"cache (windowed order), {b['global']}x (global order)"
+    )
+    o = r["cold_overhead"]
+    lines.append(
+        f"training a whole cold epoch at {r['probe_latency_ms']:g} ms: data_overhead {o['data_overhead']} "
+        f"({o['cold_s']} s vs {o['staged_s']} s for its {o['steps']} steps on batches in memory)"
     )
     for n, o in r["open"].items():
         lines.append(

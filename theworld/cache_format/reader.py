@@ -426,11 +426,12 @@ class CacheReader:
             os.close(self._files.pop(next(iter(self._files))))
         return fd
 
-    def stage(self, shard: int) -> None:
-        """Download shard `shard` of a remote cache into the node's shard cache (read-ahead; a local cache: nothing)."""
+    def stage(self, shard: int, ahead: bool = False) -> None:
+        """Download shard `shard` of a remote cache into the node's shard cache (a local cache: nothing). `ahead`
+        (read-ahead): storage.NoRoomAhead rather than evict a shard read ahead and not read yet."""
         if self.remote is not None:
             entry = self.manifest["shards"][shard]
-            self.remote.stage(shard, entry["bytes"], entry["sha256"])
+            self.remote.stage(shard, entry["bytes"], entry["sha256"], ahead)
 
     def sample(self, index: int, tensors: bool = True) -> Sample:
         """`decode_sample` of `raw(index)`; bytes that do not decode raise CacheDamaged naming shard and key."""

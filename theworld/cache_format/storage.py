@@ -53,10 +53,18 @@ READ_ONLY = ("http", "https", "hf")  # fsspec reads these; a cache is not writte
 PART_BYTES = 8 << 20  # a shard is downloaded in range requests of this size ...
 PARTS_IN_FLIGHT = 8  # ... this many at once (the bytes one download holds in memory)
 CONNECTIONS = 32  # small objects (sidecars, index objects, error files) requested at once
+# A staged shard no reader has opened yet (read ahead) carries a modification time this far in the future, so the
+# least-recently-used eviction takes it last; opening it sets the time to now (`open_tar`)
+UNREAD_S = 10 * 365 * 86400
 
 
 class ShardCacheFull(UserError):
     """The local shard cache cannot hold a shard: a problem of this node's disk, not of the cache."""
+
+
+class NoRoomAhead(Exception):
+    """A read-ahead would evict a shard that was read ahead and is not read yet: it is left to the read that needs
+    it, so read-ahead never costs a download twice."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,7 @@ BODY_ERRORS = (
     "_ShortRead",
 )
 _retrying_since: list[float] = []
+_BOTO_LOADER: list = []  # botocore's data loader (its parsed service models) of this process's first S3 session
 _FS_LOCK = threading.Lock()  # when this process first retried (the command's bound counts from there)
 
 
@@ -159,6 +168,8 @@ class RemoteCache:
         import fsspec
 
         options = POLICY.client_options(self.scheme, self.settings.storage_options)
+        if self.scheme in ("s3", "s3a") and "session" not in options:
+            options["session"] = _s3_session()
         try:
             fs, root = fsspec.core.url_to_fs(self.url, **options)
         except ImportError as e:  # fsspec names the package to install (s3fs, gcsfs)
@@ -388,12 +399,13 @@ class RemoteCache:
             return fd
         raise UserError(f"{self.url}: the shard cache {self.shard_dir} evicts shards as fast as they come")
 
-    def stage(self, index: int, size: int, sha256: str) -> Path:
+    def stage(self, index: int, size: int, sha256: str, ahead: bool = False) -> Path:
         """Shard `index` in the shard cache, by content (its sha256), downloaded once per node.
 
         The download goes to `.<sha256>.tar.part`, locked (flock) while it is written and renamed into place once its
         sha256 is checked: the lock keeps two processes from fetching it twice, dies with its process (kill -9
-        included), and leaves no file behind; a `.part` is never read."""
+        included), and leaves no file behind; a `.part` is never read. `ahead` (read-ahead): raises NoRoomAhead
+        rather than evict a shard that was read ahead and not read yet."""
         path = self.shard_dir / f"{sha256}.tar"
         if self._trusted(path, size, sha256, index):
             return path
@@ -407,9 +419,9 @@ class RemoteCache:
                     return path  # another process staged it while this one waited
                 if not _same_file(fd, part):
                     continue  # renamed into place or dropped while this one waited: look again
-                self._make_room(size, index)
+                self._make_room(size, index, ahead)
                 name = f"{SHARDS}/{tar_path(self.local, index).name}"
-                self._download(name, fd, part, path, size, sha256)
+                self._download(name, fd, part, path, size, sha256, unread=ahead)
                 self._checked.add(sha256)
                 return path
             finally:
@@ -439,9 +451,11 @@ class RemoteCache:
         self._checked.add(sha256)
         return True
 
-    def _download(self, name: str, fd: int, part: Path, path: Path, size: int, sha256: str) -> None:
+    def _download(
+        self, name: str, fd: int, part: Path, path: Path, size: int, sha256: str, unread: bool = False
+    ) -> None:
         """The object `name` into `fd` (the locked `part`) by range requests, several at once, hashed in order;
-        renamed to `path` once it is the shard the manifest lists."""
+        renamed to `path` once it is the shard the manifest lists (`unread`: marked read ahead, UNREAD_S)."""
         h = hashlib.sha256()
         os.ftruncate(fd, 0)
         try:
@@ -461,6 +475,8 @@ class RemoteCache:
                     f"{h.hexdigest()[:12]}... vs {size} and {sha256[:12]}...): the cache changed after it was built; "
                     "rerun the precompute command that built it"
                 )
+            if unread:  # evicted last until a reader opens it (open_tar sets the time to now)
+                os.utime(fd, (time.time(), time.time() + UNREAD_S))
             os.replace(part, path)
         except OSError as e:
             part.unlink(missing_ok=True)
@@ -504,9 +520,11 @@ class RemoteCache:
             wait *= 2
         raise AssertionError("unreachable")
 
-    def _make_room(self, size: int, index: int) -> None:
+    def _make_room(self, size: int, index: int, ahead: bool = False) -> None:
         """Evict the least recently used shards until `size` more bytes fit under cache_local_max_gb; downloads that
-        died with their process (an unlocked `.part`) go too."""
+        died with their process (an unlocked `.part`) go too. Shards read ahead and not opened yet go last; a
+        read-ahead (`ahead`) that would have to evict one raises NoRoomAhead instead: a window and read-ahead larger
+        than the budget then download each shard once, reading ahead only as far as the budget allows."""
         budget = int(self.settings.cache_local_max_gb * 1e9)
         if size > budget:
             raise self._full(
@@ -520,7 +538,9 @@ class RemoteCache:
                 with contextlib.suppress(FileNotFoundError):
                     st = p.stat()
                     files.append((st.st_mtime, st.st_size, p))
-            used = sum(s for _, s, _ in files)
+            used, now = sum(s for _, s, _ in files), time.time()
+            if ahead and used - sum(s for m, s, _ in files if m <= now) + size > budget:
+                raise NoRoomAhead(f"{tar_path(self.local, index).name}: the shard cache holds shards not read yet")
             for _, s, p in sorted(files):
                 if used + size <= budget:
                     break
@@ -539,6 +559,21 @@ class _ShortRead(OSError):
 
     def __init__(self, got: int, want: int):
         super().__init__(f"{got} of {want} bytes")
+
+
+def _s3_session():
+    """An aiobotocore session that shares the parsed service models of this process's first one, which a forked
+    DataLoader worker inherits: the worker's first request then skips re-reading botocore's JSON (about a second of a
+    worker's start on a loaded machine, on the way to the first batch). The session itself is new: its credentials
+    and connections belong to this process."""
+    from aiobotocore.session import AioSession
+
+    session = AioSession()
+    if _BOTO_LOADER:
+        session.register_component("data_loader", _BOTO_LOADER[0])
+    else:
+        _BOTO_LOADER.append(session.get_component("data_loader"))
+    return session
 
 
 def _may_retry() -> bool:

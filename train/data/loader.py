@@ -3,6 +3,7 @@ run inside DataLoader workers; the main process receives collated batches packed
 
 from __future__ import annotations
 
+import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from theworld import cache_format as cf
 from theworld.cache_format.held_out import split
+from theworld.cache_format.storage import NoRoomAhead
 from theworld.core import log
 from theworld.model.images import decode, load_for_vae, siglip_pixels
 from theworld.model.inputs import PARTNER
@@ -35,7 +37,9 @@ class ReadAhead:
     """Downloads the next `depth` shards of a remote cache in a dataset's order into the node's shard cache while the
     worker decodes the current one: one download at a time per worker process (its range requests several at once),
     so the bytes in flight stay within workers x storage.PARTS_IN_FLIGHT x storage.PART_BYTES. A shard is used only
-    once its sha256 is checked (storage.RemoteCache.stage); a failed read-ahead is left to the read that needs it."""
+    once its sha256 is checked (storage.RemoteCache.stage); a failed read-ahead is left to the read that needs it.
+    Read-ahead stays within the shard cache's budget: a shard that finds no room without evicting one read ahead and
+    not read yet (storage.NoRoomAhead) is tried again at the next shard."""
 
     SCAN = 1 << 14  # positions looked ahead for the next shards
 
@@ -68,7 +72,9 @@ class ReadAhead:
 
     def _stage(self, shard: int) -> None:
         try:
-            self.reader.stage(shard)
+            self.reader.stage(shard, ahead=True)
+        except NoRoomAhead:  # tried again at the next shard, once reading has made room (or read when it comes)
+            self._sent.discard(shard)
         except Exception as e:  # noqa: BLE001 - the read of that shard retries it and reports
             _log.debug(f"read-ahead of shard {shard}: {type(e).__name__}: {e}")
 
@@ -109,8 +115,8 @@ class CacheDataset(Dataset):
 
     def __getitem__(self, pos: int) -> dict:
         index = int(self.indices[pos])
+        raw = self.reader.raw(index)  # first: a cold shard's download does not share the network with read-ahead
         self.read_ahead(pos)
-        raw = self.reader.raw(index)
         s = self.reader.decode(index, raw, tensors=False)
         flipped = self.flip and flip_of(self.seed, self.epoch, index)
         turns = tuple((swap_left_right(u), swap_left_right(m)) if flipped else (u, m) for u, m in s.turns)
@@ -294,6 +300,14 @@ def _worker_init(_: int) -> None:
     ignore_in_workers()
 
 
+@functools.cache
+def _start_shm_manager() -> None:
+    """Start torch's shared-memory manager (the file_system strategy's) in this process before workers fork: every
+    worker of every epoch and eval then uses it rather than starting one of its own, which took 1-2 s of each worker's
+    first batch on the 2-core CPU VM."""
+    torch.empty(1, dtype=torch.uint8).share_memory_()
+
+
 def _loader(cfg, ctx: DataContext, dataset, **kw) -> DataLoader:
     workers = cfg.train.loader.num_workers
     if workers:
@@ -301,6 +315,7 @@ def _loader(cfg, ctx: DataContext, dataset, **kw) -> DataLoader:
         # the worker process for each descriptor over a socket when the batch is received: a round trip that waits
         # for the worker to be scheduled, on the training step's time (docs/performance.md).
         torch.multiprocessing.set_sharing_strategy("file_system")
+        _start_shm_manager()
     packing = (
         Packing(cfg.train.loader.pack_length, cfg.world.pool, 1 + cfg.world.num_world_steps)
         if cfg.train.loader.packing

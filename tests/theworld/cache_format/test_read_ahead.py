@@ -112,3 +112,25 @@ def test_a_bit_flipped_in_the_shard_cache_is_caught_there_and_the_shard_download
     assert [p for m, p, _ in s3.log[start:] if m == "GET" and p.endswith(".tar")] == [
         f"/{BUCKET}/flip/shards/shard-000000.tar"
     ]
+
+
+def test_a_read_ahead_deeper_than_the_shard_budget_downloads_each_shard_once(s3, tmp_path):
+    local = _cache(tmp_path / "c", 8, per_shard=3)
+    remote = _put_tree(s3, local, "budget")
+    truth = cf.CacheReader(local)
+    budget = 2 * max(e["bytes"] for e in truth.manifest["shards"])  # two shards: less than window 1 + read-ahead 3
+    settings = cf.Settings(cache_local_dir=str(tmp_path / "l"), cache_local_max_gb=budget / 1e9)
+    reader = cf.CacheReader(remote, settings=settings)
+    order = rank_indices(np.arange(len(truth)), 5, 0, 4, 0, 1, shards=truth.shards, window=1)
+    ahead, got, start = ReadAhead(reader, order, 3), [], len(s3.log)
+    for pos, index in enumerate(order.tolist()):
+        got.append((reader.key(index), reader.raw(index)))
+        ahead(pos)
+        if ahead._pool is not None:  # a slow step: the read-ahead (one thread, in order) finishes what it was sent
+            ahead._pool.submit(lambda: None).result()
+    ahead._pool.shutdown(wait=True)
+    assert got == [(truth.key(i), truth.raw(i)) for i in order.tolist()]
+    tars = [p for m, p, _ in s3.log[start:] if m == "GET" and p.endswith(".tar")]
+    assert sorted(tars) == [f"/{BUCKET}/budget/shards/shard-{i:06d}.tar" for i in range(8)], tars
+    staged = sum(p.stat().st_size for p in (tmp_path / "l" / "shards").glob("*.tar"))
+    assert staged <= budget
