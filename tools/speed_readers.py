@@ -5,7 +5,7 @@ server (moto's, started on 127.0.0.1 in this process) and the same samples, side
 
 Readers, each decoding every sample the same way (`decode_sample`: caption, json, latent safetensors):
   theworld    CacheReader over s3://... as training reads it: index fetched, whole shards staged through s3fs into
-              the shard cache (cache_local_dir), each member checked by its crc32.
+              the shard cache (storage.local_dir), each member checked by its crc32.
   webdataset  webdataset.WebDataset over the shards' presigned http:// URLs on the same server (its own URL pipeline:
               a curl pipe per shard), with its cache_dir so a second epoch reads local copies.
   streaming   MosaicML Streaming's StreamingDataset over the same samples written with its MDSWriter (every member,
@@ -23,7 +23,7 @@ The cache is built once with the precompute CLI under --root (as tools.speed_tra
 The latency case puts a proxy, in a process of its own, in front of the S3 server: it holds each request the given
 milliseconds before forwarding it (and can cap each answer's bandwidth), and counts requests and bytes. For each
 latency, through one DataLoader worker in batches of 32: cold (empty local folders) and warm epochs' samples/s, time
-to the first batch and requests per epoch, for our reader (CacheReader with read-ahead, `cache_prefetch_shards` 2,
+to the first batch and requests per epoch, for our reader (CacheReader with read-ahead, `storage.prefetch_shards` 2,
 in the windowed order of train/data/order.py), webdataset's pipeline streaming the shards (no cache_dir) and
 MosaicML Streaming at its documented settings (batch_size given). Then, at the first non-zero latency: bytes
 downloaded in an epoch by our reader when the shard cache holds a quarter of the cache (windowed order and global
@@ -73,7 +73,7 @@ def _same_decode(key: str, members: dict[str, bytes]) -> cf.Sample:
 
 
 def theworld(url: str, tmp: Path) -> Epoch:
-    reader = cf.CacheReader(url, members=(LATENT,), settings=cf.Settings(cache_local_dir=str(tmp)))
+    reader = cf.CacheReader(url, members=(LATENT,), settings=cf.Settings(local_dir=str(tmp)))
     return lambda: (reader.sample(i) for i in range(len(reader)))
 
 
@@ -312,7 +312,7 @@ BATCH = 32
 
 def _settings(local: str, **kw) -> cf.Settings:
     """Object storage settings with a new filesystem: fsspec's cached one would still point at an earlier proxy."""
-    return cf.Settings({"skip_instance_cache": True}, cache_local_dir=local, **kw)
+    return cf.Settings({"skip_instance_cache": True}, local_dir=local, **kw)
 
 
 class _Ours(Dataset):
@@ -418,7 +418,7 @@ def _budget_bytes(url: str, manifest: dict, counts) -> dict:
     out = {"cache_bytes": total}
     for name, window in (("windowed", max(1, len(manifest["shards"]) // 8)), ("global", 0)):  # 1/8: half the budget
         with tempfile.TemporaryDirectory() as tmp:
-            settings = _settings(tmp, cache_local_max_gb=total / 4 / 1e9)
+            settings = _settings(tmp, local_max_gb=total / 4 / 1e9)
             reader = cf.CacheReader(url, members=(LATENT,), settings=settings)
             c = counts()
             # the window and the read-ahead together within the budget (docs/cache-format.md)

@@ -603,3 +603,14 @@ def test_a_full_disk_is_one_line_and_the_rerun_is_bit_exact(tmp_path, fake_vae, 
     monkeypatch.setattr(shard_writer.cf, "write_shard", write_shard)
     assert cosmos_latents.main(cli_args(out, n=12, shard=4)) == 0
     assert [s["sha256"] for s in cf.load_manifest(out)["shards"]] == [s["sha256"] for s in reference["shards"]]
+
+
+def test_a_refused_precompute_into_a_new_folder_leaves_nothing(tmp_path, capsys, fake_vae):
+    from precompute import cosmos_latents
+    from tests._precompute_helpers import cli_args
+
+    (tmp_path / "empty").mkdir()
+    out = tmp_path / "out" / "cache"
+    rc = cosmos_latents.main(cli_args(out, "source.type=folder", f"source.path={tmp_path / 'empty'}"))
+    assert rc == 2 and "no samples found" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

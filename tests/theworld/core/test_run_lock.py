@@ -89,3 +89,30 @@ def test_the_other_processes_repeat_the_main_processs_verdict(tmp_path):
     # refused for another reason (a file, not a folder; no permission): no holder is claimed from an old lock file
     other = run_lock._verdict_elsewhere(tmp_path, 2, "output_dir")
     assert not isinstance(other, run_lock.InUse) and "cannot be used" in str(other) and "pid" not in str(other)
+
+
+class _OneProcess:  # what run_lock.hold reads of an Accelerator or PartialState
+    is_main_process, num_processes = True, 1
+
+
+def test_a_failed_run_leaves_no_folder_holding_only_its_lock(tmp_path):
+    from theworld.core import run_lock
+
+    out = tmp_path / "new" / "run"
+    with pytest.raises(RuntimeError, match="refused"):
+        with run_lock.hold(out, _OneProcess()):
+            (out / "sub").mkdir()
+            raise RuntimeError("refused")
+    assert not (tmp_path / "new").exists()  # the folders the run created go with their lock
+    with pytest.raises(RuntimeError, match="crashed"):
+        with run_lock.hold(out, _OneProcess()):
+            (out / "sub").mkdir()
+            (out / "sub" / "written").write_text("work")
+            raise RuntimeError("crashed")
+    assert (out / "sub" / "written").read_text() == "work"  # what a run wrote is never deleted
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    with pytest.raises(RuntimeError):
+        with run_lock.hold(kept, _OneProcess()):
+            raise RuntimeError("refused")
+    assert kept.is_dir() and not any(kept.iterdir())  # a folder that was there stays, without the lock file

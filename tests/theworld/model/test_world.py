@@ -333,3 +333,53 @@ def test_compiled_language_layers_give_the_same_loss_and_gradients(checkpointing
     assert torch.allclose(results[0][0], results[1][0], atol=1e-6)
     assert torch.allclose(results[0][1], results[1][1], atol=1e-6)
     assert counters["stats"]["unique_graphs"] >= 1  # the layers really ran through a captured graph
+
+
+@pytest.fixture(scope="module")
+def bucketed():
+    from theworld.model.config import ImageConfig, ModelConfig, WorldConfig
+    from theworld.model.world import TheWorld
+
+    image = ImageConfig(resolution=96, resize="bucket")
+    model, processor = TheWorld.from_config(ModelConfig(dtype="float32"), WorldConfig(), image=image)
+    return model.eval(), processor, image
+
+
+def _scenes_of_two_aspect_ratios(root) -> list:
+    from theworld.embedded import synthetic
+
+    paths = []
+    for i, size in enumerate([(128, 64), (64, 128)]):
+        img = synthetic.scene(3, i, size=64)[0].resize(size)
+        paths.append(root / f"{i}.png")
+        img.save(paths[-1])
+    return paths
+
+
+def test_a_bucketed_model_describes_images_of_any_aspect_ratio_as_it_would_one_by_one(tmp_path, bucketed):
+    from theworld.model import images
+
+    model, _, image = bucketed
+    paths = _scenes_of_two_aspect_ratios(tmp_path)
+    assert len({images.input_size(p, image.resolution, image.resize) for p in paths}) == 2
+    together = model.generate(paths, "describe", max_new_tokens=2)
+    assert together == [model.generate([p], "describe", max_new_tokens=2)[0] for p in paths]
+    shuffled = model.generate(paths, "describe", max_new_tokens=2, world_images=paths[::-1])  # each the other's world
+    assert shuffled[0] == model.generate(paths[:1], "describe", max_new_tokens=2, world_images=paths[1:])[0]
+
+
+def test_a_bucketed_model_scores_items_of_any_aspect_ratio_batched_as_one_by_one(tmp_path, bucketed):
+    from theworld.infer import benchmark_items
+    from theworld.infer.scoring import Scorer
+
+    model, processor, image = bucketed
+    paths = _scenes_of_two_aspect_ratios(tmp_path)
+    items = [benchmark_items.Item(f"item {i}", [p], "which?", ["red", "green"], i) for i, p in enumerate(paths)]
+    scorer = Scorer(model, processor, image, items)
+    batched = scorer.score([0, 1])
+    alone = [scorer.score([i])[0] for i in range(2)]
+    for together, one in zip(batched, alone):
+        assert set(together) == {"model", "shuffled_world"}, together
+        for cond in together:
+            assert together[cond] == pytest.approx(one[cond], abs=1e-4)
+    assert batched[0]["model"] != batched[0]["shuffled_world"]  # the partner's world: another picture, another shape

@@ -1,5 +1,5 @@
 """train/data/order.py: length grouping (train.loader.group_by_length: keeps each window's samples, puts similar
-lengths and one modality together) and the windowed shard order (cache_shuffle_window: a window of shards at a
+lengths and one modality together) and the windowed shard order (storage.shuffle_window: a window of shards at a
 time); both pure functions of (seed, epoch, step), so 1 process == N and resume at any step hold."""
 
 from __future__ import annotations
@@ -127,14 +127,17 @@ def test_a_window_of_shards_downloads_a_cache_4x_the_shard_budget_about_once():
     assert fetches(epoch_order(WTRAIN, 1, 0), 10) > 400
 
 
-def test_cache_shuffle_window_is_a_config_key_that_leaves_earlier_runs_hashes_alone():
+def test_storage_shuffle_window_is_a_config_key_that_leaves_earlier_runs_hashes_alone():
     from theworld.core.config import load_config
     from theworld.core.errors import UserError
     from train.config import TrainConfig, run_hash
 
     base = load_config(TrainConfig, None, [])
-    assert run_hash(load_config(TrainConfig, None, ["cache_shuffle_window=0"])) == run_hash(base)
-    assert run_hash(load_config(TrainConfig, None, ["cache_prefetch_shards=5"])) == run_hash(base)  # neutral
-    assert run_hash(load_config(TrainConfig, None, ["cache_shuffle_window=8"])) != run_hash(base)  # other numbers
-    with pytest.raises(UserError, match="config key 'cache_shuffle_window': must be >= 0, got -1"):
-        load_config(TrainConfig, None, ["cache_shuffle_window=-1"])
+    assert run_hash(load_config(TrainConfig, None, ["storage.shuffle_window=0"])) == run_hash(base)
+    assert run_hash(load_config(TrainConfig, None, ["storage.prefetch_shards=5"])) == run_hash(base)  # neutral
+    windowed = run_hash(load_config(TrainConfig, None, ["storage.shuffle_window=8"]))
+    assert windowed != run_hash(base)  # other numbers
+    # a run started with the earlier top-level key records the same hash, so it resumes under the new key
+    assert run_hash(load_config(TrainConfig, None, ["cache_shuffle_window=8"])) == windowed
+    with pytest.raises(UserError, match="config key 'storage.shuffle_window': must be >= 0, got -1"):
+        load_config(TrainConfig, None, ["storage.shuffle_window=-1"])
