@@ -182,3 +182,23 @@ def bucket_folder(root: Path, n: int) -> Path:
         )
     (root / "captions.jsonl").write_text("\n".join(lines) + "\n")
     return root
+
+
+def encoded_samples(n: int, long_key: bool = False) -> list[tuple[str, dict]]:
+    """`n` seeded samples encoded as the writer takes them ((key, members)); `long_key`: keys too long for ustar."""
+    from theworld import cache_format as cf
+
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        key = f"{'k' * 150}-{i}" if long_key else f"s{i:04d}"  # a key too long for a plain ustar name
+        s = cf.Sample(
+            key=key,
+            caption=f"caption {i}",
+            meta={"prompt": "p", "i": i},
+            mean=torch.randn(16, 1, 4, 4, generator=g),
+            logvar=torch.randn(16, 1, 4, 4, generator=g),
+            image=b"\x89PNG\r\n\x1a\n" + bytes(range(i % 7 + 1)),
+        )
+        out.append((key, cf.encode_sample(s, "float32")))
+    return out

@@ -11,11 +11,10 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ENV, base_args, one_error_line, train_inproc
 from theworld.core import run_lock
 from theworld.core.errors import UserError
 
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 HOLD = (
     "import sys, time\nfrom theworld.core import run_lock\nrun_lock.acquire(sys.argv[1])\nprint('held', flush=True)\n"
     "time.sleep(120)"
@@ -116,3 +115,20 @@ def test_a_failed_run_leaves_no_folder_holding_only_its_lock(tmp_path):
         with run_lock.hold(kept, _OneProcess()):
             raise RuntimeError("refused")
     assert kept.is_dir() and not any(kept.iterdir())  # a folder that was there stays, without the lock file
+
+
+def test_run_lock_and_output_paths_of_the_wrong_kind_are_named(trained_run, tmp_path, capsys):
+    for kind in ("fifo", "directory"):
+        out = tmp_path / kind
+        out.mkdir()
+        os.mkfifo(out / ".run.lock") if kind == "fifo" else (out / ".run.lock").mkdir()
+        assert train_inproc(base_args(trained_run["cache"], out, steps=1)) == 2
+        line = one_error_line(capsys, ".run.lock", "run lock", "a FIFO" if kind == "fifo" else "a directory")
+        assert "is a file, not a folder" not in line
+    out = tmp_path / "wandb-file"
+    out.mkdir()
+    (out / "wandb").write_text("not a folder")
+    args = base_args(trained_run["cache"], out, steps=1) + ["--set", "trackers=[wandb]"]
+    pytest.importorskip("wandb")
+    assert train_inproc(args) == 2
+    one_error_line(capsys, str(out / "wandb"), "a regular file", "W&B")

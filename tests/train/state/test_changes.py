@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import (
+    base_args,
+    train_inproc,
+)
 from theworld.core.config import load_config, to_yaml
 from theworld.core.errors import UserError
 from train.config import TrainConfig
@@ -60,3 +64,18 @@ def test_a_finished_run_refuses_another_cache_but_not_keys_that_change_nothing(t
     same = _cfg(tmp_path, "cache_dir=cache/a", "train.max_steps=4", "world.rollout.inference_steps=9")
     changes.check_resume(same, ckpt, 4)
     changes.check_resume(_cfg(tmp_path, "cache_dir=cache/b", "train.max_steps=6"), ckpt, 4)  # extended: goes on
+
+
+def test_resuming_under_another_resolved_micro_batch_or_sharding_does_not_warn_of_another_config(
+    cache, tmp_path, capsys
+):
+    out = tmp_path / "run"
+    common = {"train.checkpoint.every": 2, "train.micro_batch_size": "auto"}
+    assert train_inproc(base_args(cache, out, steps=2, **common, **{"train.max_micro_batch_size": 4})) == 0
+    capsys.readouterr()
+    # auto now resolves to 8 (as it does when a 2-process run resumes on 1), and the launcher asks for no FSDP
+    assert train_inproc(base_args(cache, out, steps=2, **common, **{"train.max_micro_batch_size": 8})) == 0
+    err = capsys.readouterr().err
+    assert "resumed from" in err and "different config" not in err
+    assert train_inproc(base_args(cache, out, steps=2, **common, **{"train.optimizer.lr": "2e-2"})) == 0
+    assert "written under a different config" in capsys.readouterr().err  # a change of the numbers still warns
