@@ -301,6 +301,11 @@ def train_config(*sets: str):
     return load_config(TrainConfig, None, list(sets))
 
 
+def slurm_job(**extra: str) -> dict:
+    """SLURM's environment for node 2 of a 4-node job (job 77 on gpu07-gpu10), with `extra` over it."""
+    return {"SLURM_NNODES": "4", "SLURM_NODEID": "2", "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "gpu[07-10]"} | extra
+
+
 def bench_json(args: list[str], tmp_path) -> dict:
     """`python -m MODULE ARGS --json` (a benchmark) from tmp_path, required to succeed: its figures."""
     out = subprocess.run(

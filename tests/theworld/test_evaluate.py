@@ -15,7 +15,7 @@ from tests.conftest import evaluate_main, one_error_line
 from theworld.embedded import synthetic
 from theworld.evaluate import main
 from theworld.infer import benchmark_items
-from theworld.infer.scoring import Scorer, evaluate, summarize, wilson
+from theworld.infer.scoring import Scorer, evaluate, summarize
 from theworld.model import images
 from theworld.model.config import ImageConfig, ModelConfig, WorldConfig
 from theworld.model.world import TheWorld
@@ -46,26 +46,6 @@ def test_the_scorer_agrees_with_a_hand_computation_on_a_two_item_file(tiny, tmp_
         assert r["pred_shuffled_world"] == max(range(len(shuffled)), key=shuffled.__getitem__)
     choices = lambda rs: [{k: v for k, v in r.items() if k != "outputs"} for r in rs]  # scores: to rounding
     assert choices(evaluate(model, processor, ImageConfig(), items, batch_size=2)) == choices(records)  # batching
-
-
-def test_wilson_interval_and_summary():
-    lo, hi = wilson(8, 10)
-    assert lo == pytest.approx(0.4902, abs=1e-4) and hi == pytest.approx(0.9433, abs=1e-4)
-    assert wilson(0, 5)[0] == 0.0 and wilson(5, 5)[1] == 1.0
-    recs = [
-        {
-            "item": str(i),
-            "category": "x" if i < 3 else "y",
-            "answer": 0,
-            "pred": int(i % 2 == 1),
-            "pred_shuffled_world": 0,
-        }
-        for i in range(4)
-    ]
-    s = summarize(recs)
-    assert (s["n"], s["accuracy"], s["accuracy_shuffled_world"]) == (4, 0.5, 1.0)
-    assert s["categories"]["x"]["n"] == 3 and s["categories"]["x"]["accuracy"] == pytest.approx(2 / 3)
-    assert s["accuracy_ci95"] == wilson(2, 4)
 
 
 BAD = [
