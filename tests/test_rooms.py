@@ -34,9 +34,7 @@ UNNAMED_TESTS = {
 
 # Modules with logic but no same-name test file: where they are tested today
 UNTESTED_MODULES = {
-    "theworld/cache_format/held_out.py": "tests/train/data/test_cache.py, tests/theworld/infer/test_scoring.py",
     "theworld/cache_format/layout.py": "tests/theworld/cache_format/test_integrity.py and test_shard_index.py",
-    "theworld/embedded/synthetic.py": "every test that builds a synthetic cache; no test of its own yet",
     "theworld/embedded/tiny.py": "every test that loads the tiny models (tests/conftest.py); no test of its own yet",
     "theworld/infer/card.py": "tests/train/state/test_model_card.py and test_final.py",
     "theworld/model/config.py": "the model's sections through the engine: tests/theworld/core/test_config.py",
