@@ -56,7 +56,6 @@ UNTESTED_MODULES = {
     "precompute/sources/arrow_files.py": "save_to_disk folders: tests/precompute/sources/test_parquet.py",
     "precompute/sources/synthetic.py": "tests/precompute/sources/test_listing.py",
     "tools/speed_checkpoint.py": "no smoke run yet",
-    "tools/speed_listing.py": "no smoke run yet",
 }
 
 
