@@ -56,6 +56,19 @@ def test_the_changes_are_named_by_todays_keys_with_both_values_and_neutral_keys_
     )
 
 
+def test_a_checkpoint_saved_with_the_top_level_storage_keys_compares_them_under_the_storage_section(tmp_path):
+    import yaml
+
+    then = yaml.safe_load(to_yaml(_cfg(tmp_path)))
+    del then["storage"]  # as release 4 saved it: the keys at the top level
+    then |= {"cache_shuffle_window": 4, "cache_prefetch_shards": 1, "cache_local_dir": "/old", "storage_options": {}}
+    saved = changes.saved_config(_checkpoint(tmp_path, None, yaml.safe_dump(then)))
+    assert changes.config_changes(saved, _cfg(tmp_path, "storage.shuffle_window=4")) == []  # the rest: neutral
+    assert changes.config_changes(saved, _cfg(tmp_path, "storage.shuffle_window=2")) == [
+        ("storage.shuffle_window", 4, 2)
+    ]
+
+
 def test_a_finished_run_refuses_another_cache_but_not_keys_that_change_nothing(tmp_path):
     ckpt = _checkpoint(tmp_path, _cfg(tmp_path, "cache_dir=cache/a", "train.max_steps=4"))
     with pytest.raises(UserError, match=r"holds a finished run \(step 4\) trained with other settings: cache_dir"):
