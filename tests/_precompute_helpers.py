@@ -202,3 +202,34 @@ def encoded_samples(n: int, long_key: bool = False) -> list[tuple[str, dict]]:
         )
         out.append((key, cf.encode_sample(s, "float32")))
     return out
+
+
+def sidecar_json(cache: Path, i: int) -> dict:
+    """Shard `i`'s sidecar as written."""
+    from theworld import cache_format as cf
+
+    return json.loads(cf.sidecar_path(cache, i).read_text())
+
+
+def flip_byte(cache: Path, shard: int, sample: int, member: str, at: int = 0) -> str:
+    """Flip one byte inside a member's data (found through the sidecar); returns the sample's key."""
+    from theworld import cache_format as cf
+
+    entry = sidecar_json(cache, shard)["samples"][sample]
+    offset, size = entry["members"][member]
+    tar = cf.tar_path(cache, shard)
+    data = bytearray(tar.read_bytes())
+    data[offset + (at % size)] ^= 0x40
+    tar.write_bytes(bytes(data))
+    return entry["key"]
+
+
+def strip_checksums(cache: Path) -> None:
+    """What a cache written before member checksums looks like."""
+    from theworld import cache_format as cf
+
+    for i in range(len(json.loads((cache / cf.MANIFEST).read_text())["shards"])):
+        side = sidecar_json(cache, i)
+        for s in side["samples"]:
+            s.pop(cf.CHECKSUMS)
+        cf.atomic_write_json(cf.sidecar_path(cache, i), side)

@@ -306,6 +306,25 @@ def slurm_job(**extra: str) -> dict:
     return {"SLURM_NNODES": "4", "SLURM_NODEID": "2", "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "gpu[07-10]"} | extra
 
 
+@pytest.fixture
+def small_cache(tmp_path, fake_vae):
+    """10 samples in shards of 4 at 32 px (fake VAE), this test's own: it may damage it."""
+    from precompute import cosmos_latents
+    from tests._precompute_helpers import make_cfg
+
+    out = tmp_path / "cache"
+    cosmos_latents.run(make_cfg(out, n=10, shard=4, res=32))
+    return out
+
+
+def only_line(capsys, *words: str) -> str:
+    """stderr holds one line, naming each of `words`, with no object's address in it."""
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and all(w in err[0] for w in words), err
+    assert " at 0x" not in err[0]
+    return err[0]
+
+
 def bench_json(args: list[str], tmp_path) -> dict:
     """`python -m MODULE ARGS --json` (a benchmark) from tmp_path, required to succeed: its figures."""
     out = subprocess.run(

@@ -18,8 +18,6 @@ FREE_ROOMS = ("e2e", "configs", "scripts")  # tests/<room>/ whose files need not
 
 # Test files that name no module yet: what each guards, and what stands in the way of its split
 UNNAMED_TESTS = {
-    "theworld/cache_format/test_integrity.py": "the cache's integrity end to end (the writer's crc32s, the reader's "
-    "checks, train/data/cache.py's start-of-run checks, inspect verify, the documented repair); to split by module",
     "theworld/cache_format/test_read_ahead.py": "storage.py's read-ahead; issue 41's branch adds to it now: it joins "
     "test_storage.py once that branch is merged",
     "theworld/cache_format/test_shard_index.py": "layout.py's shard index; issue 41's branch rewrites that index "
@@ -34,7 +32,6 @@ UNNAMED_TESTS = {
 
 # Modules with logic but no same-name test file: where they are tested today
 UNTESTED_MODULES = {
-    "theworld/cache_format/layout.py": "tests/theworld/cache_format/test_integrity.py and test_shard_index.py",
     "theworld/embedded/tiny.py": "every test that loads the tiny models (tests/conftest.py); no test of its own yet",
     "theworld/infer/card.py": "tests/train/state/test_model_card.py and test_final.py",
     "theworld/model/config.py": "the model's sections through the engine: tests/theworld/core/test_config.py",
