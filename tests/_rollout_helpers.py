@@ -56,3 +56,8 @@ def rollout_cache(src: Path, dst: Path, steps: int) -> Path:
     )
     assert json.loads((dst / cf.MANIFEST).read_text())["contents"]["world_steps"] == steps
     return dst
+
+
+def random_latents(b: int, frames: int, side: int = 4, seed: int = 0) -> torch.Tensor:
+    """Seeded world latents of `b` samples and `frames` frames (16 channels, side x side)."""
+    return torch.randn(b, 16, frames, side, side, generator=torch.Generator().manual_seed(seed))

@@ -22,10 +22,6 @@ UNNAMED_TESTS = {
     "test_storage.py once that branch is merged",
     "theworld/cache_format/test_shard_index.py": "layout.py's shard index; issue 41's branch rewrites that index "
     "(possibly into a module of its own): named after it once merged",
-    "theworld/model/test_buckets.py": "aspect-ratio buckets across images.py, precompute, train/data/order.py and "
-    "precompute/sizing.py; to split by module",
-    "theworld/model/test_rollout_model.py": "world rollouts' model side across projector.py, world.py, training and "
-    "evaluation; to split by module",
     "theworld/model/test_rollout_question.py": "world.rollout.condition across rollout.py, precompute and the training "
     "loader; to split by module",
 }
@@ -36,12 +32,10 @@ UNTESTED_MODULES = {
     "theworld/infer/card.py": "tests/train/state/test_model_card.py and test_final.py",
     "theworld/model/config.py": "the model's sections through the engine: tests/theworld/core/test_config.py",
     "theworld/model/inputs.py": "tests/theworld/model/test_objective.py",
-    "theworld/model/projector.py": "tests/theworld/model/test_rollout_model.py and test_arch.py",
     "theworld/model/recompute.py": "train.hardware.activation_checkpointing: tests/train/test_config.py, "
     "tests/tools/test_memory_plan.py",
     "train/components.py": "tests/train/test_step.py and test_sharding.py",
     "train/data/loader.py": "tests/train/data/test_cache.py and the runs in tests/e2e/",
-    "train/eval/benchmarks.py": "tests/theworld/infer/test_scoring.py and test_baselines.py",
     "train/loop.py": "the command: the runs in tests/e2e/",
     "train/meta_model.py": "train.loop --plan: tests/train/test_plan.py",
     "train/params.py": "tests/e2e/test_train_options.py",

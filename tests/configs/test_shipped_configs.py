@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from precompute.config import PrecomputeConfig
+from tests.conftest import ROOT
 from theworld.core.config import load_config
 from theworld.core.errors import UserError
 from train.config import RESUME_NEUTRAL, TrainConfig, neutral, neutral_keys, run_hash
@@ -286,3 +287,19 @@ def test_earlier_keys_in_the_wrong_shape_are_one_line_errors(tmp_path):
         with pytest.raises(UserError) as e:
             load_config(TrainConfig, bad if text is not None else None, sets)
         assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_the_rollout_configs_load():
+    from precompute.config import PrecomputeConfig
+    from train.config import TrainConfig
+
+    tiny = load_config(TrainConfig, ROOT / "configs" / "stage1_rollout.yaml")
+    real = load_config(TrainConfig, ROOT / "configs" / "real" / "stage1_rollout.yaml")
+    for cfg, plain in ((tiny, "stage1.yaml"), (real, "real/stage1.yaml")):
+        assert (cfg.world.num_world_steps, cfg.world.max_world_steps) == (2, 16)
+        assert "rollout" in cfg.cache_dir and "rollout" in cfg.output_dir
+        base = load_config(TrainConfig, ROOT / "configs" / plain)
+        # otherwise the stage-1 config: the same models, image, freeze flags and training settings
+        assert (cfg.model, cfg.image, cfg.freeze, cfg.train) == (base.model, base.image, base.freeze, base.train)
+    pre = load_config(PrecomputeConfig, ROOT / "configs" / "real" / "precompute.yaml")
+    assert (real.model.gemma, real.model.vae, real.image.resolution) == (pre.model.gemma, pre.model.vae, 512)

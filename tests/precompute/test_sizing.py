@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from precompute import sizing
-from tests._precompute_helpers import make_cfg
+from tests._precompute_helpers import bucket_folder, make_cfg
 
 ROLL = ["world.num_world_steps=1", "world.rollout.inference_steps=1", "batch_size=4"]
 
@@ -89,3 +89,93 @@ def test_plan_says_why_no_sampled_entry_is_usable(tmp_path, capsys):
     rc, out = _plan(capsys, "source.type=folder", f"source.path={src}", "source.num_samples=null")
     assert rc == 2 and "none of the 3 sampled entries of the source is usable: " in out.err
     assert "empty file x2" in out.err and "unreadable image" in out.err, out.err
+
+
+def _shard_bytes(cache) -> int:
+    return sum(s["bytes"] for s in json.loads((cache / "manifest.json").read_text())["shards"])
+
+
+@pytest.mark.parametrize("latents", ["posterior", "mean"])
+def test_plan_matches_a_real_runs_bytes_within_5_percent(tmp_path, fake_vae, latents):
+    from precompute import sizing
+    from precompute.cosmos_latents import run
+    from theworld import cache_format as cf
+
+    src = bucket_folder(tmp_path / "src", 24)
+    cfg = make_cfg(
+        tmp_path / "cache",
+        "source.type=folder",
+        f"source.path={src}",
+        "image.resize=bucket",
+        "cache.flip=true",
+        "cache.siglip=true",
+        f"cache.latents={latents}",
+        res=128,
+        shard=8,
+        n=24,
+    )
+    p = sizing.estimate(cfg)
+    assert not (tmp_path / "cache").exists()  # the plan writes nothing
+    run(cfg)
+    real = _shard_bytes(tmp_path / "cache")
+    assert p["entries"] == 24 and p["shards"] == 3
+    assert abs(p["bytes_total"] / real - 1) < 0.05, (p, real)
+    side = cf.read_sidecar(tmp_path / "cache", 0)["samples"][0]["members"]
+    assert p["bytes_per_sample"]["siglip"] == sizing._member(side[cf.SIGLIP][1])  # exact: sized from the saved config
+    assert len(p["latent_grids"]) == 5
+
+
+def test_plan_for_the_real_models_offline_loads_no_model(monkeypatch, capsys):
+    from precompute import cosmos_latents
+    from theworld.model import encoders
+
+    def no_loading(*a, **k):
+        raise AssertionError("--plan loaded a model")
+
+    monkeypatch.setattr(encoders, "load_gemma", no_loading)
+    monkeypatch.setattr(encoders, "load_vae", no_loading)
+    from tests.conftest import ROOT as root
+
+    assert (
+        cosmos_latents.main(
+            [
+                "--config",
+                str(root / "configs" / "real" / "precompute.yaml"),
+                "--plan",
+                "--set",
+                "source.type=synthetic",
+                "--set",
+                "source.num_samples=12800000",
+                "--set",
+                "cache.images=false",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    # Gemma 3 4B: 256 image tokens x 2560 hidden in bf16 = 1.31 MB a sample; 16 x 64 x 64 bf16 mean + logvar
+    assert "entries: 12800000 in 12500 shards of 1024" in out
+    assert "  siglip           1.3 MB   x 12800000 = 16.8 TB" in out
+    assert "  latent         263.2 kB   x 12800000 = 3.4 TB" in out
+    assert "total for the whole source: 20.2 TB" in out
+
+
+def test_plan_for_an_unknown_hub_model_offline_is_a_one_line_error(capsys):
+    from precompute import cosmos_latents
+
+    assert (
+        cosmos_latents.main(
+            [
+                "--plan",
+                "--set",
+                "source.num_samples=8",
+                "--set",
+                "cache.siglip=true",
+                "--set",
+                "model.gemma=nobody/not-a-gemma",
+            ]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.gemma" in err[0] and "nobody/not-a-gemma" in err[0], err

@@ -81,3 +81,16 @@ def test_micro_batch_auto_keeps_the_shipped_numbers_and_a_bad_value_gets_a_sugge
     for bad in ("0", "-8", "big", "1.5"):
         with pytest.raises(UserError, match="train.micro_batch_size"):
             load_config(TrainConfig, None, [f"train.micro_batch_size={bad}"])
+
+
+def test_world_steps_change_the_run_hash_only_with_rollouts():
+    """world.num_world_steps is not resume-neutral; with N = 0 the other world-step keys change nothing (and runs
+    keep the hash they had before the keys existed)."""
+    from train.config import TrainConfig, run_hash
+
+    cfg = lambda *sets: load_config(TrainConfig, ROOT / "configs" / "stage1.yaml", list(sets))  # noqa: E731
+    base = run_hash(cfg())
+    assert run_hash(cfg("world.max_world_steps=8", "world.rollout.guidance_scale=3.0")) == base
+    two = run_hash(cfg("world.num_world_steps=2"))
+    assert two != base and run_hash(cfg("world.num_world_steps=3")) != two
+    assert run_hash(cfg("world.num_world_steps=2", "world.max_world_steps=8")) != two

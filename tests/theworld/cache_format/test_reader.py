@@ -8,7 +8,13 @@ from contextlib import closing
 import pytest
 import torch
 
-from tests._precompute_helpers import encoded_samples, flip_byte, sidecar_json, strip_checksums
+from tests._precompute_helpers import (
+    encoded_samples,
+    flip_byte,
+    make_cfg,
+    sidecar_json,
+    strip_checksums,
+)
 from theworld import cache_format as cf
 from theworld.core.errors import CacheDamaged
 
@@ -115,3 +121,20 @@ def test_undecodable_bytes_in_a_cache_without_checksums_name_shard_and_key(small
     with pytest.raises(CacheDamaged) as e:
         reader.sample(reader.keys().index(key))
     assert "shard-000002.tar" in str(e.value) and key in str(e.value) and "does not decode" in str(e.value)
+
+
+def test_a_cache_without_per_sample_shapes_reads_as_square(tmp_path, fake_vae):
+    """Version-1 caches written before the sidecar recorded latent shapes: every sample has the manifest's."""
+    from precompute.cosmos_latents import run
+    from theworld import cache_format as cf
+
+    out = tmp_path / "cache"
+    run(make_cfg(out, n=10, shard=4))
+    for i in range(3):
+        side = cf.read_sidecar(out, i)
+        for e in side["samples"]:
+            del e["latent_shape"]
+        cf.atomic_write_json(cf.sidecar_path(out, i), side)
+    reader = cf.CacheReader(out)
+    assert reader.latent_hw.tolist() == [[4, 4]] * 10
+    assert cf.shard_is_done(out, 0)
