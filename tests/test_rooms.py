@@ -22,8 +22,6 @@ UNNAMED_TESTS = {
     "test_storage.py once that branch is merged",
     "theworld/cache_format/test_shard_index.py": "layout.py's shard index; issue 41's branch rewrites that index "
     "(possibly into a module of its own): named after it once merged",
-    "theworld/model/test_rollout_question.py": "world.rollout.condition across rollout.py, precompute and the training "
-    "loader; to split by module",
 }
 
 # Modules with logic but no same-name test file: where they are tested today

@@ -12,7 +12,7 @@ from tests.conftest import (
 )
 from theworld.core.config import load_config
 from theworld.core.errors import UserError
-from train.config import TrainConfig
+from train.config import TrainConfig, run_hash
 
 
 @pytest.mark.parametrize(
@@ -94,3 +94,10 @@ def test_world_steps_change_the_run_hash_only_with_rollouts():
     two = run_hash(cfg("world.num_world_steps=2"))
     assert two != base and run_hash(cfg("world.num_world_steps=3")) != two
     assert run_hash(cfg("world.num_world_steps=2", "world.max_world_steps=8")) != two
+
+
+def test_the_default_rollout_condition_leaves_the_run_hash_as_it_was():
+    rollouts = ["world.num_world_steps=2", "world.rollout.inference_steps=2"]
+    fixed = run_hash(train_config(*rollouts))
+    assert run_hash(train_config(*rollouts, "world.rollout.condition=fixed")) == fixed
+    assert run_hash(train_config(*rollouts, "world.rollout.condition=question")) != fixed
