@@ -12,6 +12,7 @@ from safetensors.torch import load as st_load
 
 from precompute import cosmos_latents
 from tests._precompute_helpers import gradient, make_cfg, png_bytes, read_cache_plain
+from tests.conftest import ROOT
 from theworld import cache_format as cf
 from theworld.cache_format.fingerprint import fingerprint_for
 from theworld.core.config import load_config
@@ -174,13 +175,12 @@ def test_a_run_whose_rule_differs_from_its_cache_is_refused_in_one_line(caches):
 def test_a_stage_with_live_question_rollouts_trains_from_a_question_cache(tmp_path, capsys):
     """freeze.vae: false encodes and rolls out live: each sample's question travels with its pixels through the
     loader's batch (as bytes) to the pipeline; a run under the other rule is refused before a step."""
-    from pathlib import Path
 
     from train.loop import main
 
     rows = [(f"s{k}.png", f"Question number {k}?" + " and more" * k, f"answer {k}") for k in range(4)]
     cache, _ = _build(tmp_path, "q4", rows, *QUESTION)
-    config = Path(__file__).resolve().parents[3] / "configs" / "stage1_rollout.yaml"
+    config = ROOT / "configs" / "stage1_rollout.yaml"
     sets = {
         "cache_dir": cache,
         "output_dir": tmp_path / "run",
