@@ -29,7 +29,6 @@ UNTESTED_MODULES = {
     "theworld/embedded/tiny.py": "every test that loads the tiny models (tests/conftest.py); no test of its own yet",
     "theworld/infer/card.py": "tests/train/state/test_model_card.py and test_final.py",
     "theworld/model/config.py": "the model's sections through the engine: tests/theworld/core/test_config.py",
-    "theworld/model/inputs.py": "tests/theworld/model/test_objective.py",
     "theworld/model/recompute.py": "train.hardware.activation_checkpointing: tests/train/test_config.py, "
     "tests/tools/test_memory_plan.py",
     "train/components.py": "tests/train/test_step.py and test_sharding.py",
