@@ -1,6 +1,7 @@
 """Rollout-shaped caches made by hand, so the model side's shape and order tests need no rollout precompute: latents
 that hold the observed frame and N predicted ones (`contents.world_steps: N`), each a deterministic function of it.
-What rolls out live, or must equal a real rollout, uses the tiny Video2World pipeline (tests/e2e/test_rollout_live.py)."""
+What rolls out live, or must equal a real rollout, uses the tiny Video2World pipeline
+(tests/e2e/test_rollout_live.py)."""
 
 from __future__ import annotations
 
