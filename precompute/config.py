@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
-from theworld.cache_format import storage
-from theworld.core import location, paths, run_lock
+from theworld.cache_format.storage import MOVED as STORAGE_MOVED
+from theworld.cache_format.storage import READING_KEYS, Settings
+from theworld.core import compat, location, paths, run_lock
 from theworld.core.config import at_least, check_sizes, check_workers, load_config, require_path
 from theworld.core.errors import UserError
 from theworld.model import images
@@ -99,6 +100,8 @@ class CacheOptions:
 
 @dataclass
 class PrecomputeConfig:
+    MOVED: ClassVar[dict[str, compat.Move]] = compat.moves(5, STORAGE_MOVED)  # earlier releases' keys, still read
+
     model: ModelConfig = field(default_factory=ModelConfig)
     image: ImageConfig = field(default_factory=ImageConfig)
     seed: int = 0  # synthetic scenes are a pure function of (seed, index)
@@ -110,14 +113,13 @@ class PrecomputeConfig:
     compile: bool = False  # torch.compile the VAE encoder (GPU; its speed-up and compile time: docs/performance.md)
     cache: CacheOptions = field(default_factory=CacheOptions)
     world: WorldSteps = field(default_factory=WorldSteps)  # rollouts: seeded by (seed, sample key)
-    # an output_dir that is a URL (docs/cache-format.md, "Object storage")
-    storage_options: dict = field(default_factory=dict)
-    cache_local_dir: str = storage.DEFAULT_LOCAL_DIR
-    cache_local_max_gb: float = storage.DEFAULT_MAX_GB
+    storage: Settings = field(default_factory=Settings)  # an output_dir that is a URL; the shard cache
 
     def __post_init__(self) -> None:
         require_path("output_dir", self.output_dir)
-        storage.Settings.of(self).check()
+        for key in READING_KEYS:  # training's: a precompute writes every shard once
+            if getattr(self.storage, key) != getattr(Settings, key):
+                raise UserError(f"config key 'storage.{key}': only read by training (train.loop); leave it out here")
         for key in ("shard_size", "batch_size"):
             if getattr(self, key) <= 0:
                 raise UserError(f"config key '{key}': must be positive, got {getattr(self, key)}")

@@ -291,9 +291,7 @@ def run(cfg: PrecomputeConfig) -> dict:
     cfg.validate_paths()
     state = process_group()
     where = location.place(cfg.output_dir, "config key 'output_dir':")
-    remote = (
-        storage.for_writing(cfg.output_dir, storage.Settings.of(cfg)) if isinstance(where, location.Remote) else None
-    )
+    remote = storage.for_writing(cfg.output_dir, cfg.storage) if isinstance(where, location.Remote) else None
     out = remote.out if remote else Path(cfg.output_dir)
     if remote is not None:  # the run record (or nothing) in the stand-in folder, before it is checked
         if state.is_local_main_process:

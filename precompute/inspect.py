@@ -226,7 +226,7 @@ def _settings(args) -> cf.Settings:
     """Object storage settings: the --config/--set precompute config's, or the defaults."""
     if not args.config and not args.overrides:
         return cf.Settings()
-    return cf.Settings.of(load_config(PrecomputeConfig, args.config, list(args.overrides)))
+    return load_config(PrecomputeConfig, args.config, list(args.overrides)).storage
 
 
 def verify(cache: Path, args) -> tuple[dict, int, str]:

@@ -182,3 +182,54 @@ def bucket_folder(root: Path, n: int) -> Path:
         )
     (root / "captions.jsonl").write_text("\n".join(lines) + "\n")
     return root
+
+
+def encoded_samples(n: int, long_key: bool = False) -> list[tuple[str, dict]]:
+    """`n` seeded samples encoded as the writer takes them ((key, members)); `long_key`: keys too long for ustar."""
+    from theworld import cache_format as cf
+
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        key = f"{'k' * 150}-{i}" if long_key else f"s{i:04d}"  # a key too long for a plain ustar name
+        s = cf.Sample(
+            key=key,
+            caption=f"caption {i}",
+            meta={"prompt": "p", "i": i},
+            mean=torch.randn(16, 1, 4, 4, generator=g),
+            logvar=torch.randn(16, 1, 4, 4, generator=g),
+            image=b"\x89PNG\r\n\x1a\n" + bytes(range(i % 7 + 1)),
+        )
+        out.append((key, cf.encode_sample(s, "float32")))
+    return out
+
+
+def sidecar_json(cache: Path, i: int) -> dict:
+    """Shard `i`'s sidecar as written."""
+    from theworld import cache_format as cf
+
+    return json.loads(cf.sidecar_path(cache, i).read_text())
+
+
+def flip_byte(cache: Path, shard: int, sample: int, member: str, at: int = 0) -> str:
+    """Flip one byte inside a member's data (found through the sidecar); returns the sample's key."""
+    from theworld import cache_format as cf
+
+    entry = sidecar_json(cache, shard)["samples"][sample]
+    offset, size = entry["members"][member]
+    tar = cf.tar_path(cache, shard)
+    data = bytearray(tar.read_bytes())
+    data[offset + (at % size)] ^= 0x40
+    tar.write_bytes(bytes(data))
+    return entry["key"]
+
+
+def strip_checksums(cache: Path) -> None:
+    """What a cache written before member checksums looks like."""
+    from theworld import cache_format as cf
+
+    for i in range(len(json.loads((cache / cf.MANIFEST).read_text())["shards"])):
+        side = sidecar_json(cache, i)
+        for s in side["samples"]:
+            s.pop(cf.CHECKSUMS)
+        cf.atomic_write_json(cf.sidecar_path(cache, i), side)

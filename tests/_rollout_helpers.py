@@ -1,6 +1,7 @@
 """Rollout-shaped caches made by hand, so the model side's shape and order tests need no rollout precompute: latents
 that hold the observed frame and N predicted ones (`contents.world_steps: N`), each a deterministic function of it.
-What rolls out live, or must equal a real rollout, uses the tiny Video2World pipeline (tests/test_rollout_e2e.py)."""
+What rolls out live, or must equal a real rollout, uses the tiny Video2World pipeline
+(tests/e2e/test_rollout_live.py)."""
 
 from __future__ import annotations
 
@@ -56,3 +57,8 @@ def rollout_cache(src: Path, dst: Path, steps: int) -> Path:
     )
     assert json.loads((dst / cf.MANIFEST).read_text())["contents"]["world_steps"] == steps
     return dst
+
+
+def random_latents(b: int, frames: int, side: int = 4, seed: int = 0) -> torch.Tensor:
+    """Seeded world latents of `b` samples and `frames` frames (16 channels, side x side)."""
+    return torch.randn(b, 16, frames, side, side, generator=torch.Generator().manual_seed(seed))

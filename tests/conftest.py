@@ -260,6 +260,71 @@ def base_args(cache: Path, out: Path, steps: int = 4, **extra) -> list[str]:
     return [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
 
 
+def watched_args(cache: Path, out: Path, **extra) -> list[str]:
+    """conftest's small run with an eval (and its sampled captions) every step and a checkpoint every second."""
+    watched = {
+        "train.global_batch_size": 8,
+        "train.eval.samples": 8,
+        "train.checkpoint.every": 2,
+        "train.eval.every": 1,
+    }
+    watched |= {"train.lr_schedule.warmup_steps": 1, "train.eval.captions": 2, "train.eval.caption_tokens": 4}
+    return base_args(cache, out, steps=4, **watched, **extra)
+
+
+def one_error_line(capsys, *words: str) -> str:
+    """The command's one error line (a run stopped mid-way has also printed its progress bar and start line): it
+    names each of `words`, and no traceback came with it."""
+    text = capsys.readouterr().err
+    err = [ln for ln in text.splitlines() if ln.startswith("error")]
+    assert len(err) == 1 and err[0].startswith("error: ") and all(w in err[0] for w in words), text[-3000:]
+    assert "Traceback" not in text
+    return err[0]
+
+
+def final_bytes(out: Path) -> bytes:
+    """The run's final weights as bytes (a bitwise comparison of two runs)."""
+    return (out / "final" / "trainable.safetensors").read_bytes()
+
+
+def evaluate_main(*argv) -> int:
+    from theworld.evaluate import main
+
+    return main([str(a) for a in argv])
+
+
+def train_config(*sets: str):
+    """The training config with `sets` (--set key=value) over the defaults."""
+    from theworld.core.config import load_config
+    from train.config import TrainConfig
+
+    return load_config(TrainConfig, None, list(sets))
+
+
+def slurm_job(**extra: str) -> dict:
+    """SLURM's environment for node 2 of a 4-node job (job 77 on gpu07-gpu10), with `extra` over it."""
+    return {"SLURM_NNODES": "4", "SLURM_NODEID": "2", "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "gpu[07-10]"} | extra
+
+
+@pytest.fixture
+def small_cache(tmp_path, fake_vae):
+    """10 samples in shards of 4 at 32 px (fake VAE), this test's own: it may damage it."""
+    from precompute import cosmos_latents
+    from tests._precompute_helpers import make_cfg
+
+    out = tmp_path / "cache"
+    cosmos_latents.run(make_cfg(out, n=10, shard=4, res=32))
+    return out
+
+
+def only_line(capsys, *words: str) -> str:
+    """stderr holds one line, naming each of `words`, with no object's address in it."""
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and all(w in err[0] for w in words), err
+    assert " at 0x" not in err[0]
+    return err[0]
+
+
 def bench_json(args: list[str], tmp_path) -> dict:
     """`python -m MODULE ARGS --json` (a benchmark) from tmp_path, required to succeed: its figures."""
     out = subprocess.run(
@@ -272,6 +337,14 @@ def bench_json(args: list[str], tmp_path) -> dict:
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout)  # --json: stdout is the figures alone, nothing before or after them
+
+
+def positive(row: dict, *keys: str) -> None:
+    """Each of `keys` in a benchmark's row is a finite positive number."""
+    import math
+
+    for k in keys:
+        assert isinstance(row[k], (int, float)) and math.isfinite(row[k]) and row[k] > 0, (k, row[k])
 
 
 def train_cli(args: list[str], **kw) -> subprocess.CompletedProcess:

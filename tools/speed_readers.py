@@ -5,7 +5,7 @@ server (moto's, started on 127.0.0.1 in this process) and the same samples, side
 
 Readers, each decoding every sample the same way (`decode_sample`: caption, json, latent safetensors):
   theworld    CacheReader over s3://... as training reads it: index fetched, whole shards staged through s3fs into
-              the shard cache (cache_local_dir), each member checked by its crc32.
+              the shard cache (storage.local_dir), each member checked by its crc32.
   webdataset  webdataset.WebDataset over the shards' presigned http:// URLs on the same server (its own URL pipeline:
               a curl pipe per shard), with its cache_dir so a second epoch reads local copies.
   streaming   MosaicML Streaming's StreamingDataset over the same samples written with its MDSWriter (every member,
@@ -25,7 +25,7 @@ milliseconds before forwarding it (and can cap each answer's bandwidth), and cou
 latency, through one DataLoader worker in batches of 32: cold (empty local folders, opening included) and warm epochs'
 samples/s, time to the first batch, requests and bytes per epoch, for the project's training loader as train.loop
 builds it (train.data.cache.open_cache, DataContext.build, build_train_loader: its worker, the windowed order with
-`cache_shuffle_window` a quarter of the shards, read-ahead at its default, the tokenising collate, the tiny model's
+`storage.shuffle_window` a quarter of the shards, read-ahead at its default, the tokenising collate, the tiny model's
 processor), webdataset's pipeline streaming the shards (no cache_dir) and MosaicML Streaming at its documented
 settings (batch_size given); the peers decode each sample's caption, json and latents. litdata is not measured: its
 wheel needs another torch than this project's lock. Then, at the first non-zero latency: bytes one epoch of the
@@ -76,7 +76,7 @@ def _same_decode(key: str, members: dict[str, bytes]) -> cf.Sample:
 
 
 def theworld(url: str, tmp: Path) -> Epoch:
-    reader = cf.CacheReader(url, members=(LATENT,), settings=cf.Settings(cache_local_dir=str(tmp)))
+    reader = cf.CacheReader(url, members=(LATENT,), settings=cf.Settings(local_dir=str(tmp)))
     return lambda: (reader.sample(i) for i in range(len(reader)))
 
 
@@ -315,7 +315,7 @@ BATCH = 32
 
 def _settings(local: str, **kw) -> cf.Settings:
     """Object storage settings with a new filesystem: fsspec's cached one would still point at an earlier proxy."""
-    return cf.Settings({"skip_instance_cache": True}, cache_local_dir=local, **kw)
+    return cf.Settings({"skip_instance_cache": True}, local_dir=local, **kw)
 
 
 def _loader(ds, workers: int = 1) -> DataLoader:
@@ -336,8 +336,8 @@ def _train_config(url: str, local: str, window: int, workers: int = 1, *sets: st
             "model.dtype=float32",
             "image.resolution=64",
             f"cache_dir={url}",
-            f"cache_local_dir={local}",
-            "storage_options={skip_instance_cache: true}",  # fsspec's cached filesystem points at an earlier proxy
+            f"storage.local_dir={local}",
+            "storage.options={skip_instance_cache: true}",  # fsspec's cached filesystem points at an earlier proxy
             f"output_dir={local}/run",
             "trackers=[]",
             "resume=null",
@@ -345,7 +345,7 @@ def _train_config(url: str, local: str, window: int, workers: int = 1, *sets: st
             f"train.global_batch_size={BATCH}",
             f"train.micro_batch_size={BATCH}",
             f"train.loader.num_workers={workers}",
-            f"cache_shuffle_window={window}",
+            f"storage.shuffle_window={window}",
             *sets,
         ],
     )
@@ -460,7 +460,7 @@ def _budget_bytes(url: str, manifest: dict, counts, processor) -> dict:
     out = {"cache_bytes": total}
     for name, window in (("windowed", max(1, len(manifest["shards"]) // 8)), ("global", 0)):
         with tempfile.TemporaryDirectory() as tmp:
-            cfg = _train_config(url, tmp, window, 1, f"cache_local_max_gb={total / 4 / 1e9}")
+            cfg = _train_config(url, tmp, window, 1, f"storage.local_max_gb={total / 4 / 1e9}")
             c = counts()
             for _ in _Batches(cfg, processor):
                 pass

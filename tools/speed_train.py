@@ -245,7 +245,7 @@ def bench_case(
                 f"image.resolution={res}",
                 f"image.resize={'bucket' if case in BUCKETED else 'crop'}",
                 f"cache_dir={cache_url}",
-                f"cache_local_dir={shard_cache}",
+                f"storage.local_dir={shard_cache}",
                 f"output_dir={out}",
                 "trackers=[]",
                 "resume=null",
@@ -289,7 +289,7 @@ def bench_case(
         ratios = [f / s for f, s in zip(round_fed, round_staged)]
         # live path, same model and samples: frozen VAE and SigLIP run inside every step
         live_plan = data.InputSources(cached_latents=False, cached_siglip=False, flip=False, members=(cf.IMAGE,))
-        live_reader = cf.CacheReader(cfg.cache_dir, members=live_plan.members, settings=cf.Settings.of(cfg))
+        live_reader = cf.CacheReader(cfg.cache_dir, members=live_plan.members, settings=cfg.storage)
         live_ctx = data_loader.DataContext(
             live_reader, live_plan, ctx.formatter, ctx.image_processor, ctx.train_indices, ctx.eval_indices, ctx.buckets
         )

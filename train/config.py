@@ -12,9 +12,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from theworld.cache_format import storage
 from theworld.cache_format.fingerprint import ROLLOUT_DEFAULTS
-from theworld.core import hub
+from theworld.cache_format.storage import MOVED as STORAGE_MOVED
+from theworld.cache_format.storage import Settings
+from theworld.core import compat, hub
 from theworld.core.config import (
     FLOAT32_MAX,
     at_least,
@@ -418,47 +419,51 @@ class TrainSection:
             )
 
 
-# Where each key of the flat `train` section of earlier releases lives now. A config (or a --set) with an old key
-# still loads, with one warning line naming the new keys; `run_hash` hashes the old shape, so runs resume as before.
-MOVED_KEYS = {
-    f"train.{old}": f"train.{new}"
-    for old, new in {
-        "lr": "optimizer.lr",
-        "betas": "optimizer.betas",
-        "weight_decay": "optimizer.weight_decay",
-        "grad_clip": "optimizer.grad_clip",
-        "grad_norm_warn": "optimizer.grad_norm_warn",
-        "lr_multipliers": "optimizer.lr_multipliers",
-        "ema": "optimizer.ema",
-        "ema_warmup_steps": "optimizer.ema_warmup_steps",
-        "schedule": "lr_schedule.decay",
-        "warmup_steps": "lr_schedule.warmup_steps",
-        "num_workers": "loader.num_workers",
-        "flip": "loader.flip",
-        "cached_siglip": "loader.cached_siglip",
-        "max_length": "loader.max_length",
-        "eval_every": "eval.every",
-        "eval_samples": "eval.samples",
-        "eval_batch_size": "eval.batch_size",
-        "benchmarks": "eval.benchmarks",
-        "samples": "eval.captions",
-        "sample_tokens": "eval.caption_tokens",
-        "plateau": "eval.plateau",
-        "stop_on_plateau": "eval.stop_on_plateau",
-        "save_every": "checkpoint.every",
-        "keep_last": "checkpoint.keep_last",
-        "save_optimizer": "checkpoint.save_optimizer",
-        "log_every": "logging.every",
-        "mixed_precision": "hardware.mixed_precision",
-        "compile": "hardware.compile",
-        "attention": "hardware.attention",
-        "sharding": "hardware.sharding",
-        "cpu_offload": "hardware.cpu_offload",
-        "cpu_threads": "hardware.cpu_threads",
-        "gradient_checkpointing": "hardware.gradient_checkpointing",
-        "activation_checkpointing": "hardware.activation_checkpointing",
-    }.items()
-}
+# Where each key of earlier releases lives now: the flat `train` section (release 4) and the top-level object storage
+# keys (release 5). A config (or a --set) with an old key still loads, with one warning line naming the new keys, for
+# as long as theworld/core/compat.py's rule says; `run_hash` hashes the old shape, so runs resume as before.
+MOVED_KEYS = compat.moves(
+    4,
+    {
+        f"train.{old}": f"train.{new}"
+        for old, new in {
+            "lr": "optimizer.lr",
+            "betas": "optimizer.betas",
+            "weight_decay": "optimizer.weight_decay",
+            "grad_clip": "optimizer.grad_clip",
+            "grad_norm_warn": "optimizer.grad_norm_warn",
+            "lr_multipliers": "optimizer.lr_multipliers",
+            "ema": "optimizer.ema",
+            "ema_warmup_steps": "optimizer.ema_warmup_steps",
+            "schedule": "lr_schedule.decay",
+            "warmup_steps": "lr_schedule.warmup_steps",
+            "num_workers": "loader.num_workers",
+            "flip": "loader.flip",
+            "cached_siglip": "loader.cached_siglip",
+            "max_length": "loader.max_length",
+            "eval_every": "eval.every",
+            "eval_samples": "eval.samples",
+            "eval_batch_size": "eval.batch_size",
+            "benchmarks": "eval.benchmarks",
+            "samples": "eval.captions",
+            "sample_tokens": "eval.caption_tokens",
+            "plateau": "eval.plateau",
+            "stop_on_plateau": "eval.stop_on_plateau",
+            "save_every": "checkpoint.every",
+            "keep_last": "checkpoint.keep_last",
+            "save_optimizer": "checkpoint.save_optimizer",
+            "log_every": "logging.every",
+            "mixed_precision": "hardware.mixed_precision",
+            "compile": "hardware.compile",
+            "attention": "hardware.attention",
+            "sharding": "hardware.sharding",
+            "cpu_offload": "hardware.cpu_offload",
+            "cpu_threads": "hardware.cpu_threads",
+            "gradient_checkpointing": "hardware.gradient_checkpointing",
+            "activation_checkpointing": "hardware.activation_checkpointing",
+        }.items()
+    },
+) | compat.moves(5, STORAGE_MOVED)
 
 
 @dataclass
@@ -553,7 +558,7 @@ class HubConfig:
 
 @dataclass
 class TrainConfig:
-    MOVED: ClassVar[dict[str, str]] = MOVED_KEYS  # earlier releases' keys, still read (theworld/core/config.py)
+    MOVED: ClassVar[dict[str, compat.Move]] = MOVED_KEYS  # earlier releases' keys, still read (theworld/core/config.py)
 
     model: ModelConfig = field(default_factory=ModelConfig)
     image: ImageConfig = field(default_factory=ImageConfig)
@@ -573,14 +578,9 @@ class TrainConfig:
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"], metadata=NEUTRAL)
     wandb: WandbConfig = field(default_factory=WandbConfig, metadata=NEUTRAL)
     hub: HubConfig = field(default_factory=HubConfig, metadata=NEUTRAL)
-    # a cache_dir or data[].cache that is a URL (docs/cache-format.md, "Object storage")
-    storage_options: dict = field(default_factory=dict, metadata=NEUTRAL)
-    cache_local_dir: str = neutral(storage.DEFAULT_LOCAL_DIR)
-    cache_local_max_gb: float = neutral(storage.DEFAULT_MAX_GB)
-    # shards per shuffle window (train/data/order.py): 0 is one global order, which suits a cache that fits the
-    # node's shard cache; a larger cache reads W shards at a time and is downloaded about once per epoch
-    cache_shuffle_window: int = 0
-    cache_prefetch_shards: int = neutral(2)  # shards each loader worker downloads ahead of the one it reads
+    # a cache_dir or data[].cache that is a URL, the node's shard cache, the read-ahead and the shuffle window; its keys
+    # but shuffle_window are resume-neutral (STORAGE_NEUTRAL)
+    storage: Settings = field(default_factory=Settings)
 
     def caches(self) -> list[tuple[str, float]]:
         """(cache folder, weight) of each cache trained on: cache_dir with weight 1, or the `data` mixture."""
@@ -600,10 +600,6 @@ class TrainConfig:
                     "checkpoints and clean-up would mix with the cache's files: use another output_dir"
                 )
         check_lora(self.freeze, self.lora)
-        storage.Settings.of(self).check()
-        for key in ("cache_shuffle_window", "cache_prefetch_shards"):
-            if getattr(self, key) < 0:
-                raise UserError(f"config key '{key}': must be >= 0, got {getattr(self, key)}")
         for t in self.trackers:
             if t not in TRACKERS:
                 raise UserError(f"config key 'trackers': unknown tracker {t!r} (known: {', '.join(TRACKERS)})")
@@ -680,7 +676,9 @@ def neutral_keys(cls: type, prefix: str = "") -> tuple[str, ...]:
     return tuple(keys)
 
 
-RESUME_NEUTRAL = neutral_keys(TrainConfig)
+# the storage section is shared with precompute (theworld/cache_format/storage.py), so its neutral keys are named here
+STORAGE_NEUTRAL = ("storage.options", "storage.local_dir", "storage.local_max_gb", "storage.prefetch_shards")
+RESUME_NEUTRAL = neutral_keys(TrainConfig) + STORAGE_NEUTRAL
 GROUPING_KEYS = ("train.loader.group_by_length", "train.loader.group_window")
 
 
@@ -697,17 +695,19 @@ def run_hash(cfg: TrainConfig) -> str:
         for key, default in ROLLOUT_DEFAULTS.items():
             if d["world"]["rollout"].get(key) == default:
                 del d["world"]["rollout"][key]
-    if not cfg.cache_shuffle_window:  # the global order: runs keep the hash they had before the key existed
-        d.pop("cache_shuffle_window", None)
+    if not cfg.storage.shuffle_window:  # the global order: runs keep the hash they had before the key existed
+        d["storage"].pop("shuffle_window")
     for key in RESUME_NEUTRAL:
         _pop(d, key)
     if not cfg.train.loader.group_by_length:  # runs without grouping keep the hash they had before the keys existed
         for key in GROUPING_KEYS:
             _pop(d, key)
-    for old, new in MOVED_KEYS.items():
-        value = _pop(d, new)
+    for old, move in MOVED_KEYS.items():
+        value = _pop(d, move.new)
         if value is not _MISSING:
-            d["train"][old.split(".")[-1]] = value
+            _put(d, old, value)
+    if not d["storage"]:
+        del d["storage"]  # every key of it moved back, or neutral
     for section in [k for k, v in d["train"].items() if v == {} and dataclasses.is_dataclass(getattr(cfg.train, k))]:
         del d["train"][section]  # every key of it moved back, or neutral
     d["train"]["gradient_checkpointing"] = False  # the hash runs had before it was neutral (false, its default)
@@ -715,6 +715,13 @@ def run_hash(cfg: TrainConfig) -> str:
 
 
 _MISSING = object()
+
+
+def _put(d: dict, dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    for p in parents:
+        d = d.setdefault(p, {})
+    d[last] = value
 
 
 def _pop(d: dict, dotted: str) -> Any:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from precompute.config import PrecomputeConfig
+from tests.conftest import ROOT
 from theworld.core.config import load_config
 from theworld.core.errors import UserError
 from train.config import RESUME_NEUTRAL, TrainConfig, neutral, neutral_keys, run_hash
@@ -98,8 +99,15 @@ def test_run_hash_ignores_resume_neutral_keys_and_sees_the_rest(tmp_path):
                 neutral.append(f"{key}={SHAPED.get(k) or SHAPED.get(key) or _another_value(v)}")
     neutral += ["wandb.project=x", "hub.model_id=someone/x", "hub.strategy=every_save"]
     neutral += [f"output_dir={tmp_path}", "trackers=[]", "resume=null"]
+    neutral += [
+        "storage.local_dir=/x",
+        "storage.local_max_gb=3",
+        "storage.prefetch_shards=5",
+        "storage.options.anon=true",
+    ]
     assert run_hash(load_config(TrainConfig, CONFIGS / "stage1.yaml", neutral)) == run_hash(base)
-    for change in ("train.optimizer.lr=0.5", "seed=1", "world.pool=2", "train.max_steps=7", "freeze.vae=false"):
+    changed = ("train.optimizer.lr=0.5", "seed=1", "world.pool=2", "train.max_steps=7", "freeze.vae=false")
+    for change in (*changed, "storage.shuffle_window=2"):
         assert run_hash(load_config(TrainConfig, CONFIGS / "stage1.yaml", [change])) != run_hash(base), change
 
 
@@ -115,20 +123,6 @@ def test_length_grouping_keys_change_the_run_hash_only_when_grouping_is_on():
         hashed("train.loader.packing=true", "train.hardware.attention=flex_attention")
     with pytest.raises(UserError, match=r"^config key 'train.loader.pack_length': must be positive, got 0"):
         hashed("train.loader.pack_length=0")
-
-
-def test_layer_types_follow_the_released_gemma3_pattern():
-    from transformers import Gemma3TextConfig
-
-    from theworld.model import gemma3
-
-    for n in (6, 12, 26, 34, 48, 62):  # the released sizes' depths among them; transformers' own derivation
-        assert gemma3.layer_types(n) == Gemma3TextConfig(num_hidden_layers=n).layer_types, n
-    real = gemma3.layer_types(34)
-    assert [i + 1 for i, t in enumerate(real) if t == "full_attention"] == [6, 12, 18, 24, 30]
-    # below 6 layers the released rule has no global layer; the tiny models make their last one global
-    assert gemma3.layer_types(1) == ["full_attention"]
-    assert gemma3.layer_types(4) == ["sliding_attention"] * 3 + ["full_attention"]
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3, 4])
@@ -293,3 +287,19 @@ def test_earlier_keys_in_the_wrong_shape_are_one_line_errors(tmp_path):
         with pytest.raises(UserError) as e:
             load_config(TrainConfig, bad if text is not None else None, sets)
         assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_the_rollout_configs_load():
+    from precompute.config import PrecomputeConfig
+    from train.config import TrainConfig
+
+    tiny = load_config(TrainConfig, ROOT / "configs" / "stage1_rollout.yaml")
+    real = load_config(TrainConfig, ROOT / "configs" / "real" / "stage1_rollout.yaml")
+    for cfg, plain in ((tiny, "stage1.yaml"), (real, "real/stage1.yaml")):
+        assert (cfg.world.num_world_steps, cfg.world.max_world_steps) == (2, 16)
+        assert "rollout" in cfg.cache_dir and "rollout" in cfg.output_dir
+        base = load_config(TrainConfig, ROOT / "configs" / plain)
+        # otherwise the stage-1 config: the same models, image, freeze flags and training settings
+        assert (cfg.model, cfg.image, cfg.freeze, cfg.train) == (base.model, base.image, base.freeze, base.train)
+    pre = load_config(PrecomputeConfig, ROOT / "configs" / "real" / "precompute.yaml")
+    assert (real.model.gemma, real.model.vae, real.image.resolution) == (pre.model.gemma, pre.model.vae, 512)

@@ -19,8 +19,6 @@ import pytest
 import torch
 
 from tests.conftest import ENV, ROOT, base_args, free_port, metrics, train_inproc, wait_for_step, weights
-from theworld.core.errors import UserError
-from train import launch, slurm
 
 STEPS = 8
 
@@ -248,92 +246,3 @@ def test_the_sbatch_example_requeues_a_run_stopped_on_one_node_and_the_requeued_
     assert requeued.returncode == 0 and f"resumed from {ckpts[0]}" in requeued.stderr, requeued.stderr[-3000:]
     assert log.read_text() == "requeue 4242\n"
     assert_like_one_process(out, one_process)
-
-
-def test_slurm_node_lists_expand_as_slurm_writes_them():
-    expand = lambda s: list(slurm.expand_nodelist(s))
-    assert expand("node[01-04,07]") == ["node01", "node02", "node03", "node04", "node07"]
-    assert expand("a[1-2]-ib[0-1],login,x[9-11]") == [
-        *("a1-ib0", "a1-ib1", "a2-ib0", "a2-ib1", "login", "x9", "x10", "x11")
-    ]
-    assert slurm.first_host("gpu[0001-9999999999999]") == "gpu0001"  # never the whole list
-    for bad, words in [
-        ("n[1-", "unbalanced"),
-        ("n]1[", "unbalanced"),
-        ("n[a]", "'a' is not a number"),
-        ("n[3-1]", "runs backwards"),
-        (",", "names no host"),
-    ]:
-        with pytest.raises(UserError, match=words):
-            slurm.first_host(bad)
-
-
-def _job(**extra) -> dict:
-    return {"SLURM_NNODES": "4", "SLURM_NODEID": "2", "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "gpu[07-10]"} | extra
-
-
-def test_a_nodes_place_in_the_slurm_job_comes_from_its_environment():
-    assert slurm.from_env({"PATH": "/bin"}) is None  # not under SLURM
-    node = slurm.from_env(_job(SLURM_GPUS_ON_NODE="8"))
-    assert (node.nodes, node.node, node.host, node.per_node) == (4, 2, "gpu07", 8)
-    assert node.port == slurm.PORT_BASE + 77  # two jobs on one node listen on different ports
-    node = slurm.from_env(_job(SLURM_NNODES="", SLURM_JOB_NUM_NODES="4", MASTER_ADDR="10.0.0.1", MASTER_PORT="1234"))
-    assert (node.nodes, node.host, node.port) == (4, "10.0.0.1", 1234)
-    with pytest.raises(UserError, match="SLURM_NODEID 4 is outside the job's 4 node"):
-        slurm.from_env(_job(SLURM_NODEID="4"))
-    with pytest.raises(UserError, match="SLURM runs 2 tasks on this node"):
-        slurm.from_env(_job(SLURM_STEP_TASKS_PER_NODE="2(x4)"))
-    with pytest.raises(UserError, match="run one per node"):
-        slurm.from_env(_job(SLURM_LOCALID="1"))
-    with pytest.raises(UserError, match="SLURM_NODEID 0 is outside the job's 0 node"):
-        slurm.from_env(_job(SLURM_NNODES="0", SLURM_NODEID="0"))
-    with pytest.raises(UserError, match="SLURM_NNODES='two' is not a number"):
-        slurm.from_env(_job(SLURM_NNODES="two"))
-    with pytest.raises(UserError, match="MASTER_PORT=70000 is not a port"):
-        slurm.from_env(_job(MASTER_PORT="70000"))
-
-
-def _launched(monkeypatch, argv: list[str], env: dict) -> tuple[int, object]:
-    """train.launch's exit code and the arguments it handed to accelerate's launcher (which is not run)."""
-    import accelerate.commands.launch as accelerate_launch
-
-    for k in [k for k in os.environ if k.startswith(("SLURM_", "MASTER_"))]:
-        monkeypatch.delenv(k)
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    seen = {}
-    monkeypatch.setattr(accelerate_launch, "launch_command", lambda args: seen.setdefault("args", args))
-    handlers = {s: signal.getsignal(s) for s in launch.FORWARDED}
-    try:
-        return launch.main([*argv, "-m", "train.loop"]), seen.get("args")
-    finally:
-        for s, h in handlers.items():
-            signal.signal(s, h)
-
-
-def test_train_launch_gives_each_node_its_place_from_slurm(monkeypatch, capsys):
-    code, args = _launched(monkeypatch, [], _job(SLURM_GPUS_ON_NODE="8"))
-    assert code == 0 and (args.num_machines, args.machine_rank, args.num_processes) == (4, 2, 32)
-    assert (args.main_process_ip, args.main_process_port, args.multi_gpu) == ("gpu07", slurm.PORT_BASE + 77, True)
-    err = capsys.readouterr().err
-    assert "launch: SLURM job 77: node 2 of 4, 8 process(es) per node, main process on gpu07:" in err
-    # the command line wins over SLURM: one process per node asked for, FSDP instead of DDP
-    code, args = _launched(monkeypatch, ["--num_processes", "4", "--use_fsdp"], _job(SLURM_GPUS_ON_NODE="8"))
-    assert code == 0 and args.num_processes == 4 and args.use_fsdp and not args.multi_gpu
-    code, args = _launched(monkeypatch, [], {})  # not under SLURM: nothing added
-    assert code == 0 and args.num_machines is None and args.machine_rank is None
-
-
-def test_a_node_rank_outside_the_job_is_one_line_and_exit_2(monkeypatch, capsys):
-    cases = [
-        (["--num_machines", "2", "--machine_rank", "2"], {}, "--machine_rank 2 is outside the job's 2 node(s)"),
-        (["--num_machines", "2", "--machine_rank", "-1"], {}, "--machine_rank -1 is outside"),
-        (["--num_machines", "0", "--machine_rank", "0"], {}, "--num_machines 0: a run needs at least one node"),
-        (["--num_machines", "2", "--num_processes", "3"], {}, "--num_processes 3 (the total over all nodes)"),
-        ([], _job(SLURM_NODEID="7"), "SLURM_NODEID 7 is outside the job's 4 node(s)"),
-        (["--machine_rank", "5"], _job(), "--machine_rank 5 is outside the job's 4 node(s)"),
-    ]
-    for argv, env, words in cases:
-        code, args = _launched(monkeypatch, argv, env)
-        err = capsys.readouterr().err
-        assert code == 2 and args is None and err.count("\n") == 1 and words in err, (argv, err)

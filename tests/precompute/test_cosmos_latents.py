@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import signal
 import subprocess
@@ -13,10 +14,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load as st_load
 
 from precompute import cosmos_latents
-from tests._precompute_helpers import cli_args, image_zoo, latents, make_cfg, read_cache_plain
+from tests._precompute_helpers import (
+    BUCKET_SIZES,
+    bucket_folder,
+    cli_args,
+    gradient,
+    image_zoo,
+    jpeg_bytes,
+    latents,
+    make_cfg,
+    read_cache_plain,
+)
 from theworld import cache_format as cf
 from theworld.core import atomic
 from theworld.core.errors import UserError
@@ -143,7 +155,7 @@ def test_folder_with_corrupt_and_unusual_images(tmp_path, fake_vae):
 
 
 def test_folder_with_txt_captions(tmp_path, fake_vae):
-    from tests._precompute_helpers import gradient, png_bytes
+    from tests._precompute_helpers import png_bytes
 
     src = tmp_path / "src"
     src.mkdir()
@@ -217,8 +229,6 @@ def test_a_source_with_no_usable_sample_is_an_error_that_keeps_its_reasons(tmp_p
 
 def test_webdataset_source(tmp_path, fake_vae):
     import webdataset as wds
-
-    from tests._precompute_helpers import gradient, jpeg_bytes
 
     src = tmp_path / "wds"
     src.mkdir()
@@ -603,3 +613,139 @@ def test_a_full_disk_is_one_line_and_the_rerun_is_bit_exact(tmp_path, fake_vae, 
     monkeypatch.setattr(shard_writer.cf, "write_shard", write_shard)
     assert cosmos_latents.main(cli_args(out, n=12, shard=4)) == 0
     assert [s["sha256"] for s in cf.load_manifest(out)["shards"]] == [s["sha256"] for s in reference["shards"]]
+
+
+def test_a_refused_precompute_into_a_new_folder_leaves_nothing(tmp_path, capsys, fake_vae):
+    from precompute import cosmos_latents
+    from tests._precompute_helpers import cli_args
+
+    (tmp_path / "empty").mkdir()
+    out = tmp_path / "out" / "cache"
+    rc = cosmos_latents.main(cli_args(out, "source.type=folder", f"source.path={tmp_path / 'empty'}"))
+    assert rc == 2 and "no samples found" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_bucketed_precompute_records_each_samples_latent_shape(tmp_path, fake_vae):
+    from precompute import inspect
+    from precompute.cosmos_latents import run
+    from theworld import cache_format as cf
+    from theworld.model.images import bucket_for
+
+    src = bucket_folder(tmp_path / "src", 18)
+    out = tmp_path / "cache"
+    run(
+        make_cfg(
+            out, "source.type=folder", f"source.path={src}", "image.resize=bucket", "cache.flip=true", res=128, shard=8
+        )
+    )
+    manifest = json.loads((out / "manifest.json").read_text())
+    expected = {}
+    for i in range(18):
+        w, h = BUCKET_SIZES[i % len(BUCKET_SIZES)]
+        bw, bh = bucket_for(w + i % 7, h, 128)
+        expected[f"img{i:03d}_jpg"] = [16, 1, bh // 8, bw // 8]
+    assert manifest["latent_shape"] is None
+    counts = {}
+    for shape in expected.values():
+        counts[tuple(shape)] = counts.get(tuple(shape), 0) + 1
+    assert manifest["latent_shapes"] == [{"shape": list(k), "num_samples": v} for k, v in sorted(counts.items())]
+    assert len(counts) == 5
+    reader = cf.CacheReader(out)
+    for i in range(3):
+        for e in cf.read_sidecar(out, i)["samples"]:
+            assert e["latent_shape"] == expected[e["key"]]
+    for j in range(len(reader)):
+        s = reader[j]
+        shape = expected[s.key]
+        assert list(s.mean.shape) == list(s.logvar.shape) == list(s.flip_mean.shape) == shape
+        assert reader.latent_hw[j].tolist() == shape[2:]
+        box = s.meta["crop_box"]
+        assert (box[2] - box[0]) / (box[3] - box[1]) == pytest.approx(shape[3] / shape[2], rel=0.05)
+    args = type(
+        "A",
+        (),
+        {
+            "config": None,
+            "overrides": [],
+            "n": 18,
+            "seed": 0,
+            "batch_size": 8,
+            "tol": 1e-5,
+            "out": str(tmp_path / "sheet.png"),
+        },
+    )()
+    report, code, _ = inspect.verify(out, args)
+    assert code == 0 and report["ok"]
+    # stored images re-encoded at their bucket size reproduce the cached latents; decode draws every shape
+    report, code, _ = inspect.compare_live(out, args)
+    assert code == 0 and report["n"] == 18 and report["max_abs_diff"] < 1e-5
+    report, code, _ = inspect.decode(out, args)
+    assert code == 0 and report["n"] == 18 and Image.open(tmp_path / "sheet.png").size[0] > 0
+
+
+def test_a_mean_only_cache_halves_the_latent_bytes(tmp_path, fake_vae):
+    from precompute import inspect
+    from precompute.cosmos_latents import run
+    from theworld import cache_format as cf
+
+    sizes = {}
+    for kind in ("posterior", "mean"):
+        out = tmp_path / kind
+        run(make_cfg(out, f"cache.latents={kind}", "cache.flip=true", res=64, n=8))
+        reader = cf.CacheReader(out)
+        s = reader[0]
+        assert (s.logvar is None) == (s.flip_logvar is None) == (kind == "mean")
+        assert cf.latents_stored(cf.load_manifest(out)) == kind
+        assert cf.load_manifest(out)["contents"].get("latents") == ("mean" if kind == "mean" else None)
+        sizes[kind] = cf.read_sidecar(out, 0)["samples"][0]["members"][cf.LATENT][1]
+        report, code, _ = inspect.verify(out, type("A", (), {"config": None, "overrides": []})())
+        assert code == 0 and report["ok"]
+    assert 0.49 < sizes["mean"] / sizes["posterior"] < 0.52
+
+
+def test_bucketed_precompute_encodes_each_shards_buckets_in_full_batches(tmp_path, fake_vae, monkeypatch):
+    """A shard's samples are grouped by bucket before batching: one encoder call per batch_size samples of a shape
+    in a shard; the cache's key -> latent is what one-sample batches give, and a resumed run writes the same bytes."""
+    from collections import Counter
+
+    from precompute.cosmos_latents import run
+    from tests._precompute_helpers import latents
+    from theworld import cache_format as cf
+    from theworld.model.images import bucket_for
+
+    src = bucket_folder(tmp_path / "src", 24)
+    calls = []
+    encode = fake_vae.encode
+    monkeypatch.setattr(fake_vae, "encode", lambda x: (calls.append(tuple(x.shape)), encode(x))[1])
+    cfg = lambda out, batch: make_cfg(
+        out,
+        "source.type=folder",
+        f"source.path={src}",
+        "image.resize=bucket",
+        f"batch_size={batch}",
+        n=24,
+        res=128,
+        shard=12,
+    )
+    first = run(cfg(tmp_path / "a", 4))
+
+    def bucket(i: int) -> tuple[int, int]:
+        w, h = BUCKET_SIZES[i % len(BUCKET_SIZES)]
+        return bucket_for(w + i % 7, h, 128)
+
+    per_shard = [Counter(bucket(i) for i in range(lo, lo + 12)) for lo in (0, 12)]
+    assert len(calls) == sum(
+        math.ceil(n / 4) for c in per_shard for n in c.values()
+    )  # 10; splitting each loader batch by shape made 20
+    assert all(n <= 4 for n, *_ in calls)
+    assert {(w, h) for *_, h, w in calls} == {s for c in per_shard for s in c}
+    one = run(cfg(tmp_path / "b", 1))
+    assert first["num_samples"] == one["num_samples"] == 24
+    got, want = latents(tmp_path / "a"), latents(tmp_path / "b")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    # resume: a lost shard is rebuilt byte for byte
+    cf.tar_path(tmp_path / "a", 1).unlink()
+    again = run(cfg(tmp_path / "a", 4))
+    assert again["summary"]["encoded_this_run"] == 12
+    assert [s["sha256"] for s in again["shards"]] == [s["sha256"] for s in first["shards"]]

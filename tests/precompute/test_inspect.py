@@ -10,7 +10,8 @@ import torch
 from PIL import Image
 
 from precompute import cosmos_latents, inspect
-from tests._precompute_helpers import cli_args, make_cfg, read_cache_plain
+from tests._precompute_helpers import cli_args, make_cfg, read_cache_plain, sidecar_json
+from tests.conftest import only_line
 from tests.fake_vae import FakeWanVAE
 from theworld import cache_format as cf
 from theworld.model import encoders
@@ -232,3 +233,42 @@ def test_decode_sheet_labels_each_pair_and_says_when_the_vae_is_the_random_tiny_
     assert inspect.main(["decode", str(cache), "--n", "2", "--out", str(out)]) == 0
     assert "tiny (random weights)" in capsys.readouterr().out
     assert "random" not in inspect._decode_header(make_cfg(tmp_path, "model.vae=/models/wan"))
+
+
+@pytest.mark.parametrize(
+    "manifest",
+    [
+        b"[1, 2, 3]",
+        b'"a string"',
+        b"17",
+        b"null",
+        b"\xff\xfe not utf-8",
+        b'{"format_version": 1, "shards": {"a": 1}}',
+        b'{"format_version": 1, "shards": [{"path": "x"}]}',
+    ],
+)
+def test_a_manifest_that_is_not_a_valid_object_is_one_line_in_summary_and_verify(cache, capsys, manifest):
+    (cache / cf.MANIFEST).write_bytes(manifest)
+    assert inspect.main(["summary", str(cache)]) == 2
+    only_line(capsys, "manifest.json")
+    assert inspect.main(["verify", str(cache)]) == 1  # a finding, reported like a bad shard
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "manifest.json" in out[0] and "FAILED" in out[0], out
+
+
+def test_verify_checks_sidecar_offsets_and_checksums_against_the_tar(cache, capsys):
+    assert inspect.main(["verify", str(cache)]) == 0
+    capsys.readouterr()
+    side = sidecar_json(cache, 0)
+    side["samples"][1]["members"][cf.CAPTION][0] += 512  # still inside the tar: only the tar's own layout tells
+    cf.atomic_write_json(cf.sidecar_path(cache, 0), side)
+    assert inspect.main(["verify", str(cache), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["bad_shards"] == ["shards/shard-000000.tar"]
+    assert any("sidecar offsets" in p for p in report["shards"][0]["problems"])
+    side["samples"][1]["members"][cf.CAPTION][0] -= 512
+    side["samples"][1][cf.CHECKSUMS][cf.CAPTION] ^= 1
+    cf.atomic_write_json(cf.sidecar_path(cache, 0), side)
+    assert inspect.main(["verify", str(cache), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert any("txt fails its crc32" in p for p in report["shards"][0]["problems"])

@@ -4,14 +4,18 @@ synthetic set, and train.eval.benchmarks."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+from pathlib import Path
 
 import pytest
 
 from tests._eval_helpers import TWO_ITEMS, blink_folder, hand_scores, write_items
+from tests.conftest import evaluate_main, one_error_line
 from theworld.embedded import synthetic
 from theworld.evaluate import main
 from theworld.infer import benchmark_items
-from theworld.infer.scoring import Scorer, evaluate, summarize, wilson
+from theworld.infer.scoring import Scorer, evaluate, summarize
 from theworld.model import images
 from theworld.model.config import ImageConfig, ModelConfig, WorldConfig
 from theworld.model.world import TheWorld
@@ -42,26 +46,6 @@ def test_the_scorer_agrees_with_a_hand_computation_on_a_two_item_file(tiny, tmp_
         assert r["pred_shuffled_world"] == max(range(len(shuffled)), key=shuffled.__getitem__)
     choices = lambda rs: [{k: v for k, v in r.items() if k != "outputs"} for r in rs]  # scores: to rounding
     assert choices(evaluate(model, processor, ImageConfig(), items, batch_size=2)) == choices(records)  # batching
-
-
-def test_wilson_interval_and_summary():
-    lo, hi = wilson(8, 10)
-    assert lo == pytest.approx(0.4902, abs=1e-4) and hi == pytest.approx(0.9433, abs=1e-4)
-    assert wilson(0, 5)[0] == 0.0 and wilson(5, 5)[1] == 1.0
-    recs = [
-        {
-            "item": str(i),
-            "category": "x" if i < 3 else "y",
-            "answer": 0,
-            "pred": int(i % 2 == 1),
-            "pred_shuffled_world": 0,
-        }
-        for i in range(4)
-    ]
-    s = summarize(recs)
-    assert (s["n"], s["accuracy"], s["accuracy_shuffled_world"]) == (4, 0.5, 1.0)
-    assert s["categories"]["x"]["n"] == 3 and s["categories"]["x"]["accuracy"] == pytest.approx(2 / 3)
-    assert s["accuracy_ci95"] == wilson(2, 4)
 
 
 BAD = [
@@ -244,3 +228,78 @@ def test_hostile_paths_and_tolerances_are_one_line_with_exit_2(tmp_path, capsys)
     assert inspect.main(["compare-live", str(tmp_path), "--tol", "nan"]) == 2  # would pass any difference
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and "field 'image'" in err[0] and "cannot create" in err[1] and "--tol" in err[2], err
+
+
+def test_out_is_never_an_input_by_name_symlink_or_hardlink(run_copy, trained_run, tmp_path, capsys):
+    shutil.copytree(trained_run["mc"].parent, tmp_path, dirs_exist_ok=True)
+    data = tmp_path / trained_run["mc"].name
+    before = data.read_bytes()
+    weights = run_copy / "final" / "trainable.safetensors"
+    (tmp_path / "link.jsonl").symlink_to(data)
+    os.link(data, tmp_path / "hard.jsonl")
+    os.link(weights, tmp_path / "weights-hard")
+    for out, words in (
+        (data, ["--data"]),
+        (tmp_path / "link.jsonl", ["--data"]),
+        (tmp_path / "hard.jsonl", ["--data"]),
+        (weights, ["the model folder"]),
+        (tmp_path / "weights-hard", ["the model folder"]),
+        (run_copy / "final" / "config.yaml", ["the model folder"]),
+    ):
+        assert evaluate_main("--model", run_copy, "--data", data, "--out", out) == 2
+        one_error_line(capsys, f"--out {out}", *words, "another path")
+    assert data.read_bytes() == before
+    from theworld.model.stage_layout import verify
+
+    verify(run_copy / "final")  # every file of the model as it was recorded
+
+    from theworld import export
+
+    assert export.main(["--model", str(run_copy), "--merge", "--out", str(run_copy / "final")]) == 2
+    capsys.readouterr()
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "to-final").symlink_to(run_copy / "final")
+    assert export.main(["--model", str(run_copy), "--merge", "--out", str(tmp_path / "to-final")]) == 2
+    one_error_line(capsys, "symlink")
+    verify(run_copy / "final")
+
+
+def test_out_is_written_whole_and_a_killed_runs_partial_file_is_removed(run_copy, trained_run, tmp_path, capsys):
+    out = tmp_path / "preds.jsonl"
+    out.write_text("an earlier evaluation\n")
+    stale = tmp_path / ".tmp-preds.jsonl-999999999"  # a pid that runs no process: a killed evaluation's
+    stale.write_text('{"item": "half"')
+    assert evaluate_main("--model", run_copy, "--data", trained_run["mc"], "--limit", "2", "--out", out) == 0
+    err = capsys.readouterr().err
+    assert f"removed {stale}" in err and not stale.exists()
+    text = out.read_text()
+    lines = [json.loads(x) for x in text.splitlines()]
+    assert len(lines) == 2 and {"item", "pred", "answer"} <= lines[0].keys()
+    assert (
+        evaluate_main("--model", run_copy, "--data", trained_run["mc"], "--ema", "--out", out) == 2
+    )  # fails once it opened
+    one_error_line(capsys, "ema.safetensors")
+    assert out.read_text() == text  # a failed evaluation leaves --out as it was
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")] == []
+
+
+def test_arguments_that_would_be_ignored_are_refused(trained_run, tmp_path, capsys):
+    mc = trained_run["mc"]
+    for argv, words in (
+        (["--split", "test"], ["--split test", "JSONL", "leave --split out"]),
+        (["--split", "val"], ["--split val"]),
+        (["--task", "caption", "--protocol", "generate"], ["--protocol", "--task mc"]),
+        (["--task", "caption", "--baselines", "no_world"], ["--baselines", "--task mc"]),
+        (["--baselines", "all,no_world"], ["all already names every baseline"]),
+    ):
+        assert evaluate_main("--model", trained_run["run"], "--data", mc, *argv) == 2
+        line = one_error_line(capsys, *words)
+        assert "unknown" not in line
+
+
+def test_evaluate_out_on_a_full_device_says_the_disk_is_full(run_copy, trained_run, capsys):
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full")
+    assert evaluate_main("--model", run_copy, "--data", trained_run["mc"], "--limit", "1", "--out", "/dev/full") == 2
+    line = one_error_line(capsys, "/dev/full", "no space left on device")
+    assert "last complete save" not in line

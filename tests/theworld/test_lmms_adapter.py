@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, one_error_line
 
 pytest.importorskip("lmms_eval", reason="the eval extra (pip install .[eval]) is not installed")
 
@@ -195,3 +195,22 @@ def test_lmms_eval_with_a_model_it_cannot_build_is_one_line_and_exit_2(trained_r
     assert run.returncode == 2 and len(errors) == 1, run.stderr[-4000:]
     assert all(w.replace("MISSING", str(missing)) in errors[0] for w in words), errors
     assert "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        ({"pretrained": "/no/such/run"}, ["/no/such/run"]),
+        ({"pretrained": "RUN", "temperature": "0"}, ["unknown model_args temperature"]),
+        ({}, ["pretrained=RUN"]),
+    ],
+)
+def test_lmms_adapter_refuses_in_one_line_with_a_nonzero_exit(trained_run, args, words, capsys):
+    pytest.importorskip("lmms_eval")
+    from theworld.lmms_adapter import TheWorldLMM
+
+    args = {k: str(trained_run["run"]) if v == "RUN" else v for k, v in args.items()}
+    with pytest.raises(SystemExit) as e:
+        TheWorldLMM(**args)
+    assert e.value.code == 2
+    one_error_line(capsys, "error: theworld:", *words)

@@ -7,12 +7,12 @@ from __future__ import annotations
 import copy
 import json
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.conftest import ROOT, weights
 from theworld.core.config import from_dict, load_config, to_dict, to_yaml
 from theworld.core.errors import UserError
 from theworld.embedded import synthetic
@@ -25,7 +25,6 @@ from theworld.model.world import TheWorld
 from train.config import TrainConfig, run_hash
 
 CAPTIONS = ["top left red circle .", "top right blue square . bottom left green cross ."]
-ROOT = Path(__file__).resolve().parents[2]
 LAYERS = 3  # per stack: every_n 2 then wraps layers 0 and 2 and leaves 1 alone
 
 
@@ -393,7 +392,7 @@ def test_memory_follows_the_configured_checkpointing(capsys):
 def test_training_runs_with_each_lever_reach_the_same_weights(cache, tmp_path):
     """Stage 4 (every part trains, the VAE encodes live) through train.loop: two optimizer steps with selective
     checkpointing on every part, and with full every 2nd layer, end where the run without checkpointing ends."""
-    from tests.conftest import base_args, metrics, train_inproc, weights
+    from tests.conftest import base_args, metrics, train_inproc
 
     stage4 = {"freeze.vision": "false", "freeze.language": "false", "freeze.vae": "false", "train.optimizer.lr": "1e-3"}
     runs = {}
@@ -651,3 +650,14 @@ def test_the_plan_matches_a_real_size_gemma_layer_on_a_gpu(train, attention, com
     plan = gemma_layer_bytes(config, run, seq)
     print(f"{attention} compiled={compiled} train={train}: kept {kept:.0f} bytes per token, plan {plan}")
     assert plan == pytest.approx(kept, rel=rel)
+
+
+def test_train_memory_counts_the_rollout_world_tokens():
+    from tools.memory_plan import activation_bytes, build_world
+    from train.config import TrainConfig
+
+    plain = load_config(TrainConfig, ROOT / "configs" / "real" / "stage1.yaml")
+    rollout = load_config(TrainConfig, ROOT / "configs" / "real" / "stage1_rollout.yaml")
+    a, b = build_world(plain), build_world(rollout)
+    assert a.projector.num_tokens(64, 64) == 32 * 32 + 2 and b.projector.num_tokens(64, 64) == 3 * 32 * 32 + 2
+    assert activation_bytes(rollout, b, 1) > activation_bytes(plain, a, 1)

@@ -4,9 +4,12 @@ of a real trace written by `profile:` in a tiny run."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
+from tests.conftest import base_args, one_error_line, train_config, train_inproc
+from theworld.core.errors import UserError
 from tools import profile_report
 
 
@@ -89,3 +92,27 @@ def test_a_run_without_a_trace_is_a_one_line_error(tmp_path, capsys):
 @pytest.mark.parametrize("name", ["nccl:all_reduce", "c10d::allreduce_", "record_param_comms"])
 def test_communication_is_known_by_name(name):
     assert profile_report.part_of([], name) == "communication"
+
+
+def test_profile_window_and_report_arguments_are_checked(tmp_path, trained_run, capsys):
+    for sets, words in (
+        (["profile.steps=-1"], ["profile.steps", ">= 1"]),
+        (["profile.start_step=-2"], ["profile.start_step", ">= 0"]),
+        (["profile.top=0"], ["profile.top"]),
+    ):
+        with pytest.raises(UserError) as e:
+            train_config(*sets)
+        assert all(w in str(e.value) for w in words)
+    args = base_args(trained_run["cache"], tmp_path / "out", steps=3)
+    assert train_inproc(args + ["--set", "profile.enabled=true", "--set", "profile.start_step=10"]) == 2
+    one_error_line(capsys, "profile.start_step", "3 steps", "<= 0")
+    assert not (tmp_path / "out" / "final").exists()
+
+    from tools import profile_report
+
+    assert profile_report.main([str(tmp_path), "--top", "-3"]) == 2
+    one_error_line(capsys, "--top must be >= 1")
+    (tmp_path / "profile").mkdir()
+    os.mkfifo(tmp_path / "profile" / "trace-rank0.json")
+    assert profile_report.main([str(tmp_path)]) == 2
+    one_error_line(capsys, "trace-rank0.json is a FIFO")

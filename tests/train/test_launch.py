@@ -12,8 +12,16 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import ENV, ROOT, base_args, free_port, launch2, wait_for_step
-from train import launch, preempt
+from tests.conftest import (
+    ENV,
+    ROOT,
+    base_args,
+    free_port,
+    launch2,
+    slurm_job,
+    wait_for_step,
+)
+from train import launch, preempt, slurm
 
 
 class _Accelerator:
@@ -204,3 +212,49 @@ def test_a_port_the_nodes_cannot_meet_on_is_one_line_and_exit_2_before_anything_
     assert launch.main([*argv, "-m", "train.loop"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and words in err and not started, err
+
+
+def _launched(monkeypatch, argv: list[str], env: dict) -> tuple[int, object]:
+    """train.launch's exit code and the arguments it handed to accelerate's launcher (which is not run)."""
+    import accelerate.commands.launch as accelerate_launch
+
+    for k in [k for k in os.environ if k.startswith(("SLURM_", "MASTER_"))]:
+        monkeypatch.delenv(k)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    seen = {}
+    monkeypatch.setattr(accelerate_launch, "launch_command", lambda args: seen.setdefault("args", args))
+    handlers = {s: signal.getsignal(s) for s in launch.FORWARDED}
+    try:
+        return launch.main([*argv, "-m", "train.loop"]), seen.get("args")
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+
+
+def test_train_launch_gives_each_node_its_place_from_slurm(monkeypatch, capsys):
+    code, args = _launched(monkeypatch, [], slurm_job(SLURM_GPUS_ON_NODE="8"))
+    assert code == 0 and (args.num_machines, args.machine_rank, args.num_processes) == (4, 2, 32)
+    assert (args.main_process_ip, args.main_process_port, args.multi_gpu) == ("gpu07", slurm.PORT_BASE + 77, True)
+    err = capsys.readouterr().err
+    assert "launch: SLURM job 77: node 2 of 4, 8 process(es) per node, main process on gpu07:" in err
+    # the command line wins over SLURM: one process per node asked for, FSDP instead of DDP
+    code, args = _launched(monkeypatch, ["--num_processes", "4", "--use_fsdp"], slurm_job(SLURM_GPUS_ON_NODE="8"))
+    assert code == 0 and args.num_processes == 4 and args.use_fsdp and not args.multi_gpu
+    code, args = _launched(monkeypatch, [], {})  # not under SLURM: nothing added
+    assert code == 0 and args.num_machines is None and args.machine_rank is None
+
+
+def test_a_node_rank_outside_the_job_is_one_line_and_exit_2(monkeypatch, capsys):
+    cases = [
+        (["--num_machines", "2", "--machine_rank", "2"], {}, "--machine_rank 2 is outside the job's 2 node(s)"),
+        (["--num_machines", "2", "--machine_rank", "-1"], {}, "--machine_rank -1 is outside"),
+        (["--num_machines", "0", "--machine_rank", "0"], {}, "--num_machines 0: a run needs at least one node"),
+        (["--num_machines", "2", "--num_processes", "3"], {}, "--num_processes 3 (the total over all nodes)"),
+        ([], slurm_job(SLURM_NODEID="7"), "SLURM_NODEID 7 is outside the job's 4 node(s)"),
+        (["--machine_rank", "5"], slurm_job(), "--machine_rank 5 is outside the job's 4 node(s)"),
+    ]
+    for argv, env, words in cases:
+        code, args = _launched(monkeypatch, argv, env)
+        err = capsys.readouterr().err
+        assert code == 2 and args is None and err.count("\n") == 1 and words in err, (argv, err)

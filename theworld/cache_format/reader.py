@@ -161,7 +161,7 @@ class CacheReader:
 
     cache_dir: Path
     members: tuple[str, ...] | None = None
-    settings: storage.Settings | None = None  # for a URL: storage_options and the shard cache
+    settings: storage.Settings | None = None  # for a URL: storage.options and the shard cache
     manifest: dict = field(init=False)
     _names: list[str] = field(init=False, repr=False)  # member names, the columns of _spans
     _keys: np.ndarray = field(init=False, repr=False)  # (N,) bytes

@@ -1,11 +1,11 @@
 """A cache location may be a URL: `s3://bucket/prefix` (read and write), `gs://`, `hf://`, `https://` (read), through
 fsspec, with credentials and endpoints as those libraries take them (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...) plus the
-config's `storage_options`.
+config's `storage.options`.
 
 A remote cache is used through a local stand-in folder that looks like a cache (its manifest, sidecars, errors and
 run record, fetched first), so the cache format's code reads and writes local files as always; only the shards' tars
-stay remote. A reader stages whole shards into a bounded per-node shard cache (`cache_local_dir`, at most
-`cache_local_max_gb`, least recently used evicted first), so an epoch that fits is downloaded once. A writer finishes
+stay remote. A reader stages whole shards into a bounded per-node shard cache (`storage.local_dir`, at most
+`storage.local_max_gb`, least recently used evicted first), so an epoch that fits is downloaded once. A writer finishes
 each shard locally and puts it as one object (tar, then sidecar: the sidecar marks it done), the manifest last.
 
 Messages name the URL, not the stand-in: `theworld.core.errors.show_as` maps one to the other. docs/cache-format.md,
@@ -81,7 +81,7 @@ class RetryPolicy:
     backoff_s: float = 0.2  # first wait of a retry here; doubled after each
 
     def client_options(self, scheme: str, options: dict) -> dict:
-        """`options` (the config's storage_options, which win) with this policy in the client's own terms."""
+        """`options` (the config's storage.options, which win) with this policy in the client's own terms."""
         if scheme not in ("s3", "s3a"):
             return dict(options)
         config = {
@@ -106,30 +106,44 @@ _BOTO_LOADER: list = []  # botocore's data loader (its parsed service models) of
 _FS_LOCK = threading.Lock()  # when this process first retried (the command's bound counts from there)
 
 
+# The section's keys as the top-level keys of earlier releases named them (read through the config's moved keys)
+MOVED = {
+    "storage_options": "storage.options",
+    "cache_local_dir": "storage.local_dir",
+    "cache_local_max_gb": "storage.local_max_gb",
+    "cache_prefetch_shards": "storage.prefetch_shards",
+    "cache_shuffle_window": "storage.shuffle_window",
+}
+READING_KEYS = ("prefetch_shards", "shuffle_window")  # how training reads a cache; precompute leaves them unset
+
+
 @dataclass
 class Settings:
-    """The config keys of object storage (both commands have them at the top level)."""
+    """The `storage:` config section of both commands (precompute's and training's): a cache at a URL and this
+    node's shard cache (docs/cache-format.md, "Object storage")."""
 
-    storage_options: dict = field(default_factory=dict)  # passed to the fsspec filesystem
-    cache_local_dir: str = DEFAULT_LOCAL_DIR  # per node: stand-in folders and the shard cache
-    cache_local_max_gb: float = DEFAULT_MAX_GB  # the shard cache's bound
+    options: dict = field(default_factory=dict)  # passed to the fsspec filesystem
+    local_dir: str = DEFAULT_LOCAL_DIR  # per node: stand-in folders and the shard cache
+    local_max_gb: float = DEFAULT_MAX_GB  # the shard cache's bound
+    prefetch_shards: int = 2  # training: shards each loader worker downloads ahead of the one it reads
+    # training: shards per shuffle window (train/data/order.py): 0 is one global order, which suits a cache that fits
+    # the node's shard cache; a larger cache reads W shards at a time and is downloaded about once per epoch
+    shuffle_window: int = 0
 
-    @classmethod
-    def of(cls, cfg: Any) -> Settings:
-        return cls(dict(cfg.storage_options), cfg.cache_local_dir, cfg.cache_local_max_gb)
-
-    def check(self) -> None:
-        """What the config loader cannot check by type (called from the configs' __post_init__)."""
-        if not self.cache_local_max_gb > 0:
-            raise UserError(f"config key 'cache_local_max_gb': must be positive, got {self.cache_local_max_gb}")
-        if not self.cache_local_dir.strip():
-            raise UserError("config key 'cache_local_dir': empty; give a folder path")
-        if is_url(self.cache_local_dir):
-            raise UserError(f"config key 'cache_local_dir': {self.cache_local_dir} is a URL; give a local folder")
+    def __post_init__(self) -> None:  # what the config loader cannot check by type
+        if not self.local_max_gb > 0:
+            raise UserError(f"config key 'storage.local_max_gb': must be positive, got {self.local_max_gb}")
+        if not self.local_dir.strip():
+            raise UserError("config key 'storage.local_dir': empty; give a folder path")
+        if is_url(self.local_dir):
+            raise UserError(f"config key 'storage.local_dir': {self.local_dir} is a URL; give a local folder")
+        for key in READING_KEYS:
+            if getattr(self, key) < 0:
+                raise UserError(f"config key 'storage.{key}': must be >= 0, got {getattr(self, key)}")
 
     @property
-    def local_dir(self) -> Path:
-        return Path(os.path.expanduser(self.cache_local_dir))
+    def folder(self) -> Path:
+        return Path(os.path.expanduser(self.local_dir))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -144,8 +158,8 @@ class RemoteCache:
         where = location.remote(url)  # no bucket, an empty segment or a bad bucket name: one line here
         self.url, self.scheme, rest = where.url, where.scheme, where.path
         self.settings = settings
-        self.local = settings.local_dir / "caches" / self.scheme / _safe_path(rest)
-        self.shard_dir = settings.local_dir / "shards"
+        self.local = settings.folder / "caches" / self.scheme / _safe_path(rest)
+        self.shard_dir = settings.folder / "shards"
         self._fs, self._pid = None, 0
         self._root = ""
         self._checked: set[str] = set()  # sha256 of staged shards this process has re-hashed
@@ -167,7 +181,7 @@ class RemoteCache:
     def _make_fs(self):
         import fsspec
 
-        options = POLICY.client_options(self.scheme, self.settings.storage_options)
+        options = POLICY.client_options(self.scheme, self.settings.options)
         if self.scheme in ("s3", "s3a") and "session" not in options:
             options["session"] = _s3_session()
         try:
@@ -175,7 +189,7 @@ class RemoteCache:
         except ImportError as e:  # fsspec names the package to install (s3fs, gcsfs)
             raise UserError(f"{self.url}: {one_line(e)}") from None
         except (ValueError, TypeError) as e:
-            raise UserError(f"{self.url}: {one_line(e, 200)}; check the URL and storage_options") from None
+            raise UserError(f"{self.url}: {one_line(e, 200)}; check the URL and storage.options") from None
         if hasattr(fs, "retries") and self.scheme in ("s3", "s3a"):
             fs.retries = 1  # s3fs's own loop off: botocore's retries are the one layer (RetryPolicy)
         return fs, root
@@ -218,7 +232,7 @@ class RemoteCache:
         if name in ("NoCredentialsError", "PartialCredentialsError") or "Unable to locate credentials" in str(e):
             return (
                 "no credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL for a server "
-                "other than AWS), or give them in the config's storage_options"
+                "other than AWS), or give them in the config's storage.options"
             )
         if isinstance(e, PermissionError) or "AccessDenied" in str(e) or "InvalidAccessKeyId" in str(e):
             return f"access denied ({one_line(e, 160)}): check the credentials and the bucket's permissions"
@@ -521,15 +535,15 @@ class RemoteCache:
         raise AssertionError("unreachable")
 
     def _make_room(self, size: int, index: int, ahead: bool = False) -> None:
-        """Evict the least recently used shards until `size` more bytes fit under cache_local_max_gb; downloads that
+        """Evict the least recently used shards until `size` more bytes fit under storage.local_max_gb; downloads that
         died with their process (an unlocked `.part`) go too. Shards read ahead and not opened yet go last; a
         read-ahead (`ahead`) that would have to evict one raises NoRoomAhead instead: a window and read-ahead larger
         than the budget then download each shard once, reading ahead only as far as the budget allows."""
-        budget = int(self.settings.cache_local_max_gb * 1e9)
+        budget = int(self.settings.local_max_gb * 1e9)
         if size > budget:
             raise self._full(
-                f"shard {tar_path(self.local, index).name} ({size / 1e9:.3g} GB) is larger than cache_local_max_gb "
-                f"{self.settings.cache_local_max_gb:g}"
+                f"shard {tar_path(self.local, index).name} ({size / 1e9:.3g} GB) is larger than storage.local_max_gb "
+                f"{self.settings.local_max_gb:g}"
             )
         with _locked(self.shard_dir / ".evict.lock"):
             _drop_dead_parts(self.shard_dir)
@@ -549,8 +563,8 @@ class RemoteCache:
 
     def _full(self, what: str) -> ShardCacheFull:
         return ShardCacheFull(
-            f"{self.url}: the local shard cache {self.shard_dir} is full ({what}): raise cache_local_max_gb, free "
-            "space there or point cache_local_dir at a larger disk, then rerun the same command"
+            f"{self.url}: the local shard cache {self.shard_dir} is full ({what}): raise storage.local_max_gb, free "
+            "space there or point storage.local_dir at a larger disk, then rerun the same command"
         )
 
 
@@ -608,15 +622,15 @@ def _drop_dead_parts(folder: Path) -> None:
 
 
 def make_dir(path: Path) -> None:
-    """`path` as a folder, or one line on cache_local_dir (a file there, a read-only disk)."""
+    """`path` as a folder, or one line on storage.local_dir (a file there, a read-only disk)."""
     try:
         path.mkdir(parents=True, exist_ok=True)
         if not os.access(path, os.W_OK):
             raise PermissionError(errno.EACCES, "not writable")
     except OSError as e:
         raise UserError(
-            f"config key 'cache_local_dir': cannot use {path} as a folder ({e.strerror or e}); point cache_local_dir "
-            "at a writable folder"
+            f"config key 'storage.local_dir': cannot use {path} as a folder ({e.strerror or e}); point "
+            "storage.local_dir at a writable folder"
         ) from None
 
 

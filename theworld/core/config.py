@@ -25,7 +25,7 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 import yaml
 
-from theworld.core import location, log, paths
+from theworld.core import compat, location, log, paths
 from theworld.core.errors import UserError, one_line
 
 T = TypeVar("T")
@@ -92,7 +92,7 @@ def _check_value(value: Any, tp: Any, key: str) -> Any:
                     raise
                 errors.append(str(e))
         raise UserError(errors[0] if len(errors) == 1 else f"config key '{key}': {shown(value)} has the wrong type")
-    if tp is dict:  # a mapping passed on as it is (storage_options: the keys are the library's)
+    if tp is dict:  # a mapping passed on as it is (storage.options: the keys are the library's)
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             raise UserError(f"config key '{key}': expected a mapping with text keys, got {shown(value)}")
         return _plain(value)
@@ -336,11 +336,12 @@ def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()
     return from_dict(cls, data, renamed)
 
 
-def _one_name(path: list[str], moves: dict[str, str], given: dict[str, str]) -> None:
+def _one_name(path: list[str], moves: dict[str, compat.Move], given: dict[str, str]) -> None:
     """Two --set of one key under its old and its new name are refused as a file with both is: which one wins would
     depend on their order."""
     dotted = ".".join(path)
-    for old, new in moves.items():
+    for old, move in moves.items():
+        new = move.new
         name = next((n for n in (old, new) if dotted == n or dotted.startswith(n + ".")), None)
         if name is None:
             continue
@@ -372,30 +373,34 @@ def from_dict(cls: type[T], data: dict, renamed: dict[str, str] | None = None) -
         raise type(e)(one_line(_as_given(str(e), renamed), 4 * LINE)) from None
 
 
-def moved_keys(cls: type) -> dict[str, str]:
-    """`cls.MOVED`: each key of an earlier release (dotted) and the key it is now."""
+def moved_keys(cls: type) -> dict[str, compat.Move]:
+    """`cls.MOVED`: each key of an earlier release (dotted), the key it is now and the release that moved it, read
+    while theworld/core/compat.py's rule says so."""
     return getattr(cls, "MOVED", {})
 
 
-def _moved_path(path: list[str], moves: dict[str, str], renamed: dict[str, str]) -> list[str]:
+def _moved_path(path: list[str], moves: dict[str, compat.Move], renamed: dict[str, str]) -> list[str]:
     """A --set key, or a key under it, that an earlier release named otherwise, under its new name."""
     dotted = ".".join(path)
-    for old, new in moves.items():
+    for old, move in moves.items():
         if dotted == old or dotted.startswith(old + "."):
-            renamed[old] = new
-            return (new + dotted[len(old) :]).split(".")
+            compat.refuse_expired(old, move)
+            renamed[old] = move.new
+            return (move.new + dotted[len(old) :]).split(".")
     return path
 
 
-def _move_keys(data: dict, moves: dict[str, str], renamed: dict[str, str]) -> dict:
+def _move_keys(data: dict, moves: dict[str, compat.Move], renamed: dict[str, str]) -> dict:
     """`data` with each old key of `moves` put where its new key lives; both given at once is an error."""
-    for old, new in moves.items():
+    for old, move in moves.items():
         *parents, last = old.split(".")
         node = data
         for p in parents:
             node = node.get(p) if isinstance(node, dict) else None
         if not isinstance(node, dict) or last not in node:
             continue
+        compat.refuse_expired(old, move)
+        new = move.new
         value = node.pop(last)
         *parents, last = new.split(".")
         target = data
@@ -444,10 +449,11 @@ _SECRET = re.compile(r"secret|token|password|passwd|credential|key", re.IGNORECA
 
 
 def to_dict(cfg: Any) -> dict:
-    """The config as plain data, as it is shown and saved: secrets in `storage_options` left out."""
+    """The config as plain data, as it is shown and saved: secrets in `storage.options` left out."""
     d = _keyed(dataclasses.asdict(cfg), cfg)
-    if isinstance(d.get("storage_options"), dict):
-        d["storage_options"] = {k: "<redacted>" if _SECRET.search(k) else v for k, v in d["storage_options"].items()}
+    storage = d.get("storage")
+    if isinstance(storage, dict) and isinstance(storage.get("options"), dict):
+        storage["options"] = {k: "<redacted>" if _SECRET.search(k) else v for k, v in storage["options"].items()}
     return d
 
 

@@ -246,7 +246,7 @@ class DataContext:
             flip,
             partner,
             rollouts=cfg.world.num_world_steps > 0 and not self.inputs.cached_latents,
-            prefetch=cfg.cache_prefetch_shards,
+            prefetch=cfg.storage.prefetch_shards,
         )
 
 
@@ -335,7 +335,7 @@ def _loader(cfg, ctx: DataContext, dataset, **kw) -> DataLoader:
 def build_train_loader(cfg, ctx: DataContext, rank: int, world_size: int, epoch: int, start: int = 0) -> DataLoader:
     """Micro-batches of this process for `epoch` from global batch `start` on: accumulation_steps of them per step."""
     samples = ctx.epoch_samples(cfg.seed, epoch)
-    window = cfg.cache_shuffle_window
+    window = cfg.storage.shuffle_window
     idx = rank_indices(
         samples,
         cfg.seed,

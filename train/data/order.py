@@ -6,7 +6,7 @@ whatever the number of processes, and resuming at step s reads exactly the batch
 
 - eval split: the `train.eval.samples` samples with the smallest sha256(key) are held out (independent of shard layout;
   theworld/cache_format/held_out.py);
-- epoch order: a permutation of the training samples seeded from (seed, epoch) (with `cache_shuffle_window` W > 0: a
+- epoch order: a permutation of the training samples seeded from (seed, epoch) (with `storage.shuffle_window` W > 0: a
   permutation of the shards, cut into windows of W shards, and the samples of each window shuffled among themselves,
   so an epoch reads W shards at a time and a cache larger than the node's shard cache is downloaded once), walked in
   order, each sample going to

@@ -32,9 +32,9 @@ def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _current_name(key: str) -> str:
-    for old, new in MOVED_KEYS.items():
+    for old, move in MOVED_KEYS.items():
         if key == old or key.startswith(old + "."):
-            return new + key[len(old) :]
+            return move.new + key[len(old) :]
     return key
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from theworld.core import compat
 from theworld.core.errors import UserError
 from train.optim import decays
 
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 
 FORMAT_VERSION = 2  # a whole checkpoint's
 SHARDED_VERSION = 3  # a sharded one's
-READABLE = (1, 2, 3)
+READABLE = compat.readable(compat.CHECKPOINT_FORMATS)  # how long each is read: theworld/core/compat.py
 
 
 def state(saved: dict, path: Path) -> dict:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 
 from precompute import cosmos_latents, sources
+from precompute.sources.listing import Truncated
+from precompute.sources.synthetic import SyntheticListing
 from tests._precompute_helpers import cli_args, gradient, jpeg_bytes, make_cfg, read_cache_plain
 from tests._source_helpers import chat_item, txt_folder
 from theworld import cache_format as cf
@@ -128,3 +130,24 @@ def test_a_source_path_of_the_wrong_kind_is_named(tmp_path, capsys):
         assert cosmos_latents.main(cli_args(tmp_path / "c", f"source.type={kind}", f"source.path={path}")) == 2
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and words in err, err
+
+
+def test_num_samples_cut_meets_the_barrier_on_every_rank_even_when_the_record_exists(tmp_path):
+    """Rank 1 starting after rank 0 wrote num_samples.json used to skip the barrier, so it ran one collective ahead
+    (into shard writing before rank 0 had made errors/)."""
+    calls = {0: 0, 1: 0}
+
+    def barrier_for(rank):
+        def barrier():
+            calls[rank] += 1
+
+        return barrier
+
+    inner = SyntheticListing(0, 10, 16)
+    first = Truncated(inner, 4, tmp_path, rank=0, barrier=barrier_for(0))
+    late = Truncated(inner, 4, tmp_path, rank=1, barrier=barrier_for(1))
+    assert (tmp_path / Truncated.RECORD).is_file()
+    assert calls == {0: 1, 1: 1}
+    assert len(first) == len(late) == 4
+    rerun = Truncated(inner, 4, tmp_path, rank=0, barrier=barrier_for(0))  # a rerun reads the record, still meets it
+    assert len(rerun) == 4 and calls[0] == 2

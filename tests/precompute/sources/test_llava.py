@@ -96,3 +96,38 @@ def test_llava_cache_of_single_turn_items_is_not_resumed(tmp_path, fake_vae):
     (out / cf.RUN_FILE).write_text(json.dumps(run_file))
     with pytest.raises(UserError, match="source.conversations"):
         cosmos_latents.run(make_cfg(*args))
+
+
+def test_llava_images_found_nowhere_say_where_they_were_looked_for_and_which_image_root_finds_them(
+    tmp_path, capsys, fake_vae
+):
+    import json
+
+    from precompute import cosmos_latents
+    from tests._precompute_helpers import cli_args, gradient, jpeg_bytes
+
+    root = tmp_path / "LLaVA-Pretrain"
+    (root / "images" / "00000").mkdir(parents=True)
+    items = []
+    for i in range(3):
+        (root / "images" / "00000" / f"{i:09d}.jpg").write_bytes(jpeg_bytes(gradient(30, 24)))
+        items.append(
+            {
+                "id": f"{i:09d}",
+                "image": f"00000/{i:09d}.jpg",
+                "conversations": [
+                    {"from": "human", "value": "<image>\nDescribe."},
+                    {"from": "gpt", "value": f"caption {i}"},
+                ],
+            }
+        )
+    (root / "blip_laion_cc_sbu_558k.json").write_text(json.dumps(items))
+    src = f"source.path={root / 'blip_laion_cc_sbu_558k.json'}"
+    assert cosmos_latents.main(cli_args(tmp_path / "c", "source.type=llava", src, n=3)) == 2
+    err = capsys.readouterr().err
+    assert "all 3 inputs failed" in err and f"'00000/000000000.jpg' are looked for under {root};" in err
+    assert f"set source.image_root={root / 'images'}" in err, err
+    assert (
+        cosmos_latents.main(cli_args(tmp_path / "c2", "source.type=llava", src, f"source.image_root={root}", n=3)) == 2
+    )
+    assert f"set source.image_root={root / 'images'}" in capsys.readouterr().err  # also from a wrong image_root

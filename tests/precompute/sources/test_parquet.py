@@ -184,3 +184,62 @@ def test_a_file_that_is_not_parquet_is_refused_naming_it(tmp_path, fake_vae, cap
     assert cosmos_latents.main(cli_args(tmp_path / "c", "source.type=parquet", f"source.path={tmp_path}/d")) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and f"{tmp_path}/d/a.parquet is not a readable parquet file" in err
+
+
+def _parquet_with_corrupt_key_column(path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests._precompute_helpers import gradient, png_bytes
+
+    n, img = 20, png_bytes(gradient(16, 16))
+    pq.write_table(
+        pa.table({"key": [f"k{i:03d}" for i in range(n)], "image": [img] * n, "caption": [f"c{i}" for i in range(n)]}),
+        path,
+        compression="none",
+    )
+    page = pq.ParquetFile(path).metadata.row_group(0).column(0).data_page_offset
+    data = bytearray(path.read_bytes())
+    data[page : page + 12] = bytes(b ^ 0xFF for b in data[page : page + 12])  # the key column's page header
+    path.write_bytes(bytes(data))
+
+
+def test_a_corrupt_parquet_key_column_is_one_line_naming_file_and_column(tmp_path, capsys, fake_vae):
+    from precompute import cosmos_latents
+    from tests._precompute_helpers import cli_args
+
+    bad = tmp_path / "bad.parquet"
+    _parquet_with_corrupt_key_column(bad)
+    assert cosmos_latents.main(cli_args(tmp_path / "out", "source.type=parquet", f"source.path={bad}")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"column 'key' of {bad} cannot be read" in err, err
+
+
+def test_a_datasets_save_to_disk_folder_is_a_parquet_source(tmp_path, capsys, fake_vae):
+    """Written by the real `datasets` package: Arrow stream files listed in state.json, in order."""
+    import datasets
+
+    from precompute import cosmos_latents
+    from tests._precompute_helpers import cli_args, gradient, png_bytes, read_cache_plain
+
+    n = 12
+    rows = {
+        "image": [{"bytes": png_bytes(gradient(20 + i, 16)), "path": None} for i in range(n)],
+        "caption": [f"scene {i} ." for i in range(n)],
+        "uid": [f"u{i:02d}" for i in range(n)],
+    }
+    ds = datasets.Dataset.from_dict(rows).cast_column("image", datasets.Image())
+    ds.save_to_disk(str(tmp_path / "ds"), num_shards=3)
+    assert len(list((tmp_path / "ds").glob("*.arrow"))) == 3
+    out = tmp_path / "c"
+    assert cosmos_latents.main(cli_args(out, "source.type=parquet", f"source.path={tmp_path / 'ds'}", n=n)) == 0
+    samples = read_cache_plain(out)
+    assert list(samples) == rows["uid"]
+    assert [s["txt"].decode() for s in samples.values()] == rows["caption"]
+    assert [s["image"] for s in samples.values()] == [r["bytes"] for r in rows["image"]]
+    datasets.DatasetDict({"train": ds, "validation": ds}).save_to_disk(str(tmp_path / "dd"))
+    assert cosmos_latents.main(cli_args(tmp_path / "c2", "source.type=parquet", f"source.path={tmp_path / 'dd'}")) == 2
+    assert (
+        f"holds a datasets DatasetDict (splits: train, validation); set source.path to one split's folder, e.g. "
+        f"{tmp_path / 'dd' / 'train'}" in capsys.readouterr().err
+    )

@@ -41,14 +41,14 @@ def test_read_ahead_through_faults_loses_and_duplicates_no_sample_and_resumes_ex
     order = rank_indices(train, 3, 0, 4, 0, 1, shards=truth.shards, window=2)
     want = [(truth.key(i), truth.raw(i)) for i in order.tolist()]
     s3.inject("GET", r"/faults/shards/shard-\d+\.tar$", "500", "truncate", "reset", "slow", "500", "truncate")
-    reader = cf.CacheReader(remote, settings=cf.Settings(cache_local_dir=str(tmp_path / "l")))
+    reader = cf.CacheReader(remote, settings=cf.Settings(local_dir=str(tmp_path / "l")))
     assert _read(reader, order, depth=2) == want
     assert not s3.faults  # every fault was met
     # resumed at global batch 3 (a fresh shard cache: everything downloaded again through more faults)
     s3.inject("GET", r"/faults/shards/shard-\d+\.tar$", "reset", "truncate", "500")
     tail = rank_indices(train, 3, 0, 4, 0, 1, start_batch=3, shards=truth.shards, window=2)
     assert np.array_equal(tail, order[12:])
-    reader = cf.CacheReader(remote, settings=cf.Settings(cache_local_dir=str(tmp_path / "l2")))
+    reader = cf.CacheReader(remote, settings=cf.Settings(local_dir=str(tmp_path / "l2")))
     assert _read(reader, tail, depth=3) == want[12:]
     staged = os.listdir(tmp_path / "l2" / "shards")
     # the staged shards and one lock for the folder's eviction: no lock or partial file per shard
@@ -59,7 +59,7 @@ _STAGE = """
 import sys
 from theworld import cache_format as cf
 from theworld.core.errors import CacheDamaged
-reader = cf.CacheReader(sys.argv[1], settings=cf.Settings(cache_local_dir=sys.argv[2]))
+reader = cf.CacheReader(sys.argv[1], settings=cf.Settings(local_dir=sys.argv[2]))
 reader.stage(0)
 """
 
@@ -79,7 +79,7 @@ def test_a_download_killed_with_sigkill_leaves_nothing_a_later_run_trusts(s3, tm
         s3.release()
     left = os.listdir(shard_cache / "shards")
     assert not [n for n in left if n.endswith(".tar")], left  # no staged shard: only the download's .part
-    reader = cf.CacheReader(remote, settings=cf.Settings(cache_local_dir=str(shard_cache)))
+    reader = cf.CacheReader(remote, settings=cf.Settings(local_dir=str(shard_cache)))
     truth = cf.CacheReader(local)
     assert [reader.raw(i) for i in range(len(reader))] == [truth.raw(i) for i in range(len(truth))]
     left = os.listdir(shard_cache / "shards")
@@ -89,7 +89,7 @@ def test_a_download_killed_with_sigkill_leaves_nothing_a_later_run_trusts(s3, tm
 def test_a_bit_flipped_in_the_shard_cache_is_caught_there_and_the_shard_downloaded_again(s3, tmp_path, caplog):
     local = _cache(tmp_path / "c", 2)
     remote = _put_tree(s3, local, "flip")
-    settings = cf.Settings(cache_local_dir=str(tmp_path / "l"))
+    settings = cf.Settings(local_dir=str(tmp_path / "l"))
     reader = cf.CacheReader(remote, settings=settings)
     reader.stage(0)
     (staged,) = (tmp_path / "l" / "shards").glob("*.tar")
@@ -119,7 +119,7 @@ def test_a_read_ahead_deeper_than_the_shard_budget_downloads_each_shard_once(s3,
     remote = _put_tree(s3, local, "budget")
     truth = cf.CacheReader(local)
     budget = 2 * max(e["bytes"] for e in truth.manifest["shards"])  # two shards: less than window 1 + read-ahead 3
-    settings = cf.Settings(cache_local_dir=str(tmp_path / "l"), cache_local_max_gb=budget / 1e9)
+    settings = cf.Settings(local_dir=str(tmp_path / "l"), local_max_gb=budget / 1e9)
     reader = cf.CacheReader(remote, settings=settings)
     order = rank_indices(np.arange(len(truth)), 5, 0, 4, 0, 1, shards=truth.shards, window=1)
     ahead, got, start = ReadAhead(reader, order, 3), [], len(s3.log)

@@ -69,7 +69,7 @@ def test_a_remote_cache_opens_with_requests_that_do_not_grow_with_its_shards(s3,
     for n in (4, 64):
         remote = _put_tree(s3, _cache(tmp_path / f"c{n}", n), f"idx{n}")
         start = len(s3.log)
-        reader = cf.CacheReader(remote, settings=cf.Settings(cache_local_dir=str(tmp_path / f"l{n}")))
+        reader = cf.CacheReader(remote, settings=cf.Settings(local_dir=str(tmp_path / f"l{n}")))
         gets = _gets(s3, start, f"idx{n}")
         assert not [p for p in gets if "/shards/" in p]  # no sidecar, no tar: the index alone
         counts[n] = len(s3.log) - start
@@ -85,13 +85,13 @@ def test_a_missing_or_stale_index_object_is_rebuilt_from_the_sidecars_with_a_not
     other = _cache(tmp_path / "other", 6, per_shard=3)  # another cache's index at the same name: stale
     s3.fs.put_file(str(other / entry["path"]), f"{BUCKET}/stale/{entry['path']}")
     start = len(s3.log)
-    reader = cf.CacheReader(remote, settings=cf.Settings(cache_local_dir=str(tmp_path / "l")))
+    reader = cf.CacheReader(remote, settings=cf.Settings(local_dir=str(tmp_path / "l")))
     assert "shard index object sha256 differs" in caplog.text and "reading the sidecars" in caplog.text
     assert len([p for p in _gets(s3, start, "stale") if p.endswith(".json")]) == 6 + 1  # sidecars + manifest
     assert members_by_key(reader) == members_by_key(cf.CacheReader(folder))
     s3.fs.rm_file(f"{BUCKET}/stale/{entry['path']}")
     caplog.clear()
-    reader = cf.CacheReader(remote, settings=cf.Settings(cache_local_dir=str(tmp_path / "l2")))
+    reader = cf.CacheReader(remote, settings=cf.Settings(local_dir=str(tmp_path / "l2")))
     assert "shard index object missing" in caplog.text
     assert members_by_key(reader) == members_by_key(cf.CacheReader(folder))
 
@@ -106,7 +106,7 @@ def test_a_cache_written_before_the_index_opens_with_a_note(s3, tmp_path, caplog
     (folder / cf.MANIFEST).write_text(json.dumps(manifest))
     shutil.rmtree(folder / SHARD_INDEX)
     remote = _put_tree(s3, folder, "old")
-    reader = cf.CacheReader(remote, settings=cf.Settings(cache_local_dir=str(tmp_path / "l")))
+    reader = cf.CacheReader(remote, settings=cf.Settings(local_dir=str(tmp_path / "l")))
     assert "written before the shard index" in caplog.text and "5 sidecar(s)" in caplog.text
     assert members_by_key(reader) == members_by_key(cf.CacheReader(folder))
     reader.check_consistency()
@@ -127,7 +127,7 @@ def test_an_unreachable_endpoint_is_one_line_within_10_s(s3, tmp_path, monkeypat
     with pytest.raises(UserError) as e:
         cf.CacheReader(
             f"s3://{BUCKET}/x",
-            settings=cf.Settings({"skip_instance_cache": True}, cache_local_dir=str(tmp_path / "l")),
+            settings=cf.Settings({"skip_instance_cache": True}, local_dir=str(tmp_path / "l")),
         )
     took = time.monotonic() - t
     text = str(e.value)
@@ -147,16 +147,16 @@ def test_an_endpoint_that_accepts_and_never_answers_does_not_hang(s3, tmp_path, 
     with pytest.raises(UserError) as e:
         cf.CacheReader(
             f"s3://{BUCKET}/x",
-            settings=cf.Settings({"skip_instance_cache": True}, cache_local_dir=str(tmp_path / "l")),
+            settings=cf.Settings({"skip_instance_cache": True}, local_dir=str(tmp_path / "l")),
         )
     server.close()
     assert time.monotonic() - t < 10
     assert len(str(e.value).splitlines()) == 1 and "failed after 2 attempts" in str(e.value), str(e.value)
 
 
-def test_a_cache_local_dir_that_is_a_file_is_one_line(s3, tmp_path):
+def test_a_storage_local_dir_that_is_a_file_is_one_line(s3, tmp_path):
     remote = _put_tree(s3, _cache(tmp_path / "c", 2), "localfile")
     (tmp_path / "file").write_text("x")
     with pytest.raises(UserError) as e:
-        cf.CacheReader(remote, settings=cf.Settings(cache_local_dir=str(tmp_path / "file")))
-    assert len(str(e.value).splitlines()) == 1 and "config key 'cache_local_dir'" in str(e.value), str(e.value)
+        cf.CacheReader(remote, settings=cf.Settings(local_dir=str(tmp_path / "file")))
+    assert len(str(e.value).splitlines()) == 1 and "config key 'storage.local_dir'" in str(e.value), str(e.value)

@@ -44,7 +44,7 @@ def s3_cache(s3, tmp_path_factory):
     local = tmp_path_factory.mktemp("pre") / "cache"
     run(make_cfg(local))
     start = len(s3.log)
-    run(make_cfg(url("pre"), f"cache_local_dir={local_dir(s3, 'pre')}"))  # type: ignore[arg-type]
+    run(make_cfg(url("pre"), f"storage.local_dir={local_dir(s3, 'pre')}"))  # type: ignore[arg-type]
     return local, url("pre"), s3.log[start:]
 
 
@@ -60,7 +60,7 @@ def test_precompute_to_s3_puts_each_shard_once_manifest_last_and_equals_a_local_
     manifest = json.loads(s3.fs.cat_file(f"{BUCKET}/pre/manifest.json"))
     assert manifest["shards"] == cf.load_manifest(local)["shards"]  # byte-identical tars
     a = members_by_key(cf.CacheReader(local))
-    b = members_by_key(cf.CacheReader(remote, settings=cf.Settings(cache_local_dir=local_dir(s3, "read"))))
+    b = members_by_key(cf.CacheReader(remote, settings=cf.Settings(local_dir=local_dir(s3, "read"))))
     assert len(a) == 20 and a == b
 
 
@@ -68,7 +68,7 @@ def test_inspect_summary_and_verify_read_an_s3_cache(s3, s3_cache, capsys):
     from precompute.inspect import main
 
     _, remote, _ = s3_cache
-    sets = ["--set", f"cache_local_dir={local_dir(s3, 'inspect')}"]
+    sets = ["--set", f"storage.local_dir={local_dir(s3, 'inspect')}"]
     assert main(["verify", remote, *sets]) == 0
     assert f"verify {remote}: OK: 20 samples in 3 shards checked" in capsys.readouterr().out
     assert main(["summary", remote, "--json", *sets]) == 0
@@ -82,7 +82,7 @@ def test_kill_9_during_an_upload_then_rerun_loses_and_duplicates_no_shard(s3, s3
     is killed; the rerun puts the shard finished locally without encoding it again and completes the cache."""
     local, _, _ = s3_cache
     target = url("killed")
-    args = cli_args(target, f"cache_local_dir={tmp_path / 'local'}")  # type: ignore[arg-type]
+    args = cli_args(target, f"storage.local_dir={tmp_path / 'local'}")  # type: ignore[arg-type]
     s3.hold("PUT", r"/killed/shards/shard-000001\.tar")
     p = subprocess.Popen(
         [sys.executable, "-m", "precompute.cosmos_latents", *args],
@@ -117,7 +117,7 @@ def test_kill_9_during_an_upload_then_rerun_loses_and_duplicates_no_shard(s3, s3
     assert encoded == 4  # shard 2 only: shard 0 was up, shard 1 finished here and is put, not encoded again
     rerun_puts = [p for m, p, _ in s3.log[start:] if m == "PUT" and "/killed/shards/" in p]
     assert not [p for p in rerun_puts if "shard-000000" in p]
-    reader = cf.CacheReader(target, settings=cf.Settings(cache_local_dir=str(tmp_path / "read")))
+    reader = cf.CacheReader(target, settings=cf.Settings(local_dir=str(tmp_path / "read")))
     reader.check_consistency()  # every shard listed once, keys unique, sizes as the sidecars say
     # the same samples as the in-process precompute (their bytes may differ in the last bits: this one ran with
     # OMP_NUM_THREADS=1), each decoding, shard by shard in order
@@ -127,7 +127,7 @@ def test_kill_9_during_an_upload_then_rerun_loses_and_duplicates_no_shard(s3, s3
 
 
 def _train_args(s3, cache: str, out: Path, steps: int, shard_cache: str, **extra) -> list[str]:
-    return base_args(cache, out, steps, **{"cache_local_dir": shard_cache, **extra})  # type: ignore[arg-type]
+    return base_args(cache, out, steps, **{"storage.local_dir": shard_cache, **extra})  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +175,7 @@ def test_a_shard_cache_smaller_than_the_data_evicts_the_least_recently_used_and_
     manifest = json.loads(s3.fs.cat_file(f"{BUCKET}/train/manifest.json"))
     size = max(s["bytes"] for s in manifest["shards"])
     budget_gb = 1.5 * size / 1e9  # one shard fits, two do not
-    settings = cf.Settings(cache_local_dir=str(tmp_path / "local"), cache_local_max_gb=budget_gb)
+    settings = cf.Settings(local_dir=str(tmp_path / "local"), local_max_gb=budget_gb)
     reader = cf.CacheReader(s3_train_cache, settings=settings)
     start = len(s3.log)
     for _ in range(2):
@@ -191,7 +191,7 @@ def test_bad_inputs_are_one_line_naming_the_url(s3, s3_cache, s3_train_cache, tm
     from precompute.cosmos_latents import main as precompute
     from precompute.inspect import main as inspect
 
-    sets = ["--set", f"cache_local_dir={tmp_path / 'local'}"]
+    sets = ["--set", f"storage.local_dir={tmp_path / 'local'}"]
 
     def one_line(code: int, *words: str) -> str:
         err = capsys.readouterr().err.strip()
@@ -203,7 +203,7 @@ def test_bad_inputs_are_one_line_naming_the_url(s3, s3_cache, s3_train_cache, tm
     # a bucket that does not exist: reading and writing
     one_line(inspect(["summary", "s3://no-such-bucket/c", *sets]), "s3://no-such-bucket/c", "does not exist")
     one_line(
-        precompute(cli_args("s3://no-such-bucket/c", f"cache_local_dir={tmp_path / 'w'}")),  # type: ignore[arg-type]
+        precompute(cli_args("s3://no-such-bucket/c", f"storage.local_dir={tmp_path / 'w'}")),  # type: ignore[arg-type]
         "s3://no-such-bucket/c",
         "bucket no-such-bucket does not exist",
     )
@@ -215,7 +215,7 @@ def test_bad_inputs_are_one_line_naming_the_url(s3, s3_cache, s3_train_cache, tm
     one_line(inspect(["summary", url("empty"), *sets]), f"no cache at {url('empty')}")
     # a prefix holding another cache: precompute with another config, training with another image size
     one_line(
-        precompute(cli_args(url("pre"), f"cache_local_dir={tmp_path / 'w2'}", n=24)),  # type: ignore[arg-type]
+        precompute(cli_args(url("pre"), f"storage.local_dir={tmp_path / 'w2'}", n=24)),  # type: ignore[arg-type]
         f"output_dir {url('pre')} holds a cache built with a different",
     )
     one_line(
@@ -227,11 +227,11 @@ def test_bad_inputs_are_one_line_naming_the_url(s3, s3_cache, s3_train_cache, tm
     )
     # a local shard cache too small for one shard
     one_line(
-        inspect(["verify", s3_train_cache, *sets, "--set", "cache_local_max_gb=0.000001"]),
+        inspect(["verify", s3_train_cache, *sets, "--set", "storage.local_max_gb=0.000001"]),
         s3_train_cache,
         "local shard cache",
         "is full",
-        "cache_local_max_gb",
+        "storage.local_max_gb",
     )
     # no credentials
     for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
@@ -239,20 +239,20 @@ def test_bad_inputs_are_one_line_naming_the_url(s3, s3_cache, s3_train_cache, tm
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    fresh = ["--set", "storage_options.skip_instance_cache=true"]
+    fresh = ["--set", "storage.options.skip_instance_cache=true"]
     one_line(inspect(["summary", s3_train_cache, *sets, *fresh]), s3_train_cache, "no credentials", "AWS_ACCESS_KEY_ID")
 
 
-def test_storage_options_secrets_are_not_shown_or_saved():
+def test_storage_option_secrets_are_not_shown_or_saved():
     from precompute.config import PrecomputeConfig
     from theworld.core.config import load_config, to_yaml
 
     cfg = load_config(
         PrecomputeConfig,
         None,
-        ["storage_options.secret=s3cr3t", "storage_options.anon=false", "storage_options.client_kwargs.region_name=x"],
+        ["storage.options.secret=s3cr3t", "storage.options.anon=false", "storage.options.client_kwargs.region_name=x"],
     )
-    assert cfg.storage_options == {"secret": "s3cr3t", "anon": False, "client_kwargs": {"region_name": "x"}}
+    assert cfg.storage.options == {"secret": "s3cr3t", "anon": False, "client_kwargs": {"region_name": "x"}}
     text = to_yaml(cfg)
     assert "s3cr3t" not in text and "<redacted>" in text and "region_name: x" in text
 
@@ -270,7 +270,7 @@ def test_caption_evaluation_reads_the_held_out_split_of_an_s3_cache(
 ):
     from theworld.evaluate import main
 
-    monkeypatch.setenv("HOME", str(tmp_path))  # the default cache_local_dir is under it
+    monkeypatch.setenv("HOME", str(tmp_path))  # the default storage.local_dir is under it
     remote = _put_tree(s3, trained_run["cache"], "eval")
     records = {}
     for name, data in (("local", str(trained_run["cache"])), ("s3", remote)):
@@ -300,12 +300,12 @@ def test_a_cache_served_over_http_reads_and_verifies_and_is_not_written(s3_cache
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         remote = f"http://127.0.0.1:{server.server_address[1]}"
-        reader = cf.CacheReader(remote, settings=cf.Settings(cache_local_dir=str(tmp_path / "l")))
+        reader = cf.CacheReader(remote, settings=cf.Settings(local_dir=str(tmp_path / "l")))
         reader.check_consistency()
         assert members_by_key(reader) == members_by_key(cf.CacheReader(local))
-        assert inspect(["verify", remote, "--set", f"cache_local_dir={tmp_path / 'l'}"]) == 0
+        assert inspect(["verify", remote, "--set", f"storage.local_dir={tmp_path / 'l'}"]) == 0
         assert f"verify {remote}: OK" in capsys.readouterr().out
-        assert precompute(cli_args(f"{remote}/new", f"cache_local_dir={tmp_path / 'w'}")) == 2  # type: ignore[arg-type]
+        assert precompute(cli_args(f"{remote}/new", f"storage.local_dir={tmp_path / 'w'}")) == 2  # type: ignore[arg-type]
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and f"{remote}/new" in err and "read-only" in err, err
     finally:
@@ -315,7 +315,7 @@ def test_a_cache_served_over_http_reads_and_verifies_and_is_not_written(s3_cache
 def test_network_errors_are_retried_by_the_client_then_one_line_naming_the_object(s3, s3_train_cache, tmp_path):
     """One retry layer: botocore's (RetryPolicy.attempts); an HTTP 500 that outlasts it is one line that says it
     failed, never "not found" or a size of 0 bytes."""
-    settings = cf.Settings(cache_local_dir=str(tmp_path / "l"))
+    settings = cf.Settings(local_dir=str(tmp_path / "l"))
     reader = cf.CacheReader(s3_train_cache, settings=settings)
     start = len(s3.log)
     s3.fail_next("GET", r"/train/shards/shard-000000\.tar$", cf.storage.POLICY.attempts - 1)
@@ -354,7 +354,7 @@ class _Captions:
 def test_forked_loader_workers_read_an_s3_cache_the_parent_opened(s3, s3_train_cache, tmp_path):
     from torch.utils.data import DataLoader
 
-    reader = cf.CacheReader(s3_train_cache, settings=cf.Settings(cache_local_dir=str(tmp_path / "l")))
+    reader = cf.CacheReader(s3_train_cache, settings=cf.Settings(local_dir=str(tmp_path / "l")))
     want = [reader.sample(i, tensors=False).caption for i in range(len(reader))]  # the parent's filesystem in use
     reader.close()
     for p in (tmp_path / "l" / "shards").glob("*.tar"):
@@ -369,14 +369,14 @@ def test_two_processes_precompute_to_s3_the_shards_of_one(s3, s3_cache, tmp_path
     shards: the same shards and samples as one process's (bytes may differ in the last bits: these processes run
     with OMP_NUM_THREADS=1)."""
     target = url("two")
-    done = run2(cli_args(target, f"cache_local_dir={tmp_path / 'local'}"), s3.env, module="precompute.cosmos_latents")  # type: ignore[arg-type]
+    done = run2(cli_args(target, f"storage.local_dir={tmp_path / 'local'}"), s3.env, module="precompute.cosmos_latents")  # type: ignore[arg-type]
     assert done.returncode == 0, done.stderr[-3000:]
     two = json.loads(s3.fs.cat_file(f"{BUCKET}/two/manifest.json"))
     one = json.loads(s3.fs.cat_file(f"{BUCKET}/pre/manifest.json"))
     assert [(s["path"], s["num_samples"]) for s in two["shards"]] == [
         (s["path"], s["num_samples"]) for s in one["shards"]
     ]
-    a = cf.CacheReader(target, settings=cf.Settings(cache_local_dir=str(tmp_path / "read")))
+    a = cf.CacheReader(target, settings=cf.Settings(local_dir=str(tmp_path / "read")))
     a.check_consistency()
     b = cf.CacheReader(s3_cache[0])
     assert [(a.key(i), a.sample(i).caption) for i in range(len(a))] == [
@@ -391,7 +391,7 @@ def _record(s3, prefix: str) -> dict:
 def test_a_second_precompute_into_one_prefix_at_once_is_refused_before_it_writes_a_shard(
     s3, tmp_path, capsys, monkeypatch
 ):
-    """Run B (seed 1) checks the prefix (empty), then run A (seed 0, another node: its own cache_local_dir) claims it
+    """Run B (seed 1) checks the prefix (empty), then run A (seed 0, another node: its own storage.local_dir) claims it
     and finishes before B claims: B's claim (an exclusive create) finds A's record and B stops in one line naming the
     setting, having put no shard; the bucket holds A's cache whole."""
     from precompute import cosmos_latents, identity
@@ -400,13 +400,13 @@ def test_a_second_precompute_into_one_prefix_at_once_is_refused_before_it_writes
 
     def a_claims_first(out, run_id):
         monkeypatch.setattr(identity, "claim_output", claim_output)  # run A claims as usual
-        cosmos_latents.run(make_cfg(target, "seed=0", f"cache_local_dir={tmp_path / 'a'}", n=8))  # type: ignore[arg-type]
+        cosmos_latents.run(make_cfg(target, "seed=0", f"storage.local_dir={tmp_path / 'a'}", n=8))  # type: ignore[arg-type]
         capsys.readouterr()
         s3.mark = len(s3.log)
         claim_output(out, run_id)
 
     monkeypatch.setattr(identity, "claim_output", a_claims_first)
-    assert cosmos_latents.main(cli_args(target, "seed=1", f"cache_local_dir={tmp_path / 'b'}", n=8)) == 2  # type: ignore[arg-type]
+    assert cosmos_latents.main(cli_args(target, "seed=1", f"storage.local_dir={tmp_path / 'b'}", n=8)) == 2  # type: ignore[arg-type]
     err = capsys.readouterr().err.strip()
     assert err == (
         f"error: output_dir {target}: another precompute claimed it while this one ran (its {cf.RUN_FILE} has a "
@@ -432,7 +432,7 @@ def test_a_run_record_replaced_during_the_run_is_refused_before_the_manifest(s3,
         s3.fs.pipe_file(f"{BUCKET}/replaced/{cf.RUN_FILE}", json.dumps(other).encode())
 
     monkeypatch.setattr(identity, "claim_remote", then_another_run_puts_its_record)
-    assert cosmos_latents.main(cli_args(target, f"cache_local_dir={tmp_path / 'l'}", n=8)) == 2  # type: ignore[arg-type]
+    assert cosmos_latents.main(cli_args(target, f"storage.local_dir={tmp_path / 'l'}", n=8)) == 2  # type: ignore[arg-type]
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"error: output_dir {target}: another precompute claimed it while this one ran"), err
     assert "different shard_size" in err[-1]

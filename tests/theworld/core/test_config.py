@@ -8,6 +8,7 @@ from typing import Literal
 
 import pytest
 
+from tests.conftest import base_args, one_error_line, train_inproc
 from theworld.core.config import load_config, to_yaml
 from theworld.core.errors import UserError
 from theworld.model.config import FreezeConfig, ImageConfig, ModelConfig, WorldConfig
@@ -360,3 +361,23 @@ def test_a_hand_broken_vae_config_is_one_line_for_the_memory_plan(tmp_path, caps
     assert main(["--config", "configs/stage1.yaml", "--set", f"model.vae={tmp_path}"]) == 2
     line = _only_line(capsys)
     assert line.startswith("error: model.vae: ") and words in line, line
+
+
+def test_every_size_like_key_has_a_bound_checked_before_any_model_loads(tmp_path, capsys):
+    from precompute.config import PrecomputeConfig
+    from theworld.core.config import SIZE_LIMITS, load_config
+    from train.config import TrainConfig
+
+    extra = {"lora.r": ["lora.parts=[language]"]}
+    for key, (limit, _) in SIZE_LIMITS.items():
+        cls = TrainConfig if key.split(".")[0] in ("lora", "train", "profile") else PrecomputeConfig
+        sets = extra.get(key, []) + [f"{key}={limit + 1}"]
+        with pytest.raises(UserError, match=rf"'{key}': {limit + 1} is too large \(at most"):
+            load_config(cls, None, sets)
+        load_config(cls, None, extra.get(key, []) + [f"{key}={limit}"])  # the bound itself is allowed
+    # the CLI: one line, exit 2, before the cache or any model is looked at
+    for key in ("lora.r", "train.eval.caption_tokens", "train.eval.captions"):
+        args = base_args(tmp_path / "no-cache", tmp_path / "out", **{key: 100_000_000})
+        assert train_inproc(args) == 2
+        one_error_line(capsys, key, "too large")
+        assert not (tmp_path / "out").exists()

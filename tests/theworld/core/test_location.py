@@ -88,7 +88,7 @@ def test_a_config_path_key_that_is_a_bad_url_is_refused_before_anything_loads():
 def test_a_cache_at_a_url_that_names_no_object_is_one_line_where_it_is_opened(tmp_path):
     from theworld.cache_format import storage
 
-    settings = storage.Settings(cache_local_dir=str(tmp_path))
+    settings = storage.Settings(local_dir=str(tmp_path))
     for text, words in (("s3://", "no bucket name"), ("s3:///", "no bucket name"), ("s3://bkt-a//c", "empty path")):
         with pytest.raises(UserError, match=words):
             storage.RemoteCache(text, settings)

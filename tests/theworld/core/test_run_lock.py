@@ -11,11 +11,10 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ENV, base_args, one_error_line, train_inproc
 from theworld.core import run_lock
 from theworld.core.errors import UserError
 
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 HOLD = (
     "import sys, time\nfrom theworld.core import run_lock\nrun_lock.acquire(sys.argv[1])\nprint('held', flush=True)\n"
     "time.sleep(120)"
@@ -89,3 +88,47 @@ def test_the_other_processes_repeat_the_main_processs_verdict(tmp_path):
     # refused for another reason (a file, not a folder; no permission): no holder is claimed from an old lock file
     other = run_lock._verdict_elsewhere(tmp_path, 2, "output_dir")
     assert not isinstance(other, run_lock.InUse) and "cannot be used" in str(other) and "pid" not in str(other)
+
+
+class _OneProcess:  # what run_lock.hold reads of an Accelerator or PartialState
+    is_main_process, num_processes = True, 1
+
+
+def test_a_failed_run_leaves_no_folder_holding_only_its_lock(tmp_path):
+    from theworld.core import run_lock
+
+    out = tmp_path / "new" / "run"
+    with pytest.raises(RuntimeError, match="refused"):
+        with run_lock.hold(out, _OneProcess()):
+            (out / "sub").mkdir()
+            raise RuntimeError("refused")
+    assert not (tmp_path / "new").exists()  # the folders the run created go with their lock
+    with pytest.raises(RuntimeError, match="crashed"):
+        with run_lock.hold(out, _OneProcess()):
+            (out / "sub").mkdir()
+            (out / "sub" / "written").write_text("work")
+            raise RuntimeError("crashed")
+    assert (out / "sub" / "written").read_text() == "work"  # what a run wrote is never deleted
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    with pytest.raises(RuntimeError):
+        with run_lock.hold(kept, _OneProcess()):
+            raise RuntimeError("refused")
+    assert kept.is_dir() and not any(kept.iterdir())  # a folder that was there stays, without the lock file
+
+
+def test_run_lock_and_output_paths_of_the_wrong_kind_are_named(trained_run, tmp_path, capsys):
+    for kind in ("fifo", "directory"):
+        out = tmp_path / kind
+        out.mkdir()
+        os.mkfifo(out / ".run.lock") if kind == "fifo" else (out / ".run.lock").mkdir()
+        assert train_inproc(base_args(trained_run["cache"], out, steps=1)) == 2
+        line = one_error_line(capsys, ".run.lock", "run lock", "a FIFO" if kind == "fifo" else "a directory")
+        assert "is a file, not a folder" not in line
+    out = tmp_path / "wandb-file"
+    out.mkdir()
+    (out / "wandb").write_text("not a folder")
+    args = base_args(trained_run["cache"], out, steps=1) + ["--set", "trackers=[wandb]"]
+    pytest.importorskip("wandb")
+    assert train_inproc(args) == 2
+    one_error_line(capsys, str(out / "wandb"), "a regular file", "W&B")

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from tests.conftest import base_args, train_inproc
+from theworld.core.errors import UserError
 from theworld.infer import baselines, benchmark_items
 
 
@@ -49,3 +50,14 @@ def test_base_gemma_is_named_alone_and_refused_in_training():
     cfg = load_config(TrainConfig, None, ["train.eval.benchmarks=[{path: x.jsonl, baselines: [base_gemma]}]"])
     with pytest.raises(UserError, match="base_gemma loads the base model once more"):
         BenchmarkEval.load(cfg)
+
+
+def test_no_rollout_is_a_baseline_of_rollout_stages_only():
+    base = list(baselines.BASELINES)
+    assert baselines.parse("all", 0) == baselines.parse("all") == base
+    assert baselines.parse("all", 2) == base + ["no_rollout"]
+    assert baselines.parse("no_rollout,no_world", 2) == ["no_world", "no_rollout"]
+    assert baselines.parse("no_rollout") == ["no_rollout"]  # the stage not known yet: the name is checked only
+    with pytest.raises(UserError, match="no_rollout .* this stage has none \\(world.num_world_steps 0\\)"):
+        baselines.parse("no_rollout", 0)
+    assert [c.name for c in baselines.conditions(baselines.parse("all", 2))][-1] == "no_rollout"

@@ -13,6 +13,7 @@ from safetensors.torch import load as st_load
 from precompute import cosmos_latents, inspect
 from tests._precompute_helpers import cli_args, latents, make_cfg, read_cache_plain
 from tests.conftest import run2
+from theworld.core.errors import UserError
 from theworld.embedded import tiny
 from theworld.model import encoders, images, rollout
 from theworld.model.config import ModelConfig, RolloutConfig, WorldConfig
@@ -311,3 +312,16 @@ def test_a_mean_only_rollout_cache_keeps_every_frames_mean_and_no_logvar(caches,
         t = st_load(members["latent.safetensors"])
         assert set(t) == {"mean"} and t["mean"].shape == (16, 1 + STEPS, 4, 4)
         torch.testing.assert_close(t["mean"], full[key], rtol=0, atol=1e-5)
+
+
+def test_world_steps_at_inference_stay_within_the_trained_table():
+    trained = WorldConfig(num_world_steps=2, max_world_steps=4)
+    assert rollout.at_inference(trained, 4, "runs/x").num_world_steps == 4
+    assert rollout.at_inference(trained, 1, "runs/x").max_world_steps == 4
+    for steps in (0, 5):
+        with pytest.raises(UserError, match=r"--world-steps: must be in \[1, 4\]"):
+            rollout.at_inference(trained, steps, "runs/x")
+    with pytest.raises(UserError, match="trained without world rollouts"):
+        rollout.at_inference(WorldConfig(), 1, "runs/x")
+    line = rollout.steps_line(2, 4)
+    assert "2 predicted latent frame(s)" in line and "1 + 4 x 2 = 9 video frames" in line and ": 8 there" in line

@@ -8,7 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests._rollout_helpers import random_latents
 from theworld.embedded import synthetic
+from theworld.infer import baselines
 from theworld.model import images
 from theworld.model.config import FreezeConfig, ModelConfig, WorldConfig
 from theworld.model.inputs import text_batch
@@ -333,3 +335,89 @@ def test_compiled_language_layers_give_the_same_loss_and_gradients(checkpointing
     assert torch.allclose(results[0][0], results[1][0], atol=1e-6)
     assert torch.allclose(results[0][1], results[1][1], atol=1e-6)
     assert counters["stats"]["unique_graphs"] >= 1  # the layers really ran through a captured graph
+
+
+@pytest.fixture(scope="module")
+def bucketed():
+    from theworld.model.config import ImageConfig, ModelConfig, WorldConfig
+    from theworld.model.world import TheWorld
+
+    image = ImageConfig(resolution=96, resize="bucket")
+    model, processor = TheWorld.from_config(ModelConfig(dtype="float32"), WorldConfig(), image=image)
+    return model.eval(), processor, image
+
+
+def _scenes_of_two_aspect_ratios(root) -> list:
+    from theworld.embedded import synthetic
+
+    paths = []
+    for i, size in enumerate([(128, 64), (64, 128)]):
+        img = synthetic.scene(3, i, size=64)[0].resize(size)
+        paths.append(root / f"{i}.png")
+        img.save(paths[-1])
+    return paths
+
+
+def test_a_bucketed_model_describes_images_of_any_aspect_ratio_as_it_would_one_by_one(tmp_path, bucketed):
+    from theworld.model import images
+
+    model, _, image = bucketed
+    paths = _scenes_of_two_aspect_ratios(tmp_path)
+    assert len({images.input_size(p, image.resolution, image.resize) for p in paths}) == 2
+    together = model.generate(paths, "describe", max_new_tokens=2)
+    assert together == [model.generate([p], "describe", max_new_tokens=2)[0] for p in paths]
+    shuffled = model.generate(paths, "describe", max_new_tokens=2, world_images=paths[::-1])  # each the other's world
+    assert shuffled[0] == model.generate(paths[:1], "describe", max_new_tokens=2, world_images=paths[1:])[0]
+
+
+def test_a_bucketed_model_scores_items_of_any_aspect_ratio_batched_as_one_by_one(tmp_path, bucketed):
+    from theworld.infer import benchmark_items
+    from theworld.infer.scoring import Scorer
+
+    model, processor, image = bucketed
+    paths = _scenes_of_two_aspect_ratios(tmp_path)
+    items = [benchmark_items.Item(f"item {i}", [p], "which?", ["red", "green"], i) for i, p in enumerate(paths)]
+    scorer = Scorer(model, processor, image, items)
+    batched = scorer.score([0, 1])
+    alone = [scorer.score([i])[0] for i in range(2)]
+    for together, one in zip(batched, alone):
+        assert set(together) == {"model", "shuffled_world"}, together
+        for cond in together:
+            assert together[cond] == pytest.approx(one[cond], abs=1e-4)
+    assert batched[0]["model"] != batched[0]["shuffled_world"]  # the partner's world: another picture, another shape
+
+
+def test_no_rollout_is_the_model_given_the_observed_frame_alone():
+    """The no_rollout condition: the world block of frame 0 with temporal row 0, i.e. the N = 0 model's world block
+    of frame 0 plus row 0 (and exactly the N = 0 model when row 0 is zero)."""
+    rollout, processor = TheWorld.from_config(ModelConfig(dtype="float32"), WorldConfig(num_world_steps=2), seed=0)
+    plain, _ = TheWorld.from_config(ModelConfig(dtype="float32"), WorldConfig(), seed=0)
+    fmt = ChatFormatter(processor)
+    mean = rollout.projector.latents_mean[:, :, None] + random_latents(2, 3, side=8)
+    hidden = rollout.gemma.config.get_text_config().hidden_size
+    mm = rollout.gemma.config.mm_tokens_per_image
+    siglip = torch.randn(2, mm, hidden, generator=torch.Generator().manual_seed(2))
+    batch = text_batch(
+        [fmt.encode("Describe the image.", c) for c in ("a red circle .", "two squares .")],
+        fmt.pad_id,
+        latent_mean=mean,
+        latent_logvar=torch.zeros_like(mean),
+        siglip=siglip,
+    )
+    cond = baselines.ROLLOUT_BASELINES["no_rollout"]
+    rows = torch.arange(2)
+    no_rollout = batch.with_inputs(**baselines.world_inputs(rollout, cond, mean, torch.zeros_like(mean), rows, rows))
+    frame0 = batch.with_inputs(latent_mean=mean[:, :, :1], latent_logvar=torch.zeros_like(mean[:, :, :1]))
+    with torch.no_grad():
+        got = rollout.embed_inputs(no_rollout)["inputs_embeds"]
+        want = plain.embed_inputs(frame0)["inputs_embeds"]
+        n = 64  # one 8 x 8 frame
+        assert got.shape == want.shape and rollout.embed_inputs(batch)["inputs_embeds"].shape[1] == got.shape[1] + 2 * n
+        row0 = rollout.projector.temporal[0] * rollout.projector.embed_scale
+        assert torch.allclose(got[:, 2 : 2 + n], want[:, 2 : 2 + n] + row0, atol=1e-5)  # BOS, SOW, then frame 0
+        outside = torch.ones(got.shape[1], dtype=torch.bool)
+        outside[2 : 2 + n] = False
+        assert torch.equal(got[:, outside], want[:, outside])
+        rollout.projector.temporal[0] = 0
+        assert torch.allclose(rollout(no_rollout).loss, plain(frame0).loss, atol=1e-6)
+        assert not torch.allclose(rollout(batch).loss, plain(frame0).loss, atol=1e-4)  # the future changes it

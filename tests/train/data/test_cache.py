@@ -3,10 +3,20 @@ their partner's world)."""
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
+import sys
+from contextlib import closing
+from pathlib import Path
+
 import pytest
 import torch
 
-from tests.conftest import base_args
+from tests._precompute_helpers import flip_byte, sidecar_json, strip_checksums
+from tests.conftest import ROOT, base_args, only_line
+from theworld import cache_format as cf
+from theworld.core.errors import CacheDamaged, UserError
 
 
 def test_flipped_samples_get_the_flipped_latents_and_swapped_text(cache, tmp_path):
@@ -76,31 +86,214 @@ def test_eval_items_carry_the_world_of_the_next_held_out_sample(cache):
 
 
 @pytest.mark.parametrize(
-    "text,flipped",
+    "damage,words",
     [
-        ("top left red circle . bottom right blue square .", "top right red circle . bottom left blue square ."),
-        ("a cat on the left and a dog on the right", "a cat on the right and a dog on the left"),
-        ("Left of the tree, to the Right of the car", "Right of the tree, to the Left of the car"),
-        ("THE LEFT SIDE", "THE RIGHT SIDE"),
-        ("upper-right corner", "upper-left corner"),
-        ("the left-hand page", "the right-hand page"),
-        ("the leftmost cup", "the rightmost cup"),
-        ("from left to right", "from right to left"),
-        ("left and right halves", "right and left halves"),
-        ("a bird facing left", "a bird facing right"),
-        ("in the right half", "in the left half"),
-        ("all right", "all right"),
-        ("right now", "right now"),
-        ("you're right", "you're right"),
-        ("left over", "left over"),
-        ("he left the room", "he left the room"),
-        ("the right answer", "the right answer"),
-        ("bright lights, leftovers", "bright lights, leftovers"),
-        ("Turn right. Left alone", "Turn left. Left alone"),
+        ("truncate", ["shard-000001.tar", "bytes on disk", "delete"]),
+        ("delete", ["shard-000001.tar", "missing", "delete"]),
+        ("swap_with_sidecar", ["shard-000001.tar", "what manifest.json lists for shard-000000.tar", "copied over it"]),
+        ("swap_pairs", ["shard-000000.tar", "shard-000001.tar holds this shard's: the two were swapped"]),
+        ("edit_sidecar", ["shard-000001.tar", "(count 1 vs ", "sidecar vs manifest", "delete"]),
+        ("manifest_lists_fewer", ["shard-000002.tar", "manifest.json lists 2 shards", "rerun the precompute"]),
+        ("duplicate_keys", ["occurs twice", "shard-000000.tar", "shard-000001.tar"]),
+        ("offset_outside", ["outside the tar", "shard-000002.tar"]),
     ],
 )
-def test_flip_swaps_left_and_right_only_where_they_name_a_side(text, flipped):
-    from train.data.flip import swap_left_right
+def test_start_of_run_checks_catch_damage_without_reading_data(small_cache, damage, words):
+    tar1 = cf.tar_path(small_cache, 1)
+    manifest = json.loads((small_cache / cf.MANIFEST).read_text())
+    if damage == "truncate":
+        tar1.write_bytes(tar1.read_bytes()[:3000])
+    elif damage == "delete":
+        tar1.unlink()
+    elif damage == "swap_with_sidecar":  # shard 1 replaced by a copy of shard 0, sidecar and all
+        shutil.copy(cf.tar_path(small_cache, 0), tar1)
+        shutil.copy(cf.sidecar_path(small_cache, 0), cf.sidecar_path(small_cache, 1))
+    elif damage == "swap_pairs":  # shards 0 and 1 trade places, each with its own sidecar
+        for suffix in (cf.tar_path, cf.sidecar_path):
+            a, b = suffix(small_cache, 0), suffix(small_cache, 1)
+            a.rename(a.with_name("x"))
+            b.rename(a)
+            a.with_name("x").rename(b)
+    elif damage == "edit_sidecar":
+        side = sidecar_json(small_cache, 1)
+        side["count"] = 1
+        cf.atomic_write_json(cf.sidecar_path(small_cache, 1), side)
+    elif damage == "manifest_lists_fewer":
+        manifest["shards"] = manifest["shards"][:2]
+        manifest["num_samples"] = sum(s["num_samples"] for s in manifest["shards"])
+        cf.atomic_write_json(small_cache / cf.MANIFEST, manifest)
+    elif damage == "duplicate_keys":  # the copy and a manifest rewritten from the sidecars: only the keys tell
+        shutil.copy(cf.tar_path(small_cache, 0), tar1)
+        shutil.copy(cf.sidecar_path(small_cache, 0), cf.sidecar_path(small_cache, 1))
+        manifest["shards"][1] = {**manifest["shards"][0], "path": "shards/shard-000001.tar"}
+        cf.atomic_write_json(small_cache / cf.MANIFEST, manifest)
+    elif damage == "offset_outside":
+        side = sidecar_json(small_cache, 2)
+        side["samples"][-1]["members"][cf.LATENT][0] = side["bytes"]
+        cf.atomic_write_json(cf.sidecar_path(small_cache, 2), side)
+    with pytest.raises(CacheDamaged) as e, closing(cf.CacheReader(small_cache)) as reader:
+        reader.check_consistency()
+    assert all(w in str(e.value) for w in words), str(e.value)
 
-    assert swap_left_right(text) == flipped
-    assert swap_left_right(flipped) == text  # mirroring twice gives the caption back
+
+@pytest.fixture(scope="module")
+def train_cache(tmp_path_factory):
+    from precompute.config import load as load_pre
+    from precompute.cosmos_latents import run
+
+    out = tmp_path_factory.mktemp("integrity") / "cache"
+    run(
+        load_pre(
+            str(ROOT / "configs" / "precompute.yaml"),
+            [
+                f"output_dir={out}",
+                "source.num_samples=48",
+                "shard_size=16",
+                "batch_size=16",
+                "num_workers=0",
+                "cache.siglip=false",
+            ],
+        )
+    )
+    return out
+
+
+def _train(cache: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    from tests.conftest import ENV, base_args
+
+    args = base_args(cache, out, steps=2, **{"train.loader.num_workers": 1}) + [a for e in extra for a in ("--set", e)]
+    return subprocess.run(
+        [sys.executable, "-m", "train.loop", *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300
+    )
+
+
+def _stderr_line(res: subprocess.CompletedProcess) -> str:
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert res.returncode == 2 and len(lines) == 1, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr and "terminate" not in res.stderr, res.stderr[-3000:]
+    return lines[0]
+
+
+@pytest.mark.slow
+def test_damaged_latents_stop_training_with_one_line_and_the_documented_repair_rebuilds_that_shard(
+    train_cache, tmp_path
+):
+    cache = tmp_path / "cache"
+    shutil.copytree(train_cache, cache)
+    keys = [s["key"] for i in range(3) for s in sidecar_json(cache, i)["samples"]]
+    damaged = [flip_byte(cache, 1, j, cf.LATENT, at=300) for j in range(16)]  # whichever the first batch reads
+    line = _stderr_line(_train(cache, tmp_path / "run"))
+    assert "shard-000001.tar" in line and any(k in line for k in damaged) and "crc32" in line, line
+    repair = f"delete {cf.sidecar_path(cache, 1)}"
+    assert repair in line
+    cf.sidecar_path(cache, 1).unlink()  # the repair the line names
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "precompute.cosmos_latents",
+            "--config",
+            str(ROOT / "configs" / "precompute.yaml"),
+            "--set",
+            f"output_dir={cache}",
+            "--set",
+            "source.num_samples=48",
+            "--set",
+            "shard_size=16",
+            "--set",
+            "batch_size=16",
+            "--set",
+            "num_workers=0",
+            "--set",
+            "cache.siglip=false",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "this run encoded 16 images" in res.stdout  # that shard alone
+    assert cf.tar_path(cache, 1).read_bytes() == cf.tar_path(train_cache, 1).read_bytes()
+    assert [s["key"] for i in range(3) for s in sidecar_json(cache, i)["samples"]] == keys
+    ok = _train(cache, tmp_path / "run")
+    assert ok.returncode == 0, ok.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_an_old_cache_trains_with_a_note_and_its_undecodable_bytes_are_one_line(train_cache, tmp_path):
+    cache = tmp_path / "cache"
+    shutil.copytree(train_cache, cache)
+    strip_checksums(cache)
+    for j in range(16):  # a latent's safetensors header broken: only decoding shows it
+        flip_byte(cache, 0, j, cf.LATENT, at=10)
+    res = _train(cache, tmp_path / "run")
+    line = _stderr_line(res)
+    assert "shard-000000.tar" in line and "does not decode" in line, line
+    assert "no per-member checksums" in res.stderr
+
+
+def test_a_cache_file_changed_before_the_run_is_refused_before_any_model_loads(train_cache, tmp_path, capsys):
+    from tests.conftest import base_args
+    from train.loop import main
+
+    cache = tmp_path / "cache"
+    shutil.copytree(train_cache, cache)
+    tar = cf.tar_path(cache, 2)
+    tar.write_bytes(tar.read_bytes()[:-1024])
+    assert main(base_args(cache, tmp_path / "run")) == 2
+    only_line(capsys, "shard-000002.tar", "delete")
+    (cache / cf.MANIFEST).write_text("[]")
+    assert main(base_args(cache, tmp_path / "run")) == 2
+    only_line(capsys, "manifest.json")
+
+
+def _old_shard(cache: Path, shard: int, sample: int, caption: str | None = None, prompt: str | None = None) -> str:
+    """Rewrite a shard as precompute did before it refused control strings: sample `sample` gets `caption` and/or
+    `prompt`, and the sidecar records no text rule. Returns the sample's key."""
+    reader = cf.CacheReader(cache)
+    samples = [(reader.key(i), reader.raw(i)) for i in reader.samples_in([shard]).tolist()]
+    reader.close()
+    members = samples[sample][1]
+    if caption is not None:
+        members[cf.CAPTION] = caption.encode()
+    if prompt is not None:
+        members[cf.META] = json.dumps({**json.loads(members[cf.META]), "prompt": prompt}).encode()
+    side = cf.write_shard(cache, shard, samples)
+    manifest = json.loads((cache / cf.MANIFEST).read_text())
+    manifest["shards"][shard].update(bytes=side["bytes"], sha256=side["sha256"])
+    cf.atomic_write_json(cache / cf.MANIFEST, manifest)
+    return samples[sample][0]
+
+
+def test_an_old_cache_with_a_control_string_caption_is_refused_before_any_model_loads(
+    small_cache, tmp_path, capsys, monkeypatch
+):
+    from tests.conftest import base_args
+    from theworld.model.control_text import TEXT_RULE
+    from train.data import cache as data
+    from train.loop import main
+
+    assert {sidecar_json(small_cache, i)["text_rule"] for i in range(3)} == {TEXT_RULE}  # precompute applied the rule
+    key = _old_shard(small_cache, 1, 2, caption="a red ball <end_of_turn> on grass")
+    assert "text_rule" not in sidecar_json(small_cache, 1)
+    reads = []
+    raw = cf.CacheReader.raw
+    monkeypatch.setattr(cf.CacheReader, "raw", lambda self, i: (reads.append(i), raw(self, i))[1])
+    monkeypatch.setattr("theworld.model.TheWorld.__init__", lambda *a, **k: pytest.fail("a model was built"))
+    assert main(base_args(small_cache, tmp_path / "run", **{"train.eval.samples": 2})) == 2
+    only_line(
+        capsys,
+        "1 sample(s)",
+        "shard-000001.tar",
+        key,
+        "caption holds the Gemma control string '<end_of_turn>'",
+        f"delete {cf.sidecar_path(small_cache, 1).name}",
+    )
+    assert sorted(reads) == cf.CacheReader(small_cache).samples_in([1]).tolist()  # only the unmarked shard is read
+    # the prompt (in the json member) follows the same rule; a clean unmarked shard passes
+    _old_shard(small_cache, 1, 2, caption="a red ball on grass")
+    data.check_texts(cf.CacheReader(small_cache))
+    _old_shard(small_cache, 0, 1, prompt="What is this? <start_of_image>")
+    with pytest.raises(UserError, match=r"shard-000000.tar.*prompt holds the Gemma control string '<start_of_image>'"):
+        data.check_texts(cf.CacheReader(small_cache))

@@ -4,6 +4,7 @@ subsamples), refusals, and training on a mixture (start line, exact resume, 1 pr
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT, run2
+from tests.conftest import ROOT, base_args, one_error_line, run2, train_inproc
 from theworld.core.config import load_config
 from theworld.core.errors import UserError
 from train.config import TrainConfig
@@ -202,3 +203,18 @@ def test_a_mixture_on_two_processes_equals_one(caches, tmp_path):
         for run in (tmp_path / "one", tmp_path / "two")
     ]
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
+def _without(args: list[str], key: str) -> list[str]:
+    """base_args' --set pairs but the one of `key`."""
+    pairs = [(f, v) for f, v in zip(args[::2], args[1::2]) if not v.startswith(key + "=")]
+    return [x for pair in pairs for x in pair]
+
+
+def test_a_weight_that_rounds_a_caches_quota_to_zero_is_one_line(trained_run, tmp_path, capsys):
+    other = tmp_path / "copy"
+    shutil.copytree(trained_run["cache"], other)
+    data = f"[{{cache: {trained_run['cache']}, weight: 1}}, {{cache: {other}, weight: 1000}}]"
+    args = _without(base_args(trained_run["cache"], tmp_path / "out", steps=1), "cache_dir")
+    assert train_inproc(args + ["--set", f"data={data}"]) == 2
+    one_error_line(capsys, "config key 'data'", str(trained_run["cache"]), "none of the", "weight of at least")

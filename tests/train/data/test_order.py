@@ -1,5 +1,5 @@
 """train/data/order.py: length grouping (train.loader.group_by_length: keeps each window's samples, puts similar
-lengths and one modality together) and the windowed shard order (cache_shuffle_window: a window of shards at a
+lengths and one modality together) and the windowed shard order (storage.shuffle_window: a window of shards at a
 time); both pure functions of (seed, epoch, step), so 1 process == N and resume at any step hold."""
 
 from __future__ import annotations
@@ -127,14 +127,58 @@ def test_a_window_of_shards_downloads_a_cache_4x_the_shard_budget_about_once():
     assert fetches(epoch_order(WTRAIN, 1, 0), 10) > 400
 
 
-def test_cache_shuffle_window_is_a_config_key_that_leaves_earlier_runs_hashes_alone():
+def test_storage_shuffle_window_is_a_config_key_that_leaves_earlier_runs_hashes_alone():
     from theworld.core.config import load_config
     from theworld.core.errors import UserError
     from train.config import TrainConfig, run_hash
 
     base = load_config(TrainConfig, None, [])
-    assert run_hash(load_config(TrainConfig, None, ["cache_shuffle_window=0"])) == run_hash(base)
-    assert run_hash(load_config(TrainConfig, None, ["cache_prefetch_shards=5"])) == run_hash(base)  # neutral
-    assert run_hash(load_config(TrainConfig, None, ["cache_shuffle_window=8"])) != run_hash(base)  # other numbers
-    with pytest.raises(UserError, match="config key 'cache_shuffle_window': must be >= 0, got -1"):
-        load_config(TrainConfig, None, ["cache_shuffle_window=-1"])
+    assert run_hash(load_config(TrainConfig, None, ["storage.shuffle_window=0"])) == run_hash(base)
+    assert run_hash(load_config(TrainConfig, None, ["storage.prefetch_shards=5"])) == run_hash(base)  # neutral
+    windowed = run_hash(load_config(TrainConfig, None, ["storage.shuffle_window=8"]))
+    assert windowed != run_hash(base)  # other numbers
+    # a run started with the earlier top-level key records the same hash, so it resumes under the new key
+    assert run_hash(load_config(TrainConfig, None, ["cache_shuffle_window=8"])) == windowed
+    with pytest.raises(UserError, match="config key 'storage.shuffle_window': must be >= 0, got -1"):
+        load_config(TrainConfig, None, ["storage.shuffle_window=-1"])
+
+
+def test_global_batches_hold_one_bucket_and_a_square_cache_keeps_the_plain_order():
+    from train.data.order import epoch_batches, epoch_order, rank_indices, steps_per_epoch
+
+    train = np.arange(1000, 1200)
+    buckets = np.random.default_rng(0).choice(4, size=200, p=[0.5, 0.3, 0.15, 0.05])
+    sizes = np.bincount(buckets)
+    for epoch in (0, 1, 2):
+        batches = epoch_batches(train, 7, epoch, 8, buckets)
+        assert batches.shape == (steps_per_epoch(sizes, 8), 8) == (int((sizes // 8).sum()), 8)
+        of = buckets[batches - 1000]
+        assert (of == of[:, :1]).all()  # one bucket per global batch
+        assert len(set(batches.ravel().tolist())) == batches.size  # no sample twice
+        for k in range(4):  # each bucket loses fewer than G samples
+            assert sizes[k] - (of[:, 0] == k).sum() * 8 < 8
+        assert len(set(of[:, 0].tolist())) > 1
+        # a pure function of (seed, epoch); processes split each global batch; resuming reads the tail
+        assert np.array_equal(batches, epoch_batches(train, 7, epoch, 8, buckets))
+        two = [rank_indices(train, 7, epoch, 8, r, 2, 0, buckets).reshape(-1, 4) for r in range(2)]
+        assert np.array_equal(np.concatenate(two, axis=1), batches)
+        tail = rank_indices(train, 7, epoch, 8, 1, 2, 5, buckets)
+        assert np.array_equal(tail, two[1][5:].ravel())
+    assert not np.array_equal(epoch_batches(train, 7, 0, 8, buckets), epoch_batches(train, 7, 1, 8, buckets))
+    # one bucket: global batch b is order[b*G:(b+1)*G], as for a square cache
+    one = epoch_batches(train, 7, 3, 16, np.zeros(200, dtype=np.int32))
+    assert np.array_equal(one, epoch_order(train, 7, 3)[:192].reshape(12, 16))
+    assert np.array_equal(one, epoch_batches(train, 7, 3, 16))
+
+
+def test_too_few_samples_in_every_bucket_is_a_one_line_error():
+    from theworld.core.errors import UserError
+    from train.data.order import steps_per_epoch
+
+    with pytest.raises(
+        UserError,
+        match="train.global_batch_size': 8 is more than the training samples of every "
+        r"latent shape \(largest: 7\)",
+    ):
+        steps_per_epoch(np.array([7, 5, 3]), 8)
+    assert steps_per_epoch(np.array([8, 5, 17]), 8) == 3

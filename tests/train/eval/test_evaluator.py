@@ -8,7 +8,12 @@ import json
 
 import pytest
 
-from tests.conftest import ROOT, metrics
+from tests.conftest import (
+    ROOT,
+    base_args,
+    metrics,
+    train_inproc,
+)
 
 GOLDEN = ROOT / "tests" / "data" / "eval_lines_trained_run.jsonl"
 
@@ -41,3 +46,15 @@ def test_one_eval_mode_for_every_evaluator():
     with model.eval().evaluating(keep_mode=True):
         assert model.latent_mode == "mean" and not model.training
     assert model.latent_mode == "sample"
+
+
+def test_eval_results_are_printed_as_they_happen(cache, tmp_path, capsys):
+    assert train_inproc(base_args(cache, tmp_path / "run", steps=2, **{"train.eval.every": 1})) == 0
+    err = capsys.readouterr().err
+    evals = [m for m in metrics(tmp_path / "run") if "eval_loss" in m]
+    for m in evals:
+        assert (
+            f"eval at step {m['step']}: eval_loss {m['eval_loss']:.4f}, eval_loss_shuffled_world "
+            f"{m['eval_loss_shuffled_world']:.4f}"
+        ) in err
+    assert [m["step"] for m in evals] == [0, 1, 2]

@@ -7,7 +7,12 @@ import shutil
 
 import pytest
 
-from tests.conftest import base_args, metrics, train_inproc
+from tests.conftest import (
+    base_args,
+    metrics,
+    run2,
+    train_inproc,
+)
 
 
 def test_eval_sets_report_apart(cache, tmp_path):
@@ -49,3 +54,21 @@ def test_a_mixtures_caches_are_reported_apart(cache, tmp_path):
         "eval_tokens"
     ]
     assert mixed == pytest.approx(line["eval_loss"], rel=1e-9)
+
+
+@pytest.mark.slow
+def test_the_shuffled_world_eval_is_the_same_on_one_and_two_processes(cache, tmp_path):
+    args = lambda out: base_args(
+        cache, out, steps=1, **{"train.eval.every": 1, "train.eval.samples": 14, "train.eval.batch_size": 4}
+    )
+    assert train_inproc(args(tmp_path / "one")) == 0
+    two = run2(args(tmp_path / "two"))
+    assert two.returncode == 0, two.stderr[-3000:]
+    e1 = [m for m in metrics(tmp_path / "one") if "eval_loss" in m]
+    e2 = [m for m in metrics(tmp_path / "two") if "eval_loss" in m]
+    assert [m["step"] for m in e1] == [m["step"] for m in e2] == [0, 1]
+    for a, b in zip(e1, e2):  # 14 samples: 7 per process, batches of 4 and 3 vs 4, 4, 4, 2 on one
+        assert a["eval_tokens"] == b["eval_tokens"]
+        assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-5)
+        assert b["eval_loss_shuffled_world"] == pytest.approx(a["eval_loss_shuffled_world"], rel=1e-5)
+        assert a["eval_loss_shuffled_world"] != pytest.approx(a["eval_loss"], rel=1e-4)  # worlds really swapped

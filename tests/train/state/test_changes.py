@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import (
+    base_args,
+    train_inproc,
+)
 from theworld.core.config import load_config, to_yaml
 from theworld.core.errors import UserError
 from train.config import TrainConfig
@@ -52,6 +56,19 @@ def test_the_changes_are_named_by_todays_keys_with_both_values_and_neutral_keys_
     )
 
 
+def test_a_checkpoint_saved_with_the_top_level_storage_keys_compares_them_under_the_storage_section(tmp_path):
+    import yaml
+
+    then = yaml.safe_load(to_yaml(_cfg(tmp_path)))
+    del then["storage"]  # as release 4 saved it: the keys at the top level
+    then |= {"cache_shuffle_window": 4, "cache_prefetch_shards": 1, "cache_local_dir": "/old", "storage_options": {}}
+    saved = changes.saved_config(_checkpoint(tmp_path, None, yaml.safe_dump(then)))
+    assert changes.config_changes(saved, _cfg(tmp_path, "storage.shuffle_window=4")) == []  # the rest: neutral
+    assert changes.config_changes(saved, _cfg(tmp_path, "storage.shuffle_window=2")) == [
+        ("storage.shuffle_window", 4, 2)
+    ]
+
+
 def test_a_finished_run_refuses_another_cache_but_not_keys_that_change_nothing(tmp_path):
     ckpt = _checkpoint(tmp_path, _cfg(tmp_path, "cache_dir=cache/a", "train.max_steps=4"))
     with pytest.raises(UserError, match=r"holds a finished run \(step 4\) trained with other settings: cache_dir"):
@@ -60,3 +77,18 @@ def test_a_finished_run_refuses_another_cache_but_not_keys_that_change_nothing(t
     same = _cfg(tmp_path, "cache_dir=cache/a", "train.max_steps=4", "world.rollout.inference_steps=9")
     changes.check_resume(same, ckpt, 4)
     changes.check_resume(_cfg(tmp_path, "cache_dir=cache/b", "train.max_steps=6"), ckpt, 4)  # extended: goes on
+
+
+def test_resuming_under_another_resolved_micro_batch_or_sharding_does_not_warn_of_another_config(
+    cache, tmp_path, capsys
+):
+    out = tmp_path / "run"
+    common = {"train.checkpoint.every": 2, "train.micro_batch_size": "auto"}
+    assert train_inproc(base_args(cache, out, steps=2, **common, **{"train.max_micro_batch_size": 4})) == 0
+    capsys.readouterr()
+    # auto now resolves to 8 (as it does when a 2-process run resumes on 1), and the launcher asks for no FSDP
+    assert train_inproc(base_args(cache, out, steps=2, **common, **{"train.max_micro_batch_size": 8})) == 0
+    err = capsys.readouterr().err
+    assert "resumed from" in err and "different config" not in err
+    assert train_inproc(base_args(cache, out, steps=2, **common, **{"train.optimizer.lr": "2e-2"})) == 0
+    assert "written under a different config" in capsys.readouterr().err  # a change of the numbers still warns

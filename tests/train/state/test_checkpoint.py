@@ -5,9 +5,11 @@ checkpoints written by hand resuming bitwise, and weights-only checkpoints (trai
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +18,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import ROOT, base_args, metrics, train_inproc, weights
+from tests.conftest import (
+    ROOT,
+    base_args,
+    final_bytes,
+    metrics,
+    metrics_lines,
+    one_error_line,
+    train_inproc,
+    weights,
+)
+from theworld.cache_format import sha256_file
 from theworld.core.errors import UserError
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -356,3 +368,135 @@ def test_a_run_resumed_from_a_hub_checkpoint_continues_bitwise_with_its_optimize
     got, want = weights(out), weights(ref)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert [p.name for p in sorted(out.glob("checkpoint-*"))] == ["checkpoint-4"]  # trained on from step 2
+
+
+def test_a_checkpoint_without_its_seals_or_with_a_fifo_state_is_refused_by_name(run_copy, trained_run, capsys):
+    ckpt = run_copy / "checkpoint-4"
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["format_version"] == 2
+    args = base_args(trained_run["cache"], run_copy, steps=6) + ["--set", "train.global_batch_size=8"]
+    args += ["--set", "train.micro_batch_size=8", "--set", "train.eval.samples=8"]
+    unsealed = {k: v for k, v in state.items() if k not in ("sha256", "state_sha256")}
+    (ckpt / "state.json").write_text(json.dumps(unsealed))
+    assert train_inproc(args) == 2
+    one_error_line(capsys, str(ckpt / "state.json"), "not a sha256 record")
+
+    (ckpt / "state.json").write_text(json.dumps(state))
+    newer = run_copy / "checkpoint-6"
+    newer.mkdir()
+    os.mkfifo(newer / "state.json")
+    assert train_inproc(args) == 2
+    one_error_line(capsys, str(newer / "state.json"), "is a FIFO", "move")
+
+
+@pytest.mark.slow
+def test_a_finished_epochs_run_rerun_with_fewer_epochs_is_told_it_is_past_that(trained_run, tmp_path, capsys):
+    out = tmp_path / "epochs"
+    args = base_args(trained_run["cache"], out, steps=1000) + ["--set", "train.global_batch_size=8"]
+    args += ["--set", "train.micro_batch_size=8", "--set", "train.eval.samples=8", "--set", "train.eval.captions=0"]
+    assert train_inproc(args + ["--set", "train.epochs=1"]) == 0
+    capsys.readouterr()
+    assert train_inproc(args + ["--set", "train.epochs=0.5"]) == 2
+    line = one_error_line(capsys, "train.epochs", "past that point")
+    assert "raise train.max_steps" not in line
+
+
+def test_checkpoint_files_are_hashed_and_a_damaged_one_is_refused_not_exported(cache, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = lambda steps=4, **kw: base_args(cache, out, steps=steps, **{"train.checkpoint.every": 2, **kw})
+    assert train_inproc(args()) == 0
+    exported = final_bytes(out)
+    ckpt = out / "checkpoint-4"
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["sha256"] == {f.name: sha256_file(f) for f in ckpt.iterdir() if f.name != "state.json"}
+    assert set(state["sha256"]) == {"trainable.safetensors", "optimizer.pt", "rng.safetensors", "config.yaml"}
+    capsys.readouterr()
+    # a finished 4-step run resumed with max_steps 2 would export its step-4 weights as a 2-step run's
+    assert train_inproc(args(steps=2)) == 2
+    one_error_line(capsys, "'train.max_steps'", "checkpoint-4")
+    # one flipped bit in the newest checkpoint's weights: refused before anything is loaded or exported
+    weights = ckpt / "trainable.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0x01
+    weights.write_bytes(bytes(data))
+    assert train_inproc(args()) == 2
+    one_error_line(capsys, str(weights), "damaged", "the one before it")
+    assert final_bytes(out) == exported
+    # the line's advice: move it out, and the run continues from checkpoint-2 to the same weights
+    ckpt.rename(tmp_path / "damaged-checkpoint-4")
+    assert train_inproc(args()) == 0
+    assert "resumed from" in capsys.readouterr().err and final_bytes(out) == exported
+
+
+def _enospc(*_a, **_k):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_while_saving_or_logging_is_one_line_and_the_rerun_is_bit_exact(
+    cache, tmp_path, capsys, monkeypatch
+):
+    from train import metrics as metrics_module
+    from train.state import checkpoint
+
+    args = lambda out: base_args(cache, out, steps=4, **{"train.checkpoint.every": 1})
+    assert train_inproc(args(tmp_path / "ref")) == 0
+    capsys.readouterr()
+    out = tmp_path / "run"
+    # the third checkpoint's fsync finds the disk full (where a full disk usually shows first)
+    saves = {"n": 0}
+    real_write_dir = checkpoint._write_dir
+
+    def write_dir(tmp, files):
+        saves["n"] += 1
+        if saves["n"] == 3:
+            monkeypatch.setattr(checkpoint.os, "fsync", _enospc)
+        return real_write_dir(tmp, files)
+
+    monkeypatch.setattr(checkpoint, "_write_dir", write_dir)
+    assert train_inproc(args(out)) == 2
+    one_error_line(capsys, "no space left on device", ".tmp-checkpoint-3", "rerun the same command")
+    monkeypatch.undo()
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    # the metrics file fills up at step 4
+    real_open = open
+
+    def metrics_open(path, mode="r", *a, **k):
+        if "a" in mode and any(m.get("step") == 3 for m in metrics_lines(Path(path).parent)):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_open(path, mode, *a, **k)
+
+    monkeypatch.setattr(metrics_module, "open", metrics_open, raising=False)
+    assert train_inproc(args(out)) == 2
+    one_error_line(capsys, "no space left on device", "metrics.jsonl")
+    monkeypatch.undo()
+    assert train_inproc(args(out)) == 0  # space freed
+    assert final_bytes(out) == final_bytes(tmp_path / "ref")
+    assert [m["loss"] for m in metrics(out) if "loss" in m] == [
+        m["loss"] for m in metrics(tmp_path / "ref") if "loss" in m
+    ]
+
+
+def test_a_hand_edited_state_json_is_refused_naming_it(cache, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = lambda steps: base_args(cache, out, steps=steps, **{"train.checkpoint.every": 2})  # noqa: E731
+    assert train_inproc(args(4)) == 0
+    ckpt = out / "checkpoint-4"
+    original = (ckpt / "state.json").read_text()
+    state = json.loads(original)
+    assert state["state_sha256"]
+    capsys.readouterr()
+    edits = [
+        ({"step": -5}, "changed after it was written"),
+        ({"step": 3}, "changed after it was written"),
+        ({"data_cursor": {"epoch": 0, "batch_in_epoch": 0}}, "changed after it was written"),
+    ]
+    # one who also drops the digest (as a checkpoint written before it existed has none): the step must be the folder's
+    edits += [({"step": 3, "state_sha256": None}, "not the folder's 4"), ({"step": -5, "state_sha256": None}, "-5")]
+    for edit, words in edits:
+        edited = {k: v for k, v in {**state, **edit}.items() if v is not None}
+        (ckpt / "state.json").write_text(json.dumps(edited))
+        assert train_inproc(args(6)) == 2, edit
+        one_error_line(capsys, str(ckpt / "state.json"), words)
+    (ckpt / "state.json").write_text(original)
+    assert train_inproc(args(6)) == 0
+    assert "resumed from" in capsys.readouterr().err

@@ -5,12 +5,20 @@ refused in one line and final/ is left as it was."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import base_args, train_inproc
+from tests.conftest import (
+    base_args,
+    evaluate_main,
+    one_error_line,
+    train_inproc,
+)
+from theworld.cache_format import sha256_file
+from theworld.core.errors import UserError
 from theworld.infer import card
 
 ROW = ["scenes.jsonl", "00aa11bb22cc33dd", "-", "all", "mc", "loglik", "12", "0.5833", "0.2500", "-", "`python -m x`"]
@@ -80,3 +88,116 @@ def test_a_card_from_before_the_record_keeps_its_rows_and_hand_written_tail(tmp_
     assert [r["benchmark"] for r in card.results(final / "README.md")] == ["old.jsonl", "scenes.jsonl"]
     assert text.startswith("# TheWorld: run\n\n## Evaluation results") and text.rstrip().endswith("notes by hand")
     assert len((final / "results.jsonl").read_text().splitlines()) == 2
+
+
+def _damage_record(folder: Path, how: str) -> None:
+    sums = folder / "sha256.json"
+    sums.unlink()
+    if how == "empty":
+        sums.write_text("{}")
+    elif how == "null":
+        sums.write_text("null")
+    elif how == "directory":
+        sums.mkdir()
+    elif how == "dev-zero":
+        sums.symlink_to("/dev/zero")
+    elif how == "fifo":
+        os.mkfifo(sums)
+
+
+@pytest.mark.parametrize("how", ["deleted", "empty", "null", "directory", "dev-zero", "fifo"])
+def test_a_final_folder_written_with_records_must_have_them(run_copy, trained_run, how, capsys):
+    from theworld import export
+    from theworld.model.world import TheWorld
+
+    final = run_copy / "final"
+    _damage_record(final, how)
+    with pytest.raises(UserError, match="sha256"):
+        TheWorld.from_pretrained(final)
+    assert evaluate_main("--model", run_copy, "--data", trained_run["mc"]) == 2
+    one_error_line(capsys, "sha256.json")
+    assert export.main(["--model", str(run_copy), "--merge", "--out", str(run_copy.parent / "exported")]) == 2
+    one_error_line(capsys, "sha256.json")
+    assert not (run_copy.parent / "exported").exists()
+
+
+def test_an_older_folder_without_records_loads_with_a_note(run_copy, capsys):
+    from safetensors.torch import load_file, save_file
+
+    from theworld.model.world import TheWorld
+
+    final = run_copy / "final"
+    weights = final / "trainable.safetensors"
+    save_file(load_file(str(weights)), str(weights))  # as written before: no header saying records exist
+    (final / "sha256.json").unlink()
+    TheWorld.from_pretrained(final)
+    err = capsys.readouterr().err
+    assert err.count("no sha256 records") == 1 and "unverified" in err
+
+
+def _tamper_weights(path: Path, value: float) -> None:
+    """What an adversary's tool writes: a valid safetensors file with one value of one tensor replaced."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    name = sorted(tensors)[0]
+    tensors[name].view(-1)[0] = value
+    save_file(tensors, str(path))
+
+
+def _reseal(folder: Path) -> None:
+    """An adversary who also rewrites final/'s sha256 record to match."""
+    record = {f.name: sha256_file(f) for f in sorted(folder.iterdir()) if f.name not in ("sha256.json", "README.md")}
+    (folder / "sha256.json").write_text(json.dumps(record))
+
+
+def test_final_is_hashed_and_damaged_or_non_finite_weights_are_refused_by_every_reader(cache, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from theworld import describe, evaluate
+    from theworld.core.errors import UserError
+    from theworld.infer import benchmark_items
+    from theworld.model.world import TheWorld
+
+    out = tmp_path / "run"
+    assert train_inproc(base_args(cache, out, steps=2)) == 0
+    final = out / "final"
+    record = json.loads((final / "sha256.json").read_text())
+    assert record == {f.name: sha256_file(f) for f in final.iterdir() if f.name not in ("sha256.json", "README.md")}
+    assert {"trainable.safetensors", "config.yaml", "prompt.txt"} <= set(record)
+    weights = final / "trainable.safetensors"
+    good = weights.read_bytes()
+    first = sorted(load_file(str(weights)))[0]
+    data = tmp_path / "mc.jsonl"
+    benchmark_items.make_synthetic(data, 4, seed=1)
+    image = tmp_path / "a.png"
+    from PIL import Image
+
+    Image.new("RGB", (64, 64), "red").save(image)
+    readers = {
+        "describe": lambda: describe.main(["--model", str(out), "--image", str(image)]),
+        "evaluate": lambda: evaluate.main(["--model", str(out), "--data", str(data)]),
+        "init_from": lambda: train_inproc(base_args(cache, tmp_path / "next", steps=1, **{"init_from": final})),
+    }
+    capsys.readouterr()
+    for damage, words in (
+        ("bit", ["damaged", "sha256"]),
+        ("nan", [first, "non-finite"]),
+        ("inf", [first, "non-finite"]),
+    ):
+        weights.write_bytes(good)
+        if damage == "bit":
+            raw = bytearray(good)
+            raw[-5] ^= 0x10
+            weights.write_bytes(bytes(raw))
+        else:
+            _tamper_weights(weights, float(damage))
+            _reseal(final)  # past the record: the finite check is what refuses it
+        with pytest.raises(UserError) as e:
+            TheWorld.from_pretrained(out)
+        assert all(w in str(e.value) for w in words), str(e.value)
+        for name, run in readers.items():
+            assert run() == 2, (damage, name)
+            one_error_line(capsys, *words)
+        _reseal(final)
+    assert not (tmp_path / "next" / "final").exists()

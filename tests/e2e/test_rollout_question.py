@@ -1,6 +1,6 @@
 """world.rollout.condition: question (theworld/model/rollout.py, precompute, training's live rollouts): each sample's
 rollout is conditioned on its question, never on an answer; cached equals live; a cache made under the other rule is
-refused in one line; the default (fixed) leaves fingerprints and run hashes as they were."""
+refused in one line; the default (fixed) leaves fingerprints as they were (run hashes: tests/train/test_config.py)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,14 @@ from safetensors.torch import load as st_load
 
 from precompute import cosmos_latents
 from tests._precompute_helpers import gradient, make_cfg, png_bytes, read_cache_plain
+from tests.conftest import ROOT
 from theworld import cache_format as cf
 from theworld.cache_format.fingerprint import fingerprint_for
 from theworld.core.config import load_config
-from theworld.core.errors import CacheMismatch, UserError
+from theworld.core.errors import CacheMismatch
 from theworld.model import encoders, images, rollout
 from theworld.model.config import ImageConfig, ModelConfig, RolloutConfig, WorldConfig
-from train.config import TrainConfig, run_hash
+from train.config import TrainConfig
 from train.data.cache import check_rollout_settings
 from train.data.loader import rollout_item
 
@@ -170,45 +171,16 @@ def test_a_run_whose_rule_differs_from_its_cache_is_refused_in_one_line(caches):
         assert f'--set world.rollout.condition="{cache_has}"' in msg
 
 
-def test_the_default_rule_leaves_the_run_hash_as_it_was():
-    assert run_hash(_train_cfg("world.rollout.condition=fixed")) == run_hash(_train_cfg())
-    assert run_hash(_train_cfg(*QUESTION)) != run_hash(_train_cfg())
-
-
-def test_world_steps_at_inference_stay_within_the_trained_table():
-    trained = WorldConfig(num_world_steps=2, max_world_steps=4)
-    assert rollout.at_inference(trained, 4, "runs/x").num_world_steps == 4
-    assert rollout.at_inference(trained, 1, "runs/x").max_world_steps == 4
-    for steps in (0, 5):
-        with pytest.raises(UserError, match=r"--world-steps: must be in \[1, 4\]"):
-            rollout.at_inference(trained, steps, "runs/x")
-    with pytest.raises(UserError, match="trained without world rollouts"):
-        rollout.at_inference(WorldConfig(), 1, "runs/x")
-    line = rollout.steps_line(2, 4)
-    assert "2 predicted latent frame(s)" in line and "1 + 4 x 2 = 9 video frames" in line and ": 8 there" in line
-
-
-def test_describe_refuses_world_steps_on_a_stage_without_rollouts_in_one_line(trained_run, capsys):
-    from theworld import describe
-
-    image = sorted((trained_run["mc"].parent / "images").iterdir())[0]
-    argv = ["--model", str(trained_run["run"]), "--image", str(image), "--world-steps", "2"]
-    assert describe.main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "trained without world rollouts" in err[0]
-
-
 @pytest.mark.slow
 def test_a_stage_with_live_question_rollouts_trains_from_a_question_cache(tmp_path, capsys):
     """freeze.vae: false encodes and rolls out live: each sample's question travels with its pixels through the
     loader's batch (as bytes) to the pipeline; a run under the other rule is refused before a step."""
-    from pathlib import Path
 
     from train.loop import main
 
     rows = [(f"s{k}.png", f"Question number {k}?" + " and more" * k, f"answer {k}") for k in range(4)]
     cache, _ = _build(tmp_path, "q4", rows, *QUESTION)
-    config = Path(__file__).resolve().parents[3] / "configs" / "stage1_rollout.yaml"
+    config = ROOT / "configs" / "stage1_rollout.yaml"
     sets = {
         "cache_dir": cache,
         "output_dir": tmp_path / "run",

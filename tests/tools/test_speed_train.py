@@ -1,0 +1,101 @@
+"""tools/speed_train.py: a smoke run at tiny sizes, so the benchmark cannot rot. Figures are checked for
+sanity, not speed: speed targets live in the benchmark's own output (docs/performance.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import bench_json, positive
+
+
+@pytest.mark.slow
+def test_train_bench_smoke(tmp_path):
+    rows = bench_json(
+        [
+            "tools.speed_train",
+            "--cases",
+            "tiny,tiny_s3",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--rounds",
+            "2",
+            "--samples",
+            "176",
+            "--root",
+            str(tmp_path / "caches"),
+        ],
+        tmp_path,
+    )["rows"]
+    row, s3 = rows
+    # the same cache read from an S3 server on 127.0.0.1 (one cache built: tiny_s3 reads tiny's)
+    assert s3["case"] == "tiny_s3" and s3["data_overhead"] > 0 and s3["loader_samples_per_s"] > 0
+    assert sorted(p.name for p in (tmp_path / "caches").iterdir()) == ["tiny-64px-176"]
+    positive(
+        row,
+        "step_ms_staged",
+        "step_ms_fed",
+        "data_overhead",
+        "step_ms_live_encoding",
+        "cache_speedup",
+        "loader_samples_per_s",
+        "loader_vs_training",
+        "rss_mb_epoch1_start",
+        "rss_mb_epoch2_end",
+    )
+    assert row["world_tokens"] == 64 and row["steps_per_block"] == 2 and row["rounds"] == 2
+    assert len(row["data_overhead_round_quartiles"]) == 3 and all(r > 0 for r in row["data_overhead_round_quartiles"])
+    assert 0 <= row["padding_fraction"] < 0.5
+    lo, hi = row["data_overhead_ci95"]
+    assert 0 < lo <= row["data_overhead"] <= hi
+
+
+def test_data_overhead_interval_brackets_the_true_ratio():
+    import numpy as np
+
+    from tools.speed_train import _ratio_ci95
+
+    staged = list(np.linspace(0.1, 0.2, 50))
+    assert _ratio_ci95([1.1 * t for t in staged], staged) == [1.1, 1.1]  # no noise: no width
+    rng = np.random.default_rng(1)
+    noisy_staged = 0.1 * (1 + 0.07 * rng.standard_normal(400))
+    noisy_fed = 0.104 * (1 + 0.07 * rng.standard_normal(400))
+    lo, hi = _ratio_ci95(list(noisy_fed), list(noisy_staged))
+    assert lo < 1.04 < hi and hi - lo < 0.03
+
+
+@pytest.mark.slow
+def test_train_bench_bucketed_smoke(tmp_path):
+    rows = bench_json(
+        [
+            "tools.speed_train",
+            "--cases",
+            "tiny_buckets",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--rounds",
+            "2",
+            "--samples",
+            "192",
+            "--root",
+            str(tmp_path / "caches"),
+        ],
+        tmp_path,
+    )["rows"]
+    (row,) = rows
+    positive(
+        row,
+        "step_ms_staged",
+        "step_ms_fed",
+        "data_overhead",
+        "step_ms_live_encoding",
+        "loader_samples_per_s",
+        "rss_mb_epoch1_start",
+        "rss_mb_epoch2_end",
+    )
+    # 96 px buckets: latent grids 8x16 (128 tokens), 12x12 (144), 16x8 (128), a quarter of the images square
+    assert row["latent_shapes"] == 3 and 128 < row["world_tokens"] < 144
+    assert 0 <= row["padding_fraction"] < 0.5
