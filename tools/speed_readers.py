@@ -111,7 +111,7 @@ def write_mds(cache: Path, remote: str) -> None:
     """Every sample of `cache`, every member as bytes, written with MDSWriter to `remote` (uploaded as it goes)."""
     reader = cf.CacheReader(cache)
     names = reader.member_names()
-    shard_bytes = max(e["bytes"] for e in reader.manifest["shards"])
+    shard_bytes = int(reader.shard_table.bytes.max())
     columns = {"__key__": "str", **{n: "bytes" for n in names}}
     with _streaming_base().MDSWriter(out=remote, columns=columns, size_limit=shard_bytes, progress_bar=False) as out:
         for i in range(len(reader)):
@@ -148,11 +148,13 @@ def measure(make: Callable[[Path], Epoch]) -> dict:
 def run(cache: Path, rounds: int) -> dict:
     """All readers, a warm-up round then `rounds` rounds taken in turn, on one S3 server holding the cache."""
     manifest = cf.load_manifest(cache)
-    n_shards = len(manifest["shards"])
+    n_shards = manifest["num_shards"]
     with _scratch(), s3_copy(cache) as (url, _), _env("S3_ENDPOINT_URL", os.environ["AWS_ENDPOINT_URL"]):
         # presigned: plain http GETs that curl can make without the AWS signature
         fs = fsspec.filesystem("s3", skip_instance_cache=True)
-        http_urls = [fs.sign(f"bench/cache/{e['path']}", expiration=24 * 3600) for e in manifest["shards"]]
+        http_urls = [
+            fs.sign(f"bench/cache/{e['path']}", expiration=24 * 3600) for e in cf.shard_table(cache, manifest).entries()
+        ]
         write_mds(cache, "s3://bench/mds")
         makes: dict[str, Callable[[Path], Epoch]] = {
             "theworld": lambda tmp: theworld(url, tmp),
@@ -366,14 +368,17 @@ def _time_epochs(make: Callable[[], Iterable], counts: Callable[[], tuple[int, i
 
 def latency_run(cache: Path, latencies: list[float], bandwidth_mbps: float) -> dict:
     manifest = cf.load_manifest(cache)
-    shards = len(manifest["shards"])
+    shards = manifest["num_shards"]
     report: dict = {"samples": manifest["num_samples"], "shards": shards, "bandwidth_mbps": bandwidth_mbps, "rows": []}
     with _scratch(), s3_copy(cache) as (url, _), _env("S3_ENDPOINT_URL", os.environ["AWS_ENDPOINT_URL"]):
         write_mds(cache, "s3://bench/mds")
         for ms in latencies:
             with latency_proxy(ms, bandwidth_mbps) as counts, tempfile.TemporaryDirectory() as tmp:
                 fs = fsspec.filesystem("s3", skip_instance_cache=True)
-                http_urls = [fs.sign(f"bench/cache/{e['path']}", expiration=3600) for e in manifest["shards"]]
+                http_urls = [
+                    fs.sign(f"bench/cache/{e['path']}", expiration=3600)
+                    for e in cf.shard_table(cache, manifest).entries()
+                ]
 
                 def ours(tmp=tmp):
                     reader = cf.CacheReader(url, members=(LATENT,), settings=_settings(tmp + "/o"))
@@ -414,9 +419,9 @@ def latency_run(cache: Path, latencies: list[float], bandwidth_mbps: float) -> d
 
 def _budget_bytes(url: str, manifest: dict, counts) -> dict:
     """Bytes one epoch downloads with a shard cache of a quarter of the cache: windowed and global order."""
-    total = sum(e["bytes"] for e in manifest["shards"])
+    total = manifest["bytes"]
     out = {"cache_bytes": total}
-    for name, window in (("windowed", max(1, len(manifest["shards"]) // 8)), ("global", 0)):  # 1/8: half the budget
+    for name, window in (("windowed", max(1, manifest["num_shards"] // 8)), ("global", 0)):  # 1/8: half the budget
         with tempfile.TemporaryDirectory() as tmp:
             settings = _settings(tmp, cache_local_max_gb=total / 4 / 1e9)
             reader = cf.CacheReader(url, members=(LATENT,), settings=settings)
@@ -439,7 +444,7 @@ def _synthetic_index(folder: Path, n_shards: int) -> None:
             "count": 1,
             "bytes": 10240,
             "sha256": hashlib.sha256(str(i).encode()).hexdigest(),
-            "format_version": 3,
+            "format_version": cf.FORMAT_VERSION,
             "samples": [
                 {
                     "key": f"k{i:07d}",

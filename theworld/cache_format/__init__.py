@@ -44,6 +44,7 @@ from theworld.cache_format.layout import (
     sha256_file,
     shard_is_done,
     shard_stem,
+    shard_table,
     sidecar_path,
     split_member,
     tar_path,

@@ -15,6 +15,7 @@ import pytest
 
 from precompute import cosmos_latents, inspect
 from tests._precompute_helpers import make_cfg
+from tests.theworld.cache_format.conftest import as_format_3
 from theworld import cache_format as cf
 from theworld.core.errors import CacheDamaged, UserError
 
@@ -44,7 +45,8 @@ def _flip_byte(cache: Path, shard: int, sample: int, member: str, at: int = 0) -
 
 
 def _strip_checksums(cache: Path) -> None:
-    """What a cache written before member checksums looks like."""
+    """What a cache written before member checksums looks like (format 3: its reader reads the sidecars)."""
+    as_format_3(cache)
     for i in range(len(json.loads((cache / cf.MANIFEST).read_text())["shards"])):
         side = _side(cache, i)
         for s in side["samples"]:
@@ -106,6 +108,8 @@ def test_a_cache_without_checksums_still_reads(cache):
 )
 def test_start_of_run_checks_catch_damage_without_reading_data(cache, damage, words):
     tar1 = cf.tar_path(cache, 1)
+    if damage not in ("truncate", "delete"):  # sidecars and the manifest's shard list: what a format-3 cache reads
+        as_format_3(cache)
     manifest = json.loads((cache / cf.MANIFEST).read_text())
     if damage == "truncate":
         tar1.write_bytes(tar1.read_bytes()[:3000])
@@ -153,6 +157,7 @@ def test_start_of_run_checks_catch_damage_without_reading_data(cache, damage, wo
     ],
 )
 def test_a_malformed_sidecar_is_one_line_naming_it(cache, sidecar):
+    as_format_3(cache)  # a format-4 reader reads the shard index, not the sidecars
     cf.sidecar_path(cache, 1).write_bytes(sidecar)
     with pytest.raises(CacheDamaged) as e:
         cf.CacheReader(cache)
@@ -339,10 +344,22 @@ def _old_shard(cache: Path, shard: int, sample: int, caption: str | None = None,
         members[cf.CAPTION] = caption.encode()
     if prompt is not None:
         members[cf.META] = json.dumps({**json.loads(members[cf.META]), "prompt": prompt}).encode()
-    side = cf.write_shard(cache, shard, samples)
-    manifest = json.loads((cache / cf.MANIFEST).read_text())
-    manifest["shards"][shard].update(bytes=side["bytes"], sha256=side["sha256"])
-    cf.atomic_write_json(cache / cf.MANIFEST, manifest)
+    cf.write_shard(cache, shard, samples)
+    m = json.loads((cache / cf.MANIFEST).read_text())
+    sides = [cf.read_sidecar(cache, i) for i in range(m["num_shards"])]
+    extra = {k: v for k, v in m.items() if k not in ("format_version", "num_samples", "latent_shapes", "num_shards")}
+    for k in ("fingerprint", "latent_shape", "latent_dtype", "num_errors", "contents", "bytes", "shard_index"):
+        extra.pop(k)
+    cf.write_manifest(
+        cache,
+        sides,
+        fingerprint=m["fingerprint"],
+        latent_shape=m["latent_shape"],
+        latent_dtype=m["latent_dtype"],
+        num_errors=m["num_errors"],
+        contents=m["contents"],
+        extra=extra,
+    )
     return samples[sample][0]
 
 
