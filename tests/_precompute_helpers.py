@@ -48,8 +48,9 @@ def read_cache_plain(cache: Path) -> dict[str, dict[str, bytes]]:
     """{key: {member: bytes}} read with plain webdataset (no theworld code), in shard order."""
     import webdataset as wds
 
-    manifest = json.loads((cache / "manifest.json").read_text())
-    urls = [str(cache / s["path"]) for s in manifest["shards"]]
+    from theworld import cache_format as cf
+
+    urls = [str(cache / s["path"]) for s in cf.shard_table(cache, cf.load_manifest(cache)).entries()]
     out: dict[str, dict[str, bytes]] = {}
     if not urls:
         return out
@@ -182,3 +183,16 @@ def bucket_folder(root: Path, n: int) -> Path:
         )
     (root / "captions.jsonl").write_text("\n".join(lines) + "\n")
     return root
+
+
+def rewrite_manifest(cache: Path) -> dict:
+    """The manifest and shard index written again from the cache's sidecars, as a rerun of precompute writes them
+    (after a test rewrote a shard with `cf.write_shard`)."""
+    from theworld import cache_format as cf
+
+    m = json.loads((cache / cf.MANIFEST).read_text())
+    sides = [cf.read_sidecar(cache, i) for i in range(m["num_shards"])]
+    known = ("format_version", "num_samples", "latent_shapes", "num_shards", "bytes", "shard_index")
+    fields = ("fingerprint", "latent_shape", "latent_dtype", "num_errors", "contents")
+    extra = {k: v for k, v in m.items() if k not in known + fields}
+    return cf.write_manifest(cache, sides, **{k: m[k] for k in fields}, extra=extra)

@@ -709,6 +709,7 @@ class RemoteWriter:
                     files[f"{folder}/{path.name}"] = data.decode("latin-1")  # any bytes, back as they were
         if files:
             local = self.out / RECORDS / f"rank-{rank:05d}.json.gz"
+            local.parent.mkdir(parents=True, exist_ok=True)
             text = json.dumps({"files": files}, sort_keys=True, separators=(",", ":"))
             atomic_write_bytes(local, gzip.compress(text.encode(), compresslevel=1, mtime=0))
             self.remote.put(local, f"{RECORDS}/{local.name}")

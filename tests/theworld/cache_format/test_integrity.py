@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from precompute import cosmos_latents, inspect
-from tests._precompute_helpers import make_cfg
+from tests._precompute_helpers import make_cfg, rewrite_manifest
 from tests.theworld.cache_format.conftest import as_format_3
 from theworld import cache_format as cf
 from theworld.core.errors import CacheDamaged, UserError
@@ -345,21 +345,7 @@ def _old_shard(cache: Path, shard: int, sample: int, caption: str | None = None,
     if prompt is not None:
         members[cf.META] = json.dumps({**json.loads(members[cf.META]), "prompt": prompt}).encode()
     cf.write_shard(cache, shard, samples)
-    m = json.loads((cache / cf.MANIFEST).read_text())
-    sides = [cf.read_sidecar(cache, i) for i in range(m["num_shards"])]
-    extra = {k: v for k, v in m.items() if k not in ("format_version", "num_samples", "latent_shapes", "num_shards")}
-    for k in ("fingerprint", "latent_shape", "latent_dtype", "num_errors", "contents", "bytes", "shard_index"):
-        extra.pop(k)
-    cf.write_manifest(
-        cache,
-        sides,
-        fingerprint=m["fingerprint"],
-        latent_shape=m["latent_shape"],
-        latent_dtype=m["latent_dtype"],
-        num_errors=m["num_errors"],
-        contents=m["contents"],
-        extra=extra,
-    )
+    rewrite_manifest(cache)
     return samples[sample][0]
 
 
