@@ -29,6 +29,11 @@ MosaicML Streaming at its documented settings (batch_size given). Then, at the f
 downloaded in an epoch by our reader when the shard cache holds a quarter of the cache (windowed order and global
 order); the time to open caches of 16, 1,024 and 16,384 shards (their index alone: manifest and shard index); and
 precompute's final step (`RemoteWriter.fetch_records`) over 1,024 shards.
+
+    python -m tools.speed_readers --open-latency 20 [--json]
+
+Those last two cases alone (no cache of samples is built): the time to open, the shard index's and manifest's bytes
+and the index arrays a reader holds, for 16, 1,024 and 16,384 shards of one sample each; the final step's time.
 """
 
 from __future__ import annotations
@@ -480,7 +485,9 @@ def _open_times() -> dict:
             url = _put(Path(tmp) / f"i{n}", f"open{n}")
             t = time.perf_counter()
             reader = cf.CacheReader(url, settings=_settings(f"{tmp}/l{n}"))
-            out[str(n)] = {"seconds": round(time.perf_counter() - t, 3), "samples": len(reader)}
+            seconds = round(time.perf_counter() - t, 3)
+            held = sum(a.nbytes for a in vars(reader).values() if isinstance(a, np.ndarray))  # the index arrays
+            out[str(n)] = {"seconds": seconds, "samples": len(reader), "arrays_mb": round(held / 2**20, 2)}
             index = sum(e["bytes"] for e in reader.manifest["shard_index"])
             out[str(n)]["index_bytes"] = index
             out[str(n)]["manifest_bytes"] = (Path(tmp) / f"i{n}" / cf.MANIFEST).stat().st_size
@@ -488,11 +495,13 @@ def _open_times() -> dict:
 
 
 def _fetch_records_time(n: int = 1024) -> float:
-    """Precompute's final step (rank 0) over n shards another node wrote: listings, then the files at once."""
+    """Precompute's final step (rank 0) over n shards another node wrote (its shards, error files and records object,
+    as its `put_records` leaves them): listings, then that object, each file checked by the listing's md5."""
     from theworld.cache_format import storage
 
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp) / "w"
+        other = storage.for_writing("s3://bench/records", _settings(f"{tmp}/other"))
+        folder = other.out
         for i in range(n):
             (folder / "shards").mkdir(parents=True, exist_ok=True)
             (folder / "errors").mkdir(exist_ok=True)
@@ -500,11 +509,32 @@ def _fetch_records_time(n: int = 1024) -> float:
             (folder / "shards" / f"shard-{i:06d}.json").write_text(json.dumps({"bytes": 10}))
             (folder / "errors" / f"shard-{i:06d}.jsonl").write_text("")
         url = _put(folder, "records")
+        other.put_records(1, range(n))
         writer = storage.for_writing(url, _settings(f"{tmp}/l"))
         writer.out.mkdir(parents=True, exist_ok=True)
         t = time.perf_counter()
         writer.fetch_records(n)
         return round(time.perf_counter() - t, 3)
+
+
+def open_run(latency_ms: float) -> dict:
+    """The open and final-step cases alone, through the proxy at `latency_ms`."""
+    with _scratch(), tempfile.TemporaryDirectory() as empty, s3_copy(Path(empty)):
+        with latency_proxy(latency_ms) as counts:
+            c = counts()
+            report = {"probe_latency_ms": latency_ms, "open": _open_times()}
+            report["open_requests"] = counts()[0] - c[0]
+            report["fetch_records_1024_s"] = _fetch_records_time()
+    return report
+
+
+def _open_table(r: dict) -> str:
+    lines = [
+        f"open {n:>6} shards at {r['probe_latency_ms']:g} ms: {o['seconds']:.3f} s (shard index "
+        f"{o['index_bytes']} bytes, manifest {o['manifest_bytes']} bytes, index arrays {o['arrays_mb']:.2f} MB)"
+        for n, o in r["open"].items()
+    ]
+    return "\n".join(lines + [f"precompute's final step, 1024 shards: {r['fetch_records_1024_s']:.3f} s"])
 
 
 def _latency_table(r: dict) -> str:
@@ -543,9 +573,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the figures as JSON alone")
     p.add_argument("--latency", help="the latency case: milliseconds per request, comma-separated (e.g. 0,20,80)")
     p.add_argument("--bandwidth-mbps", type=float, default=0.0, help="the latency case's cap per answer (0: none)")
+    p.add_argument(
+        "--open-latency",
+        type=float,
+        help="only the time to open caches of 16, 1,024 and 16,384 shards and precompute's final step, at this many ms",
+    )
     args = p.parse_args(argv)
     if args.samples < 1 or args.rounds < 1:
         p.error("--samples and --rounds must be at least 1")
+    if args.open_latency is not None:  # needs no cache of samples
+        report = open_run(args.open_latency)
+        print(json.dumps(report, indent=1) if args.json else _open_table(report))
+        return 0
     if args.cache:
         cache = Path(args.cache)
         if not (cache / cf.MANIFEST).is_file():

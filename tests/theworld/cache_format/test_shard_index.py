@@ -235,3 +235,35 @@ def test_a_cache_local_dir_that_is_a_file_is_one_line(s3, tmp_path):
     with pytest.raises(UserError) as e:
         cf.CacheReader(remote, settings=cf.Settings(cache_local_dir=str(tmp_path / "file")))
     assert len(str(e.value).splitlines()) == 1 and "config key 'cache_local_dir'" in str(e.value), str(e.value)
+
+
+def test_the_final_step_reads_each_process_records_object_and_checks_each_file_by_its_md5(s3, tmp_path):
+    """Precompute's final step (RemoteWriter.fetch_records) on rank 0: listings and the other processes' records
+    objects, not two requests per shard; a file whose object changed after its records object (md5 differs from the
+    listing's) is requested alone."""
+    n = 24
+    other = storage.for_writing(f"s3://{BUCKET}/recs", cf.Settings(cache_local_dir=str(tmp_path / "other")))
+    for i in range(n):
+        cf.tar_path(other.out, i).parent.mkdir(parents=True, exist_ok=True)
+        cf.error_path(other.out, i).parent.mkdir(parents=True, exist_ok=True)
+        cf.tar_path(other.out, i).write_bytes(b"x" * (10 + i))
+        cf.sidecar_path(other.out, i).write_text(json.dumps({"bytes": 10 + i, "count": i}))
+        cf.error_path(other.out, i).write_text(json.dumps({"reason": f"r{i}"}) + "\n" if i % 3 else "")
+    _put_tree(s3, other.out, "recs")
+    other.put_records(1, range(n))
+    changed = json.dumps({"bytes": 17, "count": 99}).encode()  # a later run's sidecar of shard 7
+    s3.fs.pipe_file(f"{BUCKET}/recs/shards/shard-000007.json", changed)
+    rank0 = storage.for_writing(f"s3://{BUCKET}/recs", cf.Settings(cache_local_dir=str(tmp_path / "rank0")))
+    rank0.out.mkdir(parents=True)
+    start = len(s3.log)
+    rank0.fetch_records(n)
+    gets = [p for m, p, _ in s3.log[start:] if m == "GET"]
+    assert [p for p in gets if p.startswith(f"/{BUCKET}/recs/")] == [
+        f"/{BUCKET}/recs/shard-records/rank-00001.json.gz",
+        f"/{BUCKET}/recs/shards/shard-000007.json",
+    ], gets
+    assert len(gets) <= 2 + 4  # and three listings (a page each)
+    for i in range(n):
+        for path in (cf.sidecar_path, cf.error_path):
+            want = changed if (path, i) == (cf.sidecar_path, 7) else path(other.out, i).read_bytes()
+            assert path(rank0.out, i).read_bytes() == want
