@@ -42,7 +42,7 @@ from theworld.cache_format.layout import (
     tar_path,
 )
 from theworld.cache_format.names import ERRORS, ERRORS_DIR, MANIFEST, RECORDS, RUN_FILE, SHARD_INDEX, SHARDS
-from theworld.core import location, log
+from theworld.core import atomic, location, log
 from theworld.core.errors import UserError, one_line, show_as
 from theworld.core.location import is_url
 
@@ -376,14 +376,16 @@ class RemoteCache:
         with ThreadPoolExecutor(min(CONNECTIONS, len(names))) as pool:
             return dict(zip(names, pool.map(self.read, names)))
 
-    def _keep(self, name: str, data: bytes | None) -> bool:
-        """Object `name`'s bytes into the stand-in folder (None: remove the stand-in's copy)."""
+    def _keep(self, name: str, data: bytes | None, fsync: bool = True) -> bool:
+        """Object `name`'s bytes into the stand-in folder (None: remove the stand-in's copy). fsync=False: the caller
+        syncs many files at once (`os.sync`) rather than each."""
         target = self.local / name
         if data is None:
             target.unlink(missing_ok=True)
             return False
         target.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(target, data)
+        with atomic.file(target, fsync=fsync) as tmp:
+            tmp.write_bytes(data)
         return True
 
     def _mirror(self, name: str) -> bool:
@@ -735,12 +737,13 @@ class RemoteWriter:
                     continue
                 data = held[name].encode("latin-1") if name in held else None
                 if data is not None and hashlib.md5(data).hexdigest() == listed[folder][local.name][1]:
-                    self.remote._keep(name, data)
+                    self.remote._keep(name, data, fsync=False)
                 else:
                     wanted.append(name)
         for name, data in self.remote.read_many(wanted).items():
-            if not self.remote._keep(name, data):
+            if not self.remote._keep(name, data, fsync=False):
                 raise RuntimeError(f"{self.remote.object_url(name)} is missing after all processes finished")
+        os.sync()  # once for the files above: one fsync each cost more than the requests
         for i in range(n_shards):
             got = listed[SHARDS].get(tar_path(self.out, i).name, (None,))[0]
             if got != _json_field(sidecar_path(self.out, i), "bytes"):
