@@ -315,16 +315,14 @@ class RemoteCache:
         except (ValueError, AttributeError, RecursionError, TypeError):
             return self.local  # load_manifest says what is wrong with it
         indexed = self._fetch_shard_index(parts) if isinstance(parts, list) else set()
-        held = {p.name for p in (self.local / SHARDS).glob("*.json")}
+        for p in (self.local / SHARDS).glob("shard-*.json"):
+            if p.stem[6:].isdigit() and int(p.stem[6:]) in indexed:
+                p.unlink(missing_ok=True)  # the index's record is the current one
         wanted = []
-        for i in range(n):
+        for i in sorted(set(range(n)) - indexed):  # set arithmetic: no Python step per indexed shard
             side = sidecar_path(self.local, i)
-            if i in indexed:
-                if side.name in held:
-                    side.unlink(missing_ok=True)  # the index's record is the current one
-                continue
             entry = shards[i] if isinstance(shards, list) else None
-            have = _json_field(side, "sha256") if side.name in held else None
+            have = _json_field(side, "sha256") if side.is_file() else None
             if not isinstance(entry, dict) or have is None or have != entry.get("sha256"):
                 wanted.append(f"{SHARDS}/{side.name}")
         if wanted and not isinstance(parts, list):
