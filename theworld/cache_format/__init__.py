@@ -26,6 +26,7 @@ from theworld.cache_format.fingerprint import (
     fingerprint_for,
     fingerprint_overrides,
 )
+from theworld.cache_format.index import SHARDS_PER_INDEX
 from theworld.cache_format.layout import (
     REBUILD_MANIFEST,
     Sample,
