@@ -19,6 +19,7 @@ from safetensors.numpy import save as st_save
 
 from theworld.cache_format.migrations import CHECKSUMS, FORMAT_VERSION
 from theworld.cache_format.names import MANIFEST, SHARD_INDEX, SHARDS
+from theworld.core.atomic import write_bytes
 
 SHARDS_PER_INDEX = 4096
 SUFFIX = ".safetensors"
@@ -62,8 +63,8 @@ class Part:
 
 def build(sidecars: list[dict], first: int) -> Part:
     """The arrays of these sidecars (shards first, first + 1, ...): the one per-sample loop, run where sidecars are
-    the input (writing the index, or reading a cache written before it). Raises KeyError/TypeError/ValueError on a
-    malformed sidecar, with the shard's position in `args[-1]`-free text."""
+    the input (writing the index, or reading a cache written before it). Raises KeyError, TypeError or ValueError on
+    a malformed sidecar."""
     names: list[str] = []
     samples = [s for side in sidecars for s in side["samples"]]
     for s in samples:
@@ -158,8 +159,6 @@ def decode_unchecked(data: bytes) -> Part:
 
 def write(cache_dir: Path, sidecars: list[dict]) -> list[dict]:
     """Write the index of these sidecars (shard i's at position i); returns the manifest's `shard_index` entries."""
-    from theworld.core.atomic import write_bytes
-
     (Path(cache_dir) / SHARD_INDEX).mkdir(exist_ok=True)
     entries = []
     for part, lo in enumerate(range(0, len(sidecars), SHARDS_PER_INDEX)):
