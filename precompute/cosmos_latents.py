@@ -390,6 +390,8 @@ def _build(cfg: PrecomputeConfig, state, out: Path, remote: storage.RemoteWriter
         if pending
         else (0, 0, {})
     )
+    if remote is not None:  # this process's records in one object, for rank 0's final step
+        remote.put_records(rank, range(rank, n_shards, world))
     counts = gather_object([encoded]) if world > 1 else [encoded]
     upscaled = sum(gather_object([upscaled])) if world > 1 else upscaled
     state.wait_for_everyone()
@@ -413,7 +415,7 @@ def _build(cfg: PrecomputeConfig, state, out: Path, remote: storage.RemoteWriter
         "samples": manifest["num_samples"],
         "errors": manifest["num_errors"],
         "shards": n_shards,
-        "bytes": sum(s["bytes"] for s in manifest["shards"]),
+        "bytes": manifest["bytes"],
         "encoded_this_run": sum(counts),
         "processes": world,
         "encode_seconds": round(elapsed, 3),

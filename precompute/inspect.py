@@ -89,7 +89,7 @@ def summary(cache: Path, args) -> tuple[dict, int, str]:
     reader = cf.CacheReader(cache, members=(cf.LATENT,), remote=getattr(args, "remote", None))
     n = len(reader)
     idx = range(n) if n <= args.max_samples else _pick(n, args.max_samples, 0, "--max-samples")
-    total_bytes = sum(s["bytes"] for s in manifest["shards"])
+    total_bytes = manifest["bytes"]
     stats = {}
     if n:
         means = [reader[i].mean.float() for i in idx]  # (C, 1, h, w) each; (h, w) varies with aspect-ratio buckets
@@ -105,7 +105,7 @@ def summary(cache: Path, args) -> tuple[dict, int, str]:
         "cache": str(cache),
         "num_samples": manifest["num_samples"],
         "num_errors": manifest["num_errors"],
-        "num_shards": len(manifest["shards"]),
+        "num_shards": manifest["num_shards"],
         "bytes": total_bytes,
         "bytes_per_sample": round(total_bytes / n, 1) if n else None,
         "latent_shape": manifest["latent_shape"],
@@ -237,7 +237,8 @@ def verify(cache: Path, args) -> tuple[dict, int, str]:
     _check_full_fingerprint(cache, manifest, args)
     seen: dict[str, str] = {}
     shards, total = [], 0
-    for i, entry in enumerate(manifest["shards"]):
+    entries = cf.shard_table(cache, manifest).entries()
+    for i, entry in enumerate(entries):
         path, staged = _shard_file(cache, i, entry, getattr(args, "remote", None))
         problems: list[str] = []
         if staged is not None or not path.is_file():
@@ -247,7 +248,7 @@ def verify(cache: Path, args) -> tuple[dict, int, str]:
         if size != entry["bytes"]:
             problems.append(f"size {size} != manifest {entry['bytes']}")
         if digest != entry["sha256"]:
-            owner = next((e["path"] for e in manifest["shards"] if e["sha256"] == digest), None)
+            owner = next((e["path"] for e in entries if e["sha256"] == digest), None)
             problems.append(
                 f"sha256 {digest[:12]}.. != manifest {entry['sha256'][:12]}.."
                 + (f": it holds what the manifest lists for {owner} (copied or swapped)" if owner else "")

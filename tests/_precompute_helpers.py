@@ -48,8 +48,9 @@ def read_cache_plain(cache: Path) -> dict[str, dict[str, bytes]]:
     """{key: {member: bytes}} read with plain webdataset (no theworld code), in shard order."""
     import webdataset as wds
 
-    manifest = json.loads((cache / "manifest.json").read_text())
-    urls = [str(cache / s["path"]) for s in manifest["shards"]]
+    from theworld import cache_format as cf
+
+    urls = [str(cache / s["path"]) for s in cf.shard_table(cache, cf.load_manifest(cache)).entries()]
     out: dict[str, dict[str, bytes]] = {}
     if not urls:
         return out
@@ -225,11 +226,26 @@ def flip_byte(cache: Path, shard: int, sample: int, member: str, at: int = 0) ->
 
 
 def strip_checksums(cache: Path) -> None:
-    """What a cache written before member checksums looks like."""
+    """What a cache written before member checksums looks like (format 3: its reader reads the sidecars)."""
+    from tests.theworld.cache_format.conftest import as_format_3
     from theworld import cache_format as cf
 
+    as_format_3(cache)
     for i in range(len(json.loads((cache / cf.MANIFEST).read_text())["shards"])):
         side = sidecar_json(cache, i)
         for s in side["samples"]:
             s.pop(cf.CHECKSUMS)
         cf.atomic_write_json(cf.sidecar_path(cache, i), side)
+
+
+def rewrite_manifest(cache: Path) -> dict:
+    """The manifest and shard index written again from the cache's sidecars, as a rerun of precompute writes them
+    (after a test rewrote a shard with `cf.write_shard`)."""
+    from theworld import cache_format as cf
+
+    m = json.loads((cache / cf.MANIFEST).read_text())
+    sides = [cf.read_sidecar(cache, i) for i in range(m["num_shards"])]
+    known = ("format_version", "num_samples", "latent_shapes", "num_shards", "bytes", "shard_index")
+    fields = ("fingerprint", "latent_shape", "latent_dtype", "num_errors", "contents")
+    extra = {k: v for k, v in m.items() if k not in known + fields}
+    return cf.write_manifest(cache, sides, **{k: m[k] for k in fields}, extra=extra)

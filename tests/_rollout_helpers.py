@@ -27,7 +27,7 @@ def rollout_cache(src: Path, dst: Path, steps: int) -> Path:
     exactly as in `src`, followed by `steps` predicted ones; its manifest says contents.world_steps: steps."""
     reader = cf.CacheReader(src)
     sidecars = []
-    for shard in range(len(reader.manifest["shards"])):
+    for shard in range(reader.manifest["num_shards"]):
         samples = []
         for index in reader.samples_in([shard]).tolist():
             members = dict(reader.raw(index))

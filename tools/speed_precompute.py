@@ -160,7 +160,7 @@ def bench_case(case: str, work: Path, n: int, workers: int = 0) -> dict:
         summary = run(cfg)["summary"]
     manifest = cf.load_manifest(cfg.output_dir)
     payload = sum(len(v) for members in encoded for v in members.values()) / len(encoded)
-    per_sample = sum(s["bytes"] for s in manifest["shards"]) / manifest["num_samples"]
+    per_sample = manifest["bytes"] / manifest["num_samples"]
     return {
         "case": case,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",

@@ -33,6 +33,11 @@ training loader downloads when the shard cache holds a quarter of the cache (win
 of training the tiny model for a whole epoch from a cold shard cache (the epoch's wall time, opening included, over
 that of the same steps on batches in memory); the time to open caches of 16, 1,024 and 16,384 shards (their index
 alone: manifest and shard index); and precompute's final step (`RemoteWriter.fetch_records`) over 1,024 shards.
+
+    python -m tools.speed_readers --open-latency 20 [--json]
+
+Those last two cases alone (no cache of samples is built): the time to open, the shard index's and manifest's bytes
+and the index arrays a reader holds, for 16, 1,024 and 16,384 shards of one sample each; the final step's time.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from multiprocessing.pool import ThreadPool
 from pathlib import Path
 
 import fsspec
+import numpy as np
 from torch.utils.data import DataLoader, IterableDataset
 
 from theworld import cache_format as cf
@@ -114,7 +120,7 @@ def write_mds(cache: Path, remote: str) -> None:
     """Every sample of `cache`, every member as bytes, written with MDSWriter to `remote` (uploaded as it goes)."""
     reader = cf.CacheReader(cache)
     names = reader.member_names()
-    shard_bytes = max(e["bytes"] for e in reader.manifest["shards"])
+    shard_bytes = int(reader.shard_table.bytes.max())
     columns = {"__key__": "str", **{n: "bytes" for n in names}}
     with _streaming_base().MDSWriter(out=remote, columns=columns, size_limit=shard_bytes, progress_bar=False) as out:
         for i in range(len(reader)):
@@ -151,11 +157,13 @@ def measure(make: Callable[[Path], Epoch]) -> dict:
 def run(cache: Path, rounds: int) -> dict:
     """All readers, a warm-up round then `rounds` rounds taken in turn, on one S3 server holding the cache."""
     manifest = cf.load_manifest(cache)
-    n_shards = len(manifest["shards"])
+    n_shards = manifest["num_shards"]
     with _scratch(), s3_copy(cache) as (url, _), _env("S3_ENDPOINT_URL", os.environ["AWS_ENDPOINT_URL"]):
         # presigned: plain http GETs that curl can make without the AWS signature
         fs = fsspec.filesystem("s3", skip_instance_cache=True)
-        http_urls = [fs.sign(f"bench/cache/{e['path']}", expiration=24 * 3600) for e in manifest["shards"]]
+        http_urls = [
+            fs.sign(f"bench/cache/{e['path']}", expiration=24 * 3600) for e in cf.shard_table(cache, manifest).entries()
+        ]
         write_mds(cache, "s3://bench/mds")
         makes: dict[str, Callable[[Path], Epoch]] = {
             "theworld": lambda tmp: theworld(url, tmp),
@@ -402,7 +410,7 @@ def _time_epochs(make: Callable[[], Iterable], counts: Callable[[], tuple[int, i
 
 def latency_run(cache: Path, latencies: list[float], bandwidth_mbps: float) -> dict:
     manifest = cf.load_manifest(cache)
-    shards = len(manifest["shards"])
+    shards = manifest["num_shards"]
     report: dict = {"samples": manifest["num_samples"], "shards": shards, "bandwidth_mbps": bandwidth_mbps, "rows": []}
     processor = _processor()
     with _scratch(), s3_copy(cache) as (url, _), _env("S3_ENDPOINT_URL", os.environ["AWS_ENDPOINT_URL"]):
@@ -410,7 +418,10 @@ def latency_run(cache: Path, latencies: list[float], bandwidth_mbps: float) -> d
         for ms in latencies:
             with latency_proxy(ms, bandwidth_mbps) as counts, tempfile.TemporaryDirectory() as tmp:
                 fs = fsspec.filesystem("s3", skip_instance_cache=True)
-                http_urls = [fs.sign(f"bench/cache/{e['path']}", expiration=3600) for e in manifest["shards"]]
+                http_urls = [
+                    fs.sign(f"bench/cache/{e['path']}", expiration=3600)
+                    for e in cf.shard_table(cache, manifest).entries()
+                ]
 
                 def ours(tmp=tmp):
                     return _Batches(_train_config(url, tmp + "/o", window=max(1, shards // 4)), processor)
@@ -456,9 +467,9 @@ def latency_run(cache: Path, latencies: list[float], bandwidth_mbps: float) -> d
 def _budget_bytes(url: str, manifest: dict, counts, processor) -> dict:
     """Bytes one epoch of the training loader downloads with a shard cache of a quarter of the cache, in the windowed
     order (a window of an eighth of the shards, read-ahead at its default) and in the global order."""
-    total = sum(e["bytes"] for e in manifest["shards"])
+    total = manifest["bytes"]
     out = {"cache_bytes": total}
-    for name, window in (("windowed", max(1, len(manifest["shards"]) // 8)), ("global", 0)):
+    for name, window in (("windowed", max(1, manifest["num_shards"] // 8)), ("global", 0)):
         with tempfile.TemporaryDirectory() as tmp:
             cfg = _train_config(url, tmp, window, 1, f"storage.local_max_gb={total / 4 / 1e9}")
             c = counts()
@@ -512,7 +523,7 @@ def _synthetic_index(folder: Path, n_shards: int) -> None:
             "count": 1,
             "bytes": 10240,
             "sha256": hashlib.sha256(str(i).encode()).hexdigest(),
-            "format_version": 3,
+            "format_version": cf.FORMAT_VERSION,
             "samples": [
                 {
                     "key": f"k{i:07d}",
@@ -548,7 +559,9 @@ def _open_times() -> dict:
             url = _put(Path(tmp) / f"i{n}", f"open{n}")
             t = time.perf_counter()
             reader = cf.CacheReader(url, settings=_settings(f"{tmp}/l{n}"))
-            out[str(n)] = {"seconds": round(time.perf_counter() - t, 3), "samples": len(reader)}
+            seconds = round(time.perf_counter() - t, 3)
+            held = sum(a.nbytes for a in vars(reader).values() if isinstance(a, np.ndarray))  # the index arrays
+            out[str(n)] = {"seconds": seconds, "samples": len(reader), "arrays_mb": round(held / 2**20, 2)}
             index = sum(e["bytes"] for e in reader.manifest["shard_index"])
             out[str(n)]["index_bytes"] = index
             out[str(n)]["manifest_bytes"] = (Path(tmp) / f"i{n}" / cf.MANIFEST).stat().st_size
@@ -556,11 +569,13 @@ def _open_times() -> dict:
 
 
 def _fetch_records_time(n: int = 1024) -> float:
-    """Precompute's final step (rank 0) over n shards another node wrote: listings, then the files at once."""
+    """Precompute's final step (rank 0) over n shards another node wrote (its shards, error files and records object,
+    as its `put_records` leaves them): listings, then that object, each file checked by the listing's md5."""
     from theworld.cache_format import storage
 
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp) / "w"
+        other = storage.for_writing("s3://bench/records", _settings(f"{tmp}/other"))
+        folder = other.out
         for i in range(n):
             (folder / "shards").mkdir(parents=True, exist_ok=True)
             (folder / "errors").mkdir(exist_ok=True)
@@ -568,11 +583,32 @@ def _fetch_records_time(n: int = 1024) -> float:
             (folder / "shards" / f"shard-{i:06d}.json").write_text(json.dumps({"bytes": 10}))
             (folder / "errors" / f"shard-{i:06d}.jsonl").write_text("")
         url = _put(folder, "records")
+        other.put_records(1, range(n))
         writer = storage.for_writing(url, _settings(f"{tmp}/l"))
         writer.out.mkdir(parents=True, exist_ok=True)
         t = time.perf_counter()
         writer.fetch_records(n)
         return round(time.perf_counter() - t, 3)
+
+
+def open_run(latency_ms: float) -> dict:
+    """The open and final-step cases alone, through the proxy at `latency_ms`."""
+    with _scratch(), tempfile.TemporaryDirectory() as empty, s3_copy(Path(empty)):
+        with latency_proxy(latency_ms) as counts:
+            c = counts()
+            report = {"probe_latency_ms": latency_ms, "open": _open_times()}
+            report["open_requests"] = counts()[0] - c[0]
+            report["fetch_records_1024_s"] = _fetch_records_time()
+    return report
+
+
+def _open_table(r: dict) -> str:
+    lines = [
+        f"open {n:>6} shards at {r['probe_latency_ms']:g} ms: {o['seconds']:.3f} s (shard index "
+        f"{o['index_bytes']} bytes, manifest {o['manifest_bytes']} bytes, index arrays {o['arrays_mb']:.2f} MB)"
+        for n, o in r["open"].items()
+    ]
+    return "\n".join(lines + [f"precompute's final step, 1024 shards: {r['fetch_records_1024_s']:.3f} s"])
 
 
 def _latency_table(r: dict) -> str:
@@ -616,9 +652,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the figures as JSON alone")
     p.add_argument("--latency", help="the latency case: milliseconds per request, comma-separated (e.g. 0,20,80)")
     p.add_argument("--bandwidth-mbps", type=float, default=0.0, help="the latency case's cap per answer (0: none)")
+    p.add_argument(
+        "--open-latency",
+        type=float,
+        help="only the time to open caches of 16, 1,024 and 16,384 shards and precompute's final step, at this many ms",
+    )
     args = p.parse_args(argv)
     if args.samples < 1 or args.rounds < 1:
         p.error("--samples and --rounds must be at least 1")
+    if args.open_latency is not None:  # needs no cache of samples
+        report = open_run(args.open_latency)
+        print(json.dumps(report, indent=1) if args.json else _open_table(report))
+        return 0
     if args.cache:
         cache = Path(args.cache)
         if not (cache / cf.MANIFEST).is_file():

@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from precompute import cosmos_latents, inspect
-from tests._precompute_helpers import cli_args, make_cfg, read_cache_plain, sidecar_json
+from tests._precompute_helpers import cli_args, make_cfg, read_cache_plain, rewrite_manifest, sidecar_json
 from tests.conftest import only_line
 from tests.fake_vae import FakeWanVAE
 from theworld import cache_format as cf
@@ -106,11 +106,8 @@ def test_verify_catches_nan_and_duplicates_with_matching_hashes(tmp_path, cache,
     t["mean"][0, 0, 0, 0] = float("nan")
     bad["latent.safetensors"] = save(t)
     key0 = next(iter(members))
-    side = cf.write_shard(cache, 2, [(key0, bad)])  # duplicate of a key in shard 0, with a NaN
-    manifest = json.loads((cache / "manifest.json").read_text())
-    manifest["shards"][2].update(num_samples=1, bytes=side["bytes"], sha256=side["sha256"])
-    manifest["num_samples"] = 9
-    (cache / "manifest.json").write_text(json.dumps(manifest))
+    cf.write_shard(cache, 2, [(key0, bad)])  # duplicate of a key in shard 0, with a NaN
+    assert rewrite_manifest(cache)["num_samples"] == 9
     assert inspect.main(["verify", str(cache), "--json"]) == 1
     r = _json(capsys)
     problems = r["shards"][2]["problems"]
@@ -140,10 +137,8 @@ def test_compare_live_catches_changed_latents_via_tol(cache, capsys):
         s.mean = s.mean + 0.5
         pairs.append((s.key, cf.encode_sample(s, "float32")))
     reader.close()
-    side = cf.write_shard(cache, 0, pairs)
-    manifest = json.loads((cache / "manifest.json").read_text())
-    manifest["shards"][0].update(bytes=side["bytes"], sha256=side["sha256"])
-    (cache / "manifest.json").write_text(json.dumps(manifest))
+    cf.write_shard(cache, 0, pairs)
+    rewrite_manifest(cache)
     assert inspect.main(["compare-live", str(cache), "--n", "10", "--json", "--tol", "1e-3"]) == 1
     assert _json(capsys)["max_abs_diff_mean"] == pytest.approx(0.5, abs=1e-5)
 

@@ -3,14 +3,15 @@
     <cache_dir>/manifest.json            written last, atomically: the cache is complete iff it exists
     <cache_dir>/shards/shard-000000.tar  plain WebDataset shards
     <cache_dir>/shards/shard-000000.json sidecar written after its tar: keys, byte offsets, sha256, count
+    <cache_dir>/shard-index/part-000000.safetensors  every shard's and sample's record as arrays, before the manifest
     <cache_dir>/errors.jsonl             one line per input that could not be used
     <cache_dir>/errors/shard-000000.jsonl  per-shard errors, written before the shard's tar, merged at the end
     <cache_dir>/precompute.json          what the cache is being built from: a rerun must match it
     <cache_dir>/source-index/            the webdataset source's per-tar header listings, kept for reruns
 
-`names` holds what everything is called; `layout` the paths and the manifest; `writer` the shard writer; `reader`
-`CacheReader`; `fingerprint` what a cache was built with and the check against it; `migrations` the format versions
-and how older ones read.
+`names` holds what everything is called; `layout` the paths and the manifest; `index` the shard index; `writer` the
+shard writer; `reader` `CacheReader`; `fingerprint` what a cache was built with and the check against it;
+`migrations` the format versions and how older ones read.
 Callers use the package: `from theworld import cache_format as cf; cf.CacheReader(...)`.
 
 docs/cache-format.md describes the same for readers without this code; keep the two in step.
@@ -25,6 +26,7 @@ from theworld.cache_format.fingerprint import (
     fingerprint_for,
     fingerprint_overrides,
 )
+from theworld.cache_format.index import SHARDS_PER_INDEX
 from theworld.cache_format.layout import (
     REBUILD_MANIFEST,
     Sample,
@@ -44,6 +46,7 @@ from theworld.cache_format.layout import (
     sha256_file,
     shard_is_done,
     shard_stem,
+    shard_table,
     sidecar_path,
     split_member,
     tar_path,

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from theworld.cache_format import index as index_mod
 from theworld.cache_format import migrations
 from theworld.cache_format.migrations import FORMAT_VERSION
 from theworld.cache_format.names import (
@@ -22,13 +23,15 @@ from theworld.cache_format.names import (
     ERRORS_DIR,
     MANIFEST,
     RUN_FILE,
-    SHARD_INDEX,
     SHARDS,
     TURNS,
 )
+from theworld.core import log
 from theworld.core.atomic import write_bytes as atomic_write_bytes  # noqa: F401 - the one atomic writer
 from theworld.core.atomic import write_json as atomic_write_json
 from theworld.core.errors import CacheDamaged, UserError
+
+_log = log.get(__name__)
 
 
 def shard_stem(index: int) -> str:
@@ -108,39 +111,14 @@ def read_sidecar(cache_dir: Path, index: int) -> dict | None:
     return side if isinstance(side, dict) else None
 
 
-# The shard index: the sidecars of SHARDS_PER_INDEX shards in one gzipped JSON object each, named in the manifest
-# (`shard_index`: path, bytes, sha256, shards) and written before it, so a remote reader opens a cache with a few
-# requests instead of one per shard. The sidecar files stay the record precompute and repairs work from.
-SHARDS_PER_INDEX = 4096
-
-
-def index_part_path(cache_dir: Path, part: int) -> Path:
-    return Path(cache_dir) / SHARD_INDEX / f"part-{part:06d}.json.gz"
-
-
-def write_shard_index(cache_dir: Path, sidecars: list[dict]) -> list[dict]:
-    """Write the shard index of these sidecars (shard i's at position i); returns the manifest's entries."""
-    (Path(cache_dir) / SHARD_INDEX).mkdir(exist_ok=True)
-    entries = []
-    for part, lo in enumerate(range(0, len(sidecars), SHARDS_PER_INDEX)):
-        hi = min(lo + SHARDS_PER_INDEX, len(sidecars))
-        text = json.dumps({"first": lo, "sidecars": sidecars[lo:hi]}, sort_keys=True, separators=(",", ":"))
-        data = gzip.compress(text.encode(), compresslevel=6, mtime=0)  # mtime 0: the same bytes on every rerun
-        path = index_part_path(cache_dir, part)
-        atomic_write_bytes(path, data)
-        entries.append(
-            {
-                "path": f"{SHARD_INDEX}/{path.name}",
-                "bytes": len(data),
-                "sha256": hashlib.sha256(data).hexdigest(),
-                "shards": [lo, hi],
-            }
-        )
-    return entries
+# The shard index (index.py) in its format 1-3 layout: the sidecars of many shards in one gzipped JSON object each.
+# Still read where a cache of that format is opened remotely (its stand-in folder holds these objects, not sidecars).
+LEGACY_SUFFIX = ".json.gz"
 
 
 def read_index_part(data: bytes, entry: dict) -> list[dict]:
-    """The sidecars a shard-index object holds, checked against its manifest entry (ValueError: stale or damaged)."""
+    """The sidecars a format-3 shard-index object holds, checked against its manifest entry (ValueError: stale or
+    damaged)."""
     if hashlib.sha256(data).hexdigest() != entry["sha256"]:
         raise ValueError(f"sha256 differs from what {MANIFEST} lists")
     part = json.loads(gzip.decompress(data))
@@ -154,22 +132,30 @@ REMOTE_INDEX = ".remote-index"  # a stand-in folder's copy of its remote cache's
 
 
 def _indexed_sidecar(cache_dir: Path, index: int) -> dict | None:
-    path = Path(cache_dir) / REMOTE_INDEX / index_part_path(cache_dir, index // SHARDS_PER_INDEX).name
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    part = _load_part(str(path), st.st_mtime_ns, st.st_size)
-    if part is None:
-        return None
-    first, sides = part
-    return sides[index - first] if 0 <= index - first < len(sides) else None
+    """Shard `index`'s sidecar from the stand-in's copy of the shard index part that holds it."""
+    part = index // index_mod.SHARDS_PER_INDEX
+    for name in (index_mod.part_name(part), f"part-{part:06d}{LEGACY_SUFFIX}"):
+        path = Path(cache_dir) / REMOTE_INDEX / name
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        loaded = _load_part(str(path), st.st_mtime_ns, st.st_size)
+        if isinstance(loaded, index_mod.Part):
+            return index_mod.sidecar(loaded, index) if 0 <= index - loaded.first < loaded.shards else None
+        if loaded is not None:
+            first, sides = loaded
+            return sides[index - first] if 0 <= index - first < len(sides) else None
+    return None
 
 
 @functools.lru_cache(maxsize=2)  # parts are read in shard order: one parse each
-def _load_part(path: str, mtime_ns: int, size: int) -> tuple[int, list] | None:
+def _load_part(path: str, mtime_ns: int, size: int) -> index_mod.Part | tuple[int, list] | None:
     try:
-        part = json.loads(gzip.decompress(Path(path).read_bytes()))
+        data = Path(path).read_bytes()
+        if path.endswith(index_mod.SUFFIX):  # checked against the manifest when it was fetched
+            return index_mod.decode_unchecked(data)
+        part = json.loads(gzip.decompress(data))
         return int(part["first"]), list(part["sidecars"])
     except (OSError, ValueError, KeyError, TypeError, EOFError, RecursionError):
         return None
@@ -207,7 +193,8 @@ def write_manifest(
     contents: dict,
     extra: dict | None = None,
 ) -> dict:
-    """The manifest, from the shards' sidecars; written last and atomically (its presence means complete).
+    """The manifest, from the shards' sidecars; written last and atomically (its presence means complete). It keeps
+    totals; the shards' records are in the shard index it names (index.py), written first.
 
     `latent_shape` (the config's; the sidecars' when they agree on one) is every sample's shape; with several
     (aspect-ratio buckets) it is null and `latent_shapes` lists each shape with its sample count."""
@@ -222,16 +209,78 @@ def write_manifest(
         "latent_shapes": shapes,
         "latent_dtype": latent_dtype,
         "contents": contents,  # which optional members exist: images, siglip, flip
-        "shards": [
-            {"path": f"{SHARDS}/{s['shard']}", "num_samples": s["count"], "bytes": s["bytes"], "sha256": s["sha256"]}
-            for s in sidecars
-        ],
+        "num_shards": len(sidecars),
+        "bytes": sum(s["bytes"] for s in sidecars),  # the tars' together
         "fingerprint": fingerprint,
-        "shard_index": write_shard_index(cache_dir, sidecars),  # before the manifest, which names it
+        "shard_index": index_mod.write(cache_dir, sidecars),  # before the manifest, which names it
         **(extra or {}),
     }
     atomic_write_json(Path(cache_dir) / MANIFEST, manifest)
     return manifest
+
+
+def shard_table(cache_dir: Path | str, manifest: dict) -> index_mod.ShardTable:
+    """Every shard's record (count, bytes, sha256): the one accessor of them. A format 1-3 manifest lists them; from
+    format 4 on, the shard index holds them (its parts are read here: a CacheReader has them as `shard_table`)."""
+    if "shards" in manifest:
+        return index_mod.ShardTable.of_entries(manifest["shards"])
+    return index_mod.ShardTable.of(index_parts(cache_dir, manifest))
+
+
+def index_parts(cache_dir: Path | str, manifest: dict) -> list[index_mod.Part]:
+    """The shard index's parts, in shard order: read from the cache (or a remote cache's stand-in copy), each checked
+    against its manifest entry. A part that is missing or stale is built from its shards' sidecars, with a note; where
+    those are missing too, one line naming the part. A cache written before format 4 is built from its sidecars."""
+    entries = manifest.get("shard_index")
+    if "shards" in manifest or not isinstance(entries, list):
+        _log.info(
+            f"cache {cache_dir}: written as format {manifest.get('written_as', '<4')}, so opening it parses every "
+            f"sidecar record ({len(manifest['shards'])} shards, about 2 ms each); a cache written now opens from "
+            "its shard index's arrays"
+        )
+        return _parts_of_sidecars(Path(cache_dir), manifest, 0, len(manifest["shards"]))
+    parts = []
+    for entry in entries:
+        path = Path(cache_dir) / entry["path"]
+        if not path.is_file():
+            path = Path(cache_dir) / REMOTE_INDEX / Path(entry["path"]).name
+        try:
+            parts.append(index_mod.decode(path.read_bytes(), entry))
+            continue
+        except FileNotFoundError:
+            problem = "is missing"
+        except (OSError, ValueError) as e:
+            problem = str(e)
+        lo, hi = entry["shards"]
+        if not all(sidecar_path(cache_dir, i).is_file() for i in range(lo, hi)):
+            raise CacheDamaged(f"cache {cache_dir}: shard index part {entry['path']} {problem}; {REBUILD_MANIFEST}")
+        _log.warning(
+            f"cache {cache_dir}: shard index part {entry['path']} {problem}; building it from the sidecars of shards "
+            f"{lo}-{hi - 1} ({REBUILD_MANIFEST} to write it again)"
+        )
+        parts += _parts_of_sidecars(Path(cache_dir), manifest, lo, hi)
+    return parts
+
+
+def _parts_of_sidecars(cache_dir: Path, manifest: dict, lo: int, hi: int) -> list[index_mod.Part]:
+    """Shards [lo, hi)'s index arrays from their sidecars (one small part each: a sidecar that is missing or malformed
+    is named with its repair)."""
+    parts = []
+    for i in range(lo, hi):
+        side = read_sidecar(cache_dir, i)
+        if not isinstance(side, dict):
+            raise CacheDamaged(
+                f"cache {cache_dir}: sidecar {sidecar_path(cache_dir, i)} is missing or not a JSON object; "
+                f"{repair_hint(cache_dir, i)}"
+            )
+        try:
+            parts.append(index_mod.build([migrations.sidecar(side, manifest)], i))
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError, IndexError) as e:
+            raise CacheDamaged(
+                f"cache {cache_dir}: sidecar {sidecar_path(cache_dir, i)} is malformed "
+                f"({type(e).__name__}: {str(e)[:80]}); {repair_hint(cache_dir, i)}"
+            ) from None
+    return parts
 
 
 def _every_input_failed(cache_dir: Path) -> bool:
@@ -292,18 +341,23 @@ def _is_int(x: Any) -> bool:
 
 def _manifest_problem(m: dict) -> str | None:
     """What is wrong with the fields every reader relies on, or None."""
-    shards = m.get("shards")
-    if not isinstance(shards, list):
-        return "'shards' is not a list"
-    for i, s in enumerate(shards):
-        if not (
-            isinstance(s, dict)
-            and isinstance(s.get("path"), str)
-            and _is_int(s.get("num_samples"))
-            and _is_int(s.get("bytes"))
-            and isinstance(s.get("sha256"), str)
-        ):
-            return f"shards[{i}] is not {{path, num_samples, bytes, sha256}}"
+    if m.get("format_version", FORMAT_VERSION) >= migrations.INDEXED:
+        if problem := _index_problem(m):
+            return problem
+    else:
+        shards = m.get("shards")
+        if not isinstance(shards, list):
+            return "'shards' is not a list"
+        for i, s in enumerate(shards):
+            if not (
+                isinstance(s, dict)
+                and isinstance(s.get("path"), str)
+                and _is_int(s.get("num_samples"))
+                and _is_int(s.get("bytes"))
+                and isinstance(s.get("sha256"), str)
+                and len(s["sha256"]) == 64
+            ):
+                return f"shards[{i}] is not {{path, num_samples, bytes, sha256}}"
     for key in ("num_samples", "num_errors"):
         if not _is_int(m.get(key)):
             return f"'{key}' is not a count"
@@ -317,6 +371,27 @@ def _manifest_problem(m: dict) -> str | None:
         return "'fingerprint' / 'contents' is not an object"
     if not _is_int(m.get("contents", {}).get("world_steps", 0)):
         return "'contents.world_steps' is not a count of predicted frames"
+    return None
+
+
+def _index_problem(m: dict) -> str | None:
+    """What is wrong with a format-4 manifest's totals and shard index entries (parts in order, covering every
+    shard once), or None."""
+    for key in ("num_shards", "bytes"):
+        if not _is_int(m.get(key)):
+            return f"'{key}' is not a count"
+    entries, end = m.get("shard_index"), 0
+    if not isinstance(entries, list):
+        return "'shard_index' is not a list"
+    for i, e in enumerate(entries):
+        ok = isinstance(e, dict) and isinstance(e.get("path"), str) and isinstance(e.get("sha256"), str)
+        if not ok or not isinstance(e.get("shards"), list) or e["shards"][:1] != [end] or len(e["shards"]) != 2:
+            return f"shard_index[{i}] is not {{path, bytes, sha256, shards: [first, end]}} following the one before"
+        end = e["shards"][1]
+        if not _is_int(end):
+            return f"shard_index[{i}].shards is not a shard range"
+    if end != m["num_shards"]:
+        return f"'shard_index' covers {end} shards, 'num_shards' is {m['num_shards']}"
     return None
 
 

@@ -8,7 +8,8 @@ ERRORS = "errors.jsonl"
 ERRORS_DIR = "errors"
 RUN_FILE = "precompute.json"
 INDEX_DIR = "source-index"
-SHARD_INDEX = "shard-index"  # the sidecars of many shards in one object each (layout.write_shard_index)
+SHARD_INDEX = "shard-index"  # every shard's and sample's record in a few safetensors objects (index.py)
+RECORDS = "shard-records"  # a remote precompute: each process's sidecars and error files in one object (storage.py)
 
 LATENT = "latent.safetensors"  # tensors "mean", "logvar" (only "mean" with cache.latents: mean): (16, 1, h, w)
 LATENT_FLIP = "latent_flip.safetensors"  # the same for the horizontally flipped image

@@ -15,18 +15,18 @@ import numpy as np
 import torch
 from safetensors.torch import load as st_load
 
-from theworld.cache_format import migrations, storage
+from theworld.cache_format import index, storage
 from theworld.cache_format.layout import (
     REBUILD_MANIFEST,
     Sample,
+    index_parts,
     load_manifest,
-    read_sidecar,
     repair_hint,
     shard_stem,
+    shard_table,
     sidecar_path,
     tar_path,
 )
-from theworld.cache_format.migrations import CHECKSUMS
 from theworld.cache_format.names import CAPTION, IMAGE, LATENT, LATENT_FLIP, MANIFEST, META, SHARDS, SIGLIP
 from theworld.core.errors import CacheDamaged, UserError
 
@@ -113,16 +113,17 @@ def _load_each_and_stack(blobs: list[bytes]) -> dict[str, torch.Tensor]:
 # Random access reading
 
 
-def _sidecar_mismatch(sides: list[tuple], entries: list[dict], i: int) -> str:
-    """What differs between shard i's sidecar (count, bytes, sha256) and the manifest's entry: a pair that is another
+def _sidecar_mismatch(sides: index.ShardTable, table: index.ShardTable, i: int) -> str:
+    """What differs between shard i's sidecar (count, bytes, sha256) and the manifest's record: a pair that is another
     shard's (copied or swapped files) is named as such."""
-    side, e = sides[i], entries[i]
-    j = next((j for j, other in enumerate(entries) if j != i and other.get("sha256") == side[2]), None)
+    side, e = sides.entry(i), table.entry(i)
+    same = np.flatnonzero((table.sha256 == sides.sha256[i]).all(1))
+    j = next((int(j) for j in same if j != i), None)
     if j is not None:
-        swapped = sides[j][2] == e.get("sha256")
+        swapped = sides.entry(j)["sha256"] == e["sha256"]
         return (
-            f"it and its sidecar hold what {MANIFEST} lists for {shard_stem(j)}.tar (sha256 {side[2][:12]}...), "
-            f"not this shard's (sha256 {str(e.get('sha256'))[:12]}...)"
+            f"it and its sidecar hold what {MANIFEST} lists for {shard_stem(j)}.tar (sha256 {side['sha256'][:12]}...), "
+            f"not this shard's (sha256 {e['sha256'][:12]}...)"
             + (
                 f", and {shard_stem(j)}.tar holds this shard's: the two were swapped"
                 if swapped
@@ -133,9 +134,9 @@ def _sidecar_mismatch(sides: list[tuple], entries: list[dict], i: int) -> str:
     fields = [
         f"{name} {got} vs {want}"
         for name, got, want in (
-            ("count", side[0], e.get("num_samples")),
-            ("bytes", side[1], e.get("bytes")),
-            ("sha256", f"{str(side[2])[:12]}...", f"{str(e.get('sha256'))[:12]}..."),
+            ("count", side["num_samples"], e["num_samples"]),
+            ("bytes", side["bytes"], e["bytes"]),
+            ("sha256", f"{side['sha256'][:12]}...", f"{e['sha256'][:12]}..."),
         )
         if got != want
     ]
@@ -169,8 +170,11 @@ class CacheReader:
     _spans: np.ndarray = field(init=False, repr=False)  # (N, len(_names), 2) int64 offset, size; -1: absent
     latent_hw: np.ndarray = field(init=False, repr=False)  # (N, 2) int32: each sample's latent (h, w)
     _crc: np.ndarray = field(init=False, repr=False)  # (N, len(_names)) int64 crc32 of each member; -1: none recorded
-    _sides: list = field(init=False, repr=False)  # per shard: the sidecar's (count, bytes, sha256)
-    text_rules: list = field(init=False, repr=False)  # per shard: the sidecar's "text_rule" (None: not recorded)
+    _sides: index.ShardTable = field(init=False, repr=False)  # per shard: the sidecars' (count, bytes, sha256)
+    shard_table: index.ShardTable = field(
+        init=False, repr=False
+    )  # per shard: what the cache lists (layout.shard_table)
+    text_rules: np.ndarray = field(init=False, repr=False)  # per shard: the sidecar's "text_rule" (None: not recorded)
     _files: dict = field(init=False, repr=False, default_factory=dict)
     remote: storage.RemoteCache | None = field(repr=False, default=None)
     # Members closer than this are read with one pread, tar headers and skipped members included: a system call
@@ -183,60 +187,17 @@ class CacheReader:
     def __post_init__(self) -> None:
         self.cache_dir, self.remote = storage.open_cache(self.cache_dir, self.settings, self.remote)
         self.manifest = load_manifest(self.cache_dir)
-        self._names, keys, shards, spans, crcs, hw, self._sides = [], [], [], [], [], [], []
-        self.text_rules = []
-        for i, _ in enumerate(self.manifest["shards"]):
-            side = read_sidecar(self.cache_dir, i)
-            if not isinstance(side, dict):
-                raise CacheDamaged(
-                    f"cache {self.cache_dir}: sidecar {sidecar_path(self.cache_dir, i)} is missing or "
-                    f"not a JSON object; {repair_hint(self.cache_dir, i)}"
-                )
-            try:
-                block, crc = self._index_sidecar(migrations.sidecar(side, self.manifest), keys)
-            except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
-                raise CacheDamaged(
-                    f"cache {self.cache_dir}: sidecar {sidecar_path(self.cache_dir, i)} is malformed "
-                    f"({type(e).__name__}: {str(e)[:80]}); {repair_hint(self.cache_dir, i)}"
-                ) from None
-            try:
-                hw += [s["latent_shape"][-2:] for s in side["samples"]]
-            except (KeyError, TypeError):
-                raise UserError(
-                    f"cache {self.cache_dir}: shard {i}'s sidecar lacks per-sample latent shapes and the "
-                    "manifest has no common latent_shape"
-                ) from None
-            spans.append(block)
-            crcs.append(crc)
-            self._sides.append((side.get("count"), side.get("bytes"), side.get("sha256")))
-            self.text_rules.append(side.get("text_rule"))
-            shards.append(np.full(len(block), i, dtype=np.int32))
-        width = len(self._names)
-        pad = lambda b: np.pad(b, ((0, 0), (0, width - b.shape[1])) + ((0, 0),) * (b.ndim - 2), constant_values=-1)
-        self._spans = np.concatenate([pad(b) for b in spans]) if spans else np.zeros((0, width, 2), dtype=np.int64)
-        self._crc = np.concatenate([pad(c) for c in crcs]) if crcs else np.zeros((0, width), dtype=np.int64)
-        self._keys = np.array(keys, dtype=bytes) if keys else np.zeros(0, dtype="S1")
-        self._shard = np.concatenate(shards) if shards else np.zeros(0, dtype=np.int32)
-        self.latent_hw = np.array(hw, dtype=np.int32).reshape(-1, 2)
-
-    def _index_sidecar(self, side: dict, keys: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
-        """One sidecar's (spans, crc32s) blocks; appends its keys and any new member names."""
-        samples = side["samples"]
-        for s in samples:
-            for name in s["members"]:
-                if name not in self._names:
-                    self._names.append(name)
-        block = np.full((len(samples), len(self._names), 2), -1, dtype=np.int64)
-        crc = np.full((len(samples), len(self._names)), -1, dtype=np.int64)  # -1: no checksum recorded
-        for j, s in enumerate(samples):
-            if not isinstance(s["key"], str):
-                raise TypeError(f"sample {j}: key is not a string")
-            keys.append(s["key"].encode())
-            for name, span in s["members"].items():
-                block[j, self._names.index(name)] = [int(span[0]), int(span[1])]
-            for name, value in s[CHECKSUMS].items():
-                crc[j, self._names.index(name)] = int(value)
-        return block, crc
+        j = index.join(index_parts(self.cache_dir, self.manifest))
+        self._names, self._keys, self._shard, self._spans, self._crc = j.names, j.keys, j.shard, j.spans, j.crc32
+        self._sides, self.text_rules = j.table, j.text_rules
+        # the manifest's per-shard records (format 1-3); from format 4 on the index is that record
+        self.shard_table = shard_table(self.cache_dir, self.manifest) if "shards" in self.manifest else j.table
+        self.latent_hw = np.ascontiguousarray(j.latent_shape[:, -2:])
+        if len(missing := np.flatnonzero((self.latent_hw < 0).any(axis=1))):
+            raise UserError(
+                f"cache {self.cache_dir}: shard {int(self._shard[missing[0]])}'s sidecar lacks per-sample latent "
+                "shapes and the manifest has no common latent_shape"
+            )
 
     @property
     def checksummed(self) -> bool:
@@ -244,45 +205,50 @@ class CacheReader:
         return bool((self._crc[self._spans[..., 0] >= 0] >= 0).all())
 
     def check_consistency(self) -> None:
-        """Cheap start-of-run checks (no data read): manifest, sidecars and tars agree on shards, counts and sizes,
-        every member lies inside its tar, no key occurs twice. Raises CacheDamaged naming the shard and the repair."""
+        """Cheap start-of-run checks (no data read): manifest, sidecars (or the index) and tars agree on shards,
+        counts and sizes, every member lies inside its tar, no key occurs twice. Raises CacheDamaged naming the shard
+        and the repair."""
         d = self.cache_dir
-        entries = self.manifest["shards"]
-        listed = {f"{shard_stem(i)}.tar" for i in range(len(entries))}
+        table, n = self.shard_table, len(self.shard_table)
+        listed = {f"{shard_stem(i)}.tar" for i in range(n)}
         on_disk = self._tar_sizes()
-        found = set(on_disk)
-        if extra := sorted(found - listed):
+        if extra := sorted(set(on_disk) - listed):
             raise CacheDamaged(
-                f"cache {d}: {MANIFEST} lists {len(entries)} shards but {SHARDS}/ also holds "
+                f"cache {d}: {MANIFEST} lists {n} shards but {SHARDS}/ also holds "
                 f"{', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}; {REBUILD_MANIFEST}"
             )
-        counts = np.bincount(self._shard, minlength=len(entries))
-        for i, e in enumerate(entries):
-            side, tar = self._sides[i], tar_path(d, i)
-            where = f"cache {d}: shard {tar.name}"
-            if e["path"] != f"{SHARDS}/{tar.name}":
+        for i, e in enumerate(self.manifest.get("shards") or ()):  # format 1-3 manifests list each shard's path
+            if e["path"] != f"{SHARDS}/{shard_stem(i)}.tar":
                 raise CacheDamaged(
                     f"cache {d}: {MANIFEST} shards[{i}] is {e['path']!r}, expected "
-                    f"'{SHARDS}/{tar.name}'; {REBUILD_MANIFEST}"
+                    f"'{SHARDS}/{shard_stem(i)}.tar'; {REBUILD_MANIFEST}"
                 )
-            if tar.name not in on_disk:
-                raise CacheDamaged(f"{where} is missing; {repair_hint(d, i)}")
-            size = on_disk[tar.name]
-            if side != (e["num_samples"], e["bytes"], e["sha256"]):
-                raise CacheDamaged(f"{where}: {_sidecar_mismatch(self._sides, entries, i)}; {repair_hint(d, i)}")
-            if counts[i] != e["num_samples"] or size != e["bytes"]:
-                raise CacheDamaged(
-                    f"{where}: {counts[i]} samples in the sidecar and {size} bytes on disk, "
-                    f"{MANIFEST} says {e['num_samples']} and {e['bytes']}; {repair_hint(d, i)}"
-                )
+        if len(missing := [i for i in range(n) if f"{shard_stem(i)}.tar" not in on_disk]):
+            raise CacheDamaged(
+                f"cache {d}: shard {tar_path(d, missing[0]).name} is missing; {repair_hint(d, missing[0])}"
+            )
+        sizes = np.array([on_disk[f"{shard_stem(i)}.tar"] for i in range(n)], dtype=np.int64)
+        sides = self._sides
+        differ = (sides.count != table.count) | (sides.bytes != table.bytes) | (sides.sha256 != table.sha256).any(1)
+        if len(bad := np.flatnonzero(differ)):
+            i = int(bad[0])
+            raise CacheDamaged(
+                f"cache {d}: shard {tar_path(d, i).name}: {_sidecar_mismatch(sides, table, i)}; {repair_hint(d, i)}"
+            )
+        counts = np.bincount(self._shard, minlength=n)
+        if len(bad := np.flatnonzero((counts != table.count) | (sizes != table.bytes))):
+            i = int(bad[0])
+            raise CacheDamaged(
+                f"cache {d}: shard {tar_path(d, i).name}: {counts[i]} samples in the sidecar and {sizes[i]} bytes "
+                f"on disk, {MANIFEST} says {table.count[i]} and {table.bytes[i]}; {repair_hint(d, i)}"
+            )
         if int(counts.sum()) != self.manifest["num_samples"]:
             raise CacheDamaged(
                 f"cache {d}: shards hold {int(counts.sum())} samples, {MANIFEST} says "
                 f"{self.manifest['num_samples']}; {REBUILD_MANIFEST}"
             )
         ends = self._spans[..., 0] + self._spans[..., 1]
-        sizes = np.array([e["bytes"] for e in entries], dtype=np.int64)[self._shard]
-        bad = (self._spans[..., 0] >= 0) & ((self._spans[..., 1] < 0) | (ends > sizes[:, None]))
+        bad = (self._spans[..., 0] >= 0) & ((self._spans[..., 1] < 0) | (ends > table.bytes[self._shard][:, None]))
         if bad.any():
             j = int(np.argwhere(bad)[0][0])
             raise CacheDamaged(
@@ -294,7 +260,7 @@ class CacheReader:
     def _tar_sizes(self) -> dict[str, int]:
         """{tar name: bytes} of the shards folder (of the remote cache's, for a URL)."""
         if self.remote is not None:
-            names = [f"{shard_stem(i)}.tar" for i in range(len(self.manifest["shards"]))]
+            names = [f"{shard_stem(i)}.tar" for i in range(len(self.shard_table))]
             found = self.remote.sizes(SHARDS, names)
             return {n: size for n, size in found.items() if n.startswith("shard-") and n.endswith(".tar")}
         out = {}
@@ -334,7 +300,7 @@ class CacheReader:
         """A remote shard's member fails its crc32 in the node's shard cache, where its sha256 was checked: the local
         copy changed (a disk problem on this node), not the object in the bucket. The copy is dropped."""
         shard = int(self._shard[index])
-        staged = self.remote.shard_dir / f"{self.manifest['shards'][shard]['sha256']}.tar"
+        staged = self.remote.shard_dir / f"{self.shard_table.entry(shard)['sha256']}.tar"
         staged.unlink(missing_ok=True)
         if (fd := self._files.pop(shard, None)) is not None:
             os.close(fd)
@@ -417,7 +383,7 @@ class CacheReader:
                 return os.open(tar_path(self.cache_dir, shard), os.O_RDONLY)
             except OSError as e:
                 raise self.damaged(index, f"cannot open the tar ({e.strerror})") from None
-        entry = self.manifest["shards"][shard]
+        entry = self.shard_table.entry(shard)
         fd = self.remote.open_tar(shard, entry["bytes"], entry["sha256"])
         # shards evicted from the shard cache (by this or another process) give their space back once closed
         for other in [i for i, f in self._files.items() if os.fstat(f).st_nlink == 0]:
@@ -430,7 +396,7 @@ class CacheReader:
         """Download shard `shard` of a remote cache into the node's shard cache (a local cache: nothing). `ahead`
         (read-ahead): storage.NoRoomAhead rather than evict a shard read ahead and not read yet."""
         if self.remote is not None:
-            entry = self.manifest["shards"][shard]
+            entry = self.shard_table.entry(shard)
             self.remote.stage(shard, entry["bytes"], entry["sha256"], ahead)
 
     def sample(self, index: int, tensors: bool = True) -> Sample:

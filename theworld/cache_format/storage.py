@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import gzip
 import hashlib
 import json
 import os
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from theworld.cache_format import index
 from theworld.cache_format.layout import (
     REMOTE_INDEX,
     atomic_write_bytes,
@@ -39,8 +41,8 @@ from theworld.cache_format.layout import (
     sidecar_path,
     tar_path,
 )
-from theworld.cache_format.names import ERRORS, ERRORS_DIR, MANIFEST, RUN_FILE, SHARD_INDEX, SHARDS
-from theworld.core import location, log
+from theworld.cache_format.names import ERRORS, ERRORS_DIR, MANIFEST, RECORDS, RUN_FILE, SHARD_INDEX, SHARDS
+from theworld.core import atomic, location, log
 from theworld.core.errors import UserError, one_line, show_as
 from theworld.core.location import is_url
 
@@ -263,16 +265,23 @@ class RemoteCache:
 
     def listing(self, folder: str) -> dict[str, int]:
         """{file name: size} of the objects directly under `folder` ({} when there are none)."""
+        return {name: size for name, (size, _) in self.listed(folder).items()}
+
+    def listed(self, folder: str) -> dict[str, tuple[int, str | None]]:
+        """{file name: (size, md5 hex or None)} of the objects directly under `folder`: the md5 where the listing
+        gives one (S3's ETag of an object put in one part)."""
         found = self._call(
             self.object_url(folder), lambda: self.fs.ls(self.path(folder), detail=True, refresh=True), missing_ok=True
         )
         out = {}
         for e in (e for e in found or [] if e["type"] == "file"):
+            etag = str(e.get("ETag") or e.get("etag") or "").strip('"')
             size = e.get("size")  # an HTTP folder listing names links without their sizes: a HEAD each
             if size is None:
                 where = e["name"] if is_url(e["name"]) else self.object_url(e["name"])
                 size = self._call(where, lambda e=e: self.fs.size(e["name"]), missing_ok=True)
-            out[e["name"].rstrip("/").rsplit("/", 1)[-1]] = int(size or 0)
+            md5 = etag if re.fullmatch(r"[0-9a-f]{32}", etag) else None  # "<md5>-<parts>": a multipart put's
+            out[e["name"].rstrip("/").rsplit("/", 1)[-1]] = (int(size or 0), md5)
         return out
 
     def sizes(self, folder: str, names: list[str]) -> dict[str, int]:
@@ -326,16 +335,18 @@ class RemoteCache:
             return self.local
         try:
             m = json.loads(manifest.read_bytes())
-            shards, parts = m.get("shards") or [], m.get("shard_index")
-        except (ValueError, AttributeError, RecursionError):
+            shards, parts = m.get("shards"), m.get("shard_index")
+            n = len(shards) if isinstance(shards, list) else int(m.get("num_shards", 0))
+        except (ValueError, AttributeError, RecursionError, TypeError):
             return self.local  # load_manifest says what is wrong with it
         indexed = self._fetch_shard_index(parts) if isinstance(parts, list) else set()
+        for p in (self.local / SHARDS).glob("shard-*.json"):
+            if p.stem[6:].isdigit() and int(p.stem[6:]) in indexed:
+                p.unlink(missing_ok=True)  # the index's record is the current one
         wanted = []
-        for i, entry in enumerate(shards):
+        for i in sorted(set(range(n)) - indexed):  # set arithmetic: no Python step per indexed shard
             side = sidecar_path(self.local, i)
-            if i in indexed:
-                side.unlink(missing_ok=True)  # the index's record is the current one
-                continue
+            entry = shards[i] if isinstance(shards, list) else None
             have = _json_field(side, "sha256") if side.is_file() else None
             if not isinstance(entry, dict) or have is None or have != entry.get("sha256"):
                 wanted.append(f"{SHARDS}/{side.name}")
@@ -365,7 +376,10 @@ class RemoteCache:
             try:
                 if data is None:
                     raise ValueError("missing")
-                read_index_part(data, entry)
+                if name.endswith(index.SUFFIX):
+                    index.decode(data, entry)
+                else:  # format 3: gzipped JSON of whole sidecars
+                    read_index_part(data, entry)
             except (ValueError, KeyError, TypeError, OSError, EOFError) as e:
                 _log.warning(
                     f"{self.object_url(name)}: shard index object {one_line(e, 120)}; reading the sidecars of its "
@@ -385,14 +399,16 @@ class RemoteCache:
         with ThreadPoolExecutor(min(CONNECTIONS, len(names))) as pool:
             return dict(zip(names, pool.map(self.read, names)))
 
-    def _keep(self, name: str, data: bytes | None) -> bool:
-        """Object `name`'s bytes into the stand-in folder (None: remove the stand-in's copy)."""
+    def _keep(self, name: str, data: bytes | None, fsync: bool = True) -> bool:
+        """Object `name`'s bytes into the stand-in folder (None: remove the stand-in's copy). fsync=False: the caller
+        syncs many files at once (`os.sync`) rather than each."""
         target = self.local / name
         if data is None:
             target.unlink(missing_ok=True)
             return False
         target.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(target, data)
+        with atomic.file(target, fsync=fsync) as tmp:
+            tmp.write_bytes(data)
         return True
 
     def _mirror(self, name: str) -> bool:
@@ -702,7 +718,7 @@ class RemoteWriter:
                 f"output_dir {r.url} holds shards but no {RUN_FILE}, so what built them is unknown: use another "
                 "output_dir or delete it"
             )
-        for folder in (SHARDS, ERRORS_DIR, SHARD_INDEX, REMOTE_INDEX):  # another cache's, once at this URL
+        for folder in (SHARDS, ERRORS_DIR, SHARD_INDEX, REMOTE_INDEX, RECORDS):  # another cache's, once at this URL
             for p in (self.out / folder).glob("*"):
                 p.unlink(missing_ok=True)
         (self.out / MANIFEST).unlink(missing_ok=True)
@@ -732,28 +748,51 @@ class RemoteWriter:
         self.remote.put(side, f"{SHARDS}/{side.name}")
         tar.unlink(missing_ok=True)
 
+    def put_records(self, rank: int, shards: range) -> None:
+        """Each process, once its shards are up: the sidecars and error files of its shards that this node holds, in
+        one object (RECORDS/rank-N.json.gz), so the final step reads one object per process, not two per shard."""
+        files = {}
+        for i in shards:
+            for path, folder in ((sidecar_path(self.out, i), SHARDS), (error_path(self.out, i), ERRORS_DIR)):
+                if (data := _read(path)) is not None:
+                    files[f"{folder}/{path.name}"] = data.decode("latin-1")  # any bytes, back as they were
+        if files:
+            local = self.out / RECORDS / f"rank-{rank:05d}.json.gz"
+            local.parent.mkdir(parents=True, exist_ok=True)
+            text = json.dumps({"files": files}, sort_keys=True, separators=(",", ":"))
+            atomic_write_bytes(local, gzip.compress(text.encode(), compresslevel=1, mtime=0))
+            self.remote.put(local, f"{RECORDS}/{local.name}")
+
     def fetch_records(self, n_shards: int) -> None:
         """Rank 0, once every process is through: every shard's sidecar and error file from the bucket (other nodes
-        wrote some): two listings, then the files this node lacks, requested at once; each tar's size checked
-        against its sidecar."""
-        sizes, errors = self.remote.listing(SHARDS), self.remote.listing(ERRORS_DIR)
+        wrote some). Three listings, then the processes' record objects (`put_records`) at once; a file is taken
+        from them where its md5 is the one the listing gives, and requested alone (at once) otherwise. Each tar's
+        size is checked against its sidecar."""
+        listed = {SHARDS: self.remote.listed(SHARDS), ERRORS_DIR: self.remote.listed(ERRORS_DIR)}
+        bundles = self.remote.read_many([f"{RECORDS}/{n}" for n in self.remote.listing(RECORDS)])
+        held = {}
+        for data in bundles.values():
+            with contextlib.suppress(ValueError, TypeError, KeyError, EOFError, OSError, AttributeError):
+                held.update(json.loads(gzip.decompress(data or b""))["files"])
         wanted = []
         for i in range(n_shards):
-            for local, name, listed in (
-                (sidecar_path(self.out, i), SHARDS, sizes),
-                (error_path(self.out, i), ERRORS_DIR, errors),
-            ):
-                if local.name not in listed:
-                    raise RuntimeError(
-                        f"{self.remote.object_url(f'{name}/{local.name}')} is missing after all processes finished"
-                    )
-                if not local.is_file():  # a file this node put is the object (the same run writes the same bytes)
-                    wanted.append(f"{name}/{local.name}")
+            for local, folder in ((sidecar_path(self.out, i), SHARDS), (error_path(self.out, i), ERRORS_DIR)):
+                name = f"{folder}/{local.name}"
+                if local.name not in listed[folder]:
+                    raise RuntimeError(f"{self.remote.object_url(name)} is missing after all processes finished")
+                if local.is_file():  # a file this node put is the object (the same run writes the same bytes)
+                    continue
+                data = held[name].encode("latin-1") if name in held else None
+                if data is not None and hashlib.md5(data).hexdigest() == listed[folder][local.name][1]:
+                    self.remote._keep(name, data, fsync=False)
+                else:
+                    wanted.append(name)
         for name, data in self.remote.read_many(wanted).items():
-            if not self.remote._keep(name, data):
+            if not self.remote._keep(name, data, fsync=False):
                 raise RuntimeError(f"{self.remote.object_url(name)} is missing after all processes finished")
+        os.sync()  # once for the files above: one fsync each cost more than the requests
         for i in range(n_shards):
-            got = sizes.get(tar_path(self.out, i).name)
+            got = listed[SHARDS].get(tar_path(self.out, i).name, (None,))[0]
             if got != _json_field(sidecar_path(self.out, i), "bytes"):
                 raise RuntimeError(f"shard {i}'s tar is {got} bytes in the bucket, its sidecar says otherwise")
 

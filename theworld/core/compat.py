@@ -26,7 +26,7 @@ KEY_RELEASES = 2  # releases after its move that a moved config key is still rea
 FORMAT_RELEASES = 4  # releases after its successor that a cache or checkpoint format is still read
 
 # format_version -> the release whose code first wrote it (from the commits that introduced each)
-CACHE_FORMATS = {1: 1, 2: 3, 3: 3}
+CACHE_FORMATS = {1: 1, 2: 3, 3: 3, 4: 5}
 CHECKPOINT_FORMATS = {1: 1, 2: 3, 3: 5}
 
 

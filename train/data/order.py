@@ -59,7 +59,7 @@ def shard_ids(reader) -> np.ndarray:
     readers = getattr(reader, "readers", None)
     if readers is None:
         return reader.shards
-    firsts = np.cumsum([0] + [len(r.manifest["shards"]) for r in readers])
+    firsts = np.cumsum([0] + [r.manifest["num_shards"] for r in readers])
     return np.concatenate([r.shards + first for r, first in zip(readers, firsts)])
 
 

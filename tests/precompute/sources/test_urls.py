@@ -151,7 +151,7 @@ def test_a_datacomp_table_downloads_encodes_records_failures_and_reruns_without_
         for p in out.rglob("*")
         if p.is_file() and not {"staging", cf.INDEX_DIR} & set(p.relative_to(out).parts) and p.name != ".run.lock"
     ]
-    assert len(objects) == sizing.objects(len(result["shards"])), "\n".join(
+    assert len(objects) == sizing.objects(result["num_shards"]), "\n".join(
         sorted(str(p.relative_to(out)) for p in objects)
     )
 
@@ -272,7 +272,8 @@ def test_plan_downloads_a_sample_of_rows_and_extrapolates_to_a_table_of_given_si
     usable = round(n * 3 / 7)  # 3 of the 7 sampled rows download and decode
     shards = -(-n // 1024)
     assert f"{n} rows (extrapolated from a table of 7), 42.9% usable = {usable} samples" in text
-    assert f"objects: {3 * shards + 3 + 1} ({shards} shards x 3" in text  # one shard-index part
+    parts = -(-shards // 4096)  # shard-index parts of 4,096 shards
+    assert f"objects: {3 * shards + 3 + parts} ({shards} shards x 3" in text
     gpu_hours = usable / sizing.IMAGES_PER_S_PER_GPU / 3600
     assert f"encode time: {round(gpu_hours, 1):g} GPU-hours = {round(gpu_hours / 8, 1):g} node-hours" in text
     assert not (tmp_path / "cache").exists()  # a plan writes nothing

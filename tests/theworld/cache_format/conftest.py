@@ -3,18 +3,25 @@ session, behind a small HTTP proxy of the tests' own that logs every request and
 
 from __future__ import annotations
 
+import gzip
 import http.client
+import json
 import os
 import re
+import shutil
 import socket
 import struct
 import threading
 import time
+from hashlib import sha256
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
 from tests.conftest import free_port
+from theworld import cache_format as cf
+from theworld.cache_format.names import SHARD_INDEX
 
 BUCKET = "theworld-test"
 
@@ -162,3 +169,33 @@ def s3(tmp_path_factory):
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+def as_format_3(folder: Path) -> None:
+    """Rewrite a cache's manifest and index in the format-3 layout: every shard listed, the index gzipped JSON."""
+    manifest = json.loads((folder / cf.MANIFEST).read_text())
+    sides = [cf.read_sidecar(folder, i) for i in range(manifest["num_shards"])]
+    for i, s in enumerate(sides):
+        s["format_version"] = 3
+        cf.atomic_write_json(cf.sidecar_path(folder, i), s)
+    shutil.rmtree(folder / SHARD_INDEX)
+    (folder / SHARD_INDEX).mkdir()
+    text = json.dumps({"first": 0, "sidecars": sides}, sort_keys=True, separators=(",", ":"))
+    data = gzip.compress(text.encode(), mtime=0)
+    (folder / SHARD_INDEX / "part-000000.json.gz").write_bytes(data)
+    manifest["shard_index"] = [
+        {
+            "path": f"{SHARD_INDEX}/part-000000.json.gz",
+            "bytes": len(data),
+            "sha256": sha256(data).hexdigest(),
+            "shards": [0, len(sides)],
+        }
+    ]
+    manifest["shards"] = [
+        {"path": f"shards/{s['shard']}", "num_samples": s["count"], "bytes": s["bytes"], "sha256": s["sha256"]}
+        for s in sides
+    ]
+    for key in ("num_shards", "bytes"):
+        del manifest[key]
+    manifest["format_version"] = 3
+    (folder / cf.MANIFEST).write_text(json.dumps(manifest))

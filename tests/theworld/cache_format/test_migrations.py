@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from precompute import inspect
+from tests.theworld.cache_format.conftest import as_format_3
 from theworld import cache_format as cf
 from theworld.cache_format import migrations
 from theworld.core.errors import CacheDamaged, UserError
@@ -52,6 +53,7 @@ def _cache(tmp_path, n: int = 6):
 
 def _as_version_1(cache) -> None:
     """What a version-1 cache could look like: no per-sample shapes or checksums, no contents.latents."""
+    as_format_3(cache)
     m = json.loads((cache / cf.MANIFEST).read_text())
     m["format_version"] = m["fingerprint"]["format_version"] = 1
     del m["contents"]["latents"]
@@ -66,16 +68,16 @@ def _as_version_1(cache) -> None:
 
 def test_the_writer_writes_the_current_version(tmp_path):
     _cache(tmp_path)
-    assert cf.FORMAT_VERSION == 3 and cf.read_sidecar(tmp_path, 0)["format_version"] == 3
+    assert cf.FORMAT_VERSION == 4 and cf.read_sidecar(tmp_path, 0)["format_version"] == 4
     m = cf.load_manifest(tmp_path)
-    assert m["format_version"] == 3 and "written_as" not in m
+    assert m["format_version"] == 4 and "written_as" not in m and "shards" not in m
 
 
 def test_a_version_1_cache_reads_as_the_current_one(tmp_path):
     samples = _cache(tmp_path)
     _as_version_1(tmp_path)
     m = cf.load_manifest(tmp_path)
-    assert (m["format_version"], m["written_as"], m["fingerprint"]["format_version"]) == (3, 1, 3)
+    assert (m["format_version"], m["written_as"], m["fingerprint"]["format_version"]) == (4, 1, 4)
     assert cf.latents_stored(m) == "posterior"
     reader = cf.CacheReader(tmp_path)
     assert reader.latent_hw.tolist() == [[4, 4]] * 6 and not reader.checksummed
@@ -95,13 +97,13 @@ def test_a_version_1_cache_without_a_common_shape_names_what_it_lacks(tmp_path):
         cf.CacheReader(tmp_path)
 
 
-@pytest.mark.parametrize("version", [0, 4, "2", None])
+@pytest.mark.parametrize("version", [0, 5, "2", None])
 def test_an_unknown_version_is_refused_naming_it(tmp_path, version):
     _cache(tmp_path)
     m = json.loads((tmp_path / cf.MANIFEST).read_text())
     m["format_version"] = version
     cf.atomic_write_json(tmp_path / cf.MANIFEST, m)
-    with pytest.raises(UserError, match=f"format_version {version!r}, this code reads 1, 2 and 3"):
+    with pytest.raises(UserError, match=f"format_version {version!r}, this code reads 1, 2, 3 and 4"):
         cf.load_manifest(tmp_path)
 
 
@@ -111,7 +113,7 @@ def test_only_current_shards_count_as_done_for_precompute(tmp_path):
     assert cf.shard_is_done(tmp_path, 0)
     _as_version_1(tmp_path)
     assert not cf.shard_is_done(tmp_path, 0)
-    assert migrations.READABLE == (1, 2, 3)
+    assert migrations.READABLE == (1, 2, 3, 4)
 
 
 # A cache written by the format-2 code (commit 05a2319): `python -m precompute.cosmos_latents --config
@@ -138,7 +140,7 @@ def test_a_format_2_cache_reads_with_one_image_member(tmp_path):
         f"im{i}_{ext}": [ext] for i, ext in enumerate(["jpg", "png", "webp"] * 2)
     }
     m = cf.load_manifest(cache)
-    assert (m["format_version"], m["written_as"]) == (3, 2)
+    assert (m["format_version"], m["written_as"]) == (4, 2)
     reader = cf.CacheReader(cache)
     assert sorted(reader.member_names()) == sorted([cf.CAPTION, cf.META, cf.LATENT, cf.IMAGE]) and reader.checksummed
     for i in range(len(reader)):

@@ -1,7 +1,8 @@
-"""The shard index (theworld/cache_format/layout.py, storage.py): a cache's sidecars in a few objects written before
-the manifest, so a cache in a bucket opens with a number of requests that does not grow with its shards; a missing
-or stale index object is rebuilt from the sidecars with a note; caches written before it still open. Against the
-real S3 server of test_storage.py, behind its request-logging proxy."""
+"""The shard index (theworld/cache_format/index.py, layout.py, storage.py): every shard's and sample's record in a
+few safetensors objects written before the manifest, so a cache in a bucket opens with a number of requests that does
+not grow with its shards; a missing or stale index object is rebuilt from the sidecars with a note or refused in one
+line; caches written before it (format 3) still open. Against the real S3 server of test_storage.py, behind its
+request-logging proxy."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.theworld.cache_format.conftest import BUCKET
+from tests.theworld.cache_format.conftest import BUCKET, as_format_3
 from tests.theworld.cache_format.test_storage import _put_tree, members_by_key
 from theworld import cache_format as cf
-from theworld.cache_format import layout, storage
+from theworld.cache_format import index, storage
 from theworld.cache_format.names import SHARD_INDEX
 from theworld.core.errors import UserError
 
@@ -49,19 +50,92 @@ def _gets(proxy, start: int, prefix: str) -> list[str]:
 
 
 def test_the_index_agrees_with_the_sidecars(tmp_path, monkeypatch):
-    monkeypatch.setattr(layout, "SHARDS_PER_INDEX", 4)  # several index objects from a small cache
+    monkeypatch.setattr(index, "SHARDS_PER_INDEX", 4)  # several index objects from a small cache
     folder = _cache(tmp_path / "c", 10)
     manifest = json.loads((folder / cf.MANIFEST).read_text())
+    assert "shards" not in manifest and (manifest["num_shards"], manifest["num_samples"]) == (10, 20)
     entries = manifest["shard_index"]
     assert [e["shards"] for e in entries] == [[0, 4], [4, 8], [8, 10]]
     sides = []
     for e in entries:
         data = (folder / e["path"]).read_bytes()
-        assert len(data) == e["bytes"]
-        sides += layout.read_index_part(data, e)
+        assert len(data) == e["bytes"] and data[8 : 8 + int.from_bytes(data[:8], "little")].startswith(b"{")
+        part = index.decode(data, e)
+        sides += [index.sidecar(part, i) for i in range(*e["shards"])]
     assert sides == [cf.read_sidecar(folder, i) for i in range(10)]
+    table = cf.shard_table(folder, manifest)
+    assert table.entries() == [
+        {"path": f"shards/{s['shard']}", "num_samples": s["count"], "bytes": s["bytes"], "sha256": s["sha256"]}
+        for s in sides
+    ]
+    assert (
+        manifest["bytes"] == sum(s["bytes"] for s in sides) == (folder / "shards/shard-000003.tar").stat().st_size * 10
+    )
     with pytest.raises(ValueError, match="sha256"):
-        layout.read_index_part((folder / entries[1]["path"]).read_bytes(), entries[0])
+        index.decode((folder / entries[1]["path"]).read_bytes(), entries[0])
+    # the reader's arrays are the sidecars' records, concatenated across parts
+    reader = cf.CacheReader(folder)
+    assert reader.keys() == [s["key"] for side in sides for s in side["samples"]]
+    assert reader.shards.tolist() == [i for i in range(10) for _ in range(2)]
+    assert reader.latent_hw.tolist() == [[2, 2]] * 20 and reader.checksummed
+    first = sides[3]["samples"][1]
+    assert reader.raw(7) == {
+        name: (folder / "shards/shard-000003.tar").read_bytes()[lo : lo + n]
+        for name, (lo, n) in first["members"].items()
+    }
+    reader.check_consistency()
+
+
+def test_the_index_parts_are_the_same_bytes_on_every_write(tmp_path):
+    a, b = _cache(tmp_path / "a", 3), _cache(tmp_path / "b", 3)
+    assert (a / cf.MANIFEST).read_bytes() == (b / cf.MANIFEST).read_bytes()
+
+
+def test_a_missing_or_stale_local_index_part_is_rebuilt_from_the_sidecars_or_refused_in_one_line(
+    tmp_path, monkeypatch, caplog
+):
+    monkeypatch.setattr(index, "SHARDS_PER_INDEX", 4)
+    folder = _cache(tmp_path / "c", 10)
+    want = members_by_key(cf.CacheReader(folder))
+    part = folder / SHARD_INDEX / index.part_name(1)
+    good = part.read_bytes()
+    part.write_bytes(good[:-1] + b"x")  # stale: its sha256 differs from the manifest's
+    assert members_by_key(cf.CacheReader(folder)) == want
+    assert f"shard index part {SHARD_INDEX}/{part.name} sha256 differs" in caplog.text
+    assert "building it from the sidecars of shards 4-7" in caplog.text
+    part.unlink()
+    caplog.clear()
+    assert members_by_key(cf.CacheReader(folder)) == want and "is missing; building it" in caplog.text
+    cf.sidecar_path(folder, 5).unlink()  # the sidecars are gone too: refused, naming the part
+    with pytest.raises(cf.storage.UserError) as e:
+        cf.CacheReader(folder)
+    assert len(str(e.value).splitlines()) == 1 and f"{SHARD_INDEX}/{part.name}" in str(e.value), str(e.value)
+    assert "rerun the precompute command" in str(e.value)
+
+
+def test_a_format_3_cache_opens_locally_and_remotely_and_reads_the_same_samples(s3, tmp_path, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO)
+    new = _cache(tmp_path / "new", 5)
+    old = _cache(tmp_path / "old", 5)
+    as_format_3(old)
+    want = members_by_key(cf.CacheReader(new))
+    reader = cf.CacheReader(old)
+    assert members_by_key(reader) == want and reader.manifest["written_as"] == 3
+    assert (
+        reader.manifest["num_shards"] == 5
+        and reader.manifest["bytes"] == json.loads((new / cf.MANIFEST).read_text())["bytes"]
+    )
+    assert "written as format 3, so opening it parses every sidecar record (5 shards" in caplog.text
+    reader.check_consistency()
+    assert cf.shard_table(old, reader.manifest).entries() == cf.shard_table(new, cf.load_manifest(new)).entries()
+    remote = _put_tree(s3, old, "fmt3")
+    start = len(s3.log)
+    reader = cf.CacheReader(remote, settings=cf.Settings(local_dir=str(tmp_path / "l")))
+    assert not [p for p in _gets(s3, start, "fmt3") if "/shards/" in p]  # its JSON index, not the sidecars
+    assert members_by_key(reader) == want
+    reader.check_consistency()
 
 
 def test_a_remote_cache_opens_with_requests_that_do_not_grow_with_its_shards(s3, tmp_path):
@@ -101,6 +175,7 @@ def test_a_cache_written_before_the_index_opens_with_a_note(s3, tmp_path, caplog
 
     caplog.set_level(logging.INFO)
     folder = _cache(tmp_path / "c", 5)
+    as_format_3(folder)
     manifest = json.loads((folder / cf.MANIFEST).read_text())
     del manifest["shard_index"]
     (folder / cf.MANIFEST).write_text(json.dumps(manifest))
@@ -160,3 +235,35 @@ def test_a_storage_local_dir_that_is_a_file_is_one_line(s3, tmp_path):
     with pytest.raises(UserError) as e:
         cf.CacheReader(remote, settings=cf.Settings(local_dir=str(tmp_path / "file")))
     assert len(str(e.value).splitlines()) == 1 and "config key 'storage.local_dir'" in str(e.value), str(e.value)
+
+
+def test_the_final_step_reads_each_process_records_object_and_checks_each_file_by_its_md5(s3, tmp_path):
+    """Precompute's final step (RemoteWriter.fetch_records) on rank 0: listings and the other processes' records
+    objects, not two requests per shard; a file whose object changed after its records object (md5 differs from the
+    listing's) is requested alone."""
+    n = 24
+    other = storage.for_writing(f"s3://{BUCKET}/recs", cf.Settings(local_dir=str(tmp_path / "other")))
+    for i in range(n):
+        cf.tar_path(other.out, i).parent.mkdir(parents=True, exist_ok=True)
+        cf.error_path(other.out, i).parent.mkdir(parents=True, exist_ok=True)
+        cf.tar_path(other.out, i).write_bytes(b"x" * (10 + i))
+        cf.sidecar_path(other.out, i).write_text(json.dumps({"bytes": 10 + i, "count": i}))
+        cf.error_path(other.out, i).write_text(json.dumps({"reason": f"r{i}"}) + "\n" if i % 3 else "")
+    _put_tree(s3, other.out, "recs")
+    other.put_records(1, range(n))
+    changed = json.dumps({"bytes": 17, "count": 99}).encode()  # a later run's sidecar of shard 7
+    s3.fs.pipe_file(f"{BUCKET}/recs/shards/shard-000007.json", changed)
+    rank0 = storage.for_writing(f"s3://{BUCKET}/recs", cf.Settings(local_dir=str(tmp_path / "rank0")))
+    rank0.out.mkdir(parents=True)
+    start = len(s3.log)
+    rank0.fetch_records(n)
+    gets = [p for m, p, _ in s3.log[start:] if m == "GET"]
+    assert [p for p in gets if p.startswith(f"/{BUCKET}/recs/")] == [
+        f"/{BUCKET}/recs/shard-records/rank-00001.json.gz",
+        f"/{BUCKET}/recs/shards/shard-000007.json",
+    ], gets
+    assert len(gets) <= 2 + 4  # and three listings (a page each)
+    for i in range(n):
+        for path in (cf.sidecar_path, cf.error_path):
+            want = changed if (path, i) == (cf.sidecar_path, 7) else path(other.out, i).read_bytes()
+            assert path(rank0.out, i).read_bytes() == want

@@ -57,7 +57,7 @@ def test_datasets_webdataset_loads_a_cache_of_mixed_image_formats(tmp_path, fake
     (src / "captions.jsonl").write_text("\n".join(lines) + "\n")
     out = tmp_path / "c"
     cosmos_latents.run(make_cfg(out, "source.type=folder", f"source.path={src}", "cache.flip=true", shard=3))
-    tars = [str(out / s["path"]) for s in cf.load_manifest(out)["shards"]]
+    tars = [str(out / s["path"]) for s in cf.shard_table(out, cf.load_manifest(out)).entries()]
     ds = datasets.load_dataset("webdataset", data_files={"train": tars}, split="train", cache_dir=str(tmp_path / "hf"))
     reader = cf.CacheReader(out)
     assert ds.num_rows == len(reader) == 7

@@ -1,0 +1,283 @@
+"""The shard index: every shard's record (sample count, tar bytes, sha256, text_rule) and every sample's (key, member
+spans, crc32s, latent shape) in the reader's own arrays, SHARDS_PER_INDEX shards per part, each part one safetensors
+object (no pickle). The manifest names the parts (`shard_index`: path, bytes, sha256, shards [first, end)) and keeps
+totals only, so opening a cache is a few reads and a concatenation, with no Python loop over shards or samples.
+
+The sidecar files stay the record precompute and repairs work from; a part is built from them (`build`), and a part
+that is missing or stale is built from them again (with a note) where they are at hand."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+from theworld.cache_format.migrations import CHECKSUMS, FORMAT_VERSION
+from theworld.cache_format.names import MANIFEST, SHARD_INDEX, SHARDS
+from theworld.core.atomic import write_bytes
+
+SHARDS_PER_INDEX = 4096
+SUFFIX = ".safetensors"
+SHAPE_DIMS = 4  # (C, frames, h, w); a sample without a recorded latent shape holds -1
+
+# Per shard: count, bytes, sha256, text_rule. Per sample: keys, spans, crc32, latent_shape.
+SHARD_ARRAYS = ("count", "bytes", "sha256", "text_rule")
+
+
+def part_name(part: int) -> str:
+    return f"part-{part:06d}{SUFFIX}"
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:06d}.tar"
+
+
+@dataclass
+class Part:
+    """One part's arrays: shards [first, first + len(count)) and their samples in cache order."""
+
+    first: int
+    count: np.ndarray  # (S,) int64 samples per shard
+    bytes: np.ndarray  # (S,) int64 tar bytes
+    sha256: np.ndarray  # (S, 32) uint8
+    text_rule: np.ndarray  # (S,) int32: position in `rules`, -1 none recorded
+    rules: list[str]
+    keys: np.ndarray  # (N,) fixed-width bytes
+    names: list[str]  # member names: the columns of spans and crc32
+    spans: np.ndarray  # (N, len(names), 2) int64 offset, size; -1 absent
+    crc32: np.ndarray  # (N, len(names)) int64; -1 none recorded
+    latent_shape: np.ndarray  # (N, SHAPE_DIMS) int32; -1 none recorded
+
+    @property
+    def shards(self) -> int:
+        return len(self.count)
+
+    def sha_hex(self, i: int) -> str:
+        return self.sha256[i].tobytes().hex()
+
+
+def build(sidecars: list[dict], first: int) -> Part:
+    """The arrays of these sidecars (shards first, first + 1, ...): the one per-sample loop, run where sidecars are
+    the input (writing the index, or reading a cache written before it). Raises KeyError, TypeError or ValueError on
+    a malformed sidecar."""
+    names: list[str] = []
+    samples = [s for side in sidecars for s in side["samples"]]
+    for s in samples:
+        names += [n for n in s["members"] if n not in names]
+    col = {n: j for j, n in enumerate(names)}
+    spans = np.full((len(samples), len(names), 2), -1, dtype=np.int64)
+    crc = np.full((len(samples), len(names)), -1, dtype=np.int64)
+    shape = np.full((len(samples), SHAPE_DIMS), -1, dtype=np.int32)
+    keys = []
+    for j, s in enumerate(samples):
+        if not isinstance(s["key"], str):
+            raise TypeError(f"sample {j}: key is not a string")
+        keys.append(s["key"].encode())
+        for name, span in s["members"].items():
+            spans[j, col[name]] = [int(span[0]), int(span[1])]
+        for name, value in (s.get(CHECKSUMS) or {}).items():
+            crc[j, col[name]] = int(value)
+        if "latent_shape" in s:
+            dims = [int(d) for d in s["latent_shape"]][-SHAPE_DIMS:]
+            shape[j, SHAPE_DIMS - len(dims) :] = dims
+    rules = sorted({side["text_rule"] for side in sidecars if side.get("text_rule") is not None})
+    return Part(
+        first=first,
+        count=np.array([int(side["count"]) for side in sidecars], dtype=np.int64),
+        bytes=np.array([int(side["bytes"]) for side in sidecars], dtype=np.int64),
+        sha256=np.array([list(bytes.fromhex(side["sha256"])) for side in sidecars], dtype=np.uint8).reshape(-1, 32),
+        text_rule=np.array([rules.index(r) if (r := side.get("text_rule")) in rules else -1 for side in sidecars]),
+        rules=rules,
+        keys=np.array(keys, dtype=bytes) if keys else np.zeros(0, dtype="S1"),
+        names=names,
+        spans=spans,
+        crc32=crc,
+        latent_shape=shape,
+    )
+
+
+def encode(part: Part) -> bytes:
+    """A part as one safetensors object: the same bytes for the same sidecars (sorted keys, no timestamps)."""
+    width = max(part.keys.dtype.itemsize, 1)
+    keys = np.frombuffer(part.keys.astype(f"S{width}").tobytes(), dtype=np.uint8).reshape(-1, width)
+    tensors = {
+        "count": part.count,
+        "bytes": part.bytes,
+        "sha256": part.sha256,
+        "text_rule": part.text_rule.astype(np.int32),
+        "keys": keys,
+        "spans": part.spans,
+        "crc32": part.crc32,
+        "latent_shape": part.latent_shape,
+    }
+    # one metadata entry: safetensors writes several in a hash map's order, which differs between runs
+    meta = {"index": json.dumps({"first": part.first, "names": part.names, "rules": part.rules}, sort_keys=True)}
+    return st_save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata=meta)
+
+
+def decode(data: bytes, entry: dict) -> Part:
+    """A part's arrays, checked against its manifest entry (ValueError: stale or damaged, saying which)."""
+    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise ValueError(f"sha256 differs from what {MANIFEST} lists")
+    part = decode_unchecked(data)
+    lo, hi = entry["shards"]
+    if part.first != lo or part.shards != hi - lo:
+        raise ValueError(f"holds other shards than {MANIFEST} lists")
+    return part
+
+
+def decode_unchecked(data: bytes) -> Part:
+    """A part's arrays (ValueError: not a part)."""
+    try:
+        t = st_load(data)
+        meta = json.loads(json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])["__metadata__"]["index"])
+        keys = t["keys"]
+        part = Part(
+            first=int(meta["first"]),
+            count=t["count"],
+            bytes=t["bytes"],
+            sha256=t["sha256"],
+            text_rule=t["text_rule"],
+            rules=list(meta["rules"]),
+            keys=keys.view(f"S{keys.shape[1]}").reshape(-1) if keys.shape[1] else np.zeros(len(keys), dtype="S1"),
+            names=list(meta["names"]),
+            spans=t["spans"],
+            crc32=t["crc32"],
+            latent_shape=t["latent_shape"],
+        )
+    except Exception as e:  # noqa: BLE001 - damaged bytes: safetensors' own error, or a missing or odd field
+        raise ValueError(f"is not a shard index part ({type(e).__name__})") from None
+    if int(part.count.sum()) != len(part.keys) or len(part.spans) != len(part.keys):
+        raise ValueError("its sample arrays do not add up to its shards' counts")
+    return part
+
+
+def write(cache_dir: Path, sidecars: list[dict]) -> list[dict]:
+    """Write the index of these sidecars (shard i's at position i); returns the manifest's `shard_index` entries."""
+    (Path(cache_dir) / SHARD_INDEX).mkdir(exist_ok=True)
+    entries = []
+    for part, lo in enumerate(range(0, len(sidecars), SHARDS_PER_INDEX)):
+        hi = min(lo + SHARDS_PER_INDEX, len(sidecars))
+        data = encode(build(sidecars[lo:hi], lo))
+        name = f"{SHARD_INDEX}/{part_name(part)}"
+        write_bytes(Path(cache_dir) / name, data)
+        entries.append(
+            {"path": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "shards": [lo, hi]}
+        )
+    return entries
+
+
+def sidecar(part: Part, index: int) -> dict:
+    """Shard `index`'s sidecar as written, from a part that holds it (a remote cache's stand-in has no sidecars)."""
+    i = index - part.first
+    lo = int(part.count[:i].sum())
+    samples = []
+    for j in range(lo, lo + int(part.count[i])):
+        s = {"key": part.keys[j].decode(), "members": {}, CHECKSUMS: {}}
+        for c, name in enumerate(part.names):
+            if part.spans[j, c, 0] >= 0:
+                s["members"][name] = part.spans[j, c].tolist()
+            if part.crc32[j, c] >= 0:
+                s[CHECKSUMS][name] = int(part.crc32[j, c])
+        if (part.latent_shape[j] >= 0).any():
+            s["latent_shape"] = [int(d) for d in part.latent_shape[j] if d >= 0]
+        samples.append(s)
+    rule = int(part.text_rule[i])
+    return {
+        "format_version": FORMAT_VERSION,
+        "shard": shard_name(index),
+        "count": int(part.count[i]),
+        "bytes": int(part.bytes[i]),
+        "sha256": part.sha_hex(i),
+        **({"text_rule": part.rules[rule]} if rule >= 0 else {}),
+        "samples": samples,
+    }
+
+
+@dataclass
+class ShardTable:
+    """Every shard's record (count, bytes, sha256) as arrays: what the manifest listed per shard before format 4. The
+    one accessor of per-shard records (`layout.shard_table`)."""
+
+    count: np.ndarray  # (S,) int64
+    bytes: np.ndarray  # (S,) int64
+    sha256: np.ndarray  # (S, 32) uint8
+
+    def __len__(self) -> int:
+        return len(self.count)
+
+    def entry(self, i: int) -> dict:
+        """Shard i's record in the manifest's former terms: {path, num_samples, bytes, sha256}."""
+        return {
+            "path": f"{SHARDS}/{shard_name(i)}",
+            "num_samples": int(self.count[i]),
+            "bytes": int(self.bytes[i]),
+            "sha256": self.sha256[i].tobytes().hex(),
+        }
+
+    def entries(self) -> list[dict]:
+        return [self.entry(i) for i in range(len(self))]
+
+    @classmethod
+    def of(cls, parts: list[Part]) -> ShardTable:
+        if not parts:
+            return cls(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 32), np.uint8))
+        return cls(*(np.concatenate([getattr(p, k) for p in parts]) for k in ("count", "bytes", "sha256")))
+
+    @classmethod
+    def of_entries(cls, entries: list[dict]) -> ShardTable:
+        """From a format 1-3 manifest's per-shard list."""
+        return cls(
+            np.array([e["num_samples"] for e in entries], dtype=np.int64),
+            np.array([e["bytes"] for e in entries], dtype=np.int64),
+            np.array([list(bytes.fromhex(e["sha256"])) for e in entries], dtype=np.uint8).reshape(-1, 32),
+        )
+
+
+@dataclass
+class Joined:
+    """Parts concatenated into the reader's arrays (member columns in order of first appearance)."""
+
+    names: list[str]
+    keys: np.ndarray
+    shard: np.ndarray  # (N,) int32
+    spans: np.ndarray
+    crc32: np.ndarray
+    latent_shape: np.ndarray
+    table: ShardTable
+    text_rules: np.ndarray  # (S,) object: per shard, the sidecar's text_rule or None
+
+
+def join(parts: list[Part]) -> Joined:
+    """One set of arrays from parts in shard order: a concatenation per array, member columns placed by name."""
+    names: list[str] = []
+    for p in parts:
+        names += [n for n in p.names if n not in names]
+    n, width = sum(len(p.keys) for p in parts), len(names)
+    spans = np.full((n, width, 2), -1, dtype=np.int64)
+    crc = np.full((n, width), -1, dtype=np.int64)
+    lo = 0
+    for p in parts:  # one slice assignment per part, not per shard or sample
+        cols = [names.index(name) for name in p.names]
+        spans[lo : lo + len(p.keys), cols] = p.spans
+        crc[lo : lo + len(p.keys), cols] = p.crc32
+        lo += len(p.keys)
+    table = ShardTable.of(parts)
+    rules = sorted({r for p in parts for r in p.rules})
+    ids = [np.array([rules.index(r) for r in p.rules] + [len(rules)])[p.text_rule] for p in parts]  # -1: None
+    text_rules = np.array([*rules, None], dtype=object)[np.concatenate(ids) if ids else np.zeros(0, np.int64)]
+    return Joined(
+        names=names,
+        keys=np.concatenate([p.keys for p in parts]) if parts else np.zeros(0, dtype="S1"),
+        shard=np.repeat(np.arange(len(table), dtype=np.int32), table.count),
+        spans=spans,
+        crc32=crc,
+        latent_shape=np.concatenate([p.latent_shape for p in parts]) if parts else np.zeros((0, SHAPE_DIMS), np.int32),
+        table=table,
+        text_rules=text_rules,
+    )
