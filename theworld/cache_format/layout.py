@@ -194,7 +194,8 @@ def write_manifest(
     extra: dict | None = None,
 ) -> dict:
     """The manifest, from the shards' sidecars; written last and atomically (its presence means complete). It keeps
-    totals; the shards' records are in the shard index it names (index.py), written first.
+    totals and lists every shard (design.md's layout, for tools that read the tars); a reader takes the shards'
+    records from the shard index it names (index.py), written first, and does not parse the list.
 
     `latent_shape` (the config's; the sidecars' when they agree on one) is every sample's shape; with several
     (aspect-ratio buckets) it is null and `latent_shapes` lists each shape with its sample count."""
@@ -211,6 +212,11 @@ def write_manifest(
         "contents": contents,  # which optional members exist: images, siglip, flip
         "num_shards": len(sidecars),
         "bytes": sum(s["bytes"] for s in sidecars),  # the tars' together
+        "shards": [
+            {"path": f"{SHARDS}/{shard_stem(i)}.tar", "num_samples": s["count"], "bytes": s["bytes"], "sha256": sha}
+            for i, s in enumerate(sidecars)
+            for sha in (s["sha256"],)
+        ],
         "fingerprint": fingerprint,
         "shard_index": index_mod.write(cache_dir, sidecars),  # before the manifest, which names it
         **(extra or {}),
@@ -219,10 +225,16 @@ def write_manifest(
     return manifest
 
 
+def read_from_list(manifest: dict) -> bool:
+    """Whether the shards' records are read from the manifest's list: a cache written before format 4 has no shard
+    index of arrays. A format-4 manifest lists the shards too, but its index is the record readers use."""
+    return manifest.get("written_as", manifest.get("format_version", FORMAT_VERSION)) < migrations.INDEXED
+
+
 def shard_table(cache_dir: Path | str, manifest: dict) -> index_mod.ShardTable:
-    """Every shard's record (count, bytes, sha256): the one accessor of them. A format 1-3 manifest lists them; from
-    format 4 on, the shard index holds them (its parts are read here: a CacheReader has them as `shard_table`)."""
-    if "shards" in manifest:
+    """Every shard's record (count, bytes, sha256): the one accessor of them. A format 1-3 manifest's list; from
+    format 4 on, the shard index (its parts are read here: a CacheReader has them as `shard_table`)."""
+    if read_from_list(manifest):
         return index_mod.ShardTable.of_entries(manifest["shards"])
     return index_mod.ShardTable.of(index_parts(cache_dir, manifest))
 
@@ -232,7 +244,7 @@ def index_parts(cache_dir: Path | str, manifest: dict) -> list[index_mod.Part]:
     against its manifest entry. A part that is missing or stale is built from its shards' sidecars, with a note; where
     those are missing too, one line naming the part. A cache written before format 4 is built from its sidecars."""
     entries = manifest.get("shard_index")
-    if "shards" in manifest or not isinstance(entries, list):
+    if read_from_list(manifest) or not isinstance(entries, list):
         _log.info(
             f"cache {cache_dir}: written as format {manifest.get('written_as', '<4')}, so opening it parses every "
             f"sidecar record ({len(manifest['shards'])} shards, about 2 ms each); a cache written now opens from "

@@ -21,6 +21,7 @@ from theworld.cache_format.layout import (
     Sample,
     index_parts,
     load_manifest,
+    read_from_list,
     repair_hint,
     shard_stem,
     shard_table,
@@ -191,7 +192,7 @@ class CacheReader:
         self._names, self._keys, self._shard, self._spans, self._crc = j.names, j.keys, j.shard, j.spans, j.crc32
         self._sides, self.text_rules = j.table, j.text_rules
         # the manifest's per-shard records (format 1-3); from format 4 on the index is that record
-        self.shard_table = shard_table(self.cache_dir, self.manifest) if "shards" in self.manifest else j.table
+        self.shard_table = shard_table(self.cache_dir, self.manifest) if read_from_list(self.manifest) else j.table
         self.latent_hw = np.ascontiguousarray(j.latent_shape[:, -2:])
         if len(missing := np.flatnonzero((self.latent_hw < 0).any(axis=1))):
             raise UserError(
@@ -217,12 +218,14 @@ class CacheReader:
                 f"cache {d}: {MANIFEST} lists {n} shards but {SHARDS}/ also holds "
                 f"{', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}; {REBUILD_MANIFEST}"
             )
-        for i, e in enumerate(self.manifest.get("shards") or ()):  # format 1-3 manifests list each shard's path
+        for i, e in enumerate(self.manifest.get("shards") or ()):
             if e["path"] != f"{SHARDS}/{shard_stem(i)}.tar":
                 raise CacheDamaged(
                     f"cache {d}: {MANIFEST} shards[{i}] is {e['path']!r}, expected "
                     f"'{SHARDS}/{shard_stem(i)}.tar'; {REBUILD_MANIFEST}"
                 )
+        if not read_from_list(self.manifest) and (problem := _list_vs_index(self.manifest.get("shards"), table)):
+            raise CacheDamaged(f"cache {d}: {problem}; {REBUILD_MANIFEST}")
         if len(missing := [i for i in range(n) if f"{shard_stem(i)}.tar" not in on_disk]):
             raise CacheDamaged(
                 f"cache {d}: shard {tar_path(d, missing[0]).name} is missing; {repair_hint(d, missing[0])}"
@@ -416,6 +419,22 @@ class CacheReader:
         for fd in self._files.values():
             os.close(fd)
         self._files.clear()
+
+
+def _list_vs_index(entries: list | None, table: index.ShardTable) -> str | None:
+    """Where a format-4 manifest's shard list (what tools read) departs from its shard index (what readers use)."""
+    if entries is None:
+        return None
+    if len(entries) != len(table):
+        return f"{MANIFEST} lists {len(entries)} shards, its shard index {len(table)}"
+    try:
+        listed = index.ShardTable.of_entries(entries)
+    except (KeyError, TypeError, ValueError):
+        return f"{MANIFEST}'s shard list is not [{{path, num_samples, bytes, sha256}}]"
+    differ = (listed.count != table.count) | (listed.bytes != table.bytes) | (listed.sha256 != table.sha256).any(1)
+    if len(bad := np.flatnonzero(differ)):
+        return f"{MANIFEST} shards[{int(bad[0])}] differs from the shard index's record of that shard"
+    return None
 
 
 def _runs(spans: list[tuple[int, int, str]], gap: int) -> list[list[tuple[int, int, str]]]:

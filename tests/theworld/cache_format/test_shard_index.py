@@ -19,7 +19,7 @@ from tests.theworld.cache_format.test_storage import _put_tree, members_by_key
 from theworld import cache_format as cf
 from theworld.cache_format import index, storage
 from theworld.cache_format.names import SHARD_INDEX
-from theworld.core.errors import UserError
+from theworld.core.errors import CacheDamaged, UserError
 
 
 def _cache(folder: Path, n_shards: int, per_shard: int = 2) -> Path:
@@ -53,7 +53,9 @@ def test_the_index_agrees_with_the_sidecars(tmp_path, monkeypatch):
     monkeypatch.setattr(index, "SHARDS_PER_INDEX", 4)  # several index objects from a small cache
     folder = _cache(tmp_path / "c", 10)
     manifest = json.loads((folder / cf.MANIFEST).read_text())
-    assert "shards" not in manifest and (manifest["num_shards"], manifest["num_samples"]) == (10, 20)
+    assert (manifest["num_shards"], manifest["num_samples"]) == (10, 20)
+    # the list design.md's layout gives tools that read the tars, equal to the index the reader uses
+    assert manifest["shards"] == cf.shard_table(folder, {k: v for k, v in manifest.items() if k != "shards"}).entries()
     entries = manifest["shard_index"]
     assert [e["shards"] for e in entries] == [[0, 4], [4, 8], [8, 10]]
     sides = []
@@ -267,3 +269,19 @@ def test_the_final_step_reads_each_process_records_object_and_checks_each_file_b
         for path in (cf.sidecar_path, cf.error_path):
             want = changed if (path, i) == (cf.sidecar_path, 7) else path(other.out, i).read_bytes()
             assert path(rank0.out, i).read_bytes() == want
+
+
+@pytest.mark.parametrize("edit", ["fewer", "bytes"])
+def test_a_manifest_list_that_departs_from_the_index_is_one_line(tmp_path, edit):
+    """A format-4 manifest still lists the shards (design.md's layout); its list and its index must agree."""
+    folder = _cache(tmp_path / "c", 3)
+    manifest = json.loads((folder / cf.MANIFEST).read_text())
+    if edit == "fewer":
+        manifest["shards"] = manifest["shards"][:2]
+    else:
+        manifest["shards"][1]["bytes"] += 512
+    cf.atomic_write_json(folder / cf.MANIFEST, manifest)
+    with pytest.raises(CacheDamaged) as e:
+        cf.CacheReader(folder).check_consistency()
+    want = "lists 2 shards, its shard index 3" if edit == "fewer" else "shards[1] differs from the shard index"
+    assert want in str(e.value) and "\n" not in str(e.value), str(e.value)
