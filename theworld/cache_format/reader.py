@@ -349,9 +349,6 @@ class CacheReader:
     def raw(self, index: int) -> dict[str, bytes]:
         """The sample's wanted members' bytes, each checked against its recorded crc32 (raises CacheDamaged)."""
         shard = int(self._shard[index])
-        fd = self._files.get(shard)
-        if fd is None:
-            fd = self._files[shard] = self._open(index, shard)
         spans = self._spans[index].tolist()
         crcs = self._crc[index].tolist()
         wanted = sorted(
@@ -359,20 +356,38 @@ class CacheReader:
             for name, span, crc in zip(self._names, spans, crcs)
             if span[0] >= 0 and (self.members is None or name in self.members or name in (CAPTION, META))
         )
-        out = {}
-        for run in _runs(wanted, self.READ_GAP):
+        runs = _runs(wanted, self.READ_GAP)
+        fd = self._files.get(shard)
+        if fd is None and self.members == () and self.remote is not None:
+            entry = self.shard_table.entry(shard)
+            if not self.remote.holds(entry["sha256"]):  # text alone: its byte ranges, not the whole shard
+                name = f"{SHARDS}/{tar_path(self.cache_dir, shard).name}"
+                lo, hi = [r[0][0] for r in runs], [r[-1][0] + r[-1][1] for r in runs]
+                return self._members(index, runs, self.remote.read_ranges(name, lo, hi, entry["bytes"]), staged=False)
+        if fd is None:
+            fd = self._files[shard] = self._open(index, shard)
+        blocks = []
+        for run in runs:
             lo, hi = run[0][0], run[-1][0] + run[-1][1]
             # pread: no shared file offset, so forked DataLoader workers and threads can share the descriptor
             try:
-                data = os.pread(fd, hi - lo, lo)
+                blocks.append(os.pread(fd, hi - lo, lo))
             except OSError as e:
                 raise self.damaged(index, f"cannot read the tar ({e.strerror})") from None
+        return self._members(index, runs, blocks, staged=self.remote is not None)
+
+    def _members(self, index: int, runs: list, blocks: list[bytes], staged: bool) -> dict[str, bytes]:
+        """The members of `runs` cut from their blocks, each checked against its crc32 (`staged`: read from this
+        node's shard cache, whose sha256 was checked when staged, so a mismatch blames the node's copy)."""
+        out = {}
+        for run, data in zip(runs, blocks):
+            lo, hi = run[0][0], run[-1][0] + run[-1][1]
             if len(data) != hi - lo:
                 raise self.damaged(index, "the tar ends before this sample (truncated)")
             for offset, size, name, crc in run:
                 out[name] = data[offset - lo : offset - lo + size]
                 if crc >= 0 and zlib.crc32(out[name]) != crc:
-                    if self.remote is not None:  # its sha256 was checked when staged: this node's copy changed
+                    if staged:
                         raise self._staged_copy_damaged(index, name)
                     raise self.damaged(
                         index, f"member {name} fails its crc32 check (the tar changed after it was written)"

@@ -517,6 +517,15 @@ class RemoteCache:
             part.unlink(missing_ok=True)
             raise
 
+    def holds(self, sha256: str) -> bool:
+        """Whether the shard cache holds the shard of this sha256 (staged, whole)."""
+        return (self.shard_dir / f"{sha256}.tar").is_file()
+
+    def read_ranges(self, name: str, starts: list[int], ends: list[int], size: int) -> list[bytes]:
+        """Byte ranges of object `name` (of `size` bytes), requested at once and not staged: a few samples' captions
+        need not download their whole shard. The caller checks each member's crc32."""
+        return self._ranges(name, starts, ends, size)
+
     def _ranges(self, name: str, starts: list[int], ends: list[int], size: int) -> list[bytes]:
         """The byte ranges [start, end) of object `name`, requested at once; a range whose body was cut short
         (which the client's retries do not cover) is asked for again under POLICY."""

@@ -134,3 +134,27 @@ def test_a_read_ahead_deeper_than_the_shard_budget_downloads_each_shard_once(s3,
     assert sorted(tars) == [f"/{BUCKET}/budget/shards/shard-{i:06d}.tar" for i in range(8)], tars
     staged = sum(p.stat().st_size for p in (tmp_path / "l" / "shards").glob("*.tar"))
     assert staged <= budget
+
+
+def test_captions_alone_are_read_as_byte_ranges_without_staging_their_shard(s3, tmp_path):
+    """What the run reads before its first batch (the trained prompt, the text check) is each sample's caption and
+    json: a range request each, checked by their crc32s, not the whole shard staged."""
+    local = _cache(tmp_path / "c", 2, per_shard=3)
+    remote = _put_tree(s3, local, "texts")
+    truth = cf.CacheReader(local)
+    reader = cf.CacheReader(remote, settings=cf.Settings(local_dir=str(tmp_path / "l")))
+    reader.members = ()
+    start = len(s3.log)
+    got = [reader.raw(i) for i in range(len(reader))]
+    assert got == [{k: v for k, v in truth.raw(i).items() if k in (cf.CAPTION, cf.META)} for i in range(len(truth))]
+    assert not list((tmp_path / "l" / "shards").glob("*.tar"))  # nothing staged
+    tar_gets = [p for m, p, _ in s3.log[start:] if m == "GET" and p.endswith(".tar")]
+    assert len(tar_gets) == len(reader)  # one ranged request per sample
+    # a byte of a caption changed in the bucket: its crc32 names the bucket's shard, not this node's copy
+    damaged = cf.tar_path(local, 1).read_bytes()
+    offset = cf.read_sidecar(local, 1)["samples"][0]["members"][cf.CAPTION][0]
+    damaged = damaged[:offset] + bytes([damaged[offset] ^ 0x20]) + damaged[offset + 1 :]
+    s3.fs.pipe_file(f"{BUCKET}/texts/shards/shard-000001.tar", damaged)
+    with pytest.raises(CacheDamaged) as e:
+        reader.raw(3)
+    assert "shard-000001.tar" in str(e.value) and "crc32" in str(e.value) and "\n" not in str(e.value)
