@@ -245,7 +245,7 @@ def rewrite_manifest(cache: Path) -> dict:
 
     m = json.loads((cache / cf.MANIFEST).read_text())
     sides = [cf.read_sidecar(cache, i) for i in range(m["num_shards"])]
-    known = ("format_version", "num_samples", "latent_shapes", "num_shards", "bytes", "shard_index")
+    known = ("format_version", "num_samples", "latent_shapes", "num_shards", "bytes", "shards", "shard_index")
     fields = ("fingerprint", "latent_shape", "latent_dtype", "num_errors", "contents")
     extra = {k: v for k, v in m.items() if k not in known + fields}
     return cf.write_manifest(cache, sides, **{k: m[k] for k in fields}, extra=extra)
