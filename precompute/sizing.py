@@ -66,7 +66,7 @@ OBJECTS_PER_CACHE = 3  # manifest.json, errors.jsonl, precompute.json
 def objects(shards: int) -> int:
     """The objects a cache of `shards` shards holds: each shard's, the cache's own, and one shard-index part per
     SHARDS_PER_INDEX shards."""
-    return OBJECTS_PER_SHARD * shards + OBJECTS_PER_CACHE + -(-shards // cf.layout.SHARDS_PER_INDEX)
+    return OBJECTS_PER_SHARD * shards + OBJECTS_PER_CACHE + -(-shards // cf.SHARDS_PER_INDEX)
 
 
 def _local_config(key: str, path: str, subfolder: str | None = None) -> dict | None:
@@ -405,7 +405,7 @@ def report(p: dict) -> str:
         )
     lines.append(
         f"objects: {p['objects']} ({p['shards']} shards x {OBJECTS_PER_SHARD}: tar, sidecar, error file; plus "
-        f"manifest.json, errors.jsonl, precompute.json and a shard-index part per {cf.layout.SHARDS_PER_INDEX} shards)"
+        f"manifest.json, errors.jsonl, precompute.json and a shard-index part per {cf.SHARDS_PER_INDEX} shards)"
     )
     if "rollout" in p:
         r = p["rollout"]

@@ -18,10 +18,8 @@ FREE_ROOMS = ("e2e", "configs", "scripts")  # tests/<room>/ whose files need not
 
 # Test files that name no module yet: what each guards, and what stands in the way of its split
 UNNAMED_TESTS = {
-    "theworld/cache_format/test_read_ahead.py": "storage.py's read-ahead; issue 41's branch adds to it now: it joins "
-    "test_storage.py once that branch is merged",
-    "theworld/cache_format/test_shard_index.py": "layout.py's shard index; issue 41's branch rewrites that index "
-    "(possibly into a module of its own): named after it once merged",
+    "theworld/cache_format/test_read_ahead.py": "storage.py's read-ahead and ranged reads; it joins test_storage.py "
+    "once the cache builder it shares with test_index.py (which imports test_storage.py) moves to the conftest",
 }
 
 # Modules with logic but no same-name test file: where they are tested today

@@ -219,8 +219,10 @@ def write_manifest(
         ],
         "fingerprint": fingerprint,
         "shard_index": index_mod.write(cache_dir, sidecars),  # before the manifest, which names it
-        **(extra or {}),
     }
+    # `extra` adds fields (source, config, ...): what is computed here from the sidecars is never taken from it, so a
+    # manifest rewritten from an older one's fields cannot carry that one's shard list or index
+    manifest.update({k: v for k, v in (extra or {}).items() if k not in manifest})
     atomic_write_json(Path(cache_dir) / MANIFEST, manifest)
     return manifest
 

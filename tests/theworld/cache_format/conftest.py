@@ -127,8 +127,9 @@ class Proxy:
 
     def inject(self, method: str, pattern: str, *faults: str) -> None:
         """The next matching requests, one fault each in turn: "500", "slow" (0.3 s), "truncate" (half the body,
-        then the connection closes), "reset" (half the body, then a TCP reset)."""
-        self.faults = [(method, pattern, f) for f in faults]
+        then the connection closes), "reset" (half the body, then a TCP reset). Adds to those not met yet, so
+        faults can be given per object (concurrent downloads meet one pattern's faults in any order)."""
+        self.faults += [(method, pattern, f) for f in faults]
 
     def _fault(self, method: str, path: str) -> str | None:
         for i, (m, pattern, fault) in enumerate(self.faults):
