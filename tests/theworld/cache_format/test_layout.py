@@ -25,3 +25,26 @@ def test_a_malformed_sidecar_is_one_line_naming_it(small_cache, sidecar):
     with pytest.raises(CacheDamaged) as e:
         cf.CacheReader(small_cache)
     assert "shard-000001.json" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_manifest_rewritten_from_an_older_ones_fields_takes_its_records_from_the_sidecars(small_cache):
+    """write_manifest's `extra` adds fields; the shard list, totals and index it computes are never taken from it."""
+    old = cf.load_manifest(small_cache)
+    sides = [cf.read_sidecar(small_cache, i) for i in range(old["num_shards"])]
+    stale = {"shards": old["shards"][:1], "shard_index": [], "num_shards": 99, "bytes": 1, "source": {"type": "x"}}
+    m = cf.write_manifest(
+        small_cache,
+        sides,
+        fingerprint=old["fingerprint"],
+        latent_shape=old["latent_shape"],
+        latent_dtype=old["latent_dtype"],
+        num_errors=old["num_errors"],
+        contents=old["contents"],
+        extra=stale,
+    )
+    assert m["source"] == {"type": "x"}  # an added field
+    assert (m["num_shards"], m["bytes"], len(m["shards"])) == (len(sides), sum(s["bytes"] for s in sides), len(sides))
+    assert m["shard_index"] == old["shard_index"]  # the same bytes as precompute wrote
+    reader = cf.CacheReader(small_cache)
+    reader.check_consistency()
+    assert len(reader) == old["num_samples"]
