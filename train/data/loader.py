@@ -21,7 +21,7 @@ from theworld.model.inputs import PARTNER
 from theworld.model.rollout import cache_condition, cache_seed, questions_tensor, sample_inputs
 from theworld.model.text import ChatFormatter
 from train.data.batches import Collate, Packing, encode_texts
-from train.data.cache import InputSources, mixture_draw
+from train.data.cache import InputSources, mixture_draw, text_only
 from train.data.flip import swap_left_right
 from train.data.mixture import Draw, MixedReader, partner_groups
 from train.data.order import LengthGroups, bucket_ids, eval_partners, flip_of, rank_indices, shard_ids
@@ -196,7 +196,8 @@ class DataContext:
         """`split_`: split(reader, cfg.train.eval.samples) when the caller has it already."""
         train, held = split_ if split_ is not None else split(reader, cfg.train.eval.samples)
         formatter = ChatFormatter(processor, max_length=cfg.train.loader.max_length or None)
-        first = reader.sample(train[0], tensors=False)
+        with text_only(reader):
+            first = reader.sample(train[0], tensors=False)
         encode_texts(formatter, [first.turns])  # a prompt over max_length: an error before any worker
         truncation = truncation_report(formatter, reader, train) if formatter.max_length else ""
         loader = cfg.train.loader
@@ -253,9 +254,8 @@ class DataContext:
 def truncation_report(formatter: ChatFormatter, reader: cf.CacheReader, indices: np.ndarray, chunk: int = 1024) -> str:
     """The start line on what train.loader.max_length does to the samples at `indices`: conversations that lose whole
     turns from their end, and samples whose (first) answer is cut. Reads and tokenises every sample's text once."""
-    members, reader.members = reader.members, ()  # the caption and json alone
     shortened = dropped_turns = cut = 0
-    try:
+    with text_only(reader):
         for lo in range(0, len(indices), chunk):
             convs = [reader.sample(int(i), tensors=False).turns for i in indices[lo : lo + chunk]]
             for c in (c for c in convs if len(c) > 1):
@@ -265,8 +265,6 @@ def truncation_report(formatter: ChatFormatter, reader: cf.CacheReader, indices:
             # a first turn over max_length, alone or all that is left of a conversation: its answer is cut
             firsts = formatter.conversation_ids([c[0] for c in convs])
             cut += sum(len(ids) > formatter.max_length for ids in firsts)
-    finally:
-        reader.members = members
     return (
         f"train.loader.max_length {formatter.max_length}: {shortened} conversation(s) shortened ({dropped_turns} "
         f"turn(s) dropped from their ends), {cut} sample(s) with the first answer cut, of {len(indices)} training "
@@ -279,17 +277,14 @@ def sample_lengths(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Every sample's token length as the formatter encodes it (train.loader.max_length applied) and its number of
     images: (N,) int64 arrays over the reader's indices. Reads and tokenises every sample's text once."""
-    members, reader.members = reader.members, ()  # the caption and json alone
     boi = formatter.tokenizer.convert_tokens_to_ids(formatter.tokenizer.boi_token)
     lengths, images = np.zeros(len(reader), dtype=np.int64), np.zeros(len(reader), dtype=np.int64)
-    try:
+    with text_only(reader):
         for lo in range(0, len(reader), chunk):
             hi = min(lo + chunk, len(reader))
             encoded = encode_texts(formatter, [reader.sample(i, tensors=False).turns for i in range(lo, hi)])
             lengths[lo:hi] = [len(e.input_ids) for e in encoded]
             images[lo:hi] = [e.input_ids.count(boi) for e in encoded]
-    finally:
-        reader.members = members
     return lengths, images
 
 
