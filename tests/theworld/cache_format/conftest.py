@@ -43,7 +43,8 @@ class Proxy:
 
             def forward(self):
                 body = self._body()
-                proxy.log.append((self.command, self.path.split("?")[0], self.path))
+                # (method, path, Range header): a shard's download asks from byte 0, a sample's text from within
+                proxy.log.append((self.command, self.path.split("?")[0], self.headers.get("Range")))
                 if proxy.fail and proxy.fail[0] == self.command and re.search(proxy.fail[1], self.path):
                     if proxy.fail[2] > 0:
                         proxy.fail = (*proxy.fail[:2], proxy.fail[2] - 1)
@@ -124,6 +125,15 @@ class Proxy:
 
     def release(self) -> None:
         self.released.set()
+
+    def downloads(self, start: int, pattern: str) -> list[str]:
+        """The paths matching `pattern` GET whole or from byte 0 since log entry `start`: the shards downloaded (a
+        download asks for its first part from 0; reads of a sample's text ask for ranges within the tar)."""
+        return [
+            p
+            for m, p, rng in self.log[start:]
+            if m == "GET" and re.search(pattern, p) and (rng is None or rng.startswith("bytes=0-"))
+        ]
 
     def inject(self, method: str, pattern: str, *faults: str) -> None:
         """The next matching requests, one fault each in turn: "500", "slow" (0.3 s), "truncate" (half the body,

@@ -156,7 +156,7 @@ def test_training_from_s3_logs_the_same_losses_resumes_exactly_and_reads_each_sh
     local_losses = {m["step"]: m["loss"] for m in metrics(tmp_path / "local") if "loss" in m}
     s3_losses = {m["step"]: m["loss"] for m in metrics(tmp_path / "s3") if "loss" in m}
     assert sorted(local_losses) == [1, 2, 3, 4] and s3_losses == local_losses
-    tar_gets = [p for m, p, _ in s3.log[start:] if m == "GET" and re.search(r"/train/shards/shard-\d+\.tar$", p)]
+    tar_gets = s3.downloads(start, r"/train/shards/shard-\d+\.tar$")
     assert sorted(tar_gets) == [f"/{BUCKET}/train/shards/shard-{i:06d}.tar" for i in range(3)]
     # two processes on this node (one shard cache, fetched by whichever gets there first) train as one
     start = len(s3.log)
@@ -165,7 +165,7 @@ def test_training_from_s3_logs_the_same_losses_resumes_exactly_and_reads_each_sh
     two_losses = {m["step"]: m["loss"] for m in metrics(tmp_path / "two") if "loss" in m}
     assert sorted(two_losses) == [1, 2, 3, 4]
     assert [two_losses[k] for k in range(1, 5)] == pytest.approx([local_losses[k] for k in range(1, 5)], rel=1e-5)
-    tar_gets = [p for m, p, _ in s3.log[start:] if m == "GET" and re.search(r"/train/shards/shard-\d+\.tar$", p)]
+    tar_gets = s3.downloads(start, r"/train/shards/shard-\d+\.tar$")
     assert sorted(tar_gets) == [f"/{BUCKET}/train/shards/shard-{i:06d}.tar" for i in range(3)]
 
 
