@@ -223,6 +223,10 @@ class ShardTable:
     def entries(self) -> list[dict]:
         return [self.entry(i) for i in range(len(self))]
 
+    def differs(self, other: ShardTable) -> np.ndarray:
+        """(S,) bool: the shards whose count, bytes or sha256 differ between two tables of the same length."""
+        return (self.count != other.count) | (self.bytes != other.bytes) | (self.sha256 != other.sha256).any(1)
+
     @classmethod
     def of(cls, parts: list[Part]) -> ShardTable:
         if not parts:

@@ -232,8 +232,7 @@ class CacheReader:
             )
         sizes = np.array([on_disk[f"{shard_stem(i)}.tar"] for i in range(n)], dtype=np.int64)
         sides = self._sides
-        differ = (sides.count != table.count) | (sides.bytes != table.bytes) | (sides.sha256 != table.sha256).any(1)
-        if len(bad := np.flatnonzero(differ)):
+        if len(bad := np.flatnonzero(sides.differs(table))):
             i = int(bad[0])
             raise CacheDamaged(
                 f"cache {d}: shard {tar_path(d, i).name}: {_sidecar_mismatch(sides, table, i)}; {repair_hint(d, i)}"
@@ -446,8 +445,7 @@ def _list_vs_index(entries: list | None, table: index.ShardTable) -> str | None:
         listed = index.ShardTable.of_entries(entries)
     except (KeyError, TypeError, ValueError):
         return f"{MANIFEST}'s shard list is not [{{path, num_samples, bytes, sha256}}]"
-    differ = (listed.count != table.count) | (listed.bytes != table.bytes) | (listed.sha256 != table.sha256).any(1)
-    if len(bad := np.flatnonzero(differ)):
+    if len(bad := np.flatnonzero(listed.differs(table))):
         return f"{MANIFEST} shards[{int(bad[0])}] differs from the shard index's record of that shard"
     return None
 
