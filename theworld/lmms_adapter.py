@@ -23,6 +23,7 @@ template the model was trained with.
 
 from __future__ import annotations
 
+import os
 from itertools import groupby
 from typing import NoReturn
 
@@ -71,6 +72,58 @@ def _refuse(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
+def _local_files(data_files) -> list[str]:
+    """The local paths among a task's `dataset_kwargs.data_files` (a path, a list, or a dict of split to either):
+    neither URLs (`hf://`, `https://`) nor glob patterns, which `datasets` resolves itself."""
+    if isinstance(data_files, dict):
+        return [f for v in data_files.values() for f in _local_files(v)]
+    if isinstance(data_files, (list, tuple)):
+        return [f for v in data_files for f in _local_files(v)]
+    if isinstance(data_files, (str, os.PathLike)):
+        f = os.fspath(data_files)
+        return [] if "://" in f or any(c in f for c in "*?[") else [f]
+    return []
+
+
+def _cause(error: BaseException) -> str:
+    """The last try's error, and what raised it where that is another error (`datasets` wraps a parser's)."""
+    first = error.last_attempt.exception()
+    root = first
+    while root.__cause__ is not None or root.__context__ is not None:
+        root = root.__cause__ or root.__context__
+    text = f"{type(first).__name__}: {first}" + ("" if root is first else f" (from {type(root).__name__}: {root})")
+    return one_line(text, 400)
+
+
+def _guard_task_data() -> None:
+    """Make a task whose data does not load one line and exit code 2. lmms-eval loads each task's data after it
+    builds the model (`ConfigurableTask.download`), retries a failure five times 2 s apart, then prints two
+    tracebacks (tenacity's RetryError around the cause) and goes on; the adapter is the only code of ours in its
+    process, so it wraps that method once: a local data file that does not exist is refused before any retry, and
+    whatever else fails after lmms-eval's retries is named with its cause."""
+    from lmms_eval.api.task import ConfigurableTask
+    from tenacity import RetryError
+
+    retried = ConfigurableTask.download
+    if getattr(retried, "theworld_guard", False):
+        return
+
+    def download(self, dataset_kwargs=None) -> None:
+        task = getattr(self.config, "task", None) or type(self).__name__
+        for f in _local_files((dataset_kwargs or {}).get("data_files")):
+            if not os.path.exists(f):
+                where = "" if os.path.isabs(f) else f" (a relative path is read from {os.getcwd()})"
+                _refuse(f"lmms-eval task {task}: data file {f} does not exist{where}")
+        try:
+            return retried(self, dataset_kwargs)
+        except RetryError as e:
+            _refuse(f"lmms-eval task {task}: its data did not load after lmms-eval's retries: {_cause(e)}")
+
+    download.theworld_guard = True
+    download.retried = retried
+    ConfigurableTask.download = download
+
+
 def _flag(value) -> bool:
     return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
 
@@ -88,6 +141,7 @@ class TheWorldLMM(lmms):
         **kwargs,
     ) -> None:
         super().__init__()
+        _guard_task_data()
         if kwargs:
             _refuse(f"unknown model_args {', '.join(sorted(kwargs))} (known: {KNOWN_ARGS})")
         if not pretrained:

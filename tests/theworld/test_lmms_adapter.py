@@ -4,6 +4,7 @@ folder, no hub) gives what theworld's own scoring and generation give on the sam
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -214,3 +215,46 @@ def test_lmms_adapter_refuses_in_one_line_with_a_nonzero_exit(trained_run, args,
         TheWorldLMM(**args)
     assert e.value.code == 2
     one_error_line(capsys, "error: theworld:", *words)
+
+
+@pytest.mark.parametrize("data", ["missing", "relative", "malformed"])
+def test_a_task_whose_data_does_not_load_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, data):
+    """lmms-eval retries a task's failed data load five times, 2 s apart, then prints tenacity's RetryError around
+    the cause as two tracebacks and goes on; under the adapter it is one line naming the task and the cause, and a
+    local data file that does not exist is refused before any retry."""
+    from lmms_eval.api.task import ConfigurableTask
+    from lmms_eval.tasks import TaskManager, get_task_dict
+    from tenacity import wait_fixed
+
+    from loguru import logger
+
+    from theworld import lmms_adapter
+
+    # lmms-eval (loguru) and datasets (logging) write to the stderr they met first: here, to this test's, as in the
+    # one process of a command line
+    logger.remove()
+    logger.add(lambda message: sys.stderr.write(message), level="WARNING")
+    for handler in logging.getLogger("datasets").handlers:
+        monkeypatch.setattr(handler, "stream", sys.stderr)
+    # lmms-eval's own retries, without their 2 s waits; then the adapter's guard around them
+    tries = []
+    base = getattr(ConfigurableTask.download, "retried", ConfigurableTask.download)
+    counted = base.retry_with(wait=wait_fixed(0), after=lambda state: tries.append(state.attempt_number))
+    monkeypatch.setattr(ConfigurableTask, "download", counted)
+    lmms_adapter._guard_task_data()
+    monkeypatch.chdir(tmp_path)
+    tasks = tmp_path / "tasks"
+    shutil.copytree(ROOT / "tests" / "lmms_task", tasks)
+    path = {"missing": str(tmp_path / "gone.jsonl"), "relative": "gone.jsonl", "malformed": str(tmp_path / "bad.jsonl")}
+    (tmp_path / "bad.jsonl").write_text('{"image": "a.png", "question": \n')
+    (tasks / "loglik.yaml").write_text((tasks / "loglik.yaml").read_text().replace("DATA_FILE", path[data]))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
+    with pytest.raises(SystemExit) as exit_:
+        get_task_dict(["theworld_local_loglik"], TaskManager(include_path=str(tasks), include_defaults=False))
+    assert exit_.value.code == 2
+    line = one_error_line(capsys, "theworld_local_loglik")
+    if data == "malformed":
+        assert "after lmms-eval's retries" in line and "(from " in line and tries == [1, 2, 3, 4, 5]
+    else:
+        assert f"data file {path[data]} does not exist" in line and tries == []
+        assert (f"read from {tmp_path}" in line) == (data == "relative")
