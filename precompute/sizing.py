@@ -405,7 +405,8 @@ def report(p: dict) -> str:
         )
     lines.append(
         f"objects: {p['objects']} ({p['shards']} shards x {OBJECTS_PER_SHARD}: tar, sidecar, error file; plus "
-        f"manifest.json, errors.jsonl, precompute.json and a shard-index part per {cf.SHARDS_PER_INDEX} shards)"
+        f"manifest.json, errors.jsonl, precompute.json and a shard-index part per {cf.SHARDS_PER_INDEX} shards; a "
+        "cache in a bucket adds one shard-records object per precompute process)"
     )
     if "rollout" in p:
         r = p["rollout"]
