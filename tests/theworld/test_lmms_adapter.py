@@ -224,9 +224,8 @@ def test_a_task_whose_data_does_not_load_is_one_line_and_exit_2(tmp_path, monkey
     local data file that does not exist is refused before any retry."""
     from lmms_eval.api.task import ConfigurableTask
     from lmms_eval.tasks import TaskManager, get_task_dict
-    from tenacity import wait_fixed
-
     from loguru import logger
+    from tenacity import wait_fixed
 
     from theworld import lmms_adapter
 
