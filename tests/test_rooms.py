@@ -36,10 +36,7 @@ UNTESTED_MODULES = {
     "train/params.py": "tests/e2e/test_train_options.py",
     "train/state/states.py": "tests/train/state/test_checkpoint.py and test_migrations.py",
     "precompute/entry_dataset.py": "the loader's worker side: tests/precompute/test_cosmos_latents.py",
-    "precompute/identity.py": "tests/precompute/sources/test_urls.py and tests/theworld/cache_format/test_storage.py",
-    "precompute/shard_writer.py": "tests/precompute/test_cosmos_latents.py",
     "precompute/sources/arrow_files.py": "save_to_disk folders: tests/precompute/sources/test_parquet.py",
-    "precompute/sources/synthetic.py": "tests/precompute/sources/test_listing.py",
     "tools/speed_checkpoint.py": "no smoke run yet",
 }
 
