@@ -35,8 +35,6 @@ UNTESTED_MODULES = {
     "train/meta_model.py": "train.loop --plan: tests/train/test_plan.py",
     "train/params.py": "tests/e2e/test_train_options.py",
     "train/state/states.py": "tests/train/state/test_checkpoint.py and test_migrations.py",
-    "precompute/entry_dataset.py": "the loader's worker side: tests/precompute/test_cosmos_latents.py",
-    "precompute/sources/arrow_files.py": "save_to_disk folders: tests/precompute/sources/test_parquet.py",
     "tools/speed_checkpoint.py": "no smoke run yet",
 }
 
