@@ -26,8 +26,6 @@ UNNAMED_TESTS = {
 UNTESTED_MODULES = {
     "theworld/embedded/tiny.py": "every test that loads the tiny models (tests/conftest.py); no test of its own yet",
     "theworld/infer/card.py": "tests/train/state/test_model_card.py and test_final.py",
-    "theworld/model/recompute.py": "train.hardware.activation_checkpointing: tests/train/test_config.py, "
-    "tests/tools/test_memory_plan.py",
     "train/components.py": "tests/train/test_step.py and test_sharding.py",
     "train/data/loader.py": "tests/train/data/test_cache.py and the runs in tests/e2e/",
     "train/loop.py": "the command: the runs in tests/e2e/",
