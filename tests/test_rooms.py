@@ -29,7 +29,6 @@ UNTESTED_MODULES = {
     "train/components.py": "tests/train/test_step.py and test_sharding.py",
     "train/data/loader.py": "tests/train/data/test_cache.py and the runs in tests/e2e/",
     "train/loop.py": "the command: the runs in tests/e2e/",
-    "train/meta_model.py": "train.loop --plan: tests/train/test_plan.py",
     "train/state/states.py": "tests/train/state/test_checkpoint.py and test_migrations.py",
     "tools/speed_checkpoint.py": "no smoke run yet",
 }
