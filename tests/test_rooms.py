@@ -24,7 +24,6 @@ UNNAMED_TESTS = {
 
 # Modules with logic but no same-name test file: where they are tested today
 UNTESTED_MODULES = {
-    "train/components.py": "tests/train/test_step.py and test_sharding.py",
     "train/data/loader.py": "tests/train/data/test_cache.py and the runs in tests/e2e/",
     "train/loop.py": "the command: the runs in tests/e2e/",
     "train/state/states.py": "tests/train/state/test_checkpoint.py and test_migrations.py",
