@@ -26,7 +26,6 @@ UNNAMED_TESTS = {
 UNTESTED_MODULES = {
     "train/data/loader.py": "tests/train/data/test_cache.py and the runs in tests/e2e/",
     "train/loop.py": "the command: the runs in tests/e2e/",
-    "train/state/states.py": "tests/train/state/test_checkpoint.py and test_migrations.py",
     "tools/speed_checkpoint.py": "no smoke run yet",
 }
 
