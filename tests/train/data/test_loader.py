@@ -19,17 +19,12 @@ def ctx_cfg(tmp_path_factory):
     """12 samples (shards of 4, 32 px, fake VAE, flipped latents kept), the run's config and its DataContext."""
     from transformers import AutoProcessor
 
-    from precompute import cosmos_latents
-    from tests._precompute_helpers import make_cfg
+    from tests._rooms_helpers import fake_vae_cache
     from tests.conftest import train_config
-    from tests.fake_vae import FakeWanVAE
     from theworld.model import encoders
     from train.data import cache as data
 
-    out = tmp_path_factory.mktemp("loader") / "cache"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(encoders, "load_vae", lambda spec, dtype="float32": FakeWanVAE())
-        cosmos_latents.run(make_cfg(out, "cache.flip=true", "cache.siglip=false", n=12, shard=4, res=32))
+    out = fake_vae_cache(tmp_path_factory.mktemp("loader") / "cache", "cache.flip=true", "cache.siglip=false")
     cfg = train_config(
         f"cache_dir={out}",
         "image.resolution=32",
