@@ -24,8 +24,6 @@ UNNAMED_TESTS = {
 
 # Modules with logic but no same-name test file: where they are tested today
 UNTESTED_MODULES = {
-    "train/loop.py": "the command: the runs in tests/e2e/",
-    "tools/speed_checkpoint.py": "no smoke run yet",
 }
 
 
