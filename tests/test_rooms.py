@@ -23,8 +23,7 @@ UNNAMED_TESTS = {
 }
 
 # Modules with logic but no same-name test file: where they are tested today
-UNTESTED_MODULES = {
-}
+UNTESTED_MODULES = {}
 
 
 def _test_files() -> list[str]:
