@@ -5,16 +5,22 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import Gemma3Config
 
-from tests.conftest import ROOT, train_config
+from tests.conftest import train_config
 from theworld.core.errors import UserError
 from train import meta_model
 
-TINY = ROOT / "cache" / "models"
+
+def _tiny(name: str) -> Path:
+    """A tiny model's folder (built first when absent)."""
+    from theworld.embedded import tiny
+
+    return tiny.ensure(name)
 
 
 def _folder(tmp_path, name: str, config) -> str:
@@ -27,7 +33,7 @@ def _folder(tmp_path, name: str, config) -> str:
 def test_gemma_configs_come_from_tiny_a_folder_or_a_known_architecture(tmp_path):
     tiny = meta_model.base_gemma_config("tiny")
     assert isinstance(tiny, Gemma3Config)
-    copy = shutil.copytree(TINY / "tiny-gemma3", tmp_path / "g", ignore=shutil.ignore_patterns("*.safetensors"))
+    copy = shutil.copytree(_tiny("tiny-gemma3"), tmp_path / "g", ignore=shutil.ignore_patterns("*.safetensors"))
     from_folder = meta_model.base_gemma_config(str(copy))
     assert from_folder.text_config.to_dict() == tiny.text_config.to_dict()
     real = meta_model.base_gemma_config("google/gemma-3-4b-it")  # not in the (empty) Hugging Face cache
@@ -40,7 +46,7 @@ def test_a_gemma_spec_with_no_usable_config_is_one_line(tmp_path):
     bert = _folder(tmp_path, "bert", {"model_type": "bert"})
     with pytest.raises(UserError, match="holds a BertConfig, not a Gemma 3 config"):
         meta_model.base_gemma_config(bert)
-    deep = json.loads((TINY / "tiny-gemma3" / "config.json").read_text())
+    deep = json.loads((_tiny("tiny-gemma3") / "config.json").read_text())
     deep["vision_config"]["num_hidden_layers"] = meta_model.MAX_LAYERS + 1
     with pytest.raises(UserError, match="has 1025 layers in its vision_config, more than any model this estimates"):
         meta_model.base_gemma_config(_folder(tmp_path, "deep", deep))
@@ -52,7 +58,7 @@ def test_vae_configs_come_from_tiny_a_folder_or_the_wan_defaults(tmp_path):
     tiny = meta_model.base_vae_config("tiny")
     assert tiny["z_dim"] == 16 and tiny["base_dim"] == 8
     pipeline = tmp_path / "pipe"
-    shutil.copytree(TINY / "tiny-wan-vae", pipeline / "vae", ignore=shutil.ignore_patterns("*.safetensors"))
+    shutil.copytree(_tiny("tiny-wan-vae"), pipeline / "vae", ignore=shutil.ignore_patterns("*.safetensors"))
     assert meta_model.base_vae_config(str(pipeline))["base_dim"] == 8  # a pipeline folder's vae/
     wan = meta_model.base_vae_config("nvidia/Cosmos-Predict2-2B-Video2World")
     assert wan["z_dim"] == 16 and wan["base_dim"] == 96
@@ -79,6 +85,6 @@ def test_the_world_on_meta_holds_shapes_in_the_runs_dtypes(tmp_path):
 
 
 def test_a_config_that_cannot_build_its_model_names_the_key(tmp_path):
-    bad = json.loads((TINY / "tiny-wan-vae" / "config.json").read_text()) | {"base_dim": -8}
+    bad = json.loads((_tiny("tiny-wan-vae") / "config.json").read_text()) | {"base_dim": -8}
     with pytest.raises(UserError, match=r"model.vae: cannot build .* from its config.json: "):
         meta_model.build_world(train_config(f"model.vae={_folder(tmp_path, 'bad', bad)}"))
