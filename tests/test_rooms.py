@@ -23,25 +23,7 @@ UNNAMED_TESTS = {
 }
 
 # Modules with logic but no same-name test file: where they are tested today
-UNTESTED_MODULES = {
-    "theworld/embedded/tiny.py": "every test that loads the tiny models (tests/conftest.py); no test of its own yet",
-    "theworld/infer/card.py": "tests/train/state/test_model_card.py and test_final.py",
-    "theworld/model/config.py": "the model's sections through the engine: tests/theworld/core/test_config.py",
-    "theworld/model/recompute.py": "train.hardware.activation_checkpointing: tests/train/test_config.py, "
-    "tests/tools/test_memory_plan.py",
-    "train/components.py": "tests/train/test_step.py and test_sharding.py",
-    "train/data/loader.py": "tests/train/data/test_cache.py and the runs in tests/e2e/",
-    "train/loop.py": "the command: the runs in tests/e2e/",
-    "train/meta_model.py": "train.loop --plan: tests/train/test_plan.py",
-    "train/params.py": "tests/e2e/test_train_options.py",
-    "train/state/states.py": "tests/train/state/test_checkpoint.py and test_migrations.py",
-    "precompute/entry_dataset.py": "the loader's worker side: tests/precompute/test_cosmos_latents.py",
-    "precompute/identity.py": "tests/precompute/sources/test_urls.py and tests/theworld/cache_format/test_storage.py",
-    "precompute/shard_writer.py": "tests/precompute/test_cosmos_latents.py",
-    "precompute/sources/arrow_files.py": "save_to_disk folders: tests/precompute/sources/test_parquet.py",
-    "precompute/sources/synthetic.py": "tests/precompute/sources/test_listing.py",
-    "tools/speed_checkpoint.py": "no smoke run yet",
-}
+UNTESTED_MODULES = {}
 
 
 def _test_files() -> list[str]:

@@ -35,24 +35,6 @@ def test_card_rows_are_keyed_by_the_sets_content_split_and_limit(run_copy, train
     assert next(r for r in again if r[6] == "6")[1] == full[1]
 
 
-def test_a_card_written_before_the_keys_keeps_its_rows(tmp_path):
-    from theworld.infer import card
-
-    path = tmp_path / "README.md"
-    path.write_text(
-        "# A card\n\n## Evaluation results\n\n| benchmark | task | protocol | n | model | shuffled world | baselines | "
-        "command |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n| items.jsonl | mc | loglik | 6 | 0.5 | 0.4 | - "
-        "| `x` |\n"
-    )
-    data = tmp_path / "items.jsonl"
-    data.write_text("{}\n")
-    summary = {"n": 6, "accuracy": 0.75, "accuracy_shuffled_world": 0.5, "protocol": "loglik"}
-    card.update(path, card.row(summary, str(data), "mc", ["--data", str(data)]))
-    text = path.read_text()
-    assert text.startswith("# A card") and "| 0.5 | 0.4 |" in text and "0.7500" in text
-    assert text.count("| items.jsonl |") == 2
-
-
 def test_a_model_card_that_is_a_folder_is_one_line(run_copy, trained_run, capsys):
     (run_copy / "final" / "README.md").unlink()
     (run_copy / "final" / "README.md").mkdir()

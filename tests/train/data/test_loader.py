@@ -1,0 +1,126 @@
+"""The dataset and loaders over a cache: flipped samples read their flipped latents, each process gets its share of
+a step's batch and of the held-out split (one latent shape per eval batch, each sample with a partner's world),
+read-ahead stages each next shard once, and max_length's start line counts what it cuts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from theworld import cache_format as cf
+from theworld.cache_format.storage import NoRoomAhead
+from theworld.model.inputs import PARTNER
+from train.data import loader
+from train.data.order import flip_of
+
+
+@pytest.fixture(scope="module")
+def ctx_cfg(tmp_path_factory):
+    """12 samples (shards of 4, 32 px, fake VAE, flipped latents kept), the run's config and its DataContext."""
+    from transformers import AutoProcessor
+
+    from tests._rooms_helpers import fake_vae_cache
+    from tests.conftest import train_config
+    from theworld.model import encoders
+    from train.data import cache as data
+
+    out = fake_vae_cache(tmp_path_factory.mktemp("loader") / "cache", "cache.flip=true", "cache.siglip=false")
+    cfg = train_config(
+        f"cache_dir={out}",
+        "image.resolution=32",
+        "model.dtype=float32",
+        "train.eval.samples=4",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=2",
+        "train.loader.num_workers=0",
+        "train.loader.flip=true",
+    )
+    reader, inputs = data.open_cache(cfg)
+    processor = AutoProcessor.from_pretrained(encoders.resolve_gemma("tiny"))
+    return loader.DataContext.build(cfg, reader, inputs, processor), cfg
+
+
+def test_a_flipped_sample_reads_its_flipped_latent(ctx_cfg):
+    ctx, cfg = ctx_cfg
+    ds = ctx.dataset(cfg, ctx.train_indices, epoch=0)
+    flips = [flip_of(cfg.seed, 0, int(i)) for i in ctx.train_indices]
+    assert any(flips) and not all(flips)
+    for pos, index in enumerate(ctx.train_indices):
+        raw = ctx.reader.raw(int(index))
+        want = raw[cf.LATENT_FLIP] if flips[pos] else raw[cf.LATENT]
+        assert ds[pos][cf.LATENT] == want
+    unflipped = ctx.dataset(cfg, ctx.train_indices, epoch=0, flip=False)
+    assert all(unflipped[p][cf.LATENT] == ctx.reader.raw(int(i))[cf.LATENT] for p, i in enumerate(ctx.train_indices))
+
+
+def test_each_process_gets_its_share_of_each_step_from_the_start_step(ctx_cfg):
+    ctx, cfg = ctx_cfg
+    assert len(ctx.train_indices) == 8 and len(ctx.eval_indices) == 4
+    shares = [loader.build_train_loader(cfg, ctx, rank, 2, epoch=0).dataset.indices for rank in (0, 1)]
+    assert all(len(s) == 4 for s in shares)  # 2 steps of 4: 2 samples per step on each of 2 processes
+    assert sorted(np.concatenate(shares).tolist()) == sorted(ctx.train_indices.tolist())
+    later = loader.build_train_loader(cfg, ctx, 0, 2, epoch=0, start=1)
+    assert later.dataset.indices.tolist() == shares[0][2:].tolist() and len(list(later)) == 1
+    assert len(list(loader.build_train_loader(cfg, ctx, 0, 1, epoch=0))) == 4  # micro-batches of 2
+
+
+def test_the_eval_share_is_every_wth_position_with_each_samples_partner(ctx_cfg):
+    ctx, cfg = ctx_cfg
+    for rank in (0, 1):
+        batches = list(loader.build_eval_loader(cfg, ctx, rank, 2).batch_sampler)
+        assert sorted(p for b in batches for p in b) == list(range(rank, 4, 2))
+    ds = ctx.dataset(cfg, ctx.eval_indices, 0, flip=False, partner=True)
+    items = [ds[p] for p in range(len(ds))]
+    assert all(PARTNER + cf.LATENT in it for it in items)
+    assert any(bool(it["paired"]) for it in items)
+
+
+def test_max_lengths_start_line_counts_the_cut_samples(ctx_cfg):
+    from theworld.model.text import ChatFormatter
+
+    ctx, _ = ctx_cfg
+    report = loader.truncation_report(
+        ChatFormatter(ctx.formatter.processor, max_length=12), ctx.reader, ctx.train_indices
+    )
+    assert report.startswith("train.loader.max_length 12: 0 conversation(s) shortened (0 turn(s) dropped")
+    assert report.endswith("8 sample(s) with the first answer cut, of 8 training samples")
+    lengths, images = loader.sample_lengths(ctx.formatter, ctx.reader)
+    assert lengths.shape == images.shape == (12,) and (lengths > 12).all() and (images == 1).all()
+
+
+class _Remote:
+    """A reader of a remote cache as ReadAhead sees it: each sample's shard, and the stage call."""
+
+    remote = object()
+
+    def __init__(self, shards: list[int], full: set[int] = frozenset()):
+        self.shards, self.full, self.staged = np.array(shards), set(full), []
+
+    def stage(self, shard: int, ahead: bool) -> None:
+        if shard in self.full:
+            self.full.discard(shard)  # room next time
+            raise NoRoomAhead(shard)
+        self.staged.append(shard)
+
+
+def _read(ahead: loader.ReadAhead, positions) -> list[int]:
+    for pos in positions:
+        ahead(pos)
+    ahead._pool.shutdown(wait=True)
+    ahead._pool = None
+    ahead._pid = 0  # the next call starts a new pool, keeping what was sent
+    return ahead.reader.staged
+
+
+def test_read_ahead_stages_the_next_shards_once_and_retries_one_that_found_no_room():
+    reader = _Remote([0, 0, 1, 1, 2, 2, 3, 3])
+    ahead = loader.ReadAhead(reader, np.arange(8), depth=2)
+    assert _read(ahead, range(8)) == [1, 2, 3]  # shard 0 is read by the worker itself
+    reader = _Remote([5, 5, 7, 7, 6, 6], full={7})
+    ahead = loader.ReadAhead(reader, np.array([0, 1, 2, 3, 4, 5]), depth=1)
+    staged = _read(ahead, [0, 1, 2])  # 7 found no room when read ahead from shard 5's first sample
+    assert 7 not in staged and 6 in staged
+    assert loader.ReadAhead(_Remote([0, 1]), np.arange(2), depth=0).shards is None  # off
+    local = _Remote([0, 1])
+    local.remote = None
+    assert loader.ReadAhead(local, np.arange(2), depth=2).shards is None

@@ -1,0 +1,60 @@
+"""The train.loop command in process: --print-config and --plan start nothing, a bad key is one line and exit 2,
+and a short run logs every step, saves at its checkpoint steps and exports final/."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from tests.conftest import base_args, metrics, one_error_line
+from train.loop import main
+
+
+def test_print_config_prints_the_resolved_config_and_starts_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["--set", f"output_dir={out}", "--set", "train.max_steps=7", "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["train"]["max_steps"] == 7 and printed["output_dir"] == str(out)
+    assert not out.exists()
+
+
+def test_an_unknown_key_is_one_line_and_exit_2(tmp_path, capsys):
+    assert main(["--set", f"output_dir={tmp_path / 'run'}", "--set", "train.max_stepz=3"]) == 2
+    one_error_line(capsys, "train.max_stepz")
+    assert not (tmp_path / "run").exists()
+
+
+def test_plan_prints_the_runs_steps_without_loading_a_model(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["--set", f"output_dir={out}", "--set", "train.max_steps=5", "--plan", "--samples", "1000", "--gpus", "2"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert text.strip() and "5" in text and not out.exists()
+
+
+@pytest.mark.slow
+def test_a_short_run_logs_each_step_saves_at_its_checkpoints_and_exports_final(tmp_path):
+    from precompute import cosmos_latents
+    from tests._precompute_helpers import make_cfg
+
+    cache, out = tmp_path / "cache", tmp_path / "run"
+    cosmos_latents.run(make_cfg(cache, n=10, shard=4, res=32))  # the tiny VAE, as training reads it
+    args = base_args(
+        cache,
+        out,
+        steps=3,
+        **{
+            "image.resolution": 32,
+            "train.eval.samples": 2,
+            "train.global_batch_size": 4,
+            "train.micro_batch_size": 2,
+            "train.checkpoint.every": 2,
+            "train.lr_schedule.warmup_steps": 1,
+        },
+    )
+    assert main(args) == 0
+    steps = [m for m in metrics(out) if "loss" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3] and all(m["nonfinite_total"] == 0 for m in steps)
+    assert [m["epoch"] for m in steps] == [0, 0, 1]  # 8 training samples: 2 steps of 4 in an epoch
+    assert (out / "checkpoint-2" / "trainable.safetensors").is_file()
+    assert (out / "final" / "trainable.safetensors").is_file()
