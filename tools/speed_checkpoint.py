@@ -1,6 +1,6 @@
 """Checkpoint benchmark: how long a save holds the training loop, gathered vs sharded vs asynchronous.
 
-    python -m tools.speed_checkpoint [--json] [--steps 6] [--samples 64]
+    python -m tools.speed_checkpoint [--json] [--steps 6] [--samples 64] [--model heavy|tiny]
 
 Three runs of stage 3 (vision and language train; the speed_train `heavy` Gemma 3, 4 layers of hidden 256) under
 FSDP on two CPU processes (gloo), saving after every step, side by side in one run:
@@ -78,9 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="the figures as one JSON object on stdout")
     p.add_argument("--steps", type=int, default=6, help="steps per run, a save after each (default 6)")
     p.add_argument("--samples", type=int, default=64, help="samples in the benchmark cache (default 64)")
+    p.add_argument(
+        "--model", choices=("heavy", "tiny"), default="heavy", help="the Gemma 3 (default heavy; tiny: a smoke run)"
+    )
     args = p.parse_args(argv)
-    gemma = _gemma_path("heavy")
-    cache = ensure_cache(BENCH_ROOT, "heavy", gemma, 128, args.samples)
+    gemma = _gemma_path(args.model)
+    cache = ensure_cache(BENCH_ROOT, args.model, gemma, 128, args.samples)
     saves = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, extra in LAYOUTS.items():
@@ -94,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print("time a save holds the loop: stage 3 (heavy Gemma 3), FSDP on 2 CPU processes, mean over saves")
+    print(f"time a save holds the loop: stage 3 ({args.model} Gemma 3), FSDP on 2 CPU processes, mean over saves")
     print(f"{'layout':10} {'block_s':>9} {'saves':>6} {'x less than gathered':>21}")
     for name in LAYOUTS:
         print(f"{name:10} {block[name]:9.4f} {len(saves[name]):6d} {result['less_than_gathered'][name]:21.1f}")
