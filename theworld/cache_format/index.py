@@ -24,6 +24,7 @@ from theworld.core.atomic import write_bytes
 SHARDS_PER_INDEX = 4096
 SUFFIX = ".safetensors"
 SHAPE_DIMS = 4  # (C, frames, h, w); a sample without a recorded latent shape holds -1
+NONE32 = 0xFFFFFFFF  # a narrow part's "absent" span (tars under 4 GiB) and "none recorded" shape id
 
 # Per shard: count, bytes, sha256, text_rule. Per sample: keys, spans, crc32, latent_shape.
 SHARD_ARRAYS = ("count", "bytes", "sha256", "text_rule")
@@ -102,7 +103,8 @@ def build(sidecars: list[dict], first: int) -> Part:
 
 
 def encode(part: Part) -> bytes:
-    """A part as one safetensors object: the same bytes for the same sidecars (sorted keys, no timestamps)."""
+    """A part as one safetensors object: the same bytes for the same sidecars (sorted keys, no timestamps). Written
+    narrow (`_narrow`): what every training process downloads and holds grows with the samples, ~1.4B at DataComp-1B."""
     width = max(part.keys.dtype.itemsize, 1)
     keys = np.frombuffer(part.keys.astype(f"S{width}").tobytes(), dtype=np.uint8).reshape(-1, width)
     tensors = {
@@ -111,13 +113,47 @@ def encode(part: Part) -> bytes:
         "sha256": part.sha256,
         "text_rule": part.text_rule.astype(np.int32),
         "keys": keys,
-        "spans": part.spans,
-        "crc32": part.crc32,
-        "latent_shape": part.latent_shape,
+        **_narrow(part),
     }
     # one metadata entry: safetensors writes several in a hash map's order, which differs between runs
     meta = {"index": json.dumps({"first": part.first, "names": part.names, "rules": part.rules}, sort_keys=True)}
     return st_save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata=meta)
+
+
+def _narrow(part: Part) -> dict[str, np.ndarray]:
+    """The per-sample arrays in the fewest bytes that hold them exactly: spans as uint32 (NONE32: absent) where every
+    tar of the part is under 4 GiB (else int64 as read), crc32 as uint32 with a `crc32_missing` mask only where a
+    present member has none recorded (caches written before checksums), and the latent shapes as a table of the
+    part's distinct shapes plus a per-sample id, the id left out where the part has one shape."""
+    present = part.spans[..., 0] >= 0
+    narrow = len(part.bytes) == 0 or int(part.bytes.max()) < NONE32
+    spans = np.where(present[..., None], part.spans, NONE32).astype(np.uint32) if narrow else part.spans
+    out = {"spans": spans, "crc32": np.where(part.crc32 >= 0, part.crc32, 0).astype(np.uint32)}
+    if (missing := present & (part.crc32 < 0)).any():
+        out["crc32_missing"] = missing.astype(np.uint8)
+    shapes, ids = np.unique(part.latent_shape, axis=0, return_inverse=True)
+    out["latent_shapes"] = shapes.astype(np.int32).reshape(-1, SHAPE_DIMS)
+    if len(shapes) > 1:
+        out["latent_shape_id"] = ids.reshape(-1).astype(np.uint8 if len(shapes) <= 256 else np.uint32)
+    return out
+
+
+def _widen(t: dict[str, np.ndarray], n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(spans int64, crc32 int64, latent_shape int32 (n, SHAPE_DIMS)) with -1 for absent or none recorded, from a
+    narrow part's tensors or a wide one's (format 4 as first written: int64 spans and crc32, (N, 4) latent_shape)."""
+    spans, crc = t["spans"], t["crc32"]
+    if spans.dtype == np.uint32:
+        absent = spans[..., 0] == NONE32
+        spans = spans.astype(np.int64)
+        spans[absent] = -1
+    if crc.dtype == np.uint32:
+        none = (spans[..., 0] < 0) | t.get("crc32_missing", np.zeros(crc.shape, np.uint8)).astype(bool)
+        crc = np.where(none, -1, crc.astype(np.int64))
+    if "latent_shape" in t:
+        return spans, crc.astype(np.int64), t["latent_shape"]
+    shapes = t["latent_shapes"]
+    ids = t.get("latent_shape_id", np.zeros(n, dtype=np.uint8))
+    return spans, crc.astype(np.int64), shapes[ids.astype(np.int64)].reshape(n, SHAPE_DIMS)
 
 
 def decode(data: bytes, entry: dict) -> Part:
@@ -137,6 +173,7 @@ def decode_unchecked(data: bytes) -> Part:
         t = st_load(data)
         meta = json.loads(json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])["__metadata__"]["index"])
         keys = t["keys"]
+        spans, crc, shape = _widen(t, len(keys))
         part = Part(
             first=int(meta["first"]),
             count=t["count"],
@@ -146,9 +183,9 @@ def decode_unchecked(data: bytes) -> Part:
             rules=list(meta["rules"]),
             keys=keys.view(f"S{keys.shape[1]}").reshape(-1) if keys.shape[1] else np.zeros(len(keys), dtype="S1"),
             names=list(meta["names"]),
-            spans=t["spans"],
-            crc32=t["crc32"],
-            latent_shape=t["latent_shape"],
+            spans=spans,
+            crc32=crc,
+            latent_shape=shape,
         )
     except Exception as e:  # noqa: BLE001 - damaged bytes: safetensors' own error, or a missing or odd field
         raise ValueError(f"is not a shard index part ({type(e).__name__})") from None
