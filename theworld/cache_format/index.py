@@ -18,7 +18,7 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from theworld.cache_format.migrations import CHECKSUMS, FORMAT_VERSION
-from theworld.cache_format.names import MANIFEST, SHARD_INDEX, SHARDS
+from theworld.cache_format.names import CAPTION, MANIFEST, META, SHARD_INDEX, SHARDS
 from theworld.core.atomic import write_bytes
 
 SHARDS_PER_INDEX = 4096
@@ -231,9 +231,9 @@ def _sha(data: bytes) -> str:
 
 
 def encode_table(parts: list[Part]) -> bytes:
-    """The whole-cache facts a reader needs before it reads any sample, in one object of ~52 bytes a shard (71 MB at
-    DataComp-1B's 1.37M shards, against ~60 bytes a sample in the parts): each shard's count, bytes, sha256 and
-    text_rule, and in its metadata every member name and whether every member of every sample has a crc32. A reader
+    """The whole-cache facts a reader needs before it reads any sample, in one object: per shard (52 bytes) its count,
+    bytes, sha256 and text_rule; per sample (2 bytes, 3 with several latent shapes) its text bytes (`text_bytes`) and
+    latent shape id; in its metadata every member name and whether every member of every sample has a crc32. A reader
     that has it loads a part only when it reads one of its samples (sample_index.Lazy)."""
     table = ShardTable.of(parts)
     names: list[str] = []
@@ -249,10 +249,19 @@ def encode_table(parts: list[Part]) -> bytes:
         "bytes": table.bytes,
         "sha256": table.sha256,
         "text_rule": np.concatenate(ids) if ids else np.zeros(0, np.int32),
+        "text_bytes": np.concatenate([text_bytes(p.names, p.spans) for p in parts] or [np.zeros(0, np.uint16)]),
         **_shapes(every),
     }
     meta = {"table": json.dumps({"names": names, "rules": rules, "checksummed": checksummed}, sort_keys=True)}
     return st_save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata=meta)
+
+
+def text_bytes(names: list[str], spans: np.ndarray) -> np.ndarray:
+    """(N,) uint16: each sample's caption and json bytes together (65,535 for more): the length that
+    train.loader.group_by_length sorts a large cache by without reading any text (docs/training.md)."""
+    cols = [names.index(n) for n in (CAPTION, META) if n in names]
+    sizes = np.where(spans[:, cols, 0] >= 0, spans[:, cols, 1], 0).sum(1)
+    return np.minimum(sizes.reshape(-1), np.iinfo(np.uint16).max).astype(np.uint16)
 
 
 @dataclass
@@ -264,6 +273,7 @@ class Table:
     names: list[str]
     checksummed: bool
     latent_shape: np.ndarray  # (N, SHAPE_DIMS) int32 (`shapes_of`: a broadcast where the cache has one shape)
+    text_bytes: np.ndarray  # (N,) uint16 (`text_bytes`)
 
 
 def decode_table(data: bytes, entry: dict) -> Table:
@@ -280,6 +290,7 @@ def decode_table(data: bytes, entry: dict) -> Table:
             list(meta["names"]),
             bool(meta["checksummed"]),
             shapes_of(t, int(t["count"].sum())),
+            t["text_bytes"],
         )
     except Exception as e:  # noqa: BLE001 - damaged bytes: safetensors' own error, or a missing or odd field
         raise ValueError(f"is not a shard table ({type(e).__name__})") from None

@@ -220,6 +220,15 @@ class CacheReader:
         return CacheDamaged(f"cache {self.cache_dir}: {where}: {what}; {hint}")
 
     @property
+    def lazy(self) -> bool:
+        """Whether the index is read a part at a time (a large cache): start-of-run passes then read no text."""
+        return isinstance(self._index, sample_index.Lazy)
+
+    def text_bytes(self) -> np.ndarray:
+        """(N,) uint16: each sample's caption and json bytes together (index.text_bytes), read from no tar."""
+        return self._index.text_bytes()
+
+    @property
     def latent_hw(self) -> np.ndarray:
         """(N, 2) int32: each sample's latent (h, w) (a read-only broadcast where a lazily read cache has one)."""
         return self._index.latent_hw
@@ -273,7 +282,7 @@ class CacheReader:
                 f"cache {d}: shards hold {int(counts.sum())} samples, {MANIFEST} says "
                 f"{self.manifest['num_samples']}; {REBUILD_MANIFEST}"
             )
-        if isinstance(self._index, sample_index.Lazy):  # each part's spans and keys are checked as it loads
+        if self.lazy:  # each part's spans and keys are checked as it loads
             self._check_unique_shards()
             return
         spans, shard = self._index.j.spans, self._index.j.shard
@@ -383,7 +392,7 @@ class CacheReader:
     def keys_digest(self) -> str:
         """sha256 (16 hex digits) of the sample keys in cache order: what the indices of a data order refer to. A
         cache read a part at a time: of its parts' sha256s, which hold the keys (sample_index.Lazy.digest)."""
-        if isinstance(self._index, sample_index.Lazy):
+        if self.lazy:
             return self._index.digest()
         return hashlib.sha256(b"\n".join(self._index.keys().tolist())).hexdigest()[:16]
 

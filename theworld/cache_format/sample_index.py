@@ -45,6 +45,9 @@ class Whole:
         self.checksummed = checksummed
         self.latent_hw = np.ascontiguousarray(j.latent_shape[:, -2:])
 
+    def text_bytes(self) -> np.ndarray:
+        return index.text_bytes(self.names, self.j.spans)
+
     def __len__(self) -> int:
         return len(self.j.keys)
 
@@ -76,7 +79,7 @@ class Lazy:
     def __init__(self, table: index.Table, entries: list[dict], path: Callable[[dict], Path], problem: Callable):
         self.sides = table.shards
         self.text_rules, self.names, self.checksummed = table.text_rules, table.names, table.checksummed
-        self.latent_hw = table.latent_shape[:, -2:]
+        self.latent_hw, self._text_bytes = table.latent_shape[:, -2:], table.text_bytes
         self.entries, self.path, self.problem = entries, path, problem
         self.starts = np.concatenate([[0], np.cumsum(self.sides.count)])  # (S + 1,) first sample of each shard
         self.firsts = np.array([e["shards"][0] for e in entries], dtype=np.int64)
@@ -106,6 +109,9 @@ class Lazy:
         t, names, j = self._row(i)
         spans, crc = index.widen({k: v[j : j + 1] for k, v in t.items() if k in ROW_TENSORS})
         return [(*span, n, c) for n, span, c in zip(names, spans[0].tolist(), crc[0].tolist()) if span[0] >= 0]
+
+    def text_bytes(self) -> np.ndarray:
+        return self._text_bytes
 
     def shards(self) -> np.ndarray:
         """(N,) int32, made on each call (4 bytes a sample): the windowed order's input, not held here."""
