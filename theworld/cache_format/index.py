@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -209,18 +210,23 @@ def decode_unchecked(data: bytes) -> Part:
 def write(cache_dir: Path, sidecars: list[dict]) -> dict:
     """Write the index of these sidecars (shard i's at position i): the parts, then the shard table (`encode_table`).
     Returns the manifest's fields naming them: `shard_index` (each part's entry) and `shard_table`."""
+    starts = range(0, len(sidecars), SHARDS_PER_INDEX)
+    return write_parts(cache_dir, (build(sidecars[lo : lo + SHARDS_PER_INDEX], lo) for lo in starts))
+
+
+def write_parts(cache_dir: Path, parts: Iterable[Part]) -> dict:
+    """`write` of parts in shard order, one at a time (what the shard table needs of each is kept: `Summary`)."""
     (Path(cache_dir) / SHARD_INDEX).mkdir(exist_ok=True)
-    entries, parts = [], []
-    for part, lo in enumerate(range(0, len(sidecars), SHARDS_PER_INDEX)):
-        hi = min(lo + SHARDS_PER_INDEX, len(sidecars))
-        parts.append(build(sidecars[lo:hi], lo))
-        data = encode(parts[-1])
-        name = f"{SHARD_INDEX}/{part_name(part)}"
+    entries, kept = [], []
+    for i, part in enumerate(parts):
+        data = encode(part)
+        name = f"{SHARD_INDEX}/{part_name(i)}"
         write_bytes(Path(cache_dir) / name, data)
         entries.append(
-            {"path": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "shards": [lo, hi]}
+            {"path": name, "bytes": len(data), "sha256": _sha(data), "shards": [part.first, part.first + part.shards]}
         )
-    data = encode_table(parts)
+        kept.append(Summary.of(part))
+    data = encode_table(kept)
     name = f"{SHARD_INDEX}/{TABLE}"
     write_bytes(Path(cache_dir) / name, data)
     return {"shard_index": entries, "shard_table": {"path": name, "bytes": len(data), "sha256": _sha(data)}}
@@ -230,28 +236,47 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def encode_table(parts: list[Part]) -> bytes:
+@dataclass
+class Summary:
+    """What the shard table keeps of a part."""
+
+    shards: ShardTable
+    rules: list[str]
+    text_rule: np.ndarray
+    names: list[str]
+    checksummed: bool
+    text_bytes: np.ndarray
+    latent_shape: np.ndarray
+
+    @classmethod
+    def of(cls, p: Part) -> Summary:
+        present = p.spans[..., 0] >= 0
+        checksummed = bool((p.crc32[present] >= 0).all())
+        text = text_bytes(p.names, p.spans)
+        return cls(ShardTable.of([p]), p.rules, p.text_rule, p.names, checksummed, text, p.latent_shape)
+
+
+def encode_table(parts: list[Summary]) -> bytes:
     """The whole-cache facts a reader needs before it reads any sample, in one object: per shard (52 bytes) its count,
     bytes, sha256 and text_rule; per sample (2 bytes, 3 with several latent shapes) its text bytes (`text_bytes`) and
     latent shape id; in its metadata every member name and whether every member of every sample has a crc32. A reader
     that has it loads a part only when it reads one of its samples (sample_index.Lazy)."""
-    table = ShardTable.of(parts)
     names: list[str] = []
     for p in parts:
         names += [n for n in p.names if n not in names]
     rules = sorted({r for p in parts for r in p.rules})
     ids = [np.array([rules.index(r) for r in p.rules] + [-1], dtype=np.int32)[p.text_rule] for p in parts]
-    present = [p.spans[..., 0] >= 0 for p in parts]
-    checksummed = all(bool((p.crc32[m] >= 0).all()) for p, m in zip(parts, present))
     every = np.concatenate([p.latent_shape for p in parts]) if parts else np.zeros((0, SHAPE_DIMS), np.int32)
+    shards = ShardTable.of([p.shards for p in parts])  # a ShardTable has the arrays ShardTable.of joins
     tensors = {
-        "count": table.count,
-        "bytes": table.bytes,
-        "sha256": table.sha256,
+        "count": shards.count,
+        "bytes": shards.bytes,
+        "sha256": shards.sha256,
         "text_rule": np.concatenate(ids) if ids else np.zeros(0, np.int32),
-        "text_bytes": np.concatenate([text_bytes(p.names, p.spans) for p in parts] or [np.zeros(0, np.uint16)]),
+        "text_bytes": np.concatenate([p.text_bytes for p in parts] or [np.zeros(0, np.uint16)]),
         **_shapes(every),
     }
+    checksummed = all(p.checksummed for p in parts)
     meta = {"table": json.dumps({"names": names, "rules": rules, "checksummed": checksummed}, sort_keys=True)}
     return st_save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata=meta)
 
@@ -352,7 +377,7 @@ class ShardTable:
         return (self.count != other.count) | (self.bytes != other.bytes) | (self.sha256 != other.sha256).any(1)
 
     @classmethod
-    def of(cls, parts: list[Part]) -> ShardTable:
+    def of(cls, parts: list[Part] | list[ShardTable]) -> ShardTable:
         if not parts:
             return cls(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 32), np.uint8))
         return cls(*(np.concatenate([getattr(p, k) for p in parts]) for k in ("count", "bytes", "sha256")))
