@@ -301,24 +301,45 @@ class Table:
     text_bytes: np.ndarray  # (N,) uint16 (`text_bytes`)
 
 
-def decode_table(data: bytes, entry: dict) -> Table:
-    """The shard table, checked against its manifest entry (ValueError: stale or damaged, saying which)."""
-    if _sha(data) != entry["sha256"]:
-        raise ValueError(f"sha256 differs from what {MANIFEST} lists")
+def read_table(path: Path, entry: dict) -> Table:
+    """The shard table file at `path`, checked against its manifest entry (ValueError: stale or damaged, saying
+    which), memory-mapped: its per-sample arrays are shared by the processes of a node."""
+    with open(path, "rb") as f:
+        if hashlib.file_digest(f, "sha256").hexdigest() != entry["sha256"]:
+            raise ValueError(f"sha256 differs from what {MANIFEST} lists")
     try:
-        t = st_load(data)
-        meta = json.loads(json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])["__metadata__"]["table"])
+        t, head = mapped(path)
+        meta = json.loads(head["table"])
         rules = np.array([*meta["rules"], None], dtype=object)
         return Table(
-            ShardTable(t["count"], t["bytes"], t["sha256"]),
+            ShardTable(np.array(t["count"]), np.array(t["bytes"]), np.array(t["sha256"])),
             rules[t["text_rule"].astype(np.int64)],  # -1: the None at the end
             list(meta["names"]),
             bool(meta["checksummed"]),
             shapes_of(t, int(t["count"].sum())),
             t["text_bytes"],
         )
-    except Exception as e:  # noqa: BLE001 - damaged bytes: safetensors' own error, or a missing or odd field
+    except Exception as e:  # noqa: BLE001 - damaged bytes: a missing or odd field
         raise ValueError(f"is not a shard table ({type(e).__name__})") from None
+
+
+def mapped(path: Path) -> tuple[dict[str, np.ndarray], dict]:
+    """A part's or the shard table's tensors as read-only memory maps (pages shared by every process of the node that
+    maps the file) and its metadata. safetensors' own loaders copy each tensor, so the header is read here: JSON
+    {name: {dtype, shape, data_offsets}} after its u64 length."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        head = json.loads(f.read(size))
+    meta = head.pop("__metadata__")
+    dtypes = {"I64": np.int64, "I32": np.int32, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8}
+    out = {}
+    for name, v in head.items():
+        lo, hi = v["data_offsets"]
+        if hi == lo:
+            out[name] = np.zeros(v["shape"], dtype=dtypes[v["dtype"]])
+            continue
+        out[name] = np.memmap(path, dtype=dtypes[v["dtype"]], mode="r", offset=8 + size + lo, shape=tuple(v["shape"]))
+    return out, meta
 
 
 def sidecar(part: Part, index: int) -> dict:

@@ -201,7 +201,7 @@ class CacheReader:
     def _lazy_index(self) -> sample_index.Lazy:
         entry = self.manifest["shard_table"]
         try:
-            table = index.decode_table((self.cache_dir / entry["path"]).read_bytes(), entry)
+            table = index.read_table(self.cache_dir / entry["path"], entry)
         except (OSError, ValueError) as e:
             what = "is missing" if isinstance(e, FileNotFoundError) else str(e)
             raise CacheDamaged(

@@ -143,7 +143,8 @@ class Lazy:
         try:
             with open(path, "rb") as f:
                 sha = hashlib.file_digest(f, "sha256").hexdigest()
-            t, meta = mapped(path)
+            t, meta = index.mapped(path)
+            meta = json.loads(meta["index"])
         except (OSError, ValueError) as e:
             raise self.problem(lo, None, f"shard index part {entry['path']} cannot be read ({e})") from None
         if sha != entry["sha256"]:
@@ -172,22 +173,3 @@ class Lazy:
         if len(same := np.flatnonzero(keys[order][1:] == keys[order][:-1])):
             j = int(order[same[0]])
             raise self.problem(first + int(shard[j]), keys[j].decode(), "its key occurs twice in the cache")
-
-
-def mapped(path: Path) -> tuple[dict[str, np.ndarray], dict]:
-    """A part file's tensors as read-only memory maps (pages shared by every process of the node that maps the file)
-    and its metadata. safetensors' own loaders copy each tensor, so the header is read here: JSON {name: {dtype,
-    shape, data_offsets}} after its u64 length."""
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        head = json.loads(f.read(size))
-    meta = json.loads(head.pop("__metadata__")["index"])
-    dtypes = {"I64": np.int64, "I32": np.int32, "U32": np.uint32, "U8": np.uint8}
-    out = {}
-    for name, v in head.items():
-        lo, hi = v["data_offsets"]
-        if hi == lo:
-            out[name] = np.zeros(v["shape"], dtype=dtypes[v["dtype"]])
-            continue
-        out[name] = np.memmap(path, dtype=dtypes[v["dtype"]], mode="r", offset=8 + size + lo, shape=tuple(v["shape"]))
-    return out, meta

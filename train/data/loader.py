@@ -269,8 +269,8 @@ def index_lengths(reader: cf.CacheReader) -> tuple[np.ndarray, np.ndarray]:
     """What group_by_length sorts a large cache by, read from its shard table rather than its tars: each sample's
     caption and json bytes (a stand-in for its token length: the same order up to the tokenizer's bytes per token)
     and one image a sample (what every precomputed sample has)."""
-    lengths = reader.text_bytes().astype(np.int64)
-    return lengths, np.ones(len(lengths), dtype=np.int64)
+    lengths = reader.text_bytes()  # uint16, and the images a broadcast: 2 bytes a sample in all
+    return lengths, np.broadcast_to(np.uint8(1), lengths.shape)
 
 
 def truncation_report(
