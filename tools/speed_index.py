@@ -22,7 +22,7 @@ import numpy as np
 
 from theworld import cache_format as cf
 from theworld.cache_format import index, sample_index
-from theworld.cache_format.names import CAPTION, IMAGE, LATENT, META
+from theworld.cache_format.names import CAPTION, LATENT, META
 
 PER_SHARD = 1024
 DATACOMP_SHARDS = 1_367_188
