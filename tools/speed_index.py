@@ -26,12 +26,8 @@ from theworld.cache_format.names import CAPTION, LATENT, META
 
 PER_SHARD = 1024
 DATACOMP_SHARDS = 1_367_188
-MEMBERS = {
-    CAPTION: 60,
-    META: 180,
-    IMAGE: 40_000,
-    LATENT: 16_512,
-}  # typical sizes: a caption, its json, a JPEG, a latent
+# the members of the DataComp-1B plan's cache (docs/precompute.md: no images, no SigLIP): a caption, its json, a latent
+MEMBERS = {CAPTION: 60, META: 180, LATENT: 262_300}
 
 
 def _shard_sidecar(i: int) -> dict:
