@@ -138,6 +138,8 @@ def _narrow(part: Part) -> dict[str, np.ndarray]:
 
 def _shapes(latent_shape: np.ndarray) -> dict[str, np.ndarray]:
     """(N, SHAPE_DIMS) shapes as a table of the distinct ones and each sample's row (no rows where there is one)."""
+    if len(latent_shape) and (latent_shape == latent_shape[0]).all():  # one shape: no sort over every sample
+        return {"latent_shapes": np.ascontiguousarray(latent_shape[:1], dtype=np.int32)}
     shapes, ids = np.unique(latent_shape, axis=0, return_inverse=True)
     out = {"latent_shapes": shapes.astype(np.int32).reshape(-1, SHAPE_DIMS)}
     if len(shapes) > 1:
