@@ -301,6 +301,7 @@ class Table:
     checksummed: bool
     latent_shape: np.ndarray  # (N, SHAPE_DIMS) int32 (`shapes_of`: a broadcast where the cache has one shape)
     text_bytes: np.ndarray  # (N,) uint16 (`text_bytes`)
+    latent_shapes: np.ndarray  # (U, SHAPE_DIMS) int32: the distinct shapes
 
 
 def read_table(path: Path, entry: dict) -> Table:
@@ -320,6 +321,7 @@ def read_table(path: Path, entry: dict) -> Table:
             bool(meta["checksummed"]),
             shapes_of(t, int(t["count"].sum())),
             t["text_bytes"],
+            np.array(t["latent_shapes"]),
         )
     except Exception as e:  # noqa: BLE001 - damaged bytes: a missing or odd field
         raise ValueError(f"is not a shard table ({type(e).__name__})") from None

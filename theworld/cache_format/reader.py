@@ -192,7 +192,7 @@ class CacheReader:
         self._sides, self.text_rules = self._index.sides, self._index.text_rules
         # the manifest's per-shard records (format 1-3); from format 4 on the index is that record
         self.shard_table = shard_table(self.cache_dir, self.manifest) if read_from_list(self.manifest) else self._sides
-        if len(missing := np.flatnonzero((self.latent_hw < 0).any(axis=1))):
+        if len(missing := self._index.shapeless()):
             raise UserError(
                 f"cache {self.cache_dir}: shard {self.shard_of(int(missing[0]))}'s sidecar lacks per-sample latent "
                 "shapes and the manifest has no common latent_shape"

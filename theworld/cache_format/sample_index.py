@@ -51,6 +51,9 @@ class Whole:
     def __len__(self) -> int:
         return len(self.j.keys)
 
+    def shapeless(self) -> np.ndarray:
+        return np.flatnonzero((self.latent_hw < 0).any(axis=1))
+
     def shard(self, i: int) -> int:
         return int(self.j.shard[i])
 
@@ -80,6 +83,7 @@ class Lazy:
         self.sides = table.shards
         self.text_rules, self.names, self.checksummed = table.text_rules, table.names, table.checksummed
         self.latent_hw, self._text_bytes = table.latent_shape[:, -2:], table.text_bytes
+        self._unrecorded = bool((table.latent_shapes < 0).any())
         self.entries, self.path, self.problem = entries, path, problem
         self.starts = np.concatenate([[0], np.cumsum(self.sides.count)])  # (S + 1,) first sample of each shard
         self.firsts = np.array([e["shards"][0] for e in entries], dtype=np.int64)
@@ -112,6 +116,10 @@ class Lazy:
 
     def text_bytes(self) -> np.ndarray:
         return self._text_bytes
+
+    def shapeless(self) -> np.ndarray:
+        """The samples without a recorded latent shape (none in a cache written now: no pass over the samples)."""
+        return np.flatnonzero((self.latent_hw < 0).any(axis=1)) if self._unrecorded else np.zeros(0, np.int64)
 
     def shards(self) -> np.ndarray:
         """(N,) int32, made on each call (4 bytes a sample): the windowed order's input, not held here."""
