@@ -30,7 +30,6 @@ UNTESTED_MODULES = {
     "theworld/model/recompute.py": "train.hardware.activation_checkpointing: tests/train/test_config.py, "
     "tests/tools/test_memory_plan.py",
     "train/components.py": "tests/train/test_step.py and test_sharding.py",
-    "train/data/loader.py": "tests/train/data/test_cache.py and the runs in tests/e2e/",
     "train/loop.py": "the command: the runs in tests/e2e/",
     "train/meta_model.py": "train.loop --plan: tests/train/test_plan.py",
     "train/params.py": "tests/e2e/test_train_options.py",
