@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,12 +19,14 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from theworld.cache_format.migrations import CHECKSUMS, FORMAT_VERSION
-from theworld.cache_format.names import MANIFEST, SHARD_INDEX, SHARDS
+from theworld.cache_format.names import CAPTION, MANIFEST, META, SHARD_INDEX, SHARDS
 from theworld.core.atomic import write_bytes
 
 SHARDS_PER_INDEX = 4096
 SUFFIX = ".safetensors"
+TABLE = f"shards{SUFFIX}"  # the shard table object, beside the parts
 SHAPE_DIMS = 4  # (C, frames, h, w); a sample without a recorded latent shape holds -1
+NONE32 = 0xFFFFFFFF  # a narrow part's "absent" span (tars under 4 GiB) and "none recorded" shape id
 
 # Per shard: count, bytes, sha256, text_rule. Per sample: keys, spans, crc32, latent_shape.
 SHARD_ARRAYS = ("count", "bytes", "sha256", "text_rule")
@@ -102,7 +105,8 @@ def build(sidecars: list[dict], first: int) -> Part:
 
 
 def encode(part: Part) -> bytes:
-    """A part as one safetensors object: the same bytes for the same sidecars (sorted keys, no timestamps)."""
+    """A part as one safetensors object: the same bytes for the same sidecars (sorted keys, no timestamps). Written
+    narrow (`_narrow`): what every training process downloads and holds grows with the samples, ~1.4B at DataComp-1B."""
     width = max(part.keys.dtype.itemsize, 1)
     keys = np.frombuffer(part.keys.astype(f"S{width}").tobytes(), dtype=np.uint8).reshape(-1, width)
     tensors = {
@@ -111,13 +115,59 @@ def encode(part: Part) -> bytes:
         "sha256": part.sha256,
         "text_rule": part.text_rule.astype(np.int32),
         "keys": keys,
-        "spans": part.spans,
-        "crc32": part.crc32,
-        "latent_shape": part.latent_shape,
+        **_narrow(part),
     }
     # one metadata entry: safetensors writes several in a hash map's order, which differs between runs
     meta = {"index": json.dumps({"first": part.first, "names": part.names, "rules": part.rules}, sort_keys=True)}
     return st_save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata=meta)
+
+
+def _narrow(part: Part) -> dict[str, np.ndarray]:
+    """The per-sample arrays in the fewest bytes that hold them exactly: spans as uint32 (NONE32: absent) where every
+    tar of the part is under 4 GiB (else int64 as read), crc32 as uint32 with a `crc32_missing` mask only where a
+    present member has none recorded (caches written before checksums), and the latent shapes as a table of the
+    part's distinct shapes plus a per-sample id, the id left out where the part has one shape."""
+    present = part.spans[..., 0] >= 0
+    narrow = len(part.bytes) == 0 or int(part.bytes.max()) < NONE32
+    spans = np.where(present[..., None], part.spans, NONE32).astype(np.uint32) if narrow else part.spans
+    out = {"spans": spans, "crc32": np.where(part.crc32 >= 0, part.crc32, 0).astype(np.uint32)}
+    if (missing := present & (part.crc32 < 0)).any():
+        out["crc32_missing"] = missing.astype(np.uint8)
+    return {**out, **_shapes(part.latent_shape)}
+
+
+def _shapes(latent_shape: np.ndarray) -> dict[str, np.ndarray]:
+    """(N, SHAPE_DIMS) shapes as a table of the distinct ones and each sample's row (no rows where there is one)."""
+    if len(latent_shape) and (latent_shape == latent_shape[0]).all():  # one shape: no sort over every sample
+        return {"latent_shapes": np.ascontiguousarray(latent_shape[:1], dtype=np.int32)}
+    shapes, ids = np.unique(latent_shape, axis=0, return_inverse=True)
+    out = {"latent_shapes": shapes.astype(np.int32).reshape(-1, SHAPE_DIMS)}
+    if len(shapes) > 1:
+        out["latent_shape_id"] = ids.reshape(-1).astype(np.uint8 if len(shapes) <= 256 else np.uint32)
+    return out
+
+
+def shapes_of(t: dict[str, np.ndarray], n: int) -> np.ndarray:
+    """(n, SHAPE_DIMS) int32 latent shapes from `_shapes`' tensors: a read-only broadcast of the one row where the
+    samples share a shape (no memory per sample)."""
+    shapes = t["latent_shapes"]
+    if "latent_shape_id" not in t:
+        return np.broadcast_to(shapes[:1], (n, SHAPE_DIMS)) if len(shapes) else np.full((n, SHAPE_DIMS), -1, np.int32)
+    return shapes[t["latent_shape_id"].astype(np.int64)]
+
+
+def widen(t: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(spans int64, crc32 int64) with -1 for absent or none recorded, from rows of a narrow part's tensors or a wide
+    one's (format 4 as first written: int64 spans and crc32)."""
+    spans, crc = t["spans"], t["crc32"]
+    if spans.dtype == np.uint32:
+        absent = spans[..., 0] == NONE32
+        spans = spans.astype(np.int64)
+        spans[absent] = -1
+    if crc.dtype == np.uint32:
+        none = (spans[..., 0] < 0) | t.get("crc32_missing", np.zeros(crc.shape, np.uint8)).astype(bool)
+        crc = np.where(none, -1, crc.astype(np.int64))
+    return spans, crc.astype(np.int64)
 
 
 def decode(data: bytes, entry: dict) -> Part:
@@ -137,6 +187,8 @@ def decode_unchecked(data: bytes) -> Part:
         t = st_load(data)
         meta = json.loads(json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])["__metadata__"]["index"])
         keys = t["keys"]
+        spans, crc = widen(t)
+        shape = t["latent_shape"] if "latent_shape" in t else np.array(shapes_of(t, len(keys)))
         part = Part(
             first=int(meta["first"]),
             count=t["count"],
@@ -146,9 +198,9 @@ def decode_unchecked(data: bytes) -> Part:
             rules=list(meta["rules"]),
             keys=keys.view(f"S{keys.shape[1]}").reshape(-1) if keys.shape[1] else np.zeros(len(keys), dtype="S1"),
             names=list(meta["names"]),
-            spans=t["spans"],
-            crc32=t["crc32"],
-            latent_shape=t["latent_shape"],
+            spans=spans,
+            crc32=crc,
+            latent_shape=shape,
         )
     except Exception as e:  # noqa: BLE001 - damaged bytes: safetensors' own error, or a missing or odd field
         raise ValueError(f"is not a shard index part ({type(e).__name__})") from None
@@ -157,19 +209,141 @@ def decode_unchecked(data: bytes) -> Part:
     return part
 
 
-def write(cache_dir: Path, sidecars: list[dict]) -> list[dict]:
-    """Write the index of these sidecars (shard i's at position i); returns the manifest's `shard_index` entries."""
+def write(cache_dir: Path, sidecars: list[dict]) -> dict:
+    """Write the index of these sidecars (shard i's at position i): the parts, then the shard table (`encode_table`).
+    Returns the manifest's fields naming them: `shard_index` (each part's entry) and `shard_table`."""
+    starts = range(0, len(sidecars), SHARDS_PER_INDEX)
+    return write_parts(cache_dir, (build(sidecars[lo : lo + SHARDS_PER_INDEX], lo) for lo in starts))
+
+
+def write_parts(cache_dir: Path, parts: Iterable[Part]) -> dict:
+    """`write` of parts in shard order, one at a time (what the shard table needs of each is kept: `Summary`)."""
     (Path(cache_dir) / SHARD_INDEX).mkdir(exist_ok=True)
-    entries = []
-    for part, lo in enumerate(range(0, len(sidecars), SHARDS_PER_INDEX)):
-        hi = min(lo + SHARDS_PER_INDEX, len(sidecars))
-        data = encode(build(sidecars[lo:hi], lo))
-        name = f"{SHARD_INDEX}/{part_name(part)}"
+    entries, kept = [], []
+    for i, part in enumerate(parts):
+        data = encode(part)
+        name = f"{SHARD_INDEX}/{part_name(i)}"
         write_bytes(Path(cache_dir) / name, data)
         entries.append(
-            {"path": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "shards": [lo, hi]}
+            {"path": name, "bytes": len(data), "sha256": _sha(data), "shards": [part.first, part.first + part.shards]}
         )
-    return entries
+        kept.append(Summary.of(part))
+    data = encode_table(kept)
+    name = f"{SHARD_INDEX}/{TABLE}"
+    write_bytes(Path(cache_dir) / name, data)
+    return {"shard_index": entries, "shard_table": {"path": name, "bytes": len(data), "sha256": _sha(data)}}
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass
+class Summary:
+    """What the shard table keeps of a part."""
+
+    shards: ShardTable
+    rules: list[str]
+    text_rule: np.ndarray
+    names: list[str]
+    checksummed: bool
+    text_bytes: np.ndarray
+    latent_shape: np.ndarray
+
+    @classmethod
+    def of(cls, p: Part) -> Summary:
+        present = p.spans[..., 0] >= 0
+        checksummed = bool((p.crc32[present] >= 0).all())
+        text = text_bytes(p.names, p.spans)
+        return cls(ShardTable.of([p]), p.rules, p.text_rule, p.names, checksummed, text, p.latent_shape)
+
+
+def encode_table(parts: list[Summary]) -> bytes:
+    """The whole-cache facts a reader needs before it reads any sample, in one object: per shard (52 bytes) its count,
+    bytes, sha256 and text_rule; per sample (2 bytes, 3 with several latent shapes) its text bytes (`text_bytes`) and
+    latent shape id; in its metadata every member name and whether every member of every sample has a crc32. A reader
+    that has it loads a part only when it reads one of its samples (sample_index.Lazy)."""
+    names: list[str] = []
+    for p in parts:
+        names += [n for n in p.names if n not in names]
+    rules = sorted({r for p in parts for r in p.rules})
+    ids = [np.array([rules.index(r) for r in p.rules] + [-1], dtype=np.int32)[p.text_rule] for p in parts]
+    every = np.concatenate([p.latent_shape for p in parts]) if parts else np.zeros((0, SHAPE_DIMS), np.int32)
+    shards = ShardTable.of([p.shards for p in parts])  # a ShardTable has the arrays ShardTable.of joins
+    tensors = {
+        "count": shards.count,
+        "bytes": shards.bytes,
+        "sha256": shards.sha256,
+        "text_rule": np.concatenate(ids) if ids else np.zeros(0, np.int32),
+        "text_bytes": np.concatenate([p.text_bytes for p in parts] or [np.zeros(0, np.uint16)]),
+        **_shapes(every),
+    }
+    checksummed = all(p.checksummed for p in parts)
+    meta = {"table": json.dumps({"names": names, "rules": rules, "checksummed": checksummed}, sort_keys=True)}
+    return st_save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata=meta)
+
+
+def text_bytes(names: list[str], spans: np.ndarray) -> np.ndarray:
+    """(N,) uint16: each sample's caption and json bytes together (65,535 for more): the length that
+    train.loader.group_by_length sorts a large cache by without reading any text (docs/training.md)."""
+    cols = [names.index(n) for n in (CAPTION, META) if n in names]
+    sizes = np.where(spans[:, cols, 0] >= 0, spans[:, cols, 1], 0).sum(1)
+    return np.minimum(sizes.reshape(-1), np.iinfo(np.uint16).max).astype(np.uint16)
+
+
+@dataclass
+class Table:
+    """The shard table object's contents."""
+
+    shards: ShardTable
+    text_rules: np.ndarray  # (S,) object: per shard, its text_rule or None
+    names: list[str]
+    checksummed: bool
+    latent_shape: np.ndarray  # (N, SHAPE_DIMS) int32 (`shapes_of`: a broadcast where the cache has one shape)
+    text_bytes: np.ndarray  # (N,) uint16 (`text_bytes`)
+    latent_shapes: np.ndarray  # (U, SHAPE_DIMS) int32: the distinct shapes
+
+
+def read_table(path: Path, entry: dict) -> Table:
+    """The shard table file at `path`, checked against its manifest entry (ValueError: stale or damaged, saying
+    which), memory-mapped: its per-sample arrays are shared by the processes of a node."""
+    with open(path, "rb") as f:
+        if hashlib.file_digest(f, "sha256").hexdigest() != entry["sha256"]:
+            raise ValueError(f"sha256 differs from what {MANIFEST} lists")
+    try:
+        t, head = mapped(path)
+        meta = json.loads(head["table"])
+        rules = np.array([*meta["rules"], None], dtype=object)
+        return Table(
+            ShardTable(np.array(t["count"]), np.array(t["bytes"]), np.array(t["sha256"])),
+            rules[t["text_rule"].astype(np.int64)],  # -1: the None at the end
+            list(meta["names"]),
+            bool(meta["checksummed"]),
+            shapes_of(t, int(t["count"].sum())),
+            t["text_bytes"],
+            np.array(t["latent_shapes"]),
+        )
+    except Exception as e:  # noqa: BLE001 - damaged bytes: a missing or odd field
+        raise ValueError(f"is not a shard table ({type(e).__name__})") from None
+
+
+def mapped(path: Path) -> tuple[dict[str, np.ndarray], dict]:
+    """A part's or the shard table's tensors as read-only memory maps (pages shared by every process of the node that
+    maps the file) and its metadata. safetensors' own loaders copy each tensor, so the header is read here: JSON
+    {name: {dtype, shape, data_offsets}} after its u64 length."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        head = json.loads(f.read(size))
+    meta = head.pop("__metadata__")
+    dtypes = {"I64": np.int64, "I32": np.int32, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8}
+    out = {}
+    for name, v in head.items():
+        lo, hi = v["data_offsets"]
+        if hi == lo:
+            out[name] = np.zeros(v["shape"], dtype=dtypes[v["dtype"]])
+            continue
+        out[name] = np.memmap(path, dtype=dtypes[v["dtype"]], mode="r", offset=8 + size + lo, shape=tuple(v["shape"]))
+    return out, meta
 
 
 def sidecar(part: Part, index: int) -> dict:
@@ -228,7 +402,7 @@ class ShardTable:
         return (self.count != other.count) | (self.bytes != other.bytes) | (self.sha256 != other.sha256).any(1)
 
     @classmethod
-    def of(cls, parts: list[Part]) -> ShardTable:
+    def of(cls, parts: list[Part] | list[ShardTable]) -> ShardTable:
         if not parts:
             return cls(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 32), np.uint8))
         return cls(*(np.concatenate([getattr(p, k) for p in parts]) for k in ("count", "bytes", "sha256")))

@@ -218,7 +218,7 @@ def write_manifest(
             for sha in (s["sha256"],)
         ],
         "fingerprint": fingerprint,
-        "shard_index": index_mod.write(cache_dir, sidecars),  # before the manifest, which names it
+        **index_mod.write(cache_dir, sidecars),  # shard_index, shard_table: before the manifest, which names them
     }
     # `extra` adds fields (source, config, ...): what is computed here from the sidecars is never taken from it, so a
     # manifest rewritten from an older one's fields cannot carry that one's shard list or index
@@ -406,6 +406,9 @@ def _index_problem(m: dict) -> str | None:
             return f"shard_index[{i}].shards is not a shard range"
     if end != m["num_shards"]:
         return f"'shard_index' covers {end} shards, 'num_shards' is {m['num_shards']}"
+    t = m.get("shard_table", {"path": "", "sha256": "", "bytes": 0})  # caches written before it have none
+    if not (isinstance(t, dict) and isinstance(t.get("path"), str) and isinstance(t.get("sha256"), str)):
+        return "'shard_table' is not {path, bytes, sha256}"
     return None
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from safetensors.torch import load as st_load
 
-from theworld.cache_format import index, storage
+from theworld.cache_format import index, sample_index, storage
 from theworld.cache_format.layout import (
     REBUILD_MANIFEST,
     Sample,
@@ -151,8 +151,9 @@ def _sidecar_mismatch(sides: index.ShardTable, table: index.ShardTable, i: int) 
 class CacheReader:
     """Random access to a complete cache by global sample index, via the sidecars' byte offsets (no tar scan).
 
-    The index is kept in numpy arrays (keys as fixed-width bytes, member spans as int64), not per-sample Python
-    objects: ~100 bytes per sample, and forked DataLoader workers share it without copying (no refcounts to touch).
+    The index is kept in numpy arrays (keys as fixed-width bytes, member spans), not per-sample Python objects, and
+    forked DataLoader workers share it without copying (no refcounts to touch): whole in memory, or a part at a time
+    for a large cache (sample_index.py).
     Picklable (file descriptors are opened lazily per process). `members` limits what is read, e.g. skip the image
     bytes when every latent comes from the cache; the caption and json are always read.
 
@@ -165,12 +166,7 @@ class CacheReader:
     members: tuple[str, ...] | None = None
     settings: storage.Settings | None = None  # for a URL: storage.options and the shard cache
     manifest: dict = field(init=False)
-    _names: list[str] = field(init=False, repr=False)  # member names, the columns of _spans
-    _keys: np.ndarray = field(init=False, repr=False)  # (N,) bytes
-    _shard: np.ndarray = field(init=False, repr=False)  # (N,) int32: which tar
-    _spans: np.ndarray = field(init=False, repr=False)  # (N, len(_names), 2) int64 offset, size; -1: absent
-    latent_hw: np.ndarray = field(init=False, repr=False)  # (N, 2) int32: each sample's latent (h, w)
-    _crc: np.ndarray = field(init=False, repr=False)  # (N, len(_names)) int64 crc32 of each member; -1: none recorded
+    _index: sample_index.Whole | sample_index.Lazy = field(init=False, repr=False)  # per sample: key, shard, spans
     _sides: index.ShardTable = field(init=False, repr=False)  # per shard: the sidecars' (count, bytes, sha256)
     shard_table: index.ShardTable = field(
         init=False, repr=False
@@ -188,22 +184,59 @@ class CacheReader:
     def __post_init__(self) -> None:
         self.cache_dir, self.remote = storage.open_cache(self.cache_dir, self.settings, self.remote)
         self.manifest = load_manifest(self.cache_dir)
-        j = index.join(index_parts(self.cache_dir, self.manifest))
-        self._names, self._keys, self._shard, self._spans, self._crc = j.names, j.keys, j.shard, j.spans, j.crc32
-        self._sides, self.text_rules = j.table, j.text_rules
+        if sample_index.is_lazy(self.manifest):
+            self._index = self._lazy_index()
+        else:
+            j = index.join(index_parts(self.cache_dir, self.manifest))
+            self._index = sample_index.Whole(j, bool((j.crc32[j.spans[..., 0] >= 0] >= 0).all()))
+        self._sides, self.text_rules = self._index.sides, self._index.text_rules
         # the manifest's per-shard records (format 1-3); from format 4 on the index is that record
-        self.shard_table = shard_table(self.cache_dir, self.manifest) if read_from_list(self.manifest) else j.table
-        self.latent_hw = np.ascontiguousarray(j.latent_shape[:, -2:])
-        if len(missing := np.flatnonzero((self.latent_hw < 0).any(axis=1))):
+        self.shard_table = shard_table(self.cache_dir, self.manifest) if read_from_list(self.manifest) else self._sides
+        if len(missing := self._index.shapeless()):
             raise UserError(
-                f"cache {self.cache_dir}: shard {int(self._shard[missing[0]])}'s sidecar lacks per-sample latent "
+                f"cache {self.cache_dir}: shard {self.shard_of(int(missing[0]))}'s sidecar lacks per-sample latent "
                 "shapes and the manifest has no common latent_shape"
             )
+
+    def _lazy_index(self) -> sample_index.Lazy:
+        entry = self.manifest["shard_table"]
+        try:
+            table = index.read_table(self.cache_dir / entry["path"], entry)
+        except (OSError, ValueError) as e:
+            what = "is missing" if isinstance(e, FileNotFoundError) else str(e)
+            raise CacheDamaged(
+                f"cache {self.cache_dir}: shard table {entry['path']} {what}; {REBUILD_MANIFEST}"
+            ) from None
+
+        return sample_index.Lazy(table, self.manifest["shard_index"], self._part_path, self._part_problem)
+
+    def _part_path(self, part: dict) -> Path:
+        """A local file of a shard index part: the cache's own, or the node's copy of a remote one."""
+        return self.cache_dir / part["path"] if self.remote is None else self.remote.index_part(part)
+
+    def _part_problem(self, shard: int, key: str | None, what: str) -> CacheDamaged:
+        where = f"shard {tar_path(self.cache_dir, shard).name}" + (f", sample {key}" if key else "")
+        hint = REBUILD_MANIFEST if key is None else repair_hint(self.cache_dir, shard)
+        return CacheDamaged(f"cache {self.cache_dir}: {where}: {what}; {hint}")
+
+    @property
+    def lazy(self) -> bool:
+        """Whether the index is read a part at a time (a large cache): start-of-run passes then read no text."""
+        return isinstance(self._index, sample_index.Lazy)
+
+    def text_bytes(self) -> np.ndarray:
+        """(N,) uint16: each sample's caption and json bytes together (index.text_bytes), read from no tar."""
+        return self._index.text_bytes()
+
+    @property
+    def latent_hw(self) -> np.ndarray:
+        """(N, 2) int32: each sample's latent (h, w) (a read-only broadcast where a lazily read cache has one)."""
+        return self._index.latent_hw
 
     @property
     def checksummed(self) -> bool:
         """Whether every member of every sample has a recorded crc32 (caches written before them have none)."""
-        return bool((self._crc[self._spans[..., 0] >= 0] >= 0).all())
+        return self._index.checksummed
 
     def check_consistency(self) -> None:
         """Cheap start-of-run checks (no data read): manifest, sidecars (or the index) and tars agree on shards,
@@ -237,7 +270,7 @@ class CacheReader:
             raise CacheDamaged(
                 f"cache {d}: shard {tar_path(d, i).name}: {_sidecar_mismatch(sides, table, i)}; {repair_hint(d, i)}"
             )
-        counts = np.bincount(self._shard, minlength=n)
+        counts = sides.count
         if len(bad := np.flatnonzero((counts != table.count) | (sizes != table.bytes))):
             i = int(bad[0])
             raise CacheDamaged(
@@ -249,15 +282,33 @@ class CacheReader:
                 f"cache {d}: shards hold {int(counts.sum())} samples, {MANIFEST} says "
                 f"{self.manifest['num_samples']}; {REBUILD_MANIFEST}"
             )
-        ends = self._spans[..., 0] + self._spans[..., 1]
-        bad = (self._spans[..., 0] >= 0) & ((self._spans[..., 1] < 0) | (ends > table.bytes[self._shard][:, None]))
+        if self.lazy:  # each part's spans and keys are checked as it loads
+            self._check_unique_shards()
+            return
+        spans, shard = self._index.j.spans, self._index.j.shard
+        ends = spans[..., 0] + spans[..., 1]
+        bad = (spans[..., 0] >= 0) & ((spans[..., 1] < 0) | (ends > table.bytes[shard][:, None]))
         if bad.any():
             j = int(np.argwhere(bad)[0][0])
             raise CacheDamaged(
-                f"cache {d}: shard {tar_path(d, int(self._shard[j])).name}, sample {self.key(j)}: its "
-                f"sidecar places a member outside the tar; {repair_hint(d, int(self._shard[j]))}"
+                f"cache {d}: shard {tar_path(d, int(shard[j])).name}, sample {self.key(j)}: its "
+                f"sidecar places a member outside the tar; {repair_hint(d, int(shard[j]))}"
             )
         self._check_unique_keys()
+
+    def _check_unique_shards(self) -> None:
+        """A shard replaced by a copy of another (its keys twice in the cache), told by equal sha256s: what
+        `_check_unique_keys` finds without every key in memory."""
+        sha = self._sides.sha256
+        order = np.lexsort(sha.T[::-1])
+        if len(same := np.flatnonzero((sha[order][1:] == sha[order][:-1]).all(1))):
+            a, b = sorted((int(order[same[0]]), int(order[same[0] + 1])))
+            d = self.cache_dir
+            raise CacheDamaged(
+                f"cache {d}: shards {tar_path(d, a).name} and {tar_path(d, b).name} are the same bytes: one shard was "
+                f"replaced by a copy; to repair: delete {sidecar_path(d, b).name} and {sidecar_path(d, a).name} in "
+                f"{d / SHARDS} and rerun the precompute command that built this cache (it rebuilds those shards alone)"
+            )
 
     def _tar_sizes(self) -> dict[str, int]:
         """{tar name: bytes} of the shards folder (of the remote cache's, for a URL)."""
@@ -275,11 +326,12 @@ class CacheReader:
         return out
 
     def _check_unique_keys(self) -> None:
-        order = np.argsort(self._keys, kind="stable")
-        same = np.flatnonzero(self._keys[order][1:] == self._keys[order][:-1])
+        keys = self._index.keys()
+        order = np.argsort(keys, kind="stable")
+        same = np.flatnonzero(keys[order][1:] == keys[order][:-1])
         if len(same):
             a, b = int(order[same[0]]), int(order[same[0] + 1])
-            sa, sb = int(self._shard[a]), int(self._shard[b])
+            sa, sb = self.shard_of(a), self.shard_of(b)
             d = self.cache_dir
             raise CacheDamaged(
                 f"cache {d}: key {self.key(a)} occurs twice (shards {tar_path(d, sa).name} and "
@@ -292,7 +344,7 @@ class CacheReader:
 
     def damaged(self, index: int, what: str) -> CacheDamaged:
         """The one-line error for sample `index` whose data is not what the cache says."""
-        shard = int(self._shard[index])
+        shard = self.shard_of(index)
         return CacheDamaged(
             f"cache {self.cache_dir}: shard {tar_path(self.cache_dir, shard).name}, sample "
             f"{self.key(index)}: {what}; {repair_hint(self.cache_dir, shard)}"
@@ -301,7 +353,7 @@ class CacheReader:
     def _staged_copy_damaged(self, index: int, name: str) -> CacheDamaged:
         """A remote shard's member fails its crc32 in the node's shard cache, where its sha256 was checked: the local
         copy changed (a disk problem on this node), not the object in the bucket. The copy is dropped."""
-        shard = int(self._shard[index])
+        shard = self.shard_of(index)
         staged = self.remote.shard_dir / f"{self.shard_table.entry(shard)['sha256']}.tar"
         staged.unlink(missing_ok=True)
         if (fd := self._files.pop(shard, None)) is not None:
@@ -314,46 +366,47 @@ class CacheReader:
         )
 
     def shard_of(self, index: int) -> int:
-        return int(self._shard[index])
+        return self._index.shard(index)
 
     @property
     def shards(self) -> np.ndarray:
         """(N,) int32: each sample's shard."""
-        return self._shard
+        return self._index.shards()
 
     def samples_in(self, shards: list[int]) -> np.ndarray:
         """Global indices of the samples of these shards, in cache order."""
-        return np.flatnonzero(np.isin(self._shard, shards))
+        return self._index.samples_in(shards)
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_files": {}}
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self._index)
 
     def key(self, index: int) -> str:
-        return self._keys[index].decode()
+        return self._index.key(index).decode()
 
     def keys(self) -> list[str]:
-        return [k.decode() for k in self._keys]
+        return [k.decode() for k in self._index.keys()]
 
     def keys_digest(self) -> str:
-        """sha256 (16 hex digits) of the sample keys in cache order: what the indices of a data order refer to."""
-        return hashlib.sha256(b"\n".join(self._keys.tolist())).hexdigest()[:16]
+        """sha256 (16 hex digits) of the sample keys in cache order: what the indices of a data order refer to. A
+        cache read a part at a time: of its parts' sha256s, which hold the keys (sample_index.Lazy.digest)."""
+        if self.lazy:
+            return self._index.digest()
+        return hashlib.sha256(b"\n".join(self._index.keys().tolist())).hexdigest()[:16]
 
     def member_names(self) -> list[str]:
         """Every member name some sample in the cache has."""
-        return list(self._names)
+        return list(self._index.names)
 
     def raw(self, index: int) -> dict[str, bytes]:
         """The sample's wanted members' bytes, each checked against its recorded crc32 (raises CacheDamaged)."""
-        shard = int(self._shard[index])
-        spans = self._spans[index].tolist()
-        crcs = self._crc[index].tolist()
+        shard = self.shard_of(index)
         wanted = sorted(
-            (*span, name, crc)
-            for name, span, crc in zip(self._names, spans, crcs)
-            if span[0] >= 0 and (self.members is None or name in self.members or name in (CAPTION, META))
+            m
+            for m in self._index.members(index)
+            if self.members is None or m[2] in self.members or m[2] in (CAPTION, META)
         )
         runs = _runs(wanted, self.READ_GAP)
         fd = self._files.get(shard)

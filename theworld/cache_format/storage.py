@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from theworld.cache_format import index
+from theworld.cache_format import index, sample_index
 from theworld.cache_format.layout import (
+    REBUILD_MANIFEST,
     REMOTE_INDEX,
     atomic_write_bytes,
     error_path,
@@ -339,6 +340,9 @@ class RemoteCache:
             n = len(shards) if isinstance(shards, list) else int(m.get("num_shards", 0))
         except (ValueError, AttributeError, RecursionError, TypeError):
             return self.local  # load_manifest says what is wrong with it
+        if _lazy(m):  # the shard table now, each part when a sample of it is read (index_part)
+            self._keep(m["shard_table"]["path"], self.read(m["shard_table"]["path"]))
+            return self.local
         indexed = self._fetch_shard_index(parts) if isinstance(parts, list) else set()
         for p in (self.local / SHARDS).glob("shard-*.json"):
             if p.stem[6:].isdigit() and int(p.stem[6:]) in indexed:
@@ -389,6 +393,25 @@ class RemoteCache:
             atomic_write_bytes(folder / Path(name).name, data)
             covered.update(range(*entry["shards"]))
         return covered
+
+    def index_part(self, entry: dict) -> Path:
+        """The node's copy of a shard index part (sample_index.Lazy), named by its sha256 so a rewritten cache never
+        reads a stale one: downloaded by the first process of the node that needs it, under a lock, and memory-mapped
+        by all of them."""
+        folder = self.local / REMOTE_INDEX
+        make_dir(folder)
+        path = folder / f"{entry['sha256']}{index.SUFFIX}"
+        if path.is_file() and path.stat().st_size == entry["bytes"]:
+            return path
+        with _locked(folder / f".{entry['sha256']}.lock"):
+            if not (path.is_file() and path.stat().st_size == entry["bytes"]):
+                data = self.read(entry["path"])
+                if data is None:
+                    raise UserError(
+                        f"{self.object_url(entry['path'])}: shard index part is missing; {REBUILD_MANIFEST}"
+                    )
+                atomic_write_bytes(path, data)  # its sha256 is checked as it is loaded
+        return path
 
     def read_many(self, names: list[str]) -> dict[str, bytes | None]:
         """{name: bytes, or None when there is no such object} of many small objects, CONNECTIONS requests at a
@@ -809,6 +832,8 @@ class RemoteWriter:
         """The shard index and errors.jsonl, then the manifest last: its object's presence means the cache is
         complete."""
         parts = [e["path"] for e in _json_field(self.out / MANIFEST, "shard_index") or []]
+        if isinstance(table := _json_field(self.out / MANIFEST, "shard_table"), dict):
+            parts.append(table["path"])
         with ThreadPoolExecutor(min(CONNECTIONS, len(parts) + 1)) as pool:
             list(pool.map(lambda name: self.remote.put(self.out / name, name), [*parts, ERRORS]))
         self.remote.put(self.out / MANIFEST, MANIFEST)
@@ -816,6 +841,13 @@ class RemoteWriter:
     def incomplete(self) -> None:
         """A shard is to be (re)done: the cache is not complete any more."""
         self.remote.delete(MANIFEST)
+
+
+def _lazy(m: dict) -> bool:
+    try:
+        return sample_index.is_lazy(m)
+    except (TypeError, KeyError, AttributeError):
+        return False  # load_manifest says what is wrong with it
 
 
 def _read(path: Path) -> bytes | None:

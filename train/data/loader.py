@@ -24,7 +24,7 @@ from train.data.batches import Collate, Packing, encode_texts
 from train.data.cache import InputSources, mixture_draw, text_only
 from train.data.flip import swap_left_right
 from train.data.mixture import Draw, MixedReader, partner_groups
-from train.data.order import LengthGroups, bucket_ids, eval_partners, flip_of, rank_indices, shard_ids
+from train.data.order import LengthGroups, bucket_ids, eval_partners, flip_of, rank_indices, seed_of, shard_ids
 from train.preempt import ignore_in_workers
 
 _log = log.get(__name__)
@@ -199,11 +199,14 @@ class DataContext:
         with text_only(reader):
             first = reader.sample(train[0], tensors=False)
         encode_texts(formatter, [first.turns])  # a prompt over max_length: an error before any worker
-        truncation = truncation_report(formatter, reader, train) if formatter.max_length else ""
+        large = getattr(reader, "lazy", False)  # a cache read a part at a time: no pass over every sample's text
+        truncation = ""
+        if formatter.max_length:
+            drawn = text_sample(train, cfg.seed) if large else train
+            truncation = truncation_report(formatter, reader, drawn, of=len(train) if large else None)
         loader = cfg.train.loader
-        groups = (
-            LengthGroups(*sample_lengths(formatter, reader), loader.group_window) if loader.group_by_length else None
-        )
+        lengths = (lambda: index_lengths(reader)) if large else (lambda: sample_lengths(formatter, reader))
+        groups = LengthGroups(*lengths(), loader.group_window) if loader.group_by_length else None
         return cls(
             reader,
             inputs,
@@ -251,9 +254,31 @@ class DataContext:
         )
 
 
-def truncation_report(formatter: ChatFormatter, reader: cf.CacheReader, indices: np.ndarray, chunk: int = 1024) -> str:
+TEXT_SAMPLE = 1024  # training samples a large cache's truncation report reads: ~20 s of requests at 20 ms each
+
+
+def text_sample(train: np.ndarray, seed: int) -> np.ndarray:
+    """TEXT_SAMPLE of the training samples, drawn by the run seed, in cache order."""
+    if len(train) <= TEXT_SAMPLE:
+        return train
+    g = torch.Generator().manual_seed(seed_of("text-sample", seed))
+    return np.sort(np.asarray(train)[torch.randperm(len(train), generator=g)[:TEXT_SAMPLE].numpy()])
+
+
+def index_lengths(reader: cf.CacheReader) -> tuple[np.ndarray, np.ndarray]:
+    """What group_by_length sorts a large cache by, read from its shard table rather than its tars: each sample's
+    caption and json bytes (a stand-in for its token length: the same order up to the tokenizer's bytes per token)
+    and one image a sample (what every precomputed sample has)."""
+    lengths = reader.text_bytes()  # uint16, and the images a broadcast: 2 bytes a sample in all
+    return lengths, np.broadcast_to(np.uint8(1), lengths.shape)
+
+
+def truncation_report(
+    formatter: ChatFormatter, reader: cf.CacheReader, indices: np.ndarray, chunk: int = 1024, of: int | None = None
+) -> str:
     """The start line on what train.loader.max_length does to the samples at `indices`: conversations that lose whole
-    turns from their end, and samples whose (first) answer is cut. Reads and tokenises every sample's text once."""
+    turns from their end, and samples whose (first) answer is cut. Reads and tokenises every sample's text once.
+    `of`: `indices` are a draw from this many training samples (a large cache), which the line says."""
     shortened = dropped_turns = cut = 0
     with text_only(reader):
         for lo in range(0, len(indices), chunk):
@@ -269,6 +294,7 @@ def truncation_report(formatter: ChatFormatter, reader: cf.CacheReader, indices:
         f"train.loader.max_length {formatter.max_length}: {shortened} conversation(s) shortened ({dropped_turns} "
         f"turn(s) dropped from their ends), {cut} sample(s) with the first answer cut, of {len(indices)} training "
         "samples"
+        + (f" (a draw from the {of} of this cache, which is too large to read every text at start)" if of else "")
     )
 
 

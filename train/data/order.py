@@ -102,7 +102,8 @@ class LengthGroups:
         out = np.empty_like(samples)
         for lo in range(0, n, self.window):
             chunk = samples[lo : lo + self.window].reshape(-1)
-            by_length = chunk[np.lexsort((-self.lengths[chunk], self.images[chunk]))].reshape(-1, g)
+            # int64 before negating: a large cache's lengths are uint16 (loader.index_lengths)
+            by_length = chunk[np.lexsort((-self.lengths[chunk].astype(np.int64), self.images[chunk]))].reshape(-1, g)
             shuffle = _permutation(len(by_length), seed_of("group", seed, bucket, lo), epoch)
             out[lo : lo + self.window] = by_length[shuffle]
         return out

@@ -6,13 +6,16 @@ request-logging proxy."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from safetensors.numpy import save as st_save
 
 from tests.theworld.cache_format.conftest import BUCKET, as_format_3
 from tests.theworld.cache_format.test_storage import _put_tree, members_by_key
@@ -285,3 +288,78 @@ def test_a_manifest_list_that_departs_from_the_index_is_one_line(tmp_path, edit)
         cf.CacheReader(folder).check_consistency()
     want = "lists 2 shards, its shard index 3" if edit == "fewer" else "shards[1] differs from the shard index"
     assert want in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def _wide(part: index.Part) -> bytes:
+    """A part as format 4 first wrote it: int64 spans and crc32 (-1: absent, none recorded), int32 (N, 4) shapes."""
+    width = max(part.keys.dtype.itemsize, 1)
+    tensors = {
+        "count": part.count,
+        "bytes": part.bytes,
+        "sha256": part.sha256,
+        "text_rule": part.text_rule.astype(np.int32),
+        "keys": np.frombuffer(part.keys.astype(f"S{width}").tobytes(), dtype=np.uint8).reshape(-1, width),
+        "spans": part.spans,
+        "crc32": part.crc32,
+        "latent_shape": part.latent_shape,
+    }
+    meta = {"index": json.dumps({"first": part.first, "names": part.names, "rules": part.rules}, sort_keys=True)}
+    return st_save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata=meta)
+
+
+def _odd_sidecars(tar_bytes: int) -> list[dict]:
+    """Two shards whose samples differ in members, checksums and latent shapes."""
+
+    def sample(k: int, members: dict, crc: dict, hw: int) -> dict:
+        return {"key": f"k{k}", "members": members, "crc32": crc, "latent_shape": [16, 1, hw, hw]}
+
+    samples = [
+        sample(0, {"txt": [512, 3], "json": [1024, 9]}, {"txt": 0xFFFFFFFF, "json": 0}, 2),
+        sample(1, {"txt": [2048, 4], "json": [3072, 5], "image": [4096, 100]}, {"txt": 7}, 4),  # json, image: none
+        sample(2, {"txt": [512, 3], "json": [1024, 9]}, {"txt": 1, "json": 2}, 2),
+    ]
+    sha = "ab" * 32
+    return [
+        {"count": 2, "bytes": tar_bytes, "sha256": sha, "text_rule": "r1", "samples": samples[:2]},
+        {"count": 1, "bytes": 8192, "sha256": sha, "samples": samples[2:]},
+    ]
+
+
+@pytest.mark.parametrize("tar_bytes", [8192, 5 << 30])
+def test_a_part_is_written_narrow_and_reads_back_the_same_records(tar_bytes):
+    part = index.build(_odd_sidecars(tar_bytes), 7)
+    data = index.encode(part)
+    head = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+    # uint32 spans while every tar is under 4 GiB (a larger one keeps the part's spans int64), uint32 crc32 with a
+    # mask for the members without one, one latent shape id a sample
+    assert head["spans"]["dtype"] == ("U32" if tar_bytes < 1 << 32 else "I64")
+    assert (head["crc32"]["dtype"], head["crc32_missing"]["shape"]) == ("U32", [3, 3])
+    assert (head["latent_shapes"]["shape"], head["latent_shape_id"]["dtype"]) == ([2, 4], "U8")
+    back = index.decode_unchecked(data)
+    for name in ("count", "bytes", "sha256", "text_rule", "keys", "spans", "crc32", "latent_shape"):
+        np.testing.assert_array_equal(getattr(back, name), getattr(part, name), err_msg=name)
+    assert (back.first, back.names, back.rules) == (7, part.names, part.rules)
+    assert [index.sidecar(back, i) for i in (7, 8)] == [index.sidecar(part, i) for i in (7, 8)]
+    assert back.crc32[0, part.names.index("txt")] == 0xFFFFFFFF  # a real crc32, not the "none" of a uint32
+
+
+def test_a_part_of_one_latent_shape_and_full_checksums_holds_neither_ids_nor_a_mask(tmp_path):
+    folder = _cache(tmp_path / "c", 2)
+    data = (folder / json.loads((folder / cf.MANIFEST).read_text())["shard_index"][0]["path"]).read_bytes()
+    head = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+    assert "latent_shape_id" not in head and "crc32_missing" not in head and head["latent_shapes"]["shape"] == [1, 4]
+
+
+def test_a_cache_whose_parts_are_format_4_as_first_written_still_opens(tmp_path):
+    """Parts written wide (int64 spans and crc32, a shape per sample) before the narrow layout read the same."""
+    folder = _cache(tmp_path / "c", 3)
+    want = members_by_key(cf.CacheReader(folder))
+    manifest = json.loads((folder / cf.MANIFEST).read_text())
+    for e in manifest["shard_index"]:
+        data = _wide(index.decode_unchecked((folder / e["path"]).read_bytes()))
+        (folder / e["path"]).write_bytes(data)
+        e["bytes"], e["sha256"] = len(data), hashlib.sha256(data).hexdigest()
+    (folder / cf.MANIFEST).write_text(json.dumps(manifest))
+    reader = cf.CacheReader(folder)
+    assert members_by_key(reader) == want and reader.checksummed and reader.latent_hw.tolist() == [[2, 2]] * 6
+    reader.check_consistency()

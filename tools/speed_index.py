@@ -1,0 +1,209 @@
+"""Shard index size and open cost at DataComp-1B's scale: bytes per sample of a part (as format 4 first wrote it, and
+narrow), then a synthetic index of --shards shards of 1,024 samples (DataComp-1B's shard size) built with
+index.write_parts (no precompute, no tars), opened the way a training process opens it: time and Python-heap memory
+(tracemalloc, which numpy reports to; memory-mapped pages are the node's page cache, shared) to open, and to read the
+first sample of one part. Extrapolated to DataComp-1B (1,367,188 shards, 1.4B samples).
+
+    python -m tools.speed_index [--shards 16384] [--whole-shards 4096] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from theworld import cache_format as cf
+from theworld.cache_format import index, sample_index
+from theworld.cache_format.names import CAPTION, LATENT, META
+
+PER_SHARD = 1024
+DATACOMP_SHARDS = 1_367_188
+# the members of the DataComp-1B plan's cache (docs/precompute.md: no images, no SigLIP): a caption, its json, a latent
+MEMBERS = {CAPTION: 60, META: 180, LATENT: 262_300}
+
+
+def _shard_sidecar(i: int) -> dict:
+    """One shard's sidecar: 1,024 samples keyed by a 32-hex-digit uid as DataComp's, members laid out as a tar has
+    them (512-byte headers, sizes rounded up to 512)."""
+    samples, offset = [], 0
+    for j in range(PER_SHARD):
+        members, crc = {}, {}
+        for name, size in sorted(MEMBERS.items()):
+            offset += 512
+            members[name] = [offset, size + j % 7]
+            crc[name] = (i * 7919 + j * 104729 + len(name)) & 0xFFFFFFFF
+            offset += -(-(size + j % 7) // 512) * 512
+        uid = hashlib.md5(f"{i}-{j}".encode()).hexdigest()
+        samples.append({"key": uid, "members": members, "crc32": crc, "latent_shape": [16, 1, 32, 32]})
+    return {
+        "count": PER_SHARD,
+        "bytes": offset + 1024,
+        "sha256": hashlib.sha256(str(i).encode()).hexdigest(),
+        "text_rule": "gemma3-control-v1",
+        "samples": samples,
+    }
+
+
+def _parts(n_shards: int) -> Iterator[index.Part]:
+    """index.SHARDS_PER_INDEX shards a part: one shard's arrays built from its sidecar, tiled, each shard's keys and
+    sha256 made its own (no Python step per sample)."""
+    one = index.build([_shard_sidecar(0)], 0)
+    for lo in range(0, n_shards, index.SHARDS_PER_INDEX):
+        s = min(index.SHARDS_PER_INDEX, n_shards - lo)
+        keys = np.tile(one.keys.view(np.uint8).reshape(PER_SHARD, -1), (s, 1))
+        keys[:, :8] = np.frombuffer(  # the first 8 hex digits: the shard's number, so every key differs
+            np.repeat(np.char.encode(np.char.zfill(np.arange(lo, lo + s).astype(str), 8)), PER_SHARD).tobytes(),
+            np.uint8,
+        ).reshape(-1, 8)
+        sha = np.frombuffer(b"".join(hashlib.sha256(str(i).encode()).digest() for i in range(lo, lo + s)), np.uint8)
+        yield index.Part(
+            first=lo,
+            count=np.full(s, PER_SHARD, np.int64),
+            bytes=np.full(s, int(one.bytes[0]), np.int64),
+            sha256=sha.reshape(s, 32),
+            text_rule=np.zeros(s, np.int32),
+            rules=one.rules,
+            keys=keys.view(one.keys.dtype).reshape(-1),
+            names=one.names,
+            spans=np.tile(one.spans, (s, 1, 1)),
+            crc32=np.tile(one.crc32, (s, 1)),
+            latent_shape=np.tile(one.latent_shape, (s, 1)),
+        )
+
+
+def part_bytes() -> dict:
+    """Bytes per sample of a part of one 1,024-sample shard, wide (format 4 as first written: its arrays) and narrow."""
+    part = index.build([_shard_sidecar(0)], 0)
+    wide = sum(getattr(part, k).nbytes for k in ("keys", "spans", "crc32", "latent_shape"))
+    narrow = index.encode(part)
+    table = index.encode_table([index.Summary.of(part)])
+    return {
+        "members": len(part.names),
+        "key_bytes": part.keys.dtype.itemsize,
+        "wide_per_sample": round(wide / PER_SHARD, 1),
+        "narrow_part_per_sample": round(len(narrow) / PER_SHARD, 1),
+        "table_per_sample": round(len(table) / PER_SHARD, 2),
+    }
+
+
+def _write(folder: Path, n_shards: int) -> None:
+    folder.mkdir(parents=True)
+    fields = index.write_parts(folder, _parts(n_shards))
+    manifest = {
+        "format_version": cf.FORMAT_VERSION,
+        "num_samples": n_shards * PER_SHARD,
+        "num_errors": 0,
+        "latent_shape": [16, 1, 32, 32],
+        "latent_shapes": [{"shape": [16, 1, 32, 32], "count": n_shards * PER_SHARD}],
+        "latent_dtype": "bfloat16",
+        "contents": {},
+        "num_shards": n_shards,
+        "bytes": n_shards * int(_shard_sidecar(0)["bytes"]),
+        "fingerprint": {},
+        **fields,
+    }
+    (folder / cf.MANIFEST).write_text(json.dumps(manifest))
+    (folder / cf.ERRORS).write_text("")
+
+
+def _measured(fn):
+    tracemalloc.start()
+    t = time.perf_counter()
+    out = fn()
+    seconds = time.perf_counter() - t
+    current, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return out, round(seconds, 3), round(current / 2**20, 3), round(peak / 2**20, 1)
+
+
+def open_case(folder: Path, lazy: bool) -> dict:
+    saved = sample_index.LAZY_BYTES
+    sample_index.LAZY_BYTES = 0 if lazy else 1 << 62
+    try:
+        reader, seconds, held, peak = _measured(lambda: cf.CacheReader(folder))
+        _, first_s, _, part_peak = _measured(lambda: reader._index.members(len(reader) - 1))
+    finally:
+        sample_index.LAZY_BYTES = saved
+    index_bytes = sum(e["bytes"] for e in reader.manifest["shard_index"])
+    table = reader.manifest["shard_table"]["bytes"]
+    return {
+        "shards": reader.manifest["num_shards"],
+        "samples": len(reader),
+        "index_bytes": index_bytes,
+        "table_bytes": table,
+        "open_s": seconds,
+        "open_held_mb": held,
+        "open_peak_mb": peak,
+        "first_sample_of_a_part_s": first_s,
+        "part_load_peak_mb": part_peak,
+    }
+
+
+def run(n_shards: int, whole_shards: int) -> dict:
+    report = {"part": part_bytes()}
+    with tempfile.TemporaryDirectory() as tmp:
+        _write(Path(tmp) / "lazy", n_shards)
+        report["lazy"] = open_case(Path(tmp) / "lazy", True)
+        if whole_shards:
+            _write(Path(tmp) / "whole", whole_shards)
+            report["whole"] = open_case(Path(tmp) / "whole", False)
+    lazy, per = report["lazy"], report["part"]
+    scale = DATACOMP_SHARDS / lazy["shards"]
+    report["datacomp"] = {
+        "shards": DATACOMP_SHARDS,
+        "samples": DATACOMP_SHARDS * PER_SHARD,
+        "wide_index_gb": round(per["wide_per_sample"] * DATACOMP_SHARDS * PER_SHARD / 1e9, 1),
+        "narrow_index_gb": round(lazy["index_bytes"] * scale / 1e9, 1),
+        "table_gb": round(lazy["table_bytes"] * scale / 1e9, 2),
+        "open_held_mb": round(lazy["open_held_mb"] * scale, 1),
+        "open_s_local": round(lazy["open_s"] * scale, 1),
+    }
+    return report
+
+
+def _table(r: dict) -> str:
+    p, lz, d = r["part"], r["lazy"], r["datacomp"]
+    lines = [
+        f"part of 1,024 samples ({p['members']} members, {p['key_bytes']}-byte keys): {p['wide_per_sample']} bytes a "
+        f"sample as format 4 first wrote it, {p['narrow_part_per_sample']} narrow; shard table "
+        f"{p['table_per_sample']} bytes a sample",
+    ]
+    for name in ("lazy", "whole"):
+        if o := r.get(name):
+            lines.append(
+                f"{name:>5}: {o['shards']} shards, {o['samples']} samples, parts {o['index_bytes'] / 1e9:.2f} GB, "
+                f"table {o['table_bytes'] / 1e6:.1f} MB: open {o['open_s']:.2f} s holding {o['open_held_mb']} MB "
+                f"(peak {o['open_peak_mb']} MB); first sample of a part {o['first_sample_of_a_part_s']:.2f} s "
+                f"(peak {o['part_load_peak_mb']} MB)"
+            )
+    lines.append(
+        f"DataComp-1B ({d['shards']} shards, {d['samples']} samples): index {d['wide_index_gb']} GB wide, "
+        f"{d['narrow_index_gb']} GB narrow (loaded a part at a time); shard table {d['table_gb']} GB; open holds "
+        f"~{d['open_held_mb']:.0f} MB a process besides the mapped table (lazy x {d['shards'] / lz['shards']:.1f})"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tools.speed_index", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shards", type=int, default=16384, help="shards of 1,024 samples in the lazily opened index")
+    p.add_argument("--whole-shards", type=int, default=4096, help="shards of the index opened whole (0: skip)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    if args.shards < 1 or args.whole_shards < 0:
+        p.error("--shards must be at least 1 and --whole-shards at least 0")
+    report = run(args.shards, args.whole_shards)
+    print(json.dumps(report, indent=1) if args.json else _table(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
