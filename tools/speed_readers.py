@@ -292,8 +292,18 @@ def _proxy_serve(upstream: int, latency_ms: float, bandwidth: float, port, count
     server.serve_forever()
 
 
+class Counts:
+    """The proxy's counters: counts() -> (requests, body bytes) so far; handed to a reader's own process."""
+
+    def __init__(self, shared):
+        self.shared = shared
+
+    def __call__(self) -> tuple[int, int]:
+        return self.shared[0], self.shared[1]
+
+
 @contextlib.contextmanager
-def latency_proxy(latency_ms: float, bandwidth_mbps: float = 0) -> Iterator[Callable[[], tuple[int, int]]]:
+def latency_proxy(latency_ms: float, bandwidth_mbps: float = 0) -> Iterator[Counts]:
     """AWS_ENDPOINT_URL through a proxy process holding each request `latency_ms`; yields counts() -> (requests,
     bytes) so far."""
     upstream = int(os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
@@ -307,7 +317,7 @@ def latency_proxy(latency_ms: float, bandwidth_mbps: float = 0) -> Iterator[Call
     saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "S3_ENDPOINT_URL")}
     os.environ["AWS_ENDPOINT_URL"] = os.environ["S3_ENDPOINT_URL"] = f"http://127.0.0.1:{port.value}"
     try:
-        yield lambda: (counts[0], counts[1])
+        yield Counts(counts)
     finally:
         proc.terminate()
         proc.join(10)
@@ -408,6 +418,75 @@ def _time_epochs(make: Callable[[], Iterable], counts: Callable[[], tuple[int, i
     return out
 
 
+def _ours(url: str, local: str, window: int) -> Callable[[], Iterable]:
+    from train.data import cache, loader  # noqa: F401 - imported before the clock starts, as the peers' are
+
+    processor = _processor()
+    return lambda: _Batches(_train_config(url, local, window), processor)
+
+
+def _wds_stream(urls: list[str]) -> Callable[[], Iterable]:
+    import webdataset as wds
+
+    def make():
+        ds = wds.WebDataset(urls, shardshuffle=False, nodesplitter=wds.split_by_node)
+        ds = ds.map(lambda s: _same_decode(s["__key__"], s)).batched(BATCH, collation_fn=list)
+        return DataLoader(ds, batch_size=None, num_workers=1)
+
+    return make
+
+
+def _mosaic(remote: str, local: str) -> Callable[[], Iterable]:
+    base = _streaming_base()
+
+    def make():
+        ds = base.StreamingDataset(remote=remote, local=local, shuffle=False, batch_size=BATCH)
+
+        class Decoded(IterableDataset):
+            def __iter__(self):
+                return (_same_decode(s["__key__"], s) for s in ds)
+
+        return _loader(Decoded())
+
+    return make
+
+
+READERS = {"theworld": _ours, "webdataset": _wds_stream, "streaming": _mosaic}
+
+
+def _reader_epochs(name: str, args: tuple, counts: Counts, conn, scratch: str) -> None:
+    """A reader's process: its imports (and for ours the tokenizer's processor) before the clock starts, then
+    `_time_epochs`; sends the figures, or the error's text. `scratch`: the run's temporary folder (`_scratch`)."""
+    tempfile.tempdir = scratch
+    multiprocessing.set_start_method("fork", force=True)  # a spawned process inherits spawn: not a user's default
+    try:
+        conn.send(_time_epochs(READERS[name](*args), counts))
+    except BaseException as e:  # noqa: BLE001 - reported by the parent, which would otherwise wait
+        conn.send(f"{name}: {type(e).__name__}: {e}")
+        raise
+
+
+def _in_own_process(name: str, args: tuple, counts: Counts) -> dict:
+    """`_reader_epochs` in a new interpreter (spawned): each reader's first batch pays the same first-time costs of
+    a process (its S3 client, torch's shared-memory manager, its DataLoader worker), none inherited from a reader
+    measured before it."""
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_reader_epochs, args=(name, args, counts, theirs, tempfile.gettempdir()))
+    proc.start()
+    theirs.close()
+    try:
+        got = ours.recv()
+    except EOFError:
+        got = None
+    proc.join()
+    if got is None:
+        got = f"{name}: its process exited with status {proc.exitcode} before reporting"
+    if isinstance(got, str):
+        raise RuntimeError(got)
+    return got
+
+
 def latency_run(cache: Path, latencies: list[float], bandwidth_mbps: float) -> dict:
     manifest = cf.load_manifest(cache)
     shards = manifest["num_shards"]
@@ -422,32 +501,14 @@ def latency_run(cache: Path, latencies: list[float], bandwidth_mbps: float) -> d
                     fs.sign(f"bench/cache/{e['path']}", expiration=3600)
                     for e in cf.shard_table(cache, manifest).entries()
                 ]
-
-                def ours(tmp=tmp):
-                    return _Batches(_train_config(url, tmp + "/o", window=max(1, shards // 4)), processor)
-
-                def wds_stream(urls=http_urls):
-                    import webdataset as wds
-
-                    ds = wds.WebDataset(urls, shardshuffle=False, nodesplitter=wds.split_by_node)
-                    ds = ds.map(lambda s: _same_decode(s["__key__"], s)).batched(BATCH, collation_fn=list)
-                    return DataLoader(ds, batch_size=None, num_workers=1)
-
-                def mosaic(tmp=tmp):
-                    base = _streaming_base()
-                    ds = base.StreamingDataset(
-                        remote="s3://bench/mds", local=tmp + "/m", shuffle=False, batch_size=BATCH
-                    )
-
-                    class Decoded(IterableDataset):
-                        def __iter__(self):
-                            return (_same_decode(s["__key__"], s) for s in ds)
-
-                    return _loader(Decoded())
-
+                args = {
+                    "theworld": (url, tmp + "/o", max(1, shards // 4)),
+                    "webdataset": (http_urls,),
+                    "streaming": ("s3://bench/mds", tmp + "/m"),
+                }
                 row = {"latency_ms": ms}
-                for name, make in (("theworld", ours), ("webdataset", wds_stream), ("streaming", mosaic)):
-                    row[name] = _time_epochs(make, counts)
+                for name in READERS:
+                    row[name] = _in_own_process(name, args[name], counts)
                 report["rows"].append(row)
         probe = next((x for x in latencies if x > 0), latencies[-1])
         with latency_proxy(probe, bandwidth_mbps) as counts:
