@@ -27,7 +27,14 @@ samples/s, time to the first batch, requests and bytes per epoch, for the projec
 builds it (train.data.cache.open_cache, DataContext.build, build_train_loader: its worker, the windowed order with
 `storage.shuffle_window` a quarter of the shards, read-ahead at its default, the tokenising collate, the tiny model's
 processor), webdataset's pipeline streaming the shards (no cache_dir) and MosaicML Streaming at its documented
-settings (batch_size given); the peers decode each sample's caption, json and latents. litdata is not measured: its
+settings (batch_size given); the peers decode each sample's caption, json and latents. Each reader runs in a spawned
+process of its own with its imports (and our processor) loaded before the clock starts; the first batch is timed from
+"make a loader over the URL" to "its first batch in hand": ours: opening the cache (manifest, errors, run record,
+shard index, the shards' listing), DataContext.build (one sample's text as a byte range), torch's shared-memory
+manager started and the first shards staged, its worker forked, decoding, tokenising and collating 32 samples;
+webdataset: its DataLoader's worker forked, a curl per shard streaming the first tar, 32 samples decoded;
+Streaming: StreamingDataset made (its index.json downloaded), its worker forked, the first shard downloaded, 32
+samples decoded. litdata is not measured: its
 wheel needs another torch than this project's lock. Then, at the first non-zero latency: bytes one epoch of the
 training loader downloads when the shard cache holds a quarter of the cache (windowed and global order); data_overhead
 of training the tiny model for a whole epoch from a cold shard cache (the epoch's wall time, opening included, over

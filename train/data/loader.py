@@ -320,7 +320,7 @@ def stage_first(read_ahead: ReadAhead, positions: np.ndarray, workers: int) -> I
     worker's first batch then reads staged shards (their sha256 checked here) instead of waiting for its own S3
     client and download. At most 1 + storage.prefetch_shards shards per worker, that many at once (the downloads
     read-ahead would make); a failure is left to the worker's read, which retries it and reports."""
-    shards = read_ahead.first(positions, workers * (1 + read_ahead.depth))
+    shards = read_ahead.first(positions, workers * (1 + read_ahead.depth)) if len(positions) else []
     if not shards:
         yield
         return
@@ -338,14 +338,17 @@ def _start_shm_manager() -> None:
     torch.empty(1, dtype=torch.uint8).share_memory_()
 
 
-def _loader(cfg, ctx: DataContext, dataset, **kw) -> DataLoader:
+def _loader(cfg, ctx: DataContext, dataset, stage_first_shards: bool = False, **kw) -> DataLoader:
     workers = cfg.train.loader.num_workers
     if workers:
         # The main process then maps a batch's shared memory by name. The default strategy (file descriptors) asks
         # the worker process for each descriptor over a socket when the batch is received: a round trip that waits
         # for the worker to be scheduled, on the training step's time (docs/performance.md).
         torch.multiprocessing.set_sharing_strategy("file_system")
-        with stage_first(dataset.read_ahead, _first_positions(dataset, workers, kw), workers):
+        # a training loader's first batches wait for their shards; an eval loader (built at the start, used later)
+        # leaves its shards to its workers
+        first = np.arange(min(len(dataset), workers * kw["batch_size"])) if stage_first_shards else []
+        with stage_first(dataset.read_ahead, first, workers):
             _start_shm_manager()
     packing = (
         Packing(cfg.train.loader.pack_length, cfg.world.pool, 1 + cfg.world.num_world_steps)
@@ -361,13 +364,6 @@ def _loader(cfg, ctx: DataContext, dataset, **kw) -> DataLoader:
         worker_init_fn=_worker_init if workers else None,
         **kw,
     )
-
-
-def _first_positions(dataset: CacheDataset, workers: int, kw: dict) -> np.ndarray:
-    """The dataset positions of each worker's first batch (worker w loads batch w first)."""
-    if "batch_sampler" in kw:
-        return np.array([p for batch in kw["batch_sampler"][:workers] for p in batch], dtype=np.int64)
-    return np.arange(min(len(dataset), workers * kw["batch_size"]))
 
 
 def build_train_loader(cfg, ctx: DataContext, rank: int, world_size: int, epoch: int, start: int = 0) -> DataLoader:
@@ -387,7 +383,8 @@ def build_train_loader(cfg, ctx: DataContext, rank: int, world_size: int, epoch:
         shards=shard_ids(ctx.reader)[samples] if window else None,
         window=window,
     )
-    return _loader(cfg, ctx, ctx.dataset(cfg, idx, epoch), batch_size=cfg.train.micro_batch_size, shuffle=False)
+    dataset = ctx.dataset(cfg, idx, epoch)
+    return _loader(cfg, ctx, dataset, True, batch_size=cfg.train.micro_batch_size, shuffle=False)
 
 
 def build_eval_loader(cfg, ctx: DataContext, rank: int, world_size: int) -> DataLoader:
