@@ -18,7 +18,7 @@ train/data/order.py's
 order is a function of seed, epoch and step; Streaming: its state_dict); webdataset's pipeline has no such state.
 The cache is built once with the precompute CLI under --root (as tools.speed_train does), or given with --cache.
 
-    python -m tools.speed_readers --latency 0,20,80 [--bandwidth-mbps B] [--samples N] [--json]
+    python -m tools.speed_readers --latency 0,20,80 [--rows-only] [--bandwidth-mbps B] [--samples N] [--json]
 
 The latency case puts a proxy, in a process of its own, in front of the S3 server: it holds each request the given
 milliseconds before forwarding it (and can cap each answer's bandwidth), and counts requests and bytes. For each
@@ -494,7 +494,7 @@ def _in_own_process(name: str, args: tuple, counts: Counts) -> dict:
     return got
 
 
-def latency_run(cache: Path, latencies: list[float], bandwidth_mbps: float) -> dict:
+def latency_run(cache: Path, latencies: list[float], bandwidth_mbps: float, rows_only: bool = False) -> dict:
     manifest = cf.load_manifest(cache)
     shards = manifest["num_shards"]
     report: dict = {"samples": manifest["num_samples"], "shards": shards, "bandwidth_mbps": bandwidth_mbps, "rows": []}
@@ -517,6 +517,8 @@ def latency_run(cache: Path, latencies: list[float], bandwidth_mbps: float) -> d
                 for name in READERS:
                     row[name] = _in_own_process(name, args[name], counts)
                 report["rows"].append(row)
+        if rows_only:
+            return report
         probe = next((x for x in latencies if x > 0), latencies[-1])
         with latency_proxy(probe, bandwidth_mbps) as counts:
             report["budget"] = _budget_bytes(url, manifest, counts, processor)
@@ -692,6 +694,8 @@ def _latency_table(r: dict) -> str:
                 f"{row['latency_ms']:>6g}ms {name:<11} {c['samples_per_s']:>8.1f} {w['samples_per_s']:>8.1f} "
                 f"{c['first_batch_s']:>11.3f} {c['requests']:>9} {c['bytes'] / 1e6:>7.1f}"
             )
+    if "budget" not in r:  # --rows-only
+        return "\n".join(lines)
     b = r["budget"]
     lines.append(
         f"shard cache = 1/4 of the cache, {r['probe_latency_ms']:g} ms: one epoch downloads {b['windowed']}x the "
@@ -719,6 +723,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache", help="read this local cache instead of building one")
     p.add_argument("--json", action="store_true", help="print the figures as JSON alone")
     p.add_argument("--latency", help="the latency case: milliseconds per request, comma-separated (e.g. 0,20,80)")
+    p.add_argument(
+        "--rows-only", action="store_true", help="the latency case's rows alone (no budget, cold-epoch or open cases)"
+    )
     p.add_argument("--bandwidth-mbps", type=float, default=0.0, help="the latency case's cap per answer (0: none)")
     p.add_argument(
         "--open-latency",
@@ -743,7 +750,7 @@ def main(argv: list[str] | None = None) -> int:
             latencies = [float(x) for x in args.latency.split(",")]
         except ValueError:
             p.error(f"--latency {args.latency}: give milliseconds, comma-separated (e.g. 0,20,80)")
-        report = latency_run(cache, latencies, args.bandwidth_mbps)
+        report = latency_run(cache, latencies, args.bandwidth_mbps, args.rows_only)
         print(json.dumps(report, indent=1) if args.json else _latency_table(report))
         return 0
     report = run(cache, args.rounds)
