@@ -182,7 +182,7 @@ def test_the_workers_first_shards_are_staged_before_they_fork_and_a_failure_is_l
     with stage_first(ahead, first_batches, workers=2):
         pass
     assert set(s3.downloads(start, r"\.tar$")) == {f"/{BUCKET}/first/shards/shard-{i:06d}.tar" for i in want}
-    assert not s3.faults
+    assert not [f for f in s3.faults if "/first/" in f[1]]  # every attempt was made (the server's faults are shared)
     start = len(s3.log)
     assert [reader.raw(int(i)) for i in order[:8]] == [truth.raw(int(i)) for i in order[:8]]
     assert [reader.raw(int(i)) for i in order if truth.shards[i] == want[-1]] == [
