@@ -18,7 +18,7 @@ train/data/order.py's
 order is a function of seed, epoch and step; Streaming: its state_dict); webdataset's pipeline has no such state.
 The cache is built once with the precompute CLI under --root (as tools.speed_train does), or given with --cache.
 
-    python -m tools.speed_readers --latency 0,20,80 [--bandwidth-mbps B] [--samples N] [--json]
+    python -m tools.speed_readers --latency 0,20,80 [--rows-only] [--bandwidth-mbps B] [--samples N] [--json]
 
 The latency case puts a proxy, in a process of its own, in front of the S3 server: it holds each request the given
 milliseconds before forwarding it (and can cap each answer's bandwidth), and counts requests and bytes. For each
@@ -27,7 +27,14 @@ samples/s, time to the first batch, requests and bytes per epoch, for the projec
 builds it (train.data.cache.open_cache, DataContext.build, build_train_loader: its worker, the windowed order with
 `storage.shuffle_window` a quarter of the shards, read-ahead at its default, the tokenising collate, the tiny model's
 processor), webdataset's pipeline streaming the shards (no cache_dir) and MosaicML Streaming at its documented
-settings (batch_size given); the peers decode each sample's caption, json and latents. litdata is not measured: its
+settings (batch_size given); the peers decode each sample's caption, json and latents. Each reader runs in a spawned
+process of its own with its imports (and our processor) loaded before the clock starts; the first batch is timed from
+"make a loader over the URL" to "its first batch in hand": ours: opening the cache (manifest, errors, run record,
+shard index, the shards' listing), DataContext.build (one sample's text as a byte range), torch's shared-memory
+manager started and the first shards staged, its worker forked, decoding, tokenising and collating 32 samples;
+webdataset: its DataLoader's worker forked, a curl per shard streaming the first tar, 32 samples decoded;
+Streaming: StreamingDataset made (its index.json downloaded), its worker forked, the first shard downloaded, 32
+samples decoded. litdata is not measured: its
 wheel needs another torch than this project's lock. Then, at the first non-zero latency: bytes one epoch of the
 training loader downloads when the shard cache holds a quarter of the cache (windowed and global order); data_overhead
 of training the tiny model for a whole epoch from a cold shard cache (the epoch's wall time, opening included, over
@@ -292,8 +299,18 @@ def _proxy_serve(upstream: int, latency_ms: float, bandwidth: float, port, count
     server.serve_forever()
 
 
+class Counts:
+    """The proxy's counters: counts() -> (requests, body bytes) so far; handed to a reader's own process."""
+
+    def __init__(self, shared):
+        self.shared = shared
+
+    def __call__(self) -> tuple[int, int]:
+        return self.shared[0], self.shared[1]
+
+
 @contextlib.contextmanager
-def latency_proxy(latency_ms: float, bandwidth_mbps: float = 0) -> Iterator[Callable[[], tuple[int, int]]]:
+def latency_proxy(latency_ms: float, bandwidth_mbps: float = 0) -> Iterator[Counts]:
     """AWS_ENDPOINT_URL through a proxy process holding each request `latency_ms`; yields counts() -> (requests,
     bytes) so far."""
     upstream = int(os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
@@ -307,7 +324,7 @@ def latency_proxy(latency_ms: float, bandwidth_mbps: float = 0) -> Iterator[Call
     saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "S3_ENDPOINT_URL")}
     os.environ["AWS_ENDPOINT_URL"] = os.environ["S3_ENDPOINT_URL"] = f"http://127.0.0.1:{port.value}"
     try:
-        yield lambda: (counts[0], counts[1])
+        yield Counts(counts)
     finally:
         proc.terminate()
         proc.join(10)
@@ -408,7 +425,76 @@ def _time_epochs(make: Callable[[], Iterable], counts: Callable[[], tuple[int, i
     return out
 
 
-def latency_run(cache: Path, latencies: list[float], bandwidth_mbps: float) -> dict:
+def _ours(url: str, local: str, window: int) -> Callable[[], Iterable]:
+    from train.data import cache, loader  # noqa: F401 - imported before the clock starts, as the peers' are
+
+    processor = _processor()
+    return lambda: _Batches(_train_config(url, local, window), processor)
+
+
+def _wds_stream(urls: list[str]) -> Callable[[], Iterable]:
+    import webdataset as wds
+
+    def make():
+        ds = wds.WebDataset(urls, shardshuffle=False, nodesplitter=wds.split_by_node)
+        ds = ds.map(lambda s: _same_decode(s["__key__"], s)).batched(BATCH, collation_fn=list)
+        return DataLoader(ds, batch_size=None, num_workers=1)
+
+    return make
+
+
+def _mosaic(remote: str, local: str) -> Callable[[], Iterable]:
+    base = _streaming_base()
+
+    def make():
+        ds = base.StreamingDataset(remote=remote, local=local, shuffle=False, batch_size=BATCH)
+
+        class Decoded(IterableDataset):
+            def __iter__(self):
+                return (_same_decode(s["__key__"], s) for s in ds)
+
+        return _loader(Decoded())
+
+    return make
+
+
+READERS = {"theworld": _ours, "webdataset": _wds_stream, "streaming": _mosaic}
+
+
+def _reader_epochs(name: str, args: tuple, counts: Counts, conn, scratch: str) -> None:
+    """A reader's process: its imports (and for ours the tokenizer's processor) before the clock starts, then
+    `_time_epochs`; sends the figures, or the error's text. `scratch`: the run's temporary folder (`_scratch`)."""
+    tempfile.tempdir = scratch
+    multiprocessing.set_start_method("fork", force=True)  # a spawned process inherits spawn: not a user's default
+    try:
+        conn.send(_time_epochs(READERS[name](*args), counts))
+    except BaseException as e:  # noqa: BLE001 - reported by the parent, which would otherwise wait
+        conn.send(f"{name}: {type(e).__name__}: {e}")
+        raise
+
+
+def _in_own_process(name: str, args: tuple, counts: Counts) -> dict:
+    """`_reader_epochs` in a new interpreter (spawned): each reader's first batch pays the same first-time costs of
+    a process (its S3 client, torch's shared-memory manager, its DataLoader worker), none inherited from a reader
+    measured before it."""
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_reader_epochs, args=(name, args, counts, theirs, tempfile.gettempdir()))
+    proc.start()
+    theirs.close()
+    try:
+        got = ours.recv()
+    except EOFError:
+        got = None
+    proc.join()
+    if got is None:
+        got = f"{name}: its process exited with status {proc.exitcode} before reporting"
+    if isinstance(got, str):
+        raise RuntimeError(got)
+    return got
+
+
+def latency_run(cache: Path, latencies: list[float], bandwidth_mbps: float, rows_only: bool = False) -> dict:
     manifest = cf.load_manifest(cache)
     shards = manifest["num_shards"]
     report: dict = {"samples": manifest["num_samples"], "shards": shards, "bandwidth_mbps": bandwidth_mbps, "rows": []}
@@ -422,33 +508,17 @@ def latency_run(cache: Path, latencies: list[float], bandwidth_mbps: float) -> d
                     fs.sign(f"bench/cache/{e['path']}", expiration=3600)
                     for e in cf.shard_table(cache, manifest).entries()
                 ]
-
-                def ours(tmp=tmp):
-                    return _Batches(_train_config(url, tmp + "/o", window=max(1, shards // 4)), processor)
-
-                def wds_stream(urls=http_urls):
-                    import webdataset as wds
-
-                    ds = wds.WebDataset(urls, shardshuffle=False, nodesplitter=wds.split_by_node)
-                    ds = ds.map(lambda s: _same_decode(s["__key__"], s)).batched(BATCH, collation_fn=list)
-                    return DataLoader(ds, batch_size=None, num_workers=1)
-
-                def mosaic(tmp=tmp):
-                    base = _streaming_base()
-                    ds = base.StreamingDataset(
-                        remote="s3://bench/mds", local=tmp + "/m", shuffle=False, batch_size=BATCH
-                    )
-
-                    class Decoded(IterableDataset):
-                        def __iter__(self):
-                            return (_same_decode(s["__key__"], s) for s in ds)
-
-                    return _loader(Decoded())
-
+                args = {
+                    "theworld": (url, tmp + "/o", max(1, shards // 4)),
+                    "webdataset": (http_urls,),
+                    "streaming": ("s3://bench/mds", tmp + "/m"),
+                }
                 row = {"latency_ms": ms}
-                for name, make in (("theworld", ours), ("webdataset", wds_stream), ("streaming", mosaic)):
-                    row[name] = _time_epochs(make, counts)
+                for name in READERS:
+                    row[name] = _in_own_process(name, args[name], counts)
                 report["rows"].append(row)
+        if rows_only:
+            return report
         probe = next((x for x in latencies if x > 0), latencies[-1])
         with latency_proxy(probe, bandwidth_mbps) as counts:
             report["budget"] = _budget_bytes(url, manifest, counts, processor)
@@ -624,6 +694,8 @@ def _latency_table(r: dict) -> str:
                 f"{row['latency_ms']:>6g}ms {name:<11} {c['samples_per_s']:>8.1f} {w['samples_per_s']:>8.1f} "
                 f"{c['first_batch_s']:>11.3f} {c['requests']:>9} {c['bytes'] / 1e6:>7.1f}"
             )
+    if "budget" not in r:  # --rows-only
+        return "\n".join(lines)
     b = r["budget"]
     lines.append(
         f"shard cache = 1/4 of the cache, {r['probe_latency_ms']:g} ms: one epoch downloads {b['windowed']}x the "
@@ -651,6 +723,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache", help="read this local cache instead of building one")
     p.add_argument("--json", action="store_true", help="print the figures as JSON alone")
     p.add_argument("--latency", help="the latency case: milliseconds per request, comma-separated (e.g. 0,20,80)")
+    p.add_argument(
+        "--rows-only", action="store_true", help="the latency case's rows alone (no budget, cold-epoch or open cases)"
+    )
     p.add_argument("--bandwidth-mbps", type=float, default=0.0, help="the latency case's cap per answer (0: none)")
     p.add_argument(
         "--open-latency",
@@ -675,7 +750,7 @@ def main(argv: list[str] | None = None) -> int:
             latencies = [float(x) for x in args.latency.split(",")]
         except ValueError:
             p.error(f"--latency {args.latency}: give milliseconds, comma-separated (e.g. 0,20,80)")
-        report = latency_run(cache, latencies, args.bandwidth_mbps)
+        report = latency_run(cache, latencies, args.bandwidth_mbps, args.rows_only)
         print(json.dumps(report, indent=1) if args.json else _latency_table(report))
         return 0
     report = run(cache, args.rounds)

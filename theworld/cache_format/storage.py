@@ -322,13 +322,14 @@ class RemoteCache:
         once) into the stand-in folder. A cache written before the shard index, or one whose index object is missing
         or stale, has its sidecars fetched instead (at once, with a note of the cost); sidecars the folder already
         holds for the manifest's shards are kept. A missing manifest leaves none there, so `load_manifest` says
-        why."""
-        self.check_access()
+        why. The bucket is asked about only when the manifest is missing (a missing bucket is then named): a cache
+        that opens pays no request for it."""
         make_dir(self.local / SHARDS)
         for name, data in self.read_many([MANIFEST, ERRORS, RUN_FILE]).items():
             self._keep(name, data)
         manifest = self.local / MANIFEST
         if not manifest.is_file():  # load_manifest tells a half-written cache (shards, no manifest) from none
+            self.check_access()
             for p in (self.local / SHARDS).glob("*"):
                 p.unlink(missing_ok=True)
             if not self.listing(SHARDS):

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,6 +72,16 @@ class ReadAhead:
             self._sent.add(s)
             self._pool.submit(self._stage, s)
 
+    def first(self, positions: np.ndarray, most: int) -> list[int]:
+        """What `stage_first` downloads before the workers start, at most `most` shards: the distinct shards of
+        `positions` (the workers' first batches), then those of the dataset's order up to the 1 + depth a worker's
+        first read and its read-ahead ask for (found staged, they need no S3 client of the worker's own)."""
+        if self.shards is None:
+            return []
+        out = _distinct(self.shards[np.asarray(positions, dtype=np.int64)])
+        out += [s for s in _distinct(self.shards[: self.SCAN])[: 1 + self.depth] if s not in out]
+        return out[:most]
+
     def _stage(self, shard: int) -> None:
         try:
             self.reader.stage(shard, ahead=True)
@@ -77,6 +89,12 @@ class ReadAhead:
             self._sent.discard(shard)
         except Exception as e:  # noqa: BLE001 - the read of that shard retries it and reports
             _log.debug(f"read-ahead of shard {shard}: {type(e).__name__}: {e}")
+
+
+def _distinct(a: np.ndarray) -> list[int]:
+    """The distinct values of `a` in the order they first occur."""
+    _, first = np.unique(a, return_index=True)
+    return a[np.sort(first)].tolist()
 
 
 class CacheDataset(Dataset):
@@ -321,6 +339,23 @@ def _worker_init(_: int) -> None:
     ignore_in_workers()
 
 
+@contextmanager
+def stage_first(read_ahead: ReadAhead, positions: np.ndarray, workers: int) -> Iterator[None]:
+    """The shards of the workers' first batches (`positions`) downloaded from this process, over the body of the
+    `with` (torch's shared-memory manager starting) and finished before it ends, so before the workers fork: a
+    worker's first batch then reads staged shards (their sha256 checked here) instead of waiting for its own S3
+    client and download. At most 1 + storage.prefetch_shards shards per worker, that many at once (the downloads
+    read-ahead would make); a failure is left to the worker's read, which retries it and reports."""
+    shards = read_ahead.first(positions, workers * (1 + read_ahead.depth)) if len(positions) else []
+    if not shards:
+        yield
+        return
+    with ThreadPoolExecutor(min(len(shards), 1 + read_ahead.depth)) as pool:
+        for s in shards:
+            pool.submit(read_ahead._stage, s)
+        yield  # the pool's exit waits for the downloads: no download's file is open when the workers fork
+
+
 @functools.cache
 def _start_shm_manager() -> None:
     """Start torch's shared-memory manager (the file_system strategy's) in this process before workers fork: every
@@ -329,14 +364,18 @@ def _start_shm_manager() -> None:
     torch.empty(1, dtype=torch.uint8).share_memory_()
 
 
-def _loader(cfg, ctx: DataContext, dataset, **kw) -> DataLoader:
+def _loader(cfg, ctx: DataContext, dataset, stage_first_shards: bool = False, **kw) -> DataLoader:
     workers = cfg.train.loader.num_workers
     if workers:
         # The main process then maps a batch's shared memory by name. The default strategy (file descriptors) asks
         # the worker process for each descriptor over a socket when the batch is received: a round trip that waits
         # for the worker to be scheduled, on the training step's time (docs/performance.md).
         torch.multiprocessing.set_sharing_strategy("file_system")
-        _start_shm_manager()
+        # a training loader's first batches wait for their shards; an eval loader (built at the start, used later)
+        # leaves its shards to its workers
+        first = np.arange(min(len(dataset), workers * kw["batch_size"])) if stage_first_shards else []
+        with stage_first(dataset.read_ahead, first, workers):
+            _start_shm_manager()
     packing = (
         Packing(cfg.train.loader.pack_length, cfg.world.pool, 1 + cfg.world.num_world_steps)
         if cfg.train.loader.packing
@@ -370,7 +409,8 @@ def build_train_loader(cfg, ctx: DataContext, rank: int, world_size: int, epoch:
         shards=shard_ids(ctx.reader)[samples] if window else None,
         window=window,
     )
-    return _loader(cfg, ctx, ctx.dataset(cfg, idx, epoch), batch_size=cfg.train.micro_batch_size, shuffle=False)
+    dataset = ctx.dataset(cfg, idx, epoch)
+    return _loader(cfg, ctx, dataset, True, batch_size=cfg.train.micro_batch_size, shuffle=False)
 
 
 def build_eval_loader(cfg, ctx: DataContext, rank: int, world_size: int) -> DataLoader:

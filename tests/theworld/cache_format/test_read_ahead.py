@@ -19,7 +19,7 @@ from tests.theworld.cache_format.test_index import _cache
 from tests.theworld.cache_format.test_storage import _put_tree
 from theworld import cache_format as cf
 from theworld.core.errors import CacheDamaged
-from train.data.loader import ReadAhead
+from train.data.loader import ReadAhead, stage_first
 from train.data.order import rank_indices
 
 
@@ -161,3 +161,31 @@ def test_captions_alone_are_read_as_byte_ranges_without_staging_their_shard(s3, 
     with pytest.raises(CacheDamaged) as e:
         reader.raw(3)
     assert "shard-000001.tar" in str(e.value) and "crc32" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_workers_first_shards_are_staged_before_they_fork_and_a_failure_is_left_to_their_read(s3, tmp_path):
+    """stage_first (the main process, while torch's shared-memory manager starts): the shards of each worker's first
+    batch, then the dataset order's up to 1 + depth, downloaded once each and checked; reading the first batches
+    afterwards requests no tar. A shard whose download fails is not raised there: the read that needs it retries."""
+    local = _cache(tmp_path / "c", 8, per_shard=3)
+    remote = _put_tree(s3, local, "first")
+    truth = cf.CacheReader(local)
+    order = rank_indices(np.arange(len(truth)), 7, 0, 4, 0, 1, shards=truth.shards, window=2)
+    reader = cf.CacheReader(remote, settings=cf.Settings(local_dir=str(tmp_path / "l")))
+    ahead, first_batches = ReadAhead(reader, order, 2), np.arange(2 * 4)  # two workers, batches of 4
+    want = list(dict.fromkeys(truth.shards[order[:8]].tolist()))  # the first batches' shards, in order
+    want += [s for s in dict.fromkeys(truth.shards[order].tolist()) if s not in want][: 3 - len(want)]
+    assert ahead.first(first_batches, 6) == want and len(want) >= 3
+    failed = f"/{BUCKET}/first/shards/shard-{want[-1]:06d}.tar"
+    s3.inject("GET", rf"/first/shards/shard-{want[-1]:06d}\.tar$", "500", "500", "500")  # its every attempt
+    start = len(s3.log)
+    with stage_first(ahead, first_batches, workers=2):
+        pass
+    assert set(s3.downloads(start, r"\.tar$")) == {f"/{BUCKET}/first/shards/shard-{i:06d}.tar" for i in want}
+    assert not [f for f in s3.faults if "/first/" in f[1]]  # every attempt was made (the server's faults are shared)
+    start = len(s3.log)
+    assert [reader.raw(int(i)) for i in order[:8]] == [truth.raw(int(i)) for i in order[:8]]
+    assert [reader.raw(int(i)) for i in order if truth.shards[i] == want[-1]] == [
+        truth.raw(int(i)) for i in order if truth.shards[i] == want[-1]
+    ]
+    assert s3.downloads(start, r"\.tar$") == [failed]  # the others were staged; the failed one by its read
