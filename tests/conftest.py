@@ -326,17 +326,28 @@ def only_line(capsys, *words: str) -> str:
 
 
 def bench_json(args: list[str], tmp_path) -> dict:
-    """`python -m MODULE ARGS --json` (a benchmark) from tmp_path, required to succeed: its figures."""
-    out = subprocess.run(
-        [sys.executable, "-m", *args, "--json"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout)  # --json: stdout is the figures alone, nothing before or after them
+    """`python -m MODULE ARGS --json` (a benchmark) from tmp_path, required to succeed: its figures. Run in process
+    (the module's main(argv), stdout captured; no ~10 s interpreter start; the processes it starts find this
+    checkout): the working directory, environment and torch's thread count are restored afterwards."""
+    import contextlib
+    import importlib
+    import io
+
+    import torch
+
+    out, cwd, env, threads = io.StringIO(), os.getcwd(), dict(os.environ), torch.get_num_threads()
+    os.chdir(tmp_path)
+    os.environ["PYTHONPATH"] = str(ROOT)  # for the processes the benchmark starts
+    try:
+        with contextlib.redirect_stdout(out):
+            code = importlib.import_module(args[0]).main([*args[1:], "--json"])
+    finally:
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        torch.set_num_threads(threads)
+    assert code == 0, out.getvalue()[-3000:]
+    return json.loads(out.getvalue())  # --json: stdout is the figures alone, nothing before or after them
 
 
 def positive(row: dict, *keys: str) -> None:

@@ -125,6 +125,48 @@ def row(config: str, mode: str, steps: int, micro: int | None) -> dict:
     return out
 
 
+def _unloadable(config: str) -> str | None:
+    """Why `config` cannot be read as a training config (one line), or None."""
+    from theworld.core.config import load_config
+    from theworld.core.errors import UserError
+    from train.config import TrainConfig
+
+    try:
+        load_config(TrainConfig, config)
+    except UserError as e:
+        return f"error: {e}"
+    return None
+
+
+def _error_row(config: str, mode: str, error: str) -> dict:
+    return {"case": "stage_step", "config": config, "mode": mode, "error": error[:300]}
+
+
+def _row_process(config: str, mode: str, args: argparse.Namespace) -> dict:
+    """One row in a process of its own: its figures, or its last stderr line as the reason it could not run."""
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.speed_stages",
+            "--row",
+            config,
+            mode,
+            "--steps",
+            str(args.steps),
+            "--micro-batch",
+            str(args.micro_batch),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    lines = r.stdout.strip().splitlines()
+    if r.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    return _error_row(config, mode, (r.stderr.strip().splitlines() or ["no output"])[-1])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.speed_stages", description=__doc__.splitlines()[0])
     p.add_argument("--configs", default="configs/real/stage3.yaml,configs/real/stage4.yaml")
@@ -142,35 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--modes takes {', '.join(MODES)}; --steps must be >= 1")
     rows = []
     for config in args.configs.split(","):
+        unloadable = _unloadable(config)  # no process started only to fail at reading its config
         for mode in modes:
-            r = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "tools.speed_stages",
-                    "--row",
-                    config,
-                    mode,
-                    "--steps",
-                    str(args.steps),
-                    "--micro-batch",
-                    str(args.micro_batch),
-                ],
-                capture_output=True,
-                text=True,
-                env={**os.environ, "HF_HUB_OFFLINE": "1"},
-            )
-            lines = r.stdout.strip().splitlines()
-            rows.append(
-                json.loads(lines[-1])
-                if r.returncode == 0 and lines
-                else {
-                    "case": "stage_step",
-                    "config": config,
-                    "mode": mode,
-                    "error": (r.stderr.strip().splitlines() or ["no output"])[-1][:300],
-                }
-            )
+            rows.append(_error_row(config, mode, unloadable) if unloadable else _row_process(config, mode, args))
             if not args.json:
                 print(json.dumps(rows[-1]), flush=True)
     if args.json:

@@ -1,6 +1,7 @@
 """Training benchmark: is everything but the model's own compute close to free?
 
     python -m tools.speed_train [--json] [--cases tiny,heavy] [--steps 1] [--rounds N] [--threads N] [--workers N]
+                                [--samples N] [--batch N]
 
 Per case, all measured side by side in one run, on the same batches:
   data_overhead         steady-state step time fed by the real cache loader (workers, collation, copies) / step
@@ -227,8 +228,10 @@ def bench_case(
     root: Path = BENCH_ROOT,
     rounds: int | None = None,
     workers: int | None = None,
+    batch: int | None = None,
 ) -> dict:
     gemma_name, res, default_samples, gbs, mbs, default_workers, default_rounds = CASES[case]
+    gbs, mbs = (batch, batch) if batch else (gbs, mbs)
     rounds = rounds or default_rounds
     workers = default_workers if workers is None else workers
     gemma = _gemma_path(gemma_name)
@@ -370,6 +373,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--samples", type=int, default=None, help="cache size (default: per case)")
     p.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="global batch, one micro-batch (default: per case; small ones make a smoke run on a small cache)",
+    )
+    p.add_argument(
         "--workers",
         type=int,
         default=None,
@@ -390,7 +399,11 @@ def main(argv: list[str] | None = None) -> int:
         if case not in CASES:
             print(f"error: unknown case {case!r} (known: {', '.join(CASES)})", file=sys.stderr)
             return 2
-        rows.append(bench_case(case, args.steps, args.warmup, args.samples, Path(args.root), args.rounds, args.workers))
+        rows.append(
+            bench_case(
+                case, args.steps, args.warmup, args.samples, Path(args.root), args.rounds, args.workers, args.batch
+            )
+        )
         if not args.json:
             print(json.dumps(rows[-1]), flush=True)
     if args.json:

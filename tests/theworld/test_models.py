@@ -1,7 +1,7 @@
 """A real small Gemma 3 (python -m theworld.models gemma3-270m OUT: Gemma 3 270M from the PyPI package's GGUF) through
 the project's own commands: its processor renders Gemma 3's chat template with the released token ids, stage 1 on it
 learns with gradient norms in a healthy range, describe answers in its vocabulary and the generate protocol reads
-letters from its answers. The folder is built once per session (about a minute of CPU); bad input is refused in one
+letters from its answers. The folder is built once per checkout (about a minute of CPU); bad input is refused in one
 line without it."""
 
 from __future__ import annotations
@@ -25,9 +25,18 @@ PROMPT_TAIL = "<end_of_turn>\n<start_of_turn>model\n"
 
 
 @pytest.fixture(scope="session")
-def real_gemma(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("real") / "gemma3-270m"
-    assert models.main(["gemma3-270m", str(out)]) == 0
+def real_gemma() -> Path:
+    """Built once per checkout into THEWORLD_MODELS (cache/models), beside the tiny models: a later session's build
+    is the command's own no-op (every file checked against the build's record). The lock keeps two sessions from
+    building it at once."""
+    from filelock import FileLock
+
+    out = Path(os.environ["THEWORLD_MODELS"]) / "gemma3-270m"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{out}.lock"):
+        if models.main(["gemma3-270m", str(out)]) != 0:  # an older build version's folder, or a damaged one
+            shutil.rmtree(out)
+            assert models.main(["gemma3-270m", str(out)]) == 0
     return out
 
 

@@ -10,7 +10,7 @@ from tests.conftest import bench_json, positive
 
 @pytest.mark.slow
 def test_precompute_bench_smoke(tmp_path):
-    rows = {r["case"]: r for r in bench_json(["tools.speed_precompute", "--n", "128"], tmp_path)["rows"]}
+    rows = {r["case"]: r for r in bench_json(["tools.speed_precompute", "--n", "64"], tmp_path)["rows"]}
     assert set(rows) == {"tiny", "jpeg256", "jpeg_draft_decode", "real_size_format", "real_size_format_no_images"}
     for case in ("tiny", "jpeg256"):
         positive(

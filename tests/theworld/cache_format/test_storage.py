@@ -77,9 +77,11 @@ def test_inspect_summary_and_verify_read_an_s3_cache(s3, s3_cache, capsys):
 
 
 @pytest.mark.slow
-def test_kill_9_during_an_upload_then_rerun_loses_and_duplicates_no_shard(s3, s3_cache, tmp_path):
+def test_kill_9_during_an_upload_then_rerun_loses_and_duplicates_no_shard(s3, s3_cache, tmp_path, capsys):
     """The proxy holds the PUT of shard 1's tar (the client waits for an answer that never comes) while the process
     is killed; the rerun puts the shard finished locally without encoding it again and completes the cache."""
+    from precompute import cosmos_latents
+
     local, _, _ = s3_cache
     target = url("killed")
     args = cli_args(target, f"storage.local_dir={tmp_path / 'local'}")  # type: ignore[arg-type]
@@ -104,22 +106,14 @@ def test_kill_9_during_an_upload_then_rerun_loses_and_duplicates_no_shard(s3, s3
     assert f"{BUCKET}/killed/shards/shard-000001.tar" not in objects
     assert f"{BUCKET}/killed/manifest.json" not in objects
     start = len(s3.log)
-    done = subprocess.run(
-        [sys.executable, "-m", "precompute.cosmos_latents", *args],
-        cwd=ROOT,
-        env={**ENV, **s3.env},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    encoded = int(re.search(r"this run encoded (\d+) images", done.stdout).group(1))
+    assert cosmos_latents.main(args) == 0  # the rerun in process: the kill is the subprocess's point
+    encoded = int(re.search(r"this run encoded (\d+) images", capsys.readouterr().out).group(1))
     assert encoded == 4  # shard 2 only: shard 0 was up, shard 1 finished here and is put, not encoded again
     rerun_puts = [p for m, p, _ in s3.log[start:] if m == "PUT" and "/killed/shards/" in p]
     assert not [p for p in rerun_puts if "shard-000000" in p]
     reader = cf.CacheReader(target, settings=cf.Settings(local_dir=str(tmp_path / "read")))
     reader.check_consistency()  # every shard listed once, keys unique, sizes as the sidecars say
-    # the same samples as the in-process precompute (their bytes may differ in the last bits: this one ran with
+    # the same samples as the in-process precompute (their bytes may differ in the last bits: the killed run had
     # OMP_NUM_THREADS=1), each decoding, shard by shard in order
     got = [(reader.key(i), reader.sample(i).caption) for i in range(len(reader))]
     want = cf.CacheReader(local)

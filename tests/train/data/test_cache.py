@@ -139,6 +139,9 @@ def test_start_of_run_checks_catch_damage_without_reading_data(small_cache, dama
     assert all(w in str(e.value) for w in words), str(e.value)
 
 
+TRAIN_CACHE = ["source.num_samples=48", "shard_size=16", "batch_size=16", "num_workers=0", "cache.siglip=false"]
+
+
 @pytest.fixture(scope="module")
 def train_cache(tmp_path_factory):
     from precompute.config import load as load_pre
@@ -148,25 +151,27 @@ def train_cache(tmp_path_factory):
     run(
         load_pre(
             str(ROOT / "configs" / "precompute.yaml"),
-            [
-                f"output_dir={out}",
-                "source.num_samples=48",
-                "shard_size=16",
-                "batch_size=16",
-                "num_workers=0",
-                "cache.siglip=false",
-            ],
+            [f"output_dir={out}", *TRAIN_CACHE],
         )
     )
     return out
 
 
-def _train(cache: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    from tests.conftest import ENV, base_args
+def _train_args(cache: Path, out: Path) -> list[str]:
+    return base_args(cache, out, steps=2, **{"train.loader.num_workers": 1})
 
-    args = base_args(cache, out, steps=2, **{"train.loader.num_workers": 1}) + [a for e in extra for a in ("--set", e)]
+
+def _train(cache: Path, out: Path) -> subprocess.CompletedProcess:
+    """A run that must stop: as a process, for its exit code and a teardown that aborts nothing ("terminate")."""
+    from tests.conftest import ENV
+
     return subprocess.run(
-        [sys.executable, "-m", "train.loop", *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "train.loop", *_train_args(cache, out)],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -179,8 +184,11 @@ def _stderr_line(res: subprocess.CompletedProcess) -> str:
 
 @pytest.mark.slow
 def test_damaged_latents_stop_training_with_one_line_and_the_documented_repair_rebuilds_that_shard(
-    train_cache, tmp_path
+    train_cache, tmp_path, capsys
 ):
+    from precompute import cosmos_latents
+    from train import loop as train_loop
+
     cache = tmp_path / "cache"
     shutil.copytree(train_cache, cache)
     keys = [s["key"] for i in range(3) for s in sidecar_json(cache, i)["samples"]]
@@ -190,37 +198,12 @@ def test_damaged_latents_stop_training_with_one_line_and_the_documented_repair_r
     repair = f"delete {cf.sidecar_path(cache, 1)}"
     assert repair in line
     cf.sidecar_path(cache, 1).unlink()  # the repair the line names
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "precompute.cosmos_latents",
-            "--config",
-            str(ROOT / "configs" / "precompute.yaml"),
-            "--set",
-            f"output_dir={cache}",
-            "--set",
-            "source.num_samples=48",
-            "--set",
-            "shard_size=16",
-            "--set",
-            "batch_size=16",
-            "--set",
-            "num_workers=0",
-            "--set",
-            "cache.siglip=false",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "this run encoded 16 images" in res.stdout  # that shard alone
+    pre = [a for kv in [f"output_dir={cache}", *TRAIN_CACHE] for a in ("--set", kv)]
+    assert cosmos_latents.main(["--config", str(ROOT / "configs" / "precompute.yaml"), *pre]) == 0
+    assert "this run encoded 16 images" in capsys.readouterr().out  # that shard alone
     assert cf.tar_path(cache, 1).read_bytes() == cf.tar_path(train_cache, 1).read_bytes()
     assert [s["key"] for i in range(3) for s in sidecar_json(cache, i)["samples"]] == keys
-    ok = _train(cache, tmp_path / "run")
-    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert train_loop.main(_train_args(cache, tmp_path / "run")) == 0
 
 
 @pytest.mark.slow
