@@ -1,5 +1,6 @@
-"""tools/speed_checkpoint.py: a smoke run at the tiniest size (the tiny Gemma 3, 2 steps: one counted save per layout, 8 samples), so
-the benchmark cannot rot. Figures are checked for sanity, not speed: the target lives in the benchmark's own output."""
+"""tools/speed_checkpoint.py: a smoke run at the tiniest size (the tiny Gemma 3, 2 steps: one counted save per layout,
+8 samples), so the benchmark cannot rot. Figures are checked for sanity, not speed: the target lives in the
+benchmark's own output."""
 
 from __future__ import annotations
 
