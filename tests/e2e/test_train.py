@@ -5,7 +5,6 @@ tests/train/state/test_checkpoint.py, test_data.py, test_step.py, test_trainer.p
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ENV, ROOT, base_args, kill_9_once, metrics, run2, train_cli, train_inproc, weights
+from tests.conftest import ENV, ROOT, base_args, kill_9_once, metrics, run2, train_inproc, weights
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Pure functions: order, split, accumulation
@@ -161,21 +160,32 @@ def test_kill_9_and_resume_gives_bitwise_equal_weights(cache, tmp_path, capsys):
     assert not list(out.glob(".tmp-*"))
 
 
-@pytest.mark.slow
-def test_a_second_run_into_a_busy_output_dir_is_refused_and_deletes_nothing(cache, tmp_path):
-    from theworld.core import run_lock
+_HOLD_LOCK = """
+import sys
+from theworld.core import run_lock
+fd = run_lock.acquire(sys.argv[1])
+print("held", flush=True)
+sys.stdin.read()
+"""
 
+
+@pytest.mark.slow
+def test_a_second_run_into_a_busy_output_dir_is_refused_and_deletes_nothing(cache, tmp_path, capsys):
+    """A small process holds the folder's run lock (a run that is saving a checkpoint: locks belong to a process, so
+    not this one); the second run, in this process, is refused."""
     out = tmp_path / "run"
-    fd = run_lock.acquire(out)  # this process stands for a run that is saving a checkpoint
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, str(out)], cwd=ROOT, env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
     try:
+        assert holder.stdout.readline() == b"held\n"
         (out / ".tmp-checkpoint-3-999").mkdir()
-        second = train_cli(base_args(cache, out))
-        assert second.returncode == 2, second.stderr[-3000:]
-        err = second.stderr.strip().splitlines()
-        assert len(err) == 1 and "'output_dir'" in err[0] and f"in use by another run (pid {os.getpid()} " in err[0]
+        assert train_inproc(base_args(cache, out)) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "'output_dir'" in err[0] and f"in use by another run (pid {holder.pid} " in err[0]
         assert sorted(p.name for p in out.iterdir()) == [".run.lock", ".tmp-checkpoint-3-999"]
     finally:
-        os.close(fd)
+        holder.communicate(timeout=60)  # stdin closed: the holder exits and its lock goes with it
     assert train_inproc(base_args(cache, out)) == 0  # the holder gone, that folder is a killed run's leftover
     assert not (out / ".tmp-checkpoint-3-999").exists() and (out / "final").is_dir()
 
