@@ -410,3 +410,22 @@ def metrics_lines(out: Path) -> list[dict]:
         except ValueError:  # being written
             pass
     return lines
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Kill -9, stop-signal and resume tests (tests/e2e/test_train.py, test_nodes.py, tests/train/test_sharding.py, ...)
+
+
+def kill_9_once(proc: subprocess.Popen, until, timeout: float = 300, group: bool = False) -> None:
+    """Poll `until()` every 10 ms (up to `timeout` s, or until `proc` ends), then kill -9 `proc`, or with `group` its
+    whole process group (a launcher started with start_new_session=True and its training processes, at once)."""
+    import signal
+
+    deadline = time.time() + timeout
+    while not until() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    if group:
+        os.killpg(proc.pid, signal.SIGKILL)
+    else:
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()

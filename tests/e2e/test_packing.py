@@ -30,13 +30,20 @@ def _resumes_bitwise(cache, ref, tmp_path, extra) -> None:
     assert _losses(resumed) == _losses(ref)
 
 
+@pytest.fixture(scope="module")
+def plain_run(cache, tmp_path_factory):
+    """The plain 4-step run both tests compare with (read only)."""
+    out = tmp_path_factory.mktemp("plain") / "run"
+    assert train_inproc(base_args(cache, out, **STAGE3)) == 0
+    return out
+
+
 @pytest.mark.slow
-def test_a_packed_run_follows_the_plain_run_and_resumes_bitwise(cache, tmp_path):
-    assert train_inproc(base_args(cache, tmp_path / "plain", **STAGE3)) == 0
+def test_a_packed_run_follows_the_plain_run_and_resumes_bitwise(cache, plain_run, tmp_path):
     assert train_inproc(base_args(cache, tmp_path / "packed", **STAGE3, **PACKED)) == 0
-    plain, packed = metrics(tmp_path / "plain"), metrics(tmp_path / "packed")
+    plain, packed = metrics(plain_run), metrics(tmp_path / "packed")
     assert len(_losses(tmp_path / "packed")) == 4
-    assert _losses(tmp_path / "packed") == pytest.approx(_losses(tmp_path / "plain"), abs=1e-4)
+    assert _losses(tmp_path / "packed") == pytest.approx(_losses(plain_run), abs=1e-4)
     evals = [
         [(m["eval_loss"], m["eval_loss_shuffled_world"], m["eval_tokens"]) for m in r if "eval_loss" in m]
         for r in (plain, packed)
@@ -47,9 +54,8 @@ def test_a_packed_run_follows_the_plain_run_and_resumes_bitwise(cache, tmp_path)
 
 
 @pytest.mark.slow
-def test_a_length_grouped_run_resumes_bitwise(cache, tmp_path):
+def test_a_length_grouped_run_resumes_bitwise(cache, plain_run, tmp_path):
     grouped = {**STAGE3, "train.loader.group_by_length": "true", "train.loader.group_window": 2}
     assert train_inproc(base_args(cache, tmp_path / "grouped", **grouped)) == 0
-    assert train_inproc(base_args(cache, tmp_path / "plain", **STAGE3)) == 0
-    assert _losses(tmp_path / "grouped") != _losses(tmp_path / "plain")  # other samples together
+    assert _losses(tmp_path / "grouped") != _losses(plain_run)  # other samples together
     _resumes_bitwise(cache, tmp_path / "grouped", tmp_path, grouped)

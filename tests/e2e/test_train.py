@@ -5,9 +5,7 @@ tests/train/state/test_checkpoint.py, test_data.py, test_step.py, test_trainer.p
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -17,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ENV, ROOT, base_args, metrics, run2, train_cli, train_inproc, weights
+from tests.conftest import ENV, ROOT, base_args, kill_9_once, metrics, run2, train_inproc, weights
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Pure functions: order, split, accumulation
@@ -120,36 +118,32 @@ def test_weights_fingerprint_checked_after_model_load(cache, tmp_path, capsys, m
 
 
 @pytest.mark.slow
-def test_kill_9_and_resume_gives_bitwise_equal_weights(cache, tmp_path):
-    extra = dict(
-        **{
-            "train.checkpoint.every": 2,
-            "train.checkpoint.keep_last": 2,
-            "train.loader.flip": "true",
-            "world.latent": "sample",
-            "train.optimizer.ema": 0.9,
-        }
-    )
-    ref = train_cli(base_args(cache, tmp_path / "ref", steps=9, **extra))
-    assert ref.returncode == 0, ref.stderr[-3000:]
-
+def test_kill_9_and_resume_gives_bitwise_equal_weights(cache, tmp_path, capsys):
+    """The uninterrupted reference and the resume run in this process (one thread, as the killed subprocess
+    computes); the kill -9 lands as soon as the first checkpoint is complete, and the resumed run crosses an epoch."""
+    extra = {
+        "train.checkpoint.every": 2,
+        "train.checkpoint.keep_last": 2,
+        "train.loader.flip": "true",
+        "world.latent": "sample",
+        "train.optimizer.ema": 0.9,
+        "train.hardware.cpu_threads": 1,
+    }
+    steps = 7  # 80 train samples: 5 steps per epoch
+    assert train_inproc(base_args(cache, tmp_path / "ref", steps=steps, **extra)) == 0
     out = tmp_path / "killed"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "train.loop", *base_args(cache, out, steps=9, **extra)],
+        [sys.executable, "-m", "train.loop", *base_args(cache, out, steps=steps, **extra)],
         cwd=ROOT,
         env=ENV,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    deadline = time.time() + 120
-    while not (out / "checkpoint-4").exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.01)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert not (out / "final").exists(), "the run finished before it could be killed"
-    resumed = train_cli(base_args(cache, out, steps=9, **extra))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stderr + resumed.stdout
+    kill_9_once(proc, lambda: (out / "checkpoint-2").exists())
+    assert (out / "checkpoint-2").exists() and not (out / "final").exists(), "not killed between save and end"
+    capsys.readouterr()
+    assert train_inproc(base_args(cache, out, steps=steps, **extra)) == 0
+    assert "resumed from" in capsys.readouterr().err
     a, b = weights(tmp_path / "ref"), weights(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     ea = load_file(str(tmp_path / "ref" / "final" / "ema.safetensors"))
@@ -158,29 +152,40 @@ def test_kill_9_and_resume_gives_bitwise_equal_weights(cache, tmp_path):
     # metrics read as one run: one line per step, the same losses
     la = [m["loss"] for m in metrics(tmp_path / "ref") if "loss" in m]
     lb = [m["loss"] for m in metrics(out) if "loss" in m]
-    assert la == lb and len(la) == 9
-    state = json.loads((out / "checkpoint-9" / "state.json").read_text())
-    assert state["step"] == 9 and state["samples_seen"] == 9 * 16
-    assert state["data_cursor"] == {"epoch": 1, "batch_in_epoch": 4}  # 80 train samples: 5 steps per epoch
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-8", "checkpoint-9"]  # keep_last 2
+    assert la == lb and len(la) == steps
+    state = json.loads((out / f"checkpoint-{steps}" / "state.json").read_text())
+    assert state["step"] == steps and state["samples_seen"] == steps * 16
+    assert state["data_cursor"] == {"epoch": 1, "batch_in_epoch": 2}
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-7"]  # keep_last 2
     assert not list(out.glob(".tmp-*"))
 
 
-@pytest.mark.slow
-def test_a_second_run_into_a_busy_output_dir_is_refused_and_deletes_nothing(cache, tmp_path):
-    from theworld.core import run_lock
+_HOLD_LOCK = """
+import sys
+from theworld.core import run_lock
+fd = run_lock.acquire(sys.argv[1])
+print("held", flush=True)
+sys.stdin.read()
+"""
 
+
+@pytest.mark.slow
+def test_a_second_run_into_a_busy_output_dir_is_refused_and_deletes_nothing(cache, tmp_path, capsys):
+    """A small process holds the folder's run lock (a run that is saving a checkpoint: locks belong to a process, so
+    not this one); the second run, in this process, is refused."""
     out = tmp_path / "run"
-    fd = run_lock.acquire(out)  # this process stands for a run that is saving a checkpoint
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, str(out)], cwd=ROOT, env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
     try:
+        assert holder.stdout.readline() == b"held\n"
         (out / ".tmp-checkpoint-3-999").mkdir()
-        second = train_cli(base_args(cache, out))
-        assert second.returncode == 2, second.stderr[-3000:]
-        err = second.stderr.strip().splitlines()
-        assert len(err) == 1 and "'output_dir'" in err[0] and f"in use by another run (pid {os.getpid()} " in err[0]
+        assert train_inproc(base_args(cache, out)) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "'output_dir'" in err[0] and f"in use by another run (pid {holder.pid} " in err[0]
         assert sorted(p.name for p in out.iterdir()) == [".run.lock", ".tmp-checkpoint-3-999"]
     finally:
-        os.close(fd)
+        holder.communicate(timeout=60)  # stdin closed: the holder exits and its lock goes with it
     assert train_inproc(base_args(cache, out)) == 0  # the holder gone, that folder is a killed run's leftover
     assert not (out / ".tmp-checkpoint-3-999").exists() and (out / "final").is_dir()
 

@@ -99,8 +99,15 @@ def _one_process(args: list[str]) -> subprocess.Popen:
 @pytest.mark.slow
 def test_a_user_error_under_the_launcher_is_the_processes_line_and_exit_2(cache, tmp_path):
     bad = base_args(cache, tmp_path / "run", **{"train.nonsense": 1})
-    for proc in (_one_process(bad), launch2(bad, via="train.launch", stdout=subprocess.PIPE, stderr=subprocess.PIPE)):
-        _, err = proc.communicate(timeout=300)
+    # both launches at once: each spends its time importing before it refuses
+    procs = [_one_process(bad), launch2(bad, via="train.launch", stdout=subprocess.PIPE, stderr=subprocess.PIPE)]
+    try:
+        errs = [proc.communicate(timeout=300)[1] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for proc, err in zip(procs, errs):
         err = err if isinstance(err, str) else err.decode()
         assert proc.returncode == 2 and "Traceback" not in err and "train.nonsense" in err, err[-3000:]
 

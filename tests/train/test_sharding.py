@@ -9,16 +9,14 @@ import json
 import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ENV, ROOT, base_args, launch2, metrics, run2, train_cli, train_inproc, weights
+from tests.conftest import ENV, ROOT, base_args, kill_9_once, launch2, metrics, run2, train_inproc, weights
 
 STAGE3 = {"freeze.vision": "false", "freeze.language": "false"}
 
@@ -80,11 +78,7 @@ def test_fsdp_kill_9_and_resume_gives_bitwise_equal_weights(cache, tmp_path, cap
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    deadline = time.time() + 300
-    while not (out / "checkpoint-2").exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both training processes, at once
-    proc.wait()
+    kill_9_once(proc, lambda: (out / "checkpoint-2").exists(), group=True)  # the launcher and both processes
     assert (out / "checkpoint-2").exists() and not (out / "final").exists(), "not killed between save and end"
     resumed = run2(base_args(cache, out, steps=5, **extra))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -211,19 +205,19 @@ def test_fsdp_stage_chain_1_2_4(cache, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_cpu_offload_with_one_process_equals_unsharded_and_resumes_bitwise(cache, tmp_path):
+def test_cpu_offload_with_one_process_equals_unsharded_and_resumes_bitwise(cache, tmp_path, capsys):
     """One process with FSDP2's CPUOffloadPolicy shards over a group of one (the path a single GPU takes for stages 3
     and 4): its weights and EMA equal a plain one-process run's, and a rerun from its step-2 checkpoint ends bitwise
-    equal to it."""
+    equal to it. In this process: the group of one is made and destroyed by the run itself."""
     extra = {**STAGE3, "train.checkpoint.every": 2, "train.optimizer.ema": 0.9}
     offload = {**extra, "train.hardware.sharding": "fsdp", "train.hardware.cpu_offload": "true"}
-    off = train_cli(base_args(cache, tmp_path / "off", **offload))
-    assert off.returncode == 0, off.stderr[-3000:]
-    assert "over 1 process(es); parameters, gradients and optimizer state offloaded to host memory" in off.stderr
+    assert train_inproc(base_args(cache, tmp_path / "off", **offload)) == 0
+    err = capsys.readouterr().err
+    assert "over 1 process(es); parameters, gradients and optimizer state offloaded to host memory" in err, err[-3000:]
+    assert not torch.distributed.is_initialized()
     assert "cpu_offload: true" in (tmp_path / "off" / "final" / "config.yaml").read_text()
-    plain = train_cli(base_args(cache, tmp_path / "plain", **extra))
-    assert plain.returncode == 0, plain.stderr[-3000:]
-    assert "sharding ddp (1 process)" in plain.stderr
+    assert train_inproc(base_args(cache, tmp_path / "plain", **extra)) == 0
+    assert "sharding ddp (1 process)" in capsys.readouterr().err
     for name in ("trainable", "ema"):
         a, b = (load_file(str(tmp_path / d / "final" / f"{name}.safetensors")) for d in ("off", "plain"))
         assert a.keys() == b.keys() and any(k.startswith("gemma.model.language_model.") for k in a)
@@ -232,9 +226,9 @@ def test_cpu_offload_with_one_process_equals_unsharded_and_resumes_bitwise(cache
     again = tmp_path / "again"
     again.mkdir()
     shutil.copytree(tmp_path / "off" / "checkpoint-2", again / "checkpoint-2")
-    resumed = train_cli(base_args(cache, again, **offload))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stderr and "offloaded to host memory" in resumed.stderr
+    assert train_inproc(base_args(cache, again, **offload)) == 0
+    err = capsys.readouterr().err
+    assert "resumed from" in err and "offloaded to host memory" in err
     a, b = weights(tmp_path / "off"), weights(again)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert losses(tmp_path / "off")[2:] == losses(again)

@@ -5,17 +5,14 @@ full fine-tune, DDP and FSDP over two processes equal to one, kill -9 + resume b
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT, base_args, fixed_inputs, launch2, metrics, run2, train_inproc, weights
+from tests.conftest import ROOT, base_args, fixed_inputs, kill_9_once, launch2, metrics, run2, train_inproc, weights
 
 # stage 3 as configs/real/stage3_lora.yaml runs it: the vision tower trains whole, the language model through LoRA
 LORA3 = {"freeze.vision": "false", "lora.r": 4, "lora.alpha": 8}
@@ -271,11 +268,7 @@ def test_lora_fsdp_kill_9_and_resume_gives_bitwise_equal_weights(cache, tmp_path
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    deadline = time.time() + 300
-    while not (out / "checkpoint-2").exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_9_once(proc, lambda: (out / "checkpoint-2").exists(), group=True)  # the launcher and both processes
     assert (out / "checkpoint-2").exists() and not (out / "final").exists(), "not killed between save and end"
     resumed = run2(base_args(cache, out, steps=4, **extra))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
