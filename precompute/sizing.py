@@ -60,7 +60,7 @@ KNOWN_TRANSFORMERS = {
 TEXT_TOKENS = 512  # the pipeline's max_sequence_length: every pass cross-attends to this many prompt tokens
 GPUS_PER_NODE = 8
 OBJECTS_PER_SHARD = 3  # shards/shard-N.tar, its sidecar shards/shard-N.json, errors/shard-N.jsonl
-OBJECTS_PER_CACHE = 3  # manifest.json, errors.jsonl, precompute.json
+OBJECTS_PER_CACHE = 4  # manifest.json, errors.jsonl, precompute.json, the shard table (shard-index/shards.safetensors)
 
 
 def objects(shards: int) -> int:
@@ -405,7 +405,8 @@ def report(p: dict) -> str:
         )
     lines.append(
         f"objects: {p['objects']} ({p['shards']} shards x {OBJECTS_PER_SHARD}: tar, sidecar, error file; plus "
-        f"manifest.json, errors.jsonl, precompute.json and a shard-index part per {cf.SHARDS_PER_INDEX} shards; a "
+        f"manifest.json, errors.jsonl, precompute.json, the shard table and a shard-index part per "
+        f"{cf.SHARDS_PER_INDEX} shards; a "
         "cache in a bucket adds one shard-records object per precompute process)"
     )
     if "rollout" in p:

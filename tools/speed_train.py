@@ -159,7 +159,11 @@ def s3_copy(cache: Path) -> Iterator[tuple[str, str]]:
     os.environ.update(env)
     try:
         fs = fsspec.filesystem("s3", skip_instance_cache=True)
-        fs.mkdir("bench")
+        if fs.exists("bench"):  # moto keeps buckets per process, not per server: an earlier case's, in this process
+            fs.rm("bench", recursive=True)
+            fs.invalidate_cache()
+        if not fs.exists("bench"):
+            fs.mkdir("bench")
         for p in sorted(cache.rglob("*")):
             if p.is_file() and not p.name.startswith("."):
                 fs.put_file(str(p), f"bench/cache/{p.relative_to(cache)}")

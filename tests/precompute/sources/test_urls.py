@@ -273,7 +273,7 @@ def test_plan_downloads_a_sample_of_rows_and_extrapolates_to_a_table_of_given_si
     shards = -(-n // 1024)
     assert f"{n} rows (extrapolated from a table of 7), 42.9% usable = {usable} samples" in text
     parts = -(-shards // 4096)  # shard-index parts of 4,096 shards
-    assert f"objects: {3 * shards + 3 + parts} ({shards} shards x 3" in text
+    assert f"objects: {3 * shards + 4 + parts} ({shards} shards x 3" in text  # + the cache's 4 (its shard table)
     gpu_hours = usable / sizing.IMAGES_PER_S_PER_GPU / 3600
     assert f"encode time: {round(gpu_hours, 1):g} GPU-hours = {round(gpu_hours / 8, 1):g} node-hours" in text
     assert not (tmp_path / "cache").exists()  # a plan writes nothing
