@@ -223,8 +223,10 @@ class DataContext:
             drawn = text_sample(train, cfg.seed) if large else train
             truncation = truncation_report(formatter, reader, drawn, of=len(train) if large else None)
         loader = cfg.train.loader
-        lengths = (lambda: index_lengths(reader)) if large else (lambda: sample_lengths(formatter, reader))
-        groups = LengthGroups(*lengths(), loader.group_window) if loader.group_by_length else None
+        groups = None
+        if loader.group_by_length:
+            lengths = index_lengths(reader) if large else sample_lengths(formatter, reader)
+            groups = LengthGroups(*lengths, loader.group_window)
         return cls(
             reader,
             inputs,
