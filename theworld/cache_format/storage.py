@@ -404,7 +404,7 @@ class RemoteCache:
         path = folder / f"{entry['sha256']}{index.SUFFIX}"
         if path.is_file() and path.stat().st_size == entry["bytes"]:
             return path
-        with _locked(folder / f".{entry['sha256']}.lock"):
+        with _locked(folder / ".download.lock"):  # one lock file for every part: none left behind per part
             if not (path.is_file() and path.stat().st_size == entry["bytes"]):
                 data = self.read(entry["path"])
                 if data is None:
