@@ -37,6 +37,11 @@ def is_lazy(manifest: dict) -> bool:
     return sum(e["bytes"] for e in entries) > LAZY_BYTES
 
 
+def _keys(t: dict) -> np.ndarray:
+    """A part's (N, width) uint8 key rows as (N,) fixed-width bytes."""
+    return np.ascontiguousarray(t["keys"]).view(f"S{max(t['keys'].shape[1], 1)}").reshape(-1)
+
+
 class Whole:
     """Every sample's record in memory (index.Joined)."""
 
@@ -130,8 +135,7 @@ class Lazy:
         out = []
         for p in range(len(self.entries)):
             t, _ = self._parts.get(p) or self._load(p)
-            width = t["keys"].shape[1]
-            out.append(np.ascontiguousarray(t["keys"]).view(f"S{max(width, 1)}").reshape(-1))
+            out.append(_keys(t))
         return np.concatenate(out) if out else np.zeros(0, dtype="S1")
 
     def samples_in(self, shards: list[int]) -> np.ndarray:
@@ -176,7 +180,7 @@ class Lazy:
                 j = lo + int(bad[0][0])
                 what = "its sidecar places a member outside the tar"
                 raise self.problem(first + int(shard[j]), t["keys"][j].tobytes().rstrip(b"\0").decode(), what)
-        keys = np.ascontiguousarray(t["keys"]).view(f"S{max(t['keys'].shape[1], 1)}").reshape(-1)
+        keys = _keys(t)
         order = np.argsort(keys, kind="stable")
         if len(same := np.flatnonzero(keys[order][1:] == keys[order][:-1])):
             j = int(order[same[0]])
