@@ -2,7 +2,9 @@
 narrow), then a synthetic index of --shards shards of 1,024 samples (DataComp-1B's shard size) built with
 index.write_parts (no precompute, no tars), opened the way a training process opens it: time and Python-heap memory
 (tracemalloc, which numpy reports to; memory-mapped pages are the node's page cache, shared) to open, and to read the
-first sample of one part. Extrapolated to DataComp-1B (1,367,188 shards, 1.4B samples).
+first sample of one part; the held-out split (held_out.split, train.eval.samples 256) of the lazily opened index from
+the shard table's candidates and by the full pass (every key hashed, every part loaded), side by side; sha256 of a
+million keys (what writing the candidates costs). Extrapolated to DataComp-1B (1,367,188 shards, 1.4B samples).
 
     python -m tools.speed_index [--shards 16384] [--whole-shards 4096] [--json]
 """
@@ -22,12 +24,14 @@ import numpy as np
 
 from theworld import cache_format as cf
 from theworld.cache_format import index, sample_index
+from theworld.cache_format.held_out import split
 from theworld.cache_format.names import CAPTION, LATENT, META
 
 PER_SHARD = 1024
 DATACOMP_SHARDS = 1_367_188
 # the members of the DataComp-1B plan's cache (docs/precompute.md: no images, no SigLIP): a caption, its json, a latent
 MEMBERS = {CAPTION: 60, META: 180, LATENT: 262_300}
+EVAL_SAMPLES = 256  # the shipped configs' train.eval.samples
 
 
 def _shard_sidecar(i: int) -> dict:
@@ -84,14 +88,57 @@ def part_bytes() -> dict:
     part = index.build([_shard_sidecar(0)], 0)
     wide = sum(getattr(part, k).nbytes for k in ("keys", "spans", "crc32", "latent_shape"))
     narrow = index.encode(part)
-    table = index.encode_table([index.Summary.of(part)])
+    summary = index.Summary.of(part)
+    table = index.encode_table([summary])
+    # the held-out candidates are per part (HELD_OUT_CANDIDATES at most), not per sample: counted apart
+    held = summary.held_out
+    candidate = (held.sha256.nbytes + held.index.nbytes + index.key_rows(held.keys).nbytes) / len(held.index)
     return {
         "members": len(part.names),
         "key_bytes": part.keys.dtype.itemsize,
         "wide_per_sample": round(wide / PER_SHARD, 1),
         "narrow_part_per_sample": round(len(narrow) / PER_SHARD, 1),
-        "table_per_sample": round(len(table) / PER_SHARD, 2),
+        "table_per_sample": round((len(table) - candidate * len(held.index)) / PER_SHARD, 2),
+        "candidates_per_part_kb": round(candidate * index.HELD_OUT_CANDIDATES / 1e3, 1),
     }
+
+
+def sha256_per_million(n: int) -> float:
+    """Seconds a million 32-byte keys take to hash (index.key_digests, timed on n): what writing the candidates adds."""
+    keys = np.array([f"{i:032x}".encode() for i in range(n)])
+    t = time.perf_counter()
+    index.key_digests(keys)
+    return round((time.perf_counter() - t) * 1e6 / n, 2)
+
+
+def _count_loads(lazy: sample_index.Lazy) -> list[int]:
+    """The parts this reader's index reads from now on (kept or not)."""
+    loaded, load = [], lazy._load
+    lazy._load = lambda p: loaded.append(p) or load(p)
+    return loaded
+
+
+def split_case(folder: Path) -> dict:
+    """held_out.split of a lazily opened cache from the shard table's candidates, and by the full pass (the same
+    cache with its candidates set aside, as one written before them): time, and the parts each loads."""
+    saved = sample_index.LAZY_BYTES
+    sample_index.LAZY_BYTES = 0
+    try:
+        out, held = {}, []
+        for name in ("candidates", "full_pass"):
+            reader = cf.CacheReader(folder)
+            loaded = _count_loads(reader._index)
+            if name == "full_pass":
+                reader._index.held_out = None
+            t = time.perf_counter()
+            held.append(split(reader, EVAL_SAMPLES)[1].tolist())
+            out[f"{name}_s"] = round(time.perf_counter() - t, 4)
+            out[f"{name}_parts_loaded"] = len(loaded)
+    finally:
+        sample_index.LAZY_BYTES = saved
+    if held[0] != held[1]:
+        raise RuntimeError("the split from the candidates differs from the full pass's")
+    return out
 
 
 def _write(folder: Path, n_shards: int) -> None:
@@ -152,10 +199,12 @@ def run(n_shards: int, whole_shards: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         _write(Path(tmp) / "lazy", n_shards)
         report["lazy"] = open_case(Path(tmp) / "lazy", True)
+        report["split"] = split_case(Path(tmp) / "lazy")
         if whole_shards:
             _write(Path(tmp) / "whole", whole_shards)
             report["whole"] = open_case(Path(tmp) / "whole", False)
-    lazy, per = report["lazy"], report["part"]
+    report["sha256_per_million_s"] = sha256_per_million(min(n_shards * PER_SHARD, 1_000_000))
+    lazy, per, cut = report["lazy"], report["part"], report["split"]
     scale = DATACOMP_SHARDS / lazy["shards"]
     report["datacomp"] = {
         "shards": DATACOMP_SHARDS,
@@ -165,6 +214,9 @@ def run(n_shards: int, whole_shards: int) -> dict:
         "table_gb": round(lazy["table_bytes"] * scale / 1e9, 2),
         "open_held_mb": round(lazy["open_held_mb"] * scale, 1),
         "open_s_local": round(lazy["open_s"] * scale, 1),
+        "split_candidates_s": round(cut["candidates_s"] * scale, 1),
+        "split_full_pass_h": round(cut["full_pass_s"] * scale / 3600, 2),
+        "candidates_write_h": round(report["sha256_per_million_s"] * DATACOMP_SHARDS * PER_SHARD / 1e6 / 3600, 2),
     }
     return report
 
@@ -184,10 +236,20 @@ def _table(r: dict) -> str:
                 f"(peak {o['open_peak_mb']} MB); first sample of a part {o['first_sample_of_a_part_s']:.2f} s "
                 f"(peak {o['part_load_peak_mb']} MB)"
             )
+    c = r["split"]
+    lines.append(
+        f"split of {EVAL_SAMPLES} (lazy): {c['candidates_s']:.4f} s from the candidates "
+        f"({c['candidates_parts_loaded']} parts loaded), {c['full_pass_s']:.2f} s by the full pass "
+        f"({c['full_pass_parts_loaded']} parts loaded): "
+        f"x{c['full_pass_s'] / max(c['candidates_s'], 1e-6):.0f}; sha256 of 1M keys {r['sha256_per_million_s']} s; "
+        f"candidates {p['candidates_per_part_kb']} kB a full part"
+    )
     lines.append(
         f"DataComp-1B ({d['shards']} shards, {d['samples']} samples): index {d['wide_index_gb']} GB wide, "
         f"{d['narrow_index_gb']} GB narrow (loaded a part at a time); shard table {d['table_gb']} GB; open holds "
-        f"~{d['open_held_mb']:.0f} MB a process besides the mapped table (lazy x {d['shards'] / lz['shards']:.1f})"
+        f"~{d['open_held_mb']:.0f} MB a process besides the mapped table (lazy x {d['shards'] / lz['shards']:.1f}); "
+        f"held-out split {d['split_candidates_s']} s from the candidates, {d['split_full_pass_h']} h by the full pass "
+        f"on every node; the candidates cost {d['candidates_write_h']} h of sha256 once, where the index is written"
     )
     return "\n".join(lines)
 

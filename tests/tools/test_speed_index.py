@@ -26,3 +26,8 @@ def test_the_figures_show_the_narrow_part_and_the_lazy_open(monkeypatch):
     assert (r["lazy"]["samples"], r["whole"]["samples"]) == (3 * PER_SHARD, 2 * PER_SHARD)
     assert r["lazy"]["open_held_mb"] < r["whole"]["open_held_mb"]
     assert r["datacomp"]["narrow_index_gb"] < r["datacomp"]["wide_index_gb"]
+    # the held-out split: the same from the candidates (no part loaded) as by the full pass (every part loaded)
+    s = r["split"]
+    assert (s["candidates_parts_loaded"], s["full_pass_parts_loaded"]) == (0, 1)
+    assert s["candidates_s"] < s["full_pass_s"] and r["sha256_per_million_s"] > 0
+    assert 250 < p["candidates_per_part_kb"] < 300  # 4,096 x (32-byte digest, 8-byte index, 32-byte key)

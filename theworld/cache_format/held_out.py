@@ -1,16 +1,23 @@
 """The held-out split of a cache: the samples the trainer evaluates on and never trains on, which inference
 (`theworld.evaluate --task caption --data CACHE_DIR`) scores too. A pure function of the sample keys, so it does not
 depend on the shard layout, the number of processes or the run.
+
+The keys with the smallest sha256 are read from the shard table's candidates (index.Candidates: each index part's
+smallest, written with the index), so a cache of any size splits without hashing its keys or loading a part; a cache
+written before them, or more eval samples than a part keeps, hash every key once (the full pass, logged).
 """
 
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
 
+from theworld.cache_format import index
 from theworld.cache_format.reader import CacheReader
+from theworld.core import log
 from theworld.core.errors import UserError
+
+_log = log.get(__name__)
+FULL_PASS_CHUNK = 1 << 20  # keys hashed at a time by the full pass: memory bounded by the keys, not their digests
 
 
 def split(reader: CacheReader, eval_samples: int) -> tuple[np.ndarray, np.ndarray]:
@@ -18,11 +25,38 @@ def split(reader: CacheReader, eval_samples: int) -> tuple[np.ndarray, np.ndarra
     cache order, eval indices in key order."""
     n = len(reader)
     check_held_out(eval_samples, n)
-    ranked = sorted(range(n), key=lambda i: hashlib.sha256(reader.key(i).encode()).digest())
-    held = np.array(sorted(ranked[:eval_samples], key=reader.key), dtype=np.int64)
+    held, keys = _smallest(reader, eval_samples)
+    held = held[np.argsort(keys, kind="stable")].astype(np.int64)
     keep = np.ones(n, dtype=bool)
     keep[held] = False
     return np.flatnonzero(keep).astype(np.int64), held
+
+
+def _smallest(reader: CacheReader, eval_samples: int) -> tuple[np.ndarray, np.ndarray]:
+    """(sample indices, keys) of the eval_samples smallest sha256(key), from the candidates where they hold them."""
+    c = reader.held_out_candidates()
+    if c is not None and eval_samples <= c.per_part:
+        return np.asarray(c.index[:eval_samples]), np.asarray(c.keys[:eval_samples])
+    n = len(reader)
+    why = (
+        "no held-out candidates in this cache's shard table (written before them; a cache written now has them)"
+        if c is None
+        else f"train.eval.samples {eval_samples} is above the {c.per_part} candidates a part of its shard table keeps"
+    )
+    _log.info(f"cache {reader.cache_dir}: hashing {n:,} keys for the held-out split: {why}")
+    return _full_pass(reader.key_array(), eval_samples)
+
+
+def _full_pass(keys: np.ndarray, eval_samples: int) -> tuple[np.ndarray, np.ndarray]:
+    """The smallest over every key, a chunk at a time (the best so far first: equal digests keep cache order)."""
+    best = index.Candidates(eval_samples, np.zeros((0, 32), np.uint8), np.zeros(0, np.int64), keys[:0])
+    for lo in range(0, len(keys), FULL_PASS_CHUNK):
+        chunk = keys[lo : lo + FULL_PASS_CHUNK]
+        digests = np.concatenate([best.sha256, index.key_digests(chunk)])
+        pos = index.smallest(digests, eval_samples)
+        every = np.concatenate([best.index, np.arange(lo, lo + len(chunk))])
+        best = index.Candidates(eval_samples, digests[pos], every[pos], np.concatenate([best.keys, chunk])[pos])
+    return best.index, best.keys
 
 
 def check_held_out(eval_samples: int, num_samples: int) -> None:

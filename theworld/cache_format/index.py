@@ -27,6 +27,10 @@ SUFFIX = ".safetensors"
 TABLE = f"shards{SUFFIX}"  # the shard table object, beside the parts
 SHAPE_DIMS = 4  # (C, frames, h, w); a sample without a recorded latent shape holds -1
 NONE32 = 0xFFFFFFFF  # a narrow part's "absent" span (tars under 4 GiB) and "none recorded" shape id
+# Each part's smallest sha256(key)s kept in the shard table (`Candidates`), so a held-out split of up to this many
+# samples (held_out.split) reads no part: 16x the shipped configs' train.eval.samples (256), at ~72 bytes each
+# (digest, index, a 32-byte key) ~300 kB a full part of 4M samples, under 0.1 byte a sample of the table.
+HELD_OUT_CANDIDATES = 4096
 
 # Per shard: count, bytes, sha256, text_rule. Per sample: keys, spans, crc32, latent_shape.
 SHARD_ARRAYS = ("count", "bytes", "sha256", "text_rule")
@@ -107,19 +111,30 @@ def build(sidecars: list[dict], first: int) -> Part:
 def encode(part: Part) -> bytes:
     """A part as one safetensors object: the same bytes for the same sidecars (sorted keys, no timestamps). Written
     narrow (`_narrow`): what every training process downloads and holds grows with the samples, ~1.4B at DataComp-1B."""
-    width = max(part.keys.dtype.itemsize, 1)
-    keys = np.frombuffer(part.keys.astype(f"S{width}").tobytes(), dtype=np.uint8).reshape(-1, width)
     tensors = {
         "count": part.count,
         "bytes": part.bytes,
         "sha256": part.sha256,
         "text_rule": part.text_rule.astype(np.int32),
-        "keys": keys,
+        "keys": key_rows(part.keys),
         **_narrow(part),
     }
     # one metadata entry: safetensors writes several in a hash map's order, which differs between runs
     meta = {"index": json.dumps({"first": part.first, "names": part.names, "rules": part.rules}, sort_keys=True)}
     return st_save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata=meta)
+
+
+def key_rows(keys: np.ndarray) -> np.ndarray:
+    """(N,) fixed-width bytes -> (N, width) uint8 rows, as parts and the shard table store keys."""
+    width = max(keys.dtype.itemsize, 1)
+    return np.frombuffer(keys.astype(f"S{width}").tobytes(), dtype=np.uint8).reshape(-1, width)
+
+
+def keys_of(rows: np.ndarray) -> np.ndarray:
+    """(N, width) uint8 key rows -> (N,) fixed-width bytes (trailing NULs are not part of a key)."""
+    if not rows.shape[1]:
+        return np.zeros(len(rows), dtype="S1")
+    return np.ascontiguousarray(rows).view(f"S{rows.shape[1]}").reshape(-1)
 
 
 def _narrow(part: Part) -> dict[str, np.ndarray]:
@@ -186,7 +201,7 @@ def decode_unchecked(data: bytes) -> Part:
     try:
         t = st_load(data)
         meta = json.loads(json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])["__metadata__"]["index"])
-        keys = t["keys"]
+        keys = keys_of(t["keys"])
         spans, crc = widen(t)
         shape = t["latent_shape"] if "latent_shape" in t else np.array(shapes_of(t, len(keys)))
         part = Part(
@@ -196,7 +211,7 @@ def decode_unchecked(data: bytes) -> Part:
             sha256=t["sha256"],
             text_rule=t["text_rule"],
             rules=list(meta["rules"]),
-            keys=keys.view(f"S{keys.shape[1]}").reshape(-1) if keys.shape[1] else np.zeros(len(keys), dtype="S1"),
+            keys=keys,
             names=list(meta["names"]),
             spans=spans,
             crc32=crc,
@@ -238,6 +253,54 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def key_digests(keys: np.ndarray) -> np.ndarray:
+    """(N, 32) uint8: each key's sha256 (what the held-out split ranks by), one hashlib call a key: hashlib has no
+    batched form, and this is the whole cost (docs/performance.md)."""
+    sha = hashlib.sha256
+    return np.frombuffer(b"".join([sha(k).digest() for k in keys.tolist()]), np.uint8).reshape(-1, 32)
+
+
+def smallest(digests: np.ndarray, n: int) -> np.ndarray:
+    """Positions of the n smallest (N, 32) digests in digest order, equal ones in position order: an 8-byte prefix
+    narrows them without a sort of all N, the whole digest orders the few left (exact)."""
+    if n <= 0:
+        return np.zeros(0, np.int64)
+    pos = np.arange(len(digests))
+    if n < len(digests):
+        prefix = np.ascontiguousarray(digests[:, :8]).view(">u8").reshape(-1)
+        pos = np.flatnonzero(prefix <= np.partition(prefix, n - 1)[n - 1])
+    # S32: bytes order (NUL, the least byte, pads: as a byte-wise compare)
+    order = np.argsort(np.ascontiguousarray(digests[pos]).view("S32").reshape(-1), kind="stable")
+    return pos[order[:n]].astype(np.int64)
+
+
+@dataclass
+class Candidates:
+    """The held-out split's candidates (held_out.split): each part's `per_part` smallest sha256(key), so the cache's
+    n smallest for any n <= per_part are among them (each of those is among its own part's n smallest)."""
+
+    per_part: int  # what each part kept (HELD_OUT_CANDIDATES when written); a part of fewer samples keeps them all
+    sha256: np.ndarray  # (M, 32) uint8, in digest order
+    index: np.ndarray  # (M,) int64 sample index (a part's own in a Summary, the cache's in the table)
+    keys: np.ndarray  # (M,) fixed-width bytes
+
+    @classmethod
+    def of(cls, keys: np.ndarray, per_part: int, digests: np.ndarray | None = None) -> Candidates:
+        """The `per_part` smallest of these keys (`digests`: their key_digests, where the caller has them)."""
+        digests = key_digests(keys) if digests is None else digests
+        pos = smallest(digests, per_part)
+        return cls(per_part, digests[pos], pos, keys[pos])
+
+    @classmethod
+    def join(cls, parts: list[Candidates], offsets: np.ndarray) -> Candidates:
+        """One cache's candidates from its parts' (`offsets`: each part's first sample), in digest order."""
+        sha = np.concatenate([c.sha256 for c in parts] or [np.zeros((0, 32), np.uint8)])
+        idx = np.concatenate([c.index + off for c, off in zip(parts, offsets.tolist())] or [np.zeros(0, np.int64)])
+        keys = np.concatenate([c.keys for c in parts] or [np.zeros(0, "S1")])
+        order = smallest(sha, len(sha))
+        return cls(min((c.per_part for c in parts), default=HELD_OUT_CANDIDATES), sha[order], idx[order], keys[order])
+
+
 @dataclass
 class Summary:
     """What the shard table keeps of a part."""
@@ -249,20 +312,24 @@ class Summary:
     checksummed: bool
     text_bytes: np.ndarray
     latent_shape: np.ndarray
+    held_out: Candidates  # indices within the part
 
     @classmethod
     def of(cls, p: Part) -> Summary:
         present = p.spans[..., 0] >= 0
         checksummed = bool((p.crc32[present] >= 0).all())
         text = text_bytes(p.names, p.spans)
-        return cls(ShardTable.of([p]), p.rules, p.text_rule, p.names, checksummed, text, p.latent_shape)
+        held = Candidates.of(p.keys, HELD_OUT_CANDIDATES)
+        return cls(ShardTable.of([p]), p.rules, p.text_rule, p.names, checksummed, text, p.latent_shape, held)
 
 
 def encode_table(parts: list[Summary]) -> bytes:
     """The whole-cache facts a reader needs before it reads any sample, in one object: per shard (52 bytes) its count,
     bytes, sha256 and text_rule; per sample (2 bytes, 3 with several latent shapes) its text bytes (`text_bytes`) and
-    latent shape id; in its metadata every member name and whether every member of every sample has a crc32. A reader
-    that has it loads a part only when it reads one of its samples (sample_index.Lazy)."""
+    latent shape id; per part its held-out candidates (`Candidates`: held_out_sha256, held_out_index, held_out_keys,
+    in digest order across the cache); in its metadata every member name, whether every member of every sample has a
+    crc32 and how many candidates a part keeps. A reader that has it loads a part only when it reads one of its
+    samples (sample_index.Lazy)."""
     names: list[str] = []
     for p in parts:
         names += [n for n in p.names if n not in names]
@@ -278,8 +345,12 @@ def encode_table(parts: list[Summary]) -> bytes:
         "text_bytes": np.concatenate([p.text_bytes for p in parts] or [np.zeros(0, np.uint16)]),
         **_shapes(every),
     }
+    starts = np.cumsum([0] + [len(p.text_bytes) for p in parts])  # each part's first sample
+    held = Candidates.join([p.held_out for p in parts], starts[:-1])
+    tensors.update(held_out_sha256=held.sha256, held_out_index=held.index, held_out_keys=key_rows(held.keys))
     checksummed = all(p.checksummed for p in parts)
-    meta = {"table": json.dumps({"names": names, "rules": rules, "checksummed": checksummed}, sort_keys=True)}
+    facts = {"names": names, "rules": rules, "checksummed": checksummed, "held_out_candidates": held.per_part}
+    meta = {"table": json.dumps(facts, sort_keys=True)}
     return st_save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata=meta)
 
 
@@ -302,6 +373,7 @@ class Table:
     latent_shape: np.ndarray  # (N, SHAPE_DIMS) int32 (`shapes_of`: a broadcast where the cache has one shape)
     text_bytes: np.ndarray  # (N,) uint16 (`text_bytes`)
     latent_shapes: np.ndarray  # (U, SHAPE_DIMS) int32: the distinct shapes
+    held_out: Candidates | None  # None: a table written before the candidates
 
 
 def read_table(path: Path, entry: dict) -> Table:
@@ -314,17 +386,32 @@ def read_table(path: Path, entry: dict) -> Table:
         t, head = mapped(path)
         meta = json.loads(head["table"])
         rules = np.array([*meta["rules"], None], dtype=object)
+        n = int(t["count"].sum())
         return Table(
             ShardTable(np.array(t["count"]), np.array(t["bytes"]), np.array(t["sha256"])),
             rules[t["text_rule"].astype(np.int64)],  # -1: the None at the end
             list(meta["names"]),
             bool(meta["checksummed"]),
-            shapes_of(t, int(t["count"].sum())),
+            shapes_of(t, n),
             t["text_bytes"],
             np.array(t["latent_shapes"]),
+            _candidates(t, meta, n),
         )
     except Exception as e:  # noqa: BLE001 - damaged bytes: a missing or odd field
         raise ValueError(f"is not a shard table ({type(e).__name__})") from None
+
+
+def _candidates(t: dict[str, np.ndarray], meta: dict, n: int) -> Candidates | None:
+    """The table's held-out candidates (memory-mapped), None where it was written before them."""
+    if "held_out_sha256" not in t:
+        return None
+    c = Candidates(int(meta["held_out_candidates"]), t["held_out_sha256"], t["held_out_index"], t["held_out_keys"])
+    if not len(c.sha256) == len(c.index) == len(c.keys) or c.sha256.shape[1:] != (32,):
+        raise ValueError("held-out candidate arrays of different lengths")
+    if len(c.index) and not 0 <= int(c.index.min()) <= int(c.index.max()) < n:
+        raise ValueError("a held-out candidate outside the cache")
+    c.keys = keys_of(c.keys)
+    return c
 
 
 def mapped(path: Path) -> tuple[dict[str, np.ndarray], dict]:

@@ -389,6 +389,27 @@ class CacheReader:
     def keys(self) -> list[str]:
         return [k.decode() for k in self._index.keys()]
 
+    def key_array(self) -> np.ndarray:
+        """Every key as (N,) fixed-width UTF-8 bytes, no str a sample (reads every part of a lazily read cache)."""
+        return self._index.keys()
+
+    def held_out_candidates(self) -> index.Candidates | None:
+        """The shard table's held-out candidates (index.Candidates, read by held_out.split). None where there are
+        none to trust: a cache written before them or before the shard table, a remote cache read whole (its
+        stand-in has no table), a table that lists other shards than the index this reader holds."""
+        if self.lazy:
+            return self._index.held_out
+        entry = self.manifest.get("shard_table")
+        if read_from_list(self.manifest) or not isinstance(entry, dict):
+            return None
+        try:
+            table = index.read_table(self.cache_dir / entry["path"], entry)
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if len(table.shards) != len(self._sides) or table.shards.differs(self._sides).any():
+            return None
+        return table.held_out
+
     def keys_digest(self) -> str:
         """sha256 (16 hex digits) of the sample keys in cache order: what the indices of a data order refer to. A
         cache read a part at a time: of its parts' sha256s, which hold the keys (sample_index.Lazy.digest)."""

@@ -39,7 +39,7 @@ def is_lazy(manifest: dict) -> bool:
 
 def _keys(t: dict) -> np.ndarray:
     """A part's (N, width) uint8 key rows as (N,) fixed-width bytes."""
-    return np.ascontiguousarray(t["keys"]).view(f"S{max(t['keys'].shape[1], 1)}").reshape(-1)
+    return index.keys_of(t["keys"])
 
 
 class Whole:
@@ -89,6 +89,7 @@ class Lazy:
         self.text_rules, self.names, self.checksummed = table.text_rules, table.names, table.checksummed
         self.latent_hw, self._text_bytes = table.latent_shape[:, -2:], table.text_bytes
         self._unrecorded = bool((table.latent_shapes < 0).any())
+        self.held_out = table.held_out  # held_out.split reads these, not the parts' keys
         self.entries, self.path, self.problem = entries, path, problem
         self.starts = np.concatenate([[0], np.cumsum(self.sides.count)])  # (S + 1,) first sample of each shard
         self.firsts = np.array([e["shards"][0] for e in entries], dtype=np.int64)

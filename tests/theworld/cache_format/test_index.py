@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from tests.theworld.cache_format.conftest import BUCKET, as_format_3
@@ -363,3 +364,41 @@ def test_a_cache_whose_parts_are_format_4_as_first_written_still_opens(tmp_path)
     reader = cf.CacheReader(folder)
     assert members_by_key(reader) == want and reader.checksummed and reader.latent_hw.tolist() == [[2, 2]] * 6
     reader.check_consistency()
+
+
+def without_candidates(table: bytes) -> bytes:
+    """A shard table as written before the held-out candidates: the same object less their tensors and count."""
+    head = json.loads(table[8 : 8 + int.from_bytes(table[:8], "little")])
+    facts = json.loads(head["__metadata__"]["table"])
+    del facts["held_out_candidates"]
+    tensors = {k: v for k, v in st_load(table).items() if not k.startswith("held_out_")}
+    return st_save(tensors, metadata={"table": json.dumps(facts, sort_keys=True)})
+
+
+def test_the_shard_table_keeps_each_parts_smallest_key_digests_and_one_written_before_reads_without_them(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(index, "HELD_OUT_CANDIDATES", 3)
+
+    def side(i: int, n: int) -> dict:
+        samples = [{"key": f"k{i}-{j}", "members": {"txt": [512, 3]}, "crc32": {"txt": 1}} for j in range(n)]
+        return {"count": n, "bytes": 4096, "sha256": f"{i:02x}" * 32, "samples": samples}
+
+    a, b = index.build([side(0, 3), side(1, 2)], 0), index.build([side(2, 2)], 2)  # 5 samples, then 2 (< 3)
+    data = index.encode_table([index.Summary.of(a), index.Summary.of(b)])
+    path = tmp_path / index.TABLE
+    path.write_bytes(data)
+    table = index.read_table(path, {"sha256": hashlib.sha256(data).hexdigest()})
+    keys = ["k0-0", "k0-1", "k0-2", "k1-0", "k1-1", "k2-0", "k2-1"]
+    digest = [hashlib.sha256(k.encode()).digest() for k in keys]
+    first = sorted(range(5), key=digest.__getitem__)[:3]  # part a's 3 smallest; part b keeps both of its 2
+    want = sorted([*first, 5, 6], key=digest.__getitem__)  # in digest order across the cache
+    c = table.held_out
+    assert c.per_part == 3 and c.index.tolist() == want and c.index.dtype == np.int64
+    assert [bytes(r) for r in c.sha256] == [digest[i] for i in want]  # whole digests: 32 bytes each
+    assert c.keys.tolist() == [keys[i].encode() for i in want]
+    old = without_candidates(data)
+    (tmp_path / "old").write_bytes(old)  # another file: `table` maps this one
+    before = index.read_table(tmp_path / "old", {"sha256": hashlib.sha256(old).hexdigest()})
+    assert before.held_out is None and before.text_bytes.tolist() == table.text_bytes.tolist()
+    assert before.shards.entries() == table.shards.entries() and before.names == table.names
