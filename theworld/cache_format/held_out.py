@@ -48,15 +48,11 @@ def _smallest(reader: CacheReader, eval_samples: int) -> tuple[np.ndarray, np.nd
 
 
 def _full_pass(keys: np.ndarray, eval_samples: int) -> tuple[np.ndarray, np.ndarray]:
-    """The smallest over every key, a chunk at a time (the best so far first: equal digests keep cache order)."""
-    best = index.Candidates(eval_samples, np.zeros((0, 32), np.uint8), np.zeros(0, np.int64), keys[:0])
-    for lo in range(0, len(keys), FULL_PASS_CHUNK):
-        chunk = keys[lo : lo + FULL_PASS_CHUNK]
-        digests = np.concatenate([best.sha256, index.key_digests(chunk)])
-        pos = index.smallest(digests, eval_samples)
-        every = np.concatenate([best.index, np.arange(lo, lo + len(chunk))])
-        best = index.Candidates(eval_samples, digests[pos], every[pos], np.concatenate([best.keys, chunk])[pos])
-    return best.index, best.keys
+    """The smallest over every key: each chunk's, joined as the index joins its parts' candidates."""
+    starts = np.arange(0, len(keys), FULL_PASS_CHUNK)
+    chunks = [index.Candidates.of(keys[lo : lo + FULL_PASS_CHUNK], eval_samples) for lo in starts.tolist()]
+    c = index.Candidates.join(chunks, starts)
+    return c.index[:eval_samples], c.keys[:eval_samples]
 
 
 def check_held_out(eval_samples: int, num_samples: int) -> None:

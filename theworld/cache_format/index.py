@@ -285,9 +285,9 @@ class Candidates:
     keys: np.ndarray  # (M,) fixed-width bytes
 
     @classmethod
-    def of(cls, keys: np.ndarray, per_part: int, digests: np.ndarray | None = None) -> Candidates:
-        """The `per_part` smallest of these keys (`digests`: their key_digests, where the caller has them)."""
-        digests = key_digests(keys) if digests is None else digests
+    def of(cls, keys: np.ndarray, per_part: int) -> Candidates:
+        """The `per_part` smallest of these keys (each hashed once)."""
+        digests = key_digests(keys)
         pos = smallest(digests, per_part)
         return cls(per_part, digests[pos], pos, keys[pos])
 

@@ -16,7 +16,7 @@ import pytest
 
 from tests.theworld.cache_format.test_index import without_candidates
 from theworld import cache_format as cf
-from theworld.cache_format import index, sample_index
+from theworld.cache_format import held_out, index, sample_index
 from theworld.cache_format.held_out import split
 from theworld.core.errors import UserError
 
@@ -37,7 +37,8 @@ class _Keys:  # what split reads of a CacheReader without held-out candidates
         return None
 
 
-def test_the_held_out_keys_are_those_with_the_smallest_sha256_in_any_layout():
+def test_the_held_out_keys_are_those_with_the_smallest_sha256_in_any_layout(monkeypatch):
+    monkeypatch.setattr(held_out, "FULL_PASS_CHUNK", 6)  # the full pass a chunk of keys at a time
     keys = [f"sample-{i:03d}" for i in range(50)]
     expected = sorted(sorted(keys, key=lambda k: hashlib.sha256(k.encode()).digest())[:7])
     for order in range(3):
