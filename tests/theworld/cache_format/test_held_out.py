@@ -157,3 +157,20 @@ def test_the_demo_caches_split_is_the_one_its_numbers_were_measured_on(tmp_path,
         # pinned (the split as first written gives it): the README's demo figures were measured on this split
         assert held[:3].tolist() == [2, 5, 23] and hashlib.sha256(held.tobytes()).hexdigest()[:16] == "c4b66f643d88ca8a"
     assert loaded == []
+
+
+def test_a_whole_reader_trusts_no_shard_table_of_other_shards_than_its_index(tmp_path, monkeypatch, caplog, small):
+    """Another cache's table (its manifest entry made to match): the full pass, not that table's candidates."""
+    monkeypatch.setattr(sample_index, "LAZY_BYTES", 1 << 40)
+    folder = _index_cache(tmp_path / "c", small)
+    other = _index_cache(tmp_path / "other", [[f"t{i:03d}-{j}" for j in range(5)] for i in range(8)])
+    manifest = json.loads((folder / cf.MANIFEST).read_text())
+    table = (other / manifest["shard_table"]["path"]).read_bytes()
+    (folder / manifest["shard_table"]["path"]).write_bytes(table)
+    manifest["shard_table"].update(bytes=len(table), sha256=hashlib.sha256(table).hexdigest())
+    (folder / cf.MANIFEST).write_text(json.dumps(manifest))
+    caplog.set_level(logging.INFO)
+    reader = cf.CacheReader(folder)
+    keys = [k for shard in small for k in shard]
+    assert reader.held_out_candidates() is None and [keys[i] for i in split(reader, 3)[1]] == _reference(keys, 3)
+    assert "hashing 32 keys for the held-out split" in caplog.text
