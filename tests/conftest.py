@@ -93,15 +93,11 @@ def launch2(
 
 
 def run2(args: list[str], env: dict | None = None, module: str = "train.loop") -> subprocess.CompletedProcess:
-    """`launch2` to the end, its output captured as text."""
-    p = launch2(args, env, module, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = p.communicate(timeout=600)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    """`module` on two processes to its end, its output captured as text: each rank forked from a server that imported
+    the commands once (tests/_ranks.py), with the environment accelerate's launch gives it."""
+    from tests import _ranks
+
+    return _ranks.run(module, args, {**ENV, "ACCELERATE_USE_CPU": "true", **(env or {})}, ROOT, free_port())
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -417,15 +413,31 @@ def metrics_lines(out: Path) -> list[dict]:
 
 
 def kill_9_once(proc: subprocess.Popen, until, timeout: float = 300, group: bool = False) -> None:
-    """Poll `until()` every 10 ms (up to `timeout` s, or until `proc` ends), then kill -9 `proc`, or with `group` its
-    whole process group (a launcher started with start_new_session=True and its training processes, at once)."""
-    import signal
-
+    """Poll `until()` every 10 ms (up to `timeout` s, or until `proc` ends), then kill -9 `proc`, or with `group` the
+    launcher `proc` and every process under it (`kill_9_tree`)."""
     deadline = time.time() + timeout
     while not until() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)
     if group:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_9_tree(proc)
     else:
-        os.kill(proc.pid, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+
+
+def kill_9_tree(proc: subprocess.Popen) -> None:
+    """kill -9 a launcher and its training processes, and wait until they are gone: torch's launcher starts each
+    process in a session of its own, out of reach of a kill of the launcher's process group, and a process it
+    started outlives it (it would train on to the end)."""
+    import contextlib
+    import signal
+
+    import psutil
+
+    with contextlib.suppress(psutil.NoSuchProcess):
+        family = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
+        for p in family:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(signal.SIGKILL)
+        psutil.wait_procs(family, timeout=60)
     proc.wait()

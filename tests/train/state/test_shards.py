@@ -5,20 +5,17 @@ figures are sane."""
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
 import shutil
-import signal
 import subprocess
 import time
 
-import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import base_args, launch2, metrics, run2, train_inproc, weights
+from tests.conftest import base_args, kill_9_tree, launch2, metrics, run2, train_inproc, weights
 
 SHARDED = {
     "freeze.vision": "false",
@@ -40,17 +37,6 @@ def _wait(until, proc, what: str, timeout: float = 300) -> None:
     while not until() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)
     assert until(), f"{what} (exit {proc.poll()})"
-
-
-def _kill_9(proc: subprocess.Popen) -> None:
-    """kill -9 the launcher and its training processes (torch's launcher starts each in a session of its own, out of
-    reach of a kill of the launcher's process group)."""
-    family = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
-    for p in family:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.send_signal(signal.SIGKILL)
-    psutil.wait_procs(family, timeout=60)
-    proc.wait()
 
 
 def _wait_unlocked(out, timeout: float = 60) -> None:
@@ -114,7 +100,7 @@ def test_async_sharded_checkpoints_kill_9_mid_save_and_resume(cache, tmp_path, c
         )
         assert not (out / "checkpoint-4").exists() and list(out.glob(".tmp-checkpoint-4-*"))
     finally:
-        _kill_9(proc)
+        kill_9_tree(proc)
     _wait_unlocked(out)  # the killed main process's exit (its run lock) may lag the launcher's
     assert (out / "checkpoint-2" / "state.json").is_file() and not (out / "checkpoint-4").exists()
     resumed = run2(base_args(cache, out, steps=6, **SHARDED))

@@ -1,0 +1,107 @@
+"""A two-process run whose ranks are forked from a server process that imported the commands once.
+
+Each rank is a process of its own with the environment `accelerate launch --multi_gpu --num_processes 2` gives it
+(RANK, WORLD_SIZE, MASTER_ADDR/PORT, ACCELERATE_*), its own stdout and stderr, its exit status, and the same gloo
+group; what it does not pay is the launcher's and each rank's imports (~26 s of CPU a launch on the 2-core VM). The
+server is multiprocessing's forkserver, started once per pytest worker with PRELOAD imported: a rank is a fork of a
+process that has run nothing. Where the launcher itself is the point (its exit status, a signal or kill -9 to the
+whole group, its output), tests use conftest.launch2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PRELOAD = ["tests._ranks", "train.loop", "precompute.cosmos_latents"]
+RANKS = 2
+GRACE_S = 30  # after one rank fails, the other's wait for its peer ends in an error or is cut here
+
+
+def launcher_env(rank: int, port: int) -> dict[str, str]:
+    """What accelerate's multi-process launch (through torch.distributed.run) sets for `rank` of RANKS on one machine,
+    less torchelastic's agent bookkeeping (its store, its error file): here rank 0 hosts the group's store."""
+    return {
+        "ACCELERATE_DYNAMO_BACKEND": "NO",
+        "ACCELERATE_DYNAMO_MODE": "default",
+        "ACCELERATE_DYNAMO_USE_DYNAMIC": "False",
+        "ACCELERATE_DYNAMO_USE_FULLGRAPH": "False",
+        "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "False",
+        "ACCELERATE_MIXED_PRECISION": "no",
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1",
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(RANKS),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+        "RANK": str(rank),
+        "ROLE_NAME": "default",
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(RANKS),
+        "WORLD_SIZE": str(RANKS),
+    }
+
+
+def _rank(module: str, args: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
+    """One rank, in the forked process: the launcher's environment, output to files, `python -m module args`."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    for fd, path in ((1, out), (2, err)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    import torch
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))  # as the interpreter the launcher starts reads it
+    mod = importlib.import_module(module)
+    sys.argv = [mod.__file__, *args]
+    sys.exit(mod.main(args))
+
+
+def _context():
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts: once per pytest worker
+    return ctx
+
+
+def run(module: str, args: list[str], env: dict[str, str], cwd: Path, port: int, timeout: float = 600):
+    """`module` on RANKS forked ranks to their end: a CompletedProcess whose returncode is the first non-zero exit
+    status (0 when every rank succeeds) and whose stdout and stderr are the ranks' in rank order."""
+    ctx = _context()
+    with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
+        files = [(f"{tmp}/{r}.out", f"{tmp}/{r}.err") for r in range(RANKS)]
+        procs = [
+            ctx.Process(target=_rank, args=(module, args, {**env, **launcher_env(r, port)}, str(cwd), *files[r]))
+            for r in range(RANKS)
+        ]
+        for p in procs:
+            p.start()
+        code = _wait(procs, timeout)
+        out, err = ("".join(Path(f[k]).read_text(errors="replace") for f in files) for k in (0, 1))
+    return subprocess.CompletedProcess([module, *args], code, out, err)
+
+
+def _wait(procs: list, timeout: float) -> int:
+    """Wait for every rank; once one fails (or `timeout` passes) the others get GRACE_S, then are killed."""
+    deadline, code = time.time() + timeout, 0
+    while any(p.is_alive() for p in procs):
+        failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+        if failed and not code:
+            code, deadline = failed[0], min(deadline, time.time() + GRACE_S)
+        if time.time() > deadline:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            code = code or -9
+        time.sleep(0.02)
+    for p in procs:
+        p.join()
+    return code or next((p.exitcode for p in procs if p.exitcode), 0)
