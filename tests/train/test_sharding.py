@@ -5,6 +5,8 @@ are exact and its estimate matches a measured peak."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -26,71 +28,107 @@ def losses(run_dir) -> list[float]:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# FSDP across two processes
+# FSDP across two processes: one uninterrupted two-process run (the module's `fsdp_runs`) is the reference of the
+# one-process comparison, the step-0 evaluation comparison and the kill -9 + resume comparison.
+
+# Stage 3 (vision and language train) as a shipped sharded config reaches its first evaluation (step 0, before any
+# training forward): the caption samples run the model's parts (embeddings, the world block, generation) before the
+# eval loss runs its root forward. 19 held-out samples give the two processes 2 and 1 eval batches: every forward is a
+# collective under FSDP. The gathered checkpoint layout (train.checkpoint.sharded: false; the sharded one:
+# tests/train/state/test_shards.py), EMA and sampled latents (noise seeded per sample, so 1 == 2 processes) for the
+# kill -9 comparison.
+FSDP_REF = {
+    **STAGE3,
+    "train.eval.every": 2,
+    "train.eval.captions": 2,
+    "train.eval.caption_tokens": 4,
+    "train.eval.samples": 19,
+    "train.checkpoint.sharded": "false",
+    "train.checkpoint.every": 2,
+    "train.optimizer.ema": 0.9,
+    "world.latent": "sample",
+}
+# the two-process runs ask for FSDP the way an accelerate launch config does (with host offload from the launcher:
+# tests/theworld/model/test_lora.py), the one-process run through train.hardware.sharding (which with one process
+# shards nothing)
+LAUNCHER_FSDP = {"ACCELERATE_USE_FSDP": "true"}
+REF_STEPS = 5
 
 
-@pytest.mark.slow
-def test_fsdp_two_processes_give_the_weights_of_one(cache, tmp_path, capsys):
-    """Stage 3 (vision and language train). The 2-process run asks for FSDP with host offload the way an accelerate
-    launch config does (ACCELERATE_USE_FSDP, FSDP_OFFLOAD_PARAMS), the 1-process run through train.hardware.sharding
-    (which with one process shards nothing). 19 held-out samples give the two processes 2 and 1 eval batches: every
-    forward is a collective under FSDP."""
-    extra = {**STAGE3, "train.eval.samples": 19}
-    assert (
-        train_inproc(base_args(cache, tmp_path / "one", steps=3, **extra, **{"train.hardware.sharding": "fsdp"})) == 0
-    )
-    assert "sharding fsdp with 1 process: unsharded" in capsys.readouterr().err
-    two = run2(
-        base_args(cache, tmp_path / "two", steps=3, **extra),
-        env={"ACCELERATE_USE_FSDP": "true", "FSDP_OFFLOAD_PARAMS": "true"},
-    )
+@pytest.fixture(scope="module")
+def fsdp_runs(cache, tmp_path_factory):
+    """The reference on two processes (its stderr kept) and the same run in this process."""
+    root = tmp_path_factory.mktemp("fsdp")
+    two = run2(base_args(cache, root / "two", steps=REF_STEPS, **FSDP_REF), env=LAUNCHER_FSDP)
     assert two.returncode == 0, two.stderr[-3000:]
-    assert "sharding fsdp (FSDP2 fully_shard" in two.stderr and "ACCELERATE_USE_FSDP" in two.stderr
-    assert "offloaded to host memory" in two.stderr
-    assert "sharding: fsdp" in (tmp_path / "two" / "final" / "config.yaml").read_text()
-    w1, w2 = weights(tmp_path / "one"), weights(tmp_path / "two")
+    one = base_args(cache, root / "one", steps=REF_STEPS, **FSDP_REF, **{"train.hardware.sharding": "fsdp"})
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = train_inproc(one)
+    assert code == 0, err.getvalue()[-3000:]
+    return {"root": root, "two": two.stderr, "one": err.getvalue()}
+
+
+def assert_close_weights(w1: dict, w2: dict) -> None:
     assert w1.keys() == w2.keys() and any(k.startswith("gemma.model.language_model.") for k in w1)
     # not attention key biases: softmax ignores them, so their gradient is rounding noise (see test_train.py)
     for k in [k for k in w1 if not k.endswith("k_proj.bias")]:
-        torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-5)
-    assert losses(tmp_path / "one") == pytest.approx(losses(tmp_path / "two"), rel=1e-5)
-    ev1, ev2 = ([m for m in metrics(tmp_path / d) if "eval_loss" in m][-1] for d in ("one", "two"))
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-5, msg=k)
+
+
+@pytest.mark.slow
+def test_fsdp_two_processes_give_the_weights_of_one(fsdp_runs):
+    root = fsdp_runs["root"]
+    assert "sharding fsdp with 1 process: unsharded" in fsdp_runs["one"]
+    two = fsdp_runs["two"]
+    assert "sharding fsdp (FSDP2 fully_shard" in two and "ACCELERATE_USE_FSDP" in two
+    assert "sharding: fsdp" in (root / "two" / "final" / "config.yaml").read_text()
+    for name in ("trainable", "ema"):
+        assert_close_weights(*(load_file(str(root / d / "final" / f"{name}.safetensors")) for d in ("one", "two")))
+    assert len(losses(root / "one")) == REF_STEPS
+    assert losses(root / "one") == pytest.approx(losses(root / "two"), rel=1e-5)
+    ev1, ev2 = ([m for m in metrics(root / d) if "eval_loss" in m][-1] for d in ("one", "two"))
     assert ev1["eval_tokens"] == ev2["eval_tokens"] and ev1["eval_loss"] == pytest.approx(ev2["eval_loss"], rel=1e-5)
 
 
 @pytest.mark.slow
-def test_fsdp_kill_9_and_resume_gives_bitwise_equal_weights(cache, tmp_path, capsys):
-    """The gathered layout (train.checkpoint.sharded: false); the sharded one: tests/train/state/test_shards.py."""
-    extra = {
-        **STAGE3,
-        "train.hardware.sharding": "fsdp",
-        "train.checkpoint.sharded": "false",
-        "train.checkpoint.every": 2,
-        "train.optimizer.ema": 0.9,
-        "world.latent": "sample",
-    }
-    ref = run2(base_args(cache, tmp_path / "ref", steps=5, **extra))
-    assert ref.returncode == 0, ref.stderr[-3000:]
+def test_fsdp_two_processes_evaluate_with_samples_at_step_0_as_one_process(fsdp_runs):
+    root = fsdp_runs["root"]
+    evals = [[m for m in metrics(root / d) if "eval_loss" in m] for d in ("one", "two")]
+    assert [m["step"] for m in evals[1]] == [0, 2, 4, 5] == [m["step"] for m in evals[0]]
+    for e1, e2 in zip(*evals):
+        assert e1["eval_loss"] == pytest.approx(e2["eval_loss"], rel=1e-5)
+        assert e1["eval_loss_shuffled_world"] == pytest.approx(e2["eval_loss_shuffled_world"], rel=1e-5)
+    samples = [[m["samples"] for m in metrics(root / d) if "samples" in m] for d in ("one", "two")]
+    assert len(samples[1]) == 4 and samples[0] == samples[1]  # the same greedy captions at steps 0, 2, 4 and 5
+
+
+@pytest.mark.slow
+def test_fsdp_kill_9_and_resume_gives_bitwise_equal_weights(fsdp_runs, cache, tmp_path, capsys):
+    """Killed by the launcher's whole process group once checkpoint-2 is sealed, resumed on two processes: bitwise the
+    uninterrupted reference (weights, EMA, losses)."""
+    ref = fsdp_runs["root"] / "two"
     out = tmp_path / "killed"
     proc = launch2(
-        base_args(cache, out, steps=5, **extra),
+        base_args(cache, out, steps=REF_STEPS, **FSDP_REF),
+        env=LAUNCHER_FSDP,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
     kill_9_once(proc, lambda: (out / "checkpoint-2").exists(), group=True)  # the launcher and both processes
     assert (out / "checkpoint-2").exists() and not (out / "final").exists(), "not killed between save and end"
-    resumed = run2(base_args(cache, out, steps=5, **extra))
+    resumed = run2(base_args(cache, out, steps=REF_STEPS, **FSDP_REF), env=LAUNCHER_FSDP)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr
-    a, b = weights(tmp_path / "ref"), weights(out)
+    a, b = weights(ref), weights(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    ea = load_file(str(tmp_path / "ref" / "final" / "ema.safetensors"))
+    ea = load_file(str(ref / "final" / "ema.safetensors"))
     eb = load_file(str(out / "final" / "ema.safetensors"))
     assert ea.keys() == a.keys() and all(torch.equal(ea[k], eb[k]) for k in ea)
-    assert losses(tmp_path / "ref") == losses(out) and len(losses(out)) == 5
+    assert losses(ref) == losses(out) and len(losses(out)) == REF_STEPS
     # a checkpoint written by two FSDP processes holds whole tensors: one process resumes it (any count may)
-    ckpt = tmp_path / "ref" / "checkpoint-4"
+    ckpt = ref / "checkpoint-4"
     shapes = {k: v.shape for k, v in load_file(str(ckpt / "trainable.safetensors")).items()}
     assert shapes == {k: v.shape for k, v in a.items()}
     # AdamW state for exactly the trainable tensors, whole: the frozen VAE has none
@@ -101,39 +139,9 @@ def test_fsdp_kill_9_and_resume_gives_bitwise_equal_weights(cache, tmp_path, cap
     again.mkdir()
     shutil.copytree(ckpt, again / "checkpoint-4")
     capsys.readouterr()
-    assert train_inproc(base_args(cache, again, steps=5, **extra)) == 0
+    one = {**FSDP_REF, "train.hardware.sharding": "fsdp"}
+    assert train_inproc(base_args(cache, again, steps=REF_STEPS, **one)) == 0
     assert "written by 2 process(es), resumed by 1" in capsys.readouterr().err
-
-
-# What a shipped sharded config reaches at its first evaluation (step 0, before any training forward): the caption
-# samples run the model's parts (embeddings, the world block, generation) before the eval loss runs its root forward,
-# with the full stage-3 model, and with LoRA adapters under host offload.
-STEP0_EVAL = {"train.eval.every": 2, "train.eval.captions": 2, "train.eval.caption_tokens": 4, "train.eval.samples": 8}
-LORA = {"freeze.vision": "false", "lora.r": 4, "lora.alpha": 8, "lora.dropout": 0.0}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "extra",
-    [STAGE3, {**LORA, "train.hardware.cpu_offload": "true"}],
-    ids=["stage3", "lora_offload"],
-)
-def test_fsdp_two_processes_evaluate_with_samples_at_step_0_as_one_process(cache, tmp_path, extra):
-    sets = {**extra, **STEP0_EVAL, "train.hardware.sharding": "fsdp"}
-    assert train_inproc(base_args(cache, tmp_path / "one", steps=2, **sets)) == 0
-    two = run2(base_args(cache, tmp_path / "two", steps=2, **sets))
-    assert two.returncode == 0, two.stderr[-3000:]
-    assert "sharding fsdp (FSDP2 fully_shard" in two.stderr
-    evals = [[m for m in metrics(tmp_path / d) if "eval_loss" in m] for d in ("one", "two")]
-    assert [m["step"] for m in evals[1]] == [0, 2] == [m["step"] for m in evals[0]]
-    for e1, e2 in zip(*evals):
-        assert e1["eval_loss"] == pytest.approx(e2["eval_loss"], rel=1e-5)
-        assert e1["eval_loss_shuffled_world"] == pytest.approx(e2["eval_loss_shuffled_world"], rel=1e-5)
-    samples = [[m["samples"] for m in metrics(tmp_path / d) if "samples" in m] for d in ("one", "two")]
-    assert len(samples[1]) == 2 and samples[0] == samples[1]  # the same greedy captions at steps 0 and 2
-    w1, w2 = weights(tmp_path / "one"), weights(tmp_path / "two")
-    for k in [k for k in w1 if not k.endswith("k_proj.bias")]:  # (softmax ignores key biases: rounding noise)
-        torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow

@@ -198,22 +198,56 @@ def test_init_from_lora_adapters_without_their_config_is_refused(lora_run, tmp_p
 # Whole runs over two processes
 
 
-@pytest.mark.slow
-def test_lora_fsdp_two_processes_give_the_weights_of_one(cache, tmp_path):
-    """Dropout off: its masks are drawn per process, so only without it do 1 and 2 processes draw the same."""
-    extra = {**LORA3, "lora.dropout": 0.0, "train.hardware.sharding": "fsdp"}
-    assert train_inproc(base_args(cache, tmp_path / "one", steps=3, **extra)) == 0
-    two = run2(base_args(cache, tmp_path / "two", steps=3, **extra))
+# FSDP with host offload as the accelerate launch configuration asks for it (FSDP_OFFLOAD_PARAMS; the one-process run
+# through train.hardware.cpu_offload, sharded over a group of one) and the first evaluation at step 0, before any
+# training forward: the caption samples run the model's parts (embeddings, the world block, generation) with LoRA
+# adapters under host offload before the eval loss runs its root forward. Dropout off: its masks are drawn per
+# process, so only without it do 1 and 2 processes draw the same.
+LORA_FSDP = {
+    **LORA3,
+    "lora.dropout": 0.0,
+    "train.hardware.sharding": "fsdp",
+    "train.eval.every": 2,
+    "train.eval.captions": 2,
+    "train.eval.caption_tokens": 4,
+    "train.eval.samples": 8,
+}
+
+
+@pytest.fixture(scope="module")
+def lora_fsdp_runs(cache, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_fsdp")
+    one = {**LORA_FSDP, "train.hardware.cpu_offload": "true"}
+    assert train_inproc(base_args(cache, root / "one", steps=3, **one)) == 0
+    two = run2(base_args(cache, root / "two", steps=3, **LORA_FSDP), env={"FSDP_OFFLOAD_PARAMS": "true"})
     assert two.returncode == 0, two.stderr[-3000:]
-    assert "sharding fsdp (FSDP2 fully_shard" in two.stderr
-    w1, w2 = weights(tmp_path / "one"), weights(tmp_path / "two")
+    return {"root": root, "two": two.stderr}
+
+
+@pytest.mark.slow
+def test_lora_fsdp_two_processes_give_the_weights_of_one(lora_fsdp_runs):
+    root, err = lora_fsdp_runs["root"], lora_fsdp_runs["two"]
+    assert "sharding fsdp (FSDP2 fully_shard" in err and "offloaded to host memory" in err
+    w1, w2 = weights(root / "one"), weights(root / "two")
     assert w1.keys() == w2.keys() and any(".lora_B." in k for k in w1)
     for k in [k for k in w1 if not k.endswith("k_proj.bias")]:  # (softmax ignores key biases: rounding noise)
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-5)
     assert (
-        load_file(str(tmp_path / "two" / "final" / "adapter_model.safetensors")).keys()
-        == load_file(str(tmp_path / "one" / "final" / "adapter_model.safetensors")).keys()
+        load_file(str(root / "two" / "final" / "adapter_model.safetensors")).keys()
+        == load_file(str(root / "one" / "final" / "adapter_model.safetensors")).keys()
     )
+
+
+@pytest.mark.slow
+def test_lora_fsdp_two_processes_evaluate_with_samples_at_step_0_as_one_process(lora_fsdp_runs):
+    root = lora_fsdp_runs["root"]
+    evals = [[m for m in metrics(root / d) if "eval_loss" in m] for d in ("one", "two")]
+    assert [m["step"] for m in evals[1]] == [0, 2, 3] == [m["step"] for m in evals[0]]
+    for e1, e2 in zip(*evals):
+        assert e1["eval_loss"] == pytest.approx(e2["eval_loss"], rel=1e-5)
+        assert e1["eval_loss_shuffled_world"] == pytest.approx(e2["eval_loss_shuffled_world"], rel=1e-5)
+    samples = [[m["samples"] for m in metrics(root / d) if "samples" in m] for d in ("one", "two")]
+    assert len(samples[1]) == 3 and samples[0] == samples[1]  # the same greedy captions at steps 0, 2 and 3
 
 
 @pytest.mark.slow
