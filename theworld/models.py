@@ -21,13 +21,15 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from theworld.core import atomic, paths
 from theworld.core.config import ArgParser, DefaultsHelp
 from theworld.core.errors import UserError, cli_entry, one_line, sigterm_as_exit
 from theworld.model import gemma3
+
+if TYPE_CHECKING:
+    import torch
 
 BUILD_FILE = "theworld_build.json"  # what built the folder: a rerun with the same build leaves it as it is
 BUILD_VERSION = 1  # bump when the same inputs would give a different folder
@@ -122,6 +124,7 @@ def _tokenizer(path: Path):
 def _language_model(path: Path):
     """(text config, {name: float32 tensor}) of the GGUF's language model, from one read of the file (transformers'
     GGUF loader; it maps GGUF names onto a model's, so a weightless model on the meta device supplies them)."""
+    import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
     from transformers.integrations.gguf import read_gguf_metadata
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -159,6 +162,7 @@ def _gemma_config(text, tokenizer, spec: RealGemma):
 
 def _model(config, weights: dict, dtype: torch.dtype):
     """Gemma3ForConditionalGeneration: the real language model in the padded vocabulary, a seeded random vision side."""
+    import torch
     from transformers import Gemma3ForConditionalGeneration
 
     torch.manual_seed(SEED)
@@ -260,8 +264,6 @@ def damage(out: Path, files: object) -> str | None:
 
 def build(name: str, out: str | Path, gguf: str | None = None, dtype: str = "float32") -> Path:
     """Write model `name` to `out` (through a temporary folder beside it, renamed into place)."""
-    from theworld.model.encoders import DTYPES, _quiet_hf
-
     spec, out = MODELS[name], Path(out)
     for stale in atomic.remove_stale(out.parent, out.name):
         print(f"removed {stale} (the unfinished folder of a killed build)", file=sys.stderr)
@@ -270,8 +272,11 @@ def build(name: str, out: str | Path, gguf: str | None = None, dtype: str = "flo
         f"theworld.models: cannot write in {tmp.parent} ({e.strerror}), where {out.name} goes: give OUT in a folder "
         "you can write"
     )
-    _quiet_hf()
     with sigterm_as_exit(), atomic.folder(out, full, unwritable) as tmp:
+        # torch and transformers only once OUT proved writable: refusing an unwritable OUT takes no 10 s of imports
+        from theworld.model.encoders import DTYPES, _quiet_hf
+
+        _quiet_hf()
         scratch = tmp / ".gguf"  # inside the partial folder: a killed build leaves one folder, the next run's to clean
         scratch.mkdir()
         path = gguf_file(name, spec, gguf, scratch)

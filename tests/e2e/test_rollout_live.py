@@ -9,13 +9,11 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.conftest import ENV, ROOT, metrics
+from tests.conftest import ROOT, metrics
 from theworld.model import rollout
 from theworld.model.config import ModelConfig, RolloutConfig, WorldConfig
 from theworld.model.inputs import PARTNER, ModelInputs
@@ -101,21 +99,15 @@ def test_no_rollout_on_live_images_encodes_without_rolling_out():
 # --------------------------------------------------------------------------------------- a precomputed rollout cache
 
 
-def _run(module: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    res = subprocess.run(
-        [sys.executable, "-m", module, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    return res
-
-
 @pytest.fixture(scope="module")
 def rolled(tmp_path_factory):
-    """32 synthetic samples rolled out 2 steps by the tiny pipeline (the documented command, seed 7: not the default,
-    so the live path has to read the cache's seed rather than assume it)."""
+    """32 synthetic samples rolled out 2 steps by the tiny pipeline (the documented command, in process: its
+    main(argv); seed 7: not the default, so the live path has to read the cache's seed rather than assume it)."""
+    from precompute.cosmos_latents import main
+
     cache = tmp_path_factory.mktemp("rolled") / "cache"
     sets = [f"output_dir={cache}", "source.num_samples=32", "shard_size=16", "batch_size=16", "num_workers=0", "seed=7"]
-    _run("precompute.cosmos_latents", "--config", str(ROOT / "configs" / "precompute.yaml"), *_sets(*sets, *FAST))
+    assert main(["--config", str(ROOT / "configs" / "precompute.yaml"), *_sets(*sets, *FAST)]) == 0
     return cache
 
 
@@ -175,7 +167,7 @@ def _order(cfg, ctx):
 
 @pytest.mark.slow
 def test_precompute_inspect_train_evaluate_and_live_equals_cached(rolled, tmp_path, capsys):
-    """The commands in process (their main(argv)), but the precompute, which the fixture ran as a command."""
+    """The commands in process (their main(argv)); the precompute ran in the fixture."""
     from precompute import inspect
     from theworld import evaluate
     from theworld.infer import benchmark_items
