@@ -94,10 +94,10 @@ def launch2(
 
 def run2(args: list[str], env: dict | None = None, module: str = "train.loop") -> subprocess.CompletedProcess:
     """`module` on two processes to its end, its output captured as text: each rank forked from a server that imported
-    the commands once (tests/_ranks.py), with the environment accelerate's launch gives it."""
-    from tests import _ranks
+    the commands once (tools/ranks.py), with the environment accelerate's launch gives it."""
+    from tools import ranks
 
-    return _ranks.run(module, args, {**ENV, "ACCELERATE_USE_CPU": "true", **(env or {})}, ROOT, free_port())
+    return ranks.run(module, args, {**ENV, "ACCELERATE_USE_CPU": "true", **(env or {})}, ROOT, free_port())
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -3,7 +3,8 @@
     python -m tools.speed_checkpoint [--json] [--steps 6] [--samples 64] [--model heavy|tiny]
 
 Three runs of stage 3 (vision and language train; the speed_train `heavy` Gemma 3, 4 layers of hidden 256) under
-FSDP on two CPU processes (gloo), saving after every step, side by side in one run:
+FSDP on two CPU processes (gloo; tools/ranks.py: each a fork of a process that imported train.loop once, with
+the environment accelerate's launch gives it), saving after every step, side by side in one run:
   gathered  train.checkpoint.sharded: false, every tensor gathered to the main process, which writes it alone
   sharded   each process writes its own shard through torch.distributed.checkpoint
   async     the same shards copied to host memory and written in the background (train.checkpoint.async)
@@ -18,11 +19,11 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from tools import ranks
 from tools.speed_train import BENCH_ROOT, _gemma_path, ensure_cache
 
 LAYOUTS = {
@@ -61,12 +62,9 @@ def run(cache: Path, gemma: str, out: Path, steps: int, extra: dict) -> list[flo
         "trackers": "[]",
         **extra,
     }
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-    launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    launch += ["--main_process_port", str(_port()), "-m", "train.loop"]
     args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "THEWORLD_LOG_LEVEL": "warning"}
-    done = subprocess.run(launch + args, env=env, capture_output=True, text=True)
+    done = ranks.run("train.loop", args, env, Path.cwd(), _port())
     if done.returncode:
         raise SystemExit(f"error: the {out.name} run failed:\n{done.stderr[-3000:]}")
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

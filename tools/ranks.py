@@ -1,11 +1,12 @@
-"""A two-process run whose ranks are forked from a server process that imported the commands once.
+"""Two-process CPU runs for benchmarks and tests, each rank forked from a server process that imported the commands
+once.
 
 Each rank is a process of its own with the environment `accelerate launch --multi_gpu --num_processes 2` gives it
-(RANK, WORLD_SIZE, MASTER_ADDR/PORT, ACCELERATE_*), its own stdout and stderr, its exit status, and the same gloo
-group; what it does not pay is the launcher's and each rank's imports (~26 s of CPU a launch on the 2-core VM). The
-server is multiprocessing's forkserver, started once per pytest worker with PRELOAD imported: a rank is a fork of a
-process that has run nothing. Where the launcher itself is the point (its exit status, a signal or kill -9 to the
-whole group, its output), tests use conftest.launch2.
+(RANK, WORLD_SIZE, MASTER_ADDR/PORT, ACCELERATE_*), its own stdout and stderr, its exit status, and one gloo group
+with its peer; what it does not pay is the launcher's and each rank's imports (~26 s of CPU a launch on the 2-core
+VM). The server is multiprocessing's forkserver, started once per process that calls `run`, with PRELOAD imported: a
+rank is a fork of a process that has run nothing. Where the launcher itself is the point (its exit status, a signal
+or kill -9 to the whole group, its output), tests start a real launch (tests/conftest.py `launch2`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-PRELOAD = ["tests._ranks", "train.loop", "precompute.cosmos_latents"]
+PRELOAD = ["tools.ranks", "train.loop", "precompute.cosmos_latents"]
 RANKS = 2
 GRACE_S = 30  # after one rank fails, the other's wait for its peer ends in an error or is cut here
 
@@ -72,9 +73,18 @@ def _context():
     return ctx
 
 
-def run(module: str, args: list[str], env: dict[str, str], cwd: Path, port: int, timeout: float = 600):
-    """`module` on RANKS forked ranks to their end: a CompletedProcess whose returncode is the first non-zero exit
-    status (0 when every rank succeeds) and whose stdout and stderr are the ranks' in rank order."""
+def run(
+    module: str,
+    args: list[str],
+    env: dict[str, str],
+    cwd: Path,
+    port: int,
+    timeout: float = 600,
+    grace: float = GRACE_S,
+) -> subprocess.CompletedProcess:
+    """`python -m module args` (its `main(args)`) on RANKS forked ranks to their end: a CompletedProcess whose
+    returncode is the first non-zero exit status (0 when every rank succeeds) and whose stdout and stderr are the
+    ranks' in rank order. `env`: each rank's whole environment, to which the launcher's is added."""
     ctx = _context()
     with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
         files = [(f"{tmp}/{r}.out", f"{tmp}/{r}.err") for r in range(RANKS)]
@@ -84,18 +94,18 @@ def run(module: str, args: list[str], env: dict[str, str], cwd: Path, port: int,
         ]
         for p in procs:
             p.start()
-        code = _wait(procs, timeout)
+        code = _wait(procs, timeout, grace)
         out, err = ("".join(Path(f[k]).read_text(errors="replace") for f in files) for k in (0, 1))
     return subprocess.CompletedProcess([module, *args], code, out, err)
 
 
-def _wait(procs: list, timeout: float) -> int:
-    """Wait for every rank; once one fails (or `timeout` passes) the others get GRACE_S, then are killed."""
+def _wait(procs: list, timeout: float, grace: float) -> int:
+    """Wait for every rank; once one fails the others get `grace` seconds, then (or at `timeout`) are killed."""
     deadline, code = time.time() + timeout, 0
     while any(p.is_alive() for p in procs):
         failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
         if failed and not code:
-            code, deadline = failed[0], min(deadline, time.time() + GRACE_S)
+            code, deadline = failed[0], min(deadline, time.time() + grace)
         if time.time() > deadline:
             for p in procs:
                 if p.is_alive():
