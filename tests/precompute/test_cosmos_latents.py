@@ -29,6 +29,7 @@ from tests._precompute_helpers import (
     make_cfg,
     read_cache_plain,
 )
+from tests.conftest import run2
 from theworld import cache_format as cf
 from theworld.core import atomic
 from theworld.core.errors import UserError
@@ -375,27 +376,9 @@ def _run_single_threaded(cfg):
 
 
 def _launch_two_processes(args: list[str]) -> subprocess.CompletedProcess:
-    """Two real CPU processes (gloo): `accelerate launch --cpu --num_processes 2` silently runs one."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "-m",
-        "precompute.cosmos_latents",
-        *args,
-    ]
-    res = subprocess.run(
-        cmd, cwd=ROOT, env=_env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True, timeout=180
-    )
+    """Two real CPU processes (gloo) with the environment `accelerate launch --multi_gpu --num_processes 2` gives
+    them, forked with their imports done (conftest.run2): the launcher is not what these tests check."""
+    res = run2(args, module="precompute.cosmos_latents")
     assert res.returncode == 0, res.stderr[-3000:]
     return res
 
