@@ -472,19 +472,13 @@ class Forked:
     def send_signal(self, sig: int) -> None:
         os.kill(self.pid, sig)
 
-    def stderr(self) -> str:
-        return (self.logs / "err").read_text(errors="replace")
 
-
-def fork_command(module: str, args: list[str], env: dict | None = None, logs: Path | None = None) -> Forked:
+def fork_command(module: str, args: list[str], env: dict | None = None, *, logs: Path) -> Forked:
     """Start `python -m module args` as one process of its own, forked from the server that imported the commands
-    (tests/_ranks.py): ENV plus `env`, cwd ROOT, stdout and stderr to files in `logs` (a temporary folder by default).
+    (tests/_ranks.py): ENV plus `env`, cwd ROOT, stdout and stderr to the files out and err in `logs`.
     For a test whose point is a kill of the process, not a fresh interpreter: no ~11 s of imports."""
-    import tempfile
-
     from tests import _ranks
 
-    logs = Path(tempfile.mkdtemp(prefix="forked-")) if logs is None else logs
     logs.mkdir(parents=True, exist_ok=True)
     files = (str(logs / "out"), str(logs / "err"))
     process = _ranks._context().Process(

@@ -84,7 +84,7 @@ def test_kill_9_during_an_upload_then_rerun_loses_and_duplicates_no_shard(s3, s3
     target = url("killed")
     args = cli_args(target, f"storage.local_dir={tmp_path / 'local'}")  # type: ignore[arg-type]
     s3.hold("PUT", r"/killed/shards/shard-000001\.tar")
-    p = fork_command("precompute.cosmos_latents", args, s3.env, tmp_path / "forked")  # its imports done already
+    p = fork_command("precompute.cosmos_latents", args, s3.env, logs=tmp_path / "forked")  # its imports done already
     try:
         assert s3.held.wait(240), "the upload of shard 1 never started"
         p.send_signal(signal.SIGKILL)
