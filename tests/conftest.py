@@ -441,3 +441,48 @@ def kill_9_tree(proc: subprocess.Popen) -> None:
                 p.send_signal(signal.SIGKILL)
         psutil.wait_procs(family, timeout=60)
     proc.wait()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# suiteC (issue 44, item 6): one process of a command, forked from tests/_ranks.py's server (its imports done once)
+
+
+class Forked:
+    """A process forked by `fork_command`, with the part of subprocess.Popen's interface the helpers here use."""
+
+    def __init__(self, process, logs: Path):
+        self.process, self.logs, self.pid = process, logs, process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"fork of {self.pid}", timeout)
+        return self.process.exitcode
+
+    def kill(self) -> None:
+        self.process.kill()
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+
+def fork_command(module: str, args: list[str], env: dict | None = None, *, logs: Path) -> Forked:
+    """Start `python -m module args` as one process of its own, forked from the server that imported the commands
+    (tests/_ranks.py): ENV plus `env`, cwd ROOT, stdout and stderr to the files out and err in `logs`.
+    For a test whose point is a kill of the process, not a fresh interpreter: no ~11 s of imports."""
+    from tests import _ranks
+
+    logs.mkdir(parents=True, exist_ok=True)
+    files = (str(logs / "out"), str(logs / "err"))
+    process = _ranks._context().Process(
+        target=_ranks._rank, args=(module, args, {**ENV, **(env or {})}, str(ROOT), *files)
+    )
+    process.start()
+    return Forked(process, logs)

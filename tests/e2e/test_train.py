@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ENV, ROOT, base_args, kill_9_once, metrics, run2, train_inproc, weights
+from tests.conftest import ENV, ROOT, base_args, fork_command, kill_9_once, metrics, run2, train_inproc, weights
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Pure functions: order, split, accumulation
@@ -119,8 +119,9 @@ def test_weights_fingerprint_checked_after_model_load(cache, tmp_path, capsys, m
 
 @pytest.mark.slow
 def test_kill_9_and_resume_gives_bitwise_equal_weights(cache, tmp_path, capsys):
-    """The uninterrupted reference and the resume run in this process (one thread, as the killed subprocess
-    computes); the kill -9 lands as soon as the first checkpoint is complete, and the resumed run crosses an epoch."""
+    """The uninterrupted reference and the resume run in this process (one thread, as the killed process computes:
+    a process of its own, forked with its imports done); the kill -9 lands as soon as the first checkpoint is
+    complete, and the resumed run crosses an epoch."""
     extra = {
         "train.checkpoint.every": 2,
         "train.checkpoint.keep_last": 2,
@@ -132,13 +133,7 @@ def test_kill_9_and_resume_gives_bitwise_equal_weights(cache, tmp_path, capsys):
     steps = 7  # 80 train samples: 5 steps per epoch
     assert train_inproc(base_args(cache, tmp_path / "ref", steps=steps, **extra)) == 0
     out = tmp_path / "killed"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "train.loop", *base_args(cache, out, steps=steps, **extra)],
-        cwd=ROOT,
-        env=ENV,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    proc = fork_command("train.loop", base_args(cache, out, steps=steps, **extra), logs=tmp_path / "forked")
     kill_9_once(proc, lambda: (out / "checkpoint-2").exists())
     assert (out / "checkpoint-2").exists() and not (out / "final").exists(), "not killed between save and end"
     capsys.readouterr()

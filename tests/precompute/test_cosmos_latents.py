@@ -29,6 +29,7 @@ from tests._precompute_helpers import (
     make_cfg,
     read_cache_plain,
 )
+from tests.conftest import fork_command, run2
 from theworld import cache_format as cf
 from theworld.core import atomic
 from theworld.core.errors import UserError
@@ -338,9 +339,9 @@ def _env(**extra) -> dict:
 @pytest.mark.slow
 def test_kill_9_and_rerun(tmp_path, capsys):
     out = tmp_path / "c"
-    cmd = [sys.executable, "-m", "precompute.cosmos_latents", *cli_args(out, n=40, shard=4, res=32)]
-    slow = [sys.executable, str(ROOT / "tests" / "_slow_writer.py"), "0.4", *cmd[3:]]  # 0.4 s a shard
-    proc = subprocess.Popen(slow, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    args = cli_args(out, n=40, shard=4, res=32)
+    # 0.4 s a shard, in a process of its own forked with its imports done: the kill is the point, not the interpreter
+    proc = fork_command("tests._slow_writer", ["0.4", *args], logs=tmp_path / "forked")
     deadline = time.time() + 90
     writing = []  # a shard's tar written under its temporary name, not yet renamed: the kill lands mid-write
     while not writing and time.time() < deadline and proc.poll() is None:
@@ -352,7 +353,7 @@ def test_kill_9_and_rerun(tmp_path, capsys):
     assert writing, "the run ended before a kill could land inside a shard's write"
     done = len(list((out / "shards").glob("shard-*.json")))
     assert 3 <= done < 10 and not (out / "manifest.json").exists()
-    assert cosmos_latents.main(cmd[3:]) == 0  # the rerun in process: the kill is the subprocess's point
+    assert cosmos_latents.main(args) == 0  # the rerun in process
     rerun = capsys.readouterr().out
     assert "40 samples, 0 errors" in rerun and f"encoded {40 - 4 * done} images" in rerun
     keys = list(read_cache_plain(out))
@@ -375,27 +376,9 @@ def _run_single_threaded(cfg):
 
 
 def _launch_two_processes(args: list[str]) -> subprocess.CompletedProcess:
-    """Two real CPU processes (gloo): `accelerate launch --cpu --num_processes 2` silently runs one."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "-m",
-        "precompute.cosmos_latents",
-        *args,
-    ]
-    res = subprocess.run(
-        cmd, cwd=ROOT, env=_env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True, timeout=180
-    )
+    """Two real CPU processes (gloo) with the environment `accelerate launch --multi_gpu --num_processes 2` gives
+    them, forked with their imports done (conftest.run2): the launcher is not what these tests check."""
+    res = run2(args, module="precompute.cosmos_latents")
     assert res.returncode == 0, res.stderr[-3000:]
     return res
 

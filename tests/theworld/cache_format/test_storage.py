@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import subprocess
-import sys
 import threading
 from http.server import ThreadingHTTPServer
 from pathlib import Path
@@ -17,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests._precompute_helpers import cli_args, make_cfg
-from tests.conftest import ENV, ROOT, base_args, metrics, run2, train_inproc
+from tests.conftest import base_args, fork_command, metrics, run2, train_inproc
 from tests.theworld.cache_format.conftest import BUCKET
 from theworld import cache_format as cf
 from theworld.core.errors import UserError
@@ -86,27 +84,21 @@ def test_kill_9_during_an_upload_then_rerun_loses_and_duplicates_no_shard(s3, s3
     target = url("killed")
     args = cli_args(target, f"storage.local_dir={tmp_path / 'local'}")  # type: ignore[arg-type]
     s3.hold("PUT", r"/killed/shards/shard-000001\.tar")
-    p = subprocess.Popen(
-        [sys.executable, "-m", "precompute.cosmos_latents", *args],
-        cwd=ROOT,
-        env={**ENV, **s3.env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    p = fork_command("precompute.cosmos_latents", args, s3.env, logs=tmp_path / "forked")  # its imports done already
     try:
         assert s3.held.wait(240), "the upload of shard 1 never started"
         p.send_signal(signal.SIGKILL)
-        p.wait(30)
+        assert p.wait(30) == -signal.SIGKILL
     finally:
         s3.release()
         if p.poll() is None:
             p.kill()
+            p.wait()
     objects = s3.fs.find(f"{BUCKET}/killed")
     assert f"{BUCKET}/killed/shards/shard-000001.tar" not in objects
     assert f"{BUCKET}/killed/manifest.json" not in objects
     start = len(s3.log)
-    assert cosmos_latents.main(args) == 0  # the rerun in process: the kill is the subprocess's point
+    assert cosmos_latents.main(args) == 0  # the rerun in process: the kill is the forked process's point
     encoded = int(re.search(r"this run encoded (\d+) images", capsys.readouterr().out).group(1))
     assert encoded == 4  # shard 2 only: shard 0 was up, shard 1 finished here and is put, not encoded again
     rerun_puts = [p for m, p, _ in s3.log[start:] if m == "PUT" and "/killed/shards/" in p]
