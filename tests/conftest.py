@@ -444,7 +444,7 @@ def kill_9_tree(proc: subprocess.Popen) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# suiteC (issue 44, item 6): one process of a command, forked from tests/_ranks.py's server (its imports done once)
+# One process of a command, forked from tools/ranks.py's server (its imports done once)
 
 
 class Forked:
@@ -475,14 +475,10 @@ class Forked:
 
 def fork_command(module: str, args: list[str], env: dict | None = None, *, logs: Path) -> Forked:
     """Start `python -m module args` as one process of its own, forked from the server that imported the commands
-    (tests/_ranks.py): ENV plus `env`, cwd ROOT, stdout and stderr to the files out and err in `logs`.
+    (tools/ranks.py): ENV plus `env`, cwd ROOT, stdout and stderr to the files out and err in `logs`.
     For a test whose point is a kill of the process, not a fresh interpreter: no ~11 s of imports."""
-    from tests import _ranks
+    from tools import ranks
 
     logs.mkdir(parents=True, exist_ok=True)
-    files = (str(logs / "out"), str(logs / "err"))
-    process = _ranks._context().Process(
-        target=_ranks._rank, args=(module, args, {**ENV, **(env or {})}, str(ROOT), *files)
-    )
-    process.start()
+    process = ranks.start(module, args, {**ENV, **(env or {})}, ROOT, str(logs / "out"), str(logs / "err"))
     return Forked(process, logs)

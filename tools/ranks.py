@@ -85,18 +85,20 @@ def run(
     """`python -m module args` (its `main(args)`) on RANKS forked ranks to their end: a CompletedProcess whose
     returncode is the first non-zero exit status (0 when every rank succeeds) and whose stdout and stderr are the
     ranks' in rank order. `env`: each rank's whole environment, to which the launcher's is added."""
-    ctx = _context()
     with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
         files = [(f"{tmp}/{r}.out", f"{tmp}/{r}.err") for r in range(RANKS)]
-        procs = [
-            ctx.Process(target=_rank, args=(module, args, {**env, **launcher_env(r, port)}, str(cwd), *files[r]))
-            for r in range(RANKS)
-        ]
-        for p in procs:
-            p.start()
+        procs = [start(module, args, {**env, **launcher_env(r, port)}, cwd, *files[r]) for r in range(RANKS)]
         code = _wait(procs, timeout, grace)
         out, err = ("".join(Path(f[k]).read_text(errors="replace") for f in files) for k in (0, 1))
     return subprocess.CompletedProcess([module, *args], code, out, err)
+
+
+def start(module: str, args: list[str], env: dict[str, str], cwd: Path, out: str, err: str):
+    """`python -m module args` as one process forked from the server, with the environment `env` alone, in `cwd`,
+    its stdout and stderr going to the files `out` and `err`: a started multiprocessing.Process."""
+    process = _context().Process(target=_rank, args=(module, args, env, str(cwd), out, err))
+    process.start()
+    return process
 
 
 def _wait(procs: list, timeout: float, grace: float) -> int:
