@@ -124,17 +124,22 @@ def test_the_candidates_split_as_the_full_pass_and_a_lazy_reader_loads_no_part(
         assert loaded == ([0, 1, 2] if lazy else [])
 
 
+def _replace_table(folder, table: bytes) -> None:
+    """The cache's shard table replaced by `table`, its manifest entry made to match."""
+    manifest = json.loads((folder / cf.MANIFEST).read_text())
+    (folder / manifest["shard_table"]["path"]).write_bytes(table)
+    manifest["shard_table"].update(bytes=len(table), sha256=hashlib.sha256(table).hexdigest())
+    (folder / cf.MANIFEST).write_text(json.dumps(manifest))
+
+
 @pytest.mark.parametrize("lazy", [False, True], ids=["whole", "lazy"])
 def test_a_shard_table_written_before_the_candidates_splits_by_the_full_pass_with_a_line(
     tmp_path, monkeypatch, caplog, small, lazy
 ):
     monkeypatch.setattr(sample_index, "LAZY_BYTES", 0 if lazy else 1 << 40)
     folder = _index_cache(tmp_path / "c", small)
-    manifest = json.loads((folder / cf.MANIFEST).read_text())
-    path = folder / manifest["shard_table"]["path"]
-    path.write_bytes(old := without_candidates(path.read_bytes()))
-    manifest["shard_table"].update(bytes=len(old), sha256=hashlib.sha256(old).hexdigest())
-    (folder / cf.MANIFEST).write_text(json.dumps(manifest))
+    path = folder / json.loads((folder / cf.MANIFEST).read_text())["shard_table"]["path"]
+    _replace_table(folder, without_candidates(path.read_bytes()))
     caplog.set_level(logging.INFO)
     reader = cf.CacheReader(folder)
     keys = [k for shard in small for k in shard]
@@ -164,11 +169,7 @@ def test_a_whole_reader_trusts_no_shard_table_of_other_shards_than_its_index(tmp
     monkeypatch.setattr(sample_index, "LAZY_BYTES", 1 << 40)
     folder = _index_cache(tmp_path / "c", small)
     other = _index_cache(tmp_path / "other", [[f"t{i:03d}-{j}" for j in range(5)] for i in range(8)])
-    manifest = json.loads((folder / cf.MANIFEST).read_text())
-    table = (other / manifest["shard_table"]["path"]).read_bytes()
-    (folder / manifest["shard_table"]["path"]).write_bytes(table)
-    manifest["shard_table"].update(bytes=len(table), sha256=hashlib.sha256(table).hexdigest())
-    (folder / cf.MANIFEST).write_text(json.dumps(manifest))
+    _replace_table(folder, (other / json.loads((folder / cf.MANIFEST).read_text())["shard_table"]["path"]).read_bytes())
     caplog.set_level(logging.INFO)
     reader = cf.CacheReader(folder)
     keys = [k for shard in small for k in shard]
