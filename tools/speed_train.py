@@ -215,6 +215,12 @@ def _mean(xs: list[float]) -> float:
     return statistics.fmean(xs)
 
 
+def round_quartiles(ratios: list[float]) -> list[float]:
+    """The quartiles of the rounds' ratios, inside the range measured: the default ("exclusive") method extrapolates
+    past it with few rounds, to below 0 for two rounds far apart."""
+    return [round(q, 3) for q in statistics.quantiles(ratios, n=4, method="inclusive")]
+
+
 def _ratio_ci95(fed: list[float], staged: list[float], resamples: int = 2000) -> list[float]:
     """95% bootstrap interval of mean(fed) / mean(staged), resampling whole rounds (a round's two sides together)."""
     fed_r, staged_r = np.asarray(fed), np.asarray(staged)
@@ -321,7 +327,7 @@ def bench_case(
         "step_ms_fed": round(1000 * fed_s, 2),
         "data_overhead": round(fed_s / step_s, 3),
         "data_overhead_ci95": _ratio_ci95(round_fed, round_staged),
-        "data_overhead_round_quartiles": [round(q, 3) for q in statistics.quantiles(ratios, n=4)],
+        "data_overhead_round_quartiles": round_quartiles(ratios),
         "step_ms_live_encoding": round(1000 * _mean(t_live), 2),
         "cache_speedup": round(_mean(t_live) / step_s, 2),
         "train_samples_per_s": round(gbs / step_s, 1),

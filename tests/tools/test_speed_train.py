@@ -54,6 +54,13 @@ def test_train_bench_smoke(tmp_path):
     assert 0 < lo <= row["data_overhead"] <= hi
 
 
+def test_round_quartiles_stay_inside_the_rounds_measured():
+    from tools.speed_train import round_quartiles
+
+    assert round_quartiles([1.0, 6.0]) == [2.25, 3.5, 4.75]  # the default method: [-0.25, 3.5, 7.25]
+    assert round_quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == [2.0, 3.0, 4.0]
+
+
 def test_data_overhead_interval_brackets_the_true_ratio():
     import numpy as np
 
