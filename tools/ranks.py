@@ -51,7 +51,8 @@ def launcher_env(rank: int, port: int) -> dict[str, str]:
 
 
 def _rank(module: str, args: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
-    """One rank, in the forked process: the launcher's environment, output to files, `python -m module args`."""
+    """In the forked process (a rank, or a command alone): `env` as its whole environment, its output to files, then
+    `python -m module args`."""
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -69,7 +70,7 @@ def _rank(module: str, args: list[str], env: dict[str, str], cwd: str, out: str,
 
 def _context():
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts: once per pytest worker
+    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts: once per process that starts forks
     return ctx
 
 
