@@ -426,9 +426,9 @@ def kill_9_once(proc: subprocess.Popen, until, timeout: float = 300, group: bool
 
 
 def kill_9_tree(proc: subprocess.Popen) -> None:
-    """kill -9 a launcher and its training processes, and wait until they are gone: torch's launcher starts each
-    process in a session of its own, out of reach of a kill of the launcher's process group, and a process it
-    started outlives it (it would train on to the end)."""
+    """kill -9 a launcher and its training processes, and wait until they are gone, their run locks with them:
+    torch's launcher starts each process in a session of its own, out of reach of a kill of the launcher's process
+    group, and a process it started outlives it (it would train on to the end)."""
     import contextlib
     import signal
 
@@ -439,7 +439,8 @@ def kill_9_tree(proc: subprocess.Popen) -> None:
         for p in family:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.send_signal(signal.SIGKILL)
-        psutil.wait_procs(family, timeout=60)
+        _, alive = psutil.wait_procs(family, timeout=60)
+        assert not alive, f"still running a minute after kill -9: {alive}"
     proc.wait()
 
 

@@ -37,11 +37,6 @@ def is_lazy(manifest: dict) -> bool:
     return sum(e["bytes"] for e in entries) > LAZY_BYTES
 
 
-def _keys(t: dict) -> np.ndarray:
-    """A part's (N, width) uint8 key rows as (N,) fixed-width bytes."""
-    return index.keys_of(t["keys"])
-
-
 class Whole:
     """Every sample's record in memory (index.Joined)."""
 
@@ -136,7 +131,7 @@ class Lazy:
         out = []
         for p in range(len(self.entries)):
             t, _ = self._parts.get(p) or self._load(p)
-            out.append(_keys(t))
+            out.append(index.keys_of(t["keys"]))
         return np.concatenate(out) if out else np.zeros(0, dtype="S1")
 
     def samples_in(self, shards: list[int]) -> np.ndarray:
@@ -181,7 +176,7 @@ class Lazy:
                 j = lo + int(bad[0][0])
                 what = "its sidecar places a member outside the tar"
                 raise self.problem(first + int(shard[j]), t["keys"][j].tobytes().rstrip(b"\0").decode(), what)
-        keys = _keys(t)
+        keys = index.keys_of(t["keys"])
         order = np.argsort(keys, kind="stable")
         if len(same := np.flatnonzero(keys[order][1:] == keys[order][:-1])):
             j = int(order[same[0]])
