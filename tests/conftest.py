@@ -386,11 +386,16 @@ def wait_for_step(out: Path, proc: subprocess.Popen, step: int, timeout: float =
     """Wait until `proc`'s run at `out` has logged training step `step` (raises if it ends or times out first)."""
     deadline = time.time() + timeout
     while proc.poll() is None and time.time() < deadline:
-        steps = [m.get("step", -1) for m in metrics_lines(out) if "loss" in m]
-        if steps and steps[-1] >= step:
+        if last_logged_step(out) >= step:
             return
         time.sleep(0.02)
     raise AssertionError(f"the run did not reach step {step} (exit {proc.poll()})")
+
+
+def last_logged_step(out: Path) -> int:
+    """The last training step the run at `out` has logged so far (-1: none yet)."""
+    steps = [m.get("step", -1) for m in metrics_lines(out) if "loss" in m]
+    return steps[-1] if steps else -1
 
 
 def metrics_lines(out: Path) -> list[dict]:

@@ -21,9 +21,9 @@ from tests.conftest import (
     ROOT,
     base_args,
     final_bytes,
+    last_logged_step,
     launch2,
     metrics,
-    metrics_lines,
     one_error_line,
     train_inproc,
     wait_for_step,
@@ -112,8 +112,7 @@ def _interrupt(args: list[str], out: Path, at_step: int, sig: int, capsys) -> tu
 
     def watch() -> None:
         while not done.is_set():
-            steps = [m.get("step", -1) for m in metrics_lines(out) if "loss" in m]
-            if steps and steps[-1] >= at_step:
+            if last_logged_step(out) >= at_step:
                 os.kill(os.getpid(), sig)
                 return
             time.sleep(0.02)
