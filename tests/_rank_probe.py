@@ -13,6 +13,11 @@ def main(argv: list[str]) -> int:
     import torch.distributed as dist
 
     rank = int(os.environ["RANK"])
+    if "child" in argv:  # a process of its own under each rank, as a loader worker is
+        import subprocess
+
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        print(f"rank {rank} child {child.pid}", flush=True)
     if "hang-0" in argv and rank == 0:
         time.sleep(600)  # a peer that never ends on its own (run's grace cuts it)
     if "fail-1" in argv and rank == 1:

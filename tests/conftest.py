@@ -100,6 +100,16 @@ def run2(args: list[str], env: dict | None = None, module: str = "train.loop") -
     return ranks.run(module, args, {**ENV, "ACCELERATE_USE_CPU": "true", **(env or {})}, ROOT, free_port())
 
 
+def fork2(args: list[str], logs: Path, env: dict | None = None, module: str = "train.loop"):
+    """Start `module` on two forked ranks as `run2` does and return at once: a tools.ranks.Job, which `kill_9_once`
+    kills as one (both ranks and their loader workers), each rank's output in `logs`. For a kill -9 of the whole job,
+    where the launcher is not the point."""
+    from tools import ranks
+
+    logs.mkdir(parents=True, exist_ok=True)
+    return ranks.launch(module, args, {**ENV, "ACCELERATE_USE_CPU": "true", **(env or {})}, ROOT, free_port(), logs)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _command_logging():
     """In-process calls print what the commands print: every command installs the one stderr handler of

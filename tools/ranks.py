@@ -5,15 +5,18 @@ Each rank is a process of its own with the environment `accelerate launch --mult
 (RANK, WORLD_SIZE, MASTER_ADDR/PORT, ACCELERATE_*), its own stdout and stderr, its exit status, and one gloo group
 with its peer; what it does not pay is the launcher's and each rank's imports (~26 s of CPU a launch on the 2-core
 VM). The server is multiprocessing's forkserver, started once per process that calls `run`, with PRELOAD imported: a
-rank is a fork of a process that has run nothing. Where the launcher itself is the point (its exit status, a signal
-or kill -9 to the whole group, its output), tests start a real launch (tests/conftest.py `launch2`).
+rank is a fork of a process that has run nothing. `launch` returns the ranks as one `Job` that a test polls and kills
+with kill -9 (every rank and its loader workers). Where the launcher itself is the point (its exit status, a signal
+it forwards, its output), tests start a real launch (tests/conftest.py `launch2`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -87,11 +90,56 @@ def run(
     returncode is the first non-zero exit status (0 when every rank succeeds) and whose stdout and stderr are the
     ranks' in rank order. `env`: each rank's whole environment, to which the launcher's is added."""
     with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
-        files = [(f"{tmp}/{r}.out", f"{tmp}/{r}.err") for r in range(RANKS)]
-        procs = [start(module, args, {**env, **launcher_env(r, port)}, cwd, *files[r]) for r in range(RANKS)]
-        code = _wait(procs, timeout, grace)
-        out, err = ("".join(Path(f[k]).read_text(errors="replace") for f in files) for k in (0, 1))
+        job = launch(module, args, env, cwd, port, Path(tmp))
+        code = _wait(job.procs, timeout, grace)
+        out, err = ("".join(Path(f[k]).read_text(errors="replace") for f in job.files) for k in (0, 1))
     return subprocess.CompletedProcess([module, *args], code, out, err)
+
+
+class Job:
+    """RANKS ranks started by `launch`, polled, waited for and killed as one, as a launcher's process would be."""
+
+    def __init__(self, procs: list, files: list[tuple[str, str]]):
+        self.procs, self.files = procs, files
+
+    def poll(self) -> int | None:
+        """None while any rank runs; then the first non-zero exit status, or 0."""
+        if any(p.exitcode is None for p in self.procs):
+            return None
+        return next((p.exitcode for p in self.procs if p.exitcode), 0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.time() + timeout
+        for p in self.procs:
+            p.join(None if deadline is None else max(0.0, deadline - time.time()))
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(f"ranks {[p.pid for p in self.procs]}", timeout)
+        return self.poll()
+
+    def kill(self) -> None:
+        """kill -9 every rank and every process it started (its loader workers), and wait until they are gone."""
+        import psutil
+
+        family = []
+        for p in self.procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                rank = psutil.Process(p.pid)
+                family += [rank, *rank.children(recursive=True)]
+        for p in family:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(signal.SIGKILL)
+        _, alive = psutil.wait_procs(family, timeout=60)
+        if alive:
+            raise RuntimeError(f"still running a minute after kill -9: {alive}")
+        for p in self.procs:
+            p.join()
+
+
+def launch(module: str, args: list[str], env: dict[str, str], cwd: Path, port: int, logs: Path) -> Job:
+    """Start `python -m module args` on RANKS forked ranks and return at once; rank r's stdout and stderr go to the
+    files r.out and r.err in `logs`."""
+    files = [(str(logs / f"{r}.out"), str(logs / f"{r}.err")) for r in range(RANKS)]
+    return Job([start(module, args, {**env, **launcher_env(r, port)}, cwd, *files[r]) for r in range(RANKS)], files)
 
 
 def start(module: str, args: list[str], env: dict[str, str], cwd: Path, out: str, err: str):

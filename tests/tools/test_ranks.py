@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+import psutil
+
 from tests.conftest import ENV, free_port
 from tools import ranks
 
@@ -27,3 +29,20 @@ def test_launcher_env_is_what_accelerates_launch_sets_per_rank():
     env = ranks.launcher_env(1, 1234)
     assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["MASTER_PORT"]) == ("1", "1", "2", "1234")
     assert env["ACCELERATE_MIXED_PRECISION"] == "no" and env["OMP_NUM_THREADS"] == "1"
+
+
+def test_a_launched_job_is_polled_and_killed_as_one_with_the_processes_its_ranks_started(tmp_path):
+    job = ranks.launch("tests._rank_probe", ["hang-0", "child"], dict(ENV), tmp_path, free_port(), tmp_path)
+    deadline = time.time() + 60
+    while len(children := _children(tmp_path)) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    assert len(children) == 2 and job.poll() is None  # rank 0 sleeps, rank 1 waits for it in the group
+    family = [psutil.Process(p.pid) for p in job.procs] + [psutil.Process(pid) for pid in children]
+    job.kill()
+    assert job.poll() == -9 and job.wait(timeout=1) == -9
+    assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def _children(logs) -> list[int]:
+    lines = "".join(p.read_text() for p in logs.glob("*.out") if p.is_file()).splitlines()
+    return [int(line.split()[-1]) for line in lines if " child " in line]

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ENV, ROOT, base_args, kill_9_once, launch2, metrics, run2, train_inproc, weights
+from tests.conftest import ENV, ROOT, base_args, fork2, kill_9_once, metrics, run2, train_inproc, weights
 
 STAGE3 = {"freeze.vision": "false", "freeze.language": "false"}
 
@@ -105,18 +105,12 @@ def test_fsdp_two_processes_evaluate_with_samples_at_step_0_as_one_process(fsdp_
 
 @pytest.mark.slow
 def test_fsdp_kill_9_and_resume_gives_bitwise_equal_weights(fsdp_runs, cache, tmp_path, capsys):
-    """Killed by the launcher's whole process group once checkpoint-2 is sealed, resumed on two processes: bitwise the
+    """Both processes killed with kill -9 once checkpoint-2 is sealed, resumed on two processes: bitwise the
     uninterrupted reference (weights, EMA, losses)."""
     ref = fsdp_runs["root"] / "two"
     out = tmp_path / "killed"
-    proc = launch2(
-        base_args(cache, out, steps=REF_STEPS, **FSDP_REF),
-        env=LAUNCHER_FSDP,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    kill_9_once(proc, lambda: (out / "checkpoint-2").exists(), group=True)  # the launcher and both processes
+    proc = fork2(base_args(cache, out, steps=REF_STEPS, **FSDP_REF), tmp_path / "logs", env=LAUNCHER_FSDP)
+    kill_9_once(proc, lambda: (out / "checkpoint-2").exists())  # both processes
     assert (out / "checkpoint-2").exists() and not (out / "final").exists(), "not killed between save and end"
     resumed = run2(base_args(cache, out, steps=REF_STEPS, **FSDP_REF), env=LAUNCHER_FSDP)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

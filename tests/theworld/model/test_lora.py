@@ -5,14 +5,13 @@ full fine-tune, DDP and FSDP over two processes equal to one, kill -9 + resume b
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT, base_args, fixed_inputs, kill_9_once, launch2, metrics, run2, train_inproc, weights
+from tests.conftest import ROOT, base_args, fixed_inputs, fork2, kill_9_once, metrics, run2, train_inproc, weights
 
 # stage 3 as configs/real/stage3_lora.yaml runs it: the vision tower trains whole, the language model through LoRA
 LORA3 = {"freeze.vision": "false", "lora.r": 4, "lora.alpha": 8}
@@ -296,13 +295,8 @@ def test_lora_fsdp_kill_9_and_resume_gives_bitwise_equal_weights(cache, tmp_path
     ref = run2(base_args(cache, tmp_path / "ref", steps=4, **extra))
     assert ref.returncode == 0, ref.stderr[-3000:]
     out = tmp_path / "killed"
-    proc = launch2(
-        base_args(cache, out, steps=4, **extra),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    kill_9_once(proc, lambda: (out / "checkpoint-2").exists(), group=True)  # the launcher and both processes
+    proc = fork2(base_args(cache, out, steps=4, **extra), tmp_path / "logs")
+    kill_9_once(proc, lambda: (out / "checkpoint-2").exists())  # both processes
     assert (out / "checkpoint-2").exists() and not (out / "final").exists(), "not killed between save and end"
     resumed = run2(base_args(cache, out, steps=4, **extra))
     assert resumed.returncode == 0, resumed.stderr[-3000:]

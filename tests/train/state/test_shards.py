@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import base_args, kill_9_tree, launch2, metrics, run2, train_inproc, weights
+from tests.conftest import base_args, fork2, metrics, run2, train_inproc, weights
 
 SHARDED = {
     "freeze.vision": "false",
@@ -69,13 +68,11 @@ def test_async_sharded_checkpoints_kill_9_mid_save_and_resume(cache, tmp_path, c
 
     # the shards of checkpoint-4 stall on disk: training goes on past it, unsealed, until the kill
     out = tmp_path / "killed"
-    proc = launch2(
+    proc = fork2(
         base_args(cache, out, steps=6, **SHARDED),
+        tmp_path / "logs",
         env={"SLOW_SHARDS": "checkpoint-4", "SLOW_SHARDS_S": "600"},
         module="tests._slow_shards",
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
     )
     try:
         _wait(
@@ -85,7 +82,7 @@ def test_async_sharded_checkpoints_kill_9_mid_save_and_resume(cache, tmp_path, c
         )
         assert not (out / "checkpoint-4").exists() and list(out.glob(".tmp-checkpoint-4-*"))
     finally:
-        kill_9_tree(proc)
+        proc.kill()  # both processes
     assert (out / "checkpoint-2" / "state.json").is_file() and not (out / "checkpoint-4").exists()
     resumed = run2(base_args(cache, out, steps=6, **SHARDED))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
