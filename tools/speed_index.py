@@ -4,7 +4,9 @@ index.write_parts (no precompute, no tars), opened the way a training process op
 (tracemalloc, which numpy reports to; memory-mapped pages are the node's page cache, shared) to open, and to read the
 first sample of one part; the held-out split (held_out.split, train.eval.samples 256) of the lazily opened index from
 the shard table's candidates and by the full pass (every key hashed, every part loaded), side by side; sha256 of a
-million keys (what writing the candidates costs). Extrapolated to DataComp-1B (1,367,188 shards, 1.4B samples).
+million keys (what writing the candidates costs); one process's share of an epoch in the windowed order
+(storage.shuffle_window 64, process 4 of 8, global batch 256) computed a window at a time and over every sample,
+side by side. Extrapolated to DataComp-1B (1,367,188 shards, 1.4B samples).
 
     python -m tools.speed_index [--shards 16384] [--whole-shards 4096] [--json]
 """
@@ -26,12 +28,14 @@ from theworld import cache_format as cf
 from theworld.cache_format import index, sample_index
 from theworld.cache_format.held_out import split
 from theworld.cache_format.names import CAPTION, LATENT, META
+from train.data import order
 
 PER_SHARD = 1024
 DATACOMP_SHARDS = 1_367_188
 # the members of the DataComp-1B plan's cache (docs/precompute.md: no images, no SigLIP): a caption, its json, a latent
 MEMBERS = {CAPTION: 60, META: 180, LATENT: 262_300}
 EVAL_SAMPLES = 256  # the shipped configs' train.eval.samples
+ORDER = {"window": 64, "world": 8, "rank": 3, "global_batch": 256}  # the order case: a DataComp-like 8-process run
 
 
 def _shard_sidecar(i: int) -> dict:
@@ -141,6 +145,39 @@ def split_case(folder: Path) -> dict:
     return out
 
 
+def order_case(folder: Path) -> dict:
+    """One process's share of epoch 0 in the windowed order, computed a window at a time
+    (order.windowed_rank_indices) and over every sample (order.rank_indices with the arrays the loader built for
+    it): time and numpy's peak memory (torch's permutations are not traced), and that both give the same indices."""
+    saved = sample_index.LAZY_BYTES
+    sample_index.LAZY_BYTES = 0
+    try:
+        reader = cf.CacheReader(folder)
+        train, held = split(reader, EVAL_SAMPLES)
+    finally:
+        sample_index.LAZY_BYTES = saved
+    o = ORDER
+    args = (1, 0, o["global_batch"], o["rank"], o["world"], 0)
+    windowed, w_s, _, w_peak = _measured(
+        lambda: order.windowed_rank_indices(reader.shard_starts, held, *args, o["window"])
+    )
+    every, e_s, _, e_peak = _measured(
+        lambda: order.rank_indices(
+            train, *args, order.bucket_ids(reader)[train], shards=order.shard_ids(reader)[train], window=o["window"]
+        )
+    )
+    if not np.array_equal(windowed, every):
+        raise RuntimeError("the windowed order a window at a time differs from the one over every sample")
+    return {
+        "samples": len(reader),
+        "share": len(windowed),
+        "windowed_s": w_s,
+        "windowed_peak_mb": w_peak,
+        "every_s": e_s,
+        "every_peak_mb": e_peak,
+    }
+
+
 def _write(folder: Path, n_shards: int) -> None:
     folder.mkdir(parents=True)
     fields = index.write_parts(folder, _parts(n_shards))
@@ -200,6 +237,7 @@ def run(n_shards: int, whole_shards: int) -> dict:
         _write(Path(tmp) / "lazy", n_shards)
         report["lazy"] = open_case(Path(tmp) / "lazy", True)
         report["split"] = split_case(Path(tmp) / "lazy")
+        report["order"] = order_case(Path(tmp) / "lazy")
         if whole_shards:
             _write(Path(tmp) / "whole", whole_shards)
             report["whole"] = open_case(Path(tmp) / "whole", False)
@@ -217,6 +255,9 @@ def run(n_shards: int, whole_shards: int) -> dict:
         "split_candidates_s": round(cut["candidates_s"] * scale, 1),
         "split_full_pass_h": round(cut["full_pass_s"] * scale / 3600, 2),
         "candidates_write_h": round(report["sha256_per_million_s"] * DATACOMP_SHARDS * PER_SHARD / 1e6 / 3600, 2),
+        "order_windowed_s": round(report["order"]["windowed_s"] * scale, 1),
+        "order_windowed_peak_gb": round(report["order"]["windowed_peak_mb"] * scale / 1024, 2),
+        "order_every_peak_gb": round(report["order"]["every_peak_mb"] * scale / 1024, 1),
     }
     return report
 
@@ -244,12 +285,20 @@ def _table(r: dict) -> str:
         f"x{c['full_pass_s'] / max(c['candidates_s'], 1e-6):.0f}; sha256 of 1M keys {r['sha256_per_million_s']} s; "
         f"candidates {p['candidates_per_part_kb']} kB a full part"
     )
+    o = r["order"]
+    lines.append(
+        f"order of process {ORDER['rank'] + 1} of {ORDER['world']} (window {ORDER['window']}, {o['share']} of "
+        f"{o['samples']} samples): a window at a time {o['windowed_s']:.2f} s, numpy peak {o['windowed_peak_mb']} MB; "
+        f"over every sample {o['every_s']:.2f} s, peak {o['every_peak_mb']} MB (the same indices)"
+    )
     lines.append(
         f"DataComp-1B ({d['shards']} shards, {d['samples']} samples): index {d['wide_index_gb']} GB wide, "
         f"{d['narrow_index_gb']} GB narrow (loaded a part at a time); shard table {d['table_gb']} GB; open holds "
         f"~{d['open_held_mb']:.0f} MB a process besides the mapped table (lazy x {d['shards'] / lz['shards']:.1f}); "
         f"held-out split {d['split_candidates_s']} s from the candidates, {d['split_full_pass_h']} h by the full pass "
-        f"on every node; the candidates cost {d['candidates_write_h']} h of sha256 once, where the index is written"
+        f"on every node; the candidates cost {d['candidates_write_h']} h of sha256 once, where the index is written; "
+        f"the windowed order {d['order_windowed_s']} s a process and epoch, numpy peak "
+        f"{d['order_windowed_peak_gb']} GB a window at a time, {d['order_every_peak_gb']} GB over every sample"
     )
     return "\n".join(lines)
 

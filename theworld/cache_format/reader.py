@@ -373,6 +373,11 @@ class CacheReader:
         """(N,) int32: each sample's shard."""
         return self._index.shards()
 
+    @property
+    def shard_starts(self) -> np.ndarray:
+        """(S + 1,) int64: the first sample of each shard, then the number of samples (samples are in shard order)."""
+        return self._index.starts
+
     def samples_in(self, shards: list[int]) -> np.ndarray:
         """Global indices of the samples of these shards, in cache order."""
         return self._index.samples_in(shards)

@@ -44,6 +44,7 @@ class Whole:
         self.j, self.names, self.sides, self.text_rules = j, j.names, j.table, j.text_rules
         self.checksummed = checksummed
         self.latent_hw = np.ascontiguousarray(j.latent_shape[:, -2:])
+        self.starts = np.concatenate([[0], np.cumsum(self.sides.count)])  # (S + 1,) first sample of each shard
 
     def text_bytes(self) -> np.ndarray:
         return index.text_bytes(self.names, self.j.spans)

@@ -26,7 +26,16 @@ from train.data.batches import Collate, Packing, encode_texts
 from train.data.cache import InputSources, mixture_draw, text_only
 from train.data.flip import swap_left_right
 from train.data.mixture import Draw, MixedReader, partner_groups
-from train.data.order import LengthGroups, bucket_ids, eval_partners, flip_of, rank_indices, seed_of, shard_ids
+from train.data.order import (
+    LengthGroups,
+    bucket_ids,
+    eval_partners,
+    flip_of,
+    rank_indices,
+    seed_of,
+    shard_ids,
+    windowed_rank_indices,
+)
 from train.preempt import ignore_in_workers
 
 _log = log.get(__name__)
@@ -394,24 +403,21 @@ def _loader(cfg, ctx: DataContext, dataset, stage_first_shards: bool = False, **
     )
 
 
+def _rank_indices(cfg, ctx: DataContext, rank: int, world_size: int, epoch: int, start: int) -> np.ndarray:
+    """order.rank_indices of this run's samples; the windowed order of one cache of one latent shape one window at a
+    time (order.windowed_rank_indices: the same indices without an array over every sample)."""
+    window, args = cfg.storage.shuffle_window, (cfg.seed, epoch, cfg.train.global_batch_size, rank, world_size, start)
+    whole = len(ctx.train_indices) + len(ctx.eval_indices) == len(ctx.reader)  # every sample trains but the held-out
+    if window and ctx.draw is None and ctx.groups is None and whole and not ctx.buckets.any():
+        return windowed_rank_indices(ctx.reader.shard_starts, ctx.eval_indices, *args, window)
+    samples = ctx.epoch_samples(cfg.seed, epoch)
+    shards = shard_ids(ctx.reader)[samples] if window else None
+    return rank_indices(samples, *args, ctx.buckets[samples], ctx.groups, shards=shards, window=window)
+
+
 def build_train_loader(cfg, ctx: DataContext, rank: int, world_size: int, epoch: int, start: int = 0) -> DataLoader:
     """Micro-batches of this process for `epoch` from global batch `start` on: accumulation_steps of them per step."""
-    samples = ctx.epoch_samples(cfg.seed, epoch)
-    window = cfg.storage.shuffle_window
-    idx = rank_indices(
-        samples,
-        cfg.seed,
-        epoch,
-        cfg.train.global_batch_size,
-        rank,
-        world_size,
-        start,
-        ctx.buckets[samples],
-        ctx.groups,
-        shards=shard_ids(ctx.reader)[samples] if window else None,
-        window=window,
-    )
-    dataset = ctx.dataset(cfg, idx, epoch)
+    dataset = ctx.dataset(cfg, _rank_indices(cfg, ctx, rank, world_size, epoch, start), epoch)
     return _loader(cfg, ctx, dataset, True, batch_size=cfg.train.micro_batch_size, shuffle=False)
 
 

@@ -7,12 +7,12 @@ whatever the number of processes, and resuming at step s reads exactly the batch
 - eval split: the `train.eval.samples` samples with the smallest sha256(key) are held out (independent of shard layout;
   theworld/cache_format/held_out.py);
 - epoch order: a permutation of the training samples seeded from (seed, epoch) (with `storage.shuffle_window` W > 0: a
-  permutation of the shards, cut into windows of W shards, and the samples of each window shuffled among themselves,
-  so an epoch reads W shards at a time and a cache larger than the node's shard cache is downloaded once), walked in
-  order, each sample going to
-  its latent shape's (bucket's) list; each time a list reaches G samples they become the next global batch, and what is
-  left in the lists at the end is dropped. With one shape (a square cache) global batch b is order[b*G:(b+1)*G].
-  Step s is global batch s % steps_per_epoch of epoch s // steps_per_epoch;
+  permutation of the shards, cut into windows of W shards, and the samples of each window shuffled among themselves
+  by a permutation seeded from (seed, epoch, window), so an epoch reads W shards at a time, a cache larger than the
+  node's shard cache is downloaded once, and one cache's order is computed a window at a time), walked in order, each
+  sample going to its latent shape's (bucket's) list; each time a list reaches G samples they become the next global
+  batch, and what is left in the lists at the end is dropped. With one shape (a square cache) global batch b is
+  order[b*G:(b+1)*G]. Step s is global batch s % steps_per_epoch of epoch s // steps_per_epoch;
 - with train.loader.group_by_length (`LengthGroups`): each window of `window` consecutive global batches of a bucket
   keeps its samples but sorts them by (number of images, token length, longest first) before cutting them into
   batches, whose order within the window is then shuffled (seeded by seed, epoch, bucket, window): samples of similar
@@ -43,10 +43,11 @@ def seed_of(*parts) -> int:
 
 
 def bucket_ids(reader: cf.CacheReader) -> np.ndarray:
-    """(N,) int32: each sample's bucket, numbered in (h, w) order of the cache's latent shapes."""
+    """(N,) int32: each sample's bucket, numbered in (h, w) order of the cache's latent shapes (one shape: a
+    read-only view of one 0, no memory per sample)."""
     hw = reader.latent_hw
     if not len(hw) or (hw == hw[0]).all():  # one shape (every square cache): no sort over the whole index
-        return np.zeros(len(hw), dtype=np.int32)
+        return np.broadcast_to(np.int32(0), len(hw))
     return np.unique(hw, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int32)
 
 
@@ -65,14 +66,66 @@ def shard_ids(reader) -> np.ndarray:
 
 def _windowed(shards: np.ndarray, seed: int, epoch: int, window: int) -> np.ndarray:
     """A permutation of positions 0..len(shards)-1: the shards in a (seed, epoch) order, cut into windows of `window`
-    shards, each window's samples in a (seed, epoch) shuffle (MosaicML Streaming's block shuffle)."""
+    shards, each window's positions (in ascending order) shuffled by a permutation of its own (MosaicML Streaming's
+    block shuffle). Each window's shuffle depends on (seed, epoch, window) alone, so `windowed_rank_indices` computes
+    this order one window at a time."""
     ids, inverse = np.unique(shards, return_inverse=True)
-    order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(seed_of("shards", seed, epoch)))
     place = np.empty(len(ids), dtype=np.int64)
-    place[order.numpy()] = np.arange(len(ids))
-    rank = np.empty(len(shards), dtype=np.int64)
-    rank[_permutation(len(shards), seed, epoch)] = np.arange(len(shards))  # the shuffle within a window
-    return np.lexsort((rank, place[inverse.reshape(-1)] // window))
+    place[_shard_order(len(ids), seed, epoch)] = np.arange(len(ids))
+    of = place[inverse.reshape(-1)] // window
+    out = np.argsort(of, kind="stable")  # grouped by window, ascending within each
+    bounds = np.concatenate([[0], np.cumsum(np.bincount(of, minlength=-(-len(ids) // window)))])
+    for k, (lo, hi) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist())):
+        out[lo:hi] = out[lo:hi][_window_shuffle(hi - lo, seed, epoch, k)]
+    return out
+
+
+def _shard_order(n: int, seed: int, epoch: int) -> np.ndarray:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed_of("shards", seed, epoch))).numpy()
+
+
+def _window_shuffle(n: int, seed: int, epoch: int, k: int) -> np.ndarray:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed_of("window", seed, epoch, k))).numpy()
+
+
+def windowed_rank_indices(
+    starts: np.ndarray,
+    held_out: np.ndarray,
+    seed: int,
+    epoch: int,
+    global_batch: int,
+    rank: int,
+    world_size: int,
+    start_batch: int,
+    window: int,
+) -> np.ndarray:
+    """`rank_indices` of the windowed order over one cache's training samples (all but `held_out`) of one latent
+    shape, computed one window at a time: memory is the shards' arrays, one window's samples and this process's
+    share, never an array over every sample (a DataComp-1B cache holds 1.4B). `starts`: (S + 1,) the first sample of
+    each shard (samples are in shard order)."""
+    held = np.sort(np.asarray(held_out, dtype=np.int64))
+    lost = np.bincount(np.searchsorted(starts, held, side="right") - 1, minlength=len(starts) - 1)
+    counts = np.diff(starts) - lost
+    ids = np.flatnonzero(counts > 0)  # the shards that hold training samples, as np.unique gives _windowed
+    ids = ids[_shard_order(len(ids), seed, epoch)]
+    sizes = np.add.reduceat(counts[ids], np.arange(0, len(ids), window)) if len(ids) else np.zeros(0, np.int64)
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    end = int(offsets[-1]) // global_batch * global_batch  # a leftover short batch is dropped
+    per = global_batch // world_size
+    lo, first = rank_offset(global_batch, rank, world_size), start_batch * global_batch
+    out = []
+    for k in range(max(0, int(np.searchsorted(offsets, first, side="right")) - 1), len(sizes)):
+        a, b = int(offsets[k]), min(int(offsets[k + 1]), end)
+        if a >= b:
+            break
+        pos = np.arange(max(a, first), b)
+        pos = pos[(pos % global_batch >= lo) & (pos % global_batch < lo + per)]
+        shards = np.sort(ids[k * window : (k + 1) * window])
+        samples = np.concatenate([np.arange(starts[s], starts[s + 1]) for s in shards.tolist()])
+        near = held[np.searchsorted(held, samples[0]) : np.searchsorted(held, samples[-1], side="right")]
+        samples = samples[~np.isin(samples, near)] if len(near) else samples
+        out.append(samples[_window_shuffle(len(samples), seed, epoch, k)[pos - a]])
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
 
 def epoch_permutation(n: int, seed: int, epoch: int, shards: np.ndarray | None = None, window: int = 0) -> np.ndarray:

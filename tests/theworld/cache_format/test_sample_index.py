@@ -45,6 +45,9 @@ def test_a_large_local_cache_opens_from_its_shard_table_and_loads_only_the_parts
     assert reader.latent_hw.tolist() == whole.latent_hw.tolist() and reader.latent_hw.strides == (0, 4)  # one shape
     assert reader.shards.tolist() == whole.shards.tolist() and reader.checksummed
     assert reader.samples_in([9, 2]).tolist() == [4, 5, 18, 19] == whole.samples_in([9, 2]).tolist()
+    # samples in shard order: each shard's first sample, read from the shard table alone
+    assert reader.shard_starts.tolist() == whole.shard_starts.tolist() == list(range(0, 21, 2))
+    assert np.array_equal(np.repeat(np.arange(10), np.diff(whole.shard_starts)), whole.shards)
     assert reader.key(10) == whole.key(10) and set(reader._index._parts) == {1}  # sample 10: shard 5, part 1
     assert reader.raw(11) == whole.raw(11) and set(reader._index._parts) == {1}
     assert members_by_key(reader) == members_by_key(whole) and set(reader._index._parts) == {0, 1, 2}

@@ -69,6 +69,24 @@ def test_each_process_gets_its_share_of_each_step_from_the_start_step(ctx_cfg):
     assert len(list(loader.build_train_loader(cfg, ctx, 0, 1, epoch=0))) == 4  # micro-batches of 2
 
 
+def test_a_windowed_loader_reads_the_windowed_order_a_window_at_a_time(ctx_cfg, monkeypatch):
+    """storage.shuffle_window on one cache of one shape: each process's share is order.rank_indices' over the
+    training samples, from order.windowed_rank_indices (no array over every sample), on 1 and 2 processes and from
+    a later step."""
+    from train.data import order
+
+    ctx, cfg = ctx_cfg
+    monkeypatch.setattr(cfg.storage, "shuffle_window", 2)
+    shards = ctx.reader.shards[ctx.train_indices]
+    calls = []
+    monkeypatch.setattr(loader, "windowed_rank_indices", lambda *a: calls.append(a) or order.windowed_rank_indices(*a))
+    for world, rank, start in ((1, 0, 0), (2, 0, 0), (2, 1, 0), (2, 1, 1)):
+        got = loader.build_train_loader(cfg, ctx, rank, world, epoch=3, start=start).dataset.indices
+        want = order.rank_indices(ctx.train_indices, cfg.seed, 3, 4, rank, world, start, shards=shards, window=2)
+        assert got.tolist() == want.tolist()
+    assert len(calls) == 4
+
+
 def test_the_eval_share_is_every_wth_position_with_each_samples_partner(ctx_cfg):
     ctx, cfg = ctx_cfg
     for rank in (0, 1):

@@ -4,10 +4,12 @@ time); both pure functions of (seed, epoch, step), so 1 process == N and resume 
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 import pytest
 
-from train.data.order import LengthGroups, epoch_batches, epoch_order, rank_indices
+from train.data.order import LengthGroups, epoch_batches, epoch_order, rank_indices, windowed_rank_indices
 
 TRAIN = np.arange(1000, 1480)  # reader indices of the training samples
 RNG = np.random.default_rng(0)
@@ -104,6 +106,38 @@ def test_windowed_order_one_process_equals_n_and_resumes_exactly(window):
     # the batches walk the windowed order (one latent shape: batch b is order[b*G:(b+1)*G])
     order = epoch_order(WTRAIN, 7, 2, shards, window)
     assert np.array_equal(one, order[: len(one)])
+
+
+def test_the_windowed_order_a_window_at_a_time_is_rank_indices_over_every_layout():
+    """Shards of 0 to 29 samples (some empty, some wholly held out), held-out samples anywhere, windows of 1 to 8
+    shards, 1 or 2 processes, any start: the same indices as rank_indices over the training samples."""
+    rng = np.random.default_rng(1)
+    for _ in range(60):
+        counts = rng.integers(0, 30, int(rng.integers(1, 40)))
+        counts[rng.integers(0, len(counts))] += 9
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        held = np.sort(rng.choice(int(starts[-1]), int(rng.integers(0, 9)), replace=False))
+        train = np.setdiff1d(np.arange(starts[-1]), held)
+        shards = np.repeat(np.arange(len(counts)), counts)[train]
+        g, window, world = int(rng.choice([2, 4, 8])), int(rng.integers(1, 9)), int(rng.choice([1, 2]))
+        for rank in range(world):
+            for start in (0, 1, 3):
+                want = rank_indices(train, 7, 3, g, rank, world, start, shards=shards, window=window)
+                got = windowed_rank_indices(starts, held, 7, 3, g, rank, world, start, window)
+                assert np.array_equal(got, want)
+
+
+def test_the_windowed_order_a_window_at_a_time_holds_no_array_over_every_sample():
+    """2M samples in 2,048 shards on 8 processes: numpy's peak is one window and this process's share (2 MB of
+    indices), where rank_indices holds arrays of every sample's (16 MB each)."""
+    starts = np.arange(2049, dtype=np.int64) * 1024
+    held = np.arange(7, starts[-1], 8191)
+    tracemalloc.start()
+    got = windowed_rank_indices(starts, held, 1, 0, 256, 3, 8, 0, 4)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(got) == (starts[-1] - len(held)) // 256 * 32 and len(np.unique(got)) == len(got)
+    assert peak < 3 * got.nbytes  # the share (2 MB) and its pieces, nothing of 16 MB
 
 
 def test_a_window_of_shards_downloads_a_cache_4x_the_shard_budget_about_once():
