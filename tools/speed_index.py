@@ -5,7 +5,7 @@ index.write_parts (no precompute, no tars), opened the way a training process op
 first sample of one part; the held-out split (held_out.split, train.eval.samples 256) of the lazily opened index from
 the shard table's candidates and by the full pass (every key hashed, every part loaded), side by side; sha256 of a
 million keys (what writing the candidates costs); one process's share of an epoch in the windowed order
-(storage.shuffle_window 64, process 4 of 8, global batch 256) computed a window at a time and over every sample,
+(storage.shuffle_window 64, process 4 of 8, global batch 256) computed at its positions alone and over every sample,
 side by side. Extrapolated to DataComp-1B (1,367,188 shards, 1.4B samples).
 
     python -m tools.speed_index [--shards 16384] [--whole-shards 4096] [--json]
@@ -146,7 +146,7 @@ def split_case(folder: Path) -> dict:
 
 
 def order_case(folder: Path) -> dict:
-    """One process's share of epoch 0 in the windowed order, computed a window at a time
+    """One process's share of epoch 0 in the windowed order, computed at its positions alone
     (order.windowed_rank_indices) and over every sample (order.rank_indices with the arrays the loader built for
     it): time and numpy's peak memory (torch's permutations are not traced), and that both give the same indices."""
     saved = sample_index.LAZY_BYTES
@@ -167,7 +167,7 @@ def order_case(folder: Path) -> dict:
         )
     )
     if not np.array_equal(windowed, every):
-        raise RuntimeError("the windowed order a window at a time differs from the one over every sample")
+        raise RuntimeError("the windowed order at one process's positions differs from the one over every sample")
     return {
         "samples": len(reader),
         "share": len(windowed),
@@ -288,7 +288,8 @@ def _table(r: dict) -> str:
     o = r["order"]
     lines.append(
         f"order of process {ORDER['rank'] + 1} of {ORDER['world']} (window {ORDER['window']}, {o['share']} of "
-        f"{o['samples']} samples): a window at a time {o['windowed_s']:.2f} s, numpy peak {o['windowed_peak_mb']} MB; "
+        f"{o['samples']} samples): at its positions alone {o['windowed_s']:.2f} s, numpy peak "
+        f"{o['windowed_peak_mb']} MB; "
         f"over every sample {o['every_s']:.2f} s, peak {o['every_peak_mb']} MB (the same indices)"
     )
     lines.append(
@@ -298,7 +299,7 @@ def _table(r: dict) -> str:
         f"held-out split {d['split_candidates_s']} s from the candidates, {d['split_full_pass_h']} h by the full pass "
         f"on every node; the candidates cost {d['candidates_write_h']} h of sha256 once, where the index is written; "
         f"the windowed order {d['order_windowed_s']} s a process and epoch, numpy peak "
-        f"{d['order_windowed_peak_gb']} GB a window at a time, {d['order_every_peak_gb']} GB over every sample"
+        f"{d['order_windowed_peak_gb']} GB at its positions alone, {d['order_every_peak_gb']} GB over every sample"
     )
     return "\n".join(lines)
 

@@ -31,7 +31,7 @@ def test_the_figures_show_the_narrow_part_and_the_lazy_open(monkeypatch):
     assert (s["candidates_parts_loaded"], s["full_pass_parts_loaded"]) == (0, 1)
     assert s["candidates_s"] < s["full_pass_s"] and r["sha256_per_million_s"] > 0
     assert 250 < p["candidates_per_part_kb"] < 300  # 4,096 x (32-byte digest, 8-byte index, 32-byte key)
-    # one process's windowed order: the same indices a window at a time, without arrays over every sample
+    # one process's windowed order: the same indices at its positions alone, without arrays over every sample
     o = r["order"]
     assert o["samples"] == 3 * PER_SHARD and o["share"] == (3 * PER_SHARD - 256) // 256 * 32
     assert o["windowed_peak_mb"] < o["every_peak_mb"] / 4 and o["windowed_s"] > 0

@@ -404,8 +404,8 @@ def _loader(cfg, ctx: DataContext, dataset, stage_first_shards: bool = False, **
 
 
 def _rank_indices(cfg, ctx: DataContext, rank: int, world_size: int, epoch: int, start: int) -> np.ndarray:
-    """order.rank_indices of this run's samples; the windowed order of one cache of one latent shape one window at a
-    time (order.windowed_rank_indices: the same indices without an array over every sample)."""
+    """order.rank_indices of this run's samples; the windowed order of one cache of one latent shape at this process's
+    positions alone (order.windowed_rank_indices: the same indices without an array over every sample)."""
     window, args = cfg.storage.shuffle_window, (cfg.seed, epoch, cfg.train.global_batch_size, rank, world_size, start)
     whole = len(ctx.train_indices) + len(ctx.eval_indices) == len(ctx.reader)  # every sample trains but the held-out
     if window and ctx.draw is None and ctx.groups is None and whole and not ctx.buckets.any():

@@ -8,11 +8,12 @@ whatever the number of processes, and resuming at step s reads exactly the batch
   theworld/cache_format/held_out.py);
 - epoch order: a permutation of the training samples seeded from (seed, epoch) (with `storage.shuffle_window` W > 0: a
   permutation of the shards, cut into windows of W shards, and the samples of each window shuffled among themselves
-  by a permutation seeded from (seed, epoch, window), so an epoch reads W shards at a time, a cache larger than the
-  node's shard cache is downloaded once, and one cache's order is computed a window at a time), walked in order, each
-  sample going to its latent shape's (bucket's) list; each time a list reaches G samples they become the next global
-  batch, and what is left in the lists at the end is dropped. With one shape (a square cache) global batch b is
-  order[b*G:(b+1)*G]. Step s is global batch s % steps_per_epoch of epoch s // steps_per_epoch;
+  by a permutation keyed by (seed, epoch, window) and evaluated at any position alone, so an epoch reads W shards at
+  a time, a cache larger than the node's shard cache is downloaded once, and a process computes its share of one
+  cache's order without the rest), walked in order, each sample going to its latent shape's (bucket's) list; each
+  time a list reaches G samples they become the next global batch, and what is left in the lists at the end is
+  dropped. With one shape (a square cache) global batch b is order[b*G:(b+1)*G]. Step s is global batch
+  s % steps_per_epoch of epoch s // steps_per_epoch;
 - with train.loader.group_by_length (`LengthGroups`): each window of `window` consecutive global batches of a bucket
   keeps its samples but sorts them by (number of images, token length, longest first) before cutting them into
   batches, whose order within the window is then shuffled (seeded by seed, epoch, bucket, window): samples of similar
@@ -64,19 +65,22 @@ def shard_ids(reader) -> np.ndarray:
     return np.concatenate([r.shards + first for r, first in zip(readers, firsts)])
 
 
-def _windowed(shards: np.ndarray, seed: int, epoch: int, window: int) -> np.ndarray:
+def _windowed(shards: np.ndarray, seed: int, epoch: int, window: int, chunk: int = 1 << 20) -> np.ndarray:
     """A permutation of positions 0..len(shards)-1: the shards in a (seed, epoch) order, cut into windows of `window`
-    shards, each window's positions (in ascending order) shuffled by a permutation of its own (MosaicML Streaming's
-    block shuffle). Each window's shuffle depends on (seed, epoch, window) alone, so `windowed_rank_indices` computes
-    this order one window at a time."""
+    shards, each window's positions (in ascending order) shuffled (MosaicML Streaming's block shuffle) by
+    `_window_shuffle`, which is evaluated at any position alone: `windowed_rank_indices` computes one process's share
+    of this order without it."""
     ids, inverse = np.unique(shards, return_inverse=True)
     place = np.empty(len(ids), dtype=np.int64)
     place[_shard_order(len(ids), seed, epoch)] = np.arange(len(ids))
     of = place[inverse.reshape(-1)] // window
-    out = np.argsort(of, kind="stable")  # grouped by window, ascending within each
+    by_window = np.argsort(of, kind="stable")  # grouped by window, ascending within each
     bounds = np.concatenate([[0], np.cumsum(np.bincount(of, minlength=-(-len(ids) // window)))])
-    for k, (lo, hi) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist())):
-        out[lo:hi] = out[lo:hi][_window_shuffle(hi - lo, seed, epoch, k)]
+    out = np.empty(len(shards), dtype=np.int64)
+    for lo in range(0, len(shards), chunk):  # the shuffle's temporaries a chunk at a time
+        t = np.arange(lo, min(lo + chunk, len(shards)))
+        k = np.searchsorted(bounds, t, side="right") - 1
+        out[t] = by_window[bounds[k] + _window_shuffle(t - bounds[k], bounds[k + 1] - bounds[k], k, seed, epoch)]
     return out
 
 
@@ -84,8 +88,35 @@ def _shard_order(n: int, seed: int, epoch: int) -> np.ndarray:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed_of("shards", seed, epoch))).numpy()
 
 
-def _window_shuffle(n: int, seed: int, epoch: int, k: int) -> np.ndarray:
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed_of("window", seed, epoch, k))).numpy()
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a bijection of uint64 in which every output bit depends on every input bit."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _window_shuffle(j: np.ndarray, n: np.ndarray, k: np.ndarray, seed: int, epoch: int) -> np.ndarray:
+    """Where position j of window k (of n samples) takes its sample from: a permutation of [0, n) per window, keyed
+    by (seed, epoch, k), evaluated elementwise (4 Feistel rounds over the smallest [0, 4^h) holding n, walked back
+    into [0, n)), so a process computes the positions it reads and nothing else."""
+    j, n = np.asarray(j, np.uint64), np.asarray(n, np.uint64)
+    base = np.uint64(seed_of("window", seed, epoch))
+    keys = [_mix(base ^ _mix(np.asarray(k, np.uint64) * np.uint64(4) + np.uint64(r + 1))) for r in range(4)]
+    h = ((np.frexp(np.maximum(n, 2) - 1)[1] + 1) // 2).astype(np.uint64)  # half the bits of n - 1, at least 1
+    mask = (np.uint64(1) << h) - np.uint64(1)
+
+    def rounds(x: np.ndarray, sel) -> np.ndarray:
+        left, right, m = x >> h[sel], x & mask[sel], mask[sel]
+        for key in keys:
+            left, right = right, left ^ (_mix(right ^ key[sel]) & m)
+        return (left << h[sel]) | right
+
+    y = rounds(j, slice(None))
+    while (out := np.flatnonzero(y >= n)).size:  # cycle walking: a bijection of [0, 4^h) restricted to [0, n)
+        y[out] = rounds(y[out], out)
+    return y.astype(np.int64)
 
 
 def windowed_rank_indices(
@@ -98,34 +129,47 @@ def windowed_rank_indices(
     world_size: int,
     start_batch: int,
     window: int,
+    chunk: int = 1 << 20,
 ) -> np.ndarray:
     """`rank_indices` of the windowed order over one cache's training samples (all but `held_out`) of one latent
-    shape, computed one window at a time: memory is the shards' arrays, one window's samples and this process's
-    share, never an array over every sample (a DataComp-1B cache holds 1.4B). `starts`: (S + 1,) the first sample of
-    each shard (samples are in shard order)."""
+    shape, computed at this process's positions alone: memory is the shards' arrays and this process's share (in
+    pieces of `chunk`), never an array over every sample (a DataComp-1B cache holds 1.4B). `starts`: (S + 1,) the
+    first sample of each shard (samples are in shard order)."""
     held = np.sort(np.asarray(held_out, dtype=np.int64))
     lost = np.bincount(np.searchsorted(starts, held, side="right") - 1, minlength=len(starts) - 1)
     counts = np.diff(starts) - lost
     ids = np.flatnonzero(counts > 0)  # the shards that hold training samples, as np.unique gives _windowed
     ids = ids[_shard_order(len(ids), seed, epoch)]
-    sizes = np.add.reduceat(counts[ids], np.arange(0, len(ids), window)) if len(ids) else np.zeros(0, np.int64)
-    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    of = np.arange(len(ids)) // window
+    flat = ids[np.lexsort((ids, of))]  # each window's shards in ascending order: its samples in cache order
+    ends = np.cumsum(counts[flat])  # training samples up to each shard of `flat`, windows in order
+    offsets = np.concatenate([[0], ends[np.minimum(np.arange(window, len(ids) + window, window), len(ids)) - 1]])
     end = int(offsets[-1]) // global_batch * global_batch  # a leftover short batch is dropped
     per = global_batch // world_size
-    lo, first = rank_offset(global_batch, rank, world_size), start_batch * global_batch
-    out = []
-    for k in range(max(0, int(np.searchsorted(offsets, first, side="right")) - 1), len(sizes)):
-        a, b = int(offsets[k]), min(int(offsets[k + 1]), end)
-        if a >= b:
-            break
-        pos = np.arange(max(a, first), b)
-        pos = pos[(pos % global_batch >= lo) & (pos % global_batch < lo + per)]
-        shards = np.sort(ids[k * window : (k + 1) * window])
-        samples = np.concatenate([np.arange(starts[s], starts[s + 1]) for s in shards.tolist()])
-        near = held[np.searchsorted(held, samples[0]) : np.searchsorted(held, samples[-1], side="right")]
-        samples = samples[~np.isin(samples, near)] if len(near) else samples
-        out.append(samples[_window_shuffle(len(samples), seed, epoch, k)[pos - a]])
-    return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+    lo = rank_offset(global_batch, rank, world_size)
+    batches, step = np.arange(start_batch, end // global_batch), max(1, chunk // per)
+    out = np.empty(len(batches) * per, dtype=np.int64)
+    for b in range(0, len(batches), step):
+        p = (batches[b : b + step, None] * global_batch + lo + np.arange(per)).reshape(-1)
+        k = np.searchsorted(offsets, p, side="right") - 1
+        r = offsets[k] + _window_shuffle(p - offsets[k], offsets[k + 1] - offsets[k], k, seed, epoch)
+        i = np.searchsorted(ends, r, side="right")  # flat[i]: the shard holding the epoch's training sample r
+        q = flat[i]
+        x = starts[q] + r - (ends[i] - counts[q])  # its sample, where the shard holds none out
+        some = np.flatnonzero(lost[q])
+        x[some] = _nth_kept(starts[q[some]], x[some] - starts[q[some]], held)
+        out[b * per : b * per + len(x)] = x
+    return out
+
+
+def _nth_kept(first: np.ndarray, u: np.ndarray, held: np.ndarray) -> np.ndarray:
+    """The u-th sample (from 0) at or after `first` that is not held out (each within its shard)."""
+    x = first + u
+    while True:
+        nxt = first + u + np.searchsorted(held, x, side="right") - np.searchsorted(held, first)
+        if np.array_equal(nxt, x):
+            return x
+        x = nxt
 
 
 def epoch_permutation(n: int, seed: int, epoch: int, shards: np.ndarray | None = None, window: int = 0) -> np.ndarray:

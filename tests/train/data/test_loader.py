@@ -69,7 +69,7 @@ def test_each_process_gets_its_share_of_each_step_from_the_start_step(ctx_cfg):
     assert len(list(loader.build_train_loader(cfg, ctx, 0, 1, epoch=0))) == 4  # micro-batches of 2
 
 
-def test_a_windowed_loader_reads_the_windowed_order_a_window_at_a_time(ctx_cfg, monkeypatch):
+def test_a_windowed_loader_computes_its_share_of_the_windowed_order_alone(ctx_cfg, monkeypatch):
     """storage.shuffle_window on one cache of one shape: each process's share is order.rank_indices' over the
     training samples, from order.windowed_rank_indices (no array over every sample), on 1 and 2 processes and from
     a later step."""

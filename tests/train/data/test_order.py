@@ -108,7 +108,7 @@ def test_windowed_order_one_process_equals_n_and_resumes_exactly(window):
     assert np.array_equal(one, order[: len(one)])
 
 
-def test_the_windowed_order_a_window_at_a_time_is_rank_indices_over_every_layout():
+def test_the_windowed_order_at_one_process_positions_is_rank_indices_over_every_layout():
     """Shards of 0 to 29 samples (some empty, some wholly held out), held-out samples anywhere, windows of 1 to 8
     shards, 1 or 2 processes, any start: the same indices as rank_indices over the training samples."""
     rng = np.random.default_rng(1)
@@ -127,17 +127,18 @@ def test_the_windowed_order_a_window_at_a_time_is_rank_indices_over_every_layout
                 assert np.array_equal(got, want)
 
 
-def test_the_windowed_order_a_window_at_a_time_holds_no_array_over_every_sample():
-    """2M samples in 2,048 shards on 8 processes: numpy's peak is one window and this process's share (2 MB of
-    indices), where rank_indices holds arrays of every sample's (16 MB each)."""
-    starts = np.arange(2049, dtype=np.int64) * 1024
+def test_the_windowed_order_at_one_process_positions_holds_no_array_over_every_sample():
+    """8M samples in 8,192 shards on 8 processes, in pieces of 16k positions: numpy's peak is this process's share
+    (8 MB of indices) and one piece's temporaries, where rank_indices holds arrays of every sample's (64 MB each)."""
+    starts = np.arange(8193, dtype=np.int64) * 1024
     held = np.arange(7, starts[-1], 8191)
     tracemalloc.start()
-    got = windowed_rank_indices(starts, held, 1, 0, 256, 3, 8, 0, 4)
+    got = windowed_rank_indices(starts, held, 1, 0, 256, 3, 8, 0, 4, chunk=1 << 14)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert len(got) == (starts[-1] - len(held)) // 256 * 32 and len(np.unique(got)) == len(got)
-    assert peak < 3 * got.nbytes  # the share (2 MB) and its pieces, nothing of 16 MB
+    assert not np.isin(got, held).any()
+    assert peak < 1.5 * got.nbytes  # the share and one piece, nothing of 64 MB
 
 
 def test_a_window_of_shards_downloads_a_cache_4x_the_shard_budget_about_once():
