@@ -6,9 +6,9 @@ first sample of one part; the held-out split (held_out.split, train.eval.samples
 the shard table's candidates and by the full pass (every key hashed, every part loaded), side by side; sha256 of a
 million keys (what writing the candidates costs); one process's share of an epoch in the windowed order
 (storage.shuffle_window 64, process 4 of 8, global batch 256) computed at its positions alone and over every sample,
-side by side. Extrapolated to DataComp-1B (1,367,188 shards, 1.4B samples).
+side by side, and the first at DataComp-1B's size. Extrapolated to DataComp-1B (1,367,188 shards, 1.4B samples).
 
-    python -m tools.speed_index [--shards 16384] [--whole-shards 4096] [--json]
+    python -m tools.speed_index [--shards 16384] [--whole-shards 4096] [--order-shards 1367188] [--json]
 """
 
 from __future__ import annotations
@@ -178,6 +178,22 @@ def order_case(folder: Path) -> dict:
     }
 
 
+def full_size_order(n_shards: int) -> dict:
+    """One process's share of epoch 0 in the windowed order over n_shards shards of 1,024 samples (DataComp-1B's
+    count by default) and EVAL_SAMPLES held out, measured at that size: it needs the shard counts alone."""
+    starts = np.arange(n_shards + 1, dtype=np.int64) * PER_SHARD
+    held = np.sort(np.random.default_rng(0).choice(int(starts[-1]), EVAL_SAMPLES, replace=False))
+    args = (1, 0, ORDER["global_batch"], ORDER["rank"], ORDER["world"], 0, ORDER["window"])
+    share, seconds, _, peak = _measured(lambda: order.windowed_rank_indices(starts, held, *args))
+    return {
+        "shards": n_shards,
+        "share": len(share),
+        "share_gb": round(share.nbytes / 2**30, 2),
+        "s": seconds,
+        "peak_gb": round(peak / 1024, 2),
+    }
+
+
 def _write(folder: Path, n_shards: int) -> None:
     folder.mkdir(parents=True)
     fields = index.write_parts(folder, _parts(n_shards))
@@ -231,8 +247,8 @@ def open_case(folder: Path, lazy: bool) -> dict:
     }
 
 
-def run(n_shards: int, whole_shards: int) -> dict:
-    report = {"part": part_bytes()}
+def run(n_shards: int, whole_shards: int, order_shards: int = DATACOMP_SHARDS) -> dict:
+    report = {"part": part_bytes(), "full_size_order": full_size_order(order_shards)}
     with tempfile.TemporaryDirectory() as tmp:
         _write(Path(tmp) / "lazy", n_shards)
         report["lazy"] = open_case(Path(tmp) / "lazy", True)
@@ -255,8 +271,6 @@ def run(n_shards: int, whole_shards: int) -> dict:
         "split_candidates_s": round(cut["candidates_s"] * scale, 1),
         "split_full_pass_h": round(cut["full_pass_s"] * scale / 3600, 2),
         "candidates_write_h": round(report["sha256_per_million_s"] * DATACOMP_SHARDS * PER_SHARD / 1e6 / 3600, 2),
-        "order_windowed_s": round(report["order"]["windowed_s"] * scale, 1),
-        "order_windowed_peak_gb": round(report["order"]["windowed_peak_mb"] * scale / 1024, 2),
         "order_every_peak_gb": round(report["order"]["every_peak_mb"] * scale / 1024, 1),
     }
     return report
@@ -298,8 +312,13 @@ def _table(r: dict) -> str:
         f"~{d['open_held_mb']:.0f} MB a process besides the mapped table (lazy x {d['shards'] / lz['shards']:.1f}); "
         f"held-out split {d['split_candidates_s']} s from the candidates, {d['split_full_pass_h']} h by the full pass "
         f"on every node; the candidates cost {d['candidates_write_h']} h of sha256 once, where the index is written; "
-        f"the windowed order {d['order_windowed_s']} s a process and epoch, numpy peak "
-        f"{d['order_windowed_peak_gb']} GB at its positions alone, {d['order_every_peak_gb']} GB over every sample"
+        f"the order over every sample peaks at {d['order_every_peak_gb']} GB of numpy a process"
+    )
+    f = r["full_size_order"]
+    lines.append(
+        f"order of process {ORDER['rank'] + 1} of {ORDER['world']} at its positions alone over {f['shards']} shards "
+        f"(measured): {f['s']:.1f} s, numpy peak {f['peak_gb']} GB, of which its share {f['share_gb']} GB "
+        f"({f['share']} samples)"
     )
     return "\n".join(lines)
 
@@ -308,11 +327,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.speed_index", description=__doc__.split("\n\n")[0])
     p.add_argument("--shards", type=int, default=16384, help="shards of 1,024 samples in the lazily opened index")
     p.add_argument("--whole-shards", type=int, default=4096, help="shards of the index opened whole (0: skip)")
+    p.add_argument("--order-shards", type=int, default=DATACOMP_SHARDS, help="shards of the full-size order case")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    if args.shards < 1 or args.whole_shards < 0:
-        p.error("--shards must be at least 1 and --whole-shards at least 0")
-    report = run(args.shards, args.whole_shards)
+    if args.shards < 1 or args.whole_shards < 0 or args.order_shards < 1:
+        p.error("--shards and --order-shards must be at least 1 and --whole-shards at least 0")
+    report = run(args.shards, args.whole_shards, args.order_shards)
     print(json.dumps(report, indent=1) if args.json else _table(report))
     return 0
 

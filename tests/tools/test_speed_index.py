@@ -17,7 +17,7 @@ def test_the_synthetic_index_opens_as_a_cache_with_distinct_keys(tmp_path, monke
 
 
 def test_the_figures_show_the_narrow_part_and_the_lazy_open(monkeypatch):
-    r = run(3, 2)
+    r = run(3, 2, order_shards=5)
     p = r["part"]
     # DataComp-style 32-byte keys and 3 members: 32 + 3 x 16 spans + 3 x 8 crc32 + 16 shape bytes as first written;
     # 32 + 3 x 8 + 3 x 4 narrow, plus the safetensors header
@@ -35,3 +35,5 @@ def test_the_figures_show_the_narrow_part_and_the_lazy_open(monkeypatch):
     o = r["order"]
     assert o["samples"] == 3 * PER_SHARD and o["share"] == (3 * PER_SHARD - 256) // 256 * 32
     assert o["windowed_peak_mb"] < o["every_peak_mb"] / 4 and o["windowed_s"] > 0
+    f = r["full_size_order"]
+    assert (f["shards"], f["share"]) == (5, (5 * PER_SHARD - 256) // 256 * 32) and f["s"] > 0
