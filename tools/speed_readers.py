@@ -395,10 +395,9 @@ class _Batches:
 
     def __iter__(self) -> Iterator:
         from train.data import cache as data
-        from train.data.loader import DataContext, build_train_loader, start_shm_manager_early
+        from train.data.loader import DataContext, build_train_loader
 
         if self.ctx is None:
-            start_shm_manager_early(self.cfg)  # as train.trainer.Checked.of starts it
             reader, inputs = data.open_cache(self.cfg)
             self.ctx = DataContext.build(self.cfg, reader, inputs, self.processor)
         yield from build_train_loader(self.cfg, self.ctx, 0, 1, epoch=0)

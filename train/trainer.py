@@ -76,7 +76,6 @@ class Checked:
         launch = resolve_launch(cfg)
         check_trackers(cfg.trackers)
         check_output_paths(cfg)
-        loader.start_shm_manager_early(cfg)
         reader, inputs = data.open_cache(cfg)
         if cfg.init_from:
             checkpoint.resolve_weights(cfg.init_from)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import os
-import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -368,39 +367,25 @@ def stage_first(read_ahead: ReadAhead, positions: np.ndarray, workers: int) -> I
         yield  # the pool's exit waits for the downloads: no download's file is open when the workers fork
 
 
-_EARLY: list[threading.Thread] = []
-
-
-def start_shm_manager_early(cfg) -> None:
-    """With loader workers, start torch's shared-memory manager in a thread now, so that the cache's open and the
-    model's load run beside its start (0.4 s of the first batch on the 2-core CPU VM) instead of before the workers
-    fork; `_loader` waits for it."""
-    if cfg.train.loader.num_workers and not _EARLY:
-        _EARLY.append(threading.Thread(target=_start_shm_manager, name="shm-manager", daemon=True))
-        _EARLY[0].start()
-
-
 @functools.cache
 def _start_shm_manager() -> None:
     """Start torch's shared-memory manager (the file_system strategy's) in this process before workers fork: every
     worker of every epoch and eval then uses it rather than starting one of its own, which took 1-2 s of each worker's
     first batch on the 2-core CPU VM."""
-    # The main process then maps a batch's shared memory by name. The default strategy (file descriptors) asks the
-    # worker process for each descriptor over a socket when the batch is received: a round trip that waits for the
-    # worker to be scheduled, on the training step's time (docs/performance.md).
-    torch.multiprocessing.set_sharing_strategy("file_system")
     torch.empty(1, dtype=torch.uint8).share_memory_()
 
 
 def _loader(cfg, ctx: DataContext, dataset, stage_first_shards: bool = False, **kw) -> DataLoader:
     workers = cfg.train.loader.num_workers
     if workers:
+        # The main process then maps a batch's shared memory by name. The default strategy (file descriptors) asks
+        # the worker process for each descriptor over a socket when the batch is received: a round trip that waits
+        # for the worker to be scheduled, on the training step's time (docs/performance.md).
+        torch.multiprocessing.set_sharing_strategy("file_system")
         # a training loader's first batches wait for their shards; an eval loader (built at the start, used later)
         # leaves its shards to its workers
         first = np.arange(min(len(dataset), workers * kw["batch_size"])) if stage_first_shards else []
         with stage_first(dataset.read_ahead, first, workers):
-            for started in _EARLY:
-                started.join()
             _start_shm_manager()
     packing = (
         Packing(cfg.train.loader.pack_length, cfg.world.pool, 1 + cfg.world.num_world_steps)
