@@ -83,8 +83,21 @@ def _text(resps) -> str:
     return resps[0] if isinstance(resps, list) else resps
 
 
-def lmms_eval_cli(tmp_path, tasks, model_args: str, task_names: str, *extra: str) -> subprocess.CompletedProcess:
-    """`python -m lmms_eval --model theworld` on the local tasks, offline, the adapter found through its entry point."""
+@pytest.fixture(scope="module")
+def bundled_task_index(tmp_path_factory) -> Path:
+    """Where the module's `python -m lmms_eval` runs share the index of lmms-eval's bundled tasks
+    (tests/_lmms_eval_cli.py): the first run builds it."""
+    return tmp_path_factory.mktemp("lmms") / "bundled_task_index.json"
+
+
+def lmms_eval_cli(
+    tmp_path, index: Path, tasks, model_args: str, task_names: str, *extra: str
+) -> subprocess.CompletedProcess:
+    """`python -m lmms_eval --model theworld` on the local tasks, offline, the adapter found through its entry point:
+    a process of its own (its exit code, stdout and stderr), forked from tools/ranks.py's server, which imported torch
+    and transformers once (tests/_lmms_eval_cli.py)."""
+    from tools import ranks
+
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
@@ -92,21 +105,21 @@ def lmms_eval_cli(tmp_path, tasks, model_args: str, task_names: str, *extra: str
         "OMP_NUM_THREADS": "1",
         "HF_DATASETS_CACHE": str(tmp_path / "hf_datasets"),
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(_entry_point(tmp_path))]),
+        "LMMS_TASK_INDEX": str(index),
     }
     args = ["--model", "theworld", "--model_args", model_args, "--tasks", task_names, "--include_path", str(tasks)]
-    return subprocess.run(
-        [sys.executable, "-m", "lmms_eval", *args, "--batch_size", "1", "--output_path", str(tmp_path / "out"), *extra],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
+    args += ["--batch_size", "1", "--output_path", str(tmp_path / "out"), *extra]
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    process = ranks.start("tests._lmms_eval_cli", args, env, tmp_path, str(out), str(err))
+    process.join(900)
+    if process.exitcode is None:
+        process.kill()
+        process.join()
+    return subprocess.CompletedProcess(["lmms_eval", *args], process.exitcode, out.read_text(), err.read_text())
 
 
 @pytest.mark.slow
-def test_python_m_lmms_eval_runs_the_adapter_and_agrees_with_theworld(trained_run, tmp_path):
+def test_python_m_lmms_eval_runs_the_adapter_and_agrees_with_theworld(trained_run, bundled_task_index, tmp_path):
     from theworld.infer import benchmark_items
     from theworld.infer.scoring import evaluate
     from theworld.model.world import TheWorld
@@ -115,6 +128,7 @@ def test_python_m_lmms_eval_runs_the_adapter_and_agrees_with_theworld(trained_ru
     tasks = _task_folder(tmp_path, items)
     run = lmms_eval_cli(
         tmp_path,
+        bundled_task_index,
         tasks,
         f"pretrained={trained_run['run']},device=cpu",
         "theworld_local_generate,theworld_local_loglik",
@@ -168,7 +182,7 @@ def test_generate_until_gives_the_text_theworld_generates(tmp_path, monkeypatch)
         model=TheWorldLMM("unused"),
         tasks=["theworld_local_generate"],
         log_samples=True,
-        task_manager=TaskManager(include_path=str(tasks)),
+        task_manager=TaskManager(include_path=str(tasks), include_defaults=False),  # the local task alone
     )
     docs = [json.loads(x) for x in (tmp_path / "items.jsonl").read_text().splitlines()]
     answers, accuracy = _reference_generate(model, docs)
@@ -183,7 +197,9 @@ def test_generate_until_gives_the_text_theworld_generates(tmp_path, monkeypatch)
     "model_args, words",
     [("pretrained=MISSING", ["MISSING", "not a folder"]), ("pretrained=RUN,temperature=0", ["unknown model_args"])],
 )
-def test_lmms_eval_with_a_model_it_cannot_build_is_one_line_and_exit_2(trained_run, tmp_path, model_args, words):
+def test_lmms_eval_with_a_model_it_cannot_build_is_one_line_and_exit_2(
+    trained_run, bundled_task_index, tmp_path, model_args, words
+):
     """lmms-eval prints any Exception of a model's constructor as a traceback and exits 0, having evaluated nothing;
     the adapter's own refusal gets through it as one line and exit code 2."""
     from theworld.infer import benchmark_items
@@ -191,7 +207,7 @@ def test_lmms_eval_with_a_model_it_cannot_build_is_one_line_and_exit_2(trained_r
     tasks = _task_folder(tmp_path, benchmark_items.read(trained_run["mc"])[:1])
     missing = tmp_path / "no-run"
     model_args = model_args.replace("MISSING", str(missing)).replace("RUN", str(trained_run["run"]))
-    run = lmms_eval_cli(tmp_path, tasks, model_args, "theworld_local_loglik")
+    run = lmms_eval_cli(tmp_path, bundled_task_index, tasks, model_args, "theworld_local_loglik")
     errors = [ln for ln in run.stderr.splitlines() if ln.startswith("error: theworld:")]
     assert run.returncode == 2 and len(errors) == 1, run.stderr[-4000:]
     assert all(w.replace("MISSING", str(missing)) in errors[0] for w in words), errors

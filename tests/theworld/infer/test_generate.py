@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
-from pathlib import Path
+import warnings
 
 import pytest
 import torch
@@ -18,8 +16,6 @@ from theworld.infer import generate as gen
 from theworld.model.config import ModelConfig, WorldConfig
 from theworld.model.world import TheWorld
 
-ROOT = Path(__file__).resolve().parents[3]
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 PROMPTS = ["describe the scene .", "describe the scene . top left red circle . bottom", "left"]
 
 
@@ -160,23 +156,28 @@ def test_a_folder_without_weights_or_config_is_a_one_line_error(trained_run, tmp
 # theworld.describe
 
 
-def describe(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "theworld.describe", *args],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def describe(capfd, *args: str) -> subprocess.CompletedProcess:
+    """`python -m theworld.describe ARGS` as its `main(argv)` in this process: its exit code, and what reached file
+    descriptors 1 and 2 (capfd: a library's print or C-level write included), with any Python warning it raised (a
+    command line prints those to stderr; here pytest would keep them) written there too."""
+    from theworld.describe import main
+
+    capfd.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code = main(list(args))
+    out, err = capfd.readouterr()
+    err += "".join(f"{w.category.__name__}: {w.message}\n" for w in caught)
+    return subprocess.CompletedProcess(["theworld.describe", *args], code, out, err)
 
 
-def test_describe_prints_one_line_per_image_and_nothing_else(trained_run, tmp_path):
+def test_describe_prints_one_line_per_image_and_nothing_else(trained_run, tmp_path, capfd):
     paths = []
     for i, img in enumerate(scenes(3, seed=9)):
         paths.append(str(tmp_path / f"{i}.png"))
         img.save(paths[-1])
     r = describe(
+        capfd,
         "--model",
         str(trained_run["run"] / "final"),
         "--image",
@@ -196,7 +197,7 @@ def test_describe_prints_one_line_per_image_and_nothing_else(trained_run, tmp_pa
     assert "loaded" in r.stderr
 
 
-def test_describe_bad_arguments_exit_2_with_one_line(trained_run, tmp_path):
+def test_describe_bad_arguments_exit_2_with_one_line(trained_run, tmp_path, capfd):
     img, bad = tmp_path / "a.png", tmp_path / "bad.png"
     scenes(1)[0].save(img)
     bad.write_bytes(b"\x89PNG truncated")
@@ -207,7 +208,7 @@ def test_describe_bad_arguments_exit_2_with_one_line(trained_run, tmp_path):
         (["--image", str(img), "--max-new-tokens", "0"], "max-new-tokens"),
         (["--image", str(img), str(bad)], "bad.png"),
     ]:
-        r = describe("--model", final, *args)
+        r = describe(capfd, "--model", final, *args)
         assert r.returncode == 2 and r.stdout == ""
         assert len(r.stderr.strip().splitlines()) == 1 and words in r.stderr
 
