@@ -1,7 +1,7 @@
 """Stages 3 and 4 at real size on one GPU: peak memory and samples/s, plain and with FSDP host offload.
 
     python -m tools.speed_stages [--configs configs/real/stage3.yaml,configs/real/stage4.yaml] [--modes plain,offload]
-                                 [--steps 3] [--micro-batch N] [--json]
+                                 [--steps 3] [--micro-batch N] [--json] [--fork]
 
 Each row runs in a process of its own (a clean peak, an out-of-memory that ends only its row): the trainer's own
 optimisation step (`train.step.optimization_step` on `train.components.build`'s components, one process) on the config's
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from theworld.model.arch import latent_side
+from tools import ranks
 from tools.speed_real import text_inputs
 
 MODES = {"plain": [], "offload": ["train.hardware.sharding=fsdp", "train.hardware.cpu_offload=true"]}
@@ -144,27 +145,23 @@ def _error_row(config: str, mode: str, error: str) -> dict:
 
 def _row_process(config: str, mode: str, args: argparse.Namespace) -> dict:
     """One row in a process of its own: its figures, or its last stderr line as the reason it could not run."""
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tools.speed_stages",
-            "--row",
-            config,
-            mode,
-            "--steps",
-            str(args.steps),
-            "--micro-batch",
-            str(args.micro_batch),
-        ],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    lines = r.stdout.strip().splitlines()
-    if r.returncode == 0 and lines:
+    row_args = ["--row", config, mode, "--steps", str(args.steps), "--micro-batch", str(args.micro_batch)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    with tempfile.TemporaryDirectory(prefix="bench_stages-") as tmp:
+        if args.fork:
+            env.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # what a fresh interpreter would take
+            process = ranks.start("tools.speed_stages", row_args, env, Path.cwd(), f"{tmp}/out", f"{tmp}/err")
+            process.join()
+            code, out, err = process.exitcode, Path(f"{tmp}/out").read_text(), Path(f"{tmp}/err").read_text()
+        else:
+            r = subprocess.run(
+                [sys.executable, "-m", "tools.speed_stages", *row_args], capture_output=True, text=True, env=env
+            )
+            code, out, err = r.returncode, r.stdout, r.stderr
+    lines = out.strip().splitlines()
+    if code == 0 and lines:
         return json.loads(lines[-1])
-    return _error_row(config, mode, (r.stderr.strip().splitlines() or ["no output"])[-1])
+    return _error_row(config, mode, (err.strip().splitlines() or ["no output"])[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,6 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--micro-batch", type=int, default=0, help="0: the config's train.max_micro_batch_size")
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--fork",
+        action="store_true",
+        help="each row a process forked from tools/ranks.py's server, which imported the commands once (a smoke run: "
+        "no interpreter start per row; its peak host memory leaves out the ~0.1 GiB of imports only the server read)",
+    )
     p.add_argument("--row", nargs=2, metavar=("CONFIG", "MODE"), help=argparse.SUPPRESS)  # one row, in this process
     args = p.parse_args(argv)
     if args.row:

@@ -20,7 +20,8 @@ process: `--cases tiny,tiny_s3` puts the two side by side), its shards staged in
 first read.
 The tiny_buckets case is the tiny one on an aspect-ratio bucketed cache (image.resize: bucket at 96 px: latent grids
 8x16, 12x12, 16x8; synthetic scenes stretched to 2:1, 1:1, 1:2 and 4:3), so the world-token count changes from batch
-to batch. Caches are built once with the precompute CLI (train/ does not import precompute/) under cache/bench/.
+to batch. Caches are built once with the precompute command (train/ does not import precompute/; a process forked
+from tools/ranks.py's server) under cache/bench/.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import logging
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +47,7 @@ from theworld import cache_format as cf
 from theworld.cache_format.storage import DEFAULT_LOCAL_DIR
 from theworld.core.config import load_config
 from theworld.embedded import synthetic, tiny
+from tools import ranks
 from tools.threads import add_threads, apply_threads
 from train import components
 from train.config import TrainConfig
@@ -131,9 +132,19 @@ def ensure_cache(root: Path, case: str, gemma: str, resolution: int, samples: in
             "shard_size=128",
             "num_workers=1",
         ]
-        cmd = [sys.executable, "-m", "precompute.cosmos_latents", *(a for kv in sets for a in ("--set", kv))]
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        _precompute([a for kv in sets for a in ("--set", kv)])
     return out
+
+
+def _precompute(args: list[str]) -> None:
+    """`python -m precompute.cosmos_latents ARGS` in a process of its own, forked from tools/ranks.py's server (which
+    imported the command once: no interpreter start per cache), with this process's environment and torch threads."""
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(torch.get_num_threads()))}
+    with tempfile.NamedTemporaryFile("r", suffix=".err") as err:
+        process = ranks.start("precompute.cosmos_latents", args, env, Path.cwd(), os.devnull, err.name)
+        process.join()
+        if process.exitcode:
+            raise SystemExit(f"error: building a bench cache failed ({process.exitcode}):\n{err.read()[-3000:]}")
 
 
 @contextlib.contextmanager

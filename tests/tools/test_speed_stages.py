@@ -11,7 +11,8 @@ from tests.conftest import ROOT, bench_json, positive
 @pytest.mark.slow
 def test_stage_bench_rows_at_tiny_sizes(tmp_path):
     """The one-GPU stage 3/4 benchmark's code path (the trainer's own step, plain and FSDP-offloaded, one process per
-    row) on the tiny stage-3 config; a row that cannot run is recorded with its reason instead of ending the run."""
+    row, forked: no interpreter start each) on the tiny stage-3 config; a row that cannot run is recorded with its
+    reason instead of ending the run."""
     stage3 = str(ROOT / "configs" / "stage3.yaml")
     rows = bench_json(
         [
@@ -22,6 +23,7 @@ def test_stage_bench_rows_at_tiny_sizes(tmp_path):
             "1",
             "--micro-batch",
             "2",
+            "--fork",
         ],
         tmp_path,
     )

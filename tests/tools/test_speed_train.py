@@ -1,40 +1,39 @@
 """tools/speed_train.py: a smoke run at tiny sizes, so the benchmark cannot rot. Figures are checked for
-sanity, not speed: speed targets live in the benchmark's own output (docs/performance.md). Batches of 8 (--batch) let
-the caches be small: precomputing them is most of a smoke run's time."""
+sanity, not speed: speed targets live in the benchmark's own output (docs/performance.md). Batches of 4 (--batch) let
+the caches be small and the steps short: the training steps and precomputing the caches are a smoke run's time."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from tests.conftest import bench_json, positive
 
 
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> tuple[dict, Path]:
+    """One run of the three tiny cases (rows and the caches' root), shared by the smoke tests: one step per block, two
+    rounds."""
+    tmp = tmp_path_factory.mktemp("speed_train")
+    args = ["--steps", "1", "--warmup", "1", "--rounds", "2", "--batch", "4", "--samples", "48"]
+    out = bench_json(
+        ["tools.speed_train", "--cases", "tiny,tiny_s3,tiny_buckets", *args, "--root", str(tmp / "caches")], tmp
+    )
+    return {r["case"]: r for r in out["rows"]}, tmp / "caches"
+
+
 @pytest.mark.slow
-def test_train_bench_smoke(tmp_path):
-    rows = bench_json(
-        [
-            "tools.speed_train",
-            "--cases",
-            "tiny,tiny_s3",
-            "--steps",
-            "2",
-            "--warmup",
-            "1",
-            "--rounds",
-            "2",
-            "--batch",
-            "8",
-            "--samples",
-            "56",
-            "--root",
-            str(tmp_path / "caches"),
-        ],
-        tmp_path,
-    )["rows"]
-    row, s3 = rows
+def test_train_bench_smoke(smoke):
+    rows, caches = smoke
+    row, s3 = rows["tiny"], rows["tiny_s3"]
     # the same cache read from an S3 server on 127.0.0.1 (one cache built: tiny_s3 reads tiny's)
     assert s3["case"] == "tiny_s3" and s3["data_overhead"] > 0 and s3["loader_samples_per_s"] > 0
-    assert sorted(p.name for p in (tmp_path / "caches").iterdir()) == ["tiny-64px-56"]
+    assert sorted(p.name for p in caches.iterdir()) == [
+        "tiny-64px-48",
+        "tiny_buckets-96px-48",
+        "tiny_buckets-source-96px-48",
+    ]
     positive(
         row,
         "step_ms_staged",
@@ -47,7 +46,7 @@ def test_train_bench_smoke(tmp_path):
         "rss_mb_epoch1_start",
         "rss_mb_epoch2_end",
     )
-    assert row["world_tokens"] == 64 and row["steps_per_block"] == 2 and row["rounds"] == 2 and row["global_batch"] == 8
+    assert row["world_tokens"] == 64 and row["steps_per_block"] == 1 and row["rounds"] == 2 and row["global_batch"] == 4
     assert len(row["data_overhead_round_quartiles"]) == 3 and all(r > 0 for r in row["data_overhead_round_quartiles"])
     assert 0 <= row["padding_fraction"] < 0.5
     lo, hi = row["data_overhead_ci95"]
@@ -76,28 +75,8 @@ def test_data_overhead_interval_brackets_the_true_ratio():
 
 
 @pytest.mark.slow
-def test_train_bench_bucketed_smoke(tmp_path):
-    rows = bench_json(
-        [
-            "tools.speed_train",
-            "--cases",
-            "tiny_buckets",
-            "--steps",
-            "1",
-            "--warmup",
-            "1",
-            "--rounds",
-            "2",
-            "--batch",
-            "8",
-            "--samples",
-            "64",
-            "--root",
-            str(tmp_path / "caches"),
-        ],
-        tmp_path,
-    )["rows"]
-    (row,) = rows
+def test_train_bench_bucketed_smoke(smoke):
+    row = smoke[0]["tiny_buckets"]
     positive(
         row,
         "step_ms_staged",
