@@ -23,7 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-PRELOAD = ["tools.ranks", "train.loop", "precompute.cosmos_latents"]
+# the commands, and the VAE class every run of them loads (diffusers imports it lazily, 2 s of CPU a process)
+PRELOAD = ["tools.ranks", "train.loop", "precompute.cosmos_latents", "diffusers.models.autoencoders.autoencoder_kl_wan"]
 RANKS = 2
 GRACE_S = 30  # after one rank fails, the other's wait for its peer ends in an error or is cut here
 
