@@ -23,6 +23,11 @@ from tests.conftest import ENV, ROOT, base_args, free_port, metrics, train_inpro
 STEPS = 4  # the sbatch test stops the run after step 1: it saves after step 2 (or 3), before the end
 
 
+def run_args(cache, out, steps: int = STEPS) -> list[str]:
+    """conftest's small run; its final eval samples no caption (weights, losses and files are what is compared)."""
+    return base_args(cache, out, steps=steps, **{"train.eval.captions": 0})
+
+
 def losses(run_dir) -> list[float]:
     return [m["loss"] for m in metrics(run_dir) if "loss" in m]
 
@@ -31,7 +36,7 @@ def losses(run_dir) -> list[float]:
 def one_process(cache, tmp_path_factory):
     """The reference: the same run on one process."""
     out = tmp_path_factory.mktemp("one") / "run"
-    assert train_inproc(base_args(cache, out, steps=STEPS)) == 0
+    assert train_inproc(run_args(cache, out)) == 0
     return out
 
 
@@ -130,7 +135,7 @@ def workdirs(tmp_path) -> list:
 def test_two_nodes_by_torchrun_train_as_one_process_and_only_global_rank_0_writes(cache, tmp_path, one_process):
     cwds = workdirs(tmp_path)
     outs = [tmp_path / "out0", tmp_path / "out1"]  # node 1's own folder: local rank 0 of a node must not write it
-    runs = run_nodes(torchrun_node, "train.loop", lambda r: base_args(cache, outs[r], steps=STEPS), cwds)
+    runs = run_nodes(torchrun_node, "train.loop", lambda r: run_args(cache, outs[r]), cwds)
     assert all(r.returncode == 0 for r in runs), runs[0].stderr[-3000:] + runs[1].stderr[-3000:]
     assert_like_one_process(outs[0], one_process)
     assert (outs[0] / f"checkpoint-{STEPS}").is_dir() and json.loads(
@@ -138,7 +143,7 @@ def test_two_nodes_by_torchrun_train_as_one_process_and_only_global_rank_0_write
     )["num_processes"] == 2
     assert not outs[1].exists() and not any(any(d.iterdir()) for d in cwds)
     # resumed, node 1 would see no checkpoint in its folder and start afresh beside node 0's resumed run
-    more = lambda r: base_args(cache, outs[r], steps=STEPS + 2)
+    more = lambda r: run_args(cache, outs[r], steps=STEPS + 2)
     again = run_nodes(torchrun_node, "train.loop", more, cwds)
     line = f"process 0 sees checkpoint-{STEPS} there but process 1 sees no checkpoint: every node must see the same"
     for r in again:
@@ -225,7 +230,7 @@ def test_the_sbatch_example_requeues_a_run_stopped_on_one_node_and_the_requeued_
 ):
     env, log = _stand_ins(tmp_path)
     out = tmp_path / "run"
-    cmd = ["bash", str(ROOT / "scripts" / "slurm" / "train.sbatch"), *base_args(cache, out, steps=STEPS)]
+    cmd = ["bash", str(ROOT / "scripts" / "slurm" / "train.sbatch"), *run_args(cache, out)]
     kw = {"env": env, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     job = subprocess.Popen(cmd, start_new_session=True, **kw)
     try:

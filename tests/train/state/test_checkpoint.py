@@ -205,6 +205,33 @@ def test_a_format_2_checkpoint_written_by_hand_resumes_bitwise(cache, tmp_path, 
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# One 4-step run saving every 2 steps, trained once for the tests below that read it or continue a copy of it
+
+
+EVERY_2 = {"train.checkpoint.every": 2, "train.eval.captions": 0}  # no caption is asserted on: none sampled
+
+
+def every_2_args(cache: Path, out: Path, steps: int = 4, **extra) -> list[str]:
+    return base_args(cache, out, steps=steps, **EVERY_2, **extra)
+
+
+@pytest.fixture(scope="module")
+def every_2_run(cache, tmp_path_factory) -> Path:
+    """checkpoint-2, checkpoint-4 (with its optimizer) and final/ of `every_2_args`; tests only read it."""
+    out = tmp_path_factory.mktemp("every2") / "run"
+    assert train_inproc(every_2_args(cache, out)) == 0
+    files = {p: p.stat().st_mtime_ns for p in sorted(out.rglob("*"))}
+    yield out
+    assert {p: p.stat().st_mtime_ns for p in sorted(out.rglob("*"))} == files, "a test changed it"
+
+
+def copy_of(run: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # Weights-only checkpoints (train.checkpoint.save_optimizer: false)
 
 
@@ -214,17 +241,14 @@ def _size(folder: Path) -> int:
 
 @pytest.mark.slow
 def test_weights_only_checkpoints_hold_no_optimizer_and_resume_with_a_fresh_one_said_in_one_line(
-    cache, tmp_path, capsys
+    cache, every_2_run, tmp_path, capsys
 ):
     from theworld.model.stage_layout import verify
 
-    full, lean = tmp_path / "full", tmp_path / "lean"
-    args = lambda out, save: base_args(
-        cache,
-        out,
-        **{"train.checkpoint.every": 2, "train.checkpoint.keep_last": 2, "train.checkpoint.save_optimizer": save},
+    full, lean = every_2_run, tmp_path / "lean"  # full: keep_last 2 and save_optimizer true, the defaults
+    args = lambda out, save: every_2_args(
+        cache, out, **{"train.checkpoint.keep_last": 2, "train.checkpoint.save_optimizer": save}
     )
-    assert train_inproc(args(full, "true")) == 0
     assert train_inproc(args(lean, "false")) == 0
     for step in (2, 4):
         ckpt = lean / f"checkpoint-{step}"
@@ -256,7 +280,7 @@ def test_weights_only_checkpoints_hold_no_optimizer_and_resume_with_a_fresh_one_
 # Where a run resumes from, and the clean-up after a killed save (moved from tests/e2e/test_train.py)
 
 
-def test_resuming_on_a_cache_that_holds_other_samples_says_so(cache, tmp_path, capsys):
+def test_resuming_on_a_cache_that_holds_other_samples_says_so(cache, every_2_run, tmp_path, capsys):
     """A checkpoint records which samples its data order indexes; a rebuilt or extended cache gets a warning on
     resume (the step's indices name other samples now), the same cache none."""
     from precompute.config import load as load_pre
@@ -277,15 +301,14 @@ def test_resuming_on_a_cache_that_holds_other_samples_says_so(cache, tmp_path, c
             ],
         )
     )
-    out = tmp_path / "run"
-    assert train_inproc(base_args(cache, out, steps=3, **{"train.checkpoint.every": 2})) == 0
+    out = copy_of(every_2_run, tmp_path)
     state = json.loads((out / "checkpoint-2" / "state.json").read_text())
     assert state["cache"]["samples"] == 96 and len(state["cache"]["keys_sha256"]) == 16
     for cache_dir, warned in ((cache, False), (other, True)):
         shutil.rmtree(out / "final")
-        shutil.rmtree(out / "checkpoint-3")
+        shutil.rmtree(out / "checkpoint-4")
         capsys.readouterr()
-        assert train_inproc(base_args(cache_dir, out, steps=3, **{"train.checkpoint.every": 2})) == 0
+        assert train_inproc(every_2_args(cache_dir, out)) == 0
         err = capsys.readouterr().err
         assert "resumed from" in err
         assert ("holds other samples than when" in err and "(96 then, 88 now)" in err) == warned, err
@@ -345,7 +368,9 @@ def test_remove_partial_restores_a_folder_moved_aside_and_deletes_unfinished_wri
     assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-preds.jsonl-20", "checkpoint-2", "final"]
 
 
-def test_a_run_resumed_from_a_hub_checkpoint_continues_bitwise_with_its_optimizer(cache, tmp_path, monkeypatch):
+def test_a_run_resumed_from_a_hub_checkpoint_continues_bitwise_with_its_optimizer(
+    cache, every_2_run, tmp_path, monkeypatch
+):
     """A 4-step run's checkpoint-2, as `hub.history` uploads it (checkpoint-2/ in repo someone/run, read here from a
     Hugging Face cache in huggingface_hub's own layout, offline), resumed into a fresh output_dir with
     `resume: someone/run:checkpoint-2`: the final weights equal the uninterrupted run's bit for bit (AdamW's moments
@@ -353,18 +378,16 @@ def test_a_run_resumed_from_a_hub_checkpoint_continues_bitwise_with_its_optimize
     import huggingface_hub.constants as constants
     import torch
 
-    from tests.conftest import base_args, train_inproc, weights
+    from tests.conftest import train_inproc, weights
     from tests.theworld.core.test_hub import hf_cache
 
-    sets = {"train.checkpoint.every": 2, "train.eval.captions": 0}
-    ref = tmp_path / "ref"
-    assert train_inproc(base_args(cache, ref, steps=4, **sets)) == 0
+    ref = every_2_run
     ckpt = ref / "checkpoint-2"
     hf_cache(tmp_path / "hf", "someone/run", {f"checkpoint-2/{p.name}": p for p in ckpt.iterdir()})
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = tmp_path / "from-hub"
-    assert train_inproc(base_args(cache, out, steps=4, **sets, resume="someone/run:checkpoint-2")) == 0
+    assert train_inproc(every_2_args(cache, out, resume="someone/run:checkpoint-2")) == 0
     got, want = weights(out), weights(ref)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert [p.name for p in sorted(out.glob("checkpoint-*"))] == ["checkpoint-4"]  # trained on from step 2
@@ -401,10 +424,9 @@ def test_a_finished_epochs_run_rerun_with_fewer_epochs_is_told_it_is_past_that(t
     assert "raise train.max_steps" not in line
 
 
-def test_checkpoint_files_are_hashed_and_a_damaged_one_is_refused_not_exported(cache, tmp_path, capsys):
-    out = tmp_path / "run"
-    args = lambda steps=4, **kw: base_args(cache, out, steps=steps, **{"train.checkpoint.every": 2, **kw})
-    assert train_inproc(args()) == 0
+def test_checkpoint_files_are_hashed_and_a_damaged_one_is_refused_not_exported(cache, every_2_run, tmp_path, capsys):
+    out = copy_of(every_2_run, tmp_path)
+    args = lambda steps=4: every_2_args(cache, out, steps=steps)
     exported = final_bytes(out)
     ckpt = out / "checkpoint-4"
     state = json.loads((ckpt / "state.json").read_text())
@@ -476,10 +498,9 @@ def test_a_full_disk_while_saving_or_logging_is_one_line_and_the_rerun_is_bit_ex
     ]
 
 
-def test_a_hand_edited_state_json_is_refused_naming_it(cache, tmp_path, capsys):
-    out = tmp_path / "run"
-    args = lambda steps: base_args(cache, out, steps=steps, **{"train.checkpoint.every": 2})  # noqa: E731
-    assert train_inproc(args(4)) == 0
+def test_a_hand_edited_state_json_is_refused_naming_it(cache, every_2_run, tmp_path, capsys):
+    out = copy_of(every_2_run, tmp_path)
+    args = lambda steps: every_2_args(cache, out, steps=steps)  # noqa: E731
     ckpt = out / "checkpoint-4"
     original = (ckpt / "state.json").read_text()
     state = json.loads(original)
