@@ -472,6 +472,10 @@ class ShardTable:
     def __len__(self) -> int:
         return len(self.count)
 
+    def starts(self) -> np.ndarray:
+        """(S + 1,) int64: each shard's first sample, then the number of samples (samples are in shard order)."""
+        return np.concatenate([[0], np.cumsum(self.count)]).astype(np.int64)
+
     def entry(self, i: int) -> dict:
         """Shard i's record in the manifest's former terms: {path, num_samples, bytes, sha256}."""
         return {

@@ -375,7 +375,7 @@ class CacheReader:
 
     @property
     def shard_starts(self) -> np.ndarray:
-        """(S + 1,) int64: the first sample of each shard, then the number of samples (samples are in shard order)."""
+        """(S + 1,) int64: the first sample of each shard, then the number of samples (index.ShardTable.starts)."""
         return self._index.starts
 
     def samples_in(self, shards: list[int]) -> np.ndarray:

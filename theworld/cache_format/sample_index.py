@@ -44,7 +44,7 @@ class Whole:
         self.j, self.names, self.sides, self.text_rules = j, j.names, j.table, j.text_rules
         self.checksummed = checksummed
         self.latent_hw = np.ascontiguousarray(j.latent_shape[:, -2:])
-        self.starts = np.concatenate([[0], np.cumsum(self.sides.count)])  # (S + 1,) first sample of each shard
+        self.starts = self.sides.starts()
 
     def text_bytes(self) -> np.ndarray:
         return index.text_bytes(self.names, self.j.spans)
@@ -87,7 +87,7 @@ class Lazy:
         self._unrecorded = bool((table.latent_shapes < 0).any())
         self.held_out = table.held_out  # held_out.split reads these, not the parts' keys
         self.entries, self.path, self.problem = entries, path, problem
-        self.starts = np.concatenate([[0], np.cumsum(self.sides.count)])  # (S + 1,) first sample of each shard
+        self.starts = self.sides.starts()
         self.firsts = np.array([e["shards"][0] for e in entries], dtype=np.int64)
         self._parts: dict[int, tuple[dict, list[str]]] = {}  # part -> (tensors, member names); per process
 
