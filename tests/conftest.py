@@ -87,7 +87,7 @@ def launch2(
     return subprocess.Popen(
         two_process_command(module, *args, via=via),
         cwd=ROOT,
-        env={**ENV, "ACCELERATE_USE_CPU": "true", **(env or {})},
+        env=_cpu_env(env),
         **popen,
     )
 
@@ -97,7 +97,7 @@ def run2(args: list[str], env: dict | None = None, module: str = "train.loop") -
     the commands once (tools/ranks.py), with the environment accelerate's launch gives it."""
     from tools import ranks
 
-    return ranks.run(module, args, {**ENV, "ACCELERATE_USE_CPU": "true", **(env or {})}, ROOT, free_port())
+    return ranks.run(module, args, _cpu_env(env), ROOT, free_port())
 
 
 def fork2(args: list[str], logs: Path, env: dict | None = None, module: str = "train.loop"):
@@ -107,7 +107,13 @@ def fork2(args: list[str], logs: Path, env: dict | None = None, module: str = "t
     from tools import ranks
 
     logs.mkdir(parents=True, exist_ok=True)
-    return ranks.launch(module, args, {**ENV, "ACCELERATE_USE_CPU": "true", **(env or {})}, ROOT, free_port(), logs)
+    return ranks.launch(module, args, _cpu_env(env), ROOT, free_port(), logs)
+
+
+def _cpu_env(env: dict | None) -> dict:
+    """A two-process run's environment (a launch's, or each forked rank's besides tools.ranks.launcher_env): the
+    tests' ENV on the CPU, then `env`."""
+    return {**ENV, "ACCELERATE_USE_CPU": "true", **(env or {})}
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -427,35 +433,13 @@ def metrics_lines(out: Path) -> list[dict]:
 # Kill -9, stop-signal and resume tests (tests/e2e/test_train.py, test_nodes.py, tests/train/test_sharding.py, ...)
 
 
-def kill_9_once(proc: subprocess.Popen, until, timeout: float = 300, group: bool = False) -> None:
-    """Poll `until()` every 10 ms (up to `timeout` s, or until `proc` ends), then kill -9 `proc`, or with `group` the
-    launcher `proc` and every process under it (`kill_9_tree`)."""
+def kill_9_once(proc, until, timeout: float = 300) -> None:
+    """Poll `until()` every 10 ms (up to `timeout` s, or until `proc` ends), then kill -9 `proc`: a process, or a
+    job of forked ranks (`fork2`), which dies with the processes its ranks started."""
     deadline = time.time() + timeout
     while not until() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)
-    if group:
-        kill_9_tree(proc)
-    else:
-        proc.kill()
-        proc.wait()
-
-
-def kill_9_tree(proc: subprocess.Popen) -> None:
-    """kill -9 a launcher and its training processes, and wait until they are gone, their run locks with them:
-    torch's launcher starts each process in a session of its own, out of reach of a kill of the launcher's process
-    group, and a process it started outlives it (it would train on to the end)."""
-    import contextlib
-    import signal
-
-    import psutil
-
-    with contextlib.suppress(psutil.NoSuchProcess):
-        family = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
-        for p in family:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.send_signal(signal.SIGKILL)
-        _, alive = psutil.wait_procs(family, timeout=60)
-        assert not alive, f"still running a minute after kill -9: {alive}"
+    proc.kill()
     proc.wait()
 
 

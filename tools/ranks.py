@@ -92,7 +92,7 @@ def run(
     ranks' in rank order. `env`: each rank's whole environment, to which the launcher's is added."""
     with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
         job = launch(module, args, env, cwd, port, Path(tmp))
-        code = _wait(job.procs, timeout, grace)
+        code = _wait(job, timeout, grace)
         out, err = ("".join(Path(f[k]).read_text(errors="replace") for f in job.files) for k in (0, 1))
     return subprocess.CompletedProcess([module, *args], code, out, err)
 
@@ -143,6 +143,20 @@ def launch(module: str, args: list[str], env: dict[str, str], cwd: Path, port: i
     return Job([start(module, args, {**env, **launcher_env(r, port)}, cwd, *files[r]) for r in range(RANKS)], files)
 
 
+def call(module: str, args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    """`python -m module args` as one forked process to its end: a CompletedProcess with its exit status and its
+    stdout and stderr as text. OMP_NUM_THREADS, where `env` has none, is this process's torch thread count, as a new
+    interpreter on this machine would take it."""
+    import torch
+
+    env = {"OMP_NUM_THREADS": str(torch.get_num_threads()), **env}
+    with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
+        process = start(module, args, env, cwd, f"{tmp}/out", f"{tmp}/err")
+        process.join()
+        out, err = (Path(f"{tmp}/{name}").read_text(errors="replace") for name in ("out", "err"))
+    return subprocess.CompletedProcess([module, *args], process.exitcode, out, err)
+
+
 def start(module: str, args: list[str], env: dict[str, str], cwd: Path, out: str, err: str):
     """`python -m module args` as one process forked from the server, with the environment `env` alone, in `cwd`,
     its stdout and stderr going to the files `out` and `err`: a started multiprocessing.Process."""
@@ -151,9 +165,9 @@ def start(module: str, args: list[str], env: dict[str, str], cwd: Path, out: str
     return process
 
 
-def _wait(procs: list, timeout: float, grace: float) -> int:
+def _wait(job: Job, timeout: float, grace: float) -> int:
     """Wait for every rank; once one fails the others get `grace` seconds, then (or at `timeout`) are killed."""
-    deadline, code = time.time() + timeout, 0
+    procs, deadline, code = job.procs, time.time() + timeout, 0
     while any(p.is_alive() for p in procs):
         failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
         if failed and not code:
@@ -166,4 +180,4 @@ def _wait(procs: list, timeout: float, grace: float) -> int:
         time.sleep(0.02)
     for p in procs:
         p.join()
-    return code or next((p.exitcode for p in procs if p.exitcode), 0)
+    return code or job.poll()

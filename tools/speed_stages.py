@@ -147,21 +147,16 @@ def _row_process(config: str, mode: str, args: argparse.Namespace) -> dict:
     """One row in a process of its own: its figures, or its last stderr line as the reason it could not run."""
     row_args = ["--row", config, mode, "--steps", str(args.steps), "--micro-batch", str(args.micro_batch)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    with tempfile.TemporaryDirectory(prefix="bench_stages-") as tmp:
-        if args.fork:
-            env.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # what a fresh interpreter would take
-            process = ranks.start("tools.speed_stages", row_args, env, Path.cwd(), f"{tmp}/out", f"{tmp}/err")
-            process.join()
-            code, out, err = process.exitcode, Path(f"{tmp}/out").read_text(), Path(f"{tmp}/err").read_text()
-        else:
-            r = subprocess.run(
-                [sys.executable, "-m", "tools.speed_stages", *row_args], capture_output=True, text=True, env=env
-            )
-            code, out, err = r.returncode, r.stdout, r.stderr
-    lines = out.strip().splitlines()
-    if code == 0 and lines:
+    if args.fork:
+        r = ranks.call("tools.speed_stages", row_args, env, Path.cwd())
+    else:
+        r = subprocess.run(
+            [sys.executable, "-m", "tools.speed_stages", *row_args], capture_output=True, text=True, env=env
+        )
+    lines = r.stdout.strip().splitlines()
+    if r.returncode == 0 and lines:
         return json.loads(lines[-1])
-    return _error_row(config, mode, (err.strip().splitlines() or ["no output"])[-1])
+    return _error_row(config, mode, (r.stderr.strip().splitlines() or ["no output"])[-1])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -139,12 +139,9 @@ def ensure_cache(root: Path, case: str, gemma: str, resolution: int, samples: in
 def _precompute(args: list[str]) -> None:
     """`python -m precompute.cosmos_latents ARGS` in a process of its own, forked from tools/ranks.py's server (which
     imported the command once: no interpreter start per cache), with this process's environment and torch threads."""
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(torch.get_num_threads()))}
-    with tempfile.NamedTemporaryFile("r", suffix=".err") as err:
-        process = ranks.start("precompute.cosmos_latents", args, env, Path.cwd(), os.devnull, err.name)
-        process.join()
-        if process.exitcode:
-            raise SystemExit(f"error: building a bench cache failed ({process.exitcode}):\n{err.read()[-3000:]}")
+    done = ranks.call("precompute.cosmos_latents", args, dict(os.environ), Path.cwd())
+    if done.returncode:
+        raise SystemExit(f"error: building a bench cache failed ({done.returncode}):\n{done.stderr[-3000:]}")
 
 
 @contextlib.contextmanager
