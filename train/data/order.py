@@ -155,9 +155,10 @@ def windowed_rank_indices(
         r = offsets[k] + _window_shuffle(p - offsets[k], offsets[k + 1] - offsets[k], k, seed, epoch)
         i = np.searchsorted(ends, r, side="right")  # flat[i]: the shard holding the epoch's training sample r
         q = flat[i]
-        x = starts[q] + r - (ends[i] - counts[q])  # its sample, where the shard holds none out
+        u = r - (ends[i] - counts[q])  # r is shard q's u-th training sample
+        x = starts[q] + u  # its sample, where the shard holds none out
         some = np.flatnonzero(lost[q])
-        x[some] = _nth_kept(starts[q[some]], x[some] - starts[q[some]], held)
+        x[some] = _nth_kept(starts[q[some]], u[some], held)
         out[b * per : b * per + len(x)] = x
     return out
 
