@@ -14,6 +14,7 @@ side by side, and the first at DataComp-1B's size. Extrapolated to DataComp-1B (
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import tempfile
@@ -122,13 +123,22 @@ def _count_loads(lazy: sample_index.Lazy) -> list[int]:
     return loaded
 
 
+@contextlib.contextmanager
+def _opened(lazy: bool) -> Iterator[None]:
+    """Caches opened within read their index a part at a time (lazy) or whole, whatever their size."""
+    saved = sample_index.LAZY_BYTES
+    sample_index.LAZY_BYTES = 0 if lazy else 1 << 62
+    try:
+        yield
+    finally:
+        sample_index.LAZY_BYTES = saved
+
+
 def split_case(folder: Path) -> dict:
     """held_out.split of a lazily opened cache from the shard table's candidates, and by the full pass (the same
     cache with its candidates set aside, as one written before them): time, and the parts each loads."""
-    saved = sample_index.LAZY_BYTES
-    sample_index.LAZY_BYTES = 0
-    try:
-        out, held = {}, []
+    out, held = {}, []
+    with _opened(lazy=True):
         for name in ("candidates", "full_pass"):
             reader = cf.CacheReader(folder)
             loaded = _count_loads(reader._index)
@@ -138,8 +148,6 @@ def split_case(folder: Path) -> dict:
             held.append(split(reader, EVAL_SAMPLES)[1].tolist())
             out[f"{name}_s"] = round(time.perf_counter() - t, 4)
             out[f"{name}_parts_loaded"] = len(loaded)
-    finally:
-        sample_index.LAZY_BYTES = saved
     if held[0] != held[1]:
         raise RuntimeError("the split from the candidates differs from the full pass's")
     return out
@@ -149,13 +157,9 @@ def order_case(folder: Path) -> dict:
     """One process's share of epoch 0 in the windowed order, computed at its positions alone
     (order.windowed_rank_indices) and over every sample (order.rank_indices with the arrays the loader built for
     it): time and numpy's peak memory (torch's permutations are not traced), and that both give the same indices."""
-    saved = sample_index.LAZY_BYTES
-    sample_index.LAZY_BYTES = 0
-    try:
+    with _opened(lazy=True):
         reader = cf.CacheReader(folder)
         train, held = split(reader, EVAL_SAMPLES)
-    finally:
-        sample_index.LAZY_BYTES = saved
     o = ORDER
     args = (1, 0, o["global_batch"], o["rank"], o["world"], 0)
     windowed, w_s, _, w_peak = _measured(
@@ -225,13 +229,9 @@ def _measured(fn):
 
 
 def open_case(folder: Path, lazy: bool) -> dict:
-    saved = sample_index.LAZY_BYTES
-    sample_index.LAZY_BYTES = 0 if lazy else 1 << 62
-    try:
+    with _opened(lazy):
         reader, seconds, held, peak = _measured(lambda: cf.CacheReader(folder))
         _, first_s, _, part_peak = _measured(lambda: reader._index.members(len(reader) - 1))
-    finally:
-        sample_index.LAZY_BYTES = saved
     index_bytes = sum(e["bytes"] for e in reader.manifest["shard_index"])
     table = reader.manifest["shard_table"]["bytes"]
     return {
