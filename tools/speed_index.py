@@ -155,8 +155,9 @@ def split_case(folder: Path) -> dict:
 
 def order_case(folder: Path) -> dict:
     """One process's share of epoch 0 in the windowed order, computed at its positions alone
-    (order.windowed_rank_indices) and over every sample (order.rank_indices with the arrays the loader built for
-    it): time and numpy's peak memory (torch's permutations are not traced), and that both give the same indices."""
+    (order.windowed_rank_indices) and over every sample (order.rank_indices with its arrays of every sample's shard
+    and bucket): time and numpy's peak memory (torch's permutations are not traced), and that both give the same
+    indices."""
     with _opened(lazy=True):
         reader = cf.CacheReader(folder)
         train, held = split(reader, EVAL_SAMPLES)
