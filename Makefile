@@ -125,12 +125,14 @@ chromium:
 	  $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q --no-install-recommends chromium; \
 	fi
 
+# The suite starts a few hundred interpreters and each worker imports every test file: with bytecode written (where a
+# PYTHONDONTWRITEBYTECODE in the environment would stop it) each compiles the project and rewrites the tests once.
 test: lint chromium
-	$(PY) -m pytest -q
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q
 
 # The inner loop: everything but the tests that start whole runs in subprocesses (marked `slow`).
 test-fast: install
-	$(PY) -m pytest -q -m "not slow"
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -m "not slow"
 
 bench: install
 	$(PY) -m tools.speed_precompute

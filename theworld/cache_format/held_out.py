@@ -2,6 +2,9 @@
 (`theworld.evaluate --task caption --data CACHE_DIR`) scores too. A pure function of the sample keys, so it does not
 depend on the shard layout, the number of processes or the run.
 
+The training samples are the rest, kept as `Kept`: the held-out indices and the cache's size, not an array over every
+sample (8 bytes a sample: 11 GB a process at DataComp-1B's 1.4B).
+
 The keys with the smallest sha256 are read from the shard table's candidates (index.Candidates: each index part's
 smallest, written with the index), so a cache of any size splits without hashing its keys or loading a part; a cache
 written before them, or more eval samples than a part keeps, hash every key once (the full pass, logged).
@@ -20,16 +23,56 @@ _log = log.get(__name__)
 FULL_PASS_CHUNK = 1 << 20  # keys hashed at a time by the full pass: memory bounded by the keys, not their digests
 
 
-def split(reader: CacheReader, eval_samples: int) -> tuple[np.ndarray, np.ndarray]:
+class Kept:
+    """The samples [0, n) less the held-out ones, in cache order: indexed (an int, a slice, an array of positions)
+    as the int64 array it stands for, without holding it. np.asarray(kept) builds that array, for the orders that need
+    one over every sample (a mixture, several latent shapes, length grouping)."""
+
+    dtype = np.dtype(np.int64)
+
+    def __init__(self, n: int, held: np.ndarray):
+        self.n, self.held = n, np.unique(np.asarray(held, dtype=np.int64))
+
+    def __len__(self) -> int:
+        return self.n - len(self.held)
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            return nth_kept(np.arange(*key.indices(len(self)), dtype=np.int64), self.held)
+        positions = np.asarray(key, dtype=np.int64)
+        if ((positions < -len(self)) | (positions >= len(self))).any():
+            raise IndexError(f"index {key} is out of range for {len(self)} training samples")
+        kept = nth_kept(positions % max(len(self), 1), self.held)
+        return int(kept) if kept.ndim == 0 else kept
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        keep = np.ones(self.n, dtype=bool)
+        keep[self.held] = False
+        return np.flatnonzero(keep).astype(dtype or np.int64)
+
+    def tolist(self) -> list[int]:
+        return np.asarray(self).tolist()
+
+
+def nth_kept(u: np.ndarray, held: np.ndarray, first: np.ndarray | int = 0) -> np.ndarray:
+    """The u-th sample (from 0) at or after `first` that is not in `held` (sorted): the fixed point of counting the
+    held-out samples up to a guess and stepping over them."""
+    x = first + u
+    while True:
+        nxt = first + u + np.searchsorted(held, x, side="right") - np.searchsorted(held, first)
+        if np.array_equal(nxt, x):
+            return x
+        x = nxt
+
+
+def split(reader: CacheReader, eval_samples: int) -> tuple[Kept, np.ndarray]:
     """(train indices, eval indices): the eval_samples keys with the smallest sha256 are held out. Train indices in
-    cache order, eval indices in key order."""
+    cache order (`Kept`), eval indices in key order."""
     n = len(reader)
     check_held_out(eval_samples, n)
     held, keys = _smallest(reader, eval_samples)
     held = held[np.argsort(keys, kind="stable")].astype(np.int64)
-    keep = np.ones(n, dtype=bool)
-    keep[held] = False
-    return np.flatnonzero(keep).astype(np.int64), held
+    return Kept(n, held), held
 
 
 def _smallest(reader: CacheReader, eval_samples: int) -> tuple[np.ndarray, np.ndarray]:

@@ -207,7 +207,7 @@ def split_data(cfg, reader: cf.CacheReader | MixedReader) -> tuple[np.ndarray, n
     if not isinstance(reader, MixedReader):
         return split(reader, cfg.train.eval.samples)
     parts = [split(r, cfg.train.eval.samples) for r in reader.readers]
-    return tuple(np.concatenate([p[k] + off for p, off in zip(parts, reader.offsets)]) for k in (0, 1))
+    return tuple(np.concatenate([np.asarray(p[k]) + off for p, off in zip(parts, reader.offsets)]) for k in (0, 1))
 
 
 def mixture_draw(cfg, reader: cf.CacheReader | MixedReader, train_indices: np.ndarray) -> Draw | None:

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from theworld import cache_format as cf
-from theworld.cache_format.held_out import split
+from theworld.cache_format.held_out import Kept, split
 from theworld.cache_format.storage import NoRoomAhead
 from theworld.core import log
 from theworld.model.images import decode, load_for_vae, siglip_pixels
@@ -33,6 +33,7 @@ from train.data.order import (
     flip_of,
     rank_indices,
     seed_of,
+    several_shapes,
     shard_ids,
     windowed_rank_indices,
 )
@@ -204,7 +205,7 @@ class DataContext:
     inputs: InputSources
     formatter: ChatFormatter
     image_processor: object
-    train_indices: np.ndarray
+    train_indices: np.ndarray | Kept  # held_out.split's: no array over every sample
     eval_indices: np.ndarray
     buckets: np.ndarray  # (len(reader),) each sample's bucket (latent shape)
     draw: Draw | None = None  # a mixture's per-epoch draw from its caches
@@ -251,13 +252,15 @@ class DataContext:
 
     def epoch_samples(self, seed: int, epoch: int) -> np.ndarray:
         """The training samples epoch `epoch` orders: all of them, or a mixture's draw."""
-        return self.train_indices if self.draw is None else self.draw.epoch(seed, epoch)
+        return np.asarray(self.train_indices) if self.draw is None else self.draw.epoch(seed, epoch)
 
     def describe_mixture(self, cfg) -> str:
         return "" if self.draw is None else self.draw.describe(self.reader, [w for _, w in cfg.caches()])
 
     def describe_buckets(self) -> str:
         """'' for one latent shape, else each shape (h x w) with its training samples."""
+        if not several_shapes(self.buckets):
+            return ""
         shapes, counts = np.unique(self.reader.latent_hw[self.epoch_samples(0, 0)], axis=0, return_counts=True)
         if len(shapes) < 2:
             return ""
@@ -290,8 +293,8 @@ def text_sample(train: np.ndarray, seed: int) -> np.ndarray:
     """TEXT_SAMPLE of the training samples, drawn by the run seed, in cache order."""
     if len(train) <= TEXT_SAMPLE:
         return train
-    g = torch.Generator().manual_seed(seed_of("text-sample", seed))
-    return np.sort(np.asarray(train)[torch.randperm(len(train), generator=g)[:TEXT_SAMPLE].numpy()])
+    rng = np.random.default_rng(seed_of("text-sample", seed))  # draws without a permutation of every sample
+    return train[np.sort(rng.choice(len(train), TEXT_SAMPLE, replace=False))]
 
 
 def index_lengths(reader: cf.CacheReader) -> tuple[np.ndarray, np.ndarray]:
@@ -408,7 +411,7 @@ def _rank_indices(cfg, ctx: DataContext, rank: int, world_size: int, epoch: int,
     positions alone (order.windowed_rank_indices: the same indices without an array over every sample)."""
     window, args = cfg.storage.shuffle_window, (cfg.seed, epoch, cfg.train.global_batch_size, rank, world_size, start)
     whole = len(ctx.train_indices) + len(ctx.eval_indices) == len(ctx.reader)  # every sample trains but the held-out
-    if window and ctx.draw is None and ctx.groups is None and whole and not ctx.buckets.any():
+    if window and ctx.draw is None and ctx.groups is None and whole and not several_shapes(ctx.buckets):
         return windowed_rank_indices(ctx.reader.shard_starts, ctx.eval_indices, *args, window)
     samples = ctx.epoch_samples(cfg.seed, epoch)
     shards = shard_ids(ctx.reader)[samples] if window else None

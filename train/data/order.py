@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from theworld import cache_format as cf
-from theworld.cache_format.held_out import check_held_out
+from theworld.cache_format.held_out import check_held_out, nth_kept
 from theworld.core.errors import UserError
 
 
@@ -50,6 +50,12 @@ def bucket_ids(reader: cf.CacheReader) -> np.ndarray:
     if not len(hw) or (hw == hw[0]).all():  # one shape (every square cache): no sort over the whole index
         return np.broadcast_to(np.int32(0), len(hw))
     return np.unique(hw, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int32)
+
+
+def several_shapes(buckets: np.ndarray) -> bool:
+    """Whether `buckets` (bucket_ids') number more than one latent shape: a one-shape cache's broadcast answers
+    without a pass over every sample (seconds at DataComp-1B)."""
+    return buckets.strides != (0,) and bool(buckets.any())
 
 
 def _permutation(n: int, seed: int, epoch: int) -> np.ndarray:
@@ -158,19 +164,9 @@ def windowed_rank_indices(
         u = r - (ends[i] - counts[q])  # r is shard q's u-th training sample
         x = starts[q] + u  # its sample, where the shard holds none out
         some = np.flatnonzero(lost[q])
-        x[some] = _nth_kept(starts[q[some]], u[some], held)
+        x[some] = nth_kept(u[some], held, starts[q[some]])
         out[b * per : b * per + len(x)] = x
     return out
-
-
-def _nth_kept(first: np.ndarray, u: np.ndarray, held: np.ndarray) -> np.ndarray:
-    """The u-th sample (from 0) at or after `first` that is not held out (each within its shard)."""
-    x = first + u
-    while True:
-        nxt = first + u + np.searchsorted(held, x, side="right") - np.searchsorted(held, first)
-        if np.array_equal(nxt, x):
-            return x
-        x = nxt
 
 
 def epoch_permutation(n: int, seed: int, epoch: int, shards: np.ndarray | None = None, window: int = 0) -> np.ndarray:
@@ -250,7 +246,12 @@ def check_sizes(cfg, reader: cf.CacheReader, train_indices: np.ndarray, world_si
             f"shuffled-world loss takes each held-out sample's world from another one): use 0 (no eval) "
             f"or at least {max(2, world_size)}"
         )
-    sizes = np.bincount(bucket_ids(reader)[train_indices]) if draw is None else draw.bucket_sizes(bucket_ids(reader))
+    if draw is not None:
+        sizes = draw.bucket_sizes(bucket_ids(reader))
+    elif several_shapes(ids := bucket_ids(reader)):
+        sizes = np.bincount(ids[np.asarray(train_indices)])
+    else:  # one latent shape: no array over every training sample
+        sizes = len(train_indices)
     return steps_per_epoch(sizes, cfg.train.global_batch_size)
 
 

@@ -175,3 +175,33 @@ def test_a_whole_reader_trusts_no_shard_table_of_other_shards_than_its_index(tmp
     keys = [k for shard in small for k in shard]
     assert reader.held_out_candidates() is None and [keys[i] for i in split(reader, 3)[1]] == _reference(keys, 3)
     assert "hashing 32 keys for the held-out split" in caplog.text
+
+
+def test_the_training_split_indexes_as_its_array_without_holding_it():
+    rng = np.random.default_rng(0)
+    for n, k in [(1, 0), (7, 3), (50, 0), (50, 49), (1000, 17), (1000, 400)]:
+        held = rng.choice(n, k, replace=False)
+        kept, array = held_out.Kept(n, held), np.setdiff1d(np.arange(n), held)
+        assert len(kept) == len(array) and np.asarray(kept).tolist() == array.tolist()
+        for s in (slice(None), slice(3, None), slice(None, 5), slice(2, 40, 3), slice(-4, None), slice(None, None, -1)):
+            assert kept[s].tolist() == array[s].tolist(), s
+        if len(array):
+            positions = rng.integers(-len(array), len(array), 30)
+            assert kept[positions].tolist() == array[positions].tolist()
+            assert [kept[int(p)] for p in positions[:5]] == array[positions[:5]].tolist()
+        with pytest.raises(IndexError):
+            kept[len(array)]
+
+
+def test_the_training_split_of_a_billion_samples_takes_the_memory_of_its_held_out_samples():
+    import tracemalloc
+
+    n, held = 1_400_000_000, np.random.default_rng(1).choice(1_400_000_000, 256, replace=False)
+    tracemalloc.start()
+    kept = held_out.Kept(n, held)
+    first, some = kept[:64], kept[np.arange(0, len(kept), len(kept) // 1000)]
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(kept) == n - 256 and peak < 1 << 20, peak  # the array it stands for: 11 GB
+    assert not np.isin(some, held).any() and (np.diff(some) > 0).all()
+    assert first.tolist() == np.setdiff1d(np.arange(64 + 256), held)[:64].tolist()

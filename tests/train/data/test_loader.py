@@ -187,3 +187,19 @@ def test_a_cache_held_whole_reads_every_text_as_before(cache, tmp_path, monkeypa
     reader, ctx, reads = _context(cache, tmp_path, monkeypatch, lazy=False)
     assert not reader.lazy and len(reads) >= 80 + len(reader)  # the report's pass and the lengths' pass
     assert ctx.truncation.endswith("of 80 training samples") and ctx.groups.images.max() >= 1
+
+
+def test_the_truncation_reports_draw_from_a_billion_training_samples_holds_no_array_over_them():
+    import tracemalloc
+
+    from theworld.cache_format.held_out import Kept
+
+    held = np.arange(0, 2_000_000_000, 7_812_500)  # 256 held out
+    tracemalloc.start()
+    drawn = loader.text_sample(Kept(2_000_000_000, held), seed=3)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 4 << 20, peak  # the permutation it replaced: 16 GB
+    assert len(drawn) == loader.TEXT_SAMPLE == len(set(drawn.tolist())) and (np.diff(drawn) > 0).all()
+    assert not np.isin(drawn, held).any()
+    assert drawn.tolist() == loader.text_sample(Kept(2_000_000_000, held), seed=3).tolist()  # the seed's draw
