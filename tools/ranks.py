@@ -29,9 +29,11 @@ RANKS = 2
 GRACE_S = 30  # after one rank fails, the other's wait for its peer ends in an error or is cut here
 
 
-def launcher_env(rank: int, port: int) -> dict[str, str]:
-    """What accelerate's multi-process launch (through torch.distributed.run) sets for `rank` of RANKS on one machine,
-    less torchelastic's agent bookkeeping (its store, its error file): here rank 0 hosts the group's store."""
+def launcher_env(rank: int, port: int, nodes: int = 1) -> dict[str, str]:
+    """What accelerate's multi-process launch (through torch.distributed.run) sets for `rank` of RANKS on `nodes`
+    machines (RANKS // nodes processes each), less torchelastic's agent bookkeeping (its store, its error file): here
+    rank 0 hosts the group's store."""
+    per_node = RANKS // nodes
     return {
         "ACCELERATE_DYNAMO_BACKEND": "NO",
         "ACCELERATE_DYNAMO_MODE": "default",
@@ -39,10 +41,10 @@ def launcher_env(rank: int, port: int) -> dict[str, str]:
         "ACCELERATE_DYNAMO_USE_FULLGRAPH": "False",
         "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "False",
         "ACCELERATE_MIXED_PRECISION": "no",
-        "GROUP_RANK": "0",
-        "GROUP_WORLD_SIZE": "1",
-        "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": str(RANKS),
+        "GROUP_RANK": str(rank // per_node),
+        "GROUP_WORLD_SIZE": str(nodes),
+        "LOCAL_RANK": str(rank % per_node),
+        "LOCAL_WORLD_SIZE": str(per_node),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "OMP_NUM_THREADS": "1",
@@ -95,6 +97,21 @@ def run(
         code = _wait(job, timeout, grace)
         out, err = ("".join(Path(f[k]).read_text(errors="replace") for f in job.files) for k in (0, 1))
     return subprocess.CompletedProcess([module, *args], code, out, err)
+
+
+def run_nodes(
+    module: str, args_of, env: dict[str, str], cwds: list[Path], port: int, timeout: float = 600
+) -> list[subprocess.CompletedProcess]:
+    """`python -m module args_of(r)` as rank r of RANKS, one on each of RANKS "nodes" (the environment a launcher with
+    --nnodes RANKS gives it), each in its own working directory `cwds[r]`, to their end: each rank's exit status
+    and output."""
+    with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
+        files = [(f"{tmp}/{r}.out", f"{tmp}/{r}.err") for r in range(RANKS)]
+        envs = [{**env, **launcher_env(r, port, nodes=RANKS)} for r in range(RANKS)]
+        job = Job([start(module, args_of(r), envs[r], cwds[r], *files[r]) for r in range(RANKS)], files)
+        _wait(job, timeout, GRACE_S)
+        texts = [[Path(f).read_text(errors="replace") for f in pair] for pair in files]
+    return [subprocess.CompletedProcess([module], p.exitcode, *t) for p, t in zip(job.procs, texts)]
 
 
 class Job:

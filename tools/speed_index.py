@@ -312,9 +312,9 @@ def _table(r: dict) -> str:
         f"DataComp-1B ({d['shards']} shards, {d['samples']} samples): index {d['wide_index_gb']} GB wide, "
         f"{d['narrow_index_gb']} GB narrow (loaded a part at a time); shard table {d['table_gb']} GB; open holds "
         f"~{d['open_held_mb']:.0f} MB a process besides the mapped table (lazy x {d['shards'] / lz['shards']:.1f}); "
-        f"held-out split {d['split_candidates_s']} s from the candidates (any size), {d['split_full_pass_h']} h by the full pass "
-        f"on every node; the candidates cost {d['candidates_write_h']} h of sha256 once, where the index is written; "
-        f"the order over every sample peaks at {d['order_every_peak_gb']} GB of numpy a process"
+        f"held-out split {d['split_candidates_s']} s from the candidates (any size), {d['split_full_pass_h']} h by "
+        f"the full pass on every node; the candidates cost {d['candidates_write_h']} h of sha256 once, where the index "
+        f"is written; the order over every sample peaks at {d['order_every_peak_gb']} GB of numpy a process"
     )
     f = r["full_size_order"]
     lines.append(

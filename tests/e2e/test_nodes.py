@@ -1,6 +1,7 @@
 """Runs across nodes, two "nodes" on this machine (two launchers, 1 process each, gloo): training and precompute
 equal one process; global rank 0 alone writes (node 1 gets its own output folder and working directory, which stay
-empty); a node that does not see process 0's folder is refused; train.launch refuses a node rank outside the job and
+empty); a node that does not see process 0's folder is refused (each node's process forked with the environment of a
+two-node launch: the refusal is the command's); train.launch refuses a node rank outside the job and
 fills a node's arguments from SLURM's environment; the sbatch example (scripts/slurm/train.sbatch) runs on two local
 "nodes" through a stand-in srun, requeues a run stopped by SIGTERM to one node's launcher, and the requeued job ends
 with the weights of one process."""
@@ -124,6 +125,14 @@ def run_nodes(node_command, module: str, args_of, cwds) -> list[subprocess.Compl
     return done
 
 
+def fork_nodes(module: str, args_of, cwds) -> list[subprocess.CompletedProcess]:
+    """Both nodes' one process each, forked with the environment a two-node launch gives it (tools/ranks.py), each
+    from its own working directory: for a refusal that is the command's, not the launcher's."""
+    from tools import ranks
+
+    return ranks.run_nodes(module, args_of, {**ENV, "ACCELERATE_USE_CPU": "true"}, cwds, free_port())
+
+
 def workdirs(tmp_path) -> list:
     cwds = [tmp_path / "node0", tmp_path / "node1"]
     for d in cwds:
@@ -144,7 +153,7 @@ def test_two_nodes_by_torchrun_train_as_one_process_and_only_global_rank_0_write
     assert not outs[1].exists() and not any(any(d.iterdir()) for d in cwds)
     # resumed, node 1 would see no checkpoint in its folder and start afresh beside node 0's resumed run
     more = lambda r: run_args(cache, outs[r], steps=STEPS + 2)
-    again = run_nodes(torchrun_node, "train.loop", more, cwds)
+    again = fork_nodes("train.loop", more, cwds)
     line = f"process 0 sees checkpoint-{STEPS} there but process 1 sees no checkpoint: every node must see the same"
     for r in again:
         assert r.returncode != 0 and line in r.stderr and "Traceback" not in r.stderr.split(line)[0][-300:], r.stderr
@@ -165,7 +174,7 @@ def test_two_nodes_precompute_the_cache_of_one_process(cache, tmp_path):
         ]
 
     apart = [tmp_path / "c0", tmp_path / "c1"]
-    runs = run_nodes(accelerate_node, "precompute.cosmos_latents", lambda r: args(apart[r]), cwds)
+    runs = fork_nodes("precompute.cosmos_latents", lambda r: args(apart[r]), cwds)
     line = "process 1 does not see what process 0 wrote in"
     for r in runs:
         assert r.returncode == 2 and line in r.stderr and "every node must use the same output_dir" in r.stderr, (

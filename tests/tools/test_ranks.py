@@ -29,6 +29,14 @@ def test_launcher_env_is_what_accelerates_launch_sets_per_rank():
     env = ranks.launcher_env(1, 1234)
     assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["MASTER_PORT"]) == ("1", "1", "2", "1234")
     assert env["ACCELERATE_MIXED_PRECISION"] == "no" and env["OMP_NUM_THREADS"] == "1"
+    node = ranks.launcher_env(1, 1234, nodes=2)  # torchrun --nnodes 2 --nproc-per-node 1: node 1's one process
+    assert [node[k] for k in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE")] == [
+        "1",
+        "0",
+        "1",
+        "1",
+        "2",
+    ]
 
 
 def test_a_launched_job_is_polled_and_killed_as_one_with_the_processes_its_ranks_started(tmp_path):
