@@ -28,7 +28,7 @@ class Kept:
     as the int64 array it stands for, without holding it. np.asarray(kept) builds that array, for the orders that need
     one over every sample (a mixture, several latent shapes, length grouping)."""
 
-    dtype = np.dtype(np.int64)
+    dtype, ndim = np.dtype(np.int64), 1
 
     def __init__(self, n: int, held: np.ndarray):
         self.n, self.held = n, np.unique(np.asarray(held, dtype=np.int64))
@@ -36,10 +36,18 @@ class Kept:
     def __len__(self) -> int:
         return self.n - len(self.held)
 
+    @property
+    def shape(self) -> tuple[int]:
+        return (len(self),)
+
+    def __iter__(self):
+        return iter(np.asarray(self).tolist())
+
     def __getitem__(self, key):
         if isinstance(key, slice):
             return nth_kept(np.arange(*key.indices(len(self)), dtype=np.int64), self.held)
-        positions = np.asarray(key, dtype=np.int64)
+        key = np.asarray(key)
+        positions = np.flatnonzero(key) if key.dtype == bool else key.astype(np.int64)
         if ((positions < -len(self)) | (positions >= len(self))).any():
             raise IndexError(f"index {key} is out of range for {len(self)} training samples")
         kept = nth_kept(positions % max(len(self), 1), self.held)

@@ -189,6 +189,8 @@ def test_the_training_split_indexes_as_its_array_without_holding_it():
             positions = rng.integers(-len(array), len(array), 30)
             assert kept[positions].tolist() == array[positions].tolist()
             assert [kept[int(p)] for p in positions[:5]] == array[positions[:5]].tolist()
+            mask = rng.random(len(array)) < 0.5
+            assert kept[mask].tolist() == array[mask].tolist() and kept.shape == array.shape
         with pytest.raises(IndexError):
             kept[len(array)]
 
