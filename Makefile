@@ -125,8 +125,9 @@ chromium:
 	  $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q --no-install-recommends chromium; \
 	fi
 
-# The suite starts a few hundred interpreters and each worker imports every test file: with bytecode written (where a
-# PYTHONDONTWRITEBYTECODE in the environment would stop it) each compiles the project and rewrites the tests once.
+# Each xdist worker imports every test file and the suite starts dozens of interpreters: with bytecode written (where
+# a PYTHONDONTWRITEBYTECODE in the environment would stop it) the tests' asserts are rewritten and the project
+# compiled once, not in each of them.
 test: lint chromium
 	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q
 
