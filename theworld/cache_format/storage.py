@@ -370,12 +370,17 @@ class RemoteCache:
         sidecars are fetched instead)."""
         folder = self.local / REMOTE_INDEX
         make_dir(folder)
-        for p in folder.glob("*"):
-            p.unlink(missing_ok=True)
         try:
             names = [str(e["path"]) for e in parts]
         except (TypeError, KeyError):
-            return set()
+            names = []
+        # The processes of a node open at once: another's part in the making, or one it may be reading (the same
+        # name holds the same checked bytes), stays; another cache's parts and a killed process's partials go.
+        current = {Path(n).name for n in names}
+        for p in folder.iterdir():
+            if p.name not in current and not atomic.is_partial(p.name):
+                p.unlink(missing_ok=True)
+        atomic.remove_stale(folder)
         covered: set[int] = set()
         for entry, (name, data) in zip(parts, self.read_many(names).items()):
             try:
@@ -390,8 +395,11 @@ class RemoteCache:
                     f"{self.object_url(name)}: shard index object {one_line(e, 120)}; reading the sidecars of its "
                     "shards instead (rerun the precompute command that built this cache to rewrite it)"
                 )
+                (folder / Path(name).name).unlink(missing_ok=True)
                 continue
-            atomic_write_bytes(folder / Path(name).name, data)
+            target = folder / Path(name).name
+            if not (target.is_file() and target.read_bytes() == data):
+                atomic_write_bytes(target, data)
             covered.update(range(*entry["shards"]))
         return covered
 
