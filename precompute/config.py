@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from theworld.cache_format.storage import MOVED as STORAGE_MOVED
-from theworld.cache_format.storage import READING_KEYS, Settings
+from theworld.cache_format.settings import MOVED as STORAGE_MOVED
+from theworld.cache_format.settings import READING_KEYS, Settings
 from theworld.core import compat, location, paths, run_lock
 from theworld.core.config import at_least, check_sizes, check_workers, load_config, require_path
 from theworld.core.errors import UserError

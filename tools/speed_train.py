@@ -44,7 +44,7 @@ import psutil
 import torch
 
 from theworld import cache_format as cf
-from theworld.cache_format.storage import DEFAULT_LOCAL_DIR
+from theworld.cache_format.settings import DEFAULT_LOCAL_DIR
 from theworld.core.config import load_config
 from theworld.embedded import synthetic, tiny
 from tools import ranks

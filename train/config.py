@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from theworld.cache_format.fingerprint import ROLLOUT_DEFAULTS
-from theworld.cache_format.storage import MOVED as STORAGE_MOVED
-from theworld.cache_format.storage import Settings
+from theworld.cache_format.settings import MOVED as STORAGE_MOVED
+from theworld.cache_format.settings import Settings
 from theworld.core import compat, hub
 from theworld.core.config import (
     FLOAT32_MAX,
@@ -31,9 +31,8 @@ from theworld.core.config import (
     to_yaml,
 )
 from theworld.core.errors import UserError
-from theworld.model.arch import CHECKPOINT_PARTS
+from theworld.model.arch import CHECKPOINT_PARTS, PACKED_ATTENTION
 from theworld.model.config import FreezeConfig, ImageConfig, LoraConfig, ModelConfig, WorldConfig, check_lora
-from theworld.model.packing import ATTENTION as PACKED_ATTENTION
 
 # A key declared `neutral` may change between a run and its resumption without changing its numbers: where files go,
 # what is logged and when, how the same global batch is split over processes and micro-batches, where the AdamW step

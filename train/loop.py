@@ -10,18 +10,14 @@ from __future__ import annotations
 
 import sys
 import time
-
-from torch.profiler import record_function
+from typing import TYPE_CHECKING
 
 from theworld.core import log, run_lock
 from theworld.core.errors import cli_entry
-from theworld.model.world import PROFILE_LABELS
-from train.components import make_accelerator
 from train.config import load, to_yaml
-from train.eval import plateau
-from train.preempt import EXIT_CODES, Preemption, worker_killed_by
-from train.step import NonFiniteError, optimization_step
-from train.trainer import Checked, Trainer
+
+if TYPE_CHECKING:
+    from train.trainer import Trainer
 
 _log = log.get(__name__)
 
@@ -38,6 +34,12 @@ def main(argv: list[str] | None = None) -> int:
 
         print(plan.render(plan.plan(cfg, args.samples, args.gpus)), end="")
         return 0
+    # torch, transformers and the run's parts are imported only now (~10 s of CPU a process): a config mistake is one
+    # line at once, on every process of a launch
+    from train.components import make_accelerator
+    from train.preempt import EXIT_CODES
+    from train.trainer import Checked, Trainer
+
     checked = Checked.of(cfg)  # everything checkable without a model is checked before loading one
     accelerator = make_accelerator(cfg, checked.launch)
     # one run per output_dir: a second one would take this run's unfinished saves for a killed run's and delete them
@@ -53,6 +55,13 @@ def main(argv: list[str] | None = None) -> int:
 def train(t: Trainer) -> int:
     """The optimisation steps, with their logs, evals and saves; a requested stop or too many non-finite steps end
     it early."""
+    from torch.profiler import record_function
+
+    from theworld.model.world import PROFILE_LABELS
+    from train.eval import plateau
+    from train.preempt import Preemption, worker_killed_by
+    from train.step import NonFiniteError, optimization_step
+
     cfg, state, m = t.cfg, t.state, t.metrics
     stop = Preemption(t.c.accelerator).install()  # SIGTERM / SIGINT: stop after the current step (or eval), saved
     try:

@@ -3,10 +3,13 @@ and a short run logs every step, saves at its checkpoint steps and exports final
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import yaml
 
-from tests.conftest import base_args, metrics, one_error_line
+from tests.conftest import ENV, ROOT, base_args, metrics, one_error_line
 from train.loop import main
 
 
@@ -21,6 +24,22 @@ def test_print_config_prints_the_resolved_config_and_starts_nothing(tmp_path, ca
 def test_an_unknown_key_is_one_line_and_exit_2(tmp_path, capsys):
     assert main(["--set", f"output_dir={tmp_path / 'run'}", "--set", "train.max_stepz=3"]) == 2
     one_error_line(capsys, "train.max_stepz")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_config_mistake_is_refused_before_torch_and_transformers_are_imported(tmp_path):
+    """Each process of a launch refuses a mistaken key at once, not after ~10 s of imports (a fresh interpreter is
+    the point: this process has torch already)."""
+    probe = (
+        "import sys\n"
+        "from train.loop import main\n"
+        f"code = main(['--config', 'configs/stage1.yaml', '--set', 'output_dir={tmp_path / 'run'}', "
+        "'--set', 'train.optimizer.lr=fast'])\n"
+        "print(code, sorted(m for m in ('torch', 'transformers', 'diffusers', 'accelerate') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert done.stdout.split("\n")[0] == "2 []", done.stdout + done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "train.optimizer.lr" in done.stderr
     assert not (tmp_path / "run").exists()
 
 

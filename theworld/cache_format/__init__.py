@@ -17,58 +17,48 @@ Callers use the package: `from theworld import cache_format as cf; cf.CacheReade
 docs/cache-format.md describes the same for readers without this code; keep the two in step.
 """
 
-from safetensors.torch import load as st_load  # the batch collate decodes members with it
+import importlib
+from typing import Any
 
-from theworld.cache_format import storage
-from theworld.cache_format.fingerprint import (
-    check_fingerprint,
-    fingerprint_diff,
-    fingerprint_for,
-    fingerprint_overrides,
-)
-from theworld.cache_format.index import SHARDS_PER_INDEX
-from theworld.cache_format.layout import (
-    REBUILD_MANIFEST,
-    Sample,
-    atomic_write_bytes,
-    atomic_write_json,
-    error_classes,
-    error_path,
-    image_bytes_hint,
-    latent_shape_counts,
-    latents_stored,
-    load_manifest,
-    member_name,
-    read_errors,
-    read_sidecar,
-    repair_hint,
-    safe_key,
-    sha256_file,
-    shard_is_done,
-    shard_stem,
-    shard_table,
-    sidecar_path,
-    split_member,
-    tar_path,
-    write_manifest,
-)
-from theworld.cache_format.migrations import CHECKSUMS, FORMAT_VERSION
-from theworld.cache_format.names import (
-    CAPTION,
-    ERRORS,
-    ERRORS_DIR,
-    IMAGE,
-    INDEX_DIR,
-    LATENT,
-    LATENT_FLIP,
-    MANIFEST,
-    META,
-    RUN_FILE,
-    SHARDS,
-    SIGLIP,
-    TURNS,
-)
-from theworld.cache_format.reader import CacheReader, decode_sample, load_stacked
-from theworld.cache_format.storage import RemoteCache, Settings, is_url, open_cache
-from theworld.cache_format.writer import encode_sample, latent_blob, latent_shape_of, write_shard
-from theworld.model.encoders import DTYPES  # the cache dtypes: `cache.dtype` names a key of it
+# Each name, with the module that holds it: imported on first use, so that a module needing one light fact of the
+# format (the training config's storage keys, read before anything heavy loads) does not import torch through the
+# reader and the writer.
+_HOLDERS = {
+    "fingerprint": "check_fingerprint fingerprint_diff fingerprint_for fingerprint_overrides",
+    "index": "SHARDS_PER_INDEX",
+    "layout": (
+        "REBUILD_MANIFEST Sample atomic_write_bytes atomic_write_json error_classes error_path image_bytes_hint "
+        "latent_shape_counts latents_stored load_manifest member_name read_errors read_sidecar repair_hint safe_key "
+        "sha256_file shard_is_done shard_stem shard_table sidecar_path split_member tar_path write_manifest"
+    ),
+    "migrations": "CHECKSUMS FORMAT_VERSION",
+    "names": "CAPTION ERRORS ERRORS_DIR IMAGE INDEX_DIR LATENT LATENT_FLIP MANIFEST META RUN_FILE SHARDS SIGLIP TURNS",
+    "reader": "CacheReader decode_sample load_stacked",
+    "settings": "Settings",
+    "storage": "RemoteCache is_url open_cache",
+    "writer": "encode_sample latent_blob latent_shape_of write_shard",
+}
+_EXPORTS = {name: (f"{__name__}.{module}", name) for module, names in _HOLDERS.items() for name in names.split()}
+_EXPORTS["st_load"] = ("safetensors.torch", "load")  # the batch collate decodes members with it
+_EXPORTS["DTYPES"] = ("theworld.model.encoders", "DTYPES")  # the cache dtypes: `cache.dtype` names a key of it
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    """A name of the format (`cf.CacheReader`) or one of its modules (`cf.storage`), imported on first use."""
+    if name in _EXPORTS:
+        module, attr = _EXPORTS[name]
+        value = getattr(importlib.import_module(module), attr)
+    else:
+        try:
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

@@ -9,8 +9,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from theworld.cache_format.migrations import FORMAT_VERSION
 from theworld.core.errors import CacheMismatch
 from theworld.model.config import DEFAULT_MAX_WORLD_STEPS
@@ -104,6 +102,8 @@ def fingerprint_for(
     if siglip:
         if gemma is None or processor is None:
             raise ValueError("a SigLIP fingerprint needs the loaded Gemma and its processor")
+        import torch  # the models are loaded by now; the training config reads this module's defaults without it
+
         inner = gemma.model
         vision = torch.nn.ModuleDict({"tower": inner.vision_tower, "projector": inner.multi_modal_projector})
         settings = {

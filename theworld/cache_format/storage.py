@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -43,6 +43,7 @@ from theworld.cache_format.layout import (
     tar_path,
 )
 from theworld.cache_format.names import ERRORS, ERRORS_DIR, MANIFEST, RECORDS, RUN_FILE, SHARD_INDEX, SHARDS
+from theworld.cache_format.settings import Settings
 from theworld.core import atomic, location, log
 from theworld.core.errors import UserError, one_line, show_as
 from theworld.core.location import is_url
@@ -50,8 +51,6 @@ from theworld.core.location import is_url
 _log = log.get(__name__)
 
 T = TypeVar("T")
-DEFAULT_LOCAL_DIR = "~/.cache/theworld/object-store"
-DEFAULT_MAX_GB = 100.0
 READ_ONLY = ("http", "https", "hf")  # fsspec reads these; a cache is not written there
 PART_BYTES = 8 << 20  # a shard is downloaded in range requests of this size ...
 PARTS_IN_FLIGHT = 8  # ... this many at once (the bytes one download holds in memory)
@@ -107,46 +106,6 @@ BODY_ERRORS = (
 _retrying_since: list[float] = []
 _BOTO_LOADER: list = []  # botocore's data loader (its parsed service models) of this process's first S3 session
 _FS_LOCK = threading.Lock()  # when this process first retried (the command's bound counts from there)
-
-
-# The section's keys as the top-level keys of earlier releases named them (read through the config's moved keys)
-MOVED = {
-    "storage_options": "storage.options",
-    "cache_local_dir": "storage.local_dir",
-    "cache_local_max_gb": "storage.local_max_gb",
-    "cache_prefetch_shards": "storage.prefetch_shards",
-    "cache_shuffle_window": "storage.shuffle_window",
-}
-READING_KEYS = ("prefetch_shards", "shuffle_window")  # how training reads a cache; precompute leaves them unset
-
-
-@dataclass
-class Settings:
-    """The `storage:` config section of both commands (precompute's and training's): a cache at a URL and this
-    node's shard cache (docs/cache-format.md, "Object storage")."""
-
-    options: dict = field(default_factory=dict)  # passed to the fsspec filesystem
-    local_dir: str = DEFAULT_LOCAL_DIR  # per node: stand-in folders and the shard cache
-    local_max_gb: float = DEFAULT_MAX_GB  # the shard cache's bound
-    prefetch_shards: int = 2  # training: shards each loader worker downloads ahead of the one it reads
-    # training: shards per shuffle window (train/data/order.py): 0 is one global order, which suits a cache that fits
-    # the node's shard cache; a larger cache reads W shards at a time and is downloaded about once per epoch
-    shuffle_window: int = 0
-
-    def __post_init__(self) -> None:  # what the config loader cannot check by type
-        if not self.local_max_gb > 0:
-            raise UserError(f"config key 'storage.local_max_gb': must be positive, got {self.local_max_gb}")
-        if not self.local_dir.strip():
-            raise UserError("config key 'storage.local_dir': empty; give a folder path")
-        if is_url(self.local_dir):
-            raise UserError(f"config key 'storage.local_dir': {self.local_dir} is a URL; give a local folder")
-        for key in READING_KEYS:
-            if getattr(self, key) < 0:
-                raise UserError(f"config key 'storage.{key}': must be >= 0, got {getattr(self, key)}")
-
-    @property
-    def folder(self) -> Path:
-        return Path(os.path.expanduser(self.local_dir))
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -32,6 +32,8 @@ LORA_MODULES = {
 # theworld/model/recompute.py):
 # Gemma's decoder layers, SigLIP's encoder layers, the VAE encoder's down blocks and mid block.
 CHECKPOINT_PARTS = ("language", "vision", "vae")
+# The attention implementations packed batches are built for (theworld/model/packing.py)
+PACKED_ATTENTION = ("sdpa", "eager")
 
 
 def part_of(param_name: str) -> str:
@@ -44,6 +46,9 @@ def part_of(param_name: str) -> str:
 
 VAE_FACTOR = 8  # the Wan 2.1 VAE's spatial downsampling: a latent cell per 8 x 8 pixels
 POOLS = (1, 2, 4)  # world.pool: latent cells averaged per world token along each side
+# Aspect-ratio bucket sides are multiples of the VAE's downsampling x the largest world.pool, so every pool divides
+# every latent grid (theworld/model/images.py, `buckets`).
+BUCKET_STEP = VAE_FACTOR * max(POOLS)
 
 
 def latent_side(pixels: int) -> int:

@@ -9,7 +9,7 @@ from typing import Literal
 
 from theworld.core.config import check_sizes
 from theworld.core.errors import UserError
-from theworld.model.arch import LORA_MODULES, VAE_FACTOR
+from theworld.model.arch import BUCKET_STEP, LORA_MODULES, VAE_FACTOR
 
 
 @dataclass
@@ -35,8 +35,6 @@ class ImageConfig:
             )
         if self.resolution > self.MAX_RESOLUTION:
             raise UserError(f"config key 'image.resolution': at most {self.MAX_RESOLUTION}, got {self.resolution}")
-        from theworld.model.images import BUCKET_STEP
-
         if self.resize == "bucket" and self.resolution % BUCKET_STEP:
             raise UserError(
                 f"image.resolution: must be a multiple of {BUCKET_STEP} with image.resize: bucket (bucket "

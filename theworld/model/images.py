@@ -18,7 +18,7 @@ from PIL import Image, ImageOps
 
 from theworld.core import paths
 from theworld.core.errors import one_line
-from theworld.model.arch import POOLS, VAE_FACTOR
+from theworld.model.arch import BUCKET_STEP
 
 # PIL's own decompression-bomb threshold; above it we refuse instead of allocating gigabytes.
 MAX_PIXELS = 89_478_485
@@ -121,9 +121,8 @@ def decode(data: bytes, draft_size: int | None = None, max_pixels: int = MAX_PIX
         raise _bad_image(e) from None
 
 
-# Bucket sides are multiples of the VAE's downsampling x the largest world.pool, so every pool divides every
-# latent grid; buckets are at most 2:1 (a wider picture loses its sides to the crop, as a square crop would).
-BUCKET_STEP = VAE_FACTOR * max(POOLS)
+# Buckets are at most 2:1 (a wider picture loses its sides to the crop, as a square crop would); their sides are
+# multiples of BUCKET_STEP (theworld/model/arch.py).
 BUCKET_MAX_ASPECT = 2.0
 
 

@@ -23,7 +23,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-ATTENTION = ("sdpa", "eager")  # the attention implementations packed batches are built for
+from theworld.model.arch import PACKED_ATTENTION
+
 # sdpa that also takes a packed batch's `Segments` in place of a mask; any other mask goes to sdpa itself, and the
 # masks are sdpa's, so an unpacked batch computes exactly what it computes under "sdpa"
 SEGMENTS = "theworld_segments"
@@ -106,7 +107,7 @@ class Packed:
         impl = config._attn_implementation or "eager"
         if impl in ("sdpa", SEGMENTS):
             return self.segments(token_types, config)
-        if impl not in ATTENTION:
+        if impl not in PACKED_ATTENTION:
             raise ValueError(
                 f"packed batches need the attention implementation sdpa or eager, not {impl!r}: "
                 "set train.loader.packing: false"
