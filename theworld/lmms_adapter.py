@@ -30,7 +30,7 @@ from typing import NoReturn
 import torch
 from lmms_eval.api.model import lmms
 
-from theworld.core import log
+from theworld.core import location, log
 from theworld.core.errors import UserError, one_line
 from theworld.infer import generate as gen
 from theworld.infer import prefix_scoring
@@ -81,7 +81,7 @@ def _local_files(data_files) -> list[str]:
         return [f for v in data_files for f in _local_files(v)]
     if isinstance(data_files, (str, os.PathLike)):
         f = os.fspath(data_files)
-        return [] if "://" in f or any(c in f for c in "*?[") else [f]
+        return [] if location.is_url(f) or any(c in f for c in "*?[") else [f]
     return []
 
 

@@ -273,3 +273,10 @@ def test_a_task_whose_data_does_not_load_is_one_line_and_exit_2(tmp_path, monkey
     else:
         assert f"data file {path[data]} does not exist" in line and tries == []
         assert (f"read from {tmp_path}" in line) == (data == "relative")
+
+
+def test_a_tasks_local_data_files_are_those_neither_urls_nor_globs():
+    from theworld.lmms_adapter import _local_files
+
+    files = {"test": ["a.json", "hf://datasets/x/y.json", Path("b.json")], "val": "https://h/c.json", "x": "d*.json"}
+    assert _local_files(files) == ["a.json", "b.json"] and _local_files("e.json") == ["e.json"]
