@@ -223,6 +223,8 @@ class Trainer:
             )
         if rollout := data.world_steps_note(cfg, self.checked.reader, inputs):
             lines.append(rollout)
+        if window := data.window_note(cfg.storage, self.checked.reader):
+            lines.append(window)
         for r in self.reports:
             lines.append(checkpoint.describe_init(cfg.init_from, r))
         lines.append(

@@ -152,6 +152,25 @@ def world_steps_note(cfg, reader: cf.CacheReader | MixedReader, inputs: InputSou
     )
 
 
+def window_note(settings: cf.Settings, reader: cf.CacheReader | MixedReader) -> str:
+    """The start line for caches at URLs larger than this node's shard cache read in the global order, which touches
+    nearly every shard in every batch and so downloads most of them many times an epoch; the window that reads the
+    cache about once an epoch instead (docs/cache-format.md, "Object storage"). '' otherwise."""
+    remote = [r for r in getattr(reader, "readers", [reader]) if r.remote is not None]
+    total, budget = sum(int(r.shard_table.bytes.sum()) for r in remote), settings.local_max_gb * 1e9
+    if settings.shuffle_window or total <= budget:
+        return ""
+    shards = sum(len(r.shard_table) for r in remote)
+    window = max(1, int(budget / 4 / (total / shards)))  # a quarter of the shard cache, read-ahead beside it
+    urls = ", ".join(r.remote.url for r in remote)
+    return (
+        f"note: {urls} hold(s) {total / 1e9:.3g} GB, more than this node's shard cache (storage.local_max_gb "
+        f"{settings.local_max_gb:g}): in the global order (storage.shuffle_window 0) an epoch downloads most shards "
+        f"many times over; --set storage.shuffle_window={window} reads {window} shard(s) at a time and downloads "
+        "the cache about once an epoch"
+    )
+
+
 def check_rollout_settings(cfg, reader: cf.CacheReader) -> None:
     """With world.num_world_steps > 0 the run's world.rollout is what rolls out live (an unfrozen VAE's batches,
     train.eval.benchmarks' images) and, saved with the model, what evaluate and describe roll out with later; a cache's

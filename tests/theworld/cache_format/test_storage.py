@@ -155,6 +155,26 @@ def test_training_from_s3_logs_the_same_losses_resumes_exactly_and_reads_each_sh
     assert sorted(tar_gets) == [f"/{BUCKET}/train/shards/shard-{i:06d}.tar" for i in range(3)]
 
 
+def test_a_cache_larger_than_the_shard_cache_read_in_the_global_order_gets_a_note_naming_a_window(
+    s3, cache, s3_train_cache, tmp_path, capsys
+):
+    from train.data.cache import window_note
+
+    reader = cf.CacheReader(s3_train_cache, settings=cf.Settings(local_dir=str(tmp_path / "i")))
+    total = int(reader.shard_table.bytes.sum())  # 3 shards
+    small = {"local_dir": str(tmp_path / "l"), "local_max_gb": total * 2 / 3 / 1e9}  # two shards fit, three do not
+    note = window_note(cf.Settings(**small), reader)
+    assert note.startswith(f"note: {s3_train_cache} hold(s) {total / 1e9:.3g} GB, more than this node's shard cache")
+    assert "--set storage.shuffle_window=1 reads 1 shard(s) at a time" in note  # a quarter of two shards: one
+    assert window_note(cf.Settings(**small, shuffle_window=1), reader) == ""
+    assert window_note(cf.Settings(**{**small, "local_max_gb": total / 1e9}), reader) == ""  # it fits
+    assert window_note(cf.Settings(**small), cf.CacheReader(cache)) == ""  # a local cache is not downloaded
+    capsys.readouterr()
+    args = _train_args(s3, s3_train_cache, tmp_path / "run", 1, small["local_dir"], **{"train.eval.captions": 0})
+    assert train_inproc([*args, "--set", f"storage.local_max_gb={small['local_max_gb']}"]) == 0
+    assert note in capsys.readouterr().err  # a start line of the run
+
+
 def test_a_shard_cache_smaller_than_the_data_evicts_the_least_recently_used_and_stays_bounded(
     s3, s3_train_cache, tmp_path
 ):
