@@ -53,3 +53,8 @@ class Settings:
     @property
     def folder(self) -> Path:
         return Path(os.path.expanduser(self.local_dir))
+
+    @property
+    def budget(self) -> float:
+        """The shard cache's bound in bytes: a float, so any finite local_max_gb bounds nothing it cannot hold."""
+        return self.local_max_gb * 1e9

@@ -555,7 +555,7 @@ class RemoteCache:
         died with their process (an unlocked `.part`) go too. Shards read ahead and not opened yet go last; a
         read-ahead (`ahead`) that would have to evict one raises NoRoomAhead instead: a window and read-ahead larger
         than the budget then download each shard once, reading ahead only as far as the budget allows."""
-        budget = int(self.settings.local_max_gb * 1e9)
+        budget = self.settings.budget
         if size > budget:
             raise self._full(
                 f"shard {tar_path(self.local, index).name} ({size / 1e9:.3g} GB) is larger than storage.local_max_gb "

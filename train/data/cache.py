@@ -157,7 +157,7 @@ def window_note(settings: cf.Settings, reader: cf.CacheReader | MixedReader) -> 
     nearly every shard in every batch and so downloads most of them many times an epoch; the window that reads the
     cache about once an epoch instead (docs/cache-format.md, "Object storage"). '' otherwise."""
     remote = [r for r in getattr(reader, "readers", [reader]) if r.remote is not None]
-    total, budget = sum(int(r.shard_table.bytes.sum()) for r in remote), settings.local_max_gb * 1e9
+    total, budget = sum(int(r.shard_table.bytes.sum()) for r in remote), settings.budget
     if settings.shuffle_window or total <= budget:
         return ""
     shards = sum(len(r.shard_table) for r in remote)

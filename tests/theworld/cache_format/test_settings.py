@@ -30,9 +30,11 @@ def test_a_bad_value_is_one_line_naming_its_key(kwargs, message):
     assert str(e.value) == message
 
 
-def test_the_folder_is_the_users_and_earlier_keys_name_the_section():
+def test_the_folder_and_the_budget_are_the_users_and_earlier_keys_name_the_section():
     assert Settings().folder == Path(DEFAULT_LOCAL_DIR).expanduser() and "~" not in str(Settings().folder)
     assert Settings(local_dir="/x/y").folder == Path("/x/y")
+    assert Settings(local_max_gb=2.5).budget == 2.5e9
+    assert Settings(local_max_gb=1e300).budget > 10**30  # finite and allowed: no overflow where bytes are compared
     assert set(MOVED.values()) == {f"storage.{f}" for f in Settings.__dataclass_fields__}
 
 
