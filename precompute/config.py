@@ -13,8 +13,7 @@ from theworld.core import compat, location, paths, run_lock
 from theworld.core.config import at_least, check_sizes, check_workers, load_config, require_path
 from theworld.core.errors import UserError
 from theworld.model import images
-from theworld.model.config import ImageConfig, ModelConfig, WorldSteps
-from theworld.model.text import DEFAULT_PROMPT
+from theworld.model.config import DEFAULT_PROMPT, ImageConfig, ModelConfig, WorldSteps
 
 
 @dataclass

@@ -66,7 +66,7 @@ def _load_checked_vae(cache: Path, manifest: dict, args, rollout: bool = False):
 def _check_full_fingerprint(cache: Path, manifest: dict, args) -> None:
     if not args.config and not args.overrides:
         return
-    from precompute.cosmos_latents import load_frozen
+    from precompute.pipeline import load_frozen
 
     cf.check_fingerprint(manifest["fingerprint"], load_frozen(_config_for(manifest, args))[3], cache)
 

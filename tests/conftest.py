@@ -162,7 +162,7 @@ def trained_run(tmp_path_factory):
     import torch
 
     from precompute.config import load as load_pre
-    from precompute.cosmos_latents import run
+    from precompute.pipeline import run
     from theworld.infer import benchmark_items
     from train.loop import main
     from train.state import final
@@ -230,7 +230,7 @@ def cache(tmp_path_factory):
     since flip augmentation needs image tokens computed live from the flipped picture. Built once per session (per
     xdist worker) for the many modules that train on it: tests only read it, which its teardown checks."""
     from precompute.config import load as load_pre
-    from precompute.cosmos_latents import run
+    from precompute.pipeline import run
 
     out = tmp_path_factory.mktemp("train") / "cache"
     cfg = load_pre(
@@ -321,11 +321,11 @@ def slurm_job(**extra: str) -> dict:
 @pytest.fixture
 def small_cache(tmp_path, fake_vae):
     """10 samples in shards of 4 at 32 px (fake VAE), this test's own: it may damage it."""
-    from precompute import cosmos_latents
+    from precompute import pipeline
     from tests._precompute_helpers import make_cfg
 
     out = tmp_path / "cache"
-    cosmos_latents.run(make_cfg(out, n=10, shard=4, res=32))
+    pipeline.run(make_cfg(out, n=10, shard=4, res=32))
     return out
 
 

@@ -17,8 +17,8 @@ from theworld.core.errors import UserError, cli_entry
 from theworld.model import device_map as dispatching
 from theworld.model import images
 from theworld.model import stage_layout as layout
+from theworld.model.config import DEFAULT_PROMPT
 from theworld.model.control_text import text_problem
-from theworld.model.text import DEFAULT_PROMPT
 
 _log = log.get(__name__)
 

@@ -83,7 +83,7 @@ def conversations(n: int, seed: int = 0) -> list[list[tuple[str, str]]]:
 def write_cache(root: Path, n: int, resolution: int) -> Path:
     """A llava cache of `n` samples (synthetic scenes at `resolution` px, SigLIP features cached)."""
     from precompute.config import load as load_pre
-    from precompute.cosmos_latents import run
+    from precompute.pipeline import run
     from theworld.embedded import synthetic
 
     items = []

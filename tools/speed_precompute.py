@@ -34,8 +34,8 @@ import torch
 from PIL import Image, ImageFilter
 
 from precompute.config import PrecomputeConfig, SourceConfig
-from precompute.cosmos_latents import encode_latents, run
 from precompute.entry_dataset import EntryDataset
+from precompute.pipeline import encode_latents, run
 from precompute.sources import open_listing
 from theworld import cache_format as cf
 from theworld.core.device import default_device

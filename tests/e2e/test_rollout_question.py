@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load as st_load
 
-from precompute import cosmos_latents
+from precompute import pipeline
 from tests._precompute_helpers import gradient, make_cfg, png_bytes, read_cache_plain
 from tests.conftest import ROOT
 from theworld import cache_format as cf
@@ -51,7 +51,7 @@ def _build(tmp, name, rows, *extra):
     src = _folder(tmp / f"{name}-src", rows)
     out = tmp / name
     sets = ["source.type=folder", f"source.path={src}", *ROLL, *extra]
-    manifest = cosmos_latents.run(make_cfg(out, *sets, n=len(rows), shard=4))
+    manifest = pipeline.run(make_cfg(out, *sets, n=len(rows), shard=4))
     return out, manifest
 
 

@@ -420,7 +420,7 @@ def bucket_cache(tmp_path_factory):
     """48 images of five aspect ratios at 128 px (latent shapes 12x20, 12x24, 16x16, 20x12, 24x12), flipped latents
     and images kept."""
     from precompute.config import load as load_pre
-    from precompute.cosmos_latents import run
+    from precompute.pipeline import run
     from tests._precompute_helpers import bucket_folder
 
     root = tmp_path_factory.mktemp("bucket")
@@ -525,7 +525,7 @@ def test_bucketed_micro_batches_hold_one_shape_and_live_encoding_matches_the_cac
 
 def test_a_mean_only_cache_trains_with_the_mean_and_refuses_sampling(tmp_path, capsys, monkeypatch):
     from precompute.config import load as load_pre
-    from precompute.cosmos_latents import run
+    from precompute.pipeline import run
     from theworld import cache_format as cf
 
     out = tmp_path / "cache"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from precompute import cosmos_latents, inspect
+from precompute import cosmos_latents, inspect, pipeline
 from tests._precompute_helpers import cli_args, make_cfg, read_cache_plain, rewrite_manifest, sidecar_json
 from tests.conftest import only_line
 from tests.fake_vae import FakeWanVAE
@@ -20,7 +20,7 @@ from theworld.model import encoders
 @pytest.fixture
 def cache(tmp_path, fake_vae):
     out = tmp_path / "cache"
-    cosmos_latents.run(make_cfg(out, n=10, shard=4, res=32))
+    pipeline.run(make_cfg(out, n=10, shard=4, res=32))
     return out
 
 
@@ -58,7 +58,7 @@ def test_summary_error_reasons(tmp_path, fake_vae, capsys):
         '{"image": "ok.png", "caption": "a"}\n{"image": "bad.png", "caption": "b"}\n'
         '{"image": "gone.png", "caption": "c"}\n'
     )
-    cosmos_latents.run(make_cfg(tmp_path / "c", "source.type=folder", f"source.path={src}"))
+    pipeline.run(make_cfg(tmp_path / "c", "source.type=folder", f"source.path={src}"))
     assert inspect.main(["summary", str(tmp_path / "c"), "--json"]) == 0
     r = _json(capsys)
     assert r["num_samples"] == 1 and r["num_errors"] == 2
@@ -170,7 +170,7 @@ def test_decode_contact_sheet(cache, tmp_path, capsys):
 
 def test_decode_without_images(tmp_path, fake_vae, capsys):
     out = tmp_path / "c"
-    cosmos_latents.run(make_cfg(out, "cache.images=false", n=2))
+    pipeline.run(make_cfg(out, "cache.images=false", n=2))
     assert inspect.main(["decode", str(out), "--n", "2", "--out", str(tmp_path / "s.png")]) == 0
     assert (tmp_path / "s.png").is_file()
     assert inspect.main(["compare-live", str(out), "--n", "2"]) == 2

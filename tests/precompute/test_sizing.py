@@ -98,7 +98,7 @@ def _shard_bytes(cache) -> int:
 @pytest.mark.parametrize("latents", ["posterior", "mean"])
 def test_plan_matches_a_real_runs_bytes_within_5_percent(tmp_path, fake_vae, latents):
     from precompute import sizing
-    from precompute.cosmos_latents import run
+    from precompute.pipeline import run
     from theworld import cache_format as cf
 
     src = bucket_folder(tmp_path / "src", 24)

@@ -47,7 +47,7 @@ def real_run(real_gemma, tmp_path_factory) -> Path:
     with model.gemma=OUT; eval (4 held-out samples) before the first step and after the last. A step of the real
     model takes seconds of a 2-core CPU; at batch 2 with 2 eval samples the eval loss rose over the run."""
     from precompute.config import load as load_pre
-    from precompute.cosmos_latents import run
+    from precompute.pipeline import run
     from train.loop import main
 
     root = tmp_path_factory.mktemp("real-run")

@@ -53,11 +53,11 @@ def test_plan_prints_the_runs_steps_without_loading_a_model(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_a_short_run_logs_each_step_saves_at_its_checkpoints_and_exports_final(tmp_path):
-    from precompute import cosmos_latents
+    from precompute import pipeline
     from tests._precompute_helpers import make_cfg
 
     cache, out = tmp_path / "cache", tmp_path / "run"
-    cosmos_latents.run(make_cfg(cache, n=10, shard=4, res=32))  # the tiny VAE, as training reads it
+    pipeline.run(make_cfg(cache, n=10, shard=4, res=32))  # the tiny VAE, as training reads it
     args = base_args(
         cache,
         out,

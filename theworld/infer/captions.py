@@ -20,7 +20,7 @@ from pathlib import Path
 from theworld.core.errors import UserError
 from theworld.infer.benchmark_items import _bad, jsonl_records
 from theworld.model import images as imagelib
-from theworld.model.text import DEFAULT_PROMPT
+from theworld.model.config import DEFAULT_PROMPT
 
 KEYS = ("image", "captions")
 METRICS = ("bleu4", "rouge_l", "cider")

@@ -42,6 +42,7 @@ class ImageConfig:
             )
 
 
+DEFAULT_PROMPT = "Describe the image."  # for samples that carry no prompt of their own (precompute, describe)
 ROLLOUT_PROMPT = "The scene continues naturally from this moment, filmed by a steady camera."
 
 

@@ -11,14 +11,17 @@ import io
 import math
 import os
 import warnings
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from PIL import Image, ImageOps
 
 from theworld.core import paths
 from theworld.core.errors import one_line
 from theworld.model.arch import BUCKET_STEP
+
+if TYPE_CHECKING:
+    import torch
 
 # PIL's own decompression-bomb threshold; above it we refuse instead of allocating gigabytes.
 MAX_PIXELS = 89_478_485
@@ -190,6 +193,8 @@ def upscaled(meta: dict, resolution: int, mode: str) -> bool:
 
 def to_uint8_tensor(img: Image.Image) -> torch.Tensor:
     """RGB image -> (3, H, W) uint8."""
+    import torch  # here alone: the configs read this module's limits before torch loads
+
     return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1).contiguous()
 
 

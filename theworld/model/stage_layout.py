@@ -36,8 +36,15 @@ from theworld.core import atomic, hub, log
 from theworld.core.config import from_dict
 from theworld.core.errors import UserError
 from theworld.core.paths import REGULAR, path_kind
-from theworld.model.config import FreezeConfig, ImageConfig, LoraConfig, ModelConfig, WorldConfig, check_lora
-from theworld.model.text import DEFAULT_PROMPT
+from theworld.model.config import (
+    DEFAULT_PROMPT,
+    FreezeConfig,
+    ImageConfig,
+    LoraConfig,
+    ModelConfig,
+    WorldConfig,
+    check_lora,
+)
 
 _log = log.get(__name__)
 

@@ -15,8 +15,6 @@ from theworld.model import objective
 from theworld.model.control_text import check_text
 from theworld.model.objective import IGNORE  # noqa: F401 - its users long imported it from here
 
-DEFAULT_PROMPT = "Describe the image."  # for samples that carry no prompt of their own (precompute, describe)
-
 
 class PromptTooLong(ValueError):
     """The prompt alone fills max_length: nothing of the answer could be supervised."""

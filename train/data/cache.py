@@ -20,9 +20,8 @@ from theworld.cache_format.fingerprint import recorded, rollout_keys
 from theworld.cache_format.held_out import split
 from theworld.cache_format.layout import world_steps
 from theworld.core.errors import CacheDamaged, CacheMismatch, UserError
-from theworld.model.config import trains
+from theworld.model.config import DEFAULT_PROMPT, trains
 from theworld.model.control_text import TEXT_RULE, control_problem
-from theworld.model.text import DEFAULT_PROMPT
 from train.data.mixture import Draw, MixedReader
 from train.data.order import bucket_ids
 

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 from theworld.core import atomic
 from theworld.infer import card as results
 from theworld.model import lora
+from theworld.model.config import DEFAULT_PROMPT as DESCRIBE_PROMPT
 from theworld.model.stage_layout import CARD, CONFIG, FINAL, PROMPT, RESULTS, STATE, SUMS, WEIGHTS, write_sums
-from theworld.model.text import DEFAULT_PROMPT as DESCRIBE_PROMPT
 from train.state.checkpoint import publish, seal, writer
 from train.state.model_card import card
 from train.state.states import PLATEAU, Ema, Stateful, Trainables

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from precompute import cosmos_latents, sources
+from precompute import pipeline, sources
 from precompute.sources import content
 from tests._precompute_helpers import gradient, jpeg_bytes, make_cfg, png_bytes, read_cache_plain
 from tests._source_helpers import listing_of, outcomes, txt_folder, write_tar
@@ -165,7 +165,7 @@ def test_an_unreadable_file_is_recorded_and_the_rest_encoded(tmp_path, fake_vae,
 
     monkeypatch.setattr(content, "open", fake_open, raising=False)
     out = tmp_path / "c"
-    cosmos_latents.run(make_cfg(out, "source.type=folder", f"source.path={src}"))
+    pipeline.run(make_cfg(out, "source.type=folder", f"source.path={src}"))
     assert list(read_cache_plain(out)) == ["img000_png", "img002_png"]
     assert [(e["key"], e["reason"]) for e in cf.read_errors(out)] == [
         ("img001_png", f"cannot read: PermissionError: [Errno 13] Permission denied: '{locked}'")

@@ -12,7 +12,7 @@ import socket
 
 import pytest
 
-from precompute import cosmos_latents
+from precompute import cosmos_latents, pipeline
 from tests._precompute_helpers import cli_args, gradient, jpeg_bytes, make_cfg, png_bytes, read_cache_plain
 from tests._source_helpers import listing_of, outcomes, txt_folder
 from theworld import cache_format as cf
@@ -72,7 +72,7 @@ def test_folder_walk_records_each_bad_entry_and_lists_the_rest(tmp_path, fake_va
 
     monkeypatch.setattr(folder.os, "scandir", scandir)
     out = tmp_path / "c"
-    result = cosmos_latents.run(make_cfg(out, "source.type=folder", f"source.path={src}", n=100))
+    result = pipeline.run(make_cfg(out, "source.type=folder", f"source.path={src}", n=100))
     samples = read_cache_plain(out)
     assert sorted(samples) == [f"img{i:03d}_png" for i in range(40)] + ["zz_a_png"]
     reasons = {e["source"]: e["reason"] for e in cf.read_errors(out)}
@@ -171,7 +171,7 @@ def test_img2dataset_files_layout_keeps_url_and_uid(tmp_path, fake_vae):
     (src / "00000_stats.json").write_text(json.dumps({"count": 3, "successes": 3}))
     (src / "00000.parquet").write_bytes(b"PAR1")  # beside the folder, not an image: ignored
     out = tmp_path / "c"
-    cosmos_latents.run(make_cfg(out, "source.type=folder", f"source.path={src}"))
+    pipeline.run(make_cfg(out, "source.type=folder", f"source.path={src}"))
     samples = read_cache_plain(out)
     assert list(samples) == [f"00000_{i:09d}_jpg" for i in range(3)]
     meta = json.loads(samples["00000_000000002_jpg"]["json"])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from precompute import cosmos_latents
+from precompute import cosmos_latents, pipeline
 from tests._precompute_helpers import gradient, make_cfg, png_bytes, read_cache_plain
 from theworld import cache_format as cf
 from theworld.core.errors import UserError
@@ -53,7 +53,7 @@ def hub_cache(tmp_path, monkeypatch) -> Path:
 def test_a_hub_dataset_id_is_read_through_datasets_offline(hub_cache, tmp_path, fake_vae):
     out = tmp_path / "cache"
     cfg = make_cfg(out, "source.type=hf", "source.name=someone/tiny-scenes", "source.num_samples=null", shard=2)
-    result = cosmos_latents.run(cfg)
+    result = pipeline.run(cfg)
     assert result["num_samples"] == 4 and result["num_errors"] == 1
     cache = read_cache_plain(out)
     assert list(cache) == ["s0", "s1", "s3", "s4"]
@@ -65,14 +65,14 @@ def test_a_hub_dataset_id_is_read_through_datasets_offline(hub_cache, tmp_path, 
 def test_a_split_that_selects_rows_is_read_as_selected(hub_cache, tmp_path, fake_vae):
     out = tmp_path / "cache"
     cfg = make_cfg(out, "source.type=hf", "source.name=someone/tiny-scenes", "source.split=train[1:4]", shard=2)
-    result = cosmos_latents.run(cfg)
+    result = pipeline.run(cfg)
     assert list(read_cache_plain(out)) == ["s1", "s3"] and result["num_errors"] == 1
 
 
 def test_streaming_reads_only_the_first_rows(hub_cache, tmp_path, fake_vae):
     out = tmp_path / "cache"
     cfg = make_cfg(out, "source.type=hf", "source.name=someone/tiny-scenes", "source.streaming=true", n=2, shard=2)
-    result = cosmos_latents.run(cfg)
+    result = pipeline.run(cfg)
     assert list(read_cache_plain(out)) == ["s0", "s1"] and result["num_errors"] == 0
     parts = sorted(p.name for p in (out / cf.INDEX_DIR / "hf-stream").glob("part-*.parquet"))
     assert parts == ["part-000000.parquet"]

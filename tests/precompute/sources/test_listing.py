@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from precompute import cosmos_latents, sources
+from precompute import cosmos_latents, pipeline, sources
 from precompute.sources.listing import Truncated
 from precompute.sources.synthetic import SyntheticListing
 from tests._precompute_helpers import cli_args, gradient, jpeg_bytes, make_cfg, read_cache_plain
@@ -51,7 +51,7 @@ def test_num_samples_counts_what_loads_in_every_source(tmp_path, fake_vae, monke
     captions = ["a", "b", "c", " ", "e", "f <end_of_turn>", "g", "h"]
     pq.write_table(pa.table({"image": pa.array(images, pa.binary()), "caption": captions}), tmp_path / "p.parquet")
     out = tmp_path / "c"
-    result = cosmos_latents.run(make_cfg(out, "source.type=parquet", f"source.path={tmp_path}/p.parquet", n=2))
+    result = pipeline.run(make_cfg(out, "source.type=parquet", f"source.path={tmp_path}/p.parquet", n=2))
     assert result["num_samples"] == 2 and result["num_errors"] == 5  # rows 1 and 6 kept; 0, 2-5 recorded
     assert list(read_cache_plain(out)) == ["p-000000001", "p-000000006"]
     # a folder: an image without its .txt, a blank caption, a zero-byte image

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from precompute import cosmos_latents
+from precompute import cosmos_latents, pipeline
 from tests._precompute_helpers import gradient, jpeg_bytes, make_cfg, read_cache_plain
 from tests._source_helpers import chat_item, listing_of
 from theworld import cache_format as cf
@@ -37,7 +37,7 @@ def test_llava_chat_json(tmp_path, fake_vae):
     items[7]["conversations"] += [{"from": "human", "value": "and?"}]
     (root / "chat.json").write_text(json.dumps(items, indent=2))
     out = tmp_path / "c"
-    result = cosmos_latents.run(
+    result = pipeline.run(
         make_cfg(
             out,
             "source.type=llava",
@@ -78,7 +78,7 @@ def test_llava_chat_json(tmp_path, fake_vae):
     assert listing.load(listing.entries(0, 1)[0]).caption == "a caption 3 ."
     (root / "chat.json").write_text(json.dumps(items[:2]))
     with pytest.raises(UserError, match="chat.json changed since"):
-        cosmos_latents.run(
+        pipeline.run(
             make_cfg(out, "source.type=llava", f"source.path={root}/chat.json", f"source.image_root={root}/images")
         )
 
@@ -90,12 +90,12 @@ def test_llava_cache_of_single_turn_items_is_not_resumed(tmp_path, fake_vae):
     (tmp_path / "chat.json").write_text(json.dumps([chat_item(0)]))
     out = tmp_path / "c"
     args = (out, "source.type=llava", f"source.path={tmp_path}/chat.json", "num_workers=1")
-    cosmos_latents.run(make_cfg(*args))
+    pipeline.run(make_cfg(*args))
     run_file = json.loads((out / cf.RUN_FILE).read_text())
     del run_file["source"]["conversations"]
     (out / cf.RUN_FILE).write_text(json.dumps(run_file))
     with pytest.raises(UserError, match="source.conversations"):
-        cosmos_latents.run(make_cfg(*args))
+        pipeline.run(make_cfg(*args))
 
 
 def test_llava_images_found_nowhere_say_where_they_were_looked_for_and_which_image_root_finds_them(
@@ -103,7 +103,6 @@ def test_llava_images_found_nowhere_say_where_they_were_looked_for_and_which_ima
 ):
     import json
 
-    from precompute import cosmos_latents
     from tests._precompute_helpers import cli_args, gradient, jpeg_bytes
 
     root = tmp_path / "LLaVA-Pretrain"

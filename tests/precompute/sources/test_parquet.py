@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from precompute import cosmos_latents, sources
+from precompute import cosmos_latents, pipeline, sources
 from tests._precompute_helpers import cli_args, gradient, jpeg_bytes, make_cfg, read_cache_plain
 from tests._source_helpers import hf_parquet
 from theworld import cache_format as cf
@@ -29,7 +29,7 @@ def test_parquet_hf_datasets_image_struct(tmp_path, fake_vae, monkeypatch):
     hf_parquet(tmp_path / "data" / "train-00000-of-00002.parquet", rows[:5], 3)
     hf_parquet(tmp_path / "data" / "train-00001-of-00002.parquet", rows[5:], 3)
     out = tmp_path / "c"
-    result = cosmos_latents.run(
+    result = pipeline.run(
         make_cfg(out, "source.type=parquet", f"source.path={tmp_path}/data", "num_workers=1", shard=3)
     )  # a worker process: the listing crosses a process boundary
     samples = read_cache_plain(out)
@@ -45,7 +45,7 @@ def test_parquet_hf_datasets_image_struct(tmp_path, fake_vae, monkeypatch):
     assert result["num_errors"] == 2
     # the listing is kept: a rerun reads no key column again and gives the same shards
     index = (out / "source-index" / "parquet.json").stat().st_mtime_ns
-    again = cosmos_latents.run(make_cfg(out, "source.type=parquet", f"source.path={tmp_path}/data", shard=3))
+    again = pipeline.run(make_cfg(out, "source.type=parquet", f"source.path={tmp_path}/data", shard=3))
     assert (out / "source-index" / "parquet.json").stat().st_mtime_ns == index
     assert again["shard_index"] == result["shard_index"]
 
@@ -124,7 +124,7 @@ def test_parquet_datacomp(tmp_path, fake_vae, capsys):
     )
     pq.write_table(table, tmp_path / "dl" / "00000.parquet")
     out = tmp_path / "c"
-    cosmos_latents.run(
+    pipeline.run(
         make_cfg(out, "source.type=parquet", f"source.path={tmp_path}/dl/*.parquet", "source.image_column=jpg")
     )
     samples = read_cache_plain(out)

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from precompute import cosmos_latents
+from precompute import cosmos_latents, pipeline
 from tests._precompute_helpers import gradient, jpeg_bytes, make_cfg, png_bytes, read_cache_plain
 from theworld import cache_format as cf
 from theworld.core.errors import UserError
@@ -126,7 +126,7 @@ def test_a_datacomp_table_downloads_encodes_records_failures_and_reruns_without_
         "source.num_samples=null",
         shard=2,
     )
-    result = cosmos_latents.run(cfg)
+    result = pipeline.run(cfg)
     assert result["num_samples"] == 3 and result["num_errors"] == 4
     cache = read_cache_plain(out)
     assert list(cache) == ["a0", "a2", "a6"]  # table order, whatever order the downloads finished in
@@ -156,7 +156,7 @@ def test_a_datacomp_table_downloads_encodes_records_failures_and_reruns_without_
     )
 
     fetched = _requests("/")
-    again = cosmos_latents.run(cfg)
+    again = pipeline.run(cfg)
     assert _requests("/") == fetched  # nothing downloaded again
     assert again["summary"]["encoded_this_run"] == 0  # nothing encoded again
     assert read_cache_plain(out) == cache
@@ -170,7 +170,7 @@ def test_a_laion_jsonl_table_without_ids_keys_rows_by_position_and_num_samples_c
     staging = f"source.staging_dir={tmp_path / 'staging'}"
     per_shard = "source.img2dataset.number_sample_per_shard=2"
     cfg = make_cfg(tmp_path / "three", *_fast(f"source.path={table}", staging, per_shard), n=3, shard=2)
-    result = cosmos_latents.run(cfg)
+    result = pipeline.run(cfg)
     assert result["num_samples"] == 3 and result["num_errors"] == 0
     cache = read_cache_plain(tmp_path / "three")
     assert list(cache) == ["laion-000000000", "laion-000000001", "laion-000000002"]
@@ -180,7 +180,7 @@ def test_a_laion_jsonl_table_without_ids_keys_rows_by_position_and_num_samples_c
 
     # all rows, from the same staging folder: the staged shard cut short (row 2 alone) is downloaded again with row 3
     cfg = make_cfg(tmp_path / "all", *_fast(f"source.path={table}", staging, per_shard), n=5, shard=2)
-    assert cosmos_latents.run(cfg)["num_samples"] == 5
+    assert pipeline.run(cfg)["num_samples"] == 5
     assert list(read_cache_plain(tmp_path / "all"))[3:] == ["laion-000000003", "laion-000000004"]
     assert [_requests(f"/jpg/{i}?{tmp_path.name}") for i in range(5)] == [1, 1, 2, 1, 1]
 

@@ -125,7 +125,7 @@ def test_undecodable_bytes_in_a_cache_without_checksums_name_shard_and_key(small
 
 def test_a_cache_without_per_sample_shapes_reads_as_square(tmp_path, fake_vae):
     """Version-1 caches written before the sidecar recorded latent shapes: every sample has the manifest's."""
-    from precompute.cosmos_latents import run
+    from precompute.pipeline import run
     from theworld import cache_format as cf
 
     out = tmp_path / "cache"

@@ -37,7 +37,7 @@ def members_by_key(reader: cf.CacheReader) -> dict[str, dict[str, bytes]]:
 def s3_cache(s3, tmp_path_factory):
     """The same small precompute into a local folder and into s3 (20 samples, 3 shards), with the requests of the
     s3 one."""
-    from precompute.cosmos_latents import run
+    from precompute.pipeline import run
 
     local = tmp_path_factory.mktemp("pre") / "cache"
     run(make_cfg(local))
@@ -400,13 +400,13 @@ def test_a_second_precompute_into_one_prefix_at_once_is_refused_before_it_writes
     """Run B (seed 1) checks the prefix (empty), then run A (seed 0, another node: its own storage.local_dir) claims it
     and finishes before B claims: B's claim (an exclusive create) finds A's record and B stops in one line naming the
     setting, having put no shard; the bucket holds A's cache whole."""
-    from precompute import cosmos_latents, identity
+    from precompute import cosmos_latents, identity, pipeline
 
     target, claim_output = url("race"), identity.claim_output
 
     def a_claims_first(out, run_id):
         monkeypatch.setattr(identity, "claim_output", claim_output)  # run A claims as usual
-        cosmos_latents.run(make_cfg(target, "seed=0", f"storage.local_dir={tmp_path / 'a'}", n=8))  # type: ignore[arg-type]
+        pipeline.run(make_cfg(target, "seed=0", f"storage.local_dir={tmp_path / 'a'}", n=8))  # type: ignore[arg-type]
         capsys.readouterr()
         s3.mark = len(s3.log)
         claim_output(out, run_id)

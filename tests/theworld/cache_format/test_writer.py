@@ -43,7 +43,7 @@ def test_datasets_webdataset_loads_a_cache_of_mixed_image_formats(tmp_path, fake
     import datasets
     from PIL import Image
 
-    from precompute import cosmos_latents
+    from precompute import pipeline
     from tests._precompute_helpers import make_cfg
 
     src = tmp_path / "src"
@@ -56,7 +56,7 @@ def test_datasets_webdataset_loads_a_cache_of_mixed_image_formats(tmp_path, fake
         lines.append(f'{{"image": "{name}", "caption": "picture {i}"}}')
     (src / "captions.jsonl").write_text("\n".join(lines) + "\n")
     out = tmp_path / "c"
-    cosmos_latents.run(make_cfg(out, "source.type=folder", f"source.path={src}", "cache.flip=true", shard=3))
+    pipeline.run(make_cfg(out, "source.type=folder", f"source.path={src}", "cache.flip=true", shard=3))
     tars = [str(out / s["path"]) for s in cf.shard_table(out, cf.load_manifest(out)).entries()]
     ds = datasets.load_dataset("webdataset", data_files={"train": tars}, split="train", cache_dir=str(tmp_path / "hf"))
     reader = cf.CacheReader(out)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load as st_load
 
-from precompute import cosmos_latents, inspect
+from precompute import cosmos_latents, inspect, pipeline
 from tests._precompute_helpers import cli_args, latents, make_cfg, read_cache_plain
 from tests.conftest import run2
 from theworld.core.errors import UserError
@@ -38,7 +38,7 @@ def _single_threaded(cfg):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return cosmos_latents.run(cfg)
+        return pipeline.run(cfg)
     finally:
         torch.set_num_threads(threads)
 
@@ -305,7 +305,7 @@ def test_the_rollout_benchmark_measures_both_steps():
 
 def test_a_mean_only_rollout_cache_keeps_every_frames_mean_and_no_logvar(caches, tmp_path):
     out = tmp_path / "mean"
-    m = cosmos_latents.run(make_cfg(out, *ROLL, "cache.latents=mean", n=2, shard=SHARD))
+    m = pipeline.run(make_cfg(out, *ROLL, "cache.latents=mean", n=2, shard=SHARD))
     assert m["contents"]["latents"] == "mean" and m["contents"]["world_steps"] == STEPS
     full = latents(caches["rolled"])
     for key, members in read_cache_plain(out).items():

@@ -150,7 +150,7 @@ def llava_cache(tmp_path_factory):
     """12 llava items at 32 px with the tiny models: every third a conversation of three turns, one of two."""
     import json
 
-    from precompute.cosmos_latents import run
+    from precompute.pipeline import run
     from tests._precompute_helpers import gradient, jpeg_bytes, make_cfg
 
     root = tmp_path_factory.mktemp("llava")

@@ -145,7 +145,7 @@ TRAIN_CACHE = ["source.num_samples=48", "shard_size=16", "batch_size=16", "num_w
 @pytest.fixture(scope="module")
 def train_cache(tmp_path_factory):
     from precompute.config import load as load_pre
-    from precompute.cosmos_latents import run
+    from precompute.pipeline import run
 
     out = tmp_path_factory.mktemp("integrity") / "cache"
     run(

@@ -103,7 +103,7 @@ def test_bad_data_entries_are_refused_naming_the_key(sets, words):
 
 def _cache(root: Path, name: str, n: int, *extra: str) -> Path:
     from precompute.config import load as load_pre
-    from precompute.cosmos_latents import run
+    from precompute.pipeline import run
 
     out = root / name
     run(

@@ -284,7 +284,7 @@ def test_resuming_on_a_cache_that_holds_other_samples_says_so(cache, every_2_run
     """A checkpoint records which samples its data order indexes; a rebuilt or extended cache gets a warning on
     resume (the step's indices name other samples now), the same cache none."""
     from precompute.config import load as load_pre
-    from precompute.cosmos_latents import run
+    from precompute.pipeline import run
 
     other = tmp_path / "cache88"
     run(
