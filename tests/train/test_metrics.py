@@ -83,7 +83,7 @@ def _wandb_log(run_dir: Path) -> dict[str, list]:
 def test_wandb_offline_holds_config_scalars_and_captions_and_a_resumed_run_continues_it(
     trained_run, tmp_path, monkeypatch
 ):
-    import train.loop
+    import train.step
     from train.loop import main
 
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -100,17 +100,17 @@ def test_wandb_offline_holds_config_scalars_and_captions_and_a_resumed_run_conti
             "wandb.tags": "[demo]",
         },
     )
-    real_step = train.loop.optimization_step
+    real_step = train.step.optimization_step
 
     def crash_at_3(components, state, micro):
         if state.step == 3:
             raise RuntimeError("simulated crash")
         return real_step(components, state, micro)
 
-    monkeypatch.setattr(train.loop, "optimization_step", crash_at_3)
+    monkeypatch.setattr(train.step, "optimization_step", crash_at_3)  # train.loop.train imports it as it starts
     with pytest.raises(RuntimeError, match="simulated crash"):
         main(args)
-    monkeypatch.setattr(train.loop, "optimization_step", real_step)
+    monkeypatch.setattr(train.step, "optimization_step", real_step)
     run_id = json.loads((out / "checkpoint-2" / "state.json").read_text())["wandb_run_id"]
     assert main(args) == 0
     runs = sorted((out / "wandb").glob("offline-run-*"))
