@@ -12,9 +12,16 @@ from __future__ import annotations
 
 import sys
 
-from precompute.config import load
+from precompute.config import PrecomputeConfig, load
 from theworld.core.config import cli_parser, to_yaml
 from theworld.core.errors import cli_entry
+
+
+def run(cfg: PrecomputeConfig) -> dict:
+    """precompute.pipeline.run of a checked config: torch and the encoders are imported here, not before."""
+    from precompute import pipeline
+
+    return pipeline.run(cfg)
 
 
 @cli_entry
@@ -36,10 +43,9 @@ def main(argv: list[str] | None = None) -> int:
 
         print(sizing.report(sizing.estimate(cfg)))
         return 0
-    from precompute.pipeline import run  # torch and the encoders load only now
+    run(cfg)
     from theworld.core.process_group import process_group
 
-    run(cfg)
     # After a successful run only (on an error another process may still be in a collective). A process that exits
     # with its gloo group alive can abort in interpreter teardown ("terminate called without an active exception").
     process_group().destroy_process_group()
