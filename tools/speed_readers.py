@@ -32,8 +32,8 @@ process of its own with its imports (and our processor) loaded before the clock 
 included (s3fs and aiobotocore for ours, boto3 for Streaming: each imports them at its first request); the first
 batch is timed from "make a loader over the URL" to "its first batch in hand": ours: opening the cache (its S3
 client; manifest, errors, run record and the shards' listing at once; the shard index), DataContext.build (one
-sample's text as a byte range), the first shards staged while torch's shared-memory manager starts, its worker
-forked, decoding, tokenising and collating 32 samples;
+sample's text as a byte range), torch's shared-memory manager started while the first shards are staged, its
+worker forked, decoding, tokenising and collating 32 samples;
 webdataset: its DataLoader's worker forked, a curl per shard streaming the first tar, 32 samples decoded;
 Streaming: StreamingDataset made (its index.json downloaded), its worker forked, the first shard downloaded, 32
 samples decoded. litdata is not measured: its

@@ -3,6 +3,7 @@ run inside DataLoader workers; the main process receives collated batches packed
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +22,6 @@ from theworld.model.images import decode, load_for_vae, siglip_pixels
 from theworld.model.inputs import PARTNER
 from theworld.model.rollout import cache_condition, cache_seed, questions_tensor, sample_inputs
 from theworld.model.text import ChatFormatter
-from train.data import shm
 from train.data.batches import Collate, Packing, encode_texts
 from train.data.cache import InputSources, mixture_draw, text_only
 from train.data.flip import swap_left_right
@@ -370,14 +370,26 @@ def stage_first(read_ahead: ReadAhead, positions: np.ndarray, workers: int) -> I
         yield  # the pool's exit waits for the downloads: no download's file is open when the workers fork
 
 
+@functools.cache
+def _start_shm_manager() -> None:
+    """Start torch's shared-memory manager (the file_system strategy's) in this process before workers fork: every
+    worker of every epoch and eval then uses it rather than starting one of its own, which took 1-2 s of each worker's
+    first batch on the 2-core CPU VM."""
+    torch.empty(1, dtype=torch.uint8).share_memory_()
+
+
 def _loader(cfg, ctx: DataContext, dataset, stage_first_shards: bool = False, **kw) -> DataLoader:
     workers = cfg.train.loader.num_workers
     if workers:
+        # The main process then maps a batch's shared memory by name. The default strategy (file descriptors) asks
+        # the worker process for each descriptor over a socket when the batch is received: a round trip that waits
+        # for the worker to be scheduled, on the training step's time (docs/performance.md).
+        torch.multiprocessing.set_sharing_strategy("file_system")
         # a training loader's first batches wait for their shards; an eval loader (built at the start, used later)
         # leaves its shards to its workers
         first = np.arange(min(len(dataset), workers * kw["batch_size"])) if stage_first_shards else []
         with stage_first(dataset.read_ahead, first, workers):
-            shm.ready()  # batches shared by name (train/data/shm.py), started while the first shards download
+            _start_shm_manager()
     packing = (
         Packing(cfg.train.loader.pack_length, cfg.world.pool, 1 + cfg.world.num_world_steps)
         if cfg.train.loader.packing
