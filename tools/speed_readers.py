@@ -28,10 +28,12 @@ builds it (train.data.cache.open_cache, DataContext.build, build_train_loader: i
 `storage.shuffle_window` a quarter of the shards, read-ahead at its default, the tokenising collate, the tiny model's
 processor), webdataset's pipeline streaming the shards (no cache_dir) and MosaicML Streaming at its documented
 settings (batch_size given); the peers decode each sample's caption, json and latents. Each reader runs in a spawned
-process of its own with its imports (and our processor) loaded before the clock starts; the first batch is timed from
-"make a loader over the URL" to "its first batch in hand": ours: opening the cache (manifest, errors, run record,
-shard index, the shards' listing), DataContext.build (one sample's text as a byte range), torch's shared-memory
-manager started and the first shards staged, its worker forked, decoding, tokenising and collating 32 samples;
+process of its own with its imports (and our processor) loaded before the clock starts, the S3 clients' packages
+included (s3fs and aiobotocore for ours, boto3 for Streaming: each imports them at its first request); the first
+batch is timed from "make a loader over the URL" to "its first batch in hand": ours: opening the cache (its S3
+client; manifest, errors, run record and the shards' listing at once; the shard index), DataContext.build (one
+sample's text as a byte range), torch's shared-memory manager started while the first shards are staged, its
+worker forked, decoding, tokenising and collating 32 samples;
 webdataset: its DataLoader's worker forked, a curl per shard streaming the first tar, 32 samples decoded;
 Streaming: StreamingDataset made (its index.json downloaded), its worker forked, the first shard downloaded, 32
 samples decoded. litdata is not measured: its
@@ -426,7 +428,10 @@ def _time_epochs(make: Callable[[], Iterable], counts: Callable[[], tuple[int, i
 
 
 def _ours(url: str, local: str, window: int) -> Callable[[], Iterable]:
-    from train.data import cache, loader  # noqa: F401 - imported before the clock starts, as the peers' are
+    import aiobotocore.session  # noqa: F401 - imported before the clock starts, as the peers' are (s3fs's client,
+    import s3fs  # noqa: F401 - which storage.py imports at its first request, as Streaming does boto3)
+
+    from train.data import cache, loader  # noqa: F401
 
     processor = _processor()
     return lambda: _Batches(_train_config(url, local, window), processor)
@@ -444,6 +449,9 @@ def _wds_stream(urls: list[str]) -> Callable[[], Iterable]:
 
 
 def _mosaic(remote: str, local: str) -> Callable[[], Iterable]:
+    import boto3.s3.transfer  # noqa: F401 - its S3 client, imported at its first download: before the clock starts
+    import boto3.session  # noqa: F401
+
     base = _streaming_base()
 
     def make():

@@ -174,6 +174,8 @@ class CacheReader:
     text_rules: np.ndarray = field(init=False, repr=False)  # per shard: the sidecar's "text_rule" (None: not recorded)
     _files: dict = field(init=False, repr=False, default_factory=dict)
     remote: storage.RemoteCache | None = field(repr=False, default=None)
+    # a URL's shard listing asked for with its manifest: the caller runs `check_consistency`, which reads it
+    list_shards: bool = field(repr=False, default=False)
     # Members closer than this are read with one pread, tar headers and skipped members included: a system call
     # costs more than copying a few kB (docs/performance.md)
     READ_GAP = 16 << 10
@@ -182,7 +184,7 @@ class CacheReader:
     REMOTE_OPEN = 4
 
     def __post_init__(self) -> None:
-        self.cache_dir, self.remote = storage.open_cache(self.cache_dir, self.settings, self.remote)
+        self.cache_dir, self.remote = storage.open_cache(self.cache_dir, self.settings, self.remote, self.list_shards)
         self.manifest = load_manifest(self.cache_dir)
         if sample_index.is_lazy(self.manifest):
             self._index = self._lazy_index()

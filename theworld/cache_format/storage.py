@@ -26,7 +26,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -125,9 +125,10 @@ class RemoteCache:
         self._fs, self._pid = None, 0
         self._root = ""
         self._checked: set[str] = set()  # sha256 of staged shards this process has re-hashed
+        self._listed: dict[str, Future] = {}  # folder -> its listing, asked for while the index was fetched
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_fs": None, "_checked": set()}
+        return {**self.__dict__, "_fs": None, "_checked": set(), "_listed": {}}
 
     @property
     def fs(self):
@@ -221,7 +222,10 @@ class RemoteCache:
 
     def read(self, name: str) -> bytes | None:
         """A small object's bytes (manifest, sidecar, errors), or None when it does not exist."""
-        return self._call(self.object_url(name), lambda: self.fs.cat_file(self.path(name)), missing_ok=True)
+        # s3fs asks for an object's size (a HEAD, one round trip more) before a GET of it unless told one request
+        # at a time will do, as it does for an object this small
+        one = {"max_concurrency": 1} if self.scheme in ("s3", "s3a") else {}
+        return self._call(self.object_url(name), lambda: self.fs.cat_file(self.path(name), **one), missing_ok=True)
 
     def listing(self, folder: str) -> dict[str, int]:
         """{file name: size} of the objects directly under `folder` ({} when there are none)."""
@@ -247,7 +251,11 @@ class RemoteCache:
     def sizes(self, folder: str, names: list[str]) -> dict[str, int]:
         """{name: size} of the objects under `folder`: its listing, or (a server that lists nothing, e.g. plain
         HTTP without folder pages) each of `names` asked for alone."""
-        if found := self.listing(folder):
+        early = self._listed.pop(folder, None)  # fetch_index(list_shards=True)'s, used once
+        found = early.result() if early is not None else None
+        if not (found and set(names) <= set(found)):  # a listing from before the manifest that lacks a shard: again
+            found = self.listing(folder)
+        if found:
             return found
         out = {}
         for n in names:
@@ -276,14 +284,21 @@ class RemoteCache:
 
     # -- the stand-in folder -------------------------------------------------------------------------------------------
 
-    def fetch_index(self) -> Path:
+    def fetch_index(self, list_shards: bool = False) -> Path:
         """Fetch the manifest, errors and run record, then the shard index the manifest names (a few objects, at
         once) into the stand-in folder. A cache written before the shard index, or one whose index object is missing
         or stale, has its sidecars fetched instead (at once, with a note of the cost); sidecars the folder already
         holds for the manifest's shards are kept. A missing manifest leaves none there, so `load_manifest` says
         why. The bucket is asked about only when the manifest is missing (a missing bucket is then named): a cache
-        that opens pays no request for it."""
+        that opens pays no request for it. `list_shards`: the shards' listing (`sizes`, which a reader's
+        consistency check asks for) is asked for at the same time as the manifest, not one round trip after the
+        index."""
         make_dir(self.local / SHARDS)
+        if list_shards:
+            self.fs  # noqa: B018 - made once here, not in the listing's thread
+            pool = ThreadPoolExecutor(1)
+            self._listed[SHARDS] = pool.submit(self.listing, SHARDS)
+            pool.shutdown(wait=False)
         for name, data in self.read_many([MANIFEST, ERRORS, RUN_FILE]).items():
             self._keep(name, data)
         manifest = self.local / MANIFEST
@@ -671,17 +686,18 @@ def _locked(path: Path) -> Iterator[None]:
 
 
 def open_cache(
-    location: str | Path, settings: Settings | None = None, remote: RemoteCache | None = None
+    location: str | Path, settings: Settings | None = None, remote: RemoteCache | None = None, list_shards=False
 ) -> tuple[Path, RemoteCache | None]:
     """(the folder to read, the remote cache or None): a local path as it is; a URL's stand-in folder, its index
-    fetched first. `remote`: a cache handle opened before (its stand-in folder is `location`), used as it is."""
+    fetched first. `remote`: a cache handle opened before (its stand-in folder is `location`), used as it is.
+    `list_shards`: the shards' listing asked for at once too (RemoteCache.fetch_index)."""
     if remote is not None:
         return remote.local, remote
     if not is_url(str(location)):
         return Path(location), None
     remote = RemoteCache(str(location), settings or Settings())
     show_as(remote.local, remote.url)
-    return remote.fetch_index(), remote
+    return remote.fetch_index(list_shards), remote
 
 
 def for_writing(location: str, settings: Settings) -> RemoteWriter:

@@ -18,6 +18,7 @@ from tests._precompute_helpers import cli_args, make_cfg
 from tests.conftest import base_args, fork_command, metrics, run2, train_inproc
 from tests.theworld.cache_format.conftest import BUCKET
 from theworld import cache_format as cf
+from theworld.cache_format.names import SHARD_INDEX
 from theworld.core.errors import UserError
 
 
@@ -443,3 +444,19 @@ def test_a_run_record_replaced_during_the_run_is_refused_before_the_manifest(s3,
     assert err[-1].startswith(f"error: output_dir {target}: another precompute claimed it while this one ran"), err
     assert "different shard_size" in err[-1]
     assert not s3.fs.exists(f"{BUCKET}/replaced/manifest.json")
+
+
+def test_opening_an_s3_cache_gets_each_small_object_once_and_lists_its_shards_with_the_manifest(s3, s3_cache):
+    """Before a first batch every round trip counts: a small object is one GET (no HEAD for its size first), and a
+    reader whose caller checks consistency has the shards' listing asked for with the manifest, before the index."""
+    _, remote, _ = s3_cache
+    start = len(s3.log)
+    reader = cf.CacheReader(remote, settings=cf.Settings(local_dir=local_dir(s3, "open")), list_shards=True)
+    reader.check_consistency()
+    log = [(m, p) for m, p, _ in s3.log[start:]]
+    assert not [p for m, p in log if m == "HEAD"]
+    assert [p for m, p in log if p.endswith("/manifest.json")] == [f"/{BUCKET}/pre/manifest.json"]
+    lists = [i for i, (m, p) in enumerate(log) if m == "GET" and p.rstrip("/") == f"/{BUCKET}"]
+    index = [i for i, (m, p) in enumerate(log) if f"/pre/{SHARD_INDEX}/" in p]
+    assert len(lists) == 1 and index and lists[0] < index[0]
+    assert len(reader) == 20
