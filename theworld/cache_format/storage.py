@@ -686,7 +686,10 @@ def _locked(path: Path) -> Iterator[None]:
 
 
 def open_cache(
-    location: str | Path, settings: Settings | None = None, remote: RemoteCache | None = None, list_shards=False
+    location: str | Path,
+    settings: Settings | None = None,
+    remote: RemoteCache | None = None,
+    list_shards: bool = False,
 ) -> tuple[Path, RemoteCache | None]:
     """(the folder to read, the remote cache or None): a local path as it is; a URL's stand-in folder, its index
     fetched first. `remote`: a cache handle opened before (its stand-in folder is `location`), used as it is.
