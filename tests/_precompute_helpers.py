@@ -249,3 +249,18 @@ def rewrite_manifest(cache: Path) -> dict:
     fields = ("fingerprint", "latent_shape", "latent_dtype", "num_errors", "contents")
     extra = {k: v for k, v in m.items() if k not in known + fields}
     return cf.write_manifest(cache, sides, **{k: m[k] for k in fields}, extra=extra)
+
+
+def single_threaded_run(cfg) -> dict:
+    """pipeline.run on one thread: each launched process runs one, and the thread count moves latents by ~1e-7, so a
+    single-process reference compared bit for bit with two processes' cache runs on one too."""
+    import torch
+
+    from precompute import pipeline
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return pipeline.run(cfg)
+    finally:
+        torch.set_num_threads(threads)

@@ -284,6 +284,21 @@ def watched_args(cache: Path, out: Path, **extra) -> list[str]:
     return base_args(cache, out, steps=4, **watched, **extra)
 
 
+HEAVY = ("torch", "transformers", "diffusers", "accelerate")  # what a command imports before it runs anything
+
+
+def main_in_a_fresh_interpreter(module: str, args: list[str]) -> tuple[int, list[str], str]:
+    """`module`.main(args) in a new interpreter (this one has torch already): its exit status, which of HEAVY it had
+    imported when it returned, and its stderr."""
+    probe = (
+        f"import importlib, sys\ncode = importlib.import_module({module!r}).main({args!r})\n"
+        f"print(code, *sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    code, *heavy = done.stdout.splitlines()[0].split() if done.stdout else ["-1"]
+    return int(code), heavy, done.stderr
+
+
 def one_error_line(capsys, *words: str) -> str:
     """The command's one error line (a run stopped mid-way has also printed its progress bar and start line): it
     names each of `words`, and no traceback came with it."""

@@ -28,6 +28,7 @@ from tests._precompute_helpers import (
     latents,
     make_cfg,
     read_cache_plain,
+    single_threaded_run,
 )
 from tests.conftest import fork_command, free_port, run2
 from theworld import cache_format as cf
@@ -326,17 +327,6 @@ def test_kill_9_and_rerun(tmp_path, capsys):
     assert inspect.main(["verify", str(out)]) == 0
 
 
-def _run_single_threaded(cfg):
-    """`accelerate launch` runs each process with one thread, and the thread count moves latents by ~1e-7: the
-    single-process reference uses one thread too, so the two caches must then match bit for bit."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return pipeline.run(cfg)
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _launch_two_processes(args: list[str]) -> subprocess.CompletedProcess:
     """Two real CPU processes (gloo) with the environment `accelerate launch --multi_gpu --num_processes 2` gives
     them, forked with their imports done (conftest.run2): the launcher is not what these tests check."""
@@ -348,7 +338,7 @@ def _launch_two_processes(args: list[str]) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_two_processes_give_the_same_cache(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
-    m1 = _run_single_threaded(make_cfg(one, n=18, shard=4, res=32))
+    m1 = single_threaded_run(make_cfg(one, n=18, shard=4, res=32))
     res = _launch_two_processes(cli_args(two, n=18, shard=4, res=32))
     assert "encoded 18 images" in res.stdout and "on 2 process(es)" in res.stdout
     m2 = json.loads((two / "manifest.json").read_text())
@@ -504,7 +494,7 @@ def test_two_processes_webdataset_source(tmp_path):
 
     wds_source(tmp_path / "wds", tars=4, per_tar=3, dup=(2, 0))
     src = ["source.type=webdataset", f"source.path={tmp_path}/wds/*.tar"]
-    m1 = _run_single_threaded(make_cfg(tmp_path / "one", *src, shard=5, res=32))
+    m1 = single_threaded_run(make_cfg(tmp_path / "one", *src, shard=5, res=32))
     _launch_two_processes(cli_args(tmp_path / "two", *src, shard=5, res=32))
     m2 = json.loads((tmp_path / "two" / "manifest.json").read_text())
     assert m1["num_samples"] == m2["num_samples"] == 11 and m2["num_errors"] == 1

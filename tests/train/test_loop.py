@@ -3,13 +3,10 @@ and a short run logs every step, saves at its checkpoint steps and exports final
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import yaml
 
-from tests.conftest import ENV, ROOT, base_args, metrics, one_error_line
+from tests.conftest import base_args, main_in_a_fresh_interpreter, metrics, one_error_line
 from train.loop import main
 
 
@@ -28,18 +25,18 @@ def test_an_unknown_key_is_one_line_and_exit_2(tmp_path, capsys):
 
 
 def test_a_config_mistake_is_refused_before_torch_and_transformers_are_imported(tmp_path):
-    """Each process of a launch refuses a mistaken key at once, not after ~10 s of imports (a fresh interpreter is
-    the point: this process has torch already)."""
-    probe = (
-        "import sys\n"
-        "from train.loop import main\n"
-        f"code = main(['--config', 'configs/stage1.yaml', '--set', 'output_dir={tmp_path / 'run'}', "
-        "'--set', 'train.optimizer.lr=fast'])\n"
-        "print(code, sorted(m for m in ('torch', 'transformers', 'diffusers', 'accelerate') if m in sys.modules))\n"
-    )
-    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
-    assert done.stdout.split("\n")[0] == "2 []", done.stdout + done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1 and "train.optimizer.lr" in done.stderr
+    """Each process of a launch refuses a mistaken key at once, not after ~10 s of imports."""
+    args = [
+        "--config",
+        "configs/stage1.yaml",
+        "--set",
+        f"output_dir={tmp_path / 'run'}",
+        "--set",
+        "train.optimizer.lr=x",
+    ]
+    code, heavy, err = main_in_a_fresh_interpreter("train.loop", args)
+    assert (code, heavy) == (2, []), err
+    assert len(err.strip().splitlines()) == 1 and "train.optimizer.lr" in err
     assert not (tmp_path / "run").exists()
 
 

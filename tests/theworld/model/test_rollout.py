@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load as st_load
 
 from precompute import cosmos_latents, inspect, pipeline
-from tests._precompute_helpers import cli_args, latents, make_cfg, read_cache_plain
+from tests._precompute_helpers import cli_args, latents, make_cfg, read_cache_plain, single_threaded_run
 from tests.conftest import run2
 from theworld.core.errors import UserError
 from theworld.embedded import tiny
@@ -33,16 +33,6 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def _single_threaded(cfg):
-    """Two launched processes run one thread each; the thread count moves numbers by ~1e-7, so the reference too."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return pipeline.run(cfg)
-    finally:
-        torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def caches(tmp_path_factory):
     """A rollout cache (2 predicted frames) and the same source without rollouts, with what reached the text
@@ -58,10 +48,10 @@ def caches(tmp_path_factory):
 
     handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
     try:
-        rolled = _single_threaded(make_cfg(root / "rolled", *ROLL, n=N, shard=SHARD))
+        rolled = single_threaded_run(make_cfg(root / "rolled", *ROLL, n=N, shard=SHARD))
     finally:
         handle.remove()
-    plain = _single_threaded(make_cfg(root / "plain", n=N, shard=SHARD))
+    plain = single_threaded_run(make_cfg(root / "plain", n=N, shard=SHARD))
     dirs = {"rolled": root / "rolled", "plain": root / "plain"}
     return {**dirs, "manifest": rolled, "plain_manifest": plain, "seen": seen}
 
