@@ -56,5 +56,5 @@ class Settings:
 
     @property
     def budget(self) -> float:
-        """The shard cache's bound in bytes: a float, so any finite local_max_gb bounds nothing it cannot hold."""
+        """The shard cache's bound in bytes, as a float: any finite local_max_gb, however large, compares as it is."""
         return self.local_max_gb * 1e9
