@@ -428,8 +428,10 @@ def _time_epochs(make: Callable[[], Iterable], counts: Callable[[], tuple[int, i
 
 
 def _ours(url: str, local: str, window: int) -> Callable[[], Iterable]:
-    import aiobotocore.session  # noqa: F401 - imported before the clock starts, as the peers' are (s3fs's client,
-    import s3fs  # noqa: F401 - which storage.py imports at its first request, as Streaming does boto3)
+    # imported before the clock starts, as the peers' are: s3fs's client, which storage.py imports at its first
+    # request (as Streaming does boto3), and the training loader
+    import aiobotocore.session  # noqa: F401
+    import s3fs  # noqa: F401
 
     from train.data import cache, loader  # noqa: F401
 
