@@ -29,6 +29,7 @@ from train.data.mixture import Draw, MixedReader, partner_groups
 from train.data.order import (
     LengthGroups,
     bucket_ids,
+    bucketed_rank_indices,
     eval_partners,
     flip_of,
     rank_indices,
@@ -407,12 +408,16 @@ def _loader(cfg, ctx: DataContext, dataset, stage_first_shards: bool = False, **
 
 
 def _rank_indices(cfg, ctx: DataContext, rank: int, world_size: int, epoch: int, start: int) -> np.ndarray:
-    """order.rank_indices of this run's samples; the windowed order of one cache of one latent shape at this process's
-    positions alone (order.windowed_rank_indices: the same indices without an array over every sample)."""
+    """order.rank_indices of this run's samples. The windowed order of one cache gives the same indices without an
+    array over every sample: of one latent shape at this process's positions alone (order.windowed_rank_indices),
+    of several or grouped by length walked a window of shards at a time (order.bucketed_rank_indices)."""
     window, args = cfg.storage.shuffle_window, (cfg.seed, epoch, cfg.train.global_batch_size, rank, world_size, start)
     whole = len(ctx.train_indices) + len(ctx.eval_indices) == len(ctx.reader)  # every sample trains but the held-out
-    if window and ctx.draw is None and ctx.groups is None and whole and not several_shapes(ctx.buckets):
-        return windowed_rank_indices(ctx.reader.shard_starts, ctx.eval_indices, *args, window)
+    if window and ctx.draw is None and whole:
+        starts, held = ctx.reader.shard_starts, ctx.eval_indices
+        if ctx.groups is None and not several_shapes(ctx.buckets):
+            return windowed_rank_indices(starts, held, *args, window)
+        return bucketed_rank_indices(starts, held, ctx.buckets, *args, window, ctx.groups)
     samples = ctx.epoch_samples(cfg.seed, epoch)
     shards = shard_ids(ctx.reader)[samples] if window else None
     return rank_indices(samples, *args, ctx.buckets[samples], ctx.groups, shards=shards, window=window)

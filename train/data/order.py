@@ -125,6 +125,53 @@ def _window_shuffle(j: np.ndarray, n: np.ndarray, k: np.ndarray, seed: int, epoc
     return y.astype(np.int64)
 
 
+@dataclass(frozen=True)
+class _Windows:
+    """One cache's windowed order of an epoch at shard level: its training samples (all but `held`) laid out as the
+    shards that hold some, in the (seed, epoch) order, cut into windows of `window` shards, each window's in ascending
+    order (`_windowed`'s layout, from the shards' sizes alone)."""
+
+    starts: np.ndarray  # (S + 1,) the first sample of each shard (samples are in shard order)
+    held: np.ndarray  # the held-out samples, sorted
+    lost: np.ndarray  # (S,) held-out samples of each shard
+    counts: np.ndarray  # (S,) training samples of each shard
+    flat: np.ndarray  # the shards that hold training samples, window after window
+    window: int
+
+    @classmethod
+    def of(cls, starts: np.ndarray, held_out: np.ndarray, seed: int, epoch: int, window: int) -> _Windows:
+        held = np.sort(np.asarray(held_out, dtype=np.int64))
+        lost = np.bincount(np.searchsorted(starts, held, side="right") - 1, minlength=len(starts) - 1)
+        counts = np.diff(starts) - lost
+        ids = np.flatnonzero(counts > 0)  # the shards that hold training samples, as np.unique gives _windowed
+        ids = ids[_shard_order(len(ids), seed, epoch)]
+        flat = ids[np.lexsort((ids, np.arange(len(ids)) // window))]  # each window's shards in ascending order
+        return cls(np.asarray(starts, dtype=np.int64), held, lost, counts, flat, window)
+
+    @property
+    def ends(self) -> np.ndarray:
+        """Training samples up to each shard of `flat`, windows in order."""
+        return np.cumsum(self.counts[self.flat])
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """(K + 1,) the epoch position where each window starts, and the epoch's size."""
+        last = np.minimum(np.arange(self.window, len(self.flat) + self.window, self.window), len(self.flat)) - 1
+        return np.concatenate([[0], self.ends[last]])
+
+    def samples(self, k: int, seed: int, epoch: int) -> np.ndarray:
+        """Window k's training samples in the epoch's order: its shards' samples in cache order, shuffled by
+        `_window_shuffle`."""
+        shards = self.flat[k * self.window : (k + 1) * self.window]
+        sizes = self.starts[shards + 1] - self.starts[shards]
+        x = np.arange(int(sizes.sum())) + np.repeat(self.starts[shards] - (np.cumsum(sizes) - sizes), sizes)
+        if self.lost[shards].any():
+            at = np.minimum(np.searchsorted(self.held, x), len(self.held) - 1)
+            x = x[self.held[at] != x]
+        n = len(x)
+        return x[_window_shuffle(np.arange(n), np.full(n, n), np.full(n, k), seed, epoch)]
+
+
 def windowed_rank_indices(
     starts: np.ndarray,
     held_out: np.ndarray,
@@ -141,15 +188,8 @@ def windowed_rank_indices(
     shape, computed at this process's positions alone: memory is the shards' arrays and this process's share (in
     pieces of `chunk`), never an array over every sample (a DataComp-1B cache holds 1.4B). `starts`: (S + 1,) the
     first sample of each shard (samples are in shard order)."""
-    held = np.sort(np.asarray(held_out, dtype=np.int64))
-    lost = np.bincount(np.searchsorted(starts, held, side="right") - 1, minlength=len(starts) - 1)
-    counts = np.diff(starts) - lost
-    ids = np.flatnonzero(counts > 0)  # the shards that hold training samples, as np.unique gives _windowed
-    ids = ids[_shard_order(len(ids), seed, epoch)]
-    of = np.arange(len(ids)) // window
-    flat = ids[np.lexsort((ids, of))]  # each window's shards in ascending order: its samples in cache order
-    ends = np.cumsum(counts[flat])  # training samples up to each shard of `flat`, windows in order
-    offsets = np.concatenate([[0], ends[np.minimum(np.arange(window, len(ids) + window, window), len(ids)) - 1]])
+    lay = _Windows.of(starts, held_out, seed, epoch, window)
+    flat, counts, ends, offsets = lay.flat, lay.counts, lay.ends, lay.offsets
     end = int(offsets[-1]) // global_batch * global_batch  # a leftover short batch is dropped
     per = global_batch // world_size
     lo = rank_offset(global_batch, rank, world_size)
@@ -162,11 +202,130 @@ def windowed_rank_indices(
         i = np.searchsorted(ends, r, side="right")  # flat[i]: the shard holding the epoch's training sample r
         q = flat[i]
         u = r - (ends[i] - counts[q])  # r is shard q's u-th training sample
-        x = starts[q] + u  # its sample, where the shard holds none out
-        some = np.flatnonzero(lost[q])
-        x[some] = nth_kept(u[some], held, starts[q[some]])
+        x = lay.starts[q] + u  # its sample, where the shard holds none out
+        some = np.flatnonzero(lay.lost[q])
+        x[some] = nth_kept(u[some], lay.held, lay.starts[q[some]])
         out[b * per : b * per + len(x)] = x
     return out
+
+
+def bucketed_rank_indices(
+    starts: np.ndarray,
+    held_out: np.ndarray,
+    buckets: np.ndarray,
+    seed: int,
+    epoch: int,
+    global_batch: int,
+    rank: int,
+    world_size: int,
+    start_batch: int,
+    window: int,
+    groups: LengthGroups | None = None,
+    chunk: int = 1 << 16,
+) -> np.ndarray:
+    """`rank_indices` of the windowed order over one cache's training samples (all but `held_out`) of several latent
+    shapes (`buckets`: each sample's, as `bucket_ids` numbers them) and/or grouped by length, walked a window of shards
+    at a time: memory is one window's samples, each shard's and window's count of each bucket (counted in pieces of
+    `chunk` samples), a group window of batches per bucket and this process's share, never an array over every sample.
+    The walk starts at the window where the earliest sample of a batch (or group window) still to read falls: the
+    shards' counts number every batch that ends before it."""
+    lay = _Windows.of(starts, held_out, seed, epoch, window)
+    cum = _window_counts(lay, buckets, chunk)  # (K + 1, B): each bucket's training samples before each window
+    steps = (cum // global_batch).sum(1)  # the global batches that end before each window
+    out = np.empty((max(0, int(steps[-1]) - start_batch), global_batch // world_size), dtype=np.int64)
+    if not len(out):
+        return out.reshape(-1)
+    k = int(np.searchsorted(steps, start_batch, side="right")) - 1  # global batch start_batch ends in window k
+    g = groups.window if groups is not None else 1
+    first = cum[k] // global_batch // g * g * global_batch  # each bucket's first sample of a batch still to read
+    k0 = min([k] + [int(np.searchsorted(cum[:, b], first[b], side="right")) - 1 for b in range(cum.shape[1])])
+    walk = _Walk(out, start_batch, rank_offset(global_batch, rank, world_size), groups, seed, epoch)
+    walk.begin(cum[k0], int(steps[k0]), first, global_batch)
+    for w in range(k0, len(cum) - 1):
+        x = lay.samples(w, seed, epoch)
+        walk.window(x, np.asarray(buckets[x], dtype=np.int64))
+    walk.finish()
+    return out.reshape(-1)
+
+
+def _window_counts(lay: _Windows, buckets: np.ndarray, chunk: int) -> np.ndarray:
+    """(K + 1, B): each bucket's training samples in the windows before each window (and in all of them)."""
+    table = _shard_bucket_counts(lay, buckets, chunk)
+    per = np.zeros((0, table.shape[1]), dtype=np.int64)
+    if len(lay.flat):
+        per = np.add.reduceat(table[lay.flat], np.arange(0, len(lay.flat), lay.window), axis=0)
+    return np.concatenate([np.zeros((1, table.shape[1]), dtype=np.int64), np.cumsum(per, axis=0)])
+
+
+def _shard_bucket_counts(lay: _Windows, buckets: np.ndarray, chunk: int) -> np.ndarray:
+    """(S, B): each shard's training samples of each bucket, counted a piece of about `chunk` samples at a time."""
+    if not several_shapes(buckets):
+        return lay.counts[:, None]
+    nb, starts, sizes = int(buckets.max()) + 1, lay.starts, np.diff(lay.starts)
+    table = np.zeros((len(sizes), nb), dtype=np.int64)
+    lo = 0
+    while lo < len(sizes):
+        hi = min(len(sizes), max(lo + 1, int(np.searchsorted(starts, starts[lo] + chunk, side="right")) - 1))
+        local = np.repeat(np.arange(hi - lo, dtype=np.int64), sizes[lo:hi]) * nb + buckets[starts[lo] : starts[hi]]
+        table[lo:hi] = np.bincount(local, minlength=(hi - lo) * nb).reshape(-1, nb)
+        lo = hi
+    np.subtract.at(table, (np.searchsorted(starts, lay.held, side="right") - 1, buckets[lay.held]), 1)
+    return table
+
+
+class _Walk:
+    """`bucketed_rank_indices`' walk over the windows: each bucket's list, its batches' global numbers (by where each
+    batch's last sample falls), and its rows of this process's share, written as each group window completes."""
+
+    def __init__(self, out: np.ndarray, start: int, lo: int, groups: LengthGroups | None, seed: int, epoch: int):
+        self.out, self.start, self.lo, self.groups, self.seed, self.epoch = out, start, lo, groups, seed, epoch
+
+    def begin(self, seen: np.ndarray, steps: int, first: np.ndarray, global_batch: int) -> None:
+        """`seen`: each bucket's samples before the first window walked; `steps`: the global batches ending there;
+        `first`: each bucket's first sample kept (the start of a group window)."""
+        self.seen, self.steps, self.first, self.g = seen.copy(), steps, first, global_batch
+        self.done = first // global_batch  # each bucket's batches before its kept ones
+        self.kept = [np.zeros(0, dtype=np.int64) for _ in first]  # samples from the bucket's current group window
+        self.slots = [np.zeros(0, dtype=np.int64) for _ in first]  # that group window's batches' global numbers
+
+    def window(self, x: np.ndarray, of: np.ndarray) -> None:
+        """One window's samples `x` in the epoch's order, `of` their buckets."""
+        by = np.argsort(of, kind="stable")  # each bucket's positions in the window, ascending
+        at = np.split(by, np.cumsum(np.bincount(of, minlength=len(self.seen)))[:-1])
+        pos = [self.seen[b] + np.arange(len(at[b])) for b in range(len(at))]  # where in its bucket's list
+        ends = [(p + 1) % self.g == 0 for p in pos]
+        where = np.concatenate([a[e] for a, e in zip(at, ends)])  # the batches ending in this window
+        number = np.empty(len(where), dtype=np.int64)
+        number[np.argsort(where)] = self.steps + np.arange(len(where))
+        self.steps += len(where)
+        mine = np.split(number, np.cumsum([int(e.sum()) for e in ends])[:-1])
+        for b in np.flatnonzero([len(a) for a in at]).tolist():
+            keep = pos[b] >= self.first[b]
+            self.kept[b] = np.concatenate([self.kept[b], x[at[b][keep]]])
+            self.slots[b] = np.concatenate([self.slots[b], mine[b][keep[ends[b]]]])
+            self.seen[b] += len(at[b])
+            self._emit(b, len(self.slots[b]) // self._gw * self._gw)
+
+    @property
+    def _gw(self) -> int:
+        return self.groups.window if self.groups is not None else 1
+
+    def finish(self) -> None:
+        """The last (short) group window of each bucket; a bucket's leftover samples (< G) are dropped."""
+        for b in range(len(self.slots)):
+            self._emit(b, len(self.slots[b]))
+
+    def _emit(self, b: int, m: int) -> None:
+        """Bucket b's next m batches (whole group windows, or its last) into this process's share."""
+        if not m:
+            return
+        rows = self.kept[b][: m * self.g].reshape(m, self.g)
+        if self.groups is not None:
+            rows = self.groups.batches(rows, self.seed, self.epoch, b, int(self.done[b]))
+        slots = self.slots[b][:m]
+        keep = slots >= self.start
+        self.out[slots[keep] - self.start] = rows[keep, self.lo : self.lo + self.out.shape[1]]
+        self.kept[b], self.slots[b], self.done[b] = self.kept[b][m * self.g :], self.slots[b][m:], self.done[b] + m
 
 
 def epoch_permutation(n: int, seed: int, epoch: int, shards: np.ndarray | None = None, window: int = 0) -> np.ndarray:
@@ -190,15 +349,16 @@ class LengthGroups:
     images: np.ndarray
     window: int
 
-    def batches(self, samples: np.ndarray, seed: int, epoch: int, bucket: int) -> np.ndarray:
-        """(n, G) global batches of one bucket, their samples regrouped by length within each window."""
+    def batches(self, samples: np.ndarray, seed: int, epoch: int, bucket: int, first: int = 0) -> np.ndarray:
+        """(n, G) global batches of one bucket, their samples regrouped by length within each window. `first`: the
+        bucket's batch number of samples[0] in its epoch (a multiple of `window`), which seeds each window's shuffle."""
         n, g = samples.shape
         out = np.empty_like(samples)
         for lo in range(0, n, self.window):
             chunk = samples[lo : lo + self.window].reshape(-1)
             # int64 before negating: a large cache's lengths are uint16 (loader.index_lengths)
             by_length = chunk[np.lexsort((-self.lengths[chunk].astype(np.int64), self.images[chunk]))].reshape(-1, g)
-            shuffle = _permutation(len(by_length), seed_of("group", seed, bucket, lo), epoch)
+            shuffle = _permutation(len(by_length), seed_of("group", seed, bucket, first + lo), epoch)
             out[lo : lo + self.window] = by_length[shuffle]
         return out
 

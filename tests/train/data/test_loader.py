@@ -87,6 +87,34 @@ def test_a_windowed_loader_computes_its_share_of_the_windowed_order_alone(ctx_cf
     assert len(calls) == 4
 
 
+def test_a_windowed_loader_of_several_shapes_or_grouped_by_length_walks_the_order_a_window_at_a_time(
+    ctx_cfg, monkeypatch
+):
+    """storage.shuffle_window on one cache of two latent shapes, grouped by length or not, or of one shape grouped:
+    each process's share is order.rank_indices', from order.bucketed_rank_indices (a window of shards at a time)."""
+    import dataclasses
+
+    from train.data import order
+
+    ctx, cfg = ctx_cfg
+    monkeypatch.setattr(cfg.storage, "shuffle_window", 2)
+    monkeypatch.setattr(cfg.train, "global_batch_size", 2)
+    calls = []
+    monkeypatch.setattr(loader, "bucketed_rank_indices", lambda *a: calls.append(a) or order.bucketed_rank_indices(*a))
+    n, train = len(ctx.reader), ctx.train_indices
+    lengths = order.LengthGroups(np.arange(n) * 7 % 5, np.arange(n) % 2, 2)
+    two = (np.arange(n) % 3 == 0).astype(np.int32)
+    cases = ((two, None), (two, lengths), (order.bucket_ids(ctx.reader), lengths))
+    for buckets, groups in cases:
+        mixed = dataclasses.replace(ctx, buckets=buckets, groups=groups)
+        for world, rank, start in ((1, 0, 0), (2, 1, 0), (2, 0, 1)):
+            got = loader.build_train_loader(cfg, mixed, rank, world, epoch=1, start=start).dataset.indices
+            shards = ctx.reader.shards[train]
+            want = order.rank_indices(train, cfg.seed, 1, 2, rank, world, start, buckets[train], groups, shards, 2)
+            assert got.tolist() == want.tolist() and len(want)
+    assert len(calls) == 9
+
+
 def test_the_eval_share_is_every_wth_position_with_each_samples_partner(ctx_cfg):
     ctx, cfg = ctx_cfg
     for rank in (0, 1):

@@ -217,3 +217,87 @@ def test_too_few_samples_in_every_bucket_is_a_one_line_error():
     ):
         steps_per_epoch(np.array([7, 5, 3]), 8)
     assert steps_per_epoch(np.array([8, 5, 17]), 8) == 3
+
+
+def _random_cache(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(starts, held-out, buckets) of a small cache: shards of 0 to 29 samples, a few held out, 1 to 3 latent shapes
+    in random proportions."""
+    counts = rng.integers(0, 30, int(rng.integers(1, 25)))
+    counts[rng.integers(0, len(counts))] += 9
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    n = int(starts[-1])
+    held = rng.choice(n, int(rng.integers(0, 9)), replace=False)
+    shapes = int(rng.integers(1, 4))
+    buckets = rng.choice(shapes, n, p=rng.dirichlet(np.ones(shapes))).astype(np.int32)
+    return starts, held, buckets
+
+
+def test_the_windowed_order_of_several_shapes_and_length_groups_walked_a_window_at_a_time_is_rank_indices():
+    """Random caches of 1 to 3 latent shapes, with and without length grouping (group windows of 1 to 4 batches),
+    shuffle windows of 1, 2, 3 and more shards than the cache has, 1, 2 or 4 processes, every rank, from the first,
+    a middle, the last and past the last batch, several seeds and epochs: bucketed_rank_indices is rank_indices."""
+    from train.data.order import bucketed_rank_indices
+
+    rng = np.random.default_rng(2)
+    for _ in range(120):
+        starts, held, buckets = _random_cache(rng)
+        n = int(starts[-1])
+        groups = None
+        if rng.random() < 0.5:
+            groups = LengthGroups(rng.integers(1, 50, n), rng.integers(0, 3, n), int(rng.integers(1, 5)))
+        train = np.setdiff1d(np.arange(n), held)
+        shards = np.repeat(np.arange(len(starts) - 1), np.diff(starts))[train]
+        g, window = int(rng.choice([1, 2, 4, 8])), int(rng.choice([1, 2, 3, 50]))
+        world = int(rng.choice([w for w in (1, 2, 4) if g % w == 0]))
+        seed, epoch = int(rng.integers(0, 100)), int(rng.integers(0, 5))
+        for rank in range(world):
+            whole = rank_indices(train, seed, epoch, g, rank, world, 0, buckets[train], groups, shards, window)
+            steps = len(whole) // (g // world)
+            for start in sorted({0, 1, steps // 2, max(steps - 1, 0), steps + 2}):
+                got = bucketed_rank_indices(starts, held, buckets, seed, epoch, g, rank, world, start, window, groups)
+                assert np.array_equal(got, whole[start * (g // world) :]), (starts, held, g, window, rank, start)
+
+
+def test_one_shape_grouped_by_length_walks_a_broadcast_of_buckets():
+    """A square cache's buckets are a broadcast of one 0 (bucket_ids): grouped by length, the walk counts its shards
+    without reading it."""
+    from train.data.order import bucketed_rank_indices
+
+    starts, held = np.arange(0, 1001, 25), np.arange(3, 1000, 7)
+    train = np.setdiff1d(np.arange(1000), held)
+    buckets = np.broadcast_to(np.int32(0), 1000)
+    groups = LengthGroups(LENGTHS[500:], IMAGES[500:], window=4)
+    for rank, start in ((0, 0), (1, 9), (1, 26)):
+        want = rank_indices(train, 4, 1, 16, rank, 2, start, None, groups, train // 25, window=3)
+        assert np.array_equal(bucketed_rank_indices(starts, held, buckets, 4, 1, 16, rank, 2, start, 3, groups), want)
+
+
+def _peak(f, *args) -> tuple[np.ndarray, int]:
+    tracemalloc.start()
+    try:
+        out = f(*args)
+        return out, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_the_walk_holds_a_window_of_shards_where_rank_indices_holds_arrays_over_every_sample():
+    """2,000 shards of 500 samples (1M), 2 latent shapes, length grouping, one process of 4: numpy's peak (tracemalloc)
+    of the walk is its share (2 MB) and a window's arrays; rank_indices' is its arrays over every sample."""
+    from train.data.order import bucketed_rank_indices
+
+    rng = np.random.default_rng(3)
+    starts, held = np.arange(2001, dtype=np.int64) * 500, np.sort(rng.choice(1_000_000, 64, replace=False))
+    buckets = rng.choice(2, 1_000_000, p=[0.7, 0.3]).astype(np.int32)
+    groups = LengthGroups(rng.integers(1, 4000, 1_000_000).astype(np.uint16), np.ones(1_000_000, np.uint8), 8)
+    args = (5, 1, 64, 2, 4, 100, 8, groups)
+    train = np.setdiff1d(np.arange(1_000_000), held)  # the reference's inputs, built before its peak is taken
+    shards, of = train // 500, buckets[train]
+    got, ours = _peak(bucketed_rank_indices, starts, held, buckets, *args)
+    want, theirs = _peak(rank_indices, train, *args[:6], of, groups, shards, args[6])
+    assert np.array_equal(got, want)
+    print(
+        f"numpy peak for one process's share ({got.nbytes / 1e6:.1f} MB): walked {ours / 1e6:.1f} MB, "
+        f"rank_indices {theirs / 1e6:.1f} MB"
+    )
+    assert ours < theirs / 5 and ours < 2 * got.nbytes
