@@ -9,11 +9,10 @@ whatever the number of processes, and resuming at step s reads exactly the batch
 - epoch order: a permutation of the training samples seeded from (seed, epoch) (with `storage.shuffle_window` W > 0: a
   permutation of the shards, cut into windows of W shards, and the samples of each window shuffled among themselves
   by a permutation keyed by (seed, epoch, window) and evaluated at any position alone, so an epoch reads W shards at
-  a time, a cache larger than the node's shard cache is downloaded once, and a process computes its share of one
-  cache's order without the rest), walked in order, each sample going to its latent shape's (bucket's) list; each
-  time a list reaches G samples they become the next global batch, and what is left in the lists at the end is
-  dropped. With one shape (a square cache) global batch b is order[b*G:(b+1)*G]. Step s is global batch
-  s % steps_per_epoch of epoch s // steps_per_epoch;
+  a time and a cache larger than the node's shard cache is downloaded once), walked in order, each sample going to
+  its latent shape's (bucket's) list; each time a list reaches G samples they become the next global batch, and what
+  is left in the lists at the end is dropped. With one shape (a square cache) global batch b is order[b*G:(b+1)*G].
+  Step s is global batch s % steps_per_epoch of epoch s // steps_per_epoch;
 - with train.loader.group_by_length (`LengthGroups`): each window of `window` consecutive global batches of a bucket
   keeps its samples but sorts them by (number of images, token length, longest first) before cutting them into
   batches, whose order within the window is then shuffled (seeded by seed, epoch, bucket, window): samples of similar
@@ -21,7 +20,12 @@ whatever the number of processes, and resuming at step s reads exactly the batch
 - process r of W takes the r-th contiguous slice (G/W samples) of each global batch, in micro-batches of M, so every
   micro-batch holds one latent shape.
 
-Sample indices live in numpy arrays (8 bytes a sample), shared by forked loader workers without copying.
+`rank_indices` is the definition: it builds the epoch's permutation and every global batch (8 bytes a sample). The
+windowed order of one cache gives the same indices without an array over every sample: of one latent shape at the
+process's positions alone (`windowed_rank_indices`), of several shapes or grouped by length walked a window of shards
+at a time, each bucket's list carried from window to window and the batches numbered from the shards' counts of each
+bucket (`bucketed_rank_indices`). The global order (W = 0) and a mixture's draw order over every sample. A process's
+share lives in a numpy array (8 bytes a sample of it), shared by forked loader workers without copying.
 """
 
 from __future__ import annotations
