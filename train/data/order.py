@@ -241,7 +241,9 @@ def bucketed_rank_indices(
         return out.reshape(-1)
     k = int(np.searchsorted(steps, start_batch, side="right")) - 1  # global batch start_batch ends in window k
     g = groups.window if groups is not None else 1
-    first = cum[k] // global_batch // g * g * global_batch  # each bucket's first sample of a batch still to read
+    # each bucket's first sample kept (in its list): where the group window of its first batch ending in window k or
+    # later begins; the walk starts at the earliest window holding one
+    first = cum[k] // global_batch // g * g * global_batch
     k0 = min([k] + [int(np.searchsorted(cum[:, b], first[b], side="right")) - 1 for b in range(cum.shape[1])])
     walk = _Walk(out, start_batch, rank_offset(global_batch, rank, world_size), groups, seed, epoch)
     walk.begin(cum[k0], int(steps[k0]), first, global_batch)
