@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -176,7 +175,7 @@ class _Out:
         if self.direct:
             return
         if ok:
-            os.replace(self.tmp, self.path)
+            atomic.publish(self.tmp, self.path)
         else:
             self.tmp.unlink(missing_ok=True)
 

@@ -45,6 +45,7 @@ import torch
 
 from theworld import cache_format as cf
 from theworld.cache_format.settings import DEFAULT_LOCAL_DIR
+from theworld.core import atomic
 from theworld.core.config import load_config
 from theworld.embedded import synthetic, tiny
 from tools import ranks
@@ -84,9 +85,8 @@ def _gemma_path(name: str) -> str:
         return "tiny"
     path = tiny.models_root() / "bench-heavy-gemma3"
     if not path.exists():
-        tmp = Path(tempfile.mkdtemp(dir=path.parent))
-        tiny.build_tiny_gemma(tmp, **HEAVY)
-        os.replace(tmp, path)
+        with atomic.folder(path, lambda tmp: f"no space left on device building the heavy Gemma 3 in {tmp}") as tmp:
+            tiny.build_tiny_gemma(tmp, **HEAVY)
     return str(path)
 
 
@@ -106,9 +106,7 @@ def _bucket_source(out: Path, resolution: int, samples: int) -> Path:
         img, caption = synthetic.scene(0, i, size=resolution)
         img.resize(sizes[i % len(sizes)]).save(out / f"{i:06d}.png")
         lines.append(json.dumps({"image": f"{i:06d}.png", "caption": caption}))
-    tmp = out / ".captions.jsonl.tmp"
-    tmp.write_text("\n".join(lines) + "\n")
-    os.replace(tmp, out / "captions.jsonl")
+    atomic.write_text(out / "captions.jsonl", "\n".join(lines) + "\n")
     return out
 
 

@@ -92,17 +92,22 @@ def file(path: str | os.PathLike, fsync: bool = True) -> Iterator[Path]:
     tmp = partial_path(path)
     try:
         yield tmp
-        if fsync:
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        os.replace(tmp, path)
+        publish(tmp, path, fsync)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
+
+
+def publish(tmp: str | os.PathLike, path: str | os.PathLike, fsync: bool = True) -> None:
+    """Rename the complete file `tmp` (written under `partial_path(path)`) over `path`, its bytes on disk first."""
+    if fsync:
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    os.replace(tmp, path)
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:

@@ -9,7 +9,6 @@ hub id or a local checkpoint goes through. Building is deterministic, so every m
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -254,19 +253,14 @@ def ensure(name: str) -> Path:
     if target.exists():
         return target
     builders = {TINY_GEMMA_DIR: build_tiny_gemma, TINY_VAE_DIR: build_tiny_vae, TINY_ROLLOUT_DIR: build_tiny_rollout}
-    builder = builders[name]
     target.parent.mkdir(parents=True, exist_ok=True)
     atomic.remove_stale(target.parent, name)  # a build killed by kill -9
-    tmp = atomic.partial_path(target)
-    shutil.rmtree(tmp, ignore_errors=True)
+    full = lambda tmp: f"no space left on device building the tiny model {name} in {tmp}"
     try:
-        tmp.mkdir()
-        builder(tmp)
-        tmp.chmod(0o755)
-        os.replace(tmp, target)
+        with atomic.folder(target, full) as tmp:
+            builders[name](tmp)
+            tmp.chmod(0o755)
     except OSError:
         if not target.exists():  # a real failure, not a lost race with another process
             raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return target

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from theworld.core import atomic
 from theworld.core.errors import UserError
 from theworld.embedded import synthetic
 from theworld.model import images as imagelib
@@ -367,7 +368,5 @@ def make_synthetic(path: str | Path, n: int, seed: int = 1, choices: int = 4, si
         )
     caps = [{"image": r["image"], "captions": [r["choices"][r["answer"]]]} for r in records]
     for target, rows in ((out.parent / CAPTIONS, caps), (out, records)):
-        tmp = target.with_name(target.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        tmp.replace(target)
+        atomic.write_text(target, "".join(json.dumps(r) + "\n" for r in rows))
     return records
