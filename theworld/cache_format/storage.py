@@ -77,7 +77,8 @@ class RetryPolicy:
     with the same attempts, and all of a process's retries together stop after `command_s`."""
 
     attempts: int = 3  # the first try included
-    connect_s: float = 2.0  # an unreachable endpoint: one line within attempts x (connect_s + backoff) < 10 s
+    # an endpoint that drops connections: attempts x connect_s plus botocore's backoff (< 3 s), one line within 10 s
+    connect_s: float = 1.0
     read_s: float = 20.0  # a server that accepts and never answers: an error after attempts x read_s
     command_s: float = 300.0  # wall-clock bound on the retries of a whole command (per process)
     backoff_s: float = 0.2  # first wait of a retry here; doubled after each

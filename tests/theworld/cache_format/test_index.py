@@ -6,6 +6,7 @@ request-logging proxy."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import shutil
@@ -215,6 +216,41 @@ def test_an_unreachable_endpoint_is_one_line_within_10_s(s3, tmp_path, monkeypat
     took = time.monotonic() - t
     text = str(e.value)
     assert took < 10, took
+    assert len(text.splitlines()) == 1 and f"s3://{BUCKET}/x" in text and "AWS_ENDPOINT_URL" in text, text
+
+
+def test_an_endpoint_that_drops_connections_is_one_line_within_10_s(s3, tmp_path, monkeypatch):
+    """A firewall that drops the packets: connects hang until the connect timeout, on every attempt."""
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(0)
+    port = server.getsockname()[1]
+    queued = []
+    for _ in range(8):  # a full accept queue: the kernel drops later connection requests unanswered
+        sock = socket.socket()
+        sock.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            sock.connect(("127.0.0.1", port))
+        queued.append(sock)
+    probe = socket.socket()
+    probe.settimeout(0.5)
+    with pytest.raises(TimeoutError):  # the premise: a connect here goes unanswered
+        probe.connect(("127.0.0.1", port))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    t = time.monotonic()
+    with pytest.raises(UserError) as e:
+        cf.CacheReader(
+            f"s3://{BUCKET}/x",
+            settings=cf.Settings({"skip_instance_cache": True}, local_dir=str(tmp_path / "l")),
+            list_shards=True,
+        )
+    took = time.monotonic() - t
+    for sock in [probe, *queued, server]:
+        sock.close()
+    assert took < 10, took
+    text = str(e.value)
     assert len(text.splitlines()) == 1 and f"s3://{BUCKET}/x" in text and "AWS_ENDPOINT_URL" in text, text
 
 
