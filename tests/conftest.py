@@ -287,14 +287,15 @@ def watched_args(cache: Path, out: Path, **extra) -> list[str]:
 HEAVY = ("torch", "transformers", "diffusers", "accelerate")  # what a command imports before it runs anything
 
 
-def main_in_a_fresh_interpreter(module: str, args: list[str]) -> tuple[int, list[str], str]:
-    """`module`.main(args) in a new interpreter (this one has torch already): its exit status, which of HEAVY it had
-    imported when it returned, and its stderr."""
+def main_in_a_fresh_interpreter(module: str, args: list[str], env: dict | None = None) -> tuple[int, list[str], str]:
+    """`module`.main(args) in a new interpreter (this one has torch already), with ENV plus `env`: its exit status,
+    which of HEAVY it had imported when it returned, and its stderr."""
     probe = (
         f"import importlib, sys\ncode = importlib.import_module({module!r}).main({args!r})\n"
         f"print(code, *sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
     )
-    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    env = {**ENV, **(env or {})}
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     code, *heavy = done.stdout.splitlines()[0].split() if done.stdout else ["-1"]
     return int(code), heavy, done.stderr
 

@@ -72,11 +72,12 @@ class Checked:
     sets: list[heldout.OpenSet] = field(default_factory=list)  # train.eval.sets, opened
 
     @classmethod
-    def of(cls, cfg: TrainConfig) -> Checked:
+    def of(cls, cfg: TrainConfig, opened: tuple[CacheReader, data.InputSources] | None = None) -> Checked:
+        """`opened`: data.open_cache(cfg), when the caller opened the cache already."""
         launch = resolve_launch(cfg)
         check_trackers(cfg.trackers)
         check_output_paths(cfg)
-        reader, inputs = data.open_cache(cfg)
+        reader, inputs = opened or data.open_cache(cfg)
         if cfg.init_from:
             checkpoint.resolve_weights(cfg.init_from)
         bench = BenchmarkEval.load(cfg)

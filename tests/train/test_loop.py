@@ -3,6 +3,8 @@ and a short run logs every step, saves at its checkpoint steps and exports final
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import yaml
 
@@ -37,6 +39,20 @@ def test_a_config_mistake_is_refused_before_torch_and_transformers_are_imported(
     code, heavy, err = main_in_a_fresh_interpreter("train.loop", args)
     assert (code, heavy) == (2, []), err
     assert len(err.strip().splitlines()) == 1 and "train.optimizer.lr" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_unreachable_cache_endpoint_is_one_line_before_the_model_library_loads(tmp_path):
+    """The cache is opened before transformers and diffusers are imported: a wrong endpoint costs seconds, not the
+    model library's imports on every process."""
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
+    args = ["--set", "cache_dir=s3://bucket/cache", "--set", f"output_dir={tmp_path / 'run'}"]
+    code, heavy, err = main_in_a_fresh_interpreter("train.loop", args, env)
+    assert code == 2 and "transformers" not in heavy and "diffusers" not in heavy, (heavy, err)
+    assert len(err.strip().splitlines()) == 1 and "s3://bucket/cache" in err and "AWS_ENDPOINT_URL" in err, err
     assert not (tmp_path / "run").exists()
 
 
