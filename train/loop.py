@@ -34,6 +34,11 @@ def main(argv: list[str] | None = None) -> int:
 
         print(plan.render(plan.plan(cfg, args.samples, args.gpus)), end="")
         return 0
+    # a launch that cannot train as one group (a MULTI_CPU Accelerate config run as one process) is refused before
+    # the model's imports too: torch alone, ~3 s of CPU instead of ~11
+    from theworld.core.process_group import launched_processes
+
+    launched_processes()
     # torch, transformers and the run's parts are imported only now (~10 s of CPU a process): a config mistake is one
     # line at once, on every process of a launch
     from train.components import make_accelerator
