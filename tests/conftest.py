@@ -424,6 +424,27 @@ def wait_for_step(out: Path, proc: subprocess.Popen, step: int, timeout: float =
     raise AssertionError(f"the run did not reach step {step} (exit {proc.poll()})")
 
 
+def still_running(pids: list[int], within: float) -> list[int]:
+    """Which of `pids` still run (zombies do not count) once `within` seconds have passed, polled every 10 ms: an
+    empty list as soon as none does."""
+    import psutil
+
+    def running() -> list[int]:
+        alive = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        return alive
+
+    deadline = time.time() + within
+    while (alive := running()) and time.time() < deadline:
+        time.sleep(0.01)
+    return alive
+
+
 def last_logged_step(out: Path) -> int:
     """The last training step the run at `out` has logged so far (-1: none yet)."""
     steps = [m.get("step", -1) for m in metrics_lines(out) if "loss" in m]

@@ -34,6 +34,11 @@ def main(argv: list[str] | None = None) -> int:
 
         print(plan.render(plan.plan(cfg, args.samples, args.gpus)), end="")
         return 0
+    # a launch that cannot train as one group (a MULTI_CPU Accelerate config run as one process) is refused before
+    # the model's imports too: torch alone, ~3 s of CPU instead of ~11
+    from theworld.core.process_group import launched_processes
+
+    launched_processes()
     # The cache is opened before transformers is imported (~6 s of CPU a process), so that a wrong URL or an
     # unreachable endpoint is one line within seconds; the run's parts after it. A config mistake is one line at once,
     # on every process of a launch.

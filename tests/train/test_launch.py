@@ -19,6 +19,7 @@ from tests.conftest import (
     free_port,
     launch2,
     slurm_job,
+    still_running,
     wait_for_step,
 )
 from train import launch, preempt, slurm
@@ -117,16 +118,24 @@ def test_a_user_error_under_the_launcher_is_the_processes_line_and_exit_2(cache,
 def test_sigterm_to_every_process_of_the_run_saves_and_the_launcher_exits_143(cache, tmp_path, processes):
     """What a scheduler does at a time limit (Slurm signals every process of the job step; a Ctrl-C reaches the
     launcher's process group): the processes have the signal twice, once from the launcher passing it on, and still
-    save first. On one process accelerate itself would not pass it on at all."""
+    save first. On one process accelerate itself would not pass it on at all; there the run has loader workers and
+    the signal goes to the whole process group (the launcher, the trainer, its workers): the workers do not die of it
+    and the run's own shutdown ends them (train.preempt; tests/train/test_preempt.py sends train.loop alone the
+    same). Torch's launcher starts each of two processes in a session of its own: each is signalled."""
     out = tmp_path / "run"
-    args = base_args(cache, out, steps=40, **{"train.checkpoint.every": 100})
+    workers = {"train.loader.num_workers": 2} if processes == 1 else {}
+    args = base_args(cache, out, steps=40, **{"train.checkpoint.every": 100, **workers})
     kw = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "start_new_session": True}
     proc = _one_process(args) if processes == 1 else launch2(args, via="train.launch", **kw)
     try:
         wait_for_step(out, proc, 2)
         t0 = time.time()
-        for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
-            p.send_signal(signal.SIGTERM)
+        family = psutil.Process(proc.pid).children(recursive=True)
+        if processes == 1:
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            for p in [psutil.Process(proc.pid), *family]:
+                p.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
@@ -135,6 +144,10 @@ def test_sigterm_to_every_process_of_the_run_saves_and_the_launcher_exits_143(ca
     assert "stopped by SIGTERM after step" in err and time.time() - t0 < 60
     ckpts = sorted(out.glob("checkpoint-*"))
     assert len(ckpts) == 1 and (ckpts[0] / "state.json").is_file()
+    if processes == 1:
+        assert len(family) >= 2, family  # the trainer and the loader's workers ran, in the group that got the signal
+        assert "killed by signal" not in err and not (out / "final").exists(), err[-3000:]
+        assert not still_running([p.pid for p in family], within=0.5)
 
 
 def test_a_usage_mistake_is_one_line_and_exit_2(capsys):
