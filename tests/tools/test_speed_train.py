@@ -14,9 +14,10 @@ from tests.conftest import bench_json, positive
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory) -> tuple[dict, Path]:
     """One run of the three tiny cases (rows and the caches' root), shared by the smoke tests: one step per block, two
-    rounds."""
+    rounds, one torch thread (an xdist worker's count, and the caches' precompute's: tiny tensors gain nothing from a
+    second, which spins)."""
     tmp = tmp_path_factory.mktemp("speed_train")
-    args = ["--steps", "1", "--warmup", "1", "--rounds", "2", "--batch", "4", "--samples", "48"]
+    args = ["--steps", "1", "--warmup", "1", "--rounds", "2", "--batch", "4", "--samples", "48", "--threads", "1"]
     out = bench_json(
         ["tools.speed_train", "--cases", "tiny,tiny_s3,tiny_buckets", *args, "--root", str(tmp / "caches")], tmp
     )
