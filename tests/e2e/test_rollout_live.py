@@ -196,8 +196,7 @@ def test_precompute_inspect_train_evaluate_and_live_equals_cached(rolled, tmp_pa
     assert evaluate.main(["--model", str(cached), "--data", str(mc), "--baselines", "all", "--json"]) == 0
     b = json.loads(capsys.readouterr().out)["baselines"]["no_rollout"]
     assert 0 <= b["p_value"] <= 1 and "accuracy" in b
-    # the VAE trains (stage 4): every batch rolls out live, with the cache's seeds: the same first-step loss (with
-    # each row's seed from its pixels instead, it differs by more than the tolerance)
+    # the VAE trains (stage 4): every batch rolls out live, with the cache's seeds: the same first-step loss
     # (no captions: the last eval's held-out loss already rolls out live; its captions checked nothing here)
     stage4 = tmp_path / "live"
     live_args = _stage(
