@@ -39,12 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     from theworld.core.process_group import launched_processes
 
     launched_processes()
-    # The cache is opened before transformers is imported (~6 s of CPU a process), so that a wrong URL or an
-    # unreachable endpoint is one line within seconds; the run's parts after it. A config mistake is one line at once,
-    # on every process of a launch.
+    # A cache in object storage is opened before transformers is imported (~6 s of CPU a process), so that a wrong
+    # URL or an unreachable endpoint is one line within seconds; a local one after the launch's checks, in Checked.
+    from theworld.core.location import is_url
     from train.data.cache import open_cache
 
-    opened = open_cache(cfg)
+    opened = open_cache(cfg) if any(is_url(str(c)) for c, _ in cfg.caches()) else None
     from train.components import make_accelerator
     from train.preempt import EXIT_CODES
     from train.trainer import Checked, Trainer
