@@ -26,9 +26,11 @@ def test_the_evaluator_loop_logs_the_lines_the_three_branches_logged(trained_run
     before = [json.loads(line) for line in GOLDEN.read_text().splitlines()]
     now = _eval_lines(metrics(trained_run["run"]))
     assert [list(m) for m in now] == [list(m) for m in before]  # the same lines, keys in the same order
+    # The golden lines were written on one CPU; another's kernels round a loss differently in its last float32
+    # digits, and a gap (the difference of two losses) carries that as an absolute error.
     for a, b in zip(now, before):
         for k, v in b.items():
-            assert a[k] == (pytest.approx(v, rel=1e-6, abs=1e-9) if isinstance(v, float) else v), (a["step"], k)
+            assert a[k] == (pytest.approx(v, rel=1e-5, abs=1e-5) if isinstance(v, float) else v), (a["step"], k)
 
 
 def test_one_eval_mode_for_every_evaluator():
