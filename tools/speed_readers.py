@@ -433,9 +433,11 @@ def _ours(url: str, local: str, window: int) -> Callable[[], Iterable]:
     import aiobotocore.session  # noqa: F401
     import s3fs  # noqa: F401
 
+    from theworld.core import heap
     from train.data import cache, loader  # noqa: F401
 
     processor = _processor()
+    heap.freeze()  # as train.loop keeps its imports out of the collector's passes before it opens a cache
     return lambda: _Batches(_train_config(url, local, window), processor)
 
 

@@ -12,7 +12,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from theworld.core import log, run_lock
+from theworld.core import heap, log, run_lock
 from theworld.core.errors import cli_entry
 from train.config import load, to_yaml
 
@@ -39,6 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     from theworld.core.process_group import launched_processes
 
     launched_processes()
+    with heap.scope():
+        return _run(cfg, t_start)
+
+
+def _run(cfg, t_start: float) -> int:
+    heap.freeze()  # torch's imports: the collector's passes skip them from here on (theworld/core/heap.py)
     # A cache in object storage is opened before transformers is imported (~6 s of CPU a process), so that a wrong
     # URL or an unreachable endpoint is one line within seconds; a local one after the launch's checks, in Checked.
     from theworld.core.location import is_url
@@ -53,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     accelerator = make_accelerator(cfg, checked.launch)
     # one run per output_dir: a second one would take this run's unfinished saves for a killed run's and delete them
     with run_lock.hold(cfg.output_dir, accelerator):
+        # the run is freed as train returns, before its process group is destroyed below: a DDP model freed after
+        # that can deadlock with gloo's thread
         code = train(Trainer.start(checked, accelerator, t_start))
     # not after an error, when another process may still be in a collective (see precompute's main); a preempted run
     # stopped on every rank after the same step
@@ -72,6 +80,7 @@ def train(t: Trainer) -> int:
     from train.step import NonFiniteError, optimization_step
 
     cfg, state, m = t.cfg, t.state, t.metrics
+    heap.freeze()  # the model library's imports and the built run, before the loaders' workers fork
     stop = Preemption(t.c.accelerator).install()  # SIGTERM / SIGINT: stop after the current step (or eval), saved
     try:
         for line in t.start_lines():
