@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from theworld.core import heap, log, run_lock
 from theworld.core.errors import cli_entry
-from train.config import load, to_yaml
+from train.config import TrainConfig, load, to_yaml
 
 if TYPE_CHECKING:
     from train.trainer import Trainer
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         return _run(cfg, t_start)
 
 
-def _run(cfg, t_start: float) -> int:
+def _run(cfg: TrainConfig, t_start: float) -> int:
     heap.freeze()  # torch's imports: the collector's passes skip them from here on (theworld/core/heap.py)
     # A cache in object storage is opened before transformers is imported (~6 s of CPU a process), so that a wrong
     # URL or an unreachable endpoint is one line within seconds; a local one after the launch's checks, in Checked.
