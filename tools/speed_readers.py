@@ -262,6 +262,9 @@ def _proxy_serve(upstream: int, latency_ms: float, bandwidth: float, port, count
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        # an answer is written as its headers then its body: with Nagle's algorithm on, a small body waits for the
+        # client's delayed ACK of the headers (40 ms on Linux), a delay that is no part of the latency modelled
+        disable_nagle_algorithm = True
 
         def log_message(self, *a):
             pass

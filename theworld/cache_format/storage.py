@@ -55,6 +55,11 @@ READ_ONLY = ("http", "https", "hf")  # fsspec reads these; a cache is not writte
 PART_BYTES = 8 << 20  # a shard is downloaded in range requests of this size ...
 PARTS_IN_FLIGHT = 8  # ... this many at once (the bytes one download holds in memory)
 CONNECTIONS = 32  # small objects (sidecars, index objects, error files) requested at once
+# The shard index's first part and its shard table are asked for with the manifest, up to this many bytes each, before
+# the manifest says what they are: a cache of up to a few thousand shards then opens in one round of requests. A larger
+# object (or one the manifest names otherwise) is fetched once the manifest is read, as before.
+GUESS_BYTES = 4 << 20
+RANGED = ("s3", "s3a", "gs", "gcs")  # object stores that answer a byte range (an HTTP server may send the whole file)
 # A staged shard no reader has opened yet (read ahead) carries a modification time this far in the future, so the
 # least-recently-used eviction takes it last; opening it sets the time to now (`open_tar`)
 UNREAD_S = 10 * 365 * 86400
@@ -300,8 +305,14 @@ class RemoteCache:
             pool = ThreadPoolExecutor(1)
             self._listed[SHARDS] = pool.submit(self.listing, SHARDS)
             pool.shutdown(wait=False)
-        for name, data in self.read_many([MANIFEST, ERRORS, RUN_FILE]).items():
-            self._keep(name, data)
+        small = (MANIFEST, ERRORS, RUN_FILE)
+        guesses = (f"{SHARD_INDEX}/{index.part_name(0)}", f"{SHARD_INDEX}/{index.TABLE}")
+        with ThreadPoolExecutor(len(small) + len(guesses)) as pool:
+            reads = {n: pool.submit(self.read, n) for n in small}
+            reads |= {n: pool.submit(self._guess, n) for n in guesses}
+        for name in small:
+            self._keep(name, reads[name].result())
+        guessed = {n: reads[n].result() for n in guesses}
         manifest = self.local / MANIFEST
         if not manifest.is_file():  # load_manifest tells a half-written cache (shards, no manifest) from none
             self.check_access()
@@ -317,9 +328,10 @@ class RemoteCache:
         except (ValueError, AttributeError, RecursionError, TypeError):
             return self.local  # load_manifest says what is wrong with it
         if _lazy(m):  # the shard table now, each part when a sample of it is read (index_part)
-            self._keep(m["shard_table"]["path"], self.read(m["shard_table"]["path"]))
+            table = m["shard_table"]
+            self._keep(table["path"], _as_listed(guessed.get(table["path"]), table) or self.read(table["path"]))
             return self.local
-        indexed = self._fetch_shard_index(parts) if isinstance(parts, list) else set()
+        indexed = self._fetch_shard_index(parts, guessed) if isinstance(parts, list) else set()
         for p in (self.local / SHARDS).glob("shard-*.json"):
             if p.stem[6:].isdigit() and int(p.stem[6:]) in indexed:
                 p.unlink(missing_ok=True)  # the index's record is the current one
@@ -339,9 +351,21 @@ class RemoteCache:
             self._keep(name, data)
         return self.local
 
-    def _fetch_shard_index(self, parts: list) -> set[int]:
+    def _guess(self, name: str) -> bytes | None:
+        """Object `name` whole if it holds under GUESS_BYTES (one range request), else None: a guess at what the
+        manifest will name, so a missing object, a larger one or a failure is None, never an error."""
+        if self.scheme not in RANGED:
+            return None
+        try:
+            data = self.fs.cat_file(self.path(name), start=0, end=GUESS_BYTES)
+        except Exception:  # noqa: BLE001 - the manifest's own fetch of it retries and reports
+            return None
+        return data if len(data) < GUESS_BYTES else None
+
+    def _fetch_shard_index(self, parts: list, guessed: dict[str, bytes | None]) -> set[int]:
         """The shard-index objects the manifest names, each checked against its entry, into the stand-in's
-        REMOTE_INDEX folder; the shards they cover. A missing or stale one is left out with a note (its shards'
+        REMOTE_INDEX folder; the shards they cover. `guessed`: objects fetched with the manifest (`_guess`), used
+        where they are what the manifest lists. A missing or stale one is left out with a note (its shards'
         sidecars are fetched instead)."""
         folder = self.local / REMOTE_INDEX
         make_dir(folder)
@@ -356,8 +380,11 @@ class RemoteCache:
             if p.name not in current and not atomic.is_partial(p.name):
                 p.unlink(missing_ok=True)
         atomic.remove_stale(folder)
+        known = {n: d for e, n in zip(parts, names) if (d := _as_listed(guessed.get(n), e)) is not None}
+        fetched = {**known, **self.read_many([n for n in names if n not in known])}
         covered: set[int] = set()
-        for entry, (name, data) in zip(parts, self.read_many(names).items()):
+        for entry, name in zip(parts, names):
+            data = fetched[name]
             try:
                 if data is None:
                     raise ValueError("missing")
@@ -836,6 +863,15 @@ def _lazy(m: dict) -> bool:
         return sample_index.is_lazy(m)
     except (TypeError, KeyError, AttributeError):
         return False  # load_manifest says what is wrong with it
+
+
+def _as_listed(data: bytes | None, entry: dict) -> bytes | None:
+    """`data` if it is the object a manifest entry ({path, bytes, sha256}) lists, else None."""
+    try:
+        ok = data is not None and len(data) == entry["bytes"] and hashlib.sha256(data).hexdigest() == entry["sha256"]
+    except (TypeError, KeyError):
+        return None
+    return data if ok else None
 
 
 def _read(path: Path) -> bytes | None:

@@ -3,11 +3,8 @@ run inside DataLoader workers; the main process receives collated batches packed
 
 from __future__ import annotations
 
-import functools
 import os
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -354,43 +351,26 @@ def _worker_init(_: int) -> None:
     ignore_in_workers()
 
 
-@contextmanager
-def stage_first(read_ahead: ReadAhead, positions: np.ndarray, workers: int) -> Iterator[None]:
-    """The shards of the workers' first batches (`positions`) downloaded from this process, over the body of the
-    `with` (torch's shared-memory manager starting) and finished before it ends, so before the workers fork: a
-    worker's first batch then reads staged shards (their sha256 checked here) instead of waiting for its own S3
-    client and download. At most 1 + storage.prefetch_shards shards per worker, that many at once (the downloads
-    read-ahead would make); a failure is left to the worker's read, which retries it and reports."""
+def stage_first(read_ahead: ReadAhead, positions: np.ndarray, workers: int) -> None:
+    """The shards of the workers' first batches (`positions`) downloaded from this process, at once, before the
+    workers fork: a worker's first batch then reads staged shards (their sha256 checked here) instead of waiting for
+    its own S3 client and download. At most 1 + storage.prefetch_shards shards per worker, that many at once (the
+    downloads read-ahead would make); a failure is left to the worker's read, which retries it and reports."""
     shards = read_ahead.first(positions, workers * (1 + read_ahead.depth)) if len(positions) else []
-    if not shards:
-        yield
-        return
-    with ThreadPoolExecutor(min(len(shards), 1 + read_ahead.depth)) as pool:
-        for s in shards:
-            pool.submit(read_ahead._stage, s)
-        yield  # the pool's exit waits for the downloads: no download's file is open when the workers fork
-
-
-@functools.cache
-def _start_shm_manager() -> None:
-    """Start torch's shared-memory manager (the file_system strategy's) in this process before workers fork: every
-    worker of every epoch and eval then uses it rather than starting one of its own, which took 1-2 s of each worker's
-    first batch on the 2-core CPU VM."""
-    torch.empty(1, dtype=torch.uint8).share_memory_()
+    if shards:
+        with ThreadPoolExecutor(min(len(shards), 1 + read_ahead.depth)) as pool:
+            list(pool.map(read_ahead._stage, shards))  # no download's file is open when the workers fork
 
 
 def _loader(cfg, ctx: DataContext, dataset, stage_first_shards: bool = False, **kw) -> DataLoader:
     workers = cfg.train.loader.num_workers
-    if workers:
-        # The main process then maps a batch's shared memory by name. The default strategy (file descriptors) asks
-        # the worker process for each descriptor over a socket when the batch is received: a round trip that waits
-        # for the worker to be scheduled, on the training step's time (docs/performance.md).
-        torch.multiprocessing.set_sharing_strategy("file_system")
+    # Batches cross from the workers by file descriptor, torch's default: a batch is one shared buffer (Batch), so
+    # that is one request to its worker per batch. Sharing by name instead needs torch's shared-memory manager, a
+    # process that loads libtorch (0.14 s) before the first batch.
+    if workers and stage_first_shards:
         # a training loader's first batches wait for their shards; an eval loader (built at the start, used later)
         # leaves its shards to its workers
-        first = np.arange(min(len(dataset), workers * kw["batch_size"])) if stage_first_shards else []
-        with stage_first(dataset.read_ahead, first, workers):
-            _start_shm_manager()
+        stage_first(dataset.read_ahead, np.arange(min(len(dataset), workers * kw["batch_size"])), workers)
     packing = (
         Packing(cfg.train.loader.pack_length, cfg.world.pool, 1 + cfg.world.num_world_steps)
         if cfg.train.loader.packing

@@ -159,6 +159,37 @@ def test_a_remote_cache_opens_with_requests_that_do_not_grow_with_its_shards(s3,
     assert counts[64] == counts[4] <= 10, counts
 
 
+def _index_gets(proxy, start: int, prefix: str) -> dict[str, list[str | None]]:
+    """{shard-index object: the Range header of each GET of it} since `start`."""
+    out: dict[str, list[str | None]] = {}
+    for m, p, r in proxy.log[start:]:
+        if m == "GET" and p.startswith(f"/{BUCKET}/{prefix}/{SHARD_INDEX}/"):
+            out.setdefault(p.rsplit("/", 1)[1], []).append(r)
+    return out
+
+
+def test_the_shard_index_is_asked_for_with_the_manifest_and_fetched_once(s3, tmp_path):
+    """A cache whose index fits in GUESS_BYTES opens in one round of requests: its first part and shard table are
+    asked for as byte ranges beside the manifest, and what the manifest then names is not asked for again."""
+    remote = _put_tree(s3, _cache(tmp_path / "c", 6), "guess")
+    start = len(s3.log)
+    reader = cf.CacheReader(remote, settings=cf.Settings(local_dir=str(tmp_path / "l")))
+    ranged = f"bytes=0-{storage.GUESS_BYTES - 1}"
+    assert _index_gets(s3, start, "guess") == {index.part_name(0): [ranged], index.TABLE: [ranged]}
+    assert members_by_key(reader) == members_by_key(cf.CacheReader(tmp_path / "c"))
+    reader.check_consistency()
+
+
+def test_an_index_larger_than_the_guess_is_fetched_as_the_manifest_names_it(s3, tmp_path, monkeypatch):
+    """Over GUESS_BYTES the guess is cut short and dropped: the part is then fetched whole, and reads the same."""
+    remote = _put_tree(s3, _cache(tmp_path / "c", 6), "big")
+    monkeypatch.setattr(storage, "GUESS_BYTES", 64)
+    start = len(s3.log)
+    reader = cf.CacheReader(remote, settings=cf.Settings(local_dir=str(tmp_path / "l")))
+    assert _index_gets(s3, start, "big")[index.part_name(0)] == ["bytes=0-63", None]
+    assert members_by_key(reader) == members_by_key(cf.CacheReader(tmp_path / "c"))
+
+
 def test_a_missing_or_stale_index_object_is_rebuilt_from_the_sidecars_with_a_note(s3, tmp_path, caplog):
     folder = _cache(tmp_path / "c", 6)
     remote = _put_tree(s3, folder, "stale")

@@ -164,7 +164,7 @@ def test_captions_alone_are_read_as_byte_ranges_without_staging_their_shard(s3, 
 
 
 def test_the_workers_first_shards_are_staged_before_they_fork_and_a_failure_is_left_to_their_read(s3, tmp_path):
-    """stage_first (the main process, while torch's shared-memory manager starts): the shards of each worker's first
+    """stage_first (the main process, before the workers fork): the shards of each worker's first
     batch, then the dataset order's up to 1 + depth, downloaded once each and checked; reading the first batches
     afterwards requests no tar. A shard whose download fails is not raised there: the read that needs it retries."""
     local = _cache(tmp_path / "c", 8, per_shard=3)
@@ -179,8 +179,7 @@ def test_the_workers_first_shards_are_staged_before_they_fork_and_a_failure_is_l
     failed = f"/{BUCKET}/first/shards/shard-{want[-1]:06d}.tar"
     s3.inject("GET", rf"/first/shards/shard-{want[-1]:06d}\.tar$", "500", "500", "500")  # its every attempt
     start = len(s3.log)
-    with stage_first(ahead, first_batches, workers=2):
-        pass
+    stage_first(ahead, first_batches, workers=2)
     assert set(s3.downloads(start, r"\.tar$")) == {f"/{BUCKET}/first/shards/shard-{i:06d}.tar" for i in want}
     assert not [f for f in s3.faults if "/first/" in f[1]]  # every attempt was made (the server's faults are shared)
     start = len(s3.log)
