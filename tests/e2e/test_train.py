@@ -205,26 +205,26 @@ def test_damaged_weights_and_a_too_short_max_length_are_one_line_errors(cache, t
 
 
 def test_a_prompt_too_long_met_inside_a_loader_worker_is_one_line(cache, tmp_path, monkeypatch, capsys):
-    """DataContext.build checks the first sample before training; a longer prompt met later, inside a worker, still
-    ends as one line naming the key (not the worker's traceback)."""
+    """The loaders check the first sample before their workers fork; a longer prompt met later, inside a worker,
+    still ends as one line naming the key (not the worker's traceback)."""
     from theworld.model import text
     from train.data import loader
 
     armed = {"on": False}
-    label, build = text.ChatFormatter._label, loader.DataContext.build
+    label, check = text.ChatFormatter._label, loader.DataContext.check_first
 
     def long_prompt(self, prompt, full):
         if armed["on"]:
             raise text.PromptTooLong("prompt alone is 999 tokens, over max_length 900")
         return label(self, prompt, full)
 
-    def build_then_arm(*a, **kw):
-        ctx = build(*a, **kw)
+    def check_then_arm(ctx):
+        check(ctx)
         armed["on"] = True  # the forked loader workers inherit it
         return ctx
 
     monkeypatch.setattr(text.ChatFormatter, "_label", long_prompt)
-    monkeypatch.setattr(loader.DataContext, "build", build_then_arm)
+    monkeypatch.setattr(loader.DataContext, "check_first", check_then_arm)
     assert train_inproc(base_args(cache, tmp_path / "run", **{"train.loader.num_workers": 1})) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == "error: config key 'train.loader.max_length': prompt alone is 999 tokens, over max_length 900", (

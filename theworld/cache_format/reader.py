@@ -430,15 +430,20 @@ class CacheReader:
 
     def raw(self, index: int) -> dict[str, bytes]:
         """The sample's wanted members' bytes, each checked against its recorded crc32 (raises CacheDamaged)."""
+        return self._raw(index, self.members)
+
+    def text(self, index: int) -> Sample:
+        """The sample's caption and json alone, whatever `members` says (safe beside other reads of this reader)."""
+        return self.decode(index, self._raw(index, ()), tensors=False)
+
+    def _raw(self, index: int, members: tuple[str, ...] | None) -> dict[str, bytes]:
         shard = self.shard_of(index)
         wanted = sorted(
-            m
-            for m in self._index.members(index)
-            if self.members is None or m[2] in self.members or m[2] in (CAPTION, META)
+            m for m in self._index.members(index) if members is None or m[2] in members or m[2] in (CAPTION, META)
         )
         runs = _runs(wanted, self.READ_GAP)
         fd = self._files.get(shard)
-        if fd is None and self.members == () and self.remote is not None:
+        if fd is None and members == () and self.remote is not None:
             entry = self.shard_table.entry(shard)
             if not self.remote.holds(entry["sha256"]):  # text alone: its byte ranges, not the whole shard
                 name = f"{SHARDS}/{tar_path(self.cache_dir, shard).name}"

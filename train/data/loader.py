@@ -4,7 +4,8 @@ run inside DataLoader workers; the main process receives collated batches packed
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -140,9 +141,14 @@ class CacheDataset(Dataset):
         return len(self.indices)
 
     def __getitem__(self, pos: int) -> dict:
+        return self.item(pos)
+
+    def item(self, pos: int, read_ahead: bool = True) -> dict:
+        """The sample at `pos`; `read_ahead`: the next shards of the order downloaded meanwhile (ReadAhead)."""
         index = int(self.indices[pos])
         raw = self.reader.raw(index)  # first: a cold shard's download does not share the network with read-ahead
-        self.read_ahead(pos)
+        if read_ahead:
+            self.read_ahead(pos)
         s = self.reader.decode(index, raw, tensors=False)
         flipped = self.flip and flip_of(self.seed, self.epoch, index)
         turns = tuple((swap_left_right(u), swap_left_right(m)) if flipped else (u, m) for u, m in s.turns)
@@ -209,6 +215,7 @@ class DataContext:
     draw: Draw | None = None  # a mixture's per-epoch draw from its caches
     truncation: str = ""  # with train.loader.max_length: how many training samples it shortens (start line)
     groups: LengthGroups | None = None  # train.loader.group_by_length: each sample's length and images
+    first: Future | None = None  # the first training sample's text, read in the background (`check_first`)
 
     @classmethod
     def build(
@@ -221,10 +228,11 @@ class DataContext:
     ) -> DataContext:
         """`split_`: split(reader, cfg.train.eval.samples) when the caller has it already."""
         train, held = split_ if split_ is not None else split(reader, cfg.train.eval.samples)
+        # a cache in a bucket reads it as a byte range: that round trip passes beside the rest of the start
+        first = ThreadPoolExecutor(1, "first-text")
+        read = first.submit(reader.text, int(train[0]))
+        first.shutdown(wait=False)
         formatter = ChatFormatter(processor, max_length=cfg.train.loader.max_length or None)
-        with text_only(reader):
-            first = reader.sample(train[0], tensors=False)
-        encode_texts(formatter, [first.turns])  # a prompt over max_length: an error before any worker
         large = getattr(reader, "lazy", False)  # a cache read a part at a time: no pass over every sample's text
         truncation = ""
         if formatter.max_length:
@@ -246,7 +254,15 @@ class DataContext:
             mixture_draw(cfg, reader, train),
             truncation,
             groups,
+            read,
         )
+
+    def check_first(self) -> None:
+        """The first training sample's prompt within train.loader.max_length: an error before any worker forks (the
+        loaders call it). Waits for the background read of its text, whose error it raises."""
+        if self.first is not None:
+            first, self.first = self.first, None
+            encode_texts(self.formatter, [first.result().turns])
 
     def epoch_samples(self, seed: int, epoch: int) -> np.ndarray:
         """The training samples epoch `epoch` orders: all of them, or a mixture's draw."""
@@ -362,29 +378,50 @@ def stage_first(read_ahead: ReadAhead, positions: np.ndarray, workers: int) -> N
             list(pool.map(read_ahead._stage, shards))  # no download's file is open when the workers fork
 
 
-def _loader(cfg, ctx: DataContext, dataset, stage_first_shards: bool = False, **kw) -> DataLoader:
+class TrainLoader:
+    """A training loader with workers: its first batch made in this process, which would only wait for it, while the
+    workers start (fork, import state, first reads) on the batches after it. The batches are those of one
+    DataLoader over every position, in the same order."""
+
+    def __init__(self, dataset: CacheDataset, collate: Collate, rest: DataLoader, size: int):
+        self.dataset, self.collate, self.rest, self.size = dataset, collate, rest, size
+
+    def __len__(self) -> int:
+        return (self.size > 0) + len(self.rest)
+
+    def __iter__(self) -> Iterator:
+        rest = iter(self.rest)  # the workers fork now, before this process reads anything more
+        if self.size:
+            # its shards are staged (stage_first): no read-ahead threads of this process left running into a fork
+            yield self.collate([self.dataset.item(pos, read_ahead=False) for pos in range(self.size)])
+        yield from rest
+
+
+def _loader(cfg, ctx: DataContext, dataset, stage: int = 0, **kw) -> DataLoader:
+    """`stage`: the positions whose shards are downloaded before the workers fork (a training loader's first
+    batches; an eval loader, built at the start and used later, leaves its shards to its workers)."""
     workers = cfg.train.loader.num_workers
     # Batches cross from the workers by file descriptor, torch's default: a batch is one shared buffer (Batch), so
     # that is one request to its worker per batch. Sharing by name instead needs torch's shared-memory manager, a
     # process that loads libtorch (0.14 s) before the first batch.
-    if workers and stage_first_shards:
-        # a training loader's first batches wait for their shards; an eval loader (built at the start, used later)
-        # leaves its shards to its workers
-        stage_first(dataset.read_ahead, np.arange(min(len(dataset), workers * kw["batch_size"])), workers)
-    packing = (
-        Packing(cfg.train.loader.pack_length, cfg.world.pool, 1 + cfg.world.num_world_steps)
-        if cfg.train.loader.packing
-        else None
-    )
+    if workers and stage:
+        stage_first(dataset.read_ahead, np.arange(min(len(dataset), stage)), workers)
+    ctx.check_first()  # after the first shards' downloads, which its read passes beside; before any worker forks
     return DataLoader(
         dataset,
         num_workers=workers,
         pin_memory=torch.cuda.is_available(),
-        collate_fn=Collate(ctx.formatter, packing),
+        collate_fn=_collate(cfg, ctx),
         prefetch_factor=4 if workers else None,
         worker_init_fn=_worker_init if workers else None,
         **kw,
     )
+
+
+def _collate(cfg, ctx: DataContext) -> Collate:
+    loader = cfg.train.loader
+    packing = Packing(loader.pack_length, cfg.world.pool, 1 + cfg.world.num_world_steps) if loader.packing else None
+    return Collate(ctx.formatter, packing)
 
 
 def _rank_indices(cfg, ctx: DataContext, rank: int, world_size: int, epoch: int, start: int) -> np.ndarray:
@@ -403,10 +440,17 @@ def _rank_indices(cfg, ctx: DataContext, rank: int, world_size: int, epoch: int,
     return rank_indices(samples, *args, ctx.buckets[samples], ctx.groups, shards=shards, window=window)
 
 
-def build_train_loader(cfg, ctx: DataContext, rank: int, world_size: int, epoch: int, start: int = 0) -> DataLoader:
+def build_train_loader(
+    cfg, ctx: DataContext, rank: int, world_size: int, epoch: int, start: int = 0
+) -> DataLoader | TrainLoader:
     """Micro-batches of this process for `epoch` from global batch `start` on: accumulation_steps of them per step."""
     dataset = ctx.dataset(cfg, _rank_indices(cfg, ctx, rank, world_size, epoch, start), epoch)
-    return _loader(cfg, ctx, dataset, True, batch_size=cfg.train.micro_batch_size, shuffle=False)
+    size, workers = cfg.train.micro_batch_size, cfg.train.loader.num_workers
+    if not workers:
+        return _loader(cfg, ctx, dataset, batch_size=size, shuffle=False)
+    first = min(size, len(dataset))
+    rest = _loader(cfg, ctx, dataset, (1 + workers) * size, batch_size=size, sampler=range(first, len(dataset)))
+    return TrainLoader(dataset, _collate(cfg, ctx), rest, first)
 
 
 def build_eval_loader(cfg, ctx: DataContext, rank: int, world_size: int) -> DataLoader:

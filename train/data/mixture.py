@@ -72,6 +72,10 @@ class MixedReader:
         reader, i = self.locate(index)
         return reader.raw(i)
 
+    def text(self, index: int) -> cf.Sample:
+        reader, i = self.locate(index)
+        return reader.text(i)
+
     def decode(self, index: int, members: dict[str, bytes], tensors: bool = True) -> cf.Sample:
         reader, i = self.locate(index)
         return reader.decode(i, members, tensors)

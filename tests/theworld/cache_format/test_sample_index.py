@@ -12,10 +12,10 @@ import shutil
 import numpy as np
 import pytest
 
-from tests.theworld.cache_format.test_index import _cache, _gets
+from tests.theworld.cache_format.test_index import _cache, _gets, _index_gets
 from tests.theworld.cache_format.test_storage import _put_tree, members_by_key
 from theworld import cache_format as cf
-from theworld.cache_format import index, sample_index
+from theworld.cache_format import index, sample_index, storage
 from theworld.cache_format.names import SHARD_INDEX
 from theworld.core.errors import CacheDamaged
 
@@ -110,9 +110,12 @@ def test_a_remote_part_is_downloaded_once_per_node_and_only_when_a_sample_of_it_
     remote = _put_tree(s3, folder, "lazy")
     start = len(s3.log)
     reader = cf.CacheReader(remote, settings=cf.Settings(local_dir=str(tmp_path / "l")))
-    opened = _gets(s3, start, "lazy")
-    # the shard table alone: no part, no sidecar
-    assert [p.rsplit("/", 1)[1] for p in opened if f"/{SHARD_INDEX}/" in p or "/shards/" in p] == [index.TABLE]
+    opened = _index_gets(s3, start, "lazy")
+    # the shard table, and of the parts the first one's bytes the open asks for before the manifest names it (up to
+    # GUESS_BYTES): no other part, no sidecar
+    ranged = f"bytes=0-{storage.GUESS_BYTES - 1}"
+    assert opened == {index.TABLE: [ranged], index.part_name(0): [ranged]}
+    assert not [p for p in _gets(s3, start, "lazy") if "/shards/" in p]
     start = len(s3.log)
     reader.raw(17)  # shard 8: part 2
     assert [p.rsplit("/", 1)[1] for p in _gets(s3, start, f"lazy/{SHARD_INDEX}")] == [index.part_name(2)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from tests.conftest import base_args
 from theworld import cache_format as cf
@@ -192,10 +193,11 @@ def _context(cache, tmp_path, monkeypatch, lazy: bool):
     cfg = load_config(TrainConfig, None, [a for a in base_args(cache, tmp_path / "run") if a != "--set"] + sets)
     reader, plan = data.open_cache(cfg)
     reads = []
-    raw = reader.raw
-    monkeypatch.setattr(reader, "raw", lambda i: reads.append(i) or raw(i))  # counts the tar reads
+    raw = reader._raw
+    monkeypatch.setattr(reader, "_raw", lambda i, m: reads.append(i) or raw(i, m))  # counts the tar reads
     monkeypatch.setattr(loader, "TEXT_SAMPLE", 10)
     ctx = loader.DataContext.build(cfg, reader, plan, AutoProcessor.from_pretrained(resolve_gemma("tiny")))
+    ctx.check_first()  # as a loader does: the first sample's read (in the background) is over
     return reader, ctx, reads
 
 
@@ -203,7 +205,7 @@ def test_a_large_cache_groups_by_its_index_text_bytes_and_reports_truncation_fro
     reader, ctx, reads = _context(cache, tmp_path, monkeypatch, lazy=True)
     assert reader.lazy and len(ctx.train_indices) == 80
     # 10 training samples read for the report, and the first sample's check: not one read per sample
-    assert len(reads) == 11 and set(reads[1:]) <= set(ctx.train_indices.tolist())
+    assert len(reads) == 11 and set(reads) <= set(ctx.train_indices.tolist())
     assert "of 10 training samples (a draw from the 80 of this cache" in ctx.truncation
     np.testing.assert_array_equal(ctx.groups.lengths, reader.text_bytes())
     assert ctx.groups.images.tolist() == [1] * len(reader)
@@ -231,3 +233,48 @@ def test_the_truncation_reports_draw_from_a_billion_training_samples_holds_no_ar
     assert len(drawn) == loader.TEXT_SAMPLE == len(set(drawn.tolist())) and (np.diff(drawn) > 0).all()
     assert not np.isin(drawn, held).any()
     assert drawn.tolist() == loader.text_sample(Kept(2_000_000_000, held), seed=3).tolist()  # the seed's draw
+
+
+def test_the_first_samples_text_is_read_in_the_background_and_its_damage_stops_the_loader_build(ctx_cfg, tmp_path):
+    """DataContext.build reads the first training sample's text beside the rest of the start; its error (a flipped
+    byte in its caption) is raised once, by the first loader's build, before any worker could fork."""
+    import shutil
+
+    from transformers import AutoProcessor
+
+    from tests._precompute_helpers import flip_byte
+    from theworld.core.errors import CacheDamaged
+    from theworld.model import encoders
+
+    ctx, cfg = ctx_cfg
+    cache = tmp_path / "c"
+    shutil.copytree(cfg.cache_dir, cache)
+    first = int(ctx.train_indices[0])
+    shard = int(ctx.reader.shards[first])
+    key = flip_byte(cache, shard, first - int(ctx.reader.shard_starts[shard]), "txt")
+    processor = AutoProcessor.from_pretrained(encoders.resolve_gemma("tiny"))
+    damaged = loader.DataContext.build(cfg, cf.CacheReader(cache), ctx.inputs, processor)  # nothing raised yet
+    with pytest.raises(CacheDamaged) as e:
+        loader.build_train_loader(cfg, damaged, 0, 1, epoch=0)
+    assert key in str(e.value) and "crc32" in str(e.value) and len(str(e.value).splitlines()) == 1
+    damaged.check_first()  # raised once: nothing is left pending
+
+
+def test_with_workers_the_first_batch_is_made_here_and_the_batches_are_those_without(ctx_cfg):
+    """A training loader with workers makes its first batch in this process while they start on the rest: the same
+    batches, in the same order, as the loader without workers; the later ones cross from a worker's shared memory."""
+    import dataclasses
+
+    ctx, cfg = ctx_cfg
+    workers = dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, loader=dataclasses.replace(cfg.train.loader, num_workers=1))
+    )
+    for epoch in (0, 1):
+        alone = list(loader.build_train_loader(cfg, ctx, 0, 1, epoch))
+        made = loader.build_train_loader(workers, ctx, 0, 1, epoch)
+        got = list(made)
+        assert len(made) == len(got) == len(alone) >= 3
+        for a, b in zip(alone, got):
+            x, y = a.tensors("cpu"), b.tensors("cpu")  # (the buffer's alignment gaps hold no data)
+            assert a.layout == b.layout and all(torch.equal(x[k], y[k]) for k in x)
+        assert [b.buffer.is_shared() for b in got] == [False] + [True] * (len(got) - 1)
