@@ -31,9 +31,9 @@ settings (batch_size given); the peers decode each sample's caption, json and la
 process of its own with its imports (and our processor) loaded before the clock starts, the S3 clients' packages
 included (s3fs and aiobotocore for ours, boto3 for Streaming: each imports them at its first request); the first
 batch is timed from "make a loader over the URL" to "its first batch in hand": ours: opening the cache (its S3
-client; manifest, errors, run record and the shards' listing at once; the shard index), DataContext.build (one
-sample's text as a byte range), torch's shared-memory manager started while the first shards are staged, its
-worker forked, decoding, tokenising and collating 32 samples;
+client; manifest, errors, run record, the shards' listing and the shard index's first objects at once),
+DataContext.build (one sample's text as a byte range, in the background), the first shards staged, its worker
+forked, and the first batch (32 samples decoded, tokenised and collated) made in the main process;
 webdataset: its DataLoader's worker forked, a curl per shard streaming the first tar, 32 samples decoded;
 Streaming: StreamingDataset made (its index.json downloaded), its worker forked, the first shard downloaded, 32
 samples decoded. litdata is not measured: its
@@ -490,8 +490,7 @@ def _reader_epochs(name: str, args: tuple, counts: Counts, conn, scratch: str) -
 
 def _in_own_process(name: str, args: tuple, counts: Counts) -> dict:
     """`_reader_epochs` in a new interpreter (spawned): each reader's first batch pays the same first-time costs of
-    a process (its S3 client, torch's shared-memory manager, its DataLoader worker), none inherited from a reader
-    measured before it."""
+    a process (its S3 client, its DataLoader worker), none inherited from a reader measured before it."""
     ctx = multiprocessing.get_context("spawn")
     ours, theirs = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_reader_epochs, args=(name, args, counts, theirs, tempfile.gettempdir()))

@@ -26,7 +26,7 @@ class Batch:
     """A collated micro-batch packed into one flat byte buffer.
 
     A tensor a loader worker returns crosses to the main process as a shared-memory block of its own: created in the
-    worker, opened by name in the main process (each a round trip to torch's shared-memory manager), then pinned and
+    worker, its file descriptor asked of the worker by the main process (a round trip each), then pinned and
     copied to the GPU on its own. One block per batch, allocated shared in the worker so that sending it copies
     nothing, keeps that cost per batch rather than per tensor (docs/performance.md). `to(device)` gives the named
     tensors back as views of the copied buffer.

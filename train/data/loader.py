@@ -3,7 +3,9 @@ run inside DataLoader workers; the main process receives collated batches packed
 
 from __future__ import annotations
 
+import contextlib
 import os
+import resource
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -404,6 +406,8 @@ def _loader(cfg, ctx: DataContext, dataset, stage: int = 0, **kw) -> DataLoader:
     # Batches cross from the workers by file descriptor, torch's default: a batch is one shared buffer (Batch), so
     # that is one request to its worker per batch. Sharing by name instead needs torch's shared-memory manager, a
     # process that loads libtorch (0.14 s) before the first batch.
+    if workers:
+        _more_descriptors()
     if workers and stage:
         stage_first(dataset.read_ahead, np.arange(min(len(dataset), stage)), workers)
     ctx.check_first()  # after the first shards' downloads, which its read passes beside; before any worker forks
@@ -416,6 +420,19 @@ def _loader(cfg, ctx: DataContext, dataset, stage: int = 0, **kw) -> DataLoader:
         worker_init_fn=_worker_init if workers else None,
         **kw,
     )
+
+
+DESCRIPTORS = 1 << 20  # the most open files a loader asks the system for
+
+
+def _more_descriptors() -> None:
+    """A batch from a worker holds a file descriptor for as long as it lives, so a caller that keeps many (a list of
+    an epoch's batches) would meet the usual soft limit of 1024 open files: it is raised towards the hard limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = DESCRIPTORS if hard == resource.RLIM_INFINITY else min(hard, DESCRIPTORS)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with contextlib.suppress(ValueError, OSError):  # a system that refuses keeps its limit
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
 def _collate(cfg, ctx: DataContext) -> Collate:

@@ -278,3 +278,22 @@ def test_with_workers_the_first_batch_is_made_here_and_the_batches_are_those_wit
             x, y = a.tensors("cpu"), b.tensors("cpu")  # (the buffer's alignment gaps hold no data)
             assert a.layout == b.layout and all(torch.equal(x[k], y[k]) for k in x)
         assert [b.buffer.is_shared() for b in got] == [False] + [True] * (len(got) - 1)
+
+
+def test_a_loader_with_workers_raises_the_open_files_limit_its_batches_hold(ctx_cfg):
+    """Each batch from a worker holds a file descriptor while it lives: a loader with workers raises the soft limit
+    of open files (here lowered to 64) towards the hard one, so a caller keeping an epoch of batches is not cut off."""
+    import dataclasses
+    import resource
+
+    ctx, cfg = ctx_cfg
+    loader_cfg = dataclasses.replace(cfg.train.loader, num_workers=1)
+    workers = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, loader=loader_cfg))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+    try:
+        loader.build_train_loader(workers, ctx, 0, 1, 0)
+        want = loader.DESCRIPTORS if hard == resource.RLIM_INFINITY else min(hard, loader.DESCRIPTORS)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (want, hard)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
