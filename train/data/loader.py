@@ -369,14 +369,22 @@ def _worker_init(_: int) -> None:
     ignore_in_workers()
 
 
-def stage_first(read_ahead: ReadAhead, positions: np.ndarray, workers: int) -> None:
-    """The shards of the workers' first batches (`positions`) downloaded from this process, at once, before the
-    workers fork: a worker's first batch then reads staged shards (their sha256 checked here) instead of waiting for
-    its own S3 client and download. At most 1 + storage.prefetch_shards shards per worker, that many at once (the
-    downloads read-ahead would make); a failure is left to the worker's read, which retries it and reports."""
-    shards = read_ahead.first(positions, workers * (1 + read_ahead.depth)) if len(positions) else []
+STAGE_AT_ONCE = 8  # shards stage_first downloads at once (each holds storage.PARTS_IN_FLIGHT parts in memory)
+
+
+def stage_first(read_ahead: ReadAhead, here: int, positions: np.ndarray, workers: int) -> None:
+    """The shards of the first batches (`positions`: this process's first `here`, then the workers' first ones)
+    downloaded from this process, STAGE_AT_ONCE at a time, before the workers fork: this process's first batch and a
+    worker's then read staged shards (their sha256 checked here), the worker's without waiting for its own S3 client.
+    Every shard of this process's first batch (a windowed order spreads a batch over up to storage.shuffle_window
+    shards), then at most 1 + storage.prefetch_shards per worker (what its read-ahead would ask for); a failure is left
+    to the read that needs the shard, which retries it and reports."""
+    if not len(positions) or read_ahead.shards is None:
+        return
+    mine = len(_distinct(read_ahead.shards[positions[:here]]))
+    shards = read_ahead.first(positions, mine + workers * (1 + read_ahead.depth))
     if shards:
-        with ThreadPoolExecutor(min(len(shards), 1 + read_ahead.depth)) as pool:
+        with ThreadPoolExecutor(min(len(shards), STAGE_AT_ONCE)) as pool:
             list(pool.map(read_ahead._stage, shards))  # no download's file is open when the workers fork
 
 
@@ -399,9 +407,10 @@ class TrainLoader:
         yield from rest
 
 
-def _loader(cfg, ctx: DataContext, dataset, stage: int = 0, **kw) -> DataLoader:
+def _loader(cfg, ctx: DataContext, dataset, stage: int = 0, here: int = 0, **kw) -> DataLoader:
     """`stage`: the positions whose shards are downloaded before the workers fork (a training loader's first
-    batches; an eval loader, built at the start and used later, leaves its shards to its workers)."""
+    batches, `here` of them this process's; an eval loader, built at the start and used later, leaves its shards to
+    its workers)."""
     workers = cfg.train.loader.num_workers
     # Batches cross from the workers by file descriptor, torch's default: a batch is one shared buffer (Batch), so
     # that is one request to its worker per batch. Sharing by name instead needs torch's shared-memory manager, a
@@ -409,7 +418,7 @@ def _loader(cfg, ctx: DataContext, dataset, stage: int = 0, **kw) -> DataLoader:
     if workers:
         _more_descriptors()
     if workers and stage:
-        stage_first(dataset.read_ahead, np.arange(min(len(dataset), stage)), workers)
+        stage_first(dataset.read_ahead, here, np.arange(min(len(dataset), stage)), workers)
     ctx.check_first()  # after the first shards' downloads, which its read passes beside; before any worker forks
     return DataLoader(
         dataset,
@@ -466,7 +475,7 @@ def build_train_loader(
     if not workers:
         return _loader(cfg, ctx, dataset, batch_size=size, shuffle=False)
     first = min(size, len(dataset))
-    rest = _loader(cfg, ctx, dataset, (1 + workers) * size, batch_size=size, sampler=range(first, len(dataset)))
+    rest = _loader(cfg, ctx, dataset, (1 + workers) * size, first, batch_size=size, sampler=range(first, len(dataset)))
     return TrainLoader(dataset, _collate(cfg, ctx), rest, first)
 
 

@@ -179,7 +179,7 @@ def test_the_workers_first_shards_are_staged_before_they_fork_and_a_failure_is_l
     failed = f"/{BUCKET}/first/shards/shard-{want[-1]:06d}.tar"
     s3.inject("GET", rf"/first/shards/shard-{want[-1]:06d}\.tar$", "500", "500", "500")  # its every attempt
     start = len(s3.log)
-    stage_first(ahead, first_batches, workers=2)
+    stage_first(ahead, 0, first_batches, workers=2)
     assert set(s3.downloads(start, r"\.tar$")) == {f"/{BUCKET}/first/shards/shard-{i:06d}.tar" for i in want}
     assert not [f for f in s3.faults if "/first/" in f[1]]  # every attempt was made (the server's faults are shared)
     start = len(s3.log)
@@ -188,3 +188,22 @@ def test_the_workers_first_shards_are_staged_before_they_fork_and_a_failure_is_l
         truth.raw(int(i)) for i in order if truth.shards[i] == want[-1]
     ]
     assert s3.downloads(start, r"\.tar$") == [failed]  # the others were staged; the failed one by its read
+
+
+def test_every_shard_of_the_main_processs_first_batch_is_staged_at_once(s3, tmp_path):
+    """The main process makes the first batch itself: all its shards are staged (a windowed order spreads it over
+    several), however few read-ahead would fetch for a worker; nothing beyond them when there is no worker."""
+    local = _cache(tmp_path / "c", 8, per_shard=3)
+    remote = _put_tree(s3, local, "here")
+    truth = cf.CacheReader(local)
+    order = rank_indices(np.arange(len(truth)), 7, 0, 8, 0, 1, shards=truth.shards, window=4)
+    reader = cf.CacheReader(remote, settings=cf.Settings(local_dir=str(tmp_path / "l")))
+    ahead, batch = ReadAhead(reader, order, 1), 8
+    want = set(truth.shards[order[:batch]].tolist())
+    assert len(want) > 1 + ahead.depth  # more than a worker's first read and read-ahead would stage
+    start = len(s3.log)
+    stage_first(ahead, batch, np.arange(batch), workers=0)
+    assert sorted(s3.downloads(start, r"\.tar$")) == sorted(f"/{BUCKET}/here/shards/shard-{i:06d}.tar" for i in want)
+    start = len(s3.log)
+    assert [reader.raw(int(i)) for i in order[:batch]] == [truth.raw(int(i)) for i in order[:batch]]
+    assert not s3.downloads(start, r"\.tar$")
