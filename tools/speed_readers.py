@@ -305,10 +305,11 @@ def _proxy_serve(upstream: int, latency_ms: float, bandwidth: float, port, count
 
 
 class Counts:
-    """The proxy's counters: counts() -> (requests, body bytes) so far; handed to a reader's own process."""
+    """The proxy's counters: counts() -> (requests, body bytes) so far; handed to a reader's own process. `pid`: the
+    proxy's process."""
 
-    def __init__(self, shared):
-        self.shared = shared
+    def __init__(self, shared, pid: int):
+        self.shared, self.pid = shared, pid
 
     def __call__(self) -> tuple[int, int]:
         return self.shared[0], self.shared[1]
@@ -329,7 +330,7 @@ def latency_proxy(latency_ms: float, bandwidth_mbps: float = 0) -> Iterator[Coun
     saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "S3_ENDPOINT_URL")}
     os.environ["AWS_ENDPOINT_URL"] = os.environ["S3_ENDPOINT_URL"] = f"http://127.0.0.1:{port.value}"
     try:
-        yield Counts(counts)
+        yield Counts(counts, proc.pid)
     finally:
         proc.terminate()
         proc.join(10)
@@ -476,24 +477,30 @@ def _mosaic(remote: str, local: str) -> Callable[[], Iterable]:
 READERS = {"theworld": _ours, "webdataset": _wds_stream, "streaming": _mosaic}
 
 
-def _reader_epochs(name: str, args: tuple, counts: Counts, conn, scratch: str) -> None:
-    """A reader's process: its imports (and for ours the tokenizer's processor) before the clock starts, then
-    `_time_epochs`; sends the figures, or the error's text. `scratch`: the run's temporary folder (`_scratch`)."""
+def _reader_epochs(name: str, args: tuple, counts: Counts) -> dict:
+    """A reader's figures: its imports (and for ours the tokenizer's processor) before the clock starts, then
+    `_time_epochs`."""
+    return _time_epochs(READERS[name](*args), counts)
+
+
+def _send(fn: Callable, args: tuple, conn, scratch: str) -> None:
+    """A spawned process's body: sends fn(*args), or the error's text. `scratch`: the run's temporary folder."""
     tempfile.tempdir = scratch
     multiprocessing.set_start_method("fork", force=True)  # a spawned process inherits spawn: not a user's default
     try:
-        conn.send(_time_epochs(READERS[name](*args), counts))
+        conn.send(fn(*args))
     except BaseException as e:  # noqa: BLE001 - reported by the parent, which would otherwise wait
-        conn.send(f"{name}: {type(e).__name__}: {e}")
+        conn.send(f"{fn.__name__}: {type(e).__name__}: {e}")
         raise
 
 
-def _in_own_process(name: str, args: tuple, counts: Counts) -> dict:
-    """`_reader_epochs` in a new interpreter (spawned): each reader's first batch pays the same first-time costs of
-    a process (its S3 client, its DataLoader worker), none inherited from a reader measured before it."""
+def _spawned(fn: Callable, *args):
+    """fn(*args) in a new interpreter (spawned): apart from the S3 server, which runs in this process and would
+    otherwise take the measured code's interpreter for every request it answers, and with the first-time costs of a
+    process (its S3 client, its DataLoader worker) paid again, none inherited from a case measured before it."""
     ctx = multiprocessing.get_context("spawn")
     ours, theirs = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_reader_epochs, args=(name, args, counts, theirs, tempfile.gettempdir()))
+    proc = ctx.Process(target=_send, args=(fn, args, theirs, tempfile.gettempdir()))
     proc.start()
     theirs.close()
     try:
@@ -502,7 +509,7 @@ def _in_own_process(name: str, args: tuple, counts: Counts) -> dict:
         got = None
     proc.join()
     if got is None:
-        got = f"{name}: its process exited with status {proc.exitcode} before reporting"
+        got = f"{fn.__name__}: its process exited with status {proc.exitcode} before reporting"
     if isinstance(got, str):
         raise RuntimeError(got)
     return got
@@ -529,14 +536,14 @@ def latency_run(cache: Path, latencies: list[float], bandwidth_mbps: float, rows
                 }
                 row = {"latency_ms": ms}
                 for name in READERS:
-                    row[name] = _in_own_process(name, args[name], counts)
+                    row[name] = _spawned(_reader_epochs, name, args[name], counts)
                 report["rows"].append(row)
         if rows_only:
             return report
         probe = next((x for x in latencies if x > 0), latencies[-1])
         with latency_proxy(probe, bandwidth_mbps) as counts:
             report["budget"] = _budget_bytes(url, manifest, counts, processor)
-            report["cold_overhead"] = _cold_overhead(url, max(1, shards // 4), processor)
+            report["cold_overhead"] = _spawned(_cold_overhead, url, max(1, shards // 4), [os.getpid(), counts.pid])
             report["open"] = _open_times()
             report["fetch_records_1024_s"] = _fetch_records_time()
         report["probe_latency_ms"] = probe
@@ -563,12 +570,22 @@ def _budget_bytes(url: str, manifest: dict, counts, processor) -> dict:
     return out
 
 
-def _cold_overhead(url: str, window: int, processor) -> dict:
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user and system) process `pid` has used so far (Linux's /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cold_overhead(url: str, window: int, server: list[int]) -> dict:
     """data_overhead of training the tiny model for one whole epoch from a cold shard cache (its open included):
-    the epoch's wall seconds over those of the same steps on batches already in memory."""
+    the epoch's wall seconds over those of the same steps on batches already in memory; and the CPU seconds the
+    `server` processes (the S3 server's, the proxy's) used during the cold epoch, on the machine's cores with it (a
+    bucket's are elsewhere)."""
     from tools.speed_train import _steps
     from train import components
     from train.step import LoopState, optimization_step
+
+    processor = _processor()
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = _train_config(url, f"{tmp}/cold", window)
@@ -581,9 +598,11 @@ def _cold_overhead(url: str, window: int, processor) -> dict:
         for cold in (False, True, False):  # the in-memory epoch before and after: a loaded machine drifts
             t = time.perf_counter()
             if cold:
+                cpu = sum(map(_cpu_s, server))
                 for batch in _Batches(cfg, processor):
                     optimization_step(c, state, [batch])
                 cold_s = time.perf_counter() - t
+                server_cpu_s = sum(map(_cpu_s, server)) - cpu
             else:
                 _steps(c, state, staged, 1)
                 staged_s.append(time.perf_counter() - t)
@@ -593,6 +612,7 @@ def _cold_overhead(url: str, window: int, processor) -> dict:
         "staged_s": round(staged_s, 2),
         "cold_s": round(cold_s, 2),
         "data_overhead": round(cold_s / staged_s, 3),
+        "server_cpu_s": round(server_cpu_s, 2),
     }
 
 
