@@ -483,7 +483,11 @@ class RemoteCache:
                     return path  # another process staged it while this one waited
                 if not _same_file(fd, part):
                     continue  # renamed into place or dropped while this one waited: look again
-                self._make_room(size, index, ahead)
+                try:
+                    self._make_room(size, index, fd, ahead)
+                except BaseException:
+                    part.unlink(missing_ok=True)  # nothing written (no room ahead, a full disk): no `.part` stays
+                    raise
                 name = f"{SHARDS}/{tar_path(self.local, index).name}"
                 self._download(name, fd, part, path, size, sha256, unread=ahead)
                 self._checked.add(sha256)
@@ -521,7 +525,7 @@ class RemoteCache:
         """The object `name` into `fd` (the locked `part`) by range requests, several at once, hashed in order;
         renamed to `path` once it is the shard the manifest lists (`unread`: marked read ahead, UNREAD_S)."""
         h = hashlib.sha256()
-        os.ftruncate(fd, 0)
+        os.ftruncate(fd, size)  # its reservation (_make_room); what a killed download left past it goes
         try:
             step = PART_BYTES * PARTS_IN_FLIGHT
             for lo in range(0, max(size, 1), step):
@@ -593,11 +597,13 @@ class RemoteCache:
             wait *= 2
         raise AssertionError("unreachable")
 
-    def _make_room(self, size: int, index: int, ahead: bool = False) -> None:
-        """Evict the least recently used shards until `size` more bytes fit under storage.local_max_gb; downloads that
-        died with their process (an unlocked `.part`) go too. Shards read ahead and not opened yet go last; a
-        read-ahead (`ahead`) that would have to evict one raises NoRoomAhead instead: a window and read-ahead larger
-        than the budget then download each shard once, reading ahead only as far as the budget allows."""
+    def _make_room(self, size: int, index: int, fd: int, ahead: bool = False) -> None:
+        """Evict the least recently used shards until `size` more bytes fit under storage.local_max_gb, then reserve
+        them: the download's `.part` (`fd`) takes its size at once, so downloads in flight, of this process or
+        another, count against the budget from their start. Downloads that died with their process (an unlocked
+        `.part`) go. Shards read ahead and not opened yet go last; a read-ahead (`ahead`) that would have to evict
+        one, or wait for a download in flight, raises NoRoomAhead instead: a window and read-ahead larger than the
+        budget then download each shard once, reading ahead only as far as the budget allows."""
         budget = self.settings.budget
         if size > budget:
             raise self._full(
@@ -606,19 +612,30 @@ class RemoteCache:
             )
         with _locked(self.shard_dir / ".evict.lock"):
             _drop_dead_parts(self.shard_dir)
-            files = []
+            files, mine = [], os.fstat(fd).st_ino
             for p in self.shard_dir.glob("*.tar"):
                 with contextlib.suppress(FileNotFoundError):
                     st = p.stat()
                     files.append((st.st_mtime, st.st_size, p))
-            used, now = sum(s for _, s, _ in files), time.time()
-            if ahead and used - sum(s for m, s, _ in files if m <= now) + size > budget:
+            flight = 0  # bytes reserved by the other downloads under way
+            for p in self.shard_dir.glob(".*.part"):
+                with contextlib.suppress(FileNotFoundError):
+                    st = p.stat()
+                    flight += st.st_size if st.st_ino != mine else 0
+            used, now = sum(s for _, s, _ in files) + flight, time.time()
+            if ahead and flight + sum(s for m, s, _ in files if m > now) + size > budget:
                 raise NoRoomAhead(f"{tar_path(self.local, index).name}: the shard cache holds shards not read yet")
             for _, s, p in sorted(files):
                 if used + size <= budget:
                     break
                 p.unlink(missing_ok=True)  # a reader that has it open keeps reading it
                 used -= s
+            try:
+                os.ftruncate(fd, size)  # the reservation (a sparse file until written)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise self._full(f"no space left on device for shard {tar_path(self.local, index).name}") from None
+                raise
 
     def _full(self, what: str) -> ShardCacheFull:
         return ShardCacheFull(

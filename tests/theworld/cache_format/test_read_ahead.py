@@ -207,3 +207,33 @@ def test_every_shard_of_the_main_processs_first_batch_is_staged_at_once(s3, tmp_
     start = len(s3.log)
     assert [reader.raw(int(i)) for i in order[:batch]] == [truth.raw(int(i)) for i in order[:batch]]
     assert not s3.downloads(start, r"\.tar$")
+
+
+def test_downloads_at_once_count_against_the_shard_cache_budget_from_their_start(s3, tmp_path):
+    """Eight read-aheads started together over a budget of two shards: a download in flight reserves its shard's
+    bytes, so two are staged, the others find no room (NoRoomAhead), and the shard cache never holds more than two."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from theworld.cache_format.storage import NoRoomAhead
+
+    local = _cache(tmp_path / "c", 8, per_shard=3)
+    remote = _put_tree(s3, local, "together")
+    truth = cf.CacheReader(local)
+    sizes = [truth.shard_table.entry(i)["bytes"] for i in range(8)]
+    budget = 2 * max(sizes) + min(sizes) // 2  # two shards fit, never three
+    settings = cf.Settings(local_dir=str(tmp_path / "l"), local_max_gb=budget / 1e9)
+    reader = cf.CacheReader(remote, settings=settings)
+
+    def stage(i: int) -> bool:
+        try:
+            reader.stage(i, ahead=True)
+        except NoRoomAhead:
+            return False
+        return True
+
+    with ThreadPoolExecutor(8) as pool:
+        staged = list(pool.map(stage, range(8)))
+    held = sorted((tmp_path / "l" / "shards").glob("*.tar"))
+    assert sum(staged) == len(held) == 2, (staged, held)
+    assert sum(p.stat().st_size for p in held) <= budget
+    assert not list((tmp_path / "l" / "shards").glob(".*.part"))
