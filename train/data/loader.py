@@ -403,7 +403,10 @@ class TrainLoader:
         rest = iter(self.rest)  # the workers fork now, before this process reads anything more
         if self.size:
             # its shards are staged (stage_first): no read-ahead threads of this process left running into a fork
-            yield self.collate([self.dataset.item(pos, read_ahead=False) for pos in range(self.size)])
+            batch = self.collate([self.dataset.item(pos, read_ahead=False) for pos in range(self.size)])
+            # nor its shards' descriptors, which would keep evicted shards' space and pass to the next workers
+            self.dataset.reader.close()
+            yield batch
         yield from rest
 
 

@@ -84,6 +84,10 @@ class MixedReader:
         reader, i = self.locate(index)
         return reader.sample(i, tensors)
 
+    def close(self) -> None:
+        for r in self.readers:
+            r.close()
+
     def damaged(self, index: int, what: str):
         reader, i = self.locate(index)
         return reader.damaged(i, what)
