@@ -56,8 +56,8 @@ PART_BYTES = 8 << 20  # a shard is downloaded in range requests of this size ...
 PARTS_IN_FLIGHT = 8  # ... this many at once (the bytes one download holds in memory)
 CONNECTIONS = 32  # small objects (sidecars, index objects, error files) requested at once
 # The shard index's first part and its shard table are asked for with the manifest, up to this many bytes each, before
-# the manifest says what they are: a cache of up to a few thousand shards then opens in one round of requests. A larger
-# object (or one the manifest names otherwise) is fetched once the manifest is read, as before.
+# the manifest says what they are: a cache whose index is one part this size or less (about 70,000 samples) then opens
+# in one round of requests. A larger object (or one the manifest names otherwise) is fetched once the manifest is read.
 GUESS_BYTES = 4 << 20
 RANGED = ("s3", "s3a", "gs", "gcs")  # object stores that answer a byte range (an HTTP server may send the whole file)
 # A staged shard no reader has opened yet (read ahead) carries a modification time this far in the future, so the
