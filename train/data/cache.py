@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -235,22 +233,10 @@ def mixture_draw(cfg, reader: cf.CacheReader | MixedReader, train_indices: np.nd
     return Draw.build(reader, train_indices, [w for _, w in cfg.caches()], bucket_ids(reader))
 
 
-@contextmanager
-def text_only(reader: cf.CacheReader | MixedReader) -> Iterator[None]:
-    """Reads of each sample's caption and json alone: no latent or image bytes (a cache in a bucket reads them as
-    byte ranges, staging no shard)."""
-    members, reader.members = reader.members, ()
-    try:
-        yield
-    finally:
-        reader.members = members
-
-
 def trained_prompt(reader: cf.CacheReader, train_indices: np.ndarray, look: int = 64) -> str:
     """The prompt the run trains with: the most common one among the first `look` training samples (a cache written
     from one source carries one prompt), recorded in final/ for describe and caption evaluation."""
-    with text_only(reader):
-        prompts = [reader.sample(int(i), tensors=False).prompt for i in train_indices[:look]]
+    prompts = [reader.text(int(i)).prompt for i in train_indices[:look]]
     return Counter(prompts).most_common(1)[0][0] if prompts else DEFAULT_PROMPT
 
 
@@ -262,11 +248,10 @@ def check_texts(reader: cf.CacheReader) -> None:
     if not unchecked:
         return
     bad: list[tuple[int, str]] = []
-    with text_only(reader):
-        for index in reader.samples_in(unchecked).tolist():
-            s = reader.sample(index, tensors=False)
-            if problem := control_problem(s.caption, "caption") or control_problem(s.prompt, "prompt"):
-                bad.append((index, problem))
+    for index in reader.samples_in(unchecked).tolist():
+        s = reader.text(index)
+        if problem := control_problem(s.caption, "caption") or control_problem(s.prompt, "prompt"):
+            bad.append((index, problem))
     if bad:
         index, problem = bad[0]
         shards = sorted({reader.shard_of(i) for i, _ in bad})

@@ -23,7 +23,7 @@ from theworld.model.inputs import PARTNER
 from theworld.model.rollout import cache_condition, cache_seed, questions_tensor, sample_inputs
 from theworld.model.text import ChatFormatter
 from train.data.batches import Collate, Packing, encode_texts
-from train.data.cache import InputSources, mixture_draw, text_only
+from train.data.cache import InputSources, mixture_draw
 from train.data.flip import swap_left_right
 from train.data.mixture import Draw, MixedReader, partner_groups
 from train.data.order import (
@@ -328,16 +328,15 @@ def truncation_report(
     turns from their end, and samples whose (first) answer is cut. Reads and tokenises every sample's text once.
     `of`: `indices` are a draw from this many training samples (a large cache), which the line says."""
     shortened = dropped_turns = cut = 0
-    with text_only(reader):
-        for lo in range(0, len(indices), chunk):
-            convs = [reader.sample(int(i), tensors=False).turns for i in indices[lo : lo + chunk]]
-            for c in (c for c in convs if len(c) > 1):
-                kept = formatter.encode_turns(c)[1]
-                shortened += kept < len(c)
-                dropped_turns += len(c) - kept
-            # a first turn over max_length, alone or all that is left of a conversation: its answer is cut
-            firsts = formatter.conversation_ids([c[0] for c in convs])
-            cut += sum(len(ids) > formatter.max_length for ids in firsts)
+    for lo in range(0, len(indices), chunk):
+        convs = [reader.text(int(i)).turns for i in indices[lo : lo + chunk]]
+        for c in (c for c in convs if len(c) > 1):
+            kept = formatter.encode_turns(c)[1]
+            shortened += kept < len(c)
+            dropped_turns += len(c) - kept
+        # a first turn over max_length, alone or all that is left of a conversation: its answer is cut
+        firsts = formatter.conversation_ids([c[0] for c in convs])
+        cut += sum(len(ids) > formatter.max_length for ids in firsts)
     return (
         f"train.loader.max_length {formatter.max_length}: {shortened} conversation(s) shortened ({dropped_turns} "
         f"turn(s) dropped from their ends), {cut} sample(s) with the first answer cut, of {len(indices)} training "
@@ -353,12 +352,11 @@ def sample_lengths(
     images: (N,) int64 arrays over the reader's indices. Reads and tokenises every sample's text once."""
     boi = formatter.tokenizer.convert_tokens_to_ids(formatter.tokenizer.boi_token)
     lengths, images = np.zeros(len(reader), dtype=np.int64), np.zeros(len(reader), dtype=np.int64)
-    with text_only(reader):
-        for lo in range(0, len(reader), chunk):
-            hi = min(lo + chunk, len(reader))
-            encoded = encode_texts(formatter, [reader.sample(i, tensors=False).turns for i in range(lo, hi)])
-            lengths[lo:hi] = [len(e.input_ids) for e in encoded]
-            images[lo:hi] = [e.input_ids.count(boi) for e in encoded]
+    for lo in range(0, len(reader), chunk):
+        hi = min(lo + chunk, len(reader))
+        encoded = encode_texts(formatter, [reader.text(i).turns for i in range(lo, hi)])
+        lengths[lo:hi] = [len(e.input_ids) for e in encoded]
+        images[lo:hi] = [e.input_ids.count(boi) for e in encoded]
     return lengths, images
 
 
@@ -393,8 +391,9 @@ class TrainLoader:
     workers start (fork, import state, first reads) on the batches after it. The batches are those of one
     DataLoader over every position, in the same order."""
 
-    def __init__(self, dataset: CacheDataset, collate: Collate, rest: DataLoader, size: int):
-        self.dataset, self.collate, self.rest, self.size = dataset, collate, rest, size
+    def __init__(self, rest: DataLoader, size: int):
+        """`rest`: the workers' loader over the positions after the first `size`."""
+        self.rest, self.size = rest, size
 
     def __len__(self) -> int:
         return (self.size > 0) + len(self.rest)
@@ -403,9 +402,10 @@ class TrainLoader:
         rest = iter(self.rest)  # the workers fork now, before this process reads anything more
         if self.size:
             # its shards are staged (stage_first): no read-ahead threads of this process left running into a fork
-            batch = self.collate([self.dataset.item(pos, read_ahead=False) for pos in range(self.size)])
+            dataset = self.rest.dataset
+            batch = self.rest.collate_fn([dataset.item(pos, read_ahead=False) for pos in range(self.size)])
             # nor its shards' descriptors, which would keep evicted shards' space and pass to the next workers
-            self.dataset.reader.close()
+            dataset.reader.close()
             yield batch
         yield from rest
 
@@ -423,11 +423,16 @@ def _loader(cfg, ctx: DataContext, dataset, stage: int = 0, here: int = 0, **kw)
     if workers and stage:
         stage_first(dataset.read_ahead, here, np.arange(min(len(dataset), stage)), workers)
     ctx.check_first()  # after the first shards' downloads, which its read passes beside; before any worker forks
+    packing = (
+        Packing(cfg.train.loader.pack_length, cfg.world.pool, 1 + cfg.world.num_world_steps)
+        if cfg.train.loader.packing
+        else None
+    )
     return DataLoader(
         dataset,
         num_workers=workers,
         pin_memory=torch.cuda.is_available(),
-        collate_fn=_collate(cfg, ctx),
+        collate_fn=Collate(ctx.formatter, packing),
         prefetch_factor=4 if workers else None,
         worker_init_fn=_worker_init if workers else None,
         **kw,
@@ -445,12 +450,6 @@ def _more_descriptors() -> None:
     if soft != resource.RLIM_INFINITY and soft < want:
         with contextlib.suppress(ValueError, OSError):  # a system that refuses keeps its limit
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-
-
-def _collate(cfg, ctx: DataContext) -> Collate:
-    loader = cfg.train.loader
-    packing = Packing(loader.pack_length, cfg.world.pool, 1 + cfg.world.num_world_steps) if loader.packing else None
-    return Collate(ctx.formatter, packing)
 
 
 def _rank_indices(cfg, ctx: DataContext, rank: int, world_size: int, epoch: int, start: int) -> np.ndarray:
@@ -479,7 +478,7 @@ def build_train_loader(
         return _loader(cfg, ctx, dataset, batch_size=size, shuffle=False)
     first = min(size, len(dataset))
     rest = _loader(cfg, ctx, dataset, (1 + workers) * size, first, batch_size=size, sampler=range(first, len(dataset)))
-    return TrainLoader(dataset, _collate(cfg, ctx), rest, first)
+    return TrainLoader(rest, first)
 
 
 def build_eval_loader(cfg, ctx: DataContext, rank: int, world_size: int) -> DataLoader:

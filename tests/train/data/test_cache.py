@@ -262,8 +262,8 @@ def test_an_old_cache_with_a_control_string_caption_is_refused_before_any_model_
     key = _old_shard(small_cache, 1, 2, caption="a red ball <end_of_turn> on grass")
     assert "text_rule" not in sidecar_json(small_cache, 1)
     reads = []
-    raw = cf.CacheReader.raw
-    monkeypatch.setattr(cf.CacheReader, "raw", lambda self, i: (reads.append(i), raw(self, i))[1])
+    raw = cf.CacheReader._raw  # what every read of a sample's bytes goes through (raw, text)
+    monkeypatch.setattr(cf.CacheReader, "_raw", lambda self, i, members: (reads.append(i), raw(self, i, members))[1])
     monkeypatch.setattr("theworld.model.TheWorld.__init__", lambda *a, **k: pytest.fail("a model was built"))
     assert main(base_args(small_cache, tmp_path / "run", **{"train.eval.samples": 2})) == 2
     only_line(
