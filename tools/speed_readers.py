@@ -40,8 +40,10 @@ samples decoded. litdata is not measured: its
 wheel needs another torch than this project's lock. Then, at the first non-zero latency: bytes one epoch of the
 training loader downloads when the shard cache holds a quarter of the cache (windowed and global order); data_overhead
 of training the tiny model for a whole epoch from a cold shard cache (the epoch's wall time, opening included, over
-that of the same steps on batches in memory); the time to open caches of 16, 1,024 and 16,384 shards (their index
-alone: manifest and shard index); and precompute's final step (`RemoteWriter.fetch_records`) over 1,024 shards.
+that of the same steps on batches in memory; the median of three cold epochs, each followed by a warm one from its
+shard cache), with the step on torch's default threads and on one (the loader worker then has a core of its own, as
+beside a GPU); the time to open caches of 16, 1,024 and 16,384 shards (their index alone: manifest and shard index);
+and precompute's final step (`RemoteWriter.fetch_records`) over 1,024 shards.
 
     python -m tools.speed_readers --open-latency 20 [--json]
 
@@ -543,7 +545,10 @@ def latency_run(cache: Path, latencies: list[float], bandwidth_mbps: float, rows
         probe = next((x for x in latencies if x > 0), latencies[-1])
         with latency_proxy(probe, bandwidth_mbps) as counts:
             report["budget"] = _budget_bytes(url, manifest, counts, processor)
-            report["cold_overhead"] = _spawned(_cold_overhead, url, max(1, shards // 4), [os.getpid(), counts.pid])
+            report["cold_overhead"] = [
+                _spawned(_cold_overhead, url, max(1, shards // 4), [os.getpid(), counts.pid], threads)
+                for threads in (0, 1)
+            ]
             report["open"] = _open_times()
             report["fetch_records_1024_s"] = _fetch_records_time()
         report["probe_latency_ms"] = probe
@@ -576,43 +581,70 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _cold_overhead(url: str, window: int, server: list[int]) -> dict:
+COLD_ROUNDS = 3  # rounds of _cold_overhead: one epoch on a shared VM scatters by +-5%
+
+
+def _cold_overhead(url: str, window: int, server: list[int], threads: int) -> dict:
     """data_overhead of training the tiny model for one whole epoch from a cold shard cache (its open included):
-    the epoch's wall seconds over those of the same steps on batches already in memory; and the CPU seconds the
-    `server` processes (the S3 server's, the proxy's) used during the cold epoch, on the machine's cores with it (a
-    bucket's are elsewhere)."""
+    the epoch's wall seconds over the mean of the same steps on batches already in memory just before and just after
+    its round, the median over COLD_ROUNDS rounds (each a cold epoch from a new shard cache, then a warm one from the
+    same shard cache: the loader's cost apart from the bucket's); and the CPU seconds the `server` processes (the S3
+    server's, the proxy's) used during a cold epoch, on the machine's cores with it (a bucket's are elsewhere).
+    `threads`: the step's torch threads (0: torch's default, every core; 1 leaves the loader worker a
+    core of its own, as it has beside a GPU)."""
+    import torch
+
     from tools.speed_train import _steps
     from train import components
     from train.step import LoopState, optimization_step
 
+    if threads:
+        torch.set_num_threads(threads)
     processor = _processor()
 
+    def timed(run: Callable[[], object]) -> float:
+        t = time.perf_counter()
+        run()
+        return time.perf_counter() - t
+
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = _train_config(url, f"{tmp}/cold", window)
+        cfg = _train_config(url, f"{tmp}/staged", window)
         launch = components.resolve_launch(cfg)
         c = components.build(cfg, components.make_accelerator(cfg, launch), launch.accum)
         state = LoopState()
-        staged = list(_Batches(_train_config(url, f"{tmp}/warm", window), processor))
+        staged = list(_Batches(cfg, processor))
         _steps(c, state, staged[:3], 1)  # allocator and kernel caches: not the epoch
-        staged_s = []
-        for cold in (False, True, False):  # the in-memory epoch before and after: a loaded machine drifts
-            t = time.perf_counter()
-            if cold:
-                cpu = sum(map(_cpu_s, server))
-                for batch in _Batches(cfg, processor):
-                    optimization_step(c, state, [batch])
-                cold_s = time.perf_counter() - t
-                server_cpu_s = sum(map(_cpu_s, server)) - cpu
-            else:
-                _steps(c, state, staged, 1)
-                staged_s.append(time.perf_counter() - t)
-        staged_s = statistics.fmean(staged_s)
+
+        def in_memory() -> float:
+            return timed(lambda: _steps(c, state, staged, 1))
+
+        def epoch(batches: Iterable) -> None:
+            for batch in batches:
+                optimization_step(c, state, [batch])
+
+        def loaded(r: int) -> float:  # the shard cache of cold epoch r
+            return timed(lambda: epoch(_Batches(_train_config(url, f"{tmp}/cold{r}", window), processor)))
+
+        staged_s, cold_s, warm_s, server_s = [in_memory()], [], [], 0.0
+        for r in range(COLD_ROUNDS):  # a loaded machine drifts: each round against the in-memory epochs around it
+            before = sum(map(_cpu_s, server))
+            cold_s.append(loaded(r))
+            server_s += sum(map(_cpu_s, server)) - before
+            warm_s.append(loaded(r))  # its shards now local: what the bucket does not cost
+            staged_s.append(in_memory())
+
+    def overheads(epochs: list[float]) -> list[float]:
+        return [round(x / statistics.fmean(staged_s[i : i + 2]), 3) for i, x in enumerate(epochs)]
+
     return {
+        "threads": torch.get_num_threads(),
         "steps": len(staged),
-        "staged_s": round(staged_s, 2),
-        "cold_s": round(cold_s, 2),
-        "data_overhead": round(cold_s / staged_s, 3),
-        "server_cpu_s": round(server_cpu_s, 2),
+        "staged_s": round(statistics.fmean(staged_s), 2),
+        "cold_s": round(statistics.median(cold_s), 2),
+        "data_overhead": statistics.median(overheads(cold_s)),
+        "rounds": overheads(cold_s),
+        "warm_data_overhead": statistics.median(overheads(warm_s)),
+        "server_cpu_s": round(server_s / COLD_ROUNDS, 2),
     }
 
 
@@ -735,11 +767,12 @@ def _latency_table(r: dict) -> str:
         f"shard cache = 1/4 of the cache, {r['probe_latency_ms']:g} ms: one epoch downloads {b['windowed']}x the "
         f"cache (windowed order), {b['global']}x (global order)"
     )
-    o = r["cold_overhead"]
-    lines.append(
-        f"training a whole cold epoch at {r['probe_latency_ms']:g} ms: data_overhead {o['data_overhead']} "
-        f"({o['cold_s']} s vs {o['staged_s']} s for its {o['steps']} steps on batches in memory)"
-    )
+    for o in r["cold_overhead"]:
+        lines.append(
+            f"training a whole cold epoch at {r['probe_latency_ms']:g} ms, step on {o['threads']} thread(s): "
+            f"data_overhead {o['data_overhead']} (rounds {o['rounds']}; {o['cold_s']} s vs {o['staged_s']} s for its "
+            f"{o['steps']} steps on batches in memory); warm {o['warm_data_overhead']}"
+        )
     for n, o in r["open"].items():
         lines.append(
             f"open {n:>6} shards at {r['probe_latency_ms']:g} ms: {o['seconds']:.3f} s (shard index "
