@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -328,8 +329,7 @@ class RemoteCache:
         except (ValueError, AttributeError, RecursionError, TypeError):
             return self.local  # load_manifest says what is wrong with it
         if _lazy(m):  # the shard table now, each part when a sample of it is read (index_part)
-            table = m["shard_table"]
-            self._keep(table["path"], _as_listed(guessed.get(table["path"]), table) or self.read(table["path"]))
+            self._link_table(m["shard_table"], guessed)
             return self.local
         indexed = self._fetch_shard_index(parts, guessed) if isinstance(parts, list) else set()
         for p in (self.local / SHARDS).glob("shard-*.json"):
@@ -406,22 +406,56 @@ class RemoteCache:
         return covered
 
     def index_part(self, entry: dict) -> Path:
-        """The node's copy of a shard index part (sample_index.Lazy), named by its sha256 so a rewritten cache never
-        reads a stale one: downloaded by the first process of the node that needs it, under a lock, and memory-mapped
-        by all of them."""
+        """The node's copy of a shard index part (sample_index.Lazy), memory-mapped by the node's processes."""
+        return self._node_copy(entry)
+
+    def _link_table(self, entry: dict, guessed: dict[str, bytes | None]) -> None:
+        """A lazily read cache's shard table (GBs at DataComp size) as the stand-in's: the node's copy
+        (`_node_copy`), linked into place, so the node's other processes and later runs open it without a request.
+        Its sha256 is checked again as the reader opens it (index.read_table)."""
+        copy = self._node_copy(entry, guessed)
+        target = self.local / entry["path"]  # a path inside the cache: _node_copy checked it
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samefile(copy, target):
+                return
+        target.parent.mkdir(parents=True, exist_ok=True)
+        link = atomic.partial_path(target)
+        link.unlink(missing_ok=True)
+        try:
+            os.link(copy, link)
+        except OSError:  # a file system without hard links: a copy
+            shutil.copyfile(copy, link)
+        os.replace(link, target)
+
+    def _node_copy(self, entry: dict, guessed: dict[str, bytes | None] | None = None) -> Path:
+        """The node's copy of the index object `entry` names (the shard table, a part), named by its sha256 so a
+        rewritten cache never reads a stale one. The first process of the node that needs it downloads it, under
+        the node's lock: by ranges several at once, written as they come and hashed, renamed into place once it is
+        what the manifest lists (`guessed`: its bytes fetched with the manifest, used if they are)."""
+        if (listed := _index_entry(entry)) is None:
+            raise UserError(
+                f"{self.object_url(MANIFEST)}: an index object's entry {one_line(repr(entry), 100)} is not "
+                f"{{path, bytes, sha256}} of an object inside the cache; {REBUILD_MANIFEST}"
+            )
+        name, size, sha256 = listed
         folder = self.local / REMOTE_INDEX
         make_dir(folder)
-        path = folder / f"{entry['sha256']}{index.SUFFIX}"
-        if path.is_file() and path.stat().st_size == entry["bytes"]:
+        path = folder / f"{sha256}{index.SUFFIX}"
+        if path.is_file() and path.stat().st_size == size:
             return path
-        with _locked(folder / ".download.lock"):  # one lock file for every part: none left behind per part
-            if not (path.is_file() and path.stat().st_size == entry["bytes"]):
-                data = self.read(entry["path"])
-                if data is None:
-                    raise UserError(
-                        f"{self.object_url(entry['path'])}: shard index part is missing; {REBUILD_MANIFEST}"
-                    )
-                atomic_write_bytes(path, data)  # its sha256 is checked as it is loaded
+        with _locked(folder / ".download.lock"):  # one lock file for every object: none left behind per object
+            if not (path.is_file() and path.stat().st_size == size):
+                atomic.remove_stale(folder)  # what a killed download left
+                data = _as_listed((guessed or {}).get(name), entry)
+                if data is not None:
+                    atomic_write_bytes(path, data)
+                else:
+                    part = atomic.partial_path(path)
+                    fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+                    try:
+                        self._download(name, fd, part, path, size, sha256)
+                    finally:
+                        os.close(fd)
         return path
 
     def read_many(self, names: list[str]) -> dict[str, bytes | None]:
@@ -523,7 +557,7 @@ class RemoteCache:
         self, name: str, fd: int, part: Path, path: Path, size: int, sha256: str, unread: bool = False
     ) -> None:
         """The object `name` into `fd` (the locked `part`) by range requests, several at once, hashed in order;
-        renamed to `path` once it is the shard the manifest lists (`unread`: marked read ahead, UNREAD_S)."""
+        renamed to `path` once it is what the manifest lists (`unread`: a shard marked read ahead, UNREAD_S)."""
         h = hashlib.sha256()
         os.ftruncate(fd, size)  # its reservation (_make_room); what a killed download left past it goes
         try:
@@ -539,7 +573,7 @@ class RemoteCache:
                     got = start + len(block)
             if got != size or h.hexdigest() != sha256:
                 raise UserError(
-                    f"{self.object_url(name)}: the object is not the shard the manifest lists ({got} bytes, sha256 "
+                    f"{self.object_url(name)}: the object is not what the manifest lists ({got} bytes, sha256 "
                     f"{h.hexdigest()[:12]}... vs {size} and {sha256[:12]}...): the cache changed after it was built; "
                     "rerun the precompute command that built it"
                 )
@@ -880,6 +914,21 @@ def _lazy(m: dict) -> bool:
         return sample_index.is_lazy(m)
     except (TypeError, KeyError, AttributeError):
         return False  # load_manifest says what is wrong with it
+
+
+def _index_entry(entry: Any) -> tuple[str, int, str] | None:
+    """(path, bytes, sha256) of a manifest entry naming an index object, or None where it is not one: a field
+    missing or of another type, or a path that leaves the cache (absolute, or through "..")."""
+    try:
+        path, size, sha256 = entry["path"], entry["bytes"], entry["sha256"]
+    except (TypeError, KeyError, IndexError):
+        return None
+    if not (isinstance(path, str) and isinstance(size, int) and isinstance(sha256, str)):
+        return None
+    parts = Path(path).parts
+    if not parts or Path(path).is_absolute() or ".." in parts or size < 0 or not re.fullmatch("[0-9a-f]{64}", sha256):
+        return None
+    return path, size, sha256
 
 
 def _as_listed(data: bytes | None, entry: dict) -> bytes | None:

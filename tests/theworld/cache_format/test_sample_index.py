@@ -12,12 +12,13 @@ import shutil
 import numpy as np
 import pytest
 
+from tests.theworld.cache_format.conftest import BUCKET
 from tests.theworld.cache_format.test_index import _cache, _gets, _index_gets
 from tests.theworld.cache_format.test_storage import _put_tree, members_by_key
 from theworld import cache_format as cf
 from theworld.cache_format import index, sample_index, storage
 from theworld.cache_format.names import SHARD_INDEX
-from theworld.core.errors import CacheDamaged
+from theworld.core.errors import CacheDamaged, UserError
 
 
 @pytest.fixture
@@ -127,3 +128,48 @@ def test_a_remote_part_is_downloaded_once_per_node_and_only_when_a_sample_of_it_
     assert members_by_key(reader) == want
     reader.check_consistency()
     assert np.array_equal(reader.shards, np.repeat(np.arange(10), 2))
+
+
+def test_a_remote_shard_table_larger_than_the_guess_is_downloaded_by_ranges_once_per_node(
+    s3, tmp_path, lazy, monkeypatch
+):
+    """At DataComp size the shard table is GBs: the first process of a node downloads it by ranges several at once
+    (not one stream held in memory), the node's other processes and later runs open the node's copy with no request
+    but the open's guess."""
+    monkeypatch.setattr(storage, "GUESS_BYTES", 64)  # the table is larger than the open's guess
+    monkeypatch.setattr(storage, "PART_BYTES", 256)
+    folder = _cache(tmp_path / "c", 10)
+    want = members_by_key(_without_table(folder))
+    table = json.loads((folder / cf.MANIFEST).read_text())["shard_table"]
+    remote = _put_tree(s3, folder, "big")
+    start = len(s3.log)
+    reader = cf.CacheReader(remote, settings=cf.Settings(local_dir=str(tmp_path / "l")))
+    got = _index_gets(s3, start, "big")[index.TABLE]
+    ranges = [f"bytes={lo}-{min(lo + 256, table['bytes'] + 1) - 1}" for lo in range(0, table["bytes"], 256)]
+    assert got[0] == "bytes=0-63" and sorted(got[1:]) == sorted(ranges)  # the guess, then its parts
+    start = len(s3.log)
+    other = cf.CacheReader(remote, settings=cf.Settings(local_dir=str(tmp_path / "l")))
+    assert _index_gets(s3, start, "big")[index.TABLE] == ["bytes=0-63"]  # the guess alone
+    assert members_by_key(other) == members_by_key(reader) == want
+
+
+def test_a_stale_remote_shard_table_or_one_named_outside_the_cache_is_one_line(s3, tmp_path, lazy, monkeypatch):
+    monkeypatch.setattr(storage, "GUESS_BYTES", 64)
+    folder = _cache(tmp_path / "c", 10)
+    remote = _put_tree(s3, folder, "stale")
+    table = f"{BUCKET}/stale/{SHARD_INDEX}/{index.TABLE}"
+    s3.fs.pipe_file(table, s3.fs.cat_file(table)[:-1] + b"\0")  # the same size, other bytes
+    with pytest.raises(UserError) as e:
+        cf.CacheReader(remote, settings=cf.Settings(local_dir=str(tmp_path / "l")))
+    assert f"{SHARD_INDEX}/{index.TABLE}: the object is not what the manifest lists" in str(e.value)
+    assert len(str(e.value).splitlines()) == 1
+    assert not list((tmp_path / "l").rglob(f"*{index.SUFFIX}"))  # nothing kept that a later open would trust
+
+    manifest = json.loads((folder / cf.MANIFEST).read_text())
+    manifest["shard_table"]["path"] = "../../outside.safetensors"
+    s3.fs.pipe_file(f"{BUCKET}/stale/{cf.MANIFEST}", json.dumps(manifest).encode())
+    with pytest.raises(UserError) as e:
+        cf.CacheReader(remote, settings=cf.Settings(local_dir=str(tmp_path / "l")))
+    assert "is not {path, bytes, sha256} of an object inside the cache" in str(e.value)
+    assert len(str(e.value).splitlines()) == 1
+    assert not list(tmp_path.rglob("outside*"))
