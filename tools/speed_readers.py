@@ -48,7 +48,9 @@ and precompute's final step (`RemoteWriter.fetch_records`) over 1,024 shards.
     python -m tools.speed_readers --open-latency 20 [--json]
 
 Those last two cases alone (no cache of samples is built): the time to open, the shard index's and manifest's bytes
-and the index arrays a reader holds, for 16, 1,024 and 16,384 shards of one sample each; the final step's time.
+and the index arrays a reader holds, for 16, 1,024 and 16,384 shards of one sample each, and for 16,384 shards of
+1,024 DataComp-shaped samples, whose index is read lazily (its shard table downloaded once per node: the node's first
+process and a second one are timed); the final step's time.
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ import numpy as np
 from torch.utils.data import DataLoader, IterableDataset
 
 from theworld import cache_format as cf
-from theworld.cache_format.names import CAPTION, LATENT, META
+from theworld.cache_format import index
+from theworld.cache_format.names import CAPTION, LATENT, META, SHARD_INDEX
 from tools.speed_train import BENCH_ROOT, ensure_cache, s3_copy
 
 RESUME = {"theworld": True, "webdataset": False, "streaming": True}
@@ -677,30 +680,61 @@ def _synthetic_index(folder: Path, n_shards: int) -> None:
     (folder / cf.ERRORS).write_text("")
 
 
-def _put(folder: Path, prefix: str) -> str:
+def _put(folder: Path, prefix: str, only: Callable[[Path], bool] = lambda p: True) -> str:
     fs = fsspec.filesystem("s3", skip_instance_cache=True)  # through the proxy: the figures do not count it
     with ThreadPool(32) as pool:
         pool.map(
             lambda p: fs.put_file(str(p), f"bench/{prefix}/{p.relative_to(folder)}"),
-            [p for p in sorted(folder.rglob("*")) if p.is_file() and not p.name.startswith(".")],
+            [p for p in sorted(folder.rglob("*")) if p.is_file() and not p.name.startswith(".") and only(p)],
         )
     return f"s3://bench/{prefix}"
+
+
+LAZY_SHARDS = 16384  # the lazily read case: shards of 1,024 DataComp-shaped samples (tools.speed_index)
 
 
 def _open_times() -> dict:
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
+        # the process's first S3 client (s3fs's imports, botocore's models: once a process) before any clock starts
+        _synthetic_index(Path(tmp) / "first", 1)
+        cf.CacheReader(_put(Path(tmp) / "first", "first"), settings=_settings(f"{tmp}/l-first"))
         for n in (16, 1024, 16384):
             _synthetic_index(Path(tmp) / f"i{n}", n)
-            url = _put(Path(tmp) / f"i{n}", f"open{n}")
-            t = time.perf_counter()
-            reader = cf.CacheReader(url, settings=_settings(f"{tmp}/l{n}"))
-            seconds = round(time.perf_counter() - t, 3)
-            held = sum(a.nbytes for a in vars(reader).values() if isinstance(a, np.ndarray))  # the index arrays
-            out[str(n)] = {"seconds": seconds, "samples": len(reader), "arrays_mb": round(held / 2**20, 2)}
-            index = sum(e["bytes"] for e in reader.manifest["shard_index"])
-            out[str(n)]["index_bytes"] = index
-            out[str(n)]["manifest_bytes"] = (Path(tmp) / f"i{n}" / cf.MANIFEST).stat().st_size
+            out[str(n)] = _open_case(Path(tmp) / f"i{n}", _put(Path(tmp) / f"i{n}", f"open{n}"), f"{tmp}/l{n}")
+        out[f"{LAZY_SHARDS}x1024"] = _lazy_open(Path(tmp))
+    return out
+
+
+def _open_case(folder: Path, url: str, local: str) -> dict:
+    """Seconds to open the cache at `url` (a copy of `folder`) with the shard cache `local`, and what it holds."""
+    t = time.perf_counter()
+    reader = cf.CacheReader(url, settings=_settings(local))
+    seconds = round(time.perf_counter() - t, 3)
+    held = sum(a.nbytes for a in vars(reader).values() if isinstance(a, np.ndarray))  # the index arrays
+    return {
+        "seconds": seconds,
+        "samples": len(reader),
+        "arrays_mb": round(held / 2**20, 2),
+        "index_bytes": sum(e["bytes"] for e in reader.manifest["shard_index"]),
+        "manifest_bytes": (folder / cf.MANIFEST).stat().st_size,
+    }
+
+
+def _lazy_open(tmp: Path) -> dict:
+    """A cache of DataComp's shape read lazily (LAZY_SHARDS shards of 1,024 samples: its index parts over
+    sample_index.LAZY_BYTES): opened by the node's first process, which downloads the shard table, then by another
+    of its processes (a second reader on the same shard cache), which opens the node's copy. Of the index parts only
+    the first is put in the bucket (the open asks for its first bytes before the manifest is read); a part is read
+    when a sample of it is."""
+    from tools.speed_index import _write
+
+    folder = tmp / "lazy"
+    _write(folder, LAZY_SHARDS)
+    url = _put(folder, "lazy", lambda p: p.parent.name != SHARD_INDEX or p.name in (index.TABLE, index.part_name(0)))
+    out = _open_case(folder, url, f"{tmp}/l-lazy")
+    out["table_bytes"] = cf.load_manifest(folder)["shard_table"]["bytes"]
+    out["second_process_s"] = _open_case(folder, url, f"{tmp}/l-lazy")["seconds"]
     return out
 
 
@@ -738,12 +772,18 @@ def open_run(latency_ms: float) -> dict:
     return report
 
 
+def _open_line(n: str, o: dict, latency_ms: float) -> str:
+    line = (
+        f"open {n:>6} shards at {latency_ms:g} ms: {o['seconds']:.3f} s (shard index {o['index_bytes']} bytes, "
+        f"manifest {o['manifest_bytes']} bytes, index arrays {o['arrays_mb']:.2f} MB)"
+    )
+    if "table_bytes" in o:
+        line += f"; read lazily: shard table {o['table_bytes']} bytes, a second process {o['second_process_s']:.3f} s"
+    return line
+
+
 def _open_table(r: dict) -> str:
-    lines = [
-        f"open {n:>6} shards at {r['probe_latency_ms']:g} ms: {o['seconds']:.3f} s (shard index "
-        f"{o['index_bytes']} bytes, manifest {o['manifest_bytes']} bytes, index arrays {o['arrays_mb']:.2f} MB)"
-        for n, o in r["open"].items()
-    ]
+    lines = [_open_line(n, o, r["probe_latency_ms"]) for n, o in r["open"].items()]
     return "\n".join(lines + [f"precompute's final step, 1024 shards: {r['fetch_records_1024_s']:.3f} s"])
 
 
@@ -773,11 +813,7 @@ def _latency_table(r: dict) -> str:
             f"data_overhead {o['data_overhead']} (rounds {o['rounds']}; {o['cold_s']} s vs {o['staged_s']} s for its "
             f"{o['steps']} steps on batches in memory); warm {o['warm_data_overhead']}"
         )
-    for n, o in r["open"].items():
-        lines.append(
-            f"open {n:>6} shards at {r['probe_latency_ms']:g} ms: {o['seconds']:.3f} s (shard index "
-            f"{o['index_bytes']} bytes, manifest {o['manifest_bytes']} bytes)"
-        )
+    lines += [_open_line(n, o, r["probe_latency_ms"]) for n, o in r["open"].items()]
     lines.append(f"precompute's final step, 1024 shards: {r['fetch_records_1024_s']:.3f} s; litdata: {r['litdata']}")
     return "\n".join(lines)
 
