@@ -329,6 +329,7 @@ class RemoteCache:
         except (ValueError, AttributeError, RecursionError, TypeError):
             return self.local  # load_manifest says what is wrong with it
         if _lazy(m):  # the shard table now, each part when a sample of it is read (index_part)
+            self._drop_other_copies([m["shard_table"], *parts])
             self._link_table(m["shard_table"], guessed)
             return self.local
         indexed = self._fetch_shard_index(parts, guessed) if isinstance(parts, list) else set()
@@ -426,6 +427,15 @@ class RemoteCache:
         except OSError:  # a file system without hard links: a copy
             shutil.copyfile(copy, link)
         os.replace(link, target)
+
+    def _drop_other_copies(self, entries: list) -> None:
+        """The node's copies of index objects this cache's manifest no longer names (an earlier version's table and
+        parts: GBs each at DataComp size) go; a process still reading one keeps its mapping."""
+        folder = self.local / REMOTE_INDEX
+        current = {f"{e[2]}{index.SUFFIX}" for e in map(_index_entry, entries) if e is not None}
+        for p in folder.glob(f"*{index.SUFFIX}") if folder.is_dir() else ():
+            if p.name not in current and re.fullmatch(f"[0-9a-f]{{64}}{re.escape(index.SUFFIX)}", p.name):
+                p.unlink(missing_ok=True)
 
     def _node_copy(self, entry: dict, guessed: dict[str, bytes | None] | None = None) -> Path:
         """The node's copy of the index object `entry` names (the shard table, a part), named by its sha256 so a

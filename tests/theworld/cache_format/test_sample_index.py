@@ -17,6 +17,7 @@ from tests.theworld.cache_format.test_index import _cache, _gets, _index_gets
 from tests.theworld.cache_format.test_storage import _put_tree, members_by_key
 from theworld import cache_format as cf
 from theworld.cache_format import index, sample_index, storage
+from theworld.cache_format.layout import REMOTE_INDEX
 from theworld.cache_format.names import SHARD_INDEX
 from theworld.core.errors import CacheDamaged, UserError
 
@@ -173,3 +174,21 @@ def test_a_stale_remote_shard_table_or_one_named_outside_the_cache_is_one_line(s
     assert "is not {path, bytes, sha256} of an object inside the cache" in str(e.value)
     assert len(str(e.value).splitlines()) == 1
     assert not list(tmp_path.rglob("outside*"))
+
+
+def test_a_rewritten_remote_cache_leaves_no_copy_of_its_earlier_index_on_the_node(s3, tmp_path, lazy):
+    settings = cf.Settings(local_dir=str(tmp_path / "l"))
+    remote = _put_tree(s3, _cache(tmp_path / "a", 10), "again")
+    reader = cf.CacheReader(remote, settings=settings)
+    reader.raw(0)  # part 0's copy beside the table's
+
+    def copies() -> set[str]:
+        return {p.name for p in (reader.cache_dir / REMOTE_INDEX).glob(f"*{index.SUFFIX}")}
+
+    before = copies()
+    assert len(before) == 2
+    _put_tree(s3, _cache(tmp_path / "b", 9), "again")  # rewritten: another shard table, other parts
+    other = cf.CacheReader(remote, settings=settings)
+    want = members_by_key(cf.CacheReader(tmp_path / "b"))
+    assert other.raw(0) == want[other.key(0)]
+    assert len(copies()) == 2 and not copies() & before
