@@ -432,16 +432,16 @@ class RemoteCache:
         """The node's copies of index objects this cache's manifest no longer names (an earlier version's table and
         parts: GBs each at DataComp size) go; a process still reading one keeps its mapping."""
         folder = self.local / REMOTE_INDEX
-        current = {f"{e[2]}{index.SUFFIX}" for e in map(_index_entry, entries) if e is not None}
-        for p in folder.glob(f"*{index.SUFFIX}") if folder.is_dir() else ():
-            if p.name not in current and re.fullmatch(f"[0-9a-f]{{64}}{re.escape(index.SUFFIX)}", p.name):
+        current = {_copy_name(e[2]) for e in map(_index_entry, entries) if e is not None}
+        for p in folder.glob(_copy_name("*")) if folder.is_dir() else ():
+            if p.name not in current and SHA256_HEX.fullmatch(p.name.removesuffix(index.SUFFIX)):
                 p.unlink(missing_ok=True)
 
     def _node_copy(self, entry: dict, guessed: dict[str, bytes | None] | None = None) -> Path:
-        """The node's copy of the index object `entry` names (the shard table, a part), named by its sha256 so a
-        rewritten cache never reads a stale one. The first process of the node that needs it downloads it, under
-        the node's lock: by ranges several at once, written as they come and hashed, renamed into place once it is
-        what the manifest lists (`guessed`: its bytes fetched with the manifest, used if they are)."""
+        """The node's copy of the index object `entry` names (the shard table, a part; `_copy_name`). The first
+        process of the node that needs it downloads it, under the node's lock: by ranges several at once, written as
+        they come and hashed, renamed into place once it is what the manifest lists (`guessed`: its bytes fetched
+        with the manifest, used if they are)."""
         if (listed := _index_entry(entry)) is None:
             raise UserError(
                 f"{self.object_url(MANIFEST)}: an index object's entry {one_line(repr(entry), 100)} is not "
@@ -450,7 +450,7 @@ class RemoteCache:
         name, size, sha256 = listed
         folder = self.local / REMOTE_INDEX
         make_dir(folder)
-        path = folder / f"{sha256}{index.SUFFIX}"
+        path = folder / _copy_name(sha256)
         if path.is_file() and path.stat().st_size == size:
             return path
         with _locked(folder / ".download.lock"):  # one lock file for every object: none left behind per object
@@ -926,6 +926,15 @@ def _lazy(m: dict) -> bool:
         return False  # load_manifest says what is wrong with it
 
 
+SHA256_HEX = re.compile("[0-9a-f]{64}")
+
+
+def _copy_name(sha256: str) -> str:
+    """The file name of the node's copy of an index object (REMOTE_INDEX): its sha256, so a rewritten cache never
+    reads a stale one."""
+    return f"{sha256}{index.SUFFIX}"
+
+
 def _index_entry(entry: Any) -> tuple[str, int, str] | None:
     """(path, bytes, sha256) of a manifest entry naming an index object, or None where it is not one: a field
     missing or of another type, or a path that leaves the cache (absolute, or through "..")."""
@@ -936,7 +945,7 @@ def _index_entry(entry: Any) -> tuple[str, int, str] | None:
     if not (isinstance(path, str) and isinstance(size, int) and isinstance(sha256, str)):
         return None
     parts = Path(path).parts
-    if not parts or Path(path).is_absolute() or ".." in parts or size < 0 or not re.fullmatch("[0-9a-f]{64}", sha256):
+    if not parts or Path(path).is_absolute() or ".." in parts or size < 0 or not SHA256_HEX.fullmatch(sha256):
         return None
     return path, size, sha256
 
