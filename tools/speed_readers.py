@@ -707,9 +707,11 @@ def _open_times() -> dict:
 
 
 def _open_case(folder: Path, url: str, local: str) -> dict:
-    """Seconds to open the cache at `url` (a copy of `folder`) with the shard cache `local`, and what it holds."""
+    """Seconds to open the cache at `url` (a copy of `folder`) with the shard cache `local` as a run's start does
+    (with its consistency check), and what it holds."""
     t = time.perf_counter()
     reader = cf.CacheReader(url, settings=_settings(local))
+    reader.check_consistency()
     seconds = round(time.perf_counter() - t, 3)
     held = sum(a.nbytes for a in vars(reader).values() if isinstance(a, np.ndarray))  # the index arrays
     return {

@@ -174,8 +174,6 @@ class CacheReader:
     text_rules: np.ndarray = field(init=False, repr=False)  # per shard: the sidecar's "text_rule" (None: not recorded)
     _files: dict = field(init=False, repr=False, default_factory=dict)
     remote: storage.RemoteCache | None = field(repr=False, default=None)
-    # a URL's shard listing asked for with its manifest: the caller runs `check_consistency`, which reads it
-    list_shards: bool = field(repr=False, default=False)
     # Members closer than this are read with one pread, tar headers and skipped members included: a system call
     # costs more than copying a few kB (docs/performance.md)
     READ_GAP = 16 << 10
@@ -184,7 +182,7 @@ class CacheReader:
     REMOTE_OPEN = 4
 
     def __post_init__(self) -> None:
-        self.cache_dir, self.remote = storage.open_cache(self.cache_dir, self.settings, self.remote, self.list_shards)
+        self.cache_dir, self.remote = storage.open_cache(self.cache_dir, self.settings, self.remote)
         self.manifest = load_manifest(self.cache_dir)
         if sample_index.is_lazy(self.manifest):
             self._index = self._lazy_index()
@@ -243,12 +241,14 @@ class CacheReader:
     def check_consistency(self) -> None:
         """Cheap start-of-run checks (no data read): manifest, sidecars (or the index) and tars agree on shards,
         counts and sizes, every member lies inside its tar, no key occurs twice. Raises CacheDamaged naming the shard
-        and the repair."""
+        and the repair. A remote cache's objects are not listed: that is a request per 1,000 objects, one after
+        another (minutes a process at DataComp size); its manifest is written once precompute has checked every
+        shard against the bucket, and each shard is checked against its size and sha256 as it is downloaded."""
         d = self.cache_dir
         table, n = self.shard_table, len(self.shard_table)
         listed = {f"{shard_stem(i)}.tar" for i in range(n)}
-        on_disk = self._tar_sizes()
-        if extra := sorted(set(on_disk) - listed):
+        on_disk = self._tar_sizes() if self.remote is None else None
+        if on_disk is not None and (extra := sorted(set(on_disk) - listed)):
             raise CacheDamaged(
                 f"cache {d}: {MANIFEST} lists {n} shards but {SHARDS}/ also holds "
                 f"{', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}; {REBUILD_MANIFEST}"
@@ -261,11 +261,12 @@ class CacheReader:
                 )
         if not read_from_list(self.manifest) and (problem := _list_vs_index(self.manifest.get("shards"), table)):
             raise CacheDamaged(f"cache {d}: {problem}; {REBUILD_MANIFEST}")
-        if len(missing := [i for i in range(n) if f"{shard_stem(i)}.tar" not in on_disk]):
+        if on_disk is not None and len(missing := [i for i in range(n) if f"{shard_stem(i)}.tar" not in on_disk]):
             raise CacheDamaged(
                 f"cache {d}: shard {tar_path(d, missing[0]).name} is missing; {repair_hint(d, missing[0])}"
             )
-        sizes = np.array([on_disk[f"{shard_stem(i)}.tar"] for i in range(n)], dtype=np.int64)
+        sizes = table.bytes if on_disk is None else [on_disk[f"{shard_stem(i)}.tar"] for i in range(n)]
+        sizes = np.asarray(sizes, dtype=np.int64)
         sides = self._sides
         if len(bad := np.flatnonzero(sides.differs(table))):
             i = int(bad[0])
@@ -313,11 +314,7 @@ class CacheReader:
             )
 
     def _tar_sizes(self) -> dict[str, int]:
-        """{tar name: bytes} of the shards folder (of the remote cache's, for a URL)."""
-        if self.remote is not None:
-            names = [f"{shard_stem(i)}.tar" for i in range(len(self.shard_table))]
-            found = self.remote.sizes(SHARDS, names)
-            return {n: size for n, size in found.items() if n.startswith("shard-") and n.endswith(".tar")}
+        """{tar name: bytes} of the shards folder."""
         out = {}
         for p in (self.cache_dir / SHARDS).glob("shard-*.tar"):
             try:

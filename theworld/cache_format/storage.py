@@ -27,7 +27,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -132,10 +132,9 @@ class RemoteCache:
         self._fs, self._pid = None, 0
         self._root = ""
         self._checked: set[str] = set()  # sha256 of staged shards this process has re-hashed
-        self._listed: dict[str, Future] = {}  # folder -> its listing, asked for while the index was fetched
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_fs": None, "_checked": set(), "_listed": {}}
+        return {**self.__dict__, "_fs": None, "_checked": set()}
 
     @property
     def fs(self):
@@ -255,24 +254,6 @@ class RemoteCache:
             out[e["name"].rstrip("/").rsplit("/", 1)[-1]] = (int(size or 0), md5)
         return out
 
-    def sizes(self, folder: str, names: list[str]) -> dict[str, int]:
-        """{name: size} of the objects under `folder`: its listing, or (a server that lists nothing, e.g. plain
-        HTTP without folder pages) each of `names` asked for alone."""
-        early = self._listed.pop(folder, None)  # fetch_index(list_shards=True)'s, used once
-        found = early.result() if early is not None else None
-        if not (found and set(names) <= set(found)):  # a listing from before the manifest that lacks a shard: again
-            found = self.listing(folder)
-        if found:
-            return found
-        out = {}
-        for n in names:
-            size = self._call(
-                self.object_url(f"{folder}/{n}"), lambda n=n: self.fs.size(self.path(f"{folder}/{n}")), True
-            )
-            if size is not None:
-                out[n] = int(size)
-        return out
-
     def put(self, local: Path, name: str) -> None:
         """One object from a finished local file; a put is all or nothing, so a killed upload leaves no object."""
         self._check_writable()
@@ -291,21 +272,14 @@ class RemoteCache:
 
     # -- the stand-in folder -------------------------------------------------------------------------------------------
 
-    def fetch_index(self, list_shards: bool = False) -> Path:
+    def fetch_index(self) -> Path:
         """Fetch the manifest, errors and run record, then the shard index the manifest names (a few objects, at
         once) into the stand-in folder. A cache written before the shard index, or one whose index object is missing
         or stale, has its sidecars fetched instead (at once, with a note of the cost); sidecars the folder already
         holds for the manifest's shards are kept. A missing manifest leaves none there, so `load_manifest` says
         why. The bucket is asked about only when the manifest is missing (a missing bucket is then named): a cache
-        that opens pays no request for it. `list_shards`: the shards' listing (`sizes`, which a reader's
-        consistency check asks for) is asked for at the same time as the manifest, not one round trip after the
-        index."""
+        that opens pays no request for it, and its shards are not listed (CacheReader.check_consistency)."""
         make_dir(self.local / SHARDS)
-        if list_shards:
-            self.fs  # noqa: B018 - made once here, not in the listing's thread
-            pool = ThreadPoolExecutor(1)
-            self._listed[SHARDS] = pool.submit(self.listing, SHARDS)
-            pool.shutdown(wait=False)
         small = (MANIFEST, ERRORS, RUN_FILE)
         guesses = (f"{SHARD_INDEX}/{index.part_name(0)}", f"{SHARD_INDEX}/{index.TABLE}")
         with ThreadPoolExecutor(len(small) + len(guesses)) as pool:
@@ -778,18 +752,16 @@ def open_cache(
     location: str | Path,
     settings: Settings | None = None,
     remote: RemoteCache | None = None,
-    list_shards: bool = False,
 ) -> tuple[Path, RemoteCache | None]:
     """(the folder to read, the remote cache or None): a local path as it is; a URL's stand-in folder, its index
-    fetched first. `remote`: a cache handle opened before (its stand-in folder is `location`), used as it is.
-    `list_shards`: the shards' listing asked for at once too (RemoteCache.fetch_index)."""
+    fetched first. `remote`: a cache handle opened before (its stand-in folder is `location`), used as it is."""
     if remote is not None:
         return remote.local, remote
     if not is_url(str(location)):
         return Path(location), None
     remote = RemoteCache(str(location), settings or Settings())
     show_as(remote.local, remote.url)
-    return remote.fetch_index(list_shards), remote
+    return remote.fetch_index(), remote
 
 
 def for_writing(location: str, settings: Settings) -> RemoteWriter:

@@ -89,7 +89,7 @@ def open_cache(cfg) -> tuple[cf.CacheReader | MixedReader, InputSources]:
     that need no model (before any model is loaded)."""
     readers, found = [], []
     for cache_dir, _ in cfg.caches():
-        reader = cf.CacheReader(cache_dir, settings=cfg.storage, list_shards=True)
+        reader = cf.CacheReader(cache_dir, settings=cfg.storage)
         reader.check_consistency()  # sizes and keys only; every member's crc32 is checked as it is read
         if readers:
             check_same_layout(readers[0], reader)

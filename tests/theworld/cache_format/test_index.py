@@ -238,7 +238,6 @@ def _open_fails_in_one_line_within_10_s(port: int, tmp_path, monkeypatch) -> Non
         cf.CacheReader(
             f"s3://{BUCKET}/x",
             settings=cf.Settings({"skip_instance_cache": True}, local_dir=str(tmp_path / "l")),
-            list_shards=True,
         )
     took = time.monotonic() - t
     text = str(e.value)

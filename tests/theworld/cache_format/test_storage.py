@@ -341,9 +341,9 @@ def test_network_errors_are_retried_by_the_client_then_one_line_naming_the_objec
     assert f"failed after {cf.storage.POLICY.attempts} attempts" in text and "not found" not in text, text
     tries = [p for m, p, _ in s3.log[start:] if m == "GET" and p.endswith("shard-000001.tar")]
     assert len(tries) == cf.storage.POLICY.attempts  # no layer retries the client's retries
-    s3.fail_next("GET", r"list-type", 100)  # a listing in trouble
+    s3.fail_next("GET", r"list-type", 100)  # a listing in trouble (precompute's final step lists)
     with pytest.raises(UserError) as e:
-        reader.check_consistency()
+        reader.remote.listing(cf.SHARDS)
     s3.fail = None
     assert "not found" not in str(e.value) and "0 bytes" not in str(e.value), str(e.value)
 
@@ -446,17 +446,29 @@ def test_a_run_record_replaced_during_the_run_is_refused_before_the_manifest(s3,
     assert not s3.fs.exists(f"{BUCKET}/replaced/manifest.json")
 
 
-def test_opening_an_s3_cache_gets_each_small_object_once_and_lists_its_shards_with_the_manifest(s3, s3_cache):
-    """Before a first batch every round trip counts: a small object is one GET (no HEAD for its size first), and a
-    reader whose caller checks consistency has the shards' listing asked for with the manifest, before the index."""
+def test_opening_an_s3_cache_gets_each_small_object_once_and_lists_nothing(s3, s3_cache):
+    """Before a first batch every round trip counts: a small object is one GET (no HEAD for its size first), and
+    the start-of-run check lists no shard (a request per 1,000 objects, one after another: minutes at DataComp
+    size), so the open's requests do not grow with the cache."""
     _, remote, _ = s3_cache
     start = len(s3.log)
-    reader = cf.CacheReader(remote, settings=cf.Settings(local_dir=local_dir(s3, "open")), list_shards=True)
+    reader = cf.CacheReader(remote, settings=cf.Settings(local_dir=local_dir(s3, "open")))
     reader.check_consistency()
     log = [(m, p) for m, p, _ in s3.log[start:]]
     assert not [p for m, p in log if m == "HEAD"]
     assert [p for m, p in log if p.endswith("/manifest.json")] == [f"/{BUCKET}/pre/manifest.json"]
-    lists = [i for i, (m, p) in enumerate(log) if m == "GET" and p.rstrip("/") == f"/{BUCKET}"]
-    index = [i for i, (m, p) in enumerate(log) if f"/pre/{SHARD_INDEX}/" in p]
-    assert len(lists) == 1 and index and lists[0] < index[0]
-    assert len(reader) == 20
+    assert not [p for m, p in log if m == "GET" and p.rstrip("/") == f"/{BUCKET}"]  # ListObjects: the bucket's path
+    assert len(log) <= 5 and len(reader) == 20  # manifest, errors, run record, the index's first bytes
+
+
+def test_a_shard_deleted_from_the_bucket_stops_training_in_one_line_naming_it(s3, cache, tmp_path, capsys):
+    """Not listed at the start, a shard gone from the bucket is found when it is first read: one line that names
+    the object and the repair, exit 2."""
+    remote = _put_tree(s3, cache, "deleted")
+    s3.fs.rm_file(f"{BUCKET}/deleted/shards/shard-000001.tar")
+    held = {"train.eval.samples": 48, "train.eval.every": 0, "train.eval.captions": 0}
+    code = train_inproc(_train_args(s3, remote, tmp_path / "run", 3, str(tmp_path / "sc"), **held))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, err
+    assert err[-1].startswith(f"error: {remote}/shards/shard-000001.tar: not found"), err[-3:]
+    assert "rerun the precompute command" in err[-1] and "Traceback" not in "\n".join(err)
