@@ -500,11 +500,16 @@ class ShardTable:
 
     @classmethod
     def of_entries(cls, entries: list[dict]) -> ShardTable:
-        """From a format 1-3 manifest's per-shard list."""
+        """From a format 1-3 manifest's per-shard list. ValueError: a sha256 that is not 64 hex digits."""
+        shas = [e["sha256"] for e in entries]
+        if not all(isinstance(s, str) and len(s) == 64 for s in shas):
+            raise ValueError("a sha256 is not 64 hex digits")
+        # one hex decode of them all: a list of 32 ints a shard takes 13 us, 18 s at DataComp-1B's 1.37M shards
+        sha256 = np.frombuffer(bytes.fromhex("".join(shas)), dtype=np.uint8).reshape(-1, 32).copy()
         return cls(
             np.array([e["num_samples"] for e in entries], dtype=np.int64),
             np.array([e["bytes"] for e in entries], dtype=np.int64),
-            np.array([list(bytes.fromhex(e["sha256"])) for e in entries], dtype=np.uint8).reshape(-1, 32),
+            sha256,
         )
 
 

@@ -246,9 +246,8 @@ class CacheReader:
         shard against the bucket, and each shard is checked against its size and sha256 as it is downloaded."""
         d = self.cache_dir
         table, n = self.shard_table, len(self.shard_table)
-        listed = {f"{shard_stem(i)}.tar" for i in range(n)}
         on_disk = self._tar_sizes() if self.remote is None else None
-        if on_disk is not None and (extra := sorted(set(on_disk) - listed)):
+        if on_disk is not None and (extra := sorted(set(on_disk) - {f"{shard_stem(i)}.tar" for i in range(n)})):
             raise CacheDamaged(
                 f"cache {d}: {MANIFEST} lists {n} shards but {SHARDS}/ also holds "
                 f"{', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}; {REBUILD_MANIFEST}"

@@ -18,7 +18,6 @@ from tests._precompute_helpers import cli_args, make_cfg
 from tests.conftest import base_args, fork_command, metrics, run2, train_inproc
 from tests.theworld.cache_format.conftest import BUCKET
 from theworld import cache_format as cf
-from theworld.cache_format.names import SHARD_INDEX
 from theworld.core.errors import UserError
 
 
