@@ -169,7 +169,7 @@ def order_case(folder: Path) -> dict:
     )
     every, e_s, _, e_peak = _measured(
         lambda: order.rank_indices(
-            train, *args, order.bucket_ids(reader)[train], shards=order.shard_ids(reader)[train], window=o["window"]
+            train, *args, order.bucket_ids(reader)[train], shards=order.shards_of(reader, train), window=o["window"]
         )
     )
     if not np.array_equal(windowed, every):

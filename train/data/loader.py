@@ -35,7 +35,7 @@ from train.data.order import (
     rank_indices,
     seed_of,
     several_shapes,
-    shard_ids,
+    shards_of,
     windowed_rank_indices,
 )
 from train.preempt import ignore_in_workers
@@ -60,7 +60,7 @@ class ReadAhead:
         self.reader, self.depth = reader, depth
         self.shards = None
         if depth and getattr(reader, "remote", None) is not None:  # a mixture's caches are read without it
-            self.shards = shard_ids(reader)[np.asarray(indices, dtype=np.int64)]
+            self.shards = shards_of(reader, indices)
         self._pid, self._pool, self._sent, self._last = 0, None, set(), -1
 
     def __getstate__(self) -> dict:
@@ -464,7 +464,7 @@ def _rank_indices(cfg, ctx: DataContext, rank: int, world_size: int, epoch: int,
             return windowed_rank_indices(starts, held, *args, window)
         return bucketed_rank_indices(starts, held, ctx.buckets, *args, window, ctx.groups)
     samples = ctx.epoch_samples(cfg.seed, epoch)
-    shards = shard_ids(ctx.reader)[samples] if window else None
+    shards = shards_of(ctx.reader, samples) if window else None
     return rank_indices(samples, *args, ctx.buckets[samples], ctx.groups, shards=shards, window=window)
 
 

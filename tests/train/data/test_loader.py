@@ -141,12 +141,14 @@ def test_max_lengths_start_line_counts_the_cut_samples(ctx_cfg):
 
 
 class _Remote:
-    """A reader of a remote cache as ReadAhead sees it: each sample's shard, and the stage call."""
+    """A reader of a remote cache as ReadAhead sees it: each shard's first sample, and the stage call. `shards`:
+    each sample's shard, in cache order."""
 
     remote = object()
 
     def __init__(self, shards: list[int], full: set[int] = frozenset()):
-        self.shards, self.full, self.staged = np.array(shards), set(full), []
+        self.shard_starts = np.searchsorted(shards, np.arange(max(shards) + 2))
+        self.full, self.staged = set(full), []
 
     def stage(self, shard: int, ahead: bool) -> None:
         if shard in self.full:
@@ -168,8 +170,8 @@ def test_read_ahead_stages_the_next_shards_once_and_retries_one_that_found_no_ro
     reader = _Remote([0, 0, 1, 1, 2, 2, 3, 3])
     ahead = loader.ReadAhead(reader, np.arange(8), depth=2)
     assert _read(ahead, range(8)) == [1, 2, 3]  # shard 0 is read by the worker itself
-    reader = _Remote([5, 5, 7, 7, 6, 6], full={7})
-    ahead = loader.ReadAhead(reader, np.array([0, 1, 2, 3, 4, 5]), depth=1)
+    reader = _Remote([5, 5, 6, 6, 7, 7], full={7})
+    ahead = loader.ReadAhead(reader, np.array([0, 1, 4, 5, 2, 3]), depth=1)  # shards 5, 5, 7, 7, 6, 6
     staged = _read(ahead, [0, 1, 2])  # 7 found no room when read ahead from shard 5's first sample
     assert 7 not in staged and 6 in staged
     assert loader.ReadAhead(_Remote([0, 1]), np.arange(2), depth=0).shards is None  # off

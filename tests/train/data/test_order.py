@@ -9,7 +9,14 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from train.data.order import LengthGroups, epoch_batches, epoch_order, rank_indices, windowed_rank_indices
+from train.data.order import (
+    LengthGroups,
+    epoch_batches,
+    epoch_order,
+    rank_indices,
+    shards_of,
+    windowed_rank_indices,
+)
 
 TRAIN = np.arange(1000, 1480)  # reader indices of the training samples
 RNG = np.random.default_rng(0)
@@ -139,6 +146,34 @@ def test_the_windowed_order_at_one_process_positions_holds_no_array_over_every_s
     assert len(got) == (starts[-1] - len(held)) // 256 * 32 and len(np.unique(got)) == len(got)
     assert not np.isin(got, held).any()
     assert peak < 1.5 * got.nbytes  # the share and one piece, nothing of 64 MB
+
+
+class _Cache:
+    def __init__(self, counts: list[int]):
+        self.shard_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+
+class _Mixture:
+    def __init__(self, readers: list[_Cache]):
+        self.readers = readers
+        self.offsets = np.concatenate([[0], np.cumsum([r.shard_starts[-1] for r in readers])]).astype(np.int64)
+
+
+def test_each_samples_shard_is_found_without_an_array_over_every_sample():
+    """shards_of: each sample's shard, numbered across a mixture's caches, empty shards included (a shard whose
+    every image failed); numpy's peak is the answer and the shards' first samples, not 4 bytes a sample."""
+    a, b = [3, 0, 2, 0, 4], [0, 5, 1]
+    every = np.repeat(np.arange(8), a + b)  # shards 0-4 of the first cache, 5-7 of the second
+    mixture = _Mixture([_Cache(a), _Cache(b)])
+    indices = np.random.default_rng(0).permutation(len(every))
+    assert np.array_equal(shards_of(mixture, indices), every[indices])
+    assert np.array_equal(shards_of(_Cache(a), np.arange(9)), np.repeat(np.arange(5), a))
+    large = _Cache([1 << 20] * 1024)  # 1G samples
+    tracemalloc.start()
+    got = shards_of(large, np.array([0, (1 << 20) - 1, 1 << 20, (1 << 30) - 1]))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert got.tolist() == [0, 0, 1, 1023] and peak < 1 << 16
 
 
 def test_a_window_of_shards_downloads_a_cache_4x_the_shard_budget_about_once():
