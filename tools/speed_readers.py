@@ -552,7 +552,7 @@ def latency_run(cache: Path, latencies: list[float], bandwidth_mbps: float, rows
                 _spawned(_cold_overhead, url, max(1, shards // 4), [os.getpid(), counts.pid], threads)
                 for threads in (0, 1)
             ]
-            report["open"] = _open_times()
+            report["open"] = _spawned(_open_times)
             report["fetch_records_1024_s"] = _fetch_records_time()
         report["probe_latency_ms"] = probe
     report["litdata"] = (
@@ -694,6 +694,8 @@ LAZY_SHARDS = 16384  # the lazily read case: shards of 1,024 DataComp-shaped sam
 
 
 def _open_times() -> dict:
+    """The opens' figures, in a process apart from the S3 server's (`_spawned`), as each reader of the latency case
+    is: in the server's process its answers would take the opening interpreter."""
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         # the process's first S3 client (s3fs's imports, botocore's models: once a process) before any clock starts
@@ -768,7 +770,7 @@ def open_run(latency_ms: float) -> dict:
     with _scratch(), tempfile.TemporaryDirectory() as empty, s3_copy(Path(empty)):
         with latency_proxy(latency_ms) as counts:
             c = counts()
-            report = {"probe_latency_ms": latency_ms, "open": _open_times()}
+            report = {"probe_latency_ms": latency_ms, "open": _spawned(_open_times)}
             report["open_requests"] = counts()[0] - c[0]
             report["fetch_records_1024_s"] = _fetch_records_time()
     return report
