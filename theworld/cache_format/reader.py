@@ -252,14 +252,15 @@ class CacheReader:
                 f"cache {d}: {MANIFEST} lists {n} shards but {SHARDS}/ also holds "
                 f"{', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}; {REBUILD_MANIFEST}"
             )
-        for i, e in enumerate(self.manifest.get("shards") or ()):
-            if e["path"] != f"{SHARDS}/{shard_stem(i)}.tar":
+        entries = self.manifest.get("shards")  # a format 1-3 manifest's was checked as it loaded (load_manifest)
+        if not read_from_list(self.manifest) and (problem := _list_vs_index(entries, table)):
+            raise CacheDamaged(f"cache {d}: {problem}; {REBUILD_MANIFEST}")
+        for i, e in enumerate(entries or ()):
+            if (path := e.get("path")) != f"{SHARDS}/{shard_stem(i)}.tar":
                 raise CacheDamaged(
-                    f"cache {d}: {MANIFEST} shards[{i}] is {e['path']!r}, expected "
+                    f"cache {d}: {MANIFEST} shards[{i}] is {path!r}, expected "
                     f"'{SHARDS}/{shard_stem(i)}.tar'; {REBUILD_MANIFEST}"
                 )
-        if not read_from_list(self.manifest) and (problem := _list_vs_index(self.manifest.get("shards"), table)):
-            raise CacheDamaged(f"cache {d}: {problem}; {REBUILD_MANIFEST}")
         if on_disk is not None and len(missing := [i for i in range(n) if f"{shard_stem(i)}.tar" not in on_disk]):
             raise CacheDamaged(
                 f"cache {d}: shard {tar_path(d, missing[0]).name} is missing; {repair_hint(d, missing[0])}"
@@ -521,6 +522,10 @@ def _list_vs_index(entries: list | None, table: index.ShardTable) -> str | None:
     """Where a format-4 manifest's shard list (what tools read) departs from its shard index (what readers use)."""
     if entries is None:
         return None
+    if not isinstance(entries, list):
+        return f"{MANIFEST}'s 'shards' is not a list"
+    if not all(isinstance(e, dict) for e in entries):
+        return f"{MANIFEST}'s shard list is not [{{path, num_samples, bytes, sha256}}]"
     if len(entries) != len(table):
         return f"{MANIFEST} lists {len(entries)} shards, its shard index {len(table)}"
     try:

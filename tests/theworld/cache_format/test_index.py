@@ -334,19 +334,27 @@ def test_the_final_step_reads_each_process_records_object_and_checks_each_file_b
             assert path(rank0.out, i).read_bytes() == want
 
 
-@pytest.mark.parametrize("edit", ["fewer", "bytes"])
+EDITS = {
+    "fewer": (lambda m: m["shards"][:2], "lists 2 shards, its shard index 3"),
+    "bytes": (lambda m: [*m["shards"][:1], {**m["shards"][1], "bytes": 1}, m["shards"][2]], "shards[1] differs"),
+    "not a list": (lambda m: 5, "'shards' is not a list"),
+    "numbers": (lambda m: [1, 2, 3], "shard list is not [{path, num_samples, bytes, sha256}]"),
+    "no path": (lambda m: [{k: v for k, v in e.items() if k != "path"} for e in m["shards"]], "shards[0] is None"),
+    "short sha256": (lambda m: [{**e, "sha256": "ab"} for e in m["shards"]], "shard list is not"),
+}
+
+
+@pytest.mark.parametrize("edit", EDITS)
 def test_a_manifest_list_that_departs_from_the_index_is_one_line(tmp_path, edit):
-    """A format-4 manifest still lists the shards (design.md's layout); its list and its index must agree."""
+    """A format-4 manifest still lists the shards (design.md's layout); its list and its index must agree, and a
+    list of another shape is one line too."""
     folder = _cache(tmp_path / "c", 3)
     manifest = json.loads((folder / cf.MANIFEST).read_text())
-    if edit == "fewer":
-        manifest["shards"] = manifest["shards"][:2]
-    else:
-        manifest["shards"][1]["bytes"] += 512
+    change, want = EDITS[edit]
+    manifest["shards"] = change(manifest)
     cf.atomic_write_json(folder / cf.MANIFEST, manifest)
     with pytest.raises(CacheDamaged) as e:
         cf.CacheReader(folder).check_consistency()
-    want = "lists 2 shards, its shard index 3" if edit == "fewer" else "shards[1] differs from the shard index"
     assert want in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
