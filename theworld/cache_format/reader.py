@@ -173,6 +173,7 @@ class CacheReader:
     )  # per shard: what the cache lists (layout.shard_table)
     text_rules: np.ndarray = field(init=False, repr=False)  # per shard: the sidecar's "text_rule" (None: not recorded)
     _files: dict = field(init=False, repr=False, default_factory=dict)
+    _list_problem: str | None = field(init=False, repr=False, default=None)  # the shard list's (check_consistency)
     remote: storage.RemoteCache | None = field(repr=False, default=None)
     # Members closer than this are read with one pread, tar headers and skipped members included: a system call
     # costs more than copying a few kB (docs/performance.md)
@@ -192,6 +193,10 @@ class CacheReader:
         self._sides, self.text_rules = self._index.sides, self._index.text_rules
         # the manifest's per-shard records (format 1-3); from format 4 on the index is that record
         self.shard_table = shard_table(self.cache_dir, self.manifest) if read_from_list(self.manifest) else self._sides
+        # From format 4 on the manifest's shard list is for tools that read the tars: it is compared with the index
+        # here, once, and not kept (1.37M dicts at DataComp-1B, 570 MB a process for the whole run)
+        entries = self.manifest["shards"] if read_from_list(self.manifest) else self.manifest.pop("shards", None)
+        self._list_problem = _list_problem(entries, self.shard_table, not read_from_list(self.manifest))
         if len(missing := self._index.shapeless()):
             raise UserError(
                 f"cache {self.cache_dir}: shard {self.shard_of(int(missing[0]))}'s sidecar lacks per-sample latent "
@@ -252,15 +257,8 @@ class CacheReader:
                 f"cache {d}: {MANIFEST} lists {n} shards but {SHARDS}/ also holds "
                 f"{', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}; {REBUILD_MANIFEST}"
             )
-        entries = self.manifest.get("shards")  # a format 1-3 manifest's was checked as it loaded (load_manifest)
-        if not read_from_list(self.manifest) and (problem := _list_vs_index(entries, table)):
-            raise CacheDamaged(f"cache {d}: {problem}; {REBUILD_MANIFEST}")
-        for i, e in enumerate(entries or ()):
-            if (path := e.get("path")) != f"{SHARDS}/{shard_stem(i)}.tar":
-                raise CacheDamaged(
-                    f"cache {d}: {MANIFEST} shards[{i}] is {path!r}, expected "
-                    f"'{SHARDS}/{shard_stem(i)}.tar'; {REBUILD_MANIFEST}"
-                )
+        if self._list_problem:
+            raise CacheDamaged(f"cache {d}: {self._list_problem}; {REBUILD_MANIFEST}")
         if on_disk is not None and len(missing := [i for i in range(n) if f"{shard_stem(i)}.tar" not in on_disk]):
             raise CacheDamaged(
                 f"cache {d}: shard {tar_path(d, missing[0]).name} is missing; {repair_hint(d, missing[0])}"
@@ -516,6 +514,17 @@ class CacheReader:
         for fd in self._files.values():
             os.close(fd)
         self._files.clear()
+
+
+def _list_problem(entries: list | None, table: index.ShardTable, indexed: bool) -> str | None:
+    """What is wrong with the manifest's shard list: its paths, and from format 4 on (`indexed`: a format 1-3
+    manifest's list was checked as it loaded and is the table) where it departs from the shard index."""
+    if indexed and (problem := _list_vs_index(entries, table)):
+        return problem
+    for i, e in enumerate(entries or ()):
+        if (path := e.get("path")) != f"{SHARDS}/{shard_stem(i)}.tar":
+            return f"{MANIFEST} shards[{i}] is {path!r}, expected '{SHARDS}/{shard_stem(i)}.tar'"
+    return None
 
 
 def _list_vs_index(entries: list | None, table: index.ShardTable) -> str | None:

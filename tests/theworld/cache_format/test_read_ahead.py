@@ -121,7 +121,7 @@ def test_a_read_ahead_deeper_than_the_shard_budget_downloads_each_shard_once(s3,
     local = _cache(tmp_path / "c", 8, per_shard=3)
     remote = _put_tree(s3, local, "budget")
     truth = cf.CacheReader(local)
-    budget = 2 * max(e["bytes"] for e in truth.manifest["shards"])  # two shards: less than window 1 + read-ahead 3
+    budget = 2 * int(truth.shard_table.bytes.max())  # two shards: less than window 1 + read-ahead 3
     settings = cf.Settings(local_dir=str(tmp_path / "l"), local_max_gb=budget / 1e9)
     reader = cf.CacheReader(remote, settings=settings)
     order = rank_indices(np.arange(len(truth)), 5, 0, 4, 0, 1, shards=truth.shards, window=1)
