@@ -307,7 +307,9 @@ def _every_input_failed(cache_dir: Path) -> bool:
         return False
 
 
-def load_manifest(cache_dir: Path | str) -> dict:
+def load_manifest(cache_dir: Path | str, parsed: dict | None = None) -> dict:
+    """The cache's manifest, checked and migrated to the current format. `parsed`: its file's JSON as the caller
+    already parsed it (storage.RemoteCache.take_manifest)."""
     path = Path(cache_dir) / MANIFEST
     if not path.is_file():
         if _every_input_failed(Path(cache_dir)):
@@ -321,7 +323,7 @@ def load_manifest(cache_dir: Path | str) -> dict:
             )
         raise UserError(f"no cache at {cache_dir} (no {MANIFEST})")
     try:
-        manifest = json.loads(path.read_bytes())
+        manifest = parsed if parsed is not None else json.loads(path.read_bytes())
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise CacheDamaged(
             f"{path} is not valid JSON ({type(e).__name__}: {str(e)[:120]}); {REBUILD_MANIFEST}"

@@ -184,7 +184,7 @@ class CacheReader:
 
     def __post_init__(self) -> None:
         self.cache_dir, self.remote = storage.open_cache(self.cache_dir, self.settings, self.remote)
-        self.manifest = load_manifest(self.cache_dir)
+        self.manifest = load_manifest(self.cache_dir, self.remote.take_manifest() if self.remote else None)
         if sample_index.is_lazy(self.manifest):
             self._index = self._lazy_index()
         else:

@@ -353,8 +353,10 @@ def test_a_manifest_list_that_departs_from_the_index_is_one_line(tmp_path, edit)
     change, want = EDITS[edit]
     manifest["shards"] = change(manifest)
     cf.atomic_write_json(folder / cf.MANIFEST, manifest)
+    reader = cf.CacheReader(folder)
+    assert "shards" not in reader.manifest  # compared with the index as it opened, then not kept
     with pytest.raises(CacheDamaged) as e:
-        cf.CacheReader(folder).check_consistency()
+        reader.check_consistency()
     assert want in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
