@@ -592,6 +592,7 @@ class TrainConfig:
                 "config keys 'cache_dir' and 'data' are both set: use cache_dir for one cache, data for a mixture"
             )
         check_mixture(self.data)
+        check_node_groups(self)
         for cache, _ in self.caches():  # a run deletes unfinished writes (.tmp-*) in its output_dir
             if os.path.realpath(cache) == os.path.realpath(self.output_dir):
                 raise UserError(
@@ -604,6 +605,25 @@ class TrainConfig:
                 raise UserError(f"config key 'trackers': unknown tracker {t!r} (known: {', '.join(TRACKERS)})")
         if self.resume == "":
             self.resume = None
+
+
+def check_node_groups(cfg: TrainConfig) -> None:
+    """storage.node_groups > 1 orders one cache of one latent shape (checked with the cache: loader._rank_indices)
+    a window of shards at a time, each global batch in equal parts."""
+    groups, g = cfg.storage.node_groups, cfg.train.global_batch_size
+    if groups == 1:
+        return
+    if cfg.data or cfg.train.loader.group_by_length:
+        what = "a 'data' mixture" if cfg.data else "train.loader.group_by_length"
+        raise UserError(
+            f"config key 'storage.node_groups': {what} orders its samples otherwise than a window of shards in "
+            "parts: leave node_groups at 1"
+        )
+    if g % groups:
+        raise UserError(
+            f"config key 'storage.node_groups': train.global_batch_size {g} does not split into {groups} equal "
+            "parts; use a divisor of it"
+        )
 
 
 MAX_WEIGHT_RATIO = 1e6  # data weights further apart give a cache no sample of an epoch, or lose the others in rounding
@@ -696,6 +716,8 @@ def run_hash(cfg: TrainConfig) -> str:
                 del d["world"]["rollout"][key]
     if not cfg.storage.shuffle_window:  # the global order: runs keep the hash they had before the key existed
         d["storage"].pop("shuffle_window")
+    if cfg.storage.node_groups == 1:  # likewise
+        d["storage"].pop("node_groups")
     for key in RESUME_NEUTRAL:
         _pop(d, key)
     if not cfg.train.loader.group_by_length:  # runs without grouping keep the hash they had before the keys existed

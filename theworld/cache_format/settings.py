@@ -23,7 +23,8 @@ MOVED = {
     "cache_prefetch_shards": "storage.prefetch_shards",
     "cache_shuffle_window": "storage.shuffle_window",
 }
-READING_KEYS = ("prefetch_shards", "shuffle_window")  # how training reads a cache; precompute leaves them unset
+# how training reads a cache; precompute leaves them unset
+READING_KEYS = ("prefetch_shards", "shuffle_window", "node_groups")
 
 
 @dataclass
@@ -38,6 +39,9 @@ class Settings:
     # training: shards per shuffle window (train/data/order.py): 0 is one global order, which suits a cache that fits
     # the node's shard cache; a larger cache reads W shards at a time and is downloaded about once per epoch
     shuffle_window: int = 0
+    # training, with shuffle_window: each global batch is this many equal parts, each from its own shards of the
+    # window, so N nodes dividing it each download 1/N of the cache per epoch; the order depends on it, not on N
+    node_groups: int = 1
 
     def __post_init__(self) -> None:  # what the config loader cannot check by type
         if not self.local_max_gb > 0:
@@ -49,6 +53,13 @@ class Settings:
         for key in READING_KEYS:
             if getattr(self, key) < 0:
                 raise UserError(f"config key 'storage.{key}': must be >= 0, got {getattr(self, key)}")
+        if self.node_groups < 1:
+            raise UserError(f"config key 'storage.node_groups': must be >= 1, got {self.node_groups}")
+        if self.node_groups > 1 and (not self.shuffle_window or self.shuffle_window % self.node_groups):
+            raise UserError(
+                f"config key 'storage.node_groups': {self.node_groups} splits each window's shards between the "
+                f"nodes, so storage.shuffle_window ({self.shuffle_window}) must be a positive multiple of it"
+            )
 
     @property
     def folder(self) -> Path:

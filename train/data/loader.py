@@ -460,8 +460,8 @@ def _rank_indices(cfg, ctx: DataContext, rank: int, world_size: int, epoch: int,
     whole = len(ctx.train_indices) + len(ctx.eval_indices) == len(ctx.reader)  # every sample trains but the held-out
     if window and ctx.draw is None and whole:
         starts, held = ctx.reader.shard_starts, ctx.eval_indices
-        if ctx.groups is None and not several_shapes(ctx.buckets):
-            return windowed_rank_indices(starts, held, *args, window)
+        if ctx.groups is None and not several_shapes(ctx.buckets):  # node groups take this path (check_sizes)
+            return windowed_rank_indices(starts, held, *args, window, groups=cfg.storage.node_groups)
         return bucketed_rank_indices(starts, held, ctx.buckets, *args, window, ctx.groups)
     samples = ctx.epoch_samples(cfg.seed, epoch)
     shards = shards_of(ctx.reader, samples) if window else None

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from theworld import cache_format as cf
-from theworld.cache_format.held_out import check_held_out, nth_kept
+from theworld.cache_format.held_out import Kept, check_held_out, nth_kept
 from theworld.core.errors import UserError
 
 
@@ -148,13 +148,24 @@ class _Windows:
 
     @classmethod
     def of(cls, starts: np.ndarray, held_out: np.ndarray, seed: int, epoch: int, window: int) -> _Windows:
-        held = np.sort(np.asarray(held_out, dtype=np.int64))
-        lost = np.bincount(np.searchsorted(starts, held, side="right") - 1, minlength=len(starts) - 1)
-        counts = np.diff(starts) - lost
+        return cls.groups(starts, held_out, seed, epoch, window, 1)[0]
+
+    @classmethod
+    def groups(
+        cls, starts: np.ndarray, held_out: np.ndarray, seed: int, epoch: int, window: int, groups: int
+    ) -> list[_Windows]:
+        """One layout per group of storage.node_groups: group g holds the shards at positions g, g + groups, ... of
+        the epoch's shard order, in windows of window // groups shards (the per-shard arrays are shared)."""
+        held, lost, counts = _training_counts(starts, held_out)
         ids = np.flatnonzero(counts > 0)  # the shards that hold training samples, as np.unique gives _windowed
         ids = ids[_shard_order(len(ids), seed, epoch)]
-        flat = ids[np.lexsort((ids, np.arange(len(ids)) // window))]  # each window's shards in ascending order
-        return cls(np.asarray(starts, dtype=np.int64), held, lost, counts, flat, window)
+        starts, w = np.asarray(starts, dtype=np.int64), window // groups
+        out = []
+        for g in range(groups):
+            mine = ids[g::groups]
+            flat = mine[np.lexsort((mine, np.arange(len(mine)) // w))]  # each window's shards in ascending order
+            out.append(cls(starts, held, lost, counts, flat, w))
+        return out
 
     @property
     def ends(self) -> np.ndarray:
@@ -180,6 +191,22 @@ class _Windows:
         return x[_window_shuffle(np.arange(n), np.full(n, n), np.full(n, k), seed, epoch)]
 
 
+def _training_counts(starts: np.ndarray, held_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(the held-out samples sorted, each shard's held-out samples, each shard's training samples)."""
+    held = np.sort(np.asarray(held_out, dtype=np.int64))
+    lost = np.bincount(np.searchsorted(starts, held, side="right") - 1, minlength=len(starts) - 1)
+    return held, lost, np.diff(starts) - lost
+
+
+def grouped_steps(starts: np.ndarray, held_out: np.ndarray, global_batch: int, groups: int) -> int:
+    """Global batches per epoch of the windowed order in `groups` node groups (storage.node_groups): each group gives
+    global_batch / groups samples of every batch from its own shards, so an epoch lasts while the smallest group
+    does; counted from the smallest shards a group can get, the same for every epoch."""
+    counts = np.sort(_training_counts(starts, held_out)[2])
+    counts = counts[counts > 0]
+    return int(counts[: len(counts) // groups].sum()) // (global_batch // groups)
+
+
 def windowed_rank_indices(
     starts: np.ndarray,
     held_out: np.ndarray,
@@ -191,30 +218,48 @@ def windowed_rank_indices(
     start_batch: int,
     window: int,
     chunk: int = 1 << 20,
+    groups: int = 1,
 ) -> np.ndarray:
     """`rank_indices` of the windowed order over one cache's training samples (all but `held_out`) of one latent
     shape, computed at this process's positions alone: memory is the shards' arrays and this process's share (in
     pieces of `chunk`), never an array over every sample (a DataComp-1B cache holds 1.4B). `starts`: (S + 1,) the
-    first sample of each shard (samples are in shard order)."""
-    lay = _Windows.of(starts, held_out, seed, epoch, window)
-    flat, counts, ends, offsets = lay.flat, lay.counts, lay.ends, lay.offsets
-    end = int(offsets[-1]) // global_batch * global_batch  # a leftover short batch is dropped
+    first sample of each shard (samples are in shard order).
+
+    `groups` > 1 (storage.node_groups): global batch b is `groups` equal parts, part g the positions
+    b * global_batch / groups ... of group g's own windowed order (`_Windows.groups`), so the processes whose
+    slices fall in part g read only group g's shards; the order depends on `groups`, never on the number of
+    processes."""
+    lays = _Windows.groups(starts, held_out, seed, epoch, window, groups)
+    part = global_batch // groups
+    if groups == 1:
+        n_batches = int(lays[0].offsets[-1]) // global_batch  # a leftover short batch is dropped
+    else:
+        n_batches = grouped_steps(starts, held_out, global_batch, groups)
     per = global_batch // world_size
-    lo = rank_offset(global_batch, rank, world_size)
-    batches, step = np.arange(start_batch, end // global_batch), max(1, chunk // per)
-    out = np.empty(len(batches) * per, dtype=np.int64)
+    columns = rank_offset(global_batch, rank, world_size) + np.arange(per)  # this slice's places in a batch
+    batches, step = np.arange(start_batch, n_batches), max(1, chunk // per)
+    out = np.empty((len(batches), per), dtype=np.int64)
     for b in range(0, len(batches), step):
-        p = (batches[b : b + step, None] * global_batch + lo + np.arange(per)).reshape(-1)
-        k = np.searchsorted(offsets, p, side="right") - 1
-        r = offsets[k] + _window_shuffle(p - offsets[k], offsets[k + 1] - offsets[k], k, seed, epoch)
-        i = np.searchsorted(ends, r, side="right")  # flat[i]: the shard holding the epoch's training sample r
-        q = flat[i]
-        u = r - (ends[i] - counts[q])  # r is shard q's u-th training sample
-        x = lay.starts[q] + u  # its sample, where the shard holds none out
-        some = np.flatnonzero(lay.lost[q])
-        x[some] = nth_kept(u[some], lay.held, lay.starts[q[some]])
-        out[b * per : b * per + len(x)] = x
-    return out
+        for g in np.unique(columns // part).tolist():
+            mine = np.flatnonzero(columns // part == g)
+            p = batches[b : b + step, None] * part + columns[mine] % part
+            out[b : b + step, mine] = _sample_at(lays[g], p.reshape(-1), seed, epoch, g, groups).reshape(p.shape)
+    return out.reshape(-1)
+
+
+def _sample_at(lay: _Windows, p: np.ndarray, seed: int, epoch: int, group: int, groups: int) -> np.ndarray:
+    """The samples at positions `p` of group `group`'s windowed order (its window k shuffled by the key
+    k * groups + group: one group's keys are those of the order without groups)."""
+    flat, counts, ends, offsets = lay.flat, lay.counts, lay.ends, lay.offsets
+    k = np.searchsorted(offsets, p, side="right") - 1
+    r = offsets[k] + _window_shuffle(p - offsets[k], offsets[k + 1] - offsets[k], k * groups + group, seed, epoch)
+    i = np.searchsorted(ends, r, side="right")  # flat[i]: the shard holding the epoch's training sample r
+    q = flat[i]
+    u = r - (ends[i] - counts[q])  # r is shard q's u-th training sample
+    x = lay.starts[q] + u  # its sample, where the shard holds none out
+    some = np.flatnonzero(lay.lost[q])
+    x[some] = nth_kept(u[some], lay.held, lay.starts[q[some]])
+    return x
 
 
 def bucketed_rank_indices(
@@ -416,6 +461,20 @@ def check_sizes(cfg, reader: cf.CacheReader, train_indices: np.ndarray, world_si
             f"shuffled-world loss takes each held-out sample's world from another one): use 0 (no eval) "
             f"or at least {max(2, world_size)}"
         )
+    if cfg.storage.node_groups > 1:
+        held = train_indices.held if isinstance(train_indices, Kept) else None
+        if held is None or several_shapes(bucket_ids(reader)):
+            raise UserError(
+                "config key 'storage.node_groups': orders the training samples of one cache of one latent shape "
+                f"(cache {reader.cache_dir} has several, or trains on part of it): leave node_groups at 1"
+            )
+        groups, g = cfg.storage.node_groups, cfg.train.global_batch_size
+        if not (steps := grouped_steps(reader.shard_starts, held, g, groups)):
+            raise UserError(
+                f"config key 'storage.node_groups': {groups} groups of the cache's shards hold too few samples for "
+                f"a global batch of {g}"
+            )
+        return steps
     if draw is not None:
         sizes = draw.bucket_sizes(bucket_ids(reader))
     elif several_shapes(ids := bucket_ids(reader)):

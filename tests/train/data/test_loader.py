@@ -80,12 +80,33 @@ def test_a_windowed_loader_computes_its_share_of_the_windowed_order_alone(ctx_cf
     monkeypatch.setattr(cfg.storage, "shuffle_window", 2)
     shards = ctx.reader.shards[ctx.train_indices]
     calls = []
-    monkeypatch.setattr(loader, "windowed_rank_indices", lambda *a: calls.append(a) or order.windowed_rank_indices(*a))
+    monkeypatch.setattr(
+        loader, "windowed_rank_indices", lambda *a, **k: calls.append(a) or order.windowed_rank_indices(*a, **k)
+    )
     for world, rank, start in ((1, 0, 0), (2, 0, 0), (2, 1, 0), (2, 1, 1)):
         got = loader.build_train_loader(cfg, ctx, rank, world, epoch=3, start=start).dataset.indices
         want = order.rank_indices(ctx.train_indices, cfg.seed, 3, 4, rank, world, start, shards=shards, window=2)
         assert got.tolist() == want.tolist()
     assert len(calls) == 4
+
+
+def test_node_groups_give_each_process_its_part_of_each_batch_and_the_epoch_its_grouped_length(ctx_cfg, monkeypatch):
+    """storage.node_groups 2: the loaders of 1 and 2 processes read order.windowed_rank_indices in two groups (the
+    second process the second group's shards alone), and the run's steps per epoch are the groups' (check_sizes)."""
+    from train.data import order
+
+    ctx, cfg = ctx_cfg
+    monkeypatch.setattr(cfg.storage, "shuffle_window", 2)
+    monkeypatch.setattr(cfg.storage, "node_groups", 2)
+    starts, held = ctx.reader.shard_starts, ctx.eval_indices
+    one = loader.build_train_loader(cfg, ctx, 0, 1, epoch=1).dataset.indices
+    assert one.tolist() == order.windowed_rank_indices(starts, held, cfg.seed, 1, 4, 0, 1, 0, 2, groups=2).tolist()
+    halves = [loader.build_train_loader(cfg, ctx, r, 2, epoch=1).dataset.indices.reshape(-1, 2) for r in range(2)]
+    assert np.concatenate(halves, axis=1).reshape(-1).tolist() == one.tolist()
+    shards = [set(ctx.reader.shards[h.reshape(-1)].tolist()) for h in halves]
+    assert not shards[0] & shards[1]
+    steps = order.check_sizes(cfg, ctx.reader, ctx.train_indices, 2)
+    assert steps == order.grouped_steps(starts, held, 4, 2) == len(one) // 4 > 0
 
 
 def test_a_windowed_loader_of_several_shapes_or_grouped_by_length_walks_the_order_a_window_at_a_time(

@@ -13,6 +13,7 @@ from train.data.order import (
     LengthGroups,
     epoch_batches,
     epoch_order,
+    grouped_steps,
     rank_indices,
     shards_of,
     windowed_rank_indices,
@@ -148,6 +149,39 @@ def test_the_windowed_order_at_one_process_positions_holds_no_array_over_every_s
     assert peak < 1.5 * got.nbytes  # the share and one piece, nothing of 64 MB
 
 
+def test_node_groups_split_each_window_s_shards_between_the_nodes_and_one_process_equals_n():
+    """storage.node_groups 2: each half of a global batch comes from its own half of the epoch's shards, so two nodes
+    (here one process each) read disjoint shards and together every shard once; 1, 2 and 4 processes give the same
+    batches, a resume the same tail, and no sample comes twice in an epoch."""
+    counts = np.full(40, 25)
+    counts[[3, 17]] = [7, 0]  # a short shard and an empty one
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    held = np.arange(5, starts[-1], 97)
+    args = (3, 1, 16)  # seed, epoch, global batch
+
+    def order(rank: int, world: int, start: int = 0) -> np.ndarray:
+        return windowed_rank_indices(starts, held, *args, rank, world, start, 4, groups=2)
+
+    one = order(0, 1)
+    steps = grouped_steps(starts, held, 16, 2)
+    assert len(one) == steps * 16 and len(np.unique(one)) == len(one) and not np.isin(one, held).any()
+    # counted from the smallest shards either group could get, an epoch drops under three shards' worth here
+    assert len(one) > starts[-1] - len(held) - 3 * 25
+    for world in (2, 4):
+        parts = [order(r, world).reshape(-1, 16 // world) for r in range(world)]
+        assert np.array_equal(np.concatenate(parts, axis=1).reshape(-1), one)
+    assert np.array_equal(order(1, 2, start=5), order(1, 2)[5 * 8 :])
+    node = [set((np.searchsorted(starts, order(r, 2), side="right") - 1).tolist()) for r in range(2)]
+    assert not node[0] & node[1] and len(node[0] | node[1]) >= 36  # of the 39 with samples: less what the epoch drops
+    # one group is the order without groups
+    assert np.array_equal(windowed_rank_indices(starts, held, *args, 0, 1, 0, 4, groups=1), order_without(starts, held))
+    assert not np.array_equal(one, order_without(starts, held))
+
+
+def order_without(starts: np.ndarray, held: np.ndarray) -> np.ndarray:
+    return windowed_rank_indices(starts, held, 3, 1, 16, 0, 1, 0, 4)
+
+
 class _Cache:
     def __init__(self, counts: list[int]):
         self.shard_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
@@ -211,6 +245,27 @@ def test_storage_shuffle_window_is_a_config_key_that_leaves_earlier_runs_hashes_
     assert run_hash(load_config(TrainConfig, None, ["cache_shuffle_window=8"])) == windowed
     with pytest.raises(UserError, match="config key 'storage.shuffle_window': must be >= 0, got -1"):
         load_config(TrainConfig, None, ["storage.shuffle_window=-1"])
+
+
+def test_storage_node_groups_changes_the_hash_only_when_set_and_is_checked_before_anything_loads():
+    from theworld.core.config import load_config
+    from theworld.core.errors import UserError
+    from train.config import TrainConfig, run_hash
+
+    windowed = ["storage.shuffle_window=8"]
+    base = run_hash(load_config(TrainConfig, None, windowed))
+    assert run_hash(load_config(TrainConfig, None, [*windowed, "storage.node_groups=1"])) == base
+    assert run_hash(load_config(TrainConfig, None, [*windowed, "storage.node_groups=2"])) != base
+    bad = {
+        "storage.node_groups=0": "must be >= 1, got 0",
+        "storage.node_groups=3": "storage.shuffle_window (8) must be a positive multiple of it",
+        "storage.node_groups=8 train.global_batch_size=12": "global_batch_size 12 does not split into 8 equal parts",
+        "storage.node_groups=2 train.loader.group_by_length=true": "train.loader.group_by_length orders",
+    }
+    for sets, want in bad.items():
+        with pytest.raises(UserError) as e:
+            load_config(TrainConfig, None, [*windowed, *sets.split()])
+        assert want in str(e.value) and "'storage.node_groups'" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_global_batches_hold_one_bucket_and_a_square_cache_keeps_the_plain_order():
