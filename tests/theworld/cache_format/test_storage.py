@@ -471,3 +471,44 @@ def test_a_shard_deleted_from_the_bucket_stops_training_in_one_line_naming_it(s3
     assert code == 2, err
     assert err[-1].startswith(f"error: {remote}/shards/shard-000001.tar: not found"), err[-3:]
     assert "rerun the precompute command" in err[-1] and "Traceback" not in "\n".join(err)
+
+
+def test_with_node_groups_two_nodes_download_disjoint_shards_of_a_cache_in_a_bucket(s3, s3_train_cache, tmp_path):
+    """storage.node_groups 2 on two nodes (a process each, each with its own shard cache): each node downloads the
+    shards of its part of every batch and no other, so together they download the epoch's shards once; without
+    groups each node downloads every shard."""
+    from transformers import AutoProcessor
+
+    from tests.conftest import train_config
+    from theworld.model import encoders
+    from train.data import cache as data
+    from train.data.loader import DataContext, build_train_loader
+
+    processor = AutoProcessor.from_pretrained(encoders.resolve_gemma("tiny"))
+
+    def node(rank: int, groups: int) -> tuple[set[str], set[str]]:
+        cfg = train_config(
+            f"cache_dir={s3_train_cache}",
+            f"storage.local_dir={tmp_path / f'g{groups}-node{rank}'}",
+            "storage.shuffle_window=2",
+            f"storage.node_groups={groups}",
+            "train.global_batch_size=16",
+            "train.micro_batch_size=8",
+            "train.eval.samples=16",
+            "train.loader.num_workers=0",
+            "model.dtype=float32",
+        )
+        reader, inputs = data.open_cache(cfg)
+        ctx = DataContext.build(cfg, reader, inputs, processor)
+        start = len(s3.log)
+        batches = build_train_loader(cfg, ctx, rank, 2, epoch=0)
+        read = {f"shard-{s:06d}.tar" for s in reader.shards[batches.dataset.indices].tolist()}
+        assert sum(1 for _ in batches) == len(batches.dataset.indices) // 8
+        got = {p.rsplit("/", 1)[1] for p in s3.downloads(start, r"/train/shards/shard-\d+\.tar$")}
+        return got, read
+
+    grouped = [node(r, 2) for r in range(2)]
+    assert all(got == read for got, read in grouped)  # each node downloads what its part reads, nothing more
+    assert not grouped[0][0] & grouped[1][0] and grouped[0][0] and grouped[1][0]
+    plain = [node(r, 1)[0] for r in range(2)]
+    assert plain[0] == plain[1] == {f"shard-{i:06d}.tar" for i in range(3)}
