@@ -90,3 +90,18 @@ def test_a_short_run_logs_each_step_saves_at_its_checkpoints_and_exports_final(t
     assert [m["epoch"] for m in steps] == [0, 0, 1]  # 8 training samples: 2 steps of 4 in an epoch
     assert (out / "checkpoint-2" / "trainable.safetensors").is_file()
     assert (out / "final" / "trainable.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_node_groups_train_the_same_on_one_process_and_two(cache, tmp_path):
+    """storage.node_groups 2 (window 2): two processes, each reading its group's part of every batch, log the
+    losses of one process at every step, across an epoch's end (3 steps an epoch here)."""
+    from tests.conftest import run2
+
+    groups = {"storage.shuffle_window": 2, "storage.node_groups": 2, "train.eval.samples": 16}
+    assert main(base_args(cache, tmp_path / "one", steps=4, **groups)) == 0
+    two = run2(base_args(cache, tmp_path / "two", steps=4, **groups))
+    assert two.returncode == 0, two.stderr[-3000:]
+    one_losses, two_losses = ([m["loss"] for m in metrics(tmp_path / d) if "loss" in m] for d in ("one", "two"))
+    assert len(one_losses) == 4 and two_losses == pytest.approx(one_losses, rel=1e-5)
+    assert [m["epoch"] for m in metrics(tmp_path / "one") if "loss" in m] == [0, 0, 0, 1]
