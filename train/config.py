@@ -577,8 +577,8 @@ class TrainConfig:
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"], metadata=NEUTRAL)
     wandb: WandbConfig = field(default_factory=WandbConfig, metadata=NEUTRAL)
     hub: HubConfig = field(default_factory=HubConfig, metadata=NEUTRAL)
-    # a cache_dir or data[].cache that is a URL, the node's shard cache, the read-ahead and the shuffle window; its keys
-    # but shuffle_window are resume-neutral (STORAGE_NEUTRAL)
+    # a cache_dir or data[].cache that is a URL, the node's shard cache, the read-ahead, the shuffle window and node
+    # groups; its keys but shuffle_window and node_groups are resume-neutral (STORAGE_NEUTRAL)
     storage: Settings = field(default_factory=Settings)
 
     def caches(self) -> list[tuple[str, float]]:
@@ -608,8 +608,8 @@ class TrainConfig:
 
 
 def check_node_groups(cfg: TrainConfig) -> None:
-    """storage.node_groups > 1 orders one cache of one latent shape (checked with the cache: loader._rank_indices)
-    a window of shards at a time, each global batch in equal parts."""
+    """storage.node_groups > 1 orders one cache of one latent shape (checked with the cache: order.check_sizes) a
+    window of shards at a time, each global batch in equal parts."""
     groups, g = cfg.storage.node_groups, cfg.train.global_batch_size
     if groups == 1:
         return
