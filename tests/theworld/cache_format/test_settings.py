@@ -22,6 +22,12 @@ from theworld.core.errors import UserError
         ({"local_dir": "s3://b/x"}, "config key 'storage.local_dir': s3://b/x is a URL; give a local folder"),
         ({"prefetch_shards": -1}, "config key 'storage.prefetch_shards': must be >= 0, got -1"),
         ({"shuffle_window": -2}, "config key 'storage.shuffle_window': must be >= 0, got -2"),
+        ({"node_groups": 0}, "config key 'storage.node_groups': must be >= 1, got 0"),
+        (
+            {"node_groups": 2},
+            "config key 'storage.node_groups': 2 splits each window's shards between the nodes, so "
+            "storage.shuffle_window (0) must be a positive multiple of it",
+        ),
     ],
 )
 def test_a_bad_value_is_one_line_naming_its_key(kwargs, message):
@@ -35,7 +41,8 @@ def test_the_folder_and_the_budget_are_the_users_and_earlier_keys_name_the_secti
     assert Settings(local_dir="/x/y").folder == Path("/x/y")
     assert Settings(local_max_gb=2.5).budget == 2.5e9
     assert Settings(local_max_gb=1e300).budget > 10**30  # finite and allowed: no overflow where bytes are compared
-    assert set(MOVED.values()) == {f"storage.{f}" for f in Settings.__dataclass_fields__}
+    # every storage key of the fifth release's top level names its place in the section (node_groups came later)
+    assert set(MOVED.values()) == {f"storage.{f}" for f in Settings.__dataclass_fields__} - {"storage.node_groups"}
 
 
 def test_the_training_config_loads_with_its_storage_section_without_torch():
