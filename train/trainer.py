@@ -4,6 +4,7 @@ after a killed run to the final weights (components, data, loop state, metrics, 
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -226,6 +227,9 @@ class Trainer:
             lines.append(rollout)
         if window := data.window_note(cfg.storage, self.checked.reader):
             lines.append(window)
+        nodes = self.c.world_size // int(os.environ.get("LOCAL_WORLD_SIZE") or self.c.world_size)
+        if groups := data.node_groups_note(cfg, self.checked.reader, max(1, nodes)):
+            lines.append(groups)
         for r in self.reports:
             lines.append(checkpoint.describe_init(cfg.init_from, r))
         lines.append(

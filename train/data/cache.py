@@ -168,6 +168,33 @@ def window_note(settings: cf.Settings, reader: cf.CacheReader | MixedReader) -> 
     )
 
 
+def node_groups_note(cfg, reader: cf.CacheReader | MixedReader, nodes: int) -> str:
+    """The start line on what each of `nodes` nodes downloads of a cache at a URL read in a window of shards: with
+    storage.node_groups, how many of its groups a node reads (processes take contiguous slices of each global batch,
+    a node's processes one after another); without, that every node downloads every shard and the setting that
+    splits them. '' otherwise."""
+    settings, g = cfg.storage, cfg.train.global_batch_size
+    remote = [r for r in getattr(reader, "readers", [reader]) if r.remote is not None]
+    if not remote or not settings.shuffle_window or nodes < 2 and settings.node_groups == 1:
+        return ""
+    if settings.node_groups == 1:
+        if g % nodes or settings.shuffle_window % nodes or len(remote) > 1:
+            return ""
+        return (
+            f"note: each of the {nodes} nodes downloads every shard of each window (the cache {nodes} times an epoch "
+            f"from the bucket); --set storage.node_groups={nodes} gives each node its own {1 / nodes:.0%} of the shards"
+        )
+    c, part = settings.node_groups, g // settings.node_groups
+    if c % nodes == 0:
+        return f"order: storage.node_groups {c} over {nodes} node(s): each node reads {c // nodes} group(s) of shards"
+    # node n's processes hold positions [n g / nodes, (n + 1) g / nodes) of each batch; part k is group k's
+    most = max(((n + 1) * g // nodes - 1) // part - n * g // nodes // part + 1 for n in range(nodes))
+    return (
+        f"note: storage.node_groups {c} does not divide among {nodes} nodes: a node reads up to {most} of the {c} "
+        f"groups of shards; a multiple of {nodes} gives each node its own"
+    )
+
+
 def check_rollout_settings(cfg, reader: cf.CacheReader) -> None:
     """With world.num_world_steps > 0 the run's world.rollout is what rolls out live (an unfrozen VAE's batches,
     train.eval.benchmarks' images) and, saved with the model, what evaluate and describe roll out with later; a cache's

@@ -175,6 +175,41 @@ def test_a_cache_larger_than_the_shard_cache_read_in_the_global_order_gets_a_not
     assert note in capsys.readouterr().err  # a start line of the run
 
 
+def test_a_multi_node_run_is_told_what_each_node_downloads_and_the_node_groups_that_split_it(
+    s3, cache, s3_train_cache, tmp_path
+):
+    """The start line of a run of several nodes reading a cache at a URL in windows: without node groups every node
+    downloads every shard (and the setting that splits them is named); with them, how many groups each node reads,
+    and a count that does not divide among the nodes is named with what it costs."""
+    from tests.conftest import train_config
+    from train.data.cache import node_groups_note
+
+    reader = cf.CacheReader(s3_train_cache, settings=cf.Settings(local_dir=str(tmp_path / "i")))
+
+    def note(nodes: int, *sets: str, batch: int = 16, of=reader) -> str:
+        cfg = train_config("storage.shuffle_window=4", f"train.global_batch_size={batch}", *sets)
+        return node_groups_note(cfg, of, nodes)
+
+    assert note(2) == (
+        "note: each of the 2 nodes downloads every shard of each window (the cache 2 times an epoch from the "
+        "bucket); --set storage.node_groups=2 gives each node its own 50% of the shards"
+    )
+    assert note(1) == note(3) == note(2, of=cf.CacheReader(cache)) == ""  # one node; 3 splits no batch; a disk
+    assert (
+        note(4, "storage.node_groups=4")
+        == "order: storage.node_groups 4 over 4 node(s): each node reads 1 group(s) of shards"
+    )
+    assert (
+        note(2, "storage.node_groups=4")
+        == "order: storage.node_groups 4 over 2 node(s): each node reads 2 group(s) of shards"
+    )
+    # 4 groups over 3 nodes of a batch of 12: node 1 holds positions 4-7, parts 1 and 2
+    assert note(3, "storage.node_groups=4", batch=12) == (
+        "note: storage.node_groups 4 does not divide among 3 nodes: a node reads up to 2 of the 4 groups of shards; a "
+        "multiple of 3 gives each node its own"
+    )
+
+
 def test_a_shard_cache_smaller_than_the_data_evicts_the_least_recently_used_and_stays_bounded(
     s3, s3_train_cache, tmp_path
 ):
