@@ -38,12 +38,17 @@ webdataset: its DataLoader's worker forked, a curl per shard streaming the first
 Streaming: StreamingDataset made (its index.json downloaded), its worker forked, the first shard downloaded, 32
 samples decoded. litdata is not measured: its
 wheel needs another torch than this project's lock. Then, at the first non-zero latency: bytes one epoch of the
-training loader downloads when the shard cache holds a quarter of the cache (windowed and global order); data_overhead
+training loader downloads when the shard cache holds a quarter of the cache (windowed and global order, and on each
+of two nodes without and with storage.node_groups 2); data_overhead
 of training the tiny model for a whole epoch from a cold shard cache (the epoch's wall time, opening included, over
 that of the same steps on batches in memory; the median of three cold epochs, each followed by a warm one from its
 shard cache), with the step on torch's default threads and on one (the loader worker then has a core of its own, as
 beside a GPU); the time to open caches of 16, 1,024 and 16,384 shards (their index alone: manifest and shard index);
 and precompute's final step (`RemoteWriter.fetch_records`) over 1,024 shards.
+
+    python -m tools.speed_readers --budget-latency 20 [--json]
+
+The bytes case alone.
 
     python -m tools.speed_readers --open-latency 20 [--json]
 
@@ -401,8 +406,9 @@ class _Batches:
     build_train_loader: workers, windowed order, read-ahead, tokenising collate), opened when first iterated (the
     open is part of a cold epoch); yields its batches."""
 
-    def __init__(self, cfg, processor):
+    def __init__(self, cfg, processor, rank: int = 0, world: int = 1):
         self.cfg, self.processor, self.ctx = cfg, processor, None
+        self.rank, self.world = rank, world  # the process's place: its share of each global batch
 
     def __iter__(self) -> Iterator:
         from train.data import cache as data
@@ -411,7 +417,7 @@ class _Batches:
         if self.ctx is None:
             reader, inputs = data.open_cache(self.cfg)
             self.ctx = DataContext.build(self.cfg, reader, inputs, self.processor)
-        yield from build_train_loader(self.cfg, self.ctx, 0, 1, epoch=0)
+        yield from build_train_loader(self.cfg, self.ctx, self.rank, self.world, epoch=0)
 
 
 def _time_epochs(make: Callable[[], Iterable], counts: Callable[[], tuple[int, int]]) -> dict:
@@ -565,16 +571,26 @@ def latency_run(cache: Path, latencies: list[float], bandwidth_mbps: float, rows
 
 def _budget_bytes(url: str, manifest: dict, counts, processor) -> dict:
     """Bytes one epoch of the training loader downloads with a shard cache of a quarter of the cache, in the windowed
-    order (a window of an eighth of the shards, read-ahead at its default) and in the global order."""
-    total = manifest["bytes"]
+    order (a window of an eighth of the shards, read-ahead at its default) and in the global order; then on each of
+    two nodes (a process each, its own shard cache), without node groups and with storage.node_groups 2 (a window
+    twice as wide, so each node's is the same)."""
+    total, budget = manifest["bytes"], f"storage.local_max_gb={manifest['bytes'] / 4 / 1e9}"
     out = {"cache_bytes": total}
-    for name, window in (("windowed", max(1, manifest["num_shards"] // 8)), ("global", 0)):
+
+    def epoch(window: int, *sets: str, rank: int = 0, world: int = 1) -> float:
         with tempfile.TemporaryDirectory() as tmp:
-            cfg = _train_config(url, tmp, window, 1, f"storage.local_max_gb={total / 4 / 1e9}")
+            cfg = _train_config(url, tmp, window, 1, budget, *sets)
             c = counts()
-            for _ in _Batches(cfg, processor):
+            for _ in _Batches(cfg, processor, rank, world):
                 pass
-            out[name] = round((counts()[1] - c[1]) / total, 2)
+            return round((counts()[1] - c[1]) / total, 2)
+
+    window = max(1, manifest["num_shards"] // 8)
+    out["windowed"], out["global"] = epoch(window), epoch(0)
+    # each node's window the same: W shards without groups, 2W in two groups of W
+    half = f"train.micro_batch_size={BATCH // 2}"
+    out["per_node"] = [epoch(window, half, rank=r, world=2) for r in range(2)]
+    out["per_node_grouped"] = [epoch(2 * window, half, "storage.node_groups=2", rank=r, world=2) for r in range(2)]
     return out
 
 
@@ -765,6 +781,22 @@ def _fetch_records_time(n: int = 1024) -> float:
         return round(time.perf_counter() - t, 3)
 
 
+def budget_run(cache: Path, latency_ms: float) -> dict:
+    """The bytes case alone (`_budget_bytes`), through the proxy at `latency_ms`."""
+    manifest, processor = cf.load_manifest(cache), _processor()
+    with _scratch(), s3_copy(cache) as (url, _), latency_proxy(latency_ms) as counts:
+        return {"probe_latency_ms": latency_ms, "budget": _budget_bytes(url, manifest, counts, processor)}
+
+
+def _budget_line(r: dict) -> str:
+    b = r["budget"]
+    return (
+        f"shard cache = 1/4 of the cache, {r['probe_latency_ms']:g} ms: one epoch downloads {b['windowed']}x the "
+        f"cache (windowed order), {b['global']}x (global order); on each of two nodes {b['per_node']}x, "
+        f"{b['per_node_grouped']}x with storage.node_groups 2"
+    )
+
+
 def open_run(latency_ms: float) -> dict:
     """The open and final-step cases alone, through the proxy at `latency_ms`."""
     with _scratch(), tempfile.TemporaryDirectory() as empty, s3_copy(Path(empty)):
@@ -806,11 +838,7 @@ def _latency_table(r: dict) -> str:
             )
     if "budget" not in r:  # --rows-only
         return "\n".join(lines)
-    b = r["budget"]
-    lines.append(
-        f"shard cache = 1/4 of the cache, {r['probe_latency_ms']:g} ms: one epoch downloads {b['windowed']}x the "
-        f"cache (windowed order), {b['global']}x (global order)"
-    )
+    lines.append(_budget_line(r))
     for o in r["cold_overhead"]:
         lines.append(
             f"training a whole cold epoch at {r['probe_latency_ms']:g} ms, step on {o['threads']} thread(s): "
@@ -839,6 +867,9 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         help="only the time to open caches of 16, 1,024 and 16,384 shards and precompute's final step, at this many ms",
     )
+    p.add_argument(
+        "--budget-latency", type=float, help="only the bytes an epoch downloads (a small shard cache), at ms"
+    )
     args = p.parse_args(argv)
     if args.samples < 1 or args.rounds < 1:
         p.error("--samples and --rounds must be at least 1")
@@ -852,6 +883,10 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--cache {cache}: no {cf.MANIFEST} there; give a complete local cache")
     else:
         cache = ensure_cache(Path(args.root), "tiny", "tiny", 64, args.samples)
+    if args.budget_latency is not None:
+        report = budget_run(cache, args.budget_latency)
+        print(json.dumps(report, indent=1) if args.json else _budget_line(report))
+        return 0
     if args.latency:
         try:
             latencies = [float(x) for x in args.latency.split(",")]
