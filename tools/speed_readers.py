@@ -308,8 +308,15 @@ def _proxy_serve(upstream: int, latency_ms: float, bandwidth: float, port, count
 
         do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = forward
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
+    class Server(ThreadingHTTPServer):
+        daemon_threads = True
+
+        def handle_error(self, request, client_address):
+            # a client that hangs up (a read-ahead download cut short as its loader ends) is no error of the proxy's
+            if not isinstance(sys.exc_info()[1], ConnectionError):
+                super().handle_error(request, client_address)
+
+    server = Server(("127.0.0.1", 0), Handler)
     port.value = server.server_address[1]
     server.serve_forever()
 
