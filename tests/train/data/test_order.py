@@ -173,6 +173,14 @@ def test_node_groups_split_each_window_s_shards_between_the_nodes_and_one_proces
     assert np.array_equal(order(1, 2, start=5), order(1, 2)[5 * 8 :])
     node = [set((np.searchsorted(starts, order(r, 2), side="right") - 1).tolist()) for r in range(2)]
     assert not node[0] & node[1] and len(node[0] | node[1]) >= 36  # of the 39 with samples: less what the epoch drops
+    # three groups of a batch of 12 over 3 and 4 processes: slices that straddle two parts, and small pieces
+    three = windowed_rank_indices(starts, held, 3, 1, 12, 0, 1, 0, 6, groups=3)
+    for world in (3, 4):
+        parts = [
+            windowed_rank_indices(starts, held, 3, 1, 12, r, world, 0, 6, chunk=8, groups=3).reshape(-1, 12 // world)
+            for r in range(world)
+        ]
+        assert np.array_equal(np.concatenate(parts, axis=1).reshape(-1), three)
     # one group is the order without groups
     assert np.array_equal(windowed_rank_indices(starts, held, *args, 0, 1, 0, 4, groups=1), order_without(starts, held))
     assert not np.array_equal(one, order_without(starts, held))
