@@ -147,6 +147,11 @@ def test_the_windowed_order_at_one_process_positions_holds_no_array_over_every_s
     assert len(got) == (starts[-1] - len(held)) // 256 * 32 and len(np.unique(got)) == len(got)
     assert not np.isin(got, held).any()
     assert peak < 1.5 * got.nbytes  # the share and one piece, nothing of 64 MB
+    tracemalloc.start()  # in four node groups: their layouts share the per-shard arrays
+    grouped = windowed_rank_indices(starts, held, 1, 0, 256, 3, 8, 0, 4, chunk=1 << 14, groups=4)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(grouped) > 0.99 * len(got) and peak < 1.5 * grouped.nbytes
 
 
 def test_node_groups_split_each_window_s_shards_between_the_nodes_and_one_process_equals_n():
