@@ -751,13 +751,17 @@ def _open_case(folder: Path, url: str, local: str) -> dict:
 def _lazy_open(tmp: Path) -> dict:
     """A cache of DataComp's shape read lazily (LAZY_SHARDS shards of 1,024 samples: its index parts over
     sample_index.LAZY_BYTES): opened by the node's first process, which downloads the shard table, then by another
-    of its processes (a second reader on the same shard cache), which opens the node's copy. Of the index parts only
+    of its processes (a second reader on the same shard cache), which opens the node's copy. Its manifest lists
+    every shard, as a cache written by precompute does (167 bytes a shard). Of the index parts only
     the first is put in the bucket (the open asks for its first bytes before the manifest is read); a part is read
     when a sample of it is."""
     from tools.speed_index import _write
 
     folder = tmp / "lazy"
     _write(folder, LAZY_SHARDS)
+    manifest = json.loads((folder / cf.MANIFEST).read_text())
+    manifest["shards"] = cf.CacheReader(folder).shard_table.entries()  # the list write_manifest keeps for tools
+    cf.atomic_write_json(folder / cf.MANIFEST, manifest)
     url = _put(folder, "lazy", lambda p: p.parent.name != SHARD_INDEX or p.name in (index.TABLE, index.part_name(0)))
     out = _open_case(folder, url, f"{tmp}/l-lazy")
     out["table_bytes"] = cf.load_manifest(folder)["shard_table"]["bytes"]
