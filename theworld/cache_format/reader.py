@@ -175,6 +175,9 @@ class CacheReader:
     _files: dict = field(init=False, repr=False, default_factory=dict)
     _list_problem: str | None = field(init=False, repr=False, default=None)  # the shard list's (check_consistency)
     remote: storage.RemoteCache | None = field(repr=False, default=None)
+    # accepted as callers of the earlier releases pass it, and ignored: a remote cache's shards are not listed (see
+    # check_consistency), so there is no listing to ask for early
+    list_shards: bool = field(repr=False, default=False)
     # Members closer than this are read with one pread, tar headers and skipped members included: a system call
     # costs more than copying a few kB (docs/performance.md)
     READ_GAP = 16 << 10
