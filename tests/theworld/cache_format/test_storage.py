@@ -495,12 +495,14 @@ def test_opening_an_s3_cache_gets_each_small_object_once_and_lists_nothing(s3, s
     assert len(log) <= 5 and len(reader) == 20  # manifest, errors, run record, the index's first bytes
 
 
-def test_a_shard_deleted_from_the_bucket_stops_training_in_one_line_naming_it(s3, cache, tmp_path, capsys):
-    """Not listed at the start, a shard gone from the bucket is found when it is first read: one line that names
-    the object and the repair, exit 2."""
-    remote = _put_tree(s3, cache, "deleted")
-    s3.fs.rm_file(f"{BUCKET}/deleted/shards/shard-000001.tar")
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_shard_deleted_from_the_bucket_stops_training_in_one_line_naming_it(s3, cache, tmp_path, capsys, workers):
+    """Not listed at the start, a shard gone from the bucket is found when it is first read (here or in a loader
+    worker): one line that names the object and the repair, exit 2."""
+    remote = _put_tree(s3, cache, f"deleted{workers}")
+    s3.fs.rm_file(f"{BUCKET}/deleted{workers}/shards/shard-000001.tar")
     held = {"train.eval.samples": 48, "train.eval.every": 0, "train.eval.captions": 0}
+    held["train.loader.num_workers"] = workers
     code = train_inproc(_train_args(s3, remote, tmp_path / "run", 3, str(tmp_path / "sc"), **held))
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2, err
