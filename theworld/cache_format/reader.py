@@ -195,11 +195,12 @@ class CacheReader:
             self._index = sample_index.Whole(j, bool((j.crc32[j.spans[..., 0] >= 0] >= 0).all()))
         self._sides, self.text_rules = self._index.sides, self._index.text_rules
         # the manifest's per-shard records (format 1-3); from format 4 on the index is that record
-        self.shard_table = shard_table(self.cache_dir, self.manifest) if read_from_list(self.manifest) else self._sides
+        listed = read_from_list(self.manifest)
+        self.shard_table = shard_table(self.cache_dir, self.manifest) if listed else self._sides
         # From format 4 on the manifest's shard list is for tools that read the tars: it is compared with the index
         # here, once, and not kept (1.37M dicts at DataComp-1B, 570 MB a process for the whole run)
-        entries = self.manifest["shards"] if read_from_list(self.manifest) else self.manifest.pop("shards", None)
-        self._list_problem = _list_problem(entries, self.shard_table, not read_from_list(self.manifest))
+        entries = self.manifest["shards"] if listed else self.manifest.pop("shards", None)
+        self._list_problem = _list_problem(entries, self.shard_table, not listed)
         if len(missing := self._index.shapeless()):
             raise UserError(
                 f"cache {self.cache_dir}: shard {self.shard_of(int(missing[0]))}'s sidecar lacks per-sample latent "
