@@ -465,17 +465,27 @@ MOVED_KEYS = compat.moves(
 ) | compat.moves(5, STORAGE_MOVED)
 
 
+BY_SAMPLES = "samples"  # data[].weight: each of the cache's training samples once an epoch
+
+
 @dataclass
 class MixtureEntry:
-    """One cache of a `data` mixture and its weight (its share of each epoch is weight / sum of weights)."""
+    """One cache of a `data` mixture and its weight: its share of each epoch is weight / sum of weights. `samples` on
+    every entry reads each cache's training samples once an epoch, the caches as one (a dataset precomputed in parts,
+    one per node: docs/precompute.md), ordered a window of shards at a time as one cache is."""
 
     cache: str
-    weight: float = 1.0
+    weight: float | str = 1.0
 
     def __post_init__(self) -> None:
         require_path("data[].cache", self.cache)
-        if not self.weight > 0:
-            raise UserError(f"config key 'data[].weight': must be positive, got {self.weight} (cache {self.cache})")
+        if self.weight == BY_SAMPLES:
+            return
+        if isinstance(self.weight, str) or not self.weight > 0:
+            raise UserError(
+                f"config key 'data[].weight': must be positive, or '{BY_SAMPLES}' (each of the cache's training "
+                f"samples once an epoch), got {self.weight!r} (cache {self.cache})"
+            )
 
 
 @dataclass
@@ -581,9 +591,14 @@ class TrainConfig:
     # groups; its keys but shuffle_window and node_groups are resume-neutral (STORAGE_NEUTRAL)
     storage: Settings = field(default_factory=Settings)
 
-    def caches(self) -> list[tuple[str, float]]:
+    def caches(self) -> list[tuple[str, float | str]]:
         """(cache folder, weight) of each cache trained on: cache_dir with weight 1, or the `data` mixture."""
         return [(e.cache, e.weight) for e in self.data] if self.data else [(self.cache_dir, 1.0)]
+
+    @property
+    def joined(self) -> bool:
+        """A `data` mixture read as one cache: every weight is `samples` (each training sample once an epoch)."""
+        return bool(self.data) and all(e.weight == BY_SAMPLES for e in self.data)
 
     def __post_init__(self) -> None:
         require_path("cache_dir", self.cache_dir), require_path("output_dir", self.output_dir)
@@ -613,11 +628,11 @@ def check_node_groups(cfg: TrainConfig) -> None:
     groups, g = cfg.storage.node_groups, cfg.train.global_batch_size
     if groups == 1:
         return
-    if cfg.data or cfg.train.loader.group_by_length:
-        what = "a 'data' mixture" if cfg.data else "train.loader.group_by_length"
+    if cfg.data and not cfg.joined or cfg.train.loader.group_by_length:
+        what = "a 'data' mixture by weight" if cfg.data else "train.loader.group_by_length"
         raise UserError(
             f"config key 'storage.node_groups': {what} orders its samples otherwise than a window of shards in "
-            "parts: leave node_groups at 1"
+            f"parts: leave node_groups at 1{f' (or give every cache weight {BY_SAMPLES})' if cfg.data else ''}"
         )
     if g % groups:
         raise UserError(
@@ -641,7 +656,14 @@ def check_mixture(data: list[MixtureEntry]) -> None:
                 f"config key 'data': cache {e.cache}{same} is listed twice; list it once with the sum of its weights"
             )
         seen[real] = e.cache
-    weights = [e.weight for e in data]
+    by_samples = [e.weight == BY_SAMPLES for e in data]
+    if any(by_samples) and not all(by_samples):
+        e = data[by_samples.index(False)]
+        raise UserError(
+            f"config key 'data': weight '{BY_SAMPLES}' reads every cache's training samples once an epoch, so it is "
+            f"given to every cache or to none (cache {e.cache} has weight {e.weight:g})"
+        )
+    weights = [] if any(by_samples) else [e.weight for e in data]
     if weights and max(weights) / min(weights) > MAX_WEIGHT_RATIO:
         raise UserError(
             f"config key 'data': weights {min(weights):g} and {max(weights):g} are more than {MAX_WEIGHT_RATIO:g} "

@@ -23,6 +23,21 @@ def test_plan_counts_the_cache_it_would_train_on(cache, tmp_path, capsys):
     assert not (tmp_path / "run").exists()  # a plan starts nothing
 
 
+def test_plan_of_a_mixture_holds_eval_samples_out_of_each_cache(cache, tmp_path, capsys):
+    """Two caches of 96: 16 held out of each, 160 / 16 = 10 steps per epoch."""
+    import shutil
+
+    other = tmp_path / "copy"
+    shutil.copytree(cache, other)
+    sets = base_args(cache, tmp_path / "run")
+    args = [x for f, v in zip(sets[::2], sets[1::2]) if not v.startswith("cache_dir=") for x in (f, v)]
+    data = f"data=[{{cache: {cache}, weight: samples}}, {{cache: {other}, weight: samples}}]"
+    assert main(["--config", str(CONFIGS / "stage1.yaml"), *args, "--set", data, "--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "samples: 192 (32 held out for eval, 160 trained on)" in out
+    assert "10 per epoch of 16 samples" in out
+
+
 def test_plan_reports_the_trainable_share_as_the_plan_does(capsys):
     """configs/real/stage1.yaml: the world projector alone, 6.6M of Gemma 3 4B + the Wan VAE (4.43B), 0.15%."""
     assert main(["--config", str(CONFIGS / "real" / "stage1.yaml"), "--plan", "--samples", "100000"]) == 0

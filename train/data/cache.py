@@ -15,7 +15,7 @@ import numpy as np
 
 from theworld import cache_format as cf
 from theworld.cache_format.fingerprint import recorded, rollout_keys
-from theworld.cache_format.held_out import split
+from theworld.cache_format.held_out import Kept, split
 from theworld.cache_format.layout import world_steps
 from theworld.core.errors import CacheDamaged, CacheMismatch, UserError
 from theworld.model.config import DEFAULT_PROMPT, trains
@@ -178,7 +178,7 @@ def node_groups_note(cfg, reader: cf.CacheReader | MixedReader, nodes: int) -> s
     if not remote or not settings.shuffle_window or nodes < 2 and settings.node_groups == 1:
         return ""
     if settings.node_groups == 1:
-        if g % nodes or settings.shuffle_window % nodes or len(remote) > 1:
+        if g % nodes or settings.shuffle_window % nodes or cfg.data and not cfg.joined:
             return ""
         return (
             f"note: each of the {nodes} nodes downloads every shard of each window (the cache {nodes} times an epoch "
@@ -249,13 +249,13 @@ def split_data(cfg, reader: cf.CacheReader | MixedReader) -> tuple[np.ndarray, n
     held out from each), offset into the mixture's index."""
     if not isinstance(reader, MixedReader):
         return split(reader, cfg.train.eval.samples)
-    parts = [split(r, cfg.train.eval.samples) for r in reader.readers]
-    return tuple(np.concatenate([np.asarray(p[k]) + off for p, off in zip(parts, reader.offsets)]) for k in (0, 1))
+    held = np.concatenate([split(r, cfg.train.eval.samples)[1] + o for r, o in zip(reader.readers, reader.offsets)])
+    return Kept(len(reader), held), held  # the training samples: every other one, not an array over them
 
 
 def mixture_draw(cfg, reader: cf.CacheReader | MixedReader, train_indices: np.ndarray) -> Draw | None:
-    """Each epoch's draw from a mixture's caches by weight (None for one cache)."""
-    if not isinstance(reader, MixedReader):
+    """Each epoch's draw from a mixture's caches by weight (None for one cache, or caches read as one: cfg.joined)."""
+    if not isinstance(reader, MixedReader) or cfg.joined:
         return None
     return Draw.build(reader, train_indices, [w for _, w in cfg.caches()], bucket_ids(reader))
 

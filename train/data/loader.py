@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from theworld import cache_format as cf
-from theworld.cache_format.held_out import Kept, split
+from theworld.cache_format.held_out import Kept
 from theworld.cache_format.storage import NoRoomAhead
 from theworld.core import log
 from theworld.model.images import decode, load_for_vae, siglip_pixels
@@ -23,7 +23,7 @@ from theworld.model.inputs import PARTNER
 from theworld.model.rollout import cache_condition, cache_seed, questions_tensor, sample_inputs
 from theworld.model.text import ChatFormatter
 from train.data.batches import Collate, Packing, encode_texts
-from train.data.cache import InputSources, mixture_draw
+from train.data.cache import InputSources, mixture_draw, split_data
 from train.data.flip import swap_left_right
 from train.data.mixture import Draw, MixedReader, partner_groups
 from train.data.order import (
@@ -59,7 +59,7 @@ class ReadAhead:
     def __init__(self, reader, indices: np.ndarray, depth: int):
         self.reader, self.depth = reader, depth
         self.shards = None
-        if depth and getattr(reader, "remote", None) is not None:  # a mixture's caches are read without it
+        if depth and getattr(reader, "remote", None) is not None:
             self.shards = shards_of(reader, indices)
         self._pid, self._pool, self._sent, self._last = 0, None, set(), -1
 
@@ -228,8 +228,8 @@ class DataContext:
         processor,
         split_: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> DataContext:
-        """`split_`: split(reader, cfg.train.eval.samples) when the caller has it already."""
-        train, held = split_ if split_ is not None else split(reader, cfg.train.eval.samples)
+        """`split_`: split_data(cfg, reader) when the caller has it already."""
+        train, held = split_ if split_ is not None else split_data(cfg, reader)
         # a cache in a bucket reads it as a byte range: that round trip passes beside the rest of the start
         first = ThreadPoolExecutor(1, "first-text")
         read = first.submit(reader.text, int(train[0]))
@@ -271,7 +271,13 @@ class DataContext:
         return np.asarray(self.train_indices) if self.draw is None else self.draw.epoch(seed, epoch)
 
     def describe_mixture(self, cfg) -> str:
-        return "" if self.draw is None else self.draw.describe(self.reader, [w for _, w in cfg.caches()])
+        if self.draw is not None:
+            return self.draw.describe(self.reader, [w for _, w in cfg.caches()])
+        if not isinstance(self.reader, MixedReader):
+            return ""
+        held = self.reader.cache_of[self.eval_indices]
+        parts = [f"{r.cache_dir} {len(r) - int(np.sum(held == c))} samples" for c, r in enumerate(self.reader.readers)]
+        return "mixture per epoch (weight samples): every training sample once; " + "; ".join(parts)
 
     def describe_buckets(self) -> str:
         """'' for one latent shape, else each shape (h x w) with its training samples."""

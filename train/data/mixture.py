@@ -11,7 +11,12 @@ shapes in proportion to their sizes. A (cache, shape) group whose quota is below
 a different one each epoch; one whose quota is above its size repeats: whole seeded permutations of it, then part of
 one more. The quotas are the same every epoch, so the number of global batches per epoch is too, and the draw is a pure
 function of (seed, epoch): resuming and the process count do not change it. The epoch's order is then made from the
-drawn samples as from one cache's (`order.epoch_batches`).
+drawn samples as from one cache's (`order.epoch_batches`), over every drawn sample.
+
+With weight `samples` on every cache (`cfg.joined`: a dataset precomputed in parts) there is no draw: each epoch holds
+every training sample once, the caches read as one cache whose shards are theirs one after another, so the order is
+one cache's (a window of shards at a time, `storage.node_groups` included), computed without an array over every
+sample.
 """
 
 from __future__ import annotations
@@ -28,14 +33,19 @@ from train.data.order import seed_of
 
 
 class MixedReader:
-    """Several CacheReaders as one index (see the module docstring); picklable for loader workers."""
+    """Several CacheReaders as one index (see the module docstring); picklable for loader workers. It holds arrays over
+    the caches' shards, never one over every sample (1.4B at DataComp-1B, whose plan trains on the mixture of its
+    nodes' parts)."""
 
     def __init__(self, readers: list[cf.CacheReader]):
         self.readers = readers
         sizes = [len(r) for r in readers]
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        self.cache_of = np.repeat(np.arange(len(readers), dtype=np.int32), sizes)
-        self.latent_hw = np.concatenate([r.latent_hw for r in readers]).reshape(-1, 2)
+        self.cache_of = CacheOf(self.offsets)
+        # the shards numbered across the caches (order.shards_of): each one's first sample, then the mixture's size
+        firsts = [r.shard_starts[:-1] + o for r, o in zip(readers, self.offsets)]
+        self.shard_starts = np.concatenate([*firsts, self.offsets[-1:]]).astype(np.int64)
+        self.shard_offsets = np.concatenate([[0], np.cumsum([len(f) for f in firsts])]).astype(np.int64)
         self.cache_dir = readers[0].cache_dir  # for messages that name "the cache"; each reader names its own
         self.manifest = readers[0].manifest
 
@@ -43,6 +53,32 @@ class MixedReader:
         """The cache that mixture sample `index` comes from, and its index there."""
         c = int(self.cache_of[index])
         return self.readers[c], int(index - self.offsets[c])
+
+    @property
+    def latent_hw(self) -> np.ndarray:
+        """(N, 2): each sample's latent (h, w); a read-only broadcast where every cache has the same single shape."""
+        hws = [r.latent_hw for r in self.readers]
+        if all(h.strides[0] == 0 for h in hws) and all(np.array_equal(h[:1], hws[0][:1]) for h in hws if len(h)):
+            return np.broadcast_to(hws[0][:1], (len(self), 2))
+        return np.concatenate(hws).reshape(-1, 2)
+
+    @property
+    def lazy(self) -> bool:
+        """Whether a cache is read a part at a time (start-of-run passes then read no text)."""
+        return any(getattr(r, "lazy", False) for r in self.readers)
+
+    @property
+    def remote(self):
+        """A cache's RemoteCache where one is at a URL (read-ahead stages its shards: `stage`), else None."""
+        return next((r.remote for r in self.readers if r.remote is not None), None)
+
+    def stage(self, shard: int, ahead: bool = False) -> None:
+        """CacheReader.stage of mixture shard `shard` (numbered across the caches, as order.shards_of numbers them)."""
+        c = int(np.searchsorted(self.shard_offsets, shard, side="right")) - 1
+        self.readers[c].stage(int(shard - self.shard_offsets[c]), ahead)
+
+    def text_bytes(self) -> np.ndarray:
+        return np.concatenate([r.text_bytes() for r in self.readers])
 
     @property
     def members(self) -> tuple[str, ...] | None:
@@ -93,6 +129,21 @@ class MixedReader:
         return reader.damaged(i, what)
 
 
+class CacheOf:
+    """Which cache each mixture sample comes from, indexed like the (N,) int32 array it stands for (an int or an array
+    of indices) without holding it: found among the caches' offsets."""
+
+    def __init__(self, offsets: np.ndarray):
+        self.offsets = offsets
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getitem__(self, indices):
+        found = np.searchsorted(self.offsets[1:], np.asarray(indices, dtype=np.int64), side="right")
+        return found.astype(np.int32) if np.ndim(found) else int(found)
+
+
 def partner_groups(reader, indices: np.ndarray) -> np.ndarray:
     """What the shuffled-world eval pairs within: the latent shape, and in a mixture the cache too."""
     hw = reader.latent_hw[indices]
@@ -124,6 +175,7 @@ class Draw:
     @classmethod
     def build(cls, reader: MixedReader, train_indices: np.ndarray, weights: list[float], buckets: np.ndarray) -> Draw:
         """`buckets[i]`: sample i's latent shape id (order.bucket_ids)."""
+        train_indices = np.asarray(train_indices)  # a draw by weight is made over every training sample
         cache = reader.cache_of[train_indices]
         sizes = np.bincount(cache, minlength=len(reader.readers))
         cache_quotas = largest_remainder(np.asarray(weights), len(train_indices))

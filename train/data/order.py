@@ -51,7 +51,9 @@ def bucket_ids(reader: cf.CacheReader) -> np.ndarray:
     """(N,) int32: each sample's bucket, numbered in (h, w) order of the cache's latent shapes (one shape: a
     read-only view of one 0, no memory per sample)."""
     hw = reader.latent_hw
-    if not len(hw) or (hw == hw[0]).all():  # one shape (every square cache): no sort over the whole index
+    # one shape (every square cache): no sort over the whole index, and a broadcast (a large cache's) no pass either:
+    # comparing it would make an (N, 2) array (2.8 GB at DataComp-1B)
+    if not len(hw) or hw.strides[0] == 0 or (hw == hw[0]).all():
         return np.broadcast_to(np.int32(0), len(hw))
     return np.unique(hw, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int32)
 

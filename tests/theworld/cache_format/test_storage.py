@@ -549,3 +549,46 @@ def test_with_node_groups_two_nodes_download_disjoint_shards_of_a_cache_in_a_buc
     assert not grouped[0][0] & grouped[1][0] and grouped[0][0] and grouped[1][0]
     plain = [node(r, 1)[0] for r in range(2)]
     assert plain[0] == plain[1] == {f"shard-{i:06d}.tar" for i in range(3)}
+
+
+def test_parts_of_a_dataset_in_a_bucket_read_ahead_and_split_between_node_groups(s3, cache, tmp_path):
+    """A dataset in two parts (weight `samples` on each) on two nodes with storage.node_groups 2: each node downloads
+    the shards of its part of every batch, read ahead, across both parts, and no other."""
+    from transformers import AutoProcessor
+
+    from tests.conftest import train_config
+    from theworld.model import encoders
+    from train.data import cache as data
+    from train.data.loader import DataContext, build_train_loader
+    from train.data.order import shards_of
+
+    processor = AutoProcessor.from_pretrained(encoders.resolve_gemma("tiny"))
+    urls = [_put_tree(s3, cache, f"part{i}") for i in range(2)]
+
+    def node(rank: int) -> tuple[set[str], set[str]]:
+        cfg = train_config(
+            "data=[" + ", ".join(f"{{cache: {u}, weight: samples}}" for u in urls) + "]",
+            f"storage.local_dir={tmp_path / f'node{rank}'}",
+            "storage.shuffle_window=2",
+            "storage.node_groups=2",
+            "train.global_batch_size=16",
+            "train.micro_batch_size=8",
+            "train.eval.samples=16",
+            "train.loader.num_workers=0",
+            "model.dtype=float32",
+        )
+        reader, inputs = data.open_cache(cfg)
+        ctx = DataContext.build(cfg, reader, inputs, processor)
+        start = len(s3.log)
+        batches = build_train_loader(cfg, ctx, rank, 2, epoch=0)
+        assert batches.dataset.read_ahead.shards is not None  # a mixture's shards are read ahead too
+        shards = shards_of(reader, batches.dataset.indices)
+        read = {f"part{s // 3}/shards/shard-{s % 3:06d}.tar" for s in shards.tolist()}
+        assert sum(1 for _ in batches) == len(batches.dataset.indices) // 8
+        got = {p.split("/", 2)[2] for p in s3.downloads(start, r"/part\d/shards/shard-\d+\.tar$")}
+        return got, read
+
+    grouped = [node(r) for r in range(2)]
+    assert all(got == read for got, read in grouped), grouped
+    assert not grouped[0][0] & grouped[1][0]
+    assert {p[:5] for p in grouped[0][0] | grouped[1][0]} == {"part0", "part1"}

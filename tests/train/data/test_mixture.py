@@ -89,12 +89,101 @@ def test_the_mixtures_batches_mix_the_caches_by_weight_within_sampling_error():
         (["data=[{cache: b, weight: 0}]"], ["data[].weight", "must be positive"]),
         (["data=[{cache: b}, {cache: b, weight: 2}]"], ["listed twice"]),
         (["data=[{cache: b, weights: 2}]"], ["unknown config key 'data[0].weights'"]),
+        (["data=[{cache: b, weight: sample}]"], ["data[].weight", "must be positive, or 'samples'", "'sample'"]),
+        (["data=[{cache: b, weight: samples}, {cache: c, weight: 2}]"], ["to every cache or to none", "cache c"]),
+        (
+            ["data=[{cache: b, weight: 1}, {cache: c}]", "storage.shuffle_window=2", "storage.node_groups=2"],
+            ["storage.node_groups", "a 'data' mixture by weight", "give every cache weight samples"],
+        ),
     ],
 )
 def test_bad_data_entries_are_refused_naming_the_key(sets, words):
     with pytest.raises(UserError) as e:
         load_config(TrainConfig, None, sets)
     assert all(w in str(e.value) for w in words), str(e.value)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# A dataset in parts: every weight `samples`
+
+
+class _Part:
+    """What MixedReader reads of a CacheReader, at any size: its shards' first samples and one latent shape (a lazily
+    read cache's broadcast); `stage` records what it is asked to download."""
+
+    remote, cache_dir, manifest = "bucket", "part", {}
+
+    def __init__(self, shards: int, per_shard: int):
+        self.shard_starts = np.arange(shards + 1, dtype=np.int64) * per_shard
+        self.latent_hw = np.broadcast_to(np.array([[8, 8]], dtype=np.int32), (shards * per_shard, 2))
+        self.staged: list[tuple[int, bool]] = []
+
+    def __len__(self) -> int:
+        return int(self.shard_starts[-1])
+
+    def stage(self, shard: int, ahead: bool = False) -> None:
+        self.staged.append((shard, ahead))
+
+
+def test_parts_of_datacomp_size_read_as_one_hold_no_array_over_every_sample():
+    """Eight parts of 171M samples (DataComp-1B's plan): the mixture's reader, its one-shape buckets and a
+    process's share of a windowed epoch hold arrays over the shards and the share, not over the 1.4B samples; its
+    shards are numbered across the parts, and staging one stages that part's own shard."""
+    from train.data.mixture import MixedReader
+    from train.data.order import bucket_ids, several_shapes, windowed_rank_indices
+
+    parts = [_Part(167_000, 1024) for _ in range(8)]
+    reader = MixedReader(parts)
+    n = 8 * 167_000 * 1024
+    assert len(reader) == n and len(reader.shard_starts) == 8 * 167_000 + 1
+    held = sum(a.nbytes for a in vars(reader).values() if isinstance(a, np.ndarray))
+    assert held < 8 * 167_000 * 8 * 2  # two arrays over the shards
+    assert not several_shapes(bucket_ids(reader)) and reader.latent_hw.shape == (n, 2)
+    assert reader.cache_of[[0, 171_007_999, 171_008_000, n - 1]].tolist() == [0, 0, 1, 7]
+    assert reader.cache_of[171_008_000 * 3] == 3
+    reader.stage(167_000 * 2 + 5, ahead=True)
+    assert parts[2].staged == [(5, True)] and not parts[0].staged
+    last = (n - 2) // 512  # the epoch's global batches (two samples held out)
+    mine = windowed_rank_indices(reader.shard_starts, np.array([3, n - 1]), 0, 0, 512, 5, 64, last - 10, 64)
+    assert len(mine) == 80 and ((mine >= 0) & (mine < n) & (mine != 3) & (mine != n - 1)).all()
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    """A dataset precomputed in two parts, in shards of 4 samples."""
+    root = tmp_path_factory.mktemp("parts")
+    return _cache(root, "p0", 24, "seed=1", "shard_size=4"), _cache(root, "p1", 20, "seed=2", "shard_size=4")
+
+
+def test_parts_read_as_one_give_every_training_sample_once_in_one_caches_windowed_order(parts):
+    """Weight `samples` on every part: no draw; each epoch is every training sample once (none held out), in the
+    windowed order's definition over the parts' shards one after another, the same on 1 and 2 processes."""
+    from train.data.cache import mixture_draw, open_cache, split_data
+    from train.data.loader import _rank_indices
+    from train.data.order import bucket_ids, rank_indices, shards_of
+
+    data = ", ".join(f"{{cache: {p}, weight: samples}}" for p in parts)
+    cfg = load_config(
+        TrainConfig,
+        None,
+        [f"data=[{data}]", "storage.shuffle_window=2", "train.global_batch_size=4", "train.eval.samples=2"]
+        + ["image.resolution=32", "model.dtype=float32"],
+    )
+    reader, _ = open_cache(cfg)
+    train, held = split_data(cfg, reader)
+    assert mixture_draw(cfg, reader, train) is None and len(train) == 40 and len(held) == 4
+    assert reader.cache_of[held].tolist() == [0, 0, 1, 1]
+    ctx = SimpleNamespace(reader=reader, train_indices=train, eval_indices=held, draw=None, groups=None)
+    ctx.buckets = bucket_ids(reader)
+    for epoch in range(2):
+        one = _rank_indices(cfg, ctx, 0, 1, epoch, 0)
+        assert sorted(one.tolist()) == np.asarray(train).tolist()  # each training sample once, no held-out one
+        every = np.asarray(train)
+        want = rank_indices(every, cfg.seed, epoch, 4, 0, 1, shards=shards_of(reader, every), window=2)
+        assert np.array_equal(one, want)
+        two = [_rank_indices(cfg, ctx, r, 2, epoch, 0).reshape(-1, 2) for r in range(2)]
+        assert np.array_equal(np.concatenate(two, axis=1).reshape(-1), one)
+        assert np.array_equal(_rank_indices(cfg, ctx, 0, 1, epoch, 3), one[12:])  # resumed at batch 3
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -172,6 +261,32 @@ def test_a_mixture_trains_prints_its_shares_and_resumes_exactly(caches, tmp_path
     assert whole.keys() == parts.keys() and all(torch.equal(whole[k], parts[k]) for k in whole)
 
 
+def _parts_args(parts, out: Path, steps: int, **extra) -> list[str]:
+    data = ", ".join(f"{{cache: {p}, weight: samples}}" for p in parts)
+    grouped = {"storage.shuffle_window": 2, "storage.node_groups": 2, **extra}
+    return mix_args(parts, out, steps, **{"data": f"[{data}]", **grouped})
+
+
+def test_parts_read_as_one_train_in_node_groups_say_so_and_resume_exactly(parts, tmp_path, capsys):
+    """36 training samples (4 held out of each part) in 11 shards, in node groups of the parts' shards together; step 4
+    is in the second epoch."""
+    from train.loop import main
+
+    assert main(_parts_args(parts, tmp_path / "whole", 4)) == 0
+    printed = capsys.readouterr()
+    out = printed.out + printed.err
+    line = next(x for x in out.splitlines() if x.startswith("mixture per epoch"))
+    assert line == (
+        f"mixture per epoch (weight samples): every training sample once; {parts[0]} 20 samples; {parts[1]} 16 samples"
+    )
+    # each group's 4 samples of a batch from its own 5 or 6 shards: the 5 smallest hold under 16 training samples
+    assert "36 train / 8 eval samples, 3 steps/epoch" in out
+    assert main(_parts_args(parts, tmp_path / "parts", 2, **{"train.checkpoint.every": 2})) == 0
+    assert main(_parts_args(parts, tmp_path / "parts", 4, **{"train.checkpoint.every": 2})) == 0
+    whole, resumed = _weights(tmp_path / "whole"), _weights(tmp_path / "parts")
+    assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
 def test_caches_of_different_world_layouts_or_inputs_are_refused_naming_both(caches, tmp_path, capsys):
     from train.loop import main
 
@@ -198,11 +313,22 @@ def test_a_mixture_on_two_processes_equals_one(caches, tmp_path):
     w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "two")
     for k in [k for k in w1 if not k.endswith("k_proj.bias")]:  # see test_train's 1 vs 2 processes
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-5)
-    losses = [
-        [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
-        for run in (tmp_path / "one", tmp_path / "two")
-    ]
-    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    assert _losses(tmp_path / "one") == pytest.approx(_losses(tmp_path / "two"), rel=1e-5)
+
+
+def _losses(run: Path) -> list[float]:
+    return [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+
+
+@pytest.mark.slow
+def test_parts_read_as_one_in_node_groups_on_two_processes_equal_one(parts, tmp_path):
+    """Across an epoch's end (4 steps an epoch)."""
+    from train.loop import main
+
+    assert main(_parts_args(parts, tmp_path / "one", 5)) == 0
+    two = run2(_parts_args(parts, tmp_path / "two", 5))
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert _losses(tmp_path / "one") == pytest.approx(_losses(tmp_path / "two"), rel=1e-5)
 
 
 def _without(args: list[str], key: str) -> list[str]:
