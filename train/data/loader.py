@@ -25,7 +25,7 @@ from theworld.model.text import ChatFormatter
 from train.data.batches import Collate, Packing, encode_texts
 from train.data.cache import InputSources, mixture_draw, split_data
 from train.data.flip import swap_left_right
-from train.data.mixture import Draw, MixedReader, partner_groups
+from train.data.mixture import Draw, MixedReader, named, partner_groups
 from train.data.order import (
     LengthGroups,
     bucket_ids,
@@ -276,7 +276,7 @@ class DataContext:
         if not isinstance(self.reader, MixedReader):
             return ""
         held = self.reader.cache_of[self.eval_indices]
-        parts = [f"{r.cache_dir} {len(r) - int(np.sum(held == c))} samples" for c, r in enumerate(self.reader.readers)]
+        parts = [f"{named(r)} {len(r) - int(np.sum(held == c))} samples" for c, r in enumerate(self.reader.readers)]
         return "mixture per epoch (weight samples): every training sample once; " + "; ".join(parts)
 
     def describe_buckets(self) -> str:

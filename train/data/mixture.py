@@ -144,6 +144,11 @@ class CacheOf:
         return found.astype(np.int32) if np.ndim(found) else int(found)
 
 
+def named(reader: cf.CacheReader) -> str:
+    """A cache as its config names it: its URL, or its folder (a cache at a URL is read from a stand-in folder)."""
+    return reader.remote.url if reader.remote is not None else str(reader.cache_dir)
+
+
 def partner_groups(reader, indices: np.ndarray) -> np.ndarray:
     """What the shuffled-world eval pairs within: the latent shape, and in a mixture the cache too."""
     hw = reader.latent_hw[indices]
@@ -226,7 +231,7 @@ class Draw:
         """The start line: each cache's training samples, share and effective epochs per epoch of the mixture."""
         total = float(np.sum(weights))
         parts = [
-            f"{r.cache_dir} {int(n)} samples, share {w / total:.1%}, {q / max(int(n), 1):.2f} epochs"
+            f"{named(r)} {int(n)} samples, share {w / total:.1%}, {q / max(int(n), 1):.2f} epochs"
             for r, n, w, q in zip(reader.readers, self.cache_sizes, weights, self.cache_quotas)
         ]
         return "mixture per epoch: " + "; ".join(parts)

@@ -579,6 +579,8 @@ def test_parts_of_a_dataset_in_a_bucket_read_ahead_and_split_between_node_groups
         )
         reader, inputs = data.open_cache(cfg)
         ctx = DataContext.build(cfg, reader, inputs, processor)
+        line = ctx.describe_mixture(cfg)  # the caches as the config names them, not their stand-in folders
+        assert f"; {urls[0]} 80 samples; {urls[1]} 80 samples" in line, line
         start = len(s3.log)
         batches = build_train_loader(cfg, ctx, rank, 2, epoch=0)
         assert batches.dataset.read_ahead.shards is not None  # a mixture's shards are read ahead too
