@@ -99,8 +99,9 @@ class OpenSet:
 
 def mixture_parts(cfg: TrainConfig, ctx: loaders.DataContext) -> list[tuple[str, np.ndarray]]:
     """A `data:` mixture's held-out split per cache: (its folder's name, or its position where names repeat; its
-    held-out indices). [] for one cache."""
-    if not isinstance(ctx.reader, MixedReader):
+    held-out indices). [] for one cache, and for parts of one dataset (weight `samples`: cfg.joined), whose losses
+    apart would evaluate every held-out sample twice to tell random parts apart."""
+    if not isinstance(ctx.reader, MixedReader) or cfg.joined:
         return []
     names = [Path(cache.rstrip("/")).name for cache, _ in cfg.caches()]
     names = [n if names.count(n) == 1 else f"{n}-{i}" for i, n in enumerate(names)]

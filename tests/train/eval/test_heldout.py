@@ -56,6 +56,17 @@ def test_a_mixtures_caches_are_reported_apart(cache, tmp_path):
     assert mixed == pytest.approx(line["eval_loss"], rel=1e-9)
 
 
+def test_parts_of_one_dataset_are_evaluated_once_as_one(cache, tmp_path):
+    """weight `samples`: the parts' held-out samples together, not again apart."""
+    other = tmp_path / "other"
+    shutil.copytree(cache, other)
+    out = tmp_path / "run"
+    data = f"[{{cache: {cache}, weight: samples}}, {{cache: {other}, weight: samples}}]"
+    assert train_inproc(base_args(cache, out, steps=1, **{"data": data, "train.eval.captions": 0})[2:]) == 0
+    (line,) = [m for m in metrics(out) if "eval_loss" in m]
+    assert line["eval_loss"] > 0 and not [k for k in line if k.startswith("data/")]
+
+
 @pytest.mark.slow
 def test_the_shuffled_world_eval_is_the_same_on_one_and_two_processes(cache, tmp_path):
     args = lambda out: base_args(
