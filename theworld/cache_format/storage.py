@@ -56,6 +56,7 @@ READ_ONLY = ("http", "https", "hf")  # fsspec reads these; a cache is not writte
 PART_BYTES = 8 << 20  # a shard is downloaded in range requests of this size ...
 PARTS_IN_FLIGHT = 8  # ... this many at once (the bytes one download holds in memory)
 CONNECTIONS = 32  # small objects (sidecars, index objects, error files) requested at once
+POOL_CONNECTIONS = 64  # a process's connections to a bucket
 # The shard index's first part and its shard table are asked for with the manifest, up to this many bytes each, before
 # the manifest says what they are: a cache whose index is one part this size or less (about 70,000 samples) then opens
 # in one round of requests. A larger object (or one the manifest names otherwise) is fetched once the manifest is read.
@@ -97,6 +98,9 @@ class RetryPolicy:
             "retries": {"total_max_attempts": self.attempts, "mode": "standard"},
             "connect_timeout": self.connect_s,
             "read_timeout": self.read_s,
+            # botocore's pool of 10 would queue what a process asks for at once: the first shards' downloads
+            # (8 x PARTS_IN_FLIGHT ranges), CONNECTIONS small objects, a mixture's caches opening together
+            "max_pool_connections": POOL_CONNECTIONS,
         }
         return {**options, "config_kwargs": {**config, **options.get("config_kwargs", {})}}
 
@@ -110,9 +114,10 @@ BODY_ERRORS = (
     "ResponseStreamingError",
     "_ShortRead",
 )
-_retrying_since: list[float] = []
+_retrying_since: list[float] = []  # when this process first retried (the command's bound counts from there)
 _BOTO_LOADER: list = []  # botocore's data loader (its parsed service models) of this process's first S3 session
-_FS_LOCK = threading.Lock()  # when this process first retried (the command's bound counts from there)
+_FILESYSTEMS: dict[tuple, Any] = {}  # (process, scheme, storage.options) -> the filesystem its caches share
+_FS_LOCK = threading.Lock()
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -149,8 +154,16 @@ class RemoteCache:
         return self._fs
 
     def _make_fs(self):
+        """(filesystem, this cache's root in it). One filesystem per process for every cache of the same scheme and
+        storage.options (the caches of a mixture: a client is 50 ms of CPU, in each process and loader worker),
+        unless the options ask for `skip_instance_cache`."""
         import fsspec
 
+        key = (os.getpid(), self.scheme, json.dumps(self.settings.options, sort_keys=True, default=repr))
+        shared = not self.settings.options.get("skip_instance_cache")
+        if shared and key in _FILESYSTEMS:
+            fs = _FILESYSTEMS[key]
+            return fs, type(fs)._strip_protocol(self.url)
         options = POLICY.client_options(self.scheme, self.settings.options)
         if self.scheme in ("s3", "s3a") and "session" not in options:
             options["session"] = _s3_session()
@@ -162,6 +175,8 @@ class RemoteCache:
             raise UserError(f"{self.url}: {one_line(e, 200)}; check the URL and storage.options") from None
         if hasattr(fs, "retries") and self.scheme in ("s3", "s3a"):
             fs.retries = 1  # s3fs's own loop off: botocore's retries are the one layer (RetryPolicy)
+        if shared:
+            _FILESYSTEMS[key] = fs
         return fs, root
 
     def path(self, name: str) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,9 +89,8 @@ def open_cache(cfg) -> tuple[cf.CacheReader | MixedReader, InputSources]:
     """Open the cache (or each cache of a `data` mixture, read as one MixedReader) and check the fingerprint fields
     that need no model (before any model is loaded)."""
     readers, found = [], []
-    for cache_dir, _ in cfg.caches():
-        reader = cf.CacheReader(cache_dir, settings=cfg.storage)
-        reader.check_consistency()  # sizes and keys only; every member's crc32 is checked as it is read
+    caches = [c for c, _ in cfg.caches()]
+    for cache_dir, reader in zip(caches, open_readers(caches, cfg.storage)):
         if readers:
             check_same_layout(readers[0], reader)
         check_texts(reader)
@@ -114,6 +114,25 @@ def open_cache(cfg) -> tuple[cf.CacheReader | MixedReader, InputSources]:
         reader.members = inputs.members
         readers.append(reader), found.append(inputs)
     return (readers[0] if len(readers) == 1 else MixedReader(readers)), found[0]
+
+
+OPEN_AT_ONCE = 8  # caches of a mixture opened at once
+
+
+def open_readers(caches: list[str], settings: cf.Settings) -> list[cf.CacheReader]:
+    """Each cache opened and its consistency checked (sizes and keys only; every member's crc32 is checked as it is
+    read). A mixture's caches open at once: each open is rounds of requests to its bucket (a dataset in parts, as
+    DataComp-1B's plan writes it, is 8 or more caches). The first cache, in the given order, that fails raises."""
+
+    def one(cache: str) -> cf.CacheReader:
+        reader = cf.CacheReader(cache, settings=settings)
+        reader.check_consistency()
+        return reader
+
+    if len(caches) == 1:
+        return [one(caches[0])]
+    with ThreadPoolExecutor(min(len(caches), OPEN_AT_ONCE)) as pool:
+        return list(pool.map(one, caches))
 
 
 def _inputs_text(inputs: InputSources) -> str:

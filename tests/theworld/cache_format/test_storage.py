@@ -405,6 +405,24 @@ def test_forked_loader_workers_read_an_s3_cache_the_parent_opened(s3, s3_train_c
     assert list(loader) == want
 
 
+def test_the_caches_of_a_process_share_one_client_with_a_pool_for_what_it_asks_at_once(
+    s3, cache, s3_train_cache, tmp_path
+):
+    """A mixture's caches (same scheme and storage.options) share one filesystem, so one S3 client a process (50 ms
+    of CPU each); its pool holds storage.POOL_CONNECTIONS, not botocore's 10. Other options, or skip_instance_cache,
+    get their own."""
+    from theworld.cache_format import storage
+
+    def fs(url: str, **options):
+        return cf.CacheReader(url, settings=cf.Settings(options, local_dir=str(tmp_path / "l"))).remote.fs
+
+    other = _put_tree(s3, cache, "other")
+    shared = fs(s3_train_cache)
+    assert fs(other) is shared and shared.config_kwargs["max_pool_connections"] == storage.POOL_CONNECTIONS
+    assert fs(other, skip_instance_cache=True) is not shared
+    assert fs(other, config_kwargs={"read_timeout": 30}) is not shared
+
+
 @pytest.mark.slow
 def test_two_processes_precompute_to_s3_the_shards_of_one(s3, s3_cache, tmp_path):
     """Shard i goes to rank i % 2 on one node (one stand-in folder); rank 0 writes the manifest from both ranks'

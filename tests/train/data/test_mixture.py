@@ -287,6 +287,15 @@ def test_parts_read_as_one_train_in_node_groups_say_so_and_resume_exactly(parts,
     assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole)
 
 
+def test_of_a_mixtures_caches_opened_at_once_the_first_that_fails_is_named(caches, tmp_path, capsys):
+    from train.loop import main
+
+    data = f"[{{cache: {caches[0]}}}, {{cache: {tmp_path / 'none1'}}}, {{cache: {tmp_path / 'none2'}}}]"
+    assert main(mix_args(caches, tmp_path / "run", 1, data=data)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(tmp_path / "none1") in err[0] and "none2" not in err[0], err
+
+
 def test_caches_of_different_world_layouts_or_inputs_are_refused_naming_both(caches, tmp_path, capsys):
     from train.loop import main
 
