@@ -381,8 +381,8 @@ def stage_first(read_ahead: ReadAhead, here: int, positions: np.ndarray, workers
     downloaded from this process, STAGE_AT_ONCE at a time, before the workers fork: this process's first batch and a
     worker's then read staged shards (their sha256 checked here), the worker's without waiting for its own S3 client.
     Every shard of this process's first batch (a windowed order spreads a batch over up to storage.shuffle_window
-    shards), then (once those are in) at most 1 + storage.prefetch_shards per worker (what its read-ahead would ask for); a failure is left
-    to the read that needs the shard, which retries it and reports."""
+    shards), then (once those are in) at most 1 + storage.prefetch_shards per worker (what its read-ahead would ask
+    for); a failure is left to the read that needs the shard, which retries it and reports."""
     if not len(positions) or read_ahead.shards is None:
         return
     mine = len(_distinct(read_ahead.shards[positions[:here]]))
