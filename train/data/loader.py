@@ -35,6 +35,7 @@ from train.data.order import (
     rank_indices,
     seed_of,
     several_shapes,
+    shard_bytes,
     shards_of,
     windowed_rank_indices,
 )
@@ -381,15 +382,17 @@ def stage_first(read_ahead: ReadAhead, here: int, positions: np.ndarray, workers
     downloaded from this process, STAGE_AT_ONCE at a time, before the workers fork: this process's first batch and a
     worker's then read staged shards (their sha256 checked here), the worker's without waiting for its own S3 client.
     Every shard of this process's first batch (a windowed order spreads a batch over up to storage.shuffle_window
-    shards), then (once those are in) at most 1 + storage.prefetch_shards per worker (what its read-ahead would ask
-    for); a failure is left to the read that needs the shard, which retries it and reports."""
+    shards), then at most 1 + storage.prefetch_shards per worker (what its read-ahead would ask for), all at once, or
+    after this process's where the shard cache cannot hold them all; a failure is left to the read that needs the
+    shard, which retries it and reports."""
     if not len(positions) or read_ahead.shards is None:
         return
     mine = len(_distinct(read_ahead.shards[positions[:here]]))
     shards = read_ahead.first(positions, mine + workers * (1 + read_ahead.depth))
-    # this process's shards before the workers': where the shard cache has room for few, a worker's staged first
+    # where the shard cache cannot hold them all, this process's shards before the workers': a worker's staged first
     # would leave one of these to be read outside the budget's care for what is read ahead, evicting a worker's
-    for group in (shards[:mine], shards[mine:]):
+    fits = shard_bytes(read_ahead.reader)[shards].sum() <= read_ahead.reader.remote.settings.budget
+    for group in [shards] if fits else [shards[:mine], shards[mine:]]:
         if group:
             with ThreadPoolExecutor(min(len(group), STAGE_AT_ONCE)) as pool:
                 list(pool.map(read_ahead._stage, group))  # no download's file is open when the workers fork

@@ -81,6 +81,13 @@ def shards_of(reader, indices: np.ndarray) -> np.ndarray:
     return (np.searchsorted(firsts, np.asarray(indices, dtype=np.int64), side="right") - 1).astype(np.int32)
 
 
+def shard_bytes(reader) -> np.ndarray:
+    """(S,) int64: each shard's bytes, shards numbered across a mixture's caches as `shards_of` numbers them."""
+    return np.concatenate(
+        [np.asarray(r.shard_table.bytes, dtype=np.int64) for r in getattr(reader, "readers", [reader])]
+    )
+
+
 def _windowed(shards: np.ndarray, seed: int, epoch: int, window: int, chunk: int = 1 << 20) -> np.ndarray:
     """A permutation of positions 0..len(shards)-1: the shards in a (seed, epoch) order, cut into windows of `window`
     shards, each window's positions (in ascending order) shuffled (MosaicML Streaming's block shuffle) by
