@@ -12,6 +12,7 @@ import threading
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests._precompute_helpers import cli_args, make_cfg
@@ -528,50 +529,10 @@ def test_a_shard_deleted_from_the_bucket_stops_training_in_one_line_naming_it(s3
     assert "rerun the precompute command" in err[-1] and "Traceback" not in "\n".join(err)
 
 
-def test_with_node_groups_two_nodes_download_disjoint_shards_of_a_cache_in_a_bucket(s3, s3_train_cache, tmp_path):
-    """storage.node_groups 2 on two nodes (a process each, each with its own shard cache): each node downloads the
-    shards of its part of every batch and no other, so together they download the epoch's shards once; without
-    groups each node downloads every shard."""
-    from transformers import AutoProcessor
-
-    from tests.conftest import train_config
-    from theworld.model import encoders
-    from train.data import cache as data
-    from train.data.loader import DataContext, build_train_loader
-
-    processor = AutoProcessor.from_pretrained(encoders.resolve_gemma("tiny"))
-
-    def node(rank: int, groups: int) -> tuple[set[str], set[str]]:
-        cfg = train_config(
-            f"cache_dir={s3_train_cache}",
-            f"storage.local_dir={tmp_path / f'g{groups}-node{rank}'}",
-            "storage.shuffle_window=2",
-            f"storage.node_groups={groups}",
-            "train.global_batch_size=16",
-            "train.micro_batch_size=8",
-            "train.eval.samples=16",
-            "train.loader.num_workers=0",
-            "model.dtype=float32",
-        )
-        reader, inputs = data.open_cache(cfg)
-        ctx = DataContext.build(cfg, reader, inputs, processor)
-        start = len(s3.log)
-        batches = build_train_loader(cfg, ctx, rank, 2, epoch=0)
-        read = {f"shard-{s:06d}.tar" for s in reader.shards[batches.dataset.indices].tolist()}
-        assert sum(1 for _ in batches) == len(batches.dataset.indices) // 8
-        got = {p.rsplit("/", 1)[1] for p in s3.downloads(start, r"/train/shards/shard-\d+\.tar$")}
-        return got, read
-
-    grouped = [node(r, 2) for r in range(2)]
-    assert all(got == read for got, read in grouped)  # each node downloads what its part reads, nothing more
-    assert not grouped[0][0] & grouped[1][0] and grouped[0][0] and grouped[1][0]
-    plain = [node(r, 1)[0] for r in range(2)]
-    assert plain[0] == plain[1] == {f"shard-{i:06d}.tar" for i in range(3)}
-
-
-def test_parts_of_a_dataset_in_a_bucket_read_ahead_and_split_between_node_groups(s3, cache, tmp_path):
-    """A dataset in two parts (weight `samples` on each) on two nodes with storage.node_groups 2: each node downloads
-    the shards of its part of every batch, read ahead, across both parts, and no other."""
+def _node_epoch(s3, local: Path, rank: int, *sets: str) -> tuple[set[str], set[str], str]:
+    """One node's epoch (process `rank` of two, its own shard cache `local`) through the training loader, windows of
+    2 shards: the shard objects it downloaded and those its samples are in, as '<prefix>/shards/shard-NNNNNN.tar',
+    and its mixture's start line."""
     from transformers import AutoProcessor
 
     from tests.conftest import train_config
@@ -581,34 +542,58 @@ def test_parts_of_a_dataset_in_a_bucket_read_ahead_and_split_between_node_groups
     from train.data.order import shards_of
 
     processor = AutoProcessor.from_pretrained(encoders.resolve_gemma("tiny"))
+    cfg = train_config(
+        *sets,
+        f"storage.local_dir={local}",
+        "storage.shuffle_window=2",
+        "train.global_batch_size=16",
+        "train.micro_batch_size=8",
+        "train.eval.samples=16",
+        "train.loader.num_workers=0",
+        "model.dtype=float32",
+    )
+    reader, inputs = data.open_cache(cfg)
+    ctx = DataContext.build(cfg, reader, inputs, processor)
+    start = len(s3.log)
+    batches = build_train_loader(cfg, ctx, rank, 2, epoch=0)
+    assert batches.dataset.read_ahead.shards is not None  # a mixture's shards are read ahead too
+    readers = getattr(reader, "readers", [reader])
+    firsts = np.cumsum([0] + [len(r.shard_table) for r in readers])
+    shards = shards_of(reader, batches.dataset.indices)
+    of = np.searchsorted(firsts, shards, side="right") - 1
+    read = {
+        f"{readers[c].remote.url.split('/', 3)[3]}/shards/shard-{s - firsts[c]:06d}.tar"
+        for c, s in zip(of.tolist(), shards.tolist())
+    }
+    assert sum(1 for _ in batches) == len(batches.dataset.indices) // 8
+    got = {p.split("/", 2)[2] for p in s3.downloads(start, r"/shards/shard-\d+\.tar$")}
+    return got, read, ctx.describe_mixture(cfg)
+
+
+def test_with_node_groups_two_nodes_download_disjoint_shards_of_a_cache_in_a_bucket(s3, s3_train_cache, tmp_path):
+    """storage.node_groups 2 on two nodes (a process each, each with its own shard cache): each node downloads the
+    shards of its part of every batch and no other, so together they download the epoch's shards once; without
+    groups each node downloads every shard."""
+
+    def node(rank: int, groups: int) -> tuple[set[str], set[str]]:
+        where = f"cache_dir={s3_train_cache}", f"storage.node_groups={groups}"
+        return _node_epoch(s3, tmp_path / f"g{groups}-node{rank}", rank, *where)[:2]
+
+    grouped = [node(r, 2) for r in range(2)]
+    assert all(got == read for got, read in grouped)  # each node downloads what its part reads, nothing more
+    assert not grouped[0][0] & grouped[1][0] and grouped[0][0] and grouped[1][0]
+    plain = [node(r, 1)[0] for r in range(2)]
+    assert plain[0] == plain[1] == {f"train/shards/shard-{i:06d}.tar" for i in range(3)}
+
+
+def test_parts_of_a_dataset_in_a_bucket_read_ahead_and_split_between_node_groups(s3, cache, tmp_path):
+    """A dataset in two parts (weight `samples` on each) on two nodes with storage.node_groups 2: each node downloads
+    the shards of its part of every batch, read ahead, across both parts, and no other."""
     urls = [_put_tree(s3, cache, f"part{i}") for i in range(2)]
-
-    def node(rank: int) -> tuple[set[str], set[str]]:
-        cfg = train_config(
-            "data=[" + ", ".join(f"{{cache: {u}, weight: samples}}" for u in urls) + "]",
-            f"storage.local_dir={tmp_path / f'node{rank}'}",
-            "storage.shuffle_window=2",
-            "storage.node_groups=2",
-            "train.global_batch_size=16",
-            "train.micro_batch_size=8",
-            "train.eval.samples=16",
-            "train.loader.num_workers=0",
-            "model.dtype=float32",
-        )
-        reader, inputs = data.open_cache(cfg)
-        ctx = DataContext.build(cfg, reader, inputs, processor)
-        line = ctx.describe_mixture(cfg)  # the caches as the config names them, not their stand-in folders
-        assert f"; {urls[0]} 80 samples; {urls[1]} 80 samples" in line, line
-        start = len(s3.log)
-        batches = build_train_loader(cfg, ctx, rank, 2, epoch=0)
-        assert batches.dataset.read_ahead.shards is not None  # a mixture's shards are read ahead too
-        shards = shards_of(reader, batches.dataset.indices)
-        read = {f"part{s // 3}/shards/shard-{s % 3:06d}.tar" for s in shards.tolist()}
-        assert sum(1 for _ in batches) == len(batches.dataset.indices) // 8
-        got = {p.split("/", 2)[2] for p in s3.downloads(start, r"/part\d/shards/shard-\d+\.tar$")}
-        return got, read
-
-    grouped = [node(r) for r in range(2)]
-    assert all(got == read for got, read in grouped), grouped
+    data = "data=[" + ", ".join(f"{{cache: {u}, weight: samples}}" for u in urls) + "]"
+    grouped = [_node_epoch(s3, tmp_path / f"node{r}", r, data, "storage.node_groups=2") for r in range(2)]
+    assert all(got == read for got, read, _ in grouped), grouped
     assert not grouped[0][0] & grouped[1][0]
     assert {p[:5] for p in grouped[0][0] | grouped[1][0]} == {"part0", "part1"}
+    # the caches as the config names them, not their stand-in folders
+    assert f"; {urls[0]} 80 samples; {urls[1]} 80 samples" in grouped[0][2], grouped[0][2]

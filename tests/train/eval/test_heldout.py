@@ -4,6 +4,7 @@ reported apart, on the same eval line as the run's own split."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -40,14 +41,20 @@ def test_a_set_with_a_bad_name_or_twice_the_same_name_is_one_line(cache, tmp_pat
             load_config(TrainConfig, None, [f"train.eval.sets={sets}"])
 
 
-def test_a_mixtures_caches_are_reported_apart(cache, tmp_path):
-    """eval_loss (own world) is a sum over samples: the caches' losses, weighted by their answer tokens, give it."""
+def _mixture_eval(cache: Path, tmp_path: Path, weight: str) -> dict:
+    """The eval line of one step trained on `cache` and a copy of it named `other`, each of weight `weight`."""
     other = tmp_path / "other"
     shutil.copytree(cache, other)
     out = tmp_path / "run"
-    data = f"[{{cache: {cache}, weight: 1}}, {{cache: {other}, weight: 1}}]"
+    data = f"[{{cache: {cache}, weight: {weight}}}, {{cache: {other}, weight: {weight}}}]"
     assert train_inproc(base_args(cache, out, steps=1, **{"data": data, "train.eval.captions": 0})[2:]) == 0
     (line,) = [m for m in metrics(out) if "eval_loss" in m]
+    return line
+
+
+def test_a_mixtures_caches_are_reported_apart(cache, tmp_path):
+    """eval_loss (own world) is a sum over samples: the caches' losses, weighted by their answer tokens, give it."""
+    line = _mixture_eval(cache, tmp_path, "1")
     a, b = (f"data/{cache.name}/", "data/other/")
     assert line[a + "eval_tokens"] + line[b + "eval_tokens"] == line["eval_tokens"]
     mixed = (line[a + "eval_loss"] * line[a + "eval_tokens"] + line[b + "eval_loss"] * line[b + "eval_tokens"]) / line[
@@ -58,12 +65,7 @@ def test_a_mixtures_caches_are_reported_apart(cache, tmp_path):
 
 def test_parts_of_one_dataset_are_evaluated_once_as_one(cache, tmp_path):
     """weight `samples`: the parts' held-out samples together, not again apart."""
-    other = tmp_path / "other"
-    shutil.copytree(cache, other)
-    out = tmp_path / "run"
-    data = f"[{{cache: {cache}, weight: samples}}, {{cache: {other}, weight: samples}}]"
-    assert train_inproc(base_args(cache, out, steps=1, **{"data": data, "train.eval.captions": 0})[2:]) == 0
-    (line,) = [m for m in metrics(out) if "eval_loss" in m]
+    line = _mixture_eval(cache, tmp_path, "samples")
     assert line["eval_loss"] > 0 and not [k for k in line if k.startswith("data/")]
 
 
