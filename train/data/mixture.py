@@ -57,10 +57,10 @@ class MixedReader:
     @property
     def latent_hw(self) -> np.ndarray:
         """(N, 2): each sample's latent (h, w); a read-only broadcast where every cache has the same single shape."""
-        hws = [r.latent_hw for r in self.readers]
-        if all(h.strides[0] == 0 for h in hws) and all(np.array_equal(h[:1], hws[0][:1]) for h in hws if len(h)):
+        hws = [r.latent_hw for r in self.readers if len(r)]
+        if hws and all(h.strides[0] == 0 and np.array_equal(h[:1], hws[0][:1]) for h in hws):
             return np.broadcast_to(hws[0][:1], (len(self), 2))
-        return np.concatenate(hws).reshape(-1, 2)
+        return np.concatenate([r.latent_hw for r in self.readers]).reshape(-1, 2)
 
     @property
     def lazy(self) -> bool:

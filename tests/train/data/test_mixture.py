@@ -113,9 +113,9 @@ class _Part:
 
     remote, cache_dir, manifest = "bucket", "part", {}
 
-    def __init__(self, shards: int, per_shard: int):
+    def __init__(self, shards: int, per_shard: int, side: int = 8):
         self.shard_starts = np.arange(shards + 1, dtype=np.int64) * per_shard
-        self.latent_hw = np.broadcast_to(np.array([[8, 8]], dtype=np.int32), (shards * per_shard, 2))
+        self.latent_hw = np.broadcast_to(np.array([[side, side]], dtype=np.int32), (shards * per_shard, 2))
         self.staged: list[tuple[int, bool]] = []
 
     def __len__(self) -> int:
@@ -146,6 +146,16 @@ def test_parts_of_datacomp_size_read_as_one_hold_no_array_over_every_sample():
     last = (n - 2) // 512  # the epoch's global batches (two samples held out)
     mine = windowed_rank_indices(reader.shard_starts, np.array([3, n - 1]), 0, 0, 512, 5, 64, last - 10, 64)
     assert len(mine) == 80 and ((mine >= 0) & (mine < n) & (mine != 3) & (mine != n - 1)).all()
+
+
+def test_parts_of_other_latent_shapes_read_as_one_keep_each_samples_shape():
+    from train.data.mixture import MixedReader
+    from train.data.order import bucket_ids
+
+    reader = MixedReader([_Part(2, 3), _Part(0, 3, side=4), _Part(1, 3, side=16)])
+    assert reader.latent_hw[:, 0].tolist() == [8] * 6 + [16] * 3
+    assert bucket_ids(reader).tolist() == [0] * 6 + [1] * 3
+    assert MixedReader([_Part(2, 3), _Part(0, 3, side=4)]).latent_hw.strides[0] == 0  # an empty part has no shape
 
 
 @pytest.fixture(scope="module")
