@@ -66,7 +66,8 @@ def plan(cfg: TrainConfig, samples: int | None = None, gpus: int = GPUS) -> dict
     if samples < 1:
         raise UserError(f"train.loop --plan: --samples must be >= 1, got {samples}")
     t = cfg.train
-    held_out = t.eval.samples * len(cfg.caches())  # a mixture holds train.eval.samples out of each cache
+    # a mixture by weight holds train.eval.samples out of each cache; the parts of one dataset, out of all of them
+    held_out = t.eval.samples * (1 if cfg.joined else len(cfg.caches()))
     if samples <= held_out:
         raise UserError(f"config key 'train.eval.samples': {held_out} leaves nothing to train on ({samples} samples)")
     train_n = samples - held_out

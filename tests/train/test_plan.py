@@ -23,19 +23,22 @@ def test_plan_counts_the_cache_it_would_train_on(cache, tmp_path, capsys):
     assert not (tmp_path / "run").exists()  # a plan starts nothing
 
 
-def test_plan_of_a_mixture_holds_eval_samples_out_of_each_cache(cache, tmp_path, capsys):
-    """Two caches of 96: 16 held out of each, 160 / 16 = 10 steps per epoch."""
+@pytest.mark.parametrize("weight, held, steps", [("1", 32, 10), ("samples", 16, 11)])
+def test_plan_of_a_mixture_holds_eval_samples_out_of_each_cache_or_of_one_dataset(
+    cache, tmp_path, capsys, weight, held, steps
+):
+    """Two caches of 96: 16 held out of each by weight; of the two as one dataset in parts (weight samples)."""
     import shutil
 
     other = tmp_path / "copy"
     shutil.copytree(cache, other)
     sets = base_args(cache, tmp_path / "run")
     args = [x for f, v in zip(sets[::2], sets[1::2]) if not v.startswith("cache_dir=") for x in (f, v)]
-    data = f"data=[{{cache: {cache}, weight: samples}}, {{cache: {other}, weight: samples}}]"
+    data = f"data=[{{cache: {cache}, weight: {weight}}}, {{cache: {other}, weight: {weight}}}]"
     assert main(["--config", str(CONFIGS / "stage1.yaml"), *args, "--set", data, "--plan"]) == 0
     out = capsys.readouterr().out
-    assert "samples: 192 (32 held out for eval, 160 trained on)" in out
-    assert "10 per epoch of 16 samples" in out
+    assert f"samples: 192 ({held} held out for eval, {192 - held} trained on)" in out
+    assert f"{steps} per epoch of 16 samples" in out
 
 
 def test_plan_reports_the_trainable_share_as_the_plan_does(capsys):

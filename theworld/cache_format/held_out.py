@@ -83,6 +83,21 @@ def split(reader: CacheReader, eval_samples: int) -> tuple[Kept, np.ndarray]:
     return Kept(n, held), held
 
 
+def split_parts(readers: list[CacheReader], eval_samples: int) -> tuple[Kept, np.ndarray]:
+    """`split` of the caches of one dataset read as one (their samples one after another): the eval_samples keys of
+    smallest sha256 among all of theirs, as one cache of the same samples holds them out, found among each one's own
+    smallest."""
+    offsets = np.cumsum([0] + [len(r) for r in readers])
+    check_held_out(eval_samples, int(offsets[-1]))
+    found = [_smallest(r, min(eval_samples, len(r))) for r in readers]
+    held = np.concatenate([np.asarray(i, dtype=np.int64) + o for (i, _), o in zip(found, offsets.tolist())])
+    keys = np.concatenate([np.asarray(k) for _, k in found])
+    pick = index.smallest(index.key_digests(keys), eval_samples)
+    held, keys = held[pick], keys[pick]
+    held = held[np.argsort(keys, kind="stable")]
+    return Kept(int(offsets[-1]), held), held
+
+
 def _smallest(reader: CacheReader, eval_samples: int) -> tuple[np.ndarray, np.ndarray]:
     """(sample indices, keys) of the eval_samples smallest sha256(key), from the candidates where they hold them."""
     c = reader.held_out_candidates()

@@ -16,7 +16,7 @@ import numpy as np
 
 from theworld import cache_format as cf
 from theworld.cache_format.fingerprint import recorded, rollout_keys
-from theworld.cache_format.held_out import Kept, split
+from theworld.cache_format.held_out import Kept, split, split_parts
 from theworld.cache_format.layout import world_steps
 from theworld.core.errors import CacheDamaged, CacheMismatch, UserError
 from theworld.model.config import DEFAULT_PROMPT, trains
@@ -264,10 +264,12 @@ def check_same_layout(first: cf.CacheReader, other: cf.CacheReader) -> None:
 
 
 def split_data(cfg, reader: cf.CacheReader | MixedReader) -> tuple[np.ndarray, np.ndarray]:
-    """(train, held-out) global indices: order.split of the cache, or of each cache of a mixture (train.eval.samples
-    held out from each), offset into the mixture's index."""
+    """(train, held-out) global indices: held_out.split of the cache, or of each cache of a mixture by weight
+    (train.eval.samples held out from each), offset into the mixture's index, or of the parts of one dataset as one."""
     if not isinstance(reader, MixedReader):
         return split(reader, cfg.train.eval.samples)
+    if cfg.joined:  # the parts of one dataset: held out of it as one cache of their samples would be
+        return split_parts(reader.readers, cfg.train.eval.samples)
     held = np.concatenate([split(r, cfg.train.eval.samples)[1] + o for r, o in zip(reader.readers, reader.offsets)])
     return Kept(len(reader), held), held  # the training samples: every other one, not an array over them
 

@@ -3,6 +3,7 @@ subsamples), refusals, and training on a mixture (start line, exact resume, 1 pr
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -166,8 +167,9 @@ def parts(tmp_path_factory):
 
 
 def test_parts_read_as_one_give_every_training_sample_once_in_one_caches_windowed_order(parts):
-    """Weight `samples` on every part: no draw; each epoch is every training sample once (none held out), in the
-    windowed order's definition over the parts' shards one after another, the same on 1 and 2 processes."""
+    """Weight `samples` on every part: no draw; the held-out split is one cache's; each epoch is every training
+    sample once (none held out), in the windowed order's definition over the parts' shards one after another, the
+    same on 1 and 2 processes."""
     from train.data.cache import mixture_draw, open_cache, split_data
     from train.data.loader import _rank_indices
     from train.data.order import bucket_ids, rank_indices, shards_of
@@ -176,13 +178,15 @@ def test_parts_read_as_one_give_every_training_sample_once_in_one_caches_windowe
     cfg = load_config(
         TrainConfig,
         None,
-        [f"data=[{data}]", "storage.shuffle_window=2", "train.global_batch_size=4", "train.eval.samples=2"]
+        [f"data=[{data}]", "storage.shuffle_window=2", "train.global_batch_size=4", "train.eval.samples=4"]
         + ["image.resolution=32", "model.dtype=float32"],
     )
     reader, _ = open_cache(cfg)
     train, held = split_data(cfg, reader)
     assert mixture_draw(cfg, reader, train) is None and len(train) == 40 and len(held) == 4
-    assert reader.cache_of[held].tolist() == [0, 0, 1, 1]
+    # held out of the dataset as one cache of its 44 samples would be: the 4 keys of smallest sha256 among all
+    keys = sorted((reader.key(i) for i in range(len(reader))), key=lambda k: hashlib.sha256(k.encode()).digest())
+    assert sorted(reader.key(int(i)) for i in held) == sorted(keys[:4])
     ctx = SimpleNamespace(reader=reader, train_indices=train, eval_indices=held, draw=None, groups=None)
     ctx.buckets = bucket_ids(reader)
     for epoch in range(2):
@@ -278,21 +282,22 @@ def _parts_args(parts, out: Path, steps: int, **extra) -> list[str]:
 
 
 def test_parts_read_as_one_train_in_node_groups_say_so_and_resume_exactly(parts, tmp_path, capsys):
-    """36 training samples (4 held out of each part) in 11 shards, in node groups of the parts' shards together; step 4
-    is in the second epoch."""
+    """40 training samples (4 held out of the two parts together) in 11 shards, in node groups of the parts' shards
+    together; step 5 is in the second epoch (the resumed run's first steps have the whole run's learning rates:
+    warm-up ends at step 2 whatever train.max_steps)."""
     from train.loop import main
 
-    assert main(_parts_args(parts, tmp_path / "whole", 4)) == 0
+    assert main(_parts_args(parts, tmp_path / "whole", 5)) == 0
     printed = capsys.readouterr()
     out = printed.out + printed.err
     line = next(x for x in out.splitlines() if x.startswith("mixture per epoch"))
     assert line == (
-        f"mixture per epoch (weight samples): every training sample once; {parts[0]} 20 samples; {parts[1]} 16 samples"
+        f"mixture per epoch (weight samples): every training sample once; {parts[0]} 21 samples; {parts[1]} 19 samples"
     )
-    # each group's 4 samples of a batch from its own 5 or 6 shards: the 5 smallest hold under 16 training samples
-    assert "36 train / 8 eval samples, 3 steps/epoch" in out
+    # each group's 4 samples of a batch from its own 5 or 6 shards: the 5 smallest hold 16 to 19 training samples
+    assert "40 train / 4 eval samples, 4 steps/epoch" in out
     assert main(_parts_args(parts, tmp_path / "parts", 2, **{"train.checkpoint.every": 2})) == 0
-    assert main(_parts_args(parts, tmp_path / "parts", 4, **{"train.checkpoint.every": 2})) == 0
+    assert main(_parts_args(parts, tmp_path / "parts", 5, **{"train.checkpoint.every": 2})) == 0
     whole, resumed = _weights(tmp_path / "whole"), _weights(tmp_path / "parts")
     assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole)
 
