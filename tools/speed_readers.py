@@ -31,7 +31,7 @@ settings (batch_size given); the peers decode each sample's caption, json and la
 process of its own with its imports (and our processor) loaded before the clock starts, the S3 clients' packages
 included (s3fs and aiobotocore for ours, boto3 for Streaming: each imports them at its first request); the first
 batch is timed from "make a loader over the URL" to "its first batch in hand": ours: opening the cache (its S3
-client; manifest, errors, run record, the shards' listing and the shard index's first objects at once),
+client; manifest, errors, run record and the shard index's first objects at once),
 DataContext.build (one sample's text as a byte range, in the background), the first shards staged, its worker
 forked, and the first batch (32 samples decoded, tokenised and collated) made in the main process;
 webdataset: its DataLoader's worker forked, a curl per shard streaming the first tar, 32 samples decoded;
@@ -43,8 +43,9 @@ of two nodes without and with storage.node_groups 2); data_overhead
 of training the tiny model for a whole epoch from a cold shard cache (the epoch's wall time, opening included, over
 that of the same steps on batches in memory; the median of three cold epochs, each followed by a warm one from its
 shard cache), with the step on torch's default threads and on one (the loader worker then has a core of its own, as
-beside a GPU); the time to open caches of 16, 1,024 and 16,384 shards (their index alone: manifest and shard index);
-and precompute's final step (`RemoteWriter.fetch_records`) over 1,024 shards.
+beside a GPU); the time to open caches of 16, 1,024 and 16,384 shards (their index alone: manifest and shard index)
+and a dataset in 8 parts (at once, and one after another); and precompute's final step (`RemoteWriter.fetch_records`)
+over 1,024 shards.
 
     python -m tools.speed_readers --budget-latency 20 [--json]
 
@@ -52,10 +53,11 @@ The bytes case alone.
 
     python -m tools.speed_readers --open-latency 20 [--json]
 
-Those last two cases alone (no cache of samples is built): the time to open, the shard index's and manifest's bytes
-and the index arrays a reader holds, for 16, 1,024 and 16,384 shards of one sample each, and for 16,384 shards of
-1,024 DataComp-shaped samples, whose index is read lazily (its shard table downloaded once per node: the node's first
-process and a second one are timed); the final step's time.
+The open and final-step cases alone (no cache of samples is built): the time to open, the shard index's and
+manifest's bytes and the index arrays a reader holds, for 16, 1,024 and 16,384 shards of one sample each, for 16,384
+shards of 1,024 DataComp-shaped samples, whose index is read lazily (its shard table downloaded once per node: the
+node's first process and a second one are timed), and for a dataset in 8 parts of 1,024 shards; the final step's
+time.
 """
 
 from __future__ import annotations
@@ -739,8 +741,8 @@ def _parts_open(tmp: Path, parts: int, shards: int) -> dict:
     """A dataset in `parts` caches of `shards` shards (a mixture, as DataComp-1B's plan trains on its parts): opened
     at once by `train.data.cache.open_readers`, as a run's start does, and one after another, each with its own
     empty shard cache. The caches share one S3 client, as a run's do (fsspec's cached filesystem: this process has
-    known one proxy alone), made before the clocks start; the imports are frozen as train.loop freezes them (a full
-    pass of the collector over torch's objects, started by the opens' allocations, took 0.5 s of the first clock)."""
+    known one proxy alone), made before the clocks start; the imports are frozen as train.loop freezes them, or a
+    full pass of the collector over torch's objects, started by the opens' allocations, lands in the first clock."""
     from theworld.core import heap
     from train.data.cache import open_readers
 
@@ -912,7 +914,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--open-latency",
         type=float,
-        help="only the time to open caches of 16, 1,024 and 16,384 shards and precompute's final step, at this many ms",
+        help="only the opens (16 to 16,384 shards, 8 parts of a dataset) and precompute's final step, at ms",
     )
     p.add_argument(
         "--budget-latency", type=float, help="only the bytes an epoch downloads (a small shard cache), at ms"

@@ -76,11 +76,7 @@ def nth_kept(u: np.ndarray, held: np.ndarray, first: np.ndarray | int = 0) -> np
 def split(reader: CacheReader, eval_samples: int) -> tuple[Kept, np.ndarray]:
     """(train indices, eval indices): the eval_samples keys with the smallest sha256 are held out. Train indices in
     cache order (`Kept`), eval indices in key order."""
-    n = len(reader)
-    check_held_out(eval_samples, n)
-    held, keys = _smallest(reader, eval_samples)
-    held = held[np.argsort(keys, kind="stable")].astype(np.int64)
-    return Kept(n, held), held
+    return split_parts([reader], eval_samples)
 
 
 def split_parts(readers: list[CacheReader], eval_samples: int) -> tuple[Kept, np.ndarray]:

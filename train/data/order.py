@@ -72,12 +72,8 @@ def shards_of(reader, indices: np.ndarray) -> np.ndarray:
     """(len(indices),) int32: the shard of each sample index, shards numbered across the caches of a mixture
     (train.data.mixture.MixedReader), found among the shards' first samples: no array over every sample (4 bytes a
     sample, 5.6 GB at DataComp-1B, made by every process at every epoch's start)."""
-    readers = getattr(reader, "readers", None)
-    if readers is None:
-        firsts = reader.shard_starts[:-1]
-    else:
-        firsts = np.concatenate([r.shard_starts[:-1] + o for r, o in zip(readers, reader.offsets)])
     # the last shard starting at or before the index: an empty shard starts where the next one does
+    firsts = reader.shard_starts[:-1]
     return (np.searchsorted(firsts, np.asarray(indices, dtype=np.int64), side="right") - 1).astype(np.int32)
 
 

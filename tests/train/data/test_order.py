@@ -9,6 +9,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
+from train.data.mixture import MixedReader
 from train.data.order import (
     LengthGroups,
     epoch_batches,
@@ -196,14 +197,16 @@ def order_without(starts: np.ndarray, held: np.ndarray) -> np.ndarray:
 
 
 class _Cache:
+    """What MixedReader reads of a CacheReader: its shards' first samples and one latent shape."""
+
+    cache_dir, manifest = "cache", {}
+
     def __init__(self, counts: list[int]):
         self.shard_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self.latent_hw = np.broadcast_to(np.array([[8, 8]], dtype=np.int32), (len(self), 2))
 
-
-class _Mixture:
-    def __init__(self, readers: list[_Cache]):
-        self.readers = readers
-        self.offsets = np.concatenate([[0], np.cumsum([r.shard_starts[-1] for r in readers])]).astype(np.int64)
+    def __len__(self) -> int:
+        return int(self.shard_starts[-1])
 
 
 def test_each_samples_shard_is_found_without_an_array_over_every_sample():
@@ -211,7 +214,7 @@ def test_each_samples_shard_is_found_without_an_array_over_every_sample():
     every image failed); numpy's peak is the answer and the shards' first samples, not 4 bytes a sample."""
     a, b = [3, 0, 2, 0, 4], [0, 5, 1]
     every = np.repeat(np.arange(8), a + b)  # shards 0-4 of the first cache, 5-7 of the second
-    mixture = _Mixture([_Cache(a), _Cache(b)])
+    mixture = MixedReader([_Cache(a), _Cache(b)])
     indices = np.random.default_rng(0).permutation(len(every))
     assert np.array_equal(shards_of(mixture, indices), every[indices])
     assert np.array_equal(shards_of(_Cache(a), np.arange(9)), np.repeat(np.arange(5), a))
