@@ -116,7 +116,8 @@ BODY_ERRORS = (
 )
 _retrying_since: list[float] = []  # when this process first retried (the command's bound counts from there)
 _BOTO_LOADER: list = []  # botocore's data loader (its parsed service models) of this process's first S3 session
-_FILESYSTEMS: dict[tuple, Any] = {}  # (process, scheme, storage.options) -> the filesystem its caches share
+_FILESYSTEMS: dict[tuple, Any] = {}  # (process, scheme, storage.options, env) -> the filesystem its caches share
+CLIENT_ENV = ("AWS_", "S3_", "GOOGLE_", "GCE_", "FSSPEC_")  # variables a filesystem's client reads as it is made
 _FS_LOCK = threading.Lock()
 
 
@@ -154,12 +155,15 @@ class RemoteCache:
         return self._fs
 
     def _make_fs(self):
-        """(filesystem, this cache's root in it). One filesystem per process for every cache of the same scheme and
-        storage.options (the caches of a mixture: a client is 50 ms of CPU, in each process and loader worker),
-        unless the options ask for `skip_instance_cache`."""
+        """(filesystem, this cache's root in it). One filesystem per process for every cache of the same scheme,
+        storage.options and client environment (the caches of a mixture: a client is 50 ms of CPU, in each process and
+        loader worker), unless the options ask for `skip_instance_cache`."""
         import fsspec
 
-        key = (os.getpid(), self.scheme, json.dumps(self.settings.options, sort_keys=True, default=repr))
+        options = json.dumps(self.settings.options, sort_keys=True, default=repr)
+        # the endpoint and credentials the client reads from the environment: a changed one is another client
+        env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(CLIENT_ENV)))
+        key = (os.getpid(), self.scheme, options, env)
         shared = not self.settings.options.get("skip_instance_cache")
         if shared and key in _FILESYSTEMS:
             fs = _FILESYSTEMS[key]

@@ -6,6 +6,7 @@ kill a precompute in the middle of an upload)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import threading
@@ -410,8 +411,8 @@ def test_the_caches_of_a_process_share_one_client_with_a_pool_for_what_it_asks_a
     s3, cache, s3_train_cache, tmp_path
 ):
     """A mixture's caches (same scheme and storage.options) share one filesystem, so one S3 client a process (50 ms
-    of CPU each); its pool holds storage.POOL_CONNECTIONS, not botocore's 10. Other options, or skip_instance_cache,
-    get their own."""
+    of CPU each); its pool holds storage.POOL_CONNECTIONS, not botocore's 10. Other options, skip_instance_cache, or
+    another endpoint in the environment get their own."""
     from theworld.cache_format import storage
 
     def fs(url: str, **options):
@@ -422,6 +423,11 @@ def test_the_caches_of_a_process_share_one_client_with_a_pool_for_what_it_asks_a
     assert fs(other) is shared and shared.config_kwargs["max_pool_connections"] == storage.POOL_CONNECTIONS
     assert fs(other, skip_instance_cache=True) is not shared
     assert fs(other, config_kwargs={"read_timeout": 30}) is not shared
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    with pytest.MonkeyPatch.context() as env:  # another endpoint (a server started since): another client
+        env.setenv("AWS_ENDPOINT_URL", endpoint + "/")
+        assert fs(other) is not shared
+    assert fs(other) is shared
 
 
 @pytest.mark.slow
