@@ -24,6 +24,7 @@ from precompute import sources
 from precompute.config import PrecomputeConfig
 from precompute.sources import urls
 from theworld import cache_format as cf
+from theworld.cache_format.index import parts_of
 from theworld.core.errors import UserError, one_line
 from theworld.model import encoders
 from theworld.model.arch import KNOWN_GEMMA, KNOWN_VAE, latent_side
@@ -63,10 +64,10 @@ OBJECTS_PER_SHARD = 3  # shards/shard-N.tar, its sidecar shards/shard-N.json, er
 OBJECTS_PER_CACHE = 4  # manifest.json, errors.jsonl, precompute.json, the shard table (shard-index/shards.safetensors)
 
 
-def objects(shards: int) -> int:
-    """The objects a cache of `shards` shards holds: each shard's, the cache's own, and one shard-index part per
-    SHARDS_PER_INDEX shards."""
-    return OBJECTS_PER_SHARD * shards + OBJECTS_PER_CACHE + -(-shards // cf.SHARDS_PER_INDEX)
+def objects(shards: int, shard_size: int) -> int:
+    """The objects a cache of `shards` shards of `shard_size` samples holds: each shard's, the cache's own, and its
+    shard-index parts (index.parts_of)."""
+    return OBJECTS_PER_SHARD * shards + OBJECTS_PER_CACHE + parts_of(shards, shard_size)
 
 
 def _local_config(key: str, path: str, subfolder: str | None = None) -> dict | None:
@@ -354,7 +355,7 @@ def estimate(cfg: PrecomputeConfig) -> dict:
         "bytes_per_sample_total": round(per_sample),
         "bytes_total": round(per_sample) * usable + round(end) * shards,
         "samples": usable,
-        "objects": objects(shards),
+        "objects": objects(shards, cfg.shard_size),
         "gpu_hours": round(gpu_hours, 1),
         "node_hours": round(gpu_hours / GPUS_PER_NODE, 1),
         **extra,
@@ -406,7 +407,7 @@ def report(p: dict) -> str:
     lines.append(
         f"objects: {p['objects']} ({p['shards']} shards x {OBJECTS_PER_SHARD}: tar, sidecar, error file; plus "
         f"manifest.json, errors.jsonl, precompute.json, the shard table and a shard-index part per "
-        f"{cf.SHARDS_PER_INDEX} shards; a "
+        f"{cf.PART_SAMPLES} samples; a "
         "cache in a bucket adds one shard-records object per precompute process)"
     )
     if "rollout" in p:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import itertools
 import json
 import tempfile
 import time
@@ -62,11 +63,11 @@ def _shard_sidecar(i: int) -> dict:
 
 
 def _parts(n_shards: int) -> Iterator[index.Part]:
-    """index.SHARDS_PER_INDEX shards a part: one shard's arrays built from its sidecar, tiled, each shard's keys and
-    sha256 made its own (no Python step per sample)."""
+    """The parts index.write makes of shards of PER_SHARD samples: one shard's arrays built from its sidecar, tiled,
+    each shard's keys and sha256 made its own (no Python step per sample)."""
     one = index.build([_shard_sidecar(0)], 0)
-    for lo in range(0, n_shards, index.SHARDS_PER_INDEX):
-        s = min(index.SHARDS_PER_INDEX, n_shards - lo)
+    for lo, hi in itertools.pairwise(index.part_bounds(np.full(n_shards, PER_SHARD, dtype=np.int64))):
+        s = hi - lo
         keys = np.tile(one.keys.view(np.uint8).reshape(PER_SHARD, -1), (s, 1))
         keys[:, :8] = np.frombuffer(  # the first 8 hex digits: the shard's number, so every key differs
             np.repeat(np.char.encode(np.char.zfill(np.arange(lo, lo + s).astype(str), 8)), PER_SHARD).tobytes(),

@@ -9,7 +9,7 @@ from tools.speed_index import PER_SHARD, _write, run
 
 
 def test_the_synthetic_index_opens_as_a_cache_with_distinct_keys(tmp_path, monkeypatch):
-    monkeypatch.setattr(index, "SHARDS_PER_INDEX", 2)
+    monkeypatch.setattr(index, "PART_SAMPLES", 2 * PER_SHARD)
     _write(tmp_path / "c", 3)
     reader = cf.CacheReader(tmp_path / "c")
     assert len(reader) == 3 * PER_SHARD and reader.manifest["num_shards"] == 3

@@ -25,7 +25,7 @@ from typing import Any
 # reader and the writer.
 _HOLDERS = {
     "fingerprint": "check_fingerprint fingerprint_diff fingerprint_for fingerprint_overrides",
-    "index": "SHARDS_PER_INDEX",
+    "index": "PART_SAMPLES",
     "layout": (
         "REBUILD_MANIFEST Sample atomic_write_bytes atomic_write_json error_classes error_path image_bytes_hint "
         "latent_shape_counts latents_stored load_manifest member_name read_errors read_sidecar repair_hint safe_key "

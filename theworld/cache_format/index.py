@@ -1,7 +1,8 @@
 """The shard index: every shard's record (sample count, tar bytes, sha256, text_rule) and every sample's (key, member
-spans, crc32s, latent shape) in the reader's own arrays, SHARDS_PER_INDEX shards per part, each part one safetensors
-object (no pickle). The manifest names the parts (`shard_index`: path, bytes, sha256, shards [first, end)) and keeps
-totals only, so opening a cache is a few reads and a concatenation, with no Python loop over shards or samples.
+spans, crc32s, latent shape) in the reader's own arrays, in parts of about PART_SAMPLES samples (`part_bounds`), each
+part one safetensors object (no pickle). The manifest names the parts (`shard_index`: path, bytes, sha256, shards
+[first, end)) and keeps totals only, so opening a cache is a few reads and a concatenation, with no Python loop over
+shards or samples.
 
 The sidecar files stay the record precompute and repairs work from; a part is built from them (`build`), and a part
 that is missing or stale is built from them again (with a note) where they are at hand."""
@@ -9,6 +10,7 @@ that is missing or stale is built from them again (with a note) where they are a
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -22,7 +24,10 @@ from theworld.cache_format.migrations import CHECKSUMS, FORMAT_VERSION
 from theworld.cache_format.names import CAPTION, MANIFEST, META, SHARD_INDEX, SHARDS
 from theworld.core.atomic import write_bytes
 
-SHARDS_PER_INDEX = 4096
+# A part holds the shards that start within one span of PART_SAMPLES samples: 4,096 of DataComp's 1,024-sample shards
+# (the unit a lazily read cache loads), whatever the shards' size: a part per 4,096 shards would split a cache of small
+# shards into parts that a reader in a bucket fetches in a second round of requests (storage.GUESS_BYTES guesses one).
+PART_SAMPLES = 4096 * 1024
 SUFFIX = ".safetensors"
 TABLE = f"shards{SUFFIX}"  # the shard table object, beside the parts
 SHAPE_DIMS = 4  # (C, frames, h, w); a sample without a recorded latent shape holds -1
@@ -224,11 +229,36 @@ def decode_unchecked(data: bytes) -> Part:
     return part
 
 
+def parts_of(shards: int, shard_size: int) -> int:
+    """How many parts `part_bounds` makes of `shards` shards of `shard_size` samples, in integer arithmetic (a plan of
+    any size): a shard's first sample at i x shard_size, and a span skipped only by a shard larger than a span."""
+    return min(shards, (shards - 1) * shard_size // PART_SAMPLES + 1) if shards > 0 else 0
+
+
+def first_shard(path: Path) -> int | None:
+    """A part file's first shard, from its header alone (None: not a part)."""
+    try:
+        with open(path, "rb") as f:
+            header = f.read(int.from_bytes(f.read(8), "little"))
+        return int(json.loads(json.loads(header)["__metadata__"]["index"])["first"])
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return None
+
+
 def write(cache_dir: Path, sidecars: list[dict]) -> dict:
     """Write the index of these sidecars (shard i's at position i): the parts, then the shard table (`encode_table`).
     Returns the manifest's fields naming them: `shard_index` (each part's entry) and `shard_table`."""
-    starts = range(0, len(sidecars), SHARDS_PER_INDEX)
-    return write_parts(cache_dir, (build(sidecars[lo : lo + SHARDS_PER_INDEX], lo) for lo in starts))
+    bounds = part_bounds(np.array([int(side["count"]) for side in sidecars], dtype=np.int64))
+    return write_parts(cache_dir, (build(sidecars[lo:hi], lo) for lo, hi in itertools.pairwise(bounds)))
+
+
+def part_bounds(counts: np.ndarray) -> list[int]:
+    """[0, ..., len(counts)]: where each part of shards of these sample counts begins, then the end. A part holds the
+    shards whose first sample falls in one span of PART_SAMPLES (so at most PART_SAMPLES plus a shard's samples)."""
+    if not len(counts):
+        return [0]
+    span = (np.cumsum(counts) - counts) // PART_SAMPLES  # the span each shard's first sample falls in
+    return [*np.flatnonzero(np.diff(span, prepend=-1)).tolist(), len(counts)]
 
 
 def write_parts(cache_dir: Path, parts: Iterable[Part]) -> dict:

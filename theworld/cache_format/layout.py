@@ -3,6 +3,7 @@ load, the checks every reader relies on), sidecars, the errors listing and the r
 
 from __future__ import annotations
 
+import bisect
 import functools
 import gzip
 import hashlib
@@ -114,6 +115,7 @@ def read_sidecar(cache_dir: Path, index: int) -> dict | None:
 # The shard index (index.py) in its format 1-3 layout: the sidecars of many shards in one gzipped JSON object each.
 # Still read where a cache of that format is opened remotely (its stand-in folder holds these objects, not sidecars).
 LEGACY_SUFFIX = ".json.gz"
+LEGACY_SHARDS = 4096  # shards per part of that layout
 
 
 def read_index_part(data: bytes, entry: dict) -> list[dict]:
@@ -133,20 +135,38 @@ REMOTE_INDEX = ".remote-index"  # a stand-in folder's copy of its remote cache's
 
 def _indexed_sidecar(cache_dir: Path, index: int) -> dict | None:
     """Shard `index`'s sidecar from the stand-in's copy of the shard index part that holds it."""
-    part = index // index_mod.SHARDS_PER_INDEX
-    for name in (index_mod.part_name(part), f"part-{part:06d}{LEGACY_SUFFIX}"):
-        path = Path(cache_dir) / REMOTE_INDEX / name
+    folder = Path(cache_dir) / REMOTE_INDEX
+    path = folder / f"part-{index // LEGACY_SHARDS:06d}{LEGACY_SUFFIX}"
+    if not path.is_file():
         try:
-            st = path.stat()
+            firsts, paths = _part_files(str(folder), folder.stat().st_mtime_ns)
         except OSError:
-            continue
-        loaded = _load_part(str(path), st.st_mtime_ns, st.st_size)
-        if isinstance(loaded, index_mod.Part):
-            return index_mod.sidecar(loaded, index) if 0 <= index - loaded.first < loaded.shards else None
-        if loaded is not None:
-            first, sides = loaded
-            return sides[index - first] if 0 <= index - first < len(sides) else None
+            return None
+        if not paths or (at := bisect.bisect_right(firsts, index) - 1) < 0:
+            return None
+        path = paths[at]
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    loaded = _load_part(str(path), st.st_mtime_ns, st.st_size)
+    if isinstance(loaded, index_mod.Part):
+        return index_mod.sidecar(loaded, index) if 0 <= index - loaded.first < loaded.shards else None
+    if loaded is not None:
+        first, sides = loaded
+        return sides[index - first] if 0 <= index - first < len(sides) else None
     return None
+
+
+@functools.lru_cache(maxsize=4)
+def _part_files(folder: str, mtime_ns: int) -> tuple[list[int], list[Path]]:
+    """The parts in a stand-in's copy of the shard index (the folder at this mtime): first shards, sorted, and files."""
+    found = sorted(
+        (first, p)
+        for p in Path(folder).glob(f"part-*{index_mod.SUFFIX}")
+        if (first := index_mod.first_shard(p)) is not None
+    )
+    return [f for f, _ in found], [p for _, p in found]
 
 
 @functools.lru_cache(maxsize=2)  # parts are read in shard order: one parse each

@@ -151,7 +151,7 @@ def test_a_datacomp_table_downloads_encodes_records_failures_and_reruns_without_
         for p in out.rglob("*")
         if p.is_file() and not {"staging", cf.INDEX_DIR} & set(p.relative_to(out).parts) and p.name != ".run.lock"
     ]
-    assert len(objects) == sizing.objects(result["num_shards"]), "\n".join(
+    assert len(objects) == sizing.objects(result["num_shards"], cfg.shard_size), "\n".join(
         sorted(str(p.relative_to(out)) for p in objects)
     )
 

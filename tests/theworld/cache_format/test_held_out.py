@@ -93,7 +93,7 @@ def _loads(monkeypatch) -> list[int]:
 
 @pytest.fixture
 def small(monkeypatch):
-    monkeypatch.setattr(index, "SHARDS_PER_INDEX", 3)  # 8 shards of 4: parts of 12, 12 and 8 samples
+    monkeypatch.setattr(index, "PART_SAMPLES", 12)  # 8 shards of 4: parts of 12, 12 and 8 samples
     monkeypatch.setattr(index, "HELD_OUT_CANDIDATES", 5)
     return [[f"s{i:03d}-{j}" for j in range(4)] for i in range(8)]
 

@@ -55,7 +55,7 @@ def _gets(proxy, start: int, prefix: str) -> list[str]:
 
 
 def test_the_index_agrees_with_the_sidecars(tmp_path, monkeypatch):
-    monkeypatch.setattr(index, "SHARDS_PER_INDEX", 4)  # several index objects from a small cache
+    monkeypatch.setattr(index, "PART_SAMPLES", 8)  # several index objects from a small cache (shards of 2)
     folder = _cache(tmp_path / "c", 10)
     manifest = json.loads((folder / cf.MANIFEST).read_text())
     assert (manifest["num_shards"], manifest["num_samples"]) == (10, 20)
@@ -101,7 +101,7 @@ def test_the_index_parts_are_the_same_bytes_on_every_write(tmp_path):
 def test_a_missing_or_stale_local_index_part_is_rebuilt_from_the_sidecars_or_refused_in_one_line(
     tmp_path, monkeypatch, caplog
 ):
-    monkeypatch.setattr(index, "SHARDS_PER_INDEX", 4)
+    monkeypatch.setattr(index, "PART_SAMPLES", 8)
     folder = _cache(tmp_path / "c", 10)
     want = members_by_key(cf.CacheReader(folder))
     part = folder / SHARD_INDEX / index.part_name(1)
@@ -157,6 +157,67 @@ def test_a_remote_cache_opens_with_requests_that_do_not_grow_with_its_shards(s3,
         assert members_by_key(reader) == members_by_key(cf.CacheReader(tmp_path / f"c{n}"))
         reader.check_consistency()
     assert counts[64] == counts[4] <= 10, counts
+
+
+def test_parts_hold_a_span_of_samples_whatever_the_shards_size(monkeypatch):
+    assert index.part_bounds(np.ones(16384, np.int64)) == [0, 16384]  # small shards: one part, one object to fetch
+    assert index.part_bounds(np.full(10000, 1024, np.int64)) == [0, 4096, 8192, 10000]  # DataComp's shards
+    assert index.part_bounds(np.zeros(0, np.int64)) == [0]
+    monkeypatch.setattr(index, "PART_SAMPLES", 8)
+    # first samples at 0, 3, 6, 9, 29, 30, 30: spans 0, 0, 0, 1, 3, 3, 3 (a shard over the span is a part alone)
+    assert index.part_bounds(np.array([3, 3, 3, 20, 1, 0, 2])) == [0, 3, 4, 7]
+    # a plan's count, in integers: the same as the bounds of that many equal shards
+    for shards, size in [(0, 3), (1, 3), (5, 1), (9, 3), (17, 4), (6, 8), (4, 9), (7, 20)]:
+        assert index.parts_of(shards, size) == len(index.part_bounds(np.full(shards, size))) - 1, (shards, size)
+
+
+def test_a_cache_of_many_small_shards_opens_in_one_round_and_finds_each_shards_record(s3, tmp_path):
+    """5,000 one-sample shards (more than a part held when parts were counted in shards): the index is one part,
+    asked for beside the manifest, and the stand-in folder gives each shard's record from it."""
+    from theworld.cache_format.layout import read_sidecar, write_manifest
+
+    folder = tmp_path / "c"
+    folder.mkdir()
+    member = {cf.LATENT: [512, 64]}
+    sides = [
+        {
+            "count": 1,
+            "bytes": 1024,
+            "sha256": hashlib.sha256(b"%d" % i).hexdigest(),
+            "format_version": cf.FORMAT_VERSION,
+            "samples": [{"key": f"k{i:05d}", "members": member, "latent_shape": [16, 1, 2, 2]}],
+        }
+        for i in range(5000)
+    ]
+    write_manifest(
+        folder, sides, fingerprint={}, latent_shape=[16, 1, 2, 2], latent_dtype="float32", num_errors=0, contents={}
+    )
+    (folder / cf.ERRORS).write_text("")
+    remote = _put_tree(s3, folder, "small-shards")
+    start = len(s3.log)
+    reader = cf.CacheReader(remote, settings=cf.Settings(local_dir=str(tmp_path / "l")))
+    ranged = f"bytes=0-{storage.GUESS_BYTES - 1}"
+    assert _index_gets(s3, start, "small-shards") == {index.part_name(0): [ranged], index.TABLE: [ranged]}
+    assert len(reader) == 5000 and reader.shard_of(4999) == 4999
+    assert read_sidecar(reader.cache_dir, 4999)["samples"][0]["key"] == "k04999"
+
+
+def test_a_remote_cache_with_parts_of_unequal_shards_gives_each_shards_record(s3, tmp_path, monkeypatch):
+    """Parts of 2 and 1 shards alternately: the stand-in folder finds each shard's record in the part that holds it
+    (what the final step and `precompute.inspect verify` read of a cache in a bucket)."""
+    from theworld.cache_format.layout import read_sidecar
+
+    monkeypatch.setattr(index, "PART_SAMPLES", 3)  # shards of 2 start at 0, 2, 4, 6, ...: spans 0, 0, 1, 2, 2, ...
+    local = _cache(tmp_path / "c", 10)
+    sizes = [b - a for a, b in (e["shards"] for e in cf.load_manifest(local)["shard_index"])]
+    assert sizes == [2, 1, 2, 1, 2, 1, 1]
+    reader = cf.CacheReader(_put_tree(s3, local, "unequal"), settings=cf.Settings(local_dir=str(tmp_path / "l")))
+    for i in range(10):
+        want = json.loads(cf.sidecar_path(local, i).read_text())
+        got = read_sidecar(reader.cache_dir, i)
+        assert [s["key"] for s in got["samples"]] == [s["key"] for s in want["samples"]], i
+        assert (got["sha256"], got["count"]) == (want["sha256"], want["count"])
+    assert read_sidecar(reader.cache_dir, 10) is None
 
 
 def _index_gets(proxy, start: int, prefix: str) -> dict[str, list[str | None]]:

@@ -24,7 +24,7 @@ from theworld.core.errors import CacheDamaged, UserError
 
 @pytest.fixture
 def lazy(monkeypatch):
-    monkeypatch.setattr(index, "SHARDS_PER_INDEX", 4)  # 10 shards: parts of shards 0-3, 4-7, 8-9
+    monkeypatch.setattr(index, "PART_SAMPLES", 8)  # 10 shards of 2: parts of shards 0-3, 4-7, 8-9
     monkeypatch.setattr(sample_index, "LAZY_BYTES", 0)
 
 
