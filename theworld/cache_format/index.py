@@ -235,11 +235,17 @@ def parts_of(shards: int, shard_size: int) -> int:
     return min(shards, (shards - 1) * shard_size // PART_SAMPLES + 1) if shards > 0 else 0
 
 
+HEADER_MAX = 100 << 20  # safetensors' own bound on a header
+
+
 def first_shard(path: Path) -> int | None:
     """A part file's first shard, from its header alone (None: not a part)."""
     try:
         with open(path, "rb") as f:
-            header = f.read(int.from_bytes(f.read(8), "little"))
+            size = int.from_bytes(f.read(8), "little")
+            if size > HEADER_MAX:  # a damaged length: not read into memory
+                return None
+            header = f.read(size)
         return int(json.loads(json.loads(header)["__metadata__"]["index"])["first"])
     except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return None

@@ -220,6 +220,21 @@ def test_a_remote_cache_with_parts_of_unequal_shards_gives_each_shards_record(s3
     assert read_sidecar(reader.cache_dir, 10) is None
 
 
+def test_a_parts_first_shard_is_read_from_its_header_and_damaged_headers_are_none(tmp_path, monkeypatch):
+    monkeypatch.setattr(index, "PART_SAMPLES", 3)
+    folder = _cache(tmp_path / "c", 4)  # shards of 2: parts of shards 0-1, 2, 3
+    firsts = [index.first_shard(folder / e["path"]) for e in cf.load_manifest(folder)["shard_index"]]
+    assert firsts == [0, 2, 3]
+    for name, data in [
+        ("huge", (1 << 62).to_bytes(8, "little") + b"{}"),  # a length no file holds: not allocated
+        ("cut", (40).to_bytes(8, "little") + b'{"__metadata__":'),
+        ("list", (2).to_bytes(8, "little") + b"[]"),
+        ("empty", b""),
+    ]:
+        (tmp_path / name).write_bytes(data)
+        assert index.first_shard(tmp_path / name) is None, name
+
+
 def _index_gets(proxy, start: int, prefix: str) -> dict[str, list[str | None]]:
     """{shard-index object: the Range header of each GET of it} since `start`."""
     out: dict[str, list[str | None]] = {}
