@@ -149,6 +149,29 @@ def test_parts_of_datacomp_size_read_as_one_hold_no_array_over_every_sample():
     assert len(mine) == 80 and ((mine >= 0) & (mine < n) & (mine != 3) & (mine != n - 1)).all()
 
 
+def test_a_mixtures_text_bytes_index_like_their_concatenation_without_a_copy():
+    """What group_by_length sorts a lazily read mixture by: the parts' own arrays (a view of each node's shard table),
+    indexed across them."""
+    from train.data.mixture import MixedReader
+
+    class Texts(_Part):
+        def __init__(self, text_bytes: np.ndarray):
+            super().__init__(len(text_bytes), 1)
+            self.own = text_bytes
+
+        def text_bytes(self) -> np.ndarray:
+            return self.own
+
+    rng = np.random.default_rng(0)
+    own = [rng.integers(0, 60_000, n).astype(np.uint16) for n in (5, 0, 7, 3)]
+    reader = MixedReader([Texts(a) for a in own])
+    lengths, joined = reader.text_bytes(), np.concatenate(own)
+    at = rng.integers(0, 15, 40)
+    assert lengths[at].tolist() == joined[at].tolist() and lengths[at].dtype == np.uint16
+    assert lengths[7] == joined[7] and lengths.shape == (15,) and len(lengths) == 15
+    assert all(a is b for a, b in zip(lengths.arrays, own))  # held, not copied
+
+
 def test_parts_of_other_latent_shapes_read_as_one_keep_each_samples_shape():
     from train.data.mixture import MixedReader
     from train.data.order import bucket_ids
@@ -198,6 +221,34 @@ def test_parts_read_as_one_give_every_training_sample_once_in_one_caches_windowe
         two = [_rank_indices(cfg, ctx, r, 2, epoch, 0).reshape(-1, 2) for r in range(2)]
         assert np.array_equal(np.concatenate(two, axis=1).reshape(-1), one)
         assert np.array_equal(_rank_indices(cfg, ctx, 0, 1, epoch, 3), one[12:])  # resumed at batch 3
+
+
+def test_parts_read_lazily_as_one_group_by_length_on_their_own_text_bytes(parts, monkeypatch):
+    """group_by_length on parts read a part at a time: the lengths are each part's shard-table text_bytes, indexed
+    across the parts without a copy, and an epoch still gives every training sample once."""
+    from transformers import AutoProcessor
+
+    from theworld.cache_format import sample_index
+    from theworld.model.encoders import resolve_gemma
+    from train.data.cache import open_cache
+    from train.data.loader import DataContext, _rank_indices
+    from train.data.mixture import Concatenated
+
+    monkeypatch.setattr(sample_index, "LAZY_BYTES", 0)
+    data = ", ".join(f"{{cache: {p}, weight: samples}}" for p in parts)
+    sets = [f"data=[{data}]", "storage.shuffle_window=2", "train.global_batch_size=4", "train.eval.samples=4"]
+    sets += ["image.resolution=32", "model.dtype=float32", "model.gemma=tiny", "train.loader.group_by_length=true"]
+    cfg = load_config(TrainConfig, None, sets)
+    reader, inputs = open_cache(cfg)
+    assert reader.lazy
+    ctx = DataContext.build(cfg, reader, inputs, AutoProcessor.from_pretrained(resolve_gemma("tiny")))
+    ctx.check_first()
+    lengths = ctx.groups.lengths
+    assert isinstance(lengths, Concatenated)
+    joined = np.concatenate([r.text_bytes() for r in reader.readers])
+    assert lengths[np.arange(len(reader))].tolist() == joined.tolist() and joined.min() > 0
+    one = _rank_indices(cfg, ctx, 0, 1, 0, 0)
+    assert sorted(one.tolist()) == np.asarray(ctx.train_indices).tolist()
 
 
 # ----------------------------------------------------------------------------------------------------------------------
