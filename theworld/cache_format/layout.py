@@ -24,6 +24,7 @@ from theworld.cache_format.names import (
     ERRORS_DIR,
     MANIFEST,
     RUN_FILE,
+    SHARD_INDEX,
     SHARDS,
     TURNS,
 )
@@ -244,6 +245,11 @@ def write_manifest(
     # manifest rewritten from an older one's fields cannot carry that one's shard list or index
     manifest.update({k: v for k, v in (extra or {}).items() if k not in manifest})
     atomic_write_json(Path(cache_dir) / MANIFEST, manifest)
+    # parts an earlier index of this cache had and this one does not (a cache written in parts of another size)
+    named = {Path(e["path"]).name for e in manifest["shard_index"]}
+    for p in (Path(cache_dir) / SHARD_INDEX).glob(f"part-*{index_mod.SUFFIX}"):
+        if p.name not in named:
+            p.unlink(missing_ok=True)
     return manifest
 
 

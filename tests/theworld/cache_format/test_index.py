@@ -220,6 +220,24 @@ def test_a_remote_cache_with_parts_of_unequal_shards_gives_each_shards_record(s3
     assert read_sidecar(reader.cache_dir, 10) is None
 
 
+def test_a_cache_rewritten_in_fewer_parts_keeps_no_part_its_manifest_does_not_name(tmp_path, monkeypatch):
+    """A cache written in parts of another size (an earlier version's, 4,096 shards a part) and written again:
+    the parts the new manifest does not name go, and it reads the same."""
+    from theworld.cache_format.layout import write_manifest
+
+    monkeypatch.setattr(index, "PART_SAMPLES", 4)
+    folder = _cache(tmp_path / "c", 6)  # shards of 2: three parts
+    assert len(list((folder / SHARD_INDEX).glob("part-*"))) == 3
+    want = members_by_key(cf.CacheReader(folder))
+    monkeypatch.undo()
+    m = cf.load_manifest(folder)
+    sides = [json.loads(cf.sidecar_path(folder, i).read_text()) for i in range(6)]
+    fields = ("fingerprint", "latent_shape", "latent_dtype", "num_errors", "contents")
+    write_manifest(folder, sides, **{k: m[k] for k in fields})
+    assert sorted(p.name for p in (folder / SHARD_INDEX).glob("part-*")) == [index.part_name(0)]
+    assert members_by_key(cf.CacheReader(folder)) == want
+
+
 def test_a_parts_first_shard_is_read_from_its_header_and_damaged_headers_are_none(tmp_path, monkeypatch):
     monkeypatch.setattr(index, "PART_SAMPLES", 3)
     folder = _cache(tmp_path / "c", 4)  # shards of 2: parts of shards 0-1, 2, 3
