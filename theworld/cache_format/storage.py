@@ -905,13 +905,18 @@ class RemoteWriter:
 
     def finish(self) -> None:
         """The shard index and errors.jsonl, then the manifest last: its object's presence means the cache is
-        complete."""
+        complete. Then the index parts the manifest does not name go (one listing)."""
         parts = [e["path"] for e in _json_field(self.out / MANIFEST, "shard_index") or []]
         if isinstance(table := _json_field(self.out / MANIFEST, "shard_table"), dict):
             parts.append(table["path"])
         with ThreadPoolExecutor(min(CONNECTIONS, len(parts) + 1)) as pool:
             list(pool.map(lambda name: self.remote.put(self.out / name, name), [*parts, ERRORS]))
         self.remote.put(self.out / MANIFEST, MANIFEST)
+        # parts of an earlier index of this cache that this one does not name (written in parts of another size)
+        named = {Path(p).name for p in parts}
+        for name in self.remote.listing(SHARD_INDEX):
+            if name.startswith("part-") and name not in named:
+                self.remote.delete(f"{SHARD_INDEX}/{name}")
 
     def incomplete(self) -> None:
         """A shard is to be (re)done: the cache is not complete any more."""

@@ -64,6 +64,27 @@ def test_precompute_to_s3_puts_each_shard_once_manifest_last_and_equals_a_local_
     assert len(a) == 20 and a == b
 
 
+def test_a_bucket_cache_written_again_in_fewer_parts_keeps_no_part_its_manifest_does_not_name(s3, monkeypatch):
+    """Written in parts of 8 samples (three parts of its 20 samples in shards of 8), then finished again in parts of
+    the default span (one part): the bucket keeps the parts the manifest names, and the cache reads the same."""
+    from precompute.pipeline import run
+    from theworld.cache_format import index
+
+    monkeypatch.setattr(index, "PART_SAMPLES", 8)
+    run(make_cfg(url("reparts"), f"storage.local_dir={local_dir(s3, 'reparts')}"))  # type: ignore[arg-type]
+    listed = sorted(s3.fs.ls(f"{BUCKET}/reparts/shard-index"))
+    assert len([p for p in listed if "/part-" in p]) == 3
+    before = members_by_key(cf.CacheReader(url("reparts"), settings=cf.Settings(local_dir=local_dir(s3, "r1"))))
+    monkeypatch.undo()
+    s3.fs.rm_file(f"{BUCKET}/reparts/shards/shard-000002.json")  # shard 2 to redo: the cache is finished again
+    run(make_cfg(url("reparts"), f"storage.local_dir={local_dir(s3, 'reparts')}"))  # type: ignore[arg-type]
+    s3.fs.invalidate_cache()
+    parts = [p.rsplit("/", 1)[1] for p in s3.fs.ls(f"{BUCKET}/reparts/shard-index") if "/part-" in p]
+    assert parts == [index.part_name(0)]
+    after = members_by_key(cf.CacheReader(url("reparts"), settings=cf.Settings(local_dir=local_dir(s3, "r2"))))
+    assert after == before and len(after) == 20
+
+
 def test_inspect_summary_and_verify_read_an_s3_cache(s3, s3_cache, capsys):
     from precompute.inspect import main
 
