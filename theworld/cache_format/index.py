@@ -251,6 +251,13 @@ def first_shard(path: Path) -> int | None:
         return None
 
 
+def unnamed_parts(names: Iterable[str], named: Iterable[str]) -> list[str]:
+    """Of the file names in a cache's shard-index folder, the parts the manifest's paths (`named`) do not name: an
+    earlier index of the cache, written in parts of another size (or format), which a rewrite leaves to delete."""
+    keep = {Path(n).name for n in named}
+    return [n for n in names if n.startswith("part-") and n not in keep]
+
+
 def write(cache_dir: Path, sidecars: list[dict]) -> dict:
     """Write the index of these sidecars (shard i's at position i): the parts, then the shard table (`encode_table`).
     Returns the manifest's fields naming them: `shard_index` (each part's entry) and `shard_table`."""

@@ -245,11 +245,9 @@ def write_manifest(
     # manifest rewritten from an older one's fields cannot carry that one's shard list or index
     manifest.update({k: v for k, v in (extra or {}).items() if k not in manifest})
     atomic_write_json(Path(cache_dir) / MANIFEST, manifest)
-    # parts an earlier index of this cache had and this one does not (a cache written in parts of another size)
-    named = {Path(e["path"]).name for e in manifest["shard_index"]}
-    for p in (Path(cache_dir) / SHARD_INDEX).glob(f"part-*{index_mod.SUFFIX}"):
-        if p.name not in named:
-            p.unlink(missing_ok=True)
+    folder = Path(cache_dir) / SHARD_INDEX
+    for name in index_mod.unnamed_parts(os.listdir(folder), [e["path"] for e in manifest["shard_index"]]):
+        (folder / name).unlink(missing_ok=True)
     return manifest
 
 

@@ -58,8 +58,9 @@ PARTS_IN_FLIGHT = 8  # ... this many at once (the bytes one download holds in me
 CONNECTIONS = 32  # small objects (sidecars, index objects, error files) requested at once
 POOL_CONNECTIONS = 64  # a process's connections to a bucket
 # The shard index's first part and its shard table are asked for with the manifest, up to this many bytes each, before
-# the manifest says what they are: a cache whose index is one part this size or less (about 70,000 samples) then opens
-# in one round of requests. A larger object (or one the manifest names otherwise) is fetched once the manifest is read.
+# the manifest says what they are: a cache whose index is one part this size or less (tens of thousands of samples:
+# docs/cache-format.md) then opens in one round of requests. A larger object (or one the manifest names otherwise) is
+# fetched once the manifest is read.
 GUESS_BYTES = 4 << 20
 RANGED = ("s3", "s3a", "gs", "gcs")  # object stores that answer a byte range (an HTTP server may send the whole file)
 # A staged shard no reader has opened yet (read ahead) carries a modification time this far in the future, so the
@@ -160,10 +161,10 @@ class RemoteCache:
         loader worker), unless the options ask for `skip_instance_cache`."""
         import fsspec
 
-        options = json.dumps(self.settings.options, sort_keys=True, default=repr)
+        given = json.dumps(self.settings.options, sort_keys=True, default=repr)
         # the endpoint and credentials the client reads from the environment: a changed one is another client
         env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(CLIENT_ENV)))
-        key = (os.getpid(), self.scheme, options, env)
+        key = (os.getpid(), self.scheme, given, env)
         shared = not self.settings.options.get("skip_instance_cache")
         if shared and key in _FILESYSTEMS:
             fs = _FILESYSTEMS[key]
@@ -912,11 +913,8 @@ class RemoteWriter:
         with ThreadPoolExecutor(min(CONNECTIONS, len(parts) + 1)) as pool:
             list(pool.map(lambda name: self.remote.put(self.out / name, name), [*parts, ERRORS]))
         self.remote.put(self.out / MANIFEST, MANIFEST)
-        # parts of an earlier index of this cache that this one does not name (written in parts of another size)
-        named = {Path(p).name for p in parts}
-        for name in self.remote.listing(SHARD_INDEX):
-            if name.startswith("part-") and name not in named:
-                self.remote.delete(f"{SHARD_INDEX}/{name}")
+        for name in index.unnamed_parts(self.remote.listing(SHARD_INDEX), parts):
+            self.remote.delete(f"{SHARD_INDEX}/{name}")
 
     def incomplete(self) -> None:
         """A shard is to be (re)done: the cache is not complete any more."""

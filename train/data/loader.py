@@ -391,7 +391,7 @@ def stage_first(read_ahead: ReadAhead, here: int, positions: np.ndarray, workers
     shards = read_ahead.first(positions, mine + workers * (1 + read_ahead.depth))
     # where the shard cache cannot hold them all, this process's shards before the workers': a worker's staged first
     # would leave one of these to be read outside the budget's care for what is read ahead, evicting a worker's
-    fits = shard_bytes(read_ahead.reader)[shards].sum() <= read_ahead.reader.remote.settings.budget
+    fits = shard_bytes(read_ahead.reader, shards) <= read_ahead.reader.remote.settings.budget
     for group in [shards] if fits else [shards[:mine], shards[mine:]]:
         if group:
             with ThreadPoolExecutor(min(len(group), STAGE_AT_ONCE)) as pool:

@@ -72,10 +72,16 @@ class MixedReader:
         """A cache's RemoteCache where one is at a URL (read-ahead stages its shards: `stage`), else None."""
         return next((r.remote for r in self.readers if r.remote is not None), None)
 
-    def stage(self, shard: int, ahead: bool = False) -> None:
-        """CacheReader.stage of mixture shard `shard` (numbered across the caches, as order.shards_of numbers them)."""
+    def locate_shard(self, shard: int) -> tuple[cf.CacheReader, int]:
+        """The cache of mixture shard `shard` (numbered across the caches, as order.shards_of numbers them) and its
+        number there."""
         c = int(np.searchsorted(self.shard_offsets, shard, side="right")) - 1
-        self.readers[c].stage(int(shard - self.shard_offsets[c]), ahead)
+        return self.readers[c], int(shard - self.shard_offsets[c])
+
+    def stage(self, shard: int, ahead: bool = False) -> None:
+        """CacheReader.stage of mixture shard `shard`."""
+        reader, local = self.locate_shard(shard)
+        reader.stage(local, ahead)
 
     def text_bytes(self) -> Concatenated:
         """Each sample's caption and json bytes (CacheReader.text_bytes), the caches' own arrays not copied."""

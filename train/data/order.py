@@ -77,11 +77,10 @@ def shards_of(reader, indices: np.ndarray) -> np.ndarray:
     return (np.searchsorted(firsts, np.asarray(indices, dtype=np.int64), side="right") - 1).astype(np.int32)
 
 
-def shard_bytes(reader) -> np.ndarray:
-    """(S,) int64: each shard's bytes, shards numbered across a mixture's caches as `shards_of` numbers them."""
-    return np.concatenate(
-        [np.asarray(r.shard_table.bytes, dtype=np.int64) for r in getattr(reader, "readers", [reader])]
-    )
+def shard_bytes(reader, shards: list[int]) -> int:
+    """The bytes of these shards together, numbered across a mixture's caches as `shards_of` numbers them."""
+    locate = getattr(reader, "locate_shard", lambda shard: (reader, shard))  # a mixture's, or one cache's own
+    return sum(int(r.shard_table.bytes[i]) for r, i in map(locate, shards))
 
 
 def _windowed(shards: np.ndarray, seed: int, epoch: int, window: int, chunk: int = 1 << 20) -> np.ndarray:

@@ -149,6 +149,20 @@ def test_parts_of_datacomp_size_read_as_one_hold_no_array_over_every_sample():
     assert len(mine) == 80 and ((mine >= 0) & (mine < n) & (mine != 3) & (mine != n - 1)).all()
 
 
+def test_a_mixtures_shards_bytes_are_found_in_their_own_caches():
+    """order.shard_bytes (what stage_first weighs against the shard cache): shards numbered across the caches."""
+    from train.data.mixture import MixedReader
+    from train.data.order import shard_bytes
+
+    parts = [_Part(2, 3), _Part(0, 3), _Part(3, 3)]
+    for part, sizes in zip(parts, ([10, 20], [], [300, 400, 500])):
+        part.shard_table = SimpleNamespace(bytes=np.array(sizes, dtype=np.int64))
+    reader = MixedReader(parts)
+    assert shard_bytes(reader, [0, 1, 2, 3, 4]) == 10 + 20 + 300 + 400 + 500
+    assert shard_bytes(reader, [4, 1]) == 520 and shard_bytes(reader, []) == 0
+    assert shard_bytes(parts[2], [2, 0]) == 800  # one cache: its own numbers
+
+
 def test_a_mixtures_text_bytes_index_like_their_concatenation_without_a_copy():
     """What group_by_length sorts a lazily read mixture by: the parts' own arrays (a view of each node's shard table),
     indexed across them."""
